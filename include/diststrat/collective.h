@@ -1,0 +1,144 @@
+// Collective communication on raw buffers: the layer strategies are built on,
+// usable on its own. A Communicator joins `size()` ranks (replica threads of
+// one process, MPI processes, or both); each rank holds its own Communicator
+// object.
+//
+// Rules shared by every collective below:
+//  - Blocking: each call returns when this rank's part is complete (its output
+//    buffer holds the result and its input buffer may be reused).
+//  - Ordering: all ranks must issue the same collectives in the same order with
+//    matching count, dtype and op. A mismatch that the implementation detects
+//    raises InvalidArgumentError on every rank naming the ranks involved.
+//  - In place: passing the same pointer as input and output is allowed where
+//    noted.
+//  - Deadline: no call waits longer than options().timeout for peers; then it
+//    throws DeadlineExceededError naming the ranks that never arrived.
+//  - Failure: after abort() (or another rank's abort), every pending and future
+//    call throws AbortedError until the communicator is reset().
+//  - Thread safety: one thread per Communicator object at a time; distinct
+//    ranks' objects may be used concurrently from different threads.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diststrat/dtype.h"
+#include "diststrat/tensor.h"
+
+namespace diststrat {
+
+enum class ReduceOp { kSum, kMean, kMin, kMax, kProduct };
+const char* reduce_op_name(ReduceOp op);
+
+// Which all-reduce algorithm to use; kAuto lets the implementation choose by
+// size, rank count and topology.
+enum class Algorithm {
+  kAuto,
+  kDirect,           // shared address space: each rank reduces its slice out of every peer's buffer
+  kRing,             // reduce-scatter + all-gather around a ring (bandwidth-optimal)
+  kHalvingDoubling,  // Rabenseifner's recursive halving / doubling (latency)
+  kTree,             // binomial tree reduce + broadcast (small messages)
+  kReduceToOne,      // reduce to rank 0, then broadcast (TF's ReductionToOneDevice)
+  kHierarchical,     // inside each node, across nodes, back inside the node
+  kNccl,             // NCCL (GPU builds)
+  kMpiNative,        // MPI_Allreduce
+  kCustom,           // a user-registered algorithm, named by custom_algorithm
+};
+const char* algorithm_name(Algorithm algorithm);
+// Parses "auto", "direct", "ring", "halving_doubling", "tree", "reduce_to_one",
+// "hierarchical", "nccl", "mpi"; throws InvalidArgumentError otherwise.
+Algorithm parse_algorithm(const std::string& name);
+
+// Casts f32 payloads for the wire and back (Horovod / DDP fp16 compression).
+enum class Compression { kNone, kFloat16, kBFloat16 };
+
+struct CommunicationOptions {
+  // Fusion buffer size for packing small tensors into one collective;
+  // 0 = everything submitted together goes into one pack.
+  size_t bytes_per_pack = 4 << 20;
+  // Longest wait for peers in any single collective before DeadlineExceeded.
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // All-reduce algorithm; kAuto picks by size, ranks and topology.
+  Algorithm algorithm = Algorithm::kAuto;
+  // Registered name of the algorithm used when algorithm == kCustom.
+  std::string custom_algorithm;
+  // Wire compression for f32 all-reduces.
+  Compression compression = Compression::kNone;
+  // Largest message (bytes) for which kAuto picks a latency-bound algorithm.
+  size_t auto_small_message_bytes = 64 << 10;
+  // Segment size for pipelined algorithms (ring); 0 = implementation default.
+  size_t segment_bytes = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const CommunicationOptions& options() const = 0;
+
+  // out[i] = op over all ranks of in[i], for i < count. In place allowed.
+  // `name` names the tensor in error messages.
+  virtual void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                          const std::string& name = "") = 0;
+  // Copies root's `count` elements of `buf` into every rank's `buf`.
+  virtual void broadcast(void* buf, size_t count, DType dtype, int root,
+                         const std::string& name = "") = 0;
+  // out (size() * count elements) receives every rank's `count` elements of
+  // `in`, ordered by rank. In place allowed when in == out + rank() * count.
+  virtual void all_gather(const void* in, void* out, size_t count, DType dtype,
+                          const std::string& name = "") = 0;
+  // `in` holds size() * count elements; rank r's `out` receives block r of the
+  // reduction. In place allowed when out == in + rank() * count.
+  virtual void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                              const std::string& name = "") = 0;
+  // Returns once every rank has entered the barrier.
+  virtual void barrier(const std::string& name = "") = 0;
+
+  // Makes every pending and future collective of every rank of this group
+  // throw AbortedError(reason). Thread-safe; non-blocking.
+  virtual void abort(const std::string& reason) = 0;
+  // Clears an abort once all ranks are idle (no collective in flight), so the
+  // group can be used again. Not thread-safe with collectives.
+  virtual void reset() = 0;
+
+  // Typed wrappers.
+  template <typename T> void all_reduce(T* data, size_t count, ReduceOp op, const std::string& name = "") {
+    all_reduce(data, data, count, dtype_of<T>(), op, name);
+  }
+  template <typename T> void broadcast(T* data, size_t count, int root, const std::string& name = "") {
+    broadcast(data, count, dtype_of<T>(), root, name);
+  }
+  // Tensor wrappers (in place).
+  void all_reduce(Tensor& t, ReduceOp op, const std::string& name = "") {
+    all_reduce(t.data(), t.data(), static_cast<size_t>(t.num_elements()), t.dtype(), op, name);
+  }
+  void broadcast(Tensor& t, int root, const std::string& name = "") {
+    broadcast(t.data(), static_cast<size_t>(t.num_elements()), t.dtype(), root, name);
+  }
+};
+
+// A group of `size` communicators for threads of one process. Rank r's
+// communicator is at(r); hand each to the thread that plays rank r.
+class InProcessGroup {
+ public:
+  explicit InProcessGroup(int size, CommunicationOptions options = {});
+  ~InProcessGroup();
+  InProcessGroup(const InProcessGroup&) = delete;
+  InProcessGroup& operator=(const InProcessGroup&) = delete;
+
+  int size() const;
+  Communicator& at(int rank);
+
+  struct State;  // implementation detail
+
+ private:
+  std::unique_ptr<State> state_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+};
+
+}  // namespace diststrat

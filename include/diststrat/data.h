@@ -1,0 +1,111 @@
+// Input: an in-memory Dataset and the distributed view a strategy makes of it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "diststrat/tensor.h"
+
+namespace diststrat {
+
+class Strategy;
+class ReplicaContext;
+
+// Rows of features and labels held in memory: features [N, ...], labels [N, ...].
+class Dataset {
+ public:
+  Dataset() = default;
+  // Throws InvalidArgumentError when the row counts differ.
+  Dataset(Tensor features, Tensor labels);
+
+  int64_t size() const { return features_.defined() ? features_.shape()[0] : 0; }
+  const Tensor& features() const { return features_; }
+  const Tensor& labels() const { return labels_; }
+  // Rows [begin, end) as a view.
+  Dataset slice(int64_t begin, int64_t end) const;
+
+ private:
+  Tensor features_;
+  Tensor labels_;
+};
+
+struct DistributeOptions {
+  // Reshuffle the rows every epoch (seeded: seed + epoch).
+  bool shuffle = true;
+  uint64_t seed = 0;
+  // Drop a last batch smaller than the global batch. When false the last
+  // batch is split as evenly as possible; some replicas may get zero rows and
+  // still take part in the collectives.
+  bool drop_remainder = false;
+};
+
+// TensorFlow's tf.distribute.InputContext: what an input function needs to
+// know to produce its share of the data.
+struct InputContext {
+  int num_input_pipelines = 1;    // one per worker process
+  int input_pipeline_id = 0;      // this worker's index
+  int num_replicas_in_sync = 1;   // across all workers
+  int64_t global_batch_size = 0;
+  int64_t per_replica_batch_size() const;
+};
+
+// One global batch, split over the replicas in sync. Holds this process's
+// replicas' slices only.
+class DistributedBatch {
+ public:
+  // This replica's rows (possibly zero rows).
+  const Tensor& features(const ReplicaContext& ctx) const;
+  const Tensor& labels(const ReplicaContext& ctx) const;
+  // Rows in the whole global batch, over all replicas and workers: divide
+  // summed per-example losses by this (the last batch may be short).
+  int64_t global_size() const { return global_size_; }
+  // Index of this batch within the epoch.
+  int64_t index() const { return index_; }
+
+ private:
+  friend class DistributedDataset;
+  std::vector<Tensor> features_;  // per local replica
+  std::vector<Tensor> labels_;
+  int64_t global_size_ = 0;
+  int64_t index_ = 0;
+  int first_local_replica_ = 0;
+};
+
+// The batches of one pass over the data. Iterate with a range-for; call
+// set_epoch() (or next_epoch()) to reshuffle for the next pass.
+class DistributedDataset {
+ public:
+  struct Source;  // implementation detail
+  DistributedDataset(std::shared_ptr<Source> source);
+
+  int64_t num_batches() const;
+  int64_t global_batch_size() const;
+  void set_epoch(int64_t epoch);
+  int64_t epoch() const { return epoch_; }
+  // Materializes batch i of the current epoch.
+  DistributedBatch batch(int64_t i) const;
+
+  class iterator {
+   public:
+    iterator(const DistributedDataset* ds, int64_t i) : ds_(ds), i_(i) {}
+    DistributedBatch operator*() const { return ds_->batch(i_); }
+    iterator& operator++() { ++i_; return *this; }
+    bool operator!=(const iterator& o) const { return i_ != o.i_; }
+
+   private:
+    const DistributedDataset* ds_;
+    int64_t i_;
+  };
+  iterator begin() const { return iterator(this, 0); }
+  iterator end() const { return iterator(this, num_batches()); }
+
+ private:
+  void reshuffle();
+  std::shared_ptr<Source> source_;
+  int64_t epoch_ = 0;
+  std::vector<int64_t> order_;  // row permutation of this epoch (local rows)
+};
+
+}  // namespace diststrat

@@ -1,0 +1,243 @@
+// The Strategy interface: a training loop written against Strategy& runs
+// unchanged under every strategy (mirrored, multi-worker, central storage,
+// parameter server).
+//
+//   Variable w = strategy.create_variable("dense/kernel", {784, 256}, DType::kFloat32,
+//                                         init::GlorotUniform{1});
+//   for (const auto& batch : strategy.distribute(dataset, 256)) {
+//     PerReplica<float> loss = strategy.run([&](ReplicaContext& ctx) {
+//       ... forward/backward on batch.features(ctx) ...
+//       optimizer.apply_gradients(ctx, {{grad_w, w}});
+//       return local_loss;
+//     });
+//     float mean = strategy.reduce(ReduceOp::kSum, loss);
+//   }
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "diststrat/collective.h"
+#include "diststrat/data.h"
+#include "diststrat/device.h"
+#include "diststrat/logging.h"
+#include "diststrat/tensor.h"
+#include "diststrat/variable.h"
+
+namespace diststrat {
+
+class Optimizer;
+class Strategy;
+
+// One value per local replica, indexed by local replica id.
+template <typename T> class PerReplica {
+ public:
+  PerReplica() = default;
+  explicit PerReplica(std::vector<T> values) : values_(std::move(values)) {}
+  size_t size() const { return values_.size(); }
+  const T& operator[](size_t i) const { return values_[i]; }
+  T& operator[](size_t i) { return values_[i]; }
+  const std::vector<T>& values() const { return values_; }
+  auto begin() const { return values_.begin(); }
+  auto end() const { return values_.end(); }
+
+ private:
+  std::vector<T> values_;
+};
+
+// A handle to an asynchronous collective. wait() blocks until it completes
+// (or throws its error); waiting twice is allowed.
+class Work {
+ public:
+  struct State;
+  Work() = default;
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  void wait();
+  bool done() const;
+  // A Work that is already complete (or failed with `error`).
+  static Work completed(std::exception_ptr error = nullptr);
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// Where a process stands in a multi-process job.
+struct ClusterInfo {
+  std::string task_type = "worker";  // "chief", "worker", "ps", "evaluator"
+  int task_index = 0;
+  int rank = 0;        // process rank in the job
+  int world_size = 1;  // processes in the job
+  int num_workers = 1; // processes that run replicas
+  int worker_index = 0;
+  bool is_chief() const { return worker_index == 0 && task_type != "ps"; }
+};
+
+// The per-replica view handed to the function given to Strategy::run. Valid
+// only inside that call, on the thread that received it.
+class ReplicaContext {
+ public:
+  virtual ~ReplicaContext() = default;
+
+  // Position among all replicas in sync (across workers).
+  virtual int replica_id() const = 0;
+  // Position among this process's replicas.
+  virtual int local_replica_id() const = 0;
+  virtual int num_replicas_in_sync() const = 0;
+  virtual const Device& device() const = 0;
+  virtual Strategy& strategy() const = 0;
+  // The replica's stream (cudaStream_t on GPUs), nullptr on CPU.
+  virtual void* stream() const { return nullptr; }
+
+  // All-reduces `tensors` in place over every replica in sync, packing small
+  // tensors together. Blocks. Every replica must pass the same list (names,
+  // shapes, dtypes, order); `names` (optional) label tensors in errors.
+  virtual void all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
+                          const std::vector<std::string>& names = {}) = 0;
+  // Enqueues the same and returns at once where the strategy overlaps
+  // communication (multi-worker); elsewhere completes before returning. The
+  // tensors must stay alive and untouched until wait().
+  virtual Work all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
+                                std::vector<std::string> names = {});
+  // Concatenates every replica's `t` along axis 0 (shapes may differ only in
+  // dim 0), ordered by replica id.
+  virtual Tensor all_gather(const Tensor& t, const std::string& name = "") = 0;
+  // Blocks until every replica in sync has arrived.
+  virtual void barrier(const std::string& name = "") = 0;
+
+  Tensor all_reduce(ReduceOp op, const Tensor& t, const std::string& name = "");
+
+  // Runs fn once, in cross-replica context, while every local replica waits;
+  // every replica gets fn's result (or its exception). All local replicas
+  // must call it.
+  template <typename F> auto merge_call(F&& fn) -> std::invoke_result_t<F, Strategy&> {
+    using R = std::invoke_result_t<F, Strategy&>;
+    if constexpr (std::is_void_v<R>) {
+      merge_call_impl([&](Strategy& s) -> std::shared_ptr<void> {
+        fn(s);
+        return nullptr;
+      });
+    } else {
+      std::shared_ptr<void> r = merge_call_impl(
+          [&](Strategy& s) -> std::shared_ptr<void> { return std::make_shared<R>(fn(s)); });
+      return *std::static_pointer_cast<R>(r);
+    }
+  }
+
+ protected:
+  // Synchronizes the local replicas, runs fn on local replica 0, and returns
+  // its result (or rethrows its exception) on every local replica.
+  virtual std::shared_ptr<void> merge_call_impl(
+      const std::function<std::shared_ptr<void>(Strategy&)>& fn) = 0;
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  Strategy(const Strategy&) = delete;
+  Strategy& operator=(const Strategy&) = delete;
+
+  // "mirrored", "multi_worker", "central_storage", "parameter_server".
+  virtual std::string name() const = 0;
+  // Replicas that step together, over all workers.
+  virtual int num_replicas_in_sync() const = 0;
+  // This process's replicas and their devices.
+  virtual int num_local_replicas() const { return static_cast<int>(devices().size()); }
+  virtual const std::vector<Device>& devices() const = 0;
+  // Global id of this process's first replica.
+  virtual int first_local_replica() const { return 0; }
+  virtual ClusterInfo cluster() const { return ClusterInfo{}; }
+
+  // Creates a variable under this strategy; every process of a multi-process
+  // job must create the same variables in the same order. Blocking.
+  Variable create_variable(const std::string& name, const Shape& shape, DType dtype,
+                           const Initializer& init, const VariableOptions& options = {});
+  // Variables in creation order.
+  const std::vector<Variable>& variables() const { return variables_; }
+  // Looks a variable up by name; throws NotFoundError.
+  Variable variable(const std::string& name) const;
+
+  // Runs fn(ReplicaContext&) once per local replica, each on its replica's
+  // thread, and waits for all. Returns PerReplica<R> (nothing for void).
+  // If a replica throws, the others are aborted (their pending collectives
+  // throw AbortedError) and run() rethrows the first replica's exception.
+  template <typename F> auto run(F&& fn) {
+    using R = std::invoke_result_t<F, ReplicaContext&>;
+    if constexpr (std::is_void_v<R>) {
+      run_replicas([&](ReplicaContext& ctx) { fn(ctx); });
+    } else {
+      std::vector<std::unique_ptr<R>> out(num_local_replicas());
+      run_replicas([&](ReplicaContext& ctx) {
+        out[ctx.local_replica_id()] = std::make_unique<R>(fn(ctx));
+      });
+      std::vector<R> values;
+      values.reserve(out.size());
+      for (auto& v : out) values.push_back(std::move(*v));
+      return PerReplica<R>(std::move(values));
+    }
+  }
+
+  // Cross-replica reductions of run()'s results over all replicas in sync
+  // (all workers). kMean divides by num_replicas_in_sync().
+  double reduce(ReduceOp op, const PerReplica<double>& values);
+  float reduce(ReduceOp op, const PerReplica<float>& values);
+  Tensor reduce(ReduceOp op, const PerReplica<Tensor>& values);
+  // Concatenates every replica's tensor along axis 0, over all workers.
+  Tensor gather(const PerReplica<Tensor>& values);
+  // Copies root worker's tensor to every worker (no-op with one process).
+  virtual void broadcast(Tensor& t, int root_worker = 0, const std::string& name = "");
+  // Blocks until every process of the job arrives (no-op with one process).
+  virtual void barrier(const std::string& name = "");
+
+  // Splits each global batch of `dataset` over the replicas in sync; in a
+  // multi-worker job each worker materializes only its own replicas' rows.
+  DistributedDataset distribute(const Dataset& dataset, int64_t global_batch,
+                                const DistributeOptions& options = {});
+  // For users who own their input: fn is called once in this process with its
+  // InputContext and returns this worker's data, which is batched by
+  // per_replica_batch_size * num_local_replicas.
+  DistributedDataset distribute_datasets_from_function(
+      const std::function<Dataset(const InputContext&)>& fn, int64_t global_batch,
+      const DistributeOptions& options = {});
+
+  // Applies fn to every local copy of `var` (tf.distribute's extended.update):
+  // fn must be deterministic so mirrored copies stay identical. Cross-replica
+  // context only.
+  virtual void update(Variable& var, const std::function<void(Tensor&)>& fn);
+
+  // Called by Optimizer::apply_gradients in replica context: reduce the
+  // gradients the way this strategy does and apply `optimizer` to the
+  // variables. Every local replica must call it with the same variables.
+  virtual void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
+                               const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) = 0;
+
+  // Variable access the Variable handle forwards to.
+  virtual Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const;
+  virtual Tensor variable_value(const Variable::Impl& var) const;
+  virtual void assign_variable(Variable::Impl& var, const Tensor& value);
+
+  Logger& logger() { return logger_; }
+
+ protected:
+  explicit Strategy(LogLevel log_level = LogLevel::kWarning, std::string log_prefix = "")
+      : logger_(log_level, std::move(log_prefix)) {}
+
+  virtual void run_replicas(const std::function<void(ReplicaContext&)>& fn) = 0;
+  // Allocates the local copies of a new variable and initializes them
+  // (multi-process strategies broadcast the chief's value).
+  virtual void place_variable(Variable::Impl& var, const Initializer& init) = 0;
+  // Reduces one double per local replica over every replica in sync.
+  virtual double reduce_across(ReduceOp op, const std::vector<double>& local);
+  // Reduces tensors (one per local replica, equal shapes) over every replica.
+  virtual Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local);
+  // Concatenates per-replica tensors over every worker, ordered by replica.
+  virtual Tensor gather_across(const std::vector<Tensor>& local);
+
+  std::vector<Variable> variables_;
+  Logger logger_;
+};
+
+}  // namespace diststrat

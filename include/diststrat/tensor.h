@@ -1,0 +1,104 @@
+// Shape and Tensor. A Tensor is a dtype, a shape, a device and a reference to
+// storage. Storage is either owned (allocated by the library, zero-filled) or a
+// non-owning view of user memory (Tensor::wrap), so programs with their own
+// kernels can hand buffers in without a copy. Copying a Tensor copies the
+// reference, not the data (like torch.Tensor); use clone() for a deep copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diststrat/device.h"
+#include "diststrat/dtype.h"
+#include "diststrat/error.h"
+
+namespace diststrat {
+
+class Shape {
+ public:
+  Shape() = default;
+  Shape(std::initializer_list<int64_t> dims);
+  explicit Shape(std::vector<int64_t> dims);
+
+  size_t rank() const { return dims_.size(); }
+  int64_t operator[](size_t i) const { return dims_[i]; }
+  int64_t dim(size_t i) const;  // bounds-checked
+  const std::vector<int64_t>& dims() const { return dims_; }
+  // Product of the dims; 1 for a scalar (rank 0).
+  int64_t num_elements() const;
+  // "[784, 256]"
+  std::string to_string() const;
+
+  bool operator==(const Shape& o) const { return dims_ == o.dims_; }
+  bool operator!=(const Shape& o) const { return dims_ != o.dims_; }
+
+ private:
+  std::vector<int64_t> dims_;
+};
+
+class Tensor {
+ public:
+  // An empty (null) tensor: defined() is false.
+  Tensor() = default;
+  // Allocates zero-filled host memory (CPU devices; GPU tensors come from the
+  // GPU backend's allocator).
+  Tensor(Shape shape, DType dtype, Device device = Device::cpu());
+  // A non-owning view of `data`; the caller keeps the memory alive for as long
+  // as the tensor (and any copy of it) is used.
+  static Tensor wrap(void* data, Shape shape, DType dtype, Device device = Device::cpu());
+  // Takes shared ownership of memory allocated elsewhere (a device allocator):
+  // `memory` must hold at least shape.num_elements() * dtype_size(dtype) bytes.
+  static Tensor adopt(std::shared_ptr<void> memory, Shape shape, DType dtype, Device device);
+
+  bool defined() const { return storage_ != nullptr; }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  const Device& device() const { return device_; }
+  int64_t num_elements() const { return shape_.num_elements(); }
+  size_t nbytes() const { return static_cast<size_t>(num_elements()) * dtype_size(dtype_); }
+  bool owns_memory() const;
+
+  void* data();
+  const void* data() const;
+  // Typed access; throws InvalidArgumentError if T does not match dtype().
+  template <typename T> T* data() {
+    check_dtype(dtype_of<T>());
+    return static_cast<T*>(data());
+  }
+  template <typename T> const T* data() const {
+    check_dtype(dtype_of<T>());
+    return static_cast<const T*>(data());
+  }
+
+  // Deep copy into newly owned memory on the same device.
+  Tensor clone() const;
+  // Copies `src`'s bytes into this tensor; shapes and dtypes must match.
+  void copy_from(const Tensor& src);
+  // Sets every byte to zero.
+  void zero();
+  // A view with another shape of the same number of elements (shares storage).
+  Tensor reshape(Shape shape) const;
+  // Rows [begin, end) along axis 0, as a view (shares storage).
+  Tensor slice_rows(int64_t begin, int64_t end) const;
+  // True when both tensors view the same memory.
+  bool same_storage(const Tensor& o) const { return data_ptr() == o.data_ptr(); }
+
+  std::string debug_string() const;  // "float32[784, 256] on /device:CPU:0"
+
+ private:
+  struct Storage;
+  void check_dtype(DType expected) const;
+  const void* data_ptr() const;
+
+  std::shared_ptr<Storage> storage_;
+  size_t offset_ = 0;  // bytes into storage
+  Shape shape_;
+  DType dtype_ = DType::kFloat32;
+  Device device_;
+};
+
+}  // namespace diststrat

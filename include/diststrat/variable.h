@@ -1,0 +1,114 @@
+// Distributed variables. A Variable is a handle (cheap to copy) to a variable
+// that a Strategy created and keeps in sync: mirrored copies on every device,
+// one host copy, or shards on parameter servers, depending on the strategy.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "diststrat/tensor.h"
+
+namespace diststrat {
+
+class Strategy;
+class ReplicaContext;
+
+// How copies are kept in sync (tf.VariableSynchronization).
+enum class VariableSynchronization {
+  kOnWrite,  // mirrored: every write updates every copy; reads are local
+  kOnRead,   // per-replica: each replica writes its own copy; reading in
+             // cross-replica context aggregates them (metrics, BN statistics)
+};
+
+// How per-replica values are combined (tf.VariableAggregation).
+enum class VariableAggregation { kNone, kSum, kMean, kOnlyFirstReplica };
+
+struct VariableOptions {
+  VariableSynchronization synchronization = VariableSynchronization::kOnWrite;
+  // For kOnRead variables: how value() combines the replicas' copies
+  // (kNone is treated as kOnlyFirstReplica).
+  VariableAggregation aggregation = VariableAggregation::kNone;
+  // Whether optimizers may update it (false for counters and statistics).
+  bool trainable = true;
+};
+
+// Fills a freshly allocated tensor. Must be deterministic for a given seed:
+// strategies that mirror variables rely on identical initial values (the
+// multi-process ones also broadcast from the chief).
+using Initializer = std::function<void(Tensor&)>;
+
+namespace init {
+struct Zeros {
+  void operator()(Tensor& t) const;
+};
+struct Constant {
+  double value = 0.0;
+  void operator()(Tensor& t) const;
+};
+// Uniform(-limit, limit), limit = sqrt(6 / (fan_in + fan_out)); fan_in is the
+// product of all dims but the last, fan_out the last dim (Keras' convention).
+struct GlorotUniform {
+  uint64_t seed = 0;
+  void operator()(Tensor& t) const;
+};
+struct RandomNormal {
+  double mean = 0.0;
+  double stddev = 0.05;
+  uint64_t seed = 0;
+  void operator()(Tensor& t) const;
+};
+}  // namespace init
+
+class Variable {
+ public:
+  struct Impl;
+  Variable() = default;
+  explicit Variable(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+  bool defined() const { return impl_ != nullptr; }
+  const std::string& name() const;
+  const Shape& shape() const;
+  DType dtype() const;
+  const VariableOptions& options() const;
+
+  // This replica's copy (mirrored), the single host copy (central storage) or
+  // the worker's local cache (parameter server). Writes through it are
+  // visible to this replica only (mirrored) or to all (central storage): use
+  // an optimizer or Strategy::update to change mirrored variables.
+  Tensor read(const ReplicaContext& ctx) const;
+  // Cross-replica read: for kOnWrite the (identical) value; for kOnRead the
+  // aggregate of the replicas' copies. Returns a new host tensor.
+  Tensor value() const;
+  // Cross-replica write of every copy. Blocks; not thread-safe with run().
+  void assign(const Tensor& value);
+
+  // Implementation access for strategies and optimizers.
+  Impl& impl() const;
+  const std::shared_ptr<Impl>& impl_ptr() const { return impl_; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+struct Variable::Impl {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::kFloat32;
+  VariableOptions options;
+  Strategy* owner = nullptr;
+  int64_t creation_index = 0;
+  // Local copies: one per local replica (mirrored), or a single one.
+  std::vector<Tensor> copies;
+  // Optimizer slots (momentum, Adam moments): one vector of copies per slot
+  // name, laid out like `copies`. Created zero-filled on first use.
+  std::vector<Tensor>& slot(const std::string& slot_name);
+  std::map<std::string, std::vector<Tensor>> slots;  // guarded by slots_mu
+  std::mutex slots_mu;
+};
+
+}  // namespace diststrat

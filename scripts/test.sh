@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# From a fresh machine: install dependencies, configure, build and run every
+# test with ctest.
+#   scripts/test.sh                          the normal build (build/)
+#   scripts/test.sh --sanitize address,undefined   a sanitizer build (build-<sanitizers>/)
+# Extra arguments after -- go to ctest, e.g. scripts/test.sh -- -R Mirrored
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+sanitize=""
+ctest_args=()
+while (($#)); do
+  case "$1" in
+    --sanitize) sanitize="$2"; shift 2 ;;
+    --sanitize=*) sanitize="${1#*=}"; shift ;;
+    --) shift; ctest_args+=("$@"); break ;;
+    *) echo "test.sh: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+done
+"$root/scripts/setup.sh"
+if [[ -n "$sanitize" ]]; then
+  build=${DISTSTRAT_BUILD_DIR:-$root/build-${sanitize//,/-}}
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DDISTSTRAT_SANITIZE="$sanitize"
+else
+  build=${DISTSTRAT_BUILD_DIR:-$root/build}
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+fi
+cmake --build "$build"
+cd "$build"
+ctest --output-on-failure --timeout 900 "${ctest_args[@]}"

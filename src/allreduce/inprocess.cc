@@ -1,0 +1,315 @@
+// In-process collectives for threads of one process, over a shared address
+// space: no messages and no staging copies.
+//
+// Every collective is a rendezvous of all ranks in three phases:
+//   1. each rank publishes a descriptor of its call (kind, buffers, count,
+//      dtype, op, root, tensor name) and waits at a barrier; then every rank
+//      checks every descriptor against rank 0's, so a mismatch raises the same
+//      InvalidArgumentError on all ranks instead of wrong numbers;
+//   2. each rank works on its own slice straight out of its peers' buffers
+//      (all-reduce: rank r reduces elements [lo_r, hi_r) of every rank's input
+//      into its own output in one pass), then waits at a barrier;
+//   3. all-reduce only: each rank copies the other slices out of their owners'
+//      outputs, then waits at a final barrier so that no rank returns (and
+//      reuses its buffers) while a peer is still reading them.
+// A rank writes only to its own output, and in phase 2 only the slice that no
+// peer reads, so in-place calls are safe. Descriptors are double-buffered by
+// the parity of the call's sequence number: a fast rank can be at most one
+// call ahead, since it cannot pass that call's first barrier alone.
+//
+// Every barrier has a deadline (options.timeout). A rank that times out
+// reports which ranks never arrived and aborts the group, so the remaining
+// waiters fail at once rather than each waiting out its own deadline.
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "allreduce/reduce_kernels.h"
+#include "diststrat/collective.h"
+#include "diststrat/error.h"
+
+namespace diststrat {
+
+namespace {
+
+enum class Kind { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier };
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kAllReduce: return "all_reduce";
+    case Kind::kBroadcast: return "broadcast";
+    case Kind::kAllGather: return "all_gather";
+    case Kind::kReduceScatter: return "reduce_scatter";
+    case Kind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+struct Descriptor {
+  Kind kind = Kind::kBarrier;
+  const void* in = nullptr;
+  void* out = nullptr;
+  size_t count = 0;
+  DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  std::string name;
+};
+
+std::string describe(const Descriptor& d) {
+  std::ostringstream os;
+  os << kind_name(d.kind);
+  if (d.kind != Kind::kBarrier) {
+    os << " of " << d.count << " " << dtype_name(d.dtype);
+    if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter) os << " " << reduce_op_name(d.op);
+    if (d.kind == Kind::kBroadcast) os << " from root " << d.root;
+  }
+  if (!d.name.empty()) os << " '" << d.name << "'";
+  return os.str();
+}
+
+bool compatible(const Descriptor& a, const Descriptor& b) {
+  return a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
+         a.root == b.root;
+}
+
+// Elements [lo, hi) of `count` that rank r owns when count is split in `size`.
+void slice_of(size_t count, int size, int r, size_t* lo, size_t* hi) {
+  const size_t base = count / size, extra = count % size;
+  *lo = r * base + std::min<size_t>(r, extra);
+  *hi = *lo + base + (static_cast<size_t>(r) < extra ? 1 : 0);
+}
+
+}  // namespace
+
+struct InProcessGroup::State {
+  State(int n, CommunicationOptions opts) : size(n), options(std::move(opts)) {
+    for (auto& s : slots) s.resize(n);
+    arrived_gen.assign(n, -1);
+    seq.assign(n, 0);
+  }
+
+  const int size;
+  const CommunicationOptions options;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  long gen = 0;      // completed barriers
+  int arrived = 0;   // ranks waiting in the current barrier
+  std::vector<long> arrived_gen;  // per rank: the barrier generation it last entered
+  bool aborted = false;
+  std::string abort_reason;
+  std::atomic<long> gen_atomic{0};
+
+  std::vector<Descriptor> slots[2];  // by call parity
+  std::vector<long> seq;             // per rank: calls issued
+
+  // Waits until all ranks have arrived at this barrier, the deadline passes
+  // (DeadlineExceeded, and the group is aborted) or the group is aborted.
+  void barrier(int rank, const Descriptor& d, long call, const char* phase) {
+    std::unique_lock<std::mutex> lock(mu);
+    throw_if_aborted(rank, d);
+    const long my_gen = gen;
+    arrived_gen[rank] = my_gen;
+    if (++arrived == size) {
+      arrived = 0;
+      ++gen;
+      gen_atomic.store(gen, std::memory_order_release);
+      lock.unlock();
+      cv.notify_all();
+      return;
+    }
+    // Brief spin first: with one thread per core the peers usually arrive
+    // within microseconds, and a futex sleep/wake costs more than that.
+    lock.unlock();
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+    while (gen_atomic.load(std::memory_order_acquire) == my_gen &&
+           std::chrono::steady_clock::now() < spin_until) {
+      std::this_thread::yield();
+    }
+    lock.lock();
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    while (gen == my_gen) {
+      throw_if_aborted(rank, d);
+      if (cv.wait_until(lock, deadline) == std::cv_status::timeout && gen == my_gen) {
+        std::ostringstream missing;
+        int n_missing = 0;
+        for (int r = 0; r < size; ++r) {
+          if (arrived_gen[r] != my_gen) missing << (n_missing++ ? ", " : "") << r;
+        }
+        std::ostringstream msg;
+        msg << "rank " << rank << ": " << describe(d) << " (call #" << call << ", " << phase
+            << "): rank" << (n_missing > 1 ? "s " : " ") << missing.str()
+            << " did not arrive within " << options.timeout.count() << " ms";
+        aborted = true;
+        abort_reason = msg.str();
+        cv.notify_all();
+        throw DeadlineExceededError(msg.str());
+      }
+    }
+  }
+
+  void throw_if_aborted(int rank, const Descriptor& d) {
+    if (aborted) {
+      throw AbortedError("rank " + std::to_string(rank) + ": " + describe(d) +
+                         " aborted: " + abort_reason);
+    }
+  }
+};
+
+namespace {
+
+class InProcessCommunicator : public Communicator {
+ public:
+  InProcessCommunicator(InProcessGroup::State* state, int rank) : s_(state), rank_(rank) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return s_->size; }
+  const CommunicationOptions& options() const override { return s_->options; }
+
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                  const std::string& name) override {
+    Descriptor d{Kind::kAllReduce, in, out, count, dtype, op, 0, name};
+    const long call = publish_and_check(d);
+    const auto& slots = s_->slots[call & 1];
+    const size_t esz = dtype_size(dtype);
+    size_t lo, hi;
+    slice_of(count, s_->size, rank_, &lo, &hi);
+    if (hi > lo) {
+      const void* srcs[64];
+      std::vector<const void*> big;
+      const void** p = srcs;
+      if (s_->size > 64) {
+        big.resize(s_->size);
+        p = big.data();
+      }
+      for (int r = 0; r < s_->size; ++r) p[r] = static_cast<const char*>(slots[r].in) + lo * esz;
+      kernels::reduce(static_cast<char*>(out) + lo * esz, p, s_->size, hi - lo, dtype, op, s_->size);
+    }
+    s_->barrier(rank_, d, call, "reduce");
+    for (int r = 0; r < s_->size; ++r) {
+      if (r == rank_) continue;
+      size_t rlo, rhi;
+      slice_of(count, s_->size, r, &rlo, &rhi);
+      if (rhi > rlo) {
+        std::memcpy(static_cast<char*>(out) + rlo * esz,
+                    static_cast<const char*>(slots[r].out) + rlo * esz, (rhi - rlo) * esz);
+      }
+    }
+    s_->barrier(rank_, d, call, "gather");
+  }
+
+  void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
+    DISTSTRAT_CHECK(0 <= root && root < s_->size, kInvalidArgument, "broadcast '", name,
+                    "': root ", root, " is not a rank of a group of ", s_->size);
+    Descriptor d{Kind::kBroadcast, buf, buf, count, dtype, ReduceOp::kSum, root, name};
+    const long call = publish_and_check(d);
+    if (rank_ != root && count) {
+      std::memcpy(buf, s_->slots[call & 1][root].in, count * dtype_size(dtype));
+    }
+    s_->barrier(rank_, d, call, "copy");
+  }
+
+  void all_gather(const void* in, void* out, size_t count, DType dtype,
+                  const std::string& name) override {
+    Descriptor d{Kind::kAllGather, in, out, count, dtype, ReduceOp::kSum, 0, name};
+    const long call = publish_and_check(d);
+    const size_t bytes = count * dtype_size(dtype);
+    for (int r = 0; r < s_->size; ++r) {
+      char* dst = static_cast<char*>(out) + r * bytes;
+      const void* src = s_->slots[call & 1][r].in;
+      if (bytes && dst != src) std::memcpy(dst, src, bytes);
+    }
+    s_->barrier(rank_, d, call, "copy");
+  }
+
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                      const std::string& name) override {
+    Descriptor d{Kind::kReduceScatter, in, out, count, dtype, op, 0, name};
+    const long call = publish_and_check(d);
+    const size_t bytes = count * dtype_size(dtype);
+    if (count) {
+      std::vector<const void*> srcs(s_->size);
+      for (int r = 0; r < s_->size; ++r) {
+        srcs[r] = static_cast<const char*>(s_->slots[call & 1][r].in) + rank_ * bytes;
+      }
+      kernels::reduce(out, srcs.data(), s_->size, count, dtype, op, s_->size);
+    }
+    s_->barrier(rank_, d, call, "reduce");
+  }
+
+  void barrier(const std::string& name) override {
+    Descriptor d;
+    d.name = name;
+    publish_and_check(d);
+  }
+
+  void abort(const std::string& reason) override {
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      if (!s_->aborted) {
+        s_->aborted = true;
+        s_->abort_reason = reason;
+      }
+    }
+    s_->cv.notify_all();
+  }
+
+  void reset() override {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->aborted = false;
+    s_->abort_reason.clear();
+    s_->arrived = 0;
+    s_->arrived_gen.assign(s_->size, -1);
+    s_->seq.assign(s_->size, 0);
+  }
+
+ private:
+  // Phase 1: publish this rank's descriptor, meet the others, and check that
+  // every rank issued the same call. Returns the call's sequence number.
+  long publish_and_check(const Descriptor& d) {
+    long call;
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      call = s_->seq[rank_]++;
+      s_->slots[call & 1][rank_] = d;
+    }
+    s_->barrier(rank_, d, call, "rendezvous");
+    const auto& slots = s_->slots[call & 1];
+    for (int r = 1; r < s_->size; ++r) {
+      if (!compatible(slots[0], slots[r])) {
+        throw InvalidArgumentError("rank " + std::to_string(rank_) + ": mismatched collective #" +
+                                   std::to_string(call) + ": rank 0 called " +
+                                   describe(slots[0]) + " but rank " + std::to_string(r) +
+                                   " called " + describe(slots[r]));
+      }
+    }
+    return call;
+  }
+
+  InProcessGroup::State* s_;
+  int rank_;
+};
+
+}  // namespace
+
+InProcessGroup::InProcessGroup(int size, CommunicationOptions options) {
+  DISTSTRAT_CHECK_GE(size, 1, "InProcessGroup size");
+  state_ = std::make_unique<State>(size, std::move(options));
+  for (int r = 0; r < size; ++r) comms_.push_back(std::make_unique<InProcessCommunicator>(state_.get(), r));
+}
+
+InProcessGroup::~InProcessGroup() = default;
+int InProcessGroup::size() const { return state_->size; }
+Communicator& InProcessGroup::at(int rank) {
+  DISTSTRAT_CHECK(0 <= rank && rank < size(), kInvalidArgument, "InProcessGroup::at(", rank,
+                  "): group has ", size(), " ranks");
+  return *comms_[rank];
+}
+
+}  // namespace diststrat

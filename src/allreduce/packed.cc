@@ -1,0 +1,48 @@
+#include "allreduce/packed.h"
+
+#include <cstring>
+
+namespace diststrat {
+
+void PackedAllReduce::run(Communicator& comm, ReduceOp op, std::vector<Tensor>& tensors,
+                          const std::vector<std::string>& names, size_t bytes_per_pack) {
+  auto name_of = [&](size_t i) {
+    return i < names.size() && !names[i].empty() ? names[i] : "tensor#" + std::to_string(i);
+  };
+  const size_t limit = bytes_per_pack == 0 ? SIZE_MAX : bytes_per_pack;
+  size_t i = 0;
+  while (i < tensors.size()) {
+    const DType dtype = tensors[i].dtype();
+    // Extend the pack while the dtype matches and it fits.
+    size_t j = i, bytes = 0;
+    while (j < tensors.size() && tensors[j].dtype() == dtype &&
+           (j == i || bytes + tensors[j].nbytes() <= limit)) {
+      bytes += tensors[j].nbytes();
+      ++j;
+    }
+    const size_t esz = dtype_size(dtype);
+    if (j == i + 1) {
+      Tensor& t = tensors[i];
+      comm.all_reduce(t.data(), t.data(), static_cast<size_t>(t.num_elements()), dtype, op,
+                      name_of(i));
+    } else {
+      if (buffer_.size() < bytes) buffer_.resize(bytes);
+      size_t off = 0;
+      for (size_t k = i; k < j; ++k) {
+        if (tensors[k].nbytes()) std::memcpy(buffer_.data() + off, tensors[k].data(), tensors[k].nbytes());
+        off += tensors[k].nbytes();
+      }
+      const std::string pack_name =
+          "pack of " + std::to_string(j - i) + " [" + name_of(i) + " .. " + name_of(j - 1) + "]";
+      comm.all_reduce(buffer_.data(), buffer_.data(), bytes / esz, dtype, op, pack_name);
+      off = 0;
+      for (size_t k = i; k < j; ++k) {
+        if (tensors[k].nbytes()) std::memcpy(tensors[k].data(), buffer_.data() + off, tensors[k].nbytes());
+        off += tensors[k].nbytes();
+      }
+    }
+    i = j;
+  }
+}
+
+}  // namespace diststrat

@@ -1,0 +1,32 @@
+// Reduction kernels: memory-bound, one pass, no temporaries beyond a small
+// stack block. Written once as templates over the element type and the
+// operator; f16 and bf16 accumulate in f32. Any count (including 0 and counts
+// that are not a multiple of the vector width) is handled.
+#pragma once
+
+#include <cstddef>
+
+#include "diststrat/collective.h"
+#include "diststrat/dtype.h"
+
+namespace diststrat {
+namespace kernels {
+
+// dst[i] = op(srcs[0][i], ..., srcs[n-1][i]) for i < count; with kMean the
+// result is divided by `mean_divisor`. dst may alias any srcs[k] (exactly,
+// not partially).
+void reduce(void* dst, const void* const* srcs, int n, size_t count, DType dtype, ReduceOp op,
+            int mean_divisor);
+
+// dst[i] = op(dst[i], src[i]). kMean accumulates as a sum; call scale_mean
+// once at the end.
+void accumulate(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
+
+// dst[i] /= divisor (integer division for integer types).
+void scale_mean(void* dst, size_t count, DType dtype, int divisor);
+
+// Converts count f32 values to f16/bf16 and back (wire compression).
+void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t count);
+
+}  // namespace kernels
+}  // namespace diststrat

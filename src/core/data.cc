@@ -1,0 +1,121 @@
+#include "diststrat/data.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "core/data_source.h"
+#include "diststrat/strategy.h"
+
+namespace diststrat {
+
+Dataset::Dataset(Tensor features, Tensor labels)
+    : features_(std::move(features)), labels_(std::move(labels)) {
+  DISTSTRAT_CHECK(features_.defined() && labels_.defined(), kInvalidArgument,
+                  "Dataset: features and labels must both be given");
+  DISTSTRAT_CHECK(features_.shape().rank() >= 1 && labels_.shape().rank() >= 1, kInvalidArgument,
+                  "Dataset: features ", features_.debug_string(), " and labels ",
+                  labels_.debug_string(), " need a row dimension");
+  DISTSTRAT_CHECK_EQ(features_.shape()[0], labels_.shape()[0], "Dataset rows of features vs labels");
+}
+
+Dataset Dataset::slice(int64_t begin, int64_t end) const {
+  return Dataset(features_.slice_rows(begin, end), labels_.slice_rows(begin, end));
+}
+
+int64_t InputContext::per_replica_batch_size() const {
+  DISTSTRAT_CHECK(num_replicas_in_sync > 0, kInvalidArgument, "InputContext without replicas");
+  DISTSTRAT_CHECK(global_batch_size % num_replicas_in_sync == 0, kInvalidArgument,
+                  "global batch ", global_batch_size, " is not divisible by ",
+                  num_replicas_in_sync, " replicas");
+  return global_batch_size / num_replicas_in_sync;
+}
+
+const Tensor& DistributedBatch::features(const ReplicaContext& ctx) const {
+  const size_t i = static_cast<size_t>(ctx.local_replica_id());
+  DISTSTRAT_CHECK_LT(i, features_.size(), "DistributedBatch::features: local replica");
+  return features_[i];
+}
+const Tensor& DistributedBatch::labels(const ReplicaContext& ctx) const {
+  const size_t i = static_cast<size_t>(ctx.local_replica_id());
+  DISTSTRAT_CHECK_LT(i, labels_.size(), "DistributedBatch::labels: local replica");
+  return labels_[i];
+}
+
+DistributedDataset::DistributedDataset(std::shared_ptr<Source> source) : source_(std::move(source)) {
+  reshuffle();
+}
+
+int64_t DistributedDataset::num_batches() const {
+  const int64_t rows = source_->total_rows();
+  const int64_t b = source_->batch_rows();
+  return source_->options.drop_remainder ? rows / b : (rows + b - 1) / b;
+}
+
+int64_t DistributedDataset::global_batch_size() const { return source_->global_batch; }
+
+void DistributedDataset::set_epoch(int64_t epoch) {
+  epoch_ = epoch;
+  reshuffle();
+}
+
+void DistributedDataset::reshuffle() {
+  order_.resize(static_cast<size_t>(source_->total_rows()));
+  std::iota(order_.begin(), order_.end(), 0);
+  if (source_->options.shuffle) {
+    std::mt19937_64 g(source_->options.seed * 1000003ull + static_cast<uint64_t>(epoch_));
+    // Fisher-Yates with our own index draws, identical on every platform.
+    for (size_t i = order_.size(); i > 1; --i) {
+      const size_t j = static_cast<size_t>(g() % i);
+      std::swap(order_[i - 1], order_[j]);
+    }
+  }
+}
+
+namespace {
+// Copies rows `rows` of `src` into a new tensor.
+Tensor gather_rows(const Tensor& src, const int64_t* rows, int64_t n) {
+  std::vector<int64_t> dims = src.shape().dims();
+  const int64_t total = dims[0];
+  dims[0] = n;
+  Tensor out(Shape(dims), src.dtype(), src.device());
+  if (n == 0) return out;
+  const size_t row_bytes = out.nbytes() / static_cast<size_t>(n);
+  const char* s = static_cast<const char*>(src.data());
+  char* d = static_cast<char*>(out.data());
+  for (int64_t i = 0; i < n; ++i) {
+    DISTSTRAT_CHECK(rows[i] >= 0 && rows[i] < total, kInternal, "row ", rows[i], " out of range");
+    std::memcpy(d + i * row_bytes, s + rows[i] * row_bytes, row_bytes);
+  }
+  return out;
+}
+}  // namespace
+
+DistributedBatch DistributedDataset::batch(int64_t i) const {
+  const Source& s = *source_;
+  DISTSTRAT_CHECK(0 <= i && i < num_batches(), kInvalidArgument, "batch ", i, " of ",
+                  num_batches());
+  const int64_t b = s.batch_rows();
+  const int64_t begin = i * b;
+  const int64_t n = std::min<int64_t>(b, s.total_rows() - begin);
+  DistributedBatch out;
+  out.index_ = i;
+  out.first_local_replica_ = s.first_local_replica;
+  out.global_size_ = s.global_rows_of_batch(n);
+  // The batch's n rows are split as evenly as possible over the replicas this
+  // source feeds; the first n % R replicas get one extra row.
+  const int R = s.replicas_fed();
+  const int64_t base = n / R, extra = n % R;
+  for (int l = 0; l < s.num_local_replicas; ++l) {
+    const int r = s.fed_index(l);
+    const int64_t lo = r * base + std::min<int64_t>(r, extra);
+    const int64_t len = base + (r < extra ? 1 : 0);
+    const int64_t* rows = order_.data() + begin + lo;
+    out.features_.push_back(gather_rows(s.data.features(), rows, len));
+    out.labels_.push_back(gather_rows(s.data.labels(), rows, len));
+  }
+  return out;
+}
+
+}  // namespace diststrat

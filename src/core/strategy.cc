@@ -1,0 +1,235 @@
+#include "diststrat/strategy.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+
+#include "allreduce/reduce_kernels.h"
+#include "core/data_source.h"
+
+namespace diststrat {
+
+// ---- Work ------------------------------------------------------------------
+
+struct Work::State {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+void Work::wait() {
+  if (!state_) return;
+  std::unique_lock<std::mutex> lock(state_->mu);
+  // The collective behind a Work carries its own deadline and always
+  // completes or fails, so this wait is bounded by it.
+  state_->cv.wait(lock, [&] { return state_->done; });
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+bool Work::done() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->done;
+}
+
+Work Work::completed(std::exception_ptr error) {
+  auto s = std::make_shared<State>();
+  s->done = true;
+  s->error = error;
+  return Work(s);
+}
+
+// ---- ReplicaContext --------------------------------------------------------
+
+Work ReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
+                                      std::vector<std::string> names) {
+  try {
+    all_reduce(op, tensors, names);
+  } catch (...) {
+    return Work::completed(std::current_exception());
+  }
+  return Work::completed();
+}
+
+Tensor ReplicaContext::all_reduce(ReduceOp op, const Tensor& t, const std::string& name) {
+  std::vector<Tensor> v{t.clone()};
+  all_reduce(op, v, {name});
+  return v[0];
+}
+
+// ---- Strategy --------------------------------------------------------------
+
+Variable Strategy::create_variable(const std::string& name, const Shape& shape, DType dtype,
+                                   const Initializer& init, const VariableOptions& options) {
+  DISTSTRAT_CHECK(!name.empty(), kInvalidArgument, "create_variable: empty name");
+  for (const Variable& v : variables_) {
+    DISTSTRAT_CHECK(v.name() != name, kInvalidArgument, "create_variable: a variable named '",
+                    name, "' already exists");
+  }
+  auto impl = std::make_shared<Variable::Impl>();
+  impl->name = name;
+  impl->shape = shape;
+  impl->dtype = dtype;
+  impl->options = options;
+  impl->owner = this;
+  impl->creation_index = static_cast<int64_t>(variables_.size());
+  place_variable(*impl, init ? init : Initializer(init::Zeros{}));
+  variables_.emplace_back(impl);
+  logger_.debug("created variable '", name, "' ", dtype_name(dtype), shape.to_string(), " on ",
+                impl->copies.size(), " cop", impl->copies.size() == 1 ? "y" : "ies");
+  return variables_.back();
+}
+
+Variable Strategy::variable(const std::string& name) const {
+  for (const Variable& v : variables_) {
+    if (v.name() == name) return v;
+  }
+  throw NotFoundError("no variable named '" + name + "' in this " + this->name() + " strategy");
+}
+
+double Strategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
+  DISTSTRAT_CHECK(!local.empty(), kInvalidArgument, "reduce of no values");
+  double acc = local[0];
+  for (size_t i = 1; i < local.size(); ++i) {
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kMean: acc += local[i]; break;
+      case ReduceOp::kProduct: acc *= local[i]; break;
+      case ReduceOp::kMin: acc = std::min(acc, local[i]); break;
+      case ReduceOp::kMax: acc = std::max(acc, local[i]); break;
+    }
+  }
+  if (op == ReduceOp::kMean) acc /= num_replicas_in_sync();
+  return acc;
+}
+
+double Strategy::reduce(ReduceOp op, const PerReplica<double>& values) {
+  return reduce_across(op, values.values());
+}
+
+float Strategy::reduce(ReduceOp op, const PerReplica<float>& values) {
+  std::vector<double> d(values.begin(), values.end());
+  return static_cast<float>(reduce_across(op, d));
+}
+
+Tensor Strategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
+  DISTSTRAT_CHECK(!local.empty(), kInvalidArgument, "reduce of no tensors");
+  std::vector<const void*> srcs;
+  for (const Tensor& t : local) {
+    DISTSTRAT_CHECK(t.shape() == local[0].shape() && t.dtype() == local[0].dtype(),
+                    kInvalidArgument, "reduce: replica tensors differ: ", t.debug_string(),
+                    " vs ", local[0].debug_string());
+    srcs.push_back(t.data());
+  }
+  Tensor out(local[0].shape(), local[0].dtype());
+  kernels::reduce(out.data(), srcs.data(), static_cast<int>(srcs.size()),
+                  static_cast<size_t>(out.num_elements()), out.dtype(), op, num_replicas_in_sync());
+  return out;
+}
+
+Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values) {
+  return reduce_tensors_across(op, values.values());
+}
+
+Tensor Strategy::gather_across(const std::vector<Tensor>& local) {
+  DISTSTRAT_CHECK(!local.empty(), kInvalidArgument, "gather of no tensors");
+  std::vector<int64_t> dims = local[0].shape().dims();
+  DISTSTRAT_CHECK(!dims.empty(), kInvalidArgument, "gather of scalars: use reduce");
+  int64_t rows = 0;
+  for (const Tensor& t : local) {
+    std::vector<int64_t> d = t.shape().dims();
+    DISTSTRAT_CHECK(d.size() == dims.size() && std::equal(d.begin() + 1, d.end(), dims.begin() + 1) &&
+                        t.dtype() == local[0].dtype(),
+                    kInvalidArgument, "gather: ", t.debug_string(), " does not stack with ",
+                    local[0].debug_string());
+    rows += d[0];
+  }
+  dims[0] = rows;
+  Tensor out(Shape(dims), local[0].dtype());
+  char* p = static_cast<char*>(out.data());
+  for (const Tensor& t : local) {
+    if (t.nbytes()) std::memcpy(p, t.data(), t.nbytes());
+    p += t.nbytes();
+  }
+  return out;
+}
+
+Tensor Strategy::gather(const PerReplica<Tensor>& values) { return gather_across(values.values()); }
+
+void Strategy::broadcast(Tensor&, int, const std::string&) {}
+void Strategy::barrier(const std::string&) {}
+
+DistributedDataset Strategy::distribute(const Dataset& dataset, int64_t global_batch,
+                                        const DistributeOptions& options) {
+  DISTSTRAT_CHECK(global_batch > 0, kInvalidArgument, "distribute: global batch ", global_batch,
+                  " must be positive");
+  DISTSTRAT_CHECK(global_batch >= num_replicas_in_sync(), kInvalidArgument,
+                  "distribute: global batch ", global_batch, " has fewer rows than the ",
+                  num_replicas_in_sync(), " replicas in sync");
+  DISTSTRAT_CHECK(dataset.size() > 0, kInvalidArgument, "distribute: empty dataset");
+  auto s = std::make_shared<DistributedDataset::Source>();
+  s->data = dataset;
+  s->global_batch = global_batch;
+  s->options = options;
+  s->num_replicas_in_sync = num_replicas_in_sync();
+  s->num_local_replicas = num_local_replicas();
+  s->first_local_replica = first_local_replica();
+  s->num_workers = cluster().num_workers;
+  return DistributedDataset(s);
+}
+
+DistributedDataset Strategy::distribute_datasets_from_function(
+    const std::function<Dataset(const InputContext&)>& fn, int64_t global_batch,
+    const DistributeOptions& options) {
+  InputContext ic;
+  ic.num_input_pipelines = cluster().num_workers;
+  ic.input_pipeline_id = cluster().worker_index;
+  ic.num_replicas_in_sync = num_replicas_in_sync();
+  ic.global_batch_size = global_batch;
+  (void)ic.per_replica_batch_size();  // validates divisibility
+  auto s = std::make_shared<DistributedDataset::Source>();
+  s->data = fn(ic);
+  DISTSTRAT_CHECK(s->data.size() > 0, kInvalidArgument,
+                  "distribute_datasets_from_function: the input function returned no rows");
+  s->global_batch = global_batch;
+  s->options = options;
+  s->num_replicas_in_sync = num_replicas_in_sync();
+  s->num_local_replicas = num_local_replicas();
+  s->first_local_replica = first_local_replica();
+  s->num_workers = cluster().num_workers;
+  s->per_worker = true;
+  return DistributedDataset(s);
+}
+
+void Strategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
+  for (Tensor& copy : var.impl().copies) fn(copy);
+}
+
+Tensor Strategy::read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const {
+  if (var.copies.size() == 1) return var.copies[0];
+  const size_t i = static_cast<size_t>(ctx.local_replica_id());
+  DISTSTRAT_CHECK_LT(i, var.copies.size(), "read of variable '" + var.name + "': local replica");
+  return var.copies[i];
+}
+
+Tensor Strategy::variable_value(const Variable::Impl& var) const {
+  if (var.options.synchronization == VariableSynchronization::kOnRead &&
+      var.options.aggregation != VariableAggregation::kNone &&
+      var.options.aggregation != VariableAggregation::kOnlyFirstReplica) {
+    const ReduceOp op =
+        var.options.aggregation == VariableAggregation::kSum ? ReduceOp::kSum : ReduceOp::kMean;
+    return const_cast<Strategy*>(this)->reduce_tensors_across(op, var.copies);
+  }
+  return var.copies.at(0).clone();
+}
+
+void Strategy::assign_variable(Variable::Impl& var, const Tensor& value) {
+  DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
+                  "assign to variable '", var.name, "' ", dtype_name(var.dtype),
+                  var.shape.to_string(), " from ", value.debug_string());
+  for (Tensor& c : var.copies) c.copy_from(value);
+}
+
+}  // namespace diststrat

@@ -1,0 +1,163 @@
+#include "diststrat/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace diststrat {
+
+// ---- Shape -----------------------------------------------------------------
+
+Shape::Shape(std::initializer_list<int64_t> dims) : Shape(std::vector<int64_t>(dims)) {}
+
+Shape::Shape(std::vector<int64_t> dims) : dims_(std::move(dims)) {
+  for (size_t i = 0; i < dims_.size(); ++i) {
+    DISTSTRAT_CHECK(dims_[i] >= 0, kInvalidArgument, "shape ", to_string(), ": dim ", i,
+                    " is negative");
+  }
+}
+
+int64_t Shape::dim(size_t i) const {
+  DISTSTRAT_CHECK_LT(i, dims_.size(), "Shape::dim on ", to_string());
+  return dims_[i];
+}
+
+int64_t Shape::num_elements() const {
+  int64_t n = 1;
+  for (int64_t d : dims_) n *= d;
+  return n;
+}
+
+std::string Shape::to_string() const {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < dims_.size(); ++i) os << (i ? ", " : "") << dims_[i];
+  os << "]";
+  return os.str();
+}
+
+// ---- Tensor ----------------------------------------------------------------
+
+struct Tensor::Storage {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  std::shared_ptr<void> owner;  // null for wrapped user memory
+};
+
+namespace {
+constexpr size_t kAlignment = 64;  // cache line; also AVX-512 friendly
+
+std::shared_ptr<void> allocate_host(size_t bytes) {
+  const size_t rounded = ((bytes + kAlignment - 1) / kAlignment) * kAlignment;
+  void* p = rounded ? std::aligned_alloc(kAlignment, rounded) : nullptr;
+  if (rounded && !p) {
+    throw ResourceExhaustedError("host allocation of " + std::to_string(bytes) + " bytes failed");
+  }
+  if (p) std::memset(p, 0, rounded);
+  return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+}
+}  // namespace
+
+Tensor::Tensor(Shape shape, DType dtype, Device device)
+    : shape_(std::move(shape)), dtype_(dtype), device_(device) {
+  DISTSTRAT_CHECK(device.is_cpu(), kInvalidArgument, "Tensor(", shape_.to_string(),
+                  "): allocating on ", device.to_string(),
+                  " needs the GPU backend's allocator (use it, or Tensor::adopt)");
+  storage_ = std::make_shared<Storage>();
+  storage_->bytes = nbytes();
+  storage_->owner = allocate_host(storage_->bytes);
+  storage_->ptr = storage_->owner.get();
+}
+
+Tensor Tensor::wrap(void* data, Shape shape, DType dtype, Device device) {
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  DISTSTRAT_CHECK(data != nullptr || t.nbytes() == 0, kInvalidArgument,
+                  "Tensor::wrap of a null pointer with shape ", t.shape_.to_string());
+  t.storage_ = std::make_shared<Storage>();
+  t.storage_->ptr = data;
+  t.storage_->bytes = t.nbytes();
+  return t;
+}
+
+Tensor Tensor::adopt(std::shared_ptr<void> memory, Shape shape, DType dtype, Device device) {
+  Tensor t = wrap(memory.get(), std::move(shape), dtype, device);
+  t.storage_->owner = std::move(memory);
+  return t;
+}
+
+bool Tensor::owns_memory() const { return storage_ && storage_->owner != nullptr; }
+
+const void* Tensor::data_ptr() const {
+  return storage_ ? static_cast<const char*>(storage_->ptr) + offset_ : nullptr;
+}
+void* Tensor::data() {
+  DISTSTRAT_CHECK(defined(), kFailedPrecondition, "data() of an undefined tensor");
+  return const_cast<void*>(data_ptr());
+}
+const void* Tensor::data() const {
+  DISTSTRAT_CHECK(defined(), kFailedPrecondition, "data() of an undefined tensor");
+  return data_ptr();
+}
+
+void Tensor::check_dtype(DType expected) const {
+  DISTSTRAT_CHECK(dtype_ == expected, kInvalidArgument, "tensor ", debug_string(),
+                  " accessed as ", dtype_name(expected));
+}
+
+Tensor Tensor::clone() const {
+  DISTSTRAT_CHECK(device_.is_cpu(), kUnimplemented, "clone() of ", debug_string(),
+                  ": use the GPU backend's copy");
+  Tensor t(shape_, dtype_, device_);
+  if (nbytes()) std::memcpy(t.data(), data(), nbytes());
+  return t;
+}
+
+void Tensor::copy_from(const Tensor& src) {
+  DISTSTRAT_CHECK(src.shape_ == shape_ && src.dtype_ == dtype_, kInvalidArgument,
+                  "copy_from: ", src.debug_string(), " into ", debug_string());
+  DISTSTRAT_CHECK(device_.is_cpu() && src.device_.is_cpu(), kUnimplemented,
+                  "copy_from across devices: use the GPU backend's copy");
+  if (nbytes() && data() != src.data()) std::memmove(data(), src.data(), nbytes());
+}
+
+void Tensor::zero() {
+  DISTSTRAT_CHECK(device_.is_cpu(), kUnimplemented, "zero() of ", debug_string());
+  if (nbytes()) std::memset(data(), 0, nbytes());
+}
+
+Tensor Tensor::reshape(Shape shape) const {
+  DISTSTRAT_CHECK_EQ(shape.num_elements(), num_elements(),
+                     "reshape of " + debug_string() + " to " + shape.to_string());
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
+  DISTSTRAT_CHECK(shape_.rank() >= 1, kInvalidArgument, "slice_rows of scalar ", debug_string());
+  DISTSTRAT_CHECK(0 <= begin && begin <= end && end <= shape_[0], kInvalidArgument,
+                  "slice_rows [", begin, ", ", end, ") of ", debug_string());
+  std::vector<int64_t> dims = shape_.dims();
+  const int64_t row_elems = dims[0] ? num_elements() / dims[0] : 0;
+  int64_t row_bytes = row_elems * static_cast<int64_t>(dtype_size(dtype_));
+  if (dims[0] == 0) {
+    int64_t r = 1;
+    for (size_t i = 1; i < dims.size(); ++i) r *= dims[i];
+    row_bytes = r * static_cast<int64_t>(dtype_size(dtype_));
+  }
+  dims[0] = end - begin;
+  Tensor t = *this;
+  t.shape_ = Shape(dims);
+  t.offset_ = offset_ + static_cast<size_t>(begin * row_bytes);
+  return t;
+}
+
+std::string Tensor::debug_string() const {
+  if (!defined()) return "<undefined tensor>";
+  return std::string(dtype_name(dtype_)) + shape_.to_string() + " on " + device_.to_string();
+}
+
+}  // namespace diststrat

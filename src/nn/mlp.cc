@@ -1,0 +1,88 @@
+#include "diststrat/nn.h"
+
+namespace diststrat {
+namespace nn {
+
+Mlp::Mlp(std::vector<int64_t> sizes) : sizes_(std::move(sizes)) {
+  DISTSTRAT_CHECK(sizes_.size() >= 2, kInvalidArgument, "Mlp needs at least input and output sizes");
+  for (int64_t s : sizes_) DISTSTRAT_CHECK(s > 0, kInvalidArgument, "Mlp layer size ", s);
+}
+
+std::string Mlp::param_name(size_t i) const {
+  return "dense" + std::to_string(i / 2) + (i % 2 == 0 ? "/kernel" : "/bias");
+}
+
+Shape Mlp::param_shape(size_t i) const {
+  const size_t layer = i / 2;
+  return i % 2 == 0 ? Shape{sizes_[layer], sizes_[layer + 1]} : Shape{sizes_[layer + 1]};
+}
+
+std::vector<Variable> Mlp::create_variables(Strategy& strategy, uint64_t seed) const {
+  std::vector<Variable> vars;
+  for (size_t i = 0; i < num_params(); ++i) {
+    Initializer init = i % 2 == 0 ? Initializer(init::GlorotUniform{seed + i / 2})
+                                  : Initializer(init::Zeros{});
+    vars.push_back(strategy.create_variable(param_name(i), param_shape(i), DType::kFloat32, init));
+  }
+  return vars;
+}
+
+std::vector<Tensor> Mlp::init_params(uint64_t seed) const {
+  std::vector<Tensor> params;
+  for (size_t i = 0; i < num_params(); ++i) {
+    Tensor t(param_shape(i), DType::kFloat32);
+    if (i % 2 == 0) init::GlorotUniform{seed + i / 2}(t);
+    params.push_back(t);
+  }
+  return params;
+}
+
+Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor& x,
+                                const Tensor& labels, float grad_scale) const {
+  DISTSTRAT_CHECK_EQ(params.size(), num_params(), "Mlp::forward_backward params");
+  DISTSTRAT_CHECK(x.shape().rank() == 2 && x.shape()[1] == sizes_[0], kInvalidArgument,
+                  "Mlp::forward_backward: x ", x.debug_string(), " must be [n, ", sizes_[0], "]");
+  const int64_t n = x.shape()[0];
+  const size_t layers = sizes_.size() - 1;
+  // acts[0] = x, acts[l+1] = output of layer l (after ReLU except the last).
+  std::vector<Tensor> acts{x};
+  for (size_t l = 0; l < layers; ++l) {
+    Tensor y(Shape{n, sizes_[l + 1]}, DType::kFloat32);
+    dense_forward(acts[l], params[2 * l], params[2 * l + 1], y);
+    if (l + 1 < layers) relu_forward(y, y);
+    acts.push_back(y);
+  }
+  Step step;
+  Tensor dy(acts.back().shape(), DType::kFloat32);
+  step.loss_sum = n ? softmax_cross_entropy(acts.back(), labels, dy, grad_scale) : 0.0;
+  step.correct = n ? count_correct(acts.back(), labels) : 0;
+  step.grads.resize(params.size());
+  for (size_t l = layers; l-- > 0;) {
+    Tensor dw(params[2 * l].shape(), DType::kFloat32), db(params[2 * l + 1].shape(), DType::kFloat32);
+    Tensor dx;
+    if (l > 0) dx = Tensor(acts[l].shape(), DType::kFloat32);
+    dense_backward(acts[l], params[2 * l], dy, l > 0 ? &dx : nullptr, dw, db);
+    step.grads[2 * l] = dw;
+    step.grads[2 * l + 1] = db;
+    if (l > 0) {
+      relu_backward(acts[l], dx, dx);
+      dy = dx;
+    }
+  }
+  return step;
+}
+
+Tensor Mlp::predict(const std::vector<Tensor>& params, const Tensor& x) const {
+  const int64_t n = x.shape()[0];
+  Tensor h = x;
+  for (size_t l = 0; l + 1 < sizes_.size(); ++l) {
+    Tensor y(Shape{n, sizes_[l + 1]}, DType::kFloat32);
+    dense_forward(h, params[2 * l], params[2 * l + 1], y);
+    if (l + 2 < sizes_.size()) relu_forward(y, y);
+    h = y;
+  }
+  return h;
+}
+
+}  // namespace nn
+}  // namespace diststrat

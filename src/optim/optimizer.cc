@@ -1,0 +1,105 @@
+#include "diststrat/optimizer.h"
+
+#include <cmath>
+
+namespace diststrat {
+
+namespace {
+int optimizer_counter(Strategy& s) {
+  int n = 0;
+  for (const Variable& v : s.variables()) {
+    if (v.name().rfind("optimizer", 0) == 0 && v.name().find("/iterations") != std::string::npos) ++n;
+  }
+  return n;
+}
+}  // namespace
+
+Optimizer::Optimizer(Strategy& strategy) : strategy_(&strategy) {
+  // Each optimizer of a strategy gets its own step counter: "optimizer/iterations",
+  // then "optimizer_1/iterations", ...
+  const int n = optimizer_counter(strategy);
+  const std::string prefix = n == 0 ? "optimizer" : "optimizer_" + std::to_string(n);
+  VariableOptions opts;
+  opts.trainable = false;
+  iterations_ = strategy.create_variable(prefix + "/iterations", Shape{}, DType::kInt64,
+                                         init::Zeros{}, opts);
+}
+
+void Optimizer::apply_gradients(ReplicaContext& ctx,
+                                const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  for (const auto& [g, v] : grads_and_vars) {
+    DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument,
+                    "apply_gradients: undefined gradient or variable");
+    DISTSTRAT_CHECK(g.shape() == v.shape() && g.dtype() == v.dtype(), kInvalidArgument,
+                    "apply_gradients: gradient ", g.debug_string(), " does not match variable '",
+                    v.name(), "' ", dtype_name(v.dtype()), v.shape().to_string());
+    DISTSTRAT_CHECK(v.dtype() == DType::kFloat32, kUnimplemented, "apply_gradients: variable '",
+                    v.name(), "' is ", dtype_name(v.dtype()), "; optimizers update float32");
+    DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, "apply_gradients: variable '",
+                    v.name(), "' is not trainable");
+  }
+  ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
+}
+
+void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots,
+                              int64_t step) const {
+  std::vector<float*> slot_ptrs;
+  for (Tensor* s : slots) slot_ptrs.push_back(s->data<float>());
+  update(var.data<float>(), grad.data<float>(), slot_ptrs.data(),
+         static_cast<size_t>(var.num_elements()), step);
+}
+
+SGD::SGD(Strategy& strategy, SGDOptions options) : Optimizer(strategy), options_(options) {
+  DISTSTRAT_CHECK(options.learning_rate > 0, kInvalidArgument, "SGD learning_rate ",
+                  options.learning_rate, " must be positive");
+  DISTSTRAT_CHECK(options.momentum >= 0 && options.momentum < 1, kInvalidArgument,
+                  "SGD momentum ", options.momentum, " must be in [0, 1)");
+}
+
+std::vector<std::string> SGD::slot_names() const {
+  if (options_.momentum == 0.0f) return {};
+  return {"momentum"};
+}
+
+void SGD::update(float* var, const float* grad, float* const* slots, size_t count,
+                 int64_t) const {
+  const float lr = options_.learning_rate, mu = options_.momentum;
+  if (mu == 0.0f) {
+    for (size_t i = 0; i < count; ++i) var[i] -= lr * grad[i];
+    return;
+  }
+  float* v = slots[0];
+  if (options_.nesterov) {
+    for (size_t i = 0; i < count; ++i) {
+      v[i] = mu * v[i] - lr * grad[i];
+      var[i] += mu * v[i] - lr * grad[i];
+    }
+  } else {
+    for (size_t i = 0; i < count; ++i) {
+      v[i] = mu * v[i] - lr * grad[i];
+      var[i] += v[i];
+    }
+  }
+}
+
+Adam::Adam(Strategy& strategy, AdamOptions options) : Optimizer(strategy), options_(options) {
+  DISTSTRAT_CHECK(options.learning_rate > 0, kInvalidArgument, "Adam learning_rate ",
+                  options.learning_rate, " must be positive");
+}
+
+void Adam::update(float* var, const float* grad, float* const* slots, size_t count,
+                  int64_t step) const {
+  const float b1 = options_.beta1, b2 = options_.beta2;
+  const double t = static_cast<double>(step);
+  const float alpha = static_cast<float>(options_.learning_rate * std::sqrt(1.0 - std::pow(b2, t)) /
+                                         (1.0 - std::pow(b1, t)));
+  float* m = slots[0];
+  float* v = slots[1];
+  for (size_t i = 0; i < count; ++i) {
+    m[i] = b1 * m[i] + (1 - b1) * grad[i];
+    v[i] = b2 * v[i] + (1 - b2) * grad[i] * grad[i];
+    var[i] -= alpha * m[i] / (std::sqrt(v[i]) + options_.epsilon);
+  }
+}
+
+}  // namespace diststrat
