@@ -16,15 +16,17 @@ using CMapM = Eigen::Map<const Mat>;
 using CMapV = Eigen::Map<const Eigen::RowVectorXf>;
 using MapV = Eigen::Map<Eigen::RowVectorXf>;
 
-// Every operand of an op lives on `device` (the first operand's).
+// Every operand of an op lives in the memory of `device` (the first
+// operand's): the same GPU, or host memory for any CPU device.
+bool same_memory(const Device& a, const Device& b) { return a == b || (a.is_cpu() && b.is_cpu()); }
 void check_matrix(const Tensor& t, const char* what, const char* op, const Device& device) {
   DISTSTRAT_CHECK(t.defined() && t.dtype() == DType::kFloat32 && t.shape().rank() == 2 &&
-                      t.device() == device,
+                      same_memory(t.device(), device),
                   kInvalidArgument, op, ": ", what, " must be a float32 matrix on ",
                   device.to_string(), ", got ", t.debug_string());
 }
 void check_on(const Tensor& t, const char* what, const char* op, const Device& device) {
-  DISTSTRAT_CHECK(t.defined() && t.device() == device, kInvalidArgument, op, ": ", what,
+  DISTSTRAT_CHECK(t.defined() && same_memory(t.device(), device), kInvalidArgument, op, ": ", what,
                   " must be on ", device.to_string(), ", got ", t.debug_string());
 }
 // Runs the op's GPU kernel(s) in the replica's scope; logs placement either way.

@@ -47,11 +47,13 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
                               int64_t step) const {
   std::vector<float*> slot_ptrs;
   for (Tensor* s : slots) {
-    DISTSTRAT_CHECK(s->device() == var.device(), kInvalidArgument, name(), ": slot ",
+    DISTSTRAT_CHECK(s->device() == var.device() || (s->device().is_cpu() && var.device().is_cpu()),
+                    kInvalidArgument, name(), ": slot ",
                     s->debug_string(), " is not on the variable's device");
     slot_ptrs.push_back(s->data<float>());
   }
-  DISTSTRAT_CHECK(grad.device() == var.device(), kInvalidArgument, name(), ": gradient ",
+  DISTSTRAT_CHECK(grad.device() == var.device() || (grad.device().is_cpu() && var.device().is_cpu()),
+                  kInvalidArgument, name(), ": gradient ",
                   grad.debug_string(), " is not on the variable's device ",
                   var.device().to_string());
   record_op_placement("optimizer_update", var.device());
