@@ -6,7 +6,11 @@
 #include <cstring>
 #include <random>
 
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
 #include "allreduce/reduce_kernels.h"
+#include "gpu/cuda_check.h"
 #include "core/device_manager_impl.h"
 #include "core/device_scope.h"
 #include "diststrat/diststrat.h"
@@ -73,6 +77,42 @@ void expect_close(const ds::Tensor& got, const ds::Tensor& want, double tol, con
 }
 
 }  // namespace
+
+// Needs no GPU: the error conversion of CUDA, cuBLAS and NCCL failures.
+TEST(GpuErrors, BackendFailuresBecomeDiststratErrorsWithCallStringFileAndLine) {
+  try {
+    DISTSTRAT_CUDA_CHECK(cudaErrorMemoryAllocation);
+    FAIL();
+  } catch (const ds::ResourceExhaustedError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("CUDA call cudaErrorMemoryAllocation failed: out of memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("gpu_test.cc:"), std::string::npos) << m;
+  }
+  try {
+    DISTSTRAT_CUDA_CHECK(cudaErrorInvalidValue);
+    FAIL();
+  } catch (const ds::InternalError& e) {
+    EXPECT_NE(std::string(e.what()).find("cudaErrorInvalidValue"), std::string::npos) << e.what();
+  }
+  try {
+    DISTSTRAT_CUBLAS_CHECK(CUBLAS_STATUS_ALLOC_FAILED);
+    FAIL();
+  } catch (const ds::ResourceExhaustedError& e) {
+    EXPECT_NE(std::string(e.what()).find("CUBLAS_STATUS_ALLOC_FAILED"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(DISTSTRAT_CUBLAS_CHECK(CUBLAS_STATUS_SUCCESS));
+#if DISTSTRAT_TEST_NCCL
+  try {
+    DISTSTRAT_NCCL_CHECK(3 /* ncclInternalError */);
+    FAIL();
+  } catch (const ds::InternalError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("NCCL call 3 failed: internal error"), std::string::npos) << m;
+    EXPECT_NE(m.find("gpu_test.cc:"), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(DISTSTRAT_NCCL_CHECK(7 /* ncclInProgress: not an error */));
+#endif
+}
 
 TEST(GpuDevices, PhysicalAndLogicalDevices) {
   SKIP_WITHOUT_GPU();
