@@ -121,6 +121,14 @@ grep -E '^\[  (FAILED|SKIPPED) \] [A-Z]' "$log/tests.log" | grep -v ' ms)$' | se
 if [[ $tests_rc -ne 0 && $failed == 0 ]]; then
   failed="crash(rc=$tests_rc)"; tail -20 "$log/tests.log"
 fi
+# Only the multi-GPU NCCL test may skip (one GPU); any other skip means the
+# CUDA runtime could not use the GPU (driver too old for this nvcc, ...).
+unexpected_skips=$(grep -E '^\[  SKIPPED \] [A-Z]' "$log/tests.log" | grep -v ' ms)$' |
+  grep -vc 'AllGpusWithNcclWhenThereAreSeveral')
+if (( unexpected_skips > 0 )); then
+  say "GPU tests were skipped; the reason:"
+  grep -m1 -A1 'Skipped$' "$log/tests.log" | tail -1 | sed 's/^/gpu-check:   /'
+fi
 
 # ---- GPU benchmark ----------------------------------------------------------------
 say "running the GPU benchmark ($(elapsed)s)"
@@ -146,5 +154,5 @@ else
   printf '%-44s %s\n' "GPU benchmark" "did not complete (rc=$bench_rc, see $log/bench.log)"
 fi
 echo "logs: $log"
-[[ $tests_rc -eq 0 && $bench_rc -eq 0 && $failed == 0 && $passed -gt 0 ]] && exit 0
+[[ $tests_rc -eq 0 && $bench_rc -eq 0 && $failed == 0 && $passed -gt 0 && $unexpected_skips == 0 ]] && exit 0
 exit 1

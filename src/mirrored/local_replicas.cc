@@ -119,6 +119,30 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
   }
 }
 
+namespace {
+// The pack buffer of a GPU replica: a device tensor from its caching
+// allocator, kept for the next collective; copies go to the replica's stream.
+class DevicePackMemory : public PackMemory {
+ public:
+  DevicePackMemory(const Device& device, Tensor& keep)
+      : device_(device), keep_(keep), exec_(gpu_exec(device, "all_reduce pack")) {}
+  void* buffer(size_t bytes) override {
+    if (!keep_.defined() || keep_.nbytes() < bytes) {
+      keep_ = Tensor(Shape{static_cast<int64_t>((bytes + 7) / 8)}, DType::kInt64, device_);
+    }
+    return keep_.data();
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    exec_.backend->memcpy_async(exec_.ordinal, dst, src, bytes, exec_.stream);
+  }
+
+ private:
+  Device device_;
+  Tensor& keep_;
+  GpuExec exec_;
+};
+}  // namespace
+
 int LocalReplicaContext::replica_id() const {
   return owner_->strategy().first_local_replica() + local_id_;
 }
@@ -147,16 +171,16 @@ void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
     }
   }
   if (Communicator* dc = device_comm()) {
-    // GPU buffers: one collective per tensor, in list order (the same on every
-    // replica), each in place on the replica's stream.
+    // GPU buffers: packed in device memory, copies and collectives on the
+    // replica's stream.
     for (size_t i = 0; i < tensors.size(); ++i) {
-      Tensor& t = tensors[i];
-      DISTSTRAT_CHECK(t.device() == device(), kInvalidArgument, "all_reduce: tensor ",
-                      i < names.size() ? names[i] : std::to_string(i), " ", t.debug_string(),
-                      " is not on replica ", local_id_, "'s device ", device().to_string());
-      dc->all_reduce(t.data(), t.data(), static_cast<size_t>(t.num_elements()), t.dtype(), op,
-                     i < names.size() ? names[i] : "tensor#" + std::to_string(i));
+      DISTSTRAT_CHECK(tensors[i].device() == device(), kInvalidArgument, "all_reduce: tensor ",
+                      i < names.size() ? names[i] : std::to_string(i), " ",
+                      tensors[i].debug_string(), " is not on replica ", local_id_, "'s device ",
+                      device().to_string());
     }
+    DevicePackMemory memory(device(), device_pack_);
+    packer_.run(*dc, op, tensors, names, owner_->options_.bytes_per_pack, &memory);
     return;
   }
   packer_.run(local_comm(), op, tensors, names, owner_->options_.bytes_per_pack);

@@ -49,6 +49,7 @@ class LocalReplicaContext : public ReplicaContext {
   LocalReplicas* owner_;
   int local_id_;
   PackedAllReduce packer_;
+  Tensor device_pack_;  // GPU replicas' pack buffer (device memory)
 };
 
 // With GPU devices (all replicas on GPUs; CPU and GPU replicas do not mix),
