@@ -581,3 +581,65 @@ TEST(MirroredOnFakeGpus, GpuTensorsOutsideAReplicaNeedAScope) {
   EXPECT_THROW(ds::Tensor(ds::Shape{1}, ds::DType::kFloat32, ds::Device::gpu(0)),
                ds::FailedPreconditionError);
 }
+
+TEST(MirroredOnFakeGpus, AFailingReplicaAbortsTheOthersDeviceCollectivesAndTheGroupRecovers) {
+  LeaseDir dir;
+  ds::MirroredOptions o;
+  o.devices = {ds::Device::gpu(0), ds::Device::gpu(1), ds::Device::gpu(2)};
+  o.communication.timeout = std::chrono::seconds(30);
+  o.device_manager =
+      std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(3));
+  ds::MirroredStrategy s(o);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    s.run([&](ds::ReplicaContext& ctx) {
+      if (ctx.replica_id() == 1) throw ds::InvalidArgumentError("replica 1 broke");
+      ds::Tensor t(ds::Shape{8}, ds::DType::kFloat32, ctx.device());
+      std::vector<ds::Tensor> v{t};
+      ctx.all_reduce(ds::ReduceOp::kSum, v, {"g"});
+    });
+    FAIL() << "run() succeeded";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("replica 1 broke"), std::string::npos);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));  // no deadline wait
+  // The device group works again.
+  s.run([&](ds::ReplicaContext& ctx) {
+    ds::Tensor h(ds::Shape{4}, ds::DType::kFloat32);
+    for (int i = 0; i < 4; ++i) h.data<float>()[i] = static_cast<float>(ctx.replica_id());
+    ds::Tensor t(h.shape(), h.dtype(), ctx.device());
+    t.copy_from(h);
+    std::vector<ds::Tensor> v{t};
+    ctx.all_reduce(ds::ReduceOp::kSum, v, {"g"});
+    h.copy_from(v[0]);
+    EXPECT_EQ(h.data<float>()[3], 3.0f);
+  });
+}
+
+TEST(MirroredOnFakeGpus, AStrategyHoldsItsGpusLeasesUntilItsManagerGoes) {
+  LeaseDir dir;
+  {
+    ds::MirroredOptions o;
+    o.devices = {ds::Device::gpu(1)};
+    o.device_manager =
+        std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+    ds::MirroredStrategy s(o);
+    auto leases = ds::list_leases(dir.options());
+    ASSERT_EQ(leases.size(), 2u);  // the manager's visible GPUs
+    EXPECT_EQ(leases[0].second.pid, ::getpid());
+    // A second job on the same GPUs is refused, naming this process.
+    ds::MirroredOptions other = o;
+    other.device_manager =
+        std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+    EXPECT_THROW(ds::MirroredStrategy{other}, ds::ResourceExhaustedError);
+  }
+  EXPECT_TRUE(ds::list_leases(dir.options()).empty());
+  // DISTSTRAT_GPU_LEASE=0 turns leases off.
+  ::setenv("DISTSTRAT_GPU_LEASE", "0", 1);
+  {
+    ds::DeviceManager dm(fake_options(dir), std::make_unique<FakeGpuBackend>(1));
+    EXPECT_EQ(dm.list_logical_devices().size(), 1u);
+    EXPECT_TRUE(ds::list_leases(dir.options()).empty());
+  }
+  ::unsetenv("DISTSTRAT_GPU_LEASE");
+}
