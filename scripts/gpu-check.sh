@@ -61,33 +61,22 @@ if [[ ! -e $prefix/lib/cmake/GTest/GTestConfig.cmake && ! -e $prefix/lib64/cmake
     { tail -20 "$log/gtest.log"; die "GoogleTest build"; }
 fi
 cfg=$build/_deps/cmake
-mkdir -p "$cfg/Eigen3" "$cfg/nlohmann_json" "$cfg/CLI11"
-cat >"$cfg/Eigen3/Eigen3Config.cmake" <<CFG
-if(NOT TARGET Eigen3::Eigen)
-  add_library(Eigen3::Eigen INTERFACE IMPORTED)
-  set_target_properties(Eigen3::Eigen PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "$deps/eigen3")
+# A CMake package config for a header-only dependency: one INTERFACE target.
+header_only_package() {  # package target include_dir version
+  mkdir -p "$cfg/$1"
+  cat >"$cfg/$1/$1Config.cmake" <<CFG
+if(NOT TARGET $2)
+  add_library($2 INTERFACE IMPORTED)
+  set_target_properties($2 PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "$3")
 endif()
-set(Eigen3_FOUND TRUE)
-set(EIGEN3_VERSION_STRING 3.4.0)
+set($1_FOUND TRUE)
 CFG
-echo 'set(PACKAGE_VERSION 3.4.0)
-set(PACKAGE_VERSION_COMPATIBLE TRUE)' >"$cfg/Eigen3/Eigen3ConfigVersion.cmake"
-cat >"$cfg/nlohmann_json/nlohmann_jsonConfig.cmake" <<CFG
-if(NOT TARGET nlohmann_json::nlohmann_json)
-  add_library(nlohmann_json::nlohmann_json INTERFACE IMPORTED)
-  set_target_properties(nlohmann_json::nlohmann_json PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "$deps")
-endif()
-set(nlohmann_json_FOUND TRUE)
-CFG
-echo 'set(PACKAGE_VERSION 3.11.2)
-set(PACKAGE_VERSION_COMPATIBLE TRUE)' >"$cfg/nlohmann_json/nlohmann_jsonConfigVersion.cmake"
-cat >"$cfg/CLI11/CLI11Config.cmake" <<CFG
-if(NOT TARGET CLI11::CLI11)
-  add_library(CLI11::CLI11 INTERFACE IMPORTED)
-  set_target_properties(CLI11::CLI11 PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "$deps")
-endif()
-set(CLI11_FOUND TRUE)
-CFG
+  printf 'set(PACKAGE_VERSION %s)\nset(PACKAGE_VERSION_COMPATIBLE TRUE)\n' "$4" \
+    >"$cfg/$1/$1ConfigVersion.cmake"
+}
+header_only_package Eigen3 Eigen3::Eigen "$deps/eigen3" 3.4.0
+header_only_package nlohmann_json nlohmann_json::nlohmann_json "$deps" 3.11.2
+header_only_package CLI11 CLI11::CLI11 "$deps" 2.3.2
 
 # ---- configure and build ---------------------------------------------------------
 say "configuring ($(elapsed)s)"
