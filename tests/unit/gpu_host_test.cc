@@ -643,3 +643,46 @@ TEST(MirroredOnFakeGpus, AStrategyHoldsItsGpusLeasesUntilItsManagerGoes) {
   }
   ::unsetenv("DISTSTRAT_GPU_LEASE");
 }
+
+TEST(MirroredOnFakeGpus, TensorCopiesCloneZeroAndAllGatherOnGpuReplicas) {
+  LeaseDir dir;
+  auto backend = std::make_unique<FakeGpuBackend>(2);
+  FakeGpuBackend* fake = backend.get();
+  ds::MirroredOptions o;
+  o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+  o.device_manager = std::make_shared<ds::DeviceManager>(fake_options(dir), std::move(backend));
+  ds::MirroredStrategy s(o);
+  auto out = s.run([&](ds::ReplicaContext& ctx) {
+    ds::Tensor h(ds::Shape{2, 3}, ds::DType::kFloat32);
+    for (int i = 0; i < 6; ++i) h.data<float>()[i] = static_cast<float>(10 * ctx.replica_id() + i);
+    ds::Tensor g(h.shape(), h.dtype(), ctx.device());
+    g.copy_from(h);                      // host -> device
+    ds::Tensor c = g.clone();            // device -> device
+    EXPECT_TRUE(c.device() == ctx.device());
+    EXPECT_FALSE(c.same_storage(g));
+    g.zero();
+    ds::Tensor back(h.shape(), h.dtype());
+    back.copy_from(g);                   // device -> host
+    EXPECT_EQ(back.data<float>()[4], 0.0f);
+    back.copy_from(c);
+    EXPECT_EQ(back.data<float>()[4], static_cast<float>(10 * ctx.replica_id() + 4));
+    ds::Tensor gathered = ctx.all_gather(c, "c");
+    EXPECT_TRUE(gathered.device() == ctx.device());
+    EXPECT_EQ(gathered.shape(), ds::Shape({4, 3}));
+    return c;
+  });
+  // Cross-replica reduce and gather of GPU tensors come back to the host.
+  ds::Tensor sum = s.reduce(ds::ReduceOp::kSum, out);
+  EXPECT_TRUE(sum.device().is_cpu());
+  EXPECT_EQ(sum.data<float>()[5], 5.0f + 15.0f);
+  ds::Tensor all = s.gather(out);
+  EXPECT_EQ(all.shape(), ds::Shape({4, 3}));
+  EXPECT_EQ(all.data<float>()[6], 10.0f);
+  // Memory goes back to the cache, not to the device.
+  const int frees_before = fake->frees.load();
+  out = {};
+  EXPECT_EQ(fake->frees.load(), frees_before);
+  EXPECT_GT(o.device_manager->memory_stats(ds::Device::gpu(1)).reserved_bytes, 0u);
+  o.device_manager->empty_cache(ds::Device::gpu(1));
+  EXPECT_EQ(o.device_manager->memory_stats(ds::Device::gpu(1)).in_use_bytes, 0u);
+}
