@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -346,7 +347,7 @@ TEST(GpuMirrored, AllGpusWithNcclWhenThereAreSeveral) {
   });
 }
 
-TEST(GpuCollectives, SharedDeviceAllReduceAllGatherBroadcastAndErrors) {
+TEST(GpuCollectives, SharedDeviceAllReduceAndErrorsThroughMirrored) {
   SKIP_WITHOUT_GPU();
   auto dm = manager();
   dm->set_visible_devices({0});
@@ -391,6 +392,62 @@ TEST(GpuCollectives, SharedDeviceAllReduceAllGatherBroadcastAndErrors) {
     std::vector<ds::Tensor> v{t};
     ctx.all_reduce(ds::ReduceOp::kSum, v, {"again"});
   });
+}
+
+// Broadcast, all_gather and reduce_scatter of the shared-device group, used
+// directly (one thread per rank, as replicas do).
+TEST(GpuCollectives, SharedDeviceBroadcastAllGatherReduceScatter) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  const int n = 3;
+  const int64_t count = 1000;
+  std::vector<void*> streams;
+  for (int r = 0; r < n; ++r) streams.push_back(b.create_stream(0));
+  ds::CommunicationOptions co;
+  co.timeout = std::chrono::seconds(30);
+  auto comms = b.shared_device_group({0, streams}, co);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ds::ExecScope sc = scope_for(*dm, ds::Device::gpu(0));
+        sc.stream = streams[r];
+        ds::ScopedExec scoped(sc);
+        ds::Tensor h(ds::Shape{n * count}, ds::DType::kFloat32);
+        for (int64_t i = 0; i < n * count; ++i) h.data<float>()[i] = static_cast<float>(r * 100000 + i);
+        ds::Tensor in = to_device(h, ds::Device::gpu(0));
+        ds::Tensor out(ds::Shape{n * count}, ds::DType::kFloat32, ds::Device::gpu(0));
+        ds::Communicator& c = *comms[r];
+        // broadcast from rank 1: everyone gets rank 1's values
+        ds::Tensor bc = in.clone();
+        c.broadcast(bc.data(), n * count, ds::DType::kFloat32, 1, "bc");
+        ds::Tensor got = to_host(bc);
+        if (got.data<float>()[7] != 100000.0f + 7) throw std::runtime_error("broadcast");
+        // all_gather of each rank's first `count` elements
+        c.all_gather(in.data(), out.data(), count, ds::DType::kFloat32, "ag");
+        got = to_host(out);
+        for (int k = 0; k < n; ++k) {
+          if (got.data<float>()[k * count + 5] != static_cast<float>(k * 100000 + 5)) throw std::runtime_error("all_gather");
+        }
+        // reduce_scatter: block r of the sum over ranks
+        ds::Tensor rs(ds::Shape{count}, ds::DType::kFloat32, ds::Device::gpu(0));
+        c.reduce_scatter(in.data(), rs.data(), count, ds::DType::kFloat32, ds::ReduceOp::kSum, "rs");
+        got = to_host(rs);
+        const float want = static_cast<float>((0 + 1 + 2) * 100000 + n * (r * count + 9));
+        if (got.data<float>()[9] != want) throw std::runtime_error("reduce_scatter");
+        c.barrier("done");
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        comms[r]->abort(e.what());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  comms.clear();
+  for (void* st : streams) b.destroy_stream(0, st);
 }
 
 TEST(GpuNccl, SingleRankCommunicatorsFromTheLocalAndMultiProcessFactories) {
