@@ -1,5 +1,7 @@
 #include "core/thread_pool.h"
 
+#include "diststrat/error.h"
+
 namespace diststrat {
 
 ThreadPool::ThreadPool(int num_threads) {
@@ -8,26 +10,52 @@ ThreadPool::ThreadPool(int num_threads) {
 }
 
 ThreadPool::~ThreadPool() {
+  std::vector<bool> busy;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    busy = busy_;
   }
   work_cv_.notify_all();
-  for (auto& t : threads_) t.join();
+  for (size_t i = 0; i < threads_.size(); ++i) {
+    // A thread abandoned inside a stalled task can never be joined.
+    if (i < busy.size() && busy[i]) {
+      threads_[i].detach();
+    } else {
+      threads_[i].join();
+    }
+  }
 }
 
-std::vector<std::exception_ptr> ThreadPool::run_all(const std::function<void(int)>& fn) {
+ThreadPool::Result ThreadPool::run_all(const std::function<void(int)>& fn,
+                                       std::chrono::milliseconds grace) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (broken_) {
+    throw FailedPreconditionError(
+        "a replica thread is stuck in an earlier step and was abandoned; this strategy cannot "
+        "run again (destroy it and create a new one)");
+  }
   task_ = &fn;
   errors_.assign(threads_.size(), nullptr);
+  busy_.assign(threads_.size(), true);
+  failed_ = 0;
   remaining_ = size();
   ++generation_;
   work_cv_.notify_all();
-  // No deadline here on purpose: replicas' own waits (collectives) carry the
-  // deadlines, and a user's step may legitimately run for hours.
-  done_cv_.wait(lock, [&] { return remaining_ == 0; });
-  task_ = nullptr;
-  return std::move(errors_);
+  // No deadline while all is well: a user's step may legitimately run for
+  // hours, and replicas' collectives carry their own deadlines.
+  done_cv_.wait(lock, [&] { return remaining_ == 0 || failed_ > 0; });
+  if (remaining_ > 0 && !done_cv_.wait_for(lock, grace, [&] { return remaining_ == 0; })) {
+    broken_ = true;
+  }
+  Result result;
+  for (int i = 0; i < size(); ++i) {
+    if (busy_[i]) result.unfinished.push_back(i);
+  }
+  result.errors = std::move(errors_);
+  errors_.assign(threads_.size(), nullptr);
+  if (!broken_) task_ = nullptr;
+  return result;
 }
 
 void ThreadPool::loop(int index) {
@@ -48,8 +76,11 @@ void ThreadPool::loop(int index) {
       error = std::current_exception();
     }
     std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return;  // run_all gave up on this thread; nobody waits for it
+    if (error) ++failed_;
     errors_[index] = std::move(error);  // the worker keeps no reference after unlocking
-    if (--remaining_ == 0) done_cv_.notify_all();
+    busy_[index] = false;
+    if (--remaining_ == 0 || failed_ > 0) done_cv_.notify_all();
   }
 }
 

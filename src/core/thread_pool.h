@@ -3,6 +3,7 @@
 // thread, so per-replica state (a CUDA device, thread-local caches) sticks.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -20,9 +21,19 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return static_cast<int>(threads_.size()); }
-  // Runs fn(i) on thread i for all i; returns each thread's exception (null
-  // where fn returned normally). Not reentrant.
-  std::vector<std::exception_ptr> run_all(const std::function<void(int)>& fn);
+  struct Result {
+    std::vector<std::exception_ptr> errors;  // per thread; null where fn returned
+    std::vector<int> unfinished;             // threads abandoned (see below)
+  };
+  // Runs fn(i) on thread i for all i and waits for all. Once some thread has
+  // failed, the others get `grace` to finish (a failed replica aborts its
+  // peers' collectives, so healthy ones return at once); a thread still busy
+  // after that is stuck (a stalled replica) and is abandoned: run_all returns,
+  // listing it, and the pool is unusable from then on (FailedPrecondition).
+  // Not reentrant.
+  Result run_all(const std::function<void(int)>& fn,
+                 std::chrono::milliseconds grace = std::chrono::hours(24 * 365));
+  bool broken() const { return broken_; }
 
  private:
   void loop(int index);
@@ -33,6 +44,9 @@ class ThreadPool {
   std::condition_variable done_cv_;
   const std::function<void(int)>* task_ = nullptr;
   std::vector<std::exception_ptr> errors_;
+  std::vector<bool> busy_;
+  int failed_ = 0;
+  bool broken_ = false;
   long generation_ = 0;
   int remaining_ = 0;
   bool stop_ = false;

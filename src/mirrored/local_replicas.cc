@@ -81,7 +81,7 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
     group_.at(i).abort(why);
     if (!device_comms_.empty()) device_comms_[static_cast<size_t>(i)]->abort(why);
   };
-  auto errors = pool_.run_all([&](int i) {
+  ThreadPool::Result result = pool_.run_all([&](int i) {
     ScopedExec scoped(scope(i));
     try {
       fn(*contexts_[i]);
@@ -100,9 +100,9 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
       abort_all(i, "replica " + std::to_string(i) + " failed with a non-standard exception");
       throw;
     }
-  });
+  }, options_.timeout);
   std::exception_ptr first, first_abort;
-  for (auto& e : errors) {
+  for (auto& e : result.errors) {
     if (!e) continue;
     try {
       std::rethrow_exception(e);
@@ -111,6 +111,19 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
     } catch (...) {
       if (!first) first = e;
     }
+  }
+  if (!result.unfinished.empty()) {
+    // A stalled replica: its peers failed (usually with DeadlineExceeded
+    // naming it) and it still did not return within the timeout. It cannot
+    // be interrupted, so this strategy is finished; report why.
+    std::string who;
+    for (int r : result.unfinished) who += (who.empty() ? "" : ", ") + std::to_string(r);
+    const std::string msg = "replica " + who + " is stuck and did not return within " +
+                            std::to_string(options_.timeout.count()) +
+                            " ms after the step failed; this strategy cannot run again";
+    strategy_->logger().error(msg);
+    if (first) std::rethrow_exception(first);
+    throw DeadlineExceededError(msg);
   }
   if (first || first_abort) {
     group_.at(0).reset();  // every replica thread is idle now

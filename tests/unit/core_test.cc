@@ -136,8 +136,9 @@ TEST(ThreadPool, RunsOnPersistentThreadsAndReportsErrors) {
     if (i == 1) throw std::runtime_error("boom");
   });
   EXPECT_EQ(first, second);
-  EXPECT_EQ(errors[0], nullptr);
-  EXPECT_NE(errors[1], nullptr);
+  EXPECT_EQ(errors.errors[0], nullptr);
+  EXPECT_NE(errors.errors[1], nullptr);
+  EXPECT_TRUE(errors.unfinished.empty());
 }
 
 TEST(Initializers, DeterministicPerSeed) {

@@ -371,3 +371,37 @@ TEST(Mirrored, AdamTrainsIdenticallyOnEveryReplica) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Mirrored, StalledReplicaEndsTheStepWithinTheDeadline) {
+  ds::MirroredOptions o;
+  o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+  o.communication.timeout = std::chrono::milliseconds(200);
+  auto strategy = std::make_unique<ds::MirroredStrategy>(o);
+  std::atomic<bool> release{false};
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    strategy->run([&](ds::ReplicaContext& ctx) {
+      if (ctx.replica_id() == 1) {
+        // Stalls (until the test releases it at the end, so it can exit).
+        while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        return;
+      }
+      ds::Tensor t(ds::Shape{1}, ds::DType::kFloat32);
+      std::vector<ds::Tensor> v{t};
+      ctx.all_reduce(ds::ReduceOp::kSum, v, {"g"});
+    });
+    FAIL();
+  } catch (const ds::DeadlineExceededError& e) {
+    EXPECT_NE(e.message().find("rank 1 did not arrive"), std::string::npos) << e.message();
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(secs, 2.0);
+  // The strategy refuses to run again rather than hang.
+  EXPECT_THROW(strategy->run([](ds::ReplicaContext&) {}), ds::FailedPreconditionError);
+  release = true;
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
+
+}  // namespace
