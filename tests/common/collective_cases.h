@@ -15,6 +15,7 @@
 
 #include "diststrat/collective.h"
 #include "diststrat/dtype.h"
+#include "../unit/dtype_util.h"
 
 namespace diststrat {
 namespace testing_cases {
@@ -46,43 +47,11 @@ inline double expected(int n, size_t i, ReduceOp op, DType dtype) {
   return acc;
 }
 
-inline void store(void* buf, DType dtype, size_t i, double v) {
-  switch (dtype) {
-    case DType::kFloat32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
-    case DType::kFloat64: static_cast<double*>(buf)[i] = v; break;
-    case DType::kFloat16: static_cast<Half*>(buf)[i] = Half(static_cast<float>(v)); break;
-    case DType::kBFloat16: static_cast<BFloat16*>(buf)[i] = BFloat16(static_cast<float>(v)); break;
-    case DType::kInt32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
-    case DType::kInt64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
-  }
-}
-
-inline double load(const void* buf, DType dtype, size_t i) {
-  switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(buf)[i];
-    case DType::kFloat64: return static_cast<const double*>(buf)[i];
-    case DType::kFloat16: return static_cast<float>(static_cast<const Half*>(buf)[i]);
-    case DType::kBFloat16: return static_cast<float>(static_cast<const BFloat16*>(buf)[i]);
-    case DType::kInt32: return static_cast<const int32_t*>(buf)[i];
-    case DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
-  }
-  return 0;
-}
-
 // Rank r's input buffer of `count` elements.
 inline std::vector<char> make_input(int rank, size_t count, DType dtype, ReduceOp op) {
   std::vector<char> buf(count * dtype_size(dtype) + 1);
-  for (size_t i = 0; i < count; ++i) store(buf.data(), dtype, i, contribution(rank, i, op));
+  for (size_t i = 0; i < count; ++i) testing::set_elem(buf.data(), dtype, i, contribution(rank, i, op));
   return buf;
-}
-
-inline double tolerance(DType dtype, double v) {
-  switch (dtype) {
-    case DType::kFloat16: return std::abs(v) * 1e-3 + 1e-3;
-    case DType::kBFloat16: return std::abs(v) * 8e-3 + 8e-3;
-    case DType::kFloat32: return std::abs(v) * 1e-6;
-    default: return 0;
-  }
 }
 
 // Checks elements [0, count) of an all-reduce result (element i of `buf` is
@@ -90,8 +59,8 @@ inline double tolerance(DType dtype, double v) {
 inline ::testing::AssertionResult check_reduced(const void* buf, size_t count, DType dtype,
                                                 ReduceOp op, int n, size_t first = 0) {
   for (size_t i = 0; i < count; ++i) {
-    const double want = expected(n, first + i, op, dtype), got = load(buf, dtype, i);
-    if (!(std::abs(got - want) <= tolerance(dtype, want))) {
+    const double want = expected(n, first + i, op, dtype), got = testing::get_elem(buf, dtype, i);
+    if (!(std::abs(got - want) <= testing::tolerance(dtype, want))) {
       return ::testing::AssertionFailure()
              << "element " << first + i << " of " << dtype_name(dtype) << " "
              << reduce_op_name(op) << " over " << n << " ranks: got " << got << ", want " << want;
@@ -100,10 +69,8 @@ inline ::testing::AssertionResult check_reduced(const void* buf, size_t count, D
   return ::testing::AssertionSuccess();
 }
 
-inline const std::vector<DType>& all_dtypes() {
-  static const std::vector<DType> d = {DType::kFloat32, DType::kFloat64, DType::kFloat16,
-                                       DType::kBFloat16, DType::kInt32, DType::kInt64};
-  return d;
+inline std::vector<DType> all_dtypes() {
+  return std::vector<DType>(std::begin(testing::kAllDTypes), std::end(testing::kAllDTypes));
 }
 inline const std::vector<ReduceOp>& all_ops() {
   static const std::vector<ReduceOp> o = {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMin,
