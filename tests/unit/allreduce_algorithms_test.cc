@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "../common/collective_cases.h"
+#include "harness.h"
 #include "allreduce/algorithm.h"
 #include "allreduce/transport.h"
 #include "allreduce/transport_communicator.h"
@@ -32,23 +33,13 @@ namespace {
 void run_transport_ranks(int n, const ds::CommunicationOptions& options,
                          const std::function<void(ds::TransportCommunicator&)>& fn) {
   ds::InProcessTransportGroup group(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
+  ds::testing::run_threads(
+      n,
+      [&](int r) {
         ds::TransportCommunicator comm(group.at(r), options);
         fn(comm);
-      } catch (...) {
-        errors[r] = std::current_exception();
-        group.at(r).abort("rank " + std::to_string(r) + " failed");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+      },
+      [&](int r) { group.at(r).abort("rank " + std::to_string(r) + " failed"); });
 }
 
 struct AlgoCase {
