@@ -195,11 +195,30 @@ TEST(CustomAlgorithm, RegisteredAlgorithmRunsAndUnknownNameIsRejected) {
 TEST(AutoSelection, ThresholdsComeFromOptions) {
   ds::CommunicationOptions o;
   EXPECT_EQ(ds::algo::choose_auto(o, 1024, 4, 1), ds::Algorithm::kTree);
-  EXPECT_EQ(ds::algo::choose_auto(o, 32 << 10, 4, 1), ds::Algorithm::kHalvingDoubling);
+  EXPECT_EQ(ds::algo::choose_auto(o, 1024, 2, 1), ds::Algorithm::kHalvingDoubling);
   EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 1), ds::Algorithm::kRing);
   EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 2), ds::Algorithm::kHierarchical);
+  o.auto_tiny_message_bytes = 1 << 10;
   o.auto_small_message_bytes = 16 << 20;
+  EXPECT_EQ(ds::algo::choose_auto(o, 1024, 4, 1), ds::Algorithm::kTree);
   EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 1), ds::Algorithm::kHalvingDoubling);
+  EXPECT_EQ(ds::algo::choose_auto(o, 32 << 20, 4, 1), ds::Algorithm::kRing);
+}
+
+TEST(TransportCommunicator, AbortMakesCallsFailWithAborted) {
+  ds::CommunicationOptions o;
+  o.timeout = std::chrono::seconds(10);
+  run_transport_ranks(2, o, [&](ds::TransportCommunicator& comm) {
+    float v = 1.f;
+    comm.all_reduce(&v, &v, 1, ds::DType::kFloat32, ds::ReduceOp::kSum, "before");
+    EXPECT_EQ(v, 2.f);
+    comm.barrier();
+    if (comm.rank() == 0) comm.abort("test abort");
+    // Rank 0 fails at once; rank 1's transport peer (the in-process group)
+    // is aborted too, so it fails instead of waiting out the deadline.
+    EXPECT_THROW(comm.all_reduce(&v, &v, 1, ds::DType::kFloat32, ds::ReduceOp::kSum, "after"),
+                 ds::AbortedError);
+  });
 }
 
 // A rank that never joins: the others fail with DeadlineExceeded within the
