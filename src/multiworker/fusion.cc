@@ -255,6 +255,15 @@ void FusionEngine::abort(const std::string& reason) {
   }
 }
 
+bool FusionEngine::abort_if_pending(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (calls_.empty()) return false;
+  }
+  abort(reason);
+  return true;
+}
+
 void FusionEngine::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
@@ -354,8 +363,7 @@ std::string FusionEngine::signature(const Call& call) const {
   const Part& p = call.parts[0];
   std::ostringstream os;
   os << "op " << reduce_op_name(p.op) << ", bytes_per_pack " << options_.bytes_per_pack
-     << ", compression " << compression_name(options_.compression) << ", " << p.tensors.size()
-     << " tensors\n";
+     << ", compression " << compression_name(options_.compression) << "\n";
   for (size_t i = 0; i < p.tensors.size(); ++i) os << tensor_line(name_at(p.names, i), p.tensors[i]) << "\n";
   return os.str();
 }

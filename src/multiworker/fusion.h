@@ -86,6 +86,10 @@ class FusionEngine {
   // Fails every call that is not complete yet with AbortedError(reason) and
   // makes the engine unusable (a replica failed mid-step).
   void abort(const std::string& reason);
+  // abort(reason) if a call is waiting for local replicas or queued; returns
+  // whether it did. (A replica that failed after its calls completed leaves
+  // the ranks in step.)
+  bool abort_if_pending(const std::string& reason);
 
   int rank() const { return rank_; }
   const CommunicationOptions& options() const { return options_; }

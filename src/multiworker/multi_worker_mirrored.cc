@@ -303,7 +303,7 @@ void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaC
     } catch (const std::exception& e) {
       // The other local replicas may be waiting on a call this one never
       // completes: fail those calls now (their wait() throws AbortedError).
-      m.engine->abort("rank " + std::to_string(m.rank()) + ": local replica " + std::to_string(l) +
+      m.engine->abort_if_pending("rank " + std::to_string(m.rank()) + ": local replica " + std::to_string(l) +
                       " failed: " + e.what());
       throw;
     }
