@@ -1,6 +1,7 @@
 // Umbrella header: everything a training program needs.
 #pragma once
 
+#include "diststrat/algorithm_registry.h"
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/data.h"
