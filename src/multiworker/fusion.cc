@@ -437,6 +437,16 @@ void FusionEngine::execute_all_reduce(Call& call) {
                             std::to_string(num) + ", \"packs\": " + std::to_string(packs.size()));
   }
 
+  // Size the fusion buffer once for the largest multi-tensor pack of the call.
+  size_t largest = 0;
+  for (const auto& [i, j] : packs) {
+    if (j == i + 1) continue;
+    size_t bytes = 0;
+    for (size_t k = i; k < j; ++k) bytes += p0.tensors[k].nbytes();
+    largest = std::max(largest, bytes);
+  }
+  ensure(buffer_, largest);
+
   std::vector<const void*> srcs(num_local_);
   for (size_t pk = 0; pk < packs.size(); ++pk) {
     const auto [i, j] = packs[pk];
@@ -465,7 +475,6 @@ void FusionEngine::execute_all_reduce(Call& call) {
         kernels::reduce(data, srcs.data(), num_local_, count, dtype, sum_op, 1);
       }
     } else {
-      ensure(buffer_, bytes);
       data = buffer_.data();
       size_t off = 0;
       for (size_t k = i; k < j; ++k) {
