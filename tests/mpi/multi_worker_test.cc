@@ -87,12 +87,7 @@ TEST(MultiWorkerMpi, FusionOddSizesMixedDtypesEveryPackSize) {
         ds::Tensor t(ds::Shape{sizes[k]}, dtypes[(k / 3) % 4]);
         for (int64_t i = 0; i < sizes[k]; ++i) {
           const double v = ctx.replica_id() + 1 + (i % 7);
-          switch (t.dtype()) {
-            case ds::DType::kFloat32: t.data<float>()[i] = static_cast<float>(v); break;
-            case ds::DType::kFloat64: t.data<double>()[i] = v; break;
-            case ds::DType::kInt32: t.data<int32_t>()[i] = static_cast<int32_t>(v); break;
-            default: t.data<int64_t>()[i] = static_cast<int64_t>(v); break;
-          }
+          ds::testing::set_element(t, i, v);
         }
         ts.push_back(t);
       }
@@ -100,13 +95,7 @@ TEST(MultiWorkerMpi, FusionOddSizesMixedDtypesEveryPackSize) {
       for (size_t k = 0; k < sizes.size(); ++k) {
         for (int64_t i = 0; i < sizes[k]; ++i) {
           const double expect = R * (R + 1) / 2.0 + R * (i % 7);
-          double got;
-          switch (ts[k].dtype()) {
-            case ds::DType::kFloat32: got = ts[k].data<float>()[i]; break;
-            case ds::DType::kFloat64: got = ts[k].data<double>()[i]; break;
-            case ds::DType::kInt32: got = ts[k].data<int32_t>()[i]; break;
-            default: got = static_cast<double>(ts[k].data<int64_t>()[i]); break;
-          }
+          const double got = ds::testing::get_element(ts[k], i);
           ASSERT_EQ(got, expect) << "bytes_per_pack " << bpp << " tensor " << k << " element " << i;
         }
       }
