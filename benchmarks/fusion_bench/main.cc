@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int tensors = 1000;
-  size_t tensor_bytes = 4096, bytes_per_pack = ds::CommunicationOptions{}.bytes_per_pack;
+  size_t tensor_bytes = 4096, bytes_per_pack = ds::kMultiWorkerBytesPerPack;
   bool sweep = false;
   CLI::App app{"Fusion engine vs one all-reduce vs separate MPI_Allreduce calls"};
   app.add_option("--tensors", tensors, "K tensors")->capture_default_str();
