@@ -160,6 +160,55 @@ TEST(MultiWorkerMpi, CompressionStaysWithinTolerance) {
   }
 }
 
+TEST(MultiWorkerMpi, ClusterFromTheLauncherAndFromTfConfig) {
+  const int n = world_size(), me = world_rank();
+  ds::ResolvedCluster r = ds::resolve_cluster({});
+  EXPECT_EQ(r.source, ds::ClusterSource::kMpi);
+  EXPECT_EQ(r.info.rank, me);
+  EXPECT_EQ(r.info.world_size, n);
+  EXPECT_EQ(r.info.is_chief(), me == 0);
+  EXPECT_EQ(r.placement.rank, me);
+  if (!virtual_nodes()) {
+    EXPECT_EQ(r.placement.num_nodes, 1);  // one host
+    EXPECT_EQ(r.placement.local_size, n);
+    EXPECT_EQ(r.placement.local_rank, me);
+  }
+  ds::ClusterConfig grouped;
+  grouped.virtual_node_size = 1;
+  if (!virtual_nodes()) EXPECT_EQ(ds::resolve_cluster(grouped).placement.num_nodes, n);
+
+  // TF_CONFIG with a chief: rank 0 is the chief, the others worker[rank - 1].
+  std::string workers;
+  for (int w = 1; w < n; ++w) workers += std::string(w > 1 ? "," : "") + "\"w" + std::to_string(w) + ":1\"";
+  const std::string type = me == 0 ? "chief" : "worker";
+  const int index = me == 0 ? 0 : me - 1;
+  const std::string tf = R"({"cluster":{"chief":["c:1"],"worker":[)" + workers + R"(]},"task":{"type":")" +
+                         type + R"(","index":)" + std::to_string(index) + "}}";
+  setenv("TF_CONFIG", tf.c_str(), 1);
+  r = ds::resolve_cluster({});
+  EXPECT_EQ(r.source, ds::ClusterSource::kTfConfig);
+  EXPECT_EQ(r.info.task_type, type);
+  EXPECT_EQ(r.info.worker_index, me);
+  {
+    ds::MultiWorkerMirroredStrategy s(options(1));
+    EXPECT_EQ(s.cluster().task_type, type);
+    EXPECT_EQ(s.num_replicas_in_sync(), n);
+  }
+  // A TF_CONFIG whose task does not match the launcher's rank is rejected.
+  const std::string wrong = R"({"cluster":{"chief":["c:1"],"worker":[)" + workers +
+                            R"(]},"task":{"type":"chief","index":0}})";
+  setenv("TF_CONFIG", wrong.c_str(), 1);
+  try {
+    ds::resolve_cluster({});  // collective: every rank calls it
+    EXPECT_EQ(me, 0) << "accepted";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(me, 0);
+    EXPECT_NE(e.message().find("MPI rank " + std::to_string(me)), std::string::npos) << e.message();
+  }
+  unsetenv("TF_CONFIG");
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // Last: the strategy is unusable after a deadline. The last rank stops
 // participating; the others fail with DeadlineExceeded within the deadline.
 TEST(MultiWorkerMpi, ZZ_ARankThatStopsIsDeadlineExceeded) {
