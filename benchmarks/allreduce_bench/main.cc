@@ -66,6 +66,7 @@ struct Config {
   int fusion_tensors = 1000;
   size_t fusion_bytes = 4096;
   size_t segment_bytes = 0;
+  std::string csv_out;
 };
 
 struct Row {
@@ -295,48 +296,58 @@ std::vector<Row> run_fusion(World& w, const Config& c, ds::DType dtype, ds::Redu
   return rows;
 }
 
-void print(const Config& c, const std::vector<Row>& rows, int ranks, double copy_bw,
-           const std::string& mode, ds::DType dtype, ds::ReduceOp op) {
+void print(const std::string& format, const Config& c, const std::vector<Row>& rows, int ranks,
+           double copy_bw, const std::string& mode, ds::DType dtype, ds::ReduceOp op, FILE* f) {
   const char* dt = ds::dtype_name(dtype);
   const char* on = ds::reduce_op_name(op);
-  if (c.format == "json") {
-    std::printf("{\"mode\":\"%s\",\"ranks\":%d,\"copy_bandwidth_gbps\":%.3f,\"rows\":[", mode.c_str(),
+  if (format == "json") {
+    std::fprintf(f, "{\"mode\":\"%s\",\"ranks\":%d,\"copy_bandwidth_gbps\":%.3f,\"rows\":[", mode.c_str(),
                 ranks, copy_bw);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      std::printf("%s{\"algo\":\"%s\",\"bytes\":%zu,\"count\":%zu,\"dtype\":\"%s\",\"op\":\"%s\","
+      std::fprintf(f, "%s{\"algo\":\"%s\",\"bytes\":%zu,\"count\":%zu,\"dtype\":\"%s\",\"op\":\"%s\","
                   "\"p50_us\":%.3f,\"p99_us\":%.3f,\"algbw_gbps\":%.4f,\"busbw_gbps\":%.4f,"
                   "\"vs_mpi\":%s,\"check\":\"%s\"}",
                   i ? "," : "", r.algo.c_str(), r.bytes, r.count, dt, on, r.p50_us, r.p99_us,
                   r.algbw, r.busbw, std::isnan(r.vs_mpi) ? "null" : std::to_string(r.vs_mpi).c_str(),
                   r.check.c_str());
     }
-    std::printf("]}\n");
+    std::fprintf(f, "]}\n");
     return;
   }
-  if (c.format == "csv") {
-    std::printf("algo,bytes,count,dtype,op,p50_us,p99_us,algbw_gbps,busbw_gbps,vs_mpi,check\n");
+  if (format == "csv") {
+    std::fprintf(f, "algo,bytes,count,dtype,op,p50_us,p99_us,algbw_gbps,busbw_gbps,vs_mpi,check\n");
     for (const Row& r : rows) {
-      std::printf("%s,%zu,%zu,%s,%s,%.3f,%.3f,%.4f,%.4f,%s,%s\n", r.algo.c_str(), r.bytes, r.count,
+      std::fprintf(f, "%s,%zu,%zu,%s,%s,%.3f,%.3f,%.4f,%.4f,%s,%s\n", r.algo.c_str(), r.bytes, r.count,
                   dt, on, r.p50_us, r.p99_us, r.algbw, r.busbw,
                   std::isnan(r.vs_mpi) ? "" : std::to_string(r.vs_mpi).c_str(), r.check.c_str());
     }
     return;
   }
-  std::printf("# allreduce_bench: %s, %d ranks, dtype %s, op %s, %d iterations (+%d warmup)\n",
+  std::fprintf(f, "# allreduce_bench: %s, %d ranks, dtype %s, op %s, %d iterations (+%d warmup)\n",
               mode.c_str(), ranks, dt, on, c.iters, c.warmup);
-  std::printf("# memory copy bandwidth: %.2f GB/s (single-thread memcpy of 256 MiB, best of 5)\n",
+  std::fprintf(f, "# memory copy bandwidth: %.2f GB/s (single-thread memcpy of 256 MiB, best of 5)\n",
               copy_bw);
-  std::printf("# busbw = algbw * 2(p-1)/p; vs_mpi = MPI_Allreduce p50 time / this p50 time\n");
-  std::printf("%-26s %10s %11s %9s %7s %10s %10s %9s %9s %7s %5s\n", "algo", "size", "count", "dtype",
+  std::fprintf(f, "# busbw = algbw * 2(p-1)/p; vs_mpi = MPI_Allreduce p50 time / this p50 time\n");
+  std::fprintf(f, "%-26s %10s %11s %9s %7s %10s %10s %9s %9s %7s %5s\n", "algo", "size", "count", "dtype",
               "op", "p50(us)", "p99(us)", "algbw", "busbw", "vs_mpi", "check");
   for (const Row& r : rows) {
     char ratio[16] = "-";
     if (!std::isnan(r.vs_mpi)) std::snprintf(ratio, sizeof ratio, "%.2f", r.vs_mpi);
-    std::printf("%-26s %10s %11zu %9s %7s %10.1f %10.1f %9.3f %9.3f %7s %5s\n", r.algo.c_str(),
+    std::fprintf(f, "%-26s %10s %11zu %9s %7s %10.1f %10.1f %9.3f %9.3f %7s %5s\n", r.algo.c_str(),
                 human(r.bytes).c_str(), r.count, dt, on, r.p50_us, r.p99_us, r.algbw, r.busbw,
                 ratio, r.check.c_str());
   }
+}
+
+// --csv-out: the same rows as CSV in a file as well (for plot_bench.py).
+void write_csv(const Config& c, const std::vector<Row>& rows, int ranks, double copy_bw,
+               const std::string& mode, ds::DType dtype, ds::ReduceOp op) {
+  if (c.csv_out.empty()) return;
+  FILE* f = std::fopen(c.csv_out.c_str(), "w");
+  if (!f) throw ds::NotFoundError("cannot write --csv-out file '" + c.csv_out + "'");
+  print("csv", c, rows, ranks, copy_bw, mode, dtype, op, f);
+  std::fclose(f);
 }
 
 // Bars from the issue, computed from one run's rows.
@@ -500,7 +511,8 @@ int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
       return 1;
     }
   }
-  print(c, result, n, copy_bw, "in-process", dtype, op);
+  print(c.format, c, result, n, copy_bw, "in-process", dtype, op, stdout);
+  write_csv(c, result, n, copy_bw, "in-process", dtype, op);
   if (c.format == "table") print_bars(result, copy_bw, n, "inproc");
   return 0;
 }
@@ -624,7 +636,8 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
   }
   auto rows = c.fusion ? run_fusion(w, c, dtype, op, runners) : run_sweep(w, c, dtype, op, runners);
   if (w.rank() == 0) {
-    print(c, rows, w.size(), copy_bw, "mpi", dtype, op);
+    print(c.format, c, rows, w.size(), copy_bw, "mpi", dtype, op, stdout);
+    write_csv(c, rows, w.size(), copy_bw, "mpi", dtype, op);
     if (c.format == "table") print_bars(rows, copy_bw, w.size(), "mpi");
   }
   return 0;
@@ -653,6 +666,7 @@ int main(int argc, char** argv) {
   app.add_flag("--fusion", c.fusion, "K tensors of S bytes: one call each vs PackedAllReduce");
   app.add_option("--fusion-tensors", c.fusion_tensors, "K for --fusion");
   app.add_option("--fusion-bytes", c.fusion_bytes, "S for --fusion");
+  app.add_option("--csv-out", c.csv_out, "also write the rows as CSV to this file");
   app.add_option("--segment-bytes", c.segment_bytes, "CommunicationOptions::segment_bytes (0 = default)");
   CLI11_PARSE(app, argc, argv);
   if (!algos.empty()) {

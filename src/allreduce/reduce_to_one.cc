@@ -23,7 +23,7 @@ void reduce_to_one_all_reduce(const Peers& peers, const AllReduceArgs& a) {
     // Double-buffered: the next receive lands while the current one is added.
     std::vector<char> scratch(2 * (bytes ? bytes : 1));
     char* slot[2] = {scratch.data(), scratch.data() + (bytes ? bytes : 1)};
-    Request next = peers.recv(1, slot[1 & 1], bytes, a.tag);
+    Request next = peers.recv(1, slot[1], bytes, a.tag);
     for (int r = 1; r < n; ++r) {
       Request cur = std::move(next);
       cur.wait(a.deadline);

@@ -1,32 +1,36 @@
 // Shared-memory collectives for the ranks of one node.
 //
 // Every rank allocates its part of one MPI-3 shared window: a header with a
-// barrier counter and an abort word, then two staging buffers of `chunk`
+// barrier counter and an abort word, then three staging buffers of `chunk`
 // bytes. All ranks map all parts, so each reads its peers' buffers directly:
 // no messages and no copies beyond the ones below.
 //
-// All-reduce of a chunk (messages are processed in chunks of the buffer size):
-//  1. rank r copies the slices of its input that the OTHER ranks own into its
-//     staging buffer (its own slice it reads straight from its input);
+// All-reduce, chunk by chunk (chunks of the staging buffer size):
+//  1. stage: rank r copies the slices of the chunk that the OTHER ranks own
+//     into its staging buffer (its own slice it reads straight from its input);
 //  2. barrier;
-//  3. rank r reduces its slice [lo_r, hi_r) in one pass over its input and
-//     every peer's staging buffer into its output, block by block, copying
-//     each block while it is in cache into the (otherwise unused) own slice
-//     of its staging buffer;
+//  3. reduce: rank r reduces its slice [lo_r, hi_r) in one pass over its
+//     input and every peer's staging buffer into its output, block by block,
+//     copying each block while it is in cache into the (otherwise unused) own
+//     slice of its staging buffer;
 //  4. barrier;
-//  5. rank r copies the other ranks' reduced slices out of their staging
-//     buffers into its output.
-// With chunks that fit in the caches (default 256 KiB) the staging buffers
+//  5. collect: rank r copies the other ranks' reduced slices out of their
+//     staging buffers into its output.
+// The steps of consecutive chunks are software-pipelined: phase p collects
+// chunk p-2, reduces chunk p-1 and stages chunk p, with one barrier between
+// phases, so a message of k chunks costs k + 1 barriers instead of 2k.
+// With chunks that fit in the caches (default 1 MiB) the staging buffers
 // never leave them, so memory sees about what one memcpy of the message
-// costs: the input read and the output written.
-// Small chunks (up to kSmallBytes) skip the slicing: each rank stages its
-// whole input, meets the others at one barrier and reduces the whole chunk
-// itself, which trades a little redundant arithmetic for one barrier less.
+// costs: the input read and the output written. Messages up to kSmallBytes
+// skip the slicing: each rank stages its whole input, meets the others at one
+// barrier and reduces the whole message itself.
 //
-// The two staging buffers alternate by chunk number (counted across calls).
-// A chunk's writes happen after the previous chunk's last barrier, and every
-// read of the buffer it reuses (two chunks back) finished before that
-// barrier, so one barrier per phase suffices without a closing one.
+// The staging buffers rotate by chunk number (counted across calls, and a
+// barrier counts as an empty chunk). A buffer is read at most two phases after
+// it was written and rewritten three chunks (so at least three barriers)
+// later, hence no closing barrier is needed: a rank may return while peers
+// still collect its last chunk. broadcast, all_gather and reduce_scatter use
+// one barrier per chunk (stage, barrier, read).
 //
 // Barrier: each rank bumps its own counter (release) and waits until every
 // counter has reached its value (acquire), spinning, then yielding, then
@@ -53,10 +57,14 @@ namespace {
 
 constexpr size_t kHeader = 256;              // keeps the buffers cache-line (and page-ish) aligned
 constexpr size_t kSmallBytes = 16 << 10;     // all-reduce chunks up to this skip slicing
-// Staging buffer size: small enough that both buffers of every rank stay in
-// the caches, large enough that the two barriers per chunk are amortised
-// (measured with allreduce_bench --algos shm --segment-bytes).
-constexpr size_t kDefaultChunk = 256 << 10;
+// Staging buffer size: small enough that the buffers stay in the caches,
+// large enough that the barrier per chunk is amortised. Measured with
+// allreduce_bench --algos shm,mpi --segment-bytes on the 2-core development
+// host (busy with other jobs): 1-4 MiB chunks beat MPI_Allreduce by 1.4-1.8x
+// at 16-64 MiB, 256 KiB chunks only by 1.1-1.2x (a descheduled peer stalls
+// every barrier).
+constexpr size_t kDefaultChunk = 1 << 20;
+constexpr int kBuffers = 3;  // staging buffers per rank, used round-robin by chunk number
 
 struct alignas(64) Header {
   std::atomic<uint64_t> arrived{0};
@@ -92,7 +100,7 @@ class ShmCommunicator : public Communicator {
     MPI_Info_create(&info);
     MPI_Info_set(info, "alloc_shared_noncontig", "true");
     void* base = nullptr;
-    const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(kHeader + 2 * chunk_), 1, info,
+    const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(kHeader + kBuffers * chunk_), 1, info,
                                            comm_, &base, &win_);
     MPI_Info_free(&info);
     DISTSTRAT_MPI_CHECK(rc);
@@ -128,52 +136,71 @@ class ShmCommunicator : public Communicator {
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                   const std::string& name) override {
     Call call(this, describe_call("all_reduce", count, dtype, &op, name) + " (shm)");
+    if (count == 0) return;
     const size_t es = dtype_size(dtype);
     const size_t per = chunk_ / es;
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
     std::vector<const void*> srcs(size_);
-    for (size_t base = 0; base < count; base += per) {
-      const size_t len = std::min(per, count - base);
-      const int b = static_cast<int>(chunks_++ & 1);
-      const char* my_in = src + base * es;
-      char* my_out = dst + base * es;
-      if (len * es <= kSmallBytes) {
-        std::memcpy(buf(rank_, b), my_in, len * es);
-        call.barrier();
-        for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b);
-        srcs[rank_] = my_in;
-        kernels::reduce(my_out, srcs.data(), size_, len, dtype, op, size_);
-        continue;
-      }
-      // 1. stage the slices the others own.
+    if (count * es <= std::min(kSmallBytes, chunk_)) {
+      // One barrier: stage everything, then each rank reduces the whole.
+      const int b = static_cast<int>(chunks_++ % kBuffers);
+      std::memcpy(buf(rank_, b), src, count * es);
+      call.barrier();
+      for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b);
+      srcs[rank_] = src;
+      kernels::reduce(dst, srcs.data(), size_, count, dtype, op, size_);
+      return;
+    }
+    const size_t nchunks = (count + per - 1) / per;
+    const uint64_t first = chunks_;
+    chunks_ += nchunks;
+    auto len_of = [&](size_t k) { return std::min(per, count - k * per); };
+    auto staging = [&](int q, size_t k) {
+      return buf(q, static_cast<int>((first + k) % kBuffers));
+    };
+    // 1. stage the slices of chunk k that the others own.
+    auto stage = [&](size_t k) {
+      const size_t len = len_of(k);
       for (int q = 0; q < size_; ++q) {
         if (q == rank_) continue;
         size_t lo, hi;
         algo::slice_of(len, size_, q, &lo, &hi);
-        std::memcpy(buf(rank_, b) + lo * es, my_in + lo * es, (hi - lo) * es);
+        std::memcpy(staging(rank_, k) + lo * es, src + (k * per + lo) * es, (hi - lo) * es);
       }
-      call.barrier();
-      // 3. reduce my slice out of everyone's memory, block by block into my
-      // output, and publish each block (hot in cache) in my staging buffer.
+    };
+    // 3. reduce my slice of chunk k out of everyone's memory, block by block
+    // into my output, and publish each block (hot in cache) for the others.
+    auto reduce = [&](size_t k) {
       size_t lo, hi;
-      algo::slice_of(len, size_, rank_, &lo, &hi);
+      algo::slice_of(len_of(k), size_, rank_, &lo, &hi);
       const size_t block = std::max<size_t>(1, (32 << 10) / es);
       for (size_t j = lo; j < hi; j += block) {
         const size_t m = std::min(block, hi - j);
-        for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b) + j * es;
-        srcs[rank_] = my_in + j * es;
-        kernels::reduce(my_out + j * es, srcs.data(), size_, m, dtype, op, size_);
-        std::memcpy(buf(rank_, b) + j * es, my_out + j * es, m * es);
+        for (int q = 0; q < size_; ++q) srcs[q] = staging(q, k) + j * es;
+        srcs[rank_] = src + (k * per + j) * es;
+        char* mine = dst + (k * per + j) * es;
+        kernels::reduce(mine, srcs.data(), size_, m, dtype, op, size_);
+        std::memcpy(staging(rank_, k) + j * es, mine, m * es);
       }
-      call.barrier();
-      // 5. collect the other slices.
+    };
+    // 5. collect the other ranks' reduced slices of chunk k.
+    auto collect = [&](size_t k) {
+      const size_t len = len_of(k);
       for (int q = 0; q < size_; ++q) {
         if (q == rank_) continue;
-        size_t qlo, qhi;
-        algo::slice_of(len, size_, q, &qlo, &qhi);
-        std::memcpy(my_out + qlo * es, buf(q, b) + qlo * es, (qhi - qlo) * es);
+        size_t lo, hi;
+        algo::slice_of(len, size_, q, &lo, &hi);
+        std::memcpy(dst + (k * per + lo) * es, staging(q, k) + lo * es, (hi - lo) * es);
       }
+    };
+    // Software pipeline: phase p collects chunk p-2, reduces chunk p-1 and
+    // stages chunk p; one barrier between phases (so one per chunk).
+    for (size_t p = 0; p <= nchunks + 1; ++p) {
+      if (p >= 2) collect(p - 2);
+      if (p >= 1 && p - 1 < nchunks) reduce(p - 1);
+      if (p < nchunks) stage(p);
+      if (p <= nchunks) call.barrier();
     }
   }
 
@@ -186,7 +213,7 @@ class ShmCommunicator : public Communicator {
     char* p = static_cast<char*>(data);
     for (size_t off = 0; off < bytes; off += chunk_) {
       const size_t len = std::min(chunk_, bytes - off);
-      const int b = static_cast<int>(chunks_++ & 1);
+      const int b = static_cast<int>(chunks_++ % kBuffers);
       if (rank_ == root) std::memcpy(buf(rank_, b), p + off, len);
       call.barrier();
       if (rank_ != root) std::memcpy(p + off, buf(root, b), len);
@@ -201,7 +228,7 @@ class ShmCommunicator : public Communicator {
     char* dst = static_cast<char*>(out);
     for (size_t off = 0; off < bytes; off += chunk_) {
       const size_t len = std::min(chunk_, bytes - off);
-      const int b = static_cast<int>(chunks_++ & 1);
+      const int b = static_cast<int>(chunks_++ % kBuffers);
       std::memcpy(buf(rank_, b), src + off, len);
       call.barrier();
       for (int q = 0; q < size_; ++q) {
@@ -223,7 +250,7 @@ class ShmCommunicator : public Communicator {
     std::vector<const void*> srcs(size_);
     for (size_t base = 0; base < count; base += per) {
       const size_t len = std::min(per, count - base);
-      const int b = static_cast<int>(chunks_++ & 1);
+      const int b = static_cast<int>(chunks_++ % kBuffers);
       for (int q = 0; q < size_; ++q) {
         if (q != rank_) std::memcpy(buf(rank_, b) + q * len * es, src + (q * count + base) * es, len * es);
       }
@@ -255,7 +282,7 @@ class ShmCommunicator : public Communicator {
   }
 
  private:
-  char* buf(int r, int b) const { return bufs_[r] + b * chunk_; }
+  char* buf(int r, int b) const { return bufs_[r] + static_cast<size_t>(b) * chunk_; }
 
   // One collective call: its description for errors and its barriers.
   class Call {
