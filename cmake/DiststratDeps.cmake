@@ -62,10 +62,23 @@ macro(diststrat_resolve_backends)
   endif()
   _diststrat_decide(CUDA _found)
 
-  # cuBLAS
+  # cuBLAS (CUDA toolkit, or a Python wheel's nvidia/cublas via CUBLAS_ROOT)
   set(_found FALSE)
-  if(DISTSTRAT_HAVE_CUDA AND NOT DISTSTRAT_WITH_CUBLAS STREQUAL "OFF" AND TARGET CUDA::cublas)
-    set(_found TRUE)
+  if(DISTSTRAT_HAVE_CUDA AND NOT DISTSTRAT_WITH_CUBLAS STREQUAL "OFF")
+    if(NOT TARGET CUDA::cublas AND (CUBLAS_ROOT OR DEFINED ENV{CUBLAS_ROOT}))
+      find_path(CUBLAS_INCLUDE_DIR cublas_v2.h HINTS ${CUBLAS_ROOT} $ENV{CUBLAS_ROOT}
+                PATH_SUFFIXES include NO_DEFAULT_PATH)
+      find_library(CUBLAS_LIBRARY NAMES cublas libcublas.so.13 libcublas.so.12
+                   HINTS ${CUBLAS_ROOT} $ENV{CUBLAS_ROOT} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
+      if(CUBLAS_INCLUDE_DIR AND CUBLAS_LIBRARY)
+        add_library(CUDA::cublas UNKNOWN IMPORTED)
+        set_target_properties(CUDA::cublas PROPERTIES IMPORTED_LOCATION ${CUBLAS_LIBRARY}
+                              INTERFACE_INCLUDE_DIRECTORIES ${CUBLAS_INCLUDE_DIR})
+      endif()
+    endif()
+    if(TARGET CUDA::cublas)
+      set(_found TRUE)
+    endif()
   endif()
   _diststrat_decide(CUBLAS _found)
 

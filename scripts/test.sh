@@ -18,6 +18,10 @@ while (($#)); do
 done
 "$root/scripts/setup.sh"
 if [[ -n "$sanitize" ]]; then
+  # Any finding fails the test that triggered it.
+  export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+  export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+  export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
   build=${DISTSTRAT_BUILD_DIR:-$root/build-${sanitize//,/-}}
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         -DDISTSTRAT_SANITIZE="$sanitize"

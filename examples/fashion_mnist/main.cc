@@ -16,6 +16,8 @@ namespace {
 
 struct Flags {
   std::string strategy = "mirrored";
+  std::string device = "cpu";
+  int split_gpus = 1;
   int replicas = 2;
   int epochs = 3;
   int64_t batch = 128;
@@ -30,11 +32,26 @@ struct Flags {
 
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   std::vector<ds::Device> devices;
-  for (int i = 0; i < f.replicas; ++i) devices.push_back(ds::Device::cpu(i));
+  for (int i = 0; i < f.replicas; ++i) {
+    devices.push_back(f.device == "gpu" ? ds::Device::gpu(i) : ds::Device::cpu(i));
+  }
   if (!f.timeline.empty() && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
   }
-  if (f.strategy == "mirrored") return std::make_unique<ds::MirroredStrategy>(devices);
+  if (f.strategy == "mirrored") {
+    ds::MirroredOptions o;
+    o.devices = devices;
+    if (f.device == "gpu" && f.split_gpus > 1) {
+      // Each GPU becomes split_gpus logical GPUs sharing its memory.
+      o.device_manager = std::make_shared<ds::DeviceManager>();
+      for (const ds::PhysicalDeviceInfo& p : o.device_manager->list_physical_devices()) {
+        const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(f.split_gpus);
+        o.device_manager->set_logical_device_configuration(
+            p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(f.split_gpus, {each}));
+      }
+    }
+    return std::make_unique<ds::MirroredStrategy>(o);
+  }
   if (f.strategy == "multi_worker") {
     // One replica per process unless --replicas says otherwise: mpirun -np N
     // already gives one process per core.
@@ -84,8 +101,12 @@ int main(int argc, char** argv) {
   CLI::App app{"Train an MLP on Fashion-MNIST with a diststrat strategy"};
   app.add_option("--strategy", f.strategy, "mirrored | multi_worker (under mpirun)")
       ->capture_default_str();
+  app.add_option("--device", f.device, "where replicas compute: cpu or gpu")
+      ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
+  app.add_option("--split-gpus", f.split_gpus, "logical GPUs per physical GPU (--device gpu)")
+      ->check(CLI::Range(1, 16))->capture_default_str();
   app.add_option("--replicas", f.replicas,
-                 "CPU replicas (devices) per process (multi_worker default: 1)")
+                 "replicas (devices) per process (multi_worker default: 1)")
       ->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")
       ->check(CLI::Range(1, 1000))->capture_default_str();
@@ -151,9 +172,9 @@ int main(int argc, char** argv) {
     const double accuracy =
         static_cast<double>(ds::nn::count_correct(logits, test.labels())) / test.size();
     if (chief) {
-      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f\n",
+      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f device=%s\n",
                   strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
-                  samples / seconds);
+                  samples / seconds, f.device.c_str());
     }
     return 0;
   } catch (const ds::Error& e) {

@@ -55,7 +55,9 @@ struct InputContext {
 // replicas' slices only.
 class DistributedBatch {
  public:
-  // This replica's rows (possibly zero rows).
+  // This replica's rows (possibly zero rows), on the replica's device (a GPU
+  // replica's rows are copied to its GPU on first access). Each replica may
+  // only ask for its own slice.
   const Tensor& features(const ReplicaContext& ctx) const;
   const Tensor& labels(const ReplicaContext& ctx) const;
   // Rows in the whole global batch, over all replicas and workers: divide
@@ -68,6 +70,8 @@ class DistributedBatch {
   friend class DistributedDataset;
   std::vector<Tensor> features_;  // per local replica
   std::vector<Tensor> labels_;
+  // Per local replica: the slices on its device, made on first access.
+  mutable std::vector<Tensor> device_features_, device_labels_;
   int64_t global_size_ = 0;
   int64_t index_ = 0;
   int first_local_replica_ = 0;

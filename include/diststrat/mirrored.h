@@ -3,11 +3,18 @@
 // replicas and every copy applies the same update, so copies stay identical.
 // On CPU a "device" is a persistent worker thread; replicas all-reduce in the
 // shared address space (each reduces its slice straight out of its peers').
+// On GPUs (Device::gpu(i), logical indices of the DeviceManager) each replica
+// has its own stream, float variables live in device memory (integer ones,
+// like the optimizer's step counter, stay in host memory as TensorFlow keeps
+// int32 on the host), gradients are all-reduced with NCCL, or with a device
+// kernel for logical GPUs sharing one physical GPU, and the strategy holds the
+// host-wide lease on its GPUs while the DeviceManager lives.
 #pragma once
 
 #include <memory>
 #include <vector>
 
+#include "diststrat/device_manager.h"
 #include "diststrat/strategy.h"
 
 namespace diststrat {
@@ -19,6 +26,13 @@ struct MirroredOptions {
   CommunicationOptions communication;
   // Logger level (DISTSTRAT_LOG_LEVEL overrides).
   LogLevel log_level = LogLevel::kWarning;
+  // GPU configuration, memory and leases. Null = a DeviceManager with default
+  // GpuOptions, created when GPUs are used. Share one between strategies that
+  // use the same GPUs.
+  std::shared_ptr<DeviceManager> device_manager;
+  // Log the device of every variable, collective and op
+  // (DISTSTRAT_LOG_DEVICE_PLACEMENT=1 overrides).
+  bool log_device_placement = false;
 };
 
 class MirroredStrategy : public Strategy {
@@ -32,12 +46,20 @@ class MirroredStrategy : public Strategy {
   const std::vector<Device>& devices() const override;
   void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
+  void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
+  // GPU variables are copied to host memory for value().
+  Tensor variable_value(const Variable::Impl& var) const override;
+  void assign_variable(Variable::Impl& var, const Tensor& value) override;
+  // The DeviceManager of a GPU strategy (null on CPU).
+  std::shared_ptr<DeviceManager> device_manager() const;
 
   struct Impl;
 
  protected:
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
+  Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;
+  Tensor gather_across(const std::vector<Tensor>& local) override;
 
  private:
   std::unique_ptr<Impl> impl_;

@@ -13,6 +13,17 @@
 
 namespace diststrat {
 
+// An update rule in data form, so a GPU backend can run it as a kernel
+// (Optimizer::update is host code). kNone: the optimizer runs on the host only.
+struct UpdateRule {
+  enum class Kind { kNone, kSgd, kAdam };
+  Kind kind = Kind::kNone;
+  float learning_rate = 0.0f;
+  float momentum = 0.0f;  // SGD
+  bool nesterov = false;  // SGD
+  float beta1 = 0.0f, beta2 = 0.0f, epsilon = 0.0f;  // Adam
+};
+
 class Optimizer {
  public:
   explicit Optimizer(Strategy& strategy);
@@ -40,7 +51,12 @@ class Optimizer {
   Variable iterations() const { return iterations_; }
   Strategy& strategy() const { return *strategy_; }
 
-  // Applies the rule to one tensor with its slot tensors (helper for strategies).
+  // The rule as data for device kernels; kNone (the default) means the
+  // optimizer cannot update variables that live on a GPU.
+  virtual UpdateRule device_rule() const { return {}; }
+
+  // Applies the rule to one tensor with its slot tensors (helper for
+  // strategies); GPU tensors are updated on the calling replica's stream.
   void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots, int64_t step) const;
 
  private:
@@ -62,6 +78,7 @@ class SGD : public Optimizer {
   std::vector<std::string> slot_names() const override;
   void update(float* var, const float* grad, float* const* slots, size_t count,
               int64_t step) const override;
+  UpdateRule device_rule() const override;
   const SGDOptions& options() const { return options_; }
 
  private:
@@ -83,6 +100,7 @@ class Adam : public Optimizer {
   std::vector<std::string> slot_names() const override { return {"m", "v"}; }
   void update(float* var, const float* grad, float* const* slots, size_t count,
               int64_t step) const override;
+  UpdateRule device_rule() const override;
   const AdamOptions& options() const { return options_; }
 
  private:

@@ -220,6 +220,10 @@ class Strategy {
   virtual void assign_variable(Variable::Impl& var, const Tensor& value);
 
   Logger& logger() { return logger_; }
+  // Device placement logging of this strategy's variables, collectives and
+  // ops (off unless enabled here, by the strategy's options, or by
+  // DISTSTRAT_LOG_DEVICE_PLACEMENT=1).
+  PlacementLog& placement_log() { return placement_; }
 
  protected:
   explicit Strategy(LogLevel log_level = LogLevel::kWarning, std::string log_prefix = "")
@@ -238,6 +242,7 @@ class Strategy {
 
   std::vector<Variable> variables_;
   Logger logger_;
+  PlacementLog placement_;
 };
 
 }  // namespace diststrat

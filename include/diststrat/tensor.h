@@ -44,8 +44,11 @@ class Tensor {
  public:
   // An empty (null) tensor: defined() is false.
   Tensor() = default;
-  // Allocates zero-filled host memory (CPU devices; GPU tensors come from the
-  // GPU backend's allocator).
+  // Allocates zero-filled memory on `device`. GPU memory comes from the
+  // device's caching allocator and is only available on a thread that runs a
+  // GPU strategy's replica (inside Strategy::run), where the zero-fill and
+  // every later op go to the replica's stream; elsewhere use
+  // DeviceManager::allocate. Throws FailedPreconditionError without one.
   Tensor(Shape shape, DType dtype, Device device = Device::cpu());
   // A non-owning view of `data`; the caller keeps the memory alive for as long
   // as the tensor (and any copy of it) is used.
@@ -77,8 +80,11 @@ class Tensor {
   // Deep copy into newly owned memory on the same device.
   Tensor clone() const;
   // Copies `src`'s bytes into this tensor; shapes and dtypes must match.
+  // Either side may be on a GPU (same scope rules as the constructor); a copy
+  // that involves host memory has completed when it returns, a device-to-device
+  // copy is ordered on the replica's stream.
   void copy_from(const Tensor& src);
-  // Sets every byte to zero.
+  // Sets every byte to zero (GPU: enqueued on the replica's stream).
   void zero();
   // A view with another shape of the same number of elements (shares storage).
   Tensor reshape(Shape shape) const;

@@ -4,8 +4,26 @@
 
 namespace diststrat {
 
+namespace {
+class HostPackMemory : public PackMemory {
+ public:
+  explicit HostPackMemory(std::vector<char>& b) : b_(b) {}
+  void* buffer(size_t bytes) override {
+    if (b_.size() < bytes) b_.resize(bytes);
+    return b_.data();
+  }
+  void copy(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+
+ private:
+  std::vector<char>& b_;
+};
+}  // namespace
+
 void PackedAllReduce::run(Communicator& comm, ReduceOp op, std::vector<Tensor>& tensors,
-                          const std::vector<std::string>& names, size_t bytes_per_pack) {
+                          const std::vector<std::string>& names, size_t bytes_per_pack,
+                          PackMemory* memory) {
+  HostPackMemory host(buffer_);
+  PackMemory& mem = memory ? *memory : host;
   auto name_of = [&](size_t i) {
     return i < names.size() && !names[i].empty() ? names[i] : "tensor#" + std::to_string(i);
   };
@@ -26,18 +44,18 @@ void PackedAllReduce::run(Communicator& comm, ReduceOp op, std::vector<Tensor>& 
       comm.all_reduce(t.data(), t.data(), static_cast<size_t>(t.num_elements()), dtype, op,
                       name_of(i));
     } else {
-      if (buffer_.size() < bytes) buffer_.resize(bytes);
+      char* buffer = static_cast<char*>(mem.buffer(bytes));
       size_t off = 0;
       for (size_t k = i; k < j; ++k) {
-        if (tensors[k].nbytes()) std::memcpy(buffer_.data() + off, tensors[k].data(), tensors[k].nbytes());
+        if (tensors[k].nbytes()) mem.copy(buffer + off, tensors[k].data(), tensors[k].nbytes());
         off += tensors[k].nbytes();
       }
       const std::string pack_name =
           "pack of " + std::to_string(j - i) + " [" + name_of(i) + " .. " + name_of(j - 1) + "]";
-      comm.all_reduce(buffer_.data(), buffer_.data(), bytes / esz, dtype, op, pack_name);
+      comm.all_reduce(buffer, buffer, bytes / esz, dtype, op, pack_name);
       off = 0;
       for (size_t k = i; k < j; ++k) {
-        if (tensors[k].nbytes()) std::memcpy(tensors[k].data(), buffer_.data() + off, tensors[k].nbytes());
+        if (tensors[k].nbytes()) mem.copy(tensors[k].data(), buffer + off, tensors[k].nbytes());
         off += tensors[k].nbytes();
       }
     }

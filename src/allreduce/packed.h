@@ -11,11 +11,24 @@
 
 namespace diststrat {
 
+// Where the pack buffer lives and how bytes move in and out of it: host
+// memory and memcpy by default; a GPU replica supplies device memory and
+// copies on its stream.
+class PackMemory {
+ public:
+  virtual ~PackMemory() = default;
+  // A buffer of at least `bytes`, valid until the next call.
+  virtual void* buffer(size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+};
+
 class PackedAllReduce {
  public:
-  // All ranks must pass the same tensors (count, dtype, order).
+  // All ranks must pass the same tensors (count, dtype, order). `memory`
+  // null = host memory.
   void run(Communicator& comm, ReduceOp op, std::vector<Tensor>& tensors,
-           const std::vector<std::string>& names, size_t bytes_per_pack);
+           const std::vector<std::string>& names, size_t bytes_per_pack,
+           PackMemory* memory = nullptr);
 
  private:
   std::vector<char> buffer_;

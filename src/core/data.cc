@@ -32,15 +32,29 @@ int64_t InputContext::per_replica_batch_size() const {
   return global_batch_size / num_replicas_in_sync;
 }
 
-const Tensor& DistributedBatch::features(const ReplicaContext& ctx) const {
+namespace {
+// The host slice, or its copy on the replica's device (made once; each
+// replica touches only its own entry, so no lock is needed).
+const Tensor& on_device(const std::vector<Tensor>& host, std::vector<Tensor>& cache,
+                        const ReplicaContext& ctx, const char* what) {
   const size_t i = static_cast<size_t>(ctx.local_replica_id());
-  DISTSTRAT_CHECK_LT(i, features_.size(), "DistributedBatch::features: local replica");
-  return features_[i];
+  DISTSTRAT_CHECK_LT(i, host.size(), what, ": local replica");
+  if (ctx.device().is_cpu() || host[i].device() == ctx.device()) return host[i];
+  DISTSTRAT_CHECK_EQ(cache.size(), host.size(), what, ": device cache");
+  if (!cache[i].defined()) {
+    Tensor t(host[i].shape(), host[i].dtype(), ctx.device());
+    t.copy_from(host[i]);
+    cache[i] = t;
+  }
+  return cache[i];
+}
+}  // namespace
+
+const Tensor& DistributedBatch::features(const ReplicaContext& ctx) const {
+  return on_device(features_, device_features_, ctx, "DistributedBatch::features");
 }
 const Tensor& DistributedBatch::labels(const ReplicaContext& ctx) const {
-  const size_t i = static_cast<size_t>(ctx.local_replica_id());
-  DISTSTRAT_CHECK_LT(i, labels_.size(), "DistributedBatch::labels: local replica");
-  return labels_[i];
+  return on_device(labels_, device_labels_, ctx, "DistributedBatch::labels");
 }
 
 DistributedDataset::DistributedDataset(std::shared_ptr<Source> source) : source_(std::move(source)) {
@@ -115,6 +129,8 @@ DistributedBatch DistributedDataset::batch(int64_t i) const {
     out.features_.push_back(gather_rows(s.data.features(), rows, len));
     out.labels_.push_back(gather_rows(s.data.labels(), rows, len));
   }
+  out.device_features_.resize(out.features_.size());
+  out.device_labels_.resize(out.labels_.size());
   return out;
 }
 

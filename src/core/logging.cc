@@ -50,4 +50,27 @@ void Logger::log(LogLevel level, const std::string& message) const {
                prefix_.c_str(), prefix_.empty() ? "" : " ", message.c_str());
 }
 
+PlacementLog::PlacementLog(bool enabled) : enabled_(enabled) {
+  if (const char* env = std::getenv("DISTSTRAT_LOG_DEVICE_PLACEMENT"); env && *env) {
+    enabled_ = std::string(env) != "0";
+  }
+}
+
+void PlacementLog::set_sink(Sink sink) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sink_ = std::move(sink);
+}
+
+void PlacementLog::record(const std::string& kind, const std::string& name,
+                          const Device& device) const {
+  if (!enabled_) return;
+  const std::string line = kind + " " + name + " on " + device.to_string();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sink_) {
+    sink_(line);
+  } else {
+    std::fprintf(stderr, "diststrat placement: %s\n", line.c_str());
+  }
+}
+
 }  // namespace diststrat

@@ -70,6 +70,7 @@ Variable Strategy::create_variable(const std::string& name, const Shape& shape, 
   impl->owner = this;
   impl->creation_index = static_cast<int64_t>(variables_.size());
   place_variable(*impl, init ? init : Initializer(init::Zeros{}));
+  for (const Tensor& copy : impl->copies) placement_.record("variable", name, copy.device());
   variables_.emplace_back(impl);
   logger_.debug("created variable '", name, "' ", dtype_name(dtype), shape.to_string(), " on ",
                 impl->copies.size(), " cop", impl->copies.size() == 1 ? "y" : "ies");

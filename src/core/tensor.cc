@@ -4,6 +4,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/device_scope.h"
+
 namespace diststrat {
 
 // ---- Shape -----------------------------------------------------------------
@@ -60,12 +62,12 @@ std::shared_ptr<void> allocate_host(size_t bytes) {
 
 Tensor::Tensor(Shape shape, DType dtype, Device device)
     : shape_(std::move(shape)), dtype_(dtype), device_(device) {
-  DISTSTRAT_CHECK(device.is_cpu(), kInvalidArgument, "Tensor(", shape_.to_string(),
-                  "): allocating on ", device.to_string(),
-                  " needs the GPU backend's allocator (use it, or Tensor::adopt)");
   storage_ = std::make_shared<Storage>();
   storage_->bytes = nbytes();
-  storage_->owner = allocate_host(storage_->bytes);
+  // GPU memory comes from the calling thread's scope (a replica of a GPU
+  // strategy) and its device's caching allocator.
+  storage_->owner = device.is_cpu() ? allocate_host(storage_->bytes)
+                                    : allocate_device_memory(device, storage_->bytes);
   storage_->ptr = storage_->owner.get();
 }
 
@@ -108,24 +110,37 @@ void Tensor::check_dtype(DType expected) const {
 }
 
 Tensor Tensor::clone() const {
-  DISTSTRAT_CHECK(device_.is_cpu(), kUnimplemented, "clone() of ", debug_string(),
-                  ": use the GPU backend's copy");
   Tensor t(shape_, dtype_, device_);
-  if (nbytes()) std::memcpy(t.data(), data(), nbytes());
+  t.copy_from(*this);
   return t;
 }
 
 void Tensor::copy_from(const Tensor& src) {
   DISTSTRAT_CHECK(src.shape_ == shape_ && src.dtype_ == dtype_, kInvalidArgument,
                   "copy_from: ", src.debug_string(), " into ", debug_string());
-  DISTSTRAT_CHECK(device_.is_cpu() && src.device_.is_cpu(), kUnimplemented,
-                  "copy_from across devices: use the GPU backend's copy");
-  if (nbytes() && data() != src.data()) std::memmove(data(), src.data(), nbytes());
+  if (!nbytes() || data() == src.data()) return;
+  if (device_.is_cpu() && src.device_.is_cpu()) {
+    std::memmove(data(), src.data(), nbytes());
+    return;
+  }
+  // Any copy that touches a GPU is enqueued on the GPU side's stream; when
+  // host memory is involved it completes before returning.
+  const Device& gpu = device_.is_gpu() ? device_ : src.device_;
+  const GpuExec e = gpu_exec(gpu, "copy_from");
+  e.backend->memcpy_async(e.ordinal, data(), src.data(), nbytes(), e.stream);
+  if (device_.is_cpu() || src.device_.is_cpu()) {
+    e.synchronize("copy of " + src.debug_string() + " into " + debug_string());
+  }
 }
 
 void Tensor::zero() {
-  DISTSTRAT_CHECK(device_.is_cpu(), kUnimplemented, "zero() of ", debug_string());
-  if (nbytes()) std::memset(data(), 0, nbytes());
+  if (!nbytes()) return;
+  if (device_.is_cpu()) {
+    std::memset(data(), 0, nbytes());
+    return;
+  }
+  const GpuExec e = gpu_exec(device_, "zero");
+  e.backend->memset_async(e.ordinal, data(), 0, nbytes(), e.stream);
 }
 
 Tensor Tensor::reshape(Shape shape) const {

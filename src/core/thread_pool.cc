@@ -48,7 +48,7 @@ void ThreadPool::loop(int index) {
       error = std::current_exception();
     }
     std::lock_guard<std::mutex> lock(mu_);
-    errors_[index] = error;
+    errors_[index] = std::move(error);  // the worker keeps no reference after unlocking
     if (--remaining_ == 0) done_cv_.notify_all();
   }
 }

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <set>
 
+#include "core/device_manager_impl.h"
+
 namespace diststrat {
 
 void validate_devices(const std::vector<Device>& devices, const char* strategy_name) {
@@ -17,26 +19,85 @@ void validate_devices(const std::vector<Device>& devices, const char* strategy_n
 }
 
 LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
-                             CommunicationOptions options)
+                             CommunicationOptions options, std::shared_ptr<DeviceManager> gpus)
     : strategy_(strategy),
       devices_(std::move(devices)),
       options_(options),
       group_(static_cast<int>(devices_.size()), options),
       pool_(static_cast<int>(devices_.size())) {
+  const bool any_gpu = std::any_of(devices_.begin(), devices_.end(),
+                                   [](const Device& d) { return d.is_gpu(); });
+  if (any_gpu) {
+    for (const Device& d : devices_) {
+      DISTSTRAT_CHECK(d.is_gpu(), kInvalidArgument, strategy_->name(), ": device ",
+                      d.to_string(), " mixed with GPU devices; use only GPUs or only CPUs");
+    }
+    DISTSTRAT_CHECK(gpus != nullptr, kInvalidArgument, strategy_->name(),
+                    ": GPU devices need a DeviceManager");
+    gpus_ = std::move(gpus);
+    DeviceManager::Impl& dm = gpus_->impl();
+    GpuBackend& backend = dm.require_backend(strategy_->name() + " on " + devices_[0].to_string());
+    std::vector<int> ordinals;
+    for (const Device& d : devices_) ordinals.push_back(dm.ordinal_of(d));
+    for (int o : ordinals) streams_.push_back(backend.create_stream(o));
+    const std::set<int> distinct(ordinals.begin(), ordinals.end());
+    if (distinct.size() == 1) {
+      // Logical GPUs of one physical GPU (or a single GPU): device-side reduction.
+      device_comms_ = backend.shared_device_group({ordinals[0], streams_}, options_);
+    } else if (distinct.size() == ordinals.size()) {
+      device_comms_ = backend.nccl_local_group(ordinals, streams_, options_);
+    } else {
+      throw UnimplementedError(strategy_->name() +
+                               ": replicas on several physical GPUs, some of them split into "
+                               "logical GPUs, are not supported; use one logical GPU per "
+                               "physical GPU, or logical GPUs of a single physical GPU");
+    }
+  }
   for (int i = 0; i < size(); ++i) contexts_.push_back(std::make_unique<LocalReplicaContext>(this, i));
 }
 
+LocalReplicas::~LocalReplicas() {
+  device_comms_.clear();
+  if (gpus_) {
+    DeviceManager::Impl& dm = gpus_->impl();
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      dm.backend->destroy_stream(dm.ordinal_of(devices_[i]), streams_[i]);
+    }
+  }
+}
+
+ExecScope LocalReplicas::scope(int i, bool with_stream) const {
+  ExecScope s;
+  s.device = devices_[static_cast<size_t>(i)];
+  s.devices = gpus_.get();
+  s.stream = with_stream && !streams_.empty() ? streams_[static_cast<size_t>(i)] : nullptr;
+  s.placement = &strategy_->placement_log();
+  s.timeout = options_.timeout;
+  return s;
+}
+
 void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
+  auto abort_all = [&](int i, const std::string& why) {
+    group_.at(i).abort(why);
+    if (!device_comms_.empty()) device_comms_[static_cast<size_t>(i)]->abort(why);
+  };
   auto errors = pool_.run_all([&](int i) {
+    ScopedExec scoped(scope(i));
     try {
       fn(*contexts_[i]);
+      if (gpus_) {
+        // The step's device work is complete when run() returns.
+        const GpuExec e = gpu_exec(devices_[static_cast<size_t>(i)], "replica step");
+        e.synchronize("replica " + std::to_string(i) + "'s step on " +
+                      devices_[static_cast<size_t>(i)].to_string());
+      }
     } catch (const AbortedError&) {
       throw;  // caused by another replica's failure
     } catch (const std::exception& e) {
-      group_.at(i).abort("replica " + std::to_string(i) + " failed: " + e.what());
+      abort_all(i, "replica " + std::to_string(i) + " failed: " + e.what());
       throw;
     } catch (...) {
-      group_.at(i).abort("replica " + std::to_string(i) + " failed with a non-standard exception");
+      abort_all(i, "replica " + std::to_string(i) + " failed with a non-standard exception");
       throw;
     }
   });
@@ -53,9 +114,34 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
   }
   if (first || first_abort) {
     group_.at(0).reset();  // every replica thread is idle now
+    if (!device_comms_.empty()) device_comms_[0]->reset();
     std::rethrow_exception(first ? first : first_abort);
   }
 }
+
+namespace {
+// The pack buffer of a GPU replica: a device tensor from its caching
+// allocator, kept for the next collective; copies go to the replica's stream.
+class DevicePackMemory : public PackMemory {
+ public:
+  DevicePackMemory(const Device& device, Tensor& keep)
+      : device_(device), keep_(keep), exec_(gpu_exec(device, "all_reduce pack")) {}
+  void* buffer(size_t bytes) override {
+    if (!keep_.defined() || keep_.nbytes() < bytes) {
+      keep_ = Tensor(Shape{static_cast<int64_t>((bytes + 7) / 8)}, DType::kInt64, device_);
+    }
+    return keep_.data();
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    exec_.backend->memcpy_async(exec_.ordinal, dst, src, bytes, exec_.stream);
+  }
+
+ private:
+  Device device_;
+  Tensor& keep_;
+  GpuExec exec_;
+};
+}  // namespace
 
 int LocalReplicaContext::replica_id() const {
   return owner_->strategy().first_local_replica() + local_id_;
@@ -66,9 +152,37 @@ int LocalReplicaContext::num_replicas_in_sync() const {
 const Device& LocalReplicaContext::device() const { return owner_->devices_[local_id_]; }
 Strategy& LocalReplicaContext::strategy() const { return owner_->strategy(); }
 Communicator& LocalReplicaContext::local_comm() const { return owner_->group_.at(local_id_); }
+Communicator* LocalReplicaContext::device_comm() const {
+  return owner_->device_comms_.empty() ? nullptr
+                                       : owner_->device_comms_[static_cast<size_t>(local_id_)].get();
+}
+void* LocalReplicaContext::stream() const {
+  return owner_->streams_.empty() ? nullptr : owner_->streams_[static_cast<size_t>(local_id_)];
+}
 
 void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
                                      const std::vector<std::string>& names) {
+  const PlacementLog& placement = owner_->strategy().placement_log();
+  if (placement.enabled()) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      placement.record("collective all_reduce",
+                       i < names.size() && !names[i].empty() ? names[i] : "tensor#" + std::to_string(i),
+                       device());
+    }
+  }
+  if (Communicator* dc = device_comm()) {
+    // GPU buffers: packed in device memory, copies and collectives on the
+    // replica's stream.
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      DISTSTRAT_CHECK(tensors[i].device() == device(), kInvalidArgument, "all_reduce: tensor ",
+                      i < names.size() ? names[i] : std::to_string(i), " ",
+                      tensors[i].debug_string(), " is not on replica ", local_id_, "'s device ",
+                      device().to_string());
+    }
+    DevicePackMemory memory(device(), device_pack_);
+    packer_.run(*dc, op, tensors, names, owner_->options_.bytes_per_pack, &memory);
+    return;
+  }
   packer_.run(local_comm(), op, tensors, names, owner_->options_.bytes_per_pack);
 }
 
@@ -79,6 +193,16 @@ Tensor LocalReplicaContext::all_gather(const Tensor& t, const std::string& name)
   const int n = comm.size();
   DISTSTRAT_CHECK(t.shape().rank() >= 1, kInvalidArgument, "all_gather '", name,
                   "' of a scalar: reshape to [1]");
+  owner_->strategy().placement_log().record("collective all_gather", name, device());
+  if (t.device().is_gpu()) {
+    // Gathered through host memory; the result comes back to this device.
+    Tensor host(t.shape(), t.dtype());
+    host.copy_from(t);
+    Tensor gathered_host = all_gather(host, name);
+    Tensor out(gathered_host.shape(), t.dtype(), t.device());
+    out.copy_from(gathered_host);
+    return out;
+  }
   // Rows may differ per replica: share row counts, pad to the largest, gather, compact.
   int64_t rows = t.shape()[0];
   std::vector<int64_t> all_rows(n);

@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "allreduce/packed.h"
+#include "core/device_scope.h"
 #include "core/thread_pool.h"
+#include "diststrat/device_manager.h"
 #include "diststrat/strategy.h"
 
 namespace diststrat {
@@ -25,14 +27,19 @@ class LocalReplicaContext : public ReplicaContext {
   int num_replicas_in_sync() const override;
   const Device& device() const override;
   Strategy& strategy() const override;
+  void* stream() const override;
 
   void all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
                   const std::vector<std::string>& names = {}) override;
   Tensor all_gather(const Tensor& t, const std::string& name = "") override;
   void barrier(const std::string& name = "") override;
 
-  // The local group's communicator for this replica.
+  // The local group's communicator for this replica (host memory: barriers,
+  // merge_call, CPU tensors).
   Communicator& local_comm() const;
+  // The communicator for this replica's GPU buffers (NCCL, or the
+  // shared-device reduction for logical GPUs of one physical GPU); null on CPU.
+  Communicator* device_comm() const;
 
  protected:
   std::shared_ptr<void> merge_call_impl(
@@ -42,11 +49,21 @@ class LocalReplicaContext : public ReplicaContext {
   LocalReplicas* owner_;
   int local_id_;
   PackedAllReduce packer_;
+  Tensor device_pack_;  // GPU replicas' pack buffer (device memory)
 };
 
+// With GPU devices (all replicas on GPUs; CPU and GPU replicas do not mix),
+// each replica gets its own stream and the group a device communicator:
+// NCCL when every replica is on a different physical GPU, the shared-device
+// reduction kernel when all are logical GPUs of one physical GPU. Each
+// replica function runs inside an ExecScope for its device, and its stream is
+// drained (with the communication timeout as deadline) before run() returns.
 class LocalReplicas {
  public:
-  LocalReplicas(Strategy* strategy, std::vector<Device> devices, CommunicationOptions options);
+  // `gpus` is required when a device is a GPU.
+  LocalReplicas(Strategy* strategy, std::vector<Device> devices, CommunicationOptions options,
+                std::shared_ptr<DeviceManager> gpus = nullptr);
+  ~LocalReplicas();
 
   Strategy& strategy() const { return *strategy_; }
   const std::vector<Device>& devices() const { return devices_; }
@@ -54,6 +71,11 @@ class LocalReplicas {
   const CommunicationOptions& options() const { return options_; }
   InProcessGroup& group() { return group_; }
   LocalReplicaContext& context(int i) { return *contexts_[i]; }
+  bool on_gpu() const { return gpus_ != nullptr; }
+  const std::shared_ptr<DeviceManager>& gpus() const { return gpus_; }
+  // The scope replica i's function runs in (also usable from the main thread
+  // for work on that replica's device, with its default stream).
+  ExecScope scope(int i, bool with_stream = true) const;
 
   // Runs fn on every replica thread; aborts the others when one throws and
   // rethrows the first replica's own exception (not the aborts it caused).
@@ -65,6 +87,9 @@ class LocalReplicas {
   std::vector<Device> devices_;
   CommunicationOptions options_;
   InProcessGroup group_;
+  std::shared_ptr<DeviceManager> gpus_;           // null on CPU
+  std::vector<void*> streams_;                    // per replica (GPU)
+  std::vector<std::unique_ptr<Communicator>> device_comms_;
   ThreadPool pool_;
   std::vector<std::unique_ptr<LocalReplicaContext>> contexts_;
   // merge_call hand-off from local replica 0 to the others.

@@ -3,6 +3,7 @@
 #include <Eigen/Dense>
 #include <cmath>
 
+#include "core/device_scope.h"
 #include "diststrat/nn.h"
 
 namespace diststrat {
@@ -15,25 +16,75 @@ using CMapM = Eigen::Map<const Mat>;
 using CMapV = Eigen::Map<const Eigen::RowVectorXf>;
 using MapV = Eigen::Map<Eigen::RowVectorXf>;
 
-void check_matrix(const Tensor& t, const char* what, const char* op) {
+// Every operand of an op lives in the memory of `device` (the first
+// operand's): the same GPU, or host memory for any CPU device.
+bool same_memory(const Device& a, const Device& b) { return a == b || (a.is_cpu() && b.is_cpu()); }
+void check_matrix(const Tensor& t, const char* what, const char* op, const Device& device) {
   DISTSTRAT_CHECK(t.defined() && t.dtype() == DType::kFloat32 && t.shape().rank() == 2 &&
-                      t.device().is_cpu(),
-                  kInvalidArgument, op, ": ", what, " must be a float32 CPU matrix, got ",
-                  t.debug_string());
+                      same_memory(t.device(), device),
+                  kInvalidArgument, op, ": ", what, " must be a float32 matrix on ",
+                  device.to_string(), ", got ", t.debug_string());
+}
+void check_on(const Tensor& t, const char* what, const char* op, const Device& device) {
+  DISTSTRAT_CHECK(t.defined() && same_memory(t.device(), device), kInvalidArgument, op, ": ", what,
+                  " must be on ", device.to_string(), ", got ", t.debug_string());
+}
+// Runs the op's GPU kernel(s) in the replica's scope; logs placement either way.
+bool on_gpu(const Device& device, const char* op) {
+  record_op_placement(op, device);
+  return device.is_gpu();
+}
+
+// Per-row loss and correctness of logits against labels on a GPU; throws for
+// a label out of range. dlogits may be a scratch tensor.
+struct GpuXent {
+  std::vector<float> loss;
+  std::vector<int32_t> correct;
+};
+GpuXent gpu_xent(const Tensor& logits, const Tensor& labels, Tensor& dlogits, float scale,
+                 const char* op) {
+  const Device& d = logits.device();
+  const int64_t n = logits.shape()[0], k = logits.shape()[1];
+  const GpuExec e = gpu_exec(d, op);
+  Tensor loss(Shape{n}, DType::kFloat32, d), correct(Shape{n}, DType::kInt32, d),
+      bad(Shape{1}, DType::kInt32, d);
+  e.backend->softmax_cross_entropy(e.ordinal, e.stream, logits.data<float>(),
+                                   labels.data<int32_t>(), dlogits.data<float>(),
+                                   loss.data<float>(), correct.data<int32_t>(),
+                                   bad.data<int32_t>(), n, k, scale);
+  GpuXent out;
+  out.loss.resize(static_cast<size_t>(n));
+  out.correct.resize(static_cast<size_t>(n));
+  int32_t bad_row = 0;
+  Tensor::wrap(out.loss.data(), Shape{n}, DType::kFloat32).copy_from(loss);
+  Tensor::wrap(out.correct.data(), Shape{n}, DType::kInt32).copy_from(correct);
+  Tensor::wrap(&bad_row, Shape{1}, DType::kInt32).copy_from(bad);
+  DISTSTRAT_CHECK(bad_row == 0, kInvalidArgument, op, ": the label of row ", bad_row - 1,
+                  " is outside [0, ", k, ")");
+  return out;
 }
 CMapM cmat(const Tensor& t) { return CMapM(t.data<float>(), t.shape()[0], t.shape()[1]); }
 MapM mat(Tensor& t) { return MapM(t.data<float>(), t.shape()[0], t.shape()[1]); }
 }  // namespace
 
 void dense_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) {
-  check_matrix(x, "x", "dense_forward");
-  check_matrix(w, "w", "dense_forward");
-  check_matrix(y, "y", "dense_forward");
+  const Device& dev = x.device();
+  check_matrix(x, "x", "dense_forward", dev);
+  check_matrix(w, "w", "dense_forward", dev);
+  check_matrix(y, "y", "dense_forward", dev);
+  check_on(b, "b", "dense_forward", dev);
   DISTSTRAT_CHECK_EQ(x.shape()[1], w.shape()[0], "dense_forward: x cols vs w rows");
   DISTSTRAT_CHECK(y.shape() == Shape({x.shape()[0], w.shape()[1]}), kInvalidArgument,
                   "dense_forward: y is ", y.shape().to_string(), ", expected [", x.shape()[0],
                   ", ", w.shape()[1], "]");
   DISTSTRAT_CHECK_EQ(b.num_elements(), w.shape()[1], "dense_forward: bias size vs w cols");
+  if (on_gpu(dev, "dense_forward")) {
+    const GpuExec e = gpu_exec(dev, "dense_forward");
+    e.backend->dense_forward(e.ordinal, e.stream, x.data<float>(), w.data<float>(),
+                             b.data<float>(), y.data<float>(), x.shape()[0], w.shape()[0],
+                             w.shape()[1]);
+    return;
+  }
   if (x.shape()[0] == 0) return;
   auto Y = mat(y);
   Y.noalias() = cmat(x) * cmat(w);
@@ -42,12 +93,24 @@ void dense_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y)
 
 void dense_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx, Tensor& dw,
                     Tensor& db) {
-  check_matrix(x, "x", "dense_backward");
-  check_matrix(dy, "dy", "dense_backward");
-  check_matrix(dw, "dw", "dense_backward");
+  const Device& dev = x.device();
+  check_matrix(x, "x", "dense_backward", dev);
+  check_matrix(w, "w", "dense_backward", dev);
+  check_matrix(dy, "dy", "dense_backward", dev);
+  check_matrix(dw, "dw", "dense_backward", dev);
+  check_on(db, "db", "dense_backward", dev);
+  if (dx) check_matrix(*dx, "dx", "dense_backward", dev);
   DISTSTRAT_CHECK(dw.shape() == w.shape(), kInvalidArgument, "dense_backward: dw ",
                   dw.shape().to_string(), " vs w ", w.shape().to_string());
   DISTSTRAT_CHECK_EQ(db.num_elements(), w.shape()[1], "dense_backward: db size");
+  if (on_gpu(dev, "dense_backward")) {
+    const GpuExec e = gpu_exec(dev, "dense_backward");
+    e.backend->dense_backward(e.ordinal, e.stream, x.data<float>(), w.data<float>(),
+                              dy.data<float>(), dx ? dx->data<float>() : nullptr,
+                              dw.data<float>(), db.data<float>(), x.shape()[0], w.shape()[0],
+                              w.shape()[1]);
+    return;
+  }
   if (x.shape()[0] == 0) {
     dw.zero();
     db.zero();
@@ -56,13 +119,19 @@ void dense_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* 
   mat(dw).noalias() = cmat(x).transpose() * cmat(dy);
   MapV(db.data<float>(), db.num_elements()) = cmat(dy).colwise().sum();
   if (dx) {
-    check_matrix(*dx, "dx", "dense_backward");
     mat(*dx).noalias() = cmat(dy) * cmat(w).transpose();
   }
 }
 
 void relu_forward(const Tensor& x, Tensor& y) {
   DISTSTRAT_CHECK_EQ(x.num_elements(), y.num_elements(), "relu_forward sizes");
+  check_on(y, "y", "relu_forward", x.device());
+  if (on_gpu(x.device(), "relu_forward")) {
+    const GpuExec e = gpu_exec(x.device(), "relu_forward");
+    e.backend->relu_forward(e.ordinal, e.stream, x.data<float>(), y.data<float>(),
+                            x.num_elements());
+    return;
+  }
   const float* a = x.data<float>();
   float* o = y.data<float>();
   const int64_t n = x.num_elements();
@@ -71,6 +140,15 @@ void relu_forward(const Tensor& x, Tensor& y) {
 
 void relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
   DISTSTRAT_CHECK_EQ(y.num_elements(), dy.num_elements(), "relu_backward sizes");
+  DISTSTRAT_CHECK_EQ(y.num_elements(), dx.num_elements(), "relu_backward sizes");
+  check_on(dy, "dy", "relu_backward", y.device());
+  check_on(dx, "dx", "relu_backward", y.device());
+  if (on_gpu(y.device(), "relu_backward")) {
+    const GpuExec e = gpu_exec(y.device(), "relu_backward");
+    e.backend->relu_backward(e.ordinal, e.stream, y.data<float>(), dy.data<float>(),
+                             dx.data<float>(), y.num_elements());
+    return;
+  }
   const float* a = y.data<float>();
   const float* g = dy.data<float>();
   float* o = dx.data<float>();
@@ -80,12 +158,22 @@ void relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
 
 double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
                              float grad_scale) {
-  check_matrix(logits, "logits", "softmax_cross_entropy");
+  const Device& dev = logits.device();
+  check_matrix(logits, "logits", "softmax_cross_entropy", dev);
+  check_matrix(dlogits, "dlogits", "softmax_cross_entropy", dev);
+  check_on(labels, "labels", "softmax_cross_entropy", dev);
   DISTSTRAT_CHECK(labels.dtype() == DType::kInt32 && labels.num_elements() == logits.shape()[0],
                   kInvalidArgument, "softmax_cross_entropy: labels ", labels.debug_string(),
                   " must be int32 with one label per row of ", logits.debug_string());
   DISTSTRAT_CHECK(dlogits.shape() == logits.shape(), kInvalidArgument,
                   "softmax_cross_entropy: dlogits ", dlogits.shape().to_string());
+  if (on_gpu(dev, "softmax_cross_entropy")) {
+    if (logits.shape()[0] == 0) return 0.0;
+    GpuXent r = gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy");
+    double loss = 0.0;
+    for (float l : r.loss) loss += l;
+    return loss;
+  }
   const int64_t n = logits.shape()[0], k = logits.shape()[1];
   const float* z = logits.data<float>();
   const int32_t* y = labels.data<int32_t>();
@@ -111,9 +199,19 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor&
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
-  check_matrix(logits, "logits", "count_correct");
+  const Device& dev = logits.device();
+  check_matrix(logits, "logits", "count_correct", dev);
+  check_on(labels, "labels", "count_correct", dev);
   const int64_t n = logits.shape()[0], k = logits.shape()[1];
   DISTSTRAT_CHECK_EQ(labels.num_elements(), n, "count_correct: labels vs rows");
+  if (on_gpu(dev, "count_correct")) {
+    if (n == 0) return 0;
+    Tensor scratch(logits.shape(), DType::kFloat32, dev);
+    GpuXent r = gpu_xent(logits, labels, scratch, 1.0f, "count_correct");
+    int64_t c = 0;
+    for (int32_t v : r.correct) c += v;
+    return c;
+  }
   const float* z = logits.data<float>();
   const int32_t* y = labels.data<int32_t>();
   int64_t correct = 0;

@@ -48,20 +48,21 @@ Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor&
   // acts[0] = x, acts[l+1] = output of layer l (after ReLU except the last).
   std::vector<Tensor> acts{x};
   for (size_t l = 0; l < layers; ++l) {
-    Tensor y(Shape{n, sizes_[l + 1]}, DType::kFloat32);
+    Tensor y(Shape{n, sizes_[l + 1]}, DType::kFloat32, x.device());
     dense_forward(acts[l], params[2 * l], params[2 * l + 1], y);
     if (l + 1 < layers) relu_forward(y, y);
     acts.push_back(y);
   }
   Step step;
-  Tensor dy(acts.back().shape(), DType::kFloat32);
+  Tensor dy(acts.back().shape(), DType::kFloat32, x.device());
   step.loss_sum = n ? softmax_cross_entropy(acts.back(), labels, dy, grad_scale) : 0.0;
   step.correct = n ? count_correct(acts.back(), labels) : 0;
   step.grads.resize(params.size());
   for (size_t l = layers; l-- > 0;) {
-    Tensor dw(params[2 * l].shape(), DType::kFloat32), db(params[2 * l + 1].shape(), DType::kFloat32);
+    Tensor dw(params[2 * l].shape(), DType::kFloat32, x.device()),
+        db(params[2 * l + 1].shape(), DType::kFloat32, x.device());
     Tensor dx;
-    if (l > 0) dx = Tensor(acts[l].shape(), DType::kFloat32);
+    if (l > 0) dx = Tensor(acts[l].shape(), DType::kFloat32, x.device());
     dense_backward(acts[l], params[2 * l], dy, l > 0 ? &dx : nullptr, dw, db);
     step.grads[2 * l] = dw;
     step.grads[2 * l + 1] = db;
@@ -78,7 +79,7 @@ Tensor Mlp::predict(const std::vector<Tensor>& params, const Tensor& x) const {
   const int64_t n = x.shape()[0];
   Tensor h = x;
   for (size_t l = 0; l + 1 < sizes_.size(); ++l) {
-    Tensor y(Shape{n, sizes_[l + 1]}, DType::kFloat32);
+    Tensor y(Shape{n, sizes_[l + 1]}, DType::kFloat32, x.device());
     dense_forward(h, params[2 * l], params[2 * l + 1], y);
     if (l + 2 < sizes_.size()) relu_forward(y, y);
     h = y;

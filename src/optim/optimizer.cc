@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "core/device_scope.h"
+
 namespace diststrat {
 
 namespace {
@@ -44,7 +46,27 @@ void Optimizer::apply_gradients(ReplicaContext& ctx,
 void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots,
                               int64_t step) const {
   std::vector<float*> slot_ptrs;
-  for (Tensor* s : slots) slot_ptrs.push_back(s->data<float>());
+  for (Tensor* s : slots) {
+    DISTSTRAT_CHECK(s->device() == var.device() || (s->device().is_cpu() && var.device().is_cpu()),
+                    kInvalidArgument, name(), ": slot ",
+                    s->debug_string(), " is not on the variable's device");
+    slot_ptrs.push_back(s->data<float>());
+  }
+  DISTSTRAT_CHECK(grad.device() == var.device() || (grad.device().is_cpu() && var.device().is_cpu()),
+                  kInvalidArgument, name(), ": gradient ",
+                  grad.debug_string(), " is not on the variable's device ",
+                  var.device().to_string());
+  record_op_placement("optimizer_update", var.device());
+  if (var.device().is_gpu()) {
+    const UpdateRule rule = device_rule();
+    DISTSTRAT_CHECK(rule.kind != UpdateRule::Kind::kNone, kUnimplemented, "optimizer '", name(),
+                    "' has no device rule, so it cannot update ", var.debug_string(),
+                    " (override Optimizer::device_rule)");
+    const GpuExec e = gpu_exec(var.device(), "optimizer_update");
+    e.backend->apply_update(e.ordinal, e.stream, rule, var.data<float>(), grad.data<float>(),
+                            slot_ptrs.data(), static_cast<size_t>(var.num_elements()), step);
+    return;
+  }
   update(var.data<float>(), grad.data<float>(), slot_ptrs.data(),
          static_cast<size_t>(var.num_elements()), step);
 }
@@ -80,6 +102,25 @@ void SGD::update(float* var, const float* grad, float* const* slots, size_t coun
       var[i] += v[i];
     }
   }
+}
+
+UpdateRule SGD::device_rule() const {
+  UpdateRule r;
+  r.kind = UpdateRule::Kind::kSgd;
+  r.learning_rate = options_.learning_rate;
+  r.momentum = options_.momentum;
+  r.nesterov = options_.nesterov;
+  return r;
+}
+
+UpdateRule Adam::device_rule() const {
+  UpdateRule r;
+  r.kind = UpdateRule::Kind::kAdam;
+  r.learning_rate = options_.learning_rate;
+  r.beta1 = options_.beta1;
+  r.beta2 = options_.beta2;
+  r.epsilon = options_.epsilon;
+  return r;
 }
 
 Adam::Adam(Strategy& strategy, AdamOptions options) : Optimizer(strategy), options_(options) {

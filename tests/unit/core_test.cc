@@ -104,8 +104,9 @@ TEST(Tensor, WrapIsAViewOfUserMemory) {
 
 TEST(Tensor, NegativeDimsAndGpuAllocationAreRejected) {
   EXPECT_THROW(ds::Shape({2, -1}), ds::InvalidArgumentError);
+  // GPU memory only exists inside a GPU strategy's replica scope.
   EXPECT_THROW(ds::Tensor(ds::Shape{2}, ds::DType::kFloat32, ds::Device::gpu(0)),
-               ds::InvalidArgumentError);
+               ds::FailedPreconditionError);
 }
 
 TEST(Logger, LevelFromOptionAndEnvironment) {

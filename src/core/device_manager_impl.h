@@ -1,0 +1,54 @@
+// DeviceManager internals shared by the strategies and the GPU paths of the
+// tensor, nn and optimizer code.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/caching_allocator.h"
+#include "core/gpu_backend.h"
+#include "diststrat/device_manager.h"
+
+namespace diststrat {
+
+// CUDA_VISIBLE_DEVICES as CUDA reads it: comma-separated entries (integers or
+// "GPU-<uuid>" / "MIG-..." ids), read up to the first invalid entry; unset
+// (nullptr) = no restriction, returned as nullopt.
+std::optional<std::vector<std::string>> parse_visible_devices(const char* text);
+
+// The host-wide id of the GPU a process sees as CUDA ordinal `ordinal`:
+// "GPU-<uuid>" when the backend knows it, else "gpu<host index>" with the
+// host index taken from CUDA_VISIBLE_DEVICES (`visible`) when it is an integer.
+std::string gpu_lease_id(int ordinal, const std::string& uuid,
+                         const std::optional<std::vector<std::string>>& visible);
+
+struct DeviceManager::Impl {
+  GpuOptions options;
+  std::shared_ptr<GpuBackend> backend;  // null: no GPU support in this build
+  mutable std::mutex mu;
+  bool initialized = false;
+
+  struct Logical {
+    LogicalDeviceInfo info;
+    std::shared_ptr<CachingAllocator> allocator;
+  };
+  std::vector<Logical> logical;
+  std::vector<GpuLease> leases;
+
+  // Visible CUDA ordinals (options.visible_devices ∩ what the backend has).
+  std::vector<int> visible_ordinals() const;
+  void initialize_locked();
+  const Logical& logical_locked(const Device& device);
+
+  // ---- for strategies and GPU code paths (thread-safe; initialize) ----
+  GpuBackend& require_backend(const std::string& what) const;
+  int ordinal_of(const Device& device);
+  // Raw memory whose deleter hands it back to the device's allocator (which
+  // the deleter keeps alive).
+  std::shared_ptr<void> allocate_raw(const Device& device, size_t bytes);
+  std::vector<LogicalDeviceInfo> logical_devices();
+};
+
+}  // namespace diststrat

@@ -1,0 +1,119 @@
+// The seam between the library and a GPU runtime. Everything GPU-specific the
+// rest of the library needs goes through this interface, so strategies, nn
+// layers and optimizers compile without CUDA and the device logic (allocator,
+// logical devices, leases) is tested on CPU with a fake backend. The CUDA
+// implementation lives in src/gpu/ and is registered in gpu_registry.cc.
+//
+// Ordinals are CUDA device ordinals of this process. Streams are opaque
+// (cudaStream_t on CUDA); nullptr means the device's default stream.
+// Enqueue-style calls (…_async, kernels) only enqueue on the stream; waits
+// take a deadline and never block past it.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diststrat/collective.h"
+#include "diststrat/dtype.h"
+#include "diststrat/optimizer.h"
+
+namespace diststrat {
+
+using DeadlineClock = std::chrono::steady_clock;
+
+struct GpuInfo {
+  std::string name;
+  std::string uuid;  // "GPU-xxxxxxxx-..." or empty
+  size_t total_bytes = 0;
+  size_t free_bytes = 0;
+  int compute_capability = 0;
+};
+
+// Per-rank device buffers for a shared-device reduction (one physical GPU,
+// several logical devices): the replicas' streams, in rank order.
+struct SharedDeviceGroupSpec {
+  int ordinal = 0;
+  std::vector<void*> streams;
+};
+
+class GpuBackend {
+ public:
+  virtual ~GpuBackend() = default;
+  virtual std::string name() const = 0;
+  // Why device_count() is 0 when the runtime could not be used ("" otherwise).
+  virtual std::string unavailable_reason() const { return ""; }
+
+  // ---- devices and memory ----
+  virtual int device_count() = 0;
+  virtual GpuInfo info(int ordinal) = 0;
+  // Raw device memory; returns nullptr when the device is out of memory
+  // (other failures throw).
+  virtual void* raw_malloc(int ordinal, size_t bytes) = 0;
+  virtual void raw_free(int ordinal, void* ptr) = 0;
+
+  // ---- streams, copies, waits ----
+  virtual void* create_stream(int ordinal) = 0;
+  virtual void destroy_stream(int ordinal, void* stream) = 0;
+  // Any direction (host/device, device/device); enqueued on `stream`.
+  virtual void memcpy_async(int ordinal, void* dst, const void* src, size_t bytes,
+                            void* stream) = 0;
+  virtual void memset_async(int ordinal, void* dst, int value, size_t bytes, void* stream) = 0;
+  // Returns when all work on `stream` is done; throws DeadlineExceededError
+  // naming `what` past `deadline`, or the error the work raised.
+  virtual void synchronize(int ordinal, void* stream, DeadlineClock::time_point deadline,
+                           const std::string& what) = 0;
+
+  // ---- compute (float32, row-major) on `stream`; default: Unimplemented ----
+  // y[n, out] = x[n, in] · w[in, out] + b
+  virtual void dense_forward(int ordinal, void* stream, const float* x, const float* w,
+                             const float* b, float* y, int64_t n, int64_t in, int64_t out);
+  // dw = xᵀ·dy, db = Σrows dy, dx = dy·wᵀ (dx may be null)
+  virtual void dense_backward(int ordinal, void* stream, const float* x, const float* w,
+                              const float* dy, float* dx, float* dw, float* db, int64_t n,
+                              int64_t in, int64_t out);
+  // y = max(x, 0) / dx = dy where y > 0
+  virtual void relu_forward(int ordinal, void* stream, const float* x, float* y, int64_t count);
+  virtual void relu_backward(int ordinal, void* stream, const float* y, const float* dy,
+                             float* dx, int64_t count);
+  // Per row: loss[i], dlogits = (softmax − onehot)·scale, correct[i] = argmax == label,
+  // bad[0] = 1 + first row index whose label is out of range (0 if none).
+  virtual void softmax_cross_entropy(int ordinal, void* stream, const float* logits,
+                                     const int32_t* labels, float* dlogits, float* loss,
+                                     int32_t* correct, int32_t* bad, int64_t n, int64_t k,
+                                     float scale);
+  // The optimizer rule over `count` elements (slots as in Optimizer::update).
+  virtual void apply_update(int ordinal, void* stream, const UpdateRule& rule, float* var,
+                            const float* grad, float* const* slots, size_t count, int64_t step);
+  // dst[i] = op(srcs[0][i] .. srcs[n-1][i]) (f32/f64/f16/bf16/i32/i64; f16/bf16 in f32),
+  // divided by mean_divisor for kMean. dst may alias a src.
+  virtual void reduce(int ordinal, void* stream, void* dst, const void* const* srcs, int n,
+                      size_t count, DType dtype, ReduceOp op, int mean_divisor);
+
+  // ---- collectives ----
+  // One NCCL communicator per listed device of this process (MirroredStrategy);
+  // rank r uses ordinals[r] and streams[r].
+  virtual std::vector<std::unique_ptr<Communicator>> nccl_local_group(
+      const std::vector<int>& ordinals, const std::vector<void*>& streams,
+      const CommunicationOptions& options);
+  // A new NCCL unique id (opaque bytes) for a multi-process communicator.
+  virtual std::string nccl_unique_id();
+  // This process's rank of a multi-process NCCL communicator; every rank
+  // passes the same `unique_id` (broadcast by rank 0, e.g. over MPI).
+  virtual std::unique_ptr<Communicator> nccl_communicator(const std::string& unique_id, int rank,
+                                                          int size, int ordinal, void* stream,
+                                                          const CommunicationOptions& options);
+  // Logical devices that share one physical GPU cannot share an NCCL
+  // communicator: this group reduces with a device kernel over the replicas'
+  // buffers instead (same address space).
+  virtual std::vector<std::unique_ptr<Communicator>> shared_device_group(
+      const SharedDeviceGroupSpec& spec, const CommunicationOptions& options);
+};
+
+// The backend this build registers: CUDA when compiled with it, else none.
+std::unique_ptr<GpuBackend> make_default_gpu_backend();
+
+}  // namespace diststrat

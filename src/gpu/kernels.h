@@ -1,0 +1,40 @@
+// Launchers of the CUDA kernels in kernels.cu. Host functions: they enqueue
+// on `stream` (a cudaStream_t) and check the launch; nothing here blocks.
+// Row-major float32 unless said otherwise.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "diststrat/collective.h"
+#include "diststrat/dtype.h"
+#include "diststrat/optimizer.h"
+
+namespace diststrat {
+namespace gpu {
+
+// Most buffers one reduce launch reads or writes (logical GPUs per physical GPU).
+constexpr int kMaxReduceBuffers = 16;
+
+// For every i < count and every output o: outs[o][i] = op over k of ins[k][i]
+// (divided by mean_divisor for kMean). f16/bf16 accumulate in f32. An output
+// may alias an input exactly. n_in, n_out in [1, kMaxReduceBuffers].
+void launch_reduce(void* const* outs, int n_out, const void* const* ins, int n_in, size_t count,
+                   DType dtype, ReduceOp op, int mean_divisor, void* stream);
+
+// y[r, c] += b[c]
+void launch_bias_add(float* y, const float* b, int64_t rows, int64_t cols, void* stream);
+// db[c] = Σr dy[r, c]  (0 when rows == 0)
+void launch_column_sum(const float* dy, float* db, int64_t rows, int64_t cols, void* stream);
+void launch_relu_forward(const float* x, float* y, int64_t count, void* stream);
+void launch_relu_backward(const float* y, const float* dy, float* dx, int64_t count, void* stream);
+// See GpuBackend::softmax_cross_entropy.
+void launch_softmax_xent(const float* logits, const int32_t* labels, float* dlogits, float* loss,
+                         int32_t* correct, int32_t* bad, int64_t n, int64_t k, float scale,
+                         void* stream);
+// The optimizer rule (SGD with momentum / Nesterov, Adam with bias correction).
+void launch_update(const UpdateRule& rule, float* var, const float* grad, float* const* slots,
+                   size_t count, int64_t step, void* stream);
+
+}  // namespace gpu
+}  // namespace diststrat

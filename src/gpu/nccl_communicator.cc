@@ -1,0 +1,316 @@
+#include "gpu/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "core/gpu_backend.h"
+#include "gpu/cuda_backend.h"
+#include "gpu/cuda_check.h"
+
+namespace diststrat {
+namespace gpu {
+
+void check_nccl(int status, const char* call, const char* file, int line) {
+  const ncclResult_t r = static_cast<ncclResult_t>(status);
+  if (r == ncclSuccess || r == ncclInProgress) return;
+  std::string msg = detail::str_cat("NCCL call ", call, " failed: ", ncclGetErrorString(r), " at ",
+                                    file, ":", line);
+  if (const char* last = ncclGetLastError(nullptr); last && *last) msg += std::string(" (") + last + ")";
+  throw InternalError(msg);
+}
+
+namespace {
+
+using Clock = DeadlineClock;
+
+ncclDataType_t nccl_type(DType d) {
+  switch (d) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat64: return ncclFloat64;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+    case DType::kInt32: return ncclInt32;
+    case DType::kInt64: return ncclInt64;
+  }
+  throw InvalidArgumentError(std::string("NCCL: unsupported dtype ") + dtype_name(d));
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kMean: return ncclAvg;
+    case ReduceOp::kMin: return ncclMin;
+    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kProduct: return ncclProd;
+  }
+  return ncclSum;
+}
+
+ncclUniqueId to_id(const std::string& bytes) {
+  DISTSTRAT_CHECK(bytes.size() == sizeof(ncclUniqueId), kInvalidArgument,
+                  "NCCL unique id of ", bytes.size(), " bytes, expected ", sizeof(ncclUniqueId));
+  ncclUniqueId id;
+  std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
+  return id;
+}
+
+// Communicators that fail together: a local group (abort one = abort all)
+// or a single multi-process rank.
+struct Group {
+  std::mutex mu;
+  std::vector<ncclComm_t> comms;
+  std::vector<int> ordinals;
+  std::atomic<bool> aborted{false};
+  std::string reason;
+  // Recreates the communicators after an abort; null where that needs the
+  // other processes (multi-process ranks).
+  std::function<std::vector<ncclComm_t>()> create;
+
+  void abort_all(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (aborted) return;
+    reason = why;
+    aborted = true;
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (comms[i]) {
+        cudaSetDevice(ordinals[i]);
+        ncclCommAbort(comms[i]);
+        comms[i] = nullptr;
+      }
+    }
+  }
+
+  ~Group() {
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (comms[i]) {
+        cudaSetDevice(ordinals[i]);
+        ncclCommDestroy(comms[i]);
+      }
+    }
+  }
+};
+
+// Polls until every communicator finished its (non-blocking) initialization.
+void wait_init(Group& g, Clock::time_point deadline, const std::string& what) {
+  for (size_t i = 0; i < g.comms.size(); ++i) {
+    for (;;) {
+      ncclResult_t st = ncclInProgress;
+      DISTSTRAT_NCCL_CHECK(ncclCommGetAsyncError(g.comms[i], &st));
+      if (st == ncclSuccess) break;
+      DISTSTRAT_NCCL_CHECK(st);
+      if (Clock::now() >= deadline) {
+        g.abort_all(what + " timed out");
+        throw DeadlineExceededError(detail::str_cat(
+            what, ": rank ", i, "'s NCCL communicator was not ready before the deadline (did "
+            "every rank join with the same unique id?)"));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+}
+
+ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+class NcclCommunicator : public Communicator {
+ public:
+  NcclCommunicator(std::shared_ptr<Group> group, int index, int rank, int size, int ordinal,
+                   void* stream, CommunicationOptions options)
+      : group_(std::move(group)), index_(index), rank_(rank), size_(size), ordinal_(ordinal),
+        stream_(stream), options_(options) {}
+
+  ~NcclCommunicator() override {
+    if (scratch_) {
+      cudaSetDevice(ordinal_);
+      cudaFree(scratch_);
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const CommunicationOptions& options() const override { return options_; }
+
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                  const std::string& name) override {
+    issue("all_reduce", name, [&](ncclComm_t c) {
+      return ncclAllReduce(in, out, count, nccl_type(dtype), nccl_op(op), c, stream());
+    });
+  }
+  void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
+    issue("broadcast", name, [&](ncclComm_t c) {
+      return ncclBroadcast(buf, buf, count, nccl_type(dtype), root, c, stream());
+    });
+  }
+  void all_gather(const void* in, void* out, size_t count, DType dtype,
+                  const std::string& name) override {
+    issue("all_gather", name, [&](ncclComm_t c) {
+      return ncclAllGather(in, out, count, nccl_type(dtype), c, stream());
+    });
+  }
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                      const std::string& name) override {
+    issue("reduce_scatter", name, [&](ncclComm_t c) {
+      return ncclReduceScatter(in, out, count, nccl_type(dtype), nccl_op(op), c, stream());
+    });
+  }
+  void barrier(const std::string& name) override {
+    if (!scratch_) {
+      DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal_));
+      DISTSTRAT_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)));
+    }
+    all_reduce(scratch_, scratch_, 1, DType::kFloat32, ReduceOp::kSum, "barrier " + name);
+  }
+
+  void abort(const std::string& reason) override { group_->abort_all(reason); }
+
+  void reset() override {
+    std::lock_guard<std::mutex> lock(group_->mu);
+    if (!group_->aborted) return;
+    DISTSTRAT_CHECK(group_->create != nullptr, kFailedPrecondition,
+                    "NCCL communicator of rank ", rank_,
+                    " was aborted; a multi-process communicator cannot be reset: create a new "
+                    "one with a fresh unique id on every rank");
+    group_->comms = group_->create();
+    group_->aborted = false;
+    group_->reason.clear();
+  }
+
+ private:
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(stream_); }
+
+  ncclComm_t comm_or_throw(const std::string& what) {
+    std::lock_guard<std::mutex> lock(group_->mu);
+    if (group_->aborted) throw AbortedError(what + ": " + group_->reason);
+    return group_->comms[static_cast<size_t>(index_)];
+  }
+
+  // Enqueues one NCCL collective and waits for it: first until NCCL has
+  // enqueued it (non-blocking communicators may answer ncclInProgress), then
+  // until the stream has run it, watching the communicator's async error and
+  // the deadline throughout.
+  template <typename Call> void issue(const char* kind, const std::string& name, Call&& call) {
+    const std::string what = detail::str_cat("rank ", rank_, " NCCL ", kind, " '", name, "'");
+    const auto deadline = Clock::now() + options_.timeout;
+    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal_));
+    ncclComm_t c = comm_or_throw(what);
+    const ncclResult_t r = call(c);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      check_nccl(r, kind, __FILE__, __LINE__);
+    }
+    int spins = 0;
+    for (;;) {
+      std::string nccl_error;
+      {
+        std::lock_guard<std::mutex> lock(group_->mu);
+        if (group_->aborted) throw AbortedError(what + ": " + group_->reason);
+        ncclResult_t st = ncclSuccess;
+        DISTSTRAT_NCCL_CHECK(ncclCommGetAsyncError(c, &st));
+        if (st != ncclSuccess && st != ncclInProgress) {
+          nccl_error = ncclGetErrorString(st);
+        } else if (st == ncclSuccess) {
+          const cudaError_t q = cudaStreamQuery(stream());
+          if (q == cudaSuccess) return;
+          if (q != cudaErrorNotReady) throw_cuda_error(q, "cudaStreamQuery", __FILE__, __LINE__);
+        }
+      }
+      if (!nccl_error.empty()) {
+        group_->abort_all(what + " failed: " + nccl_error);
+        throw InternalError(what + ": NCCL reported " + nccl_error + " (communicator aborted)");
+      }
+      if (Clock::now() >= deadline) {
+        group_->abort_all(what + " timed out");
+        throw DeadlineExceededError(what + ": not complete after " +
+                                    std::to_string(options_.timeout.count()) +
+                                    " ms; a peer never joined (communicator aborted)");
+      }
+      if (++spins < 200) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  std::shared_ptr<Group> group_;
+  int index_;
+  int rank_;
+  int size_;
+  int ordinal_;
+  void* stream_;
+  CommunicationOptions options_;
+  void* scratch_ = nullptr;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Communicator>> make_nccl_local_group(
+    const std::vector<int>& ordinals, const std::vector<void*>& streams,
+    const CommunicationOptions& options) {
+  const int n = static_cast<int>(ordinals.size());
+  DISTSTRAT_CHECK_EQ(streams.size(), ordinals.size(), "NCCL local group streams");
+  auto group = std::make_shared<Group>();
+  group->ordinals = ordinals;
+  // Created in one NCCL group call with one unique id: the documented way to
+  // create several ranks from one thread.
+  auto create = [ordinals, n, timeout = options.timeout]() {
+    ncclUniqueId id;
+    DISTSTRAT_NCCL_CHECK(ncclGetUniqueId(&id));
+    std::vector<ncclComm_t> comms(n, nullptr);
+    ncclConfig_t config = nonblocking_config();
+    DISTSTRAT_NCCL_CHECK(ncclGroupStart());
+    for (int r = 0; r < n; ++r) {
+      DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinals[r]));
+      DISTSTRAT_NCCL_CHECK(ncclCommInitRankConfig(&comms[r], n, id, r, &config));
+    }
+    DISTSTRAT_NCCL_CHECK(ncclGroupEnd());
+    Group tmp;
+    tmp.ordinals = ordinals;
+    tmp.comms = comms;
+    wait_init(tmp, Clock::now() + timeout, "NCCL local group initialization");
+    tmp.comms.clear();  // handed to the caller
+    return comms;
+  };
+  group->comms = create();
+  group->create = create;
+  std::vector<std::unique_ptr<Communicator>> out;
+  for (int r = 0; r < n; ++r) {
+    out.push_back(std::make_unique<NcclCommunicator>(group, r, r, n, ordinals[r], streams[r],
+                                                     options));
+  }
+  return out;
+}
+
+std::string make_nccl_unique_id() {
+  ncclUniqueId id;
+  DISTSTRAT_NCCL_CHECK(ncclGetUniqueId(&id));
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(const std::string& unique_id, int rank,
+                                                     int size, int ordinal, void* stream,
+                                                     const CommunicationOptions& options) {
+  DISTSTRAT_CHECK(rank >= 0 && rank < size, kInvalidArgument, "NCCL communicator rank ", rank,
+                  " of ", size);
+  const ncclUniqueId id = to_id(unique_id);
+  auto group = std::make_shared<Group>();
+  group->ordinals = {ordinal};
+  group->comms = {nullptr};
+  ncclConfig_t config = nonblocking_config();
+  DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+  DISTSTRAT_NCCL_CHECK(ncclCommInitRankConfig(&group->comms[0], size, id, rank, &config));
+  wait_init(*group, Clock::now() + options.timeout,
+            detail::str_cat("NCCL communicator initialization of rank ", rank, " of ", size));
+  return std::make_unique<NcclCommunicator>(group, 0, rank, size, ordinal, stream, options);
+}
+
+}  // namespace gpu
+}  // namespace diststrat

@@ -1,0 +1,481 @@
+// Tests that need a real GPU. Each one skips, saying why, when the CUDA
+// runtime sees no device, so the binary runs (and reports skips) in CI.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "allreduce/reduce_kernels.h"
+#include "gpu/cuda_check.h"
+#include "core/device_manager_impl.h"
+#include "core/device_scope.h"
+#include "diststrat/diststrat.h"
+#include "diststrat/device_manager.h"
+
+namespace ds = diststrat;
+
+namespace {
+
+// Why GPU tests cannot run here, or "" when they can.
+std::string no_gpu_reason() {
+  std::unique_ptr<ds::GpuBackend> b = ds::make_default_gpu_backend();
+  if (!b) return "this build has no GPU backend";
+  if (b->device_count() == 0) {
+    return "no GPU visible to the CUDA runtime" +
+           (b->unavailable_reason().empty() ? "" : " (" + b->unavailable_reason() + ")");
+  }
+  return "";
+}
+
+#define SKIP_WITHOUT_GPU()                                        \
+  do {                                                            \
+    const std::string why = no_gpu_reason();                      \
+    if (!why.empty()) GTEST_SKIP() << "GPU test skipped: " << why; \
+  } while (0)
+
+std::shared_ptr<ds::DeviceManager> manager() {
+  ds::GpuOptions o;
+  o.take_leases = false;  // the lease logic has its own tests; ctest serializes GPU tests
+  return std::make_shared<ds::DeviceManager>(o);
+}
+
+// A main-thread scope for device `d` of `dm` (default stream).
+ds::ExecScope scope_for(ds::DeviceManager& dm, ds::Device d) {
+  ds::ExecScope s;
+  s.device = d;
+  s.devices = &dm;
+  return s;
+}
+
+ds::Tensor random_host(ds::Shape shape, uint64_t seed, double stddev = 1.0) {
+  ds::Tensor t(shape, ds::DType::kFloat32);
+  ds::init::RandomNormal{0.0, stddev, seed}(t);
+  return t;
+}
+
+ds::Tensor to_device(const ds::Tensor& host, ds::Device d) {
+  ds::Tensor t(host.shape(), host.dtype(), d);
+  t.copy_from(host);
+  return t;
+}
+ds::Tensor to_host(const ds::Tensor& dev) {
+  ds::Tensor t(dev.shape(), dev.dtype());
+  t.copy_from(dev);
+  return t;
+}
+
+void expect_close(const ds::Tensor& got, const ds::Tensor& want, double tol, const char* what) {
+  ASSERT_EQ(got.num_elements(), want.num_elements()) << what;
+  for (int64_t i = 0; i < got.num_elements(); ++i) {
+    const double g = got.data<float>()[i], w = want.data<float>()[i];
+    ASSERT_NEAR(g, w, tol * (1 + std::fabs(w))) << what << " [" << i << "]";
+  }
+}
+
+}  // namespace
+
+// Needs no GPU: the error conversion of CUDA, cuBLAS and NCCL failures.
+TEST(GpuErrors, BackendFailuresBecomeDiststratErrorsWithCallStringFileAndLine) {
+  try {
+    DISTSTRAT_CUDA_CHECK(cudaErrorMemoryAllocation);
+    FAIL();
+  } catch (const ds::ResourceExhaustedError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("CUDA call cudaErrorMemoryAllocation failed: out of memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("gpu_test.cc:"), std::string::npos) << m;
+  }
+  try {
+    DISTSTRAT_CUDA_CHECK(cudaErrorInvalidValue);
+    FAIL();
+  } catch (const ds::InternalError& e) {
+    EXPECT_NE(std::string(e.what()).find("cudaErrorInvalidValue"), std::string::npos) << e.what();
+  }
+  try {
+    DISTSTRAT_CUBLAS_CHECK(CUBLAS_STATUS_ALLOC_FAILED);
+    FAIL();
+  } catch (const ds::ResourceExhaustedError& e) {
+    EXPECT_NE(std::string(e.what()).find("CUBLAS_STATUS_ALLOC_FAILED"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(DISTSTRAT_CUBLAS_CHECK(CUBLAS_STATUS_SUCCESS));
+#if DISTSTRAT_TEST_NCCL
+  try {
+    DISTSTRAT_NCCL_CHECK(3 /* ncclInternalError */);
+    FAIL();
+  } catch (const ds::InternalError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("NCCL call 3 failed: internal error"), std::string::npos) << m;
+    EXPECT_NE(m.find("gpu_test.cc:"), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(DISTSTRAT_NCCL_CHECK(7 /* ncclInProgress: not an error */));
+#endif
+}
+
+TEST(GpuDevices, PhysicalAndLogicalDevices) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  auto phys = dm->list_physical_devices();
+  ASSERT_GE(phys.size(), 1u);
+  EXPECT_FALSE(phys[0].name.empty());
+  EXPECT_EQ(phys[0].uuid.rfind("GPU-", 0), 0u);
+  EXPECT_GT(phys[0].total_memory_bytes, 0u);
+  dm->set_visible_devices({0});
+  dm->set_logical_device_configuration(0, {{256u << 20}, {256u << 20}});
+  auto logical = dm->list_logical_devices();
+  ASSERT_EQ(logical.size(), 2u);
+  EXPECT_EQ(logical[1].physical_ordinal, 0);
+  ds::Tensor a = dm->allocate(ds::Shape{1 << 20}, ds::DType::kFloat32, ds::Device::gpu(1));
+  EXPECT_EQ(dm->memory_stats(ds::Device::gpu(1)).in_use_bytes, 4u << 20);
+  EXPECT_THROW(dm->allocate(ds::Shape{64 << 20}, ds::DType::kFloat32, ds::Device::gpu(1)),
+               ds::ResourceExhaustedError);
+  ds::ScopedExec scoped(scope_for(*dm, ds::Device::gpu(1)));
+  EXPECT_EQ(to_host(a).data<float>()[777], 0.0f);
+}
+
+TEST(GpuDevices, NoGrowthReservesTheLimitUpFront) {
+  SKIP_WITHOUT_GPU();
+  ds::GpuOptions o;
+  o.take_leases = false;
+  o.memory_growth = false;
+  o.memory_limit_bytes = 64u << 20;
+  o.visible_devices = std::vector<int>{0};
+  ds::DeviceManager dm(o);
+  dm.list_logical_devices();
+  EXPECT_EQ(dm.memory_stats(ds::Device::gpu(0)).reserved_bytes, 64u << 20);
+  EXPECT_EQ(dm.memory_stats(ds::Device::gpu(0)).num_backend_allocs, 1u);
+}
+
+TEST(GpuErrors, OutOfMemoryIsResourceExhaustedNamingTheDevice) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  try {
+    dm->allocate(ds::Shape{int64_t{1} << 46}, ds::DType::kFloat32, ds::Device::gpu(0));
+    FAIL() << "a 256 TiB allocation succeeded";
+  } catch (const ds::ResourceExhaustedError& e) {
+    EXPECT_NE(std::string(e.what()).find("/device:GPU:0"), std::string::npos) << e.what();
+  }
+  // A failing CUDA call carries the call, its error string, file and line.
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  try {
+    b.memset_async(9999, nullptr, 0, 16, nullptr);  // no such device
+    ADD_FAILURE() << "cudaSetDevice(9999) succeeded";
+  } catch (const ds::InternalError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("cudaSetDevice(ordinal)"), std::string::npos) << m;
+    EXPECT_NE(m.find("cudaErrorInvalidDevice"), std::string::npos) << m;
+    EXPECT_NE(m.find("cuda_backend.cc:"), std::string::npos) << m;
+  }
+}
+
+TEST(GpuKernels, ReduceMatchesTheHostKernelsForEveryDtypeAndOp) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  const ds::Device d = ds::Device::gpu(0);
+  ds::ScopedExec scoped(scope_for(*dm, d));
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  for (ds::DType dt : {ds::DType::kFloat32, ds::DType::kFloat16, ds::DType::kBFloat16,
+                       ds::DType::kFloat64, ds::DType::kInt32, ds::DType::kInt64}) {
+    for (int64_t count : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{(1 << 20) + 3}}) {
+      const int n = 3;
+      std::vector<ds::Tensor> host, dev;
+      std::vector<const void*> hp, dp;
+      for (int k = 0; k < n; ++k) {
+        ds::Tensor h(ds::Shape{count}, dt);
+        ds::init::RandomNormal{1.0, 0.5, static_cast<uint64_t>(k + 1)}(h);
+        host.push_back(h);
+        dev.push_back(to_device(h, d));
+        hp.push_back(host.back().data());
+        dp.push_back(dev.back().data());
+      }
+      for (ds::ReduceOp op : {ds::ReduceOp::kSum, ds::ReduceOp::kMean, ds::ReduceOp::kMin,
+                              ds::ReduceOp::kMax, ds::ReduceOp::kProduct}) {
+        ds::Tensor want(ds::Shape{count}, dt), got_dev(ds::Shape{count}, dt, d);
+        ds::kernels::reduce(want.data(), hp.data(), n, count, dt, op, n);
+        b.reduce(0, nullptr, got_dev.data(), dp.data(), n, count, dt, op, n);
+        const ds::Tensor got = to_host(got_dev);
+        const std::string what = std::string(ds::dtype_name(dt)) + " " + ds::reduce_op_name(op) +
+                                 " count " + std::to_string(count);
+        if (!ds::dtype_is_floating(dt)) {
+          ASSERT_EQ(std::memcmp(got.data(), want.data(), got.nbytes()), 0) << what;
+          continue;
+        }
+        // Compared through f32: f16/bf16 results may differ by one rounding.
+        auto as_f32 = [&](const ds::Tensor& t, int64_t i) -> float {
+          switch (dt) {
+            case ds::DType::kFloat32: return t.data<float>()[i];
+            case ds::DType::kFloat64: return static_cast<float>(t.data<double>()[i]);
+            case ds::DType::kFloat16: return static_cast<float>(t.data<ds::Half>()[i]);
+            case ds::DType::kBFloat16: return static_cast<float>(t.data<ds::BFloat16>()[i]);
+            default: return 0.0f;
+          }
+        };
+        const double tol = dt == ds::DType::kBFloat16 ? 1e-2 : dt == ds::DType::kFloat16 ? 2e-3 : 1e-5;
+        for (int64_t i = 0; i < count; ++i) {
+          const double c = as_f32(want, i);
+          ASSERT_NEAR(as_f32(got, i), c, tol * (1 + std::fabs(c))) << what << " [" << i << "]";
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuLayers, DenseReluSoftmaxForwardAndBackwardMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  const ds::Device d = ds::Device::gpu(0);
+  ds::ScopedExec scoped(scope_for(*dm, d));
+  const int64_t n = 37, in = 129, out = 10;
+  ds::Tensor x = random_host({n, in}, 1), w = random_host({in, out}, 2, 0.1),
+             b = random_host({out}, 3);
+  ds::Tensor labels(ds::Shape{n}, ds::DType::kInt32);
+  for (int64_t i = 0; i < n; ++i) labels.data<int32_t>()[i] = static_cast<int32_t>((i * 3) % out);
+  // CPU reference.
+  ds::Tensor y(ds::Shape{n, out}, ds::DType::kFloat32), dy(ds::Shape{n, out}, ds::DType::kFloat32);
+  ds::nn::dense_forward(x, w, b, y);
+  ds::nn::relu_forward(y, y);
+  const double loss = ds::nn::softmax_cross_entropy(y, labels, dy, 1.0f / n);
+  const int64_t correct = ds::nn::count_correct(y, labels);
+  ds::Tensor dx(ds::Shape{n, in}, ds::DType::kFloat32), dw(w.shape(), ds::DType::kFloat32),
+      db(b.shape(), ds::DType::kFloat32);
+  ds::nn::relu_backward(y, dy, dy);
+  ds::nn::dense_backward(x, w, dy, &dx, dw, db);
+  // GPU.
+  ds::Tensor gx = to_device(x, d), gw = to_device(w, d), gb = to_device(b, d),
+             gl = to_device(labels, d);
+  ds::Tensor gy(ds::Shape{n, out}, ds::DType::kFloat32, d), gdy(ds::Shape{n, out}, ds::DType::kFloat32, d);
+  ds::nn::dense_forward(gx, gw, gb, gy);
+  ds::nn::relu_forward(gy, gy);
+  EXPECT_NEAR(ds::nn::softmax_cross_entropy(gy, gl, gdy, 1.0f / n), loss, 1e-4 * (1 + loss));
+  EXPECT_EQ(ds::nn::count_correct(gy, gl), correct);
+  ds::Tensor gdx(dx.shape(), ds::DType::kFloat32, d), gdw(dw.shape(), ds::DType::kFloat32, d),
+      gdb(db.shape(), ds::DType::kFloat32, d);
+  ds::nn::relu_backward(gy, gdy, gdy);
+  ds::nn::dense_backward(gx, gw, gdy, &gdx, gdw, gdb);
+  expect_close(to_host(gy), y, 1e-4, "y");
+  expect_close(to_host(gdw), dw, 1e-4, "dw");
+  expect_close(to_host(gdb), db, 1e-4, "db");
+  expect_close(to_host(gdx), dx, 1e-4, "dx");
+  // A bad label is an error naming the row.
+  labels.data<int32_t>()[5] = 99;
+  ds::Tensor bad = to_device(labels, d);
+  EXPECT_THROW(ds::nn::softmax_cross_entropy(gy, bad, gdy, 1.0f), ds::InvalidArgumentError);
+}
+
+// The optimizer kernels against the host rules, through MirroredStrategy on
+// one GPU vs one CPU device.
+namespace {
+std::vector<ds::Tensor> train(ds::MirroredOptions o, bool adam, int steps) {
+  ds::MirroredStrategy s(o);
+  ds::nn::Mlp mlp({784, 64, 10});
+  auto vars = mlp.create_variables(s, 3);
+  std::unique_ptr<ds::Optimizer> opt;
+  if (adam) opt = std::make_unique<ds::Adam>(s, ds::AdamOptions{0.01f});
+  else opt = std::make_unique<ds::SGD>(s, ds::SGDOptions{0.05f, 0.9f, true});
+  ds::Tensor x = random_host({128, 784}, 5), y(ds::Shape{128}, ds::DType::kInt32);
+  for (int i = 0; i < 128; ++i) y.data<int32_t>()[i] = (i * 7) % 10;
+  auto dist = s.distribute(ds::Dataset(x, y), 32);
+  int done = 0;
+  for (int e = 0; done < steps; ++e) {
+    dist.set_epoch(e);
+    for (const auto& batch : dist) {
+      if (done++ == steps) break;
+      s.run([&](ds::ReplicaContext& ctx) {
+        std::vector<ds::Tensor> p;
+        for (auto& v : vars) p.push_back(v.read(ctx));
+        auto st = mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx),
+                                       1.0f / batch.global_size());
+        std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+        for (size_t i = 0; i < vars.size(); ++i) gv.emplace_back(st.grads[i], vars[i]);
+        opt->apply_gradients(ctx, gv);
+      });
+    }
+  }
+  std::vector<ds::Tensor> out;
+  for (auto& v : vars) out.push_back(v.value());
+  return out;
+}
+}  // namespace
+
+TEST(GpuMirrored, OneGpuAndTwoLogicalGpusTrainLikeTheCpu) {
+  SKIP_WITHOUT_GPU();
+  for (bool adam : {false, true}) {
+    ds::MirroredOptions cpu1, cpu2;
+    cpu1.devices = {ds::Device::cpu(0)};
+    cpu2.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+    const auto want1 = train(cpu1, adam, 8), want2 = train(cpu2, adam, 8);
+
+    ds::MirroredOptions g1;
+    g1.devices = {ds::Device::gpu(0)};
+    g1.device_manager = manager();
+    const auto got1 = train(g1, adam, 8);
+    for (size_t i = 0; i < got1.size(); ++i) expect_close(got1[i], want1[i], 2e-3, "1 GPU");
+
+    auto dm = manager();
+    dm->set_visible_devices({0});
+    dm->set_logical_device_configuration(0, {{512u << 20}, {512u << 20}});
+    ds::MirroredOptions g2;
+    g2.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+    g2.device_manager = dm;
+    const auto got2 = train(g2, adam, 8);
+    for (size_t i = 0; i < got2.size(); ++i) expect_close(got2[i], want2[i], 2e-3, "2 logical GPUs");
+  }
+}
+
+TEST(GpuMirrored, AllGpusWithNcclWhenThereAreSeveral) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  const auto phys = dm->list_physical_devices();
+  if (phys.size() < 2) GTEST_SKIP() << "needs 2 GPUs for an NCCL group over distinct GPUs";
+  ds::MirroredOptions o;
+  o.device_manager = dm;  // every GPU
+  ds::MirroredStrategy s(o);
+  ASSERT_EQ(s.num_replicas_in_sync(), static_cast<int>(phys.size()));
+  s.run([&](ds::ReplicaContext& ctx) {
+    ds::Tensor h(ds::Shape{1000}, ds::DType::kFloat32);
+    for (int i = 0; i < 1000; ++i) h.data<float>()[i] = static_cast<float>(ctx.replica_id() + i);
+    ds::Tensor t(h.shape(), h.dtype(), ctx.device());
+    t.copy_from(h);
+    std::vector<ds::Tensor> v{t};
+    ctx.all_reduce(ds::ReduceOp::kSum, v, {"t"});
+    h.copy_from(v[0]);
+    const int n = ctx.num_replicas_in_sync();
+    EXPECT_FLOAT_EQ(h.data<float>()[10], static_cast<float>(n * 10 + n * (n - 1) / 2));
+  });
+}
+
+TEST(GpuCollectives, SharedDeviceAllReduceAndErrorsThroughMirrored) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  dm->set_visible_devices({0});
+  dm->set_logical_device_configuration(0, {{256u << 20}, {256u << 20}, {256u << 20}});
+  ds::MirroredOptions o;
+  o.device_manager = dm;
+  o.communication.timeout = std::chrono::milliseconds(2000);
+  ds::MirroredStrategy s(o);
+  ASSERT_EQ(s.num_replicas_in_sync(), 3);
+  for (int64_t count : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{(1 << 20) + 5}}) {
+    s.run([&](ds::ReplicaContext& ctx) {
+      ds::Tensor h(ds::Shape{count}, ds::DType::kFloat32);
+      for (int64_t i = 0; i < count; ++i) h.data<float>()[i] = static_cast<float>(ctx.replica_id() + 1) * (i % 5);
+      ds::Tensor t(h.shape(), h.dtype(), ctx.device());
+      t.copy_from(h);
+      std::vector<ds::Tensor> v{t};
+      ctx.all_reduce(ds::ReduceOp::kMean, v, {"t"});
+      h.copy_from(v[0]);
+      for (int64_t i = 0; i < count; i += std::max<int64_t>(1, count / 97)) {
+        ASSERT_FLOAT_EQ(h.data<float>()[i], 2.0f * (i % 5)) << "count " << count << " [" << i << "]";
+      }
+      ds::Tensor g = ctx.all_gather(t.reshape(ds::Shape{count, 1}), "g");
+      EXPECT_EQ(g.shape()[0], 3 * count);
+    });
+  }
+  // A replica that passes a different size gets an error, not a hang.
+  EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
+    ds::Tensor t(ds::Shape{ctx.replica_id() == 1 ? 5 : 4}, ds::DType::kFloat32, ctx.device());
+    std::vector<ds::Tensor> v{t};
+    ctx.all_reduce(ds::ReduceOp::kSum, v, {"mismatch"});
+  }), ds::Error);
+  // A replica that never joins: the others hit the deadline.
+  EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
+    if (ctx.replica_id() == 2) return;
+    ds::Tensor t(ds::Shape{4}, ds::DType::kFloat32, ctx.device());
+    std::vector<ds::Tensor> v{t};
+    ctx.all_reduce(ds::ReduceOp::kSum, v, {"lonely"});
+  }), ds::DeadlineExceededError);
+  // The group works again afterwards.
+  s.run([&](ds::ReplicaContext& ctx) {
+    ds::Tensor t(ds::Shape{4}, ds::DType::kFloat32, ctx.device());
+    std::vector<ds::Tensor> v{t};
+    ctx.all_reduce(ds::ReduceOp::kSum, v, {"again"});
+  });
+}
+
+// Broadcast, all_gather and reduce_scatter of the shared-device group, used
+// directly (one thread per rank, as replicas do).
+TEST(GpuCollectives, SharedDeviceBroadcastAllGatherReduceScatter) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  const int n = 3;
+  const int64_t count = 1000;
+  std::vector<void*> streams;
+  for (int r = 0; r < n; ++r) streams.push_back(b.create_stream(0));
+  ds::CommunicationOptions co;
+  co.timeout = std::chrono::seconds(30);
+  auto comms = b.shared_device_group({0, streams}, co);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ds::ExecScope sc = scope_for(*dm, ds::Device::gpu(0));
+        sc.stream = streams[r];
+        ds::ScopedExec scoped(sc);
+        ds::Tensor h(ds::Shape{n * count}, ds::DType::kFloat32);
+        for (int64_t i = 0; i < n * count; ++i) h.data<float>()[i] = static_cast<float>(r * 100000 + i);
+        ds::Tensor in = to_device(h, ds::Device::gpu(0));
+        ds::Tensor out(ds::Shape{n * count}, ds::DType::kFloat32, ds::Device::gpu(0));
+        ds::Communicator& c = *comms[r];
+        // broadcast from rank 1: everyone gets rank 1's values
+        ds::Tensor bc = in.clone();
+        c.broadcast(bc.data(), n * count, ds::DType::kFloat32, 1, "bc");
+        ds::Tensor got = to_host(bc);
+        if (got.data<float>()[7] != 100000.0f + 7) throw std::runtime_error("broadcast");
+        // all_gather of each rank's first `count` elements
+        c.all_gather(in.data(), out.data(), count, ds::DType::kFloat32, "ag");
+        got = to_host(out);
+        for (int k = 0; k < n; ++k) {
+          if (got.data<float>()[k * count + 5] != static_cast<float>(k * 100000 + 5)) throw std::runtime_error("all_gather");
+        }
+        // reduce_scatter: block r of the sum over ranks
+        ds::Tensor rs(ds::Shape{count}, ds::DType::kFloat32, ds::Device::gpu(0));
+        c.reduce_scatter(in.data(), rs.data(), count, ds::DType::kFloat32, ds::ReduceOp::kSum, "rs");
+        got = to_host(rs);
+        const float want = static_cast<float>((0 + 1 + 2) * 100000 + n * (r * count + 9));
+        if (got.data<float>()[9] != want) throw std::runtime_error("reduce_scatter");
+        c.barrier("done");
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        comms[r]->abort(e.what());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  comms.clear();
+  for (void* st : streams) b.destroy_stream(0, st);
+}
+
+TEST(GpuNccl, SingleRankCommunicatorsFromTheLocalAndMultiProcessFactories) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::ScopedExec scoped(scope_for(*dm, ds::Device::gpu(0)));
+  void* stream = b.create_stream(0);
+  ds::CommunicationOptions co;
+  co.timeout = std::chrono::milliseconds(30000);
+  std::vector<std::unique_ptr<ds::Communicator>> local;
+  try {
+    local = b.nccl_local_group({0}, {stream}, co);
+  } catch (const ds::UnimplementedError& e) {
+    b.destroy_stream(0, stream);
+    GTEST_SKIP() << "built without NCCL: " << e.what();
+  }
+  ds::Tensor h = random_host({4096}, 9);
+  ds::Tensor t = to_device(h, ds::Device::gpu(0));
+  local[0]->all_reduce(t.data(), t.data(), 4096, ds::DType::kFloat32, ds::ReduceOp::kSum, "t");
+  expect_close(to_host(t), h, 0, "1-rank all_reduce");
+  local[0]->barrier("b");
+  const std::string id = b.nccl_unique_id();
+  auto mp = b.nccl_communicator(id, 0, 1, 0, stream, co);
+  mp->all_reduce(t.data(), t.data(), 4096, ds::DType::kFloat32, ds::ReduceOp::kMax, "t");
+  expect_close(to_host(t), h, 0, "multi-process factory, 1 rank");
+  EXPECT_THROW(b.nccl_communicator("short", 0, 1, 0, stream, co), ds::InvalidArgumentError);
+  local.clear();
+  mp.reset();
+  b.destroy_stream(0, stream);
+}
