@@ -26,12 +26,17 @@ struct Flags {
   uint64_t seed = 1;
   std::string data = ds::kFashionMnistDir;
   int64_t limit = 0;
+  std::string timeline;
+  bool replicas_given = false;
 };
 
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   std::vector<ds::Device> devices;
   for (int i = 0; i < f.replicas; ++i) {
     devices.push_back(f.device == "gpu" ? ds::Device::gpu(i) : ds::Device::cpu(i));
+  }
+  if (!f.timeline.empty() && f.strategy != "multi_worker") {
+    throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
   }
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;
@@ -47,7 +52,16 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     }
     return std::make_unique<ds::MirroredStrategy>(o);
   }
-  throw ds::InvalidArgumentError("unknown --strategy '" + f.strategy + "' (available: mirrored)");
+  if (f.strategy == "multi_worker") {
+    // One replica per process unless --replicas says otherwise: mpirun -np N
+    // already gives one process per core.
+    ds::MultiWorkerOptions o;
+    o.devices = f.replicas_given ? devices : std::vector<ds::Device>{ds::Device::cpu(0)};
+    o.timeline_path = f.timeline;
+    return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
+  }
+  throw ds::InvalidArgumentError("unknown --strategy '" + f.strategy +
+                                 "' (available: mirrored, multi_worker)");
 }
 
 // One updating line on a terminal, plain periodic lines otherwise.
@@ -85,12 +99,14 @@ class Progress {
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Train an MLP on Fashion-MNIST with a diststrat strategy"};
-  app.add_option("--strategy", f.strategy, "mirrored")->capture_default_str();
+  app.add_option("--strategy", f.strategy, "mirrored | multi_worker (under mpirun)")
+      ->capture_default_str();
   app.add_option("--device", f.device, "where replicas compute: cpu or gpu")
       ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
   app.add_option("--split-gpus", f.split_gpus, "logical GPUs per physical GPU (--device gpu)")
       ->check(CLI::Range(1, 16))->capture_default_str();
-  app.add_option("--replicas", f.replicas, "replicas (devices) per process")
+  app.add_option("--replicas", f.replicas,
+                 "replicas (devices) per process (multi_worker default: 1)")
       ->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")
       ->check(CLI::Range(1, 1000))->capture_default_str();
@@ -104,7 +120,10 @@ int main(int argc, char** argv) {
   app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
   app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
       ->capture_default_str();
+  app.add_option("--timeline", f.timeline,
+                 "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
   CLI11_PARSE(app, argc, argv);
+  f.replicas_given = app.count("--replicas") > 0;
 
   try {
     std::unique_ptr<ds::Strategy> strategy = make_strategy(f);

@@ -13,6 +13,8 @@
 #include "diststrat/io.h"
 #include "diststrat/logging.h"
 #include "diststrat/mirrored.h"
+#include "diststrat/multi_worker_mirrored.h"
+#include "diststrat/cluster.h"
 #include "diststrat/nn.h"
 #include "diststrat/optimizer.h"
 #include "diststrat/strategy.h"
