@@ -30,7 +30,9 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   std::vector<ds::Device> devices;
   for (int i = 0; i < f.replicas; ++i) devices.push_back(ds::Device::cpu(i));
   if (f.strategy == "mirrored") return std::make_unique<ds::MirroredStrategy>(devices);
-  throw ds::InvalidArgumentError("unknown --strategy '" + f.strategy + "' (available: mirrored)");
+  if (f.strategy == "central_storage") return std::make_unique<ds::CentralStorageStrategy>(devices);
+  throw ds::InvalidArgumentError("unknown --strategy '" + f.strategy +
+                                 "' (available: mirrored, central_storage)");
 }
 
 // One updating line on a terminal, plain periodic lines otherwise.
@@ -68,7 +70,7 @@ class Progress {
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Train an MLP on Fashion-MNIST with a diststrat strategy"};
-  app.add_option("--strategy", f.strategy, "mirrored")->capture_default_str();
+  app.add_option("--strategy", f.strategy, "mirrored | central_storage")->capture_default_str();
   app.add_option("--replicas", f.replicas, "CPU replicas (devices) per process")
       ->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")

@@ -1,6 +1,7 @@
 // Umbrella header: everything a training program needs.
 #pragma once
 
+#include "diststrat/central_storage.h"
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/data.h"
