@@ -13,6 +13,7 @@
 #include "diststrat/mirrored.h"
 #include "diststrat/nn.h"
 #include "diststrat/optimizer.h"
+#include "diststrat/parameter_server.h"
 #include "diststrat/strategy.h"
 #include "diststrat/tensor.h"
 #include "diststrat/variable.h"
