@@ -46,14 +46,18 @@ enum class Algorithm {
   kNccl,             // NCCL (GPU builds)
   kMpiNative,        // MPI_Allreduce
   kCustom,           // a user-registered algorithm, named by custom_algorithm
+  kSharedMemory,     // ranks of one node reduce slices straight out of a shared MPI window
 };
 const char* algorithm_name(Algorithm algorithm);
 // Parses "auto", "direct", "ring", "halving_doubling", "tree", "reduce_to_one",
-// "hierarchical", "nccl", "mpi"; throws InvalidArgumentError otherwise.
+// "hierarchical", "nccl", "mpi", "custom", "shm"; throws InvalidArgumentError
+// otherwise.
 Algorithm parse_algorithm(const std::string& name);
 
 // Casts f32 payloads for the wire and back (Horovod / DDP fp16 compression).
 enum class Compression { kNone, kFloat16, kBFloat16 };
+
+class AlgorithmRegistry;  // diststrat/algorithm_registry.h
 
 struct CommunicationOptions {
   // Fusion buffer size for packing small tensors into one collective;
@@ -63,14 +67,28 @@ struct CommunicationOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // All-reduce algorithm; kAuto picks by size, ranks and topology.
   Algorithm algorithm = Algorithm::kAuto;
-  // Registered name of the algorithm used when algorithm == kCustom.
+  // Registered name of the algorithm used when algorithm == kCustom, looked up
+  // in algorithm_registry.
   std::string custom_algorithm;
+  // User-registered algorithms (see algorithm_registry.h); null = none.
+  std::shared_ptr<const AlgorithmRegistry> algorithm_registry;
   // Wire compression for f32 all-reduces.
   Compression compression = Compression::kNone;
+  // kAuto over point-to-point transports: messages up to auto_tiny_message_bytes
+  // use the binomial tree, up to auto_small_message_bytes recursive
+  // halving-doubling, larger ones the pipelined ring; several nodes use the
+  // hierarchical algorithm. Defaults measured with benchmarks/allreduce_bench
+  // on the 2-core development host (see docs/benchmarks.md).
+  size_t auto_tiny_message_bytes = 4 << 10;
   // Largest message (bytes) for which kAuto picks a latency-bound algorithm.
   size_t auto_small_message_bytes = 64 << 10;
-  // Segment size for pipelined algorithms (ring); 0 = implementation default.
+  // Segment size for pipelined algorithms (ring); 0 = implementation default
+  // (1 MiB).
   size_t segment_bytes = 0;
+  // Ranks per node for kHierarchical when the transport cannot tell (threads
+  // of one process): ranks [k*g, (k+1)*g) form node k. 0 = ask the transport
+  // (MPI: ranks sharing a host); with neither, all ranks are one node.
+  int hierarchical_group_size = 0;
 };
 
 class Communicator {

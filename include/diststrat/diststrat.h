@@ -1,6 +1,7 @@
 // Umbrella header: everything a training program needs.
 #pragma once
 
+#include "diststrat/algorithm_registry.h"
 #include "diststrat/central_storage.h"
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
@@ -11,6 +12,8 @@
 #include "diststrat/io.h"
 #include "diststrat/logging.h"
 #include "diststrat/mirrored.h"
+#include "diststrat/multi_worker_mirrored.h"
+#include "diststrat/cluster.h"
 #include "diststrat/nn.h"
 #include "diststrat/optimizer.h"
 #include "diststrat/parameter_server.h"

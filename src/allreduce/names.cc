@@ -29,6 +29,7 @@ const char* algorithm_name(Algorithm algorithm) {
     case Algorithm::kNccl: return "nccl";
     case Algorithm::kMpiNative: return "mpi";
     case Algorithm::kCustom: return "custom";
+    case Algorithm::kSharedMemory: return "shm";
   }
   return "unknown";
 }
@@ -39,7 +40,7 @@ Algorithm parse_algorithm(const std::string& name) {
   for (Algorithm a : {Algorithm::kAuto, Algorithm::kDirect, Algorithm::kRing,
                       Algorithm::kHalvingDoubling, Algorithm::kTree, Algorithm::kReduceToOne,
                       Algorithm::kHierarchical, Algorithm::kNccl, Algorithm::kMpiNative,
-                      Algorithm::kCustom}) {
+                      Algorithm::kCustom, Algorithm::kSharedMemory}) {
     if (n == algorithm_name(a)) return a;
   }
   throw InvalidArgumentError("unknown algorithm '" + name + "'");

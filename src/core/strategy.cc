@@ -7,17 +7,11 @@
 
 #include "allreduce/reduce_kernels.h"
 #include "core/data_source.h"
+#include "core/work_state.h"
 
 namespace diststrat {
 
 // ---- Work ------------------------------------------------------------------
-
-struct Work::State {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  std::exception_ptr error;
-};
 
 void Work::wait() {
   if (!state_) return;

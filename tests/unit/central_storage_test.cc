@@ -7,12 +7,17 @@
 
 #include "diststrat/central_storage.h"
 #include "diststrat/diststrat.h"
-#include "training_reference.h"
+#include "training_util.h"
 
 namespace ds = diststrat;
-using ds::testing::cpus;
 
 namespace {
+
+std::vector<ds::Device> cpus(int n) {
+  std::vector<ds::Device> d;
+  for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
+  return d;
+}
 
 class CentralStorageEquivalence : public ::testing::TestWithParam<int> {};
 

@@ -9,17 +9,21 @@
 #include <thread>
 
 #include "diststrat/diststrat.h"
-#include "training_reference.h"
+#include "training_util.h"
 
 namespace ds = diststrat;
+using diststrat::testing::max_abs_diff;
+using diststrat::testing::reference_training;
+using diststrat::testing::synthetic;
+using diststrat::testing::train_under;
 
 namespace {
 
-using ds::testing::cpus;
-using ds::testing::max_abs_diff;
-using ds::testing::reference_training;
-using ds::testing::synthetic;
-using ds::testing::train_under;
+std::vector<ds::Device> cpus(int n) {
+  std::vector<ds::Device> d;
+  for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
+  return d;
+}
 
 class MirroredEquivalence : public ::testing::TestWithParam<int> {};
 

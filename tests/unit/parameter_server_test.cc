@@ -10,14 +10,19 @@
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/update_rule.h"
-#include "training_reference.h"
+#include "training_util.h"
 
 namespace ds = diststrat;
 namespace pp = diststrat::partitioners;
-using ds::testing::cpus;
 using std::chrono::milliseconds;
 
 namespace {
+
+std::vector<ds::Device> cpus(int n) {
+  std::vector<ds::Device> d;
+  for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
+  return d;
+}
 
 // ---- partitioners ------------------------------------------------------------
 

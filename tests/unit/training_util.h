@@ -1,6 +1,5 @@
-// Shared by the strategy equivalence tests: a small synthetic data set, plain
-// single-device training (no strategy) as the reference, and the same loop
-// under any Strategy.
+// Shared by the strategy tests: a small synthetic classification set, plain
+// single-device reference training, and the same loop under a Strategy.
 #pragma once
 
 #include <algorithm>
@@ -12,13 +11,7 @@
 namespace diststrat {
 namespace testing {
 
-namespace ds = ::diststrat;
-
-inline std::vector<ds::Device> cpus(int n) {
-  std::vector<ds::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
-  return d;
-}
+namespace ds = diststrat;
 
 // A small deterministic classification set: 784 features, 10 classes.
 inline ds::Dataset synthetic(int64_t rows, uint64_t seed) {

@@ -1,0 +1,116 @@
+// MultiWorkerMirroredStrategy: synchronous training across processes (one
+// per host or several per host, launched by mpirun), each with one or more
+// local devices; every variable is mirrored on every device of every process.
+//
+//   // mpirun -np 2 ./train
+//   ds::MultiWorkerMirroredStrategy strategy;          // cluster from mpirun / TF_CONFIG
+//   ... the same loop as under MirroredStrategy ...
+//
+// - num_replicas_in_sync() = local devices summed over the workers.
+// - create_variable broadcasts the chief's (worker 0's) initial value to every
+//   worker, so all start from the same weights whatever the initializer.
+// - distribute() gives each worker only its own replicas' rows of every
+//   global batch; DistributedBatch::global_size() is the true global count
+//   (also for a short final batch).
+// - Gradients (Optimizer::apply_gradients, ReplicaContext::all_reduce[_async])
+//   go through a fusion engine: reverse creation order, packed into buffers of
+//   CommunicationOptions::bytes_per_pack, reduced by a background thread
+//   hierarchically (local replicas in-process, then across processes: inside
+//   a node, then across nodes, then back), with optional f16/bf16 wire
+//   compression. Ranks compare a signature of every call first: different
+//   tensors on different ranks are an InvalidArgumentError on every rank that
+//   names the first differing tensor and the ranks, not wrong numbers.
+// - Every wait has options.communication.timeout as deadline; a rank that
+//   stops participating makes the others fail with DeadlineExceededError
+//   naming it. After a deadline or abort the strategy must be recreated.
+//
+// Thread safety: like every Strategy, call its cross-replica methods from one
+// thread; run() calls the step function on one thread per local replica.
+// Every process must make the same sequence of collective calls (create_variable,
+// run with the same collectives, reduce, gather, broadcast, barrier).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diststrat/cluster.h"
+#include "diststrat/strategy.h"
+
+namespace diststrat {
+
+struct MultiWorkerOptions {
+  // This process's replica devices. Empty = one CPU device.
+  std::vector<Device> devices;
+  // Timeout, fusion (bytes_per_pack), algorithm and wire compression.
+  // algorithm kAuto / kHierarchical use the hierarchical path when the job
+  // spans several (possibly virtual) nodes; any other value reduces flat.
+  CommunicationOptions communication;
+  // Where the cluster comes from (explicit spec, TF_CONFIG, mpirun) and the
+  // virtual node grouping (DISTSTRAT_VIRTUAL_NODE_SIZE overrides).
+  ClusterConfig cluster;
+  // Chrome trace-event JSON to write when the strategy is destroyed (or on
+  // write_timeline()); empty = no timeline. DISTSTRAT_TIMELINE overrides.
+  std::string timeline_path;
+  // Cross-process communicator to use instead of MPI (not owned; must outlive
+  // the strategy): one rank per worker process, e.g. InProcessGroup::at(w)
+  // to run the workers as threads of one process. When set, `cluster` is
+  // ignored and every rank is a worker.
+  Communicator* communicator = nullptr;
+  // With `communicator`: optional node-local and cross-node communicators
+  // (not owned) that make the cross-process all-reduce hierarchical.
+  Communicator* node_communicator = nullptr;
+  Communicator* cross_node_communicator = nullptr;
+  LogLevel log_level = LogLevel::kWarning;
+};
+
+// Counters of the fusion engine (for tests and benchmarks).
+struct MultiWorkerStats {
+  int64_t calls = 0;               // cross-process calls completed
+  int64_t packs = 0;               // fused packs reduced
+  int64_t bytes = 0;               // bytes reduced (before compression)
+  int64_t buffer_allocations = 0;  // fusion buffer allocations (grow-only)
+};
+
+class MultiWorkerMirroredStrategy : public Strategy {
+ public:
+  // Blocking and collective: every worker process constructs it.
+  explicit MultiWorkerMirroredStrategy(MultiWorkerOptions options = {});
+  // Writes the timeline if one was requested (collective; falls back to one
+  // file per rank if a peer does not answer).
+  ~MultiWorkerMirroredStrategy() override;
+
+  std::string name() const override { return "multi_worker"; }
+  int num_replicas_in_sync() const override;
+  const std::vector<Device>& devices() const override;
+  int first_local_replica() const override;
+  ClusterInfo cluster() const override;
+  // Node grouping this process uses (after virtual grouping).
+  const Placement& placement() const;
+  // True when the cross-process all-reduce runs hierarchically.
+  bool hierarchical() const;
+
+  void broadcast(Tensor& t, int root_worker = 0, const std::string& name = "") override;
+  void barrier(const std::string& name = "") override;
+  void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
+                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
+
+  // Writes the timeline collected so far to options.timeline_path, all ranks
+  // merged by worker 0 (collective). No-op without a timeline.
+  void write_timeline();
+  MultiWorkerStats stats() const;
+
+  struct Impl;
+
+ protected:
+  void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
+  void place_variable(Variable::Impl& var, const Initializer& init) override;
+  double reduce_across(ReduceOp op, const std::vector<double>& local) override;
+  Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;
+  Tensor gather_across(const std::vector<Tensor>& local) override;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diststrat

@@ -1,0 +1,51 @@
+// Helpers shared by the algorithms in this folder, and the dissemination
+// barrier: in round k (k = 1, 2, 4, ...) member i sends an empty message to
+// member i + k and receives one from member i - k (mod n). After ceil(lg n)
+// rounds every member has heard, directly or transitively, from all others.
+
+#include "allreduce/algorithm.h"
+#include "allreduce/reduce_kernels.h"
+
+namespace diststrat {
+namespace algo {
+
+Peers Peers::all(Transport& t) {
+  Peers p;
+  p.transport = &t;
+  p.ranks.resize(t.size());
+  for (int r = 0; r < t.size(); ++r) p.ranks[r] = r;
+  p.me = t.rank();
+  return p;
+}
+
+void AllReduceArgs::finish(void* block, size_t n) const {
+  if (op == ReduceOp::kMean) kernels::scale_mean(block, n, dtype, mean_divisor);
+}
+
+void AllReduceArgs::accumulate(void* dst, const void* src, size_t n) const {
+  kernels::accumulate(dst, src, n, dtype, op);
+}
+
+void slice_of(size_t count, int parts, int b, size_t* lo, size_t* hi) {
+  const size_t base = count / parts, extra = count % parts;
+  *lo = b * base + std::min<size_t>(b, extra);
+  *hi = *lo + base + (static_cast<size_t>(b) < extra ? 1 : 0);
+}
+
+size_t segment_bytes(const CommunicationOptions& options) {
+  return options.segment_bytes ? options.segment_bytes : size_t{1} << 20;
+}
+
+void dissemination_barrier(const Peers& peers, int tag, Clock::time_point deadline) {
+  const int n = peers.size();
+  char dummy_out = 0, dummy_in = 0;
+  for (int k = 1; k < n; k <<= 1) {
+    Request r = peers.recv((peers.me - k + n) % n, &dummy_in, 0, tag);
+    Request s = peers.send((peers.me + k) % n, &dummy_out, 0, tag);
+    r.wait(deadline);
+    s.wait(deadline);
+  }
+}
+
+}  // namespace algo
+}  // namespace diststrat

@@ -1,0 +1,164 @@
+// The MPI communicator: the point-to-point algorithms over the MPI transport,
+// plus MPI's own MPI_Iallreduce (kMpiNative, polled against the deadline) and,
+// when every rank shares one node, the shared-memory communicator.
+
+#include "allreduce/mpi_communicator.h"
+
+#include <climits>
+#include <cstring>
+#include <thread>
+
+#include "allreduce/mpi_util.h"
+#include "allreduce/reduce_kernels.h"
+#include "allreduce/shm_communicator.h"
+#include "allreduce/transport_communicator.h"
+
+namespace diststrat {
+namespace {
+
+// Node of every rank of comm: the comm rank of the lowest rank sharing its
+// host (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)).
+std::vector<int> node_map(MPI_Comm comm) {
+  int rank = 0, size = 1;
+  DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &size));
+  MPI_Comm local;
+  DISTSTRAT_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local));
+  int leader = rank;
+  DISTSTRAT_MPI_CHECK(MPI_Bcast(&leader, 1, MPI_INT, 0, local));
+  MPI_Comm_free(&local);
+  std::vector<int> nodes(size);
+  DISTSTRAT_MPI_CHECK(MPI_Allgather(&leader, 1, MPI_INT, nodes.data(), 1, MPI_INT, comm));
+  return nodes;
+}
+
+bool native_type(DType dtype, MPI_Datatype* t) {
+  switch (dtype) {
+    case DType::kFloat32: *t = MPI_FLOAT; return true;
+    case DType::kFloat64: *t = MPI_DOUBLE; return true;
+    case DType::kInt32: *t = MPI_INT32_T; return true;
+    case DType::kInt64: *t = MPI_INT64_T; return true;
+    default: return false;
+  }
+}
+
+MPI_Op native_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMean: return MPI_SUM;
+    case ReduceOp::kProduct: return MPI_PROD;
+    case ReduceOp::kMin: return MPI_MIN;
+    case ReduceOp::kMax: return MPI_MAX;
+  }
+  return MPI_SUM;
+}
+
+class MpiCommunicator : public TransportCommunicator {
+ public:
+  MpiCommunicator(Transport& transport, std::unique_ptr<Transport> owned, MPI_Comm comm,
+                  const CommunicationOptions& options)
+      : TransportCommunicator(transport, options, node_map(comm), std::move(owned)) {
+    DISTSTRAT_MPI_CHECK(MPI_Comm_dup(comm, &native_));
+    DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(native_, MPI_ERRORS_RETURN));
+    if (num_nodes() == 1 && size() > 1) shm_ = make_shm_communicator(comm, options);
+    if (options.algorithm == Algorithm::kSharedMemory) {
+      DISTSTRAT_CHECK(shm_ != nullptr, kFailedPrecondition, "rank ", rank(),
+                      ": algorithm 'shm' needs every rank on one node (and more than one rank)");
+    }
+  }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&native_);
+  }
+
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                  const std::string& name) override {
+    const Algorithm algorithm = options_.algorithm;
+    if (use_shm()) return shm_->all_reduce(in, out, count, dtype, op, name);
+    if (algorithm != Algorithm::kMpiNative) {
+      return TransportCommunicator::all_reduce(in, out, count, dtype, op, name);
+    }
+    guarded(describe_call("all_reduce", count, dtype, &op, name) + " (mpi)", [&] {
+      MPI_Datatype type;
+      DISTSTRAT_CHECK(native_type(dtype, &type), kUnimplemented,
+                      "MPI_Allreduce has no native type for ", dtype_name(dtype),
+                      "; use another algorithm");
+      DISTSTRAT_CHECK_LE(count, static_cast<size_t>(INT_MAX), "MPI_Allreduce element count");
+      MPI_Request req;
+      const void* src = in == out ? MPI_IN_PLACE : in;
+      DISTSTRAT_MPI_CHECK(MPI_Iallreduce(src, out, static_cast<int>(count), type, native_op(op),
+                                         native_, &req));
+      wait_native(&req);
+      if (op == ReduceOp::kMean) kernels::scale_mean(out, count, dtype, size());
+    });
+  }
+
+  void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
+    if (use_shm()) return shm_->broadcast(buf, count, dtype, root, name);
+    TransportCommunicator::broadcast(buf, count, dtype, root, name);
+  }
+  void all_gather(const void* in, void* out, size_t count, DType dtype,
+                  const std::string& name) override {
+    if (use_shm()) return shm_->all_gather(in, out, count, dtype, name);
+    TransportCommunicator::all_gather(in, out, count, dtype, name);
+  }
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                      const std::string& name) override {
+    if (use_shm()) return shm_->reduce_scatter(in, out, count, dtype, op, name);
+    TransportCommunicator::reduce_scatter(in, out, count, dtype, op, name);
+  }
+  void barrier(const std::string& name) override {
+    if (use_shm()) return shm_->barrier(name);
+    TransportCommunicator::barrier(name);
+  }
+  void abort(const std::string& reason) override {
+    if (shm_) shm_->abort(reason);
+    TransportCommunicator::abort(reason);
+  }
+  void reset() override {
+    if (shm_) shm_->reset();
+    TransportCommunicator::reset();
+  }
+
+ private:
+  bool use_shm() const {
+    return shm_ && (options_.algorithm == Algorithm::kSharedMemory ||
+                    options_.algorithm == Algorithm::kAuto);
+  }
+
+  // Polls a non-blocking MPI collective until it completes or the deadline
+  // passes. On the deadline the collective cannot be cancelled (MPI has no
+  // way to), so the communicator is unusable afterwards; the error says so.
+  void wait_native(MPI_Request* req) {
+    const auto end = deadline();
+    for (unsigned spin = 0;; ++spin) {
+      int flag = 0;
+      DISTSTRAT_MPI_CHECK(MPI_Test(req, &flag, MPI_STATUS_IGNORE));
+      if (flag) return;
+      if (Clock::now() >= end) {
+        aborted_ = true;
+        abort_reason_ = "an earlier MPI_Iallreduce timed out and cannot be cancelled";
+        throw DeadlineExceededError("MPI_Iallreduce did not complete within " +
+                                    std::to_string(options_.timeout.count()) +
+                                    " ms: some rank never joined");
+      }
+      if (spin >= 256) std::this_thread::yield();
+    }
+  }
+
+  MPI_Comm native_ = MPI_COMM_NULL;
+  std::unique_ptr<Communicator> shm_;
+};
+
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm,
+                                                    const CommunicationOptions& options) {
+  std::unique_ptr<Transport> transport = make_mpi_transport(comm);
+  Transport& ref = *transport;
+  return std::make_unique<MpiCommunicator>(ref, std::move(transport), comm, options);
+}
+
+}  // namespace diststrat

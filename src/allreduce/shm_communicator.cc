@@ -1,0 +1,319 @@
+// Shared-memory collectives for the ranks of one node.
+//
+// Every rank allocates its part of one MPI-3 shared window: a header with a
+// barrier counter and an abort word, then two staging buffers of `chunk`
+// bytes. All ranks map all parts, so each reads its peers' buffers directly:
+// no messages and no copies beyond the ones below.
+//
+// All-reduce of a chunk (messages are processed in chunks of the buffer size):
+//  1. rank r copies the slices of its input that the OTHER ranks own into its
+//     staging buffer (its own slice it reads straight from its input);
+//  2. barrier;
+//  3. rank r reduces its slice [lo_r, hi_r) in one pass over its input and
+//     every peer's staging buffer, writing the result into the (unused) own
+//     slice of its staging buffer;
+//  4. barrier;
+//  5. rank r copies every rank's reduced slice out of their staging buffers
+//     into its output.
+// Small chunks (up to kSmallBytes) skip the slicing: each rank stages its
+// whole input, meets the others at one barrier and reduces the whole chunk
+// itself, which trades a little redundant arithmetic for one barrier less.
+//
+// The two staging buffers alternate by chunk number (counted across calls).
+// A chunk's writes happen after the previous chunk's last barrier, and every
+// read of the buffer it reuses (two chunks back) finished before that
+// barrier, so one barrier per phase suffices without a closing one.
+//
+// Barrier: each rank bumps its own counter (release) and waits until every
+// counter has reached its value (acquire), spinning, then yielding, then
+// sleeping, until the deadline; then it throws DeadlineExceededError naming
+// the ranks whose counters lag. abort() raises this rank's abort word, which
+// every waiting peer checks.
+
+#include "allreduce/shm_communicator.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "allreduce/algorithm.h"
+#include "allreduce/mpi_util.h"
+#include "allreduce/reduce_kernels.h"
+#include "allreduce/transport_communicator.h"
+
+namespace diststrat {
+namespace {
+
+constexpr size_t kHeader = 256;              // keeps the buffers cache-line (and page-ish) aligned
+constexpr size_t kSmallBytes = 16 << 10;     // all-reduce chunks up to this skip slicing
+
+struct alignas(64) Header {
+  std::atomic<uint64_t> arrived{0};
+  char pad0[56];
+  std::atomic<uint32_t> aborted{0};
+  char pad1[60];
+};
+static_assert(sizeof(Header) <= kHeader, "header too large");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
+
+class ShmCommunicator : public Communicator {
+ public:
+  ShmCommunicator(MPI_Comm comm, const CommunicationOptions& options) : options_(options) {
+    DISTSTRAT_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+    DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    MPI_Comm local;
+    DISTSTRAT_MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local));
+    int local_size = 0;
+    MPI_Comm_size(local, &local_size);
+    MPI_Comm_free(&local);
+    if (local_size != size_) {
+      MPI_Comm_free(&comm_);
+      throw FailedPreconditionError("rank " + std::to_string(rank_) +
+                                    ": the shared-memory communicator needs every rank on one "
+                                    "node, but only " + std::to_string(local_size) + " of " +
+                                    std::to_string(size_) + " share this one");
+    }
+    chunk_ = options.segment_bytes ? options.segment_bytes : size_t{1} << 20;
+    chunk_ = std::max<size_t>(64, chunk_ / 64 * 64);
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    void* base = nullptr;
+    const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(kHeader + 2 * chunk_), 1, info,
+                                           comm_, &base, &win_);
+    MPI_Info_free(&info);
+    DISTSTRAT_MPI_CHECK(rc);
+    new (base) Header();
+    headers_.resize(size_);
+    bufs_.resize(size_);
+    for (int r = 0; r < size_; ++r) {
+      MPI_Aint sz;
+      int disp;
+      void* p = nullptr;
+      DISTSTRAT_MPI_CHECK(MPI_Win_shared_query(win_, r, &sz, &disp, &p));
+      headers_[r] = static_cast<Header*>(p);
+      bufs_[r] = static_cast<char*>(p) + kHeader;
+    }
+    DISTSTRAT_MPI_CHECK(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
+    // Everyone's header is constructed before anyone reads it.
+    DISTSTRAT_MPI_CHECK(MPI_Barrier(comm_));
+  }
+
+  ~ShmCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    MPI_Win_unlock_all(win_);
+    MPI_Win_free(&win_);
+    MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const CommunicationOptions& options() const override { return options_; }
+
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                  const std::string& name) override {
+    Call call(this, describe_call("all_reduce", count, dtype, &op, name) + " (shm)");
+    const size_t es = dtype_size(dtype);
+    const size_t per = chunk_ / es;
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    std::vector<const void*> srcs(size_);
+    for (size_t base = 0; base < count; base += per) {
+      const size_t len = std::min(per, count - base);
+      const int b = static_cast<int>(chunks_++ & 1);
+      const char* my_in = src + base * es;
+      char* my_out = dst + base * es;
+      if (len * es <= kSmallBytes) {
+        std::memcpy(buf(rank_, b), my_in, len * es);
+        call.barrier();
+        for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b);
+        srcs[rank_] = my_in;
+        kernels::reduce(my_out, srcs.data(), size_, len, dtype, op, size_);
+        continue;
+      }
+      // 1. stage the slices the others own.
+      for (int q = 0; q < size_; ++q) {
+        if (q == rank_) continue;
+        size_t lo, hi;
+        algo::slice_of(len, size_, q, &lo, &hi);
+        std::memcpy(buf(rank_, b) + lo * es, my_in + lo * es, (hi - lo) * es);
+      }
+      call.barrier();
+      // 3. reduce my slice out of everyone's memory.
+      size_t lo, hi;
+      algo::slice_of(len, size_, rank_, &lo, &hi);
+      for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b) + lo * es;
+      srcs[rank_] = my_in + lo * es;
+      kernels::reduce(buf(rank_, b) + lo * es, srcs.data(), size_, hi - lo, dtype, op, size_);
+      call.barrier();
+      // 5. collect every slice.
+      for (int q = 0; q < size_; ++q) {
+        size_t qlo, qhi;
+        algo::slice_of(len, size_, q, &qlo, &qhi);
+        std::memcpy(my_out + qlo * es, buf(q, b) + qlo * es, (qhi - qlo) * es);
+      }
+    }
+  }
+
+  void broadcast(void* data, size_t count, DType dtype, int root, const std::string& name) override {
+    DISTSTRAT_CHECK(0 <= root && root < size_, kInvalidArgument, "rank ", rank_, ": broadcast '",
+                    name, "': root ", root, " is not a rank of a group of ", size_);
+    Call call(this, describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
+                        std::to_string(root) + " (shm)");
+    const size_t bytes = count * dtype_size(dtype);
+    char* p = static_cast<char*>(data);
+    for (size_t off = 0; off < bytes; off += chunk_) {
+      const size_t len = std::min(chunk_, bytes - off);
+      const int b = static_cast<int>(chunks_++ & 1);
+      if (rank_ == root) std::memcpy(buf(rank_, b), p + off, len);
+      call.barrier();
+      if (rank_ != root) std::memcpy(p + off, buf(root, b), len);
+    }
+  }
+
+  void all_gather(const void* in, void* out, size_t count, DType dtype,
+                  const std::string& name) override {
+    Call call(this, describe_call("all_gather", count, dtype, nullptr, name) + " (shm)");
+    const size_t bytes = count * dtype_size(dtype);
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    for (size_t off = 0; off < bytes; off += chunk_) {
+      const size_t len = std::min(chunk_, bytes - off);
+      const int b = static_cast<int>(chunks_++ & 1);
+      std::memcpy(buf(rank_, b), src + off, len);
+      call.barrier();
+      for (int q = 0; q < size_; ++q) {
+        char* d = dst + q * bytes + off;
+        if (q == rank_ && d == src + off) continue;  // in place
+        std::memcpy(d, buf(q, b), len);
+      }
+    }
+  }
+
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                      const std::string& name) override {
+    Call call(this, describe_call("reduce_scatter", count, dtype, &op, name) + " (shm)");
+    const size_t es = dtype_size(dtype);
+    // Each chunk stages `per` elements of every rank's block.
+    const size_t per = std::max<size_t>(1, chunk_ / (es * size_));
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    std::vector<const void*> srcs(size_);
+    for (size_t base = 0; base < count; base += per) {
+      const size_t len = std::min(per, count - base);
+      const int b = static_cast<int>(chunks_++ & 1);
+      for (int q = 0; q < size_; ++q) {
+        if (q != rank_) std::memcpy(buf(rank_, b) + q * len * es, src + (q * count + base) * es, len * es);
+      }
+      call.barrier();
+      for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b) + rank_ * len * es;
+      srcs[rank_] = src + (rank_ * count + base) * es;
+      kernels::reduce(dst + base * es, srcs.data(), size_, len, dtype, op, size_);
+    }
+    // The output may alias the input (out == in + rank * count): later chunks
+    // of our own block are read from `in` only by us, so this is safe.
+  }
+
+  void barrier(const std::string& name) override {
+    Call call(this, std::string("barrier") + (name.empty() ? "" : " '" + name + "'") + " (shm)");
+    ++chunks_;  // keeps the buffer parity rule simple: a barrier is an empty chunk
+    call.barrier();
+  }
+
+  void abort(const std::string& reason) override {
+    abort_reason_ = reason;
+    headers_[rank_]->aborted.store(1, std::memory_order_release);
+  }
+
+  // Clears this rank's abort word. Every rank must call it (with no
+  // collective in flight) before the group is used again.
+  void reset() override {
+    abort_reason_.clear();
+    headers_[rank_]->aborted.store(0, std::memory_order_release);
+  }
+
+ private:
+  char* buf(int r, int b) const { return bufs_[r] + b * chunk_; }
+
+  // One collective call: its description for errors and its barriers.
+  class Call {
+   public:
+    Call(ShmCommunicator* c, std::string what) : c_(c), what_(std::move(what)) {
+      deadline_ = Clock::now() + c_->options_.timeout;
+      check_abort();
+    }
+    void barrier() {
+      const uint64_t target = ++c_->barriers_;
+      c_->headers_[c_->rank_]->arrived.store(target, std::memory_order_release);
+      for (int q = 0; q < c_->size_; ++q) {
+        if (q == c_->rank_) continue;
+        auto& counter = c_->headers_[q]->arrived;
+        for (unsigned spin = 0; counter.load(std::memory_order_acquire) < target; ++spin) {
+          if ((spin & 63) == 0) {
+            check_abort();
+            if (Clock::now() >= deadline_) timeout(target);
+          }
+          if (spin < 1024) continue;
+          if (spin < 16384) {
+            std::this_thread::yield();
+          } else {
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+          }
+        }
+      }
+    }
+
+   private:
+    void check_abort() {
+      for (int q = 0; q < c_->size_; ++q) {
+        if (c_->headers_[q]->aborted.load(std::memory_order_acquire)) {
+          throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ +
+                             " aborted by rank " + std::to_string(q) +
+                             (q == c_->rank_ ? ": " + c_->abort_reason_ : std::string()));
+        }
+      }
+    }
+    [[noreturn]] void timeout(uint64_t target) {
+      std::ostringstream missing;
+      int n = 0;
+      for (int q = 0; q < c_->size_; ++q) {
+        if (c_->headers_[q]->arrived.load(std::memory_order_acquire) < target) {
+          missing << (n++ ? ", " : "") << q;
+        }
+      }
+      throw DeadlineExceededError("rank " + std::to_string(c_->rank_) + ": " + what_ + ": rank" +
+                                  (n > 1 ? "s " : " ") + missing.str() + " did not arrive within " +
+                                  std::to_string(c_->options_.timeout.count()) + " ms");
+    }
+    ShmCommunicator* c_;
+    std::string what_;
+    Clock::time_point deadline_;
+  };
+
+  CommunicationOptions options_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Win win_ = MPI_WIN_NULL;
+  int rank_ = 0, size_ = 1;
+  size_t chunk_ = 0;
+  std::vector<Header*> headers_;
+  std::vector<char*> bufs_;
+  uint64_t barriers_ = 0;  // barriers this rank has entered
+  uint64_t chunks_ = 0;    // chunks processed (buffer parity)
+  std::string abort_reason_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_shm_communicator(MPI_Comm comm,
+                                                    const CommunicationOptions& options) {
+  return std::make_unique<ShmCommunicator>(comm, options);
+}
+
+}  // namespace diststrat

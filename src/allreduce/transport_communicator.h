@@ -1,0 +1,94 @@
+// A Communicator that runs the algorithms of this folder over a Transport:
+// all_reduce by the algorithm that options().algorithm names (kAuto chooses by
+// size, rank count and node count), broadcast by binomial tree, all_gather
+// and reduce_scatter around the pipelined ring, barrier by dissemination.
+// The same class serves the in-process transport (tests, and any group of
+// threads) and MPI point-to-point; MPI's factory adds MPI_Allreduce and the
+// shared-memory path on top (mpi_communicator.h).
+//
+// Tags: collective call k uses tags kTagBase + (k mod kTagSlots) * 8 + [0, 8),
+// all within [16384, 24576); other protocols sharing the transport (the
+// parameter-server service) must use tags below 16384.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "allreduce/algorithm.h"
+#include "allreduce/transport.h"
+#include "diststrat/collective.h"
+
+namespace diststrat {
+
+class TransportCommunicator : public Communicator {
+ public:
+  static constexpr int kTagBase = 16384;
+  static constexpr int kTagSlots = 1024;
+
+  // `transport` must outlive the communicator unless `owned` holds it.
+  // `node_of[r]` = node of rank r, for kHierarchical and kAuto; empty = from
+  // options.hierarchical_group_size, else one node.
+  TransportCommunicator(Transport& transport, CommunicationOptions options,
+                        std::vector<int> node_of = {}, std::unique_ptr<Transport> owned = nullptr);
+
+  int rank() const override { return transport_->rank(); }
+  int size() const override { return transport_->size(); }
+  const CommunicationOptions& options() const override { return options_; }
+
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                  const std::string& name = "") override;
+  void broadcast(void* buf, size_t count, DType dtype, int root,
+                 const std::string& name = "") override;
+  void all_gather(const void* in, void* out, size_t count, DType dtype,
+                  const std::string& name = "") override;
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                      const std::string& name = "") override;
+  void barrier(const std::string& name = "") override;
+  void abort(const std::string& reason) override;
+  // Clears this communicator's abort flag. The transport's abort is sticky:
+  // after a transport abort build a new communicator.
+  void reset() override;
+
+  // The algorithm all_reduce will run for `bytes` (kAuto resolved).
+  Algorithm resolve(size_t bytes) const;
+  int num_nodes() const { return num_nodes_; }
+  const std::vector<int>& node_of() const { return node_of_; }
+  Transport& transport() { return *transport_; }
+
+ protected:
+  // Runs `fn`, turning any Error it throws into the same code with a message
+  // prefixed by this rank, the op, the tensor and the call number.
+  template <typename Fn> void guarded(const std::string& what, Fn&& fn) {
+    const long call = calls_;
+    if (aborted_) {
+      throw AbortedError("rank " + std::to_string(rank()) + ": " + what + " aborted: " +
+                         abort_reason_);
+    }
+    try {
+      fn();
+    } catch (const Error& e) {
+      throw_error(e.code(), "rank " + std::to_string(rank()) + ": " + what + " (call #" +
+                                std::to_string(call) + "): " + e.message());
+    }
+  }
+  // Next call's tag block.
+  int next_tag();
+  // In-place all-reduce of buf with a point-to-point algorithm.
+  void run_algorithm(Algorithm algorithm, void* buf, size_t count, DType dtype, ReduceOp op);
+  Clock::time_point deadline() const { return Clock::now() + options_.timeout; }
+
+  std::unique_ptr<Transport> owned_;
+  Transport* transport_;
+  CommunicationOptions options_;
+  std::vector<int> node_of_;
+  int num_nodes_ = 1;
+  long calls_ = 0;
+  bool aborted_ = false;
+  std::string abort_reason_;
+};
+
+std::string describe_call(const char* kind, size_t count, DType dtype, const ReduceOp* op,
+                          const std::string& name);
+
+}  // namespace diststrat

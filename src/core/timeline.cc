@@ -1,0 +1,97 @@
+#include "core/timeline.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include "diststrat/error.h"
+
+namespace diststrat {
+
+namespace {
+// Microseconds on the system clock, so that processes on one host line up.
+double micros(Timeline::Clock::time_point t) {
+  const auto sys = std::chrono::system_clock::now() +
+                   std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                       t - Timeline::Clock::now());
+  return std::chrono::duration<double, std::micro>(sys.time_since_epoch()).count();
+}
+
+std::string escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) {
+      o += ' ';
+      continue;
+    }
+    o += c;
+  }
+  return o;
+}
+}  // namespace
+
+Timeline::Timeline(int pid) : pid_(pid) {}
+
+void Timeline::name_thread(int tid, const std::string& name) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}",
+                pid_, tid, escape(name).c_str());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (events_.empty()) {
+    events_.push_back("{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" + std::to_string(pid_) +
+                      ",\"args\":{\"name\":\"rank " + std::to_string(pid_) + "\"}}");
+  }
+  events_.emplace_back(buf);
+}
+
+void Timeline::complete(const std::string& name, const char* category, int tid,
+                        Clock::time_point begin, Clock::time_point end, const std::string& args) {
+  if (!enabled_) return;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d",
+                category, micros(begin),
+                std::chrono::duration<double, std::micro>(end - begin).count(), pid_, tid);
+  std::string e = "{\"name\":\"" + escape(name) + buf;
+  if (!args.empty()) e += ",\"args\":{" + args + "}";
+  e += "}";
+  std::lock_guard<std::mutex> lock(mu_);
+  events_.push_back(std::move(e));
+}
+
+std::string Timeline::events_json() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  for (size_t i = 0; i < events_.size(); ++i) {
+    if (i) out += ",\n";
+    out += events_[i];
+  }
+  return out;
+}
+
+size_t Timeline::num_events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_.size();
+}
+
+void Timeline::write_file(const std::string& path, const std::vector<std::string>& events) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    DISTSTRAT_CHECK(f.good(), kNotFound, "timeline: cannot write '", tmp, "'");
+    f << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
+    bool first = true;
+    for (const std::string& e : events) {
+      if (e.empty()) continue;
+      if (!first) f << ",\n";
+      f << e;
+      first = false;
+    }
+    f << "\n]}\n";
+    DISTSTRAT_CHECK(f.good(), kDataLoss, "timeline: write to '", tmp, "' failed");
+  }
+  DISTSTRAT_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, kInternal, "timeline: cannot rename '",
+                  tmp, "' to '", path, "'");
+}
+
+}  // namespace diststrat

@@ -1,0 +1,205 @@
+// ClusterSpec: TF_CONFIG parsing and validation, rank assignment.
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <set>
+
+#include "diststrat/cluster.h"
+#include "diststrat/error.h"
+
+namespace diststrat {
+
+namespace {
+
+// Training jobs in rank order; the evaluator has no training rank.
+const char* const kRankedJobs[] = {"chief", "worker", "ps"};
+const std::set<std::string> kKnownJobs = {"chief", "worker", "ps", "evaluator"};
+
+[[noreturn]] void bad(const std::string& what) {
+  throw InvalidArgumentError("cluster spec: " + what);
+}
+
+bool valid_address(const std::string& a) {
+  const size_t colon = a.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == a.size()) return false;
+  for (size_t i = colon + 1; i < a.size(); ++i) {
+    if (a[i] < '0' || a[i] > '9') return false;
+  }
+  const long port = std::strtol(a.c_str() + colon + 1, nullptr, 10);
+  return port > 0 && port < 65536;
+}
+
+}  // namespace
+
+void ClusterSpec::validate() const {
+  std::set<std::string> addresses;
+  int present = 0;
+  for (const auto& [job, tasks] : jobs) {
+    if (!kKnownJobs.count(job)) {
+      bad("unknown job '" + job + "' (jobs are chief, worker, ps, evaluator)");
+    }
+    if (tasks.empty()) continue;
+    ++present;
+    if ((job == "chief" || job == "evaluator") && tasks.size() > 1) {
+      bad("job '" + job + "' has " + std::to_string(tasks.size()) + " tasks; at most one is allowed");
+    }
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const std::string& a = tasks[i];
+      if (!valid_address(a)) {
+        bad("address '" + a + "' of " + job + "[" + std::to_string(i) + "] is not host:port");
+      }
+      if (!addresses.insert(a).second) {
+        bad("duplicate address '" + a + "' (" + job + "[" + std::to_string(i) + "])");
+      }
+    }
+  }
+  if (present == 0) bad("the cluster has no tasks");
+  if (num_workers() == 0) bad("the cluster has no chief and no worker: nothing runs replicas");
+  if (!kKnownJobs.count(task_type)) {
+    bad("task type '" + task_type + "' is not a job (chief, worker, ps, evaluator)");
+  }
+  const int n = num_tasks(task_type);
+  if (n == 0) bad("task type '" + task_type + "' has no tasks in the cluster");
+  if (task_index < 0 || task_index >= n) {
+    bad("task index " + std::to_string(task_index) + " out of range for job '" + task_type +
+        "' with " + std::to_string(n) + " task" + (n == 1 ? "" : "s"));
+  }
+}
+
+ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
+  using nlohmann::json;
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw InvalidArgumentError(std::string("TF_CONFIG is not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) bad("TF_CONFIG must be a JSON object, got " + std::string(j.type_name()));
+  for (const auto& [key, value] : j.items()) {
+    if (key != "cluster" && key != "task" && key != "environment" && key != "rpc_layer") {
+      bad("TF_CONFIG has an unknown key '" + key + "' (cluster, task, environment, rpc_layer)");
+    }
+  }
+  if (!j.contains("cluster")) bad("TF_CONFIG has no 'cluster'");
+  if (!j.contains("task")) bad("TF_CONFIG has no 'task'");
+  const json& c = j["cluster"];
+  if (!c.is_object()) bad("'cluster' must be an object of job -> [addresses]");
+  ClusterSpec spec;
+  for (const auto& [job, tasks] : c.items()) {
+    if (!kKnownJobs.count(job)) bad("unknown job '" + job + "' (jobs are chief, worker, ps, evaluator)");
+    if (!tasks.is_array()) bad("job '" + job + "' must be a list of \"host:port\" strings");
+    std::vector<std::string> addrs;
+    for (const json& a : tasks) {
+      if (!a.is_string()) bad("job '" + job + "' has a non-string address " + a.dump());
+      addrs.push_back(a.get<std::string>());
+    }
+    spec.jobs[job] = std::move(addrs);
+  }
+  const json& t = j["task"];
+  if (!t.is_object()) bad("'task' must be an object with 'type' and 'index'");
+  for (const auto& [key, value] : t.items()) {
+    if (key != "type" && key != "index" && key != "trial") {
+      bad("'task' has an unknown key '" + key + "'");
+    }
+  }
+  if (!t.contains("type")) bad("'task' has no 'type'");
+  if (!t["type"].is_string()) bad("task 'type' must be a string, got " + t["type"].dump());
+  spec.task_type = t["type"].get<std::string>();
+  if (!t.contains("index")) bad("'task' has no 'index'");
+  if (!t["index"].is_number_integer()) bad("task 'index' must be an integer, got " + t["index"].dump());
+  const int64_t index = t["index"].get<int64_t>();
+  if (index < 0 || index > 1'000'000) bad("task index " + std::to_string(index) + " out of range");
+  spec.task_index = static_cast<int>(index);
+  spec.validate();
+  return spec;
+}
+
+int ClusterSpec::num_tasks(const std::string& job) const {
+  auto it = jobs.find(job);
+  return it == jobs.end() ? 0 : static_cast<int>(it->second.size());
+}
+
+int ClusterSpec::world_size() const {
+  int n = 0;
+  for (const char* job : kRankedJobs) n += num_tasks(job);
+  return n;
+}
+
+int ClusterSpec::num_workers() const { return num_tasks("chief") + num_tasks("worker"); }
+
+int ClusterSpec::rank() const {
+  int base = 0;
+  for (const char* job : kRankedJobs) {
+    if (task_type == job) return base + task_index;
+    base += num_tasks(job);
+  }
+  return -1;
+}
+
+std::pair<std::string, int> ClusterSpec::task_of_rank(int r) const {
+  int base = 0;
+  for (const char* job : kRankedJobs) {
+    const int n = num_tasks(job);
+    if (r >= base && r < base + n) return {job, r - base};
+    base += n;
+  }
+  throw InvalidArgumentError("cluster spec: rank " + std::to_string(r) + " out of range for " +
+                             std::to_string(world_size()) + " training processes");
+}
+
+std::vector<std::string> ClusterSpec::roles() const {
+  std::vector<std::string> out;
+  for (const char* job : kRankedJobs) {
+    if (num_tasks(job)) out.push_back(job);
+  }
+  if (num_tasks("evaluator")) out.push_back("evaluator");
+  return out;
+}
+
+const std::string& ClusterSpec::address() const {
+  auto it = jobs.find(task_type);
+  DISTSTRAT_CHECK(it != jobs.end() && task_index >= 0 &&
+                      task_index < static_cast<int>(it->second.size()),
+                  kInvalidArgument, "cluster spec: no task ", task_type, "[", task_index, "]");
+  return it->second[task_index];
+}
+
+ClusterInfo ClusterSpec::info() const {
+  ClusterInfo i;
+  i.task_type = task_type;
+  i.task_index = task_index;
+  i.rank = rank();
+  i.world_size = world_size();
+  i.num_workers = num_workers();
+  if (task_type == "chief") {
+    i.worker_index = 0;
+  } else if (task_type == "worker") {
+    i.worker_index = num_tasks("chief") + task_index;
+  } else {
+    i.worker_index = -1;  // ps / evaluator run no replicas in sync
+  }
+  return i;
+}
+
+Placement virtual_nodes(const Placement& real, int ranks_per_node) {
+  if (ranks_per_node <= 0) return real;
+  Placement p = real;
+  p.node = real.rank / ranks_per_node;
+  p.num_nodes = (real.world_size + ranks_per_node - 1) / ranks_per_node;
+  p.local_rank = real.rank % ranks_per_node;
+  p.local_size = std::min(ranks_per_node, real.world_size - p.node * ranks_per_node);
+  return p;
+}
+
+const char* cluster_source_name(ClusterSource s) {
+  switch (s) {
+    case ClusterSource::kExplicit: return "explicit";
+    case ClusterSource::kTfConfig: return "TF_CONFIG";
+    case ClusterSource::kMpi: return "mpi";
+    case ClusterSource::kSingleProcess: return "single-process";
+  }
+  return "?";
+}
+
+}  // namespace diststrat

@@ -1,0 +1,145 @@
+// The fusion engine of the multi-worker strategy: one per strategy (per
+// process), with one background communication thread that owns every
+// cross-process collective of the strategy, so they run in one order that is
+// identical on every rank.
+//
+// How a fused all-reduce runs:
+//  1. queue: each local replica enqueues its tensors (all_reduce_async); the
+//     k-th call of every local replica forms the k-th collective call. Calls
+//     are checked for agreement between local replicas (names, shapes, dtypes,
+//     op) as they arrive.
+//  2. pack: once all local replicas have enqueued the call, the thread
+//     exchanges a signature of it (op, bytes_per_pack, compression, and every
+//     tensor's name, dtype and shape, in order) with the other processes. Pack
+//     boundaries are a deterministic function of that signature, so one check
+//     per call covers every pack of it. On a mismatch every rank throws
+//     InvalidArgumentError naming the first differing tensor and the ranks
+//     that disagree, before any data moves.
+//  3. The call's tensors are cut into packs: consecutive tensors of one dtype,
+//     up to bytes_per_pack bytes (0 = the whole call in one pack; a tensor
+//     larger than a pack goes alone, reduced in place in local replica 0's
+//     tensor). For each pack: memcpy-in (the local replicas' tensors are
+//     reduced straight into the fusion buffer, the in-process step of the
+//     hierarchy), optional wire compression (f32 -> f16/bf16), reduce (the
+//     cross-process all-reduce: flat or hierarchical, see
+//     HierarchicalCommunicator), memcpy-out (the result copied into every
+//     local replica's tensor; kMean divided by the replicas in sync).
+//  4. The call's Work completes; every local replica's wait() returns.
+//
+// Fusion and wire buffers are allocated on first use, grown only when a
+// larger pack comes, and reused for every later pack.
+//
+// Deadlines: the thread waits at most options.timeout for the other local
+// replicas to enqueue a call (then DeadlineExceededError naming the missing
+// local replicas); the communicator bounds every cross-process wait the same
+// way and names the ranks that never arrived. After such a failure the engine
+// is unusable: later calls fail at once with AbortedError carrying the
+// original reason (a signature mismatch, detected before data moves on every
+// rank alike, leaves it usable).
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/timeline.h"
+#include "diststrat/collective.h"
+#include "diststrat/strategy.h"
+
+namespace diststrat {
+
+struct FusionStats {
+  int64_t calls = 0;               // collective calls completed
+  int64_t packs = 0;               // packs reduced across processes
+  int64_t bytes = 0;               // payload bytes reduced (before compression)
+  int64_t buffer_allocations = 0;  // fusion/wire buffer (re)allocations
+};
+
+class FusionEngine {
+ public:
+  // `cross` joins one rank per process (it may be hierarchical); only the
+  // engine's thread uses it. `replicas_in_sync` divides kMean results.
+  FusionEngine(Communicator& cross, int num_local_replicas, int replicas_in_sync,
+               CommunicationOptions options, Timeline* timeline);
+  ~FusionEngine();
+  FusionEngine(const FusionEngine&) = delete;
+  FusionEngine& operator=(const FusionEngine&) = delete;
+
+  // Local replica `local` enqueues its part of the next call. Non-blocking;
+  // the tensors must stay alive and untouched until the Work completes.
+  // Thread-safe (one thread per local replica).
+  Work all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
+                        std::vector<std::string> names);
+
+  // Runs fn(cross) on the communication thread as the next call, once every
+  // local replica has submitted it (fn of local replica 0 runs).
+  Work submit(int local, std::function<void(Communicator&)> fn, std::string what);
+  // The same from cross-replica context: one submission stands for every
+  // local replica. Blocks until fn has run; rethrows its exception.
+  void run(std::function<void(Communicator&)> fn, std::string what);
+
+  // Fails every call that is not complete yet with AbortedError(reason) and
+  // makes the engine unusable (a replica failed mid-step).
+  void abort(const std::string& reason);
+  // abort(reason) if a call is waiting for local replicas or queued; returns
+  // whether it did. (A replica that failed after its calls completed leaves
+  // the ranks in step.)
+  bool abort_if_pending(const std::string& reason);
+
+  int rank() const { return rank_; }
+  const CommunicationOptions& options() const { return options_; }
+  FusionStats stats() const;
+
+ private:
+  struct Part {
+    bool present = false;
+    ReduceOp op = ReduceOp::kSum;
+    std::vector<Tensor> tensors;
+    std::vector<std::string> names;
+    std::function<void(Communicator&)> task;
+  };
+  struct Call {
+    bool is_task = false;
+    std::string what;
+    std::vector<Part> parts;
+    int arrived = 0;
+    Timeline::Clock::time_point first_arrival;
+    std::string local_mismatch;  // non-empty: local replicas disagree
+    std::shared_ptr<Work::State> work;
+  };
+
+  Work enqueue(int local, Part part, bool is_task, const std::string& what, bool all_local);
+  void loop();
+  void execute(Call& call);
+  void execute_all_reduce(Call& call);
+  std::string signature(const Call& call) const;
+  void check_signatures(const Call& call, const std::string& sig);
+  void ensure(std::vector<char>& buf, size_t bytes);
+
+  Communicator& cross_;
+  const int num_local_;
+  const int replicas_in_sync_;
+  const CommunicationOptions options_;
+  Timeline* timeline_;
+  const int rank_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Call>> calls_;  // calls_[i] has sequence base_ + i
+  int64_t base_ = 0;
+  std::vector<int64_t> next_seq_;  // per local replica
+  bool stop_ = false;
+  std::string broken_;  // non-empty: the engine failed for this reason
+  FusionStats stats_;
+  int64_t executed_ = 0;  // calls run across processes (same count on every rank)
+
+  std::vector<char> buffer_, wire_;  // only the engine thread touches them
+  std::thread thread_;
+};
+
+}  // namespace diststrat

@@ -1,0 +1,85 @@
+#include "multiworker/mpi_env.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include "diststrat/error.h"
+
+namespace diststrat {
+namespace mpi {
+
+bool launched_under_mpi() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
+                        "MPI_LOCALNRANKS"}) {
+    if (std::getenv(v)) return true;
+  }
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  return initialized != 0;
+}
+
+namespace {
+void finalize_at_exit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+}  // namespace
+
+void ensure_initialized() {
+  // MPI_Init may be called once per process; the mutex only orders two
+  // strategies constructed concurrently by different threads.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  DISTSTRAT_CHECK(!finalized, kFailedPrecondition, "MPI was already finalized");
+  int provided = 0;
+  if (!initialized) {
+    DISTSTRAT_MPI_CALL(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
+    std::atexit(finalize_at_exit);
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  DISTSTRAT_CHECK(provided >= MPI_THREAD_SERIALIZED, kUnavailable,
+                  "MPI provides thread level ", provided,
+                  "; the multi-worker strategy needs at least MPI_THREAD_SERIALIZED");
+}
+
+Placement placement(MPI_Comm comm) {
+  Placement p;
+  DISTSTRAT_MPI_CALL(MPI_Comm_rank(comm, &p.rank));
+  DISTSTRAT_MPI_CALL(MPI_Comm_size(comm, &p.world_size));
+  MPI_Comm node_comm;
+  DISTSTRAT_MPI_CALL(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, p.rank, MPI_INFO_NULL, &node_comm));
+  DISTSTRAT_MPI_CALL(MPI_Comm_rank(node_comm, &p.local_rank));
+  DISTSTRAT_MPI_CALL(MPI_Comm_size(node_comm, &p.local_size));
+  // A node is named by its lowest rank; nodes are numbered in that order.
+  int leader = p.rank;
+  DISTSTRAT_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, node_comm));
+  MPI_Comm_free(&node_comm);
+  std::vector<int> leaders(p.world_size);
+  DISTSTRAT_MPI_CALL(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, comm));
+  p.node = 0;
+  p.num_nodes = 0;
+  for (int r = 0; r < p.world_size; ++r) {
+    if (leaders[r] == r) {
+      if (r < leader) ++p.node;
+      ++p.num_nodes;
+    }
+  }
+  return p;
+}
+
+void throw_error(int code, const char* call, const char* file, int line) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+  throw InternalError(std::string(call) + " failed: " + std::string(text, len) + " (" + file +
+                      ":" + std::to_string(line) + ")");
+}
+
+}  // namespace mpi
+}  // namespace diststrat

@@ -1,0 +1,413 @@
+#include "diststrat/multi_worker_mirrored.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "allreduce/reduce_kernels.h"
+#include "core/timeline.h"
+#include "diststrat/optimizer.h"
+#include "mirrored/local_replicas.h"
+#include "multiworker/fusion.h"
+#include "multiworker/hierarchical.h"
+#include "multiworker/process_group.h"
+
+namespace diststrat {
+
+namespace {
+
+using Clock = Timeline::Clock;
+
+// Timeline lanes: 0 = communication thread, 1 + l = local replica l.
+constexpr int kStepLane = 1000;
+
+class MultiWorkerReplicaContext : public ReplicaContext {
+ public:
+  MultiWorkerReplicaContext(MultiWorkerMirroredStrategy::Impl* impl, int local) : impl_(impl), local_(local) {}
+
+  int replica_id() const override;
+  int local_replica_id() const override { return local_; }
+  int num_replicas_in_sync() const override;
+  const Device& device() const override;
+  Strategy& strategy() const override;
+
+  void all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
+                  const std::vector<std::string>& names = {}) override {
+    all_reduce_async(op, tensors, names).wait();
+  }
+  Work all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
+                        std::vector<std::string> names = {}) override;
+  Tensor all_gather(const Tensor& t, const std::string& name = "") override;
+  void barrier(const std::string& name = "") override;
+
+ protected:
+  std::shared_ptr<void> merge_call_impl(
+      const std::function<std::shared_ptr<void>(Strategy&)>& fn) override;
+
+ private:
+  LocalReplicaContext& inner() const;
+  MultiWorkerMirroredStrategy::Impl* impl_;
+  int local_;
+};
+
+}  // namespace
+
+struct MultiWorkerMirroredStrategy::Impl {
+  MultiWorkerMirroredStrategy* self;
+  MultiWorkerOptions options;
+  ResolvedCluster cluster;
+  ProcessCommunicators comms;
+  Communicator* cross = nullptr;
+  int first_local = 0;
+  int total_replicas = 1;
+  std::string timeline_path;
+  std::unique_ptr<Timeline> timeline;
+  std::unique_ptr<LocalReplicas> replicas;
+  std::unique_ptr<FusionEngine> engine;
+  std::vector<std::unique_ptr<MultiWorkerReplicaContext>> contexts;
+  int64_t steps = 0;
+
+  int rank() const { return cross->rank(); }
+
+  // Concatenates every worker's `local` along axis 0 (row counts may differ).
+  // Runs on the communication thread via engine->run.
+  Tensor cross_gather(const Tensor& local, const std::string& name) {
+    DISTSTRAT_CHECK(local.shape().rank() >= 1, kInvalidArgument, "rank ", rank(), ": gather '",
+                    name, "' of a scalar: reshape to [1]");
+    const int n = cross->size();
+    if (n == 1) return local;
+    Tensor out;
+    engine->run(
+        [&](Communicator& c) {
+          int64_t rows = local.shape()[0];
+          std::vector<int64_t> all_rows(n);
+          c.all_gather(&rows, all_rows.data(), 1, DType::kInt64, name + "/rows");
+          const int64_t max_rows = *std::max_element(all_rows.begin(), all_rows.end());
+          int64_t row_elems = 1;
+          for (size_t i = 1; i < local.shape().rank(); ++i) row_elems *= local.shape()[i];
+          const size_t esz = dtype_size(local.dtype());
+          const size_t padded = static_cast<size_t>(max_rows * row_elems);
+          std::vector<char> mine(padded * esz), gathered(padded * esz * n);
+          if (local.nbytes()) std::memcpy(mine.data(), local.data(), local.nbytes());
+          c.all_gather(mine.data(), gathered.data(), padded, local.dtype(), name);
+          std::vector<int64_t> dims = local.shape().dims();
+          dims[0] = 0;
+          for (int64_t r : all_rows) dims[0] += r;
+          out = Tensor(Shape(dims), local.dtype());
+          char* dst = static_cast<char*>(out.data());
+          for (int r = 0; r < n; ++r) {
+            const size_t bytes = static_cast<size_t>(all_rows[r] * row_elems) * esz;
+            if (bytes) std::memcpy(dst, gathered.data() + r * padded * esz, bytes);
+            dst += bytes;
+          }
+        },
+        "all_gather '" + name + "'");
+    return out;
+  }
+
+  void write_timeline() {
+    if (!timeline) return;
+    const std::string mine = timeline->events_json();
+    const int n = cross->size();
+    std::vector<std::string> all{mine};
+    if (n > 1) {
+      all.assign(n, "");
+      engine->run(
+          [&](Communicator& c) {
+            int64_t len = static_cast<int64_t>(mine.size());
+            std::vector<int64_t> lens(n);
+            c.all_gather(&len, lens.data(), 1, DType::kInt64, "timeline/lengths");
+            const size_t words = static_cast<size_t>(*std::max_element(lens.begin(), lens.end()) + 7) / 8;
+            std::vector<int64_t> padded(words, 0), gathered(words * n);
+            std::memcpy(padded.data(), mine.data(), mine.size());
+            c.all_gather(padded.data(), gathered.data(), words, DType::kInt64, "timeline/events");
+            for (int r = 0; r < n; ++r) {
+              all[r].assign(reinterpret_cast<const char*>(gathered.data() + r * words),
+                            static_cast<size_t>(lens[r]));
+            }
+          },
+          "timeline gather");
+    }
+    if (rank() == 0) Timeline::write_file(timeline_path, all);
+  }
+};
+
+namespace {
+
+int MultiWorkerReplicaContext::replica_id() const { return impl_->first_local + local_; }
+int MultiWorkerReplicaContext::num_replicas_in_sync() const { return impl_->total_replicas; }
+const Device& MultiWorkerReplicaContext::device() const { return impl_->replicas->devices()[local_]; }
+Strategy& MultiWorkerReplicaContext::strategy() const { return *impl_->self; }
+LocalReplicaContext& MultiWorkerReplicaContext::inner() const { return impl_->replicas->context(local_); }
+
+Work MultiWorkerReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
+                                                 std::vector<std::string> names) {
+  return impl_->engine->all_reduce_async(local_, op, std::move(tensors), std::move(names));
+}
+
+Tensor MultiWorkerReplicaContext::all_gather(const Tensor& t, const std::string& name) {
+  // In-process first (rows ordered by local replica = by replica id), then
+  // across workers once per process.
+  const Tensor local = inner().all_gather(t, name);
+  return merge_call([&](Strategy&) { return impl_->cross_gather(local, name); });
+}
+
+void MultiWorkerReplicaContext::barrier(const std::string& name) {
+  merge_call([&](Strategy&) { impl_->engine->run([&](Communicator& c) { c.barrier(name); }, "barrier '" + name + "'"); });
+}
+
+std::shared_ptr<void> MultiWorkerReplicaContext::merge_call_impl(
+    const std::function<std::shared_ptr<void>(Strategy&)>& fn) {
+  return inner().merge_call(fn);
+}
+
+}  // namespace
+
+MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions options)
+    : Strategy(options.log_level, "[multi_worker]"), impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.self = this;
+  if (options.devices.empty()) options.devices = {Device::cpu(0)};
+  validate_devices(options.devices, "MultiWorkerMirroredStrategy");
+  for (const Device& d : options.devices) {
+    DISTSTRAT_CHECK(d.is_cpu(), kUnimplemented, "MultiWorkerMirroredStrategy: device ", d.to_string(),
+                    " needs the GPU backend, which this build does not have");
+  }
+  const Algorithm algo = options.communication.algorithm;
+  const bool allow_hier = algo == Algorithm::kAuto || algo == Algorithm::kHierarchical;
+
+  if (options.communicator) {
+    Communicator* c = options.communicator;
+    m.cluster.source = ClusterSource::kExplicit;
+    ClusterSpec& spec = m.cluster.spec;
+    for (int r = 0; r < c->size(); ++r) {
+      spec.jobs["worker"].push_back("worker" + std::to_string(r) + ":" + std::to_string(r + 1));
+    }
+    spec.task_index = c->rank();
+    m.cluster.info = spec.info();
+    Placement& p = m.cluster.placement;
+    p.rank = c->rank();
+    p.world_size = c->size();
+    if (options.node_communicator && options.cross_node_communicator) {
+      p.local_rank = options.node_communicator->rank();
+      p.local_size = options.node_communicator->size();
+      p.node = options.cross_node_communicator->rank();
+      p.num_nodes = options.cross_node_communicator->size();
+      if (allow_hier && p.num_nodes > 1 && p.local_size > 1) {
+        m.comms.cross = std::make_unique<HierarchicalCommunicator>(
+            c, options.node_communicator, options.cross_node_communicator);
+        m.comms.hierarchical = true;
+      }
+    } else {
+      p.node = p.rank;
+      p.num_nodes = p.world_size;
+    }
+    m.cross = m.comms.cross ? m.comms.cross.get() : c;
+  } else {
+    m.cluster = resolve_cluster(options.cluster);
+    const std::string& type = m.cluster.info.task_type;
+    DISTSTRAT_CHECK(type == "chief" || type == "worker", kInvalidArgument,
+                    "MultiWorkerMirroredStrategy: this process is task ", type, "[",
+                    m.cluster.info.task_index,
+                    "]; only chief and worker tasks run replicas (use ParameterServerStrategy "
+                    "for ps, run evaluators separately)");
+    DISTSTRAT_CHECK(m.cluster.spec.num_tasks("ps") == 0, kInvalidArgument,
+                    "MultiWorkerMirroredStrategy: the cluster has ps tasks; use "
+                    "ParameterServerStrategy");
+    m.comms = make_process_communicators(m.cluster, options.communication, allow_hier);
+    m.cross = m.comms.cross.get();
+  }
+  DISTSTRAT_CHECK_EQ(m.cross->rank(), m.cluster.info.worker_index,
+                     "MultiWorkerMirroredStrategy: communicator rank vs worker index");
+
+  // Replica numbering: workers in rank order, each with its local devices.
+  const int n = m.cross->size();
+  int64_t mine = static_cast<int64_t>(options.devices.size());
+  std::vector<int64_t> counts(n, mine);
+  if (n > 1) m.cross->all_gather(&mine, counts.data(), 1, DType::kInt64, "local replica counts");
+  m.total_replicas = 0;
+  for (int r = 0; r < n; ++r) {
+    if (r < m.cross->rank()) m.first_local += static_cast<int>(counts[r]);
+    m.total_replicas += static_cast<int>(counts[r]);
+  }
+
+  const char* tl_env = std::getenv("DISTSTRAT_TIMELINE");
+  m.timeline_path = tl_env && *tl_env ? tl_env : options.timeline_path;
+  if (!m.timeline_path.empty()) {
+    m.timeline = std::make_unique<Timeline>(m.cross->rank());
+    m.timeline->enable(true);
+    for (size_t l = 0; l < options.devices.size(); ++l) {
+      m.timeline->name_thread(1 + static_cast<int>(l), "replica " + std::to_string(l));
+    }
+    m.timeline->name_thread(kStepLane, "steps");
+  }
+  m.options = options;
+  m.replicas = std::make_unique<LocalReplicas>(this, options.devices, options.communication);
+  m.engine = std::make_unique<FusionEngine>(*m.cross, static_cast<int>(options.devices.size()),
+                                            m.total_replicas, options.communication, m.timeline.get());
+  for (size_t l = 0; l < options.devices.size(); ++l) {
+    m.contexts.push_back(std::make_unique<MultiWorkerReplicaContext>(impl_.get(), static_cast<int>(l)));
+  }
+  logger_.info("MultiWorkerMirroredStrategy: worker ", m.cross->rank(), " of ", n, " (cluster from ",
+               cluster_source_name(m.cluster.source), "), ", options.devices.size(),
+               " local replica(s), ", m.total_replicas, " in sync, node ", m.cluster.placement.node,
+               " of ", m.cluster.placement.num_nodes, m.comms.hierarchical ? ", hierarchical" : "");
+}
+
+MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
+  if (impl_->timeline) {
+    try {
+      impl_->write_timeline();
+    } catch (const std::exception& e) {
+      // A peer is gone: keep this rank's events in a file of its own.
+      const std::string path = impl_->timeline_path + ".rank" + std::to_string(impl_->rank());
+      logger_.warning("timeline: merging failed (", e.what(), "); writing ", path);
+      try {
+        Timeline::write_file(path, {impl_->timeline->events_json()});
+      } catch (...) {
+      }
+    }
+  }
+  impl_->engine.reset();  // joins the communication thread before the communicators go
+}
+
+int MultiWorkerMirroredStrategy::num_replicas_in_sync() const { return impl_->total_replicas; }
+const std::vector<Device>& MultiWorkerMirroredStrategy::devices() const { return impl_->replicas->devices(); }
+int MultiWorkerMirroredStrategy::first_local_replica() const { return impl_->first_local; }
+const Placement& MultiWorkerMirroredStrategy::placement() const { return impl_->cluster.placement; }
+bool MultiWorkerMirroredStrategy::hierarchical() const { return impl_->comms.hierarchical; }
+
+ClusterInfo MultiWorkerMirroredStrategy::cluster() const {
+  ClusterInfo i = impl_->cluster.info;
+  i.num_workers = impl_->cross->size();
+  i.worker_index = impl_->cross->rank();
+  return i;
+}
+
+MultiWorkerStats MultiWorkerMirroredStrategy::stats() const {
+  const FusionStats f = impl_->engine->stats();
+  return MultiWorkerStats{f.calls, f.packs, f.bytes, f.buffer_allocations};
+}
+
+void MultiWorkerMirroredStrategy::write_timeline() { impl_->write_timeline(); }
+
+void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
+  Impl& m = *impl_;
+  const auto t0 = Clock::now();
+  m.replicas->run([&](ReplicaContext& inner) {
+    const int l = inner.local_replica_id();
+    try {
+      fn(*m.contexts[l]);
+    } catch (const AbortedError&) {
+      throw;
+    } catch (const std::exception& e) {
+      // The other local replicas may be waiting on a call this one never
+      // completes: fail those calls now (their wait() throws AbortedError).
+      m.engine->abort_if_pending("rank " + std::to_string(m.rank()) + ": local replica " + std::to_string(l) +
+                      " failed: " + e.what());
+      throw;
+    }
+  });
+  if (m.timeline) {
+    m.timeline->complete("step " + std::to_string(m.steps), "step", kStepLane, t0, Clock::now());
+  }
+  ++m.steps;
+}
+
+void MultiWorkerMirroredStrategy::place_variable(Variable::Impl& var, const Initializer& init) {
+  for (const Device& d : devices()) var.copies.emplace_back(var.shape, var.dtype, d);
+  init(var.copies[0]);
+  // Worker 0 (the chief) decides the initial value for everyone.
+  if (impl_->cross->size() > 1) broadcast(var.copies[0], 0, var.name + "/initial value");
+  for (size_t i = 1; i < var.copies.size(); ++i) var.copies[i].copy_from(var.copies[0]);
+}
+
+void MultiWorkerMirroredStrategy::broadcast(Tensor& t, int root_worker, const std::string& name) {
+  Impl& m = *impl_;
+  DISTSTRAT_CHECK(0 <= root_worker && root_worker < m.cross->size(), kInvalidArgument, "rank ",
+                  m.rank(), ": broadcast '", name, "' from worker ", root_worker, " of ",
+                  m.cross->size());
+  if (m.cross->size() == 1) return;
+  m.engine->run(
+      [&](Communicator& c) {
+        c.broadcast(t.data(), static_cast<size_t>(t.num_elements()), t.dtype(), root_worker, name);
+      },
+      "broadcast '" + name + "'");
+}
+
+void MultiWorkerMirroredStrategy::barrier(const std::string& name) {
+  impl_->engine->run([&](Communicator& c) { c.barrier(name); }, "barrier '" + name + "'");
+}
+
+double MultiWorkerMirroredStrategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
+  DISTSTRAT_CHECK(!local.empty(), kInvalidArgument, "reduce of no values");
+  const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  std::vector<const void*> srcs;
+  for (const double& v : local) srcs.push_back(&v);
+  double acc = 0;
+  kernels::reduce(&acc, srcs.data(), static_cast<int>(srcs.size()), 1, DType::kFloat64, sum_op, 1);
+  if (impl_->cross->size() > 1) {
+    impl_->engine->run([&](Communicator& c) { c.all_reduce(&acc, &acc, 1, DType::kFloat64, sum_op, "reduce"); },
+                       "reduce");
+  }
+  if (op == ReduceOp::kMean) acc /= num_replicas_in_sync();
+  return acc;
+}
+
+Tensor MultiWorkerMirroredStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
+  DISTSTRAT_CHECK(!local.empty(), kInvalidArgument, "reduce of no tensors");
+  const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  Tensor out = Strategy::reduce_tensors_across(sum_op, local);
+  const size_t count = static_cast<size_t>(out.num_elements());
+  if (impl_->cross->size() > 1) {
+    impl_->engine->run(
+        [&](Communicator& c) { c.all_reduce(out.data(), out.data(), count, out.dtype(), sum_op, "reduce"); },
+        "reduce");
+  }
+  if (op == ReduceOp::kMean) kernels::scale_mean(out.data(), count, out.dtype(), num_replicas_in_sync());
+  return out;
+}
+
+Tensor MultiWorkerMirroredStrategy::gather_across(const std::vector<Tensor>& local) {
+  return impl_->cross_gather(Strategy::gather_across(local), "gather");
+}
+
+void MultiWorkerMirroredStrategy::apply_gradients(
+    ReplicaContext& ctx, Optimizer& optimizer,
+    const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  Impl& m = *impl_;
+  const int local = ctx.local_replica_id();
+  // Reverse creation order: the order backprop produces gradients in, so the
+  // enqueue order (and the packs) is the same whatever order the caller used.
+  std::vector<size_t> order(grads_and_vars.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return grads_and_vars[a].second.impl().creation_index > grads_and_vars[b].second.impl().creation_index;
+  });
+  std::vector<Tensor> grads;
+  std::vector<std::string> names;
+  for (size_t k : order) {
+    grads.push_back(grads_and_vars[k].first);  // reduced in place, as under MirroredStrategy
+    names.push_back(grads_and_vars[k].second.name() + "/grad");
+  }
+  const auto t0 = Clock::now();
+  Work work = ctx.all_reduce_async(ReduceOp::kSum, grads, names);
+  work.wait();
+  const auto t1 = Clock::now();
+  Tensor iterations = optimizer.iterations().read(ctx);
+  const int64_t step = iterations.data<int64_t>()[0] + 1;
+  const std::vector<std::string> slot_names = optimizer.slot_names();
+  for (size_t j = 0; j < order.size(); ++j) {
+    Variable::Impl& var = grads_and_vars[order[j]].second.impl();
+    std::vector<Tensor*> slots;
+    for (const std::string& s : slot_names) slots.push_back(&var.slot(s)[local]);
+    optimizer.update_tensor(var.copies[local], grads[j], slots, step);
+  }
+  iterations.data<int64_t>()[0] = step;
+  if (m.timeline) {
+    m.timeline->complete("wait for gradients", "replica", 1 + local, t0, t1);
+    m.timeline->complete("apply", "replica", 1 + local, t1, Clock::now());
+  }
+}
+
+}  // namespace diststrat

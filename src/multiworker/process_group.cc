@@ -1,0 +1,92 @@
+#include "multiworker/process_group.h"
+
+#include "diststrat/config.h"
+#include "multiworker/hierarchical.h"
+// TEMPORARY until the MPI communicator (issue 3) is merged.
+#if DISTSTRAT_HAVE_MPI && __has_include("allreduce/mpi_communicator.h")
+#define DISTSTRAT_MW_MPI 1
+#include "allreduce/mpi_communicator.h"
+#include "multiworker/mpi_env.h"
+#else
+#define DISTSTRAT_MW_MPI 0
+#endif
+
+namespace diststrat {
+
+namespace {
+// A one-rank group for a single process without a launcher.
+class SoloCommunicator : public Communicator {
+ public:
+  explicit SoloCommunicator(const CommunicationOptions& o) : group_(1, o) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const CommunicationOptions& options() const override { return c().options(); }
+  void all_reduce(const void* in, void* out, size_t n, DType t, ReduceOp op, const std::string& name) override {
+    c().all_reduce(in, out, n, t, op, name);
+  }
+  void broadcast(void* buf, size_t n, DType t, int root, const std::string& name) override {
+    c().broadcast(buf, n, t, root, name);
+  }
+  void all_gather(const void* in, void* out, size_t n, DType t, const std::string& name) override {
+    c().all_gather(in, out, n, t, name);
+  }
+  void reduce_scatter(const void* in, void* out, size_t n, DType t, ReduceOp op,
+                      const std::string& name) override {
+    c().reduce_scatter(in, out, n, t, op, name);
+  }
+  void barrier(const std::string& name) override { c().barrier(name); }
+  void abort(const std::string& reason) override { c().abort(reason); }
+  void reset() override { c().reset(); }
+
+ private:
+  Communicator& c() const { return const_cast<InProcessGroup&>(group_).at(0); }
+  InProcessGroup group_;
+};
+}  // namespace
+
+ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
+                                                const CommunicationOptions& options,
+                                                bool allow_hierarchical) {
+  ProcessCommunicators out;
+  const Placement& p = cluster.placement;
+#if DISTSTRAT_MW_MPI
+  if (mpi::launched_under_mpi()) {
+    mpi::ensure_initialized();
+    CommunicationOptions flat_opts = options;
+    if (flat_opts.algorithm == Algorithm::kHierarchical) flat_opts.algorithm = Algorithm::kAuto;
+    // Every node must have as many ranks for the hierarchical split.
+    int sizes[2] = {p.local_size, -p.local_size};
+    DISTSTRAT_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, sizes, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+    const bool uniform = sizes[0] == -sizes[1];
+    if (allow_hierarchical && p.num_nodes > 1 && p.local_size > 1 && uniform) {
+      MPI_Comm node_comm, cross_comm;
+      DISTSTRAT_MPI_CALL(MPI_Comm_split(MPI_COMM_WORLD, p.node, p.rank, &node_comm));
+      DISTSTRAT_MPI_CALL(MPI_Comm_split(MPI_COMM_WORLD, p.local_rank, p.rank, &cross_comm));
+      // Inside a node: kAuto (the shared-memory path); across nodes: MPI
+      // itself (its network transport), even when the "nodes" are virtual.
+      CommunicationOptions inter_opts = options;
+      inter_opts.algorithm = Algorithm::kMpiNative;
+      CommunicationOptions intra_opts = flat_opts;
+      auto flat = make_mpi_communicator(MPI_COMM_WORLD, flat_opts);
+      auto intra = make_mpi_communicator(node_comm, intra_opts);
+      auto inter = make_mpi_communicator(cross_comm, inter_opts);
+      MPI_Comm_free(&node_comm);
+      MPI_Comm_free(&cross_comm);
+      out.cross = std::make_unique<HierarchicalCommunicator>(std::move(flat), std::move(intra),
+                                                             std::move(inter));
+      out.hierarchical = true;
+    } else {
+      out.cross = make_mpi_communicator(MPI_COMM_WORLD, flat_opts);
+    }
+    return out;
+  }
+#endif
+  DISTSTRAT_CHECK(p.world_size <= 1, kUnimplemented, "a cluster of ", p.world_size,
+                  " processes needs MPI (launch with mpirun), which ",
+                  DISTSTRAT_HAVE_MPI ? "did not start this process" : "this build does not have",
+                  "; or pass MultiWorkerOptions::communicator");
+  out.cross = std::make_unique<SoloCommunicator>(options);
+  return out;
+}
+
+}  // namespace diststrat

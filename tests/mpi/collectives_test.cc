@@ -1,0 +1,203 @@
+// Collectives over MPI: every algorithm (point-to-point over the MPI
+// transport, MPI_Allreduce, the shared-memory path, kAuto) against closed-form
+// values, plus deadlines when a rank never joins.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "../common/collective_cases.h"
+#include "allreduce/mpi_communicator.h"
+#include "allreduce/shm_communicator.h"
+#include "diststrat/algorithm_registry.h"
+#include "diststrat/error.h"
+
+namespace ds = diststrat;
+namespace tc = diststrat::testing_cases;
+
+namespace {
+
+int world_rank() {
+  int r;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int s;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
+
+ds::CommunicationOptions options_for(ds::Algorithm a, size_t segment = 0) {
+  ds::CommunicationOptions o;
+  o.algorithm = a;
+  o.segment_bytes = segment;
+  o.timeout = std::chrono::seconds(60);
+  return o;
+}
+
+// All-reduce sweep over one communicator.
+void sweep(ds::Communicator& comm, const std::vector<size_t>& sizes,
+           const std::vector<ds::DType>& dtypes, const std::vector<ds::ReduceOp>& ops) {
+  const int n = comm.size(), me = comm.rank();
+  for (size_t count : sizes) {
+    for (ds::DType dtype : dtypes) {
+      if (comm.options().algorithm == ds::Algorithm::kMpiNative &&
+          (dtype == ds::DType::kFloat16 || dtype == ds::DType::kBFloat16)) {
+        continue;  // MPI has no 16-bit float types (documented Unimplemented)
+      }
+      for (ds::ReduceOp op : ops) {
+        for (bool in_place : {false, true}) {
+          std::vector<char> in = tc::make_input(me, count, dtype, op);
+          std::vector<char> out(in.size(), 0);
+          void* dst = in_place ? in.data() : out.data();
+          comm.all_reduce(in.data(), dst, count, dtype, op, "t");
+          ASSERT_TRUE(tc::check_reduced(dst, count, dtype, op, n))
+              << ds::algorithm_name(comm.options().algorithm) << " count " << count
+              << (in_place ? " in place" : "");
+        }
+      }
+    }
+  }
+}
+
+struct Case {
+  ds::Algorithm algorithm;
+  size_t segment;
+};
+
+class MpiAllReduce : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MpiAllReduce, MatchesClosedForm) {
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(GetParam().algorithm,
+                                                                    GetParam().segment));
+  EXPECT_EQ(comm->size(), world_size());
+  sweep(*comm, {0, 1, 7, 1000}, tc::all_dtypes(), tc::all_ops());
+  sweep(*comm, {1 << 20}, {ds::DType::kFloat32, ds::DType::kBFloat16},
+        {ds::ReduceOp::kSum, ds::ReduceOp::kMean});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Algorithms, MpiAllReduce,
+    ::testing::Values(Case{ds::Algorithm::kRing, 0}, Case{ds::Algorithm::kRing, 256},
+                      Case{ds::Algorithm::kHalvingDoubling, 0}, Case{ds::Algorithm::kTree, 0},
+                      Case{ds::Algorithm::kReduceToOne, 0}, Case{ds::Algorithm::kHierarchical, 0},
+                      Case{ds::Algorithm::kMpiNative, 0}, Case{ds::Algorithm::kSharedMemory, 0},
+                      Case{ds::Algorithm::kSharedMemory, 256}, Case{ds::Algorithm::kAuto, 0}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return std::string(ds::algorithm_name(info.param.algorithm)) +
+             (info.param.segment ? "_small_segments" : "");
+    });
+
+// broadcast / all_gather / reduce_scatter / barrier over the point-to-point
+// transport (ring) and shared memory.
+class MpiCollectives : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MpiCollectives, BroadcastGatherScatterBarrier) {
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(GetParam().algorithm,
+                                                                    GetParam().segment));
+  const int n = comm->size(), me = comm->rank();
+  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{100000}}) {
+    for (int root = 0; root < n; ++root) {
+      std::vector<int32_t> b(count);
+      for (size_t i = 0; i < count; ++i) b[i] = me == root ? static_cast<int32_t>(i * 3 + root) : -1;
+      comm->broadcast(b.data(), count, ds::DType::kInt32, root, "b");
+      for (size_t i = 0; i < count; ++i) ASSERT_EQ(b[i], static_cast<int32_t>(i * 3 + root)) << i;
+    }
+    // all_gather, out of place and in place.
+    std::vector<float> mine(count), all(count * n, -1.f);
+    for (size_t i = 0; i < count; ++i) mine[i] = static_cast<float>(me * 1000 + i);
+    comm->all_gather(mine.data(), all.data(), count, ds::DType::kFloat32, "g");
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < count; ++i) ASSERT_EQ(all[r * count + i], r * 1000 + i);
+    std::vector<float> inplace(count * n, -1.f);
+    std::copy(mine.begin(), mine.end(), inplace.begin() + me * count);
+    comm->all_gather(inplace.data() + me * count, inplace.data(), count, ds::DType::kFloat32, "g");
+    EXPECT_EQ(inplace, all);
+    // reduce_scatter: block r of the sum lands at rank r.
+    for (ds::ReduceOp op : {ds::ReduceOp::kSum, ds::ReduceOp::kMean, ds::ReduceOp::kMax}) {
+      std::vector<char> in = tc::make_input(me, count * n, ds::DType::kFloat64, op);
+      std::vector<double> out(count);
+      comm->reduce_scatter(in.data(), out.data(), count, ds::DType::kFloat64, op, "rs");
+      ASSERT_TRUE(tc::check_reduced(out.data(), count, ds::DType::kFloat64, op, n, me * count));
+    }
+    comm->barrier("b");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, MpiCollectives,
+                         ::testing::Values(Case{ds::Algorithm::kRing, 0},
+                                           Case{ds::Algorithm::kRing, 256},
+                                           Case{ds::Algorithm::kSharedMemory, 0},
+                                           Case{ds::Algorithm::kSharedMemory, 256}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(ds::algorithm_name(info.param.algorithm)) +
+                                  (info.param.segment ? "_small_segments" : "");
+                         });
+
+// A user-registered algorithm runs over MPI too.
+TEST(MpiCustomAlgorithm, RegisteredAlgorithmRuns) {
+  auto registry = std::make_shared<ds::AlgorithmRegistry>();
+  registry->add("gather_to_zero", [](ds::PeerChannel& ch, void* data, size_t count,
+                                     ds::DType dtype, ds::ReduceOp) {
+    const size_t bytes = count * ds::dtype_size(dtype);
+    if (ch.rank() == 0) {
+      std::vector<char> tmp(bytes);
+      for (int r = 1; r < ch.size(); ++r) {
+        ch.recv(r, tmp.data(), bytes);
+        ch.reduce_into(data, tmp.data(), count);
+      }
+      for (int r = 1; r < ch.size(); ++r) ch.send(r, data, bytes);
+    } else {
+      ch.send(0, data, bytes);
+      ch.recv(0, data, bytes);
+    }
+  });
+  ds::CommunicationOptions o = options_for(ds::Algorithm::kCustom);
+  o.custom_algorithm = "gather_to_zero";
+  o.algorithm_registry = registry;
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, o);
+  sweep(*comm, {0, 7, 1000}, {ds::DType::kFloat32, ds::DType::kInt64}, tc::all_ops());
+}
+
+// The last rank never joins: the others fail within the deadline with
+// DeadlineExceeded; where the missing rank is the peer they wait on (always
+// with shared memory, and with 2 ranks) the message names it.
+class MpiDeadline : public ::testing::TestWithParam<ds::Algorithm> {};
+
+TEST_P(MpiDeadline, MissingRankIsNamed) {
+  ds::CommunicationOptions o = options_for(GetParam());
+  o.timeout = std::chrono::milliseconds(300);
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, o);
+  const int n = comm->size(), me = comm->rank(), missing = n - 1;
+  std::vector<float> data(1000, 1.0f);
+  if (me != missing) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm->all_reduce(data.data(), data.data(), data.size(), ds::DType::kFloat32,
+                       ds::ReduceOp::kSum, "grad");
+      ADD_FAILURE() << "all_reduce returned although rank " << missing << " never joined";
+    } catch (const ds::DeadlineExceededError& e) {
+      const std::string msg = e.message();
+      EXPECT_NE(msg.find("rank " + std::to_string(me) + ":"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("'grad'"), std::string::npos) << msg;
+      const bool names_missing = msg.find("rank " + std::to_string(missing) + " ") != std::string::npos;
+      if (GetParam() == ds::Algorithm::kSharedMemory || n == 2) EXPECT_TRUE(names_missing) << msg;
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(waited, 5.0);
+  }
+  // Everyone (the missing rank after the others gave up) meets again here.
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, MpiDeadline,
+                         ::testing::Values(ds::Algorithm::kRing, ds::Algorithm::kTree,
+                                           ds::Algorithm::kSharedMemory),
+                         [](const ::testing::TestParamInfo<ds::Algorithm>& info) {
+                           return std::string(ds::algorithm_name(info.param));
+                         });
+
+}  // namespace

@@ -1,0 +1,255 @@
+// Every point-to-point algorithm over the in-process transport:
+// ranks {1,2,3,4,5,7} x sizes {0,1,7,1000,1<<20} x dtypes x ops x in-place,
+// against closed-form values (tests/common/collective_cases.h).
+//
+// To keep the sweep fast on a 2-core machine, sizes {0,1,7,1000} run every
+// dtype x op x in-place, and 1<<20 runs f32 sum and bf16 mean (in place and
+// not): the dtype/op dispatch is the same type-erased kernel call at every
+// size, while the large size is what exercises the multi-segment paths
+// (together with the "ring_small_segments" case, whose 64-byte segments
+// force many segments even at 1000 elements).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <thread>
+
+#include "../common/collective_cases.h"
+#include "allreduce/algorithm.h"
+#include "allreduce/transport.h"
+#include "allreduce/transport_communicator.h"
+#include "diststrat/algorithm_registry.h"
+
+namespace ds = diststrat;
+namespace tc = diststrat::testing_cases;
+
+namespace {
+
+// Runs fn(rank's communicator) on n threads over an in-process transport and
+// re-raises the first rank's exception.
+void run_transport_ranks(int n, const ds::CommunicationOptions& options,
+                         const std::function<void(ds::TransportCommunicator&)>& fn) {
+  ds::InProcessTransportGroup group(n);
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ds::TransportCommunicator comm(group.at(r), options);
+        fn(comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+        group.at(r).abort("rank " + std::to_string(r) + " failed");
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+struct AlgoCase {
+  const char* label;
+  ds::Algorithm algorithm;
+  size_t segment_bytes;
+  int group_size;  // hierarchical: ranks per "node"
+};
+
+class TransportAllReduce : public ::testing::TestWithParam<std::tuple<AlgoCase, int>> {};
+
+TEST_P(TransportAllReduce, SweepMatchesClosedForm) {
+  const AlgoCase c = std::get<0>(GetParam());
+  const int n = std::get<1>(GetParam());
+  ds::CommunicationOptions o;
+  o.algorithm = c.algorithm;
+  o.segment_bytes = c.segment_bytes;
+  o.hierarchical_group_size = c.group_size;
+  o.timeout = std::chrono::seconds(60);
+  std::atomic<int> failures{0};
+  run_transport_ranks(n, o, [&](ds::TransportCommunicator& comm) {
+    auto one = [&](size_t count, ds::DType dtype, ds::ReduceOp op, bool in_place) {
+      std::vector<char> in = tc::make_input(comm.rank(), count, dtype, op);
+      std::vector<char> out(in.size(), 0);
+      void* dst = in_place ? in.data() : out.data();
+      comm.all_reduce(in.data(), dst, count, dtype, op, "t");
+      auto ok = tc::check_reduced(dst, count, dtype, op, n);
+      if (!ok && failures++ < 5) {
+        ADD_FAILURE() << c.label << " rank " << comm.rank() << " of " << n << ", count " << count
+                      << (in_place ? " in place: " : ": ") << ok.message();
+      }
+    };
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}}) {
+      for (ds::DType dtype : tc::all_dtypes()) {
+        for (ds::ReduceOp op : tc::all_ops()) {
+          for (bool in_place : {false, true}) one(count, dtype, op, in_place);
+        }
+      }
+    }
+    for (bool in_place : {false, true}) {
+      one(1 << 20, ds::DType::kFloat32, ds::ReduceOp::kSum, in_place);
+      one(1 << 20, ds::DType::kBFloat16, ds::ReduceOp::kMean, in_place);
+    }
+  });
+}
+
+const AlgoCase kAlgos[] = {
+    {"ring", ds::Algorithm::kRing, 0, 0},
+    {"ring_small_segments", ds::Algorithm::kRing, 64, 0},
+    {"halving_doubling", ds::Algorithm::kHalvingDoubling, 0, 0},
+    {"tree", ds::Algorithm::kTree, 0, 0},
+    {"reduce_to_one", ds::Algorithm::kReduceToOne, 0, 0},
+    {"hierarchical_by_2", ds::Algorithm::kHierarchical, 0, 2},
+    {"hierarchical_by_3_small_segments", ds::Algorithm::kHierarchical, 64, 3},
+    {"auto", ds::Algorithm::kAuto, 0, 0},
+};
+
+INSTANTIATE_TEST_SUITE_P(
+    Algorithms, TransportAllReduce,
+    ::testing::Combine(::testing::ValuesIn(kAlgos), ::testing::Values(1, 2, 3, 4, 5, 7)),
+    [](const ::testing::TestParamInfo<std::tuple<AlgoCase, int>>& info) {
+      return std::string(std::get<0>(info.param).label) + "_" +
+             std::to_string(std::get<1>(info.param)) + "_ranks";
+    });
+
+// broadcast / all_gather / reduce_scatter / barrier over the transport.
+class TransportCollectives : public ::testing::TestWithParam<std::tuple<size_t, int>> {};
+
+TEST_P(TransportCollectives, BroadcastGatherScatterBarrier) {
+  ds::CommunicationOptions o;
+  o.segment_bytes = std::get<0>(GetParam());
+  o.timeout = std::chrono::seconds(60);
+  const int n = std::get<1>(GetParam());
+  run_transport_ranks(n, o, [&](ds::TransportCommunicator& comm) {
+    const int me = comm.rank();
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}}) {
+      for (int root = 0; root < n; ++root) {
+        std::vector<int64_t> b(count, -1);
+        if (me == root)
+          for (size_t i = 0; i < count; ++i) b[i] = static_cast<int64_t>(i * 5 + root);
+        comm.broadcast(b.data(), count, ds::DType::kInt64, root, "b");
+        for (size_t i = 0; i < count; ++i) ASSERT_EQ(b[i], static_cast<int64_t>(i * 5 + root));
+      }
+      std::vector<float> mine(count), all(count * n, -1.f);
+      for (size_t i = 0; i < count; ++i) mine[i] = static_cast<float>(me * 1000 + i);
+      comm.all_gather(mine.data(), all.data(), count, ds::DType::kFloat32, "g");
+      for (int r = 0; r < n; ++r)
+        for (size_t i = 0; i < count; ++i) ASSERT_EQ(all[r * count + i], r * 1000 + i);
+      std::vector<float> inplace(count * n, -1.f);
+      std::copy(mine.begin(), mine.end(), inplace.begin() + me * count);
+      comm.all_gather(inplace.data() + me * count, inplace.data(), count, ds::DType::kFloat32, "g");
+      ASSERT_EQ(inplace, all);
+      for (ds::DType dtype : tc::all_dtypes()) {
+        for (ds::ReduceOp op : tc::all_ops()) {
+          std::vector<char> in = tc::make_input(me, count * n, dtype, op);
+          std::vector<char> out(count * ds::dtype_size(dtype) + 1);
+          comm.reduce_scatter(in.data(), out.data(), count, dtype, op, "rs");
+          ASSERT_TRUE(tc::check_reduced(out.data(), count, dtype, op, n, me * count));
+          // In place: out == in + rank * count.
+          char* own = in.data() + me * count * ds::dtype_size(dtype);
+          in = tc::make_input(me, count * n, dtype, op);
+          own = in.data() + me * count * ds::dtype_size(dtype);
+          comm.reduce_scatter(in.data(), own, count, dtype, op, "rs");
+          ASSERT_TRUE(tc::check_reduced(own, count, dtype, op, n, me * count));
+        }
+      }
+      comm.barrier("b");
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(RanksAndSegments, TransportCollectives,
+                         ::testing::Combine(::testing::Values(size_t{0}, size_t{64}),
+                                            ::testing::Values(1, 2, 3, 4, 5, 7)));
+
+// The user-facing registry: an algorithm of one's own, selected by name.
+TEST(CustomAlgorithm, RegisteredAlgorithmRunsAndUnknownNameIsRejected) {
+  auto registry = std::make_shared<ds::AlgorithmRegistry>();
+  // A naive ring: n - 1 rounds of passing the running partial sums along.
+  registry->add("naive_ring", [](ds::PeerChannel& ch, void* data, size_t count, ds::DType dtype,
+                                 ds::ReduceOp) {
+    const size_t bytes = count * ds::dtype_size(dtype);
+    const int n = ch.size(), me = ch.rank();
+    std::vector<char> pass(static_cast<const char*>(data), static_cast<const char*>(data) + bytes);
+    std::vector<char> got(bytes);
+    for (int step = 0; step < n - 1; ++step) {
+      ch.send_recv((me + 1) % n, pass.data(), bytes, (me + n - 1) % n, got.data(), bytes);
+      ch.reduce_into(data, got.data(), count);
+      pass.swap(got);
+    }
+  });
+  EXPECT_THROW(registry->add("naive_ring", [](ds::PeerChannel&, void*, size_t, ds::DType,
+                                              ds::ReduceOp) {}),
+               ds::InvalidArgumentError);
+  ds::CommunicationOptions o;
+  o.algorithm = ds::Algorithm::kCustom;
+  o.custom_algorithm = "naive_ring";
+  o.algorithm_registry = registry;
+  for (int n : {1, 2, 3, 5}) {
+    run_transport_ranks(n, o, [&](ds::TransportCommunicator& comm) {
+      for (ds::ReduceOp op : tc::all_ops()) {
+        std::vector<char> in = tc::make_input(comm.rank(), 1000, ds::DType::kFloat64, op);
+        comm.all_reduce(in.data(), in.data(), 1000, ds::DType::kFloat64, op, "c");
+        ASSERT_TRUE(tc::check_reduced(in.data(), 1000, ds::DType::kFloat64, op, n));
+      }
+    });
+  }
+  o.custom_algorithm = "no_such_algorithm";
+  ds::InProcessTransportGroup group(1);
+  EXPECT_THROW(ds::TransportCommunicator(group.at(0), o), ds::InvalidArgumentError);
+}
+
+TEST(AutoSelection, ThresholdsComeFromOptions) {
+  ds::CommunicationOptions o;
+  EXPECT_EQ(ds::algo::choose_auto(o, 1024, 4, 1), ds::Algorithm::kTree);
+  EXPECT_EQ(ds::algo::choose_auto(o, 32 << 10, 4, 1), ds::Algorithm::kHalvingDoubling);
+  EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 1), ds::Algorithm::kRing);
+  EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 2), ds::Algorithm::kHierarchical);
+  o.auto_small_message_bytes = 16 << 20;
+  EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 1), ds::Algorithm::kHalvingDoubling);
+}
+
+// A rank that never joins: the others fail with DeadlineExceeded within the
+// deadline; the rank that waits on it directly names it.
+TEST(TransportDeadline, RankThatNeverJoinsIsNamed) {
+  for (ds::Algorithm a : {ds::Algorithm::kRing, ds::Algorithm::kHalvingDoubling,
+                          ds::Algorithm::kTree, ds::Algorithm::kReduceToOne}) {
+    const int n = 3, missing = 2;
+    ds::InProcessTransportGroup group(n);
+    ds::CommunicationOptions o;
+    o.algorithm = a;
+    o.timeout = std::chrono::milliseconds(200);
+    std::vector<std::string> messages(n);
+    std::vector<int> deadline_errors(n, 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      if (r == missing) continue;
+      threads.emplace_back([&, r] {
+        ds::TransportCommunicator comm(group.at(r), o);
+        std::vector<float> v(1000, 1.f);
+        try {
+          comm.all_reduce(v.data(), v.data(), v.size(), ds::DType::kFloat32, ds::ReduceOp::kSum,
+                          "grad");
+        } catch (const ds::DeadlineExceededError& e) {
+          deadline_errors[r] = 1;
+          messages[r] = e.message();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0);
+    bool named = false;
+    for (int r = 0; r < n; ++r) {
+      if (r == missing) continue;
+      EXPECT_EQ(deadline_errors[r], 1) << ds::algorithm_name(a) << " rank " << r;
+      EXPECT_NE(messages[r].find("'grad'"), std::string::npos) << messages[r];
+      named |= messages[r].find("rank " + std::to_string(missing) + " ") != std::string::npos;
+    }
+    EXPECT_TRUE(named) << ds::algorithm_name(a) << ": " << messages[0] << " | " << messages[1];
+  }
+}
+
+}  // namespace
