@@ -17,6 +17,8 @@ namespace {
 struct Flags {
   std::string strategy = "mirrored";
   int replicas = 2;
+  int ps = 1;
+  int max_staleness = -1;
   int epochs = 3;
   int64_t batch = 128;
   float lr = 0.05f;
@@ -31,8 +33,15 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   for (int i = 0; i < f.replicas; ++i) devices.push_back(ds::Device::cpu(i));
   if (f.strategy == "mirrored") return std::make_unique<ds::MirroredStrategy>(devices);
   if (f.strategy == "central_storage") return std::make_unique<ds::CentralStorageStrategy>(devices);
+  if (f.strategy == "parameter_server") {
+    ds::ParameterServerOptions o;
+    o.num_ps = f.ps;
+    o.devices = devices;
+    o.max_staleness = f.max_staleness;
+    return std::make_unique<ds::ParameterServerStrategy>(o);
+  }
   throw ds::InvalidArgumentError("unknown --strategy '" + f.strategy +
-                                 "' (available: mirrored, central_storage)");
+                                 "' (available: mirrored, central_storage, parameter_server)");
 }
 
 // One updating line on a terminal, plain periodic lines otherwise.
@@ -70,7 +79,13 @@ class Progress {
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Train an MLP on Fashion-MNIST with a diststrat strategy"};
-  app.add_option("--strategy", f.strategy, "mirrored | central_storage")->capture_default_str();
+  app.add_option("--strategy", f.strategy, "mirrored | central_storage | parameter_server")
+      ->capture_default_str();
+  app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
+      ->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--max-staleness", f.max_staleness,
+                 "parameter_server: steps a worker may run ahead of the slowest (-1 = async)")
+      ->capture_default_str();
   app.add_option("--replicas", f.replicas, "CPU replicas (devices) per process")
       ->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")
@@ -89,6 +104,11 @@ int main(int argc, char** argv) {
 
   try {
     std::unique_ptr<ds::Strategy> strategy = make_strategy(f);
+    auto* ps = dynamic_cast<ds::ParameterServerStrategy*>(strategy.get());
+    if (ps && ps->is_ps()) {  // PS ranks serve until the workers are done
+      ps->join();
+      return 0;
+    }
     const ds::ClusterInfo cluster = strategy->cluster();
     const bool chief = cluster.is_chief() || cluster.world_size == 1;
 
@@ -128,15 +148,24 @@ int main(int argc, char** argv) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
+    strategy->barrier("evaluate");  // every worker's updates are in
+    std::string extra;
+    if (ps) {
+      const ds::ParameterServerStats st = ps->stats();
+      char buf[96];
+      std::snprintf(buf, sizeof(buf), " mean_staleness=%.2f max_staleness=%lld", st.mean_staleness,
+                    static_cast<long long>(st.max_staleness));
+      extra = buf;
+    }
     std::vector<ds::Tensor> values;
     for (const ds::Variable& v : params) values.push_back(v.value());
     const ds::Tensor logits = mlp.predict(values, test.features());
     const double accuracy =
         static_cast<double>(ds::nn::count_correct(logits, test.labels())) / test.size();
     if (chief) {
-      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f\n",
+      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s\n",
                   strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
-                  samples / seconds);
+                  samples / seconds, extra.c_str());
     }
     return 0;
   } catch (const ds::Error& e) {

@@ -3,8 +3,10 @@
 // tf.distribute.ParameterServerStrategy, in the TF1 "between-graph" style:
 // every worker runs the user's loop at its own pace).
 //
-// Roles. The job's processes split into PS ranks and worker ranks (the last
-// `num_ps` ranks are PS ranks). A PS rank runs a service loop on a dedicated
+// Roles. The job's processes split into PS ranks and worker ranks: with a
+// TF_CONFIG (or explicit ClusterSpec) that has a "ps" job, its tasks are the
+// PS ranks; under a plain `mpirun -np N`, the last `num_ps` ranks are (the
+// rank order chief, worker, ps of cluster.h either way). A PS rank runs a service loop on a dedicated
 // thread that holds its variable shards and applies the optimizer to every
 // gradient push as it arrives; the PS process's main thread calls join() and
 // exits when the workers are done:
@@ -14,7 +16,8 @@
 //   ... training loop written against Strategy& ...
 //
 // Without a multi-process launcher (or with one process) the PS ranks run as
-// threads of this process, so the same program works unchanged.
+// threads of this process, so the same program works unchanged. A job of
+// several processes needs the MPI backend (launch with mpirun).
 //
 // Worker side. Variables are placed round-robin over the PS ranks, or split
 // along axis 0 into shards by `partitioner` (TensorFlow's semantics: the first
@@ -52,6 +55,7 @@
 #include <string>
 #include <vector>
 
+#include "diststrat/cluster.h"
 #include "diststrat/strategy.h"
 
 namespace diststrat {
@@ -88,9 +92,12 @@ struct MaxSize {
 std::vector<std::pair<int64_t, int64_t>> shard_rows(int64_t rows, int64_t num_shards);
 
 struct ParameterServerOptions {
-  // PS ranks in the job (the last num_ps ranks). At least 1. In a
-  // single-process run they are threads of this process.
+  // PS ranks in the job (the last num_ps ranks). At least 1. Ignored when the
+  // cluster has a "ps" job (its size wins). In a single-process run the PS
+  // ranks are threads of this process.
   int num_ps = 1;
+  // Where the roles come from: an explicit spec, TF_CONFIG, or the launcher.
+  ClusterConfig cluster;
   // Replica devices of each worker. Empty = one CPU device.
   std::vector<Device> devices;
   // How variables are split into shards; empty = never split (each variable

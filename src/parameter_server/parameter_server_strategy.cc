@@ -8,11 +8,16 @@
 #include <numeric>
 #include <unordered_map>
 
+#include "diststrat/config.h"
 #include "diststrat/optimizer.h"
 #include "mirrored/local_replicas.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/update_rule.h"
+#if DISTSTRAT_HAVE_MPI
+#include "allreduce/mpi_communicator.h"
+#include "multiworker/mpi_env.h"
+#endif
 
 namespace diststrat {
 
@@ -367,24 +372,66 @@ ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl)
                impl->is_ps ? "[ps " + std::to_string(impl->index) + "]"
                            : "[worker " + std::to_string(impl->index) + "]"),
       impl_(std::move(impl)) {
+  if (!impl_->transport) {
+    // One process: it is worker 0 and the PS ranks are threads of it.
+    DISTSTRAT_CHECK(impl_->options.num_ps >= 1, kInvalidArgument, "ParameterServerStrategy: num_ps ",
+                    impl_->options.num_ps, " must be at least 1");
+    impl_->own_group = std::make_unique<InProcessTransportGroup>(impl_->options.num_ps + 1);
+    impl_->init_layout(impl_->own_group->at(0));
+    impl_->attach(this);
+    for (int r = 1; r <= impl_->options.num_ps; ++r) {
+      impl_->services.push_back(std::make_unique<ps::ServiceRunner>(
+          impl_->own_group->at(r), impl_->service_options(), logger_));
+    }
+    logger_.info("ParameterServerStrategy in one process: ", impl_->options.num_ps, " PS thread(s)");
+    return;
+  }
   impl_->attach(this);
+  logger_.info("ParameterServerStrategy: rank ", impl_->rank, " of ", impl_->world, " is ",
+               impl_->is_ps ? "PS " : "worker ", impl_->index);
 }
 
-ParameterServerStrategy::ParameterServerStrategy(ParameterServerOptions options)
-    : Strategy(options.log_level, "[worker 0]"), impl_(std::make_unique<Impl>()) {
-  // One process: this process is worker 0 and the PS ranks are threads of it.
-  impl_->options = options;
-  DISTSTRAT_CHECK(options.num_ps >= 1, kInvalidArgument, "ParameterServerStrategy: num_ps ",
-                  options.num_ps, " must be at least 1");
-  impl_->own_group = std::make_unique<InProcessTransportGroup>(options.num_ps + 1);
-  impl_->init_layout(impl_->own_group->at(0));
-  impl_->attach(this);
-  for (int r = 1; r <= options.num_ps; ++r) {
-    impl_->services.push_back(std::make_unique<ps::ServiceRunner>(
-        impl_->own_group->at(r), impl_->service_options(), logger_));
+namespace {
+// The job's transport (the MPI backend seam), or null for a one-process run.
+std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster) {
+  if (cluster.info.world_size <= 1) return nullptr;
+#if DISTSTRAT_HAVE_MPI
+  if (mpi::launched_under_mpi()) {
+    mpi::ensure_initialized();
+    return make_mpi_transport(MPI_COMM_WORLD);
   }
-  logger_.info("ParameterServerStrategy in one process: ", options.num_ps, " PS thread(s)");
+#endif
+  throw UnimplementedError("ParameterServerStrategy: a cluster of " +
+                           std::to_string(cluster.info.world_size) + " processes needs MPI (launch "
+                           "with mpirun)" + (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have"));
 }
+
+ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedCluster& cluster) {
+  const int ps_tasks = cluster.spec.num_tasks("ps");
+  if (ps_tasks > 0) o.num_ps = ps_tasks;
+  return o;
+}
+
+std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServerOptions& options) {
+  const ResolvedCluster cluster = resolve_cluster(options.cluster);
+  auto impl = std::make_unique<ParameterServerStrategy::Impl>();
+  impl->options = with_cluster(options, cluster);
+  impl->owned_transport = job_transport(cluster);
+  if (impl->owned_transport) {
+    impl->init_layout(*impl->owned_transport);
+    const std::string want = impl->is_ps ? "ps" : "worker";
+    DISTSTRAT_CHECK(cluster.spec.num_tasks("ps") == 0 || cluster.info.task_type == want ||
+                        (want == "worker" && cluster.info.task_type == "chief"),
+                    kInvalidArgument, "ParameterServerStrategy: rank ", impl->rank, " is task '",
+                    cluster.info.task_type, "' in the cluster but a ", want,
+                    " by rank order (chief, worker, ps)");
+  }
+  return impl;
+}
+}  // namespace
+
+ParameterServerStrategy::ParameterServerStrategy(ParameterServerOptions options)
+    : ParameterServerStrategy(make_job_impl(options)) {}
 
 ParameterServerStrategy::~ParameterServerStrategy() {
   if (!impl_->is_ps && impl_->client) {
