@@ -22,13 +22,13 @@ namespace {
 struct Flags {
   int ps = 1;
   int replicas = 1;
-  int64_t vocab = 100000;
+  int64_t vocab = 50000;
   int64_t dim = 16;
   int64_t ids_per_example = 4;
-  int64_t examples = 60000;
+  int64_t examples = 200000;
   int64_t batch = 256;
-  int epochs = 2;
-  float lr = 0.5f;
+  int epochs = 3;
+  float lr = 20.0f;
   uint64_t seed = 1;
 };
 
