@@ -173,8 +173,10 @@ class ParameterServerStrategy : public Strategy {
 
   bool is_ps() const;
   bool is_worker() const { return !is_ps(); }
-  // PS ranks: blocks until every worker has shut down (or a worker has sent
-  // nothing for communication.timeout: DeadlineExceededError naming it).
+  // PS ranks: blocks until every worker has shut down (a worker's strategy
+  // destructor tells the PS ranks), or every remaining one has sent nothing
+  // for worker_timeout: then DeadlineExceededError naming them. Destroying a
+  // PS rank's strategy without join() stops its service at once.
   void join();
 
   // Worker: a variable whose rows are pulled and pushed individually.
