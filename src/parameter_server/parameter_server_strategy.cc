@@ -117,6 +117,14 @@ struct ParameterServerStrategy::Impl {
   std::vector<ps::Client::CallPtr> pull_calls;  // outstanding dense pull
   std::vector<StagedPush> staged;
   std::mutex staged_mu;
+  // Drives outstanding transfers while the program computes (a transport
+  // may move bytes only while someone calls into it).
+  std::thread progress;
+  std::condition_variable progress_cv;
+  bool progress_stop = false;
+  // Where a worker's time went (logged at info level on shutdown).
+  int64_t runs = 0;
+  double pull_wait_s = 0, replicas_s = 0, push_post_s = 0;
 
   int num_workers() const { return static_cast<int>(worker_ranks.size()); }
   bool chief() const { return !is_ps && index == 0; }
@@ -160,6 +168,31 @@ struct ParameterServerStrategy::Impl {
     client = std::make_unique<ps::Client>(*transport, ps_ranks, index, options.communication.timeout);
     versions.assign(ps_ranks.size(), -1);
     pull_buffers.resize(ps_ranks.size());
+    progress = std::thread([this] { progress_loop(); });
+  }
+
+  void progress_loop() {
+    std::unique_lock<std::mutex> lock(mu);
+    while (!progress_stop) {
+      if (!client->has_outstanding()) {
+        progress_cv.wait(lock, [&] { return progress_stop || client->has_outstanding(); });
+        continue;
+      }
+      client->poll();
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(30));
+      lock.lock();
+    }
+  }
+
+  void stop_progress() {
+    if (!progress.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      progress_stop = true;
+    }
+    progress_cv.notify_all();
+    progress.join();
   }
 
   void require_worker(const char* what) const {
@@ -434,6 +467,12 @@ ParameterServerStrategy::ParameterServerStrategy(ParameterServerOptions options)
     : ParameterServerStrategy(make_job_impl(options)) {}
 
 ParameterServerStrategy::~ParameterServerStrategy() {
+  if (!impl_->is_ps && impl_->runs) {
+    logger_.info(impl_->runs, " runs: ", impl_->pull_wait_s * 1e3, " ms waiting for pulls, ",
+                 impl_->replicas_s * 1e3, " ms in the replicas, ", impl_->push_post_s * 1e3,
+                 " ms posting pushes");
+  }
+  impl_->stop_progress();
   if (!impl_->is_ps && impl_->client) {
     std::lock_guard<std::mutex> lock(impl_->mu);
     try {
@@ -572,6 +611,7 @@ Variable ParameterServerStrategy::create_row_sparse_variable(const std::string& 
 void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
   Impl& m = *impl_;
   m.require_worker("run");
+  const auto t0 = Clock::now();
   {
     std::lock_guard<std::mutex> lock(m.mu);
     // An earlier push's rejection is reported first; a failed pull is not
@@ -588,6 +628,7 @@ void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaConte
     if (!earlier) earlier = m.client->take_deferred();
     if (earlier) std::rethrow_exception(earlier);
   }
+  const auto t1 = Clock::now();
   try {
     m.replicas->run(fn);
   } catch (...) {
@@ -595,6 +636,7 @@ void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaConte
     m.staged.clear();
     throw;
   }
+  const auto t2 = Clock::now();
   std::lock_guard<std::mutex> lock(m.mu);
   std::vector<Impl::StagedPush> staged;
   {
@@ -605,6 +647,11 @@ void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaConte
   // Prefetch: the next step's pull travels behind the push.
   if (!staged.empty()) m.post_dense_pull();
   m.client->poll();
+  m.progress_cv.notify_all();
+  ++m.runs;
+  m.pull_wait_s += std::chrono::duration<double>(t1 - t0).count();
+  m.replicas_s += std::chrono::duration<double>(t2 - t1).count();
+  m.push_post_s += std::chrono::duration<double>(Clock::now() - t2).count();
 }
 
 void ParameterServerStrategy::apply_gradients(

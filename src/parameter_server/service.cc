@@ -19,12 +19,13 @@ bool valid_dtype(int32_t d) { return d >= 0 && d <= static_cast<int32_t>(DType::
 class Backoff {
  public:
   void reset() { idle_ = 0; }
-  void idle() {
+  // `busy`: a transfer is in flight, so stay responsive.
+  void idle(bool busy) {
     ++idle_;
     if (idle_ < 16) {
       std::this_thread::yield();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(idle_ < 64 ? 20 : 200));
+      std::this_thread::sleep_for(std::chrono::microseconds(busy || idle_ < 64 ? 20 : 200));
     }
   }
 
@@ -67,7 +68,7 @@ void Service::run() {
     if (progressed) {
       backoff.reset();
     } else {
-      backoff.idle();
+      backoff.idle(!outgoing_.empty() || waiting_for_payload());
     }
   }
   // Let the last replies reach their workers before the transport goes away.
@@ -76,6 +77,13 @@ void Service::run() {
     reap_outgoing();
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+}
+
+bool Service::waiting_for_payload() const {
+  for (const WorkerState& w : workers_) {
+    if (!w.queue.empty() && !w.queue.front().payload_ready) return true;
+  }
+  return false;
 }
 
 bool Service::finished() const {

@@ -111,6 +111,7 @@ class Service {
   void reap_outgoing();
   void check_liveness();
   bool finished() const;
+  bool waiting_for_payload() const;
 
   // Handlers: fill `reply` and return kServed, or kDeferred (nothing changed).
   Outcome handle(WorkerState& w, Pending& p, Reply& reply);
