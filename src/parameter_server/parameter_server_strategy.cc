@@ -113,8 +113,11 @@ struct ParameterServerStrategy::Impl {
   int64_t pushes_sent = 0;
   int64_t barrier_count = 0;
   std::vector<int64_t> versions;  // per PS: version its last dense pull saw
-  std::vector<std::vector<char>> pull_buffers;  // per PS
-  std::vector<ps::Client::CallPtr> pull_calls;  // outstanding dense pull
+  // The outstanding dense pull: per PS its call, reply buffer and the shards
+  // it asked for (variables created later are not in it).
+  std::vector<ps::Client::CallPtr> pull_calls;
+  std::vector<std::vector<char>> pull_buffers;
+  std::vector<std::vector<std::pair<const VarInfo*, ShardPlace>>> pull_plan;
   std::vector<StagedPush> staged;
   std::mutex staged_mu;
   // Drives outstanding transfers while the program computes (a transport
@@ -168,6 +171,7 @@ struct ParameterServerStrategy::Impl {
     client = std::make_unique<ps::Client>(*transport, ps_ranks, index, options.communication.timeout);
     versions.assign(ps_ranks.size(), -1);
     pull_buffers.resize(ps_ranks.size());
+    pull_plan.resize(ps_ranks.size());
     progress = std::thread([this] { progress_loop(); });
   }
 
@@ -229,10 +233,12 @@ struct ParameterServerStrategy::Impl {
     std::vector<ps::Writer> bodies(ps_ranks.size());
     std::vector<std::vector<ps::Entry>> entries(ps_ranks.size());
     std::vector<size_t> bytes(ps_ranks.size(), 0);
+    for (auto& plan : pull_plan) plan.clear();
     for (const auto& vi : vars) {
       if (vi->row_sparse) continue;
       for (const ShardPlace& sp : vi->shards) {
         entries[sp.ps].push_back(entry_of(*vi, sp));
+        pull_plan[sp.ps].emplace_back(vi.get(), sp);
         bytes[sp.ps] += static_cast<size_t>(sp.rows) * vi->row_bytes;
       }
     }
@@ -253,14 +259,22 @@ struct ParameterServerStrategy::Impl {
     for (size_t p = 0; p < ps_ranks.size(); ++p) {
       versions[p] = pull_calls[p]->reply.version;
       const char* src = pull_buffers[p].data();
-      for (const auto& vi : vars) {
-        if (vi->row_sparse) continue;
-        for (const ShardPlace& sp : vi->shards) {
-          if (sp.ps != static_cast<int>(p)) continue;
-          const size_t n = static_cast<size_t>(sp.rows) * vi->row_bytes;
-          if (n) std::memcpy(static_cast<char*>(vi->var->copies[0].data()) + sp.offset * vi->row_bytes, src, n);
-          src += n;
-        }
+      for (const auto& [vi, sp] : pull_plan[p]) {
+        const size_t n = static_cast<size_t>(sp.rows) * vi->row_bytes;
+        if (n) std::memcpy(static_cast<char*>(vi->var->copies[0].data()) + sp.offset * vi->row_bytes, src, n);
+        src += n;
+      }
+    }
+    pull_calls.clear();
+  }
+
+  // Drops a prefetched pull (its data predates a write this worker made).
+  void discard_dense_pull() {
+    for (auto& c : pull_calls) {
+      try {
+        client->wait(c);
+      } catch (const Error&) {
+        // A failed prefetch is as good as discarded.
       }
     }
     pull_calls.clear();
@@ -898,6 +912,7 @@ void ParameterServerStrategy::assign_variable(Variable::Impl& var, const Tensor&
   }
   m.wait_all(calls);
   if (!vi.row_sparse) var.copies[0].copy_from(value);
+  m.discard_dense_pull();  // the next run pulls what we just wrote
 }
 
 void ParameterServerStrategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {

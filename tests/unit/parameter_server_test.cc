@@ -159,6 +159,34 @@ TEST(ParameterServer, AdamOnThePsMatchesTheLocalRule) {
   EXPECT_LE(ds::testing::max_abs_diff(w.value(), ref), 1e-6);
 }
 
+TEST(ParameterServer, AssignAndNewVariablesBetweenStepsAreSeenByTheNextStep) {
+  ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
+  ds::Variable w = strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::SGD sgd(strategy, {1.0f});
+  auto step = [&](float grad) {
+    strategy.run([&](ds::ReplicaContext& ctx) {
+      ds::Tensor g(ds::Shape{3}, ds::DType::kFloat32);
+      ds::init::Constant{grad}(g);
+      sgd.apply_gradients(ctx, {{g, w}});
+    });
+  };
+  step(1.0f);  // w = -1, and the pull for the next step is already on its way
+  ds::Tensor v(ds::Shape{3}, ds::DType::kFloat32);
+  ds::init::Constant{5.0}(v);
+  w.assign(v);
+  // A variable created while that prefetch is in flight.
+  ds::Variable u = strategy.create_variable("u", ds::Shape{2, 2}, ds::DType::kFloat32,
+                                            ds::init::Constant{7.0});
+  strategy.run([&](ds::ReplicaContext& ctx) {
+    EXPECT_EQ(w.read(ctx).data<float>()[2], 5.0f);  // not the prefetched -1
+    EXPECT_EQ(u.read(ctx).data<float>()[3], 7.0f);
+  });
+  step(2.0f);
+  EXPECT_EQ(w.value().data<float>()[0], 3.0f);
+  strategy.update(u, [](ds::Tensor& t) { t.data<float>()[0] = -1.0f; });
+  strategy.run([&](ds::ReplicaContext& ctx) { EXPECT_EQ(u.read(ctx).data<float>()[0], -1.0f); });
+}
+
 // ---- asynchrony --------------------------------------------------------------
 
 struct TwoWorkerRun {
