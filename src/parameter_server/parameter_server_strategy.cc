@@ -172,7 +172,8 @@ struct ParameterServerStrategy::Impl {
     versions.assign(ps_ranks.size(), -1);
     pull_buffers.resize(ps_ranks.size());
     pull_plan.resize(ps_ranks.size());
-    progress = std::thread([this] { progress_loop(); });
+    // In-process transports move bytes without being polled.
+    if (!transport->shared_address_space()) progress = std::thread([this] { progress_loop(); });
   }
 
   void progress_loop() {
