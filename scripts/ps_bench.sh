@@ -11,15 +11,15 @@ build=${1:-build}
 rounds=${2:-3}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 mpi="mpirun --oversubscribe --bind-to none"
-bench=$build/benchmarks/ps_bench
+train=$build/benchmarks/train_bench
 ps=() mw=()
 for r in $(seq "$rounds"); do
-  line=$($mpi -np 3 "$bench" train --strategy parameter_server --ps 1 | grep '^train:')
+  line=$($mpi -np 3 "$train" --strategy parameter_server --ps 1 | grep '^train_bench:')
   echo "$line"; ps+=("$(sed 's/.*samples_per_sec=//' <<<"$line")")
-  line=$($mpi -np 2 "$bench" train --strategy multi_worker | grep '^train:')
+  line=$($mpi -np 2 "$train" --strategy multi_worker | grep '^train_bench:')
   echo "$line"; mw+=("$(sed 's/.*samples_per_sec=//' <<<"$line")")
 done
 median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 p=$(median "${ps[@]}"); m=$(median "${mw[@]}")
 awk -v p="$p" -v m="$m" 'BEGIN {printf "train: median parameter_server=%d multi_worker=%d ratio=%.3f (bar >= 0.8)\n", p, m, p / m}'
-"$bench" sparse
+"$build/benchmarks/ps_bench"

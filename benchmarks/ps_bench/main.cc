@@ -1,14 +1,9 @@
-// Parameter-server benchmarks.
-//
-//   ps_bench train --strategy parameter_server --ps 1   (under mpirun -np 3: 1 PS + 2 workers)
-//   ps_bench train --strategy multi_worker             (under mpirun -np 2)
-//     Fashion-MNIST MLP (784-256-256-10) training throughput: samples/s of
-//     the global batch, after warm-up steps. scripts/ps_bench.sh runs both and
-//     prints the ratio.
-//   ps_bench sparse
-//     One process (PS thread + worker): the cost of a row-sparse push of 1%
-//     of the rows of a 1M x 64 f32 table against a dense push of the whole
-//     table (post -> PS applied SGD -> acknowledged), median of several reps.
+// Row-sparse push benchmark, in one process (PS thread + worker): the cost
+// of a row-sparse push of 1% of the rows of a 1M x 64 f32 table against a
+// dense push of the whole table (post -> PS applied SGD -> acknowledged),
+// median of several reps. (Training throughput of the parameter server is
+// benchmarks/train_bench --strategy parameter_server; scripts/ps_bench.sh
+// runs both bars.)
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -30,58 +25,6 @@ namespace {
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-int train(const std::string& which, int num_ps, int steps, int warmup, int64_t batch) {
-  std::unique_ptr<ds::Strategy> strategy;
-  if (which == "parameter_server") {
-    ds::ParameterServerOptions o;
-    o.num_ps = num_ps;
-    auto ps = std::make_unique<ds::ParameterServerStrategy>(o);
-    if (ps->is_ps()) {
-      ps->join();
-      return 0;
-    }
-    strategy = std::move(ps);
-  } else if (which == "multi_worker") {
-    strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>();
-  } else {
-    throw ds::InvalidArgumentError("--strategy must be parameter_server or multi_worker");
-  }
-  const ds::nn::Mlp mlp({784, 256, 256, 10});
-  // Input content does not change the cost; a fixed synthetic set keeps the
-  // benchmark independent of the data files.
-  const int64_t rows = batch * 16;
-  ds::Tensor x(ds::Shape{rows, 784}, ds::DType::kFloat32), y(ds::Shape{rows}, ds::DType::kInt32);
-  ds::init::RandomNormal{0.0, 1.0, 3}(x);
-  for (int64_t i = 0; i < rows; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % 10);
-  std::vector<ds::Variable> params = mlp.create_variables(*strategy, 1);
-  ds::SGD opt(*strategy, {0.01f, 0.9f});
-  ds::DistributedDataset dist = strategy->distribute(ds::Dataset(x, y), batch);
-  Clock::time_point t0;
-  int64_t samples = 0;
-  for (int s = 0; s < warmup + steps; ++s) {
-    if (s == warmup) t0 = Clock::now();
-    const ds::DistributedBatch b = dist.batch(s % dist.num_batches());
-    const float scale = 1.0f / static_cast<float>(b.global_size());
-    strategy->run([&](ds::ReplicaContext& ctx) {
-      std::vector<ds::Tensor> values;
-      for (const ds::Variable& v : params) values.push_back(v.read(ctx));
-      auto step = mlp.forward_backward(values, b.features(ctx), b.labels(ctx), scale);
-      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-      for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(step.grads[i], params[i]);
-      opt.apply_gradients(ctx, gv);
-    });
-    if (s >= warmup) samples += b.global_size();
-  }
-  const double secs = seconds_since(t0);
-  strategy->barrier("bench end");
-  if (strategy->cluster().is_chief()) {
-    std::printf("train: strategy=%s workers=%d steps=%d global_batch=%lld samples_per_sec=%.0f\n",
-                which.c_str(), strategy->cluster().num_workers, steps, static_cast<long long>(batch),
-                samples / secs);
-  }
-  return 0;
 }
 
 double median(std::vector<double> v) {
@@ -177,26 +120,16 @@ int sparse(int64_t rows, int64_t dim, double fraction, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Parameter-server benchmarks"};
-  app.require_subcommand(1);
-  std::string strategy = "parameter_server";
-  int num_ps = 1, steps = 300, warmup = 20, reps = 5;
-  int64_t batch = 128, rows = 1000000, dim = 64;
+  CLI::App app{"Row-sparse vs dense parameter-server push"};
+  int reps = 5;
+  int64_t rows = 1000000, dim = 64;
   double fraction = 0.01;
-  auto* t = app.add_subcommand("train", "MLP training throughput");
-  t->add_option("--strategy", strategy)->capture_default_str();
-  t->add_option("--ps", num_ps)->capture_default_str();
-  t->add_option("--steps", steps)->capture_default_str();
-  t->add_option("--warmup", warmup)->capture_default_str();
-  t->add_option("--batch", batch)->capture_default_str();
-  auto* s = app.add_subcommand("sparse", "row-sparse push vs dense push");
-  s->add_option("--rows", rows)->capture_default_str();
-  s->add_option("--dim", dim)->capture_default_str();
-  s->add_option("--fraction", fraction)->capture_default_str();
-  s->add_option("--reps", reps)->capture_default_str();
+  app.add_option("--rows", rows)->capture_default_str();
+  app.add_option("--dim", dim)->capture_default_str();
+  app.add_option("--fraction", fraction)->capture_default_str();
+  app.add_option("--reps", reps)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    if (t->parsed()) return train(strategy, num_ps, steps, warmup, batch);
     return sparse(rows, dim, fraction, reps);
   } catch (const ds::Error& e) {
     std::fprintf(stderr, "ps_bench: %s\n", e.what());

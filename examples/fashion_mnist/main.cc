@@ -26,22 +26,38 @@ struct Flags {
   uint64_t seed = 1;
   std::string data = ds::kFashionMnistDir;
   int64_t limit = 0;
+  std::string timeline;
+  bool replicas_given = false;
 };
 
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   std::vector<ds::Device> devices;
   for (int i = 0; i < f.replicas; ++i) devices.push_back(ds::Device::cpu(i));
+  if (!f.timeline.empty() && f.strategy != "multi_worker") {
+    throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
+  }
   if (f.strategy == "mirrored") return std::make_unique<ds::MirroredStrategy>(devices);
   if (f.strategy == "central_storage") return std::make_unique<ds::CentralStorageStrategy>(devices);
+  // Multi-process strategies: one replica per process unless --replicas says
+  // otherwise (mpirun -np N already gives one process per core).
+  const std::vector<ds::Device> per_process =
+      f.replicas_given ? devices : std::vector<ds::Device>{ds::Device::cpu(0)};
+  if (f.strategy == "multi_worker") {
+    ds::MultiWorkerOptions o;
+    o.devices = per_process;
+    o.timeline_path = f.timeline;
+    return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
+  }
   if (f.strategy == "parameter_server") {
     ds::ParameterServerOptions o;
     o.num_ps = f.ps;
-    o.devices = devices;
+    o.devices = per_process;
     o.max_staleness = f.max_staleness;
     return std::make_unique<ds::ParameterServerStrategy>(o);
   }
-  throw ds::InvalidArgumentError("unknown --strategy '" + f.strategy +
-                                 "' (available: mirrored, central_storage, parameter_server)");
+  throw ds::InvalidArgumentError(
+      "unknown --strategy '" + f.strategy +
+      "' (available: mirrored, central_storage, multi_worker, parameter_server)");
 }
 
 // One updating line on a terminal, plain periodic lines otherwise.
@@ -79,14 +95,16 @@ class Progress {
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Train an MLP on Fashion-MNIST with a diststrat strategy"};
-  app.add_option("--strategy", f.strategy, "mirrored | central_storage | parameter_server")
+  app.add_option("--strategy", f.strategy,
+                 "mirrored | central_storage | multi_worker (under mpirun) | parameter_server")
       ->capture_default_str();
   app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
       ->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--max-staleness", f.max_staleness,
                  "parameter_server: steps a worker may run ahead of the slowest (-1 = async)")
       ->capture_default_str();
-  app.add_option("--replicas", f.replicas, "CPU replicas (devices) per process")
+  app.add_option("--replicas", f.replicas,
+                 "CPU replicas (devices) per process (multi_worker, parameter_server default: 1)")
       ->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")
       ->check(CLI::Range(1, 1000))->capture_default_str();
@@ -100,7 +118,10 @@ int main(int argc, char** argv) {
   app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
   app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
       ->capture_default_str();
+  app.add_option("--timeline", f.timeline,
+                 "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
   CLI11_PARSE(app, argc, argv);
+  f.replicas_given = app.count("--replicas") > 0;
 
   try {
     std::unique_ptr<ds::Strategy> strategy = make_strategy(f);

@@ -74,14 +74,17 @@ struct CommunicationOptions {
   std::shared_ptr<const AlgorithmRegistry> algorithm_registry;
   // Wire compression for f32 all-reduces.
   Compression compression = Compression::kNone;
-  // kAuto over point-to-point transports: messages up to auto_tiny_message_bytes
-  // use the binomial tree, up to auto_small_message_bytes recursive
-  // halving-doubling, larger ones the pipelined ring; several nodes use the
-  // hierarchical algorithm. Defaults measured with benchmarks/allreduce_bench
-  // on the 2-core development host (see docs/benchmarks.md).
-  size_t auto_tiny_message_bytes = 4 << 10;
-  // Largest message (bytes) for which kAuto picks a latency-bound algorithm.
-  size_t auto_small_message_bytes = 64 << 10;
+  // kAuto over point-to-point transports (MPI; on one node kAuto uses shared
+  // memory instead): with more than two ranks, messages up to
+  // auto_tiny_message_bytes use the binomial tree, up to
+  // auto_small_message_bytes recursive halving-doubling, larger ones the
+  // pipelined ring; two ranks skip the tree; several nodes use the
+  // hierarchical algorithm. The defaults come from allreduce_bench on the
+  // 2-core development host (docs/benchmarks.md), where with 4 ranks the tree
+  // beat halving-doubling at every size up to 256 KiB and the ring won from
+  // 1 MiB; measure on yours and override.
+  size_t auto_tiny_message_bytes = 256 << 10;
+  size_t auto_small_message_bytes = 256 << 10;
   // Segment size for pipelined algorithms (ring); 0 = implementation default
   // (1 MiB).
   size_t segment_bytes = 0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -54,10 +55,15 @@ class Mlp {
     int64_t correct = 0;        // rows classified correctly
     std::vector<Tensor> grads;  // parallel to params, scaled by grad_scale
   };
+  // Called during backward as soon as layer `layer`'s gradients (params
+  // 2*layer and 2*layer+1) are ready, last layer first: hand them to
+  // ReplicaContext::all_reduce_async there to overlap communication with the
+  // rest of the backward pass.
+  using GradientsReady = std::function<void(size_t layer, const Tensor& dw, const Tensor& db)>;
   // Forward and backward on one slice (x [n, in], labels int32 [n]). n may be
   // 0: the gradients are then zero. grad_scale = 1 / global batch size.
   Step forward_backward(const std::vector<Tensor>& params, const Tensor& x, const Tensor& labels,
-                        float grad_scale) const;
+                        float grad_scale, const GradientsReady& on_ready = {}) const;
   // Logits of x.
   Tensor predict(const std::vector<Tensor>& params, const Tensor& x) const;
 

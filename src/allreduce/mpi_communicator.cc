@@ -4,6 +4,7 @@
 
 #include "allreduce/mpi_communicator.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <thread>
@@ -56,11 +57,14 @@ MPI_Op native_op(ReduceOp op) {
 class MpiCommunicator : public TransportCommunicator {
  public:
   MpiCommunicator(Transport& transport, std::unique_ptr<Transport> owned, MPI_Comm comm,
-                  const CommunicationOptions& options)
-      : TransportCommunicator(transport, options, node_map(comm), std::move(owned)) {
+                  const CommunicationOptions& options, const std::vector<int>& hosts)
+      : TransportCommunicator(transport, options, hosts, std::move(owned)) {
     DISTSTRAT_MPI_CHECK(MPI_Comm_dup(comm, &native_));
     DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(native_, MPI_ERRORS_RETURN));
-    if (num_nodes() == 1 && size() > 1) shm_ = make_shm_communicator(comm, options);
+    // Shared memory needs every rank on one host (whatever grouping
+    // hierarchical_group_size imposes on the point-to-point algorithms).
+    const bool one_host = std::all_of(hosts.begin(), hosts.end(), [&](int h) { return h == hosts[0]; });
+    if (one_host && size() > 1) shm_ = make_shm_communicator(comm, options);
     if (options.algorithm == Algorithm::kSharedMemory) {
       DISTSTRAT_CHECK(shm_ != nullptr, kFailedPrecondition, "rank ", rank(),
                       ": algorithm 'shm' needs every rank on one node (and more than one rank)");
@@ -158,7 +162,7 @@ std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm,
                                                     const CommunicationOptions& options) {
   std::unique_ptr<Transport> transport = make_mpi_transport(comm);
   Transport& ref = *transport;
-  return std::make_unique<MpiCommunicator>(ref, std::move(transport), comm, options);
+  return std::make_unique<MpiCommunicator>(ref, std::move(transport), comm, options, node_map(comm));
 }
 
 }  // namespace diststrat

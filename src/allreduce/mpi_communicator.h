@@ -26,7 +26,9 @@ std::unique_ptr<Transport> make_mpi_transport(MPI_Comm comm);
 // transport, kMpiNative = MPI_Iallreduce polled against the deadline,
 // kSharedMemory = the shared-window path (all ranks on one node), and kAuto =
 // shared memory when every rank is on one node, else hierarchical or the
-// size-based choice (algorithm.h). broadcast/all_gather/reduce_scatter/barrier
+// size-based choice (algorithm.h). Nodes are the hosts found by
+// MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) unless
+// options.hierarchical_group_size groups ranks explicitly. broadcast/all_gather/reduce_scatter/barrier
 // follow the same transport (shared memory on one node).
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm,
                                                     const CommunicationOptions& options);

@@ -1,7 +1,8 @@
 // Reduction kernels: memory-bound, one pass, no temporaries beyond a small
 // stack block. Written once as templates over the element type and the
 // operator; f16 and bf16 accumulate in f32. Any count (including 0 and counts
-// that are not a multiple of the vector width) is handled.
+// that are not a multiple of the vector width) is handled. Vectorised, with a
+// run-time choice between baseline x86-64, AVX2 (+F16C) and AVX-512 code.
 #pragma once
 
 #include <cstddef>
@@ -24,6 +25,15 @@ void accumulate(void* dst, const void* src, size_t count, DType dtype, ReduceOp 
 
 // dst[i] /= divisor (integer division for integer types).
 void scale_mean(void* dst, size_t count, DType dtype, int divisor);
+
+// The same reduction with the baseline (non-dispatched) code path, for
+// benchmarks and tests that compare the two.
+void reduce_baseline(void* dst, const void* const* srcs, int n, size_t count, DType dtype,
+                     ReduceOp op, int mean_divisor);
+
+// The instruction set the kernels dispatch to on this CPU: "avx512", "avx2"
+// or "baseline".
+const char* isa_name();
 
 // Converts count f32 values to f16/bf16 and back (wire compression).
 void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t count);

@@ -10,11 +10,15 @@
 //     staging buffer (its own slice it reads straight from its input);
 //  2. barrier;
 //  3. rank r reduces its slice [lo_r, hi_r) in one pass over its input and
-//     every peer's staging buffer, writing the result into the (unused) own
-//     slice of its staging buffer;
+//     every peer's staging buffer into its output, block by block, copying
+//     each block while it is in cache into the (otherwise unused) own slice
+//     of its staging buffer;
 //  4. barrier;
-//  5. rank r copies every rank's reduced slice out of their staging buffers
-//     into its output.
+//  5. rank r copies the other ranks' reduced slices out of their staging
+//     buffers into its output.
+// With chunks that fit in the caches (default 256 KiB) the staging buffers
+// never leave them, so memory sees about what one memcpy of the message
+// costs: the input read and the output written.
 // Small chunks (up to kSmallBytes) skip the slicing: each rank stages its
 // whole input, meets the others at one barrier and reduces the whole chunk
 // itself, which trades a little redundant arithmetic for one barrier less.
@@ -49,6 +53,10 @@ namespace {
 
 constexpr size_t kHeader = 256;              // keeps the buffers cache-line (and page-ish) aligned
 constexpr size_t kSmallBytes = 16 << 10;     // all-reduce chunks up to this skip slicing
+// Staging buffer size: small enough that both buffers of every rank stay in
+// the caches, large enough that the two barriers per chunk are amortised
+// (measured with allreduce_bench --algos shm --segment-bytes).
+constexpr size_t kDefaultChunk = 256 << 10;
 
 struct alignas(64) Header {
   std::atomic<uint64_t> arrived{0};
@@ -78,7 +86,7 @@ class ShmCommunicator : public Communicator {
                                     "node, but only " + std::to_string(local_size) + " of " +
                                     std::to_string(size_) + " share this one");
     }
-    chunk_ = options.segment_bytes ? options.segment_bytes : size_t{1} << 20;
+    chunk_ = options.segment_bytes ? options.segment_bytes : kDefaultChunk;
     chunk_ = std::max<size_t>(64, chunk_ / 64 * 64);
     MPI_Info info;
     MPI_Info_create(&info);
@@ -146,15 +154,22 @@ class ShmCommunicator : public Communicator {
         std::memcpy(buf(rank_, b) + lo * es, my_in + lo * es, (hi - lo) * es);
       }
       call.barrier();
-      // 3. reduce my slice out of everyone's memory.
+      // 3. reduce my slice out of everyone's memory, block by block into my
+      // output, and publish each block (hot in cache) in my staging buffer.
       size_t lo, hi;
       algo::slice_of(len, size_, rank_, &lo, &hi);
-      for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b) + lo * es;
-      srcs[rank_] = my_in + lo * es;
-      kernels::reduce(buf(rank_, b) + lo * es, srcs.data(), size_, hi - lo, dtype, op, size_);
+      const size_t block = std::max<size_t>(1, (32 << 10) / es);
+      for (size_t j = lo; j < hi; j += block) {
+        const size_t m = std::min(block, hi - j);
+        for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b) + j * es;
+        srcs[rank_] = my_in + j * es;
+        kernels::reduce(my_out + j * es, srcs.data(), size_, m, dtype, op, size_);
+        std::memcpy(buf(rank_, b) + j * es, my_out + j * es, m * es);
+      }
       call.barrier();
-      // 5. collect every slice.
+      // 5. collect the other slices.
       for (int q = 0; q < size_; ++q) {
+        if (q == rank_) continue;
         size_t qlo, qhi;
         algo::slice_of(len, size_, q, &qlo, &qhi);
         std::memcpy(my_out + qlo * es, buf(q, b) + qlo * es, (qhi - qlo) * es);

@@ -25,8 +25,8 @@ TransportCommunicator::TransportCommunicator(Transport& transport, Communication
     : owned_(std::move(owned)), transport_(&transport), options_(std::move(options)),
       node_of_(std::move(node_of)) {
   const int n = transport_->size();
-  if (node_of_.empty()) {
-    node_of_.resize(n);
+  if (node_of_.empty() || options_.hierarchical_group_size > 0) {
+    node_of_.assign(n, 0);
     const int g = options_.hierarchical_group_size;
     for (int r = 0; r < n; ++r) node_of_[r] = g > 0 ? r / g : 0;
   }

@@ -27,8 +27,9 @@ class TransportCommunicator : public Communicator {
   static constexpr int kTagSlots = 1024;
 
   // `transport` must outlive the communicator unless `owned` holds it.
-  // `node_of[r]` = node of rank r, for kHierarchical and kAuto; empty = from
-  // options.hierarchical_group_size, else one node.
+  // `node_of[r]` = node of rank r, for kHierarchical and kAuto. A positive
+  // options.hierarchical_group_size overrides it (groups of that many
+  // consecutive ranks); with neither, all ranks are one node.
   TransportCommunicator(Transport& transport, CommunicationOptions options,
                         std::vector<int> node_of = {}, std::unique_ptr<Transport> owned = nullptr);
 

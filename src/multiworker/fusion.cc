@@ -358,17 +358,49 @@ void FusionEngine::execute(Call& call) {
   call.work->finish();
 }
 
+std::string FusionEngine::signature_header(ReduceOp op) const {
+  std::ostringstream os;
+  os << "op " << reduce_op_name(op) << ", bytes_per_pack " << options_.bytes_per_pack
+     << ", compression " << compression_name(options_.compression) << "\n";
+  return os.str();
+}
+
 std::string FusionEngine::signature(const Call& call) const {
   if (!call.local_mismatch.empty()) return "!" + call.local_mismatch;
   const Part& p = call.parts[0];
   std::ostringstream os;
-  os << "op " << reduce_op_name(p.op) << ", bytes_per_pack " << options_.bytes_per_pack
-     << ", compression " << compression_name(options_.compression) << "\n";
+  os << signature_header(p.op);
   for (size_t i = 0; i < p.tensors.size(); ++i) os << tensor_line(name_at(p.names, i), p.tensors[i]) << "\n";
   return os.str();
 }
 
-void FusionEngine::check_signatures(const Call& call, const std::string& sig) {
+uint64_t FusionEngine::signature_hash(const Call& call) const {
+  // A hash of what signature() spells out, computed without building the text.
+  if (!call.local_mismatch.empty()) return fnv1a(signature(call));
+  const Part& p = call.parts[0];
+  uint64_t h = fnv1a(signature_header(p.op));
+  auto mix = [&](const void* data, size_t n) {
+    const unsigned char* b = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      h ^= b[i];
+      h *= 1099511628211ull;
+    }
+  };
+  for (size_t i = 0; i < p.tensors.size(); ++i) {
+    const std::string& name = i < p.names.size() ? p.names[i] : std::string();
+    mix(name.data(), name.size());
+    const int dt = static_cast<int>(p.tensors[i].dtype());
+    mix(&dt, sizeof dt);
+    const auto& dims = p.tensors[i].shape().dims();
+    const size_t rank = dims.size();
+    mix(&rank, sizeof rank);
+    mix(dims.data(), rank * sizeof(int64_t));
+    mix("\n", 1);
+  }
+  return h;
+}
+
+void FusionEngine::check_signatures(const Call& call) {
   const int n = cross_.size();
   const int64_t index = executed_ - 1;
   if (n == 1) {
@@ -376,17 +408,18 @@ void FusionEngine::check_signatures(const Call& call, const std::string& sig) {
     return;
   }
   const std::string label = "signature of fused all_reduce call #" + std::to_string(index);
-  int64_t mine[2] = {static_cast<int64_t>(fnv1a(sig)), static_cast<int64_t>(sig.size())};
-  std::vector<int64_t> all(2 * n);
-  cross_.all_gather(mine, all.data(), 2, DType::kInt64, label);
+  int64_t mine = static_cast<int64_t>(signature_hash(call));
+  std::vector<int64_t> all(n);
+  cross_.all_gather(&mine, all.data(), 1, DType::kInt64, label);
   bool same = true;
-  int64_t longest = 0;
-  for (int r = 0; r < n; ++r) {
-    same = same && all[2 * r] == all[0] && all[2 * r + 1] == all[1];
-    longest = std::max(longest, all[2 * r + 1]);
-  }
+  for (int r = 0; r < n; ++r) same = same && all[r] == all[0];
   if (same) return;
   // Rare path: exchange the full signatures to say what differs.
+  const std::string sig = signature(call);
+  int64_t len = static_cast<int64_t>(sig.size());
+  std::vector<int64_t> lens(n);
+  cross_.all_gather(&len, lens.data(), 1, DType::kInt64, label + " (lengths)");
+  const int64_t longest = *std::max_element(lens.begin(), lens.end());
   const size_t words = static_cast<size_t>(longest + 7) / 8;
   std::vector<int64_t> padded(words, 0), gathered(words * n);
   std::memcpy(padded.data(), sig.data(), sig.size());
@@ -394,7 +427,7 @@ void FusionEngine::check_signatures(const Call& call, const std::string& sig) {
   std::vector<std::string> sigs(n);
   for (int r = 0; r < n; ++r) {
     sigs[r].assign(reinterpret_cast<const char*>(gathered.data() + r * words),
-                   static_cast<size_t>(all[2 * r + 1]));
+                   static_cast<size_t>(lens[r]));
   }
   throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " + describe_mismatch(sigs, index));
 }
@@ -410,7 +443,7 @@ void FusionEngine::execute_all_reduce(Call& call) {
   const auto t_pack = Clock::now();
   const int64_t index = executed_ - 1;
   const bool trace = timeline_ && timeline_->enabled();
-  check_signatures(call, signature(call));
+  check_signatures(call);
   const Part& p0 = call.parts[0];
   const ReduceOp op = p0.op;
   // kMean is summed everywhere and divided once by the replicas in sync.
@@ -436,6 +469,16 @@ void FusionEngine::execute_all_reduce(Call& call) {
                         "\"call\": " + std::to_string(index) + ", \"tensors\": " +
                             std::to_string(num) + ", \"packs\": " + std::to_string(packs.size()));
   }
+
+  // Size the fusion buffer once for the largest multi-tensor pack of the call.
+  size_t largest = 0;
+  for (const auto& [i, j] : packs) {
+    if (j == i + 1) continue;
+    size_t bytes = 0;
+    for (size_t k = i; k < j; ++k) bytes += p0.tensors[k].nbytes();
+    largest = std::max(largest, bytes);
+  }
+  ensure(buffer_, largest);
 
   std::vector<const void*> srcs(num_local_);
   for (size_t pk = 0; pk < packs.size(); ++pk) {
@@ -465,7 +508,6 @@ void FusionEngine::execute_all_reduce(Call& call) {
         kernels::reduce(data, srcs.data(), num_local_, count, dtype, sum_op, 1);
       }
     } else {
-      ensure(buffer_, bytes);
       data = buffer_.data();
       size_t off = 0;
       for (size_t k = i; k < j; ++k) {

@@ -117,8 +117,12 @@ class FusionEngine {
   void loop();
   void execute(Call& call);
   void execute_all_reduce(Call& call);
+  // The call's signature as text (one header line, one line per tensor) and
+  // its 64-bit hash (what the ranks exchange first).
+  std::string signature_header(ReduceOp op) const;
   std::string signature(const Call& call) const;
-  void check_signatures(const Call& call, const std::string& sig);
+  uint64_t signature_hash(const Call& call) const;
+  void check_signatures(const Call& call);
   void ensure(std::vector<char>& buf, size_t bytes);
 
   Communicator& cross_;

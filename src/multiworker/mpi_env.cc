@@ -38,7 +38,7 @@ void ensure_initialized() {
   DISTSTRAT_CHECK(!finalized, kFailedPrecondition, "MPI was already finalized");
   int provided = 0;
   if (!initialized) {
-    DISTSTRAT_MPI_CALL(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
+    DISTSTRAT_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
     std::atexit(finalize_at_exit);
   } else {
     MPI_Query_thread(&provided);
@@ -50,18 +50,18 @@ void ensure_initialized() {
 
 Placement placement(MPI_Comm comm) {
   Placement p;
-  DISTSTRAT_MPI_CALL(MPI_Comm_rank(comm, &p.rank));
-  DISTSTRAT_MPI_CALL(MPI_Comm_size(comm, &p.world_size));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &p.rank));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &p.world_size));
   MPI_Comm node_comm;
-  DISTSTRAT_MPI_CALL(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, p.rank, MPI_INFO_NULL, &node_comm));
-  DISTSTRAT_MPI_CALL(MPI_Comm_rank(node_comm, &p.local_rank));
-  DISTSTRAT_MPI_CALL(MPI_Comm_size(node_comm, &p.local_size));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, p.rank, MPI_INFO_NULL, &node_comm));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_rank(node_comm, &p.local_rank));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_size(node_comm, &p.local_size));
   // A node is named by its lowest rank; nodes are numbered in that order.
   int leader = p.rank;
-  DISTSTRAT_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, node_comm));
+  DISTSTRAT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, node_comm));
   MPI_Comm_free(&node_comm);
   std::vector<int> leaders(p.world_size);
-  DISTSTRAT_MPI_CALL(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, comm));
+  DISTSTRAT_MPI_CHECK(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, comm));
   p.node = 0;
   p.num_nodes = 0;
   for (int r = 0; r < p.world_size; ++r) {
@@ -71,14 +71,6 @@ Placement placement(MPI_Comm comm) {
     }
   }
   return p;
-}
-
-void throw_error(int code, const char* call, const char* file, int line) {
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
-  throw InternalError(std::string(call) + " failed: " + std::string(text, len) + " (" + file +
-                      ":" + std::to_string(line) + ")");
 }
 
 }  // namespace mpi

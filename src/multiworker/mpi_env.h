@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include "allreduce/mpi_util.h"
+
 #include "diststrat/cluster.h"
 
 namespace diststrat {
@@ -20,15 +22,7 @@ bool launched_under_mpi();
 void ensure_initialized();
 // Rank, size and node grouping of `comm` (MPI_Comm_split_type SHARED).
 Placement placement(MPI_Comm comm);
-// A failing MPI call as InternalError carrying the call, the MPI error string,
-// file and line.
-[[noreturn]] void throw_error(int code, const char* call, const char* file, int line);
 
 }  // namespace mpi
 }  // namespace diststrat
 
-#define DISTSTRAT_MPI_CALL(call)                                                   \
-  do {                                                                              \
-    const int ds_mpi_rc_ = (call);                                                  \
-    if (ds_mpi_rc_ != MPI_SUCCESS) ::diststrat::mpi::throw_error(ds_mpi_rc_, #call, __FILE__, __LINE__); \
-  } while (0)

@@ -347,8 +347,8 @@ double MultiWorkerMirroredStrategy::reduce_across(ReduceOp op, const std::vector
   double acc = 0;
   kernels::reduce(&acc, srcs.data(), static_cast<int>(srcs.size()), 1, DType::kFloat64, sum_op, 1);
   if (impl_->cross->size() > 1) {
-    impl_->engine->run([&](Communicator& c) { c.all_reduce(&acc, &acc, 1, DType::kFloat64, sum_op, "reduce"); },
-                       "reduce");
+    impl_->engine->run([&](Communicator& c) { c.all_reduce(&acc, &acc, 1, DType::kFloat64, sum_op, "strategy.reduce"); },
+                       "strategy.reduce");
   }
   if (op == ReduceOp::kMean) acc /= num_replicas_in_sync();
   return acc;
@@ -361,8 +361,8 @@ Tensor MultiWorkerMirroredStrategy::reduce_tensors_across(ReduceOp op, const std
   const size_t count = static_cast<size_t>(out.num_elements());
   if (impl_->cross->size() > 1) {
     impl_->engine->run(
-        [&](Communicator& c) { c.all_reduce(out.data(), out.data(), count, out.dtype(), sum_op, "reduce"); },
-        "reduce");
+        [&](Communicator& c) { c.all_reduce(out.data(), out.data(), count, out.dtype(), sum_op, "strategy.reduce"); },
+        "strategy.reduce");
   }
   if (op == ReduceOp::kMean) kernels::scale_mean(out.data(), count, out.dtype(), num_replicas_in_sync());
   return out;

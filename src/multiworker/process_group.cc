@@ -2,13 +2,9 @@
 
 #include "diststrat/config.h"
 #include "multiworker/hierarchical.h"
-// TEMPORARY until the MPI communicator (issue 3) is merged.
-#if DISTSTRAT_HAVE_MPI && __has_include("allreduce/mpi_communicator.h")
-#define DISTSTRAT_MW_MPI 1
+#if DISTSTRAT_HAVE_MPI
 #include "allreduce/mpi_communicator.h"
 #include "multiworker/mpi_env.h"
-#else
-#define DISTSTRAT_MW_MPI 0
 #endif
 
 namespace diststrat {
@@ -49,23 +45,26 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
                                                 bool allow_hierarchical) {
   ProcessCommunicators out;
   const Placement& p = cluster.placement;
-#if DISTSTRAT_MW_MPI
+#if DISTSTRAT_HAVE_MPI
   if (mpi::launched_under_mpi()) {
     mpi::ensure_initialized();
     CommunicationOptions flat_opts = options;
     if (flat_opts.algorithm == Algorithm::kHierarchical) flat_opts.algorithm = Algorithm::kAuto;
     // Every node must have as many ranks for the hierarchical split.
     int sizes[2] = {p.local_size, -p.local_size};
-    DISTSTRAT_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, sizes, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+    DISTSTRAT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sizes, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
     const bool uniform = sizes[0] == -sizes[1];
     if (allow_hierarchical && p.num_nodes > 1 && p.local_size > 1 && uniform) {
       MPI_Comm node_comm, cross_comm;
-      DISTSTRAT_MPI_CALL(MPI_Comm_split(MPI_COMM_WORLD, p.node, p.rank, &node_comm));
-      DISTSTRAT_MPI_CALL(MPI_Comm_split(MPI_COMM_WORLD, p.local_rank, p.rank, &cross_comm));
+      DISTSTRAT_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, p.node, p.rank, &node_comm));
+      DISTSTRAT_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, p.local_rank, p.rank, &cross_comm));
       // Inside a node: kAuto (the shared-memory path); across nodes: MPI
       // itself (its network transport), even when the "nodes" are virtual.
+      // MPI has no 16-bit float types: compressed packs use the ring over
+      // MPI point-to-point instead of MPI_Iallreduce.
       CommunicationOptions inter_opts = options;
-      inter_opts.algorithm = Algorithm::kMpiNative;
+      inter_opts.algorithm =
+          options.compression == Compression::kNone ? Algorithm::kMpiNative : Algorithm::kRing;
       CommunicationOptions intra_opts = flat_opts;
       auto flat = make_mpi_communicator(MPI_COMM_WORLD, flat_opts);
       auto intra = make_mpi_communicator(node_comm, intra_opts);

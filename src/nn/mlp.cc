@@ -38,7 +38,8 @@ std::vector<Tensor> Mlp::init_params(uint64_t seed) const {
 }
 
 Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor& x,
-                                const Tensor& labels, float grad_scale) const {
+                                const Tensor& labels, float grad_scale,
+                                const GradientsReady& on_ready) const {
   DISTSTRAT_CHECK_EQ(params.size(), num_params(), "Mlp::forward_backward params");
   DISTSTRAT_CHECK(x.shape().rank() == 2 && x.shape()[1] == sizes_[0], kInvalidArgument,
                   "Mlp::forward_backward: x ", x.debug_string(), " must be [n, ", sizes_[0], "]");
@@ -64,6 +65,7 @@ Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor&
     dense_backward(acts[l], params[2 * l], dy, l > 0 ? &dx : nullptr, dw, db);
     step.grads[2 * l] = dw;
     step.grads[2 * l + 1] = db;
+    if (on_ready) on_ready(l, dw, db);
     if (l > 0) {
       relu_backward(acts[l], dx, dx);
       dy = dx;

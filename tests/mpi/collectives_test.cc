@@ -66,13 +66,15 @@ void sweep(ds::Communicator& comm, const std::vector<size_t>& sizes,
 struct Case {
   ds::Algorithm algorithm;
   size_t segment;
+  int group_size = 0;  // hierarchical: ranks per group (0 = per host)
 };
 
 class MpiAllReduce : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MpiAllReduce, MatchesClosedForm) {
-  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(GetParam().algorithm,
-                                                                    GetParam().segment));
+  ds::CommunicationOptions o = options_for(GetParam().algorithm, GetParam().segment);
+  o.hierarchical_group_size = GetParam().group_size;
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, o);
   EXPECT_EQ(comm->size(), world_size());
   sweep(*comm, {0, 1, 7, 1000}, tc::all_dtypes(), tc::all_ops());
   sweep(*comm, {1 << 20}, {ds::DType::kFloat32, ds::DType::kBFloat16},
@@ -84,11 +86,13 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{ds::Algorithm::kRing, 0}, Case{ds::Algorithm::kRing, 256},
                       Case{ds::Algorithm::kHalvingDoubling, 0}, Case{ds::Algorithm::kTree, 0},
                       Case{ds::Algorithm::kReduceToOne, 0}, Case{ds::Algorithm::kHierarchical, 0},
+                      Case{ds::Algorithm::kHierarchical, 4096, 2},
                       Case{ds::Algorithm::kMpiNative, 0}, Case{ds::Algorithm::kSharedMemory, 0},
                       Case{ds::Algorithm::kSharedMemory, 256}, Case{ds::Algorithm::kAuto, 0}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return std::string(ds::algorithm_name(info.param.algorithm)) +
-             (info.param.segment ? "_small_segments" : "");
+             (info.param.segment ? "_small_segments" : "") +
+             (info.param.group_size ? "_groups_of_" + std::to_string(info.param.group_size) : "");
     });
 
 // broadcast / all_gather / reduce_scatter / barrier over the point-to-point

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "../common/collective_cases.h"
+#include "harness.h"
 #include "allreduce/algorithm.h"
 #include "allreduce/transport.h"
 #include "allreduce/transport_communicator.h"
@@ -32,23 +33,13 @@ namespace {
 void run_transport_ranks(int n, const ds::CommunicationOptions& options,
                          const std::function<void(ds::TransportCommunicator&)>& fn) {
   ds::InProcessTransportGroup group(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
+  ds::testing::run_threads(
+      n,
+      [&](int r) {
         ds::TransportCommunicator comm(group.at(r), options);
         fn(comm);
-      } catch (...) {
-        errors[r] = std::current_exception();
-        group.at(r).abort("rank " + std::to_string(r) + " failed");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+      },
+      [&](int r) { group.at(r).abort("rank " + std::to_string(r) + " failed"); });
 }
 
 struct AlgoCase {
@@ -204,11 +195,30 @@ TEST(CustomAlgorithm, RegisteredAlgorithmRunsAndUnknownNameIsRejected) {
 TEST(AutoSelection, ThresholdsComeFromOptions) {
   ds::CommunicationOptions o;
   EXPECT_EQ(ds::algo::choose_auto(o, 1024, 4, 1), ds::Algorithm::kTree);
-  EXPECT_EQ(ds::algo::choose_auto(o, 32 << 10, 4, 1), ds::Algorithm::kHalvingDoubling);
+  EXPECT_EQ(ds::algo::choose_auto(o, 1024, 2, 1), ds::Algorithm::kHalvingDoubling);
   EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 1), ds::Algorithm::kRing);
   EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 2), ds::Algorithm::kHierarchical);
+  o.auto_tiny_message_bytes = 1 << 10;
   o.auto_small_message_bytes = 16 << 20;
+  EXPECT_EQ(ds::algo::choose_auto(o, 1024, 4, 1), ds::Algorithm::kTree);
   EXPECT_EQ(ds::algo::choose_auto(o, 8 << 20, 4, 1), ds::Algorithm::kHalvingDoubling);
+  EXPECT_EQ(ds::algo::choose_auto(o, 32 << 20, 4, 1), ds::Algorithm::kRing);
+}
+
+TEST(TransportCommunicator, AbortMakesCallsFailWithAborted) {
+  ds::CommunicationOptions o;
+  o.timeout = std::chrono::seconds(10);
+  run_transport_ranks(2, o, [&](ds::TransportCommunicator& comm) {
+    float v = 1.f;
+    comm.all_reduce(&v, &v, 1, ds::DType::kFloat32, ds::ReduceOp::kSum, "before");
+    EXPECT_EQ(v, 2.f);
+    comm.barrier();
+    if (comm.rank() == 0) comm.abort("test abort");
+    // Rank 0 fails at once; rank 1's transport peer (the in-process group)
+    // is aborted too, so it fails instead of waiting out the deadline.
+    EXPECT_THROW(comm.all_reduce(&v, &v, 1, ds::DType::kFloat32, ds::ReduceOp::kSum, "after"),
+                 ds::AbortedError);
+  });
 }
 
 // A rank that never joins: the others fail with DeadlineExceeded within the

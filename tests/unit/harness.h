@@ -12,16 +12,20 @@
 namespace diststrat {
 namespace testing {
 
-inline void run_ranks(InProcessGroup& group, const std::function<void(Communicator&)>& fn) {
-  std::vector<std::exception_ptr> errors(group.size());
+// Runs fn(r) for r < n on n threads; when rank r throws, on_error(r) runs
+// (to abort the group so the others fail fast) and the first rank's
+// exception is re-raised after all threads joined.
+inline void run_threads(int n, const std::function<void(int)>& fn,
+                        const std::function<void(int)>& on_error) {
+  std::vector<std::exception_ptr> errors(n);
   std::vector<std::thread> threads;
-  for (int r = 0; r < group.size(); ++r) {
+  for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       try {
-        fn(group.at(r));
+        fn(r);
       } catch (...) {
         errors[r] = std::current_exception();
-        group.at(r).abort("rank " + std::to_string(r) + " failed");
+        on_error(r);
       }
     });
   }
@@ -29,6 +33,12 @@ inline void run_ranks(InProcessGroup& group, const std::function<void(Communicat
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+}
+
+inline void run_ranks(InProcessGroup& group, const std::function<void(Communicator&)>& fn) {
+  run_threads(
+      group.size(), [&](int r) { fn(group.at(r)); },
+      [&](int r) { group.at(r).abort("rank " + std::to_string(r) + " failed"); });
 }
 
 }  // namespace testing

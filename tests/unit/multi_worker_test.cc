@@ -140,12 +140,7 @@ TEST(MultiWorkerFusion, OddSizesMixedDtypesEveryPackSize) {
             ds::Tensor t(ds::Shape{sizes[k]}, dtypes[(k / 3 + rep) % 4]);  // runs of 3
             for (int64_t i = 0; i < sizes[k]; ++i) {
               const double v = value(ctx.replica_id(), static_cast<int>(k), i);
-              switch (t.dtype()) {
-                case ds::DType::kFloat32: t.data<float>()[i] = static_cast<float>(v); break;
-                case ds::DType::kFloat64: t.data<double>()[i] = v; break;
-                case ds::DType::kInt32: t.data<int32_t>()[i] = static_cast<int32_t>(v); break;
-                default: t.data<int64_t>()[i] = static_cast<int64_t>(v); break;
-              }
+              ds::testing::set_element(t, i, v);
             }
             ts.push_back(t);
             names.push_back("t" + std::to_string(k));
@@ -156,13 +151,7 @@ TEST(MultiWorkerFusion, OddSizesMixedDtypesEveryPackSize) {
             for (int64_t i = 0; i < sizes[k]; ++i) {
               double expect = 0;
               for (int r = 0; r < R; ++r) expect += value(r, static_cast<int>(k), i);
-              double got;
-              switch (ts[k].dtype()) {
-                case ds::DType::kFloat32: got = ts[k].data<float>()[i]; break;
-                case ds::DType::kFloat64: got = ts[k].data<double>()[i]; break;
-                case ds::DType::kInt32: got = ts[k].data<int32_t>()[i]; break;
-                default: got = static_cast<double>(ts[k].data<int64_t>()[i]); break;
-              }
+              const double got = ds::testing::get_element(ts[k], i);
               ASSERT_EQ(got, expect) << "tensor " << k << " element " << i;
             }
           }

@@ -101,5 +101,25 @@ inline double max_abs_diff(const ds::Tensor& a, const ds::Tensor& b) {
   return m;
 }
 
+// Element i of a numeric tensor as a double, and the other way round.
+inline double get_element(const ds::Tensor& t, int64_t i) {
+  switch (t.dtype()) {
+    case ds::DType::kFloat32: return t.data<float>()[i];
+    case ds::DType::kFloat64: return t.data<double>()[i];
+    case ds::DType::kInt32: return t.data<int32_t>()[i];
+    case ds::DType::kInt64: return static_cast<double>(t.data<int64_t>()[i]);
+    default: throw ds::UnimplementedError("get_element: 16-bit floats");
+  }
+}
+inline void set_element(ds::Tensor& t, int64_t i, double v) {
+  switch (t.dtype()) {
+    case ds::DType::kFloat32: t.data<float>()[i] = static_cast<float>(v); break;
+    case ds::DType::kFloat64: t.data<double>()[i] = v; break;
+    case ds::DType::kInt32: t.data<int32_t>()[i] = static_cast<int32_t>(v); break;
+    case ds::DType::kInt64: t.data<int64_t>()[i] = static_cast<int64_t>(v); break;
+    default: throw ds::UnimplementedError("set_element: 16-bit floats");
+  }
+}
+
 }  // namespace testing
 }  // namespace diststrat

@@ -1,0 +1,689 @@
+// allreduce_bench: an nccl-tests-style all-reduce benchmark.
+//
+//   mpirun -np 2 build/benchmarks/allreduce_bench --algos shm,ring,auto,mpi,gloo
+//   build/benchmarks/allreduce_bench --inproc 2 --algos direct,ring
+//
+// One row per (algorithm, size): time p50/p99 (per iteration, the slowest
+// rank), algbw = bytes / time, busbw = algbw * 2 (p - 1) / p (nccl-tests'
+// convention: the bandwidth each rank's links carry in a ring), and the
+// ratio of `mpi`'s p50 time to this row's (busbw relative to MPI_Allreduce).
+// The machine's memory copy bandwidth is measured once as the physical
+// reference. Baselines run in the same invocation: mpi = MPI_Allreduce
+// (MPI_Iallreduce polled), gloo = Gloo's ring-chunked and halving-doubling
+// over TCP loopback.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "allreduce/packed.h"
+#include "allreduce/transport.h"
+#include "allreduce/transport_communicator.h"
+#include "diststrat/collective.h"
+#include "diststrat/config.h"
+#include "diststrat/error.h"
+#include "diststrat/tensor.h"
+
+#if DISTSTRAT_HAVE_MPI
+#include <mpi.h>
+
+#include "allreduce/mpi_communicator.h"
+#endif
+#if DISTSTRAT_HAVE_GLOO
+#include <gloo/allreduce_halving_doubling.h>
+#include <gloo/allreduce_ring_chunked.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/transport/tcp/device.h>
+#endif
+
+namespace ds = diststrat;
+using BenchClock = std::chrono::steady_clock;
+
+namespace {
+
+struct Config {
+  std::vector<std::string> algos{"ring", "halving_doubling", "tree", "reduce_to_one",
+                                 "hierarchical", "shm", "auto", "mpi", "gloo"};
+  int inproc = 0;
+  size_t min_bytes = 8, max_bytes = 256u << 20;
+  double step_factor = 2;
+  std::string dtype = "float32", op = "sum", format = "table";
+  int iters = 20, warmup = 5;
+  bool check = false;
+  bool fusion = false;
+  int fusion_tensors = 1000;
+  size_t fusion_bytes = 4096;
+  size_t segment_bytes = 0;
+};
+
+struct Row {
+  std::string algo;
+  size_t bytes = 0, count = 0;
+  double p50_us = 0, p99_us = 0, algbw = 0, busbw = 0, vs_mpi = NAN;
+  std::string check = "-";
+};
+
+// One all-reduce implementation under test, as seen by one rank.
+struct Runner {
+  virtual ~Runner() = default;
+  // Out of place: in -> out.
+  virtual void all_reduce(const void* in, void* out, size_t count) = 0;
+  // Prepares for `count` elements (Gloo binds buffers at construction).
+  virtual void prepare(void* in, void* out, size_t count) {}
+  virtual ds::Communicator* communicator() { return nullptr; }
+};
+
+struct CommRunner : Runner {
+  CommRunner(ds::Communicator& c, ds::DType d, ds::ReduceOp o) : comm(c), dtype(d), op(o) {}
+  void all_reduce(const void* in, void* out, size_t count) override {
+    comm.all_reduce(in, out, count, dtype, op, "bench");
+  }
+  ds::Communicator* communicator() override { return &comm; }
+  ds::Communicator& comm;
+  ds::DType dtype;
+  ds::ReduceOp op;
+};
+
+// ---- closed-form check: rank r contributes (r + 1) * (i % 7 + 1) (for
+// product: 2 where (r + i) % 3 == 0, else 1), exact in every dtype.
+double contribution(int rank, size_t i, ds::ReduceOp op) {
+  if (op == ds::ReduceOp::kProduct) return (rank + i) % 3 == 0 ? 2.0 : 1.0;
+  return (rank + 1.0) * static_cast<double>(i % 7 + 1);
+}
+double reduced(int n, size_t i, ds::ReduceOp op, ds::DType dtype) {
+  double acc = contribution(0, i, op);
+  for (int r = 1; r < n; ++r) {
+    const double v = contribution(r, i, op);
+    if (op == ds::ReduceOp::kProduct) acc *= v;
+    else if (op == ds::ReduceOp::kMin) acc = std::min(acc, v);
+    else if (op == ds::ReduceOp::kMax) acc = std::max(acc, v);
+    else acc += v;
+  }
+  if (op == ds::ReduceOp::kMean) {
+    const bool integer = dtype == ds::DType::kInt32 || dtype == ds::DType::kInt64;
+    acc = integer ? std::floor(acc / n) : acc / n;
+  }
+  return acc;
+}
+void put(void* p, ds::DType d, size_t i, double v) {
+  switch (d) {
+    case ds::DType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case ds::DType::kFloat64: static_cast<double*>(p)[i] = v; break;
+    case ds::DType::kFloat16: static_cast<ds::Half*>(p)[i] = ds::Half(static_cast<float>(v)); break;
+    case ds::DType::kBFloat16: static_cast<ds::BFloat16*>(p)[i] = ds::BFloat16(static_cast<float>(v)); break;
+    case ds::DType::kInt32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
+    case ds::DType::kInt64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
+  }
+}
+double get(const void* p, ds::DType d, size_t i) {
+  switch (d) {
+    case ds::DType::kFloat32: return static_cast<const float*>(p)[i];
+    case ds::DType::kFloat64: return static_cast<const double*>(p)[i];
+    case ds::DType::kFloat16: return static_cast<float>(static_cast<const ds::Half*>(p)[i]);
+    case ds::DType::kBFloat16: return static_cast<float>(static_cast<const ds::BFloat16*>(p)[i]);
+    case ds::DType::kInt32: return static_cast<const int32_t*>(p)[i];
+    case ds::DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+  }
+  return NAN;
+}
+void fill(void* p, ds::DType d, size_t count, int rank, ds::ReduceOp op) {
+  for (size_t i = 0; i < count; ++i) put(p, d, i, contribution(rank, i, op));
+}
+bool verify(const void* p, ds::DType d, size_t count, int n, ds::ReduceOp op) {
+  const double rel = d == ds::DType::kBFloat16 ? 1e-2 : d == ds::DType::kFloat16 ? 2e-3 : 1e-6;
+  for (size_t i = 0; i < count; ++i) {
+    const double want = reduced(n, i, op, d);
+    if (std::abs(get(p, d, i) - want) > rel * std::abs(want) + 1e-9) return false;
+  }
+  return true;
+}
+
+// Single-thread memcpy bandwidth (GB/s of bytes copied), best of 5 copies of
+// 256 MiB: each byte is read once and written once.
+double copy_bandwidth() {
+  const size_t bytes = 256u << 20;
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = BenchClock::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    const double s = std::chrono::duration<double>(BenchClock::now() - t0).count();
+    best = std::max(best, bytes / s / 1e9);
+    a[i] = b[bytes - 1 - i];  // keep the copies observable
+  }
+  return best;
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t k = std::min(v.size() - 1, static_cast<size_t>(std::ceil(q * v.size())) - (q > 0 ? 1 : 0));
+  return v[k];
+}
+
+std::vector<size_t> sizes(const Config& c) {
+  std::vector<size_t> out;
+  for (double b = static_cast<double>(c.min_bytes); b <= static_cast<double>(c.max_bytes) * 1.0000001;
+       b *= c.step_factor) {
+    out.push_back(static_cast<size_t>(b));
+    if (c.step_factor <= 1) break;
+  }
+  return out;
+}
+
+std::string human(size_t bytes) {
+  char buf[32];
+  if (bytes >= (1u << 20) && bytes % (1u << 20) == 0) std::snprintf(buf, sizeof buf, "%zuM", bytes >> 20);
+  else if (bytes >= 1024 && bytes % 1024 == 0) std::snprintf(buf, sizeof buf, "%zuK", bytes >> 10);
+  else std::snprintf(buf, sizeof buf, "%zu", bytes);
+  return buf;
+}
+
+// ---- how ranks are run: MPI processes, or threads of this process.
+struct World {
+  virtual ~World() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void barrier() = 0;
+  // Element-wise max over ranks of `v` (every rank gets it).
+  virtual void max_all(std::vector<double>& v) = 0;
+  virtual bool all_true(bool ok) = 0;
+};
+
+// Times `iters` iterations after `warmup`; each iteration starts at a
+// barrier and counts the slowest rank.
+std::vector<double> time_iterations(World& w, const Config& c, const std::function<void()>& fn) {
+  for (int i = 0; i < c.warmup; ++i) fn();
+  std::vector<double> t(c.iters);
+  for (int i = 0; i < c.iters; ++i) {
+    w.barrier();
+    const auto t0 = BenchClock::now();
+    fn();
+    t[i] = std::chrono::duration<double, std::micro>(BenchClock::now() - t0).count();
+  }
+  w.max_all(t);
+  return t;
+}
+
+// Runs every (size, algorithm) on this rank; rank 0's rows are the result.
+std::vector<Row> run_sweep(World& w, const Config& c, ds::DType dtype, ds::ReduceOp op,
+                           std::vector<std::pair<std::string, Runner*>>& runners) {
+  std::vector<Row> rows;
+  const size_t es = ds::dtype_size(dtype);
+  const int p = w.size();
+  for (size_t bytes : sizes(c)) {
+    const size_t count = bytes / es;
+    if (count == 0) continue;
+    std::vector<char> in(count * es), out(count * es);
+    fill(in.data(), dtype, count, w.rank(), op);
+    for (auto& [name, runner] : runners) {
+      runner->prepare(in.data(), out.data(), count);
+      Row row;
+      row.algo = name;
+      row.bytes = count * es;
+      row.count = count;
+      const auto t = time_iterations(w, c, [&] { runner->all_reduce(in.data(), out.data(), count); });
+      row.p50_us = percentile(t, 0.5);
+      row.p99_us = percentile(t, 0.99);
+      row.algbw = row.bytes / (row.p50_us * 1e-6) / 1e9;
+      row.busbw = row.algbw * 2.0 * (p - 1) / p;
+      if (c.check) {
+        std::fill(out.begin(), out.end(), 0);
+        runner->all_reduce(in.data(), out.data(), count);
+        row.check = w.all_true(verify(out.data(), dtype, count, p, op)) ? "ok" : "FAIL";
+      }
+      rows.push_back(row);
+    }
+  }
+  for (Row& r : rows) {
+    for (const Row& m : rows) {
+      if (m.algo == "mpi" && m.bytes == r.bytes) r.vs_mpi = m.p50_us / r.p50_us;
+    }
+  }
+  return rows;
+}
+
+// K tensors of S bytes: one call each vs. packed into fusion buffers of
+// options.bytes_per_pack (PackedAllReduce).
+std::vector<Row> run_fusion(World& w, const Config& c, ds::DType dtype, ds::ReduceOp op,
+                            std::vector<std::pair<std::string, Runner*>>& runners) {
+  std::vector<Row> rows;
+  const size_t es = ds::dtype_size(dtype), count = std::max<size_t>(1, c.fusion_bytes / es);
+  const int p = w.size();
+  std::vector<ds::Tensor> tensors;
+  std::vector<std::string> names;
+  for (int k = 0; k < c.fusion_tensors; ++k) {
+    tensors.emplace_back(ds::Shape{static_cast<int64_t>(count)}, dtype);
+    fill(tensors.back().data(), dtype, count, w.rank(), op);
+    names.push_back("t" + std::to_string(k));
+  }
+  for (auto& [name, runner] : runners) {
+    ds::Communicator* comm = runner->communicator();
+    if (!comm) continue;
+    ds::PackedAllReduce packed;
+    for (bool fused : {false, true}) {
+      Row row;
+      row.algo = name + (fused ? "/fused" : "/unfused");
+      row.bytes = count * es * tensors.size();
+      row.count = count * tensors.size();
+      const auto t = time_iterations(w, c, [&] {
+        if (fused) {
+          packed.run(*comm, op, tensors, names, comm->options().bytes_per_pack);
+        } else {
+          for (auto& t : tensors) comm->all_reduce(t.data(), t.data(), count, dtype, op, "t");
+        }
+      });
+      row.p50_us = percentile(t, 0.5);
+      row.p99_us = percentile(t, 0.99);
+      row.algbw = row.bytes / (row.p50_us * 1e-6) / 1e9;
+      row.busbw = row.algbw * 2.0 * (p - 1) / p;
+      rows.push_back(row);
+    }
+  }
+  return rows;
+}
+
+void print(const Config& c, const std::vector<Row>& rows, int ranks, double copy_bw,
+           const std::string& mode, ds::DType dtype, ds::ReduceOp op) {
+  const char* dt = ds::dtype_name(dtype);
+  const char* on = ds::reduce_op_name(op);
+  if (c.format == "json") {
+    std::printf("{\"mode\":\"%s\",\"ranks\":%d,\"copy_bandwidth_gbps\":%.3f,\"rows\":[", mode.c_str(),
+                ranks, copy_bw);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      std::printf("%s{\"algo\":\"%s\",\"bytes\":%zu,\"count\":%zu,\"dtype\":\"%s\",\"op\":\"%s\","
+                  "\"p50_us\":%.3f,\"p99_us\":%.3f,\"algbw_gbps\":%.4f,\"busbw_gbps\":%.4f,"
+                  "\"vs_mpi\":%s,\"check\":\"%s\"}",
+                  i ? "," : "", r.algo.c_str(), r.bytes, r.count, dt, on, r.p50_us, r.p99_us,
+                  r.algbw, r.busbw, std::isnan(r.vs_mpi) ? "null" : std::to_string(r.vs_mpi).c_str(),
+                  r.check.c_str());
+    }
+    std::printf("]}\n");
+    return;
+  }
+  if (c.format == "csv") {
+    std::printf("algo,bytes,count,dtype,op,p50_us,p99_us,algbw_gbps,busbw_gbps,vs_mpi,check\n");
+    for (const Row& r : rows) {
+      std::printf("%s,%zu,%zu,%s,%s,%.3f,%.3f,%.4f,%.4f,%s,%s\n", r.algo.c_str(), r.bytes, r.count,
+                  dt, on, r.p50_us, r.p99_us, r.algbw, r.busbw,
+                  std::isnan(r.vs_mpi) ? "" : std::to_string(r.vs_mpi).c_str(), r.check.c_str());
+    }
+    return;
+  }
+  std::printf("# allreduce_bench: %s, %d ranks, dtype %s, op %s, %d iterations (+%d warmup)\n",
+              mode.c_str(), ranks, dt, on, c.iters, c.warmup);
+  std::printf("# memory copy bandwidth: %.2f GB/s (single-thread memcpy of 256 MiB, best of 5)\n",
+              copy_bw);
+  std::printf("# busbw = algbw * 2(p-1)/p; vs_mpi = MPI_Allreduce p50 time / this p50 time\n");
+  std::printf("%-26s %10s %11s %9s %7s %10s %10s %9s %9s %7s %5s\n", "algo", "size", "count", "dtype",
+              "op", "p50(us)", "p99(us)", "algbw", "busbw", "vs_mpi", "check");
+  for (const Row& r : rows) {
+    char ratio[16] = "-";
+    if (!std::isnan(r.vs_mpi)) std::snprintf(ratio, sizeof ratio, "%.2f", r.vs_mpi);
+    std::printf("%-26s %10s %11zu %9s %7s %10.1f %10.1f %9.3f %9.3f %7s %5s\n", r.algo.c_str(),
+                human(r.bytes).c_str(), r.count, dt, on, r.p50_us, r.p99_us, r.algbw, r.busbw,
+                ratio, r.check.c_str());
+  }
+}
+
+// Bars from the issue, computed from one run's rows.
+void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const std::string& mode) {
+  auto find = [&](const std::string& algo, size_t bytes) -> const Row* {
+    for (const Row& r : rows)
+      if (r.algo == algo && r.bytes == bytes) return &r;
+    return nullptr;
+  };
+  std::printf("# ---- bars ----\n");
+  if (mode == "mpi") {
+    for (const char* ours : {"shm", "auto"}) {
+      double worst = INFINITY, worst_big = INFINITY;
+      for (const Row& r : rows) {
+        if (r.algo != ours || std::isnan(r.vs_mpi) || r.bytes < 4096) continue;
+        worst = std::min(worst, r.vs_mpi);
+        if (r.bytes >= (16u << 20)) worst_big = std::min(worst_big, r.vs_mpi);
+      }
+      if (std::isfinite(worst)) {
+        std::printf("# %s vs MPI_Allreduce: min ratio %.2f over 4K..max (bar >= 1.0), min %.2f at >= 16M (bar >= 2.0)\n",
+                    ours, worst, worst_big);
+      }
+    }
+    double worst_gloo = INFINITY;
+    for (const Row& r : rows) {
+      if (r.bytes < (1u << 20) || r.algo.rfind("gloo", 0) == 0 || r.algo == "mpi") continue;
+      const Row* g1 = find("gloo_ring_chunked", r.bytes);
+      const Row* g2 = find("gloo_halving_doubling", r.bytes);
+      if (!g1 && !g2) continue;
+      double gbest = 0, obest = 0;
+      for (const Row& o : rows)
+        if (o.bytes == r.bytes && o.algo.rfind("gloo", 0) != 0 && o.algo != "mpi")
+          obest = std::max(obest, o.busbw);
+      if (g1) gbest = std::max(gbest, g1->busbw);
+      if (g2) gbest = std::max(gbest, g2->busbw);
+      worst_gloo = std::min(worst_gloo, obest / gbest);
+    }
+    if (std::isfinite(worst_gloo))
+      std::printf("# best of ours vs Gloo's best at >= 1M: min ratio %.2f (bar >= 3.0)\n", worst_gloo);
+  } else if (ranks == 2) {
+    for (const Row& r : rows) {
+      if (r.bytes == (64u << 20) && (r.algo == "direct" || r.algo == "auto")) {
+        std::printf("# in-process %s, 2 ranks, 64M: algbw %.2f GB/s = %.2f of the copy bandwidth "
+                    "(bar >= 0.7). Ceiling: every rank must read n bytes of inputs and write n "
+                    "bytes of output, as a memcpy of n bytes does, so algbw = n / t is bounded by "
+                    "the copy bandwidth.\n",
+                    r.algo.c_str(), r.algbw, r.algbw / copy_bw);
+      }
+    }
+  }
+}
+
+// ---- in-process mode: threads over InProcessGroup / InProcessTransportGroup.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  void wait() {
+    const long gen = gen_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    while (gen_.load(std::memory_order_acquire) == gen) std::this_thread::yield();
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> arrived_{0};
+  std::atomic<long> gen_{0};
+};
+
+struct ThreadShared {
+  explicit ThreadShared(int n) : barrier(n), slots(n) {}
+  SpinBarrier barrier;
+  std::vector<std::vector<double>> slots;
+  std::vector<char> oks = std::vector<char>(64, 1);
+};
+
+class ThreadWorld : public World {
+ public:
+  ThreadWorld(ThreadShared& s, int rank, int size) : s_(s), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void barrier() override { s_.barrier.wait(); }
+  void max_all(std::vector<double>& v) override {
+    s_.slots[rank_] = v;
+    s_.barrier.wait();
+    for (int r = 0; r < size_; ++r)
+      for (size_t i = 0; i < v.size(); ++i) v[i] = std::max(v[i], s_.slots[r][i]);
+    s_.barrier.wait();
+  }
+  bool all_true(bool ok) override {
+    s_.oks[rank_] = ok;
+    s_.barrier.wait();
+    bool all = true;
+    for (int r = 0; r < size_; ++r) all = all && s_.oks[r];
+    s_.barrier.wait();
+    return all;
+  }
+
+ private:
+  ThreadShared& s_;
+  int rank_, size_;
+};
+
+int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
+  const int n = c.inproc;
+  std::vector<std::string> algos;
+  for (const auto& a : c.algos) {
+    if (a == "mpi" || a == "shm" || a == "gloo") {
+      std::fprintf(stderr, "# --inproc: skipping '%s' (needs mpirun)\n", a.c_str());
+      continue;
+    }
+    algos.push_back(a);
+  }
+  ds::CommunicationOptions base;
+  base.segment_bytes = c.segment_bytes;
+  base.timeout = std::chrono::minutes(5);
+  ds::InProcessGroup direct(n, base);
+  ds::InProcessTransportGroup transports(n);
+  ThreadShared shared(n);
+  double copy_bw = copy_bandwidth();
+  std::vector<Row> result;
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ThreadWorld w(shared, r, n);
+        std::vector<std::unique_ptr<ds::Communicator>> owned;
+        std::vector<std::unique_ptr<Runner>> runners_owned;
+        std::vector<std::pair<std::string, Runner*>> runners;
+        for (const auto& a : algos) {
+          ds::Communicator* comm;
+          if (a == "direct" || a == "auto") {
+            comm = &direct.at(r);  // the shared-address-space path is what kAuto uses in-process
+          } else {
+            ds::CommunicationOptions o = base;
+            o.algorithm = ds::parse_algorithm(a);
+            o.hierarchical_group_size = std::max(1, n / 2);
+            owned.push_back(std::make_unique<ds::TransportCommunicator>(transports.at(r), o));
+            comm = owned.back().get();
+          }
+          runners_owned.push_back(std::make_unique<CommRunner>(*comm, dtype, op));
+          runners.emplace_back(a, runners_owned.back().get());
+        }
+        auto rows = c.fusion ? run_fusion(w, c, dtype, op, runners) : run_sweep(w, c, dtype, op, runners);
+        if (r == 0) result = rows;
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        for (int q = 0; q < n; ++q) direct.at(q).abort(e.what());
+        transports.at(r).abort(e.what());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    if (!errors[r].empty()) {
+      std::fprintf(stderr, "rank %d: %s\n", r, errors[r].c_str());
+      return 1;
+    }
+  }
+  print(c, result, n, copy_bw, "in-process", dtype, op);
+  if (c.format == "table") print_bars(result, copy_bw, n, "inproc");
+  return 0;
+}
+
+#if DISTSTRAT_HAVE_MPI
+class MpiWorld : public World {
+ public:
+  MpiWorld() {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void barrier() override { MPI_Barrier(MPI_COMM_WORLD); }
+  void max_all(std::vector<double>& v) override {
+    MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE, MPI_MAX,
+                  MPI_COMM_WORLD);
+  }
+  bool all_true(bool ok) override {
+    int v = ok ? 1 : 0;
+    MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    return v == 1;
+  }
+
+ private:
+  int rank_ = 0, size_ = 1;
+};
+
+#if DISTSTRAT_HAVE_GLOO
+// Gloo's algorithms over TCP loopback; they reduce in place on buffers bound
+// at construction, so prepare() builds them per size and all_reduce copies
+// the input in first (as an out-of-place MPI_Allreduce would).
+template <typename T> class GlooRunner : public Runner {
+ public:
+  GlooRunner(std::shared_ptr<gloo::rendezvous::Context> ctx, bool halving_doubling, ds::ReduceOp op)
+      : ctx_(std::move(ctx)), hd_(halving_doubling), op_(op) {}
+  void prepare(void* in, void* out, size_t count) override {
+    const gloo::ReductionFunction<T>* fn = gloo::ReductionFunction<T>::sum;
+    if (op_ == ds::ReduceOp::kProduct) fn = gloo::ReductionFunction<T>::product;
+    if (op_ == ds::ReduceOp::kMin) fn = gloo::ReductionFunction<T>::min;
+    if (op_ == ds::ReduceOp::kMax) fn = gloo::ReductionFunction<T>::max;
+    std::vector<T*> ptrs{static_cast<T*>(out)};
+    if (hd_) {
+      algo_ = std::make_unique<gloo::AllreduceHalvingDoubling<T>>(ctx_, ptrs, static_cast<int>(count), fn);
+    } else {
+      algo_ = std::make_unique<gloo::AllreduceRingChunked<T>>(ctx_, ptrs, static_cast<int>(count), fn);
+    }
+  }
+  void all_reduce(const void* in, void* out, size_t count) override {
+    std::memcpy(out, in, count * sizeof(T));
+    algo_->run();
+    if (op_ == ds::ReduceOp::kMean) {
+      T* p = static_cast<T*>(out);
+      for (size_t i = 0; i < count; ++i) p[i] /= static_cast<T>(ctx_->size);
+    }
+  }
+
+ private:
+  std::shared_ptr<gloo::rendezvous::Context> ctx_;
+  bool hd_;
+  ds::ReduceOp op_;
+  std::unique_ptr<gloo::Algorithm> algo_;
+};
+
+std::shared_ptr<gloo::rendezvous::Context> gloo_context(int rank, int size) {
+  // A file store in a directory rank 0 names; ranks share /tmp on one host.
+  char dir[256] = {0};
+  if (rank == 0) {
+    std::snprintf(dir, sizeof dir, "/tmp/allreduce_bench_gloo_XXXXXX");
+    if (!mkdtemp(dir)) throw ds::InternalError("mkdtemp failed for the Gloo file store");
+  }
+  MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+  gloo::transport::tcp::attr attr;
+  attr.hostname = "127.0.0.1";
+  auto dev = gloo::transport::tcp::CreateDevice(attr);
+  gloo::rendezvous::FileStore store(dir);
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+  ctx->connectFullMesh(store, dev);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 0) std::system((std::string("rm -rf ") + dir).c_str());
+  return ctx;
+}
+#endif
+
+int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
+  MpiWorld w;
+  double copy_bw = 0;
+  if (w.rank() == 0) copy_bw = copy_bandwidth();
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<std::unique_ptr<ds::Communicator>> comms;
+  std::vector<std::unique_ptr<Runner>> owned;
+  std::vector<std::pair<std::string, Runner*>> runners;
+  for (const auto& a : c.algos) {
+    if (a == "gloo") {
+#if DISTSTRAT_HAVE_GLOO
+      if (dtype != ds::DType::kFloat32) {
+        if (w.rank() == 0) std::fprintf(stderr, "# gloo baseline runs float32 only; skipped\n");
+        continue;
+      }
+      auto ctx = gloo_context(w.rank(), w.size());
+      owned.push_back(std::make_unique<GlooRunner<float>>(ctx, false, op));
+      runners.emplace_back("gloo_ring_chunked", owned.back().get());
+      owned.push_back(std::make_unique<GlooRunner<float>>(ctx, true, op));
+      runners.emplace_back("gloo_halving_doubling", owned.back().get());
+#else
+      if (w.rank() == 0) std::fprintf(stderr, "# built without Gloo: 'gloo' skipped\n");
+#endif
+      continue;
+    }
+    ds::CommunicationOptions o;
+    o.algorithm = a == "mpi" ? ds::Algorithm::kMpiNative : ds::parse_algorithm(a);
+    o.segment_bytes = c.segment_bytes;
+    o.timeout = std::chrono::minutes(5);
+    if (a == "direct") {
+      if (w.rank() == 0) std::fprintf(stderr, "# 'direct' is in-process only (--inproc); skipped\n");
+      continue;
+    }
+    comms.push_back(ds::make_mpi_communicator(MPI_COMM_WORLD, o));
+    owned.push_back(std::make_unique<CommRunner>(*comms.back(), dtype, op));
+    runners.emplace_back(a, owned.back().get());
+  }
+  auto rows = c.fusion ? run_fusion(w, c, dtype, op, runners) : run_sweep(w, c, dtype, op, runners);
+  if (w.rank() == 0) {
+    print(c, rows, w.size(), copy_bw, "mpi", dtype, op);
+    if (c.format == "table") print_bars(rows, copy_bw, w.size(), "mpi");
+  }
+  return 0;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c;
+  CLI::App app{"diststrat all-reduce benchmark (nccl-tests style)"};
+  std::string algos;
+  app.add_option("--algos", algos,
+                 "comma-separated: ring,halving_doubling,tree,reduce_to_one,hierarchical,shm,auto,"
+                 "mpi,gloo (and direct with --inproc)");
+  app.add_option("--inproc", c.inproc, "run N ranks as threads of this process instead of MPI");
+  app.add_option("--min-bytes", c.min_bytes, "smallest message");
+  app.add_option("--max-bytes", c.max_bytes, "largest message");
+  app.add_option("--step-factor", c.step_factor, "size multiplier between rows");
+  app.add_option("--dtype", c.dtype, "float32|float64|float16|bfloat16|int32|int64");
+  app.add_option("--op", c.op, "sum|mean|min|max|product");
+  app.add_option("--iters", c.iters, "timed iterations per row");
+  app.add_option("--warmup", c.warmup, "untimed iterations per row");
+  app.add_flag("--check", c.check, "verify every row's result against closed-form values");
+  app.add_option("--format", c.format, "table|csv|json")->check(CLI::IsMember({"table", "csv", "json"}));
+  app.add_flag("--fusion", c.fusion, "K tensors of S bytes: one call each vs PackedAllReduce");
+  app.add_option("--fusion-tensors", c.fusion_tensors, "K for --fusion");
+  app.add_option("--fusion-bytes", c.fusion_bytes, "S for --fusion");
+  app.add_option("--segment-bytes", c.segment_bytes, "CommunicationOptions::segment_bytes (0 = default)");
+  CLI11_PARSE(app, argc, argv);
+  if (!algos.empty()) {
+    c.algos.clear();
+    std::stringstream ss(algos);
+    for (std::string a; std::getline(ss, a, ',');)
+      if (!a.empty()) c.algos.push_back(a);
+  }
+  // Upper-case "256M" style sizes are not parsed; use bytes (CLI11 accepts 268435456).
+  try {
+    const ds::DType dtype = ds::dtype_from_name(c.dtype);
+    ds::ReduceOp op = ds::ReduceOp::kSum;
+    bool found = false;
+    for (ds::ReduceOp o : {ds::ReduceOp::kSum, ds::ReduceOp::kMean, ds::ReduceOp::kMin,
+                           ds::ReduceOp::kMax, ds::ReduceOp::kProduct}) {
+      if (c.op == ds::reduce_op_name(o)) op = o, found = true;
+    }
+    if (!found) throw ds::InvalidArgumentError("unknown --op '" + c.op + "'");
+    if (c.inproc > 0) return run_inproc(c, dtype, op);
+#if DISTSTRAT_HAVE_MPI
+    int provided = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
+    int rc = run_mpi(c, dtype, op);
+    MPI_Finalize();
+    return rc;
+#else
+    std::fprintf(stderr, "built without MPI: use --inproc N\n");
+    return 2;
+#endif
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "allreduce_bench: %s\n", e.what());
+    return 1;
+  }
+}
