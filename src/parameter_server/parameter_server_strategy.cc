@@ -289,6 +289,7 @@ struct ParameterServerStrategy::Impl {
       std::vector<ps::Entry> entries;
       auto payload = std::make_shared<std::vector<char>>();
       auto append = [&](const void* data, size_t n) {
+        if (n == 0) return;
         const char* c = static_cast<const char*>(data);
         payload->insert(payload->end(), c, c + n);
       };

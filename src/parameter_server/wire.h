@@ -65,6 +65,7 @@ struct ReplyHeader {
 // Appends fixed-width fields to a byte vector.
 class Writer {
  public:
+  Writer() { bytes_.reserve(256); }
   template <typename T> Writer& put(const T& v) {
     const char* p = reinterpret_cast<const char*>(&v);
     bytes_.insert(bytes_.end(), p, p + sizeof(T));
