@@ -29,6 +29,7 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
   h.worker = worker_index_;
   h.seq = c->seq;
   h.payload_bytes = static_cast<int64_t>(payload_bytes);
+  h.reply_bytes = static_cast<int64_t>(reply_bytes);
   c->control.resize(sizeof(h) + body.size());
   std::memcpy(c->control.data(), &h, sizeof(h));
   if (!body.empty()) std::memcpy(c->control.data() + sizeof(h), body.data(), body.size());
@@ -36,8 +37,10 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
   c->reply_dst = reply_dst;
   c->reply_bytes = reply_bytes;
   const int peer = ps_ranks_[ps];
-  // The header recv is posted now, so replies match calls in posting order.
+  // The reply's recvs are posted now, so replies match calls in posting
+  // order and the payload can arrive while the program computes.
   c->recv_header = t_.recv(peer, &c->reply, sizeof(ReplyHeader), kReplyTag);
+  if (reply_bytes) c->recv_payload = t_.recv(peer, reply_dst, reply_bytes, kReplyPayloadTag);
   c->send_control = t_.send(peer, c->control.data(), c->control.size(), kRequestTag);
   if (payload_bytes) c->send_payload = t_.send(peer, payload, payload_bytes, kRequestPayloadTag);
   fifo_[ps].push_back(c);
@@ -70,47 +73,41 @@ bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
                         std::to_string(c.reply.seq) + " while expecting " + std::to_string(c.seq))));
           return true;
         }
+        if (c.reply.payload_bytes != static_cast<int64_t>(c.reply_bytes)) {
+          finish(c, std::make_exception_ptr(InternalError(
+                        c.what + ": protocol error: the reply carries " +
+                        std::to_string(c.reply.payload_bytes) + " bytes, expected " +
+                        std::to_string(c.reply_bytes))));
+          return true;
+        }
         if (c.reply.error_bytes > 0) {
           c.error_text.resize(static_cast<size_t>(c.reply.error_bytes));
           c.recv_error = t_.recv(peer, &c.error_text[0], c.error_text.size(), kReplyErrorTag);
           c.stage = Call::Stage::kError;
-        } else if (c.reply.payload_bytes > 0) {
-          void* dst = c.reply_dst;
-          if (static_cast<size_t>(c.reply.payload_bytes) != c.reply_bytes) {
-            c.discard.resize(static_cast<size_t>(c.reply.payload_bytes));
-            dst = c.discard.data();
-          }
-          c.recv_payload = t_.recv(peer, dst, static_cast<size_t>(c.reply.payload_bytes), kReplyPayloadTag);
+        } else if (c.reply_bytes > 0) {
           c.stage = Call::Stage::kPayload;
-        } else if (c.reply.status == -1 && c.reply_bytes != 0) {
-          finish(c, std::make_exception_ptr(InternalError(
-                        c.what + ": the reply carries no data, expected " +
-                        std::to_string(c.reply_bytes) + " bytes")));
         } else {
           finish(c, nullptr);
         }
         break;
       }
       case Call::Stage::kError: {
-        std::exception_ptr e;
         try {
           const ErrorCode code = c.reply.status >= 0 ? static_cast<ErrorCode>(c.reply.status)
                                                      : ErrorCode::kInternal;
           throw_error(code, c.what + " failed: " + c.error_text);
         } catch (...) {
-          e = std::current_exception();
+          c.pending_error = std::current_exception();
         }
-        finish(c, e);
+        if (c.reply_bytes > 0) {
+          c.stage = Call::Stage::kPayload;  // the PS pads the payload after an error
+        } else {
+          finish(c, c.pending_error);
+        }
         break;
       }
       case Call::Stage::kPayload: {
-        if (!c.discard.empty()) {
-          finish(c, std::make_exception_ptr(InternalError(
-                        c.what + ": the reply carries " + std::to_string(c.discard.size()) +
-                        " bytes, expected " + std::to_string(c.reply_bytes))));
-        } else {
-          finish(c, nullptr);
-        }
+        finish(c, c.pending_error);
         break;
       }
       case Call::Stage::kDone: break;

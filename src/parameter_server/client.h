@@ -29,7 +29,7 @@ class Client {
     std::string error_text;
     void* reply_dst = nullptr;
     size_t reply_bytes = 0;
-    std::vector<char> discard;  // a payload of unexpected size goes here
+    std::exception_ptr pending_error;  // raised once the padding payload is in
     Request send_control, send_payload, recv_header, recv_error, recv_payload;
     enum class Stage { kHeader, kError, kPayload, kDone } stage = Stage::kHeader;
     bool detached = false;  // nobody waits: an error is kept for later

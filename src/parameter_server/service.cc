@@ -119,7 +119,9 @@ bool Service::receive_new() {
     p.arrived = w.last_heard;
     p.control = std::move(control);
     if (p.control.size() < sizeof(RequestHeader)) {
-      send_reply(w.rank, -1, static_cast<int>(ErrorCode::kInvalidArgument), {},
+      RequestHeader unknown;
+      unknown.seq = -1;
+      send_reply(w.rank, unknown, static_cast<int>(ErrorCode::kInvalidArgument), {},
                  who() + ": malformed request of " + std::to_string(p.control.size()) + " bytes");
       continue;
     }
@@ -128,7 +130,9 @@ bool Service::receive_new() {
         p.header.payload_bytes > kMaxPayloadBytes) {
       // Without a trustworthy header the worker's message stream cannot be
       // followed any further: stop serving it.
-      send_reply(w.rank, p.header.seq, static_cast<int>(ErrorCode::kInvalidArgument), {},
+      RequestHeader bad = p.header;
+      bad.reply_bytes = 0;  // cannot be trusted either
+      send_reply(w.rank, bad, static_cast<int>(ErrorCode::kInvalidArgument), {},
                  who() + ": malformed request header from worker " + std::to_string(w.index));
       w.gone = true;
       continue;
@@ -157,7 +161,7 @@ bool Service::process_queues() {
         try {
           p.payload_ready = p.payload_recv.test();
         } catch (const Error& e) {
-          send_reply(w.rank, p.header.seq, static_cast<int>(e.code()), {}, what + ": " + e.message());
+          send_reply(w.rank, p.header, static_cast<int>(e.code()), {}, what + ": " + e.message());
           w.queue.pop_front();
           any = true;
           continue;
@@ -175,19 +179,19 @@ bool Service::process_queues() {
           ++stats_.pushes_rejected;
         }
         logger_.warning(what, " rejected: ", e.message());
-        send_reply(w.rank, p.header.seq, static_cast<int>(e.code()), {}, what + ": " + e.message());
+        send_reply(w.rank, p.header, static_cast<int>(e.code()), {}, what + ": " + e.message());
         w.queue.pop_front();
         any = true;
         continue;
       } catch (const std::exception& e) {
-        send_reply(w.rank, p.header.seq, static_cast<int>(ErrorCode::kInternal), {},
+        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kInternal), {},
                    what + ": " + e.what());
         w.queue.pop_front();
         any = true;
         continue;
       }
       if (outcome == Outcome::kDeferred) break;
-      send_reply(w.rank, p.header.seq, -1, std::move(reply.payload), "");
+      send_reply(w.rank, p.header, -1, std::move(reply.payload), "");
       w.queue.pop_front();
       any = true;
     }
@@ -196,11 +200,18 @@ bool Service::process_queues() {
   return any;
 }
 
-void Service::send_reply(int rank, int64_t seq, int status, std::vector<char> payload,
-                         const std::string& error) {
+void Service::send_reply(int rank, const RequestHeader& request, int status,
+                         std::vector<char> payload, std::string error) {
+  const size_t expected = static_cast<size_t>(std::max<int64_t>(0, request.reply_bytes));
+  if (status == -1 && payload.size() != expected) {
+    status = static_cast<int>(ErrorCode::kInternal);
+    error = who() + ": a reply of " + std::to_string(payload.size()) + " bytes where the request expects " +
+            std::to_string(expected);
+  }
+  if (status != -1) payload.assign(expected, 0);
   Outgoing o;
   o.header = std::make_shared<ReplyHeader>();
-  o.header->seq = seq;
+  o.header->seq = request.seq;
   o.header->status = status;
   {
     std::lock_guard<std::mutex> lock(mu_);

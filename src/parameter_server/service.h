@@ -125,8 +125,10 @@ class Service {
   Shard& find_shard(const Entry& e, const std::string& what);
   // Slowest live worker other than `except` (index), or -1 when none.
   int slowest_other(int except) const;
-  void send_reply(int rank, int64_t seq, int status, std::vector<char> payload,
-                  const std::string& error);
+  // Sends header, error text and payload; the payload is always exactly
+  // `reply_bytes` (what the request expects): zeros after an error.
+  void send_reply(int rank, const RequestHeader& request, int status, std::vector<char> payload,
+                  std::string error);
   std::string who() const;
 
   Transport& t_;

@@ -6,9 +6,11 @@
 // buffer). The PS answers every request, in the order it received the
 // worker's requests, with a ReplyHeader (tag kReplyTag), then the error text
 // (tag kReplyErrorTag) when error_bytes > 0, then the payload (tag
-// kReplyPayloadTag) when payload_bytes > 0. Messages of one (sender,
-// receiver, tag) keep their order, so neither side needs request ids to
-// match replies; seq is checked anyway.
+// kReplyPayloadTag) when the request's reply_bytes > 0 -- always exactly
+// reply_bytes, zeros after an error -- so the worker posts the payload's
+// receive together with the request and the bytes can land while it
+// computes. Messages of one (sender, receiver, tag) keep their order, so
+// neither side needs request ids to match replies; seq is checked anyway.
 //
 // Both ends run on the same kind of host (byte order and struct layout are
 // the sender's); fields are fixed-width.
@@ -51,6 +53,7 @@ struct RequestHeader {
   int32_t reserved2 = 0;
   int64_t seq = 0;
   int64_t payload_bytes = 0;
+  int64_t reply_bytes = 0;  // the reply payload the worker expects
 };
 
 struct ReplyHeader {
