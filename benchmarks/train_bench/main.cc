@@ -4,13 +4,15 @@
 //   build/benchmarks/train_bench --strategy mirrored --replicas 1
 //   mpirun -np 1 build/benchmarks/train_bench --strategy multi_worker
 //   mpirun -np 2 build/benchmarks/train_bench --strategy multi_worker --timeline t.json
+//   mpirun -np 3 build/benchmarks/train_bench --strategy parameter_server --ps 1
 //
 // With --overlap (default) each layer's gradients are handed to
 // all_reduce_async as the backward pass produces them (last layer first), so
 // their all-reduce runs on the communication thread while the earlier layers'
 // backward still computes; the update is plain SGD on the reduced gradients.
 // --no-overlap uses Optimizer::apply_gradients (one fused call after
-// backward). Prints samples/s (global samples over the timed steps).
+// backward). Prints samples/s (global samples over the timed steps). The
+// parameter server always uses apply_gradients (the PS applies the update).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -23,12 +25,14 @@ namespace ds = diststrat;
 
 int main(int argc, char** argv) {
   std::string strategy_name = "multi_worker", data_dir = ds::kFashionMnistDir, timeline;
-  int replicas = 1, steps = 300, warmup = 30;
+  int replicas = 1, steps = 300, warmup = 30, num_ps = 1;
   int64_t per_replica_batch = 128;
   float lr = 0.05f;
   bool overlap = true;
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
-  app.add_option("--strategy", strategy_name, "mirrored | multi_worker")->capture_default_str();
+  app.add_option("--strategy", strategy_name, "mirrored | multi_worker | parameter_server")
+      ->capture_default_str();
+  app.add_option("--ps", num_ps, "parameter_server: PS ranks (the last ranks)")->capture_default_str();
   app.add_option("--replicas", replicas, "local devices per process")->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
@@ -50,6 +54,17 @@ int main(int argc, char** argv) {
       o.devices = devices;
       o.timeline_path = timeline;
       strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
+    } else if (strategy_name == "parameter_server") {
+      ds::ParameterServerOptions o;
+      o.num_ps = num_ps;
+      o.devices = devices;
+      auto ps = std::make_unique<ds::ParameterServerStrategy>(o);
+      if (ps->is_ps()) {
+        ps->join();
+        return 0;
+      }
+      strategy = std::move(ps);
+      overlap = false;
     } else {
       throw ds::InvalidArgumentError("unknown --strategy '" + strategy_name + "'");
     }

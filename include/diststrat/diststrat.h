@@ -2,6 +2,7 @@
 #pragma once
 
 #include "diststrat/algorithm_registry.h"
+#include "diststrat/central_storage.h"
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/data.h"
@@ -17,6 +18,7 @@
 #include "diststrat/cluster.h"
 #include "diststrat/nn.h"
 #include "diststrat/optimizer.h"
+#include "diststrat/parameter_server.h"
 #include "diststrat/strategy.h"
 #include "diststrat/tensor.h"
 #include "diststrat/variable.h"

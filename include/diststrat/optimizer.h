@@ -80,6 +80,10 @@ class SGD : public Optimizer {
               int64_t step) const override;
   UpdateRule device_rule() const override;
   const SGDOptions& options() const { return options_; }
+  // The rule and its slots without an SGD object (parameter servers apply it).
+  static void apply(const SGDOptions& options, float* var, const float* grad, float* const* slots,
+                    size_t count);
+  static std::vector<std::string> slot_names_for(const SGDOptions& options);
 
  private:
   SGDOptions options_;
@@ -102,6 +106,9 @@ class Adam : public Optimizer {
               int64_t step) const override;
   UpdateRule device_rule() const override;
   const AdamOptions& options() const { return options_; }
+  // The rule without an Adam object (parameter servers apply it).
+  static void apply(const AdamOptions& options, float* var, const float* grad, float* const* slots,
+                    size_t count, int64_t step);
 
  private:
   AdamOptions options_;

@@ -78,20 +78,27 @@ SGD::SGD(Strategy& strategy, SGDOptions options) : Optimizer(strategy), options_
                   "SGD momentum ", options.momentum, " must be in [0, 1)");
 }
 
-std::vector<std::string> SGD::slot_names() const {
-  if (options_.momentum == 0.0f) return {};
+std::vector<std::string> SGD::slot_names() const { return slot_names_for(options_); }
+
+std::vector<std::string> SGD::slot_names_for(const SGDOptions& options) {
+  if (options.momentum == 0.0f) return {};
   return {"momentum"};
 }
 
 void SGD::update(float* var, const float* grad, float* const* slots, size_t count,
                  int64_t) const {
-  const float lr = options_.learning_rate, mu = options_.momentum;
+  apply(options_, var, grad, slots, count);
+}
+
+void SGD::apply(const SGDOptions& options, float* var, const float* grad, float* const* slots,
+                size_t count) {
+  const float lr = options.learning_rate, mu = options.momentum;
   if (mu == 0.0f) {
     for (size_t i = 0; i < count; ++i) var[i] -= lr * grad[i];
     return;
   }
   float* v = slots[0];
-  if (options_.nesterov) {
+  if (options.nesterov) {
     for (size_t i = 0; i < count; ++i) {
       v[i] = mu * v[i] - lr * grad[i];
       var[i] += mu * v[i] - lr * grad[i];
@@ -130,16 +137,21 @@ Adam::Adam(Strategy& strategy, AdamOptions options) : Optimizer(strategy), optio
 
 void Adam::update(float* var, const float* grad, float* const* slots, size_t count,
                   int64_t step) const {
-  const float b1 = options_.beta1, b2 = options_.beta2;
+  apply(options_, var, grad, slots, count, step);
+}
+
+void Adam::apply(const AdamOptions& options, float* var, const float* grad, float* const* slots,
+                 size_t count, int64_t step) {
+  const float b1 = options.beta1, b2 = options.beta2;
   const double t = static_cast<double>(step);
-  const float alpha = static_cast<float>(options_.learning_rate * std::sqrt(1.0 - std::pow(b2, t)) /
+  const float alpha = static_cast<float>(options.learning_rate * std::sqrt(1.0 - std::pow(b2, t)) /
                                          (1.0 - std::pow(b1, t)));
   float* m = slots[0];
   float* v = slots[1];
   for (size_t i = 0; i < count; ++i) {
     m[i] = b1 * m[i] + (1 - b1) * grad[i];
     v[i] = b2 * v[i] + (1 - b2) * grad[i] * grad[i];
-    var[i] -= alpha * m[i] / (std::sqrt(v[i]) + options_.epsilon);
+    var[i] -= alpha * m[i] / (std::sqrt(v[i]) + options.epsilon);
   }
 }
 

@@ -13,6 +13,25 @@ namespace testing {
 
 namespace ds = diststrat;
 
+// CPU devices 0..n-1.
+inline std::vector<ds::Device> cpu_devices(int n) {
+  std::vector<ds::Device> d;
+  for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
+  return d;
+}
+
+// `steps` plain Adam updates of a copy of `init` with gradient = the value
+// itself (the gradient of 0.5 * w^2), using the optimizer's own rule.
+inline ds::Tensor adam_reference(const ds::Optimizer& adam, const ds::Tensor& init, int steps) {
+  ds::Tensor w = init.clone();
+  ds::Tensor m(w.shape(), ds::DType::kFloat32), v(w.shape(), ds::DType::kFloat32);
+  for (int s = 1; s <= steps; ++s) {
+    const ds::Tensor g = w.clone();
+    adam.update_tensor(w, g, {&m, &v}, s);
+  }
+  return w;
+}
+
 // A small deterministic classification set: 784 features, 10 classes.
 inline ds::Dataset synthetic(int64_t rows, uint64_t seed) {
   ds::Tensor x(ds::Shape{rows, 784}, ds::DType::kFloat32);

@@ -1,0 +1,66 @@
+// CentralStorageStrategy: one process, several compute replicas, and exactly
+// one copy of each variable, kept in host memory (TensorFlow's
+// tf.distribute.experimental.CentralStorageStrategy).
+//
+// Each step every replica reads the single copy (Variable::read returns the
+// same storage on every replica), computes its gradients, and
+// apply_gradients reduces them to one (reduce-to-one: the per-replica
+// gradients are summed into one host buffer, no all-reduce) and updates the
+// single copy once, with the optimizer's slots and step counter also held
+// once. The update runs in merge_call on local replica 0 while the others
+// wait, so it is the only writer.
+//
+// Thread safety: like every strategy, run() is not reentrant; variables may
+// be read by all replicas concurrently inside run(), and apply_gradients must
+// be called by every replica (it blocks until the update is done).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "diststrat/strategy.h"
+
+namespace diststrat {
+
+struct CentralStorageOptions {
+  // Compute replicas. Empty = every visible GPU, or one CPU device if none.
+  std::vector<Device> devices;
+  // Where the variables live. CPU (host memory) is the default and the only
+  // choice without the GPU backend; TensorFlow puts them on the single GPU
+  // when there is exactly one compute device, which needs that backend.
+  Device parameter_device = Device::cpu(0);
+  // Timeout and fusion settings for the replicas' collectives (merge_call,
+  // ReplicaContext::all_reduce).
+  CommunicationOptions communication;
+  // Logger level (DISTSTRAT_LOG_LEVEL overrides).
+  LogLevel log_level = LogLevel::kWarning;
+};
+
+class CentralStorageStrategy : public Strategy {
+ public:
+  explicit CentralStorageStrategy(CentralStorageOptions options = {});
+  explicit CentralStorageStrategy(std::vector<Device> devices);
+  ~CentralStorageStrategy() override;
+
+  std::string name() const override { return "central_storage"; }
+  int num_replicas_in_sync() const override;
+  const std::vector<Device>& devices() const override;
+  // The device the variables live on.
+  const Device& parameter_device() const;
+  // Reduce-to-one of the replicas' gradients, then one optimizer update of
+  // the single copy. Blocking; every local replica must call it with the same
+  // variables in the same order.
+  void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
+                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
+
+  struct Impl;
+
+ protected:
+  void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
+  void place_variable(Variable::Impl& var, const Initializer& init) override;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diststrat

@@ -1,0 +1,230 @@
+// ParameterServerStrategy: asynchronous data-parallel training with the
+// variables sharded over parameter-server (PS) processes (TensorFlow's
+// tf.distribute.ParameterServerStrategy, in the TF1 "between-graph" style:
+// every worker runs the user's loop at its own pace).
+//
+// Roles. The job's processes split into PS ranks and worker ranks: with a
+// TF_CONFIG (or explicit ClusterSpec) that has a "ps" job, its tasks are the
+// PS ranks; under a plain `mpirun -np N`, the last `num_ps` ranks are (the
+// rank order chief, worker, ps of cluster.h either way). A PS rank runs a service loop on a dedicated
+// thread that holds its variable shards and applies the optimizer to every
+// gradient push as it arrives; the PS process's main thread calls join() and
+// exits when the workers are done:
+//
+//   ds::ParameterServerStrategy strategy(options);
+//   if (strategy.is_ps()) { strategy.join(); return 0; }
+//   ... training loop written against Strategy& ...
+//
+// Without a multi-process launcher (or with one process) the PS ranks run as
+// threads of this process, so the same program works unchanged. A job of
+// several processes needs the MPI backend (launch with mpirun).
+//
+// Worker side. Variables are placed round-robin over the PS ranks, or split
+// along axis 0 into shards by `partitioner` (TensorFlow's semantics: the first
+// rows % n shards get one extra row). Before each run() the worker has a
+// fresh local copy of every dense variable (pulled from the PS ranks;
+// Variable::read returns that cache, shared by the worker's replicas); after
+// the replicas' gradients are reduced inside the worker, apply_gradients
+// pushes them to the PS ranks without waiting, and the pull for the next step
+// is posted right behind the push so it travels while the program prepares
+// its next batch. Row-sparse variables (create_row_sparse_variable: embedding
+// tables) are never pulled whole: gather_rows pulls only the rows a step needs
+// and apply_sparse_gradients pushes gradients for only those rows.
+//
+// Consistency. Workers are asynchronous: a PS applies each push on receipt.
+// `max_staleness` bounds how far a worker may run ahead of the slowest one
+// (stale-synchronous parallel): a worker does not start step c until every
+// live worker has pushed at least c - max_staleness steps (0 = lockstep).
+//
+// Errors. A push or pull the PS rejects (wrong shape or dtype, unknown
+// variable, row id out of range) raises a clear error at the worker (at the
+// next call that waits on the PS: the next run(), flush(), or the pull itself)
+// and changes nothing on the PS, which keeps serving the other workers. Every
+// wait has a deadline (communication.timeout).
+//
+// Thread safety: like every strategy, run() is not reentrant; methods are
+// called from one thread at a time (the program's thread, or inside run()
+// from replicas through apply_gradients and gather_rows).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diststrat/cluster.h"
+#include "diststrat/strategy.h"
+
+namespace diststrat {
+
+// Decides how many shards (along axis 0) a variable of `shape` is split into.
+// Scalars are never split. Implementations below follow TensorFlow's
+// tf.distribute.experimental.partitioners.
+using Partitioner = std::function<int64_t(const Shape& shape, DType dtype)>;
+
+namespace partitioners {
+// Exactly min(num_shards, rows) shards.
+struct FixedShards {
+  int64_t num_shards = 1;
+  int64_t operator()(const Shape& shape, DType dtype) const;
+};
+// As many shards as keep each at least min_shard_bytes, at most max_shards:
+// max(1, min(rows, max_shards, ceil(total_bytes / min_shard_bytes))).
+struct MinSize {
+  int64_t min_shard_bytes = 256 << 10;
+  int64_t max_shards = 1;
+  int64_t operator()(const Shape& shape, DType dtype) const;
+};
+// As few shards as keep each at most max_shard_bytes (a shard holds at least
+// one row), capped at max_shards when it is positive.
+struct MaxSize {
+  int64_t max_shard_bytes = 0;
+  int64_t max_shards = 0;  // 0 = no cap
+  int64_t operator()(const Shape& shape, DType dtype) const;
+};
+}  // namespace partitioners
+
+// Rows of shard i when `rows` rows are split into n shards: the first
+// rows % n shards get one extra row. Returns n (offset, rows) pairs.
+std::vector<std::pair<int64_t, int64_t>> shard_rows(int64_t rows, int64_t num_shards);
+
+struct ParameterServerOptions {
+  // PS ranks in the job (the last num_ps ranks). At least 1. Ignored when the
+  // cluster has a "ps" job (its size wins). In a single-process run the PS
+  // ranks are threads of this process.
+  int num_ps = 1;
+  // Where the roles come from: an explicit spec, TF_CONFIG, or the launcher.
+  ClusterConfig cluster;
+  // Replica devices of each worker. Empty = one CPU device.
+  std::vector<Device> devices;
+  // How variables are split into shards; empty = never split (each variable
+  // lives whole on one PS, placed round-robin).
+  Partitioner partitioner;
+  // Stale-synchronous bound: a worker may be at most this many steps ahead
+  // of the slowest live worker. Negative (default) = fully asynchronous.
+  int max_staleness = -1;
+  // Deadline of every wait (pulls, staleness waits, barriers, PS replies).
+  CommunicationOptions communication;
+  // A worker that sends nothing for this long (and waits on nothing) stops
+  // holding back the others (staleness bound, barriers); the PS loop ends
+  // when every worker has shut down or gone silent, and join() then reports
+  // the silent ones. 0 = communication.timeout.
+  std::chrono::milliseconds worker_timeout{0};
+  LogLevel log_level = LogLevel::kWarning;
+};
+
+// What the PS ranks observed (summed over PS ranks for the counts).
+struct ParameterServerStats {
+  int64_t pushes_sent = 0;     // by this worker (every worker-to-PS push message)
+  int64_t pushes_applied = 0;  // by the PS ranks, from all workers
+  int64_t pushes_rejected = 0; // by the PS ranks, from all workers
+  // Staleness of an applied push: updates the PS applied between the pull the
+  // gradients were computed from and the push (0 = perfectly fresh).
+  double mean_staleness = 0;
+  int64_t max_staleness = 0;
+  // Largest (pusher's steps - slowest other live worker's steps) seen at a push.
+  int64_t max_step_gap = 0;
+  // Steps each worker has pushed, as the PS ranks saw them (max over PS ranks).
+  std::vector<int64_t> worker_steps;
+};
+
+// A gradient for some rows of a row-sparse variable: values[i] is the
+// gradient of row ids[i] (ids int64 [n], values [n, dims[1:]...]). Duplicate
+// ids are summed before the push.
+struct SparseGradient {
+  Variable variable;
+  Tensor ids;
+  Tensor values;
+};
+
+// One shard as a PS rank holds it, for checkpoints.
+struct ShardSnapshot {
+  std::string variable;  // variable name
+  int64_t shard_index = 0;
+  int64_t num_shards = 1;
+  int64_t row_offset = 0;  // first row of the variable this shard holds
+  Shape full_shape;        // the whole variable's shape
+  Tensor value;            // the shard's rows (a copy)
+  std::map<std::string, Tensor> slots;  // optimizer slots (copies)
+  int64_t step = 0;        // updates applied to this shard (Adam's t)
+};
+
+class ParameterServerStrategy : public Strategy {
+ public:
+  explicit ParameterServerStrategy(ParameterServerOptions options = {});
+  ~ParameterServerStrategy() override;
+
+  struct Impl;
+  // Internal (tests, other transports): takes an already-built endpoint.
+  explicit ParameterServerStrategy(std::unique_ptr<Impl> impl);
+
+  std::string name() const override { return "parameter_server"; }
+  // Every worker's replicas: a global batch is split over all of them (each
+  // worker materializes only its share), but workers apply their shares
+  // asynchronously.
+  int num_replicas_in_sync() const override;
+  int num_local_replicas() const override;
+  const std::vector<Device>& devices() const override;
+  int first_local_replica() const override;
+  ClusterInfo cluster() const override;
+
+  bool is_ps() const;
+  bool is_worker() const { return !is_ps(); }
+  // PS ranks: blocks until every worker has shut down (a worker's strategy
+  // destructor tells the PS ranks), or every remaining one has sent nothing
+  // for worker_timeout: then DeadlineExceededError naming them. Destroying a
+  // PS rank's strategy without join() stops its service at once.
+  void join();
+
+  // Worker: a variable whose rows are pulled and pushed individually.
+  // read() is not available for it; use gather_rows.
+  Variable create_row_sparse_variable(const std::string& name, const Shape& shape, DType dtype,
+                                      const Initializer& init, const VariableOptions& options = {});
+  // Worker, in replica or cross-replica context: pulls rows `ids` (int64 [n])
+  // of `var` from the PS ranks. Blocking. Returns [n, dims[1:]...].
+  Tensor gather_rows(const Variable& var, const Tensor& ids);
+  // Worker, in replica context (every local replica calls it with the same
+  // variables): reduces dense gradients over the local replicas, concatenates
+  // the sparse ones, and pushes one step to the PS ranks without waiting.
+  void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
+                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
+  void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
+                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+                       const std::vector<SparseGradient>& sparse);
+
+  // Worker: waits for every outstanding push to be acknowledged (rethrowing a
+  // rejection) and for any prefetched pull.
+  void flush();
+  // Worker: counters and staleness as the PS ranks saw them (blocking).
+  ParameterServerStats stats();
+  // Blocks until every live worker calls barrier (through PS rank 0).
+  void barrier(const std::string& name = "") override;
+
+  // PS ranks: copies of this rank's shards, and restoring them (before the
+  // workers create their variables: a restored shard keeps its value when the
+  // chief creates the variable, so a restarted job resumes).
+  std::vector<ShardSnapshot> local_shards() const;
+  void restore_local_shards(const std::vector<ShardSnapshot>& shards);
+
+  Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const override;
+  Tensor variable_value(const Variable::Impl& var) const override;
+  void assign_variable(Variable::Impl& var, const Tensor& value) override;
+  void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
+
+  Impl& impl() { return *impl_; }
+
+ protected:
+  void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
+  void place_variable(Variable::Impl& var, const Initializer& init) override;
+  // reduce() covers this worker's replicas only (workers never meet):
+  // kMean divides by num_local_replicas().
+  double reduce_across(ReduceOp op, const std::vector<double>& local) override;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diststrat

@@ -1,0 +1,116 @@
+// CentralStorageStrategy. Variables have one copy (Variable::Impl::copies has
+// exactly one tensor), which every replica reads. apply_gradients is a
+// reduce-to-one: each replica publishes its gradient tensors, then inside
+// merge_call local replica 0 sums them into one buffer per variable and
+// applies the optimizer once to the single copy (and its single set of slots),
+// bumping the single step counter once.
+
+#include "diststrat/central_storage.h"
+
+#include <mutex>
+
+#include "allreduce/reduce_kernels.h"
+#include "diststrat/optimizer.h"
+#include "mirrored/local_replicas.h"
+
+namespace diststrat {
+
+struct CentralStorageStrategy::Impl {
+  Impl(CentralStorageStrategy* s, const CentralStorageOptions& o)
+      : parameter_device(o.parameter_device), replicas(s, o.devices, o.communication),
+        pending(o.devices.size()) {}
+  Device parameter_device;
+  LocalReplicas replicas;
+  // Gradients each local replica hands to the merge step, indexed by local
+  // replica. Written by replica i before merge_call's entry barrier, read by
+  // replica 0 inside it: the barrier orders the two.
+  std::vector<std::vector<std::pair<Tensor, Variable>>> pending;
+};
+
+namespace {
+CentralStorageOptions checked(CentralStorageOptions o) {
+  if (o.devices.empty()) o.devices = {Device::cpu(0)};
+  validate_devices(o.devices, "CentralStorageStrategy");
+  for (const Device& d : o.devices) {
+    DISTSTRAT_CHECK(d.is_cpu(), kUnimplemented, "CentralStorageStrategy: compute device ",
+                    d.to_string(), " needs the GPU backend, which this build does not have");
+  }
+  DISTSTRAT_CHECK(o.parameter_device.is_cpu(), kUnimplemented,
+                  "CentralStorageStrategy: parameter device ", o.parameter_device.to_string(),
+                  " needs the GPU backend, which this build does not have");
+  return o;
+}
+}  // namespace
+
+CentralStorageStrategy::CentralStorageStrategy(CentralStorageOptions options)
+    : Strategy(options.log_level, "[central_storage]") {
+  options = checked(std::move(options));
+  impl_ = std::make_unique<Impl>(this, options);
+  logger_.info("CentralStorageStrategy: ", options.devices.size(),
+               " compute replica(s), variables on ", options.parameter_device.to_string());
+}
+
+CentralStorageStrategy::CentralStorageStrategy(std::vector<Device> devices)
+    : CentralStorageStrategy([&] {
+        CentralStorageOptions o;
+        o.devices = std::move(devices);
+        return o;
+      }()) {}
+
+CentralStorageStrategy::~CentralStorageStrategy() = default;
+
+int CentralStorageStrategy::num_replicas_in_sync() const { return impl_->replicas.size(); }
+const std::vector<Device>& CentralStorageStrategy::devices() const {
+  return impl_->replicas.devices();
+}
+const Device& CentralStorageStrategy::parameter_device() const { return impl_->parameter_device; }
+
+void CentralStorageStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
+  impl_->replicas.run(fn);
+}
+
+void CentralStorageStrategy::place_variable(Variable::Impl& var, const Initializer& init) {
+  var.copies.emplace_back(var.shape, var.dtype, impl_->parameter_device);
+  init(var.copies[0]);
+}
+
+void CentralStorageStrategy::apply_gradients(
+    ReplicaContext& ctx, Optimizer& optimizer,
+    const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  const int local = ctx.local_replica_id();
+  impl_->pending[local] = grads_and_vars;
+  ctx.merge_call([&](Strategy&) {
+    auto& pending = impl_->pending;
+    const size_t n = grads_and_vars.size();
+    for (size_t r = 0; r < pending.size(); ++r) {
+      DISTSTRAT_CHECK(pending[r].size() == n, kInvalidArgument,
+                      "CentralStorageStrategy::apply_gradients: replica ", r, " passed ",
+                      pending[r].size(), " gradients but replica 0 passed ", n);
+      for (size_t k = 0; k < n; ++k) {
+        DISTSTRAT_CHECK(pending[r][k].second.impl_ptr() == grads_and_vars[k].second.impl_ptr(),
+                        kInvalidArgument, "CentralStorageStrategy::apply_gradients: replica ", r,
+                        " passed variable '", pending[r][k].second.name(), "' at position ", k,
+                        " where replica 0 passed '", grads_and_vars[k].second.name(), "'");
+      }
+    }
+    Tensor iterations = optimizer.iterations().impl().copies[0];
+    const int64_t step = iterations.data<int64_t>()[0] + 1;
+    const std::vector<std::string> slot_names = optimizer.slot_names();
+    std::vector<const void*> srcs(pending.size());
+    for (size_t k = 0; k < n; ++k) {
+      Variable::Impl& var = grads_and_vars[k].second.impl();
+      // Reduce to one: the sum of every replica's gradient, into one buffer.
+      Tensor sum(var.shape, var.dtype, impl_->parameter_device);
+      for (size_t r = 0; r < pending.size(); ++r) srcs[r] = pending[r][k].first.data();
+      kernels::reduce(sum.data(), srcs.data(), static_cast<int>(srcs.size()),
+                      static_cast<size_t>(sum.num_elements()), sum.dtype(), ReduceOp::kSum, 1);
+      std::vector<Tensor*> slots;
+      for (const std::string& s : slot_names) slots.push_back(&var.slot(s)[0]);
+      optimizer.update_tensor(var.copies[0], sum, slots, step);
+    }
+    iterations.data<int64_t>()[0] = step;
+    for (auto& p : pending) p.clear();
+  });
+}
+
+}  // namespace diststrat

@@ -1,0 +1,186 @@
+#include "parameter_server/client.h"
+
+namespace diststrat {
+namespace ps {
+
+Client::Client(Transport& transport, std::vector<int> ps_ranks, int worker_index,
+               std::chrono::milliseconds timeout)
+    : t_(transport), ps_ranks_(std::move(ps_ranks)), worker_index_(worker_index),
+      timeout_(timeout), fifo_(ps_ranks_.size()) {}
+
+Clock::time_point Client::deadline() const {
+  // A little past the PS's own deadline, so that its explanation (a
+  // staleness or barrier wait that timed out) arrives before ours fires.
+  return Clock::now() + timeout_ + timeout_ / 10 + std::chrono::milliseconds(100);
+}
+
+Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
+                             std::shared_ptr<const void> payload_owner, const void* payload,
+                             size_t payload_bytes, void* reply_dst, size_t reply_bytes,
+                             std::string what) {
+  auto c = std::make_shared<Call>();
+  c->ps = ps;
+  c->seq = next_seq_++;
+  c->what = "worker " + std::to_string(worker_index_) + " (rank " + std::to_string(t_.rank()) +
+            "): " + std::move(what) + " (" + op_name(op) + " to PS rank " +
+            std::to_string(ps_ranks_[ps]) + ")";
+  RequestHeader h;
+  h.op = static_cast<uint16_t>(op);
+  h.worker = worker_index_;
+  h.seq = c->seq;
+  h.payload_bytes = static_cast<int64_t>(payload_bytes);
+  h.reply_bytes = static_cast<int64_t>(reply_bytes);
+  c->control.resize(sizeof(h) + body.size());
+  std::memcpy(c->control.data(), &h, sizeof(h));
+  if (!body.empty()) std::memcpy(c->control.data() + sizeof(h), body.data(), body.size());
+  c->payload_owner = std::move(payload_owner);
+  c->reply_dst = reply_dst;
+  c->reply_bytes = reply_bytes;
+  const int peer = ps_ranks_[ps];
+  // The reply's recvs are posted now, so replies match calls in posting
+  // order and the payload can arrive while the program computes.
+  c->recv_header = t_.recv(peer, &c->reply, sizeof(ReplyHeader), kReplyTag);
+  if (reply_bytes) c->recv_payload = t_.recv(peer, reply_dst, reply_bytes, kReplyPayloadTag);
+  c->send_control = t_.send(peer, c->control.data(), c->control.size(), kRequestTag);
+  if (payload_bytes) c->send_payload = t_.send(peer, payload, payload_bytes, kRequestPayloadTag);
+  fifo_[ps].push_back(c);
+  return c;
+}
+
+bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
+  const int peer = ps_ranks_[c.ps];
+  while (c.stage != Call::Stage::kDone) {
+    Request& r = c.stage == Call::Stage::kHeader  ? c.recv_header
+                 : c.stage == Call::Stage::kError ? c.recv_error
+                                                  : c.recv_payload;
+    try {
+      if (block) {
+        r.wait(deadline);
+      } else if (!r.test()) {
+        return false;
+      }
+    } catch (const Error&) {
+      // The transport failed (deadline, abort): this call and the stream
+      // behind it cannot be completed.
+      finish(c, std::current_exception());
+      return true;
+    }
+    switch (c.stage) {
+      case Call::Stage::kHeader: {
+        if (c.reply.magic != kMagic || (c.reply.seq != c.seq && c.reply.seq != -1)) {
+          finish(c, std::make_exception_ptr(InternalError(
+                        c.what + ": protocol error: reply for request " +
+                        std::to_string(c.reply.seq) + " while expecting " + std::to_string(c.seq))));
+          return true;
+        }
+        if (c.reply.payload_bytes != static_cast<int64_t>(c.reply_bytes)) {
+          finish(c, std::make_exception_ptr(InternalError(
+                        c.what + ": protocol error: the reply carries " +
+                        std::to_string(c.reply.payload_bytes) + " bytes, expected " +
+                        std::to_string(c.reply_bytes))));
+          return true;
+        }
+        if (c.reply.error_bytes > 0) {
+          c.error_text.resize(static_cast<size_t>(c.reply.error_bytes));
+          c.recv_error = t_.recv(peer, &c.error_text[0], c.error_text.size(), kReplyErrorTag);
+          c.stage = Call::Stage::kError;
+        } else if (c.reply_bytes > 0) {
+          c.stage = Call::Stage::kPayload;
+        } else {
+          finish(c, nullptr);
+        }
+        break;
+      }
+      case Call::Stage::kError: {
+        try {
+          const ErrorCode code = c.reply.status >= 0 ? static_cast<ErrorCode>(c.reply.status)
+                                                     : ErrorCode::kInternal;
+          throw_error(code, c.what + " failed: " + c.error_text);
+        } catch (...) {
+          c.pending_error = std::current_exception();
+        }
+        if (c.reply_bytes > 0) {
+          c.stage = Call::Stage::kPayload;  // the PS pads the payload after an error
+        } else {
+          finish(c, c.pending_error);
+        }
+        break;
+      }
+      case Call::Stage::kPayload: {
+        finish(c, c.pending_error);
+        break;
+      }
+      case Call::Stage::kDone: break;
+    }
+  }
+  return true;
+}
+
+void Client::finish(Call& c, std::exception_ptr error) {
+  if (!error) {
+    // The PS answered, so it has received our messages: the sends are done.
+    try {
+      const auto d = deadline();
+      c.send_control.wait(d);
+      c.send_payload.wait(d);
+    } catch (const Error&) {
+      error = std::current_exception();
+    }
+  }
+  c.error = error;
+  c.stage = Call::Stage::kDone;
+  c.payload_owner.reset();
+  if (error && c.detached) deferred_.push_back(error);
+}
+
+void Client::wait(const CallPtr& call) {
+  auto& q = fifo_[call->ps];
+  const auto d = deadline();
+  while (!q.empty()) {
+    CallPtr front = q.front();
+    advance(*front, true, d);
+    q.pop_front();
+    if (front == call) break;
+  }
+  if (call->error) {
+    call->detached = false;
+    std::rethrow_exception(call->error);
+  }
+}
+
+void Client::poll() {
+  for (auto& q : fifo_) {
+    while (!q.empty() && advance(*q.front(), false, Clock::now())) q.pop_front();
+  }
+}
+
+void Client::drain() {
+  const auto d = deadline();
+  for (auto& q : fifo_) {
+    while (!q.empty()) {
+      advance(*q.front(), true, d);
+      q.pop_front();
+    }
+  }
+}
+
+void Client::throw_deferred() {
+  if (std::exception_ptr e = take_deferred()) std::rethrow_exception(e);
+}
+
+std::exception_ptr Client::take_deferred() {
+  if (deferred_.empty()) return nullptr;
+  std::exception_ptr e = deferred_.front();
+  deferred_.clear();
+  return e;
+}
+
+bool Client::has_outstanding() const {
+  for (const auto& q : fifo_) {
+    if (!q.empty()) return true;
+  }
+  return false;
+}
+
+}  // namespace ps
+}  // namespace diststrat

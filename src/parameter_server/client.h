@@ -1,0 +1,85 @@
+// The worker's side of the parameter-server protocol (see wire.h): posts
+// requests to PS ranks without blocking and completes their replies in
+// order. Not thread-safe: the strategy serializes calls with a mutex.
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "allreduce/transport.h"
+#include "parameter_server/wire.h"
+
+namespace diststrat {
+namespace ps {
+
+class Client {
+ public:
+  struct Call {
+    int ps = 0;  // index into ps_ranks
+    int64_t seq = 0;
+    std::string what;  // "push of step 3 to PS rank 2"
+    std::vector<char> control;
+    std::shared_ptr<const void> payload_owner;  // keeps the payload alive
+    ReplyHeader reply;
+    std::string error_text;
+    void* reply_dst = nullptr;
+    size_t reply_bytes = 0;
+    std::exception_ptr pending_error;  // raised once the padding payload is in
+    Request send_control, send_payload, recv_header, recv_error, recv_payload;
+    enum class Stage { kHeader, kError, kPayload, kDone } stage = Stage::kHeader;
+    bool detached = false;  // nobody waits: an error is kept for later
+    std::exception_ptr error;
+  };
+  using CallPtr = std::shared_ptr<Call>;
+
+  Client(Transport& transport, std::vector<int> ps_ranks, int worker_index,
+         std::chrono::milliseconds timeout);
+
+  int num_ps() const { return static_cast<int>(ps_ranks_.size()); }
+  int ps_rank(int ps) const { return ps_ranks_[ps]; }
+  int worker_index() const { return worker_index_; }
+
+  // Posts one request. `payload` (payload_bytes) must stay valid while
+  // payload_owner lives; the reply's payload (reply_bytes exactly) lands in
+  // reply_dst.
+  CallPtr post(int ps, Op op, const std::vector<char>& body, std::shared_ptr<const void> payload_owner,
+               const void* payload, size_t payload_bytes, void* reply_dst, size_t reply_bytes,
+               std::string what);
+  // Completes `call` (and every call posted before it to the same PS);
+  // rethrows its error.
+  void wait(const CallPtr& call);
+  // Marks `call` as fire-and-forget: its error is kept and raised by
+  // throw_deferred().
+  void detach(const CallPtr& call) { call->detached = true; }
+  // Completes what has arrived, without blocking.
+  void poll();
+  // Completes every outstanding call.
+  void drain();
+  // Rethrows (once) the first error of a detached call.
+  void throw_deferred();
+  // Returns (once) the first error of a detached call, or null.
+  std::exception_ptr take_deferred();
+  bool has_outstanding() const;
+
+ private:
+  // Advances `c`; blocks up to `deadline` when `block`. True once done.
+  bool advance(Call& c, bool block, Clock::time_point deadline);
+  void finish(Call& c, std::exception_ptr error);
+  Clock::time_point deadline() const;
+
+  Transport& t_;
+  std::vector<int> ps_ranks_;
+  int worker_index_;
+  std::chrono::milliseconds timeout_;
+  int64_t next_seq_ = 1;
+  std::vector<std::deque<CallPtr>> fifo_;  // per PS, in posting order
+  std::vector<std::exception_ptr> deferred_;
+};
+
+}  // namespace ps
+}  // namespace diststrat

@@ -1,0 +1,932 @@
+// ParameterServerStrategy: roles, variable placement, and the worker's step
+// protocol (pull before a step, push after it, prefetch the next pull right
+// behind the push). The PS side is service.cc; the wire protocol wire.h.
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <unordered_map>
+
+#include "diststrat/config.h"
+#include "diststrat/optimizer.h"
+#include "mirrored/local_replicas.h"
+#include "parameter_server/client.h"
+#include "parameter_server/strategy_impl.h"
+#include "parameter_server/update_rule.h"
+#if DISTSTRAT_HAVE_MPI
+#include "allreduce/mpi_communicator.h"
+#include "multiworker/mpi_env.h"
+#endif
+
+namespace diststrat {
+
+namespace ps {
+
+ServiceRunner::ServiceRunner(Transport& transport, ServiceOptions options, const Logger& logger)
+    : service_(transport, std::move(options), logger) {
+  thread_ = std::thread([this] {
+    std::exception_ptr error;
+    try {
+      service_.run();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = error;
+    finished_ = true;
+    cv_.notify_all();
+  });
+}
+
+ServiceRunner::~ServiceRunner() {
+  service_.stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ServiceRunner::join() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // The loop ends by itself: when every worker is done, or declared gone
+    // after the service's timeout of silence, so this wait is bounded.
+    cv_.wait(lock, [&] { return finished_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  const std::vector<int> gone = service_.gone_workers();
+  if (!gone.empty()) {
+    std::string list;
+    for (int g : gone) list += (list.empty() ? "" : ", ") + std::to_string(g);
+    throw DeadlineExceededError("parameter server: worker(s) " + list +
+                                " went silent and never shut down");
+  }
+}
+
+}  // namespace ps
+
+// ---------------------------------------------------------------------------
+
+struct ParameterServerStrategy::Impl {
+  struct ShardPlace {
+    int ps = 0;
+    int64_t index = 0, offset = 0, rows = 0;
+  };
+  struct VarInfo {
+    int64_t id = 0;
+    Variable::Impl* var = nullptr;
+    bool row_sparse = false;
+    std::vector<ShardPlace> shards;
+    size_t row_bytes = 0;  // bytes of one row (the whole value for scalars)
+  };
+  struct StagedPush {
+    ps::OptimizerConfig config;
+    const VarInfo* iterations = nullptr;
+    std::vector<std::pair<const VarInfo*, Tensor>> dense;
+    struct Rows {
+      const VarInfo* info;
+      std::vector<int64_t> ids;
+      Tensor values;
+    };
+    std::vector<Rows> sparse;
+  };
+
+  ParameterServerOptions options;
+  std::unique_ptr<Transport> owned_transport;
+  std::unique_ptr<InProcessTransportGroup> own_group;  // single-process mode
+  Transport* transport = nullptr;
+  int rank = 0, world = 1;
+  std::vector<int> ps_ranks, worker_ranks;
+  bool is_ps = false;
+  int index = 0;  // among PS ranks or among workers
+  std::vector<std::unique_ptr<ps::ServiceRunner>> services;  // PS loops in this process
+
+  // Worker side.
+  ParameterServerStrategy* owner = nullptr;
+  std::unique_ptr<LocalReplicas> replicas;
+  std::vector<Device> no_devices;
+  std::mutex mu;  // serializes use of the client and the state below
+  std::unique_ptr<ps::Client> client;
+  std::vector<std::unique_ptr<VarInfo>> vars;  // creation order
+  std::unordered_map<const Variable::Impl*, VarInfo*> info_of;
+  int64_t next_ps = 0;
+  bool creating_row_sparse = false;
+  int64_t steps = 0;  // pushes this worker has sent (its clock)
+  int64_t pushes_sent = 0;
+  int64_t barrier_count = 0;
+  std::vector<int64_t> versions;  // per PS: version its last dense pull saw
+  // The outstanding dense pull: per PS its call, reply buffer and the shards
+  // it asked for (variables created later are not in it).
+  std::vector<ps::Client::CallPtr> pull_calls;
+  std::vector<std::vector<char>> pull_buffers;
+  std::vector<std::vector<std::pair<const VarInfo*, ShardPlace>>> pull_plan;
+  std::vector<StagedPush> staged;
+  std::mutex staged_mu;
+  // Drives outstanding transfers while the program computes (a transport
+  // may move bytes only while someone calls into it).
+  std::thread progress;
+  std::condition_variable progress_cv;
+  bool progress_stop = false;
+  // Where a worker's time went (logged at info level on shutdown).
+  int64_t runs = 0;
+  double pull_wait_s = 0, replicas_s = 0, push_post_s = 0;
+
+  int num_workers() const { return static_cast<int>(worker_ranks.size()); }
+  bool chief() const { return !is_ps && index == 0; }
+  Logger& log() { return owner->logger(); }
+
+  void init_layout(Transport& t) {
+    transport = &t;
+    rank = t.rank();
+    world = t.size();
+    DISTSTRAT_CHECK(options.num_ps >= 1, kInvalidArgument, "ParameterServerStrategy: num_ps ",
+                    options.num_ps, " must be at least 1");
+    DISTSTRAT_CHECK(options.num_ps < world, kInvalidArgument, "ParameterServerStrategy: ",
+                    options.num_ps, " PS rank(s) leave no worker in a job of ", world, " rank(s)");
+    for (int r = 0; r < world; ++r) (r >= world - options.num_ps ? ps_ranks : worker_ranks).push_back(r);
+    is_ps = rank >= world - options.num_ps;
+    index = is_ps ? rank - (world - options.num_ps) : rank;
+  }
+
+  ps::ServiceOptions service_options() const {
+    ps::ServiceOptions so;
+    so.worker_ranks = worker_ranks;
+    so.max_staleness = options.max_staleness;
+    so.timeout = options.communication.timeout;
+    so.worker_timeout = options.worker_timeout.count() > 0 ? options.worker_timeout : so.timeout;
+    return so;
+  }
+
+  void attach(ParameterServerStrategy* s) {
+    owner = s;
+    if (is_ps) {
+      services.push_back(std::make_unique<ps::ServiceRunner>(*transport, service_options(), s->logger()));
+      return;
+    }
+    std::vector<Device> devices = options.devices.empty() ? std::vector<Device>{Device::cpu(0)} : options.devices;
+    validate_devices(devices, "ParameterServerStrategy");
+    for (const Device& d : devices) {
+      DISTSTRAT_CHECK(d.is_cpu(), kUnimplemented, "ParameterServerStrategy: device ", d.to_string(),
+                      " needs the GPU backend, which this build does not have");
+    }
+    replicas = std::make_unique<LocalReplicas>(s, devices, options.communication);
+    client = std::make_unique<ps::Client>(*transport, ps_ranks, index, options.communication.timeout);
+    versions.assign(ps_ranks.size(), -1);
+    pull_buffers.resize(ps_ranks.size());
+    pull_plan.resize(ps_ranks.size());
+    // In-process transports move bytes without being polled.
+    if (!transport->shared_address_space()) progress = std::thread([this] { progress_loop(); });
+  }
+
+  void progress_loop() {
+    std::unique_lock<std::mutex> lock(mu);
+    while (!progress_stop) {
+      if (!client->has_outstanding()) {
+        progress_cv.wait(lock, [&] { return progress_stop || client->has_outstanding(); });
+        continue;
+      }
+      client->poll();
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(30));
+      lock.lock();
+    }
+  }
+
+  void stop_progress() {
+    if (!progress.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      progress_stop = true;
+    }
+    progress_cv.notify_all();
+    progress.join();
+  }
+
+  void require_worker(const char* what) const {
+    DISTSTRAT_CHECK(!is_ps, kFailedPrecondition, "ParameterServerStrategy::", what, " on PS rank ",
+                    rank, ": PS ranks hold shards and serve; call join() there");
+  }
+
+  VarInfo& info(const Variable::Impl& v) {
+    auto it = info_of.find(&v);
+    DISTSTRAT_CHECK(it != info_of.end(), kInvalidArgument, "variable '", v.name,
+                    "' does not belong to this ParameterServerStrategy");
+    return *it->second;
+  }
+
+  static ps::Entry entry_of(const VarInfo& vi, const ShardPlace& sp) {
+    ps::Entry e;
+    e.var_id = vi.id;
+    e.shard_index = sp.index;
+    e.name = vi.var->name;
+    e.dtype = static_cast<int32_t>(vi.var->dtype);
+    return e;
+  }
+  static Shape shard_shape(const VarInfo& vi, const ShardPlace& sp) {
+    std::vector<int64_t> d = vi.var->shape.dims();
+    if (!d.empty()) d[0] = sp.rows;
+    return Shape(d);
+  }
+
+  // ---- dense pulls -------------------------------------------------------
+
+  // Posts a pull of every dense variable from every PS (an empty one to a PS
+  // without dense shards, so that each PS sees the clock).
+  void post_dense_pull() {
+    std::vector<ps::Writer> bodies(ps_ranks.size());
+    std::vector<std::vector<ps::Entry>> entries(ps_ranks.size());
+    std::vector<size_t> bytes(ps_ranks.size(), 0);
+    for (auto& plan : pull_plan) plan.clear();
+    for (const auto& vi : vars) {
+      if (vi->row_sparse) continue;
+      for (const ShardPlace& sp : vi->shards) {
+        entries[sp.ps].push_back(entry_of(*vi, sp));
+        pull_plan[sp.ps].emplace_back(vi.get(), sp);
+        bytes[sp.ps] += static_cast<size_t>(sp.rows) * vi->row_bytes;
+      }
+    }
+    pull_calls.clear();
+    for (size_t p = 0; p < ps_ranks.size(); ++p) {
+      bodies[p].put<int64_t>(steps).put<int64_t>(static_cast<int64_t>(entries[p].size()));
+      for (const ps::Entry& e : entries[p]) ps::write_entry(bodies[p], e);
+      pull_buffers[p].resize(bytes[p]);
+      pull_calls.push_back(client->post(static_cast<int>(p), ps::Op::kPull, bodies[p].bytes(), nullptr,
+                                        nullptr, 0, pull_buffers[p].data(), bytes[p],
+                                        "pull for step " + std::to_string(steps)));
+    }
+  }
+
+  // Completes the outstanding dense pull and copies it into the caches.
+  void finish_dense_pull() {
+    for (auto& c : pull_calls) client->wait(c);
+    for (size_t p = 0; p < ps_ranks.size(); ++p) {
+      versions[p] = pull_calls[p]->reply.version;
+      const char* src = pull_buffers[p].data();
+      for (const auto& [vi, sp] : pull_plan[p]) {
+        const size_t n = static_cast<size_t>(sp.rows) * vi->row_bytes;
+        if (n) std::memcpy(static_cast<char*>(vi->var->copies[0].data()) + sp.offset * vi->row_bytes, src, n);
+        src += n;
+      }
+    }
+    pull_calls.clear();
+  }
+
+  // Drops a prefetched pull (its data predates a write this worker made).
+  void discard_dense_pull() {
+    for (auto& c : pull_calls) {
+      try {
+        client->wait(c);
+      } catch (const Error&) {
+        // A failed prefetch is as good as discarded.
+      }
+    }
+    pull_calls.clear();
+  }
+
+  // ---- pushes ----------------------------------------------------------------
+
+  void post_push(StagedPush& s) {
+    const int64_t step = steps++;
+    for (size_t p = 0; p < ps_ranks.size(); ++p) {
+      std::vector<ps::Entry> entries;
+      auto payload = std::make_shared<std::vector<char>>();
+      auto append = [&](const void* data, size_t n) {
+        if (n == 0) return;
+        const char* c = static_cast<const char*>(data);
+        payload->insert(payload->end(), c, c + n);
+      };
+      for (auto& [vi, grad] : s.dense) {
+        for (const ShardPlace& sp : vi->shards) {
+          if (sp.ps != static_cast<int>(p)) continue;
+          ps::Entry e = entry_of(*vi, sp);
+          e.dtype = static_cast<int32_t>(grad.dtype());
+          e.shape = shard_shape(*vi, sp);
+          entries.push_back(e);
+          append(static_cast<const char*>(grad.data()) + sp.offset * vi->row_bytes,
+                 static_cast<size_t>(sp.rows) * vi->row_bytes);
+        }
+      }
+      for (auto& rows : s.sparse) {
+        const VarInfo& vi = *rows.info;
+        const size_t vrow = rows.values.nbytes() / std::max<size_t>(1, rows.ids.size());
+        for (const ShardPlace& sp : vi.shards) {
+          if (sp.ps != static_cast<int>(p)) continue;
+          std::vector<size_t> mine;
+          for (size_t k = 0; k < rows.ids.size(); ++k) {
+            if (rows.ids[k] >= sp.offset && rows.ids[k] < sp.offset + sp.rows) mine.push_back(k);
+          }
+          if (mine.empty()) continue;
+          ps::Entry e = entry_of(vi, sp);
+          e.dtype = static_cast<int32_t>(rows.values.dtype());
+          std::vector<int64_t> d = rows.values.shape().dims();
+          d[0] = static_cast<int64_t>(mine.size());
+          e.shape = Shape(d);
+          e.sparse = 1;
+          e.num_ids = static_cast<int64_t>(mine.size());
+          entries.push_back(e);
+          for (size_t k : mine) append(&rows.ids[k], sizeof(int64_t));
+          const char* v = static_cast<const char*>(rows.values.data());
+          for (size_t k : mine) append(v + k * vrow, vrow);
+        }
+      }
+      const bool has_iter = s.iterations && s.iterations->shards[0].ps == static_cast<int>(p);
+      ps::Writer w;
+      w.put<int64_t>(steps).put<int64_t>(versions[p]);
+      ps::write_config(w, s.config);
+      w.put<int64_t>(has_iter ? s.iterations->id : -1);
+      w.put_string(has_iter ? s.iterations->var->name : "");
+      w.put<int64_t>(static_cast<int64_t>(entries.size()));
+      for (const ps::Entry& e : entries) ps::write_entry(w, e);
+      const void* data = payload->data();
+      const size_t n = payload->size();
+      auto call = client->post(static_cast<int>(p), ps::Op::kPush, w.bytes(), payload, data, n,
+                               nullptr, 0, "push of step " + std::to_string(step));
+      client->detach(call);
+      ++pushes_sent;
+    }
+  }
+
+  // ---- blocking helpers --------------------------------------------------
+
+  void wait_all(std::vector<ps::Client::CallPtr>& calls) {
+    for (auto& c : calls) client->wait(c);
+  }
+
+  Tensor pull_whole(const VarInfo& vi) {
+    Tensor out(vi.var->shape, vi.var->dtype);
+    std::vector<ps::Client::CallPtr> calls;
+    for (const ShardPlace& sp : vi.shards) {
+      ps::Writer w;
+      w.put<int64_t>(-1).put<int64_t>(1);
+      ps::write_entry(w, entry_of(vi, sp));
+      calls.push_back(client->post(sp.ps, ps::Op::kPull, w.bytes(), nullptr, nullptr, 0,
+                                   static_cast<char*>(out.data()) + sp.offset * vi.row_bytes,
+                                   static_cast<size_t>(sp.rows) * vi.row_bytes,
+                                   "read of '" + vi.var->name + "'"));
+    }
+    wait_all(calls);
+    return out;
+  }
+
+  // Checks ids (int64 [n], each in [0, rows)) of row-sparse `vi`.
+  std::vector<int64_t> checked_ids(const VarInfo& vi, const Tensor& ids, const char* what) {
+    DISTSTRAT_CHECK(vi.row_sparse, kInvalidArgument, what, ": variable '", vi.var->name,
+                    "' is not row-sparse (create it with create_row_sparse_variable)");
+    DISTSTRAT_CHECK(ids.defined() && ids.dtype() == DType::kInt64 && ids.shape().rank() == 1,
+                    kInvalidArgument, what, " of '", vi.var->name, "': ids must be int64 [n], got ",
+                    ids.defined() ? ids.debug_string() : "an undefined tensor");
+    const int64_t rows = vi.var->shape[0];
+    std::vector<int64_t> out(ids.data<int64_t>(), ids.data<int64_t>() + ids.num_elements());
+    for (int64_t id : out) {
+      DISTSTRAT_CHECK(id >= 0 && id < rows, kInvalidArgument, "worker ", index, ": ", what, " of '",
+                      vi.var->name, "': row id ", id, " is out of range [0, ", rows, ")");
+    }
+    return out;
+  }
+};
+
+// ---------------------------------------------------------------------------
+
+namespace ps {
+namespace {
+std::unique_ptr<ParameterServerStrategy::Impl> new_impl(const ParameterServerOptions& o) {
+  auto impl = std::make_unique<ParameterServerStrategy::Impl>();
+  impl->options = o;
+  return impl;
+}
+}  // namespace
+
+std::unique_ptr<ParameterServerStrategy> make_strategy(Transport& transport,
+                                                       const ParameterServerOptions& options) {
+  auto impl = new_impl(options);
+  impl->init_layout(transport);
+  return std::make_unique<ParameterServerStrategy>(std::move(impl));
+}
+
+std::unique_ptr<ParameterServerStrategy> make_strategy(std::unique_ptr<Transport> transport,
+                                                       const ParameterServerOptions& options) {
+  auto impl = new_impl(options);
+  impl->init_layout(*transport);
+  impl->owned_transport = std::move(transport);
+  return std::make_unique<ParameterServerStrategy>(std::move(impl));
+}
+
+Service& local_service(ParameterServerStrategy& strategy) {
+  DISTSTRAT_CHECK(!strategy.impl().services.empty(), kFailedPrecondition,
+                  "no parameter-server service in this process");
+  return strategy.impl().services[0]->service();
+}
+}  // namespace ps
+
+ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl)
+    : Strategy(impl->options.log_level,
+               impl->is_ps ? "[ps " + std::to_string(impl->index) + "]"
+                           : "[worker " + std::to_string(impl->index) + "]"),
+      impl_(std::move(impl)) {
+  if (!impl_->transport) {
+    // One process: it is worker 0 and the PS ranks are threads of it.
+    DISTSTRAT_CHECK(impl_->options.num_ps >= 1, kInvalidArgument, "ParameterServerStrategy: num_ps ",
+                    impl_->options.num_ps, " must be at least 1");
+    impl_->own_group = std::make_unique<InProcessTransportGroup>(impl_->options.num_ps + 1);
+    impl_->init_layout(impl_->own_group->at(0));
+    impl_->attach(this);
+    for (int r = 1; r <= impl_->options.num_ps; ++r) {
+      impl_->services.push_back(std::make_unique<ps::ServiceRunner>(
+          impl_->own_group->at(r), impl_->service_options(), logger_));
+    }
+    logger_.info("ParameterServerStrategy in one process: ", impl_->options.num_ps, " PS thread(s)");
+    return;
+  }
+  impl_->attach(this);
+  logger_.info("ParameterServerStrategy: rank ", impl_->rank, " of ", impl_->world, " is ",
+               impl_->is_ps ? "PS " : "worker ", impl_->index);
+}
+
+namespace {
+// The job's transport (the MPI backend seam), or null for a one-process run.
+std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster) {
+  if (cluster.info.world_size <= 1) return nullptr;
+#if DISTSTRAT_HAVE_MPI
+  if (mpi::launched_under_mpi()) {
+    mpi::ensure_initialized();
+    return make_mpi_transport(MPI_COMM_WORLD);
+  }
+#endif
+  throw UnimplementedError("ParameterServerStrategy: a cluster of " +
+                           std::to_string(cluster.info.world_size) + " processes needs MPI (launch "
+                           "with mpirun)" + (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have"));
+}
+
+ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedCluster& cluster) {
+  const int ps_tasks = cluster.spec.num_tasks("ps");
+  if (ps_tasks > 0) o.num_ps = ps_tasks;
+  return o;
+}
+
+std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServerOptions& options) {
+  const ResolvedCluster cluster = resolve_cluster(options.cluster);
+  auto impl = std::make_unique<ParameterServerStrategy::Impl>();
+  impl->options = with_cluster(options, cluster);
+  impl->owned_transport = job_transport(cluster);
+  if (impl->owned_transport) {
+    impl->init_layout(*impl->owned_transport);
+    const std::string want = impl->is_ps ? "ps" : "worker";
+    DISTSTRAT_CHECK(cluster.spec.num_tasks("ps") == 0 || cluster.info.task_type == want ||
+                        (want == "worker" && cluster.info.task_type == "chief"),
+                    kInvalidArgument, "ParameterServerStrategy: rank ", impl->rank, " is task '",
+                    cluster.info.task_type, "' in the cluster but a ", want,
+                    " by rank order (chief, worker, ps)");
+  }
+  return impl;
+}
+}  // namespace
+
+ParameterServerStrategy::ParameterServerStrategy(ParameterServerOptions options)
+    : ParameterServerStrategy(make_job_impl(options)) {}
+
+ParameterServerStrategy::~ParameterServerStrategy() {
+  if (!impl_->is_ps && impl_->runs) {
+    logger_.info(impl_->runs, " runs: ", impl_->pull_wait_s * 1e3, " ms waiting for pulls, ",
+                 impl_->replicas_s * 1e3, " ms in the replicas, ", impl_->push_post_s * 1e3,
+                 " ms posting pushes");
+  }
+  impl_->stop_progress();
+  if (!impl_->is_ps && impl_->client) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    try {
+      impl_->client->drain();
+      impl_->client->throw_deferred();
+    } catch (const std::exception& e) {
+      logger_.error("outstanding parameter-server requests failed at shutdown: ", e.what());
+    }
+    try {
+      std::vector<ps::Client::CallPtr> calls;
+      for (int p = 0; p < impl_->client->num_ps(); ++p) {
+        calls.push_back(impl_->client->post(p, ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0,
+                                            "shutdown"));
+      }
+      impl_->wait_all(calls);
+    } catch (const std::exception& e) {
+      logger_.error("shutdown: ", e.what());
+    }
+  }
+  // In-process PS threads end once every worker is done; a PS rank's own
+  // loop is stopped if the program did not join() it.
+  for (auto& s : impl_->services) {
+    if (!impl_->is_ps) {
+      try {
+        s->join();
+      } catch (const std::exception& e) {
+        logger_.error("parameter-server thread: ", e.what());
+      }
+    }
+  }
+  impl_->services.clear();
+}
+
+int ParameterServerStrategy::num_local_replicas() const {
+  return impl_->replicas ? impl_->replicas->size() : 0;
+}
+int ParameterServerStrategy::num_replicas_in_sync() const {
+  return std::max(1, num_local_replicas()) * impl_->num_workers();
+}
+const std::vector<Device>& ParameterServerStrategy::devices() const {
+  return impl_->replicas ? impl_->replicas->devices() : impl_->no_devices;
+}
+int ParameterServerStrategy::first_local_replica() const {
+  return impl_->is_ps ? 0 : impl_->index * num_local_replicas();
+}
+
+ClusterInfo ParameterServerStrategy::cluster() const {
+  ClusterInfo c;
+  c.task_type = impl_->is_ps ? "ps" : "worker";
+  c.task_index = impl_->index;
+  c.rank = impl_->own_group ? 0 : impl_->rank;
+  c.world_size = impl_->own_group ? 1 : impl_->world;
+  c.num_workers = impl_->num_workers();
+  c.worker_index = impl_->is_ps ? 0 : impl_->index;
+  return c;
+}
+
+bool ParameterServerStrategy::is_ps() const { return impl_->is_ps; }
+
+void ParameterServerStrategy::join() {
+  DISTSTRAT_CHECK(impl_->is_ps, kFailedPrecondition, "ParameterServerStrategy::join on worker ",
+                  impl_->index, ": only PS ranks join");
+  impl_->services.at(0)->join();
+}
+
+void ParameterServerStrategy::place_variable(Variable::Impl& var, const Initializer& init) {
+  Impl& m = *impl_;
+  m.require_worker("create_variable");
+  std::lock_guard<std::mutex> lock(m.mu);
+  auto vi = std::make_unique<Impl::VarInfo>();
+  vi->id = var.creation_index;
+  vi->var = &var;
+  vi->row_sparse = m.creating_row_sparse;
+  DISTSTRAT_CHECK(!vi->row_sparse || var.shape.rank() >= 1, kInvalidArgument,
+                  "row-sparse variable '", var.name, "' needs at least one dimension");
+  const int64_t rows = var.shape.rank() == 0 ? 1 : var.shape[0];
+  vi->row_bytes = dtype_size(var.dtype) * static_cast<size_t>(rows ? var.shape.num_elements() / rows : 0);
+  if (var.shape.rank() == 0) vi->row_bytes = dtype_size(var.dtype);
+  int64_t n = 1;
+  if (var.shape.rank() >= 1 && m.options.partitioner) {
+    n = m.options.partitioner(var.shape, var.dtype);
+    DISTSTRAT_CHECK(n >= 1 && n <= std::max<int64_t>(1, rows), kInvalidArgument, "partitioner split '",
+                    var.name, "' ", var.shape.to_string(), " into ", n, " shards");
+  }
+  for (const auto& [offset, count] : shard_rows(rows, n)) {
+    Impl::ShardPlace sp;
+    sp.ps = static_cast<int>(m.next_ps++ % static_cast<int64_t>(m.ps_ranks.size()));
+    sp.index = static_cast<int64_t>(vi->shards.size());
+    sp.offset = offset;
+    sp.rows = count;
+    vi->shards.push_back(sp);
+  }
+  // The chief initializes and sends the value; the others only declare the
+  // variable and wait until the chief's value is there.
+  Tensor value;
+  if (!vi->row_sparse) {
+    var.copies.emplace_back(var.shape, var.dtype);
+    init(var.copies[0]);
+    value = var.copies[0];
+  } else if (m.chief()) {
+    value = Tensor(var.shape, var.dtype);
+    init(value);
+  }
+  auto owner = std::make_shared<Tensor>(value);
+  std::vector<ps::Client::CallPtr> calls;
+  for (const Impl::ShardPlace& sp : vi->shards) {
+    ps::Writer w;
+    w.put<int64_t>(vi->id).put_string(var.name).put<int32_t>(static_cast<int32_t>(var.dtype));
+    w.put_shape(var.shape).put<int64_t>(sp.index).put<int64_t>(n).put<int64_t>(sp.offset);
+    w.put<int64_t>(sp.rows).put<uint8_t>(m.chief() ? 1 : 0);
+    const size_t bytes = m.chief() ? static_cast<size_t>(sp.rows) * vi->row_bytes : 0;
+    const char* data = m.chief() ? static_cast<const char*>(value.data()) + sp.offset * vi->row_bytes : nullptr;
+    calls.push_back(m.client->post(sp.ps, ps::Op::kCreate, w.bytes(), owner, data, bytes, nullptr, 0,
+                                   "create of '" + var.name + "'"));
+  }
+  m.wait_all(calls);
+  m.info_of[&var] = vi.get();
+  m.vars.push_back(std::move(vi));
+}
+
+Variable ParameterServerStrategy::create_row_sparse_variable(const std::string& name,
+                                                             const Shape& shape, DType dtype,
+                                                             const Initializer& init,
+                                                             const VariableOptions& options) {
+  impl_->creating_row_sparse = true;
+  try {
+    Variable v = create_variable(name, shape, dtype, init, options);
+    impl_->creating_row_sparse = false;
+    return v;
+  } catch (...) {
+    impl_->creating_row_sparse = false;
+    throw;
+  }
+}
+
+void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
+  Impl& m = *impl_;
+  m.require_worker("run");
+  const auto t0 = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    // An earlier push's rejection is reported first; a failed pull is not
+    // kept, so the next run pulls afresh.
+    std::exception_ptr earlier = m.client->take_deferred();
+    try {
+      if (m.pull_calls.empty()) m.post_dense_pull();
+      m.finish_dense_pull();
+    } catch (...) {
+      m.pull_calls.clear();
+      if (!earlier) earlier = m.client->take_deferred();  // completed by the wait
+      if (!earlier) throw;
+    }
+    if (!earlier) earlier = m.client->take_deferred();
+    if (earlier) std::rethrow_exception(earlier);
+  }
+  const auto t1 = Clock::now();
+  try {
+    m.replicas->run(fn);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(m.staged_mu);
+    m.staged.clear();
+    throw;
+  }
+  const auto t2 = Clock::now();
+  std::lock_guard<std::mutex> lock(m.mu);
+  std::vector<Impl::StagedPush> staged;
+  {
+    std::lock_guard<std::mutex> slock(m.staged_mu);
+    staged.swap(m.staged);
+  }
+  for (Impl::StagedPush& s : staged) m.post_push(s);
+  // Prefetch: the next step's pull travels behind the push.
+  if (!staged.empty()) m.post_dense_pull();
+  m.client->poll();
+  m.progress_cv.notify_all();
+  ++m.runs;
+  m.pull_wait_s += std::chrono::duration<double>(t1 - t0).count();
+  m.replicas_s += std::chrono::duration<double>(t2 - t1).count();
+  m.push_post_s += std::chrono::duration<double>(Clock::now() - t2).count();
+}
+
+void ParameterServerStrategy::apply_gradients(
+    ReplicaContext& ctx, Optimizer& optimizer,
+    const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  apply_gradients(ctx, optimizer, grads_and_vars, {});
+}
+
+void ParameterServerStrategy::apply_gradients(
+    ReplicaContext& ctx, Optimizer& optimizer,
+    const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+    const std::vector<SparseGradient>& sparse) {
+  Impl& m = *impl_;
+  const ps::OptimizerConfig config = ps::describe_optimizer(optimizer);
+  std::vector<Tensor> grads;
+  std::vector<std::string> names;
+  for (const auto& [g, v] : grads_and_vars) {
+    const Impl::VarInfo& vi = m.info(v.impl());
+    DISTSTRAT_CHECK(!vi.row_sparse, kInvalidArgument, "apply_gradients: variable '", v.name(),
+                    "' is row-sparse: pass its gradient as a SparseGradient");
+    DISTSTRAT_CHECK(g.shape() == v.shape() && g.dtype() == v.dtype(), kInvalidArgument,
+                    "apply_gradients: gradient ", g.debug_string(), " does not match variable '",
+                    v.name(), "' ", dtype_name(v.dtype()), v.shape().to_string());
+    grads.push_back(g);
+    names.push_back(v.name() + "/grad");
+  }
+  for (const SparseGradient& s : sparse) {
+    const Impl::VarInfo& vi = m.info(s.variable.impl());
+    DISTSTRAT_CHECK(vi.row_sparse, kInvalidArgument, "apply_gradients: variable '",
+                    s.variable.name(), "' is not row-sparse: pass a dense gradient");
+    DISTSTRAT_CHECK(s.values.defined() && s.values.dtype() == DType::kFloat32, kInvalidArgument,
+                    "apply_gradients: row gradient of '", s.variable.name(), "' must be float32, got ",
+                    s.values.defined() ? s.values.debug_string() : "an undefined tensor");
+    std::vector<int64_t> want = s.variable.shape().dims();
+    want[0] = s.ids.defined() && s.ids.shape().rank() == 1 ? s.ids.shape()[0] : -1;
+    DISTSTRAT_CHECK(s.values.shape().dims() == want, kInvalidArgument, "apply_gradients: row gradient ",
+                    s.values.debug_string(), " of '", s.variable.name(), "' does not match ",
+                    want[0], " ids of rows ", s.variable.shape().to_string());
+  }
+  // Inside the worker, replicas are synchronous: dense gradients are summed
+  // over the local replicas, row gradients concatenated.
+  const bool local_many = m.replicas->size() > 1;
+  if (local_many && !grads.empty()) {
+    for (Tensor& g : grads) g = g.clone();
+    ctx.all_reduce(ReduceOp::kSum, grads, names);
+  }
+  std::vector<std::pair<Tensor, Tensor>> rows;  // (ids, values) per sparse gradient
+  for (const SparseGradient& s : sparse) {
+    if (local_many) {
+      rows.emplace_back(ctx.all_gather(s.ids, s.variable.name() + "/ids"),
+                        ctx.all_gather(s.values, s.variable.name() + "/rows"));
+    } else {
+      rows.emplace_back(s.ids, s.values);
+    }
+  }
+  ctx.merge_call([&](Strategy&) {
+    Impl::StagedPush push;
+    push.config = config;
+    push.iterations = &m.info(optimizer.iterations().impl());
+    for (size_t k = 0; k < grads.size(); ++k) {
+      push.dense.emplace_back(&m.info(grads_and_vars[k].second.impl()),
+                              local_many ? grads[k] : grads[k].clone());
+    }
+    for (size_t k = 0; k < sparse.size(); ++k) {
+      const Impl::VarInfo& vi = m.info(sparse[k].variable.impl());
+      const std::vector<int64_t> ids = m.checked_ids(vi, rows[k].first, "push");
+      // Sum duplicate ids so each row is updated once.
+      std::unordered_map<int64_t, size_t> first;
+      Impl::StagedPush::Rows r{&vi, {}, {}};
+      const int64_t re = rows[k].second.shape().num_elements() / std::max<int64_t>(1, rows[k].second.shape()[0]);
+      std::vector<float> acc;
+      const float* src = rows[k].second.data<float>();
+      for (size_t i = 0; i < ids.size(); ++i) {
+        auto [it, fresh] = first.emplace(ids[i], r.ids.size());
+        if (fresh) {
+          r.ids.push_back(ids[i]);
+          acc.insert(acc.end(), src + i * re, src + (i + 1) * re);
+        } else {
+          float* dst = acc.data() + it->second * re;
+          for (int64_t j = 0; j < re; ++j) dst[j] += src[i * re + j];
+        }
+      }
+      std::vector<int64_t> d = sparse[k].variable.shape().dims();
+      d[0] = static_cast<int64_t>(r.ids.size());
+      r.values = Tensor(Shape(d), DType::kFloat32);
+      if (!acc.empty()) std::memcpy(r.values.data(), acc.data(), acc.size() * sizeof(float));
+      push.sparse.push_back(std::move(r));
+    }
+    std::lock_guard<std::mutex> lock(m.staged_mu);
+    m.staged.push_back(std::move(push));
+  });
+}
+
+Tensor ParameterServerStrategy::gather_rows(const Variable& var, const Tensor& ids) {
+  Impl& m = *impl_;
+  m.require_worker("gather_rows");
+  std::lock_guard<std::mutex> lock(m.mu);
+  const Impl::VarInfo& vi = m.info(var.impl());
+  const std::vector<int64_t> id = m.checked_ids(vi, ids, "gather_rows");
+  std::vector<int64_t> dims = var.shape().dims();
+  dims[0] = static_cast<int64_t>(id.size());
+  Tensor out{Shape(dims), var.dtype()};
+  // Route each id to its shard; one pull per PS with one entry per shard.
+  struct Part {
+    std::vector<ps::Entry> entries;
+    std::vector<int64_t> ids;
+    std::vector<size_t> positions;  // where each returned row goes
+    std::vector<char> buffer;
+  };
+  std::vector<Part> parts(m.ps_ranks.size());
+  for (const Impl::ShardPlace& sp : vi.shards) {
+    ps::Entry e = Impl::entry_of(vi, sp);
+    e.sparse = 1;
+    Part& part = parts[sp.ps];
+    for (size_t k = 0; k < id.size(); ++k) {
+      if (id[k] < sp.offset || id[k] >= sp.offset + sp.rows) continue;
+      part.ids.push_back(id[k]);
+      part.positions.push_back(k);
+      ++e.num_ids;
+    }
+    if (e.num_ids) part.entries.push_back(e);
+  }
+  std::vector<ps::Client::CallPtr> calls;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    Part& part = parts[p];
+    if (part.entries.empty()) continue;
+    ps::Writer w;
+    w.put<int64_t>(-1).put<int64_t>(static_cast<int64_t>(part.entries.size()));
+    for (const ps::Entry& e : part.entries) ps::write_entry(w, e);
+    part.buffer.resize(part.ids.size() * vi.row_bytes);
+    calls.push_back(m.client->post(static_cast<int>(p), ps::Op::kPull, w.bytes(), nullptr,
+                                   part.ids.data(), part.ids.size() * sizeof(int64_t),
+                                   part.buffer.data(), part.buffer.size(),
+                                   "gather_rows of '" + var.name() + "'"));
+  }
+  m.wait_all(calls);
+  char* dst = static_cast<char*>(out.data());
+  for (Part& part : parts) {
+    for (size_t k = 0; k < part.positions.size(); ++k) {
+      std::memcpy(dst + part.positions[k] * vi.row_bytes, part.buffer.data() + k * vi.row_bytes, vi.row_bytes);
+    }
+  }
+  return out;
+}
+
+void ParameterServerStrategy::flush() {
+  Impl& m = *impl_;
+  m.require_worker("flush");
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.client->drain();
+  m.client->throw_deferred();
+}
+
+ParameterServerStats ParameterServerStrategy::stats() {
+  Impl& m = *impl_;
+  m.require_worker("stats");
+  std::lock_guard<std::mutex> lock(m.mu);
+  // Each reply: version, rejected, staleness sum, staleness max, step gap,
+  // worker count, then each worker's steps (all int64).
+  const size_t bytes = (6 + m.worker_ranks.size()) * sizeof(int64_t);
+  std::vector<std::vector<char>> replies(m.ps_ranks.size(), std::vector<char>(bytes));
+  std::vector<ps::Client::CallPtr> calls;
+  for (int p = 0; p < m.client->num_ps(); ++p) {
+    calls.push_back(m.client->post(p, ps::Op::kStats, {}, nullptr, nullptr, 0, replies[p].data(),
+                                   bytes, "stats"));
+  }
+  m.wait_all(calls);
+  ParameterServerStats out;
+  out.pushes_sent = m.pushes_sent;
+  int64_t staleness_sum = 0;
+  for (const std::vector<char>& reply : replies) {
+    ps::Reader r(reply.data(), reply.size(), "stats reply");
+    const int64_t applied = r.get<int64_t>();
+    out.pushes_applied += applied;
+    out.pushes_rejected += r.get<int64_t>();
+    staleness_sum += r.get<int64_t>();
+    out.max_staleness = std::max(out.max_staleness, r.get<int64_t>());
+    out.max_step_gap = std::max(out.max_step_gap, r.get<int64_t>());
+    const int64_t n = r.get<int64_t>();
+    out.worker_steps.resize(static_cast<size_t>(n), 0);
+    for (int64_t i = 0; i < n; ++i) {
+      out.worker_steps[i] = std::max(out.worker_steps[i], r.get<int64_t>());
+    }
+  }
+  out.mean_staleness = out.pushes_applied ? static_cast<double>(staleness_sum) / out.pushes_applied : 0.0;
+  return out;
+}
+
+void ParameterServerStrategy::barrier(const std::string& name) {
+  Impl& m = *impl_;
+  m.require_worker("barrier");
+  std::lock_guard<std::mutex> lock(m.mu);
+  ps::Writer w;
+  w.put<int64_t>(++m.barrier_count);
+  auto c = m.client->post(0, ps::Op::kBarrier, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
+                          "barrier '" + name + "'");
+  m.client->wait(c);
+}
+
+std::vector<ShardSnapshot> ParameterServerStrategy::local_shards() const {
+  DISTSTRAT_CHECK(impl_->is_ps, kFailedPrecondition, "local_shards on a worker: PS ranks hold the shards");
+  return impl_->services.at(0)->service().snapshot();
+}
+
+void ParameterServerStrategy::restore_local_shards(const std::vector<ShardSnapshot>& shards) {
+  DISTSTRAT_CHECK(impl_->is_ps, kFailedPrecondition, "restore_local_shards on a worker: PS ranks hold the shards");
+  impl_->services.at(0)->service().restore(shards);
+}
+
+Tensor ParameterServerStrategy::read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const {
+  const Impl::VarInfo& vi = impl_->info(var);
+  DISTSTRAT_CHECK(!vi.row_sparse, kFailedPrecondition, "read of row-sparse variable '", var.name,
+                  "': it is not pulled whole; use gather_rows");
+  return var.copies[0];
+}
+
+Tensor ParameterServerStrategy::variable_value(const Variable::Impl& var) const {
+  Impl& m = *impl_;
+  m.require_worker("value");
+  std::lock_guard<std::mutex> lock(m.mu);
+  return m.pull_whole(m.info(var));
+}
+
+void ParameterServerStrategy::assign_variable(Variable::Impl& var, const Tensor& value) {
+  Impl& m = *impl_;
+  m.require_worker("assign");
+  DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
+                  "assign to variable '", var.name, "' ", dtype_name(var.dtype),
+                  var.shape.to_string(), " from ", value.debug_string());
+  std::lock_guard<std::mutex> lock(m.mu);
+  const Impl::VarInfo& vi = m.info(var);
+  auto owner = std::make_shared<Tensor>(value.clone());
+  std::vector<ps::Client::CallPtr> calls;
+  for (const Impl::ShardPlace& sp : vi.shards) {
+    ps::Entry e = Impl::entry_of(vi, sp);
+    e.shape = Impl::shard_shape(vi, sp);
+    ps::Writer w;
+    w.put<int64_t>(1);
+    ps::write_entry(w, e);
+    calls.push_back(m.client->post(sp.ps, ps::Op::kAssign, w.bytes(), owner,
+                                   static_cast<const char*>(owner->data()) + sp.offset * vi.row_bytes,
+                                   static_cast<size_t>(sp.rows) * vi.row_bytes, nullptr, 0,
+                                   "assign to '" + var.name + "'"));
+  }
+  m.wait_all(calls);
+  if (!vi.row_sparse) var.copies[0].copy_from(value);
+  m.discard_dense_pull();  // the next run pulls what we just wrote
+}
+
+void ParameterServerStrategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
+  Tensor v = var.value();
+  fn(v);
+  var.assign(v);
+}
+
+double ParameterServerStrategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
+  // Workers never meet: reduce over this worker's replicas only.
+  if (op != ReduceOp::kMean) return Strategy::reduce_across(op, local);
+  return Strategy::reduce_across(ReduceOp::kSum, local) / static_cast<double>(local.size());
+}
+
+}  // namespace diststrat

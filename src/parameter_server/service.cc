@@ -1,0 +1,645 @@
+#include "parameter_server/service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "parameter_server/update_rule.h"
+
+namespace diststrat {
+namespace ps {
+
+namespace {
+constexpr int64_t kMaxPayloadBytes = int64_t{1} << 40;
+
+bool valid_dtype(int32_t d) { return d >= 0 && d <= static_cast<int32_t>(DType::kInt64); }
+
+// Sleeps a little longer each idle round, so an idle PS does not take a core
+// from the workers it shares a host with, and a busy one answers at once.
+class Backoff {
+ public:
+  void reset() { idle_ = 0; }
+  // `busy`: a transfer is in flight, so stay responsive.
+  void idle(bool busy) {
+    ++idle_;
+    if (idle_ < 16) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(busy || idle_ < 64 ? 20 : 200));
+    }
+  }
+
+ private:
+  int idle_ = 0;
+};
+
+int64_t row_elems(const Shape& s) {
+  int64_t n = 1;
+  for (size_t i = 1; i < s.rank(); ++i) n *= s[i];
+  return n;
+}
+}  // namespace
+
+Service::Service(Transport& transport, ServiceOptions options, const Logger& logger)
+    : t_(transport), options_(std::move(options)), logger_(logger) {
+  const auto now = Clock::now();
+  for (size_t i = 0; i < options_.worker_ranks.size(); ++i) {
+    WorkerState w;
+    w.rank = options_.worker_ranks[i];
+    w.index = static_cast<int>(i);
+    w.last_heard = now;
+    worker_of_rank_[w.rank] = static_cast<int>(i);
+    workers_.push_back(std::move(w));
+  }
+}
+
+Service::~Service() = default;
+
+std::string Service::who() const { return "PS rank " + std::to_string(t_.rank()); }
+
+void Service::run() {
+  Backoff backoff;
+  while (!stop_) {
+    bool progressed = receive_new();
+    progressed |= process_queues();
+    reap_outgoing();
+    check_liveness();
+    if (finished()) break;
+    if (progressed) {
+      backoff.reset();
+    } else {
+      backoff.idle(!outgoing_.empty() || waiting_for_payload());
+    }
+  }
+  // Let the last replies reach their workers before the transport goes away.
+  const auto deadline = Clock::now() + options_.timeout;
+  while (!outgoing_.empty() && Clock::now() < deadline && !stop_) {
+    reap_outgoing();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+bool Service::waiting_for_payload() const {
+  for (const WorkerState& w : workers_) {
+    if (!w.queue.empty() && !w.queue.front().payload_ready) return true;
+  }
+  return false;
+}
+
+bool Service::finished() const {
+  for (const WorkerState& w : workers_) {
+    if (!w.done && !w.gone) return false;
+    if (!w.queue.empty()) return false;
+  }
+  return outgoing_.empty();
+}
+
+bool Service::receive_new() {
+  bool any = false;
+  Envelope env;
+  while (t_.probe_any(&env)) {
+    any = true;
+    std::vector<char> control(env.bytes);
+    Request r = t_.recv(env.source, control.data(), env.bytes, env.tag);
+    r.wait(Clock::now() + options_.timeout);
+    auto it = worker_of_rank_.find(env.source);
+    if (env.tag != kRequestTag || it == worker_of_rank_.end()) {
+      logger_.error(who(), ": dropped a message of ", env.bytes, " bytes with tag ", env.tag,
+                    " from rank ", env.source, " (not a worker request)");
+      continue;
+    }
+    WorkerState& w = workers_[it->second];
+    w.last_heard = Clock::now();
+    if (w.gone && !w.done) {
+      std::lock_guard<std::mutex> lock(mu_);
+      w.gone = false;
+      logger_.warning(who(), ": worker ", w.index, " is back");
+    }
+    Pending p;
+    p.arrived = w.last_heard;
+    p.control = std::move(control);
+    if (p.control.size() < sizeof(RequestHeader)) {
+      RequestHeader unknown;
+      unknown.seq = -1;
+      send_reply(w.rank, unknown, static_cast<int>(ErrorCode::kInvalidArgument), {},
+                 who() + ": malformed request of " + std::to_string(p.control.size()) + " bytes");
+      continue;
+    }
+    std::memcpy(&p.header, p.control.data(), sizeof(RequestHeader));
+    if (p.header.magic != kMagic || p.header.payload_bytes < 0 ||
+        p.header.payload_bytes > kMaxPayloadBytes) {
+      // Without a trustworthy header the worker's message stream cannot be
+      // followed any further: stop serving it.
+      RequestHeader bad = p.header;
+      bad.reply_bytes = 0;  // cannot be trusted either
+      send_reply(w.rank, bad, static_cast<int>(ErrorCode::kInvalidArgument), {},
+                 who() + ": malformed request header from worker " + std::to_string(w.index));
+      w.gone = true;
+      continue;
+    }
+    if (p.header.payload_bytes > 0) {
+      p.payload.resize(static_cast<size_t>(p.header.payload_bytes));
+      p.payload_recv = t_.recv(w.rank, p.payload.data(), p.payload.size(), kRequestPayloadTag);
+    } else {
+      p.payload_ready = true;
+    }
+    w.queue.push_back(std::move(p));
+  }
+  return any;
+}
+
+bool Service::process_queues() {
+  bool any = false;
+  const size_t n = workers_.size();
+  for (size_t k = 0; k < n; ++k) {
+    WorkerState& w = workers_[(next_worker_ + k) % n];
+    while (!w.queue.empty()) {
+      Pending& p = w.queue.front();
+      const Op op = static_cast<Op>(p.header.op);
+      const std::string what = who() + ": " + op_name(op) + " from worker " + std::to_string(w.index);
+      if (!p.payload_ready) {
+        try {
+          p.payload_ready = p.payload_recv.test();
+        } catch (const Error& e) {
+          send_reply(w.rank, p.header, static_cast<int>(e.code()), {}, what + ": " + e.message());
+          w.queue.pop_front();
+          any = true;
+          continue;
+        }
+        if (!p.payload_ready) break;
+      }
+      Reply reply;
+      Outcome outcome;
+      try {
+        std::lock_guard<std::mutex> lock(mu_);
+        outcome = handle(w, p, reply);
+      } catch (const Error& e) {
+        if (op == Op::kPush) {
+          std::lock_guard<std::mutex> lock(mu_);
+          ++stats_.pushes_rejected;
+        }
+        logger_.warning(what, " rejected: ", e.message());
+        send_reply(w.rank, p.header, static_cast<int>(e.code()), {}, what + ": " + e.message());
+        w.queue.pop_front();
+        any = true;
+        continue;
+      } catch (const std::exception& e) {
+        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kInternal), {},
+                   what + ": " + e.what());
+        w.queue.pop_front();
+        any = true;
+        continue;
+      }
+      if (outcome == Outcome::kDeferred) break;
+      send_reply(w.rank, p.header, -1, std::move(reply.payload), "");
+      w.queue.pop_front();
+      any = true;
+    }
+  }
+  next_worker_ = (next_worker_ + 1) % std::max<size_t>(n, 1);
+  return any;
+}
+
+void Service::send_reply(int rank, const RequestHeader& request, int status,
+                         std::vector<char> payload, std::string error) {
+  const size_t expected = static_cast<size_t>(std::max<int64_t>(0, request.reply_bytes));
+  if (status == -1 && payload.size() != expected) {
+    status = static_cast<int>(ErrorCode::kInternal);
+    error = who() + ": a reply of " + std::to_string(payload.size()) + " bytes where the request expects " +
+            std::to_string(expected);
+  }
+  if (status != -1) payload.assign(expected, 0);
+  Outgoing o;
+  o.header = std::make_shared<ReplyHeader>();
+  o.header->seq = request.seq;
+  o.header->status = status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    o.header->version = stats_.version;
+  }
+  o.header->payload_bytes = static_cast<int64_t>(payload.size());
+  o.header->error_bytes = static_cast<int64_t>(error.size());
+  o.requests.push_back(t_.send(rank, o.header.get(), sizeof(ReplyHeader), kReplyTag));
+  if (!error.empty()) {
+    o.error = std::make_shared<std::string>(error);
+    o.requests.push_back(t_.send(rank, o.error->data(), o.error->size(), kReplyErrorTag));
+  }
+  if (!payload.empty()) {
+    o.payload = std::make_shared<std::vector<char>>(std::move(payload));
+    o.requests.push_back(t_.send(rank, o.payload->data(), o.payload->size(), kReplyPayloadTag));
+  }
+  outgoing_.push_back(std::move(o));
+}
+
+void Service::reap_outgoing() {
+  for (auto it = outgoing_.begin(); it != outgoing_.end();) {
+    bool done = true;
+    try {
+      for (Request& r : it->requests) done = done && r.test();
+    } catch (const Error& e) {
+      logger_.error(who(), ": a reply failed: ", e.message());
+    }
+    it = done ? outgoing_.erase(it) : std::next(it);
+  }
+}
+
+void Service::check_liveness() {
+  const auto now = Clock::now();
+  for (WorkerState& w : workers_) {
+    if (w.done || w.gone || !w.queue.empty()) continue;  // a queued request means it waits on us
+    if (now - w.last_heard > options_.worker_timeout) {
+      std::lock_guard<std::mutex> lock(mu_);
+      w.gone = true;
+      logger_.error(who(), ": worker ", w.index, " (rank ", w.rank, ") sent nothing for ",
+                    options_.worker_timeout.count(), " ms; it no longer holds back the others");
+    }
+  }
+}
+
+int Service::slowest_other(int except) const {
+  int slowest = -1;
+  for (const WorkerState& w : workers_) {
+    if (w.index == except || w.done || w.gone) continue;
+    if (slowest < 0 || w.steps < workers_[slowest].steps) slowest = w.index;
+  }
+  return slowest;
+}
+
+Service::Shard& Service::find_shard(const Entry& e, const std::string& what) {
+  auto it = shards_.find({e.var_id, e.shard_index});
+  if (it == shards_.end()) {
+    throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " + std::to_string(e.var_id) +
+                        ", shard " + std::to_string(e.shard_index) + ") on this PS");
+  }
+  DISTSTRAT_CHECK(it->second.name == e.name, kInvalidArgument, what, ": variable id ", e.var_id,
+                  " is '", it->second.name, "' here, not '", e.name, "'");
+  return it->second;
+}
+
+Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
+  Reader r(p.control.data() + sizeof(RequestHeader), p.control.size() - sizeof(RequestHeader),
+           op_name(static_cast<Op>(p.header.op)));
+  switch (static_cast<Op>(p.header.op)) {
+    case Op::kCreate: return handle_create(w, p, r);
+    case Op::kPull: return handle_pull(w, p, r, reply);
+    case Op::kPush: handle_push(w, p, r); return Outcome::kServed;
+    case Op::kAssign: handle_assign(w, p, r); return Outcome::kServed;
+    case Op::kBarrier: return handle_barrier(w, p, r);
+    case Op::kStats: handle_stats(reply); return Outcome::kServed;
+    case Op::kDone: w.done = true; return Outcome::kServed;
+  }
+  throw InvalidArgumentError("unknown op " + std::to_string(p.header.op));
+}
+
+Service::Outcome Service::handle_create(WorkerState& w, Pending& p, Reader& r) {
+  Shard spec;
+  const int64_t var_id = r.get<int64_t>();
+  spec.name = r.get_string();
+  const std::string name = spec.name;
+  const int32_t dtype = r.get<int32_t>();
+  DISTSTRAT_CHECK(valid_dtype(dtype), kInvalidArgument, "variable '", spec.name, "': bad dtype ", dtype);
+  spec.dtype = static_cast<DType>(dtype);
+  spec.full_shape = r.get_shape();
+  const int64_t shard_index = r.get<int64_t>();
+  spec.num_shards = r.get<int64_t>();
+  spec.row_offset = r.get<int64_t>();
+  spec.rows = r.get<int64_t>();
+  const bool has_value = r.get<uint8_t>() != 0;
+  std::vector<int64_t> dims = spec.full_shape.dims();
+  if (!dims.empty()) {
+    DISTSTRAT_CHECK(spec.row_offset >= 0 && spec.rows >= 0 && spec.row_offset + spec.rows <= dims[0],
+                    kInvalidArgument, "variable '", spec.name, "' shard ", shard_index, ": rows [",
+                    spec.row_offset, ", ", spec.row_offset + spec.rows, ") outside ",
+                    spec.full_shape.to_string());
+    dims[0] = spec.rows;
+  }
+  const Shape shard_shape(dims);
+  const size_t bytes = static_cast<size_t>(shard_shape.num_elements()) * dtype_size(spec.dtype);
+  DISTSTRAT_CHECK(!has_value || p.payload.size() == bytes, kInvalidArgument, "variable '", spec.name,
+                  "' shard ", shard_index, ": initial value has ", p.payload.size(),
+                  " bytes, expected ", bytes);
+
+  auto it = shards_.find({var_id, shard_index});
+  if (it == shards_.end()) {
+    spec.value = Tensor(shard_shape, spec.dtype);
+    auto restored = restored_.find({spec.name, shard_index});
+    if (restored != restored_.end()) {
+      ShardSnapshot& s = restored->second;
+      DISTSTRAT_CHECK(s.value.shape() == shard_shape && s.value.dtype() == spec.dtype &&
+                          s.row_offset == spec.row_offset,
+                      kInvalidArgument, "variable '", spec.name, "' shard ", shard_index,
+                      ": the restored shard ", s.value.debug_string(), " at row ", s.row_offset,
+                      " does not match ", dtype_name(spec.dtype), shard_shape.to_string(),
+                      " at row ", spec.row_offset);
+      spec.value.copy_from(s.value);
+      spec.slots = s.slots;
+      spec.step = s.step;
+      spec.initialized = true;
+      restored_.erase(restored);
+    }
+    it = shards_.emplace(std::make_pair(var_id, shard_index), std::move(spec)).first;
+  } else {
+    const Shard& have = it->second;
+    DISTSTRAT_CHECK(have.name == spec.name && have.dtype == spec.dtype &&
+                        have.full_shape == spec.full_shape && have.num_shards == spec.num_shards &&
+                        have.row_offset == spec.row_offset && have.rows == spec.rows,
+                    kInvalidArgument, "variable id ", var_id, " shard ", shard_index, " is '",
+                    have.name, "' ", dtype_name(have.dtype), have.full_shape.to_string(),
+                    " (rows ", have.row_offset, "+", have.rows, " of ", have.num_shards,
+                    " shards) here, but worker ", w.index, " declares '", spec.name, "' ",
+                    dtype_name(spec.dtype), spec.full_shape.to_string(), " (rows ",
+                    spec.row_offset, "+", spec.rows, " of ", spec.num_shards,
+                    " shards): workers must create the same variables in the same order");
+  }
+  Shard& shard = it->second;
+  if (has_value && !shard.initialized) {
+    if (bytes) std::memcpy(shard.value.data(), p.payload.data(), bytes);
+    shard.initialized = true;
+  }
+  if (!shard.initialized) {
+    if (Clock::now() - p.arrived > options_.timeout) {
+      throw DeadlineExceededError("variable '" + name + "': the chief (worker 0) never sent its "
+                                  "initial value");
+    }
+    return Outcome::kDeferred;
+  }
+  return Outcome::kServed;
+}
+
+Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reader& r, Reply& reply) {
+  const int64_t clock = r.get<int64_t>();
+  if (clock >= 0 && options_.max_staleness >= 0) {
+    const int slowest = slowest_other(w.index);
+    if (slowest >= 0 && clock - workers_[slowest].steps > options_.max_staleness) {
+      if (Clock::now() - p.arrived > options_.timeout) {
+        throw DeadlineExceededError(
+            "worker " + std::to_string(w.index) + " at step " + std::to_string(clock) +
+            " waited past the deadline for worker " + std::to_string(slowest) + " (at step " +
+            std::to_string(workers_[slowest].steps) + ", max_staleness " +
+            std::to_string(options_.max_staleness) + ")");
+      }
+      return Outcome::kDeferred;
+    }
+  }
+  const int64_t n = r.get<int64_t>();
+  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "pull of ", n, " entries");
+  std::vector<Entry> entries;
+  std::vector<Shard*> shards;
+  size_t ids_bytes = 0, out_bytes = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    entries.push_back(read_entry(r));
+    const Entry& e = entries.back();
+    Shard& s = find_shard(e, "pull");
+    shards.push_back(&s);
+    const size_t row_bytes = static_cast<size_t>(row_elems(s.value.shape())) * dtype_size(s.dtype);
+    if (e.sparse) {
+      DISTSTRAT_CHECK(s.value.shape().rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name, "'");
+      DISTSTRAT_CHECK(e.num_ids >= 0, kInvalidArgument, "pull of '", e.name, "': ", e.num_ids, " ids");
+      ids_bytes += static_cast<size_t>(e.num_ids) * sizeof(int64_t);
+      out_bytes += static_cast<size_t>(e.num_ids) * row_bytes;
+    } else {
+      out_bytes += s.value.nbytes();
+    }
+  }
+  DISTSTRAT_CHECK(p.payload.size() == ids_bytes, kInvalidArgument, "pull: payload has ",
+                  p.payload.size(), " bytes of row ids, the entries declare ", ids_bytes);
+  // Validate every id before producing anything.
+  const int64_t* ids = reinterpret_cast<const int64_t*>(p.payload.data());
+  for (size_t i = 0, k = 0; i < entries.size(); ++i) {
+    if (!entries[i].sparse) continue;
+    const Shard& s = *shards[i];
+    for (int64_t j = 0; j < entries[i].num_ids; ++j, ++k) {
+      DISTSTRAT_CHECK(ids[k] >= s.row_offset && ids[k] < s.row_offset + s.rows, kInvalidArgument,
+                      "pull of '", s.name, "': row id ", ids[k], " is out of range [",
+                      s.row_offset, ", ", s.row_offset + s.rows, ") of shard ",
+                      entries[i].shard_index, " (the variable has ", s.full_shape[0], " rows)");
+    }
+  }
+  reply.payload.resize(out_bytes);
+  char* out = reply.payload.data();
+  for (size_t i = 0, k = 0; i < entries.size(); ++i) {
+    const Shard& s = *shards[i];
+    const char* src = static_cast<const char*>(s.value.data());
+    if (!entries[i].sparse) {
+      if (s.value.nbytes()) std::memcpy(out, src, s.value.nbytes());
+      out += s.value.nbytes();
+      continue;
+    }
+    const size_t row_bytes = static_cast<size_t>(row_elems(s.value.shape())) * dtype_size(s.dtype);
+    for (int64_t j = 0; j < entries[i].num_ids; ++j, ++k) {
+      std::memcpy(out, src + static_cast<size_t>(ids[k] - s.row_offset) * row_bytes, row_bytes);
+      out += row_bytes;
+    }
+  }
+  return Outcome::kServed;
+}
+
+void Service::handle_push(WorkerState& w, Pending& p, Reader& r) {
+  const int64_t steps_after = r.get<int64_t>();
+  const int64_t pulled_version = r.get<int64_t>();
+  const OptimizerConfig config = read_config(r);
+  const int64_t iter_var = r.get<int64_t>();
+  const std::string iter_name = r.get_string();
+  const int64_t n = r.get<int64_t>();
+  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "push of ", n, " entries");
+  std::unique_ptr<UpdateRule> rule = make_update_rule(config);
+
+  // Validate the whole push before changing anything.
+  struct Item {
+    const Entry* e;
+    Shard* s;
+    const int64_t* ids;
+    const float* values;
+  };
+  std::vector<Entry> entries;
+  entries.reserve(static_cast<size_t>(n));
+  std::vector<Item> items;
+  size_t offset = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    entries.push_back(read_entry(r));
+    const Entry& e = entries.back();
+    Shard& s = find_shard(e, "push");
+    DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(DType::kFloat32) && s.dtype == DType::kFloat32,
+                    kInvalidArgument, "push to '", e.name, "': gradient dtype ",
+                    valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
+                    ", variable dtype ", dtype_name(s.dtype), "; optimizers update float32");
+    Item it{&e, &s, nullptr, nullptr};
+    if (e.sparse) {
+      std::vector<int64_t> want = s.value.shape().dims();
+      DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", e.name, "'");
+      want[0] = e.num_ids;
+      DISTSTRAT_CHECK(e.num_ids >= 0 && e.shape == Shape(want), kInvalidArgument, "push to '", e.name,
+                      "' shard ", e.shard_index, ": row gradient ", e.shape.to_string(), " for ",
+                      e.num_ids, " ids does not match the rows ", Shape(want).to_string());
+      const size_t id_bytes = static_cast<size_t>(e.num_ids) * sizeof(int64_t);
+      DISTSTRAT_CHECK(offset + id_bytes <= p.payload.size(), kInvalidArgument, "push to '", e.name,
+                      "': payload too short for its row ids");
+      it.ids = reinterpret_cast<const int64_t*>(p.payload.data() + offset);
+      offset += id_bytes;
+      for (int64_t j = 0; j < e.num_ids; ++j) {
+        DISTSTRAT_CHECK(it.ids[j] >= s.row_offset && it.ids[j] < s.row_offset + s.rows,
+                        kInvalidArgument, "push to '", e.name, "': row id ", it.ids[j],
+                        " is out of range [", s.row_offset, ", ", s.row_offset + s.rows,
+                        ") of shard ", e.shard_index, " (the variable has ", s.full_shape[0],
+                        " rows)");
+      }
+    } else {
+      DISTSTRAT_CHECK(e.shape == s.value.shape(), kInvalidArgument, "push to '", e.name, "' shard ",
+                      e.shard_index, ": gradient shape ", e.shape.to_string(),
+                      " does not match the shard's ", s.value.shape().to_string());
+    }
+    const size_t value_bytes = static_cast<size_t>(e.shape.num_elements()) * sizeof(float);
+    DISTSTRAT_CHECK(offset + value_bytes <= p.payload.size(), kInvalidArgument, "push to '", e.name,
+                    "': payload too short for its gradient");
+    it.values = reinterpret_cast<const float*>(p.payload.data() + offset);
+    offset += value_bytes;
+    items.push_back(it);
+  }
+  DISTSTRAT_CHECK(offset == p.payload.size(), kInvalidArgument, "push: payload has ",
+                  p.payload.size(), " bytes, the entries declare ", offset);
+  Shard* iterations = nullptr;
+  if (iter_var >= 0) {
+    Entry e;
+    e.var_id = iter_var;
+    e.name = iter_name;
+    iterations = &find_shard(e, "push");
+    DISTSTRAT_CHECK(iterations->dtype == DType::kInt64 && iterations->value.num_elements() == 1,
+                    kInvalidArgument, "push: step counter '", iter_name, "' is ",
+                    iterations->value.debug_string(), ", not an int64 scalar");
+  }
+
+  // Apply: one step of the rule per shard, over the shard or just its rows.
+  const std::vector<std::string> slot_names = rule->slot_names();
+  for (const Item& it : items) {
+    Shard& s = *it.s;
+    std::vector<float*> slots;
+    for (const std::string& name : slot_names) {
+      auto sl = s.slots.find(name);
+      if (sl == s.slots.end()) sl = s.slots.emplace(name, Tensor(s.value.shape(), DType::kFloat32)).first;
+      slots.push_back(sl->second.data<float>());
+    }
+    const int64_t step = ++s.step;
+    float* var = s.value.data<float>();
+    if (!it.e->sparse) {
+      rule->update(var, it.values, slots.data(), static_cast<size_t>(s.value.num_elements()), step);
+      continue;
+    }
+    const int64_t re = row_elems(s.value.shape());
+    std::vector<float*> row_slots(slots.size());
+    for (int64_t j = 0; j < it.e->num_ids; ++j) {
+      const int64_t row = it.ids[j] - s.row_offset;
+      for (size_t k = 0; k < slots.size(); ++k) row_slots[k] = slots[k] + row * re;
+      rule->update(var + row * re, it.values + j * re, row_slots.data(), static_cast<size_t>(re), step);
+    }
+  }
+  if (iterations) ++iterations->value.data<int64_t>()[0];
+
+  if (pulled_version >= 0) {
+    const int64_t staleness = std::max<int64_t>(0, stats_.version - pulled_version);
+    stats_.staleness_sum += staleness;
+    stats_.staleness_max = std::max(stats_.staleness_max, staleness);
+  }
+  ++stats_.version;
+  w.steps = std::max(w.steps, steps_after);
+  const int slowest = slowest_other(w.index);
+  if (slowest >= 0) {
+    stats_.max_step_gap = std::max(stats_.max_step_gap, w.steps - workers_[slowest].steps);
+  }
+}
+
+void Service::handle_assign(WorkerState&, Pending& p, Reader& r) {
+  const int64_t n = r.get<int64_t>();
+  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "assign of ", n, " entries");
+  std::vector<std::pair<Shard*, size_t>> items;
+  size_t offset = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const Entry e = read_entry(r);
+    Shard& s = find_shard(e, "assign");
+    DISTSTRAT_CHECK(!e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
+                    kInvalidArgument, "assign to '", e.name, "' shard ", e.shard_index, ": value ",
+                    valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
+                    e.shape.to_string(), " does not match ", s.value.debug_string());
+    items.emplace_back(&s, offset);
+    offset += s.value.nbytes();
+  }
+  DISTSTRAT_CHECK(offset == p.payload.size(), kInvalidArgument, "assign: payload has ",
+                  p.payload.size(), " bytes, the entries declare ", offset);
+  for (auto& [s, off] : items) {
+    if (s->value.nbytes()) std::memcpy(s->value.data(), p.payload.data() + off, s->value.nbytes());
+    s->initialized = true;
+  }
+}
+
+Service::Outcome Service::handle_barrier(WorkerState& w, Pending& p, Reader& r) {
+  const int64_t count = r.get<int64_t>();
+  w.barrier_count = std::max(w.barrier_count, count);
+  std::string missing;
+  for (const WorkerState& o : workers_) {
+    if (o.done || o.gone || o.barrier_count >= count) continue;
+    missing += (missing.empty() ? "" : ", ") + std::to_string(o.index);
+  }
+  if (missing.empty()) return Outcome::kServed;
+  if (Clock::now() - p.arrived > options_.timeout) {
+    throw DeadlineExceededError("barrier " + std::to_string(count) + ": worker(s) " + missing +
+                                " never arrived");
+  }
+  return Outcome::kDeferred;
+}
+
+void Service::handle_stats(Reply& reply) {
+  Writer wr;
+  wr.put(stats_.version).put(stats_.pushes_rejected).put(stats_.staleness_sum);
+  wr.put(stats_.staleness_max).put(stats_.max_step_gap);
+  wr.put<int64_t>(static_cast<int64_t>(workers_.size()));
+  for (const WorkerState& w : workers_) wr.put(w.steps);
+  reply.payload = std::move(wr.bytes());
+}
+
+ServiceStats Service::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ServiceStats s = stats_;
+  for (const WorkerState& w : workers_) s.worker_steps.push_back(w.steps);
+  return s;
+}
+
+std::vector<int> Service::gone_workers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> out;
+  for (const WorkerState& w : workers_) {
+    if (w.gone) out.push_back(w.index);
+  }
+  return out;
+}
+
+std::vector<ShardSnapshot> Service::snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ShardSnapshot> out;
+  for (const auto& [key, s] : shards_) {
+    ShardSnapshot snap;
+    snap.variable = s.name;
+    snap.shard_index = key.second;
+    snap.num_shards = s.num_shards;
+    snap.row_offset = s.row_offset;
+    snap.full_shape = s.full_shape;
+    snap.value = s.value.clone();
+    for (const auto& [name, t] : s.slots) snap.slots.emplace(name, t.clone());
+    snap.step = s.step;
+    out.push_back(std::move(snap));
+  }
+  return out;
+}
+
+void Service::restore(const std::vector<ShardSnapshot>& shards) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DISTSTRAT_CHECK(shards_.empty(), kFailedPrecondition, who(),
+                  ": restore after workers created variables; restore before training starts");
+  for (const ShardSnapshot& s : shards) {
+    ShardSnapshot copy = s;
+    copy.value = s.value.clone();
+    for (auto& [name, t] : copy.slots) t = t.clone();
+    restored_[{s.variable, s.shard_index}] = std::move(copy);
+  }
+}
+
+}  // namespace ps
+}  // namespace diststrat

@@ -1,0 +1,150 @@
+// The parameter-server service: the loop a PS rank runs on its dedicated
+// thread. It holds this rank's variable shards (value, optimizer slots and a
+// per-shard step counter), receives requests from every worker over the
+// Transport, and answers them (see wire.h for the protocol).
+//
+// The loop never blocks on one worker: requests are queued per worker and
+// served in each worker's order; a request that must wait (a pull held back
+// by the staleness bound, a barrier, a variable the chief has not created
+// yet) stays at the head of that worker's queue until it can be served or
+// its deadline passes, while the other workers are served. A request the PS
+// rejects (bad shape, dtype, variable or row id) is answered with an error
+// and changes nothing.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "allreduce/transport.h"
+#include "diststrat/logging.h"
+#include "diststrat/parameter_server.h"
+#include "parameter_server/wire.h"
+
+namespace diststrat {
+namespace ps {
+
+struct ServiceOptions {
+  std::vector<int> worker_ranks;  // transport ranks of the workers, by worker index
+  int max_staleness = -1;         // < 0: unbounded
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // A worker silent this long is treated as gone (see ParameterServerOptions).
+  std::chrono::milliseconds worker_timeout{std::chrono::seconds(300)};
+};
+
+struct ServiceStats {
+  int64_t version = 0;  // pushes applied
+  int64_t pushes_rejected = 0;
+  int64_t staleness_sum = 0;
+  int64_t staleness_max = 0;
+  int64_t max_step_gap = 0;
+  std::vector<int64_t> worker_steps;
+};
+
+class Service {
+ public:
+  Service(Transport& transport, ServiceOptions options, const Logger& logger);
+  ~Service();
+
+  // Serves until every worker has said done (or was declared gone after
+  // worker_timeout of silence), or stop() is called. Throws only on failures of
+  // the transport itself.
+  void run();
+  // Makes run() return soon. Thread-safe.
+  void stop() { stop_ = true; }
+
+  // Thread-safe views for tests, stats and checkpoints.
+  ServiceStats stats() const;
+  std::vector<ShardSnapshot> snapshot() const;
+  // Before the workers create their variables: shards to resume from.
+  void restore(const std::vector<ShardSnapshot>& shards);
+  // Worker indices declared gone (silent past the timeout).
+  std::vector<int> gone_workers() const;
+
+ private:
+  struct Shard {
+    std::string name;
+    DType dtype = DType::kFloat32;
+    Shape full_shape;
+    int64_t num_shards = 1, row_offset = 0, rows = 0;
+    Tensor value;
+    std::map<std::string, Tensor> slots;
+    int64_t step = 0;
+    bool initialized = false;
+  };
+  struct Pending {
+    RequestHeader header;
+    std::vector<char> control;  // the whole control message
+    std::vector<char> payload;
+    Request payload_recv;
+    bool payload_ready = false;
+    Clock::time_point arrived;
+  };
+  struct WorkerState {
+    int rank = -1;
+    int index = 0;
+    int64_t steps = 0;  // pushes applied from it
+    int64_t barrier_count = 0;
+    bool done = false;
+    bool gone = false;
+    Clock::time_point last_heard;
+    std::deque<Pending> queue;
+  };
+  struct Outgoing {
+    std::shared_ptr<ReplyHeader> header;
+    std::shared_ptr<std::string> error;
+    std::shared_ptr<std::vector<char>> payload;
+    std::vector<Request> requests;
+  };
+  enum class Outcome { kServed, kDeferred };
+  struct Reply {
+    std::vector<char> payload;
+  };
+
+  bool receive_new();
+  bool process_queues();
+  void reap_outgoing();
+  void check_liveness();
+  bool finished() const;
+  bool waiting_for_payload() const;
+
+  // Handlers: fill `reply` and return kServed, or kDeferred (nothing changed).
+  Outcome handle(WorkerState& w, Pending& p, Reply& reply);
+  Outcome handle_create(WorkerState& w, Pending& p, Reader& r);
+  Outcome handle_pull(WorkerState& w, Pending& p, Reader& r, Reply& reply);
+  void handle_push(WorkerState& w, Pending& p, Reader& r);
+  void handle_assign(WorkerState& w, Pending& p, Reader& r);
+  Outcome handle_barrier(WorkerState& w, Pending& p, Reader& r);
+  void handle_stats(Reply& reply);
+
+  Shard& find_shard(const Entry& e, const std::string& what);
+  // Slowest live worker other than `except` (index), or -1 when none.
+  int slowest_other(int except) const;
+  // Sends header, error text and payload; the payload is always exactly
+  // `reply_bytes` (what the request expects): zeros after an error.
+  void send_reply(int rank, const RequestHeader& request, int status, std::vector<char> payload,
+                  std::string error);
+  std::string who() const;
+
+  Transport& t_;
+  ServiceOptions options_;
+  const Logger& logger_;
+  std::atomic<bool> stop_{false};
+  std::vector<WorkerState> workers_;
+  std::map<int, int> worker_of_rank_;
+  std::deque<Outgoing> outgoing_;
+  size_t next_worker_ = 0;  // round-robin start
+
+  mutable std::mutex mu_;  // guards everything below (read by other threads)
+  std::map<std::pair<int64_t, int64_t>, Shard> shards_;  // (var id, shard index)
+  std::map<std::pair<std::string, int64_t>, ShardSnapshot> restored_;
+  ServiceStats stats_;
+};
+
+}  // namespace ps
+}  // namespace diststrat

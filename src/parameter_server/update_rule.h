@@ -1,0 +1,37 @@
+// The optimizer's update rule as data, so a parameter server (which holds no
+// Optimizer object) can apply it: the worker describes its optimizer, the PS
+// rebuilds the rule and runs the same code (SGD::apply, Adam::apply) over the
+// float ranges of its shards.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diststrat/optimizer.h"
+#include "parameter_server/wire.h"
+
+namespace diststrat {
+namespace ps {
+
+struct OptimizerConfig {
+  std::string name;            // "sgd", "adam"
+  std::vector<double> params;  // the options, in a fixed order per name
+};
+// Throws UnimplementedError for optimizers a PS cannot rebuild.
+OptimizerConfig describe_optimizer(const Optimizer& optimizer);
+void write_config(Writer& w, const OptimizerConfig& c);
+OptimizerConfig read_config(Reader& r);
+
+class UpdateRule {
+ public:
+  virtual ~UpdateRule() = default;
+  virtual std::vector<std::string> slot_names() const = 0;
+  virtual void update(float* var, const float* grad, float* const* slots, size_t count,
+                      int64_t step) const = 0;
+};
+// Throws InvalidArgumentError for an unknown name or a wrong parameter count.
+std::unique_ptr<UpdateRule> make_update_rule(const OptimizerConfig& config);
+
+}  // namespace ps
+}  // namespace diststrat
