@@ -30,6 +30,9 @@ class ThreadPool {
   // peers' collectives, so healthy ones return at once); a thread still busy
   // after that is stuck (a stalled replica) and is abandoned: run_all returns,
   // listing it, and the pool is unusable from then on (FailedPrecondition).
+  // The destructor detaches abandoned threads. An abandoned task must never
+  // return: the frames it was called from are gone (a stuck replica is
+  // assumed stuck for good — the process should save what it can and exit).
   // Not reentrant.
   Result run_all(const std::function<void(int)>& fn,
                  std::chrono::milliseconds grace = std::chrono::hours(24 * 365));
