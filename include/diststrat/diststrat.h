@@ -5,6 +5,7 @@
 #include "diststrat/config.h"
 #include "diststrat/data.h"
 #include "diststrat/device.h"
+#include "diststrat/checkpoint.h"
 #include "diststrat/dtype.h"
 #include "diststrat/error.h"
 #include "diststrat/io.h"
