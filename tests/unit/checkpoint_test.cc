@@ -525,3 +525,139 @@ print("python side ok")
   EXPECT_EQ(theirs.find("n")->data<int64_t>()[1], -2);
   EXPECT_EQ(static_cast<float>(theirs.find("h")->data<ds::Half>()[1]), -2.0f);
 }
+
+// ---- the default multi-process protocol (chief writes, broadcast on restore) ----
+//
+// Two "workers" as threads, each a MirroredStrategy that reports itself as
+// worker i of 2 and broadcasts / reduces over an in-process group: what
+// multi-worker strategies get from CheckpointParticipant's defaults.
+
+namespace {
+
+class FakeWorker : public ds::MirroredStrategy {
+ public:
+  FakeWorker(int index, ds::Communicator& comm)
+      : ds::MirroredStrategy(std::vector<ds::Device>{ds::Device::cpu(0)}), index_(index), comm_(comm) {}
+  ds::ClusterInfo cluster() const override {
+    ds::ClusterInfo c;
+    c.rank = c.worker_index = c.task_index = index_;
+    c.world_size = c.num_workers = 2;
+    c.task_type = index_ == 0 ? "chief" : "worker";
+    return c;
+  }
+  int num_replicas_in_sync() const override { return 2; }
+  void broadcast(ds::Tensor& t, int root, const std::string& name) override { comm_.broadcast(t, root, name); }
+
+ protected:
+  double reduce_across(ds::ReduceOp op, const std::vector<double>& local) override {
+    double v = local[0];
+    comm_.all_reduce(&v, 1, op, "reduce");
+    return v;
+  }
+
+ private:
+  int index_;
+  ds::Communicator& comm_;
+};
+
+struct Worker {
+  Worker(int i, ds::Communicator& comm) : s(i, comm), mlp({6, 5, 3}) {
+    params = mlp.create_variables(s, 3 + i);  // different weights on each worker
+    opt = std::make_unique<ds::SGD>(s, ds::SGDOptions{0.1f, 0.9f});
+    ckpt = std::make_unique<ds::Checkpoint>(s, std::vector<const ds::Optimizer*>{opt.get()});
+  }
+  FakeWorker s;
+  ds::nn::Mlp mlp;
+  std::vector<ds::Variable> params;
+  std::unique_ptr<ds::SGD> opt;
+  std::unique_ptr<ds::Checkpoint> ckpt;
+};
+
+void comm_barrier(Worker& w) {
+  ds::Tensor t(ds::Shape{1}, ds::DType::kInt32);
+  w.s.broadcast(t, 0, "barrier");
+}
+
+void on_two_workers(const std::function<void(int, Worker&)>& fn) {
+  ds::CommunicationOptions co;
+  co.timeout = std::chrono::seconds(20);
+  ds::InProcessGroup group(2, co);
+  std::vector<std::exception_ptr> errors(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        Worker w(i, group.at(i));
+        fn(i, w);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace
+
+TEST(CheckpointMultiProcess, ChiefWritesAndEveryWorkerRestoresTheChiefsFile) {
+  const std::string dir = temp_dir();
+  std::vector<std::vector<std::pair<std::string, ds::Tensor>>> saved(2), restored(2);
+  std::vector<ds::CheckpointMetadata> md(2);
+  on_two_workers([&](int i, Worker& w) {
+    ds::CheckpointManager manager(*w.ckpt, dir, {2});
+    EXPECT_FALSE(manager.restore_latest().has_value());
+    saved[i] = w.ckpt->state();
+    manager.save(5, {{"epoch", "1"}});
+    // Scramble, then restore: every worker gets the chief's values.
+    for (ds::Variable& v : w.params) v.assign(ds::Tensor(v.shape(), v.dtype()));
+    md[i] = manager.restore_latest().value();
+    restored[i] = w.ckpt->state();
+  });
+  EXPECT_EQ(md[0], (ds::CheckpointMetadata{{"epoch", "1"}}));
+  EXPECT_EQ(md[1], md[0]);
+  ASSERT_EQ(restored[1].size(), saved[0].size());
+  for (size_t k = 0; k < saved[0].size(); ++k) {
+    EXPECT_TRUE(same_bytes(restored[0][k].second, saved[0][k].second)) << saved[0][k].first;
+    EXPECT_TRUE(same_bytes(restored[1][k].second, saved[0][k].second)) << saved[0][k].first;
+  }
+  // Worker 1's own (different) weights never reached the file.
+  EXPECT_FALSE(same_bytes(saved[1][2].second, saved[0][2].second));
+}
+
+TEST(CheckpointMultiProcess, TheChiefsErrorReachesEveryWorker) {
+  const std::string dir = temp_dir();
+  std::vector<std::string> messages(2);
+  std::vector<bool> stopped(2);
+  on_two_workers([&](int i, Worker& w) {
+    try {
+      w.ckpt->save(dir + "/missing/dir/x.safetensors");
+    } catch (const ds::NotFoundError& e) {
+      messages[i] = e.what();
+    }
+    // A corrupt file: the chief's DataLoss reaches worker 1 too.
+    if (i == 0) write_bytes(dir + "/bad.safetensors", {1, 2, 3});
+    comm_barrier(w);
+    try {
+      w.ckpt->restore(dir + "/bad.safetensors");
+    } catch (const ds::DataLossError& e) {
+      messages[i] += std::string(" | ") + e.what();
+    }
+    // Preemption agreement runs as a collective on both (the flag itself is
+    // per process, so two threads cannot show one worker signalled alone).
+    ds::PreemptionHandler h(w.s);
+    comm_barrier(w);
+    EXPECT_FALSE(h.should_stop(1));
+    comm_barrier(w);
+    if (i == 1) ds::PreemptionHandler::raise_for_testing();
+    comm_barrier(w);
+    stopped[i] = h.should_stop(2);
+  });
+  EXPECT_NE(messages[0].find("missing/dir"), std::string::npos) << messages[0];
+  EXPECT_NE(messages[1].find("the chief failed to write"), std::string::npos) << messages[1];
+  EXPECT_NE(messages[1].find("bad.safetensors"), std::string::npos) << messages[1];
+  EXPECT_NE(messages[1].find("kDataLoss"), std::string::npos) << messages[1];
+  EXPECT_TRUE(stopped[0] && stopped[1]);
+}
