@@ -191,8 +191,8 @@ void save_safetensors(const std::string& path,
   }
   md["diststrat.format"] = "1";
   header["__metadata__"] = md;
-  header["__metadata__"][kHeaderCrcKey] = hex32(crc32_of(canonical_header(header).data(),
-                                                         canonical_header(header).size()));
+  const std::string canon = canonical_header(header);
+  header["__metadata__"][kHeaderCrcKey] = hex32(crc32_of(canon.data(), canon.size()));
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
 
