@@ -707,3 +707,43 @@ TEST(Checkpoint, AdamMomentsAndStepRoundTripAndTrainingContinuesIdentically) {
   EXPECT_TRUE(same_bytes(a->variable("w").value(), b->variable("w").value()));
   EXPECT_TRUE(same_bytes(a->variable("w").impl().slot("v")[1], b->variable("w").impl().slot("v")[1]));
 }
+
+// Random multi-byte damage: every outcome is either a diststrat::Error or a
+// file that reads back exactly as written (a change only to whitespace) —
+// never a crash, never different tensors or metadata.
+TEST(Safetensors, RandomDamageIsAnErrorOrHarmless) {
+  const std::string path = temp_dir() + "/r.safetensors";
+  ds::save_safetensors(path, sample_tensors(), {{"epoch", "12"}});
+  const std::vector<uint8_t> good = read_bytes(path);
+  const ds::SafetensorsFile original = ds::parse_safetensors(good.data(), good.size(), "good");
+  std::mt19937_64 rng(2024);
+  int errors = 0, harmless = 0;
+  for (int it = 0; it < 3000; ++it) {
+    std::vector<uint8_t> bad = good;
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const size_t at = rng() % bad.size();
+      switch (rng() % 4) {
+        case 0: bad[at] = static_cast<uint8_t>(rng()); break;                       // overwrite
+        case 1: bad.erase(bad.begin() + static_cast<long>(at)); break;               // delete
+        case 2: bad.insert(bad.begin() + static_cast<long>(at), static_cast<uint8_t>(rng())); break;
+        case 3: bad.resize(at); break;                                               // truncate
+      }
+      if (bad.empty()) break;
+    }
+    try {
+      const ds::SafetensorsFile f = ds::parse_safetensors(bad.data(), bad.size(), "fuzz");
+      ASSERT_EQ(f.tensors.size(), original.tensors.size()) << "iteration " << it;
+      for (size_t i = 0; i < f.tensors.size(); ++i) {
+        ASSERT_EQ(f.tensors[i].first, original.tensors[i].first) << "iteration " << it;
+        ASSERT_TRUE(same_bytes(f.tensors[i].second, original.tensors[i].second)) << "iteration " << it;
+      }
+      ASSERT_EQ(f.metadata, original.metadata) << "iteration " << it;
+      ++harmless;
+    } catch (const ds::Error&) {
+      ++errors;
+    }
+  }
+  EXPECT_GT(errors, 2900);
+  std::printf("random damage: %d errors, %d harmless (whitespace)\n", errors, harmless);
+}
