@@ -112,18 +112,30 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
 
 // How a strategy takes part in saving and restoring. Strategies in which every
 // process holds the whole state (mirrored, multi-worker, central storage) need
-// not implement it: the default below covers them. A strategy that shards its
-// variables (parameter server), or keeps slot copies the host cannot read
-// directly (GPU), inherits this interface as well as Strategy and overrides
-// what it needs; Checkpoint finds it with dynamic_cast.
+// not implement it: the default below covers them (variables through
+// Variable::value/assign, slots copied on the replicas' threads, so device
+// copies work too). A strategy that shards its variables (parameter server)
+// inherits this interface as well as Strategy and overrides what it needs;
+// Checkpoint finds it with dynamic_cast.
 class CheckpointParticipant {
  public:
   virtual ~CheckpointParticipant() = default;
-  // The cross-replica (host) value of optimizer slot `slot` of `var`.
-  // Default: a host copy of the first local copy (mirrored copies are equal).
-  virtual Tensor read_slot(Variable::Impl& var, const std::string& slot);
-  // Writes `value` (host) into every copy of slot `slot` of `var`.
-  virtual void assign_slot(Variable::Impl& var, const std::string& slot, const Tensor& value);
+
+  // One optimizer slot: Variable::Impl::slot(name) of `var`.
+  struct SlotRef {
+    Variable::Impl* var;
+    std::string slot;
+  };
+  // Host copies of `slots` (cross-replica values). Default: inside one
+  // Strategy::run, local replica 0 copies its copy of each slot to the host,
+  // so device-resident copies are read on their replica's thread and stream;
+  // mirrored copies are equal, so one is the value. Every process calls it.
+  virtual std::vector<Tensor> read_slots(Strategy& strategy, const std::vector<SlotRef>& slots);
+  // Writes host `values` into every local copy of `slots`. Default: inside
+  // one Strategy::run, replica i writes copy i (a single host copy, as in
+  // central storage, is written by replica 0).
+  virtual void assign_slots(Strategy& strategy, const std::vector<SlotRef>& slots,
+                            const std::vector<Tensor>& values);
   // Writes the checkpoint file(s) for `path`. `state` is the full state in
   // checkpoint names (variables, "<var>/<slot>", iterations). Default: the
   // chief (or the only process) writes one file, then every process learns

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -146,23 +147,33 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
 
 // ---- the default participant ------------------------------------------------
 
-Tensor CheckpointParticipant::read_slot(Variable::Impl& var, const std::string& slot) {
-  const std::vector<Tensor>& copies = var.slot(slot);
-  DISTSTRAT_CHECK(!copies.empty() && copies[0].device().is_cpu(), kUnimplemented,
-                  "checkpoint: slot '", var.name, "/", slot, "' is not in host memory; the ",
-                  var.owner ? var.owner->name() : std::string("?"),
-                  " strategy must implement CheckpointParticipant::read_slot");
-  return copies[0].clone();
+std::vector<Tensor> CheckpointParticipant::read_slots(Strategy& strategy,
+                                                      const std::vector<SlotRef>& slots) {
+  std::vector<Tensor> out(slots.size());
+  if (slots.empty()) return out;
+  strategy.run([&](ReplicaContext& ctx) {
+    if (ctx.local_replica_id() != 0) return;
+    for (size_t k = 0; k < slots.size(); ++k) {
+      const Tensor& src = slots[k].var->slot(slots[k].slot).at(0);
+      Tensor host(src.shape(), src.dtype());
+      host.copy_from(src);
+      out[k] = host;
+    }
+  });
+  return out;
 }
 
-void CheckpointParticipant::assign_slot(Variable::Impl& var, const std::string& slot,
-                                        const Tensor& value) {
-  for (Tensor& c : var.slot(slot)) {
-    DISTSTRAT_CHECK(c.device().is_cpu(), kUnimplemented, "checkpoint: slot '", var.name, "/", slot,
-                    "' is on ", c.device().to_string(), "; the strategy must implement "
-                    "CheckpointParticipant::assign_slot");
-    c.copy_from(value);
-  }
+void CheckpointParticipant::assign_slots(Strategy& strategy, const std::vector<SlotRef>& slots,
+                                         const std::vector<Tensor>& values) {
+  DISTSTRAT_CHECK_EQ(slots.size(), values.size(), "checkpoint: assign_slots");
+  if (slots.empty()) return;
+  strategy.run([&](ReplicaContext& ctx) {
+    const size_t i = static_cast<size_t>(ctx.local_replica_id());
+    for (size_t k = 0; k < slots.size(); ++k) {
+      std::vector<Tensor>& copies = slots[k].var->slot(slots[k].slot);
+      if (i < copies.size()) copies[i].copy_from(values[k]);
+    }
+  });
 }
 
 void CheckpointParticipant::write_checkpoint(Strategy& strategy, const std::string& path,
@@ -248,10 +259,18 @@ std::vector<Checkpoint::Entry> Checkpoint::entries() const {
 
 std::vector<std::pair<std::string, Tensor>> Checkpoint::state() const {
   std::vector<std::pair<std::string, Tensor>> out;
-  CheckpointParticipant& p = participant();
+  std::vector<CheckpointParticipant::SlotRef> slots;
+  std::vector<std::string> slot_names;
   for (const Entry& e : entries()) {
-    out.emplace_back(e.name, e.slot.empty() ? e.var.value() : p.read_slot(e.var.impl(), e.slot));
+    if (e.slot.empty()) {
+      out.emplace_back(e.name, e.var.value());
+    } else {
+      slots.push_back({&e.var.impl(), e.slot});
+      slot_names.push_back(e.name);
+    }
   }
+  std::vector<Tensor> values = participant().read_slots(*strategy_, slots);
+  for (size_t k = 0; k < slots.size(); ++k) out.emplace_back(slot_names[k], values[k]);
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   return out;
 }
@@ -277,17 +296,21 @@ CheckpointMetadata Checkpoint::restore(const std::string& path, const RestoreOpt
   CheckpointParticipant& p = participant();
   // Everything is read and validated before the first write into the model.
   CheckpointContents c = p.read_checkpoint(*strategy_, path, expected, optional, options);
+  std::map<std::string, Tensor> by_name(c.tensors.begin(), c.tensors.end());
+  std::vector<CheckpointParticipant::SlotRef> slots;
+  std::vector<Tensor> slot_values;
   for (const Entry& e : es) {
-    for (const auto& [name, t] : c.tensors) {
-      if (name != e.name) continue;
-      if (e.slot.empty()) {
-        Variable v = e.var;
-        v.assign(t);
-      } else {
-        p.assign_slot(e.var.impl(), e.slot, t);
-      }
+    auto it = by_name.find(e.name);
+    if (it == by_name.end()) continue;  // optional and absent: keeps its value
+    if (e.slot.empty()) {
+      Variable v = e.var;
+      v.assign(it->second);
+    } else {
+      slots.push_back({&e.var.impl(), e.slot});
+      slot_values.push_back(it->second);
     }
   }
+  p.assign_slots(*strategy_, slots, slot_values);
   return c.metadata;
 }
 
