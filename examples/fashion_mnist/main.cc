@@ -244,7 +244,7 @@ int main(int argc, char** argv) {
     if (chief) {
       std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f\n",
                   strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
-                  seconds > 0 ? samples / seconds : 0.0);
+                  samples / seconds);
     }
     return 0;
   } catch (const ds::Error& e) {

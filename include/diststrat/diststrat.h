@@ -1,11 +1,11 @@
 // Umbrella header: everything a training program needs.
 #pragma once
 
+#include "diststrat/checkpoint.h"
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/data.h"
 #include "diststrat/device.h"
-#include "diststrat/checkpoint.h"
 #include "diststrat/dtype.h"
 #include "diststrat/error.h"
 #include "diststrat/io.h"
