@@ -1,7 +1,8 @@
-// Classifies IDX images on the CPU with a checkpoint written by fashion_mnist
-// (under any strategy, on GPUs or CPUs: the file is the same safetensors
-// checkpoint), printing the accuracy and per-class counts. The common pipeline
-// of training on accelerators and serving on CPUs.
+// Classifies IDX images on the CPU with a checkpoint written by fashion_mnist,
+// printing the accuracy and per-class counts: the common pipeline of training
+// on accelerators and serving on CPUs. Every strategy whose state is whole in
+// one process writes the same single safetensors file, on GPUs or CPUs; the
+// parameter server's sharded checkpoints need their index reader (pending).
 //
 //   predict --checkpoint /ckpt            # a directory: its `latest` checkpoint
 //   predict --checkpoint /ckpt/ckpt-1000.safetensors --split t10k --limit 1000
