@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "checkpoint_util.h"
 #include "diststrat/device_manager.h"
 #include "diststrat/diststrat.h"
 #include "fake_gpu_backend.h"
@@ -46,15 +47,7 @@ struct FakeGpuMirrored {
   void train(int steps, const ds::Dataset& data) {
     ds::DistributedDataset dist = strategy->distribute(data, 16, {false, 0, false});
     for (int i = 0; i < steps; ++i) {
-      const ds::DistributedBatch batch = dist.batch(i % dist.num_batches());
-      strategy->run([&](ds::ReplicaContext& ctx) {
-        std::vector<ds::Tensor> p;
-        for (auto& v : vars) p.push_back(v.read(ctx));
-        auto st = mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx), 1.0f / 16);
-        std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-        for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
-        opt->apply_gradients(ctx, gv);
-      });
+      ds::testing::mlp_step(*strategy, mlp, vars, *opt, dist.batch(i % dist.num_batches()));
     }
   }
   std::string lock_dir;

@@ -12,8 +12,10 @@
 #include <cstring>
 #include <thread>
 
+#include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
+#include "harness.h"
 
 namespace ds = diststrat;
 
@@ -26,51 +28,30 @@ TEST(CheckpointMultiWorker, ChiefWritesEveryWorkerRestoresAndAgreesOnPreemption)
   std::vector<std::vector<std::pair<std::string, ds::Tensor>>> saved(2), restored(2);
   std::vector<std::string> step(2);
   std::vector<int> stop(2);
-  std::vector<std::exception_ptr> errors(2);
-  std::vector<std::thread> threads;
-  for (int w = 0; w < 2; ++w) {
-    threads.emplace_back([&, w] {
-      try {
-        ds::MultiWorkerOptions o;
-        o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
-        o.communicator = &group.at(w);
-        ds::MultiWorkerMirroredStrategy s(o);
-        ds::nn::Mlp mlp({8, 5, 3});
-        std::vector<ds::Variable> vars = mlp.create_variables(s, 3 + w);
-        ds::SGD opt(s, {0.1f, 0.9f});
-        ds::Tensor x(ds::Shape{16, 8}, ds::DType::kFloat32), y(ds::Shape{16}, ds::DType::kInt32);
-        ds::init::RandomNormal{0, 1, 5}(x);
-        for (int i = 0; i < 16; ++i) y.data<int32_t>()[i] = i % 3;
-        ds::DistributedDataset dist = s.distribute(ds::Dataset(x, y), 8, {false, 0, false});
-        for (const ds::DistributedBatch& batch : dist) {
-          s.run([&](ds::ReplicaContext& ctx) {
-            std::vector<ds::Tensor> p;
-            for (auto& v : vars) p.push_back(v.read(ctx));
-            auto st = mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx), 1.0f / 8);
-            std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-            for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
-            opt.apply_gradients(ctx, gv);
-          });
-        }
-        ds::Checkpoint ckpt(s, {&opt});
-        ds::CheckpointManager manager(ckpt, dir, {2});
-        saved[w] = ckpt.state();
-        manager.save(2, {{"step", "2"}});
-        for (auto& v : vars) v.assign(ds::Tensor(v.shape(), v.dtype()));  // scramble
-        step[w] = manager.restore_latest().value().at("step");
-        restored[w] = ckpt.state();
-        ds::PreemptionHandler preemption(s);
-        stop[w] = preemption.should_stop(1);
-      } catch (...) {
-        errors[w] = std::current_exception();
-        group.at(w).abort("worker " + std::to_string(w) + " failed");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  ds::testing::run_ranks(group, [&](ds::Communicator& comm) {
+    const int w = comm.rank();
+    ds::MultiWorkerOptions o;
+    o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+    o.communicator = &comm;
+    ds::MultiWorkerMirroredStrategy s(o);
+    ds::nn::Mlp mlp({8, 5, 3});
+    std::vector<ds::Variable> vars = mlp.create_variables(s, 3 + w);
+    ds::SGD opt(s, {0.1f, 0.9f});
+    ds::Tensor x(ds::Shape{16, 8}, ds::DType::kFloat32), y(ds::Shape{16}, ds::DType::kInt32);
+    ds::init::RandomNormal{0, 1, 5}(x);
+    for (int i = 0; i < 16; ++i) y.data<int32_t>()[i] = i % 3;
+    ds::DistributedDataset dist = s.distribute(ds::Dataset(x, y), 8, {false, 0, false});
+    for (const ds::DistributedBatch& batch : dist) ds::testing::mlp_step(s, mlp, vars, opt, batch);
+    ds::Checkpoint ckpt(s, {&opt});
+    ds::CheckpointManager manager(ckpt, dir, {2});
+    saved[w] = ckpt.state();
+    manager.save(2, {{"step", "2"}});
+    for (auto& v : vars) v.assign(ds::Tensor(v.shape(), v.dtype()));  // scramble
+    step[w] = manager.restore_latest().value().at("step");
+    restored[w] = ckpt.state();
+    ds::PreemptionHandler preemption(s);
+    stop[w] = preemption.should_stop(1);
+  });
   EXPECT_EQ(step[0], "2");
   EXPECT_EQ(step[1], "2");
   EXPECT_EQ(stop[0] + stop[1], 0);

@@ -18,7 +18,9 @@
 #include <random>
 #include <thread>
 
+#include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
+#include "harness.h"
 
 namespace ds = diststrat;
 
@@ -244,16 +246,7 @@ struct Model {
     for (int64_t i = 0; i < 8; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % mlp.sizes().back());
     ds::DistributedDataset dist = strategy.distribute(ds::Dataset(x, y), 8, {false, 0, false});
     for (int s = 0; s < steps; ++s) {
-      for (const ds::DistributedBatch& batch : dist) {
-        strategy.run([&](ds::ReplicaContext& ctx) {
-          std::vector<ds::Tensor> w;
-          for (auto& v : params) w.push_back(v.read(ctx));
-          auto st = mlp.forward_backward(w, batch.features(ctx), batch.labels(ctx), 1.0f / 8);
-          std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-          for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(st.grads[i], params[i]);
-          opt.apply_gradients(ctx, gv);
-        });
-      }
+      for (const ds::DistributedBatch& batch : dist) ds::testing::mlp_step(strategy, mlp, params, opt, batch);
     }
   }
   ds::MirroredStrategy strategy;
@@ -590,22 +583,10 @@ void on_two_workers(const std::function<void(int, Worker&)>& fn) {
   ds::CommunicationOptions co;
   co.timeout = std::chrono::seconds(20);
   ds::InProcessGroup group(2, co);
-  std::vector<std::exception_ptr> errors(2);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < 2; ++i) {
-    threads.emplace_back([&, i] {
-      try {
-        Worker w(i, group.at(i));
-        fn(i, w);
-      } catch (...) {
-        errors[i] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  ds::testing::run_ranks(group, [&](ds::Communicator& comm) {
+    Worker w(comm.rank(), comm);
+    fn(comm.rank(), w);
+  });
 }
 
 }  // namespace
