@@ -1,11 +1,15 @@
 // Trains an MLP (784-256-256-10) on Fashion-MNIST under the strategy named by
 // --strategy. The training loop below is written once against Strategy&.
+// With --checkpoint-dir it saves every --checkpoint-every steps, resumes from
+// the latest checkpoint on start (same weights as an uninterrupted run), and on
+// SIGTERM stops at a step boundary every process agrees on, saves and exits 0.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <diststrat/diststrat.h>
@@ -30,7 +34,59 @@ struct Flags {
   int64_t limit = 0;
   std::string timeline;
   bool replicas_given = false;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  int max_to_keep = 3;
+  int64_t max_steps = 0;
 };
+
+// The model's layer sizes, stored in checkpoints so that examples/predict can
+// rebuild the model: "784,256,256,10".
+std::string sizes_string(const std::vector<int64_t>& sizes) {
+  std::string out;
+  for (int64_t v : sizes) out += (out.empty() ? "" : ",") + std::to_string(v);
+  return out;
+}
+
+// Where training stands: the next batch to run is batch `batch` of `epoch`.
+struct Position {
+  int64_t epoch = 0, batch = 0, step = 0;
+};
+
+ds::CheckpointMetadata position_metadata(const Flags& f, const Position& p,
+                                         const std::vector<int64_t>& sizes) {
+  return {{"epoch", std::to_string(p.epoch)},
+          {"batch", std::to_string(p.batch)},
+          {"step", std::to_string(p.step)},
+          {"global_batch", std::to_string(f.batch)},
+          {"seed", std::to_string(f.seed)},
+          {"limit", std::to_string(f.limit)},
+          {"model", "mlp:" + sizes_string(sizes)}};
+}
+
+// Reads the position back and refuses a checkpoint whose data order differs
+// from this run's (another batch size, seed or subset would not resume exactly).
+Position resume_position(const Flags& f, const ds::CheckpointMetadata& md, const std::string& dir) {
+  auto get = [&](const char* key) -> std::string {
+    auto it = md.find(key);
+    if (it == md.end()) {
+      throw ds::InvalidArgumentError("checkpoint in '" + dir + "' has no '" + key +
+                                     "' metadata: not written by this example");
+    }
+    return it->second;
+  };
+  for (const auto& [key, mine] : {std::pair<const char*, std::string>{"global_batch", std::to_string(f.batch)},
+                                  {"seed", std::to_string(f.seed)},
+                                  {"limit", std::to_string(f.limit)}}) {
+    if (get(key) != mine) {
+      throw ds::InvalidArgumentError("checkpoint in '" + dir + "' was written with --" +
+                                     (std::string(key) == "global_batch" ? "batch" : key) + " " +
+                                     get(key) + ", this run has " + mine +
+                                     ": the data order would differ; use the same flags");
+    }
+  }
+  return {std::stoll(get("epoch")), std::stoll(get("batch")), std::stoll(get("step"))};
+}
 
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   std::vector<ds::Device> devices;
@@ -141,6 +197,17 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--timeline", f.timeline,
                  "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
+  app.add_option("--checkpoint-dir", f.checkpoint_dir,
+                 "save checkpoints here and resume from the latest one on start");
+  app.add_option("--checkpoint-every", f.checkpoint_every,
+                 "steps between checkpoints (0 = only at the end and on SIGTERM)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--max-to-keep", f.max_to_keep, "checkpoints kept")->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app.add_option("--max-steps", f.max_steps,
+                 "stop (without saving) once this run's global step reaches N: simulates an "
+                 "interruption (0 = no limit)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
 
@@ -164,13 +231,39 @@ int main(int argc, char** argv) {
     ds::DistributeOptions dopts;
     dopts.seed = f.seed;
     ds::DistributedDataset dist = strategy->distribute(train, f.batch, dopts);
+
+    // Checkpoints: the model, the optimizer's slots and step counter, and the data position.
+    ds::Checkpoint checkpoint(*strategy, {&opt});
+    std::unique_ptr<ds::CheckpointManager> manager;
+    std::unique_ptr<ds::PreemptionHandler> preemption;
+    Position pos;
+    if (!f.checkpoint_dir.empty()) {
+      manager = std::make_unique<ds::CheckpointManager>(checkpoint, f.checkpoint_dir,
+                                                        ds::CheckpointManagerOptions{f.max_to_keep});
+      if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
+        pos = resume_position(f, *md, f.checkpoint_dir);
+        if (chief) {
+          std::printf("resumed from %s: epoch %lld, batch %lld, step %lld\n",
+                      manager->latest().value_or("?").c_str(), static_cast<long long>(pos.epoch + 1),
+                      static_cast<long long>(pos.batch), static_cast<long long>(pos.step));
+        }
+      }
+      preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
+    }
+    auto save = [&](const Position& at, const char* why) {
+      const std::string path = manager->save(at.step, position_metadata(f, at, mlp.sizes()));
+      if (chief) std::printf("%s: saved %s at step %lld\n", why, path.c_str(), static_cast<long long>(at.step));
+      std::fflush(stdout);
+    };
     Progress progress(chief, dist.num_batches() * f.epochs);
 
     const auto t0 = std::chrono::steady_clock::now();
-    int64_t step = 0, samples = 0;
-    for (int epoch = 0; epoch < f.epochs; ++epoch) {
+    int64_t samples = 0, steps_this_run = 0;
+    for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
+      const int epoch = static_cast<int>(pos.epoch);
       dist.set_epoch(epoch);
-      for (const ds::DistributedBatch& batch : dist) {
+      while (pos.batch < dist.num_batches()) {
+        const ds::DistributedBatch batch = dist.batch(pos.batch);
         const float scale = 1.0f / static_cast<float>(batch.global_size());
         ds::PerReplica<double> loss = strategy->run([&](ds::ReplicaContext& ctx) {
           std::vector<ds::Tensor> values;
@@ -184,9 +277,26 @@ int main(int argc, char** argv) {
         });
         const double mean_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
         samples += batch.global_size();
-        progress.update(epoch, ++step, mean_loss, samples);
+        ++pos.batch;
+        progress.update(epoch, ++pos.step, mean_loss, samples);
+        ++steps_this_run;
+        if (!manager) continue;
+        // The position saved is where the next run starts: (epoch, next batch).
+        Position next = pos;
+        if (next.batch == dist.num_batches()) next = {pos.epoch + 1, 0, pos.step};
+        // Collective: every process asks at every step, so all stop at the same one.
+        const bool stop = preemption->should_stop(pos.step);
+        if (stop || (f.checkpoint_every > 0 && pos.step % f.checkpoint_every == 0)) {
+          save(next, stop ? "preempted" : "checkpoint");
+          if (stop) return 0;
+        }
+        if (f.max_steps > 0 && pos.step >= f.max_steps) {
+          if (chief) std::printf("stopping at step %lld (--max-steps)\n", static_cast<long long>(pos.step));
+          return 0;
+        }
       }
     }
+    if (manager && steps_this_run > 0) save(pos, "finished");
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

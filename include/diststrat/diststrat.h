@@ -3,6 +3,7 @@
 
 #include "diststrat/algorithm_registry.h"
 #include "diststrat/central_storage.h"
+#include "diststrat/checkpoint.h"
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/data.h"

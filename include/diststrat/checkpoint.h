@@ -1,0 +1,271 @@
+// Checkpoints: the variables of a strategy, the optimizers' slots and step
+// counters, and user metadata (epoch, step, data position) in the safetensors
+// format (https://github.com/huggingface/safetensors), so Python's
+// `safetensors`, PyTorch and others open our files and we open theirs.
+//
+//   ds::Checkpoint ckpt(strategy, {&opt});
+//   ds::CheckpointManager manager(ckpt, "/ckpt", {/*max_to_keep=*/3});
+//   if (auto md = manager.restore_latest()) epoch = std::stoll(md->at("epoch"));
+//   ...
+//   manager.save(step, {{"epoch", std::to_string(epoch)}});
+//
+// Files are written atomically (temporary file in the same directory, fsync,
+// rename, fsync of the directory): a crash or SIGKILL at any point leaves the
+// previous checkpoint loadable. Every tensor's CRC-32 and a CRC-32 of the
+// header are stored in the metadata; loading verifies them and the header's
+// offsets, shapes and dtypes, and restoring checks the file against the model
+// (missing, extra or mismatched tensors) BEFORE any variable is written, so a
+// failed restore leaves the model untouched. Corruption is a DataLossError,
+// a checkpoint of another model an InvalidArgumentError, a missing file a
+// NotFoundError; every message names the file and the tensor.
+#pragma once
+
+#include <csignal>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "diststrat/strategy.h"
+
+namespace diststrat {
+
+class Optimizer;
+
+// User metadata: string keys and values (safetensors' __metadata__ is a
+// string-to-string map). Keys starting with "diststrat." are reserved.
+using CheckpointMetadata = std::map<std::string, std::string>;
+
+// ---- The file format ---------------------------------------------------------
+
+// One safetensors file held in memory.
+struct SafetensorsFile {
+  // In file order (sorted by name when we write).
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  // __metadata__ including our reserved "diststrat." keys.
+  CheckpointMetadata metadata;
+  // Whether the file carried diststrat checksums (and they all matched).
+  bool verified = false;
+  const Tensor* find(const std::string& name) const;
+};
+
+struct SafetensorsLoadOptions {
+  // Refuse files without diststrat checksums (DataLossError). Set false to
+  // read files written by other tools; checksums present are always verified.
+  bool require_checksums = true;
+};
+
+// Writes `tensors` (host tensors, any supported dtype) and `metadata`
+// atomically to `path`, adding a CRC-32 per tensor and of the header. Names
+// must be unique and non-empty; keys starting with "diststrat." in `metadata`
+// are rejected. Blocking; thread-safe for distinct paths.
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, Tensor>>& tensors,
+                      const CheckpointMetadata& metadata = {});
+
+// Reads and fully validates a safetensors file: header length and JSON,
+// dtypes, shapes against data_offsets, offsets in bounds, contiguous and
+// non-overlapping, covering the whole data region; then the checksums.
+// Throws NotFoundError, DataLossError or UnimplementedError (a dtype we do
+// not support, e.g. U8) naming the file and tensor. Never crashes on bad
+// input. Blocking; thread-safe.
+SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadOptions& options = {});
+// The same from bytes in memory; `what` names the source in errors.
+SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::string& what,
+                                  const SafetensorsLoadOptions& options = {});
+
+// Writes `bytes` to `path` atomically: a temporary file beside it
+// ("<path>.tmp.<pid>.<n>"), fsync, rename over `path`, fsync of the directory.
+// On failure the temporary file is removed and `path` is unchanged.
+void write_file_atomically(const std::string& path, const void* bytes, size_t size);
+
+// ---- A model's checkpoint ------------------------------------------------------
+
+struct RestoreOptions {
+  // Accept files without diststrat checksums (written by Python/PyTorch).
+  bool require_checksums = true;
+  // Allow the file to lack optimizer slots and step counters (a model-only
+  // file, e.g. exported from PyTorch): those keep their current values.
+  bool allow_missing_optimizer_state = false;
+};
+
+// A checkpoint's contents matched against a model.
+struct CheckpointContents {
+  // Tensors to write into the model, in checkpoint names (a subset of the
+  // expected names: all of them unless optimizer state may be missing).
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  // The user metadata (reserved "diststrat." keys removed).
+  CheckpointMetadata metadata;
+};
+
+// Checks `file` (read from `path`) against the model state `expected` (names,
+// dtypes, shapes): every expected tensor present with the same dtype and
+// shape, no extra tensor. Names in `optional` may be missing. Throws
+// InvalidArgumentError naming the file and every offending tensor (up to a
+// few). Participants use it so that validation is written once.
+CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::string& path,
+                                    const std::vector<std::pair<std::string, Tensor>>& expected,
+                                    const std::vector<std::string>& optional = {});
+
+// How a strategy takes part in saving and restoring. Strategies in which every
+// process holds the whole state (mirrored, multi-worker, central storage) need
+// not implement it: the default below covers them (variables through
+// Variable::value/assign, slots copied on the replicas' threads, so device
+// copies work too). A strategy that shards its variables (parameter server)
+// inherits this interface as well as Strategy and overrides what it needs;
+// Checkpoint finds it with dynamic_cast.
+class CheckpointParticipant {
+ public:
+  virtual ~CheckpointParticipant() = default;
+
+  // One optimizer slot: Variable::Impl::slot(name) of `var`.
+  struct SlotRef {
+    Variable::Impl* var;
+    std::string slot;
+  };
+  // Host copies of `slots` (cross-replica values). Default: inside one
+  // Strategy::run, local replica 0 copies its copy of each slot to the host,
+  // so device-resident copies are read on their replica's thread and stream;
+  // mirrored copies are equal, so one is the value. Every process calls it.
+  virtual std::vector<Tensor> read_slots(Strategy& strategy, const std::vector<SlotRef>& slots);
+  // Writes host `values` into every local copy of `slots`. Default: inside
+  // one Strategy::run, replica i writes copy i (a single host copy, as in
+  // central storage, is written by replica 0).
+  virtual void assign_slots(Strategy& strategy, const std::vector<SlotRef>& slots,
+                            const std::vector<Tensor>& values);
+  // Writes the checkpoint file(s) for `path`. `state` is the full state in
+  // checkpoint names (variables, "<var>/<slot>", iterations). Default: the
+  // chief (or the only process) writes one file, then every process learns
+  // the chief's success or error through Strategy::broadcast (a collective:
+  // all processes call it). A sharded strategy writes its shards plus an index.
+  virtual void write_checkpoint(Strategy& strategy, const std::string& path,
+                                const std::vector<std::pair<std::string, Tensor>>& state,
+                                const CheckpointMetadata& metadata);
+  // Reads and validates the checkpoint at `path` against `expected` (see
+  // match_checkpoint; `optional` names may be missing). Default: the chief
+  // reads and validates, then broadcasts a status, the tensors and the
+  // metadata, so only the chief needs to see the file and every process
+  // fails together. A sharded strategy reassembles its shards.
+  virtual CheckpointContents read_checkpoint(
+      Strategy& strategy, const std::string& path,
+      const std::vector<std::pair<std::string, Tensor>>& expected,
+      const std::vector<std::string>& optional, const RestoreOptions& options);
+};
+
+// Names a strategy's state for checkpoints: every variable under its own name
+// (optimizer step counters are variables: "optimizer/iterations"), and every
+// slot of `optimizers` for every trainable variable as "<var>/<slot>".
+class Checkpoint {
+ public:
+  // The strategy and optimizers must outlive the Checkpoint. Variables created
+  // after construction are included too (names are resolved at save/restore).
+  explicit Checkpoint(Strategy& strategy, std::vector<const Optimizer*> optimizers = {});
+
+  // Writes the current state and `metadata` to `path` (see
+  // CheckpointParticipant::write_checkpoint). Cross-replica context, every
+  // process of the job calls it at the same step. Blocking.
+  void save(const std::string& path, const CheckpointMetadata& metadata = {}) const;
+  // Validates `path` against the model completely, then writes every variable
+  // and slot. Throws (and changes nothing) on any mismatch. Returns the user
+  // metadata. Cross-replica context, collective like save(). Blocking.
+  CheckpointMetadata restore(const std::string& path, const RestoreOptions& options = {}) const;
+
+  // The state as host tensors, in checkpoint names, sorted by name.
+  std::vector<std::pair<std::string, Tensor>> state() const;
+  Strategy& strategy() const { return *strategy_; }
+
+ private:
+  struct Entry {
+    std::string name;
+    Variable var;
+    std::string slot;  // empty for the variable itself
+    bool optimizer_state = false;
+  };
+  std::vector<Entry> entries() const;
+  CheckpointParticipant& participant() const;
+
+  Strategy* strategy_;
+  std::vector<const Optimizer*> optimizers_;
+  // Used when the strategy is not itself a CheckpointParticipant (stateless).
+  mutable CheckpointParticipant default_participant_;
+};
+
+struct CheckpointManagerOptions {
+  // Checkpoints kept; older ones are deleted after a newer one is complete.
+  int max_to_keep = 3;
+};
+
+// A directory of checkpoints "ckpt-<step>.safetensors" and a `latest` file
+// naming the newest. The checkpoint is written (atomically) first and
+// `latest` (atomically) after it, so `latest` always names a complete file.
+// Not thread-safe; in a multi-process job every process calls save/restore
+// at the same step (only the chief touches the directory by default).
+class CheckpointManager {
+ public:
+  CheckpointManager(const Checkpoint& checkpoint, std::string directory,
+                    CheckpointManagerOptions options = {});
+
+  // Saves as "ckpt-<step>.safetensors", updates `latest`, prunes to
+  // max_to_keep. Returns the path written.
+  std::string save(int64_t step, const CheckpointMetadata& metadata = {});
+  // The newest checkpoint's path, or nullopt when the directory has none.
+  std::optional<std::string> latest() const;
+  // Restores the newest checkpoint; nullopt (and the model untouched) when
+  // there is none. Errors of a present but bad checkpoint propagate.
+  std::optional<CheckpointMetadata> restore_latest(const RestoreOptions& options = {});
+  const std::string& directory() const { return directory_; }
+
+ private:
+  const Checkpoint* checkpoint_;
+  std::string directory_;
+  CheckpointManagerOptions options_;
+};
+
+// ---- Preemption ----------------------------------------------------------------
+
+struct PreemptionOptions {
+  // Signals that mean "save and exit" (the cluster's grace-period signal).
+  std::vector<int> signals = {SIGTERM};
+  // Steps between cross-process agreements; every process must use the same
+  // value. 1 = check at every step boundary.
+  int check_every = 1;
+};
+
+// TensorFlow's PreemptionCheckpointHandler: catches the preemption signal and
+// lets the training loop stop at a step boundary that every process agrees on.
+//
+//   ds::PreemptionHandler preemption(strategy);
+//   for (...) { step(); if (preemption.should_stop(step)) { manager.save(step, md); return 0; } }
+//
+// The signal handler only sets a flag (async-signal-safe); the flag is per
+// process (signals are), shared by every PreemptionHandler alive. The
+// previous handlers are restored on destruction.
+class PreemptionHandler {
+ public:
+  explicit PreemptionHandler(Strategy& strategy, PreemptionOptions options = {});
+  ~PreemptionHandler();
+  PreemptionHandler(const PreemptionHandler&) = delete;
+  PreemptionHandler& operator=(const PreemptionHandler&) = delete;
+
+  // Whether this process received a preemption signal.
+  bool signalled() const;
+  // Collective at step boundaries: every process calls it after every step
+  // with the same `step`; on steps that are multiples of check_every the
+  // processes agree (a max-reduction over every replica in sync), and it
+  // returns true on every process if any was signalled. Cross-replica
+  // context. Blocking (bounded by the strategy's timeout).
+  bool should_stop(int64_t step);
+  // Simulates the signal in this process (tests, or a scheduler's API hook).
+  static void raise_for_testing();
+
+ private:
+  Strategy* strategy_;
+  PreemptionOptions options_;
+  struct SavedHandlers;
+  std::unique_ptr<SavedHandlers> saved_;
+};
+
+}  // namespace diststrat

@@ -1,0 +1,461 @@
+// Checkpoint (a strategy's state in checkpoint names), the default
+// CheckpointParticipant (one file written by the chief, read by the chief and
+// broadcast), CheckpointManager (keep K, `latest` pointer) and the
+// preemption handler.
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "diststrat/checkpoint.h"
+#include "diststrat/optimizer.h"
+
+namespace diststrat {
+
+namespace {
+
+constexpr const char* kReservedPrefix = "diststrat.";
+
+bool is_multi_process(const Strategy& s) { return s.cluster().world_size > 1; }
+bool is_writer(const Strategy& s) {
+  const ClusterInfo c = s.cluster();
+  return c.world_size == 1 || c.is_chief();
+}
+
+// Broadcasts from the chief (worker 0). Every process calls these in the same order.
+int64_t broadcast_int(Strategy& s, int64_t v, const std::string& name) {
+  Tensor t(Shape{1}, DType::kInt64);
+  t.data<int64_t>()[0] = v;
+  s.broadcast(t, 0, name);
+  return t.data<int64_t>()[0];
+}
+std::string broadcast_string(Strategy& s, const std::string& v, const std::string& name) {
+  const int64_t n = broadcast_int(s, static_cast<int64_t>(v.size()), name + " length");
+  Tensor t(Shape{(n + 7) / 8}, DType::kInt64);
+  if (is_writer(s) && n > 0) std::memcpy(t.data(), v.data(), v.size());
+  s.broadcast(t, 0, name);
+  return std::string(static_cast<const char*>(t.data()), static_cast<size_t>(n));
+}
+
+// Runs fn on the chief only and re-raises its error (same code) everywhere.
+template <typename Fn> void on_chief_then_agree(Strategy& s, const std::string& what, Fn&& fn) {
+  int64_t code = -1;
+  std::string message;
+  std::exception_ptr local;
+  if (is_writer(s)) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      code = static_cast<int64_t>(e.code());
+      message = e.message();
+      local = std::current_exception();
+    } catch (const std::exception& e) {
+      code = static_cast<int64_t>(ErrorCode::kInternal);
+      message = e.what();
+      local = std::current_exception();
+    }
+  }
+  if (is_multi_process(s)) {
+    code = broadcast_int(s, code, what + " status");
+    if (code >= 0) message = broadcast_string(s, message, what + " error");
+  }
+  if (local) std::rethrow_exception(local);
+  if (code >= 0) {
+    throw_error(static_cast<ErrorCode>(code),
+                "rank " + std::to_string(s.cluster().rank) + ": the chief failed " + what + ": " +
+                    message);
+  }
+}
+
+std::string encode_metadata(const CheckpointMetadata& md) {
+  // Length-prefixed "<n>:<key><n>:<value>" pairs.
+  std::ostringstream os;
+  for (const auto& [k, v] : md) os << k.size() << ':' << k << v.size() << ':' << v;
+  return os.str();
+}
+CheckpointMetadata decode_metadata(const std::string& s) {
+  CheckpointMetadata md;
+  size_t i = 0;
+  auto next = [&] {
+    const size_t colon = s.find(':', i);
+    const size_t n = std::stoull(s.substr(i, colon - i));
+    std::string out = s.substr(colon + 1, n);
+    i = colon + 1 + n;
+    return out;
+  };
+  while (i < s.size()) {
+    std::string k = next();
+    md[k] = next();
+  }
+  return md;
+}
+
+}  // namespace
+
+// ---- matching a file against a model ----------------------------------------
+
+CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::string& path,
+                                    const std::vector<std::pair<std::string, Tensor>>& expected,
+                                    const std::vector<std::string>& optional) {
+  const std::set<std::string> opt(optional.begin(), optional.end());
+  std::set<std::string> expected_names;
+  std::vector<std::string> problems;
+  CheckpointContents out;
+  for (const auto& [name, want] : expected) {
+    expected_names.insert(name);
+    const Tensor* got = file.find(name);
+    if (!got) {
+      if (!opt.count(name)) {
+        problems.push_back("tensor '" + name + "' (" + dtype_name(want.dtype()) +
+                           want.shape().to_string() + ") is missing");
+      }
+      continue;
+    }
+    if (got->dtype() != want.dtype() || got->shape() != want.shape()) {
+      problems.push_back("tensor '" + name + "' is " + dtype_name(got->dtype()) +
+                         got->shape().to_string() + " in the file but " + dtype_name(want.dtype()) +
+                         want.shape().to_string() + " in the model");
+      continue;
+    }
+    out.tensors.emplace_back(name, *got);
+  }
+  for (const auto& [name, t] : file.tensors) {
+    if (!expected_names.count(name)) {
+      problems.push_back("tensor '" + name + "' (" + dtype_name(t.dtype()) + t.shape().to_string() +
+                         ") is not in the model");
+    }
+  }
+  if (!problems.empty()) {
+    std::string msg = "checkpoint '" + path + "' does not match the model: ";
+    const size_t shown = std::min<size_t>(problems.size(), 5);
+    for (size_t i = 0; i < shown; ++i) msg += (i ? "; " : "") + problems[i];
+    if (problems.size() > shown) msg += "; and " + std::to_string(problems.size() - shown) + " more";
+    throw InvalidArgumentError(msg);
+  }
+  for (const auto& [k, v] : file.metadata) {
+    if (k.rfind(kReservedPrefix, 0) != 0) out.metadata[k] = v;
+  }
+  return out;
+}
+
+// ---- the default participant ------------------------------------------------
+
+std::vector<Tensor> CheckpointParticipant::read_slots(Strategy& strategy,
+                                                      const std::vector<SlotRef>& slots) {
+  std::vector<Tensor> out(slots.size());
+  if (slots.empty()) return out;
+  strategy.run([&](ReplicaContext& ctx) {
+    if (ctx.local_replica_id() != 0) return;
+    for (size_t k = 0; k < slots.size(); ++k) {
+      const Tensor& src = slots[k].var->slot(slots[k].slot).at(0);
+      Tensor host(src.shape(), src.dtype());
+      host.copy_from(src);
+      out[k] = host;
+    }
+  });
+  return out;
+}
+
+void CheckpointParticipant::assign_slots(Strategy& strategy, const std::vector<SlotRef>& slots,
+                                         const std::vector<Tensor>& values) {
+  DISTSTRAT_CHECK_EQ(slots.size(), values.size(), "checkpoint: assign_slots");
+  if (slots.empty()) return;
+  strategy.run([&](ReplicaContext& ctx) {
+    const size_t i = static_cast<size_t>(ctx.local_replica_id());
+    for (size_t k = 0; k < slots.size(); ++k) {
+      std::vector<Tensor>& copies = slots[k].var->slot(slots[k].slot);
+      if (i < copies.size()) copies[i].copy_from(values[k]);
+    }
+  });
+}
+
+void CheckpointParticipant::write_checkpoint(Strategy& strategy, const std::string& path,
+                                             const std::vector<std::pair<std::string, Tensor>>& state,
+                                             const CheckpointMetadata& metadata) {
+  on_chief_then_agree(strategy, "to write checkpoint '" + path + "'",
+                      [&] { save_safetensors(path, state, metadata); });
+}
+
+CheckpointContents CheckpointParticipant::read_checkpoint(
+    Strategy& strategy, const std::string& path,
+    const std::vector<std::pair<std::string, Tensor>>& expected,
+    const std::vector<std::string>& optional, const RestoreOptions& options) {
+  CheckpointContents contents;
+  on_chief_then_agree(strategy, "to read checkpoint '" + path + "'", [&] {
+    SafetensorsLoadOptions lo;
+    lo.require_checksums = options.require_checksums;
+    contents = match_checkpoint(load_safetensors(path, lo), path, expected, optional);
+  });
+  if (!is_multi_process(strategy)) return contents;
+  // Every process gets the chief's validated tensors: which are present, then each.
+  std::set<std::string> present;
+  for (const auto& nt : contents.tensors) present.insert(nt.first);
+  CheckpointContents out;
+  for (const auto& [name, want] : expected) {
+    const bool here = broadcast_int(strategy, present.count(name) ? 1 : 0, "checkpoint '" + name + "' present");
+    if (!here) continue;
+    Tensor t(want.shape(), want.dtype());
+    if (is_writer(strategy)) {
+      for (const auto& nt : contents.tensors) {
+        if (nt.first == name) t.copy_from(nt.second);
+      }
+    }
+    strategy.broadcast(t, 0, "checkpoint '" + name + "'");
+    out.tensors.emplace_back(name, t);
+  }
+  out.metadata = decode_metadata(broadcast_string(strategy, encode_metadata(contents.metadata), "checkpoint metadata"));
+  return out;
+}
+
+// ---- Checkpoint ---------------------------------------------------------------
+
+Checkpoint::Checkpoint(Strategy& strategy, std::vector<const Optimizer*> optimizers)
+    : strategy_(&strategy), optimizers_(std::move(optimizers)) {
+  for (const Optimizer* o : optimizers_) {
+    DISTSTRAT_CHECK(o != nullptr && &o->strategy() == &strategy, kInvalidArgument,
+                    "Checkpoint: an optimizer belongs to another strategy");
+  }
+}
+
+CheckpointParticipant& Checkpoint::participant() const {
+  if (auto* p = dynamic_cast<CheckpointParticipant*>(strategy_)) return *p;
+  return default_participant_;
+}
+
+std::vector<Checkpoint::Entry> Checkpoint::entries() const {
+  std::vector<std::string> slot_names;
+  std::set<std::string> iteration_vars;
+  for (const Optimizer* o : optimizers_) {
+    for (const std::string& s : o->slot_names()) {
+      if (std::find(slot_names.begin(), slot_names.end(), s) == slot_names.end()) slot_names.push_back(s);
+    }
+    iteration_vars.insert(o->iterations().name());
+  }
+  std::vector<Entry> out;
+  std::set<std::string> names;
+  auto add = [&](Entry e) {
+    DISTSTRAT_CHECK(names.insert(e.name).second, kInvalidArgument, "Checkpoint: the name '", e.name,
+                    "' is both a variable and an optimizer slot");
+    out.push_back(std::move(e));
+  };
+  for (const Variable& v : strategy_->variables()) {
+    // Step counters of optimizers are optimizer state; other variables are the model.
+    const bool is_counter = iteration_vars.count(v.name()) > 0 ||
+                            (v.name().rfind("optimizer", 0) == 0 &&
+                             v.name().size() > 11 && v.name().substr(v.name().size() - 11) == "/iterations");
+    add({v.name(), v, "", is_counter});
+    if (!v.options().trainable || v.dtype() != DType::kFloat32) continue;
+    for (const std::string& s : slot_names) add({v.name() + "/" + s, v, s, true});
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> Checkpoint::state() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  std::vector<CheckpointParticipant::SlotRef> slots;
+  std::vector<std::string> slot_names;
+  for (const Entry& e : entries()) {
+    if (e.slot.empty()) {
+      out.emplace_back(e.name, e.var.value());
+    } else {
+      slots.push_back({&e.var.impl(), e.slot});
+      slot_names.push_back(e.name);
+    }
+  }
+  std::vector<Tensor> values = participant().read_slots(*strategy_, slots);
+  for (size_t k = 0; k < slots.size(); ++k) out.emplace_back(slot_names[k], values[k]);
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  return out;
+}
+
+void Checkpoint::save(const std::string& path, const CheckpointMetadata& metadata) const {
+  CheckpointMetadata md = metadata;
+  for (const auto& [k, v] : md) {
+    DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "Checkpoint::save '", path,
+                    "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
+  }
+  participant().write_checkpoint(*strategy_, path, state(), md);
+}
+
+CheckpointMetadata Checkpoint::restore(const std::string& path, const RestoreOptions& options) const {
+  const std::vector<Entry> es = entries();
+  std::vector<std::pair<std::string, Tensor>> expected;
+  std::vector<std::string> optional;
+  for (const Entry& e : es) {
+    // Only names, dtypes and shapes matter here: no need to read the values.
+    expected.emplace_back(e.name, Tensor(e.var.shape(), e.var.dtype()));
+    if (e.optimizer_state && options.allow_missing_optimizer_state) optional.push_back(e.name);
+  }
+  CheckpointParticipant& p = participant();
+  // Everything is read and validated before the first write into the model.
+  CheckpointContents c = p.read_checkpoint(*strategy_, path, expected, optional, options);
+  std::map<std::string, Tensor> by_name(c.tensors.begin(), c.tensors.end());
+  std::vector<CheckpointParticipant::SlotRef> slots;
+  std::vector<Tensor> slot_values;
+  for (const Entry& e : es) {
+    auto it = by_name.find(e.name);
+    if (it == by_name.end()) continue;  // optional and absent: keeps its value
+    if (e.slot.empty()) {
+      Variable v = e.var;
+      v.assign(it->second);
+    } else {
+      slots.push_back({&e.var.impl(), e.slot});
+      slot_values.push_back(it->second);
+    }
+  }
+  p.assign_slots(*strategy_, slots, slot_values);
+  return c.metadata;
+}
+
+// ---- CheckpointManager ---------------------------------------------------------
+
+namespace {
+constexpr const char* kLatest = "latest";
+bool parse_step_file(const std::string& name, int64_t* step) {
+  static const std::string pre = "ckpt-", suf = ".safetensors";
+  if (name.size() <= pre.size() + suf.size() || name.rfind(pre, 0) != 0 ||
+      name.compare(name.size() - suf.size(), suf.size(), suf) != 0) {
+    return false;
+  }
+  const std::string digits = name.substr(pre.size(), name.size() - pre.size() - suf.size());
+  if (digits.empty() || digits.size() > 18 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return false;
+  }
+  *step = std::stoll(digits);
+  return true;
+}
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) out.emplace_back(e->d_name);
+    ::closedir(d);
+  }
+  return out;
+}
+}  // namespace
+
+CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string directory,
+                                     CheckpointManagerOptions options)
+    : checkpoint_(&checkpoint), directory_(std::move(directory)), options_(options) {
+  DISTSTRAT_CHECK(options_.max_to_keep >= 1, kInvalidArgument, "CheckpointManager: max_to_keep ",
+                  options_.max_to_keep, " must be at least 1");
+  DISTSTRAT_CHECK(!directory_.empty(), kInvalidArgument, "CheckpointManager: empty directory");
+  if (is_writer(checkpoint.strategy())) {
+    std::string partial;
+    for (size_t i = 0; i < directory_.size(); ++i) {  // mkdir -p
+      partial += directory_[i];
+      if ((directory_[i] == '/' || i + 1 == directory_.size()) && partial != "/") ::mkdir(partial.c_str(), 0755);
+    }
+    // Temporary files of saves that a crash interrupted.
+    for (const std::string& n : list_dir(directory_)) {
+      if (n.find(".tmp.") != std::string::npos &&
+          (n.rfind("ckpt-", 0) == 0 || n.rfind(kLatest, 0) == 0)) {
+        ::unlink((directory_ + "/" + n).c_str());
+      }
+    }
+  }
+}
+
+std::optional<std::string> CheckpointManager::latest() const {
+  std::ifstream in(directory_ + "/" + kLatest);
+  if (!in) return std::nullopt;
+  std::string name;
+  std::getline(in, name);
+  int64_t step;
+  DISTSTRAT_CHECK(parse_step_file(name, &step), kDataLoss, "checkpoint directory '", directory_,
+                  "': its 'latest' file names '", name, "', which is not a checkpoint file");
+  return directory_ + "/" + name;
+}
+
+std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& metadata) {
+  DISTSTRAT_CHECK(step >= 0, kInvalidArgument, "CheckpointManager::save: negative step ", step);
+  const std::string name = "ckpt-" + std::to_string(step) + ".safetensors";
+  const std::string path = directory_ + "/" + name;
+  checkpoint_->save(path, metadata);
+  Strategy& s = checkpoint_->strategy();
+  // The checkpoint is complete on disk; only now does `latest` point at it.
+  on_chief_then_agree(s, "to update '" + directory_ + "/latest'", [&] {
+    const std::string text = name + "\n";
+    write_file_atomically(directory_ + "/" + kLatest, text.data(), text.size());
+    std::vector<std::pair<int64_t, std::string>> all;
+    for (const std::string& n : list_dir(directory_)) {
+      int64_t st;
+      if (parse_step_file(n, &st)) all.emplace_back(st, n);
+    }
+    std::sort(all.begin(), all.end());
+    for (size_t i = 0; i + static_cast<size_t>(options_.max_to_keep) < all.size(); ++i) {
+      if (all[i].second != name) ::unlink((directory_ + "/" + all[i].second).c_str());
+    }
+  });
+  return path;
+}
+
+std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const RestoreOptions& options) {
+  Strategy& s = checkpoint_->strategy();
+  std::string path;
+  on_chief_then_agree(s, "to read '" + directory_ + "/latest'", [&] {
+    if (auto p = latest()) path = *p;
+  });
+  if (is_multi_process(s)) path = broadcast_string(s, path, "checkpoint latest path");
+  if (path.empty()) return std::nullopt;
+  return checkpoint_->restore(path, options);
+}
+
+// ---- preemption -----------------------------------------------------------------
+
+namespace {
+// Signals are per process, so this flag is too: the one piece of process-wide
+// state, written only by the async-signal-safe handler below.
+volatile std::sig_atomic_t g_preemption_signalled = 0;
+extern "C" void on_preemption_signal(int) { g_preemption_signalled = 1; }
+}  // namespace
+
+struct PreemptionHandler::SavedHandlers {
+  std::vector<std::pair<int, struct sigaction>> previous;
+};
+
+PreemptionHandler::PreemptionHandler(Strategy& strategy, PreemptionOptions options)
+    : strategy_(&strategy), options_(std::move(options)), saved_(std::make_unique<SavedHandlers>()) {
+  DISTSTRAT_CHECK(options_.check_every >= 1, kInvalidArgument, "PreemptionHandler: check_every ",
+                  options_.check_every, " must be at least 1");
+  // Before this, the signal's default action would have ended the process.
+  g_preemption_signalled = 0;
+  for (int sig : options_.signals) {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_preemption_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    struct sigaction old;
+    DISTSTRAT_CHECK(::sigaction(sig, &sa, &old) == 0, kInvalidArgument,
+                    "PreemptionHandler: cannot handle signal ", sig, ": ", std::strerror(errno));
+    saved_->previous.emplace_back(sig, old);
+  }
+}
+
+PreemptionHandler::~PreemptionHandler() {
+  for (auto& [sig, old] : saved_->previous) ::sigaction(sig, &old, nullptr);
+}
+
+bool PreemptionHandler::signalled() const { return g_preemption_signalled != 0; }
+
+void PreemptionHandler::raise_for_testing() { g_preemption_signalled = 1; }
+
+bool PreemptionHandler::should_stop(int64_t step) {
+  if (step % options_.check_every != 0) return false;
+  if (!is_multi_process(*strategy_)) return signalled();
+  // A max-reduction over every replica: 1 anywhere means everyone stops here.
+  std::vector<double> local(static_cast<size_t>(strategy_->num_local_replicas()),
+                            signalled() ? 1.0 : 0.0);
+  return strategy_->reduce(ReduceOp::kMax, PerReplica<double>(local)) > 0.5;
+}
+
+}  // namespace diststrat

@@ -1,0 +1,390 @@
+// The safetensors format, written and read with full validation.
+//
+// A file is:  [8 bytes: N, little-endian u64] [N bytes: JSON header] [data]
+// The header maps each tensor name to {"dtype": "F32", "shape": [..],
+// "data_offsets": [begin, end]} (offsets relative to the start of the data
+// region) plus an optional "__metadata__" string-to-string map. We pad the
+// header with spaces to a multiple of 8 bytes, as the reference writer does,
+// so the data is aligned.
+//
+// Integrity: the reference format has no checksums, so we keep ours in
+// __metadata__, where every reader carries them along untouched:
+//   "diststrat.crc32/<tensor>"  CRC-32 of the tensor's bytes (hex)
+//   "diststrat.header_crc32"    CRC-32 of the header re-serialized canonically
+//                               (sorted keys, no spaces) without this key
+// A flipped byte in the data fails its tensor's CRC; one in the header either
+// breaks the JSON or the offsets, or changes its canonical form and fails the
+// header CRC (whitespace flips change nothing that is read, and pass).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "diststrat/checkpoint.h"
+
+namespace diststrat {
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* kReservedPrefix = "diststrat.";
+constexpr const char* kTensorCrcPrefix = "diststrat.crc32/";
+constexpr const char* kHeaderCrcKey = "diststrat.header_crc32";
+// The reference implementation's limit: a larger header is an attack or a corrupt length.
+constexpr uint64_t kMaxHeaderBytes = 100u << 20;
+
+bool host_is_little_endian() {
+  const uint16_t one = 1;
+  uint8_t b;
+  std::memcpy(&b, &one, 1);
+  return b == 1;
+}
+
+uint32_t crc32_of(const void* data, size_t size) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  const Bytef* p = static_cast<const Bytef*>(data);
+  while (size > 0) {  // zlib takes uInt lengths
+    const uInt n = static_cast<uInt>(std::min<size_t>(size, 1u << 30));
+    crc = crc32(crc, p, n);
+    p += n;
+    size -= n;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+std::string hex32(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof buf, "%08x", v);
+  return buf;
+}
+
+// Strict safetensors dtype names; other valid names are "not supported" rather than corrupt.
+std::optional<DType> parse_dtype(const std::string& s) {
+  for (DType d : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
+                  DType::kInt32, DType::kInt64}) {
+    if (s == dtype_safetensors_name(d)) return d;
+  }
+  return std::nullopt;
+}
+bool known_unsupported_dtype(const std::string& s) {
+  static const char* const kOthers[] = {"BOOL", "U8",  "I8",  "U16", "I16",     "U32",
+                                        "U64",  "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E2M3",
+                                        "F6_E3M2", "C64"};
+  for (const char* o : kOthers) {
+    if (s == o) return true;
+  }
+  return false;
+}
+
+std::string canonical_header(json header) {
+  if (header.contains("__metadata__")) {
+    header["__metadata__"].erase(kHeaderCrcKey);
+  }
+  return header.dump();  // nlohmann::json objects are std::map: keys sorted, no spaces
+}
+
+}  // namespace
+
+const Tensor* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& [n, t] : tensors) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
+// ---- writing ------------------------------------------------------------------
+
+void write_file_atomically(const std::string& path, const void* bytes, size_t size) {
+  static std::atomic<uint64_t> counter{0};  // distinct temp names for threads of one process
+  const std::string tmp =
+      path + ".tmp." + std::to_string(getpid()) + "." + std::to_string(counter.fetch_add(1));
+  auto fail = [&](const std::string& what, int err) {
+    ::unlink(tmp.c_str());
+    const std::string msg = "writing '" + path + "': " + what + ": " + std::strerror(err);
+    if (err == ENOENT) throw NotFoundError(msg);
+    if (err == ENOSPC || err == EDQUOT) throw ResourceExhaustedError(msg);
+    throw UnavailableError(msg);
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) fail("open of temporary file '" + tmp + "'", errno);
+  const char* p = static_cast<const char*>(bytes);
+  size_t left = size;
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      fail("write", err);
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail("fsync", err);
+  }
+  if (::close(fd) != 0) fail("close", errno);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", errno);
+  // The rename is durable only once the directory entry is.
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, Tensor>>& tensors,
+                      const CheckpointMetadata& metadata) {
+  DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
+                  "save_safetensors: big-endian hosts are not supported");
+  std::vector<const std::pair<std::string, Tensor>*> sorted;
+  for (const auto& nt : tensors) {
+    DISTSTRAT_CHECK(!nt.first.empty() && nt.first != "__metadata__", kInvalidArgument,
+                    "save_safetensors '", path, "': invalid tensor name '", nt.first, "'");
+    DISTSTRAT_CHECK(nt.second.defined(), kInvalidArgument, "save_safetensors '", path,
+                    "': tensor '", nt.first, "' is undefined");
+    DISTSTRAT_CHECK(nt.second.device().is_cpu(), kInvalidArgument, "save_safetensors '", path,
+                    "': tensor '", nt.first, "' is on ", nt.second.device().to_string(),
+                    "; copy it to the host first");
+    sorted.push_back(&nt);
+  }
+  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->first < b->first; });
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    DISTSTRAT_CHECK(sorted[i]->first != sorted[i - 1]->first, kInvalidArgument,
+                    "save_safetensors '", path, "': tensor '", sorted[i]->first,
+                    "' appears twice");
+  }
+
+  json header = json::object();
+  json md = json::object();
+  for (const auto& [k, v] : metadata) {
+    DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "save_safetensors '", path,
+                    "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
+    md[k] = v;
+  }
+  uint64_t offset = 0;
+  for (const auto* nt : sorted) {
+    const Tensor& t = nt->second;
+    json entry;
+    entry["dtype"] = dtype_safetensors_name(t.dtype());
+    entry["shape"] = t.shape().dims();
+    entry["data_offsets"] = {offset, offset + t.nbytes()};
+    header[nt->first] = entry;
+    md[kTensorCrcPrefix + nt->first] = hex32(crc32_of(t.data(), t.nbytes()));
+    offset += t.nbytes();
+  }
+  md["diststrat.format"] = "1";
+  header["__metadata__"] = md;
+  const std::string canon = canonical_header(header);
+  header["__metadata__"][kHeaderCrcKey] = hex32(crc32_of(canon.data(), canon.size()));
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+
+  std::vector<char> file(8 + text.size() + offset);
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  std::memcpy(file.data() + 8, text.data(), text.size());
+  char* data = file.data() + 8 + text.size();
+  for (const auto* nt : sorted) {
+    if (nt->second.nbytes()) std::memcpy(data, nt->second.data(), nt->second.nbytes());
+    data += nt->second.nbytes();
+  }
+  write_file_atomically(path, file.data(), file.size());
+}
+
+// ---- reading ------------------------------------------------------------------
+
+SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::string& what,
+                                  const SafetensorsLoadOptions& options) {
+  DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
+                  "load_safetensors: big-endian hosts are not supported");
+  auto corrupt = [&](const std::string& msg) -> DataLossError {
+    return DataLossError("checkpoint '" + what + "': " + msg);
+  };
+  if (size < 8) {
+    throw corrupt("truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
+  if (n > kMaxHeaderBytes) throw corrupt("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  if (n > size - 8) {
+    throw corrupt("truncated: header length " + std::to_string(n) + " but only " +
+                  std::to_string(size - 8) + " bytes follow");
+  }
+  const char* text = reinterpret_cast<const char*>(bytes + 8);
+  json header;
+  try {
+    header = json::parse(text, text + n);
+  } catch (const json::exception& e) {
+    throw corrupt(std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object()) throw corrupt("header is not a JSON object");
+
+  SafetensorsFile out;
+  if (header.contains("__metadata__")) {
+    const json& md = header["__metadata__"];
+    if (!md.is_object()) throw corrupt("__metadata__ is not an object");
+    for (auto it = md.begin(); it != md.end(); ++it) {
+      if (!it.value().is_string()) throw corrupt("__metadata__ value of '" + it.key() + "' is not a string");
+      out.metadata[it.key()] = it.value().get<std::string>();
+    }
+  }
+
+  const uint64_t data_size = size - 8 - n;
+  const uint8_t* data = bytes + 8 + n;
+  struct Entry {
+    std::string name;
+    DType dtype;
+    Shape shape;
+    uint64_t begin, end;
+  };
+  std::vector<Entry> entries;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") continue;
+    const std::string& name = it.key();
+    const json& e = it.value();
+    auto bad = [&](const std::string& msg) { return corrupt("tensor '" + name + "': " + msg); };
+    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets")) {
+      throw bad("entry needs dtype, shape and data_offsets");
+    }
+    if (!e["dtype"].is_string()) throw bad("dtype is not a string");
+    const std::string dt = e["dtype"].get<std::string>();
+    const std::optional<DType> dtype = parse_dtype(dt);
+    if (!dtype) {
+      if (known_unsupported_dtype(dt)) {
+        throw UnimplementedError("checkpoint '" + what + "': tensor '" + name + "' has dtype " + dt +
+                                 ", which diststrat does not support (F32, F64, F16, BF16, I32, I64)");
+      }
+      throw bad("unknown dtype '" + dt + "'");
+    }
+    const json& shape = e["shape"];
+    if (!shape.is_array()) throw bad("shape is not an array");
+    std::vector<int64_t> dims;
+    // Element count with overflow checks: a lying shape must not wrap around.
+    uint64_t elements = 1;
+    bool overflow = false;
+    for (const json& d : shape) {
+      if (!d.is_number_unsigned()) throw bad("shape " + shape.dump() + " has a non-natural dim");
+      const uint64_t v = d.get<uint64_t>();
+      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) throw bad("dim too large");
+      if (v != 0 && elements > std::numeric_limits<uint64_t>::max() / v) overflow = true;
+      elements *= v;
+      dims.push_back(static_cast<int64_t>(v));
+    }
+    const json& off = e["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+        !off[1].is_number_unsigned()) {
+      throw bad("data_offsets is not a pair of naturals");
+    }
+    const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+    if (begin > end) throw bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] run backwards");
+    if (end > data_size) {
+      throw bad("data_offsets end " + std::to_string(end) + " lies beyond the " +
+                std::to_string(data_size) + "-byte data region (truncated file?)");
+    }
+    const size_t esize = dtype_size(*dtype);
+    if (overflow || elements > std::numeric_limits<uint64_t>::max() / esize ||
+        elements * esize != end - begin) {
+      throw bad("shape " + shape.dump() + " of " + dt + " does not match data_offsets [" +
+                std::to_string(begin) + ", " + std::to_string(end) + "]");
+    }
+    entries.push_back({name, *dtype, Shape(dims), begin, end});
+  }
+  // Tensors must tile the data region exactly: no overlap, no gap, no tail.
+  std::vector<const Entry*> by_offset;
+  for (const Entry& e : entries) by_offset.push_back(&e);
+  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  uint64_t expected = 0;
+  for (const Entry* e : by_offset) {
+    if (e->begin != expected) {
+      throw corrupt("tensor '" + e->name + "': data_offsets begin " + std::to_string(e->begin) +
+                    (e->begin < expected ? " overlaps the previous tensor" : " leaves a gap") +
+                    " (expected " + std::to_string(expected) + ")");
+    }
+    expected = e->end;
+  }
+  if (expected != data_size) {
+    throw corrupt("the tensors cover " + std::to_string(expected) + " bytes but the data region has " +
+                  std::to_string(data_size) + " (truncated or extended file?)");
+  }
+
+  const bool has_crcs = out.metadata.count(kHeaderCrcKey) > 0;
+  if (options.require_checksums && !has_crcs) {
+    throw corrupt("has no diststrat checksums (written by another tool, or its header was damaged); "
+                  "load it with require_checksums = false to accept it unverified");
+  }
+  if (has_crcs) {
+    const std::string canon = canonical_header(header);
+    const std::string got = hex32(crc32_of(canon.data(), canon.size()));
+    if (got != out.metadata[kHeaderCrcKey]) {
+      throw corrupt("header checksum mismatch (stored " + out.metadata[kHeaderCrcKey] + ", computed " +
+                    got + "): the header was modified");
+    }
+  }
+  for (const Entry& e : entries) {
+    const uint8_t* p = data + e.begin;
+    const size_t nbytes = static_cast<size_t>(e.end - e.begin);
+    if (has_crcs) {
+      auto it = out.metadata.find(kTensorCrcPrefix + e.name);
+      if (it == out.metadata.end()) throw corrupt("tensor '" + e.name + "' has no checksum");
+      const std::string got = hex32(crc32_of(p, nbytes));
+      if (got != it->second) {
+        throw corrupt("tensor '" + e.name + "': checksum mismatch (stored " + it->second +
+                      ", computed " + got + "): its data is corrupted");
+      }
+    }
+    Tensor t(e.shape, e.dtype);
+    if (nbytes) std::memcpy(t.data(), p, nbytes);
+    out.tensors.emplace_back(e.name, std::move(t));
+  }
+  if (has_crcs) {
+    // A checksum for a tensor that is not there: the header lost an entry.
+    for (const auto& [k, v] : out.metadata) {
+      if (k.rfind(kTensorCrcPrefix, 0) == 0 && !out.find(k.substr(std::strlen(kTensorCrcPrefix)))) {
+        throw corrupt("tensor '" + k.substr(std::strlen(kTensorCrcPrefix)) +
+                      "' has a checksum but no header entry");
+      }
+    }
+  }
+  std::sort(out.tensors.begin(), out.tensors.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  out.verified = has_crcs;
+  return out;
+}
+
+SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadOptions& options) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) throw NotFoundError("checkpoint '" + path + "' does not exist");
+    throw UnavailableError("checkpoint '" + path + "' cannot be opened: " + std::strerror(errno));
+  }
+  const std::streamoff size = in.tellg();
+  DISTSTRAT_CHECK(size >= 0, kUnavailable, "checkpoint '", path, "': cannot determine its size");
+  std::vector<uint8_t> bytes(static_cast<size_t>(size));
+  in.seekg(0);
+  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size)) {
+    throw UnavailableError("checkpoint '" + path + "': read failed");
+  }
+  return parse_safetensors(bytes.data(), bytes.size(), path, options);
+}
+
+}  // namespace diststrat
