@@ -167,6 +167,26 @@ double copy_bandwidth() {
   return best;
 }
 
+// Aggregate bandwidth of `threads` memcpys of 64 MiB running at once: when
+// one thread already saturates the memory bus, p ranks that each must move a
+// memcpy's worth of bytes share it, and this (not one thread's memcpy) bounds
+// what an all-reduce over threads of one process can reach.
+double concurrent_copy_bandwidth(int threads) {
+  const size_t bytes = 64u << 20;
+  std::vector<std::vector<char>> a(threads, std::vector<char>(bytes, 1));
+  std::vector<std::vector<char>> b(threads, std::vector<char>(bytes, 2));
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = BenchClock::now();
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t) ts.emplace_back([&, t] { std::memcpy(b[t].data(), a[t].data(), bytes); });
+    for (auto& t : ts) t.join();
+    const double s = std::chrono::duration<double>(BenchClock::now() - t0).count();
+    best = std::max(best, threads * bytes / s / 1e9);
+  }
+  return best;
+}
+
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -390,11 +410,16 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
   } else if (ranks == 2) {
     for (const Row& r : rows) {
       if (r.bytes == (64u << 20) && (r.algo == "direct" || r.algo == "auto")) {
+        const double two = concurrent_copy_bandwidth(2);
         std::printf("# in-process %s, 2 ranks, 64M: algbw %.2f GB/s = %.2f of the copy bandwidth "
                     "(bar >= 0.7). Ceiling: every rank must read n bytes of inputs and write n "
                     "bytes of output, as a memcpy of n bytes does, so algbw = n / t is bounded by "
                     "the copy bandwidth.\n",
                     r.algo.c_str(), r.algbw, r.algbw / copy_bw);
+        std::printf("# two memcpys at once move %.2f GB/s together (%.2f x one memcpy): the two "
+                    "ranks share the memory bus, so the reachable algbw here is %.2f GB/s; "
+                    "%s reaches %.2f of it.\n",
+                    two, two / copy_bw, two / 2, r.algo.c_str(), r.algbw / (two / 2));
       }
     }
   }
