@@ -5,6 +5,7 @@
 //   mpirun -np 1 build/benchmarks/train_bench --strategy multi_worker
 //   mpirun -np 2 build/benchmarks/train_bench --strategy multi_worker --timeline t.json
 //   mpirun -np 3 build/benchmarks/train_bench --strategy parameter_server --ps 1
+//   build/benchmarks/train_bench --strategy central_storage --replicas 2 --device gpu
 //
 // With --overlap (default) each layer's gradients are handed to
 // all_reduce_async as the backward pass produces them (last layer first), so
@@ -12,7 +13,9 @@
 // backward still computes; the update is plain SGD on the reduced gradients.
 // --no-overlap uses Optimizer::apply_gradients (one fused call after
 // backward). Prints samples/s (global samples over the timed steps). The
-// parameter server always uses apply_gradients (the PS applies the update).
+// parameter server always uses apply_gradients (the PS applies the update), and
+// so do central storage (one shared copy) and --device gpu (the overlap path's
+// update loop runs on the host).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -25,12 +28,17 @@ namespace ds = diststrat;
 
 int main(int argc, char** argv) {
   std::string strategy_name = "multi_worker", data_dir = ds::kFashionMnistDir, timeline;
+  std::string device = "cpu";
   int replicas = 1, steps = 300, warmup = 30, num_ps = 1;
   int64_t per_replica_batch = 128;
   float lr = 0.05f;
   bool overlap = true;
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
-  app.add_option("--strategy", strategy_name, "mirrored | multi_worker | parameter_server")
+  app.add_option("--strategy", strategy_name,
+                 "mirrored | central_storage | multi_worker | parameter_server")
+      ->capture_default_str();
+  app.add_option("--device", device, "where replicas compute: cpu or gpu")
+      ->check(CLI::IsMember({"cpu", "gpu"}))
       ->capture_default_str();
   app.add_option("--ps", num_ps, "parameter_server: PS ranks (the last ranks)")->capture_default_str();
   app.add_option("--replicas", replicas, "local devices per process")->capture_default_str();
@@ -45,19 +53,32 @@ int main(int argc, char** argv) {
 
   try {
     std::vector<ds::Device> devices;
-    for (int i = 0; i < replicas; ++i) devices.push_back(ds::Device::cpu(i));
+    for (int i = 0; i < replicas; ++i) {
+      devices.push_back(device == "gpu" ? ds::Device::gpu(i) : ds::Device::cpu(i));
+    }
+    if (device == "gpu") overlap = false;
+    // Multi-process strategies on GPUs: each process of the host uses (and
+    // leases) its own `replicas` GPUs.
+    const std::shared_ptr<ds::DeviceManager> process_gpus =
+        device == "gpu" ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(replicas))
+                        : nullptr;
     std::unique_ptr<ds::Strategy> strategy;
     if (strategy_name == "mirrored") {
       strategy = std::make_unique<ds::MirroredStrategy>(devices);
+    } else if (strategy_name == "central_storage") {
+      strategy = std::make_unique<ds::CentralStorageStrategy>(devices);
+      overlap = false;
     } else if (strategy_name == "multi_worker") {
       ds::MultiWorkerOptions o;
       o.devices = devices;
+      o.device_manager = process_gpus;
       o.timeline_path = timeline;
       strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
     } else if (strategy_name == "parameter_server") {
       ds::ParameterServerOptions o;
       o.num_ps = num_ps;
       o.devices = devices;
+      o.device_manager = process_gpus;
       auto ps = std::make_unique<ds::ParameterServerStrategy>(o);
       if (ps->is_ps()) {
         ps->join();

@@ -115,9 +115,15 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   // otherwise (mpirun -np N already gives one process per core).
   const std::vector<ds::Device> per_process =
       f.replicas_given ? devices : std::vector<ds::Device>{devices.front()};
+  // On GPUs each process of the host uses (and leases) its own GPUs.
+  const std::shared_ptr<ds::DeviceManager> process_gpus =
+      f.device == "gpu" ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(
+                              static_cast<int>(per_process.size())))
+                        : nullptr;
   if (f.strategy == "multi_worker") {
     ds::MultiWorkerOptions o;
     o.devices = per_process;
+    o.device_manager = process_gpus;
     o.timeline_path = f.timeline;
     return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
   }
@@ -125,6 +131,7 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     ds::ParameterServerOptions o;
     o.num_ps = f.ps;
     o.devices = per_process;
+    o.device_manager = process_gpus;
     o.max_staleness = f.max_staleness;
     return std::make_unique<ds::ParameterServerStrategy>(o);
   }

@@ -10,6 +10,16 @@
 // once. The update runs in merge_call on local replica 0 while the others
 // wait, so it is the only writer.
 //
+// GPU compute replicas (TensorFlow's CentralStorageStrategy on a multi-GPU
+// machine): the variables stay in host memory, one copy. Variable::read on a
+// GPU replica returns a device copy of the host value, made on the replica's
+// stream when read (the value at that point of the step: writes to it are
+// not seen by the host copy; change variables with an optimizer,
+// Strategy::update or assign). apply_gradients copies each replica's
+// gradients to host memory, sums them there and updates once on the host
+// (the CPU update rule). Integer variables are read in host memory, as on
+// MirroredStrategy.
+//
 // Thread safety: like every strategy, run() is not reentrant; variables may
 // be read by all replicas concurrently inside run(), and apply_gradients must
 // be called by every replica (it blocks until the update is done).
@@ -22,13 +32,18 @@
 
 namespace diststrat {
 
+class DeviceManager;
+
 struct CentralStorageOptions {
   // Compute replicas. Empty = every visible GPU, or one CPU device if none.
   std::vector<Device> devices;
-  // Where the variables live. CPU (host memory) is the default and the only
-  // choice without the GPU backend; TensorFlow puts them on the single GPU
-  // when there is exactly one compute device, which needs that backend.
+  // Where the variables live. Only CPU (host memory, the default) is
+  // implemented; TensorFlow puts them on the single GPU when there is exactly
+  // one compute device, which is not supported here (UnimplementedError).
   Device parameter_device = Device::cpu(0);
+  // GPU configuration and leases for GPU compute devices (see
+  // device_manager.h); created when a GPU is listed and none is given.
+  std::shared_ptr<DeviceManager> device_manager;
   // Timeout and fusion settings for the replicas' collectives (merge_call,
   // ReplicaContext::all_reduce).
   CommunicationOptions communication;
@@ -53,11 +68,18 @@ class CentralStorageStrategy : public Strategy {
   void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
 
+  // On a GPU replica: a device copy of the host value (floating variables).
+  Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const override;
+  // The GPU manager of GPU compute replicas; null on CPU.
+  std::shared_ptr<DeviceManager> device_manager() const;
+
   struct Impl;
 
  protected:
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
+  Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;
+  Tensor gather_across(const std::vector<Tensor>& local) override;
 
  private:
   std::unique_ptr<Impl> impl_;

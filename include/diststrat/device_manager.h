@@ -127,4 +127,14 @@ class DeviceManager {
   std::unique_ptr<Impl> impl_;
 };
 
+// GpuOptions for one of several processes that share a host's GPUs (one
+// MultiWorker or parameter-server worker per process): process `local_rank`
+// sees, and leases, only physical GPUs local_rank * per_process ..
+// local_rank * per_process + per_process - 1, which become its logical GPUs
+// 0 .. per_process - 1. local_rank < 0 takes it from the launcher
+// (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID; else 0). A
+// process whose GPUs do not exist gets NotFoundError when the manager
+// initializes.
+GpuOptions gpu_options_for_local_process(int per_process, int local_rank = -1);
+
 }  // namespace diststrat

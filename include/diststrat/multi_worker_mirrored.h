@@ -52,9 +52,17 @@ inline CommunicationOptions multi_worker_communication_defaults() {
   return c;
 }
 
+class DeviceManager;
+
 struct MultiWorkerOptions {
-  // This process's replica devices. Empty = one CPU device.
+  // This process's replica devices. Empty = one CPU device. GPU devices
+  // (Device::gpu(i), logical GPUs of device_manager) hold the variable copies
+  // and compute; the cross-process all-reduce stages their gradients through
+  // host memory (see docs/gpu.md).
   std::vector<Device> devices;
+  // GPU configuration and leases for GPU devices; created when a GPU is
+  // listed and none is given.
+  std::shared_ptr<DeviceManager> device_manager;
   // Timeout, fusion (bytes_per_pack, default kMultiWorkerBytesPerPack),
   // algorithm and wire compression. algorithm kAuto / kHierarchical use the
   // hierarchical path when the job spans several (possibly virtual) nodes;
@@ -108,6 +116,11 @@ class MultiWorkerMirroredStrategy : public Strategy {
   void barrier(const std::string& name = "") override;
   void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
+  void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
+  Tensor variable_value(const Variable::Impl& var) const override;
+  void assign_variable(Variable::Impl& var, const Tensor& value) override;
+  // The GPU manager of GPU replicas; null on CPU.
+  std::shared_ptr<DeviceManager> device_manager() const;
 
   // Writes the timeline collected so far to options.timeline_path, all ranks
   // merged by worker 0 (collective). No-op without a timeline.

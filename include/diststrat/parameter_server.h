@@ -91,6 +91,8 @@ struct MaxSize {
 // rows % n shards get one extra row. Returns n (offset, rows) pairs.
 std::vector<std::pair<int64_t, int64_t>> shard_rows(int64_t rows, int64_t num_shards);
 
+class DeviceManager;
+
 struct ParameterServerOptions {
   // PS ranks in the job (the last num_ps ranks). At least 1. Ignored when the
   // cluster has a "ps" job (its size wins). In a single-process run the PS
@@ -98,8 +100,14 @@ struct ParameterServerOptions {
   int num_ps = 1;
   // Where the roles come from: an explicit spec, TF_CONFIG, or the launcher.
   ClusterConfig cluster;
-  // Replica devices of each worker. Empty = one CPU device.
+  // Replica devices of each worker. Empty = one CPU device. With GPU devices
+  // the worker's variable cache stays in host memory (it is what pulls fill):
+  // reads copy it to the replica's GPU, gradients come back to the host for
+  // the push (after the local replicas' all-reduce on the GPUs).
   std::vector<Device> devices;
+  // GPU configuration and leases for GPU devices (workers only); created when
+  // a GPU is listed and none is given.
+  std::shared_ptr<DeviceManager> device_manager;
   // How variables are split into shards; empty = never split (each variable
   // lives whole on one PS, placed round-robin).
   Partitioner partitioner;
@@ -222,6 +230,8 @@ class ParameterServerStrategy : public Strategy {
   // reduce() covers this worker's replicas only (workers never meet):
   // kMean divides by num_local_replicas().
   double reduce_across(ReduceOp op, const std::vector<double>& local) override;
+  Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;
+  Tensor gather_across(const std::vector<Tensor>& local) override;
 
  private:
   std::unique_ptr<Impl> impl_;

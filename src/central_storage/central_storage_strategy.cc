@@ -3,7 +3,9 @@
 // reduce-to-one: each replica publishes its gradient tensors, then inside
 // merge_call local replica 0 sums them into one buffer per variable and
 // applies the optimizer once to the single copy (and its single set of slots),
-// bumping the single step counter once.
+// bumping the single step counter once. With GPU compute replicas the
+// variables stay on the host: reads copy them to the replica's device,
+// gradients come back to the host before the reduce-to-one.
 
 #include "diststrat/central_storage.h"
 
@@ -17,7 +19,8 @@ namespace diststrat {
 
 struct CentralStorageStrategy::Impl {
   Impl(CentralStorageStrategy* s, const CentralStorageOptions& o)
-      : parameter_device(o.parameter_device), replicas(s, o.devices, o.communication),
+      : parameter_device(o.parameter_device),
+        replicas(s, o.devices, o.communication, o.device_manager),
         pending(o.devices.size()) {}
   Device parameter_device;
   LocalReplicas replicas;
@@ -29,15 +32,11 @@ struct CentralStorageStrategy::Impl {
 
 namespace {
 CentralStorageOptions checked(CentralStorageOptions o) {
-  if (o.devices.empty()) o.devices = {Device::cpu(0)};
-  validate_devices(o.devices, "CentralStorageStrategy");
-  for (const Device& d : o.devices) {
-    DISTSTRAT_CHECK(d.is_cpu(), kUnimplemented, "CentralStorageStrategy: compute device ",
-                    d.to_string(), " needs the GPU backend, which this build does not have");
-  }
+  resolve_replica_devices(o.devices, o.device_manager, "CentralStorageStrategy");
   DISTSTRAT_CHECK(o.parameter_device.is_cpu(), kUnimplemented,
                   "CentralStorageStrategy: parameter device ", o.parameter_device.to_string(),
-                  " needs the GPU backend, which this build does not have");
+                  ": variables on a GPU are not implemented; keep them in host memory "
+                  "(the default) and compute on GPUs");
   return o;
 }
 }  // namespace
@@ -69,6 +68,23 @@ void CentralStorageStrategy::run_replicas(const std::function<void(ReplicaContex
   impl_->replicas.run(fn);
 }
 
+std::shared_ptr<DeviceManager> CentralStorageStrategy::device_manager() const {
+  return impl_->replicas.gpus();
+}
+
+Tensor CentralStorageStrategy::read_variable(const Variable::Impl& var,
+                                             const ReplicaContext& ctx) const {
+  return read_on_replica_device(var.copies.at(0), ctx.device());
+}
+
+Tensor CentralStorageStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
+  return Strategy::reduce_tensors_across(op, impl_->replicas.to_host(local));
+}
+
+Tensor CentralStorageStrategy::gather_across(const std::vector<Tensor>& local) {
+  return Strategy::gather_across(impl_->replicas.to_host(local));
+}
+
 void CentralStorageStrategy::place_variable(Variable::Impl& var, const Initializer& init) {
   var.copies.emplace_back(var.shape, var.dtype, impl_->parameter_device);
   init(var.copies[0]);
@@ -78,7 +94,11 @@ void CentralStorageStrategy::apply_gradients(
     ReplicaContext& ctx, Optimizer& optimizer,
     const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
   const int local = ctx.local_replica_id();
-  impl_->pending[local] = grads_and_vars;
+  // GPU gradients come to host memory (on this replica's stream) for the
+  // reduce-to-one; the update runs on the host copy.
+  std::vector<std::pair<Tensor, Variable>> mine = grads_and_vars;
+  for (auto& gv : mine) stage_to_host(gv.first);
+  impl_->pending[local] = std::move(mine);
   ctx.merge_call([&](Strategy&) {
     auto& pending = impl_->pending;
     const size_t n = grads_and_vars.size();

@@ -258,4 +258,23 @@ void DeviceManager::empty_cache(const Device& device) {
   alloc->empty_cache();
 }
 
+GpuOptions gpu_options_for_local_process(int per_process, int local_rank) {
+  DISTSTRAT_CHECK(per_process >= 1, kInvalidArgument, "gpu_options_for_local_process: ",
+                  per_process, " GPUs per process");
+  if (local_rank < 0) {
+    local_rank = 0;
+    for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+      const char* v = std::getenv(name);
+      if (v && *v) {
+        local_rank = std::atoi(v);
+        break;
+      }
+    }
+  }
+  GpuOptions o;
+  o.visible_devices.emplace();
+  for (int i = 0; i < per_process; ++i) o.visible_devices->push_back(local_rank * per_process + i);
+  return o;
+}
+
 }  // namespace diststrat

@@ -18,6 +18,39 @@ void validate_devices(const std::vector<Device>& devices, const char* strategy_n
   }
 }
 
+void resolve_replica_devices(std::vector<Device>& devices, std::shared_ptr<DeviceManager>& manager,
+                             const char* strategy_name) {
+  if (devices.empty()) {
+    if (!manager) manager = std::make_shared<DeviceManager>();
+    if (!manager->list_physical_devices().empty()) {
+      for (const LogicalDeviceInfo& l : manager->list_logical_devices()) devices.push_back(l.device);
+    }
+    if (devices.empty()) devices = {Device::cpu(0)};
+  }
+  validate_devices(devices, strategy_name);
+  const bool any_gpu =
+      std::any_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_gpu(); });
+  if (!any_gpu) {
+    manager = nullptr;
+  } else if (!manager) {
+    manager = std::make_shared<DeviceManager>();
+  }
+}
+
+Tensor read_on_replica_device(const Tensor& stored, const Device& device) {
+  if (!device.is_gpu() || !dtype_is_floating(stored.dtype())) return stored;
+  Tensor on_device(stored.shape(), stored.dtype(), device);
+  on_device.copy_from(stored);
+  return on_device;
+}
+
+void stage_to_host(Tensor& t) {
+  if (!t.device().is_gpu()) return;
+  Tensor host(t.shape(), t.dtype());
+  host.copy_from(t);
+  t = host;
+}
+
 LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
                              CommunicationOptions options, std::shared_ptr<DeviceManager> gpus)
     : strategy_(strategy),
@@ -74,6 +107,48 @@ ExecScope LocalReplicas::scope(int i, bool with_stream) const {
   s.placement = &strategy_->placement_log();
   s.timeout = options_.timeout;
   return s;
+}
+
+int LocalReplicas::replica_of(const Device& d) const {
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    if (devices_[i] == d) return static_cast<int>(i);
+  }
+  throw InvalidArgumentError(strategy_->name() + ": device " + d.to_string() +
+                             " is not a replica device");
+}
+
+Tensor LocalReplicas::to_host(const Tensor& t) const {
+  if (t.device().is_cpu()) return t.clone();
+  ScopedExec scoped(scope(replica_of(t.device()), /*with_stream=*/false));
+  Tensor host(t.shape(), t.dtype());
+  host.copy_from(t);
+  return host;
+}
+
+std::vector<Tensor> LocalReplicas::to_host(const std::vector<Tensor>& ts) const {
+  std::vector<Tensor> host;
+  host.reserve(ts.size());
+  for (const Tensor& t : ts) host.push_back(t.device().is_gpu() ? to_host(t) : t);
+  return host;
+}
+
+void LocalReplicas::place_copies(Variable::Impl& var, const Tensor& initial) const {
+  const bool host_only = !dtype_is_floating(var.dtype);
+  for (int i = 0; i < size(); ++i) {
+    const Device d = host_only ? Device::cpu(i) : devices_[static_cast<size_t>(i)];
+    ScopedExec scoped(scope(i, /*with_stream=*/false));
+    Tensor t(var.shape, var.dtype, d);
+    t.copy_from(initial);
+    var.copies.push_back(t);
+  }
+}
+
+void LocalReplicas::for_each_copy(std::vector<Tensor>& copies,
+                                  const std::function<void(Tensor&)>& fn) const {
+  for (size_t i = 0; i < copies.size(); ++i) {
+    ScopedExec scoped(scope(static_cast<int>(i), /*with_stream=*/false));
+    fn(copies[i]);
+  }
 }
 
 void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {

@@ -81,6 +81,23 @@ class LocalReplicas {
   // rethrows the first replica's own exception (not the aborts it caused).
   void run(const std::function<void(ReplicaContext&)>& fn);
 
+  // The local replica whose device is `d`; throws InvalidArgumentError.
+  int replica_of(const Device& d) const;
+  // A host copy of `t` (a clone when it is already in host memory). GPU
+  // tensors are copied in replica_of(t.device())'s scope on its default
+  // stream, so this works from the main thread and from any replica thread.
+  // Blocks until the copy is done.
+  Tensor to_host(const Tensor& t) const;
+  // Host views of per-replica results: GPU tensors copied, host ones as they are.
+  std::vector<Tensor> to_host(const std::vector<Tensor>& ts) const;
+  // Makes var.copies: one copy of `initial` (host) per replica on its device;
+  // integer variables (step counters) stay in host memory on GPU replicas,
+  // as TensorFlow keeps int32 on the host. Blocks.
+  void place_copies(Variable::Impl& var, const Tensor& initial) const;
+  // Calls fn on copies[i] in replica i's scope (default stream), from the
+  // main thread: cross-replica writes of per-replica copies. Blocks.
+  void for_each_copy(std::vector<Tensor>& copies, const std::function<void(Tensor&)>& fn) const;
+
  private:
   friend class LocalReplicaContext;
   Strategy* strategy_;
@@ -99,5 +116,25 @@ class LocalReplicas {
 
 // Checks a device list: non-empty, no duplicates.
 void validate_devices(const std::vector<Device>& devices, const char* strategy_name);
+
+// A variable read on a replica whose variables stay in host memory (central
+// storage, parameter-server worker caches): on a GPU replica, a copy of the
+// floating `stored` on `device` made on the replica's stream (call it on the
+// replica thread); otherwise `stored` itself. Blocks until the copy is done.
+Tensor read_on_replica_device(const Tensor& stored, const Device& device);
+
+// Replaces a GPU tensor by a host copy made in the calling thread's scope
+// (on a replica thread: after the work queued on its stream); host tensors
+// are left as they are. Blocks until the copy is done.
+void stage_to_host(Tensor& t);
+
+// The device defaults every local-replica strategy shares: an empty list
+// means every visible GPU (through `manager`, created if null), else one CPU
+// device; the list is validated; a manager is created when a GPU is listed
+// and dropped when none is (CPU replicas take no GPU and no lease). Without a
+// GPU backend or GPU, listing Device::gpu(i) fails later with the manager's
+// NotFound/Unimplemented error.
+void resolve_replica_devices(std::vector<Device>& devices, std::shared_ptr<DeviceManager>& manager,
+                             const char* strategy_name);
 
 }  // namespace diststrat

@@ -10,49 +10,11 @@ struct MirroredStrategy::Impl {
   Impl(MirroredStrategy* s, const MirroredOptions& o)
       : replicas(s, o.devices, o.communication, o.device_manager) {}
   LocalReplicas replicas;
-
-  int replica_of(const Device& d) const {
-    const auto& devs = replicas.devices();
-    for (size_t i = 0; i < devs.size(); ++i) {
-      if (devs[i] == d) return static_cast<int>(i);
-    }
-    throw InvalidArgumentError("device " + d.to_string() + " is not a replica device");
-  }
-  // A host copy of a (possibly GPU) tensor, from the main thread.
-  Tensor to_host(const Tensor& t) const {
-    if (t.device().is_cpu()) return t.clone();
-    ScopedExec scoped(replicas.scope(replica_of(t.device()), /*with_stream=*/false));
-    Tensor host(t.shape(), t.dtype());
-    host.copy_from(t);
-    return host;
-  }
 };
 
 namespace {
-bool uses_gpu(const MirroredOptions& o) {
-  for (const Device& d : o.devices) {
-    if (d.is_gpu()) return true;
-  }
-  return false;
-}
-
 MirroredOptions with_default_devices(MirroredOptions o) {
-  if (o.devices.empty()) {
-    // Every visible GPU, else one CPU device.
-    if (!o.device_manager) o.device_manager = std::make_shared<DeviceManager>();
-    if (!o.device_manager->list_physical_devices().empty()) {
-      for (const LogicalDeviceInfo& l : o.device_manager->list_logical_devices()) {
-        o.devices.push_back(l.device);
-      }
-    }
-    if (o.devices.empty()) o.devices = {Device::cpu(0)};
-  }
-  validate_devices(o.devices, "MirroredStrategy");
-  if (uses_gpu(o)) {
-    if (!o.device_manager) o.device_manager = std::make_shared<DeviceManager>();
-  } else {
-    o.device_manager = nullptr;  // CPU replicas take no GPU (and no lease)
-  }
+  resolve_replica_devices(o.devices, o.device_manager, "MirroredStrategy");
   return o;
 }
 }  // namespace
@@ -89,18 +51,10 @@ void MirroredStrategy::run_replicas(const std::function<void(ReplicaContext&)>& 
 
 void MirroredStrategy::place_variable(Variable::Impl& var, const Initializer& init) {
   // Initialize once on the host and copy, so the copies are identical
-  // whatever the initializer. Integer variables (step counters) stay in host
-  // memory on GPU replicas, as TensorFlow keeps int32 on the host.
+  // whatever the initializer.
   Tensor initial(var.shape, var.dtype);
   init(initial);
-  const bool host_only = !dtype_is_floating(var.dtype);
-  for (size_t i = 0; i < devices().size(); ++i) {
-    const Device d = host_only ? Device::cpu(static_cast<int>(i)) : devices()[i];
-    ScopedExec scoped(impl_->replicas.scope(static_cast<int>(i), /*with_stream=*/false));
-    Tensor t(var.shape, var.dtype, d);
-    t.copy_from(initial);
-    var.copies.push_back(t);
-  }
+  impl_->replicas.place_copies(var, initial);
 }
 
 void MirroredStrategy::apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
@@ -128,11 +82,7 @@ void MirroredStrategy::apply_gradients(ReplicaContext& ctx, Optimizer& optimizer
 }
 
 void MirroredStrategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
-  std::vector<Tensor>& copies = var.impl().copies;
-  for (size_t i = 0; i < copies.size(); ++i) {
-    ScopedExec scoped(impl_->replicas.scope(static_cast<int>(i), /*with_stream=*/false));
-    fn(copies[i]);
-  }
+  impl_->replicas.for_each_copy(var.impl().copies, fn);
 }
 
 Tensor MirroredStrategy::variable_value(const Variable::Impl& var) const {
@@ -144,29 +94,22 @@ Tensor MirroredStrategy::variable_value(const Variable::Impl& var) const {
         var.options.aggregation == VariableAggregation::kSum ? ReduceOp::kSum : ReduceOp::kMean,
         var.copies);
   }
-  return impl_->to_host(var.copies[0]);
+  return impl_->replicas.to_host(var.copies[0]);
 }
 
 void MirroredStrategy::assign_variable(Variable::Impl& var, const Tensor& value) {
   DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
                   "assign to variable '", var.name, "' ", dtype_name(var.dtype),
                   var.shape.to_string(), " from ", value.debug_string());
-  for (size_t i = 0; i < var.copies.size(); ++i) {
-    ScopedExec scoped(impl_->replicas.scope(static_cast<int>(i), /*with_stream=*/false));
-    var.copies[i].copy_from(value);
-  }
+  impl_->replicas.for_each_copy(var.copies, [&](Tensor& c) { c.copy_from(value); });
 }
 
 Tensor MirroredStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
-  std::vector<Tensor> host;
-  for (const Tensor& t : local) host.push_back(t.device().is_gpu() ? impl_->to_host(t) : t);
-  return Strategy::reduce_tensors_across(op, host);
+  return Strategy::reduce_tensors_across(op, impl_->replicas.to_host(local));
 }
 
 Tensor MirroredStrategy::gather_across(const std::vector<Tensor>& local) {
-  std::vector<Tensor> host;
-  for (const Tensor& t : local) host.push_back(t.device().is_gpu() ? impl_->to_host(t) : t);
-  return Strategy::gather_across(host);
+  return Strategy::gather_across(impl_->replicas.to_host(local));
 }
 
 }  // namespace diststrat

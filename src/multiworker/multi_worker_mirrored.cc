@@ -30,6 +30,7 @@ class MultiWorkerReplicaContext : public ReplicaContext {
   int num_replicas_in_sync() const override;
   const Device& device() const override;
   Strategy& strategy() const override;
+  void* stream() const override { return inner().stream(); }
 
   void all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
                   const std::vector<std::string>& names = {}) override {
@@ -142,14 +143,32 @@ LocalReplicaContext& MultiWorkerReplicaContext::inner() const { return impl_->re
 
 Work MultiWorkerReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
                                                  std::vector<std::string> names) {
-  return impl_->engine->all_reduce_async(local_, op, std::move(tensors), std::move(names));
+  const bool on_gpu = std::any_of(tensors.begin(), tensors.end(),
+                                  [](const Tensor& t) { return t.device().is_gpu(); });
+  if (!on_gpu) return impl_->engine->all_reduce_async(local_, op, std::move(tensors), std::move(names));
+  // GPU tensors: staged through host memory (copies on this replica's
+  // stream), reduced by the fusion engine like host tensors, copied back.
+  // Completes before returning, so no overlap with later device work.
+  std::vector<Tensor> host = tensors;
+  for (Tensor& h : host) stage_to_host(h);
+  impl_->engine->all_reduce_async(local_, op, host, std::move(names)).wait();
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_from(host[i]);
+  return Work::completed();
 }
 
 Tensor MultiWorkerReplicaContext::all_gather(const Tensor& t, const std::string& name) {
   // In-process first (rows ordered by local replica = by replica id), then
   // across workers once per process.
   const Tensor local = inner().all_gather(t, name);
-  return merge_call([&](Strategy&) { return impl_->cross_gather(local, name); });
+  if (local.device().is_cpu()) {
+    return merge_call([&](Strategy&) { return impl_->cross_gather(local, name); });
+  }
+  Tensor host = local;
+  stage_to_host(host);
+  const Tensor all = merge_call([&](Strategy&) { return impl_->cross_gather(host, name); });
+  Tensor out(all.shape(), all.dtype(), local.device());
+  out.copy_from(all);
+  return out;
 }
 
 void MultiWorkerReplicaContext::barrier(const std::string& name) {
@@ -168,11 +187,7 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   Impl& m = *impl_;
   m.self = this;
   if (options.devices.empty()) options.devices = {Device::cpu(0)};
-  validate_devices(options.devices, "MultiWorkerMirroredStrategy");
-  for (const Device& d : options.devices) {
-    DISTSTRAT_CHECK(d.is_cpu(), kUnimplemented, "MultiWorkerMirroredStrategy: device ", d.to_string(),
-                    " needs the GPU backend, which this build does not have");
-  }
+  resolve_replica_devices(options.devices, options.device_manager, "MultiWorkerMirroredStrategy");
   const Algorithm algo = options.communication.algorithm;
   const bool allow_hier = algo == Algorithm::kAuto || algo == Algorithm::kHierarchical;
 
@@ -242,7 +257,8 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     m.timeline->name_thread(kStepLane, "steps");
   }
   m.options = options;
-  m.replicas = std::make_unique<LocalReplicas>(this, options.devices, options.communication);
+  m.replicas = std::make_unique<LocalReplicas>(this, options.devices, options.communication,
+                                               options.device_manager);
   m.engine = std::make_unique<FusionEngine>(*m.cross, static_cast<int>(options.devices.size()),
                                             m.total_replicas, options.communication, m.timeline.get());
   for (size_t l = 0; l < options.devices.size(); ++l) {
@@ -315,11 +331,36 @@ void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaC
 }
 
 void MultiWorkerMirroredStrategy::place_variable(Variable::Impl& var, const Initializer& init) {
-  for (const Device& d : devices()) var.copies.emplace_back(var.shape, var.dtype, d);
-  init(var.copies[0]);
+  Tensor initial(var.shape, var.dtype);
+  init(initial);
   // Worker 0 (the chief) decides the initial value for everyone.
-  if (impl_->cross->size() > 1) broadcast(var.copies[0], 0, var.name + "/initial value");
-  for (size_t i = 1; i < var.copies.size(); ++i) var.copies[i].copy_from(var.copies[0]);
+  if (impl_->cross->size() > 1) broadcast(initial, 0, var.name + "/initial value");
+  impl_->replicas->place_copies(var, initial);
+}
+
+std::shared_ptr<DeviceManager> MultiWorkerMirroredStrategy::device_manager() const {
+  return impl_->replicas->gpus();
+}
+
+void MultiWorkerMirroredStrategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
+  impl_->replicas->for_each_copy(var.impl().copies, fn);
+}
+
+Tensor MultiWorkerMirroredStrategy::variable_value(const Variable::Impl& var) const {
+  const bool aggregated = var.options.synchronization == VariableSynchronization::kOnRead &&
+                          var.options.aggregation != VariableAggregation::kNone &&
+                          var.options.aggregation != VariableAggregation::kOnlyFirstReplica;
+  if (aggregated || var.copies.empty() || var.copies[0].device().is_cpu()) {
+    return Strategy::variable_value(var);  // reduce_tensors_across stages GPU copies
+  }
+  return impl_->replicas->to_host(var.copies[0]);
+}
+
+void MultiWorkerMirroredStrategy::assign_variable(Variable::Impl& var, const Tensor& value) {
+  DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
+                  "rank ", impl_->rank(), ": assign to variable '", var.name, "' ",
+                  dtype_name(var.dtype), var.shape.to_string(), " from ", value.debug_string());
+  impl_->replicas->for_each_copy(var.copies, [&](Tensor& c) { c.copy_from(value); });
 }
 
 void MultiWorkerMirroredStrategy::broadcast(Tensor& t, int root_worker, const std::string& name) {
@@ -328,11 +369,18 @@ void MultiWorkerMirroredStrategy::broadcast(Tensor& t, int root_worker, const st
                   m.rank(), ": broadcast '", name, "' from worker ", root_worker, " of ",
                   m.cross->size());
   if (m.cross->size() == 1) return;
+  // A GPU tensor is broadcast through a host copy.
+  Tensor host = t.device().is_gpu() ? m.replicas->to_host(t) : t;
   m.engine->run(
       [&](Communicator& c) {
-        c.broadcast(t.data(), static_cast<size_t>(t.num_elements()), t.dtype(), root_worker, name);
+        c.broadcast(host.data(), static_cast<size_t>(host.num_elements()), host.dtype(), root_worker,
+                    name);
       },
       "broadcast '" + name + "'");
+  if (t.device().is_gpu()) {
+    ScopedExec scoped(m.replicas->scope(m.replicas->replica_of(t.device()), /*with_stream=*/false));
+    t.copy_from(host);
+  }
 }
 
 void MultiWorkerMirroredStrategy::barrier(const std::string& name) {
@@ -357,7 +405,7 @@ double MultiWorkerMirroredStrategy::reduce_across(ReduceOp op, const std::vector
 Tensor MultiWorkerMirroredStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
   DISTSTRAT_CHECK(!local.empty(), kInvalidArgument, "reduce of no tensors");
   const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
-  Tensor out = Strategy::reduce_tensors_across(sum_op, local);
+  Tensor out = Strategy::reduce_tensors_across(sum_op, impl_->replicas->to_host(local));
   const size_t count = static_cast<size_t>(out.num_elements());
   if (impl_->cross->size() > 1) {
     impl_->engine->run(
@@ -369,7 +417,7 @@ Tensor MultiWorkerMirroredStrategy::reduce_tensors_across(ReduceOp op, const std
 }
 
 Tensor MultiWorkerMirroredStrategy::gather_across(const std::vector<Tensor>& local) {
-  return impl_->cross_gather(Strategy::gather_across(local), "gather");
+  return impl_->cross_gather(Strategy::gather_across(impl_->replicas->to_host(local)), "gather");
 }
 
 void MultiWorkerMirroredStrategy::apply_gradients(

@@ -162,12 +162,9 @@ struct ParameterServerStrategy::Impl {
       return;
     }
     std::vector<Device> devices = options.devices.empty() ? std::vector<Device>{Device::cpu(0)} : options.devices;
-    validate_devices(devices, "ParameterServerStrategy");
-    for (const Device& d : devices) {
-      DISTSTRAT_CHECK(d.is_cpu(), kUnimplemented, "ParameterServerStrategy: device ", d.to_string(),
-                      " needs the GPU backend, which this build does not have");
-    }
-    replicas = std::make_unique<LocalReplicas>(s, devices, options.communication);
+    std::shared_ptr<DeviceManager> gpus = options.device_manager;
+    resolve_replica_devices(devices, gpus, "ParameterServerStrategy");
+    replicas = std::make_unique<LocalReplicas>(s, devices, options.communication, gpus);
     client = std::make_unique<ps::Client>(*transport, ps_ranks, index, options.communication.timeout);
     versions.assign(ps_ranks.size(), -1);
     pull_buffers.resize(ps_ranks.size());
@@ -712,8 +709,9 @@ void ParameterServerStrategy::apply_gradients(
   const bool local_many = m.replicas->size() > 1;
   if (local_many && !grads.empty()) {
     for (Tensor& g : grads) g = g.clone();
-    ctx.all_reduce(ReduceOp::kSum, grads, names);
+    ctx.all_reduce(ReduceOp::kSum, grads, names);  // on the GPUs for GPU replicas
   }
+  for (Tensor& g : grads) stage_to_host(g);  // pushed from host memory
   std::vector<std::pair<Tensor, Tensor>> rows;  // (ids, values) per sparse gradient
   for (const SparseGradient& s : sparse) {
     if (local_many) {
@@ -722,6 +720,8 @@ void ParameterServerStrategy::apply_gradients(
     } else {
       rows.emplace_back(s.ids, s.values);
     }
+    stage_to_host(rows.back().first);
+    stage_to_host(rows.back().second);
   }
   ctx.merge_call([&](Strategy&) {
     Impl::StagedPush push;
@@ -881,7 +881,7 @@ Tensor ParameterServerStrategy::read_variable(const Variable::Impl& var, const R
   const Impl::VarInfo& vi = impl_->info(var);
   DISTSTRAT_CHECK(!vi.row_sparse, kFailedPrecondition, "read of row-sparse variable '", var.name,
                   "': it is not pulled whole; use gather_rows");
-  return var.copies[0];
+  return read_on_replica_device(var.copies[0], ctx.device());
 }
 
 Tensor ParameterServerStrategy::variable_value(const Variable::Impl& var) const {
@@ -921,6 +921,16 @@ void ParameterServerStrategy::update(Variable& var, const std::function<void(Ten
   Tensor v = var.value();
   fn(v);
   var.assign(v);
+}
+
+Tensor ParameterServerStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
+  impl_->require_worker("reduce");
+  return Strategy::reduce_tensors_across(op, impl_->replicas->to_host(local));
+}
+
+Tensor ParameterServerStrategy::gather_across(const std::vector<Tensor>& local) {
+  impl_->require_worker("gather");
+  return Strategy::gather_across(impl_->replicas->to_host(local));
 }
 
 double ParameterServerStrategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
