@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -322,6 +323,85 @@ TEST(GpuMirrored, OneGpuAndTwoLogicalGpusTrainLikeTheCpu) {
     g2.device_manager = dm;
     const auto got2 = train(g2, adam, 8);
     for (size_t i = 0; i < got2.size(); ++i) expect_close(got2[i], want2[i], 2e-3, "2 logical GPUs");
+  }
+}
+
+// The other strategies on two logical GPUs of GPU 0 against the same
+// strategy on two CPU devices (SGD with momentum).
+namespace {
+std::vector<ds::Tensor> train_under(ds::Strategy& s, int steps, const std::function<void()>& sync = nullptr) {
+  ds::nn::Mlp mlp({784, 64, 10});
+  auto vars = mlp.create_variables(s, 3);
+  ds::SGD opt(s, ds::SGDOptions{0.05f, 0.9f});
+  ds::Tensor x = random_host({128, 784}, 5), y(ds::Shape{128}, ds::DType::kInt32);
+  for (int i = 0; i < 128; ++i) y.data<int32_t>()[i] = (i * 7) % 10;
+  auto dist = s.distribute(ds::Dataset(x, y), 32, {false, 0, false});
+  for (int i = 0; i < steps; ++i) {
+    const ds::DistributedBatch batch = dist.batch(i % dist.num_batches());
+    s.run([&](ds::ReplicaContext& ctx) {
+      std::vector<ds::Tensor> p;
+      for (auto& v : vars) p.push_back(v.read(ctx));
+      auto st = mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx), 1.0f / batch.global_size());
+      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+      for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
+      opt.apply_gradients(ctx, gv);
+    });
+  }
+  if (sync) sync();
+  std::vector<ds::Tensor> out;
+  for (auto& v : vars) out.push_back(v.value());
+  return out;
+}
+
+std::shared_ptr<ds::DeviceManager> two_logical_gpus() {
+  auto dm = manager();
+  dm->set_visible_devices({0});
+  dm->set_logical_device_configuration(0, {{512u << 20}, {512u << 20}});
+  return dm;
+}
+}  // namespace
+
+TEST(GpuStrategies, CentralStorageMultiWorkerAndPsWorkersTrainLikeTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<ds::Device> cpus = {ds::Device::cpu(0), ds::Device::cpu(1)};
+  const std::vector<ds::Device> gpus = {ds::Device::gpu(0), ds::Device::gpu(1)};
+  {
+    ds::CentralStorageStrategy c(cpus);
+    const auto want = train_under(c, 8);
+    ds::CentralStorageOptions o;
+    o.devices = gpus;
+    o.device_manager = two_logical_gpus();
+    ds::CentralStorageStrategy g(o);
+    const auto got = train_under(g, 8);
+    for (size_t i = 0; i < got.size(); ++i) expect_close(got[i], want[i], 2e-3, "central storage");
+  }
+  {
+    ds::InProcessGroup one_c(1, {}), one_g(1, {});
+    ds::MultiWorkerOptions c;
+    c.devices = cpus;
+    c.communicator = &one_c.at(0);
+    ds::MultiWorkerMirroredStrategy cs(c);
+    const auto want = train_under(cs, 8);
+    ds::MultiWorkerOptions o;
+    o.devices = gpus;
+    o.communicator = &one_g.at(0);
+    o.device_manager = two_logical_gpus();
+    ds::MultiWorkerMirroredStrategy g(o);
+    const auto got = train_under(g, 8);
+    for (size_t i = 0; i < got.size(); ++i) expect_close(got[i], want[i], 2e-3, "multi worker");
+  }
+  {
+    ds::ParameterServerOptions c;
+    c.devices = cpus;
+    c.max_staleness = 0;
+    ds::ParameterServerStrategy cs(c);
+    const auto want = train_under(cs, 8, [&] { cs.flush(); });
+    ds::ParameterServerOptions o = c;
+    o.devices = gpus;
+    o.device_manager = two_logical_gpus();
+    ds::ParameterServerStrategy g(o);
+    const auto got = train_under(g, 8, [&] { g.flush(); });
+    for (size_t i = 0; i < got.size(); ++i) expect_close(got[i], want[i], 2e-3, "parameter server worker");
   }
 }
 

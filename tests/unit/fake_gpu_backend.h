@@ -5,15 +5,20 @@
 // collectives through an in-process group.
 #pragma once
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <string>
 #include <map>
 #include <mutex>
 
 #include "allreduce/reduce_kernels.h"
 #include "core/gpu_backend.h"
 #include "diststrat/collective.h"
+#include "diststrat/gpu_lease.h"
 #include "diststrat/nn.h"
 
 namespace diststrat_test {
@@ -197,6 +202,26 @@ class FakeGpuBackend : public ds::GpuBackend {
   std::vector<size_t> used_;
   std::map<void*, std::pair<int, size_t>> sizes_;
   std::atomic<long> next_stream_{0};
+};
+
+// A fresh lock directory per test.
+class LeaseDir {
+ public:
+  LeaseDir() {
+    char tmpl[] = "/tmp/diststrat-lease-test-XXXXXX";
+    path_ = ::mkdtemp(tmpl);
+  }
+  ~LeaseDir() { std::filesystem::remove_all(path_); }
+  ds::LeaseOptions options() const {
+    ds::LeaseOptions o;
+    o.lock_dir = path_;
+    o.poll_interval = std::chrono::milliseconds(5);
+    return o;
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
 };
 
 }  // namespace diststrat_test

@@ -21,30 +21,7 @@
 
 namespace ds = diststrat;
 using diststrat_test::FakeGpuBackend;
-
-namespace {
-
-// A fresh lock directory per test.
-class LeaseDir {
- public:
-  LeaseDir() {
-    char tmpl[] = "/tmp/diststrat-lease-test-XXXXXX";
-    path_ = ::mkdtemp(tmpl);
-  }
-  ~LeaseDir() { std::filesystem::remove_all(path_); }
-  ds::LeaseOptions options() const {
-    ds::LeaseOptions o;
-    o.lock_dir = path_;
-    o.poll_interval = std::chrono::milliseconds(5);
-    return o;
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-}  // namespace
+using diststrat_test::LeaseDir;
 
 // ---- leases ----------------------------------------------------------------------
 

@@ -21,25 +21,15 @@
 
 namespace ds = diststrat;
 using diststrat_test::FakeGpuBackend;
+using diststrat_test::LeaseDir;
 
 namespace {
 
-class LeaseDir {
- public:
-  LeaseDir() {
-    char tmpl[] = "/tmp/diststrat-strategies-gpu-XXXXXX";
-    path_ = ::mkdtemp(tmpl);
-  }
-  ~LeaseDir() { std::filesystem::remove_all(path_); }
-  ds::GpuOptions options() const {
-    ds::GpuOptions o;
-    o.lease.lock_dir = path_;
-    return o;
-  }
-
- private:
-  std::string path_;
-};
+ds::GpuOptions gpu_options(const LeaseDir& dir) {
+  ds::GpuOptions o;
+  o.lease = dir.options();
+  return o;
+}
 
 ds::Dataset toy_data() {
   ds::Tensor x(ds::Shape{64, 784}, ds::DType::kFloat32), y(ds::Shape{64}, ds::DType::kInt32);
@@ -88,7 +78,7 @@ TEST(CentralStorageOnFakeGpus, HostVariablesGpuComputeMatchesCpuTraining) {
   FakeGpuBackend* fake = backend.get();
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager = std::make_shared<ds::DeviceManager>(dir.options(), std::move(backend));
+  o.device_manager = std::make_shared<ds::DeviceManager>(gpu_options(dir), std::move(backend));
   ds::CentralStorageStrategy gpu(o);
   const auto got = train(gpu, 6);
   expect_near(got, want);
@@ -111,7 +101,7 @@ TEST(CentralStorageOnFakeGpus, ReadsAreDeviceCopiesAndResultsComeBackToTheHost) 
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
   o.device_manager =
-      std::make_shared<ds::DeviceManager>(dir.options(), std::make_unique<FakeGpuBackend>(2));
+      std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(2));
   ds::CentralStorageStrategy s(o);
   ds::Variable v = s.create_variable("v", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{2});
   ds::Variable n = s.create_variable("n", ds::Shape{1}, ds::DType::kInt64, ds::init::Zeros{});
@@ -149,7 +139,7 @@ TEST(CentralStorageOnFakeGpus, MissingGpusAndGpuParameterDeviceAreRejected) {
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};  // only one fake GPU
   o.device_manager =
-      std::make_shared<ds::DeviceManager>(dir.options(), std::make_unique<FakeGpuBackend>(1));
+      std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(1));
   EXPECT_THROW(ds::CentralStorageStrategy{o}, ds::NotFoundError);
   o.devices = {ds::Device::gpu(0)};
   o.parameter_device = ds::Device::gpu(0);
@@ -183,7 +173,7 @@ std::vector<ds::Tensor> train_multi_worker(bool gpus, int steps, std::atomic<int
           o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
           auto backend = std::make_unique<FakeGpuBackend>(2);
           FakeGpuBackend* fake = backend.get();
-          o.device_manager = std::make_shared<ds::DeviceManager>(dirs[w]->options(), std::move(backend));
+          o.device_manager = std::make_shared<ds::DeviceManager>(gpu_options(*dirs[w]), std::move(backend));
           ds::MultiWorkerMirroredStrategy s(o);
           out[w] = train(s, steps);
           *device_updates += fake->updates.load();
@@ -221,7 +211,7 @@ TEST(MultiWorkerOnFakeGpus, VariablesLiveOnTheDevicesAndComeBackToTheHost) {
   o.communicator = &flat.at(0);
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
   o.device_manager =
-      std::make_shared<ds::DeviceManager>(dir.options(), std::make_unique<FakeGpuBackend>(2));
+      std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(2));
   ds::MultiWorkerMirroredStrategy s(o);
   ds::Variable v = s.create_variable("v", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{2});
   ASSERT_EQ(v.impl().copies.size(), 2u);
@@ -261,7 +251,7 @@ TEST(ParameterServerOnFakeGpus, GpuWorkerReplicasMatchCpuWorkerTraining) {
   LeaseDir dir;
   auto backend = std::make_unique<FakeGpuBackend>(2);
   FakeGpuBackend* fake = backend.get();
-  auto dm = std::make_shared<ds::DeviceManager>(dir.options(), std::move(backend));
+  auto dm = std::make_shared<ds::DeviceManager>(gpu_options(dir), std::move(backend));
   const auto got = train_ps({ds::Device::gpu(0), ds::Device::gpu(1)}, dm, 6);
   expect_near(got, want);
   EXPECT_EQ(fake->nccl_groups.load(), 1);  // the worker's replicas all-reduce on the GPUs
@@ -275,7 +265,7 @@ TEST(ParameterServerOnFakeGpus, OneGpuReplicaReadsADeviceCopyOfTheCache) {
   o.num_ps = 1;
   o.devices = {ds::Device::gpu(0)};
   o.device_manager =
-      std::make_shared<ds::DeviceManager>(dir.options(), std::make_unique<FakeGpuBackend>(1));
+      std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(1));
   ds::ParameterServerStrategy s(o);
   ds::Variable w = s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::SGD sgd(s, {0.5f, 0.0f});
