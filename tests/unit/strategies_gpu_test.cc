@@ -18,6 +18,7 @@
 #include "diststrat/device_manager.h"
 #include "diststrat/diststrat.h"
 #include "fake_gpu_backend.h"
+#include "training_util.h"
 
 namespace ds = diststrat;
 using diststrat_test::FakeGpuBackend;
@@ -31,13 +32,6 @@ ds::GpuOptions gpu_options(const LeaseDir& dir) {
   return o;
 }
 
-ds::Dataset toy_data() {
-  ds::Tensor x(ds::Shape{64, 784}, ds::DType::kFloat32), y(ds::Shape{64}, ds::DType::kInt32);
-  ds::init::RandomNormal{0, 1, 11}(x);
-  for (int i = 0; i < 64; ++i) y.data<int32_t>()[i] = (i * 7) % 10;
-  return ds::Dataset(x, y);
-}
-
 // Trains the test MLP for `steps` steps of 16 samples with SGD + momentum
 // (a slot per variable) and returns the final weights (host).
 std::vector<ds::Tensor> train(ds::Strategy& s, int steps,
@@ -45,7 +39,7 @@ std::vector<ds::Tensor> train(ds::Strategy& s, int steps,
   ds::nn::Mlp mlp({784, 16, 10});
   auto vars = mlp.create_variables(s, 7);
   ds::SGD opt(s, {0.05f, 0.9f});
-  ds::DistributedDataset dist = s.distribute(toy_data(), 16, {false, 0, false});
+  ds::DistributedDataset dist = s.distribute(ds::testing::synthetic(64, 11), 16, {false, 0, false});
   for (int i = 0; i < steps; ++i) {
     ds::testing::mlp_step(s, mlp, vars, opt, dist.batch(i % dist.num_batches()));
   }
@@ -53,18 +47,6 @@ std::vector<ds::Tensor> train(ds::Strategy& s, int steps,
   std::vector<ds::Tensor> out;
   for (auto& v : vars) out.push_back(v.value());
   return out;
-}
-
-void expect_near(const std::vector<ds::Tensor>& a, const std::vector<ds::Tensor>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    ASSERT_TRUE(a[i].device().is_cpu() && b[i].device().is_cpu());
-    ASSERT_EQ(a[i].num_elements(), b[i].num_elements());
-    for (int64_t k = 0; k < a[i].num_elements(); ++k) {
-      ASSERT_NEAR(a[i].data<float>()[k], b[i].data<float>()[k], 1e-5)
-          << "param " << i << " [" << k << "]";
-    }
-  }
 }
 
 }  // namespace
@@ -81,7 +63,7 @@ TEST(CentralStorageOnFakeGpus, HostVariablesGpuComputeMatchesCpuTraining) {
   o.device_manager = std::make_shared<ds::DeviceManager>(gpu_options(dir), std::move(backend));
   ds::CentralStorageStrategy gpu(o);
   const auto got = train(gpu, 6);
-  expect_near(got, want);
+  EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
   // One host copy per variable (and its slot); the update ran on the host.
   for (const ds::Variable& v : gpu.variables()) {
     ASSERT_EQ(v.impl().copies.size(), 1u) << v.name();
@@ -191,7 +173,7 @@ std::vector<ds::Tensor> train_multi_worker(bool gpus, int steps, std::atomic<int
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
-  expect_near(out[1], out[0]);  // the workers' copies agree
+  EXPECT_LE(ds::testing::max_abs_diff(out[1], out[0]), 1e-5);  // the workers' copies agree
   return out[0];
 }
 }  // namespace
@@ -200,7 +182,7 @@ TEST(MultiWorkerOnFakeGpus, DeviceReplicasWithHostStagedReductionMatchCpuTrainin
   std::atomic<int> cpu_updates{0}, gpu_updates{0};
   const auto want = train_multi_worker(false, 6, &cpu_updates);
   const auto got = train_multi_worker(true, 6, &gpu_updates);
-  expect_near(got, want);
+  EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
   EXPECT_EQ(gpu_updates.load(), 2 * 2 * 6 * 4);  // workers x replicas x steps x params, on device
 }
 
@@ -253,7 +235,7 @@ TEST(ParameterServerOnFakeGpus, GpuWorkerReplicasMatchCpuWorkerTraining) {
   FakeGpuBackend* fake = backend.get();
   auto dm = std::make_shared<ds::DeviceManager>(gpu_options(dir), std::move(backend));
   const auto got = train_ps({ds::Device::gpu(0), ds::Device::gpu(1)}, dm, 6);
-  expect_near(got, want);
+  EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
   EXPECT_EQ(fake->nccl_groups.load(), 1);  // the worker's replicas all-reduce on the GPUs
   EXPECT_EQ(fake->updates.load(), 0);      // the PS applies the updates
   EXPECT_GE(fake->syncs.load(), 2 * 6);

@@ -101,6 +101,20 @@ inline double max_abs_diff(const ds::Tensor& a, const ds::Tensor& b) {
   return m;
 }
 
+// The largest difference over lists of host float tensors (parameters);
+// infinity when the lists or shapes differ or a tensor is not in host memory.
+inline double max_abs_diff(const std::vector<ds::Tensor>& a, const std::vector<ds::Tensor>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!a[i].device().is_cpu() || !b[i].device().is_cpu() || a[i].shape() != b[i].shape()) {
+      return INFINITY;
+    }
+    m = std::max(m, max_abs_diff(a[i], b[i]));
+  }
+  return m;
+}
+
 // Element i of a numeric tensor as a double, and the other way round.
 inline double get_element(const ds::Tensor& t, int64_t i) {
   switch (t.dtype()) {
