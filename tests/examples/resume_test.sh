@@ -21,7 +21,7 @@ strategy_flags=("$@")
 ((${#strategy_flags[@]})) || strategy_flags=(--replicas 2)
 # Generous: the ranks get T seconds between SIGTERM and SIGKILL to agree on a
 # step boundary and save, which a loaded machine must not turn into a failure.
-export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-8}
+export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-5}
 work=$(mktemp -d /tmp/diststrat_resume_XXXXXX)
 trap 'rm -rf "$work"' EXIT
 run() { ${launch[@]+"${launch[@]}"} "$bin" "${strategy_flags[@]}" "$@"; }
