@@ -27,14 +27,7 @@ struct MwTrainee {
     return o;
   }
   void train(int steps, uint64_t seed) {
-    const int64_t n = 4 * strategy.num_replicas_in_sync();
-    ds::Tensor x(ds::Shape{n, 6}, ds::DType::kFloat32), y(ds::Shape{n}, ds::DType::kInt32);
-    ds::init::RandomNormal{0.0, 1.0, seed}(x);
-    for (int64_t i = 0; i < n; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % 3);
-    ds::DistributedDataset dist = strategy.distribute(ds::Dataset(x, y), n, {false, 0, false});
-    for (int s = 0; s < steps; ++s) {
-      for (const ds::DistributedBatch& b : dist) ds::testing::mlp_step(strategy, mlp, params, opt, b);
-    }
+    ds::testing::mlp_train(strategy, mlp, params, opt, 4 * strategy.num_replicas_in_sync(), steps, seed);
   }
   ds::MultiWorkerMirroredStrategy strategy;
   ds::nn::Mlp mlp;
@@ -44,14 +37,7 @@ struct MwTrainee {
 };
 
 void expect_same_state(const MwTrainee& a, const MwTrainee& b) {
-  const auto sa = a.ckpt.state(), sb = b.ckpt.state();
-  ASSERT_EQ(sa.size(), sb.size());
-  for (size_t i = 0; i < sa.size(); ++i) {
-    EXPECT_EQ(sa[i].first, sb[i].first);
-    ASSERT_EQ(sa[i].second.nbytes(), sb[i].second.nbytes()) << sa[i].first;
-    EXPECT_EQ(0, std::memcmp(sa[i].second.data(), sb[i].second.data(), sa[i].second.nbytes()))
-        << sa[i].first;
-  }
+  ds::testing::expect_same_state(a.ckpt, b.ckpt);
 }
 
 }  // namespace

@@ -38,15 +38,7 @@ struct Trainee {
   Trainee(std::unique_ptr<ds::Strategy> s, uint64_t seed)
       : strategy(std::move(s)), mlp({6, 5, 3}), params(mlp.create_variables(*strategy, seed)),
         opt(*strategy, {0.1f, 0.9f}), ckpt(*strategy, {&opt}) {}
-  void train(int steps, uint64_t seed) {
-    ds::Tensor x(ds::Shape{8, 6}, ds::DType::kFloat32), y(ds::Shape{8}, ds::DType::kInt32);
-    ds::init::RandomNormal{0.0, 1.0, seed}(x);
-    for (int i = 0; i < 8; ++i) y.data<int32_t>()[i] = i % 3;
-    ds::DistributedDataset dist = strategy->distribute(ds::Dataset(x, y), 8, {false, 0, false});
-    for (int s = 0; s < steps; ++s) {
-      for (const ds::DistributedBatch& b : dist) ds::testing::mlp_step(*strategy, mlp, params, opt, b);
-    }
-  }
+  void train(int steps, uint64_t seed) { ds::testing::mlp_train(*strategy, mlp, params, opt, 8, steps, seed); }
   std::unique_ptr<ds::Strategy> strategy;
   ds::nn::Mlp mlp;
   std::vector<ds::Variable> params;
@@ -54,16 +46,7 @@ struct Trainee {
   ds::Checkpoint ckpt;
 };
 
-void expect_same_state(const Trainee& a, const Trainee& b) {
-  const auto sa = a.ckpt.state(), sb = b.ckpt.state();
-  ASSERT_EQ(sa.size(), sb.size());
-  for (size_t i = 0; i < sa.size(); ++i) {
-    EXPECT_EQ(sa[i].first, sb[i].first);
-    const ds::Tensor &x = sa[i].second, &y = sb[i].second;
-    ASSERT_EQ(x.nbytes(), y.nbytes()) << sa[i].first;
-    EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.nbytes())) << sa[i].first;
-  }
-}
+void expect_same_state(const Trainee& a, const Trainee& b) { ds::testing::expect_same_state(a.ckpt, b.ckpt); }
 
 // Train, save, restore into a differently initialised model: the same state
 // (weights, slots, step counter), and training continues identically.
