@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
                  "replicas (devices) per process (multi_worker, parameter_server default: 1)")
       ->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")
-      ->check(CLI::Range(1, 1000))->capture_default_str();
+      ->check(CLI::Range(1, 1000000))->capture_default_str();
   app.add_option("--batch", f.batch, "global batch size")->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--lr", f.lr, "learning rate (SGD)")->check(CLI::PositiveNumber)

@@ -121,6 +121,13 @@ class CheckpointParticipant {
  public:
   virtual ~CheckpointParticipant() = default;
 
+  // Throws (UnimplementedError naming the rank and `what`) when this strategy
+  // cannot be checkpointed correctly, so that nothing silently wrong is ever
+  // written or restored. Checkpoint::save/restore and the CheckpointManager
+  // constructor call it on every process before any collective. Default:
+  // supported.
+  virtual void check_checkpoint_supported(Strategy& strategy, const std::string& what);
+
   // One optimizer slot: Variable::Impl::slot(name) of `var`.
   struct SlotRef {
     Variable::Impl* var;
@@ -184,6 +191,7 @@ class Checkpoint {
     std::string slot;  // empty for the variable itself
     bool optimizer_state = false;
   };
+  friend class CheckpointManager;
   std::vector<Entry> entries() const;
   CheckpointParticipant& participant() const;
 

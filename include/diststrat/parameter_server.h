@@ -55,6 +55,7 @@
 #include <string>
 #include <vector>
 
+#include "diststrat/checkpoint.h"
 #include "diststrat/cluster.h"
 #include "diststrat/strategy.h"
 
@@ -160,7 +161,12 @@ struct ShardSnapshot {
   int64_t step = 0;        // updates applied to this shard (Adam's t)
 };
 
-class ParameterServerStrategy : public Strategy {
+// Checkpoints: not implemented yet for this strategy (the variables' shards,
+// slots and step counters live on the PS ranks, which must write them; see
+// local_shards). Every checkpoint operation (Checkpoint::save/restore, a
+// CheckpointManager) throws UnimplementedError instead of writing or
+// restoring a partial state.
+class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
  public:
   explicit ParameterServerStrategy(ParameterServerOptions options = {});
   ~ParameterServerStrategy() override;
@@ -223,6 +229,19 @@ class ParameterServerStrategy : public Strategy {
   void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
 
   Impl& impl() { return *impl_; }
+
+  // CheckpointParticipant: each throws UnimplementedError (see above).
+  void check_checkpoint_supported(Strategy& strategy, const std::string& what) override;
+  std::vector<Tensor> read_slots(Strategy& strategy, const std::vector<SlotRef>& slots) override;
+  void assign_slots(Strategy& strategy, const std::vector<SlotRef>& slots,
+                    const std::vector<Tensor>& values) override;
+  void write_checkpoint(Strategy& strategy, const std::string& path,
+                        const std::vector<std::pair<std::string, Tensor>>& state,
+                        const CheckpointMetadata& metadata) override;
+  CheckpointContents read_checkpoint(Strategy& strategy, const std::string& path,
+                                     const std::vector<std::pair<std::string, Tensor>>& expected,
+                                     const std::vector<std::string>& optional,
+                                     const RestoreOptions& options) override;
 
  protected:
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;

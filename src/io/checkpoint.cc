@@ -147,6 +147,8 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
 
 // ---- the default participant ------------------------------------------------
 
+void CheckpointParticipant::check_checkpoint_supported(Strategy&, const std::string&) {}
+
 std::vector<Tensor> CheckpointParticipant::read_slots(Strategy& strategy,
                                                       const std::vector<SlotRef>& slots) {
   std::vector<Tensor> out(slots.size());
@@ -281,10 +283,12 @@ void Checkpoint::save(const std::string& path, const CheckpointMetadata& metadat
     DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "Checkpoint::save '", path,
                     "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
   }
+  participant().check_checkpoint_supported(*strategy_, "Checkpoint::save '" + path + "'");
   participant().write_checkpoint(*strategy_, path, state(), md);
 }
 
 CheckpointMetadata Checkpoint::restore(const std::string& path, const RestoreOptions& options) const {
+  participant().check_checkpoint_supported(*strategy_, "Checkpoint::restore '" + path + "'");
   const std::vector<Entry> es = entries();
   std::vector<std::pair<std::string, Tensor>> expected;
   std::vector<std::string> optional;
@@ -348,6 +352,8 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
   DISTSTRAT_CHECK(options_.max_to_keep >= 1, kInvalidArgument, "CheckpointManager: max_to_keep ",
                   options_.max_to_keep, " must be at least 1");
   DISTSTRAT_CHECK(!directory_.empty(), kInvalidArgument, "CheckpointManager: empty directory");
+  checkpoint.participant().check_checkpoint_supported(checkpoint.strategy(),
+                                                      "CheckpointManager('" + directory_ + "')");
   if (is_writer(checkpoint.strategy())) {
     std::string partial;
     for (size_t i = 0; i < directory_.size(); ++i) {  // mkdir -p

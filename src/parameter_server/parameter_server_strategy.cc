@@ -933,6 +933,38 @@ Tensor ParameterServerStrategy::gather_across(const std::vector<Tensor>& local) 
   return Strategy::gather_across(impl_->replicas->to_host(local));
 }
 
+// ---- checkpoints: not implemented (never a partial or wrong file) ----------------
+//
+// The default participant would write the worker's pulled variables without
+// the optimizer slots and step counters, which live only on the PS ranks, and
+// a restore would reach only the chief worker (broadcast is a no-op here).
+
+void ParameterServerStrategy::check_checkpoint_supported(Strategy&, const std::string& what) {
+  throw UnimplementedError(
+      "rank " + std::to_string(impl_->rank) + " (" + (impl_->is_ps ? "ps" : "worker") + "): " + what +
+      ": checkpoints of ParameterServerStrategy are not implemented yet (the shards, optimizer slots "
+      "and step counters live on the PS ranks)");
+}
+std::vector<Tensor> ParameterServerStrategy::read_slots(Strategy& s, const std::vector<SlotRef>&) {
+  check_checkpoint_supported(s, "reading optimizer slots for a checkpoint");
+  return {};
+}
+void ParameterServerStrategy::assign_slots(Strategy& s, const std::vector<SlotRef>&,
+                                           const std::vector<Tensor>&) {
+  check_checkpoint_supported(s, "restoring optimizer slots from a checkpoint");
+}
+void ParameterServerStrategy::write_checkpoint(Strategy& s, const std::string& path,
+                                               const std::vector<std::pair<std::string, Tensor>>&,
+                                               const CheckpointMetadata&) {
+  check_checkpoint_supported(s, "writing checkpoint '" + path + "'");
+}
+CheckpointContents ParameterServerStrategy::read_checkpoint(
+    Strategy& s, const std::string& path, const std::vector<std::pair<std::string, Tensor>>&,
+    const std::vector<std::string>&, const RestoreOptions&) {
+  check_checkpoint_supported(s, "reading checkpoint '" + path + "'");
+  return {};
+}
+
 double ParameterServerStrategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
   // Workers never meet: reduce over this worker's replicas only.
   if (op != ReduceOp::kMean) return Strategy::reduce_across(op, local);

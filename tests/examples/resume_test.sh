@@ -19,10 +19,9 @@ while (($#)) && [[ $1 != -- ]]; do launch+=("$1"); shift; done
 (($#)) && shift
 strategy_flags=("$@")
 ((${#strategy_flags[@]})) || strategy_flags=(--replicas 2)
-export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-2}
-# The preempted run must outlast mpirun's T-second delay before SIGTERM.
-pepochs=30
-((${#launch[@]})) && pepochs=$((30 + 20 * OMPI_MCA_odls_base_sigkill_timeout))
+# Generous: the ranks get T seconds between SIGTERM and SIGKILL to agree on a
+# step boundary and save, which a loaded machine must not turn into a failure.
+export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-5}
 work=$(mktemp -d /tmp/diststrat_resume_XXXXXX)
 trap 'rm -rf "$work"' EXIT
 run() { ${launch[@]+"${launch[@]}"} "$bin" "${strategy_flags[@]}" "$@"; }
@@ -42,34 +41,58 @@ for stop in 7 8 13; do   # mid-epoch, at the epoch boundary (8 batches per epoch
   echo "ok: interrupted at step $stop, resumed, final checkpoint identical"
 done
 
-# Preemption: SIGTERM mid-run.
-pflags=(--limit 256 --epochs "$pepochs" --batch 32 --checkpoint-every 10)
-run "${pflags[@]}" --checkpoint-dir "$work/pref" > "$work/pref.log"
-pfinal=ckpt-$((pepochs * 8)).safetensors
+# Preemption: SIGTERM mid-run. No timing race decides the outcome: the run
+# (8 million steps) cannot finish before it is signalled, SIGTERM is sent only
+# once its first checkpoint exists, and every wait is bounded. The resumed run
+# and an uninterrupted one both stop at the first checkpoint step after the
+# preemption point (--max-steps) and must be identical there.
+# Few output lines: once signalled, mpirun stops draining the ranks' output,
+# and a rank blocked on a full pipe could not reach its step boundary.
+every=25
+pflags=(--limit 256 --epochs 1000000 --batch 32 --checkpoint-every $every)
 # Not through run(): $! must be the program (or mpirun), not a subshell.
 ${launch[@]+"${launch[@]}"} "$bin" "${strategy_flags[@]}" "${pflags[@]}" --checkpoint-dir "$work/pre" \
-  > "$work/pre.log1" &
+  > "$work/pre.log1" 2>&1 &
 pid=$!
 trap 'kill -KILL "$pid" 2>/dev/null || true; rm -rf "$work"' EXIT
-# Wait until training is under way (the first checkpoint), then preempt.
-for _ in $(seq 600); do
+# Wait (at most 120 s) until training is under way (the first checkpoint), then preempt.
+for _ in $(seq 1200); do
   test -f "$work/pre/latest" && break
-  sleep 0.05
+  kill -0 "$pid" 2>/dev/null || break
+  sleep 0.1
 done
+test -f "$work/pre/latest" || { echo "FAIL: no checkpoint within 120 s of the start"; cat "$work/pre.log1"; exit 1; }
 kill -TERM "$pid"
+# The save and exit must follow within 120 s (mpirun relays SIGTERM after T s).
+for _ in $(seq 1200); do
+  kill -0 "$pid" 2>/dev/null || break
+  sleep 0.1
+done
+if kill -0 "$pid" 2>/dev/null; then
+  kill -KILL "$pid" 2>/dev/null || true
+  echo "FAIL: still running 120 s after SIGTERM"; cat "$work/pre.log1"; exit 1
+fi
 rc=0
 wait "$pid" || rc=$?
 # The program exits 0. mpirun itself reports 1 after it was signalled, whatever
 # the ranks returned, so under a launcher the saved checkpoint is the criterion.
 if [[ $rc -ne 0 && ${#launch[@]} -eq 0 ]]; then echo "FAIL: SIGTERM exit status $rc"; cat "$work/pre.log1"; exit 1; fi
-if grep -q "preempted: saved" "$work/pre.log1"; then
-  grep "preempted: saved" "$work/pre.log1"
-  run "${pflags[@]}" --checkpoint-dir "$work/pre" > "$work/pre.log2"
-  grep -q "resumed from" "$work/pre.log2" || { echo "FAIL: no resume after preemption"; cat "$work/pre.log2"; exit 1; }
-elif grep -q "finished: saved" "$work/pre.log1"; then
-  echo "FAIL: training finished before the signal arrived; make the preemption run longer"; exit 1
-else
-  echo "FAIL: SIGTERM did not save a checkpoint"; cat "$work/pre.log1"; exit 1
+saved=$(grep -o "preempted: saved .* at step [0-9]*" "$work/pre.log1" || true)
+if [[ -z $saved ]]; then
+  if grep -q "finished: saved" "$work/pre.log1"; then
+    echo "FAIL: training finished before the signal arrived"
+  else
+    echo "FAIL: SIGTERM did not save a checkpoint"
+  fi
+  cat "$work/pre.log1"; exit 1
 fi
-cmp "$work/pref/$pfinal" "$work/pre/$pfinal" || { echo "FAIL: preempted and resumed: final checkpoint differs"; exit 1; }
-echo "ok: SIGTERM saved and exited 0, resumed run ends identical to the uninterrupted one"
+echo "$saved"
+pstep=${saved##* }
+target=$(((pstep / every + 1) * every))
+run "${pflags[@]}" --checkpoint-dir "$work/pre" --max-steps "$target" > "$work/pre.log2"
+grep -q "resumed from .*step $pstep\$" "$work/pre.log2" || { echo "FAIL: no resume from step $pstep after preemption"; cat "$work/pre.log2"; exit 1; }
+run "${pflags[@]}" --checkpoint-dir "$work/pref" --max-steps "$target" > "$work/pref.log"
+pfinal=ckpt-$target.safetensors
+test -f "$work/pref/$pfinal" || { echo "FAIL: no $pfinal in the uninterrupted run"; cat "$work/pref.log"; exit 1; }
+cmp "$work/pref/$pfinal" "$work/pre/$pfinal" || { echo "FAIL: preempted at step $pstep and resumed: checkpoint at step $target differs"; exit 1; }
+echo "ok: SIGTERM at step $pstep saved and exited, resumed run identical to an uninterrupted one at step $target"

@@ -239,16 +239,7 @@ struct Model {
     for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
     return d;
   }
-  void train(int steps, uint64_t seed) {
-    ds::Tensor x(ds::Shape{8, mlp.sizes().front()}, ds::DType::kFloat32);
-    ds::Tensor y(ds::Shape{8}, ds::DType::kInt32);
-    ds::init::RandomNormal{0.0, 1.0, seed}(x);
-    for (int64_t i = 0; i < 8; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % mlp.sizes().back());
-    ds::DistributedDataset dist = strategy.distribute(ds::Dataset(x, y), 8, {false, 0, false});
-    for (int s = 0; s < steps; ++s) {
-      for (const ds::DistributedBatch& batch : dist) ds::testing::mlp_step(strategy, mlp, params, opt, batch);
-    }
-  }
+  void train(int steps, uint64_t seed) { ds::testing::mlp_train(strategy, mlp, params, opt, 8, steps, seed); }
   ds::MirroredStrategy strategy;
   ds::nn::Mlp mlp;
   std::vector<ds::Variable> params;
@@ -256,14 +247,7 @@ struct Model {
   ds::Checkpoint ckpt;
 };
 
-void expect_same_state(const Model& a, const Model& b) {
-  const auto sa = a.ckpt.state(), sb = b.ckpt.state();
-  ASSERT_EQ(sa.size(), sb.size());
-  for (size_t i = 0; i < sa.size(); ++i) {
-    EXPECT_EQ(sa[i].first, sb[i].first);
-    EXPECT_TRUE(same_bytes(sa[i].second, sb[i].second)) << sa[i].first;
-  }
-}
+void expect_same_state(const Model& a, const Model& b) { ds::testing::expect_same_state(a.ckpt, b.ckpt); }
 
 }  // namespace
 
@@ -581,7 +565,7 @@ void comm_barrier(Worker& w) {
 
 void on_two_workers(const std::function<void(int, Worker&)>& fn) {
   ds::CommunicationOptions co;
-  co.timeout = std::chrono::seconds(20);
+  co.timeout = std::chrono::seconds(60);  // bounded; generous for a loaded machine
   ds::InProcessGroup group(2, co);
   ds::testing::run_ranks(group, [&](ds::Communicator& comm) {
     Worker w(comm.rank(), comm);

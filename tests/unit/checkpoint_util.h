@@ -1,7 +1,10 @@
-// Test helper for the checkpoint tests: one training step of an MLP under any
-// strategy (forward, backward, apply_gradients on every replica).
+// Test helpers for the checkpoint tests: training an MLP under any strategy,
+// and comparing two checkpoints' states byte for byte.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -21,6 +24,31 @@ inline void mlp_step(Strategy& strategy, const nn::Mlp& mlp, const std::vector<V
     for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
     opt.apply_gradients(ctx, gv);
   });
+}
+
+// `steps` passes over `rows` random rows (one global batch of `rows`) seeded
+// by `seed`, labels i % classes.
+inline void mlp_train(Strategy& strategy, const nn::Mlp& mlp, const std::vector<Variable>& vars,
+                      Optimizer& opt, int64_t rows, int steps, uint64_t seed) {
+  Tensor x(Shape{rows, mlp.sizes().front()}, DType::kFloat32), y(Shape{rows}, DType::kInt32);
+  init::RandomNormal{0.0, 1.0, seed}(x);
+  for (int64_t i = 0; i < rows; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % mlp.sizes().back());
+  DistributedDataset dist = strategy.distribute(Dataset(x, y), rows, {false, 0, false});
+  for (int s = 0; s < steps; ++s) {
+    for (const DistributedBatch& b : dist) mlp_step(strategy, mlp, vars, opt, b);
+  }
+}
+
+// Same names and the same bytes in every tensor of the two states.
+inline void expect_same_state(const Checkpoint& a, const Checkpoint& b) {
+  const auto sa = a.state(), sb = b.state();
+  ASSERT_EQ(sa.size(), sb.size());
+  for (size_t i = 0; i < sa.size(); ++i) {
+    EXPECT_EQ(sa[i].first, sb[i].first);
+    const Tensor &x = sa[i].second, &y = sb[i].second;
+    ASSERT_TRUE(x.dtype() == y.dtype() && x.shape() == y.shape()) << sa[i].first;
+    EXPECT_EQ(0, x.nbytes() ? std::memcmp(x.data(), y.data(), x.nbytes()) : 0) << sa[i].first;
+  }
 }
 
 }  // namespace testing
