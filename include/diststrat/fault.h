@@ -7,7 +7,8 @@
 //
 // "rank" is the replica id (ReplicaContext::replica_id(), the worker index
 // for one replica per worker); "step" counts Strategy::run calls on that
-// strategy object from 0. Kinds:
+// strategy object from 0 (steps_run(); note that Checkpoint::save and
+// restore run steps too). Kinds:
 //   throw    the replica throws InternalError("injected fault: rank R throws at step S")
 //   exit     the process exits at once with exit_code (std::_Exit: no cleanup)
 //   stall    the replica blocks forever (peers time out; the strategy abandons it)

@@ -18,6 +18,7 @@
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "harness.h"
+#include "parameter_server/strategy_impl.h"
 
 namespace ds = diststrat;
 using std::chrono::milliseconds;
@@ -32,10 +33,15 @@ std::string temp_dir() {
   return ::mkdtemp(tmpl);
 }
 
-// Trains 6 steps under `s` (fault at step kFaultStep counted from now);
-// the chief saves after each step. Returns the error message ("" if none).
-std::string train(ds::Strategy& s, ds::FaultKind kind, int rank, const std::string& dir,
-                  bool chief, int seed) {
+struct Result {
+  std::string error;       // "" if training finished
+  int64_t fault_step = -1; // the strategy step (steps_run()) the fault was armed for
+};
+
+// Trains 6 batches under `s`, saving a checkpoint after each (every process
+// calls save; the strategy decides who writes), with the fault armed for the
+// run() of batch kFaultStep.
+Result train(ds::Strategy& s, ds::FaultKind kind, int rank, const std::string& dir, int seed) {
   ds::nn::Mlp mlp({8, 5, 3});
   std::vector<ds::Variable> vars = mlp.create_variables(s, seed);
   ds::SGD opt(s, {0.1f, 0.9f});
@@ -45,25 +51,31 @@ std::string train(ds::Strategy& s, ds::FaultKind kind, int rank, const std::stri
   ds::DistributedDataset dist = s.distribute(ds::Dataset(x, y), 16, {false, 0, false});
   ds::Checkpoint ckpt(s, {&opt});
   ds::CheckpointManager manager(ckpt, dir, {2});
-  ds::FaultInjection f;
-  f.kind = kind;
-  f.rank = rank;
-  f.step = s.steps_run() + kFaultStep;
-  s.set_fault_injection(f);
   int step = 0;
+  Result result;
   try {
     for (const ds::DistributedBatch& batch : dist) {
+      if (step == kFaultStep) {
+        // Armed for the next run() (saving a checkpoint runs steps too).
+        ds::FaultInjection f;
+        f.kind = kind;
+        f.rank = rank;
+        f.step = s.steps_run();
+        s.set_fault_injection(f);
+        result.fault_step = f.step;
+      }
       ds::testing::mlp_step(s, mlp, vars, opt, batch);
-      if (chief) manager.save(step, {{"step", std::to_string(step)}});
+      manager.save(step, {{"step", std::to_string(step)}});
       ++step;
     }
   } catch (const ds::Error& e) {
-    return e.message();
+    result.error = e.message();
   }
-  return "";
+  return result;
 }
 
 void expect_names_rank_and_step(const std::string& msg, int rank, int64_t step) {
+  std::printf("  error: %s\n", msg.c_str());
   EXPECT_NE(msg.find("step " + std::to_string(step)), std::string::npos) << msg;
   EXPECT_NE(msg.find("rank " + std::to_string(rank)), std::string::npos) << msg;
 }
@@ -110,10 +122,10 @@ TEST_P(LocalFault, SurvivorsFailWithinTheDeadlineNamingRankAndStep) {
   const std::string dir = temp_dir();
   auto s = make_local(GetParam().strategy);
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string msg = train(*s, GetParam().kind, 1, dir, true, 3);
+  const Result r = train(*s, GetParam().kind, 1, dir, 3);
   EXPECT_LT(seconds_since(t0), std::chrono::duration<double>(kTimeout).count() + 10.0);
-  ASSERT_FALSE(msg.empty()) << "the fault did not fail the step";
-  expect_names_rank_and_step(msg, 1, kFaultStep);
+  ASSERT_FALSE(r.error.empty()) << "the fault did not fail the step";
+  expect_names_rank_and_step(r.error, 1, r.fault_step);
   expect_checkpoint_loads(dir, kFaultStep - 1);
   s.reset();  // a stalled replica's thread is detached, not joined
 }
@@ -130,13 +142,14 @@ INSTANTIATE_TEST_SUITE_P(Fault, LocalFault,
 // exit ends the whole process (in one process there are no survivors): the
 // child exits with the fault's code at step 3 and the checkpoint of step 2 loads.
 TEST(FaultExit, ProcessExitsAtTheStepAndTheLastCheckpointLoads) {
-  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+  // "fast" (fork) so the child writes to the directory made here.
+  ::testing::FLAGS_gtest_death_test_style = "fast";
   for (const std::string which : {"mirrored", "central_storage"}) {
     const std::string dir = temp_dir();
     EXPECT_EXIT(
         {
           auto s = make_local(which);
-          train(*s, ds::FaultKind::kExit, 1, dir, true, 3);
+          train(*s, ds::FaultKind::kExit, 1, dir, 3);
           std::_Exit(0);
         },
         ::testing::ExitedWithCode(17), "")
@@ -147,45 +160,113 @@ TEST(FaultExit, ProcessExitsAtTheStepAndTheLastCheckpointLoads) {
 
 class MultiWorkerFault : public ::testing::TestWithParam<ds::FaultKind> {};
 
-// Two workers x two replicas; replica 1 (worker 0's second) misbehaves.
-TEST_P(MultiWorkerFault, EveryWorkerFailsWithinTheDeadlineNamingRankAndStep) {
+// Two workers with one replica each; worker 1 (replica 1) misbehaves. Worker 0
+// must fail within the deadline naming rank 1 and the step; worker 1's own
+// run() fails too unless it is stalled (then it stays stuck, as a hung
+// process would until its launcher kills it).
+TEST_P(MultiWorkerFault, TheOtherWorkerFailsWithinTheDeadlineNamingRankAndStep) {
   const std::string dir = temp_dir();
   ds::CommunicationOptions co;
   co.timeout = kTimeout;
-  ds::InProcessGroup group(2, co);
-  std::vector<std::string> msgs(2);
-  std::vector<std::unique_ptr<ds::MultiWorkerMirroredStrategy>> keep(2);
+  // A stalled worker keeps using the group for good: it outlives the test then.
+  auto* group = new ds::InProcessGroup(2, co);
+  std::vector<Result> res(2);
+  std::vector<ds::MultiWorkerMirroredStrategy*> strategies(2);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::thread> threads;
   for (int w = 0; w < 2; ++w) {
     threads.emplace_back([&, w] {
       ds::MultiWorkerOptions o;
-      o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
-      o.communicator = &group.at(w);
+      o.devices = {ds::Device::cpu(0)};
+      o.communicator = &group->at(w);
       o.communication.timeout = kTimeout;
-      keep[w] = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
-      msgs[w] = train(*keep[w], GetParam(), 1, dir, w == 0, 3);
-      if (msgs[w].empty()) msgs[w] = "(no error)";
-      group.at(w).abort("worker " + std::to_string(w) + " left");
+      strategies[w] = new ds::MultiWorkerMirroredStrategy(o);
+      res[w] = train(*strategies[w], GetParam(), 1, dir, 3);
+      if (res[w].error.empty()) res[w].error = "(no error)";
     });
   }
-  for (auto& t : threads) t.join();
-  EXPECT_LT(seconds_since(t0), std::chrono::duration<double>(kTimeout).count() + 10.0);
-  for (int w = 0; w < 2; ++w) {
-    SCOPED_TRACE("worker " + std::to_string(w));
-    EXPECT_NE(msgs[w].find("step " + std::to_string(kFaultStep)), std::string::npos) << msgs[w];
+  const bool stall = GetParam() == ds::FaultKind::kStall;
+  threads[0].join();
+  if (stall) {
+    threads[1].detach();
+  } else {
+    threads[1].join();
   }
-  // The worker that hosts the faulty replica names it; its peer names the
-  // worker (cross-worker rank 0) that failed.
-  expect_names_rank_and_step(msgs[0], 1, kFaultStep);
-  EXPECT_NE(msgs[1].find("rank 0"), std::string::npos) << msgs[1];
+  EXPECT_LT(seconds_since(t0), std::chrono::duration<double>(kTimeout).count() + 10.0);
+  expect_names_rank_and_step(res[0].error, 1, res[0].fault_step);
+  std::printf("worker 0: %s\nworker 1: %s\n", res[0].error.c_str(), res[1].error.c_str());
+  if (!stall) {
+    EXPECT_NE(res[1].error.find("step " + std::to_string(res[1].fault_step)), std::string::npos)
+        << res[1].error;
+  }
   expect_checkpoint_loads(dir, kFaultStep - 1);
-  keep.clear();
+  delete strategies[0];
+  if (!stall) {
+    delete strategies[1];
+    delete group;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fault, MultiWorkerFault,
                          ::testing::Values(ds::FaultKind::kThrow, ds::FaultKind::kStall,
                                            ds::FaultKind::kCorrupt),
+                         [](const ::testing::TestParamInfo<ds::FaultKind>& i) {
+                           return std::string(ds::fault_kind_name(i.param));
+                         });
+
+class ParameterServerFault : public ::testing::TestWithParam<ds::FaultKind> {};
+
+// Two workers (ranks 0, 1) and a PS (rank 2), staleness bound 1 so worker 0
+// depends on worker 1's progress; worker 1 misbehaves at step 3. Worker 0 is
+// held until the PS declares worker 1 gone (worker_timeout), then finishes;
+// the PS reports the failed worker and its step. A thrown step fails worker
+// 1's run() naming it; a stalled worker is named by the PS's join().
+TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep) {
+  const std::string dir = temp_dir();
+  ds::ParameterServerOptions o;
+  o.max_staleness = 1;
+  o.communication.timeout = kTimeout;
+  o.worker_timeout = kTimeout;
+  // A stalled worker keeps using the group for good: it outlives the test then.
+  auto* group_ptr = new ds::InProcessTransportGroup(3);
+  ds::InProcessTransportGroup& group = *group_ptr;
+  auto ps = ds::ps::make_strategy(group.at(2), o);
+  std::vector<Result> res(2);
+  std::vector<std::thread> threads;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      // A stalled worker never returns; its strategy stays alive with it.
+      auto* s = ds::ps::make_strategy(group.at(w), o).release();
+      res[w] = train(*s, GetParam(), 1, dir, 3);
+      delete s;  // tells the PS this worker is done
+    });
+  }
+  threads[0].join();
+  std::string ps_error;
+  try {
+    ps->join();
+  } catch (const ds::Error& e) {
+    ps_error = e.message();
+  }
+  EXPECT_LT(seconds_since(t0), std::chrono::duration<double>(kTimeout).count() * 2 + 10.0);
+  EXPECT_EQ(res[0].error, "") << "the surviving worker failed";
+  if (GetParam() == ds::FaultKind::kStall) {
+    threads[1].detach();  // stuck for good
+    // The PS names the worker and the step it was in (its pushed steps = the
+    // training step, kFaultStep).
+    expect_names_rank_and_step(ps_error, 1, kFaultStep);
+  } else {
+    threads[1].join();
+    expect_names_rank_and_step(res[1].error, 1, res[1].fault_step);
+  }
+  expect_checkpoint_loads(dir, 5);  // the chief (worker 0) finished and saved
+  ps.reset();
+  if (GetParam() != ds::FaultKind::kStall) delete group_ptr;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fault, ParameterServerFault,
+                         ::testing::Values(ds::FaultKind::kThrow, ds::FaultKind::kStall),
                          [](const ::testing::TestParamInfo<ds::FaultKind>& i) {
                            return std::string(ds::fault_kind_name(i.param));
                          });
