@@ -12,6 +12,7 @@
 //     none rejected, and every element equals -lr * (W * steps) exactly
 //     (a lost push or a push applied twice changes it).
 // Usage: diststrat_soak [--steps N] [--strategy NAME|all] [--ps-workers W] [--seed S]
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -110,9 +111,21 @@ void soak_sync(ds::Strategy& s, const Args& a, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<ds::Variable> vars = random_variables(s, rng);
   ds::SGD opt(s, {1.0f / 16});
+  const int64_t first = s.steps_run();
+  std::atomic<int64_t> checked{0};
   for (int64_t step = 0; step < a.steps; ++step) {
-    s.run([&](ds::ReplicaContext& ctx) { sync_step(ctx, opt, vars, step, seed); });
+    s.run([&](ds::ReplicaContext& ctx) {
+      sync_step(ctx, opt, vars, step, seed);
+      ++checked;
+    });
   }
+  // Every step ran on every replica and passed its checks.
+  if (s.steps_run() - first != a.steps || checked != a.steps * s.num_local_replicas()) {
+    violation("ran " + std::to_string(s.steps_run() - first) + " steps, " +
+              std::to_string(checked.load()) + " replica-steps checked");
+  }
+  std::printf("  %s: %lld replica-steps checked, %lld replicas in sync\n", s.name().c_str(),
+              static_cast<long long>(checked.load()), static_cast<long long>(s.num_replicas_in_sync()));
 }
 
 std::vector<ds::Device> two_cpus() { return {ds::Device::cpu(0), ds::Device::cpu(1)}; }
