@@ -27,8 +27,10 @@
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "parameter_server/strategy_impl.h"
+#include "unit/harness.h"
 
 namespace ds = diststrat;
+using ds::testing::run_threads;
 
 namespace {
 
@@ -144,35 +146,15 @@ void soak_central_storage(const Args& a) {
   soak_sync(s, a, a.seed);
 }
 
-// Runs fn(w) on `n` threads; rethrows the first failure after aborting `abort`.
-void run_threads(int n, const std::function<void(int)>& fn, const std::function<void(int)>& abort) {
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int w = 0; w < n; ++w) {
-    threads.emplace_back([&, w] {
-      try {
-        fn(w);
-      } catch (...) {
-        errors[w] = std::current_exception();
-        abort(w);
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
-
 void soak_multi_worker(const Args& a) {
   ds::InProcessGroup group(2);
-  run_threads(2, [&](int w) {
+  ds::testing::run_ranks(group, [&](ds::Communicator& comm) {
     ds::MultiWorkerOptions o;
     o.devices = two_cpus();
-    o.communicator = &group.at(w);
+    o.communicator = &comm;
     ds::MultiWorkerMirroredStrategy s(o);
     soak_sync(s, a, a.seed);
-  }, [&](int w) { group.at(w).abort("worker " + std::to_string(w) + " failed"); });
+  });
 }
 
 void soak_parameter_server(const Args& a) {
