@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
+#include <vector>
 #include <string>
 #include <thread>
 
@@ -88,6 +89,15 @@ void expect_checkpoint_loads(const std::string& dir, int64_t last_step) {
   const ds::SafetensorsFile file = ds::load_safetensors(dir + "/" + name);
   EXPECT_TRUE(file.verified);
   EXPECT_EQ(file.metadata.at("step"), std::to_string(last_step));
+}
+
+// Objects a stalled (never returning) thread still uses: kept reachable for
+// good, never destroyed (a destructor would wait for the stuck thread).
+template <typename T> void keep_for_stuck_thread(T* object) {
+  static std::mutex mu;
+  static std::vector<const void*> kept;
+  std::lock_guard<std::mutex> lock(mu);
+  kept.push_back(object);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -204,6 +214,9 @@ TEST_P(MultiWorkerFault, TheOtherWorkerFailsWithinTheDeadlineNamingRankAndStep) 
   if (!stall) {
     delete strategies[1];
     delete group;
+  } else {
+    keep_for_stuck_thread(strategies[1]);
+    keep_for_stuck_thread(group);
   }
 }
 
@@ -262,7 +275,11 @@ TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep)
   }
   expect_checkpoint_loads(dir, 5);  // the chief (worker 0) finished and saved
   ps.reset();
-  if (GetParam() != ds::FaultKind::kStall) delete group_ptr;
+  if (GetParam() != ds::FaultKind::kStall) {
+    delete group_ptr;
+  } else {
+    keep_for_stuck_thread(group_ptr);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fault, ParameterServerFault,
