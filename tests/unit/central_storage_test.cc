@@ -1,7 +1,8 @@
 #include <gtest/gtest.h>
 #include <malloc.h>
 #if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/allocator_interface.h>
+// From the ASan runtime (GCC does not ship sanitizer/allocator_interface.h).
+extern "C" size_t __sanitizer_get_current_allocated_bytes();
 #endif
 
 #include <cstring>

@@ -95,9 +95,11 @@ void expect_checkpoint_loads(const std::string& dir, int64_t last_step) {
 // good, never destroyed (a destructor would wait for the stuck thread).
 template <typename T> void keep_for_stuck_thread(T* object) {
   static std::mutex mu;
-  static std::vector<const void*> kept;
+  // Never destroyed (a static vector's destructor would run before
+  // LeakSanitizer's exit check and make these look leaked).
+  static auto* kept = new std::vector<const void*>;
   std::lock_guard<std::mutex> lock(mu);
-  kept.push_back(object);
+  kept->push_back(object);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
