@@ -240,8 +240,10 @@ TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep)
   const std::string dir = temp_dir();
   ds::ParameterServerOptions o;
   o.max_staleness = 1;
-  o.communication.timeout = kTimeout;
   o.worker_timeout = kTimeout;
+  // Longer than worker_timeout: worker 0's staleness wait must outlast the
+  // PS declaring worker 1 gone (equal deadlines race on a loaded machine).
+  o.communication.timeout = 3 * kTimeout;
   // A stalled worker keeps using the group for good: it outlives the test then.
   auto* group_ptr = new ds::InProcessTransportGroup(3);
   ds::InProcessTransportGroup& group = *group_ptr;
@@ -264,7 +266,7 @@ TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep)
   } catch (const ds::Error& e) {
     ps_error = e.message();
   }
-  EXPECT_LT(seconds_since(t0), std::chrono::duration<double>(kTimeout).count() * 2 + 10.0);
+  EXPECT_LT(seconds_since(t0), std::chrono::duration<double>(3 * kTimeout).count() + 10.0);
   EXPECT_EQ(res[0].error, "") << "the surviving worker failed";
   if (GetParam() == ds::FaultKind::kStall) {
     threads[1].detach();  // stuck for good
