@@ -4,6 +4,8 @@
 #   scripts/test.sh                          the normal build (build/)
 #   scripts/test.sh --sanitize address,undefined   a sanitizer build (build-<sanitizers>/)
 # Extra arguments after -- go to ctest, e.g. scripts/test.sh -- -R Mirrored
+# DISTSTRAT_CMAKE_ARGS (words) are added to the configure step, e.g.
+#   DISTSTRAT_CMAKE_ARGS="-DDISTSTRAT_BUILD_EXAMPLES=OFF" scripts/test.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 sanitize=""
@@ -24,10 +26,10 @@ if [[ -n "$sanitize" ]]; then
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
   build=${DISTSTRAT_BUILD_DIR:-$root/build-${sanitize//,/-}}
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-        -DDISTSTRAT_SANITIZE="$sanitize"
+        -DDISTSTRAT_SANITIZE="$sanitize" ${DISTSTRAT_CMAKE_ARGS:-}
 else
   build=${DISTSTRAT_BUILD_DIR:-$root/build}
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release ${DISTSTRAT_CMAKE_ARGS:-}
 fi
 cmake --build "$build"
 cd "$build"

@@ -131,6 +131,8 @@ class MultiWorkerMirroredStrategy : public Strategy {
 
  protected:
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
+  // Corrupts the pack signature of this process's next fused all_reduce.
+  void inject_corruption(ReplicaContext& ctx, int64_t step) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
   double reduce_across(ReduceOp op, const std::vector<double>& local) override;
   Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;

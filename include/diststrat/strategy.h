@@ -24,6 +24,7 @@
 #include "diststrat/collective.h"
 #include "diststrat/data.h"
 #include "diststrat/device.h"
+#include "diststrat/fault.h"
 #include "diststrat/logging.h"
 #include "diststrat/tensor.h"
 #include "diststrat/variable.h"
@@ -164,13 +165,15 @@ class Strategy {
   // thread, and waits for all. Returns PerReplica<R> (nothing for void).
   // If a replica throws, the others are aborted (their pending collectives
   // throw AbortedError) and run() rethrows the first replica's exception.
+  // Errors thrown out of run() are prefixed with "step S: " (S as in
+  // steps_run()), so a failure names the step where it happened.
   template <typename F> auto run(F&& fn) {
     using R = std::invoke_result_t<F, ReplicaContext&>;
     if constexpr (std::is_void_v<R>) {
-      run_replicas([&](ReplicaContext& ctx) { fn(ctx); });
+      run_step([&](ReplicaContext& ctx) { fn(ctx); });
     } else {
       std::vector<std::unique_ptr<R>> out(num_local_replicas());
-      run_replicas([&](ReplicaContext& ctx) {
+      run_step([&](ReplicaContext& ctx) {
         out[ctx.local_replica_id()] = std::make_unique<R>(fn(ctx));
       });
       std::vector<R> values;
@@ -219,6 +222,13 @@ class Strategy {
   virtual Tensor variable_value(const Variable::Impl& var) const;
   virtual void assign_variable(Variable::Impl& var, const Tensor& value);
 
+  // Fault injection for tests (see diststrat/fault.h); the constructor
+  // reads DISTSTRAT_FAULT. Set before run(); not thread-safe.
+  void set_fault_injection(const FaultInjection& fault) { fault_ = fault; }
+  const FaultInjection& fault_injection() const { return fault_; }
+  // Number of run() calls so far (the step index the next run() gets).
+  int64_t steps_run() const { return step_; }
+
   Logger& logger() { return logger_; }
   // Device placement logging of this strategy's variables, collectives and
   // ops (off unless enabled here, by the strategy's options, or by
@@ -227,7 +237,7 @@ class Strategy {
 
  protected:
   explicit Strategy(LogLevel log_level = LogLevel::kWarning, std::string log_prefix = "")
-      : logger_(log_level, std::move(log_prefix)) {}
+      : logger_(log_level, std::move(log_prefix)), fault_(FaultInjection::from_env()) {}
 
   virtual void run_replicas(const std::function<void(ReplicaContext&)>& fn) = 0;
   // Allocates the local copies of a new variable and initializes them
@@ -240,9 +250,24 @@ class Strategy {
   // Concatenates per-replica tensors over every worker, ordered by replica.
   virtual Tensor gather_across(const std::vector<Tensor>& local);
 
+  // kCorrupt: makes replica `ctx` send a corrupted message in this step.
+  // Default: a collective whose size disagrees with its peers' (they are in
+  // their first collective of the step), which the group must reject naming
+  // the rank. Multi-worker overrides it to corrupt the next pack signature.
+  virtual void inject_corruption(ReplicaContext& ctx, int64_t step);
+
   std::vector<Variable> variables_;
   Logger logger_;
   PlacementLog placement_;
+
+ private:
+  // One step: fires the fault injection (if any) on the replica threads, runs
+  // fn through run_replicas and prefixes errors with the step.
+  void run_step(const std::function<void(ReplicaContext&)>& fn);
+  void inject_fault(ReplicaContext& ctx, int64_t step);
+
+  FaultInjection fault_;
+  int64_t step_ = 0;
 };
 
 }  // namespace diststrat

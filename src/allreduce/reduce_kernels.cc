@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define DISTSTRAT_X86 1
 #else
@@ -172,16 +173,23 @@ reduce_avx512(T* dst, const T* const* srcs, int n, size_t count, Op op, int divi
 }
 #endif
 
+#if DISTSTRAT_X86
+// F16C from CPUID leaf 1 (clang 14's __builtin_cpu_supports does not know "f16c").
+bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif
+
 Isa detect_isa() {
 #if DISTSTRAT_X86
   __builtin_cpu_init();
+  const bool f16c = cpu_has_f16c();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("f16c")) {
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && f16c) {
     return Isa::kAvx512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
     return Isa::kAvx2;
   }
 #endif

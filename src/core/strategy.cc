@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "allreduce/reduce_kernels.h"
 #include "core/data_source.h"
@@ -54,6 +55,57 @@ Tensor ReplicaContext::all_reduce(ReduceOp op, const Tensor& t, const std::strin
 }
 
 // ---- Strategy --------------------------------------------------------------
+
+void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
+  const int64_t step = step_++;
+  const std::string where = "step " + std::to_string(step) + ": ";
+  try {
+    if (!fault_.active() || fault_.step != step) {
+      run_replicas(fn);
+    } else {
+      run_replicas([&](ReplicaContext& ctx) {
+        inject_fault(ctx, step);
+        fn(ctx);
+      });
+    }
+  } catch (const Error& e) {
+    if (e.message().rfind(where, 0) == 0) throw;
+    throw_error(e.code(), where + e.message());
+  }
+}
+
+void Strategy::inject_fault(ReplicaContext& ctx, int64_t step) {
+  if (!fault_.fires(ctx.replica_id(), step)) return;
+  const std::string who = "rank " + std::to_string(fault_.rank) + " at step " + std::to_string(step);
+  logger().error("injected fault: " + std::string(fault_kind_name(fault_.kind)) + " on " + who);
+  switch (fault_.kind) {
+    case FaultKind::kThrow:
+      throw InternalError("injected fault: " + who + " throws");
+    case FaultKind::kExit:
+      std::_Exit(fault_.exit_code);
+    case FaultKind::kStall:
+      // Stuck for good, like a hung device: never returns (the strategy
+      // abandons this thread after its peers fail; see ThreadPool).
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    case FaultKind::kCorrupt:
+      inject_corruption(ctx, step);
+      return;
+    case FaultKind::kNone:
+      return;
+  }
+}
+
+void Strategy::inject_corruption(ReplicaContext& ctx, int64_t step) {
+  // The peers are entering their first collective of the step; this one's
+  // element count (rank + 2) disagrees with theirs.
+  Tensor t(Shape{ctx.replica_id() + 2}, DType::kFloat32);
+  std::memset(t.data(), 0, t.nbytes());
+  std::vector<Tensor> v{t};
+  ctx.all_reduce(ReduceOp::kSum, v,
+                 {"fault/corrupt(rank " + std::to_string(ctx.replica_id()) + ", step " +
+                  std::to_string(step) + ")"});
+}
+
 
 Variable Strategy::create_variable(const std::string& name, const Shape& shape, DType dtype,
                                    const Initializer& init, const VariableOptions& options) {

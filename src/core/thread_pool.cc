@@ -35,7 +35,7 @@ ThreadPool::Result ThreadPool::run_all(const std::function<void(int)>& fn,
         "a replica thread is stuck in an earlier step and was abandoned; this strategy cannot "
         "run again (destroy it and create a new one)");
   }
-  task_ = &fn;
+  task_ = std::make_shared<const std::function<void(int)>>(fn);
   errors_.assign(threads_.size(), nullptr);
   busy_.assign(threads_.size(), true);
   failed_ = 0;
@@ -54,14 +54,14 @@ ThreadPool::Result ThreadPool::run_all(const std::function<void(int)>& fn,
   }
   result.errors = std::move(errors_);
   errors_.assign(threads_.size(), nullptr);
-  if (!broken_) task_ = nullptr;
+  if (!broken_) task_.reset();
   return result;
 }
 
 void ThreadPool::loop(int index) {
   long seen = 0;
   for (;;) {
-    const std::function<void(int)>* task;
+    std::shared_ptr<const std::function<void(int)>> task;  // kept alive while it runs
     {
       std::unique_lock<std::mutex> lock(mu_);
       work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });

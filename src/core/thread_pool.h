@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -45,7 +46,10 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  const std::function<void(int)>* task_ = nullptr;
+  // A copy of run_all's fn that each thread holds while running it, so a
+  // thread abandoned mid-task never refers to a destroyed function object
+  // (TSan reported the free racing with the stuck thread's earlier reads).
+  std::shared_ptr<const std::function<void(int)>> task_;
   std::vector<std::exception_ptr> errors_;
   std::vector<bool> busy_;
   int failed_ = 0;

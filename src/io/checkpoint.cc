@@ -2,6 +2,7 @@
 // CheckpointParticipant (one file written by the chief, read by the chief and
 // broadcast), CheckpointManager (keep K, `latest` pointer) and the
 // preemption handler.
+#include <atomic>
 #include <dirent.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -420,8 +421,12 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
 namespace {
 // Signals are per process, so this flag is too: the one piece of process-wide
 // state, written only by the async-signal-safe handler below.
-volatile std::sig_atomic_t g_preemption_signalled = 0;
-extern "C" void on_preemption_signal(int) { g_preemption_signalled = 1; }
+// A lock-free atomic (async-signal-safe): handlers constructed on several
+// threads (workers as threads of one process) write it concurrently, which
+// a volatile sig_atomic_t made a data race (found by TSan).
+std::atomic<int> g_preemption_signalled{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
+extern "C" void on_preemption_signal(int) { g_preemption_signalled.store(1, std::memory_order_relaxed); }
 }  // namespace
 
 struct PreemptionHandler::SavedHandlers {
@@ -433,7 +438,7 @@ PreemptionHandler::PreemptionHandler(Strategy& strategy, PreemptionOptions optio
   DISTSTRAT_CHECK(options_.check_every >= 1, kInvalidArgument, "PreemptionHandler: check_every ",
                   options_.check_every, " must be at least 1");
   // Before this, the signal's default action would have ended the process.
-  g_preemption_signalled = 0;
+  g_preemption_signalled.store(0, std::memory_order_relaxed);
   for (int sig : options_.signals) {
     struct sigaction sa;
     std::memset(&sa, 0, sizeof sa);

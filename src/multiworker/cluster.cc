@@ -72,7 +72,8 @@ ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for numbers that overflow (found by fuzz_tf_config).
     throw InvalidArgumentError(std::string("TF_CONFIG is not valid JSON: ") + e.what());
   }
   if (!j.is_object()) bad("TF_CONFIG must be a JSON object, got " + std::string(j.type_name()));

@@ -38,6 +38,8 @@
 // rank alike, leaves it usable).
 #pragma once
 
+#include <atomic>
+
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -91,6 +93,11 @@ class FusionEngine {
   // the ranks in step.)
   bool abort_if_pending(const std::string& reason);
 
+  // Fault injection: the next all_reduce call sends a corrupted signature
+  // hash (bits flipped) to the other ranks, as a damaged message would.
+  // Thread-safe.
+  void corrupt_next_signature() { corrupt_next_signature_ = true; }
+
   int rank() const { return rank_; }
   const CommunicationOptions& options() const { return options_; }
   FusionStats stats() const;
@@ -126,6 +133,7 @@ class FusionEngine {
   void ensure(std::vector<char>& buf, size_t bytes);
 
   Communicator& cross_;
+  std::atomic<bool> corrupt_next_signature_{false};
   const int num_local_;
   const int replicas_in_sync_;
   const CommunicationOptions options_;

@@ -307,6 +307,10 @@ MultiWorkerStats MultiWorkerMirroredStrategy::stats() const {
 
 void MultiWorkerMirroredStrategy::write_timeline() { impl_->write_timeline(); }
 
+void MultiWorkerMirroredStrategy::inject_corruption(ReplicaContext&, int64_t) {
+  impl_->engine->corrupt_next_signature();
+}
+
 void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
   Impl& m = *impl_;
   const auto t0 = Clock::now();

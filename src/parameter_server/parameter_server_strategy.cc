@@ -54,8 +54,15 @@ void ServiceRunner::join() {
   }
   const std::vector<int> gone = service_.gone_workers();
   if (!gone.empty()) {
+    // Name each silent worker with the step it was in (its pushed step count).
+    const ServiceStats st = service_.stats();
     std::string list;
-    for (int g : gone) list += (list.empty() ? "" : ", ") + std::to_string(g);
+    for (int g : gone) {
+      list += (list.empty() ? "" : ", ") + std::string("rank ") + std::to_string(g);
+      if (static_cast<size_t>(g) < st.worker_steps.size()) {
+        list += " (at step " + std::to_string(st.worker_steps[static_cast<size_t>(g)]) + ")";
+      }
+    }
     throw DeadlineExceededError("parameter server: worker(s) " + list +
                                 " went silent and never shut down");
   }

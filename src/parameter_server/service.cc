@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include "parameter_server/update_rule.h"
@@ -450,6 +451,10 @@ void Service::handle_push(WorkerState& w, Pending& p, Reader& r) {
     Shard* s;
     const int64_t* ids;
     const float* values;
+    // The row ids, copied out of the payload: they follow float data there, so
+    // they are only 4-byte aligned (reading them in place is undefined
+    // behaviour; found by UBSan).
+    std::shared_ptr<std::vector<int64_t>> id_storage;
   };
   std::vector<Entry> entries;
   entries.reserve(static_cast<size_t>(n));
@@ -463,7 +468,7 @@ void Service::handle_push(WorkerState& w, Pending& p, Reader& r) {
                     kInvalidArgument, "push to '", e.name, "': gradient dtype ",
                     valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
                     ", variable dtype ", dtype_name(s.dtype), "; optimizers update float32");
-    Item it{&e, &s, nullptr, nullptr};
+    Item it{&e, &s, nullptr, nullptr, nullptr};
     if (e.sparse) {
       std::vector<int64_t> want = s.value.shape().dims();
       DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", e.name, "'");
@@ -474,7 +479,9 @@ void Service::handle_push(WorkerState& w, Pending& p, Reader& r) {
       const size_t id_bytes = static_cast<size_t>(e.num_ids) * sizeof(int64_t);
       DISTSTRAT_CHECK(offset + id_bytes <= p.payload.size(), kInvalidArgument, "push to '", e.name,
                       "': payload too short for its row ids");
-      it.ids = reinterpret_cast<const int64_t*>(p.payload.data() + offset);
+      it.id_storage = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(e.num_ids));
+      if (id_bytes) std::memcpy(it.id_storage->data(), p.payload.data() + offset, id_bytes);
+      it.ids = it.id_storage->data();
       offset += id_bytes;
       for (int64_t j = 0; j < e.num_ids; ++j) {
         DISTSTRAT_CHECK(it.ids[j] >= s.row_offset && it.ids[j] < s.row_offset + s.rows,

@@ -603,7 +603,7 @@ TEST(CheckpointMultiProcess, ChiefWritesAndEveryWorkerRestoresTheChiefsFile) {
 TEST(CheckpointMultiProcess, TheChiefsErrorReachesEveryWorker) {
   const std::string dir = temp_dir();
   std::vector<std::string> messages(2);
-  std::vector<bool> stopped(2);
+  std::vector<int> stopped(2);  // not vector<bool>: its bits share words (a data race, TSan)
   on_two_workers([&](int i, Worker& w) {
     try {
       w.ckpt->save(dir + "/missing/dir/x.safetensors");
