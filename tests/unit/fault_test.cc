@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <vector>
 #include <string>
@@ -39,9 +40,9 @@ struct Result {
   int64_t fault_step = -1; // the strategy step (steps_run()) the fault was armed for
 };
 
-// Trains 6 batches under `s`, saving a checkpoint after each (every process
-// calls save; the strategy decides who writes), with the fault armed for the
-// run() of batch kFaultStep.
+// Trains 6 batches under `s`, saving a checkpoint after each into `dir` (every
+// process calls save; the strategy decides who writes) unless `dir` is empty,
+// with the fault armed for the run() of batch kFaultStep.
 Result train(ds::Strategy& s, ds::FaultKind kind, int rank, const std::string& dir, int seed) {
   ds::nn::Mlp mlp({8, 5, 3});
   std::vector<ds::Variable> vars = mlp.create_variables(s, seed);
@@ -51,7 +52,8 @@ Result train(ds::Strategy& s, ds::FaultKind kind, int rank, const std::string& d
   for (int i = 0; i < 96; ++i) y.data<int32_t>()[i] = i % 3;
   ds::DistributedDataset dist = s.distribute(ds::Dataset(x, y), 16, {false, 0, false});
   ds::Checkpoint ckpt(s, {&opt});
-  ds::CheckpointManager manager(ckpt, dir, {2});
+  std::unique_ptr<ds::CheckpointManager> manager;
+  if (!dir.empty()) manager = std::make_unique<ds::CheckpointManager>(ckpt, dir, ds::CheckpointManagerOptions{2});
   int step = 0;
   Result result;
   try {
@@ -66,7 +68,7 @@ Result train(ds::Strategy& s, ds::FaultKind kind, int rank, const std::string& d
         result.fault_step = f.step;
       }
       ds::testing::mlp_step(s, mlp, vars, opt, batch);
-      manager.save(step, {{"step", std::to_string(step)}});
+      if (manager) manager->save(step, {{"step", std::to_string(step)}});
       ++step;
     }
   } catch (const ds::Error& e) {
@@ -237,7 +239,9 @@ class ParameterServerFault : public ::testing::TestWithParam<ds::FaultKind> {};
 // the PS reports the failed worker and its step. A thrown step fails worker
 // 1's run() naming it; a stalled worker is named by the PS's join().
 TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep) {
-  const std::string dir = temp_dir();
+  // No checkpoints here: ParameterServerStrategy refuses them (kUnimplemented)
+  // until per-PS shard checkpoints exist (issues 5 and 7).
+  const std::string dir;
   ds::ParameterServerOptions o;
   o.max_staleness = 1;
   o.worker_timeout = kTimeout;
@@ -277,7 +281,6 @@ TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep)
     threads[1].join();
     expect_names_rank_and_step(res[1].error, 1, res[1].fault_step);
   }
-  expect_checkpoint_loads(dir, 5);  // the chief (worker 0) finished and saved
   ps.reset();
   if (GetParam() != ds::FaultKind::kStall) {
     delete group_ptr;
