@@ -127,6 +127,17 @@ class Communicator {
   // group can be used again. Not thread-safe with collectives.
   virtual void reset() = 0;
 
+  // Memory that this communicator reduces without staging copies: inside a
+  // node, a shared-memory window that every rank maps, so all_reduce reads
+  // the peers' inputs and writes their outputs directly when EVERY rank's
+  // `in` and `out` lie in such buffers (otherwise it stages, as for any
+  // memory). Collective and blocking: every rank calls it in the same order
+  // with the same `bytes` (it is not deadline-bounded; call it at setup).
+  // 64-byte aligned; the memory stays valid until the communicator is
+  // destroyed, so drop the pointer before the communicator. Default (and
+  // every communicator without shared memory): ordinary host memory.
+  virtual std::shared_ptr<void> allocate_buffer(size_t bytes);
+
   // Typed wrappers.
   template <typename T> void all_reduce(T* data, size_t count, ReduceOp op, const std::string& name = "") {
     all_reduce(data, data, count, dtype_of<T>(), op, name);

@@ -116,6 +116,11 @@ class MpiCommunicator : public TransportCommunicator {
     if (use_shm()) return shm_->barrier(name);
     TransportCommunicator::barrier(name);
   }
+  // Shared-memory buffers whenever the ranks share a host (whichever
+  // algorithm this communicator runs, they are ordinary memory to it).
+  std::shared_ptr<void> allocate_buffer(size_t bytes) override {
+    return shm_ ? shm_->allocate_buffer(bytes) : Communicator::allocate_buffer(bytes);
+  }
   void abort(const std::string& reason) override {
     if (shm_) shm_->abort(reason);
     TransportCommunicator::abort(reason);

@@ -25,6 +25,16 @@
 // skip the slicing: each rank stages its whole input, meets the others at one
 // barrier and reduces the whole message itself.
 //
+// Zero-copy all-reduce: allocate_buffer() returns memory from an extra
+// shared window (one per allocation, collective). Messages past kSmallBytes
+// first publish where their `in` and `out` lie (window and offset, or "not
+// registered") and meet at a barrier. When every rank's buffers are
+// registered, rank r reduces its slice straight out of every peer's input,
+// block by block, and writes each reduced block (hot in cache) into every
+// rank's output; one more barrier and the call is done: two barriers for
+// any size, no staging copies at all. Otherwise the staged path below runs
+// (the exchange costs it one barrier).
+//
 // The staging buffers rotate by chunk number (counted across calls, and a
 // barrier counts as an empty chunk). A buffer is read at most two phases after
 // it was written and rewritten three chunks (so at least three barriers)
@@ -66,11 +76,20 @@ constexpr size_t kSmallBytes = 16 << 10;     // all-reduce chunks up to this ski
 constexpr size_t kDefaultChunk = 1 << 20;
 constexpr int kBuffers = 3;  // staging buffers per rank, used round-robin by chunk number
 
+// Where a rank's all_reduce buffers lie: window index (or -1) and offset.
+// Written before the call's first barrier, read by the peers after it.
+struct Placement {
+  int32_t in_window = -1, out_window = -1;
+  uint64_t in_offset = 0, out_offset = 0;
+};
+
 struct alignas(64) Header {
   std::atomic<uint64_t> arrived{0};
   char pad0[56];
   std::atomic<uint32_t> aborted{0};
   char pad1[60];
+  Placement placement;
+  char pad2[64 - sizeof(Placement)];
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
@@ -124,6 +143,7 @@ class ShmCommunicator : public Communicator {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
+    for (auto& w : windows_) MPI_Win_free(&w.win);
     MPI_Win_unlock_all(win_);
     MPI_Win_free(&win_);
     MPI_Comm_free(&comm_);
@@ -132,6 +152,36 @@ class ShmCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const CommunicationOptions& options() const override { return options_; }
+
+  std::shared_ptr<void> allocate_buffer(size_t bytes) override {
+    const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    Window w;
+    w.bytes = rounded;
+    void* base = nullptr;
+    // 64 spare bytes to align each part to a cache line (MPI aligns less;
+    // the parts are mapped page-aligned, so a part's misalignment is the
+    // same in every process).
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(rounded + 64), 1, info, comm_,
+                                           &base, &w.win);
+    MPI_Info_free(&info);
+    DISTSTRAT_MPI_CHECK(rc);
+    w.bases.resize(size_);
+    for (int r = 0; r < size_; ++r) {
+      MPI_Aint sz;
+      int disp;
+      void* p = nullptr;
+      DISTSTRAT_MPI_CHECK(MPI_Win_shared_query(w.win, r, &sz, &disp, &p));
+      const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+      w.bases[r] = static_cast<char*>(p) + (64 - a % 64) % 64;
+    }
+    char* mine = w.bases[rank_];
+    windows_.push_back(std::move(w));
+    // The window is freed with the communicator (freeing is collective too).
+    return std::shared_ptr<void>(mine, [](void*) {});
+  }
 
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                   const std::string& name) override {
@@ -152,6 +202,13 @@ class ShmCommunicator : public Communicator {
       kernels::reduce(dst, srcs.data(), size_, count, dtype, op, size_);
       return;
     }
+    // Publish where the buffers lie; if every rank's are registered, reduce
+    // straight out of each other's memory.
+    Placement& mine = headers_[rank_]->placement;
+    locate(in, count * es, &mine.in_window, &mine.in_offset);
+    locate(out, count * es, &mine.out_window, &mine.out_offset);
+    call.barrier();
+    if (all_registered()) return reduce_in_place_of_peers(count, dtype, op, call);
     const size_t nchunks = (count + per - 1) / per;
     const uint64_t first = chunks_;
     chunks_ += nchunks;
@@ -284,6 +341,59 @@ class ShmCommunicator : public Communicator {
  private:
   char* buf(int r, int b) const { return bufs_[r] + static_cast<size_t>(b) * chunk_; }
 
+  // The window holding [p, p + bytes), or -1.
+  void locate(const void* p, size_t bytes, int32_t* window, uint64_t* offset) const {
+    const char* c = static_cast<const char*>(p);
+    for (size_t w = 0; w < windows_.size(); ++w) {
+      const char* base = windows_[w].bases[rank_];
+      if (c >= base && c + bytes <= base + windows_[w].bytes) {
+        *window = static_cast<int32_t>(w);
+        *offset = static_cast<uint64_t>(c - base);
+        return;
+      }
+    }
+    *window = -1;
+    *offset = 0;
+  }
+
+  bool all_registered() const {
+    for (int q = 0; q < size_; ++q) {
+      const Placement& p = headers_[q]->placement;
+      if (p.in_window < 0 || p.out_window < 0) return false;
+    }
+    return true;
+  }
+
+  // Every rank's buffers are in shared windows: this rank reduces its slice
+  // from every input into its own output, block by block, copies each block
+  // into the peers' outputs while it is in cache, then meets the others.
+  template <typename CallT>
+  void reduce_in_place_of_peers(size_t count, DType dtype, ReduceOp op, CallT& call) {
+    const size_t es = dtype_size(dtype);
+    std::vector<const char*> ins(size_);
+    std::vector<char*> outs(size_);
+    for (int q = 0; q < size_; ++q) {
+      const Placement& p = headers_[q]->placement;
+      ins[q] = windows_[p.in_window].bases[q] + p.in_offset;
+      outs[q] = windows_[p.out_window].bases[q] + p.out_offset;
+    }
+    size_t lo, hi;
+    algo::slice_of(count, size_, rank_, &lo, &hi);
+    const size_t block = std::max<size_t>(1, (32 << 10) / es);
+    std::vector<const void*> srcs(size_);
+    for (size_t j = lo; j < hi; j += block) {
+      const size_t m = std::min(block, hi - j);
+      for (int q = 0; q < size_; ++q) srcs[q] = ins[q] + j * es;
+      char* own = outs[rank_] + j * es;
+      kernels::reduce(own, srcs.data(), size_, m, dtype, op, size_);
+      for (int q = 0; q < size_; ++q) {
+        if (q != rank_) std::memcpy(outs[q] + j * es, own, m * es);
+      }
+    }
+    // Nobody returns (and reuses its buffers) before every slice is written.
+    call.barrier();
+  }
+
   // One collective call: its description for errors and its barriers.
   class Call {
    public:
@@ -346,6 +456,12 @@ class ShmCommunicator : public Communicator {
   size_t chunk_ = 0;
   std::vector<Header*> headers_;
   std::vector<char*> bufs_;
+  struct Window {
+    MPI_Win win = MPI_WIN_NULL;
+    size_t bytes = 0;
+    std::vector<char*> bases;  // every rank's part, mapped here
+  };
+  std::vector<Window> windows_;  // from allocate_buffer
   uint64_t barriers_ = 0;  // barriers this rank has entered
   uint64_t chunks_ = 0;    // chunks processed (buffer parity)
   std::string abort_reason_;

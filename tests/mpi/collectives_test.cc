@@ -95,6 +95,57 @@ INSTANTIATE_TEST_SUITE_P(
              (info.param.group_size ? "_groups_of_" + std::to_string(info.param.group_size) : "");
     });
 
+// Buffers from allocate_buffer: every rank registered (the zero-copy path),
+// only some ranks registered (everyone falls back to staging), registered in
+// place, and buffers at an offset inside the window; every size and dtype.
+class MpiRegisteredBuffers : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MpiRegisteredBuffers, MatchClosedFormWhetherAllOrSomeRanksRegister) {
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(GetParam().algorithm, GetParam().segment));
+  const int n = comm->size(), me = comm->rank();
+  const size_t max_bytes = (1 << 20) * 8 + 64;
+  auto in_buf = comm->allocate_buffer(max_bytes);
+  auto out_buf = comm->allocate_buffer(max_bytes);
+  ASSERT_NE(in_buf, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(in_buf.get()) % 64, 0u);
+  enum Mode { kAll, kOnlyRank0, kAllInPlace, kAllAtOffset };
+  for (Mode mode : {kAll, kOnlyRank0, kAllInPlace, kAllAtOffset}) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{5000}, size_t{1} << 20}) {
+      for (ds::DType dtype : tc::all_dtypes()) {
+        for (ds::ReduceOp op : tc::all_ops()) {
+          std::vector<char> expected_in = tc::make_input(me, count, dtype, op);
+          std::vector<char> heap_in(expected_in), heap_out(expected_in.size() + 1);
+          const size_t offset = mode == kAllAtOffset ? 64 : 0;
+          char* in = static_cast<char*>(in_buf.get()) + offset;
+          char* out = static_cast<char*>(out_buf.get()) + offset;
+          if (mode == kOnlyRank0 && me != 0) {
+            in = heap_in.data();
+            out = heap_out.data();
+          }
+          std::memcpy(in, expected_in.data(), expected_in.size());
+          if (mode == kAllInPlace) out = in;
+          comm->all_reduce(in, out, count, dtype, op, "registered");
+          ASSERT_TRUE(tc::check_reduced(out, count, dtype, op, n))
+              << "mode " << mode << " count " << count << " " << ds::dtype_name(dtype) << " "
+              << ds::reduce_op_name(op);
+          if (mode != kAllInPlace) {
+            ASSERT_EQ(std::memcmp(in, expected_in.data(), expected_in.size()), 0) << "input modified";
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Communicators, MpiRegisteredBuffers,
+                         ::testing::Values(Case{ds::Algorithm::kSharedMemory, 0},
+                                           Case{ds::Algorithm::kSharedMemory, 256},
+                                           Case{ds::Algorithm::kAuto, 0}, Case{ds::Algorithm::kRing, 0}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(ds::algorithm_name(info.param.algorithm)) +
+                                  (info.param.segment ? "_small_segments" : "");
+                         });
+
 // broadcast / all_gather / reduce_scatter / barrier over the point-to-point
 // transport (ring) and shared memory.
 class MpiCollectives : public ::testing::TestWithParam<Case> {};
