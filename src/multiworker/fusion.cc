@@ -443,9 +443,18 @@ void FusionEngine::check_signatures(const Call& call) {
   throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " + describe_mismatch(sigs, index));
 }
 
-void FusionEngine::ensure(std::vector<char>& buf, size_t bytes) {
-  if (buf.size() >= bytes) return;
-  buf.resize(bytes);
+void FusionEngine::ensure(Buffer& buf, size_t bytes) {
+  if (buf.bytes >= bytes) return;
+  // Sizes follow from the call signature, which every rank has just checked,
+  // so every rank grows here in the same order: the allocation is collective
+  // (a shared-memory window inside a node, which the communicator reduces
+  // without staging copies). The barrier bounds the wait for a rank that
+  // would never come; grown in powers of two, so that few windows are made.
+  size_t grown = 4096;
+  while (grown < bytes) grown *= 2;
+  if (cross_.size() > 1) cross_.barrier("allocate fusion buffer of " + std::to_string(grown) + " bytes");
+  buf.memory = cross_.allocate_buffer(grown);
+  buf.bytes = grown;
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.buffer_allocations;
 }

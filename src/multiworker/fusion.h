@@ -27,7 +27,9 @@
 //  4. The call's Work completes; every local replica's wait() returns.
 //
 // Fusion and wire buffers are allocated on first use, grown only when a
-// larger pack comes, and reused for every later pack.
+// larger pack comes, and reused for every later pack. They come from the
+// communicator (allocate_buffer): inside a node, shared memory that the
+// ranks reduce out of each other without staging copies.
 //
 // Deadlines: the thread waits at most options.timeout for the other local
 // replicas to enqueue a call (then DeadlineExceededError naming the missing
@@ -130,7 +132,13 @@ class FusionEngine {
   std::string signature(const Call& call) const;
   uint64_t signature_hash(const Call& call) const;
   void check_signatures(const Call& call);
-  void ensure(std::vector<char>& buf, size_t bytes);
+  // Memory from cross_.allocate_buffer (collective; see fusion.cc).
+  struct Buffer {
+    std::shared_ptr<void> memory;
+    size_t bytes = 0;
+    char* data() const { return static_cast<char*>(memory.get()); }
+  };
+  void ensure(Buffer& buf, size_t bytes);
 
   Communicator& cross_;
   std::atomic<bool> corrupt_next_signature_{false};
@@ -150,7 +158,7 @@ class FusionEngine {
   FusionStats stats_;
   int64_t executed_ = 0;  // calls run across processes (same count on every rank)
 
-  std::vector<char> buffer_, wire_;  // only the engine thread touches them
+  Buffer buffer_, wire_;  // only the engine thread touches them
   std::thread thread_;
 };
 

@@ -113,6 +113,11 @@ TEST_P(MpiRegisteredBuffers, MatchClosedFormWhetherAllOrSomeRanksRegister) {
     for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{5000}, size_t{1} << 20}) {
       for (ds::DType dtype : tc::all_dtypes()) {
         for (ds::ReduceOp op : tc::all_ops()) {
+          const bool big = count > 5000;  // the large size: two dtypes and ops suffice
+          if (big && ((dtype != ds::DType::kFloat32 && dtype != ds::DType::kBFloat16) ||
+                      (op != ds::ReduceOp::kSum && op != ds::ReduceOp::kMean))) {
+            continue;
+          }
           std::vector<char> expected_in = tc::make_input(me, count, dtype, op);
           std::vector<char> heap_in(expected_in), heap_out(expected_in.size() + 1);
           const size_t offset = mode == kAllAtOffset ? 64 : 0;
