@@ -32,6 +32,24 @@ void slice_of(size_t count, int parts, int b, size_t* lo, size_t* hi) {
   *hi = *lo + base + (static_cast<size_t>(b) < extra ? 1 : 0);
 }
 
+void reduce_slice_to_all(const void* const* ins, void* const* outs, int n, int self, size_t lo,
+                         size_t hi, DType dtype, ReduceOp op) {
+  if (hi <= lo) return;
+  const size_t es = dtype_size(dtype);
+  constexpr size_t kBlockBytes = 64 << 10;  // well inside L2, so the copies read from cache
+  const size_t block = std::max<size_t>(1, kBlockBytes / es);
+  std::vector<const void*> srcs(n);
+  for (size_t b = lo; b < hi; b += block) {
+    const size_t len = std::min(block, hi - b);
+    for (int r = 0; r < n; ++r) srcs[r] = static_cast<const char*>(ins[r]) + b * es;
+    char* mine = static_cast<char*>(outs[self]) + b * es;
+    kernels::reduce(mine, srcs.data(), n, len, dtype, op, n);
+    for (int r = 0; r < n; ++r) {
+      if (r != self) std::memcpy(static_cast<char*>(outs[r]) + b * es, mine, len * es);
+    }
+  }
+}
+
 size_t segment_bytes(const CommunicationOptions& options) {
   return options.segment_bytes ? options.segment_bytes : size_t{1} << 20;
 }

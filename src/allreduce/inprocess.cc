@@ -31,6 +31,7 @@
 #include <sstream>
 #include <thread>
 
+#include "allreduce/algorithm.h"
 #include "allreduce/reduce_kernels.h"
 #include "diststrat/collective.h"
 #include "diststrat/error.h"
@@ -78,13 +79,6 @@ std::string describe(const Descriptor& d) {
 bool compatible(const Descriptor& a, const Descriptor& b) {
   return a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
          a.root == b.root;
-}
-
-// Elements [lo, hi) of `count` that rank r owns when count is split in `size`.
-void slice_of(size_t count, int size, int r, size_t* lo, size_t* hi) {
-  const size_t base = count / size, extra = count % size;
-  *lo = r * base + std::min<size_t>(r, extra);
-  *hi = *lo + base + (static_cast<size_t>(r) < extra ? 1 : 0);
 }
 
 }  // namespace
@@ -179,26 +173,15 @@ class InProcessCommunicator : public Communicator {
     Descriptor d{Kind::kAllReduce, in, out, count, dtype, op, 0, name};
     const long call = publish_and_check(d);
     const auto& slots = s_->slots[call & 1];
-    const size_t esz = dtype_size(dtype);
     size_t lo, hi;
-    slice_of(count, s_->size, rank_, &lo, &hi);
-    if (hi > lo) {
-      std::vector<const void*> srcs(s_->size);
-      // Block by block: reduce into our own output, then copy the block (hot
-      // in cache) into every peer's output, so each rank reads its slice of
-      // the inputs once and writes its slice of every output once.
-      constexpr size_t kBlockBytes = 64 << 10;
-      const size_t block = std::max<size_t>(1, kBlockBytes / esz);
-      for (size_t b = lo; b < hi; b += block) {
-        const size_t len = std::min(block, hi - b);
-        for (int r = 0; r < s_->size; ++r) srcs[r] = static_cast<const char*>(slots[r].in) + b * esz;
-        char* mine = static_cast<char*>(out) + b * esz;
-        kernels::reduce(mine, srcs.data(), s_->size, len, dtype, op, s_->size);
-        for (int r = 0; r < s_->size; ++r) {
-          if (r != rank_) std::memcpy(static_cast<char*>(slots[r].out) + b * esz, mine, len * esz);
-        }
-      }
+    algo::slice_of(count, s_->size, rank_, &lo, &hi);
+    std::vector<const void*> ins(s_->size);
+    std::vector<void*> outs(s_->size);
+    for (int r = 0; r < s_->size; ++r) {
+      ins[r] = slots[r].in;
+      outs[r] = slots[r].out;
     }
+    algo::reduce_slice_to_all(ins.data(), outs.data(), s_->size, rank_, lo, hi, dtype, op);
     s_->barrier(rank_, d, call, "reduce");
   }
 

@@ -369,9 +369,8 @@ class ShmCommunicator : public Communicator {
   // into the peers' outputs while it is in cache, then meets the others.
   template <typename CallT>
   void reduce_in_place_of_peers(size_t count, DType dtype, ReduceOp op, CallT& call) {
-    const size_t es = dtype_size(dtype);
-    std::vector<const char*> ins(size_);
-    std::vector<char*> outs(size_);
+    std::vector<const void*> ins(size_);
+    std::vector<void*> outs(size_);
     for (int q = 0; q < size_; ++q) {
       const Placement& p = headers_[q]->placement;
       ins[q] = windows_[p.in_window].bases[q] + p.in_offset;
@@ -379,17 +378,7 @@ class ShmCommunicator : public Communicator {
     }
     size_t lo, hi;
     algo::slice_of(count, size_, rank_, &lo, &hi);
-    const size_t block = std::max<size_t>(1, (32 << 10) / es);
-    std::vector<const void*> srcs(size_);
-    for (size_t j = lo; j < hi; j += block) {
-      const size_t m = std::min(block, hi - j);
-      for (int q = 0; q < size_; ++q) srcs[q] = ins[q] + j * es;
-      char* own = outs[rank_] + j * es;
-      kernels::reduce(own, srcs.data(), size_, m, dtype, op, size_);
-      for (int q = 0; q < size_; ++q) {
-        if (q != rank_) std::memcpy(outs[q] + j * es, own, m * es);
-      }
-    }
+    algo::reduce_slice_to_all(ins.data(), outs.data(), size_, rank_, lo, hi, dtype, op);
     // Nobody returns (and reuses its buffers) before every slice is written.
     call.barrier();
   }
