@@ -379,12 +379,19 @@ uint64_t FusionEngine::signature_hash(const Call& call) const {
   if (!call.local_mismatch.empty()) return fnv1a(signature(call));
   const Part& p = call.parts[0];
   uint64_t h = fnv1a(signature_header(p.op));
+  // Eight bytes per step (a call can have thousands of tensors; this runs on
+  // every call), then the tail byte by byte, then the length.
   auto mix = [&](const void* data, size_t n) {
     const unsigned char* b = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < n; ++i) {
-      h ^= b[i];
-      h *= 1099511628211ull;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, b + i, 8);
+      h = (h ^ w) * 0x9e3779b97f4a7c15ull;
+      h ^= h >> 29;
     }
+    for (; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+    h = (h ^ n) * 1099511628211ull;
   };
   for (size_t i = 0; i < p.tensors.size(); ++i) {
     const std::string& name = i < p.names.size() ? p.names[i] : std::string();
