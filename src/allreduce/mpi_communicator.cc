@@ -54,6 +54,48 @@ MPI_Op native_op(ReduceOp op) {
   return MPI_SUM;
 }
 
+// MPI has no 16-bit float types: float16/bfloat16 travel as 2-byte opaque
+// elements, reduced by these user ops (accumulating as the kernels do).
+template <DType D, ReduceOp O>
+void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  kernels::accumulate(inout, in, static_cast<size_t>(*len), D, O);
+}
+
+struct SixteenBitOps {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  MPI_Op ops[2][4] = {};  // [float16, bfloat16][sum, product, min, max]
+
+  SixteenBitOps() {
+    DISTSTRAT_MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &type));
+    DISTSTRAT_MPI_CHECK(MPI_Type_commit(&type));
+    create<DType::kFloat16>(ops[0]);
+    create<DType::kBFloat16>(ops[1]);
+  }
+  ~SixteenBitOps() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (auto& row : ops)
+      for (MPI_Op& op : row) MPI_Op_free(&op);
+    MPI_Type_free(&type);
+  }
+  template <DType D> static void create(MPI_Op* row) {
+    DISTSTRAT_MPI_CHECK(MPI_Op_create(&reduce_16bit<D, ReduceOp::kSum>, 1, &row[0]));
+    DISTSTRAT_MPI_CHECK(MPI_Op_create(&reduce_16bit<D, ReduceOp::kProduct>, 1, &row[1]));
+    DISTSTRAT_MPI_CHECK(MPI_Op_create(&reduce_16bit<D, ReduceOp::kMin>, 1, &row[2]));
+    DISTSTRAT_MPI_CHECK(MPI_Op_create(&reduce_16bit<D, ReduceOp::kMax>, 1, &row[3]));
+  }
+  MPI_Op op(DType dtype, ReduceOp op) const {
+    const int d = dtype == DType::kFloat16 ? 0 : 1;
+    switch (op) {
+      case ReduceOp::kProduct: return ops[d][1];
+      case ReduceOp::kMin: return ops[d][2];
+      case ReduceOp::kMax: return ops[d][3];
+      default: return ops[d][0];  // kSum, kMean (divided afterwards)
+    }
+  }
+};
+
 class MpiCommunicator : public TransportCommunicator {
  public:
   MpiCommunicator(Transport& transport, std::unique_ptr<Transport> owned, MPI_Comm comm,
@@ -85,13 +127,19 @@ class MpiCommunicator : public TransportCommunicator {
     }
     guarded(describe_call("all_reduce", count, dtype, &op, name) + " (mpi)", [&] {
       MPI_Datatype type;
-      DISTSTRAT_CHECK(native_type(dtype, &type), kUnimplemented,
-                      "MPI_Allreduce has no native type for ", dtype_name(dtype),
-                      "; use another algorithm");
+      MPI_Op mpi_op = native_op(op);
+      if (dtype == DType::kFloat16 || dtype == DType::kBFloat16) {
+        type = sixteen_bit_.type;
+        mpi_op = sixteen_bit_.op(dtype, op);
+      } else {
+        DISTSTRAT_CHECK(native_type(dtype, &type), kUnimplemented,
+                        "MPI_Allreduce has no native type for ", dtype_name(dtype),
+                        "; use another algorithm");
+      }
       DISTSTRAT_CHECK_LE(count, static_cast<size_t>(INT_MAX), "MPI_Allreduce element count");
       MPI_Request req;
       const void* src = in == out ? MPI_IN_PLACE : in;
-      DISTSTRAT_MPI_CHECK(MPI_Iallreduce(src, out, static_cast<int>(count), type, native_op(op),
+      DISTSTRAT_MPI_CHECK(MPI_Iallreduce(src, out, static_cast<int>(count), type, mpi_op,
                                          native_, &req));
       wait_native(&req);
       if (op == ReduceOp::kMean) kernels::scale_mean(out, count, dtype, size());
@@ -157,6 +205,7 @@ class MpiCommunicator : public TransportCommunicator {
   }
 
   MPI_Comm native_ = MPI_COMM_NULL;
+  SixteenBitOps sixteen_bit_;
   std::unique_ptr<Communicator> shm_;
 };
 
