@@ -60,11 +60,10 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
       DISTSTRAT_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, p.local_rank, p.rank, &cross_comm));
       // Inside a node: kAuto (the shared-memory path); across nodes: MPI
       // itself (its network transport), even when the "nodes" are virtual.
-      // MPI has no 16-bit float types: compressed packs use the ring over
-      // MPI point-to-point instead of MPI_Iallreduce.
+      // (Compressed f16/bf16 packs too: the MPI communicator reduces them
+      // with its own MPI_Ops.)
       CommunicationOptions inter_opts = options;
-      inter_opts.algorithm =
-          options.compression == Compression::kNone ? Algorithm::kMpiNative : Algorithm::kRing;
+      inter_opts.algorithm = Algorithm::kMpiNative;
       CommunicationOptions intra_opts = flat_opts;
       auto flat = make_mpi_communicator(MPI_COMM_WORLD, flat_opts);
       auto intra = make_mpi_communicator(node_comm, intra_opts);
