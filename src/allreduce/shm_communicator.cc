@@ -78,9 +78,13 @@ constexpr int kBuffers = 3;  // staging buffers per rank, used round-robin by ch
 
 // Where a rank's all_reduce buffers lie: window index (or -1) and offset.
 // Written before the call's first barrier, read by the peers after it.
+// The call's shape travels along, so that a rank whose call differs is named
+// before anyone reads or writes past its buffers.
 struct Placement {
   int32_t in_window = -1, out_window = -1;
   uint64_t in_offset = 0, out_offset = 0;
+  uint64_t count = 0;
+  int32_t dtype = 0, op = 0;
 };
 
 struct alignas(64) Header {
@@ -207,7 +211,11 @@ class ShmCommunicator : public Communicator {
     Placement& mine = headers_[rank_]->placement;
     locate(in, count * es, &mine.in_window, &mine.in_offset);
     locate(out, count * es, &mine.out_window, &mine.out_offset);
+    mine.count = count;
+    mine.dtype = static_cast<int32_t>(dtype);
+    mine.op = static_cast<int32_t>(op);
     call.barrier();
+    check_same_call(name);
     if (all_registered()) return reduce_in_place_of_peers(count, dtype, op, call);
     const size_t nchunks = (count + per - 1) / per;
     const uint64_t first = chunks_;
@@ -354,6 +362,25 @@ class ShmCommunicator : public Communicator {
     }
     *window = -1;
     *offset = 0;
+  }
+
+  // Every rank sees the same placements, so all of them throw alike; the
+  // abort keeps a peer that is slower to look from going on with the group.
+  void check_same_call(const std::string& name) {
+    const Placement& a = headers_[0]->placement;
+    for (int q = 1; q < size_; ++q) {
+      const Placement& b = headers_[q]->placement;
+      if (b.count == a.count && b.dtype == a.dtype && b.op == a.op) continue;
+      auto what = [](const Placement& p) {
+        return std::to_string(p.count) + " x " + dtype_name(static_cast<DType>(p.dtype)) + " " +
+               reduce_op_name(static_cast<ReduceOp>(p.op));
+      };
+      const std::string msg = "rank " + std::to_string(rank_) + ": all_reduce '" + name +
+                              "' (shm): ranks disagree on the call: rank 0 has " + what(a) +
+                              ", rank " + std::to_string(q) + " has " + what(b);
+      abort(msg);
+      throw InvalidArgumentError(msg);
+    }
   }
 
   bool all_registered() const {

@@ -138,6 +138,36 @@ TEST_P(MpiRegisteredBuffers, MatchClosedFormWhetherAllOrSomeRanksRegister) {
   }
 }
 
+// A rank whose call differs (count) is named on every rank before any rank
+// reads or writes past a peer's buffer, registered or not.
+TEST(MpiSharedMemory, DifferentCountsAreNamedOnEveryRank) {
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(ds::Algorithm::kSharedMemory));
+  const int me = comm->rank();
+  auto buf = comm->allocate_buffer(1 << 20);
+  for (bool registered : {true, false}) {
+    std::vector<float> heap(1 << 18, 1.0f);
+    float* data = registered ? static_cast<float*>(buf.get()) : heap.data();
+    const size_t count = me == 1 ? 50000 : 60000;
+    try {
+      comm->all_reduce(data, data, count, ds::DType::kFloat32, ds::ReduceOp::kSum, "grads");
+      ADD_FAILURE() << "no error on rank " << me;
+    } catch (const ds::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("'grads'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1 has 50000"), std::string::npos) << e.what();
+    } catch (const ds::AbortedError& e) {
+      // A rank that looks later may see the abort of one that looked first.
+      EXPECT_NE(std::string(e.what()).find("disagree"), std::string::npos) << e.what();
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    comm->reset();
+    MPI_Barrier(MPI_COMM_WORLD);
+    // Usable again once every rank reset it.
+    std::vector<float> ok(70000, 1.0f);
+    comm->all_reduce(ok.data(), ok.data(), ok.size(), ds::DType::kFloat32, ds::ReduceOp::kSum, "after");
+    EXPECT_EQ(ok[123], static_cast<float>(comm->size()));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Communicators, MpiRegisteredBuffers,
                          ::testing::Values(Case{ds::Algorithm::kSharedMemory, 0},
                                            Case{ds::Algorithm::kSharedMemory, 256},
