@@ -65,4 +65,4 @@ pstep=${saved##* }
 run "${pflags[@]}" --checkpoint-dir "$work/pre" --max-steps $((pstep + 3)) > "$work/pre.log2" 2>&1
 grep -q "resumed from .*step $pstep\$" "$work/pre.log2" || { echo "FAIL: no resume from step $pstep"; cat "$work/pre.log2"; exit 1; }
 grep -q "stopping at step $((pstep + 3))" "$work/pre.log2" || { echo "FAIL: no training after the resume"; cat "$work/pre.log2"; exit 1; }
-echo "ok: SIGTERM at step $pstep: both workers saved there and exited; the next start resumed and trained on"
+echo "ok: SIGTERM at step $pstep: the workers agreed on it, saved there and exited; the next start resumed and trained on"

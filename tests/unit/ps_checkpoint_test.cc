@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <ostream>
 #include <memory>
 #include <thread>
 
@@ -103,6 +104,10 @@ struct ReshardCase {
   Layout from, to;
   bool adam;
 };
+
+void PrintTo(const ReshardCase& c, std::ostream* os) {
+  *os << c.from.name << " -> " << c.to.name << (c.adam ? " (adam)" : " (momentum)");
+}
 
 class PsCheckpointReshard : public ::testing::TestWithParam<ReshardCase> {};
 
