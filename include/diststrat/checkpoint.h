@@ -9,6 +9,10 @@
 //   ...
 //   manager.save(step, {{"epoch", std::to_string(epoch)}});
 //
+// Under ParameterServerStrategy every PS rank writes its own shard file and
+// the chief an index, last (docs/parameter_server.md); load_checkpoint reads
+// either kind whole, and restore re-splits onto the current PS ranks.
+//
 // Files are written atomically (temporary file in the same directory, fsync,
 // rename, fsync of the directory): a crash or SIGKILL at any point leaves the
 // previous checkpoint loadable. Every tensor's CRC-32 and a CRC-32 of the

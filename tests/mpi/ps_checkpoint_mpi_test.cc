@@ -18,18 +18,6 @@ namespace ds = diststrat;
 
 namespace {
 
-void expect_state_is_file(const ds::Checkpoint& c, const std::string& path) {
-  const ds::SafetensorsFile f = ds::load_checkpoint(path);
-  EXPECT_TRUE(f.verified);
-  const auto st = c.state();
-  ASSERT_EQ(st.size(), f.tensors.size());
-  for (size_t i = 0; i < st.size(); ++i) {
-    EXPECT_EQ(st[i].first, f.tensors[i].first);
-    const ds::Tensor &x = st[i].second, &y = f.tensors[i].second;
-    ASSERT_TRUE(x.dtype() == y.dtype() && x.shape() == y.shape()) << st[i].first;
-    EXPECT_EQ(0, x.nbytes() ? std::memcmp(x.data(), y.data(), x.nbytes()) : 0) << st[i].first;
-  }
-}
 
 ds::ParameterServerOptions ps_options(int num_ps, int shards) {
   ds::ParameterServerOptions o;
@@ -67,7 +55,7 @@ TEST(MpiParameterServerCheckpoint, SaveStopAndResumeOnAnotherNumberOfPsRanks) {
       }
       // Nobody pushed since the save: the PS state is the checkpoint.
       if (s.cluster().is_chief()) {
-        expect_state_is_file(ckpt, *manager.latest());
+        ds::testing::expect_state_is_file(ckpt, *manager.latest());
         EXPECT_EQ(adam.iterations().value().data<int64_t>()[0], steps_before * workers_before);
       }
       s.barrier("checked");
@@ -88,12 +76,12 @@ TEST(MpiParameterServerCheckpoint, SaveStopAndResumeOnAnotherNumberOfPsRanks) {
       auto md = manager.restore_latest();
       ASSERT_TRUE(md.has_value());
       EXPECT_EQ(md->at("step"), std::to_string(steps_before)) << "rank " << rank;
-      if (s.cluster().is_chief()) expect_state_is_file(ckpt, *manager.latest());
+      if (s.cluster().is_chief()) ds::testing::expect_state_is_file(ckpt, *manager.latest());
       s.barrier("checked");
       ds::testing::mlp_train(s, mlp, vars, adam, 8 * workers_after, 2, 20);
       manager.save(steps_before + 2, {{"step", std::to_string(steps_before + 2)}});
       if (s.cluster().is_chief()) {
-        expect_state_is_file(ckpt, *manager.latest());
+        ds::testing::expect_state_is_file(ckpt, *manager.latest());
         EXPECT_EQ(adam.iterations().value().data<int64_t>()[0],
                   steps_before * workers_before + 2 * workers_after);
       }

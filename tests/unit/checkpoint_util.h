@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -48,6 +49,21 @@ inline void expect_same_state(const Checkpoint& a, const Checkpoint& b) {
     const Tensor &x = sa[i].second, &y = sb[i].second;
     ASSERT_TRUE(x.dtype() == y.dtype() && x.shape() == y.shape()) << sa[i].first;
     EXPECT_EQ(0, x.nbytes() ? std::memcmp(x.data(), y.data(), x.nbytes()) : 0) << sa[i].first;
+  }
+}
+
+// The state equals a checkpoint's contents (load_checkpoint: a single file
+// or a parameter-server index with its shard files), byte for byte.
+inline void expect_state_is_file(const Checkpoint& c, const std::string& path) {
+  const SafetensorsFile f = load_checkpoint(path);
+  EXPECT_TRUE(f.verified);
+  const auto st = c.state();
+  ASSERT_EQ(st.size(), f.tensors.size());
+  for (size_t i = 0; i < st.size(); ++i) {
+    EXPECT_EQ(st[i].first, f.tensors[i].first);
+    const Tensor &x = st[i].second, &y = f.tensors[i].second;
+    ASSERT_TRUE(x.dtype() == y.dtype() && x.shape() == y.shape()) << st[i].first;
+    EXPECT_EQ(0, x.nbytes() ? std::memcmp(x.data(), y.data(), x.nbytes()) : 0) << st[i].first;
   }
 }
 

@@ -9,6 +9,8 @@
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <csignal>
 #include <unistd.h>
 
 #include <cstdio>
@@ -17,6 +19,7 @@
 #include <functional>
 #include <ostream>
 #include <memory>
+#include <random>
 #include <thread>
 
 #include "allreduce/transport.h"
@@ -86,19 +89,6 @@ struct Job {
   ds::Checkpoint ckpt;
 };
 
-// The state equals a checkpoint file's contents, byte for byte.
-void expect_state_is_file(const ds::Checkpoint& c, const std::string& path) {
-  const ds::SafetensorsFile f = ds::load_checkpoint(path);
-  EXPECT_TRUE(f.verified);
-  const auto st = c.state();
-  ASSERT_EQ(st.size(), f.tensors.size());
-  for (size_t i = 0; i < st.size(); ++i) {
-    EXPECT_EQ(st[i].first, f.tensors[i].first);
-    const ds::Tensor &x = st[i].second, &y = f.tensors[i].second;
-    ASSERT_TRUE(x.dtype() == y.dtype() && x.shape() == y.shape()) << st[i].first;
-    EXPECT_EQ(0, x.nbytes() ? std::memcmp(x.data(), y.data(), x.nbytes()) : 0) << st[i].first;
-  }
-}
 
 struct ReshardCase {
   Layout from, to;
@@ -122,7 +112,7 @@ TEST_P(PsCheckpointReshard, RestoresBitExactAndContinuesIdentically) {
   a.ckpt.save(path, {{"epoch", "2"}});
   // One shard file per PS rank, then the index.
   EXPECT_EQ(shard_files(dir).size(), static_cast<size_t>(c.from.num_ps));
-  expect_state_is_file(a.ckpt, path);
+  ds::testing::expect_state_is_file(a.ckpt, path);
 
   Job b(c.to, c.adam, 99);
   EXPECT_EQ(b.ckpt.restore(path), (ds::CheckpointMetadata{{"epoch", "2"}}));
@@ -148,6 +138,42 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<ReshardCase>& i) {
       return i.param.from.name + "_to_" + i.param.to.name + (i.param.adam ? "_adam" : "_momentum");
     });
+
+// A row-sparse table (rows pushed lazily: untouched shards have no slots
+// yet) saved from 2 PS ranks restores onto 3, its slots included.
+TEST(PsCheckpoint, RowSparseTablesRoundTripWithTheirSlots) {
+  const std::string path = temp_dir() + "/emb.safetensors";
+  struct Table {
+    explicit Table(const Layout& l, double init)
+        : s(options(l)), emb(s.create_row_sparse_variable("emb", {10, 4}, ds::DType::kFloat32, ds::init::Constant{init})),
+          sgd(s, {0.1f, 0.9f}), ckpt(s, {&sgd}) {}
+    void push(std::vector<int64_t> rows) {
+      s.run([&](ds::ReplicaContext& ctx) {
+        ds::Tensor ids(ds::Shape{static_cast<int64_t>(rows.size())}, ds::DType::kInt64);
+        for (size_t i = 0; i < rows.size(); ++i) ids.data<int64_t>()[i] = rows[i];
+        ds::Tensor g(ds::Shape{static_cast<int64_t>(rows.size()), 4}, ds::DType::kFloat32);
+        ds::init::Constant{1.0}(g);
+        s.apply_gradients(ctx, sgd, {}, {{emb, ids, g}});
+      });
+      s.flush();
+    }
+    ds::ParameterServerStrategy s;
+    ds::Variable emb;
+    ds::SGD sgd;
+    ds::Checkpoint ckpt;
+  };
+  Table a(kTwo, 1.0);
+  a.push({1, 2});  // both in shard 0 of 2 (rows 0-4): shard 1 never gets slots
+  a.push({2});
+  a.ckpt.save(path);
+  Table b(kThree, 5.0);
+  b.ckpt.restore(path);
+  ds::testing::expect_same_state(a.ckpt, b.ckpt);
+  ds::testing::expect_state_is_file(b.ckpt, path);
+  a.push({2, 9});
+  b.push({2, 9});
+  ds::testing::expect_same_state(a.ckpt, b.ckpt);
+}
 
 // A PS checkpoint opens whole with load_checkpoint (examples/predict) and
 // restores into another strategy; a single-file checkpoint restores into a PS job.
@@ -323,7 +349,7 @@ TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
       manager.save(step, {{"step", std::to_string(step)}});
       if (w == 0) {
         // Nobody pushed since: the PS state is the file, and it holds 2 x step pushes.
-        expect_state_is_file(ckpt, *manager.latest());
+        ds::testing::expect_state_is_file(ckpt, *manager.latest());
         EXPECT_EQ(adam.iterations().value().data<int64_t>()[0], 2 * step);
       }
       s.barrier("checked");
@@ -339,7 +365,7 @@ TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
     auto md = manager.restore_latest();
     ASSERT_TRUE(md.has_value());
     EXPECT_EQ(md->at("step"), "4") << "worker " << w;
-    if (w == 0) expect_state_is_file(ckpt, dir + "/ckpt-4.safetensors");
+    if (w == 0) ds::testing::expect_state_is_file(ckpt, dir + "/ckpt-4.safetensors");
     s.barrier("checked");
     ds::testing::mlp_train(s, mlp, vars, adam, 16, 1, 20);
     s.flush();
@@ -401,6 +427,61 @@ TEST(PsCheckpoint, WorkersAgreeOnAPreemptionStep) {
   handlers.clear();
   s.clear();
   ps->join();
+}
+
+// A child trains under two PS threads and saves in a loop (the variable equal
+// to the step number); it is SIGKILLed at random points — inside a shard
+// file's write, between the shard files and the index, inside `latest` or the
+// pruning. After every kill the latest checkpoint loads whole and verified.
+TEST(PsCheckpoint, KillDuringSaveAlwaysLeavesALoadableLatest) {
+  const std::string dir = temp_dir();
+  std::mt19937 rng(777);
+  int kills = 0, checked = 0;
+  int64_t last_step = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+  while (kills < 25 && std::chrono::steady_clock::now() < deadline) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      try {
+        ds::ParameterServerStrategy s(options(kTwo));
+        ds::Variable big = s.create_variable("big", {128, 256}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::Checkpoint ckpt(s);
+        ds::CheckpointManager manager(ckpt, dir, {2});
+        for (int64_t step = last_step + 1;; ++step) {
+          ds::Tensor v(big.shape(), big.dtype());
+          ds::init::Constant{static_cast<double>(step)}(v);
+          big.assign(v);
+          manager.save(step, {{"step", std::to_string(step)}});
+        }
+      } catch (...) {
+      }
+      ::_exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(3000 + rng() % 30000));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the child ended by itself (status " << status << ")";
+    ++kills;
+    std::ifstream latest(dir + "/latest");
+    if (!latest) continue;  // killed before the first save completed
+    std::string name;
+    std::getline(latest, name);
+    const ds::SafetensorsFile f = ds::load_checkpoint(dir + "/" + name);
+    ASSERT_TRUE(f.verified);
+    const int64_t step = std::stoll(f.metadata.at("step"));
+    EXPECT_EQ(name, "ckpt-" + std::to_string(step) + ".safetensors");
+    EXPECT_GE(step, last_step);
+    const ds::Tensor* big = f.find("big");
+    ASSERT_NE(big, nullptr);
+    EXPECT_EQ(big->data<float>()[0], static_cast<float>(step));
+    EXPECT_EQ(big->data<float>()[128 * 256 - 1], static_cast<float>(step));
+    last_step = step;
+    ++checked;
+  }
+  std::printf("%d kills, %d checkpoints checked, last step %lld\n", kills, checked, static_cast<long long>(last_step));
+  EXPECT_GE(checked, 5);
 }
 
 TEST(PsCheckpoint, PsRanksRefuseToSaveThemselves) {
