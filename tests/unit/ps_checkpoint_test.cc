@@ -434,54 +434,24 @@ TEST(PsCheckpoint, WorkersAgreeOnAPreemptionStep) {
 // file's write, between the shard files and the index, inside `latest` or the
 // pruning. After every kill the latest checkpoint loads whole and verified.
 TEST(PsCheckpoint, KillDuringSaveAlwaysLeavesALoadableLatest) {
-  const std::string dir = temp_dir();
-  std::mt19937 rng(777);
-  int kills = 0, checked = 0;
-  int64_t last_step = -1;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);
-  while (kills < 25 && std::chrono::steady_clock::now() < deadline) {
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      try {
+  const ds::testing::KillStats st = ds::testing::kill_during_save(
+      temp_dir(),
+      [](const std::string& dir, int64_t first_step) {
         ds::ParameterServerStrategy s(options(kTwo));
         ds::Variable big = s.create_variable("big", {128, 256}, ds::DType::kFloat32, ds::init::Zeros{});
         ds::Checkpoint ckpt(s);
         ds::CheckpointManager manager(ckpt, dir, {2});
-        for (int64_t step = last_step + 1;; ++step) {
+        for (int64_t step = first_step;; ++step) {
           ds::Tensor v(big.shape(), big.dtype());
           ds::init::Constant{static_cast<double>(step)}(v);
           big.assign(v);
           manager.save(step, {{"step", std::to_string(step)}});
         }
-      } catch (...) {
-      }
-      ::_exit(3);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(3000 + rng() % 30000));
-    ::kill(pid, SIGKILL);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "the child ended by itself (status " << status << ")";
-    ++kills;
-    std::ifstream latest(dir + "/latest");
-    if (!latest) continue;  // killed before the first save completed
-    std::string name;
-    std::getline(latest, name);
-    const ds::SafetensorsFile f = ds::load_checkpoint(dir + "/" + name);
-    ASSERT_TRUE(f.verified);
-    const int64_t step = std::stoll(f.metadata.at("step"));
-    EXPECT_EQ(name, "ckpt-" + std::to_string(step) + ".safetensors");
-    EXPECT_GE(step, last_step);
-    const ds::Tensor* big = f.find("big");
-    ASSERT_NE(big, nullptr);
-    EXPECT_EQ(big->data<float>()[0], static_cast<float>(step));
-    EXPECT_EQ(big->data<float>()[128 * 256 - 1], static_cast<float>(step));
-    last_step = step;
-    ++checked;
-  }
-  std::printf("%d kills, %d checkpoints checked, last step %lld\n", kills, checked, static_cast<long long>(last_step));
-  EXPECT_GE(checked, 5);
+      },
+      {"big"}, 25, 8, 777);
+  std::printf("PS kill-during-save: %d kills (%d inside a file write), %d checked, last step %lld\n", st.kills,
+              st.mid_write, st.checked, static_cast<long long>(st.last_step));
+  EXPECT_GE(st.checked, 5);
 }
 
 TEST(PsCheckpoint, PsRanksRefuseToSaveThemselves) {
