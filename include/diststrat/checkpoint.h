@@ -300,9 +300,11 @@ class PreemptionHandler {
   bool signalled() const;
   // Collective at step boundaries: every process calls it after every step
   // with the same `step`; on steps that are multiples of check_every the
-  // processes agree (a max-reduction over every replica in sync), and it
-  // returns true on every process if any was signalled. Cross-replica
-  // context. Blocking (bounded by the strategy's timeout).
+  // processes agree (CheckpointParticipant::agree_to_stop: a max-reduction
+  // over every replica in sync; the parameter server's workers ask PS 0,
+  // which fixes one stop step for all without holding anyone back), and it
+  // returns true on every process at that same step. Cross-replica context.
+  // Blocking (bounded by the strategy's timeout).
   bool should_stop(int64_t step);
   // Simulates the signal in this process (tests, or a scheduler's API hook).
   static void raise_for_testing();
