@@ -222,6 +222,10 @@ int main(int argc, char** argv) {
     std::unique_ptr<ds::Strategy> strategy = make_strategy(f);
     auto* ps = dynamic_cast<ds::ParameterServerStrategy*>(strategy.get());
     if (ps && ps->is_ps()) {  // PS ranks serve until the workers are done
+      // With checkpoints, SIGTERM here does not end the PS: PS 0 tells the
+      // workers, which agree on a step, save and exit; then join() returns.
+      std::unique_ptr<ds::PreemptionHandler> preemption;
+      if (!f.checkpoint_dir.empty()) preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
       ps->join();
       return 0;
     }

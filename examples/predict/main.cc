@@ -1,8 +1,9 @@
 // Classifies IDX images on the CPU with a checkpoint written by fashion_mnist,
 // printing the accuracy and per-class counts: the common pipeline of training
 // on accelerators and serving on CPUs. Every strategy whose state is whole in
-// one process writes the same single safetensors file, on GPUs or CPUs; the
-// parameter server's sharded checkpoints need their index reader (pending).
+// one process writes the same single safetensors file, on GPUs or CPUs; a
+// parameter-server checkpoint (an index plus one shard file per PS rank) is
+// reassembled by load_checkpoint, so any strategy's checkpoint works here.
 //
 //   predict --checkpoint /ckpt            # a directory: its `latest` checkpoint
 //   predict --checkpoint /ckpt/ckpt-1000.safetensors --split t10k --limit 1000
@@ -74,7 +75,7 @@ int main(int argc, char** argv) {
     const std::string path = resolve(checkpoint);
     ds::SafetensorsLoadOptions lo;
     lo.require_checksums = !unverified;
-    const ds::SafetensorsFile file = ds::load_safetensors(path, lo);
+    const ds::SafetensorsFile file = ds::load_checkpoint(path, lo);
     if (model.empty()) {
       auto it = file.metadata.find("model");
       if (it == file.metadata.end() || it->second.rfind("mlp:", 0) != 0) {

@@ -9,6 +9,10 @@
 //   ...
 //   manager.save(step, {{"epoch", std::to_string(epoch)}});
 //
+// Under ParameterServerStrategy every PS rank writes its own shard file and
+// the chief an index, last (docs/parameter_server.md); load_checkpoint reads
+// either kind whole, and restore re-splits onto the current PS ranks.
+//
 // Files are written atomically (temporary file in the same directory, fsync,
 // rename, fsync of the directory): a crash or SIGKILL at any point leaves the
 // previous checkpoint loadable. Every tensor's CRC-32 and a CRC-32 of the
@@ -77,6 +81,17 @@ SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadO
 SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::string& what,
                                   const SafetensorsLoadOptions& options = {});
 
+// Reads a checkpoint written by Checkpoint::save under any strategy, whole:
+// a single safetensors file as load_safetensors does, or a parameter-server
+// checkpoint (an index whose "diststrat.ps_index" metadata names one shard
+// file per PS rank) reassembled from its shard files into the same names a
+// single file has ("<var>", "<var>/<slot>"). Every file is verified, and the
+// index and shard files against each other (same save, every shard present
+// once, rows covering each variable exactly); a missing shard file is a
+// NotFoundError, any disagreement a DataLossError naming the file and tensor.
+// `metadata` is the index's. Blocking; thread-safe.
+SafetensorsFile load_checkpoint(const std::string& path, const SafetensorsLoadOptions& options = {});
+
 // Writes `bytes` to `path` atomically: a temporary file beside it
 // ("<path>.tmp.<pid>.<n>"), fsync, rename over `path`, fsync of the directory.
 // On failure the temporary file is removed and `path` is unchanged.
@@ -128,6 +143,19 @@ class CheckpointParticipant {
   // supported.
   virtual void check_checkpoint_supported(Strategy& strategy, const std::string& what);
 
+  // Whether write_checkpoint needs the full state (Checkpoint::state()). A
+  // strategy whose servers write their own shards returns false and gets an
+  // empty `state`. Default: true.
+  virtual bool needs_state_to_write() const;
+
+  // PreemptionHandler::should_stop's agreement: returns true on every process
+  // at the same `step` once any process was `signalled`. Called by every
+  // process at every checked step. Default: a max-reduction over every
+  // replica in sync (Strategy::reduce). The parameter server's workers do not
+  // reduce across workers; they agree through PS 0 without waiting for each
+  // other (docs/parameter_server.md).
+  virtual bool agree_to_stop(Strategy& strategy, int64_t step, bool signalled);
+
   // One optimizer slot: Variable::Impl::slot(name) of `var`.
   struct SlotRef {
     Variable::Impl* var;
@@ -147,15 +175,20 @@ class CheckpointParticipant {
   // checkpoint names (variables, "<var>/<slot>", iterations). Default: the
   // chief (or the only process) writes one file, then every process learns
   // the chief's success or error through Strategy::broadcast (a collective:
-  // all processes call it). A sharded strategy writes its shards plus an index.
+  // all processes call it). A sharded strategy writes its shards plus an
+  // index (the parameter server: every PS rank writes its shard file, then
+  // the chief writes the index, last).
   virtual void write_checkpoint(Strategy& strategy, const std::string& path,
                                 const std::vector<std::pair<std::string, Tensor>>& state,
                                 const CheckpointMetadata& metadata);
   // Reads and validates the checkpoint at `path` against `expected` (see
   // match_checkpoint; `optional` names may be missing). Default: the chief
-  // reads and validates, then broadcasts a status, the tensors and the
-  // metadata, so only the chief needs to see the file and every process
-  // fails together. A sharded strategy reassembles its shards.
+  // reads and validates (load_checkpoint: either format), then broadcasts a
+  // status, the tensors and the metadata, so only the chief needs to see the
+  // file and every process fails together. A participant that writes the
+  // state into the model itself once everything is validated (the parameter
+  // server: shards re-split onto the current PS ranks, slots and per-shard
+  // step counters included) returns no tensors, only the metadata.
   virtual CheckpointContents read_checkpoint(
       Strategy& strategy, const std::string& path,
       const std::vector<std::pair<std::string, Tensor>>& expected,
@@ -209,6 +242,11 @@ struct CheckpointManagerOptions {
 // A directory of checkpoints "ckpt-<step>.safetensors" and a `latest` file
 // naming the newest. The checkpoint is written (atomically) first and
 // `latest` (atomically) after it, so `latest` always names a complete file.
+// A parameter-server checkpoint is the index "ckpt-<step>.safetensors" plus
+// its shard files "ckpt-<step>.ps-<i>-of-<n>.<save id>.safetensors" (written
+// before the index); pruning removes a checkpoint's index first, then every
+// shard file that no kept index names (also those of saves that failed
+// before their index was written).
 // Not thread-safe; in a multi-process job every process calls save/restore
 // at the same step (only the chief touches the directory by default).
 class CheckpointManager {
@@ -262,9 +300,11 @@ class PreemptionHandler {
   bool signalled() const;
   // Collective at step boundaries: every process calls it after every step
   // with the same `step`; on steps that are multiples of check_every the
-  // processes agree (a max-reduction over every replica in sync), and it
-  // returns true on every process if any was signalled. Cross-replica
-  // context. Blocking (bounded by the strategy's timeout).
+  // processes agree (CheckpointParticipant::agree_to_stop: a max-reduction
+  // over every replica in sync; the parameter server's workers ask PS 0,
+  // which fixes one stop step for all without holding anyone back), and it
+  // returns true on every process at that same step. Cross-replica context.
+  // Blocking (bounded by the strategy's timeout).
   bool should_stop(int64_t step);
   // Simulates the signal in this process (tests, or a scheduler's API hook).
   static void raise_for_testing();

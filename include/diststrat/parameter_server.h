@@ -161,11 +161,14 @@ struct ShardSnapshot {
   int64_t step = 0;        // updates applied to this shard (Adam's t)
 };
 
-// Checkpoints: not implemented yet for this strategy (the variables' shards,
-// slots and step counters live on the PS ranks, which must write them; see
-// local_shards). Every checkpoint operation (Checkpoint::save/restore, a
-// CheckpointManager) throws UnimplementedError instead of writing or
-// restoring a partial state.
+// Checkpoints (Checkpoint / CheckpointManager / PreemptionHandler, called by
+// every worker at the same step; PS ranks only join()): a save quiesces the
+// job (each worker flushes its pushes, then all meet at a barrier), every PS
+// rank writes its own shard file (values, optimizer slots, per-shard step
+// counters), and the chief writes the index last; a restore verifies the
+// index and every shard file, then re-splits the variables onto the current
+// PS ranks and partitioner. The files must be visible to the chief and the
+// PS ranks (one host, or a shared file system). See docs/parameter_server.md.
 class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
  public:
   explicit ParameterServerStrategy(ParameterServerOptions options = {});
@@ -230,8 +233,15 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
 
   Impl& impl() { return *impl_; }
 
-  // CheckpointParticipant: each throws UnimplementedError (see above).
+  // Workers: broadcast from a worker to every worker, through PS 0 (the
+  // root's bytes wait there for the others). Collective over the workers;
+  // host tensors; blocking with the communication timeout.
+  void broadcast(Tensor& t, int root_worker = 0, const std::string& name = "") override;
+
+  // CheckpointParticipant (see above; FailedPreconditionError on PS ranks).
   void check_checkpoint_supported(Strategy& strategy, const std::string& what) override;
+  bool needs_state_to_write() const override;
+  bool agree_to_stop(Strategy& strategy, int64_t step, bool signalled) override;
   std::vector<Tensor> read_slots(Strategy& strategy, const std::vector<SlotRef>& slots) override;
   void assign_slots(Strategy& strategy, const std::vector<SlotRef>& slots,
                     const std::vector<Tensor>& values) override;

@@ -11,18 +11,22 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
 
 #include "diststrat/checkpoint.h"
 #include "diststrat/optimizer.h"
+#include "io/checkpoint_internal.h"
 
 namespace diststrat {
 
 namespace {
-
 constexpr const char* kReservedPrefix = "diststrat.";
+}  // namespace
+
+namespace ckpt {
 
 bool is_multi_process(const Strategy& s) { return s.cluster().world_size > 1; }
 bool is_writer(const Strategy& s) {
@@ -46,7 +50,7 @@ std::string broadcast_string(Strategy& s, const std::string& v, const std::strin
 }
 
 // Runs fn on the chief only and re-raises its error (same code) everywhere.
-template <typename Fn> void on_chief_then_agree(Strategy& s, const std::string& what, Fn&& fn) {
+void on_chief_then_agree(Strategy& s, const std::string& what, const std::function<void()>& fn) {
   int64_t code = -1;
   std::string message;
   std::exception_ptr local;
@@ -98,7 +102,15 @@ CheckpointMetadata decode_metadata(const std::string& s) {
   return md;
 }
 
-}  // namespace
+}  // namespace ckpt
+
+using ckpt::broadcast_int;
+using ckpt::broadcast_string;
+using ckpt::decode_metadata;
+using ckpt::encode_metadata;
+using ckpt::is_multi_process;
+using ckpt::is_writer;
+using ckpt::on_chief_then_agree;
 
 // ---- matching a file against a model ----------------------------------------
 
@@ -150,6 +162,14 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
 
 void CheckpointParticipant::check_checkpoint_supported(Strategy&, const std::string&) {}
 
+bool CheckpointParticipant::needs_state_to_write() const { return true; }
+
+bool CheckpointParticipant::agree_to_stop(Strategy& strategy, int64_t, bool signalled) {
+  // A max-reduction over every replica: 1 anywhere means everyone stops here.
+  std::vector<double> local(static_cast<size_t>(strategy.num_local_replicas()), signalled ? 1.0 : 0.0);
+  return strategy.reduce(ReduceOp::kMax, PerReplica<double>(local)) > 0.5;
+}
+
 std::vector<Tensor> CheckpointParticipant::read_slots(Strategy& strategy,
                                                       const std::vector<SlotRef>& slots) {
   std::vector<Tensor> out(slots.size());
@@ -194,7 +214,8 @@ CheckpointContents CheckpointParticipant::read_checkpoint(
   on_chief_then_agree(strategy, "to read checkpoint '" + path + "'", [&] {
     SafetensorsLoadOptions lo;
     lo.require_checksums = options.require_checksums;
-    contents = match_checkpoint(load_safetensors(path, lo), path, expected, optional);
+    // A single file, or a parameter-server checkpoint reassembled from its shards.
+    contents = match_checkpoint(load_checkpoint(path, lo), path, expected, optional);
   });
   if (!is_multi_process(strategy)) return contents;
   // Every process gets the chief's validated tensors: which are present, then each.
@@ -285,7 +306,8 @@ void Checkpoint::save(const std::string& path, const CheckpointMetadata& metadat
                     "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
   }
   participant().check_checkpoint_supported(*strategy_, "Checkpoint::save '" + path + "'");
-  participant().write_checkpoint(*strategy_, path, state(), md);
+  CheckpointParticipant& p = participant();
+  p.write_checkpoint(*strategy_, path, p.needs_state_to_write() ? state() : std::vector<std::pair<std::string, Tensor>>{}, md);
 }
 
 CheckpointMetadata Checkpoint::restore(const std::string& path, const RestoreOptions& options) const {
@@ -398,8 +420,22 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
       if (parse_step_file(n, &st)) all.emplace_back(st, n);
     }
     std::sort(all.begin(), all.end());
-    for (size_t i = 0; i + static_cast<size_t>(options_.max_to_keep) < all.size(); ++i) {
-      if (all[i].second != name) ::unlink((directory_ + "/" + all[i].second).c_str());
+    std::set<std::string> kept_shards;  // shard files a kept (sharded) checkpoint names
+    for (size_t i = 0; i < all.size(); ++i) {
+      const std::string p = directory_ + "/" + all[i].second;
+      if (i + static_cast<size_t>(options_.max_to_keep) < all.size() && all[i].second != name) {
+        // The index first: a crash in between leaves orphans, never an index without shards.
+        ::unlink(p.c_str());
+      } else {
+        for (const std::string& f : ckpt::shard_files_of(p)) kept_shards.insert(f.substr(f.find_last_of('/') + 1));
+      }
+    }
+    // Shard files of pruned checkpoints and of saves that never got their index.
+    for (const std::string& n : list_dir(directory_)) {
+      if (n.rfind("ckpt-", 0) == 0 && n.find(".ps-") != std::string::npos && n.find(".tmp.") == std::string::npos &&
+          !kept_shards.count(n)) {
+        ::unlink((directory_ + "/" + n).c_str());
+      }
     }
   });
   return path;
@@ -460,13 +496,15 @@ bool PreemptionHandler::signalled() const { return g_preemption_signalled != 0; 
 
 void PreemptionHandler::raise_for_testing() { g_preemption_signalled = 1; }
 
+bool ckpt::preemption_signalled() { return g_preemption_signalled.load(std::memory_order_relaxed) != 0; }
+
 bool PreemptionHandler::should_stop(int64_t step) {
   if (step % options_.check_every != 0) return false;
-  if (!is_multi_process(*strategy_)) return signalled();
-  // A max-reduction over every replica: 1 anywhere means everyone stops here.
-  std::vector<double> local(static_cast<size_t>(strategy_->num_local_replicas()),
-                            signalled() ? 1.0 : 0.0);
-  return strategy_->reduce(ReduceOp::kMax, PerReplica<double>(local)) > 0.5;
+  auto* p = dynamic_cast<CheckpointParticipant*>(strategy_);
+  // A parameter server's workers meet through PS 0 even in one process.
+  if (!is_multi_process(*strategy_) && !p) return signalled();
+  CheckpointParticipant fallback;
+  return (p ? *p : fallback).agree_to_stop(*strategy_, step, signalled());
 }
 
 }  // namespace diststrat

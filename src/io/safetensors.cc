@@ -31,6 +31,7 @@
 #include <set>
 
 #include "diststrat/checkpoint.h"
+#include "io/checkpoint_internal.h"
 
 namespace diststrat {
 
@@ -148,9 +149,10 @@ void write_file_atomically(const std::string& path, const void* bytes, size_t si
   }
 }
 
-void save_safetensors(const std::string& path,
-                      const std::vector<std::pair<std::string, Tensor>>& tensors,
-                      const CheckpointMetadata& metadata) {
+namespace {
+void save_safetensors_impl(const std::string& path,
+                           const std::vector<std::pair<std::string, Tensor>>& tensors,
+                           const CheckpointMetadata& metadata, bool allow_reserved) {
   DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
                   "save_safetensors: big-endian hosts are not supported");
   std::vector<const std::pair<std::string, Tensor>*> sorted;
@@ -174,7 +176,7 @@ void save_safetensors(const std::string& path,
   json header = json::object();
   json md = json::object();
   for (const auto& [k, v] : metadata) {
-    DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "save_safetensors '", path,
+    DISTSTRAT_CHECK(allow_reserved || k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "save_safetensors '", path,
                     "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
     md[k] = v;
   }
@@ -206,6 +208,19 @@ void save_safetensors(const std::string& path,
     data += nt->second.nbytes();
   }
   write_file_atomically(path, file.data(), file.size());
+}
+}  // namespace
+
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, Tensor>>& tensors,
+                      const CheckpointMetadata& metadata) {
+  save_safetensors_impl(path, tensors, metadata, false);
+}
+
+void ckpt::save_safetensors_reserved(const std::string& path,
+                                     const std::vector<std::pair<std::string, Tensor>>& tensors,
+                                     const CheckpointMetadata& metadata) {
+  save_safetensors_impl(path, tensors, metadata, true);
 }
 
 // ---- reading ------------------------------------------------------------------

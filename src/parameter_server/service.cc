@@ -1,10 +1,12 @@
 #include "parameter_server/service.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <memory>
 #include <thread>
 
+#include "io/checkpoint_internal.h"
 #include "parameter_server/update_rule.h"
 
 namespace diststrat {
@@ -288,6 +290,11 @@ Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
     case Op::kBarrier: return handle_barrier(w, p, r);
     case Op::kStats: handle_stats(reply); return Outcome::kServed;
     case Op::kDone: w.done = true; return Outcome::kServed;
+    case Op::kBroadcast: return handle_broadcast(w, p, r, reply);
+    case Op::kStopCheck: handle_stop_check(w, r, reply); return Outcome::kServed;
+    case Op::kSave: handle_save(r, reply); return Outcome::kServed;
+    case Op::kReadSlots: handle_read_slots(r, reply); return Outcome::kServed;
+    case Op::kRestore: handle_restore(p, r); return Outcome::kServed;
   }
   throw InvalidArgumentError("unknown op " + std::to_string(p.header.op));
 }
@@ -593,6 +600,144 @@ Service::Outcome Service::handle_barrier(WorkerState& w, Pending& p, Reader& r) 
   return Outcome::kDeferred;
 }
 
+Service::Outcome Service::handle_broadcast(WorkerState& w, Pending& p, Reader& r, Reply& reply) {
+  const int64_t count = r.get<int64_t>();
+  const bool root = r.get<uint8_t>() != 0;
+  if (root) {
+    broadcasts_.emplace(count, p.payload);
+  } else {
+    auto it = broadcasts_.find(count);
+    if (it == broadcasts_.end()) {
+      if (Clock::now() - p.arrived > options_.timeout) {
+        throw DeadlineExceededError("broadcast " + std::to_string(count) + ": worker " +
+                                    std::to_string(w.index) + " waited past the deadline for the root");
+      }
+      return Outcome::kDeferred;
+    }
+    DISTSTRAT_CHECK(static_cast<int64_t>(it->second.size()) == p.header.reply_bytes, kInvalidArgument,
+                    "broadcast ", count, ": the root sent ", it->second.size(), " bytes, worker ", w.index,
+                    " expects ", p.header.reply_bytes);
+    reply.payload = it->second;
+  }
+  w.broadcast_count = std::max(w.broadcast_count, count);
+  // Forget what every live worker has.
+  int64_t done_upto = INT64_MAX;
+  for (const WorkerState& o : workers_) {
+    if (!o.done && !o.gone) done_upto = std::min(done_upto, o.broadcast_count);
+  }
+  broadcasts_.erase(broadcasts_.begin(), broadcasts_.upper_bound(done_upto));
+  return Outcome::kServed;
+}
+
+void Service::handle_stop_check(WorkerState& w, Reader& r, Reply& reply) {
+  const int64_t step = r.get<int64_t>();
+  const bool signalled = r.get<uint8_t>() != 0;
+  w.checked_step = std::max(w.checked_step, step);
+  if (stop_at_ < 0 && (signalled || ckpt::preemption_signalled())) {
+    // Every worker answered "go on" for the steps it has asked about, so the
+    // stop is the asker's step or, if another live worker is ahead, the step
+    // after that worker's: everyone can still stop there.
+    stop_at_ = step;
+    for (const WorkerState& o : workers_) {
+      if (&o != &w && !o.done && !o.gone) stop_at_ = std::max(stop_at_, o.checked_step + 1);
+    }
+    logger_.warning(who(), ": preemption (", signalled ? "worker " + std::to_string(w.index) : "this process",
+                    " signalled): every worker stops at step ", stop_at_);
+  }
+  Writer wr;
+  wr.put<int64_t>(stop_at_ >= 0 && step >= stop_at_ ? 1 : 0);
+  reply.payload = std::move(wr.bytes());
+}
+
+void Service::handle_save(Reader& r, Reply& reply) {
+  const std::string path = r.get_string();
+  const uint64_t save_id = r.get<uint64_t>();
+  const int32_t ps = r.get<int32_t>();
+  const int32_t num_ps = r.get<int32_t>();
+  const std::vector<ShardSnapshot> shards = snapshot_locked();
+  // Blocks this loop for the write: the workers are quiesced (a save is
+  // collective), and the snapshot is the state after every push before it.
+  ckpt::write_shard_file(path, save_id, ps, num_ps, shards);
+  Writer wr;
+  wr.put<int64_t>(static_cast<int64_t>(shards.size()));
+  reply.payload = std::move(wr.bytes());
+}
+
+void Service::handle_read_slots(Reader& r, Reply& reply) {
+  const int64_t n = r.get<int64_t>();
+  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "slot read of ", n, " entries");
+  std::vector<std::pair<const Shard*, std::string>> items;
+  size_t bytes = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const Entry e = read_entry(r);
+    const std::string slot = r.get_string();
+    const Shard& s = find_shard(e, "slot read");
+    DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
+                    "': the variable is ", dtype_name(s.dtype), ", only float32 variables have slots");
+    items.emplace_back(&s, slot);
+    bytes += static_cast<size_t>(s.value.num_elements()) * sizeof(float);
+  }
+  reply.payload.assign(bytes, 0);  // a slot not created yet (no push) is zeros
+  char* out = reply.payload.data();
+  for (const auto& [s, slot] : items) {
+    const size_t b = static_cast<size_t>(s->value.num_elements()) * sizeof(float);
+    auto it = s->slots.find(slot);
+    if (it != s->slots.end() && b) std::memcpy(out, it->second.data(), b);
+    out += b;
+  }
+}
+
+void Service::handle_restore(Pending& p, Reader& r) {
+  const int64_t n = r.get<int64_t>();
+  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "restore of ", n, " entries");
+  struct Item {
+    Shard* s;
+    bool has_value;
+    int64_t step;
+    std::vector<std::string> slots;
+    size_t offset;
+  };
+  std::vector<Item> items;
+  size_t offset = 0;
+  // Validate everything before writing anything.
+  for (int64_t i = 0; i < n; ++i) {
+    const Entry e = read_entry(r);
+    Shard* shard = &find_shard(e, "restore");
+    const bool has_value = r.get<uint8_t>() != 0;
+    Item it{shard, has_value, r.get<int64_t>(), {}, offset};
+    const int64_t nslots = r.get<int64_t>();
+    DISTSTRAT_CHECK(nslots >= 0 && nslots <= 64, kInvalidArgument, "restore of '", e.name, "': ", nslots, " slots");
+    for (int64_t k = 0; k < nslots; ++k) it.slots.push_back(r.get_string());
+    const Shard& s = *it.s;
+    DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(), kInvalidArgument,
+                    "restore of '", e.name, "' shard ", e.shard_index, ": value ",
+                    valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
+                    e.shape.to_string(), " does not match ", s.value.debug_string());
+    DISTSTRAT_CHECK(it.slots.empty() || s.dtype == DType::kFloat32, kInvalidArgument, "restore of '", e.name,
+                    "': slots for a ", dtype_name(s.dtype), " variable");
+    offset += (it.has_value ? s.value.nbytes() : 0) + it.slots.size() * static_cast<size_t>(s.value.num_elements()) * sizeof(float);
+    items.push_back(std::move(it));
+  }
+  DISTSTRAT_CHECK(offset == p.payload.size(), kInvalidArgument, "restore: payload has ", p.payload.size(),
+                  " bytes, the entries declare ", offset);
+  for (Item& it : items) {
+    Shard& s = *it.s;
+    const char* src = p.payload.data() + it.offset;
+    if (it.has_value) {
+      if (s.value.nbytes()) std::memcpy(s.value.data(), src, s.value.nbytes());
+      src += s.value.nbytes();
+      s.initialized = true;
+    }
+    for (const std::string& slot : it.slots) {
+      Tensor t(s.value.shape(), DType::kFloat32);
+      if (t.nbytes()) std::memcpy(t.data(), src, t.nbytes());
+      src += t.nbytes();
+      s.slots[slot] = t;
+    }
+    if (it.step >= 0) s.step = it.step;
+  }
+}
+
 void Service::handle_stats(Reply& reply) {
   Writer wr;
   wr.put(stats_.version).put(stats_.pushes_rejected).put(stats_.staleness_sum);
@@ -620,6 +765,10 @@ std::vector<int> Service::gone_workers() const {
 
 std::vector<ShardSnapshot> Service::snapshot() const {
   std::lock_guard<std::mutex> lock(mu_);
+  return snapshot_locked();
+}
+
+std::vector<ShardSnapshot> Service::snapshot_locked() const {
   std::vector<ShardSnapshot> out;
   for (const auto& [key, s] : shards_) {
     ShardSnapshot snap;

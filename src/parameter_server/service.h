@@ -90,6 +90,8 @@ class Service {
     int index = 0;
     int64_t steps = 0;  // pushes applied from it
     int64_t barrier_count = 0;
+    int64_t broadcast_count = 0;  // broadcasts it has completed
+    int64_t checked_step = -1;    // the last step it asked kStopCheck about
     bool done = false;
     bool gone = false;
     Clock::time_point last_heard;
@@ -121,6 +123,12 @@ class Service {
   void handle_assign(WorkerState& w, Pending& p, Reader& r);
   Outcome handle_barrier(WorkerState& w, Pending& p, Reader& r);
   void handle_stats(Reply& reply);
+  Outcome handle_broadcast(WorkerState& w, Pending& p, Reader& r, Reply& reply);
+  void handle_stop_check(WorkerState& w, Reader& r, Reply& reply);
+  void handle_save(Reader& r, Reply& reply);
+  void handle_read_slots(Reader& r, Reply& reply);
+  void handle_restore(Pending& p, Reader& r);
+  std::vector<ShardSnapshot> snapshot_locked() const;
 
   Shard& find_shard(const Entry& e, const std::string& what);
   // Slowest live worker other than `except` (index), or -1 when none.
@@ -144,6 +152,10 @@ class Service {
   std::map<std::pair<int64_t, int64_t>, Shard> shards_;  // (var id, shard index)
   std::map<std::pair<std::string, int64_t>, ShardSnapshot> restored_;
   ServiceStats stats_;
+  // Broadcasts deposited by their root, until every live worker has them.
+  std::map<int64_t, std::vector<char>> broadcasts_;
+  // Preemption: the step every worker stops at (-1: none yet).
+  int64_t stop_at_ = -1;
 };
 
 }  // namespace ps

@@ -12,6 +12,11 @@ const char* op_name(Op op) {
     case Op::kBarrier: return "barrier";
     case Op::kStats: return "stats";
     case Op::kDone: return "done";
+    case Op::kBroadcast: return "broadcast";
+    case Op::kStopCheck: return "preemption check";
+    case Op::kSave: return "checkpoint save";
+    case Op::kReadSlots: return "slot read";
+    case Op::kRestore: return "checkpoint restore";
   }
   return "unknown op";
 }

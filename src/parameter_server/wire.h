@@ -42,6 +42,12 @@ enum class Op : uint16_t {
   kBarrier = 5,  // answered when every live worker has reached this count
   kStats = 6,    // counters
   kDone = 7,     // the worker leaves
+  // Checkpoints and agreement among workers (PS 0 meets the workers):
+  kBroadcast = 8,  // the root deposits bytes; the others' requests wait for them
+  kStopCheck = 9,  // preemption: has any worker (or this PS process) been signalled?
+  kSave = 10,      // write this PS's shard file (value, slots, step of every shard)
+  kReadSlots = 11, // read optimizer slots of shards
+  kRestore = 12,   // overwrite shards' values, slots and step counters
 };
 const char* op_name(Op op);
 

@@ -1,10 +1,8 @@
 // Checkpoint round trips under the strategies not covered elsewhere
 // (checkpoint_test.cc: Mirrored and the multi-process protocol;
 // checkpoint_multi_worker_test.cc: MultiWorker as threads; tests/mpi: under
-// mpirun): CentralStorage restores bit-exact and keeps training identically;
-// ParameterServer refuses every checkpoint operation (UnimplementedError)
-// and writes nothing.
-#include <dirent.h>
+// mpirun; ps_checkpoint_test.cc: ParameterServer): CentralStorage restores
+// bit-exact and keeps training identically.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -22,15 +20,6 @@ namespace {
 std::string temp_dir() {
   char tmpl[] = "/tmp/diststrat_ckpt_strat_XXXXXX";
   return mkdtemp(tmpl);
-}
-
-int count_entries(const std::string& dir) {
-  int n = 0;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (dirent* e = ::readdir(d)) n += std::strcmp(e->d_name, ".") && std::strcmp(e->d_name, "..");
-    ::closedir(d);
-  }
-  return n;
 }
 
 // A model under any strategy: an MLP, SGD with momentum, its checkpoint.
@@ -71,32 +60,4 @@ TEST(CheckpointStrategies, CentralStorageRoundTripIsBitExactAndTrainingContinues
     return std::make_unique<ds::CentralStorageStrategy>(
         std::vector<ds::Device>{ds::Device::cpu(0), ds::Device::cpu(1)});
   });
-}
-
-TEST(CheckpointStrategies, ParameterServerRefusesCheckpointsAndWritesNothing) {
-  ds::ParameterServerOptions o;
-  o.num_ps = 2;  // PS ranks as threads of this process
-  o.partitioner = ds::partitioners::FixedShards{2};
-  o.max_staleness = 0;
-  Trainee t(std::make_unique<ds::ParameterServerStrategy>(o), 3);
-  t.train(2, 11);
-  const std::string dir = temp_dir();
-  auto expect_unimplemented = [&](const std::function<void()>& fn, const std::string& what) {
-    try {
-      fn();
-      ADD_FAILURE() << what << ": no error";
-    } catch (const ds::UnimplementedError& e) {
-      EXPECT_NE(std::string(e.what()).find("ParameterServerStrategy"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("rank "), std::string::npos) << e.what();
-    }
-  };
-  expect_unimplemented([&] { t.ckpt.save(dir + "/x.safetensors"); }, "save");
-  expect_unimplemented([&] { t.ckpt.restore(dir + "/x.safetensors"); }, "restore");
-  expect_unimplemented([&] { t.ckpt.state(); }, "state");
-  expect_unimplemented([&] { ds::CheckpointManager m(t.ckpt, dir + "/managed"); }, "manager");
-  EXPECT_EQ(count_entries(dir), 0);  // no file, no directory
-  // The strategy keeps training after the refusals.
-  t.train(1, 12);
-  static_cast<ds::ParameterServerStrategy&>(*t.strategy).flush();
-  EXPECT_EQ(t.opt.iterations().value().data<int64_t>()[0], 3);
 }

@@ -365,23 +365,16 @@ TEST(CheckpointManager, KeepsTheLastKAndPointsLatestAtTheNewest) {
 // A child saves in a loop and is SIGKILLed at random points; after every kill
 // the latest checkpoint loads, verifies and is internally consistent.
 TEST(CheckpointManager, KillDuringSaveAlwaysLeavesALoadableLatest) {
-  const std::string dir = temp_dir();
-  std::mt19937 rng(12345);
-  int kills = 0, checked = 0, mid_write = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(12);
-  int64_t last_step = -1;
-  while (kills < 40 && std::chrono::steady_clock::now() < deadline) {
-    const pid_t pid = fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      // Child: every save writes variables all equal to the step number.
-      try {
+  const ds::testing::KillStats st = ds::testing::kill_during_save(
+      temp_dir(),
+      [](const std::string& dir, int64_t first_step) {
+        // Every save writes variables all equal to the step number.
         ds::MirroredStrategy s(std::vector<ds::Device>{ds::Device::cpu(0)});
         ds::Variable big = s.create_variable("big", {256, 256}, ds::DType::kFloat32, ds::init::Zeros{});
         ds::Variable small = s.create_variable("small", {3}, ds::DType::kInt64, ds::init::Zeros{});
         ds::Checkpoint ckpt(s);
         ds::CheckpointManager manager(ckpt, dir, {2});
-        for (int64_t step = last_step + 1;; ++step) {
+        for (int64_t step = first_step;; ++step) {
           ds::Tensor v(big.shape(), big.dtype());
           ds::init::Constant{static_cast<double>(step)}(v);
           big.assign(v);
@@ -390,44 +383,12 @@ TEST(CheckpointManager, KillDuringSaveAlwaysLeavesALoadableLatest) {
           small.assign(w);
           manager.save(step, {{"step", std::to_string(step)}});
         }
-      } catch (...) {
-      }
-      _exit(3);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(2000 + rng() % 30000));
-    kill(pid, SIGKILL);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "the child ended by itself (status " << status << ")";
-    ++kills;
-    // A temporary file left behind means this kill landed inside a write.
-    if (DIR* d = opendir(dir.c_str())) {
-      bool partial = false;
-      while (dirent* e = readdir(d)) partial |= std::strstr(e->d_name, ".tmp.") != nullptr;
-      closedir(d);
-      mid_write += partial;
-    }
-    std::ifstream latest(dir + "/latest");
-    if (!latest) continue;  // killed before the first save completed
-    std::string name;
-    std::getline(latest, name);
-    const ds::SafetensorsFile f = ds::load_safetensors(dir + "/" + name);
-    ASSERT_TRUE(f.verified);
-    const int64_t step = std::stoll(f.metadata.at("step"));
-    EXPECT_EQ(name, "ckpt-" + std::to_string(step) + ".safetensors");
-    EXPECT_GE(step, last_step);
-    const ds::Tensor* big = f.find("big");
-    ASSERT_NE(big, nullptr);
-    EXPECT_EQ(big->data<float>()[0], static_cast<float>(step));
-    EXPECT_EQ(big->data<float>()[256 * 256 - 1], static_cast<float>(step));
-    EXPECT_EQ(f.find("small")->data<int64_t>()[2], step);
-    last_step = step;
-    ++checked;
-  }
-  EXPECT_GE(kills, 10);
-  EXPECT_GE(checked, kills / 2) << "too few kills landed after a first complete save";
+      },
+      {"big", "small"}, 40, 12, 12345);
+  EXPECT_GE(st.kills, 10);
+  EXPECT_GE(st.checked, st.kills / 2) << "too few kills landed after a first complete save";
   std::printf("kill-during-save: %d kills (%d inside a file write), %d checked, last step %lld\n",
-              kills, mid_write, checked, static_cast<long long>(last_step));
+              st.kills, st.mid_write, st.checked, static_cast<long long>(st.last_step));
 }
 
 TEST(Preemption, SignalSetsTheFlagAndShouldStopAgrees) {

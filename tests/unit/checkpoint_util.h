@@ -2,9 +2,20 @@
 // and comparing two checkpoints' states byte for byte.
 #pragma once
 
+#include <dirent.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <thread>
 
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -49,6 +60,97 @@ inline void expect_same_state(const Checkpoint& a, const Checkpoint& b) {
     ASSERT_TRUE(x.dtype() == y.dtype() && x.shape() == y.shape()) << sa[i].first;
     EXPECT_EQ(0, x.nbytes() ? std::memcmp(x.data(), y.data(), x.nbytes()) : 0) << sa[i].first;
   }
+}
+
+// The state equals a checkpoint's contents (load_checkpoint: a single file
+// or a parameter-server index with its shard files), byte for byte.
+inline void expect_state_is_file(const Checkpoint& c, const std::string& path) {
+  const SafetensorsFile f = load_checkpoint(path);
+  EXPECT_TRUE(f.verified);
+  const auto st = c.state();
+  ASSERT_EQ(st.size(), f.tensors.size());
+  for (size_t i = 0; i < st.size(); ++i) {
+    EXPECT_EQ(st[i].first, f.tensors[i].first);
+    const Tensor &x = st[i].second, &y = f.tensors[i].second;
+    ASSERT_TRUE(x.dtype() == y.dtype() && x.shape() == y.shape()) << st[i].first;
+    EXPECT_EQ(0, x.nbytes() ? std::memcmp(x.data(), y.data(), x.nbytes()) : 0) << st[i].first;
+  }
+}
+
+struct KillStats {
+  int kills = 0, mid_write = 0, checked = 0;
+  int64_t last_step = -1;
+};
+
+// Kill-during-save: forks children that each run `save_loop(dir, first_step)`
+// (build a model, then save it every step through a CheckpointManager on
+// `dir` with every variable equal to the step and metadata "step"; never
+// returns), SIGKILLs each at a random point, and after every kill loads
+// `latest` (load_checkpoint: either format): it must verify, be the newest
+// step so far, and hold each of `tensors` equal to its step (first and last
+// element). Stops after `max_kills` kills or `seconds`.
+inline KillStats kill_during_save(const std::string& dir,
+                                  const std::function<void(const std::string&, int64_t)>& save_loop,
+                                  const std::vector<std::string>& tensors, int max_kills, int seconds,
+                                  uint32_t seed) {
+  KillStats st;
+  std::mt19937 rng(seed);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (st.kills < max_kills && std::chrono::steady_clock::now() < deadline) {
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      ADD_FAILURE() << "fork failed";
+      return st;
+    }
+    if (pid == 0) {
+      try {
+        save_loop(dir, st.last_step + 1);
+      } catch (...) {
+      }
+      ::_exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(2000 + rng() % 30000));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (!WIFSIGNALED(status)) {
+      ADD_FAILURE() << "the child ended by itself (status " << status << ")";
+      return st;
+    }
+    ++st.kills;
+    // A temporary file left behind means this kill landed inside a write.
+    if (DIR* d = ::opendir(dir.c_str())) {
+      bool partial = false;
+      while (dirent* e = ::readdir(d)) partial |= std::strstr(e->d_name, ".tmp.") != nullptr;
+      ::closedir(d);
+      st.mid_write += partial;
+    }
+    std::ifstream latest(dir + "/latest");
+    if (!latest) continue;  // killed before the first save completed
+    std::string name;
+    std::getline(latest, name);
+    const SafetensorsFile f = load_checkpoint(dir + "/" + name);
+    EXPECT_TRUE(f.verified);
+    const int64_t step = std::stoll(f.metadata.at("step"));
+    EXPECT_EQ(name, "ckpt-" + std::to_string(step) + ".safetensors");
+    EXPECT_GE(step, st.last_step);
+    for (const std::string& t : tensors) {
+      const Tensor* v = f.find(t);
+      if (!v || v->num_elements() == 0) {
+        ADD_FAILURE() << "tensor '" << t << "' missing in " << name;
+        return st;
+      }
+      const int64_t last = v->num_elements() - 1;
+      auto at = [&](int64_t i) {
+        return v->dtype() == DType::kInt64 ? static_cast<double>(v->data<int64_t>()[i]) : v->data<float>()[i];
+      };
+      EXPECT_EQ(at(0), static_cast<double>(step)) << t;
+      EXPECT_EQ(at(last), static_cast<double>(step)) << t;
+    }
+    st.last_step = step;
+    ++st.checked;
+  }
+  return st;
 }
 
 }  // namespace testing

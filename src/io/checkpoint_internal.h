@@ -1,0 +1,94 @@
+// Internals of checkpoints shared by src/io and the strategies that take part
+// in saving (the parameter server): the chief-runs-then-everyone-agrees
+// protocol, broadcasts of small values from the chief, safetensors files with
+// our reserved metadata keys, and the sharded (parameter-server) format:
+//
+//   <stem>.safetensors                         the index: no tensors; user metadata and
+//                                              "diststrat.ps_index" (JSON, below)
+//   <stem>.ps-<i>-of-<n>.<save id>.safetensors PS rank i's shards: "<var>/shard-<k>" and
+//                                              "<var>/shard-<k>/<slot>"; "diststrat.ps_shard"
+//                                              (JSON: each shard's rows and step counter)
+//
+// The index names its shard files, the save id (a random 64-bit number every
+// file of one save carries), and every variable's dtype, full shape and
+// shards (PS index, row offset, rows). See docs/parameter_server.md.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "diststrat/checkpoint.h"
+#include "diststrat/parameter_server.h"
+
+namespace diststrat {
+namespace ckpt {
+
+// Whether this process writes files (the chief, or the only process).
+bool is_writer(const Strategy& s);
+bool is_multi_process(const Strategy& s);
+// Broadcasts from worker 0; every process calls them in the same order.
+int64_t broadcast_int(Strategy& s, int64_t v, const std::string& name);
+std::string broadcast_string(Strategy& s, const std::string& v, const std::string& name);
+// Runs fn on the chief only and re-raises its error (same code) everywhere.
+void on_chief_then_agree(Strategy& s, const std::string& what, const std::function<void()>& fn);
+std::string encode_metadata(const CheckpointMetadata& md);
+CheckpointMetadata decode_metadata(const std::string& s);
+
+// save_safetensors that also accepts metadata keys with the reserved prefix.
+void save_safetensors_reserved(const std::string& path,
+                               const std::vector<std::pair<std::string, Tensor>>& tensors,
+                               const CheckpointMetadata& metadata);
+
+// Whether this process received a preemption signal (a PreemptionHandler is
+// installed). Async-signal-safe flag, read by the PS service too.
+bool preemption_signalled();
+
+// ---- the sharded format ------------------------------------------------------
+
+constexpr const char* kIndexKey = "diststrat.ps_index";
+constexpr const char* kShardKey = "diststrat.ps_shard";
+
+// The shard file of PS `ps` of `num_ps` for index `index_path`, save `save_id`.
+std::string shard_file_path(const std::string& index_path, int ps, int num_ps, uint64_t save_id);
+
+// Writes `shards` (one PS rank's, from Service::snapshot) atomically.
+void write_shard_file(const std::string& path, uint64_t save_id, int ps, int num_ps,
+                      const std::vector<ShardSnapshot>& shards);
+
+struct IndexShard {
+  int64_t index = 0;
+  int ps = 0;
+  int64_t row_offset = 0, rows = 0;
+};
+struct IndexVariable {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  Shape shape;
+  std::vector<IndexShard> shards;
+};
+// Writes the index atomically (after every shard file is durable).
+void write_index(const std::string& path, uint64_t save_id, const std::vector<std::string>& shard_files,
+                 const std::vector<IndexVariable>& variables, const CheckpointMetadata& user_metadata);
+
+// A checkpoint read whole: for a sharded one the reassembled tensors in
+// checkpoint names ("<var>", "<var>/<slot>") and each shard's step counter.
+struct LoadedCheckpoint {
+  SafetensorsFile file;
+  bool sharded = false;
+  // Sharded only: per variable, (row_offset, rows, step) of each saved shard.
+  std::map<std::string, std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>>> steps;
+};
+// Reads and verifies everything (index, every shard file, their agreement);
+// throws NotFoundError / DataLossError naming the file and tensor.
+LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions& options);
+
+// The shard files an index names (empty for a single-file checkpoint or an
+// unreadable index). Used to prune.
+std::vector<std::string> shard_files_of(const std::string& index_path);
+
+}  // namespace ckpt
+}  // namespace diststrat
