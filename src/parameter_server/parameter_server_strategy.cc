@@ -628,6 +628,12 @@ Variable ParameterServerStrategy::create_row_sparse_variable(const std::string& 
   }
 }
 
+void ParameterServerStrategy::inject_corruption(ReplicaContext&, int64_t) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);  // guards the client
+  m.client->corrupt_next_push();
+}
+
 void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
   Impl& m = *impl_;
   m.require_worker("run");

@@ -1,0 +1,181 @@
+// The multi-process fault and soak driver, run under mpirun by ctest
+// (tests/mpi/fault/fault_cell.sh, tests/mpi/CMakeLists.txt).
+//
+//   diststrat_mpi_fault --strategy multi_worker|parameter_server
+//                       [--steps N] [--timeout-ms T] [--tag WORD]
+//
+// Every rank trains a few small variables with SGD (gradient of ones, so the
+// expected values are exact); the fault comes from DISTSTRAT_FAULT
+// (kind:rank:step, `mpirun -x DISTSTRAT_FAULT=...`), read by the strategy's
+// constructor. multi_worker: one replica per process, the gradients
+// all-reduced through the fusion engine. parameter_server: the last rank is
+// the PS (it join()s), the others are workers with staleness bound 1, so a
+// survivor depends on the faulty worker until the PS declares it gone.
+// T (default 2000) is every deadline (communication timeout and the PS's
+// worker_timeout; the PS workers' own waits get 3 T so that the PS declares a
+// silent worker gone first). --tag is ignored: it marks this job's
+// processes so the cell script can look for leftovers afterwards.
+//
+// Each rank prints "rank R: OK ..." or "rank R: FAILED after S s: <error>"
+// and exits 0 or 1. Without a fault, the final values are checked exactly
+// (multi_worker: -lr * steps; parameter_server: -lr * workers * steps), and a
+// PS worker checks its accounting: pushes sent == steps by every worker, and
+// pushes the PS applied == workers * steps, none rejected ("soak" mode, with
+// many steps and --check-accounting; any violation fails the rank).
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diststrat/diststrat.h"
+#include "diststrat/multi_worker_mirrored.h"
+#include "diststrat/parameter_server.h"
+
+namespace ds = diststrat;
+
+namespace {
+
+struct Args {
+  std::string strategy = "multi_worker";
+  int64_t steps = 8;
+  int timeout_ms = 2000;
+};
+
+constexpr float kLr = 1.0f / 1024;
+
+std::vector<ds::Variable> make_variables(ds::Strategy& s) {
+  std::vector<ds::Variable> vars;
+  const int64_t sizes[] = {7, 1000, 33};
+  for (int k = 0; k < 3; ++k) {
+    vars.push_back(s.create_variable("v" + std::to_string(k), ds::Shape{sizes[k]},
+                                     ds::DType::kFloat32, ds::init::Zeros{}));
+  }
+  return vars;
+}
+
+void train(ds::Strategy& s, const std::vector<ds::Variable>& vars, ds::SGD& sgd, int64_t steps) {
+  for (int64_t step = 0; step < steps; ++step) {
+    s.run([&](ds::ReplicaContext& ctx) {
+      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+      for (const ds::Variable& v : vars) {
+        ds::Tensor g(v.shape(), ds::DType::kFloat32);
+        ds::init::Constant{1.0}(g);
+        gv.emplace_back(g, v);
+      }
+      sgd.apply_gradients(ctx, gv);
+    });
+  }
+}
+
+void expect_values(const std::vector<ds::Variable>& vars, float want) {
+  for (const ds::Variable& v : vars) {
+    const ds::Tensor t = v.value();
+    for (int64_t i = 0; i < t.num_elements(); ++i) {
+      if (t.data<float>()[i] != want) {
+        throw ds::InternalError("INVARIANT VIOLATED: " + v.name() + "[" + std::to_string(i) +
+                                "] = " + std::to_string(t.data<float>()[i]) + ", want " +
+                                std::to_string(want));
+      }
+    }
+  }
+}
+
+// Returns this rank's id for messages, and fills `summary` on success.
+int run_multi_worker(const Args& a, std::string& summary) {
+  ds::MultiWorkerOptions o;
+  o.communication.timeout = std::chrono::milliseconds(a.timeout_ms);
+  ds::MultiWorkerMirroredStrategy s(o);
+  const int rank = s.cluster().rank;
+  std::vector<ds::Variable> vars = make_variables(s);
+  ds::SGD sgd(s, {kLr});
+  train(s, vars, sgd, a.steps);
+  if (!s.fault_injection().active()) {
+    // The mean of identical gradients of ones: -lr per step.
+    expect_values(vars, -kLr * static_cast<float>(a.steps));
+  }
+  summary = std::to_string(a.steps) + " steps, values exact";
+  return rank;
+}
+
+int run_parameter_server(const Args& a, std::string& summary, int& rank_out) {
+  ds::ParameterServerOptions o;
+  o.num_ps = 1;
+  o.max_staleness = 1;
+  o.worker_timeout = std::chrono::milliseconds(a.timeout_ms);
+  o.communication.timeout = std::chrono::milliseconds(3 * a.timeout_ms);
+  ds::ParameterServerStrategy s(o);
+  rank_out = s.cluster().rank;
+  if (s.is_ps()) {
+    s.join();  // every worker done; DeadlineExceeded naming silent ones
+    summary = "PS served every worker";
+    return rank_out;
+  }
+  std::vector<ds::Variable> vars = make_variables(s);
+  ds::SGD sgd(s, {kLr});
+  train(s, vars, sgd, a.steps);
+  s.flush();
+  s.barrier("fault/done");  // every worker's pushes are applied
+  const ds::ParameterServerStats st = s.stats();
+  const int workers = s.num_replicas_in_sync();  // one replica per worker
+  summary = "pushes sent " + std::to_string(st.pushes_sent) + ", PS applied " +
+            std::to_string(st.pushes_applied) + ", rejected " + std::to_string(st.pushes_rejected);
+  if (!s.fault_injection().active()) {
+    // One PS: every step is one push per worker. Nothing lost, nothing
+    // applied twice, nothing rejected.
+    if (st.pushes_sent != a.steps || st.pushes_applied != workers * a.steps ||
+        st.pushes_rejected != 0) {
+      throw ds::InternalError("INVARIANT VIOLATED: PS accounting: this worker sent " +
+                              std::to_string(st.pushes_sent) + " (want " + std::to_string(a.steps) +
+                              "), PS applied " + std::to_string(st.pushes_applied) + " (want " +
+                              std::to_string(workers * a.steps) + "), rejected " +
+                              std::to_string(st.pushes_rejected));
+    }
+    expect_values(vars, -kLr * static_cast<float>(workers * a.steps));
+    summary += ", values exact";
+  }
+  return rank_out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--strategy") a.strategy = v;
+    else if (k == "--steps") a.steps = std::stoll(v);
+    else if (k == "--timeout-ms") a.timeout_ms = std::stoi(v);
+    else if (k == "--tag") continue;
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
+      return 2;
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto secs = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  // For messages before the strategy knows its rank (the launcher's rank).
+  const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  int rank = env_rank ? std::atoi(env_rank) : -1;
+  try {
+    std::string summary;
+    if (a.strategy == "multi_worker") {
+      rank = run_multi_worker(a, summary);
+    } else if (a.strategy == "parameter_server") {
+      run_parameter_server(a, summary, rank);
+    } else {
+      std::fprintf(stderr, "unknown --strategy %s\n", a.strategy.c_str());
+      return 2;
+    }
+    std::printf("rank %d: OK after %.2f s: %s\n", rank, secs(), summary.c_str());
+    std::fflush(stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: FAILED after %.2f s: %s\n", rank, secs(), e.what());
+    std::fflush(stderr);
+    return 1;
+  }
+}
