@@ -124,6 +124,21 @@ class ShmCommunicator : public Communicator {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
+    // MPI_Win_free is collective and has no deadline: with a peer that is
+    // gone or stuck it would block forever. So the ranks first meet in a
+    // barrier of their own (with the usual deadline); after a failure of
+    // this communicator, or when that meeting fails, the window and the
+    // communicator are left to the process's end instead.
+    bool all_here = !failed_;
+    if (all_here) {
+      try {
+        Call call(this, "shared-memory window release");
+        call.barrier();
+      } catch (const Error&) {
+        all_here = false;
+      }
+    }
+    if (!all_here) return;
     MPI_Win_unlock_all(win_);
     MPI_Win_free(&win_);
     MPI_Comm_free(&comm_);
@@ -270,6 +285,7 @@ class ShmCommunicator : public Communicator {
   }
 
   void abort(const std::string& reason) override {
+    failed_ = true;
     abort_reason_ = reason;
     headers_[rank_]->aborted.store(1, std::memory_order_release);
   }
@@ -316,6 +332,7 @@ class ShmCommunicator : public Communicator {
     void check_abort() {
       for (int q = 0; q < c_->size_; ++q) {
         if (c_->headers_[q]->aborted.load(std::memory_order_acquire)) {
+          c_->failed_ = true;
           throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ +
                              " aborted by rank " + std::to_string(q) +
                              (q == c_->rank_ ? ": " + c_->abort_reason_ : std::string()));
@@ -330,6 +347,7 @@ class ShmCommunicator : public Communicator {
           missing << (n++ ? ", " : "") << q;
         }
       }
+      c_->failed_ = true;
       throw DeadlineExceededError("rank " + std::to_string(c_->rank_) + ": " + what_ + ": rank" +
                                   (n > 1 ? "s " : " ") + missing.str() + " did not arrive within " +
                                   std::to_string(c_->options_.timeout.count()) + " ms");
@@ -349,6 +367,9 @@ class ShmCommunicator : public Communicator {
   uint64_t barriers_ = 0;  // barriers this rank has entered
   uint64_t chunks_ = 0;    // chunks processed (buffer parity)
   std::string abort_reason_;
+  // A call failed or the communicator was aborted: peers may be gone, so the
+  // destructor skips the collective window release.
+  std::atomic<bool> failed_{false};
 };
 
 }  // namespace

@@ -470,6 +470,11 @@ std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServ
   auto impl = std::make_unique<ParameterServerStrategy::Impl>();
   impl->options = with_cluster(options, cluster);
   impl->owned_transport = job_transport(cluster);
+#if DISTSTRAT_HAVE_MPI
+  if (impl->owned_transport && mpi::launched_under_mpi()) {
+    mpi::bound_finalize(std::max(options.communication.timeout, options.worker_timeout));
+  }
+#endif
   if (impl->owned_transport) {
     impl->init_layout(*impl->owned_transport);
     const std::string want = impl->is_ps ? "ps" : "worker";

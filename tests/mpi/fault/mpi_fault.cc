@@ -45,6 +45,24 @@ struct Args {
 
 constexpr float kLr = 1.0f / 1024;
 
+// Prints a rank's failure at once, while its strategy still exists: the
+// strategy's destructor may wait (bounded) for peers that are gone, and the
+// launcher may end this process meanwhile.
+struct Reporter {
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  int rank = -1;
+  bool reported = false;
+  double secs() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void failed(const std::exception& e) {
+    if (reported) return;
+    reported = true;
+    std::fprintf(stderr, "rank %d: FAILED after %.2f s: %s\n", rank, secs(), e.what());
+    std::fflush(stderr);
+  }
+};
+
 std::vector<ds::Variable> make_variables(ds::Strategy& s) {
   std::vector<ds::Variable> vars;
   const int64_t sizes[] = {7, 1000, 33};
@@ -82,60 +100,70 @@ void expect_values(const std::vector<ds::Variable>& vars, float want) {
   }
 }
 
-// Returns this rank's id for messages, and fills `summary` on success.
-int run_multi_worker(const Args& a, std::string& summary) {
+// Fills `summary` on success; reports a failure before the strategy goes.
+void run_multi_worker(const Args& a, std::string& summary, Reporter& report) {
   ds::MultiWorkerOptions o;
   o.communication.timeout = std::chrono::milliseconds(a.timeout_ms);
   ds::MultiWorkerMirroredStrategy s(o);
-  const int rank = s.cluster().rank;
-  std::vector<ds::Variable> vars = make_variables(s);
-  ds::SGD sgd(s, {kLr});
-  train(s, vars, sgd, a.steps);
-  if (!s.fault_injection().active()) {
-    // The mean of identical gradients of ones: -lr per step.
-    expect_values(vars, -kLr * static_cast<float>(a.steps));
+  report.rank = s.cluster().rank;
+  try {
+    std::vector<ds::Variable> vars = make_variables(s);
+    ds::SGD sgd(s, {kLr});
+    train(s, vars, sgd, a.steps);
+    if (!s.fault_injection().active()) {
+      // The mean of identical gradients of ones: -lr per step.
+      expect_values(vars, -kLr * static_cast<float>(a.steps));
+    }
+    summary = std::to_string(a.steps) + " steps, values exact";
+  } catch (const std::exception& e) {
+    report.failed(e);
+    throw;
   }
-  summary = std::to_string(a.steps) + " steps, values exact";
-  return rank;
 }
 
-int run_parameter_server(const Args& a, std::string& summary, int& rank_out) {
+void run_parameter_server(const Args& a, std::string& summary, Reporter& report) {
   ds::ParameterServerOptions o;
   o.num_ps = 1;
   o.max_staleness = 1;
   o.worker_timeout = std::chrono::milliseconds(a.timeout_ms);
   o.communication.timeout = std::chrono::milliseconds(3 * a.timeout_ms);
   ds::ParameterServerStrategy s(o);
-  rank_out = s.cluster().rank;
-  if (s.is_ps()) {
-    s.join();  // every worker done; DeadlineExceeded naming silent ones
-    summary = "PS served every worker";
-    return rank_out;
-  }
-  std::vector<ds::Variable> vars = make_variables(s);
-  ds::SGD sgd(s, {kLr});
-  train(s, vars, sgd, a.steps);
-  s.flush();
-  s.barrier("fault/done");  // every worker's pushes are applied
-  const ds::ParameterServerStats st = s.stats();
-  const int workers = s.num_replicas_in_sync();  // one replica per worker
-  summary = "pushes sent " + std::to_string(st.pushes_sent) + ", PS applied " +
-            std::to_string(st.pushes_applied) + ", rejected " + std::to_string(st.pushes_rejected);
-  if (!s.fault_injection().active()) {
-    // One PS: every step is one push per worker. Nothing lost, nothing
-    // applied twice, nothing rejected.
-    if (st.pushes_sent != a.steps || st.pushes_applied != workers * a.steps ||
-        st.pushes_rejected != 0) {
-      throw ds::InternalError("INVARIANT VIOLATED: PS accounting: this worker sent " +
-                              std::to_string(st.pushes_sent) + " (want " + std::to_string(a.steps) +
-                              "), PS applied " + std::to_string(st.pushes_applied) + " (want " +
-                              std::to_string(workers * a.steps) + "), rejected " +
-                              std::to_string(st.pushes_rejected));
+  report.rank = s.cluster().rank;
+  try {
+    if (s.is_ps()) {
+      s.join();  // every worker done; DeadlineExceeded naming silent ones
+      summary = "PS served every worker";
+      return;
     }
-    expect_values(vars, -kLr * static_cast<float>(workers * a.steps));
-    summary += ", values exact";
+    std::vector<ds::Variable> vars = make_variables(s);
+    ds::SGD sgd(s, {kLr});
+    train(s, vars, sgd, a.steps);
+    s.flush();
+    s.barrier("fault/done");  // every worker's pushes are applied
+    const ds::ParameterServerStats st = s.stats();
+    const int workers = s.num_replicas_in_sync();  // one replica per worker
+    summary = "pushes sent " + std::to_string(st.pushes_sent) + ", PS applied " +
+              std::to_string(st.pushes_applied) + ", rejected " +
+              std::to_string(st.pushes_rejected);
+    if (!s.fault_injection().active()) {
+      // One PS: every step is one push per worker. Nothing lost, nothing
+      // applied twice, nothing rejected.
+      if (st.pushes_sent != a.steps || st.pushes_applied != workers * a.steps ||
+          st.pushes_rejected != 0) {
+        throw ds::InternalError("INVARIANT VIOLATED: PS accounting: this worker sent " +
+                                std::to_string(st.pushes_sent) + " (want " +
+                                std::to_string(a.steps) + "), PS applied " +
+                                std::to_string(st.pushes_applied) + " (want " +
+                                std::to_string(workers * a.steps) + "), rejected " +
+                                std::to_string(st.pushes_rejected));
+      }
+      expect_values(vars, -kLr * static_cast<float>(workers * a.steps));
+      summary += ", values exact";
+    }
+  } catch (const std::exception& e) {
+    report.failed(e);
+    throw;
   }
-  return rank_out;
 }
 
 }  // namespace
@@ -144,38 +172,38 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--strategy") a.strategy = v;
-    else if (k == "--steps") a.steps = std::stoll(v);
-    else if (k == "--timeout-ms") a.timeout_ms = std::stoi(v);
-    else if (k == "--tag") continue;
+    if (k == "--strategy")
+      a.strategy = v;
+    else if (k == "--steps")
+      a.steps = std::stoll(v);
+    else if (k == "--timeout-ms")
+      a.timeout_ms = std::stoi(v);
+    else if (k == "--tag")
+      continue;
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
     }
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto secs = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
+  Reporter report;
   // For messages before the strategy knows its rank (the launcher's rank).
   const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
-  int rank = env_rank ? std::atoi(env_rank) : -1;
+  report.rank = env_rank ? std::atoi(env_rank) : -1;
   try {
     std::string summary;
     if (a.strategy == "multi_worker") {
-      rank = run_multi_worker(a, summary);
+      run_multi_worker(a, summary, report);
     } else if (a.strategy == "parameter_server") {
-      run_parameter_server(a, summary, rank);
+      run_parameter_server(a, summary, report);
     } else {
       std::fprintf(stderr, "unknown --strategy %s\n", a.strategy.c_str());
       return 2;
     }
-    std::printf("rank %d: OK after %.2f s: %s\n", rank, secs(), summary.c_str());
+    std::printf("rank %d: OK after %.2f s: %s\n", report.rank, report.secs(), summary.c_str());
     std::fflush(stdout);
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: FAILED after %.2f s: %s\n", rank, secs(), e.what());
-    std::fflush(stderr);
+    report.failed(e);
     return 1;
   }
 }
