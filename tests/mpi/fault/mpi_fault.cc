@@ -17,11 +17,11 @@
 // processes so the cell script can look for leftovers afterwards.
 //
 // Each rank prints "rank R: OK ..." or "rank R: FAILED after S s: <error>"
-// and exits 0 or 1. Without a fault, the final values are checked exactly
-// (multi_worker: -lr * steps; parameter_server: -lr * workers * steps), and a
-// PS worker checks its accounting: pushes sent == steps by every worker, and
-// pushes the PS applied == workers * steps, none rejected ("soak" mode, with
-// many steps and --check-accounting; any violation fails the rank).
+// and exits 0 or 1. Without a fault the results are checked exactly:
+// multi_worker: every value is -lr * replicas * steps (gradients are summed);
+// parameter_server (the soak's accounting): every worker sent one push per
+// step, the PS applied workers * steps pushes and rejected none, and every
+// value is -lr * workers * steps. Any violation fails the rank.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -111,8 +111,9 @@ void run_multi_worker(const Args& a, std::string& summary, Reporter& report) {
     ds::SGD sgd(s, {kLr});
     train(s, vars, sgd, a.steps);
     if (!s.fault_injection().active()) {
-      // The mean of identical gradients of ones: -lr per step.
-      expect_values(vars, -kLr * static_cast<float>(a.steps));
+      // Gradients are summed over the replicas in sync (as TensorFlow's
+      // optimizers do): -lr * replicas per step.
+      expect_values(vars, -kLr * static_cast<float>(s.num_replicas_in_sync() * a.steps));
     }
     summary = std::to_string(a.steps) + " steps, values exact";
   } catch (const std::exception& e) {
