@@ -71,6 +71,9 @@ struct alignas(64) Header {
   char pad0[56];
   std::atomic<uint32_t> aborted{0};
   char pad1[60];
+  // Destructor: 1 = this rank will free the window, 2 = it will not.
+  std::atomic<uint32_t> release{0};
+  char pad2[60];
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
@@ -125,20 +128,13 @@ class ShmCommunicator : public Communicator {
     MPI_Finalized(&finalized);
     if (finalized) return;
     // MPI_Win_free is collective and has no deadline: with a peer that is
-    // gone or stuck it would block forever. So the ranks first meet in a
-    // barrier of their own (with the usual deadline); after a failure of
-    // this communicator, or when that meeting fails, the window and the
-    // communicator are left to the process's end instead.
-    bool all_here = !failed_;
-    if (all_here) {
-      try {
-        Call call(this, "shared-memory window release");
-        call.barrier();
-      } catch (const Error&) {
-        all_here = false;
-      }
-    }
-    if (!all_here) return;
+    // gone or stuck it would block forever. So each rank first publishes
+    // whether it will free (not after a failure of this communicator: peers
+    // may be gone) and waits, up to the usual deadline, for every other
+    // rank's word; the window is freed only when all said yes, so all ranks
+    // decide alike (one later than the deadline counts as gone). Otherwise
+    // the window and the communicator are left to the process's end.
+    if (!all_agree_to_release()) return;
     MPI_Win_unlock_all(win_);
     MPI_Win_free(&win_);
     MPI_Comm_free(&comm_);
@@ -299,6 +295,23 @@ class ShmCommunicator : public Communicator {
 
  private:
   char* buf(int r, int b) const { return bufs_[r] + static_cast<size_t>(b) * chunk_; }
+
+  // The destructor's vote (see ~ShmCommunicator).
+  bool all_agree_to_release() {
+    const bool mine = !failed_;
+    headers_[rank_]->release.store(mine ? 1 : 2, std::memory_order_release);
+    if (!mine) return false;
+    const auto deadline = Clock::now() + options_.timeout;
+    for (int q = 0; q < size_; ++q) {
+      for (unsigned spin = 0;; ++spin) {
+        const uint32_t v = headers_[q]->release.load(std::memory_order_acquire);
+        if (v == 1) break;
+        if (v == 2 || Clock::now() >= deadline) return false;
+        if (spin >= 1024) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    return true;
+  }
 
   // One collective call: its description for errors and its barriers.
   class Call {

@@ -20,7 +20,8 @@ struct LocalReplicasCore;
 
 class LocalReplicaContext : public ReplicaContext {
  public:
-  LocalReplicaContext(LocalReplicasCore* owner, int local_id) : owner_(owner), local_id_(local_id) {}
+  LocalReplicaContext(LocalReplicasCore* owner, int local_id)
+      : owner_(owner), local_id_(local_id) {}
 
   int replica_id() const override;
   int local_replica_id() const override { return local_id_; }

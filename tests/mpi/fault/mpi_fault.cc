@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "common/ones_step.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "diststrat/parameter_server.h"
@@ -75,15 +76,8 @@ std::vector<ds::Variable> make_variables(ds::Strategy& s) {
 
 void train(ds::Strategy& s, const std::vector<ds::Variable>& vars, ds::SGD& sgd, int64_t steps) {
   for (int64_t step = 0; step < steps; ++step) {
-    s.run([&](ds::ReplicaContext& ctx) {
-      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-      for (const ds::Variable& v : vars) {
-        ds::Tensor g(v.shape(), ds::DType::kFloat32);
-        ds::init::Constant{1.0}(g);
-        gv.emplace_back(g, v);
-      }
-      sgd.apply_gradients(ctx, gv);
-    });
+    s.run(
+        [&](ds::ReplicaContext& ctx) { ds::testing::apply_gradient_of_ones(ctx, sgd, vars); });
   }
 }
 
