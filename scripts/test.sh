@@ -3,6 +3,8 @@
 # test with ctest.
 #   scripts/test.sh                          the normal build (build/)
 #   scripts/test.sh --sanitize address,undefined   a sanitizer build (build-<sanitizers>/)
+#   scripts/test.sh --sanitize thread -- -LE "mpi|examples|deploy|package"
+#                                            the in-process suite under TSan (build-thread/)
 # Extra arguments after -- go to ctest, e.g. scripts/test.sh -- -R Mirrored
 # DISTSTRAT_CMAKE_ARGS (words) are added to the configure step, e.g.
 #   DISTSTRAT_CMAKE_ARGS="-DDISTSTRAT_BUILD_EXAMPLES=OFF" scripts/test.sh

@@ -261,6 +261,10 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   double reduce_across(ReduceOp op, const std::vector<double>& local) override;
   Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;
   Tensor gather_across(const std::vector<Tensor>& local) override;
+  // kCorrupt: this worker's next push carries a damaged request header (its
+  // magic bits flipped), which the PS rejects naming the worker and its rank;
+  // the worker's next call then fails naming the push's step.
+  void inject_corruption(ReplicaContext& ctx, int64_t step) override;
 
  private:
   std::unique_ptr<Impl> impl_;

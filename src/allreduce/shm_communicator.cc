@@ -94,6 +94,9 @@ struct alignas(64) Header {
   char pad1[60];
   Placement placement;
   char pad2[64 - sizeof(Placement)];
+  // Destructor: 1 = this rank will free the windows, 2 = it will not.
+  std::atomic<uint32_t> release{0};
+  char pad3[60];
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
@@ -147,6 +150,14 @@ class ShmCommunicator : public Communicator {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
+    // MPI_Win_free is collective and has no deadline: with a peer that is
+    // gone or stuck it would block forever. So each rank first publishes
+    // whether it will free (not after a failure of this communicator: peers
+    // may be gone) and waits, up to the usual deadline, for every other
+    // rank's word; the window is freed only when all said yes, so all ranks
+    // decide alike (one later than the deadline counts as gone). Otherwise
+    // the window and the communicator are left to the process's end.
+    if (!all_agree_to_release()) return;
     for (auto& w : windows_) MPI_Win_free(&w.win);
     MPI_Win_unlock_all(win_);
     MPI_Win_free(&win_);
@@ -335,6 +346,7 @@ class ShmCommunicator : public Communicator {
   }
 
   void abort(const std::string& reason) override {
+    failed_ = true;
     abort_reason_ = reason;
     headers_[rank_]->aborted.store(1, std::memory_order_release);
   }
@@ -391,6 +403,23 @@ class ShmCommunicator : public Communicator {
     return true;
   }
 
+  // The destructor's vote (see ~ShmCommunicator).
+  bool all_agree_to_release() {
+    const bool mine = !failed_;
+    headers_[rank_]->release.store(mine ? 1 : 2, std::memory_order_release);
+    if (!mine) return false;
+    const auto deadline = Clock::now() + options_.timeout;
+    for (int q = 0; q < size_; ++q) {
+      for (unsigned spin = 0;; ++spin) {
+        const uint32_t v = headers_[q]->release.load(std::memory_order_acquire);
+        if (v == 1) break;
+        if (v == 2 || Clock::now() >= deadline) return false;
+        if (spin >= 1024) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    return true;
+  }
+
   // Every rank's buffers are in shared windows: this rank reduces its slice
   // from every input into its own output, block by block, copies each block
   // into the peers' outputs while it is in cache, then meets the others.
@@ -442,6 +471,7 @@ class ShmCommunicator : public Communicator {
     void check_abort() {
       for (int q = 0; q < c_->size_; ++q) {
         if (c_->headers_[q]->aborted.load(std::memory_order_acquire)) {
+          c_->failed_ = true;
           throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ +
                              " aborted by rank " + std::to_string(q) +
                              (q == c_->rank_ ? ": " + c_->abort_reason_ : std::string()));
@@ -456,6 +486,7 @@ class ShmCommunicator : public Communicator {
           missing << (n++ ? ", " : "") << q;
         }
       }
+      c_->failed_ = true;
       throw DeadlineExceededError("rank " + std::to_string(c_->rank_) + ": " + what_ + ": rank" +
                                   (n > 1 ? "s " : " ") + missing.str() + " did not arrive within " +
                                   std::to_string(c_->options_.timeout.count()) + " ms");
@@ -481,6 +512,9 @@ class ShmCommunicator : public Communicator {
   uint64_t barriers_ = 0;  // barriers this rank has entered
   uint64_t chunks_ = 0;    // chunks processed (buffer parity)
   std::string abort_reason_;
+  // A call failed or the communicator was aborted: peers may be gone, so the
+  // destructor skips the collective window release.
+  std::atomic<bool> failed_{false};
 };
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "diststrat/error.h"
 
@@ -68,8 +69,15 @@ std::string self_command() {
 }
 
 std::string self_user() {
-  if (const passwd* pw = ::getpwuid(::geteuid())) return pw->pw_name;
-  return "uid " + std::to_string(::geteuid());
+  // getpwuid_r: leases are taken from several threads at once (one per
+  // worker in in-process jobs), and getpwuid's static buffer is shared.
+  const uid_t uid = ::geteuid();
+  const long hint = ::sysconf(_SC_GETPW_R_SIZE_MAX);
+  std::vector<char> buf(hint > 0 ? static_cast<size_t>(hint) : 16384);
+  passwd pw{};
+  passwd* found = nullptr;
+  if (::getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) == 0 && found) return found->pw_name;
+  return "uid " + std::to_string(uid);
 }
 
 std::string utc_now() {

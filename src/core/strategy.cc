@@ -8,6 +8,7 @@
 
 #include "allreduce/reduce_kernels.h"
 #include "core/data_source.h"
+#include "core/thread_pool.h"
 #include "core/work_state.h"
 
 namespace diststrat {
@@ -20,7 +21,17 @@ void Work::wait() {
   // The collective behind a Work carries its own deadline and always
   // completes or fails, so this wait is bounded by it.
   state_->cv.wait(lock, [&] { return state_->done; });
-  if (state_->error) std::rethrow_exception(state_->error);
+  if (!state_->error) return;
+  // Every waiter throws its own copy of a diststrat::Error. The shared
+  // exception object is read only here, while this handle still holds the
+  // state, so its destruction by whichever thread drops the state last is
+  // ordered after these reads (the exception's own reference count lives in
+  // libstdc++, where ThreadSanitizer cannot see it).
+  try {
+    std::rethrow_exception(state_->error);
+  } catch (const Error& e) {
+    throw_error(e.code(), e.message());
+  }
 }
 
 bool Work::done() const {
@@ -84,9 +95,10 @@ void Strategy::inject_fault(ReplicaContext& ctx, int64_t step) {
     case FaultKind::kExit:
       std::_Exit(fault_.exit_code);
     case FaultKind::kStall:
-      // Stuck for good, like a hung device: never returns (the strategy
-      // abandons this thread after its peers fail; see ThreadPool).
-      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      // Stuck for good, like a hung device: never returns. Parked, so the
+      // strategy abandons this thread as soon as its peers fail, and nothing
+      // it read before is raced by the frees that follow (see ThreadPool).
+      ThreadPool::park_forever();
     case FaultKind::kCorrupt:
       inject_corruption(ctx, step);
       return;

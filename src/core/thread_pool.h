@@ -4,11 +4,9 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -29,34 +27,35 @@ class ThreadPool {
   // Runs fn(i) on thread i for all i and waits for all. Once some thread has
   // failed, the others get `grace` to finish (a failed replica aborts its
   // peers' collectives, so healthy ones return at once); a thread still busy
-  // after that is stuck (a stalled replica) and is abandoned: run_all returns,
-  // listing it, and the pool is unusable from then on (FailedPrecondition).
-  // The destructor detaches abandoned threads. An abandoned task must never
-  // return: the frames it was called from are gone (a stuck replica is
-  // assumed stuck for good — the process should save what it can and exit).
-  // Not reentrant.
-  Result run_all(const std::function<void(int)>& fn,
+  // after that, or parked (park_forever), is stuck and is abandoned: run_all
+  // returns, listing it, and the pool is unusable from then on
+  // (FailedPrecondition). The destructor detaches abandoned threads.
+  //
+  // Ownership: fn is copied into state the pool threads co-own (with the
+  // pool's own mutexes and bookkeeping), so an abandoned thread never touches
+  // freed pool memory or a destroyed function object, even if it returns
+  // after the pool is gone. What fn captures by reference is the caller's to
+  // keep alive for a thread that may still use it. Not reentrant.
+  Result run_all(std::function<void(int)> fn,
                  std::chrono::milliseconds grace = std::chrono::hours(24 * 365));
-  bool broken() const { return broken_; }
+  bool broken() const;
+
+  // For a task that is stuck on purpose (fault injection's stall): tells the
+  // pool running it (if the calling thread is a pool thread) that this
+  // thread will never finish, then blocks forever touching nothing shared.
+  // The pool abandons a parked thread as soon as another thread has failed,
+  // without waiting `grace`; and because parking synchronizes with run_all,
+  // everything the task did before it happens-before run_all's return (the
+  // caller may then free what the task read). Never returns.
+  [[noreturn]] static void park_forever();
+
+  struct State;  // shared with the threads (thread_pool.cc)
 
  private:
-  void loop(int index);
+  static void loop(std::shared_ptr<State> state, int index);
 
+  std::shared_ptr<State> state_;  // co-owned by every pool thread
   std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable done_cv_;
-  // A copy of run_all's fn that each thread holds while running it, so a
-  // thread abandoned mid-task never refers to a destroyed function object
-  // (TSan reported the free racing with the stuck thread's earlier reads).
-  std::shared_ptr<const std::function<void(int)>> task_;
-  std::vector<std::exception_ptr> errors_;
-  std::vector<bool> busy_;
-  int failed_ = 0;
-  bool broken_ = false;
-  long generation_ = 0;
-  int remaining_ = 0;
-  bool stop_ = false;
 };
 
 }  // namespace diststrat

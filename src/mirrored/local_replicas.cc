@@ -51,69 +51,83 @@ void stage_to_host(Tensor& t) {
   t = host;
 }
 
+LocalReplicasCore::LocalReplicasCore(Strategy* strategy, std::vector<Device> devices,
+                                     CommunicationOptions options)
+    : strategy(strategy),
+      num_in_sync(static_cast<int>(devices.size())),
+      devices(std::move(devices)),
+      options(options),
+      group(static_cast<int>(this->devices.size()), options) {}
+
+LocalReplicasCore::~LocalReplicasCore() {
+  device_comms.clear();
+  if (gpus) {
+    DeviceManager::Impl& dm = gpus->impl();
+    for (size_t i = 0; i < streams.size(); ++i) {
+      dm.backend->destroy_stream(dm.ordinal_of(devices[i]), streams[i]);
+    }
+  }
+}
+
+ExecScope LocalReplicasCore::scope(int i, bool with_stream) const {
+  ExecScope s;
+  s.device = devices[static_cast<size_t>(i)];
+  s.devices = gpus.get();
+  s.stream = with_stream && !streams.empty() ? streams[static_cast<size_t>(i)] : nullptr;
+  s.placement = &strategy->placement_log();
+  s.timeout = options.timeout;
+  return s;
+}
+
+void LocalReplicasCore::abort_all(int i, const std::string& why) {
+  group.at(i).abort(why);
+  if (!device_comms.empty()) device_comms[static_cast<size_t>(i)]->abort(why);
+}
+
 LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
                              CommunicationOptions options, std::shared_ptr<DeviceManager> gpus)
-    : strategy_(strategy),
-      devices_(std::move(devices)),
-      options_(options),
-      group_(static_cast<int>(devices_.size()), options),
-      pool_(static_cast<int>(devices_.size())) {
-  const bool any_gpu = std::any_of(devices_.begin(), devices_.end(),
+    : core_(std::make_shared<LocalReplicasCore>(strategy, std::move(devices), options)),
+      pool_(core_->size()) {
+  LocalReplicasCore& c = *core_;
+  const bool any_gpu = std::any_of(c.devices.begin(), c.devices.end(),
                                    [](const Device& d) { return d.is_gpu(); });
   if (any_gpu) {
-    for (const Device& d : devices_) {
-      DISTSTRAT_CHECK(d.is_gpu(), kInvalidArgument, strategy_->name(), ": device ",
+    for (const Device& d : c.devices) {
+      DISTSTRAT_CHECK(d.is_gpu(), kInvalidArgument, strategy->name(), ": device ",
                       d.to_string(), " mixed with GPU devices; use only GPUs or only CPUs");
     }
-    DISTSTRAT_CHECK(gpus != nullptr, kInvalidArgument, strategy_->name(),
+    DISTSTRAT_CHECK(gpus != nullptr, kInvalidArgument, strategy->name(),
                     ": GPU devices need a DeviceManager");
-    gpus_ = std::move(gpus);
-    DeviceManager::Impl& dm = gpus_->impl();
-    GpuBackend& backend = dm.require_backend(strategy_->name() + " on " + devices_[0].to_string());
+    c.gpus = std::move(gpus);
+    DeviceManager::Impl& dm = c.gpus->impl();
+    GpuBackend& backend = dm.require_backend(strategy->name() + " on " + c.devices[0].to_string());
     std::vector<int> ordinals;
-    for (const Device& d : devices_) ordinals.push_back(dm.ordinal_of(d));
-    for (int o : ordinals) streams_.push_back(backend.create_stream(o));
+    for (const Device& d : c.devices) ordinals.push_back(dm.ordinal_of(d));
+    for (int o : ordinals) c.streams.push_back(backend.create_stream(o));
     const std::set<int> distinct(ordinals.begin(), ordinals.end());
     if (distinct.size() == 1) {
       // Logical GPUs of one physical GPU (or a single GPU): device-side reduction.
-      device_comms_ = backend.shared_device_group({ordinals[0], streams_}, options_);
+      c.device_comms = backend.shared_device_group({ordinals[0], c.streams}, c.options);
     } else if (distinct.size() == ordinals.size()) {
-      device_comms_ = backend.nccl_local_group(ordinals, streams_, options_);
+      c.device_comms = backend.nccl_local_group(ordinals, c.streams, c.options);
     } else {
-      throw UnimplementedError(strategy_->name() +
+      throw UnimplementedError(strategy->name() +
                                ": replicas on several physical GPUs, some of them split into "
                                "logical GPUs, are not supported; use one logical GPU per "
                                "physical GPU, or logical GPUs of a single physical GPU");
     }
   }
-  for (int i = 0; i < size(); ++i) contexts_.push_back(std::make_unique<LocalReplicaContext>(this, i));
-}
-
-LocalReplicas::~LocalReplicas() {
-  device_comms_.clear();
-  if (gpus_) {
-    DeviceManager::Impl& dm = gpus_->impl();
-    for (size_t i = 0; i < streams_.size(); ++i) {
-      dm.backend->destroy_stream(dm.ordinal_of(devices_[i]), streams_[i]);
-    }
+  for (int i = 0; i < size(); ++i) {
+    c.contexts.push_back(std::make_unique<LocalReplicaContext>(core_.get(), i));
   }
-}
-
-ExecScope LocalReplicas::scope(int i, bool with_stream) const {
-  ExecScope s;
-  s.device = devices_[static_cast<size_t>(i)];
-  s.devices = gpus_.get();
-  s.stream = with_stream && !streams_.empty() ? streams_[static_cast<size_t>(i)] : nullptr;
-  s.placement = &strategy_->placement_log();
-  s.timeout = options_.timeout;
-  return s;
 }
 
 int LocalReplicas::replica_of(const Device& d) const {
-  for (size_t i = 0; i < devices_.size(); ++i) {
-    if (devices_[i] == d) return static_cast<int>(i);
+  const std::vector<Device>& devs = devices();
+  for (size_t i = 0; i < devs.size(); ++i) {
+    if (devs[i] == d) return static_cast<int>(i);
   }
-  throw InvalidArgumentError(strategy_->name() + ": device " + d.to_string() +
+  throw InvalidArgumentError(strategy().name() + ": device " + d.to_string() +
                              " is not a replica device");
 }
 
@@ -135,7 +149,7 @@ std::vector<Tensor> LocalReplicas::to_host(const std::vector<Tensor>& ts) const 
 void LocalReplicas::place_copies(Variable::Impl& var, const Tensor& initial) const {
   const bool host_only = !dtype_is_floating(var.dtype);
   for (int i = 0; i < size(); ++i) {
-    const Device d = host_only ? Device::cpu(i) : devices_[static_cast<size_t>(i)];
+    const Device d = host_only ? Device::cpu(i) : devices()[static_cast<size_t>(i)];
     ScopedExec scoped(scope(i, /*with_stream=*/false));
     Tensor t(var.shape, var.dtype, d);
     t.copy_from(initial);
@@ -152,30 +166,34 @@ void LocalReplicas::for_each_copy(std::vector<Tensor>& copies,
 }
 
 void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
-  auto abort_all = [&](int i, const std::string& why) {
-    group_.at(i).abort(why);
-    if (!device_comms_.empty()) device_comms_[static_cast<size_t>(i)]->abort(why);
-  };
-  ThreadPool::Result result = pool_.run_all([&](int i) {
-    ScopedExec scoped(scope(i));
+  // Fixed once the strategy is constructed; written only when they change, so
+  // a later run() does not write what an abandoned replica may have read.
+  const int first_id = core_->strategy->first_local_replica();
+  const int in_sync = core_->strategy->num_replicas_in_sync();
+  if (core_->first_replica != first_id) core_->first_replica = first_id;
+  if (core_->num_in_sync != in_sync) core_->num_in_sync = in_sync;
+  // The task owns everything it refers to (the core and a copy of fn), so a
+  // replica abandoned inside it never sees them freed.
+  ThreadPool::Result result = pool_.run_all([core = core_, fn](int i) {
+    ScopedExec scoped(core->scope(i, /*with_stream=*/true));
     try {
-      fn(*contexts_[i]);
-      if (gpus_) {
+      fn(*core->contexts[static_cast<size_t>(i)]);
+      if (core->gpus) {
         // The step's device work is complete when run() returns.
-        const GpuExec e = gpu_exec(devices_[static_cast<size_t>(i)], "replica step");
-        e.synchronize("replica " + std::to_string(i) + "'s step on " +
-                      devices_[static_cast<size_t>(i)].to_string());
+        const Device& d = core->devices[static_cast<size_t>(i)];
+        const GpuExec e = gpu_exec(d, "replica step");
+        e.synchronize("replica " + std::to_string(i) + "'s step on " + d.to_string());
       }
     } catch (const AbortedError&) {
       throw;  // caused by another replica's failure
     } catch (const std::exception& e) {
-      abort_all(i, "replica " + std::to_string(i) + " failed: " + e.what());
+      core->abort_all(i, "replica " + std::to_string(i) + " failed: " + e.what());
       throw;
     } catch (...) {
-      abort_all(i, "replica " + std::to_string(i) + " failed with a non-standard exception");
+      core->abort_all(i, "replica " + std::to_string(i) + " failed with a non-standard exception");
       throw;
     }
-  }, options_.timeout);
+  }, options().timeout);
   std::exception_ptr first, first_abort;
   for (auto& e : result.errors) {
     if (!e) continue;
@@ -194,15 +212,15 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
     std::string who;
     for (int r : result.unfinished) who += (who.empty() ? "" : ", ") + std::to_string(r);
     const std::string msg = "replica " + who + " is stuck and did not return within " +
-                            std::to_string(options_.timeout.count()) +
+                            std::to_string(options().timeout.count()) +
                             " ms after the step failed; this strategy cannot run again";
-    strategy_->logger().error(msg);
+    strategy().logger().error(msg);
     if (first) std::rethrow_exception(first);
     throw DeadlineExceededError(msg);
   }
   if (first || first_abort) {
-    group_.at(0).reset();  // every replica thread is idle now
-    if (!device_comms_.empty()) device_comms_[0]->reset();
+    core_->group.at(0).reset();  // every replica thread is idle now
+    if (!core_->device_comms.empty()) core_->device_comms[0]->reset();
     std::rethrow_exception(first ? first : first_abort);
   }
 }
@@ -231,26 +249,22 @@ class DevicePackMemory : public PackMemory {
 };
 }  // namespace
 
-int LocalReplicaContext::replica_id() const {
-  return owner_->strategy().first_local_replica() + local_id_;
-}
-int LocalReplicaContext::num_replicas_in_sync() const {
-  return owner_->strategy().num_replicas_in_sync();
-}
-const Device& LocalReplicaContext::device() const { return owner_->devices_[local_id_]; }
-Strategy& LocalReplicaContext::strategy() const { return owner_->strategy(); }
-Communicator& LocalReplicaContext::local_comm() const { return owner_->group_.at(local_id_); }
+int LocalReplicaContext::replica_id() const { return owner_->first_replica + local_id_; }
+int LocalReplicaContext::num_replicas_in_sync() const { return owner_->num_in_sync; }
+const Device& LocalReplicaContext::device() const { return owner_->devices[local_id_]; }
+Strategy& LocalReplicaContext::strategy() const { return *owner_->strategy; }
+Communicator& LocalReplicaContext::local_comm() const { return owner_->group.at(local_id_); }
 Communicator* LocalReplicaContext::device_comm() const {
-  return owner_->device_comms_.empty() ? nullptr
-                                       : owner_->device_comms_[static_cast<size_t>(local_id_)].get();
+  return owner_->device_comms.empty() ? nullptr
+                                      : owner_->device_comms[static_cast<size_t>(local_id_)].get();
 }
 void* LocalReplicaContext::stream() const {
-  return owner_->streams_.empty() ? nullptr : owner_->streams_[static_cast<size_t>(local_id_)];
+  return owner_->streams.empty() ? nullptr : owner_->streams[static_cast<size_t>(local_id_)];
 }
 
 void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
                                      const std::vector<std::string>& names) {
-  const PlacementLog& placement = owner_->strategy().placement_log();
+  const PlacementLog& placement = owner_->strategy->placement_log();
   if (placement.enabled()) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       placement.record("collective all_reduce",
@@ -268,10 +282,10 @@ void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
                       device().to_string());
     }
     DevicePackMemory memory(device(), device_pack_);
-    packer_.run(*dc, op, tensors, names, owner_->options_.bytes_per_pack, &memory);
+    packer_.run(*dc, op, tensors, names, owner_->options.bytes_per_pack, &memory);
     return;
   }
-  packer_.run(local_comm(), op, tensors, names, owner_->options_.bytes_per_pack);
+  packer_.run(local_comm(), op, tensors, names, owner_->options.bytes_per_pack);
 }
 
 void LocalReplicaContext::barrier(const std::string& name) { local_comm().barrier(name); }
@@ -281,7 +295,7 @@ Tensor LocalReplicaContext::all_gather(const Tensor& t, const std::string& name)
   const int n = comm.size();
   DISTSTRAT_CHECK(t.shape().rank() >= 1, kInvalidArgument, "all_gather '", name,
                   "' of a scalar: reshape to [1]");
-  owner_->strategy().placement_log().record("collective all_gather", name, device());
+  owner_->strategy->placement_log().record("collective all_gather", name, device());
   if (t.device().is_gpu()) {
     // Gathered through host memory; the result comes back to this device.
     Tensor host(t.shape(), t.dtype());
@@ -325,17 +339,17 @@ std::shared_ptr<void> LocalReplicaContext::merge_call_impl(
   Communicator& comm = local_comm();
   comm.barrier("merge_call enter");
   if (local_id_ == 0) {
-    owner_->merge_result_.reset();
-    owner_->merge_error_ = nullptr;
+    owner_->merge_result.reset();
+    owner_->merge_error = nullptr;
     try {
-      owner_->merge_result_ = fn(owner_->strategy());
+      owner_->merge_result = fn(*owner_->strategy);
     } catch (...) {
-      owner_->merge_error_ = std::current_exception();
+      owner_->merge_error = std::current_exception();
     }
   }
   comm.barrier("merge_call result");
-  std::shared_ptr<void> result = owner_->merge_result_;
-  std::exception_ptr error = owner_->merge_error_;
+  std::shared_ptr<void> result = owner_->merge_result;
+  std::exception_ptr error = owner_->merge_error;
   comm.barrier("merge_call exit");
   if (error) std::rethrow_exception(error);
   return result;

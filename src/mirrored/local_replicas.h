@@ -16,11 +16,12 @@
 
 namespace diststrat {
 
-class LocalReplicas;
+struct LocalReplicasCore;
 
 class LocalReplicaContext : public ReplicaContext {
  public:
-  LocalReplicaContext(LocalReplicas* owner, int local_id) : owner_(owner), local_id_(local_id) {}
+  LocalReplicaContext(LocalReplicasCore* owner, int local_id)
+      : owner_(owner), local_id_(local_id) {}
 
   int replica_id() const override;
   int local_replica_id() const override { return local_id_; }
@@ -46,10 +47,42 @@ class LocalReplicaContext : public ReplicaContext {
       const std::function<std::shared_ptr<void>(Strategy&)>& fn) override;
 
  private:
-  LocalReplicas* owner_;
+  LocalReplicasCore* owner_;
   int local_id_;
   PackedAllReduce packer_;
   Tensor device_pack_;  // GPU replicas' pack buffer (device memory)
+};
+
+// What the replica threads use during a step: devices, communicators,
+// contexts, merge_call slots. Held by shared_ptr, co-owned by each step's
+// task, so a replica thread that is abandoned mid-step (stuck) never touches
+// freed memory of it after the strategy is destroyed (LocalReplicas::run).
+struct LocalReplicasCore {
+  LocalReplicasCore(Strategy* strategy, std::vector<Device> devices, CommunicationOptions options);
+  ~LocalReplicasCore();  // destroys the GPU streams
+  LocalReplicasCore(const LocalReplicasCore&) = delete;
+  LocalReplicasCore& operator=(const LocalReplicasCore&) = delete;
+
+  int size() const { return static_cast<int>(devices.size()); }
+  ExecScope scope(int i, bool with_stream) const;
+  // Aborts replica i's communicators (its peers' pending collectives throw).
+  void abort_all(int i, const std::string& why);
+
+  Strategy* strategy;
+  // The strategy's replica numbering, copied by run() before each step so
+  // contexts do not read the strategy object from replica threads.
+  int first_replica = 0;
+  int num_in_sync = 1;
+  std::vector<Device> devices;
+  CommunicationOptions options;
+  InProcessGroup group;
+  std::shared_ptr<DeviceManager> gpus;           // null on CPU
+  std::vector<void*> streams;                    // per replica (GPU)
+  std::vector<std::unique_ptr<Communicator>> device_comms;
+  std::vector<std::unique_ptr<LocalReplicaContext>> contexts;
+  // merge_call hand-off from local replica 0 to the others.
+  std::shared_ptr<void> merge_result;
+  std::exception_ptr merge_error;
 };
 
 // With GPU devices (all replicas on GPUs; CPU and GPU replicas do not mix),
@@ -63,22 +96,24 @@ class LocalReplicas {
   // `gpus` is required when a device is a GPU.
   LocalReplicas(Strategy* strategy, std::vector<Device> devices, CommunicationOptions options,
                 std::shared_ptr<DeviceManager> gpus = nullptr);
-  ~LocalReplicas();
 
-  Strategy& strategy() const { return *strategy_; }
-  const std::vector<Device>& devices() const { return devices_; }
-  int size() const { return static_cast<int>(devices_.size()); }
-  const CommunicationOptions& options() const { return options_; }
-  InProcessGroup& group() { return group_; }
-  LocalReplicaContext& context(int i) { return *contexts_[i]; }
-  bool on_gpu() const { return gpus_ != nullptr; }
-  const std::shared_ptr<DeviceManager>& gpus() const { return gpus_; }
+  Strategy& strategy() const { return *core_->strategy; }
+  const std::vector<Device>& devices() const { return core_->devices; }
+  int size() const { return core_->size(); }
+  const CommunicationOptions& options() const { return core_->options; }
+  InProcessGroup& group() { return core_->group; }
+  LocalReplicaContext& context(int i) { return *core_->contexts[static_cast<size_t>(i)]; }
+  bool on_gpu() const { return core_->gpus != nullptr; }
+  const std::shared_ptr<DeviceManager>& gpus() const { return core_->gpus; }
   // The scope replica i's function runs in (also usable from the main thread
   // for work on that replica's device, with its default stream).
-  ExecScope scope(int i, bool with_stream = true) const;
+  ExecScope scope(int i, bool with_stream = true) const { return core_->scope(i, with_stream); }
 
   // Runs fn on every replica thread; aborts the others when one throws and
   // rethrows the first replica's own exception (not the aborts it caused).
+  // The replica threads run a copy of fn and co-own the core: a replica that
+  // is stuck and abandoned (see ThreadPool) keeps both alive; what fn itself
+  // captures by reference is the caller's.
   void run(const std::function<void(ReplicaContext&)>& fn);
 
   // The local replica whose device is `d`; throws InvalidArgumentError.
@@ -99,19 +134,8 @@ class LocalReplicas {
   void for_each_copy(std::vector<Tensor>& copies, const std::function<void(Tensor&)>& fn) const;
 
  private:
-  friend class LocalReplicaContext;
-  Strategy* strategy_;
-  std::vector<Device> devices_;
-  CommunicationOptions options_;
-  InProcessGroup group_;
-  std::shared_ptr<DeviceManager> gpus_;           // null on CPU
-  std::vector<void*> streams_;                    // per replica (GPU)
-  std::vector<std::unique_ptr<Communicator>> device_comms_;
+  std::shared_ptr<LocalReplicasCore> core_;
   ThreadPool pool_;
-  std::vector<std::unique_ptr<LocalReplicaContext>> contexts_;
-  // merge_call hand-off from local replica 0 to the others.
-  std::shared_ptr<void> merge_result_;
-  std::exception_ptr merge_error_;
 };
 
 // Checks a device list: non-empty, no duplicates.

@@ -1,7 +1,10 @@
 #include "multiworker/mpi_env.h"
 
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "diststrat/error.h"
@@ -20,12 +23,38 @@ bool launched_under_mpi() {
 }
 
 namespace {
+// The longest deadline of this process's MPI strategies (bound_finalize);
+// 0 = MPI_Finalize unbounded. Per process, like MPI's own state.
+std::atomic<int64_t> finalize_deadline_ms{0};
+
 void finalize_at_exit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  // MPI_Finalize meets every rank of the job: with one stuck or gone it never
+  // returns. Past the deadline this process ends with status 1 without it
+  // (the launcher then ends the job, stuck ranks included).
+  const int64_t ms = finalize_deadline_ms.load();
+  if (ms > 0) {
+    std::thread([ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      std::fprintf(stderr,
+                   "diststrat: MPI_Finalize did not complete within %lld ms (a rank is stuck or "
+                   "gone); exiting with status 1 without it\n",
+                   static_cast<long long>(ms));
+      std::fflush(stderr);
+      std::_Exit(1);
+    }).detach();
+  }
+  MPI_Finalize();
 }
 }  // namespace
+
+void bound_finalize(std::chrono::milliseconds deadline) {
+  int64_t want = deadline.count(), have = finalize_deadline_ms.load();
+  while (want > have && !finalize_deadline_ms.compare_exchange_weak(have, want)) {
+  }
+}
 
 void ensure_initialized() {
   // MPI_Init may be called once per process; the mutex only orders two

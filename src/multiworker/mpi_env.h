@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <string>
 
 #include "allreduce/mpi_util.h"
@@ -20,6 +21,11 @@ bool launched_under_mpi();
 // it at exit); throws UnavailableError when the library gives less than
 // MPI_THREAD_SERIALIZED.
 void ensure_initialized();
+// Bounds the MPI_Finalize that ensure_initialized registered at exit by
+// `deadline` (the longest one given wins): past it the process exits with
+// status 1 without finalizing, so a rank that is stuck or gone cannot hang
+// the others' exit. Thread-safe.
+void bound_finalize(std::chrono::milliseconds deadline);
 // Rank, size and node grouping of `comm` (MPI_Comm_split_type SHARED).
 Placement placement(MPI_Comm comm);
 

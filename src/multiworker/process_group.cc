@@ -48,6 +48,7 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
 #if DISTSTRAT_HAVE_MPI
   if (mpi::launched_under_mpi()) {
     mpi::ensure_initialized();
+    mpi::bound_finalize(options.timeout);
     CommunicationOptions flat_opts = options;
     if (flat_opts.algorithm == Algorithm::kHierarchical) flat_opts.algorithm = Algorithm::kAuto;
     // Every node must have as many ranks for the hierarchical split.

@@ -30,6 +30,10 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
   h.seq = c->seq;
   h.payload_bytes = static_cast<int64_t>(payload_bytes);
   h.reply_bytes = static_cast<int64_t>(reply_bytes);
+  if (op == Op::kPush && corrupt_next_push_) {
+    h.magic = ~kMagic;
+    corrupt_next_push_ = false;
+  }
   c->control.resize(sizeof(h) + body.size());
   std::memcpy(c->control.data(), &h, sizeof(h));
   if (!body.empty()) std::memcpy(c->control.data() + sizeof(h), body.data(), body.size());

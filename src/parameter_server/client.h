@@ -65,6 +65,9 @@ class Client {
   // Returns (once) the first error of a detached call, or null.
   std::exception_ptr take_deferred();
   bool has_outstanding() const;
+  // Fault injection: the next push's header goes out with its magic
+  // damaged, as a corrupted message would (the PS must reject it).
+  void corrupt_next_push() { corrupt_next_push_ = true; }
 
  private:
   // Advances `c`; blocks up to `deadline` when `block`. True once done.
@@ -77,6 +80,7 @@ class Client {
   int worker_index_;
   std::chrono::milliseconds timeout_;
   int64_t next_seq_ = 1;
+  bool corrupt_next_push_ = false;
   std::vector<std::deque<CallPtr>> fifo_;  // per PS, in posting order
   std::vector<std::exception_ptr> deferred_;
 };

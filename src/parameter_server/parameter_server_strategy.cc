@@ -490,6 +490,11 @@ std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServ
   auto impl = std::make_unique<ParameterServerStrategy::Impl>();
   impl->options = with_cluster(options, cluster);
   impl->owned_transport = job_transport(cluster);
+#if DISTSTRAT_HAVE_MPI
+  if (impl->owned_transport && mpi::launched_under_mpi()) {
+    mpi::bound_finalize(std::max(options.communication.timeout, options.worker_timeout));
+  }
+#endif
   if (impl->owned_transport) {
     impl->init_layout(*impl->owned_transport);
     const std::string want = impl->is_ps ? "ps" : "worker";
@@ -646,6 +651,12 @@ Variable ParameterServerStrategy::create_row_sparse_variable(const std::string& 
     impl_->creating_row_sparse = false;
     throw;
   }
+}
+
+void ParameterServerStrategy::inject_corruption(ReplicaContext&, int64_t) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);  // guards the client
+  m.client->corrupt_next_push();
 }
 
 void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {

@@ -136,7 +136,8 @@ bool Service::receive_new() {
       RequestHeader bad = p.header;
       bad.reply_bytes = 0;  // cannot be trusted either
       send_reply(w.rank, bad, static_cast<int>(ErrorCode::kInvalidArgument), {},
-                 who() + ": malformed request header from worker " + std::to_string(w.index));
+                 who() + ": malformed request header from worker " + std::to_string(w.index) +
+                     " (rank " + std::to_string(w.rank) + ")");
       w.gone = true;
       continue;
     }
@@ -195,6 +196,9 @@ bool Service::process_queues() {
       }
       if (outcome == Outcome::kDeferred) break;
       send_reply(w.rank, p.header, -1, std::move(reply.payload), "");
+      // Silence counts from our answer: a worker held by a deferred request
+      // (a staleness wait) was waiting on us, not silent.
+      w.last_heard = Clock::now();
       w.queue.pop_front();
       any = true;
     }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "allreduce/transport.h"
+#include "common/ones_step.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "parameter_server/strategy_impl.h"
@@ -177,15 +178,8 @@ void soak_parameter_server(const Args& a) {
     }
     ds::SGD sgd(*s, {lr});
     for (int64_t step = 0; step < a.steps; ++step) {
-      s->run([&](ds::ReplicaContext& ctx) {
-        std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-        for (const ds::Variable& v : vars) {
-          ds::Tensor g(v.shape(), ds::DType::kFloat32);
-          ds::init::Constant{1.0}(g);
-          gv.emplace_back(g, v);
-        }
-        sgd.apply_gradients(ctx, gv);
-      });
+      s->run(
+          [&](ds::ReplicaContext& ctx) { ds::testing::apply_gradient_of_ones(ctx, sgd, vars); });
     }
     s->flush();
     sent[w] = s->stats().pushes_sent;

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "checkpoint_util.h"
+#include "core/thread_pool.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "harness.h"
@@ -237,7 +238,9 @@ class ParameterServerFault : public ::testing::TestWithParam<ds::FaultKind> {};
 // depends on worker 1's progress; worker 1 misbehaves at step 3. Worker 0 is
 // held until the PS declares worker 1 gone (worker_timeout), then finishes;
 // the PS reports the failed worker and its step. A thrown step fails worker
-// 1's run() naming it; a stalled worker is named by the PS's join().
+// 1's run() naming it; a corrupted push (damaged request header) is rejected
+// by the PS naming the worker, and worker 1's next run() fails naming it and
+// the push's step; a stalled worker is named by the PS's join().
 TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep) {
   // No checkpoints here: ParameterServerStrategy refuses them (kUnimplemented)
   // until per-PS shard checkpoints exist (issues 5 and 7).
@@ -290,10 +293,31 @@ TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep)
 }
 
 INSTANTIATE_TEST_SUITE_P(Fault, ParameterServerFault,
-                         ::testing::Values(ds::FaultKind::kThrow, ds::FaultKind::kStall),
+                         ::testing::Values(ds::FaultKind::kThrow, ds::FaultKind::kStall,
+                                           ds::FaultKind::kCorrupt),
                          [](const ::testing::TestParamInfo<ds::FaultKind>& i) {
                            return std::string(ds::fault_kind_name(i.param));
                          });
+
+// An injected stall parks its thread: the pool abandons it as soon as another
+// thread has failed, without waiting out the grace period, and refuses to run
+// again; destroying the pool does not wait for the parked thread.
+TEST(FaultInjection, ParkedThreadIsAbandonedAtOnceAfterAFailure) {
+  ds::ThreadPool pool(2);
+  const auto t0 = std::chrono::steady_clock::now();
+  const ds::ThreadPool::Result r = pool.run_all(
+      [](int i) {
+        if (i == 1) ds::ThreadPool::park_forever();
+        throw std::runtime_error("thread 0 fails");
+      },
+      std::chrono::hours(1));
+  EXPECT_LT(seconds_since(t0), 5.0);
+  EXPECT_EQ(r.unfinished, std::vector<int>{1});
+  EXPECT_TRUE(r.errors[0] != nullptr);
+  EXPECT_TRUE(r.errors[1] == nullptr);
+  EXPECT_TRUE(pool.broken());
+  EXPECT_THROW(pool.run_all([](int) {}), ds::FailedPreconditionError);
+}
 
 TEST(FaultInjection, ParsesTheEnvironmentSpec) {
   const ds::FaultInjection f = ds::FaultInjection::parse("stall:2:17");

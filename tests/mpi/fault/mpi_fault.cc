@@ -1,0 +1,204 @@
+// The multi-process fault and soak driver, run under mpirun by ctest
+// (tests/mpi/fault/fault_cell.sh, tests/mpi/CMakeLists.txt).
+//
+//   diststrat_mpi_fault --strategy multi_worker|parameter_server
+//                       [--steps N] [--timeout-ms T] [--tag WORD]
+//
+// Every rank trains a few small variables with SGD (gradient of ones, so the
+// expected values are exact); the fault comes from DISTSTRAT_FAULT
+// (kind:rank:step, `mpirun -x DISTSTRAT_FAULT=...`), read by the strategy's
+// constructor. multi_worker: one replica per process, the gradients
+// all-reduced through the fusion engine. parameter_server: the last rank is
+// the PS (it join()s), the others are workers with staleness bound 1, so a
+// survivor depends on the faulty worker until the PS declares it gone.
+// T (default 2000) is every deadline (communication timeout and the PS's
+// worker_timeout; the PS workers' own waits get 3 T so that the PS declares a
+// silent worker gone first). --tag is ignored: it marks this job's
+// processes so the cell script can look for leftovers afterwards.
+//
+// Each rank prints "rank R: OK ..." or "rank R: FAILED after S s: <error>"
+// and exits 0 or 1. Without a fault the results are checked exactly:
+// multi_worker: every value is -lr * replicas * steps (gradients are summed);
+// parameter_server (the soak's accounting): every worker sent one push per
+// step, the PS applied workers * steps pushes and rejected none, and every
+// value is -lr * workers * steps. Any violation fails the rank.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/ones_step.h"
+#include "diststrat/diststrat.h"
+#include "diststrat/multi_worker_mirrored.h"
+#include "diststrat/parameter_server.h"
+
+namespace ds = diststrat;
+
+namespace {
+
+struct Args {
+  std::string strategy = "multi_worker";
+  int64_t steps = 8;
+  int timeout_ms = 2000;
+};
+
+constexpr float kLr = 1.0f / 1024;
+
+// Prints a rank's failure at once, while its strategy still exists: the
+// strategy's destructor may wait (bounded) for peers that are gone, and the
+// launcher may end this process meanwhile.
+struct Reporter {
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  int rank = -1;
+  bool reported = false;
+  double secs() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void failed(const std::exception& e) {
+    if (reported) return;
+    reported = true;
+    std::fprintf(stderr, "rank %d: FAILED after %.2f s: %s\n", rank, secs(), e.what());
+    std::fflush(stderr);
+  }
+};
+
+std::vector<ds::Variable> make_variables(ds::Strategy& s) {
+  std::vector<ds::Variable> vars;
+  const int64_t sizes[] = {7, 1000, 33};
+  for (int k = 0; k < 3; ++k) {
+    vars.push_back(s.create_variable("v" + std::to_string(k), ds::Shape{sizes[k]},
+                                     ds::DType::kFloat32, ds::init::Zeros{}));
+  }
+  return vars;
+}
+
+void train(ds::Strategy& s, const std::vector<ds::Variable>& vars, ds::SGD& sgd, int64_t steps) {
+  for (int64_t step = 0; step < steps; ++step) {
+    s.run(
+        [&](ds::ReplicaContext& ctx) { ds::testing::apply_gradient_of_ones(ctx, sgd, vars); });
+  }
+}
+
+void expect_values(const std::vector<ds::Variable>& vars, float want) {
+  for (const ds::Variable& v : vars) {
+    const ds::Tensor t = v.value();
+    for (int64_t i = 0; i < t.num_elements(); ++i) {
+      if (t.data<float>()[i] != want) {
+        throw ds::InternalError("INVARIANT VIOLATED: " + v.name() + "[" + std::to_string(i) +
+                                "] = " + std::to_string(t.data<float>()[i]) + ", want " +
+                                std::to_string(want));
+      }
+    }
+  }
+}
+
+// Fills `summary` on success; reports a failure before the strategy goes.
+void run_multi_worker(const Args& a, std::string& summary, Reporter& report) {
+  ds::MultiWorkerOptions o;
+  o.communication.timeout = std::chrono::milliseconds(a.timeout_ms);
+  ds::MultiWorkerMirroredStrategy s(o);
+  report.rank = s.cluster().rank;
+  try {
+    std::vector<ds::Variable> vars = make_variables(s);
+    ds::SGD sgd(s, {kLr});
+    train(s, vars, sgd, a.steps);
+    if (!s.fault_injection().active()) {
+      // Gradients are summed over the replicas in sync (as TensorFlow's
+      // optimizers do): -lr * replicas per step.
+      expect_values(vars, -kLr * static_cast<float>(s.num_replicas_in_sync() * a.steps));
+    }
+    summary = std::to_string(a.steps) + " steps, values exact";
+  } catch (const std::exception& e) {
+    report.failed(e);
+    throw;
+  }
+}
+
+void run_parameter_server(const Args& a, std::string& summary, Reporter& report) {
+  ds::ParameterServerOptions o;
+  o.num_ps = 1;
+  o.max_staleness = 1;
+  o.worker_timeout = std::chrono::milliseconds(a.timeout_ms);
+  o.communication.timeout = std::chrono::milliseconds(3 * a.timeout_ms);
+  ds::ParameterServerStrategy s(o);
+  report.rank = s.cluster().rank;
+  try {
+    if (s.is_ps()) {
+      s.join();  // every worker done; DeadlineExceeded naming silent ones
+      summary = "PS served every worker";
+      return;
+    }
+    std::vector<ds::Variable> vars = make_variables(s);
+    ds::SGD sgd(s, {kLr});
+    train(s, vars, sgd, a.steps);
+    s.flush();
+    s.barrier("fault/done");  // every worker's pushes are applied
+    const ds::ParameterServerStats st = s.stats();
+    const int workers = s.num_replicas_in_sync();  // one replica per worker
+    summary = "pushes sent " + std::to_string(st.pushes_sent) + ", PS applied " +
+              std::to_string(st.pushes_applied) + ", rejected " +
+              std::to_string(st.pushes_rejected);
+    if (!s.fault_injection().active()) {
+      // One PS: every step is one push per worker. Nothing lost, nothing
+      // applied twice, nothing rejected.
+      if (st.pushes_sent != a.steps || st.pushes_applied != workers * a.steps ||
+          st.pushes_rejected != 0) {
+        throw ds::InternalError("INVARIANT VIOLATED: PS accounting: this worker sent " +
+                                std::to_string(st.pushes_sent) + " (want " +
+                                std::to_string(a.steps) + "), PS applied " +
+                                std::to_string(st.pushes_applied) + " (want " +
+                                std::to_string(workers * a.steps) + "), rejected " +
+                                std::to_string(st.pushes_rejected));
+      }
+      expect_values(vars, -kLr * static_cast<float>(workers * a.steps));
+      summary += ", values exact";
+    }
+  } catch (const std::exception& e) {
+    report.failed(e);
+    throw;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--strategy")
+      a.strategy = v;
+    else if (k == "--steps")
+      a.steps = std::stoll(v);
+    else if (k == "--timeout-ms")
+      a.timeout_ms = std::stoi(v);
+    else if (k == "--tag")
+      continue;
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
+      return 2;
+    }
+  }
+  Reporter report;
+  // For messages before the strategy knows its rank (the launcher's rank).
+  const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  report.rank = env_rank ? std::atoi(env_rank) : -1;
+  try {
+    std::string summary;
+    if (a.strategy == "multi_worker") {
+      run_multi_worker(a, summary, report);
+    } else if (a.strategy == "parameter_server") {
+      run_parameter_server(a, summary, report);
+    } else {
+      std::fprintf(stderr, "unknown --strategy %s\n", a.strategy.c_str());
+      return 2;
+    }
+    std::printf("rank %d: OK after %.2f s: %s\n", report.rank, report.secs(), summary.c_str());
+    std::fflush(stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    report.failed(e);
+    return 1;
+  }
+}
