@@ -403,7 +403,7 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
   };
   std::printf("# ---- bars ----\n");
   if (mode == "mpi") {
-    for (const char* ours : {"shm", "auto"}) {
+    for (const char* ours : {"shm", "shm_registered", "auto"}) {
       double worst = INFINITY, worst_big = INFINITY;
       for (const Row& r : rows) {
         if (r.algo != ours || std::isnan(r.vs_mpi) || r.bytes < 4096) continue;
