@@ -1,5 +1,7 @@
 #include "parameter_server/client.h"
 
+#include <algorithm>
+
 namespace diststrat {
 namespace ps {
 
@@ -120,6 +122,17 @@ bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
   return true;
 }
 
+namespace {
+// Whether a send has completed (a failed send counts: it reads no more).
+bool send_done(Request& r) {
+  try {
+    return r.test();
+  } catch (const Error&) {
+    return true;
+  }
+}
+}  // namespace
+
 void Client::finish(Call& c, std::exception_ptr error) {
   if (!error) {
     // The PS answered, so it has received our messages: the sends are done.
@@ -133,8 +146,32 @@ void Client::finish(Call& c, std::exception_ptr error) {
   }
   c.error = error;
   c.stage = Call::Stage::kDone;
+  if (!send_done(c.send_control) || !send_done(c.send_payload)) {
+    // An error before the PS took our messages (e.g. it rejected a damaged
+    // header): the transport may still read them, so they outlive the call.
+    orphans_.push_back({c.send_control, c.send_payload, std::move(c.control), std::move(c.payload_owner)});
+  }
   c.payload_owner.reset();
   if (error && c.detached) deferred_.push_back(error);
+}
+
+void Client::release_sent_orphans() {
+  orphans_.erase(std::remove_if(orphans_.begin(), orphans_.end(),
+                                [](Orphan& o) { return send_done(o.send_control) && send_done(o.send_payload); }),
+                 orphans_.end());
+}
+
+Client::~Client() {
+  // A live PS consumes what it was sent, rejected or not; give it a moment
+  // (bounded: a PS that is gone never will, and then nothing reads it).
+  const auto until = Clock::now() + std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(1));
+  for (Orphan& o : orphans_) {
+    try {
+      o.send_control.wait(until);
+      o.send_payload.wait(until);
+    } catch (const Error&) {
+    }
+  }
 }
 
 void Client::wait(const CallPtr& call) {
@@ -153,6 +190,7 @@ void Client::wait(const CallPtr& call) {
 }
 
 void Client::poll() {
+  if (!orphans_.empty()) release_sent_orphans();
   for (auto& q : fifo_) {
     while (!q.empty() && advance(*q.front(), false, Clock::now())) q.pop_front();
   }

@@ -39,6 +39,9 @@ class Client {
 
   Client(Transport& transport, std::vector<int> ps_ranks, int worker_index,
          std::chrono::milliseconds timeout);
+  // Waits briefly for the sends of failed calls that were still in flight
+  // (see finish()); their memory is released afterwards.
+  ~Client();
 
   int num_ps() const { return static_cast<int>(ps_ranks_.size()); }
   int ps_rank(int ps) const { return ps_ranks_[ps]; }
@@ -83,6 +86,16 @@ class Client {
   bool corrupt_next_push_ = false;
   std::vector<std::deque<CallPtr>> fifo_;  // per PS, in posting order
   std::vector<std::exception_ptr> deferred_;
+  // Sends of failed calls that had not completed: the transport may still
+  // read their control block and payload (the PS consumes even a request it
+  // rejects), so that memory lives here until the sends complete.
+  struct Orphan {
+    Request send_control, send_payload;
+    std::vector<char> control;
+    std::shared_ptr<const void> payload_owner;
+  };
+  std::vector<Orphan> orphans_;
+  void release_sent_orphans();
 };
 
 }  // namespace ps
