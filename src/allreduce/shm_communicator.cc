@@ -404,6 +404,16 @@ class ShmCommunicator : public Communicator {
   }
 
   // The destructor's vote (see ~ShmCommunicator).
+  // Lets MPI move what this process owes others while it spins on shared
+  // memory: e.g. the completion notice of a rendezvous receive, without
+  // which the sender's MPI_Isend never completes. A rank that finished its
+  // last point-to-point call and then waited here without calling MPI left
+  // its peer stuck in that send (seen as a deadline in the MPI tests).
+  void progress() const {
+    int flag = 0;
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE);
+  }
+
   bool all_agree_to_release() {
     const bool mine = !failed_;
     headers_[rank_]->release.store(mine ? 1 : 2, std::memory_order_release);
@@ -414,6 +424,7 @@ class ShmCommunicator : public Communicator {
         const uint32_t v = headers_[q]->release.load(std::memory_order_acquire);
         if (v == 1) break;
         if (v == 2 || Clock::now() >= deadline) return false;
+        if ((spin & 63) == 0) progress();
         if (spin >= 1024) std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     }
@@ -456,6 +467,7 @@ class ShmCommunicator : public Communicator {
           if ((spin & 63) == 0) {
             check_abort();
             if (Clock::now() >= deadline_) timeout(target);
+            if (spin >= 1024) c_->progress();
           }
           if (spin < 1024) continue;
           if (spin < 16384) {
