@@ -122,24 +122,14 @@ class ShmCommunicator : public Communicator {
     }
     chunk_ = options.segment_bytes ? options.segment_bytes : kDefaultChunk;
     chunk_ = std::max<size_t>(64, chunk_ / 64 * 64);
-    MPI_Info info;
-    MPI_Info_create(&info);
-    MPI_Info_set(info, "alloc_shared_noncontig", "true");
-    void* base = nullptr;
-    const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(kHeader + kBuffers * chunk_), 1, info,
-                                           comm_, &base, &win_);
-    MPI_Info_free(&info);
-    DISTSTRAT_MPI_CHECK(rc);
-    new (base) Header();
+    std::vector<char*> parts;
+    win_ = allocate_shared_window(kHeader + kBuffers * chunk_, &parts);
+    new (parts[rank_]) Header();
     headers_.resize(size_);
     bufs_.resize(size_);
     for (int r = 0; r < size_; ++r) {
-      MPI_Aint sz;
-      int disp;
-      void* p = nullptr;
-      DISTSTRAT_MPI_CHECK(MPI_Win_shared_query(win_, r, &sz, &disp, &p));
-      headers_[r] = static_cast<Header*>(p);
-      bufs_[r] = static_cast<char*>(p) + kHeader;
+      headers_[r] = reinterpret_cast<Header*>(parts[r]);
+      bufs_[r] = parts[r] + kHeader;
     }
     DISTSTRAT_MPI_CHECK(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
     // Everyone's header is constructed before anyone reads it.
@@ -172,26 +162,11 @@ class ShmCommunicator : public Communicator {
     const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
     Window w;
     w.bytes = rounded;
-    void* base = nullptr;
     // 64 spare bytes to align each part to a cache line (MPI aligns less;
     // the parts are mapped page-aligned, so a part's misalignment is the
     // same in every process).
-    MPI_Info info;
-    MPI_Info_create(&info);
-    MPI_Info_set(info, "alloc_shared_noncontig", "true");
-    const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(rounded + 64), 1, info, comm_,
-                                           &base, &w.win);
-    MPI_Info_free(&info);
-    DISTSTRAT_MPI_CHECK(rc);
-    w.bases.resize(size_);
-    for (int r = 0; r < size_; ++r) {
-      MPI_Aint sz;
-      int disp;
-      void* p = nullptr;
-      DISTSTRAT_MPI_CHECK(MPI_Win_shared_query(w.win, r, &sz, &disp, &p));
-      const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-      w.bases[r] = static_cast<char*>(p) + (64 - a % 64) % 64;
-    }
+    w.win = allocate_shared_window(rounded + 64, &w.bases);
+    for (char*& part : w.bases) part += (64 - reinterpret_cast<uintptr_t>(part) % 64) % 64;
     char* mine = w.bases[rank_];
     windows_.push_back(std::move(w));
     // The window is freed with the communicator (freeing is collective too).
@@ -359,7 +334,31 @@ class ShmCommunicator : public Communicator {
   }
 
  private:
+  class Call;
+
   char* buf(int r, int b) const { return bufs_[r] + static_cast<size_t>(b) * chunk_; }
+
+  // A shared window of `bytes` per rank (collective over comm_); `parts`
+  // receives every rank's part as mapped in this process.
+  MPI_Win allocate_shared_window(size_t bytes, std::vector<char*>* parts) const {
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    void* base = nullptr;
+    MPI_Win win = MPI_WIN_NULL;
+    const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, comm_, &base, &win);
+    MPI_Info_free(&info);
+    DISTSTRAT_MPI_CHECK(rc);
+    parts->assign(size_, nullptr);
+    for (int r = 0; r < size_; ++r) {
+      MPI_Aint sz;
+      int disp;
+      void* p = nullptr;
+      DISTSTRAT_MPI_CHECK(MPI_Win_shared_query(win, r, &sz, &disp, &p));
+      (*parts)[r] = static_cast<char*>(p);
+    }
+    return win;
+  }
 
   // The window holding [p, p + bytes), or -1.
   void locate(const void* p, size_t bytes, int32_t* window, uint64_t* offset) const {
@@ -403,7 +402,6 @@ class ShmCommunicator : public Communicator {
     return true;
   }
 
-  // The destructor's vote (see ~ShmCommunicator).
   // Lets MPI move what this process owes others while it spins on shared
   // memory: e.g. the completion notice of a rendezvous receive, without
   // which the sender's MPI_Isend never completes. A rank that finished its
@@ -414,6 +412,7 @@ class ShmCommunicator : public Communicator {
     MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE);
   }
 
+  // The destructor's vote (see ~ShmCommunicator).
   bool all_agree_to_release() {
     const bool mine = !failed_;
     headers_[rank_]->release.store(mine ? 1 : 2, std::memory_order_release);
@@ -434,8 +433,7 @@ class ShmCommunicator : public Communicator {
   // Every rank's buffers are in shared windows: this rank reduces its slice
   // from every input into its own output, block by block, copies each block
   // into the peers' outputs while it is in cache, then meets the others.
-  template <typename CallT>
-  void reduce_in_place_of_peers(size_t count, DType dtype, ReduceOp op, CallT& call) {
+  void reduce_in_place_of_peers(size_t count, DType dtype, ReduceOp op, Call& call) {
     std::vector<const void*> ins(size_);
     std::vector<void*> outs(size_);
     for (int q = 0; q < size_; ++q) {
