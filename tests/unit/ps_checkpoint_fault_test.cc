@@ -17,6 +17,7 @@
 
 #include "allreduce/transport.h"
 #include "checkpoint_util.h"
+#include "fault_util.h"
 #include "diststrat/diststrat.h"
 #include "parameter_server/strategy_impl.h"
 
@@ -69,34 +70,17 @@ TEST_P(PsCheckpointFault, TheLastCheckpointStillLoadsAndRestores) {
   ds::ParameterServerOptions o;
   o.worker_timeout = kWorkerTimeout;
   o.communication.timeout = 3 * kWorkerTimeout;  // outlasts the PS declaring worker 1 gone
-  // A stalled worker keeps using the group for good: it outlives the test then.
-  auto* group = new ds::InProcessTransportGroup(3);
-  auto ps = ds::ps::make_strategy(group->at(2), o);
-  std::vector<Outcome> res(2);
-  std::vector<std::thread> threads;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int w = 0; w < 2; ++w) {
-    threads.emplace_back([&, w] {
-      auto* s = ds::ps::make_strategy(group->at(w), o).release();
-      res[w] = train_and_save(*s, dir, GetParam(), 1);
-      delete s;  // tells the PS this worker is done
-    });
-  }
-  threads[0].join();
-  std::string ps_error;
-  try {
-    ps->join();
-  } catch (const ds::Error& e) {
-    ps_error = e.message();
-  }
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  const auto job = ds::testing::run_ps_job<Outcome>(o, stall, [&](ds::ParameterServerStrategy& s, int) {
+    return train_and_save(s, dir, GetParam(), 1);
+  });
+  const std::vector<Outcome>& res = job.workers;
+  const std::string& ps_error = job.ps_error;
+  EXPECT_LT(job.seconds, 30.0);
   EXPECT_EQ(res[0].error, "") << "the surviving worker failed";
   EXPECT_EQ(res[0].last_saved, kSteps - 1);
   if (stall) {
-    threads[1].detach();  // stuck for good
     EXPECT_NE(ps_error.find("rank 1"), std::string::npos) << ps_error;
   } else {
-    threads[1].join();
     EXPECT_NE(res[1].error.find("injected fault"), std::string::npos) << res[1].error;
     EXPECT_EQ(res[1].last_saved, kFaultStep - 1);
   }
@@ -120,13 +104,6 @@ TEST_P(PsCheckpointFault, TheLastCheckpointStillLoadsAndRestores) {
   for (const ds::Variable& v : vars) {
     const ds::Tensor got = v.value();
     EXPECT_EQ(0, std::memcmp(got.data(), file.find(v.name())->data(), got.nbytes())) << v.name();
-  }
-  ps.reset();
-  if (!stall) {
-    delete group;
-  } else {
-    static auto* kept = new std::vector<const void*>;  // reachable for good (LeakSanitizer)
-    kept->push_back(group);
   }
 }
 
