@@ -17,7 +17,7 @@ mpi="mpirun --oversubscribe --bind-to none"
 b=$build/benchmarks
 
 echo "== load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-$mpi -np 2 "$b/allreduce_bench" --algos shm,shm_registered,auto,ring,mpi,gloo \
+$mpi -np 2 "$b/allreduce_bench" --algos memcpy,shm,shm_registered,auto,auto_registered,ring,mpi,gloo \
   --min-bytes 4096 --max-bytes 268435456 --step-factor 4 --iters 10 --warmup 2 --check \
   --csv-out "$out/allreduce_mpi_np2.csv" | tee "$out/allreduce_mpi_np2.txt" | grep '^#'
 "$b/allreduce_bench" --inproc 2 --algos direct,ring --min-bytes 4096 --max-bytes 67108864 \

@@ -47,9 +47,10 @@ def main():
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for algo in sorted(series):
         pts = sorted(series[algo])
-        baseline = algo == "mpi" or algo.startswith("gloo")
+        baseline = algo in ("mpi", "memcpy") or algo.startswith("gloo")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
-                linestyle="--" if baseline else "-", label=algo)
+                linestyle="--" if baseline else "-",
+                label=algo + (" (reference: no communication)" if algo == "memcpy" else ""))
     ax.set_xscale("log", base=2)
     sizes = sorted({p[0] for pts in series.values() for p in pts})
     ticks = sizes[:: max(1, len(sizes) // 12)]

@@ -100,10 +100,11 @@ struct CommRunner : Runner {
   ds::ReduceOp op;
 };
 
-// "shm_registered": the shared-memory communicator with the tensors in
-// memory from Communicator::allocate_buffer (as the multi-worker fusion
-// buffers are), so it reduces out of the peers' buffers without staging.
-// The buffers are allocated once, for the largest size of the sweep.
+// "<algo>_registered" (shm_registered, auto_registered, ...): the algorithm
+// with the tensors in memory from Communicator::allocate_buffer (as the
+// multi-worker fusion buffers are, or nccl-tests' -R registered buffers): on
+// one host the shared-memory path then reduces out of the peers' buffers
+// without staging. The buffers are allocated once, for the largest size.
 struct RegisteredRunner : CommRunner {
   RegisteredRunner(ds::Communicator& c, ds::DType d, ds::ReduceOp o, size_t max_bytes)
       : CommRunner(c, d, o), in_(c.allocate_buffer(max_bytes)), out_(c.allocate_buffer(max_bytes)),
@@ -114,6 +115,19 @@ struct RegisteredRunner : CommRunner {
   }
   std::shared_ptr<void> in_, out_;
   size_t max_bytes_;
+};
+
+// "memcpy": not an all-reduce but its reference floor. Every rank copies its
+// n input bytes to its output at the same time, with no communication. A
+// 2-rank all-reduce on registered buffers moves one such memcpy's worth of
+// bytes per rank (it reads n: half its own input, half its peer's, and
+// writes n: half its own output, half its peer's); on ordinary buffers the
+// staged path moves two (the same, plus each half once more through the
+// staging buffers: staged and published, then collected by the peer).
+struct MemcpyRunner : Runner {
+  explicit MemcpyRunner(ds::DType d) : es(ds::dtype_size(d)) {}
+  void all_reduce(const void* in, void* out, size_t count) override { std::memcpy(out, in, count * es); }
+  size_t es;
 };
 
 // ---- closed-form check: rank r contributes (r + 1) * (i % 7 + 1) (for
@@ -284,7 +298,7 @@ std::vector<Row> run_sweep(World& w, const Config& c, ds::DType dtype, ds::Reduc
       row.p99_us = percentile(t, 0.99);
       row.algbw = row.bytes / (row.p50_us * 1e-6) / 1e9;
       row.busbw = row.algbw * 2.0 * (p - 1) / p;
-      if (c.check) {
+      if (c.check && name != "memcpy") {
         std::memset(out, 0, count * es);
         runner->all_reduce(in, out, count);
         row.check = w.all_true(verify(out, dtype, count, p, op)) ? "ok" : "FAIL";
@@ -403,7 +417,7 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
   };
   std::printf("# ---- bars ----\n");
   if (mode == "mpi") {
-    for (const char* ours : {"shm", "shm_registered", "auto"}) {
+    for (const char* ours : {"shm", "shm_registered", "auto", "auto_registered"}) {
       double worst = INFINITY, worst_big = INFINITY;
       for (const Row& r : rows) {
         if (r.algo != ours || std::isnan(r.vs_mpi) || r.bytes < 4096) continue;
@@ -429,6 +443,7 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
       const Row* obest = nullptr;
       for (const Row& o : rows)
         if (o.bytes == r.bytes && o.algo.rfind("gloo", 0) != 0 && o.algo != "mpi" &&
+            o.algo != "memcpy" &&
             (!obest || o.busbw > obest->busbw))
           obest = &o;
       if (!obest) continue;
@@ -443,6 +458,32 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
     if (std::isfinite(worst_gloo))
       std::printf("# best of ours vs Gloo's best at >= 1M: min ratio %.2f (bar >= 3.0); per size: %s\n",
                   worst_gloo, per_size.c_str());
+    // Times in memcpys of n bytes per rank (see MemcpyRunner): registered
+    // paths move 1 memcpy's worth of bytes per rank, the staged path 2.
+    bool explained = false;
+    for (const Row& m : rows) {
+      if (m.algo != "memcpy" || m.bytes < (16u << 20) || ranks != 2) continue;
+      if (!explained) {
+        std::printf("# in memcpys (every rank copying n bytes at once, the memcpy row): a 2-rank "
+                    "all-reduce on registered buffers moves 1 memcpy's worth of bytes per rank, the "
+                    "staged path on ordinary buffers 2 (each half once more through the staging "
+                    "buffers); where n outgrows the caches a memcpy also pays for the write-allocate "
+                    "reads, the staging copies (in cache) do not\n");
+        explained = true;
+      }
+      std::string line;
+      for (const char* a : {"mpi", "shm", "auto", "shm_registered", "auto_registered"}) {
+        const Row* r = find(a, m.bytes);
+        if (!r) continue;
+        char buf[64];
+        std::snprintf(buf, sizeof buf, ", %s %.2f", a, r->p50_us / m.p50_us);
+        line += buf;
+      }
+      const Row* mpi = find("mpi", m.bytes);
+      char need[64] = "";
+      if (mpi) std::snprintf(need, sizeof need, "; 2x MPI_Allreduce needs <= %.2f", mpi->p50_us / m.p50_us / 2);
+      std::printf("#   %s: memcpy %.0f us%s%s\n", human(m.bytes).c_str(), m.p50_us, line.c_str(), need);
+    }
   } else if (ranks == 2) {
     for (const Row& r : rows) {
       if (r.bytes == (64u << 20) && (r.algo == "direct" || r.algo == "auto")) {
@@ -525,7 +566,8 @@ int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
   const int n = c.inproc;
   std::vector<std::string> algos;
   for (const auto& a : c.algos) {
-    if (a == "mpi" || a == "shm" || a == "gloo") {
+    if (a == "mpi" || a == "shm" || a == "gloo" || a == "memcpy" ||
+        a.find("_registered") != std::string::npos) {
       std::fprintf(stderr, "# --inproc: skipping '%s' (needs mpirun)\n", a.c_str());
       continue;
     }
@@ -689,11 +731,18 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
 #endif
       continue;
     }
+    if (a == "memcpy") {
+      owned.push_back(std::make_unique<MemcpyRunner>(dtype));
+      runners.emplace_back(a, owned.back().get());
+      continue;
+    }
+    const std::string suffix = "_registered";
+    const bool registered =
+        a.size() > suffix.size() && a.compare(a.size() - suffix.size(), suffix.size(), suffix) == 0;
+    const std::string base = registered ? a.substr(0, a.size() - suffix.size()) : a;
+    if (registered && base == "mpi") throw ds::InvalidArgumentError("mpi_registered: MPI_Allreduce has no registered buffers");
     ds::CommunicationOptions o;
-    const bool registered = a == "shm_registered";
-    o.algorithm = a == "mpi"      ? ds::Algorithm::kMpiNative
-                  : registered ? ds::Algorithm::kSharedMemory
-                               : ds::parse_algorithm(a);
+    o.algorithm = base == "mpi" ? ds::Algorithm::kMpiNative : ds::parse_algorithm(base);
     o.segment_bytes = c.segment_bytes;
     o.timeout = std::chrono::minutes(5);
     if (a == "direct") {
@@ -726,7 +775,9 @@ int main(int argc, char** argv) {
   std::string algos;
   app.add_option("--algos", algos,
                  "comma-separated: ring,halving_doubling,tree,reduce_to_one,hierarchical,shm,auto,"
-                 "mpi,gloo (and direct with --inproc)");
+                 "mpi,gloo (and direct with --inproc); <algo>_registered = that algorithm on "
+                 "buffers from Communicator::allocate_buffer; memcpy = each rank copies in to "
+                 "out, no communication (the reference floor)");
   app.add_option("--inproc", c.inproc, "run N ranks as threads of this process instead of MPI");
   app.add_option("--min-bytes", c.min_bytes, "smallest message");
   app.add_option("--max-bytes", c.max_bytes, "largest message");
