@@ -68,11 +68,14 @@ void slice_of(size_t count, int parts, int b, size_t* lo, size_t* hi);
 
 // The shared-address-space all-reduce step (in-process "direct", and shared
 // memory with registered buffers): elements [lo, hi) of the n inputs are
-// reduced into outs[self] block by block, and each block, still in cache, is
-// copied into every other output. So a rank reads its slice of every input
-// once and writes its slice of every output once. kMean divides by n.
+// reduced block by block, and each block, still in cache, is written into
+// every output. So a rank reads its slice of every input once and writes its
+// slice of every output once. kMean divides by n. `message_bytes` (the whole
+// all-reduce's size) picks how outputs are written: from
+// kernels::kStreamingBytes on with streaming stores (no write-allocate
+// reads; outputs that large leave the caches anyway).
 void reduce_slice_to_all(const void* const* ins, void* const* outs, int n, int self, size_t lo,
-                         size_t hi, DType dtype, ReduceOp op);
+                         size_t hi, DType dtype, ReduceOp op, size_t message_bytes);
 
 // Segment size in bytes that pipelined algorithms use.
 size_t segment_bytes(const CommunicationOptions& options);

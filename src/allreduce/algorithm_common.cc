@@ -33,19 +33,28 @@ void slice_of(size_t count, int parts, int b, size_t* lo, size_t* hi) {
 }
 
 void reduce_slice_to_all(const void* const* ins, void* const* outs, int n, int self, size_t lo,
-                         size_t hi, DType dtype, ReduceOp op) {
+                         size_t hi, DType dtype, ReduceOp op, size_t message_bytes) {
   if (hi <= lo) return;
   const size_t es = dtype_size(dtype);
   constexpr size_t kBlockBytes = 64 << 10;  // well inside L2, so the copies read from cache
   const size_t block = std::max<size_t>(1, kBlockBytes / es);
+  const bool streaming = message_bytes >= kernels::kStreamingBytes;
+  // Streaming: reduce into a cache-resident block, then stream it into every
+  // output. Otherwise reduce into our own output and copy from there.
+  std::vector<char> scratch(streaming ? std::min(block, hi - lo) * es : 0);
   std::vector<const void*> srcs(n);
   for (size_t b = lo; b < hi; b += block) {
     const size_t len = std::min(block, hi - b);
     for (int r = 0; r < n; ++r) srcs[r] = static_cast<const char*>(ins[r]) + b * es;
-    char* mine = static_cast<char*>(outs[self]) + b * es;
-    kernels::reduce(mine, srcs.data(), n, len, dtype, op, n);
+    char* reduced = streaming ? scratch.data() : static_cast<char*>(outs[self]) + b * es;
+    kernels::reduce(reduced, srcs.data(), n, len, dtype, op, n);
     for (int r = 0; r < n; ++r) {
-      if (r != self) std::memcpy(static_cast<char*>(outs[r]) + b * es, mine, len * es);
+      char* to = static_cast<char*>(outs[r]) + b * es;
+      if (streaming) {
+        kernels::copy_streaming(to, reduced, len * es);
+      } else if (r != self) {
+        std::memcpy(to, reduced, len * es);
+      }
     }
   }
 }

@@ -181,7 +181,8 @@ class InProcessCommunicator : public Communicator {
       ins[r] = slots[r].in;
       outs[r] = slots[r].out;
     }
-    algo::reduce_slice_to_all(ins.data(), outs.data(), s_->size, rank_, lo, hi, dtype, op);
+    algo::reduce_slice_to_all(ins.data(), outs.data(), s_->size, rank_, lo, hi, dtype, op,
+                              count * dtype_size(dtype));
     s_->barrier(rank_, d, call, "reduce");
   }
 

@@ -241,7 +241,48 @@ void run(void* dst, const void* const* srcs, int n, size_t count, DType dtype, R
   });
 }
 
+#if DISTSTRAT_X86
+__attribute__((target("avx512f"))) void stream_avx512(char* d, const char* s, size_t bytes) {
+  for (size_t i = 0; i < bytes; i += 64) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), _mm512_loadu_si512(s + i));
+  }
+}
+__attribute__((target("avx2"))) void stream_avx2(char* d, const char* s, size_t bytes) {
+  for (size_t i = 0; i < bytes; i += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+  }
+}
+#endif
+
 }  // namespace
+
+void copy_streaming(void* dst, const void* src, size_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+#if DISTSTRAT_X86
+  // Head up to a 64-byte boundary of dst and the tail with memcpy; the
+  // aligned middle with streaming stores.
+  const size_t head = std::min(bytes, (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64);
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  const size_t body = bytes / 64 * 64;
+  if (body > 0 && isa() != Isa::kBase) {
+    if (isa() == Isa::kAvx512) {
+      stream_avx512(d, s, body);
+    } else {
+      stream_avx2(d, s, body);
+    }
+    _mm_sfence();  // streaming stores are weakly ordered: publish them before any flag
+    d += body;
+    s += body;
+    bytes -= body;
+  }
+#endif
+  std::memcpy(d, s, bytes);
+}
 
 const char* isa_name() {
   switch (isa()) {

@@ -31,6 +31,18 @@ void scale_mean(void* dst, size_t count, DType dtype, int divisor);
 void reduce_baseline(void* dst, const void* const* srcs, int n, size_t count, DType dtype,
                      ReduceOp op, int mean_divisor);
 
+// memcpy with non-temporal (streaming) stores: the destination is written
+// straight to memory without being read first (no write-allocate) and
+// without evicting the caches' contents. For large outputs that are not
+// read again soon; slower than memcpy when dst would have stayed in cache.
+// Buffers must not overlap.
+void copy_streaming(void* dst, const void* src, size_t bytes);
+
+// Messages from this size on write their outputs with copy_streaming (the
+// caches cannot hold them anyway). Measured with allreduce_bench (memcpy
+// rows and shm at 16M/64M/256M, see docs/benchmarks.md).
+constexpr size_t kStreamingBytes = 32u << 20;
+
 // The instruction set the kernels dispatch to on this CPU: "avx512", "avx2"
 // or "baseline".
 const char* isa_name();

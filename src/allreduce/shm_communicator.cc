@@ -204,6 +204,7 @@ class ShmCommunicator : public Communicator {
     check_same_call(name);
     if (all_registered()) return reduce_in_place_of_peers(count, dtype, op, call);
     const size_t nchunks = (count + per - 1) / per;
+    const bool streaming = count * es >= kernels::kStreamingBytes;
     const uint64_t first = chunks_;
     chunks_ += nchunks;
     auto len_of = [&](size_t k) { return std::min(per, count - k * per); };
@@ -231,8 +232,14 @@ class ShmCommunicator : public Communicator {
         for (int q = 0; q < size_; ++q) srcs[q] = staging(q, k) + j * es;
         srcs[rank_] = src + (k * per + j) * es;
         char* mine = dst + (k * per + j) * es;
-        kernels::reduce(mine, srcs.data(), size_, m, dtype, op, size_);
-        std::memcpy(staging(rank_, k) + j * es, mine, m * es);
+        char* published = staging(rank_, k) + j * es;
+        if (streaming) {
+          kernels::reduce(published, srcs.data(), size_, m, dtype, op, size_);
+          kernels::copy_streaming(mine, published, m * es);
+        } else {
+          kernels::reduce(mine, srcs.data(), size_, m, dtype, op, size_);
+          std::memcpy(published, mine, m * es);
+        }
       }
     };
     // 5. collect the other ranks' reduced slices of chunk k.
@@ -242,7 +249,13 @@ class ShmCommunicator : public Communicator {
         if (q == rank_) continue;
         size_t lo, hi;
         algo::slice_of(len, size_, q, &lo, &hi);
-        std::memcpy(dst + (k * per + lo) * es, staging(q, k) + lo * es, (hi - lo) * es);
+        char* to = dst + (k * per + lo) * es;
+        const char* from = staging(q, k) + lo * es;
+        if (streaming) {
+          kernels::copy_streaming(to, from, (hi - lo) * es);
+        } else {
+          std::memcpy(to, from, (hi - lo) * es);
+        }
       }
     };
     // Software pipeline: phase p collects chunk p-2, reduces chunk p-1 and
@@ -443,7 +456,8 @@ class ShmCommunicator : public Communicator {
     }
     size_t lo, hi;
     algo::slice_of(count, size_, rank_, &lo, &hi);
-    algo::reduce_slice_to_all(ins.data(), outs.data(), size_, rank_, lo, hi, dtype, op);
+    algo::reduce_slice_to_all(ins.data(), outs.data(), size_, rank_, lo, hi, dtype, op,
+                              count * dtype_size(dtype));
     // Nobody returns (and reuses its buffers) before every slice is written.
     call.barrier();
   }

@@ -10,6 +10,7 @@
 
 #include "../common/collective_cases.h"
 #include "allreduce/mpi_communicator.h"
+#include "allreduce/reduce_kernels.h"
 #include "allreduce/shm_communicator.h"
 #include "diststrat/algorithm_registry.h"
 #include "diststrat/error.h"
@@ -135,6 +136,44 @@ TEST_P(MpiRegisteredBuffers, MatchClosedFormWhetherAllOrSomeRanksRegister) {
         }
       }
     }
+  }
+}
+
+// Messages from kernels::kStreamingBytes on write their outputs with
+// streaming stores, on both shared-memory paths (staged and registered).
+void streaming_size_matches_closed_form(ds::Algorithm algorithm) {
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(algorithm));
+  const int n = comm->size(), me = comm->rank();
+  const size_t count = ds::kernels::kStreamingBytes / sizeof(float) + 13;
+  const size_t bytes = count * sizeof(float);
+  auto in_buf = comm->allocate_buffer(bytes + 64);
+  auto out_buf = comm->allocate_buffer(bytes + 64);
+  const std::vector<char> expected_in = tc::make_input(me, count, ds::DType::kFloat32, ds::ReduceOp::kSum);
+  std::vector<char> heap_in(bytes), heap_out(bytes + 64);
+  for (bool registered : {true, false}) {
+    for (int placement : {0, 1, 2}) {  // out of place, in place, out at +4 bytes
+      char* in = registered ? static_cast<char*>(in_buf.get()) : heap_in.data();
+      char* out = registered ? static_cast<char*>(out_buf.get()) : heap_out.data();
+      if (placement == 1) out = in;
+      if (placement == 2) out += 4;
+      std::memcpy(in, expected_in.data(), bytes);
+      comm->all_reduce(in, out, count, ds::DType::kFloat32, ds::ReduceOp::kSum, "big");
+      ASSERT_TRUE(tc::check_reduced(out, count, ds::DType::kFloat32, ds::ReduceOp::kSum, n))
+          << "registered " << registered << " placement " << placement;
+      if (placement != 1) {
+        ASSERT_EQ(std::memcmp(in, expected_in.data(), bytes), 0) << "input modified";
+      }
+    }
+  }
+}
+
+
+// (Default segments: the 256-byte ones of the sweep above would make this
+// size 131072 staged chunks.)
+TEST(MpiSharedMemory, StreamingSizeMatchesClosedForm) {
+  for (ds::Algorithm algorithm : {ds::Algorithm::kSharedMemory, ds::Algorithm::kAuto}) {
+    SCOPED_TRACE(ds::algorithm_name(algorithm));
+    streaming_size_matches_closed_form(algorithm);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <thread>
 
+#include "allreduce/reduce_kernels.h"
 #include "dtype_util.h"
 #include "harness.h"
 
@@ -134,6 +135,29 @@ INSTANTIATE_TEST_SUITE_P(Sweep, InProcessCollectives, ::testing::ValuesIn(all_ca
                            return "ranks" + std::to_string(info.param.ranks) + "_count" +
                                   std::to_string(info.param.count);
                          });
+
+// Messages from kernels::kStreamingBytes on write their outputs with
+// streaming stores: the direct algorithm at that size, out of place, in
+// place and with outputs off a cache-line boundary (the streaming copy's
+// unaligned head and tail).
+TEST(InProcessStreaming, DirectAllReduceMatchesClosedForm) {
+  const size_t count = ds::kernels::kStreamingBytes / sizeof(float) + 13;
+  for (int ranks : {2, 3}) {
+    ds::InProcessGroup group(ranks);
+    for (int placement : {0, 1, 2}) {  // out of place, in place, out at +4 bytes
+      ds::testing::run_ranks(group, [&](ds::Communicator& c) {
+        std::vector<float> in(count + 1), out(count + 1);
+        for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>(input(c.rank(), i, ds::ReduceOp::kSum));
+        float* dst = placement == 1 ? in.data() : placement == 2 ? out.data() + 1 : out.data();
+        c.all_reduce(in.data(), dst, count, ds::DType::kFloat32, ds::ReduceOp::kSum, "big");
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(dst[i], expected(ranks, i, ds::ReduceOp::kSum, ds::DType::kFloat32))
+              << "rank " << c.rank() << " of " << ranks << " placement " << placement << " i=" << i;
+        }
+      });
+    }
+  }
+}
 
 TEST(InProcessFailures, MissingRankGivesDeadlineExceededNamingIt) {
   ds::CommunicationOptions opts;
