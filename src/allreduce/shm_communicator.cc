@@ -21,9 +21,16 @@
 // phases, so a message of k chunks costs k + 1 barriers instead of 2k.
 // With chunks that fit in the caches (default 1 MiB) the staging buffers
 // never leave them, so memory sees about what one memcpy of the message
-// costs: the input read and the output written. Messages up to kSmallBytes
-// skip the slicing: each rank stages its whole input, meets the others at one
-// barrier and reduces the whole message itself.
+// costs: the input read and the output written. The cores still pass each
+// half once more between their caches through the staging buffers, which on
+// the development VM takes as long as a second memcpy while the message fits
+// the last-level cache (registered buffers avoid it; docs/allreduce.md).
+// From kernels::kStreamingBytes on, step 3 reduces each block into the
+// staging buffer and streams it into the output, and step 5 copies with
+// streaming stores: outputs that large leave the caches anyway, so they cost
+// no write-allocate reads. Messages up to kSmallBytes skip the slicing: each
+// rank stages its whole input, meets the others at one barrier and reduces
+// the whole message itself.
 //
 // Zero-copy all-reduce: allocate_buffer() returns memory from an extra
 // shared window (one per allocation, collective). Messages past kSmallBytes
