@@ -765,7 +765,7 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
     o.algorithm = base == "mpi" ? ds::Algorithm::kMpiNative : ds::parse_algorithm(base);
     o.segment_bytes = c.segment_bytes;
     o.timeout = std::chrono::minutes(5);
-    if (a == "direct") {
+    if (base == "direct") {
       if (w.rank() == 0) std::fprintf(stderr, "# 'direct' is in-process only (--inproc); skipped\n");
       continue;
     }
