@@ -427,7 +427,7 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
         // The index first: a crash in between leaves orphans, never an index without shards.
         ::unlink(p.c_str());
       } else {
-        for (const std::string& f : ckpt::shard_files_of(p)) kept_shards.insert(f.substr(f.find_last_of('/') + 1));
+        for (const std::string& f : ckpt::shard_files_of(p)) kept_shards.insert(ckpt::file_name_of(f));
       }
     }
     // Shard files of pruned checkpoints and of saves that never got their index.

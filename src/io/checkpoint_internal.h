@@ -38,6 +38,10 @@ void on_chief_then_agree(Strategy& s, const std::string& what, const std::functi
 std::string encode_metadata(const CheckpointMetadata& md);
 CheckpointMetadata decode_metadata(const std::string& s);
 
+// The directory of `path` ("." without a slash) and its last component.
+std::string directory_of(const std::string& path);
+std::string file_name_of(const std::string& path);
+
 // save_safetensors that also accepts metadata keys with the reserved prefix.
 void save_safetensors_reserved(const std::string& path,
                                const std::vector<std::pair<std::string, Tensor>>& tensors,

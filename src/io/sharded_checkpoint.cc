@@ -23,15 +23,6 @@ std::string hex64(uint64_t v) {
   return buf;
 }
 
-std::string dir_of(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
-std::string base_of(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-
 std::string value_name(const std::string& var, int64_t shard) { return var + "/shard-" + std::to_string(shard); }
 
 // Reads a required JSON field; a missing or mistyped one is a DataLossError
@@ -75,6 +66,15 @@ Shape rows_shape(const Shape& full, int64_t rows) {
 }
 
 }  // namespace
+
+std::string directory_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+std::string file_name_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
 
 std::string shard_file_path(const std::string& index_path, int ps, int num_ps, uint64_t save_id) {
   static const std::string suffix = ".safetensors";
@@ -124,7 +124,7 @@ void write_index(const std::string& path, uint64_t save_id, const std::vector<st
   meta["format"] = 1;
   meta["save_id"] = hex64(save_id);
   json files = json::array();
-  for (const std::string& f : shard_files) files.push_back(base_of(f));
+  for (const std::string& f : shard_files) files.push_back(file_name_of(f));
   meta["files"] = files;
   json vars = json::array();
   for (const IndexVariable& v : variables) {
@@ -153,7 +153,7 @@ std::vector<std::string> shard_files_of(const std::string& index_path) {
     if (it == f.metadata.end()) return out;
     const json j = parse_json(it->second, index_path, kIndexKey);
     for (const std::string& name : field<std::vector<std::string>>(j, "files", index_path)) {
-      out.push_back(dir_of(index_path) + "/" + name);
+      out.push_back(directory_of(index_path) + "/" + name);
     }
   } catch (const Error&) {
     out.clear();
@@ -193,7 +193,7 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
   std::map<std::pair<std::string, int64_t>, Saved> saved;
   for (size_t i = 0; i < files.size(); ++i) {
     if (files[i].empty() || files[i].find('/') != std::string::npos) throw lost("", "bad shard file name '" + files[i] + "'");
-    const std::string fp = dir_of(path) + "/" + files[i];
+    const std::string fp = directory_of(path) + "/" + files[i];
     SafetensorsFile& sf = shard_files[i];
     try {
       sf = load_safetensors(fp, options);
@@ -271,7 +271,7 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       const int64_t off = field<int64_t>(s, "row_offset", path), n = field<int64_t>(s, "rows", path);
       auto it = saved.find({name, k});
       if (ps < 0 || static_cast<size_t>(ps) >= files.size()) throw lost("", "shard " + std::to_string(k) + " of '" + name + "' on PS " + std::to_string(ps) + ", which has no file");
-      const std::string fp = dir_of(path) + "/" + files[static_cast<size_t>(ps)];
+      const std::string fp = directory_of(path) + "/" + files[static_cast<size_t>(ps)];
       if (it == saved.end() || it->second.ps != ps) {
         throw lost(fp, "shard " + std::to_string(k) + " of '" + name + "' (tensor '" + value_name(name, k) +
                            "') is not in it, but the index places it there");
