@@ -44,19 +44,15 @@ TEST(MpiParameterServerCheckpoint, SaveStopAndResumeOnAnotherNumberOfPsRanks) {
     if (s.is_ps()) {
       s.join();
     } else {
-      ds::nn::Mlp mlp({6, 7, 3});
-      auto vars = mlp.create_variables(s, 3);
-      ds::Adam adam(s, {0.01f});
-      ds::Checkpoint ckpt(s, {&adam});
-      ds::CheckpointManager manager(ckpt, dir, {2});
+      ds::testing::CheckpointedMlp m(s, 3, dir);
       for (int step = 1; step <= steps_before; ++step) {
-        ds::testing::mlp_train(s, mlp, vars, adam, 8 * workers_before, 1, 10 + step);
-        manager.save(step, {{"step", std::to_string(step)}});
+        ds::testing::mlp_train(s, m.mlp, m.vars, m.adam, 8 * workers_before, 1, 10 + step);
+        m.manager.save(step, {{"step", std::to_string(step)}});
       }
       // Nobody pushed since the save: the PS state is the checkpoint.
       if (s.cluster().is_chief()) {
-        ds::testing::expect_state_is_file(ckpt, *manager.latest());
-        EXPECT_EQ(adam.iterations().value().data<int64_t>()[0], steps_before * workers_before);
+        ds::testing::expect_state_is_file(m.ckpt, *m.manager.latest());
+        EXPECT_EQ(m.adam.iterations().value().data<int64_t>()[0], steps_before * workers_before);
       }
       s.barrier("checked");
     }
@@ -68,21 +64,17 @@ TEST(MpiParameterServerCheckpoint, SaveStopAndResumeOnAnotherNumberOfPsRanks) {
     if (s.is_ps()) {
       s.join();
     } else {
-      ds::nn::Mlp mlp({6, 7, 3});
-      auto vars = mlp.create_variables(s, 99);
-      ds::Adam adam(s, {0.01f});
-      ds::Checkpoint ckpt(s, {&adam});
-      ds::CheckpointManager manager(ckpt, dir, {2});
-      auto md = manager.restore_latest();
+      ds::testing::CheckpointedMlp m(s, 99, dir);
+      auto md = m.manager.restore_latest();
       ASSERT_TRUE(md.has_value());
       EXPECT_EQ(md->at("step"), std::to_string(steps_before)) << "rank " << rank;
-      if (s.cluster().is_chief()) ds::testing::expect_state_is_file(ckpt, *manager.latest());
+      if (s.cluster().is_chief()) ds::testing::expect_state_is_file(m.ckpt, *m.manager.latest());
       s.barrier("checked");
-      ds::testing::mlp_train(s, mlp, vars, adam, 8 * workers_after, 2, 20);
-      manager.save(steps_before + 2, {{"step", std::to_string(steps_before + 2)}});
+      ds::testing::mlp_train(s, m.mlp, m.vars, m.adam, 8 * workers_after, 2, 20);
+      m.manager.save(steps_before + 2, {{"step", std::to_string(steps_before + 2)}});
       if (s.cluster().is_chief()) {
-        ds::testing::expect_state_is_file(ckpt, *manager.latest());
-        EXPECT_EQ(adam.iterations().value().data<int64_t>()[0],
+        ds::testing::expect_state_is_file(m.ckpt, *m.manager.latest());
+        EXPECT_EQ(m.adam.iterations().value().data<int64_t>()[0],
                   steps_before * workers_before + 2 * workers_after);
       }
       s.barrier("done");

@@ -368,21 +368,10 @@ TEST(CheckpointManager, KillDuringSaveAlwaysLeavesALoadableLatest) {
   const ds::testing::KillStats st = ds::testing::kill_during_save(
       temp_dir(),
       [](const std::string& dir, int64_t first_step) {
-        // Every save writes variables all equal to the step number.
         ds::MirroredStrategy s(std::vector<ds::Device>{ds::Device::cpu(0)});
         ds::Variable big = s.create_variable("big", {256, 256}, ds::DType::kFloat32, ds::init::Zeros{});
         ds::Variable small = s.create_variable("small", {3}, ds::DType::kInt64, ds::init::Zeros{});
-        ds::Checkpoint ckpt(s);
-        ds::CheckpointManager manager(ckpt, dir, {2});
-        for (int64_t step = first_step;; ++step) {
-          ds::Tensor v(big.shape(), big.dtype());
-          ds::init::Constant{static_cast<double>(step)}(v);
-          big.assign(v);
-          ds::Tensor w(small.shape(), small.dtype());
-          ds::init::Constant{static_cast<double>(step)}(w);
-          small.assign(w);
-          manager.save(step, {{"step", std::to_string(step)}});
-        }
+        ds::testing::save_step_valued_forever(s, {big, small}, dir, first_step);
       },
       {"big", "small"}, 40, 12, 12345);
   EXPECT_GE(st.kills, 10);

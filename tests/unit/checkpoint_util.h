@@ -77,6 +77,19 @@ inline void expect_state_is_file(const Checkpoint& c, const std::string& path) {
   }
 }
 
+// The model of the save/resume tests: an MLP 6-7-3 with weights from `seed`,
+// Adam (learning rate 0.01), its Checkpoint and a CheckpointManager on `dir`
+// that keeps 2.
+struct CheckpointedMlp {
+  CheckpointedMlp(Strategy& s, uint64_t seed, const std::string& dir)
+      : vars(mlp.create_variables(s, seed)), adam(s, {0.01f}), ckpt(s, {&adam}), manager(ckpt, dir, {2}) {}
+  nn::Mlp mlp{{6, 7, 3}};
+  std::vector<Variable> vars;
+  Adam adam;
+  Checkpoint ckpt;
+  CheckpointManager manager;
+};
+
 struct KillStats {
   int kills = 0, mid_write = 0, checked = 0;
   int64_t last_step = -1;
@@ -89,6 +102,23 @@ struct KillStats {
 // `latest` (load_checkpoint: either format): it must verify, be the newest
 // step so far, and hold each of `tensors` equal to its step (first and last
 // element). Stops after `max_kills` kills or `seconds`.
+// The save loop of a kill_during_save child: at every step from
+// `first_step` on, each of `vars` is set to the step number and saved
+// through a CheckpointManager on `dir` (keeping 2) with metadata "step".
+[[noreturn]] inline void save_step_valued_forever(Strategy& s, const std::vector<Variable>& vars,
+                                                  const std::string& dir, int64_t first_step) {
+  Checkpoint ckpt(s);
+  CheckpointManager manager(ckpt, dir, {2});
+  for (int64_t step = first_step;; ++step) {
+    for (Variable v : vars) {
+      Tensor t(v.shape(), v.dtype());
+      init::Constant{static_cast<double>(step)}(t);
+      v.assign(t);
+    }
+    manager.save(step, {{"step", std::to_string(step)}});
+  }
+}
+
 inline KillStats kill_during_save(const std::string& dir,
                                   const std::function<void(const std::string&, int64_t)>& save_loop,
                                   const std::vector<std::string>& tensors, int max_kills, int seconds,

@@ -60,15 +60,7 @@ Result train(ds::Strategy& s, ds::FaultKind kind, int rank, const std::string& d
   Result result;
   try {
     for (const ds::DistributedBatch& batch : dist) {
-      if (step == kFaultStep) {
-        // Armed for the next run() (saving a checkpoint runs steps too).
-        ds::FaultInjection f;
-        f.kind = kind;
-        f.rank = rank;
-        f.step = s.steps_run();
-        s.set_fault_injection(f);
-        result.fault_step = f.step;
-      }
+      if (step == kFaultStep) result.fault_step = ds::testing::arm_fault_at_next_run(s, kind, rank);
       ds::testing::mlp_step(s, mlp, vars, opt, batch);
       if (manager) manager->save(step, {{"step", std::to_string(step)}});
       ++step;

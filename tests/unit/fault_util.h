@@ -11,6 +11,8 @@
 
 #include "allreduce/transport.h"
 #include "diststrat/error.h"
+#include "diststrat/fault.h"
+#include "diststrat/strategy.h"
 #include "diststrat/parameter_server.h"
 #include "parameter_server/strategy_impl.h"
 
@@ -26,6 +28,17 @@ template <typename T> void keep_for_stuck_thread(T* object) {
   static auto* kept = new std::vector<const void*>;
   std::lock_guard<std::mutex> lock(mu);
   kept->push_back(object);
+}
+
+// Arms `kind` for replica `rank` at the strategy's next run() (saving a
+// checkpoint runs steps too, so the step is taken now); returns that step.
+inline int64_t arm_fault_at_next_run(Strategy& s, FaultKind kind, int rank) {
+  FaultInjection f;
+  f.kind = kind;
+  f.rank = rank;
+  f.step = s.steps_run();
+  s.set_fault_injection(f);
+  return f.step;
 }
 
 template <typename Result> struct PsJobOutcome {

@@ -44,13 +44,7 @@ Outcome train_and_save(ds::ParameterServerStrategy& s, const std::string& dir, d
     ds::Checkpoint ckpt(s, {&opt});
     ds::CheckpointManager manager(ckpt, dir, {2});
     for (int step = 0; step < kSteps; ++step) {
-      if (step == kFaultStep) {
-        ds::FaultInjection f;
-        f.kind = kind;
-        f.rank = fault_rank;
-        f.step = s.steps_run();
-        s.set_fault_injection(f);
-      }
+      if (step == kFaultStep) ds::testing::arm_fault_at_next_run(s, kind, fault_rank);
       ds::testing::mlp_train(s, mlp, vars, opt, 16, 1, 100 + step);
       manager.save(step, {{"step", std::to_string(step)}});
       out.last_saved = step;

@@ -339,38 +339,30 @@ TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
     EXPECT_EQ(errors[1], "");
   };
   run_job(2, [&](ds::ParameterServerStrategy& s, int w) {
-    ds::nn::Mlp mlp({6, 7, 3});
-    auto vars = mlp.create_variables(s, 3);
-    ds::Adam adam(s, {0.01f});
-    ds::Checkpoint ckpt(s, {&adam});
-    ds::CheckpointManager manager(ckpt, dir, {2});
+    ds::testing::CheckpointedMlp m(s, 3, dir);
     for (int step = 1; step <= 4; ++step) {
-      ds::testing::mlp_train(s, mlp, vars, adam, 16, 1, 10 + step);
-      manager.save(step, {{"step", std::to_string(step)}});
+      ds::testing::mlp_train(s, m.mlp, m.vars, m.adam, 16, 1, 10 + step);
+      m.manager.save(step, {{"step", std::to_string(step)}});
       if (w == 0) {
         // Nobody pushed since: the PS state is the file, and it holds 2 x step pushes.
-        ds::testing::expect_state_is_file(ckpt, *manager.latest());
-        EXPECT_EQ(adam.iterations().value().data<int64_t>()[0], 2 * step);
+        ds::testing::expect_state_is_file(m.ckpt, *m.manager.latest());
+        EXPECT_EQ(m.adam.iterations().value().data<int64_t>()[0], 2 * step);
       }
       s.barrier("checked");
     }
   });
   EXPECT_EQ(list(dir).size(), 7u);  // ckpt-3, ckpt-4 with 2 shard files each, latest
   run_job(3, [&](ds::ParameterServerStrategy& s, int w) {
-    ds::nn::Mlp mlp({6, 7, 3});
-    auto vars = mlp.create_variables(s, 77);
-    ds::Adam adam(s, {0.01f});
-    ds::Checkpoint ckpt(s, {&adam});
-    ds::CheckpointManager manager(ckpt, dir, {2});
-    auto md = manager.restore_latest();
+    ds::testing::CheckpointedMlp m(s, 77, dir);
+    auto md = m.manager.restore_latest();
     ASSERT_TRUE(md.has_value());
     EXPECT_EQ(md->at("step"), "4") << "worker " << w;
-    if (w == 0) ds::testing::expect_state_is_file(ckpt, dir + "/ckpt-4.safetensors");
+    if (w == 0) ds::testing::expect_state_is_file(m.ckpt, dir + "/ckpt-4.safetensors");
     s.barrier("checked");
-    ds::testing::mlp_train(s, mlp, vars, adam, 16, 1, 20);
+    ds::testing::mlp_train(s, m.mlp, m.vars, m.adam, 16, 1, 20);
     s.flush();
     s.barrier("trained");
-    EXPECT_EQ(adam.iterations().value().data<int64_t>()[0], 10);
+    EXPECT_EQ(m.adam.iterations().value().data<int64_t>()[0], 10);
     s.barrier("done");
   });
 }
@@ -439,14 +431,7 @@ TEST(PsCheckpoint, KillDuringSaveAlwaysLeavesALoadableLatest) {
       [](const std::string& dir, int64_t first_step) {
         ds::ParameterServerStrategy s(options(kTwo));
         ds::Variable big = s.create_variable("big", {128, 256}, ds::DType::kFloat32, ds::init::Zeros{});
-        ds::Checkpoint ckpt(s);
-        ds::CheckpointManager manager(ckpt, dir, {2});
-        for (int64_t step = first_step;; ++step) {
-          ds::Tensor v(big.shape(), big.dtype());
-          ds::init::Constant{static_cast<double>(step)}(v);
-          big.assign(v);
-          manager.save(step, {{"step", std::to_string(step)}});
-        }
+        ds::testing::save_step_valued_forever(s, {big}, dir, first_step);
       },
       {"big"}, 25, 8, 777);
   std::printf("PS kill-during-save: %d kills (%d inside a file write), %d checked, last step %lld\n", st.kills,
