@@ -10,6 +10,7 @@
 #     and the job ends; the next start resumes from that step.
 # Usage: ps_resume_test.sh <fashion_mnist> <predict> <mpirun> [mpirun flags...]
 set -euo pipefail
+source "$(dirname "$0")/preempt.sh"
 bin=$1 predict=$2
 shift 2
 launch=("$@")
@@ -39,25 +40,9 @@ echo "ok: stopped at step 6, resumed from step 4, finished; predict on the shard
 # once its first checkpoint exists; every wait below is bounded.
 every=25
 pflags=(--limit 256 --epochs 1000000 --batch 32 --checkpoint-every $every)
-"${launch[@]}" "$bin" "${ps_flags[@]}" "${pflags[@]}" --checkpoint-dir "$work/pre" > "$work/pre.log1" 2>&1 &
-pid=$!
-trap 'kill -KILL "$pid" 2>/dev/null || true; rm -rf "$work"' EXIT
-for _ in $(seq 1200); do
-  test -f "$work/pre/latest" && break
-  kill -0 "$pid" 2>/dev/null || break
-  sleep 0.1
-done
-test -f "$work/pre/latest" || { echo "FAIL: no checkpoint within 120 s"; cat "$work/pre.log1"; exit 1; }
-kill -TERM "$pid"
-for _ in $(seq 1200); do
-  kill -0 "$pid" 2>/dev/null || break
-  sleep 0.1
-done
-if kill -0 "$pid" 2>/dev/null; then
-  kill -KILL "$pid" 2>/dev/null || true
-  echo "FAIL: still running 120 s after SIGTERM"; cat "$work/pre.log1"; exit 1
-fi
-wait "$pid" || true  # mpirun reports 1 after it was signalled, whatever the ranks returned
+preempt_after_first_checkpoint "$work/pre.log1" "$work/pre" \
+  "${launch[@]}" "$bin" "${ps_flags[@]}" "${pflags[@]}" --checkpoint-dir "$work/pre"
+# (mpirun's own exit status says nothing here; the saved checkpoint decides.)
 saved=$(grep -o "preempted: saved .* at step [0-9]*" "$work/pre.log1" || true)
 [[ -n $saved ]] || { echo "FAIL: SIGTERM did not save a checkpoint"; cat "$work/pre.log1"; exit 1; }
 echo "$saved"

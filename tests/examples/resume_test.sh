@@ -12,6 +12,7 @@
 # SIGCONT, SIGTERM after OMPI_MCA_odls_base_sigkill_timeout (T) seconds and
 # SIGKILL after another T: a rank has T seconds to reach a step boundary and save.
 set -euo pipefail
+source "$(dirname "$0")/preempt.sh"
 bin=$1
 shift
 launch=()
@@ -50,33 +51,13 @@ done
 # and a rank blocked on a full pipe could not reach its step boundary.
 every=25
 pflags=(--limit 256 --epochs 1000000 --batch 32 --checkpoint-every $every)
-# Not through run(): $! must be the program (or mpirun), not a subshell.
-${launch[@]+"${launch[@]}"} "$bin" "${strategy_flags[@]}" "${pflags[@]}" --checkpoint-dir "$work/pre" \
-  > "$work/pre.log1" 2>&1 &
-pid=$!
-trap 'kill -KILL "$pid" 2>/dev/null || true; rm -rf "$work"' EXIT
-# Wait (at most 120 s) until training is under way (the first checkpoint), then preempt.
-for _ in $(seq 1200); do
-  test -f "$work/pre/latest" && break
-  kill -0 "$pid" 2>/dev/null || break
-  sleep 0.1
-done
-test -f "$work/pre/latest" || { echo "FAIL: no checkpoint within 120 s of the start"; cat "$work/pre.log1"; exit 1; }
-kill -TERM "$pid"
-# The save and exit must follow within 120 s (mpirun relays SIGTERM after T s).
-for _ in $(seq 1200); do
-  kill -0 "$pid" 2>/dev/null || break
-  sleep 0.1
-done
-if kill -0 "$pid" 2>/dev/null; then
-  kill -KILL "$pid" 2>/dev/null || true
-  echo "FAIL: still running 120 s after SIGTERM"; cat "$work/pre.log1"; exit 1
-fi
-rc=0
-wait "$pid" || rc=$?
+preempt_after_first_checkpoint "$work/pre.log1" "$work/pre" \
+  ${launch[@]+"${launch[@]}"} "$bin" "${strategy_flags[@]}" "${pflags[@]}" --checkpoint-dir "$work/pre"
 # The program exits 0. mpirun itself reports 1 after it was signalled, whatever
 # the ranks returned, so under a launcher the saved checkpoint is the criterion.
-if [[ $rc -ne 0 && ${#launch[@]} -eq 0 ]]; then echo "FAIL: SIGTERM exit status $rc"; cat "$work/pre.log1"; exit 1; fi
+if [[ $preempt_rc -ne 0 && ${#launch[@]} -eq 0 ]]; then
+  echo "FAIL: SIGTERM exit status $preempt_rc"; cat "$work/pre.log1"; exit 1
+fi
 saved=$(grep -o "preempted: saved .* at step [0-9]*" "$work/pre.log1" || true)
 if [[ -z $saved ]]; then
   if grep -q "finished: saved" "$work/pre.log1"; then
