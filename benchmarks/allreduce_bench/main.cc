@@ -106,6 +106,15 @@ struct CommRunner : Runner {
 // multi-worker fusion buffers are, or nccl-tests' -R registered buffers): on
 // one host the shared-memory path then reduces out of the peers' buffers
 // without staging. The buffers are allocated once, for the largest size.
+// The algorithm of an "<algo>_registered" name, or "" for any other name.
+std::string registered_base(const std::string& name) {
+  static const std::string suffix = "_registered";
+  if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return "";
+  }
+  return name.substr(0, name.size() - suffix.size());
+}
+
 struct RegisteredRunner : CommRunner {
   RegisteredRunner(ds::Communicator& c, ds::DType d, ds::ReduceOp o, size_t max_bytes)
       : CommRunner(c, d, o), in_(c.allocate_buffer(max_bytes)), out_(c.allocate_buffer(max_bytes)),
@@ -586,8 +595,7 @@ int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
   const int n = c.inproc;
   std::vector<std::string> algos;
   for (const auto& a : c.algos) {
-    if (a == "mpi" || a == "shm" || a == "gloo" || a == "memcpy" ||
-        a.find("_registered") != std::string::npos) {
+    if (a == "mpi" || a == "shm" || a == "gloo" || a == "memcpy" || !registered_base(a).empty()) {
       std::fprintf(stderr, "# --inproc: skipping '%s' (needs mpirun)\n", a.c_str());
       continue;
     }
@@ -756,10 +764,8 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
       runners.emplace_back(a, owned.back().get());
       continue;
     }
-    const std::string suffix = "_registered";
-    const bool registered =
-        a.size() > suffix.size() && a.compare(a.size() - suffix.size(), suffix.size(), suffix) == 0;
-    const std::string base = registered ? a.substr(0, a.size() - suffix.size()) : a;
+    const bool registered = !registered_base(a).empty();
+    const std::string base = registered ? registered_base(a) : a;
     if (registered && base == "mpi") throw ds::InvalidArgumentError("mpi_registered: MPI_Allreduce has no registered buffers");
     ds::CommunicationOptions o;
     o.algorithm = base == "mpi" ? ds::Algorithm::kMpiNative : ds::parse_algorithm(base);
