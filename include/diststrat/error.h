@@ -19,6 +19,7 @@ enum class ErrorCode {
   kDataLoss,            // a file is truncated or corrupted
   kUnimplemented,       // not supported in this build / configuration
   kResourceExhausted,   // out of memory, memory limit reached, lease held
+  kPermissionDenied,    // the OS refused access (EACCES/EPERM), or a file is owned by another user
   kInternal,            // a bug, or a failing backend call (CUDA, NCCL, MPI)
 };
 
@@ -52,6 +53,7 @@ DISTSTRAT_DEFINE_ERROR(NotFoundError, kNotFound)
 DISTSTRAT_DEFINE_ERROR(DataLossError, kDataLoss)
 DISTSTRAT_DEFINE_ERROR(UnimplementedError, kUnimplemented)
 DISTSTRAT_DEFINE_ERROR(ResourceExhaustedError, kResourceExhausted)
+DISTSTRAT_DEFINE_ERROR(PermissionDeniedError, kPermissionDenied)
 DISTSTRAT_DEFINE_ERROR(InternalError, kInternal)
 #undef DISTSTRAT_DEFINE_ERROR
 

@@ -13,6 +13,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kDataLoss: return "kDataLoss";
     case ErrorCode::kUnimplemented: return "kUnimplemented";
     case ErrorCode::kResourceExhausted: return "kResourceExhausted";
+    case ErrorCode::kPermissionDenied: return "kPermissionDenied";
     case ErrorCode::kInternal: return "kInternal";
   }
   return "kUnknown";
@@ -34,6 +35,7 @@ void throw_error(ErrorCode code, const std::string& message) {
     case ErrorCode::kDataLoss: throw DataLossError(message);
     case ErrorCode::kUnimplemented: throw UnimplementedError(message);
     case ErrorCode::kResourceExhausted: throw ResourceExhaustedError(message);
+    case ErrorCode::kPermissionDenied: throw PermissionDeniedError(message);
     case ErrorCode::kInternal: throw InternalError(message);
   }
   throw Error(code, message);
