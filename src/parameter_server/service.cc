@@ -289,7 +289,10 @@ Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
   switch (static_cast<Op>(p.header.op)) {
     case Op::kCreate: return handle_create(w, p, r);
     case Op::kPull: return handle_pull(w, p, r, reply);
-    case Op::kPush: handle_push(w, p, r); return Outcome::kServed;
+    case Op::kPush:
+      if (lockstep_holds(w, p, r)) return Outcome::kDeferred;
+      handle_push(w, p, r);
+      return Outcome::kServed;
     case Op::kAssign: handle_assign(w, p, r); return Outcome::kServed;
     case Op::kBarrier: return handle_barrier(w, p, r);
     case Op::kStats: handle_stats(reply); return Outcome::kServed;
@@ -301,6 +304,29 @@ Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
     case Op::kRestore: handle_restore(p, r); return Outcome::kServed;
   }
   throw InvalidArgumentError("unknown op " + std::to_string(p.header.op));
+}
+
+// max_staleness 0 is lockstep: every step's gradients are computed on the
+// same weights. The pull rule (handle_pull) makes a worker's step c start
+// after every live worker's step c - 1 push is applied; this holds a step-c
+// push until every other live worker's step-c push has reached the head of
+// its queue too, so no step-c update is applied while another worker still
+// pulls or reads the weights of step c (its reads precede its push).
+bool Service::lockstep_holds(WorkerState& w, const Pending& p, Reader r) {
+  if (options_.max_staleness != 0) return false;
+  const int64_t step = r.get<int64_t>() - 1;  // the push carries the steps after it
+  w.push_reached = std::max(w.push_reached, step);
+  for (const WorkerState& o : workers_) {
+    if (&o == &w || o.done || o.gone || o.push_reached >= step) continue;
+    if (Clock::now() - p.arrived > options_.timeout) {
+      throw DeadlineExceededError("lockstep push of step " + std::to_string(step) + " from worker " +
+                                  std::to_string(w.index) + " waited past the deadline for worker " +
+                                  std::to_string(o.index) + " (at step " + std::to_string(o.steps) +
+                                  ", max_staleness 0)");
+    }
+    return true;
+  }
+  return false;
 }
 
 Service::Outcome Service::handle_create(WorkerState& w, Pending& p, Reader& r) {

@@ -92,6 +92,7 @@ class Service {
     int64_t barrier_count = 0;
     int64_t broadcast_count = 0;  // broadcasts it has completed
     int64_t checked_step = -1;    // the last step it asked kStopCheck about
+    int64_t push_reached = -1;    // lockstep: last step whose push reached its queue's head
     bool done = false;
     bool gone = false;
     Clock::time_point last_heard;
@@ -120,6 +121,9 @@ class Service {
   Outcome handle_create(WorkerState& w, Pending& p, Reader& r);
   Outcome handle_pull(WorkerState& w, Pending& p, Reader& r, Reply& reply);
   void handle_push(WorkerState& w, Pending& p, Reader& r);
+  // max_staleness 0: whether push `p` must wait for the other workers' pushes
+  // of its step (`r` at the push's fields; read from a copy).
+  bool lockstep_holds(WorkerState& w, const Pending& p, Reader r);
   void handle_assign(WorkerState& w, Pending& p, Reader& r);
   Outcome handle_barrier(WorkerState& w, Pending& p, Reader& r);
   void handle_stats(Reply& reply);

@@ -2,7 +2,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "allreduce/transport.h"
@@ -10,6 +12,7 @@
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/update_rule.h"
+#include "least_squares_util.h"
 #include "training_util.h"
 
 namespace ds = diststrat;
@@ -305,6 +308,149 @@ TEST(ParameterServerAsync, LockstepWaitHasADeadlineNamingTheSlowWorker) {
   ps->join();
   if (other_error) std::rethrow_exception(other_error);
 }
+
+// ---- lockstep and the staleness bound ----------------------------------------
+
+using ds::testing::LeastSquares;
+constexpr int kDim = LeastSquares::kDim;
+
+// `workers` workers (ranks 0..workers-1) and one PS train `steps` steps of the
+// least-squares model with plain SGD, each worker on its slice of every
+// global batch, with random pauses (seeded by `seed`) to vary the
+// interleaving. Returns the final weights.
+std::vector<float> lockstep_run(const LeastSquares& b, int workers, int steps, float lr, uint64_t seed) {
+  ds::ParameterServerOptions o;
+  o.max_staleness = 0;
+  o.communication.timeout = std::chrono::seconds(30);
+  ds::InProcessTransportGroup group(workers + 1);
+  auto ps = ds::ps::make_strategy(group.at(workers), o);
+  std::vector<float> out;
+  std::vector<std::exception_ptr> errors(workers);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < workers; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        std::mt19937_64 rng(seed * 31 + r);
+        auto pause = [&] {
+          const int us = static_cast<int>(rng() % 1500);
+          if (us > 500) std::this_thread::sleep_for(std::chrono::microseconds(us));
+        };
+        if (r > 0) pause();  // the chief often starts first
+        auto s = ds::ps::make_strategy(group.at(r), o);
+        ds::Variable w = s->create_variable("w", ds::Shape{kDim}, ds::DType::kFloat32,
+                                            ds::init::Constant{LeastSquares::kInit});
+        ds::SGD sgd(*s, {lr});
+        const int lo = LeastSquares::first_row(r, workers), hi = LeastSquares::first_row(r + 1, workers);
+        for (int t = 0; t < steps; ++t) {
+          pause();
+          s->run([&](ds::ReplicaContext& ctx) {
+            const ds::Tensor wt = w.read(ctx);
+            pause();
+            const std::vector<float> g = b.grad(t, lo, hi, wt.data<float>());
+            ds::Tensor gt(ds::Shape{kDim}, ds::DType::kFloat32);
+            std::copy(g.begin(), g.end(), gt.data<float>());
+            sgd.apply_gradients(ctx, {{gt, w}});
+          });
+        }
+        s->flush();
+        s->barrier("end");  // every worker's pushes are applied
+        if (r == 0) {
+          const ds::Tensor v = w.value();
+          out.assign(v.data<float>(), v.data<float>() + kDim);
+        }
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ps->join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return out;
+}
+
+TEST(ParameterServerLockstep, MaxStalenessZeroEqualsSynchronousSgdIn20Of20Runs) {
+  const int steps = 8;
+  const float lr = 0.3f;
+  const LeastSquares b(steps, 3);
+  const std::vector<float> ref = b.synchronous_sgd(steps, lr);
+  for (int workers : {2, 3}) {
+    int equal = 0;
+    double worst = 0;
+    for (int run = 0; run < 20; ++run) {
+      const std::vector<float> got = lockstep_run(b, workers, steps, lr, 1000 * workers + run);
+      ASSERT_EQ(got.size(), ref.size());
+      double diff = 0;
+      for (int j = 0; j < kDim; ++j) diff = std::max(diff, std::fabs(double(got[j]) - ref[j]));
+      worst = std::max(worst, diff);
+      if (diff <= 1e-5) ++equal;
+    }
+    EXPECT_EQ(equal, 20) << workers << " workers: only " << equal
+                         << " of 20 runs equal synchronous SGD; worst max |diff| " << worst;
+  }
+}
+
+// Worker 1 creates the variable and then stays inside its step 0 until told;
+// worker 0 must start exactly steps 0..k (k + 1 steps) and then wait.
+class StalenessBound : public ::testing::TestWithParam<int> {};
+
+TEST_P(StalenessBound, AWorkerRunsExactlyKStepsAheadOfAStuckOne) {
+  const int k = GetParam();
+  ds::ParameterServerOptions o;
+  o.max_staleness = k;
+  o.communication.timeout = std::chrono::seconds(30);
+  ds::InProcessTransportGroup group(3);
+  auto ps = ds::ps::make_strategy(group.at(2), o);
+  std::atomic<int> started{0};   // steps worker 0 has started (its pull was answered)
+  std::atomic<bool> release{false};
+  std::exception_ptr errors[2];
+  const int steps = k + 3;
+  auto body = [&](int r) {
+    try {
+      auto s = ds::ps::make_strategy(group.at(r), o);
+      ds::Variable w = s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+      ds::SGD sgd(*s, {0.1f});
+      for (int t = 0; t < steps; ++t) {
+        s->run([&](ds::ReplicaContext& ctx) {
+          if (r == 0) ++started;
+          if (r == 1 && t == 0) {
+            while (!release) std::this_thread::sleep_for(milliseconds(2));
+          }
+          ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
+          ds::init::Constant{1.0}(g);
+          sgd.apply_gradients(ctx, {{g, w}});
+        });
+      }
+      s->flush();
+      s->barrier("end");
+    } catch (...) {
+      errors[r] = std::current_exception();
+    }
+  };
+  std::thread w0(body, 0), w1(body, 1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (started < k + 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  // Give a wrong bound time to show.
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_EQ(started.load(), k + 1) << "max_staleness " << k << ": worker 0 started " << started
+                                   << " steps while worker 1 was stuck in step 0";
+  release = true;
+  w0.join();
+  w1.join();
+  ps->join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  EXPECT_EQ(started.load(), steps);
+  const ds::ps::ServiceStats st = ds::ps::local_service(*ps).stats();
+  EXPECT_EQ(st.worker_steps, (std::vector<int64_t>{steps, steps}));
+}
+
+INSTANTIATE_TEST_SUITE_P(K, StalenessBound, ::testing::Values(0, 1, 2));
 
 // ---- row-sparse ------------------------------------------------------------------
 
