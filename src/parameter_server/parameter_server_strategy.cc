@@ -118,6 +118,10 @@ struct ParameterServerStrategy::Impl {
   std::vector<int> ps_ranks, worker_ranks;
   bool is_ps = false;
   int index = 0;  // among PS ranks or among workers
+  // This process's task as TF_CONFIG / the explicit spec names it ("chief",
+  // "worker" or "ps" and its index), when the cluster came from one.
+  std::string task_type;
+  int task_index = 0;
   std::vector<std::unique_ptr<ps::ServiceRunner>> services;  // PS loops in this process
 
   // Worker side.
@@ -498,11 +502,20 @@ std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServ
   if (impl->owned_transport) {
     impl->init_layout(*impl->owned_transport);
     const std::string want = impl->is_ps ? "ps" : "worker";
-    DISTSTRAT_CHECK(cluster.spec.num_tasks("ps") == 0 || cluster.info.task_type == want ||
-                        (want == "worker" && cluster.info.task_type == "chief"),
-                    kInvalidArgument, "ParameterServerStrategy: rank ", impl->rank, " is task '",
+    const bool agrees = cluster.info.task_type == want ||
+                        (want == "worker" && cluster.info.task_type == "chief");
+    DISTSTRAT_CHECK(cluster.spec.num_tasks("ps") == 0 || agrees, kInvalidArgument,
+                    "ParameterServerStrategy: rank ", impl->rank, " is task '",
                     cluster.info.task_type, "' in the cluster but a ", want,
                     " by rank order (chief, worker, ps)");
+    // cluster() reports the task the spec names (TF_CONFIG's chief is
+    // "chief:0", its worker:0 is "worker:0" though it is worker index 1).
+    const bool named = cluster.source == ClusterSource::kExplicit ||
+                       cluster.source == ClusterSource::kTfConfig;
+    if (named && agrees) {
+      impl->task_type = cluster.info.task_type;
+      impl->task_index = cluster.info.task_index;
+    }
   }
   return impl;
 }
@@ -566,12 +579,13 @@ int ParameterServerStrategy::first_local_replica() const {
 
 ClusterInfo ParameterServerStrategy::cluster() const {
   ClusterInfo c;
-  c.task_type = impl_->is_ps ? "ps" : "worker";
-  c.task_index = impl_->index;
+  // The spec's task when there is one; else the role by rank order.
+  c.task_type = !impl_->task_type.empty() ? impl_->task_type : impl_->is_ps ? "ps" : "worker";
+  c.task_index = !impl_->task_type.empty() ? impl_->task_index : impl_->index;
   c.rank = impl_->own_group ? 0 : impl_->rank;
   c.world_size = impl_->own_group ? 1 : impl_->world;
   c.num_workers = impl_->num_workers();
-  c.worker_index = impl_->is_ps ? 0 : impl_->index;
+  c.worker_index = impl_->is_ps ? -1 : impl_->index;  // PS ranks run no replicas (as cluster.h)
   return c;
 }
 
