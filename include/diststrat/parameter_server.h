@@ -32,9 +32,19 @@
 // and apply_sparse_gradients pushes gradients for only those rows.
 //
 // Consistency. Workers are asynchronous: a PS applies each push on receipt.
-// `max_staleness` bounds how far a worker may run ahead of the slowest one
-// (stale-synchronous parallel): a worker does not start step c until every
-// live worker has pushed at least c - max_staleness steps (0 = lockstep).
+// `max_staleness` = k >= 0 bounds how far a worker may run ahead of the
+// slowest live one (stale-synchronous parallel): a worker does not start step
+// c (its pull for step c is not answered) until every live worker has pushed
+// at least c - k steps, so it is at most k steps ahead. k = 0 is lockstep:
+// besides, a push of step c is applied only once every live worker's step-c
+// push has reached the PS, so every worker computes step c on the same
+// weights (after all step c - 1 pushes, before any of step c). With plain
+// SGD that is synchronous SGD over the global batch (up to the float rounding
+// of the order in which the pushes are added). The PS still applies the
+// optimizer once per push, i.e. once per worker and step: with n workers,
+// momentum, Nesterov and Adam take n steps of their rule per global step
+// (Adam's t and optimizer/iterations advance by n), each on one worker's
+// gradient, which is not synchronous momentum/Adam unless n = 1.
 //
 // Errors. A push or pull the PS rejects (wrong shape or dtype, unknown
 // variable, row id out of range) raises a clear error at the worker (at the
@@ -113,7 +123,8 @@ struct ParameterServerOptions {
   // lives whole on one PS, placed round-robin).
   Partitioner partitioner;
   // Stale-synchronous bound: a worker may be at most this many steps ahead
-  // of the slowest live worker. Negative (default) = fully asynchronous.
+  // of the slowest live worker; 0 = lockstep (see "Consistency" above).
+  // Negative (default) = fully asynchronous.
   int max_staleness = -1;
   // Deadline of every wait (pulls, staleness waits, barriers, PS replies).
   CommunicationOptions communication;
@@ -186,6 +197,11 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   int num_local_replicas() const override;
   const std::vector<Device>& devices() const override;
   int first_local_replica() const override;
+  // This process's task as TF_CONFIG (or the explicit ClusterSpec) names it:
+  // "chief" 0, "worker" i, "ps" j; without one (plain mpirun, one process)
+  // "worker" <worker index> or "ps" <PS index>. worker_index is the position
+  // among the workers (the chief is 0; TF_CONFIG's worker i is i + 1 when
+  // there is a chief), -1 on PS ranks, as resolve_cluster() reports.
   ClusterInfo cluster() const override;
 
   bool is_ps() const;
