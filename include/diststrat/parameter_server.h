@@ -151,6 +151,15 @@ struct ParameterServerStats {
   std::vector<int64_t> worker_steps;
 };
 
+// A job-wide metric's running totals (TensorFlow's metrics that the
+// coordinator reads, e.g. tf.keras.metrics.Mean's total and count): the sums
+// of every addition of every worker.
+struct MetricTotals {
+  double sum = 0;
+  double count = 0;
+  double mean() const { return count > 0 ? sum / count : 0.0; }
+};
+
 // A gradient for some rows of a row-sparse variable: values[i] is the
 // gradient of row ids[i] (ids int64 [n], values [n, dims[1:]...]). Duplicate
 // ids are summed before the push.
@@ -197,6 +206,34 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   int num_local_replicas() const override;
   const std::vector<Device>& devices() const override;
   int first_local_replica() const override;
+
+  // What Strategy::reduce returns here: the reduction over THIS WORKER'S
+  // replicas only, not over num_replicas_in_sync() -- workers never meet in
+  // a step. kSum sums this worker's replicas, kMean divides by
+  // num_local_replicas(). So a loss summed with reduce(kSum) after scaling
+  // by 1 / global_size() is this worker's share (about 1 / num_workers of
+  // the global batch's loss). For a job-wide figure, every worker adds its
+  // share to a metric on PS 0 and any worker reads the totals:
+  //
+  //   // each replica returns float64 {its loss sum, its rows}
+  //   const double* t = strategy.reduce(ReduceOp::kSum, per_replica).data<double>();
+  //   ps.add_to_metric("train/loss", t[0], t[1]);          // every worker, every step
+  //   double mean = ps.read_metric("train/loss").mean();   // any worker, any time
+  //
+  // (examples/fashion_mnist and benchmarks/train_bench print their loss so.)
+
+  // Worker: adds (sum, count) to the job-wide metric `name` (1..256
+  // characters) held by PS 0, created as (0, 0) at its first addition. Does
+  // not wait, like a push: a rejection (count negative or not finite, more
+  // than 1024 metrics) is raised by the next call that waits on the PS.
+  // Metrics live as long as the PS ranks; checkpoints do not hold them.
+  void add_to_metric(const std::string& name, double sum, double count = 1);
+  // Worker: the totals of `name` ((0, 0) if nobody added yet): every addition
+  // PS 0 has applied, including this worker's earlier ones and every
+  // worker's made before a barrier() this worker has since passed (so after
+  // a barrier every worker reads the same totals). Blocking: one round trip
+  // to PS 0 with the communication timeout.
+  MetricTotals read_metric(const std::string& name);
   // This process's task as TF_CONFIG (or the explicit ClusterSpec) names it:
   // "chief" 0, "worker" i, "ps" j; without one (plain mpirun, one process)
   // "worker" <worker index> or "ps" <PS index>. worker_index is the position
@@ -272,8 +309,7 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
  protected:
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
-  // reduce() covers this worker's replicas only (workers never meet):
-  // kMean divides by num_local_replicas().
+  // reduce() covers this worker's replicas only (see above).
   double reduce_across(ReduceOp op, const std::vector<double>& local) override;
   Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;
   Tensor gather_across(const std::vector<Tensor>& local) override;

@@ -184,7 +184,10 @@ class Strategy {
   }
 
   // Cross-replica reductions of run()'s results over all replicas in sync
-  // (all workers). kMean divides by num_replicas_in_sync().
+  // (all workers). kMean divides by num_replicas_in_sync(). Exception:
+  // ParameterServerStrategy reduces over the calling worker's replicas only
+  // (its workers never meet; parameter_server.h says how to get a job-wide
+  // figure).
   double reduce(ReduceOp op, const PerReplica<double>& values);
   float reduce(ReduceOp op, const PerReplica<float>& values);
   Tensor reduce(ReduceOp op, const PerReplica<Tensor>& values);

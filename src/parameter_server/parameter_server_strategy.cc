@@ -3,6 +3,7 @@
 // behind the push). The PS side is service.cc; the wire protocol wire.h.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -10,6 +11,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "allreduce/reduce_kernels.h"
 #include "diststrat/config.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
@@ -977,7 +979,43 @@ void ParameterServerStrategy::update(Variable& var, const std::function<void(Ten
 
 Tensor ParameterServerStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
   impl_->require_worker("reduce");
-  return Strategy::reduce_tensors_across(op, impl_->replicas->to_host(local));
+  // As reduce_across: this worker's replicas, so kMean divides by their
+  // number (the base class divides by every worker's replicas).
+  const std::vector<Tensor> host = impl_->replicas->to_host(local);
+  if (op != ReduceOp::kMean) return Strategy::reduce_tensors_across(op, host);
+  Tensor out = Strategy::reduce_tensors_across(ReduceOp::kSum, host);
+  kernels::scale_mean(out.data(), static_cast<size_t>(out.num_elements()), out.dtype(),
+                      static_cast<int>(host.size()));
+  return out;
+}
+
+void ParameterServerStrategy::add_to_metric(const std::string& name, double sum, double count) {
+  Impl& m = *impl_;
+  m.require_worker("add_to_metric");
+  DISTSTRAT_CHECK(std::isfinite(count) && count >= 0, kInvalidArgument, "worker ", m.index,
+                  ": add_to_metric '", name.substr(0, 200), "': count ", count,
+                  " is not a finite number >= 0");
+  std::lock_guard<std::mutex> lock(m.mu);
+  ps::Writer w;
+  w.put_string(name).put<double>(sum).put<double>(count);
+  auto c = m.client->post(0, ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
+                          "add to metric '" + name.substr(0, 200) + "'");
+  m.client->detach(c);
+  m.client->poll();
+  m.progress_cv.notify_all();
+}
+
+MetricTotals ParameterServerStrategy::read_metric(const std::string& name) {
+  Impl& m = *impl_;
+  m.require_worker("read_metric");
+  std::lock_guard<std::mutex> lock(m.mu);
+  ps::Writer w;
+  w.put_string(name).put<double>(0.0).put<double>(0.0);
+  double totals[2] = {0, 0};
+  auto c = m.client->post(0, ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, totals, sizeof totals,
+                          "read of metric '" + name.substr(0, 200) + "'");
+  m.client->wait(c);
+  return MetricTotals{totals[0], totals[1]};
 }
 
 Tensor ParameterServerStrategy::gather_across(const std::vector<Tensor>& local) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -302,6 +303,7 @@ Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
     case Op::kSave: handle_save(r, reply); return Outcome::kServed;
     case Op::kReadSlots: handle_read_slots(r, reply); return Outcome::kServed;
     case Op::kRestore: handle_restore(p, r); return Outcome::kServed;
+    case Op::kMetric: handle_metric(p, r, reply); return Outcome::kServed;
   }
   throw InvalidArgumentError("unknown op " + std::to_string(p.header.op));
 }
@@ -766,6 +768,33 @@ void Service::handle_restore(Pending& p, Reader& r) {
     }
     if (it.step >= 0) s.step = it.step;
   }
+}
+
+void Service::handle_metric(Pending& p, Reader& r, Reply& reply) {
+  constexpr size_t kMaxMetrics = 1024, kMaxName = 256;
+  const std::string name = r.get_string();
+  const double sum = r.get<double>();
+  const double count = r.get<double>();
+  const std::string shown = name.size() > 200 ? name.substr(0, 200) + "..." : name;
+  DISTSTRAT_CHECK(!name.empty() && name.size() <= kMaxName, kInvalidArgument, "metric '", shown,
+                  "': a name of ", name.size(), " characters (1 to ", kMaxName, ")");
+  DISTSTRAT_CHECK(std::isfinite(count) && count >= 0, kInvalidArgument, "metric '", shown, "': count ",
+                  count, " is not a finite number >= 0");
+  DISTSTRAT_CHECK(p.header.reply_bytes == 0 || p.header.reply_bytes == 2 * sizeof(double),
+                  kInvalidArgument, "metric '", shown, "': a reply of ", p.header.reply_bytes,
+                  " bytes asked (0 or 16)");
+  auto it = metrics_.find(name);
+  if (it == metrics_.end()) {
+    DISTSTRAT_CHECK(metrics_.size() < kMaxMetrics, kInvalidArgument, "metric '", shown, "': already ",
+                    kMaxMetrics, " metrics on ", who());
+    it = metrics_.emplace(name, std::make_pair(0.0, 0.0)).first;
+  }
+  it->second.first += sum;
+  it->second.second += count;
+  if (p.header.reply_bytes == 0) return;
+  Writer wr;
+  wr.put(it->second.first).put(it->second.second);
+  reply.payload = std::move(wr.bytes());
 }
 
 void Service::handle_stats(Reply& reply) {

@@ -132,6 +132,7 @@ class Service {
   void handle_save(Reader& r, Reply& reply);
   void handle_read_slots(Reader& r, Reply& reply);
   void handle_restore(Pending& p, Reader& r);
+  void handle_metric(Pending& p, Reader& r, Reply& reply);
   std::vector<ShardSnapshot> snapshot_locked() const;
 
   Shard& find_shard(const Entry& e, const std::string& what);
@@ -160,6 +161,8 @@ class Service {
   std::map<int64_t, std::vector<char>> broadcasts_;
   // Preemption: the step every worker stops at (-1: none yet).
   int64_t stop_at_ = -1;
+  // Job-wide metrics (PS 0): name -> (sum, count) over every worker's additions.
+  std::map<std::string, std::pair<double, double>> metrics_;
 };
 
 }  // namespace ps

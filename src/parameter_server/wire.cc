@@ -17,6 +17,7 @@ const char* op_name(Op op) {
     case Op::kSave: return "checkpoint save";
     case Op::kReadSlots: return "slot read";
     case Op::kRestore: return "checkpoint restore";
+    case Op::kMetric: return "metric";
   }
   return "unknown op";
 }

@@ -48,6 +48,7 @@ enum class Op : uint16_t {
   kSave = 10,      // write this PS's shard file (value, slots, step of every shard)
   kReadSlots = 11, // read optimizer slots of shards
   kRestore = 12,   // overwrite shards' values, slots and step counters
+  kMetric = 13,    // PS 0: add (sum, count) to a job-wide metric; reply its totals if asked
 };
 const char* op_name(Op op);
 

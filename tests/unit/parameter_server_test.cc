@@ -630,6 +630,106 @@ TEST(ParameterServerBadInput, ErrorOfANonBlockingPushSurfacesAtTheNextStep) {
   EXPECT_EQ(strategy.stats().pushes_rejected, 1);
 }
 
+// ---- job-wide figures: reduce() is per worker, metrics are job-wide -----------
+
+// Three workers with two replicas each and two PS ranks. Every replica's
+// "loss" is 1 + worker index; reduce() gives this worker's replicas' figure,
+// the metric on PS 0 every worker's.
+TEST(ParameterServerMetrics, ReduceIsPerWorkerAndTheMetricIsJobWide) {
+  const int workers = 3, num_ps = 2, steps = 5;
+  ds::ParameterServerOptions o;
+  o.num_ps = num_ps;
+  o.devices = cpus(2);
+  o.communication.timeout = std::chrono::seconds(30);
+  ds::InProcessTransportGroup group(workers + num_ps);
+  std::vector<std::unique_ptr<ds::ParameterServerStrategy>> ps;
+  for (int p = 0; p < num_ps; ++p) ps.push_back(ds::ps::make_strategy(group.at(workers + p), o));
+  std::vector<std::exception_ptr> errors(workers);
+  std::vector<ds::MetricTotals> seen(workers);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < workers; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto s = ds::ps::make_strategy(group.at(r), o);
+        EXPECT_EQ(s->num_replicas_in_sync(), 2 * workers);
+        ds::Variable w = s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+        for (int t = 0; t < steps; ++t) {
+          // {loss sum, rows} per replica, as the examples return them.
+          ds::PerReplica<ds::Tensor> loss = s->run([&](ds::ReplicaContext&) {
+            ds::Tensor v(ds::Shape{2}, ds::DType::kFloat64);
+            v.data<double>()[0] = 1.0 + r;
+            v.data<double>()[1] = 4;  // rows of this replica
+            return v;
+          });
+          const ds::Tensor local = s->reduce(ds::ReduceOp::kSum, loss);
+          EXPECT_EQ(local.data<double>()[0], 2.0 * (1 + r));  // this worker's two replicas
+          EXPECT_EQ(local.data<double>()[1], 8.0);
+          const ds::Tensor mean = s->reduce(ds::ReduceOp::kMean, loss);
+          EXPECT_EQ(mean.data<double>()[0], 1.0 + r) << "kMean of tensors divides by the local replicas";
+          ds::PerReplica<double> scalar = s->run([&](ds::ReplicaContext&) { return 1.0 + r; });
+          EXPECT_EQ(s->reduce(ds::ReduceOp::kMean, scalar), 1.0 + r);
+          s->add_to_metric("train/loss", local.data<double>()[0], local.data<double>()[1]);
+        }
+        // A worker sees its own additions at once.
+        EXPECT_GE(s->read_metric("train/loss").count, steps * 8.0);
+        s->barrier("added");
+        seen[r] = s->read_metric("train/loss");
+        EXPECT_EQ(s->read_metric("nobody added").count, 0.0);
+        s->barrier("read");
+        (void)w;
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& p : ps) p->join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  // Every worker's every step: sum 5 * 2 * (1 + 2 + 3), count 5 * 3 * 8.
+  for (int r = 0; r < workers; ++r) {
+    EXPECT_EQ(seen[r].sum, steps * 2.0 * (1 + 2 + 3)) << "worker " << r;
+    EXPECT_EQ(seen[r].count, steps * 8.0 * workers) << "worker " << r;
+    EXPECT_DOUBLE_EQ(seen[r].mean(), 2.0 * 6 / 24.0);
+  }
+}
+
+TEST(ParameterServerMetrics, BadAdditionsAreRejectedAndChangeNothing) {
+  ds::ParameterServerOptions o;
+  o.communication.timeout = std::chrono::seconds(10);
+  ds::InProcessTransportGroup group(3);  // worker 0 (strategy), worker 1 (raw), PS 2
+  auto ps = ds::ps::make_strategy(group.at(2), o);
+  {
+    auto s = ds::ps::make_strategy(group.at(0), o);
+    s->add_to_metric("m", 3.0, 2.0);
+    expect_error([&] { s->add_to_metric("m", 1.0, -1.0); }, ds::ErrorCode::kInvalidArgument,
+                 "worker 0: add_to_metric 'm': count -1 is not a finite number >= 0");
+    RawWorker raw(group.at(1));
+    auto metric = [&](const std::string& name, double sum, double count) {
+      ds::ps::Writer w;
+      w.put_string(name).put<double>(sum).put<double>(count);
+      auto call = raw.client.post(0, ds::ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
+                                  "raw metric");
+      raw.client.wait(call);
+    };
+    expect_error([&] { metric("m", 1.0, std::nan("")); }, ds::ErrorCode::kInvalidArgument,
+                 "metric 'm': count nan is not a finite number >= 0");
+    expect_error([&] { metric(std::string(300, 'x'), 1.0, 1.0); }, ds::ErrorCode::kInvalidArgument,
+                 "a name of 300 characters (1 to 256)");
+    expect_error([&] { metric("", 1.0, 1.0); }, ds::ErrorCode::kInvalidArgument,
+                 "a name of 0 characters");
+    metric("m", 1.0, 1.0);
+    const ds::MetricTotals t = s->read_metric("m");
+    EXPECT_EQ(t.sum, 4.0);
+    EXPECT_EQ(t.count, 3.0);
+    auto done = raw.client.post(0, ds::ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0, "done");
+    raw.client.wait(done);
+  }
+  ps->join();
+  EXPECT_THROW(ps->add_to_metric("m", 1.0), ds::FailedPreconditionError);
+}
+
 // ---- checkpoints -------------------------------------------------------------------
 
 TEST(ParameterServer, ShardsSnapshotAndARestartedJobResumes) {
