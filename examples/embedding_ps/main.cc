@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <map>
 #include <random>
+#include <string>
+#include <tuple>
 
 #include <diststrat/diststrat.h>
 
@@ -132,7 +134,9 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int epoch = 0; epoch < f.epochs; ++epoch) {
       dist.set_epoch(epoch);
-      double loss_sum = 0;
+      // reduce() here covers this worker's replicas only: each worker adds its
+      // share of every step to a metric on PS 0, which holds every worker's.
+      const std::string metric = "embedding_ps/loss/epoch-" + std::to_string(epoch + 1);
       for (const ds::DistributedBatch& batch : dist) {
         const float scale = 1.0f / static_cast<float>(batch.global_size());
         auto loss = strategy.run([&](ds::ReplicaContext& ctx) {
@@ -158,16 +162,23 @@ int main(int argc, char** argv) {
             }
           }
           strategy.apply_gradients(ctx, sgd, {{dw, w}, {db, b}}, {{table, l.unique_ids, drows}});
-          return std::make_pair(l_sum * scale, l.unique_ids.num_elements());
+          return std::make_tuple(l_sum, static_cast<double>(n), l.unique_ids.num_elements());
         });
-        for (const auto& [ls, u] : loss) {
+        double loss_sum = 0, examples = 0;
+        for (const auto& [ls, n, u] : loss) {
           loss_sum += ls;
+          examples += n;
           rows_moved += u;
         }
+        strategy.add_to_metric(metric, loss_sum, examples);
         ++steps;
       }
       if (chief) {
-        std::printf("epoch %d  mean loss %.4f\n", epoch + 1, loss_sum / static_cast<double>(dist.num_batches()));
+        // Workers run at their own pace: this is every example any worker had
+        // finished in this epoch when the chief finished it.
+        const ds::MetricTotals t = strategy.read_metric(metric);
+        std::printf("epoch %d  mean loss %.4f (over %.0f examples of every worker)\n", epoch + 1, t.mean(),
+                    t.count);
       }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
