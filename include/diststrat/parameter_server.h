@@ -212,12 +212,14 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   // a step. kSum sums this worker's replicas, kMean divides by
   // num_local_replicas(). So a loss summed with reduce(kSum) after scaling
   // by 1 / global_size() is this worker's share (about 1 / num_workers of
-  // the global batch's loss). For a job-wide figure, every worker adds its
+  // the global batch's loss). Likewise gather() and the collectives of the
+  // ReplicaContext (all_reduce, all_gather; kMean by the local count) cover
+  // this worker's replicas. For a job-wide figure, every worker adds its
   // share to a metric on PS 0 and any worker reads the totals:
   //
   //   // each replica returns float64 {its loss sum, its rows}
-  //   const double* t = strategy.reduce(ReduceOp::kSum, per_replica).data<double>();
-  //   ps.add_to_metric("train/loss", t[0], t[1]);          // every worker, every step
+  //   const Tensor t = strategy.reduce(ReduceOp::kSum, per_replica);
+  //   ps.add_to_metric("train/loss", t.data<double>()[0], t.data<double>()[1]);  // every worker
   //   double mean = ps.read_metric("train/loss").mean();   // any worker, any time
   //
   // (examples/fashion_mnist and benchmarks/train_bench print their loss so.)
