@@ -268,7 +268,8 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
                        const std::vector<SparseGradient>& sparse);
 
   // Worker: waits for every outstanding push to be acknowledged (rethrowing a
-  // rejection) and for any prefetched pull.
+  // rejection) and for any prefetched pull. Under lockstep (max_staleness 0)
+  // a push is acknowledged once every live worker has pushed the same step.
   void flush();
   // Worker: counters and staleness as the PS ranks saw them (blocking).
   ParameterServerStats stats();

@@ -783,6 +783,8 @@ TEST(ParameterServer, RolesAndMisuse) {
   EXPECT_TRUE(ps->is_ps());
   EXPECT_EQ(ps->cluster().task_type, "ps");
   EXPECT_EQ(ps->cluster().task_index, 1);
+  EXPECT_EQ(ps->cluster().worker_index, -1);  // runs no replicas, as resolve_cluster() says
+  EXPECT_FALSE(ps->cluster().is_chief());
   EXPECT_THROW(ps->create_variable("x", ds::Shape{1}, ds::DType::kFloat32, ds::init::Zeros{}),
                ds::FailedPreconditionError);
   ds::ParameterServerOptions bad;
