@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <limits>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -66,7 +67,10 @@ ds::CheckpointMetadata position_metadata(const Flags& f, const Position& p,
 
 // Reads the position back and refuses a checkpoint whose data order differs
 // from this run's (another batch size, seed or subset would not resume exactly).
-Position resume_position(const Flags& f, const ds::CheckpointMetadata& md, const std::string& dir) {
+// Every number is range-checked (ds::metadata_int): "step=abc" is a DataLoss
+// error naming the file and key, not an exception that ends the process.
+Position resume_position(const Flags& f, const ds::CheckpointMetadata& md, const std::string& dir,
+                         const std::string& path, int64_t num_batches) {
   auto get = [&](const char* key) -> std::string {
     auto it = md.find(key);
     if (it == md.end()) {
@@ -85,7 +89,9 @@ Position resume_position(const Flags& f, const ds::CheckpointMetadata& md, const
                                      ": the data order would differ; use the same flags");
     }
   }
-  return {std::stoll(get("epoch")), std::stoll(get("batch")), std::stoll(get("step"))};
+  return {ds::metadata_int(md, "epoch", 0, std::numeric_limits<int>::max(), path),
+          ds::metadata_int(md, "batch", 0, num_batches, path),
+          ds::metadata_int(md, "step", 0, std::numeric_limits<int64_t>::max(), path)};
 }
 
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
@@ -252,10 +258,12 @@ int main(int argc, char** argv) {
       manager = std::make_unique<ds::CheckpointManager>(checkpoint, f.checkpoint_dir,
                                                         ds::CheckpointManagerOptions{f.max_to_keep});
       if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
-        pos = resume_position(f, *md, f.checkpoint_dir);
+        // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
+        const std::string from = manager->restored_path().value_or("?");
+        pos = resume_position(f, *md, f.checkpoint_dir, from, dist.num_batches());
         if (chief) {
           std::printf("resumed from %s: epoch %lld, batch %lld, step %lld\n",
-                      manager->latest().value_or("?").c_str(), static_cast<long long>(pos.epoch + 1),
+                      from.c_str(), static_cast<long long>(pos.epoch + 1),
                       static_cast<long long>(pos.batch), static_cast<long long>(pos.step));
         }
       }
