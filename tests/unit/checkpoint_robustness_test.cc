@@ -22,6 +22,7 @@
 
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
+#include "core/timeline.h"
 #include "io/checkpoint_internal.h"
 
 namespace ds = diststrat;
@@ -463,4 +464,26 @@ TEST(CheckpointRobustness, MetadataIntParsesStrictlyWithinRange) {
                                   "out of range");
   expect_error<ds::InvalidArgumentError>([&] { ds::metadata_int(md, "epoch", 0, 1, "/c/f"); }, {"/c/f", "'epoch'"},
                                          "absent");
+}
+
+// ---- the same defect classes elsewhere -----------------------------------------
+
+// The timeline file: written atomically through a fresh temporary, never
+// through a symlink planted at "<path>.tmp", and errno mapped to its code.
+TEST(FileWritesRobustness, TimelineFileDoesNotFollowAPlantedTempSymlink) {
+  const std::string dir = temp_dir();
+  write_bytes(dir + "/victim", {'k', 'e', 'e', 'p'});
+  ASSERT_EQ(::symlink((dir + "/victim").c_str(), (dir + "/t.json.tmp").c_str()), 0);
+  ds::Timeline::write_file(dir + "/t.json", {"{\"name\":\"x\"}"});
+  EXPECT_EQ(read_bytes(dir + "/victim"), (std::vector<uint8_t>{'k', 'e', 'e', 'p'}));
+  const auto text = read_bytes(dir + "/t.json");
+  EXPECT_TRUE(contains(std::string(text.begin(), text.end()), "traceEvents"));
+  EXPECT_THROW(ds::Timeline::write_file(dir + "/victim/t.json", {}), ds::FailedPreconditionError);
+  EXPECT_THROW(ds::Timeline::write_file(dir + "/none/t.json", {}), ds::NotFoundError);
+}
+
+// A device index too large for an int is an InvalidArgumentError, not std::out_of_range.
+TEST(FileWritesRobustness, DeviceIndexOverflowIsInvalidArgument) {
+  EXPECT_THROW(ds::Device::parse("cpu:99999999999"), ds::InvalidArgumentError);
+  EXPECT_EQ(ds::Device::parse("gpu:12").index, 12);
 }
