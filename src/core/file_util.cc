@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <new>
 
 namespace diststrat {
 namespace fs {
@@ -120,7 +121,12 @@ void ReadOnlyFile::read_at(uint64_t offset, void* buf, size_t n) const {
 }
 
 std::vector<uint8_t> ReadOnlyFile::read_all() const {
-  std::vector<uint8_t> out(static_cast<size_t>(size_));
+  std::vector<uint8_t> out;
+  try {
+    out.resize(static_cast<size_t>(size_));
+  } catch (const std::bad_alloc&) {
+    throw ResourceExhaustedError(what_ + ": its " + std::to_string(size_) + " bytes do not fit in memory");
+  }
   if (size_ > 0) read_at(0, out.data(), out.size());
   return out;
 }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <new>
 #include <set>
 #include <sstream>
 
@@ -62,10 +63,13 @@ void on_chief_then_agree(Strategy& s, const std::string& what, const std::functi
       code = static_cast<int64_t>(e.code());
       message = e.message();
       local = std::current_exception();
+    } catch (const std::bad_alloc&) {
+      // Only diststrat::Error leaves a public call, on the chief as elsewhere.
+      code = static_cast<int64_t>(ErrorCode::kResourceExhausted);
+      message = what + ": out of memory";
     } catch (const std::exception& e) {
       code = static_cast<int64_t>(ErrorCode::kInternal);
-      message = e.what();
-      local = std::current_exception();
+      message = what + ": " + e.what();
     }
   }
   if (is_multi_process(s)) {
@@ -73,6 +77,7 @@ void on_chief_then_agree(Strategy& s, const std::string& what, const std::functi
     if (code >= 0) message = broadcast_string(s, message, what + " error");
   }
   if (local) std::rethrow_exception(local);
+  if (code >= 0 && is_writer(s)) throw_error(static_cast<ErrorCode>(code), message);
   if (code >= 0) {
     throw_error(static_cast<ErrorCode>(code),
                 "rank " + std::to_string(s.cluster().rank) + ": the chief failed " + what + ": " +

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -441,7 +442,12 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
 }  // namespace ckpt
 
 SafetensorsFile load_checkpoint(const std::string& path, const SafetensorsLoadOptions& options) {
-  return ckpt::load_any(path, options).file;
+  try {
+    return ckpt::load_any(path, options).file;
+  } catch (const std::bad_alloc&) {
+    // Sizes are validated against the files first; this is a real shortage.
+    throw ResourceExhaustedError("checkpoint '" + path + "': out of memory while reading it");
+  }
 }
 
 }  // namespace diststrat
