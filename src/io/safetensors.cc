@@ -94,6 +94,21 @@ std::string canonical_header(json header) {
   return header.dump();  // nlohmann::json objects are std::map: keys sorted, no spaces
 }
 
+// The header's __metadata__: a string-to-string map, else DataLossError.
+CheckpointMetadata metadata_of(const json& header, const std::string& what) {
+  CheckpointMetadata out;
+  auto it = header.find("__metadata__");
+  if (it == header.end()) return out;
+  if (!it->is_object()) throw DataLossError("checkpoint '" + what + "': __metadata__ is not an object");
+  for (auto m = it->begin(); m != it->end(); ++m) {
+    if (!m.value().is_string()) {
+      throw DataLossError("checkpoint '" + what + "': __metadata__ value of '" + m.key() + "' is not a string");
+    }
+    out[m.key()] = m.value().get<std::string>();
+  }
+  return out;
+}
+
 }  // namespace
 
 const Tensor* SafetensorsFile::find(const std::string& name) const {
@@ -249,14 +264,7 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
   if (!header.is_object()) throw corrupt("header is not a JSON object");
 
   SafetensorsFile out;
-  if (header.contains("__metadata__")) {
-    const json& md = header["__metadata__"];
-    if (!md.is_object()) throw corrupt("__metadata__ is not an object");
-    for (auto it = md.begin(); it != md.end(); ++it) {
-      if (!it.value().is_string()) throw corrupt("__metadata__ value of '" + it.key() + "' is not a string");
-      out.metadata[it.key()] = it.value().get<std::string>();
-    }
-  }
+  out.metadata = metadata_of(header, what);
 
   const uint64_t data_size = size - 8 - n;
   const uint8_t* data = bytes + 8 + n;
@@ -410,14 +418,7 @@ ckpt::SafetensorsHeader ckpt::read_safetensors_header(const std::string& path) {
   }
   if (!header.is_object()) throw corrupt("header is not a JSON object");
   SafetensorsHeader out;
-  if (header.contains("__metadata__")) {
-    const json& md = header["__metadata__"];
-    if (!md.is_object()) throw corrupt("__metadata__ is not an object");
-    for (auto it = md.begin(); it != md.end(); ++it) {
-      if (!it.value().is_string()) throw corrupt("__metadata__ value of '" + it.key() + "' is not a string");
-      out.metadata[it.key()] = it.value().get<std::string>();
-    }
-  }
+  out.metadata = metadata_of(header, path);
   auto crc = out.metadata.find(kHeaderCrcKey);
   if (crc != out.metadata.end()) {
     const std::string canon = canonical_header(header);
