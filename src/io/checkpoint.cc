@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <limits>
 #include <cstring>
 #include <functional>
@@ -412,12 +413,18 @@ bool parse_step_file(const std::string& name, int64_t* step) {
          ckpt::parse_int(digits, 0, std::numeric_limits<int64_t>::max(), step);
 }
 
+// The names in `dir`; none when it does not exist. Any other failure is an
+// error: an unlistable directory must not look like an empty one (a silent
+// fresh start).
 std::vector<std::string> list_dir(const std::string& dir) {
   std::vector<std::string> out;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (dirent* e = ::readdir(d)) out.emplace_back(e->d_name);
-    ::closedir(d);
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) {
+    if (errno == ENOENT) return out;
+    fs::throw_errno(errno, "checkpoint directory '" + dir + "': cannot list it");
   }
+  while (dirent* e = ::readdir(d)) out.emplace_back(e->d_name);
+  ::closedir(d);
   return out;
 }
 

@@ -487,3 +487,54 @@ TEST(FileWritesRobustness, DeviceIndexOverflowIsInvalidArgument) {
   EXPECT_THROW(ds::Device::parse("cpu:99999999999"), ds::InvalidArgumentError);
   EXPECT_EQ(ds::Device::parse("gpu:12").index, 12);
 }
+
+// Shard-file names: an orphan a save of ours wrote (name and header agree) is
+// pruned; a renamed one (its header names another save) or garbage is kept.
+TEST(CheckpointManagerRobustness, OnlyOwnOrphanShardFilesArePruned) {
+  const std::string dir = temp_dir();
+  ds::ShardSnapshot snap;
+  snap.variable = "w";
+  snap.full_shape = ds::Shape{2};
+  snap.value = ds::Tensor(ds::Shape{2}, ds::DType::kFloat32);
+  const std::string orphan = ds::ckpt::shard_file_path(dir + "/ckpt-5.safetensors", 0, 1, 0xab);
+  ds::ckpt::write_shard_file(orphan, 0xab, 0, 1, {snap});
+  const std::string renamed = ds::ckpt::shard_file_path(dir + "/ckpt-5.safetensors", 0, 1, 0xcd);
+  ds::ckpt::write_shard_file(renamed, 0xef, 0, 1, {snap});  // header: save 0xef
+  const std::string garbage = ds::ckpt::shard_file_path(dir + "/ckpt-6.safetensors", 0, 2, 0x12);
+  write_bytes(garbage, {1, 2, 3});
+  Small m;
+  save_steps(m, dir, 1, 1, 1);
+  EXPECT_FALSE(exists(orphan));
+  EXPECT_TRUE(exists(renamed));
+  EXPECT_TRUE(exists(garbage));
+}
+
+// A directory that cannot be listed is an error, not an empty directory (a
+// silent fresh start over checkpoints that are there).
+TEST(CheckpointManagerRobustness, AnUnlistableDirectoryIsNotEmpty) {
+  const std::string dir = temp_dir();
+  ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
+  {
+    Small a;
+    save_steps(a, dir + "/c", 1, 1, 1);
+  }
+  ASSERT_EQ(::unlink((dir + "/c/latest").c_str()), 0);
+  ASSERT_EQ(::chmod((dir + "/c").c_str(), 0333), 0);  // writable, not readable
+  const int rc = run_bounded(
+      [&] {
+        if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) return 10;
+        Small b;
+        try {
+          ds::CheckpointManager mb(b.ckpt, dir + "/c");
+          return mb.restore_latest().has_value() ? 2 : 3;  // 3: the silent fresh start
+        } catch (const ds::PermissionDeniedError& e) {
+          return contains(e.what(), dir + "/c") ? 0 : 4;
+        } catch (const ds::Error& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+          return 5;
+        }
+      },
+      30);
+  ::chmod((dir + "/c").c_str(), 0755);
+  EXPECT_EQ(rc, 0) << "3 = an unlistable directory looked empty";
+}
