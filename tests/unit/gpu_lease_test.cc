@@ -10,11 +10,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "child_util.h"
 #include "diststrat/error.h"
@@ -178,6 +181,42 @@ TEST(GpuLeaseFiles, AnUnsafeDirectoryIsRefused) {
   EXPECT_TRUE(ds::list_leases(o).empty());
   struct stat st {};
   EXPECT_NE(::lstat(o.lock_dir.c_str(), &st), 0);
+}
+
+// Many acquirers racing for one GPU (create, clean-up of "stale" files, lock,
+// release): never two holders at once, and every acquire ends in the lease or
+// the "held" error.
+TEST(GpuLeaseFiles, RacingAcquirersNeverShareAGpu) {
+  LeaseDir dir;
+  std::atomic<int> holders{0}, max_holders{0}, taken{0}, refused{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 200; ++i) {
+        try {
+          ds::GpuLease lease = ds::GpuLease::acquire("race0", dir.options());
+          const int now = ++holders;
+          int seen = max_holders.load();
+          while (now > seen && !max_holders.compare_exchange_weak(seen, now)) {
+          }
+          ++taken;
+          std::this_thread::yield();
+          --holders;
+        } catch (const ds::ResourceExhaustedError&) {
+          ++refused;
+        } catch (const ds::Error& e) {
+          ++other;
+          std::fprintf(stderr, "race: %s\n", e.what());
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(max_holders.load(), 1);
+  EXPECT_GT(taken.load(), 0);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(taken + refused, 6 * 200);
+  EXPECT_FALSE(ds::query_lease("race0", dir.options()).has_value());
 }
 
 // ---- a second local user (root only) ------------------------------------------------------
