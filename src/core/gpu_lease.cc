@@ -401,6 +401,11 @@ Attempt try_take(int dir_fd, const std::string& name, const std::string& path) {
   // A stale file of ours (a job of ours died holding it, or is just creating
   // it): remove it under the write lock, which no holder of it can then have.
   Fd w(::openat(dir_fd, name.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (w.get() < 0 && errno != ENOENT) {
+    throw PermissionDeniedError("GPU lease " + path + " (yours, mode " + mode_text(st.st_mode) +
+                                ", no one holds it) cannot be opened for writing: " +
+                                errno_text() + "; remove it");
+  }
   struct stat wst {};
   if (w.get() < 0 || ::fstat(w.get(), &wst) != 0 || !same_file(st, wst)) return a;
   if (!try_write_lock(w.get(), path)) {
@@ -440,7 +445,8 @@ GpuLease GpuLease::acquire(const std::string& gpu_id, const LeaseOptions& option
   // yet; a reader's read lock is in the way); past this grace it is stale.
   const auto grace = std::chrono::milliseconds(200);
   std::optional<std::chrono::steady_clock::time_point> unlocked_since;
-  for (int attempt = 0;; ++attempt) {
+  int retries = 0;  // in a row
+  for (;;) {
     Attempt a = try_take(dir_fd.get(), name, path);
     const auto now = std::chrono::steady_clock::now();
     if (a.outcome == Attempt::kTaken) {
@@ -469,11 +475,12 @@ GpuLease GpuLease::acquire(const std::string& gpu_id, const LeaseOptions& option
       unlocked_since.reset();
       // Files coming and going as fast as we look: someone is racing us on
       // purpose, or a bug; never spin without bound.
-      DISTSTRAT_CHECK(attempt < 10000, kUnavailable, "GPU lease ", path,
+      DISTSTRAT_CHECK(++retries < 10000, kUnavailable, "GPU lease ", path,
                       ": the lock file keeps changing; try again");
-      if (attempt > 10) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (retries > 10) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       continue;
     }
+    retries = 0;
     if (a.outcome == Attempt::kUnlocked) {
       if (!unlocked_since) unlocked_since = now;
       if (now - *unlocked_since >= grace && a.owner != ::geteuid()) {
