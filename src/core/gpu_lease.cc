@@ -110,6 +110,8 @@ std::string format_holder(const LeaseHolder& h) {
   return os.str();
 }
 
+// The record is read by other users' terminals (diststrat-smi, error
+// messages): control characters become '?'.
 LeaseHolder parse_holder(const std::string& text) {
   LeaseHolder h;
   std::istringstream is(text);
@@ -117,7 +119,11 @@ LeaseHolder parse_holder(const std::string& text) {
   while (std::getline(is, line)) {
     const auto eq = line.find('=');
     if (eq == std::string::npos) continue;
-    const std::string k = line.substr(0, eq), v = line.substr(eq + 1);
+    const std::string k = line.substr(0, eq);
+    std::string v = line.substr(eq + 1);
+    for (char& c : v) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+    }
     if (k == "pid") h.pid = std::atoi(v.c_str());
     else if (k == "user") h.user = v;
     else if (k == "command") h.command = v;
@@ -575,6 +581,11 @@ std::vector<std::pair<std::string, LeaseHolder>> list_leases(const LeaseOptions&
       continue;
     }
     const std::string id = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+    try {
+      check_id(id);  // no lease has another name; nor will a terminal escape be printed
+    } catch (const InvalidArgumentError&) {
+      continue;
+    }
     if (auto h = probe(dir_fd.get(), name)) out.emplace_back(id, *h);
   }
   ::closedir(d);

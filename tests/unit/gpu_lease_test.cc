@@ -99,6 +99,21 @@ TEST(GpuLeaseFiles, AHugeLockFileIsReadWithACap) {
       << "peak memory grew by " << (r.max_rss_kib - base) / 1024 << " MiB reading a 1 GiB lock file";
 }
 
+// A record's text goes to other users' terminals: control characters (a
+// terminal escape in the command, say) come out as '?'.
+TEST(GpuLeaseFiles, ControlCharactersInARecordAreNotPassedOn) {
+  LeaseDir dir;
+  ds::GpuLease lease = ds::GpuLease::acquire("esc0", dir.options());
+  const std::string record = "pid=" + std::to_string(::getpid()) + "\ncommand=x\x1b]2;owned\x07y\n";
+  const int fd = ::open(lease.path().c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, record.data(), record.size()), static_cast<ssize_t>(record.size()));
+  ::close(fd);
+  const auto h = ds::query_lease("esc0", dir.options());
+  ASSERT_TRUE(h.has_value());
+  EXPECT_EQ(h->command, "x?]2;owned?y");
+}
+
 // A symbolic link at the lock path is never followed: its target keeps its
 // mode and content, and the error names the link.
 TEST(GpuLeaseFiles, ASymlinkAtTheLockPathIsNotFollowed) {
