@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -282,9 +283,11 @@ class OtherUser : public ::testing::Test {
     }
     ::close(ready[1]);
     char ok = 0;
-    const bool held = ::read(ready[0], &ok, 1) == 1;
+    pollfd p{ready[0], POLLIN, 0};
+    const bool held = ::poll(&p, 1, 20000) == 1 && ::read(ready[0], &ok, 1) == 1;
     ::close(ready[0]);
     if (!held) {
+      ::kill(child, SIGKILL);
       ::waitpid(child, nullptr, 0);
       return -1;
     }
