@@ -165,11 +165,13 @@ IdxArray read_stream(Read&& read, const std::string& what, std::optional<uint64_
     DISTSTRAT_CHECK(*known_size >= header && *known_size - header == total, kDataLoss, what, ": IDX payload is ",
                     *known_size - header, " bytes but the dims say ", total);
   }
-  // Grown as the bytes arrive: the claim alone allocates nothing.
-  constexpr uint64_t kChunk = uint64_t(16) << 20;
+  // Grown as the bytes arrive (chunks from 64 KiB, doubling up to 16 MiB): the
+  // claim alone allocates next to nothing.
+  uint64_t chunk = uint64_t(64) << 10;
   uint64_t got = 0;
   while (got < total) {
-    const uint64_t want = std::min(kChunk, total - got);
+    const uint64_t want = std::min(chunk, total - got);
+    chunk = std::min(chunk * 2, uint64_t(16) << 20);
     a.data.resize(static_cast<size_t>(got + want));
     const size_t n = read(a.data.data() + got, static_cast<size_t>(want));
     got += n;
