@@ -1,4 +1,4 @@
-// The GPU backend's host-side logic, tested without a GPU: leases (flock) with
+// The GPU backend's host-side logic, tested without a GPU: leases (lock files) with
 // fake device ids, the caching allocator and DeviceManager over a fake
 // backend, CUDA_VISIBLE_DEVICES parsing, placement logging, and the GPU code
 // path of MirroredStrategy end to end on fake GPUs (host memory).
@@ -63,7 +63,7 @@ TEST(GpuLease, QueryAndListShowHolders) {
     EXPECT_EQ(all[0].first, "fake1");
     EXPECT_EQ(all[1].first, "fake3");
   }
-  // Released: the files stay, the leases are gone.
+  // Released: the lock files are removed, the leases are gone.
   EXPECT_FALSE(ds::query_lease("fake3", dir.options()).has_value());
   EXPECT_TRUE(ds::list_leases(dir.options()).empty());
 }
