@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "diststrat/error.h"
+#include "core/file_util.h"
 
 namespace diststrat {
 
@@ -136,8 +137,8 @@ LeaseHolder parse_holder(const std::string& text) {
 // A holder record is about 600 bytes (the command line is cut at 400).
 constexpr size_t kMaxRecordBytes = 4096;
 
-// TODO(merge): one safe-open helper with src/core/file_util.{h,cc} (branch
-// ckpt), which does the same for checkpoint files.
+// A descriptor owned by the lease code: it opens with openat() relative to the
+// checked directory and takes OFD locks, which fs::ReadOnlyFile does not offer.
 class Fd {
  public:
   explicit Fd(int fd = -1) : fd_(fd) {}
@@ -263,8 +264,7 @@ int open_lease_dir(const std::string& dir, bool create) {
       created = true;
     } else if (errno != EEXIST) {
       const int err = errno;
-      throw_error(err == EACCES || err == EPERM ? ErrorCode::kPermissionDenied : ErrorCode::kInternal,
-                  "GPU lease directory " + dir + ": mkdir failed: " + std::strerror(err));
+      fs::throw_errno(err, "GPU lease directory " + dir + ": mkdir failed");
     }
   }
   Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
@@ -278,8 +278,7 @@ int open_lease_dir(const std::string& dir, bool create) {
                                   "), not a directory; lease directories are not followed "
                                   "through links");
     }
-    throw_error(err == EACCES || err == EPERM ? ErrorCode::kPermissionDenied : ErrorCode::kInternal,
-                "GPU lease directory " + dir + ": open failed: " + std::strerror(err));
+    fs::throw_errno(err, "GPU lease directory " + dir + ": open failed");
   }
   struct stat st {};
   DISTSTRAT_CHECK(::fstat(fd.get(), &st) == 0, kInternal, "GPU lease directory ", dir,
@@ -357,8 +356,7 @@ Attempt try_take(int dir_fd, const std::string& name, const std::string& path) {
     throw PermissionDeniedError("GPU lease " + path + ": cannot create it: " +
                                 std::strerror(create_err));
   }
-  DISTSTRAT_CHECK(create_err == EEXIST, kInternal, "GPU lease ", path,
-                  ": open failed: ", std::strerror(create_err));
+  if (create_err != EEXIST) fs::throw_errno(create_err, "GPU lease " + path + ": open failed");
 
   // A file is there: read it, never follow, never block, never change it.
   Fd fd(::openat(dir_fd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
@@ -378,7 +376,7 @@ Attempt try_take(int dir_fd, const std::string& name, const std::string& path) {
           mode_text(lst.st_mode) + ") cannot be read, so it is no lock file a holder made (they "
           "are 0644); its owner or root must remove it");
     }
-    throw InternalError("GPU lease " + path + ": open failed: " + std::strerror(err));
+    fs::throw_errno(err, "GPU lease " + path + ": open failed");
   }
   struct stat st {};
   DISTSTRAT_CHECK(::fstat(fd.get(), &st) == 0, kInternal, "GPU lease ", path,

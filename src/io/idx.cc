@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "diststrat/io.h"
+#include "core/file_util.h"
 
 namespace diststrat {
 
@@ -51,14 +52,14 @@ uint64_t parse_dims(const uint8_t* b, size_t header, std::vector<int64_t>* dims,
 // Opens a file the caller named, for reading: without blocking (a FIFO must
 // not wait for a writer) and only if it is a regular file. Links are
 // followed: the caller chose the path, and nothing is written.
-// TODO(merge): one safe-open helper with src/core/file_util.{h,cc} (branch ckpt).
+// (fs::ReadOnlyFile does the same for whole-file reads; the gzip stream here
+// reads the descriptor itself, so it opens its own and maps errno the same way.)
 int open_regular_file(const std::string& path, struct stat* st) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
     DISTSTRAT_CHECK(err != ENOENT, kNotFound, "IDX file '", path, "' does not exist");
-    throw_error(err == EACCES || err == EPERM ? ErrorCode::kPermissionDenied : ErrorCode::kInternal,
-                "IDX file '" + path + "': open failed: " + std::strerror(err));
+    fs::throw_errno(err, "IDX file '" + path + "': open failed");
   }
   if (::fstat(fd, st) != 0 || !S_ISREG(st->st_mode)) {
     const bool fifo = S_ISFIFO(st->st_mode);
