@@ -53,6 +53,11 @@ macro(diststrat_resolve_backends)
       if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
         set(CMAKE_CUDA_ARCHITECTURES 80 90)
       endif()
+      # The shared CUDA runtime, once: the library links CUDA::cudart, and
+      # nvcc's default (static cudart) would put a second runtime on the line.
+      if(NOT DEFINED CMAKE_CUDA_RUNTIME_LIBRARY)
+        set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
+      endif()
       enable_language(CUDA)
       find_package(CUDAToolkit QUIET)
       if(CUDAToolkit_FOUND)
@@ -68,7 +73,7 @@ macro(diststrat_resolve_backends)
     if(NOT TARGET CUDA::cublas AND (CUBLAS_ROOT OR DEFINED ENV{CUBLAS_ROOT}))
       find_path(CUBLAS_INCLUDE_DIR cublas_v2.h HINTS ${CUBLAS_ROOT} $ENV{CUBLAS_ROOT}
                 PATH_SUFFIXES include NO_DEFAULT_PATH)
-      find_library(CUBLAS_LIBRARY NAMES cublas libcublas.so.13 libcublas.so.12
+      find_library(CUBLAS_LIBRARY NAMES cublas libcublas.so.13 libcublas.so.12 NAMES_PER_DIR
                    HINTS ${CUBLAS_ROOT} $ENV{CUBLAS_ROOT} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
       if(CUBLAS_INCLUDE_DIR AND CUBLAS_LIBRARY)
         add_library(CUDA::cublas UNKNOWN IMPORTED)
@@ -78,21 +83,35 @@ macro(diststrat_resolve_backends)
     endif()
     if(TARGET CUDA::cublas)
       set(_found TRUE)
+      get_target_property(_cublas_loc CUDA::cublas IMPORTED_LOCATION)
+      message(STATUS "cuBLAS: ${_cublas_loc}")
     endif()
   endif()
   _diststrat_decide(CUBLAS _found)
 
-  # NCCL (CUDA toolkit dir, or a Python wheel's nvidia/nccl via NCCL_ROOT)
+  # NCCL (CUDA toolkit dir, or a Python wheel's nvidia/nccl via NCCL_ROOT).
+  # Header, link-time and run-time library must be one NCCL: with NCCL_ROOT
+  # set, only that tree is searched (NO_DEFAULT_PATH), and per directory the
+  # versioned libnccl.so.2 (all a wheel ships) wins over a toolkit's unversioned
+  # libnccl.so (NAMES_PER_DIR). The run-time version is logged (ncclGetVersion).
   set(_found FALSE)
   if(DISTSTRAT_HAVE_CUDA AND NOT DISTSTRAT_WITH_NCCL STREQUAL "OFF")
-    find_path(NCCL_INCLUDE_DIR nccl.h
-      HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_INCLUDE_DIRS}
-      PATH_SUFFIXES include)
-    find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2
-      HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_DIR}
-      PATH_SUFFIXES lib lib64)
+    set(_nccl_root "${NCCL_ROOT}")
+    if(NOT _nccl_root AND DEFINED ENV{NCCL_ROOT})
+      set(_nccl_root "$ENV{NCCL_ROOT}")
+    endif()
+    if(_nccl_root)
+      find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_root} PATH_SUFFIXES include NO_DEFAULT_PATH)
+      find_library(NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
+        HINTS ${_nccl_root} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
+    else()
+      find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
+      find_library(NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
+        HINTS ${CUDAToolkit_LIBRARY_DIR} PATH_SUFFIXES lib lib64)
+    endif()
     if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
       set(_found TRUE)
+      message(STATUS "NCCL: header ${NCCL_INCLUDE_DIR}/nccl.h, library ${NCCL_LIBRARY}")
     endif()
   endif()
   _diststrat_decide(NCCL _found)
