@@ -298,7 +298,12 @@ class CudaBackend : public GpuBackend {
 
   void synchronize_device(int ordinal, DeadlineClock::time_point deadline,
                           const std::string& what) override {
-    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    const cudaError_t st = cudaSetDevice(ordinal);
+    if (st == cudaErrorCudartUnloading) {  // process exit: the runtime is gone, nothing runs
+      clear_last_error();
+      return;
+    }
+    DISTSTRAT_CUDA_CHECK(st);
     std::vector<cudaStream_t> streams{cudaStreamLegacy};
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -7,6 +7,7 @@
 
 #include "core/device_scope.h"
 #include "diststrat/nn.h"
+#include "nn/layers_internal.h"
 
 namespace diststrat {
 namespace nn {
@@ -199,6 +200,33 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor&
       di[j] = static_cast<float>((p - (j == y[i] ? 1.0 : 0.0)) * grad_scale);
     }
   }
+  return loss;
+}
+
+double softmax_cross_entropy_counted(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
+                                     float grad_scale, int64_t* correct) {
+  const Device& dev = logits.device();
+  if (!dev.is_gpu() || logits.shape().rank() != 2 || logits.shape()[0] == 0) {
+    const double loss = softmax_cross_entropy(logits, labels, dlogits, grad_scale);
+    *correct = count_correct(logits, labels);
+    return loss;
+  }
+  // The public call validates the operands; then one kernel gives both.
+  check_matrix(logits, "logits", "softmax_cross_entropy", dev);
+  check_matrix(dlogits, "dlogits", "softmax_cross_entropy", dev);
+  check_on(labels, "labels", "softmax_cross_entropy", dev);
+  DISTSTRAT_CHECK(labels.dtype() == DType::kInt32 && labels.num_elements() == logits.shape()[0],
+                  kInvalidArgument, "softmax_cross_entropy: labels ", labels.debug_string(),
+                  " must be int32 with one label per row of ", logits.debug_string());
+  DISTSTRAT_CHECK(dlogits.shape() == logits.shape(), kInvalidArgument,
+                  "softmax_cross_entropy: dlogits ", dlogits.shape().to_string());
+  on_gpu(dev, "softmax_cross_entropy");
+  GpuXent r = gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy");
+  double loss = 0.0;
+  for (float l : r.loss) loss += l;
+  int64_t c = 0;
+  for (int32_t v : r.correct) c += v;
+  *correct = c;
   return loss;
 }
 
