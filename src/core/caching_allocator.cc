@@ -177,7 +177,11 @@ void CachingAllocator::deallocate(void* ptr) {
       release_event_locked(n);
       return true;
     }
-    return ready_locked(n);
+    try {
+      return ready_locked(n);
+    } catch (const std::exception&) {
+      return false;  // deallocate never throws: leave the neighbour as it is
+    }
   };
   auto next = std::next(it);
   if (next != blocks_.end() && it->first + b.size == next->first && mergeable(next->second)) {

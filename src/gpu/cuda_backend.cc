@@ -258,10 +258,16 @@ class CudaBackend : public GpuBackend {
       return;
     }
     std::vector<Stage*> stage = take_stages(ordinal);
+    // Back to the pool only after a complete copy: after a failure or a
+    // deadline a queued copy may still write into them (they stay owned by
+    // the backend and are freed with it).
     struct Return {
       CudaBackend* self;
       std::vector<Stage*>& st;
-      ~Return() { self->return_stages(st); }
+      bool done = false;
+      ~Return() {
+        if (done) self->return_stages(st);
+      }
     } give_back{this, stage};
     char* out = static_cast<char*>(dst);
     const char* in = static_cast<const char*>(src);
@@ -283,6 +289,7 @@ class CudaBackend : public GpuBackend {
     }
     drain(b);  // the older of the (at most two) chunks in flight first
     drain(b ^ 1);
+    give_back.done = true;
   }
 
   void memset_async(int ordinal, void* dst, int value, size_t bytes, void* stream) override {

@@ -177,8 +177,10 @@ class NcclCommunicator : public Communicator {
 
   ~NcclCommunicator() override {
     if (scratch_) {
+      // Stream-ordered: cudaFree would wait for the whole device, without a
+      // deadline. (The replicas' streams outlive their communicators.)
       cudaSetDevice(ordinal_);
-      cudaFree(scratch_);
+      cudaFreeAsync(scratch_, stream());
       clear_last_error();  // cleanup: failures are deliberately ignored
     }
   }
@@ -213,7 +215,7 @@ class NcclCommunicator : public Communicator {
   void barrier(const std::string& name) override {
     if (!scratch_) {
       DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal_));
-      DISTSTRAT_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)));
+      DISTSTRAT_CUDA_CHECK(cudaMallocAsync(&scratch_, sizeof(float), stream()));
     }
     all_reduce(scratch_, scratch_, 1, DType::kFloat32, ReduceOp::kSum, "barrier " + name);
   }
