@@ -171,18 +171,37 @@ header_only_package CLI11 CLI11::CLI11 "$deps" 2.3.2
 # Debian's packages under /usr are hidden from find_package, so a dry run here
 # finds only what the GPU machine has or .deps carries.
 step="configure"
+configure() {  # torch-prefix (may be empty)
+  local torch_mode=OFF
+  [[ -n $1 ]] && torch_mode=AUTO
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$archs" \
+      -DCMAKE_CUDA_RUNTIME_LIBRARY=Shared \
+      -DDISTSTRAT_WITH_CUDA=ON -DDISTSTRAT_WITH_CUBLAS=ON -DDISTSTRAT_WITH_NCCL=ON \
+      -DDISTSTRAT_WITH_MPI=OFF -DDISTSTRAT_WITH_GLOO=OFF -DDISTSTRAT_WITH_TORCH=$torch_mode \
+      -DDISTSTRAT_BUILD_EXAMPLES=ON -DDISTSTRAT_BUILD_BENCHMARKS=OFF -DDISTSTRAT_BUILD_TESTS=ON \
+      -DNCCL_ROOT="$nccl_root" ${cublas_root:+-DCUBLAS_ROOT="$cublas_root"} \
+      -DEigen3_DIR="$cfg/Eigen3" -Dnlohmann_json_DIR="$cfg/nlohmann_json" -DCLI11_DIR="$cfg/CLI11" \
+      -DCMAKE_PREFIX_PATH="$prefix${1:+;$1}" -DCMAKE_IGNORE_PREFIX_PATH=/usr \
+      -DZLIB_INCLUDE_DIR="$deps/zlib" -DZLIB_LIBRARY="$zlib_lib" \
+      >"$log/configure.log" 2>&1
+}
 say "configuring ($(elapsed)s)"
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$archs" \
-    -DCMAKE_CUDA_RUNTIME_LIBRARY=Shared \
-    -DDISTSTRAT_WITH_CUDA=ON -DDISTSTRAT_WITH_CUBLAS=ON -DDISTSTRAT_WITH_NCCL=ON \
-    -DDISTSTRAT_WITH_MPI=OFF -DDISTSTRAT_WITH_GLOO=OFF ${torch_prefix:+-DDISTSTRAT_WITH_TORCH=AUTO} \
-    -DDISTSTRAT_BUILD_EXAMPLES=ON -DDISTSTRAT_BUILD_BENCHMARKS=OFF -DDISTSTRAT_BUILD_TESTS=ON \
-    -DNCCL_ROOT="$nccl_root" ${cublas_root:+-DCUBLAS_ROOT="$cublas_root"} \
-    -DEigen3_DIR="$cfg/Eigen3" -Dnlohmann_json_DIR="$cfg/nlohmann_json" -DCLI11_DIR="$cfg/CLI11" \
-    -DCMAKE_PREFIX_PATH="$prefix${torch_prefix:+;$torch_prefix}" -DCMAKE_IGNORE_PREFIX_PATH=/usr \
-    -DZLIB_INCLUDE_DIR="$deps/zlib" -DZLIB_LIBRARY="$zlib_lib" \
-    >"$log/configure.log" 2>&1 || { tail -30 "$log/configure.log"; die "configure, see $log/configure.log"; }
+torch_configure_failed=""
+if ! configure "$torch_prefix"; then
+  if [[ -n $torch_prefix ]]; then
+    # LibTorch must not cost the rest of the check: configure again without it.
+    cp "$log/configure.log" "$log/configure-with-torch.log"
+    tail -15 "$log/configure-with-torch.log"
+    say "configure with LibTorch failed; configuring without it"
+    torch_configure_failed="configure with LibTorch failed, see $log/configure-with-torch.log"
+    rm -f "$build/CMakeCache.txt"
+    configure "" || { tail -30 "$log/configure.log"; die "configure, see $log/configure.log"; }
+  else
+    tail -30 "$log/configure.log"
+    die "configure, see $log/configure.log"
+  fi
+fi
 grep -E "with (CUDA|CUBLAS|NCCL|TORCH)|^-- (NCCL|cuBLAS):" "$log/configure.log" | sed 's/^-- */gpu-check: /'
 grep -q "with NCCL *: yes" "$log/configure.log" || die "configured without NCCL"
 row "$step" "ok" "sm_$archs"
@@ -222,7 +241,9 @@ if ((dry_run)); then
   else row "GPU test binary runs (no GPU here)" "FAILED" "rc=$rc, see $log/tests.log"; fi
   row "GPU tests" "skipped" "dry run"
   row "gpu_bench" "skipped" "dry run"
-  if ((${#torch_targets[@]})); then
+  if [[ -n $torch_configure_failed ]]; then
+    row "LibTorch" "FAILED" "$torch_configure_failed"
+  elif ((${#torch_targets[@]})); then
     row "LibTorch tests, torch_fashion_mnist" "skipped" "dry run; built: ${torch_targets[*]}"
   else
     row "LibTorch" "skipped: diststrat::torch not built"
@@ -286,7 +307,9 @@ else
 fi
 
 # ---- LibTorch -----------------------------------------------------------------------
-if ((${#torch_targets[@]} == 0)); then
+if [[ -n $torch_configure_failed ]]; then
+  row "LibTorch" "FAILED" "$torch_configure_failed"
+elif ((${#torch_targets[@]} == 0)); then
   row "LibTorch" "skipped: diststrat::torch not built"
 else
   say "running the LibTorch tests ($(elapsed)s)"
