@@ -12,6 +12,7 @@
 
 #include "core/gpu_backend.h"
 #include "gpu/cuda_backend.h"
+#include "gpu/call_gate.h"
 #include "gpu/cuda_check.h"
 
 namespace diststrat {
@@ -65,27 +66,21 @@ ncclUniqueId to_id(const std::string& bytes) {
 // or a single multi-process rank.
 //
 // NCCL forbids ncclCommAbort while another thread is inside an NCCL call on
-// the same communicator. Every call into a communicator (enqueue, async-error
-// poll) therefore holds `mu` shared; abort_all, reset and destruction hold it
-// exclusively. Only the calls hold it, never a wait, so an abort is delayed
-// by at most one enqueue, and replicas enqueue concurrently.
+// the same communicator: every call into a communicator (enqueue,
+// async-error poll) goes through `gate` (shared), abort_all and reset hold it
+// exclusively (call_gate.h). Only the calls hold it, never a wait, so an
+// abort is delayed by at most one enqueue, and replicas enqueue concurrently.
 struct Group {
-  std::shared_mutex mu;
+  CallGate gate;
   std::vector<ncclComm_t> comms;
   std::vector<int> ordinals;
-  std::atomic<bool> aborted{false};
-  std::string reason;  // written under the exclusive lock
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // Recreates the communicators after an abort; null where that needs the
   // other processes (multi-process ranks).
   std::function<std::vector<ncclComm_t>()> create;
 
   void abort_all(const std::string& why) {
-    std::unique_lock<std::shared_mutex> lock(mu);
-    if (aborted) return;
-    reason = why;
-    aborted = true;
-    abort_comms(comms, ordinals);
+    gate.abort(why, [&] { abort_comms(comms, ordinals); });
   }
 
   static void abort_comms(std::vector<ncclComm_t>& comms, const std::vector<int>& ordinals) {
@@ -223,15 +218,13 @@ class NcclCommunicator : public Communicator {
   void abort(const std::string& reason) override { group_->abort_all(reason); }
 
   void reset() override {
-    std::unique_lock<std::shared_mutex> lock(group_->mu);
-    if (!group_->aborted) return;
-    DISTSTRAT_CHECK(group_->create != nullptr, kFailedPrecondition,
-                    "NCCL communicator of rank ", rank_,
-                    " was aborted; a multi-process communicator cannot be reset: create a new "
-                    "one with a fresh unique id on every rank");
-    group_->comms = group_->create();
-    group_->aborted = false;
-    group_->reason.clear();
+    group_->gate.reset([&] {
+      DISTSTRAT_CHECK(group_->create != nullptr, kFailedPrecondition,
+                      "NCCL communicator of rank ", rank_,
+                      " was aborted; a multi-process communicator cannot be reset: create a new "
+                      "one with a fresh unique id on every rank");
+      group_->comms = group_->create();
+    });
   }
 
  private:
@@ -245,32 +238,30 @@ class NcclCommunicator : public Communicator {
     const std::string what = detail::str_cat("rank ", rank_, " NCCL ", kind, " '", name, "'");
     const auto deadline = Clock::now() + options_.timeout;
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal_));
-    ncclComm_t c = nullptr;
-    {
-      // Enqueue under the shared lock: an abort (exclusive) cannot run
-      // while this thread is inside the NCCL call.
-      std::shared_lock<std::shared_mutex> lock(group_->mu);
-      if (group_->aborted) throw AbortedError(what + ": " + group_->reason);
-      c = group_->comms[static_cast<size_t>(index_)];
-      const ncclResult_t r = call(c);
+    // Enqueue through the gate: an abort cannot run while this thread is
+    // inside the NCCL call.
+    const ncclComm_t c = group_->gate.enter(what, [&] {
+      ncclComm_t comm = group_->comms[static_cast<size_t>(index_)];
+      const ncclResult_t r = call(comm);
       if (r != ncclSuccess && r != ncclInProgress) check_nccl(r, kind, __FILE__, __LINE__);
-    }
+      return comm;
+    });
     int spins = 0;
     for (;;) {
       std::string nccl_error;
-      {
-        std::shared_lock<std::shared_mutex> lock(group_->mu);
-        if (group_->aborted) throw AbortedError(what + ": " + group_->reason);
+      const bool done = group_->gate.enter(what, [&] {
         ncclResult_t st = ncclSuccess;
         DISTSTRAT_NCCL_CHECK(ncclCommGetAsyncError(c, &st));
         if (st != ncclSuccess && st != ncclInProgress) {
           nccl_error = ncclGetErrorString(st);
         } else if (st == ncclSuccess) {
           const cudaError_t q = cudaStreamQuery(stream());
-          if (q == cudaSuccess) return;
+          if (q == cudaSuccess) return true;
           if (q != cudaErrorNotReady) throw_cuda_error(q, "cudaStreamQuery", __FILE__, __LINE__);
         }
-      }
+        return false;
+      });
+      if (done) return;
       if (!nccl_error.empty()) {
         group_->abort_all(what + " failed: " + nccl_error);
         throw InternalError(what + ": NCCL reported " + nccl_error + " (communicator aborted)");

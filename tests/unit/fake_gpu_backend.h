@@ -50,6 +50,7 @@
 #include "diststrat/collective.h"
 #include "diststrat/gpu_lease.h"
 #include "diststrat/nn.h"
+#include "gpu/call_gate.h"
 
 namespace diststrat_test {
 
@@ -499,12 +500,11 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
 
   // NCCL-like communicators: a collective drains the rank's stream, then runs
-  // on the untagged buffers through an in-process group. Calls into it hold
-  // `mu` shared and abort holds it exclusively, as NcclCommunicator does;
-  // an abort that finds a thread inside a call is counted as a violation of
-  // NCCL's rule.
+  // on the untagged buffers through an in-process group. Its "NCCL call"
+  // goes through the same CallGate as NcclCommunicator's; an abort that finds
+  // a thread inside a call is counted as a violation of NCCL's rule.
   struct CommState {
-    std::shared_mutex mu;
+    ds::gpu::CallGate gate;
     std::atomic<int> inside{0};
   };
   class Forward : public ds::Communicator {
@@ -533,25 +533,26 @@ class FakeGpuBackend : public ds::GpuBackend {
     }
     void barrier(const std::string& name) override { c_->barrier(name); }
     void abort(const std::string& reason) override {
-      {
-        std::unique_lock<std::shared_mutex> lock(st_->mu);
-        if (st_->inside.load() > 0) ++b_->aborts_during_calls;
-      }
+      st_->gate.abort(reason, [&] {
+        if (st_->inside.load() > 0) ++b_->aborts_during_calls;  // ncclCommAbort now
+      });
       c_->abort(reason);
     }
-    void reset() override { c_->reset(); }
+    void reset() override {
+      st_->gate.reset([] {});
+      c_->reset();
+    }
 
    private:
-    // The "enqueue" (under the shared lock), then the wait for the peers.
+    // The "NCCL call" (enqueue) through the gate, then the wait for the peers.
     template <typename F> void call(const std::string& name, F&& run) {
       b_->synchronize(ordinal_, stream_,
                       ds::DeadlineClock::now() + c_->options().timeout, "fake NCCL " + name);
-      {
-        std::shared_lock<std::shared_mutex> lock(st_->mu);
+      st_->gate.enter("fake NCCL " + name, [&] {
         ++st_->inside;
         if (b_->inside_collective) b_->inside_collective(rank_);
         --st_->inside;
-      }
+      });
       run();
     }
     FakeGpuBackend* b_;

@@ -19,6 +19,7 @@
 #include "diststrat/device_manager.h"
 #include "diststrat/gpu_lease.h"
 #include "fake_gpu_backend.h"
+#include "gpu/call_gate.h"
 #include "checkpoint_util.h"
 #include "training_util.h"
 
@@ -843,4 +844,37 @@ TEST(MirroredOnFakeGpus, AdamOnTheDevicePathMatchesCpuTraining) {
   EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
   EXPECT_EQ(fake->adam_updates.load(), 5 * 4 * 2);  // steps x params x replicas
   EXPECT_GT(fake->copies_to_host.load(), 0);
+}
+
+// The gate NcclCommunicator puts around its NCCL calls (item 5): an abort
+// runs only once the call inside has left, later calls see the abort, reset
+// opens the gate again.
+TEST(CallGate, AnAbortWaitsForTheCallInsideAndLaterCallsSeeIt) {
+  ds::gpu::CallGate gate;
+  std::atomic<bool> inside{false}, left{false};
+  std::thread caller([&] {
+    gate.enter("call", [&] {
+      inside = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      left = true;
+    });
+  });
+  while (!inside) std::this_thread::yield();
+  bool left_when_aborted = false;
+  EXPECT_TRUE(gate.abort("replica 1 failed", [&] { left_when_aborted = left.load(); }));
+  caller.join();
+  EXPECT_TRUE(left_when_aborted);
+  EXPECT_FALSE(gate.abort("again", [] { ADD_FAILURE() << "aborted twice"; }));
+  try {
+    gate.enter("all_reduce 'g'", [] { ADD_FAILURE() << "entered an aborted gate"; });
+    FAIL() << "no AbortedError";
+  } catch (const ds::AbortedError& e) {
+    EXPECT_NE(std::string(e.what()).find("all_reduce 'g': replica 1 failed"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(gate.reset([] { throw ds::InternalError("recreate failed"); }), ds::InternalError);
+  EXPECT_TRUE(gate.aborted());
+  gate.reset([] {});
+  EXPECT_FALSE(gate.aborted());
+  EXPECT_EQ(gate.enter("call", [] { return 7; }), 7);
 }
