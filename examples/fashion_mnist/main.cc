@@ -102,21 +102,29 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   if (!f.timeline.empty() && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
   }
+  // One-process strategies: each GPU becomes split_gpus logical GPUs sharing its memory.
+  std::shared_ptr<ds::DeviceManager> local_gpus;
+  if (f.device == "gpu" && f.split_gpus > 1 &&
+      (f.strategy == "mirrored" || f.strategy == "central_storage")) {
+    local_gpus = std::make_shared<ds::DeviceManager>();
+    for (const ds::PhysicalDeviceInfo& p : local_gpus->list_physical_devices()) {
+      const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(f.split_gpus);
+      local_gpus->set_logical_device_configuration(
+          p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(f.split_gpus, {each}));
+    }
+  }
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;
     o.devices = devices;
-    if (f.device == "gpu" && f.split_gpus > 1) {
-      // Each GPU becomes split_gpus logical GPUs sharing its memory.
-      o.device_manager = std::make_shared<ds::DeviceManager>();
-      for (const ds::PhysicalDeviceInfo& p : o.device_manager->list_physical_devices()) {
-        const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(f.split_gpus);
-        o.device_manager->set_logical_device_configuration(
-            p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(f.split_gpus, {each}));
-      }
-    }
+    o.device_manager = local_gpus;
     return std::make_unique<ds::MirroredStrategy>(o);
   }
-  if (f.strategy == "central_storage") return std::make_unique<ds::CentralStorageStrategy>(devices);
+  if (f.strategy == "central_storage") {
+    ds::CentralStorageOptions o;
+    o.devices = devices;
+    o.device_manager = local_gpus;
+    return std::make_unique<ds::CentralStorageStrategy>(o);
+  }
   // Multi-process strategies: one replica per process unless --replicas says
   // otherwise (mpirun -np N already gives one process per core).
   const std::vector<ds::Device> per_process =
@@ -191,7 +199,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", f.device, "where replicas compute: cpu or gpu")
       ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
-  app.add_option("--split-gpus", f.split_gpus, "logical GPUs per physical GPU (--device gpu)")
+  app.add_option("--split-gpus", f.split_gpus,
+                 "logical GPUs per physical GPU (--device gpu; mirrored, central_storage)")
       ->check(CLI::Range(1, 16))->capture_default_str();
   app.add_option("--replicas", f.replicas,
                  "replicas (devices) per process (multi_worker, parameter_server default: 1)")
