@@ -18,12 +18,16 @@
 #   scripts/cluster.sh run [--ppn N] [--np N] [--hosts-used H] -- PROGRAM ARGS...
 #                                                       mpirun across the hosts (N ranks per host)
 #   scripts/cluster.sh exec HOST CMD...                 run CMD inside HOST (its namespace + hostname)
-#   scripts/cluster.sh link HOST up|down                take HOST's link down / up (both veth ends)
+#   scripts/cluster.sh link HOST up|down                unplug / plug HOST's cable: its switch port
+#                                                       (the bridge end of the veth) goes down, the
+#                                                       host sees no carrier (NO-CARRIER), its
+#                                                       address and routes stay
 #   scripts/cluster.sh shape HOST RATE|none             shape (tbf) HOST's link both ways
 #   scripts/cluster.sh kill HOST                        SIGKILL every process in HOST's namespace
 #   scripts/cluster.sh pids [HOST]                      processes in HOST's (every host's and the
 #                                                       launcher's) namespace
-#   scripts/cluster.sh counters HOST                    "tx_bytes rx_bytes" of HOST's interface
+#   scripts/cluster.sh counters HOST                    "tx_bytes rx_bytes tx_packets rx_packets"
+#                                                       of HOST's interface
 #   scripts/cluster.sh check                            exit 0 if the cluster can be made here, else
 #                                                       print the reason and exit 77 (tests: skip)
 #
@@ -38,6 +42,8 @@
 set -euo pipefail
 
 prefix=${DSC_PREFIX:-dsc}
+# Interface names have 15 characters at most ("<prefix>-h199-r").
+[[ $prefix =~ ^[a-z][a-z0-9]{0,5}$ ]] || { echo "cluster.sh: DSC_PREFIX=$prefix: 1-6 of [a-z0-9]" >&2; exit 1; }
 state=/run/${prefix}-cluster
 net=${DSC_NET:-0}
 [[ $net =~ ^[0-9]+$ ]] && ((net <= 255)) || { echo "cluster.sh: DSC_NET=$net: 0..255" >&2; exit 1; }
@@ -72,7 +78,7 @@ check() {
   if ((EUID != 0)); then echo "needs root (uid $EUID)"; return 77; fi
   command -v ip >/dev/null || { echo "no 'ip' command"; return 77; }
   command -v unshare >/dev/null || { echo "no 'unshare' command"; return 77; }
-  local probe=${prefix}-probe$$
+  local probe=${prefix}pr$((RANDOM % 10000))
   if ! T ip netns add "$probe" 2>/tmp/.${prefix}-probe.$$; then
     echo "ip netns add refused: $(cat /tmp/.${prefix}-probe.$$)"
     rm -f /tmp/.${prefix}-probe.$$
@@ -270,8 +276,7 @@ case $cmd in
   link)
     i=$(host_index "$1")
     [[ $2 == up || $2 == down ]] || die "link HOST up|down"
-    T ip link set "$(veth_root "$i")" "$2"
-    T ip netns exec "$(host_name "$i")" ip link set "$veth_in" "$2" ;;
+    T ip link set "$(veth_root "$i")" "$2" ;;
   shape) i=$(host_index "$1"); shape_host "$i" "$2" ;;
   kill)
     i=$(host_index "$1")
@@ -285,7 +290,7 @@ case $cmd in
   counters)
     i=$(host_index "$1")
     ip netns exec "$(host_name "$i")" sh -c \
-      "cat /sys/class/net/$veth_in/statistics/tx_bytes /sys/class/net/$veth_in/statistics/rx_bytes" |
+      "cd /sys/class/net/$veth_in/statistics && cat tx_bytes rx_bytes tx_packets rx_packets" |
       tr '\n' ' '
     echo ;;
   "") die "no command (up|down|status|run|exec|link|shape|kill|pids|counters|check)" ;;
