@@ -270,8 +270,7 @@ case $cmd in
   status) status ;;
   run) run "$@" ;;
   exec)
-    h=$1; shift
-    host_index "$h" >/dev/null
+    h=$(host_name "$(host_index "$1")"); shift
     exec ip netns exec "$h" unshare --uts -- /bin/sh -c 'hostname "$0" && exec "$@"' "$h" "$@" ;;
   link)
     i=$(host_index "$1")
