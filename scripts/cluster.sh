@@ -202,6 +202,9 @@ down() {
   done
   if ip link show "$bridge" >/dev/null 2>&1; then T ip link del "$bridge"; fi
   rm -rf "$state"
+  # Open MPI's session directories of our hosts (named by hostname), left
+  # behind when a host's daemon was killed.
+  rm -rf /tmp/ompi."${prefix}"-h[0-9]*.* /tmp/ompi."${prefix}"-launcher.*
 }
 
 status() {
@@ -237,7 +240,7 @@ run() {
   ((used <= k)) || die "run: --hosts-used $used > $k hosts"
   np=${np:-$((used * ppn))}
   local hostfile
-  hostfile=$(mktemp "/tmp/${prefix}-hostfile.XXXXXX")
+  hostfile=$(mktemp "$state/hostfile.XXXXXX")  # `down` removes it if we are killed
   for ((i = 0; i < used; ++i)); do echo "$(host_name "$i") slots=$ppn" >>"$hostfile"; done
   local rc=0
   # shellcheck disable=SC2086
