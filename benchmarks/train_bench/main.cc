@@ -1,5 +1,6 @@
-// train_bench: training throughput of the Fashion-MNIST MLP (784-256-256-10)
-// under a strategy, batch 128 per replica, a fixed number of steps.
+// train_bench: training throughput of the Fashion-MNIST MLP (784-256-256-10;
+// --width W for 784-W-W-10) under a strategy, batch 128 per replica, a fixed
+// number of steps; --compression f16|bf16 casts the multi-worker all-reduces.
 //
 //   build/benchmarks/train_bench --strategy mirrored --replicas 1
 //   mpirun -np 1 build/benchmarks/train_bench --strategy multi_worker
@@ -34,6 +35,8 @@ int main(int argc, char** argv) {
   int64_t per_replica_batch = 128;
   float lr = 0.05f;
   bool overlap = true;
+  int64_t width = 256;
+  std::string compression = "none";
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
   app.add_option("--strategy", strategy_name,
                  "mirrored | central_storage | multi_worker | parameter_server")
@@ -51,6 +54,10 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
   app.add_option("--batch", per_replica_batch, "batch per replica")->capture_default_str();
   app.add_flag("--overlap,!--no-overlap", overlap, "all-reduce each layer during backward")
+      ->capture_default_str();
+  app.add_option("--width", width, "hidden width of the MLP (784-W-W-10)")->capture_default_str();
+  app.add_option("--compression", compression, "multi_worker wire compression: none | f16 | bf16")
+      ->check(CLI::IsMember({"none", "f16", "bf16"}))
       ->capture_default_str();
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
@@ -95,6 +102,9 @@ int main(int argc, char** argv) {
       o.devices = devices;
       o.device_manager = process_gpus;
       o.timeline_path = timeline;
+      o.communication.compression = compression == "f16"    ? ds::Compression::kFloat16
+                                    : compression == "bf16" ? ds::Compression::kBFloat16
+                                                            : ds::Compression::kNone;
       strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
     } else if (strategy_name == "parameter_server") {
       ds::ParameterServerOptions o;
@@ -113,7 +123,7 @@ int main(int argc, char** argv) {
     }
     const bool chief = strategy->cluster().is_chief() || strategy->cluster().world_size == 1;
     const ds::Dataset train = ds::load_mnist_split(data_dir, "train");
-    const ds::nn::Mlp mlp({784, 256, 256, 10});
+    const ds::nn::Mlp mlp({784, width, width, 10});
     std::vector<ds::Variable> params = mlp.create_variables(*strategy, 1);
     ds::SGD opt(*strategy, {lr, 0.0f});
     const int64_t global_batch = per_replica_batch * strategy->num_replicas_in_sync();
@@ -161,10 +171,10 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (chief) {
       std::printf("train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
-                  "steps=%d seconds=%.3f samples_per_sec=%.0f\n",
+                  "width=%lld compression=%s steps=%d seconds=%.3f samples_per_sec=%.0f\n",
                   strategy->name().c_str(), strategy->cluster().num_workers,
                   strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
-                  overlap ? 1 : 0, steps, seconds, steps * global_batch / seconds);
+                  overlap ? 1 : 0, static_cast<long long>(width), compression.c_str(), steps, seconds, steps * global_batch / seconds);
     }
     return 0;
   } catch (const ds::Error& e) {
