@@ -45,7 +45,7 @@ int64_t row_elems(const Shape& s) {
 
 Service::Service(Transport& transport, ServiceOptions options, const Logger& logger)
     : t_(transport), options_(std::move(options)), logger_(logger) {
-  const auto now = Clock::now();
+  const auto now = this->now();
   for (size_t i = 0; i < options_.worker_ranks.size(); ++i) {
     WorkerState w;
     w.rank = options_.worker_ranks[i];
@@ -112,14 +112,14 @@ bool Service::receive_new() {
       continue;
     }
     WorkerState& w = workers_[it->second];
-    w.last_heard = Clock::now();
+    w.last_heard = now();
     if (w.gone && !w.done) {
       std::lock_guard<std::mutex> lock(mu_);
       w.gone = false;
       logger_.warning(who(), ": worker ", w.index, " is back");
     }
     Pending p;
-    p.arrived = w.last_heard;
+    p.arrived = Clock::now();
     p.control = std::move(control);
     if (p.control.size() < sizeof(RequestHeader)) {
       RequestHeader unknown;
@@ -198,7 +198,7 @@ bool Service::process_queues() {
       send_reply(w.rank, p.header, -1, std::move(reply.payload), "");
       // Silence counts from our answer: a worker held by a deferred request
       // (a staleness wait) was waiting on us, not silent.
-      w.last_heard = Clock::now();
+      w.last_heard = now();
       w.queue.pop_front();
       any = true;
     }
@@ -251,7 +251,7 @@ void Service::reap_outgoing() {
 }
 
 void Service::check_liveness() {
-  const auto now = Clock::now();
+  const auto now = this->now();
   for (WorkerState& w : workers_) {
     if (w.done || w.gone || !w.queue.empty()) continue;  // a queued request means it waits on us
     if (now - w.last_heard > options_.worker_timeout) {

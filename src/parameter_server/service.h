@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,6 +36,9 @@ struct ServiceOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // A worker silent this long is treated as gone (see ParameterServerOptions).
   std::chrono::milliseconds worker_timeout{std::chrono::seconds(300)};
+  // Test seam: the clock the loop reads to measure silence (empty: the
+  // steady clock). A test makes it jump to stand for a PS that was stopped.
+  std::function<Clock::time_point()> clock;
 };
 
 struct ServiceStats {
@@ -138,6 +142,7 @@ class Service {
   void send_reply(int rank, const RequestHeader& request, int status, std::vector<char> payload,
                   std::string error);
   std::string who() const;
+  Clock::time_point now() const { return options_.clock ? options_.clock() : Clock::now(); }
 
   Transport& t_;
   ServiceOptions options_;
