@@ -8,8 +8,15 @@
 // by the staleness bound, a barrier, a variable the chief has not created
 // yet) stays at the head of that worker's queue until it can be served or
 // its deadline passes, while the other workers are served. A request the PS
-// rejects (bad shape, dtype, variable or row id) is answered with an error
-// and changes nothing.
+// rejects (malformed, or a shape, size, dtype, variable or row id that
+// disagrees with its shards) is answered with an error naming the worker
+// and changes nothing; it is checked before its payload is allocated, and a
+// payload that does not arrive within the deadline fails its request.
+//
+// Silence and waits are measured in the loop's running time: a gap between
+// two polls longer than kMaxPollGap (the PS process was stopped, or its
+// host starved it) counts as kMaxPollGap, so a PS that was not running does
+// not declare its workers gone or their waits expired.
 #pragma once
 
 #include <atomic>
@@ -29,6 +36,9 @@
 
 namespace diststrat {
 namespace ps {
+
+// The longest gap between two polls of the loop that counts as running time.
+constexpr std::chrono::milliseconds kMaxPollGap{100};
 
 struct ServiceOptions {
   std::vector<int> worker_ranks;  // transport ranks of the workers, by worker index
@@ -83,7 +93,7 @@ class Service {
   };
   struct Pending {
     RequestHeader header;
-    std::vector<char> control;  // the whole control message
+    DecodedRequest request;  // decoded and checked on arrival
     std::vector<char> payload;
     Request payload_recv;
     bool payload_ready = false;
@@ -104,7 +114,7 @@ class Service {
   struct Outgoing {
     std::shared_ptr<ReplyHeader> header;
     std::shared_ptr<std::string> error;
-    std::shared_ptr<std::vector<char>> payload;
+    std::shared_ptr<const void> payload;  // a vector, or zeros that take no memory
     std::vector<Request> requests;
   };
   enum class Outcome { kServed, kDeferred };
@@ -112,7 +122,15 @@ class Service {
     std::vector<char> payload;
   };
 
+  // Advances the loop's running time (see above).
+  void tick();
   bool receive_new();
+  // Checks a decoded request against the shards (or the shards this
+  // worker's queued creates declare), before its payload is allocated;
+  // throws like the handlers do. Caller holds mu_.
+  void check_on_arrival(const WorkerState& w, const DecodedRequest& q) const;
+  // Receives and drops a message nobody expects, without allocating its size.
+  void discard(const Envelope& env);
   bool process_queues();
   void reap_outgoing();
   void check_liveness();
@@ -121,20 +139,22 @@ class Service {
 
   // Handlers: fill `reply` and return kServed, or kDeferred (nothing changed).
   Outcome handle(WorkerState& w, Pending& p, Reply& reply);
-  Outcome handle_create(WorkerState& w, Pending& p, Reader& r);
-  Outcome handle_pull(WorkerState& w, Pending& p, Reader& r, Reply& reply);
-  void handle_push(WorkerState& w, Pending& p, Reader& r);
-  void handle_assign(WorkerState& w, Pending& p, Reader& r);
-  Outcome handle_barrier(WorkerState& w, Pending& p, Reader& r);
+  Outcome handle_create(WorkerState& w, Pending& p);
+  Outcome handle_pull(WorkerState& w, Pending& p, Reply& reply);
+  void handle_push(WorkerState& w, Pending& p);
+  void handle_assign(WorkerState& w, Pending& p);
+  Outcome handle_barrier(WorkerState& w, Pending& p);
   void handle_stats(Reply& reply);
-  Outcome handle_broadcast(WorkerState& w, Pending& p, Reader& r, Reply& reply);
-  void handle_stop_check(WorkerState& w, Reader& r, Reply& reply);
-  void handle_save(Reader& r, Reply& reply);
-  void handle_read_slots(Reader& r, Reply& reply);
-  void handle_restore(Pending& p, Reader& r);
+  Outcome handle_broadcast(WorkerState& w, Pending& p, Reply& reply);
+  void handle_stop_check(WorkerState& w, Pending& p, Reply& reply);
+  void handle_save(Pending& p, Reply& reply);
+  void handle_read_slots(Pending& p, Reply& reply);
+  void handle_restore(Pending& p);
   std::vector<ShardSnapshot> snapshot_locked() const;
 
   Shard& find_shard(const Entry& e, const std::string& what);
+  // Who sent a request: "PS rank 2: push from worker 1".
+  std::string from(const WorkerState& w, uint16_t op) const;
   // Slowest live worker other than `except` (index), or -1 when none.
   int slowest_other(int except) const;
   // Sends header, error text and payload; the payload is always exactly
@@ -151,6 +171,10 @@ class Service {
   std::vector<WorkerState> workers_;
   std::map<int, int> worker_of_rank_;
   std::deque<Outgoing> outgoing_;
+  Clock::time_point last_tick_;
+  // Payload buffers of requests given up on (deadline): kept while the
+  // transport might still write into them.
+  std::vector<std::vector<char>> abandoned_;
   size_t next_worker_ = 0;  // round-robin start
 
   mutable std::mutex mu_;  // guards everything below (read by other threads)
