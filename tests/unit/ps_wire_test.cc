@@ -465,4 +465,213 @@ TEST_F(BadReplies, AreProtocolErrorsNotCrashes) {
   }
 }
 
+// ---- the decoder on its own ---------------------------------------------------
+
+std::vector<char> message(const ps::RequestHeader& h, const std::vector<char>& body) {
+  std::vector<char> m(sizeof h + body.size());
+  std::memcpy(m.data(), &h, sizeof h);
+  if (!body.empty()) std::memcpy(m.data() + sizeof h, body.data(), body.size());
+  return m;
+}
+
+ps::DecodedRequest decode(const std::vector<char>& m) { return ps::decode_request(m.data(), m.size()); }
+
+TEST(PsRequestDecoder, DecodesWhatTheWorkersSend) {
+  {
+    const auto q = decode(message(header(ps::Op::kCreate, 1, 40), create_body(3, "b", ds::Shape{10}, true)));
+    EXPECT_EQ(q.op, ps::Op::kCreate);
+    EXPECT_EQ(q.create.var_id, 3);
+    EXPECT_EQ(q.create.name, "b");
+    EXPECT_EQ(q.create.shard_shape, ds::Shape({10}));
+    EXPECT_TRUE(q.create.has_value);
+  }
+  {
+    const auto q = decode(message(header(ps::Op::kPull, 2, 24, 16 + 3 * 8),
+                                  pull_body({entry(0, "w"), entry(1, "emb", {}, true, 3)}, 7)));
+    EXPECT_EQ(q.clock, 7);
+    ASSERT_EQ(q.entries.size(), 2u);
+    EXPECT_EQ(q.entries[1].num_ids, 3);
+  }
+  {
+    const auto q = decode(message(header(ps::Op::kPush, 3, 16 + 8 + 8),
+                                  push_body({entry(0, "w", ds::Shape{4}), entry(1, "emb", ds::Shape{1, 2}, true, 1)})));
+    EXPECT_EQ(q.config.name, "sgd");
+    EXPECT_EQ(q.steps_after, 1);
+    ASSERT_EQ(q.entries.size(), 2u);
+  }
+  {
+    ps::Writer w;
+    w.put<int64_t>(5).put<uint8_t>(1);
+    EXPECT_TRUE(decode(message(header(ps::Op::kStopCheck, 4, 0, 8), w.bytes())).signalled);
+  }
+  EXPECT_EQ(decode(message(header(ps::Op::kDone, 5), {})).op, ps::Op::kDone);
+}
+
+// Each malformed message is an InvalidArgumentError saying what is wrong.
+TEST(PsRequestDecoder, RejectsEveryMalformedField) {
+  const int64_t big = int64_t{1} << 61;
+  struct Case {
+    const char* name;
+    std::vector<char> bytes;
+    std::string text;
+  };
+  std::vector<Case> cases;
+  auto add = [&](const char* name, std::vector<char> bytes, std::string text) {
+    cases.push_back({name, std::move(bytes), std::move(text)});
+  };
+  const std::vector<char> good_pull = pull_body({entry(0, "w")});
+  add("shorter than a header", std::vector<char>(5), "malformed request of 5 bytes");
+  {
+    ps::RequestHeader h = header(ps::Op::kPull, 1, 0, 16);
+    h.magic = ~ps::kMagic;
+    add("bad magic", message(h, good_pull), "magic");
+    h = header(ps::Op::kPull, 1, 0, 16);
+    h.op = 0;
+    add("op 0", message(h, good_pull), "op 0");
+    h.op = 13;
+    add("op 13", message(h, good_pull), "op 13");
+  }
+  add("negative payload", message(header(ps::Op::kPull, 1, -1, 16), good_pull), "payload of -1 bytes");
+  add("payload 2^40 + 1", message(header(ps::Op::kPull, 1, (int64_t{1} << 40) + 1, 16), good_pull),
+      "payload of 1099511627777 bytes");
+  add("reply 2^50", message(header(ps::Op::kPull, 1, 0, int64_t{1} << 50), good_pull), "reply of 1125899906842624");
+  add("pull of 2^61 ids (x 8 overflows to 0)",
+      message(header(ps::Op::kPull, 1, 0, 8), pull_body({entry(1, "emb", {}, true, big)})),
+      "2305843009213693952 ids");
+  add("payload claimed, none declared", message(header(ps::Op::kPull, 1, int64_t{2} << 30, 16), good_pull),
+      "the header claims a payload of 2147483648 bytes, the request declares 0");
+  {
+    ps::Writer w;
+    w.put<int64_t>(-1).put<int64_t>(int64_t{1} << 24);  // 2^24 entries in 0 bytes
+    add("entry count the message cannot hold", message(header(ps::Op::kPull, 1), w.bytes()), "16777216 entries in 0 bytes");
+    ps::Writer w2;
+    w2.put<int64_t>(-1).put<int64_t>((int64_t{1} << 24) + 1);
+    add("too many entries", message(header(ps::Op::kPull, 1), w2.bytes()), "16777217 entries");
+    ps::Writer w3;
+    w3.put<int64_t>(-1).put<int64_t>(-3);
+    add("negative entry count", message(header(ps::Op::kPull, 1), w3.bytes()), "-3 entries");
+  }
+  {
+    ps::Entry e = entry(0, "w", ds::Shape{4});
+    e.dtype = 17;
+    add("bad dtype", message(header(ps::Op::kPush, 1, 16), push_body({e})), "bad dtype 17");
+    e = entry(0, "w", ds::Shape{4});
+    e.sparse = 2;
+    add("sparse flag 2", message(header(ps::Op::kPush, 1, 16), push_body({e})), "sparse flag 2");
+    e = entry(0, "w", ds::Shape{4}, false, 3);
+    add("ids on a dense entry", message(header(ps::Op::kPush, 1, 16), push_body({e})), "3 ids for a whole-shard entry");
+    e = entry(0, "w", ds::Shape{4});
+    e.var_id = -1;
+    add("negative variable id", message(header(ps::Op::kPush, 1, 16), push_body({e})), "variable id -1");
+  }
+  add("row push whose rows disagree with its ids",
+      message(header(ps::Op::kPush, 1, 16 + 16), push_body({entry(1, "emb", ds::Shape{2, 2}, true, 1)})),
+      "row gradient [2, 2] for 1 ids");
+  add("shape whose element count overflows",
+      message(header(ps::Op::kPush, 1, 0), push_body({entry(0, "w", ds::Shape{int64_t{1} << 40, int64_t{1} << 40})})),
+      "more than a message may carry");
+  add("row push of 2^61 ids", message(header(ps::Op::kPush, 1, 0), push_body({entry(1, "emb", ds::Shape{big, 2}, true, big)})),
+      "more than a message may carry");
+  {
+    std::vector<char> body = pull_body({entry(0, "w")});
+    // The name's length field (after the clock, count, var id and shard).
+    const int64_t huge_len = int64_t{1} << 40;
+    std::memcpy(body.data() + 32, &huge_len, 8);
+    add("string longer than allowed", message(header(ps::Op::kPull, 1, 0, 16), body), "malformed string length");
+    body = pull_body({entry(0, "w")});
+    const int64_t past_end = 1000;
+    std::memcpy(body.data() + 32, &past_end, 8);
+    add("string past the end", message(header(ps::Op::kPull, 1, 0, 16), body), "needs 1000 more bytes");
+  }
+  {
+    ps::Writer w;
+    w.put<int64_t>(-1).put<int64_t>(1).put<int64_t>(0).put<int64_t>(0).put_string("w").put<int32_t>(0);
+    w.put<int64_t>(33);
+    w.bytes().resize(w.bytes().size() + 64);  // room for an entry's other fields
+    add("shape of rank 33", message(header(ps::Op::kPull, 1), w.bytes()), "shape rank 33");
+    ps::Writer w2;
+    w2.put<int64_t>(-1).put<int64_t>(1).put<int64_t>(0).put<int64_t>(0).put_string("w").put<int32_t>(0);
+    w2.put<int64_t>(1).put<int64_t>(-4);
+    add("negative dimension", message(header(ps::Op::kPull, 1), w2.bytes()), "negative dimension -4");
+  }
+  {
+    std::vector<char> body = good_pull;
+    body.push_back(0);
+    add("bytes after the last field", message(header(ps::Op::kPull, 1, 0, 16), body), "1 bytes after the last field");
+    body = good_pull;
+    body.pop_back();
+    add("truncated", message(header(ps::Op::kPull, 1, 0, 16), body), "malformed message");
+  }
+  {
+    ps::Writer w;
+    w.put<int64_t>(0).put_string("w").put<int32_t>(0).put_shape(ds::Shape{10});
+    w.put<int64_t>(0).put<int64_t>(1).put<int64_t>(8).put<int64_t>(5).put<uint8_t>(0);
+    add("create rows outside the shape", message(header(ps::Op::kCreate, 1), w.bytes()), "rows 8 + 5 outside [10]");
+    ps::Writer w2;
+    w2.put<int64_t>(0).put_string("w").put<int32_t>(0).put_shape(ds::Shape{10});
+    w2.put<int64_t>(0).put<int64_t>(1).put<int64_t>(INT64_MAX).put<int64_t>(INT64_MAX).put<uint8_t>(0);
+    add("create rows that overflow", message(header(ps::Op::kCreate, 1), w2.bytes()), "outside [10]");
+    ps::Writer w3;
+    w3.put<int64_t>(0).put_string("w").put<int32_t>(0).put_shape(ds::Shape{10});
+    w3.put<int64_t>(3).put<int64_t>(2).put<int64_t>(0).put<int64_t>(5).put<uint8_t>(0);
+    add("create shard index past the count", message(header(ps::Op::kCreate, 1), w3.bytes()), "shard 3 of 2");
+    add("create value of the wrong size", message(header(ps::Op::kCreate, 1, 12), create_body(0, "w", ds::Shape{4}, true)),
+        "the header claims a payload of 12 bytes, the request declares 16");
+  }
+  {
+    ps::Writer w;
+    w.put<int64_t>(1).put<uint8_t>(2);
+    add("flag that is not 0 or 1", message(header(ps::Op::kBroadcast, 1), w.bytes()), "root is 2");
+    ps::Writer w2;
+    w2.put<int64_t>(1).put<uint8_t>(0);
+    add("payload from a broadcast receiver", message(header(ps::Op::kBroadcast, 1, 8, 8), w2.bytes()),
+        "the header claims a payload of 8 bytes");
+    ps::Writer w3;
+    w3.put<int64_t>(1).put<uint8_t>(0);
+    add("preemption check expecting 16 bytes", message(header(ps::Op::kStopCheck, 1, 0, 16), w3.bytes()),
+        "reply of 16 bytes, the request's is 8");
+  }
+  {
+    ps::Writer w;
+    w.put<int64_t>(1);
+    ps::write_entry(w, entry(0, "w", ds::Shape{4}));
+    w.put<uint8_t>(1).put<int64_t>(-1).put<int64_t>(65);
+    add("restore with 65 slots", message(header(ps::Op::kRestore, 1, 16), w.bytes()), "65 slots");
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    try {
+      ps::decode_request(c.bytes.data(), c.bytes.size());
+      ADD_FAILURE() << "decoded";
+    } catch (const ds::InvalidArgumentError& e) {
+      EXPECT_NE(e.message().find(c.text), std::string::npos) << e.message();
+    }
+  }
+}
+
+TEST(PsRequestDecoder, CheckedSizesNeverOverflow) {
+  EXPECT_EQ(ps::checked_mul(int64_t{1} << 20, 1 << 20, "x"), int64_t{1} << 40);
+  EXPECT_THROW(ps::checked_mul(int64_t{1} << 61, 8, "x"), ds::InvalidArgumentError);
+  EXPECT_THROW(ps::checked_mul(INT64_MAX, INT64_MAX, "x"), ds::InvalidArgumentError);
+  EXPECT_THROW(ps::checked_add(ps::kMaxMessageBytes, 1, "x"), ds::InvalidArgumentError);
+  EXPECT_THROW(ps::checked_add(INT64_MAX, INT64_MAX, "x"), ds::InvalidArgumentError);
+  EXPECT_EQ(ps::checked_bytes(ds::Shape{int64_t{1} << 62, 0}, 4, "x"), 0);
+  EXPECT_THROW(ps::checked_bytes(ds::Shape{int64_t{1} << 31, int64_t{1} << 31, 4}, 4, "x"), ds::InvalidArgumentError);
+}
+
+TEST(PsReplyCheck, AcceptsGoodRepliesAndNamesTheProblemOfBadOnes) {
+  ps::ReplyHeader ok;
+  ok.status = -1;
+  ok.payload_bytes = 8;
+  EXPECT_EQ(ps::check_reply(ok, 8), "");
+  ps::ReplyHeader err = ok;
+  err.status = static_cast<int32_t>(ds::ErrorCode::kNotFound);
+  err.error_bytes = 20;
+  EXPECT_EQ(ps::check_reply(err, 8), "");
+  EXPECT_NE(ps::check_reply(ok, 16).find("carries 8 bytes, expected 16"), std::string::npos);
+  ps::ReplyHeader bad = ok;
+  bad.magic = 0;
+  EXPECT_NE(ps::check_reply(bad, 8).find("magic"), std::string::npos);
+}
+
 }  // namespace
