@@ -36,6 +36,10 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
     h.magic = ~kMagic;
     corrupt_next_push_ = false;
   }
+  if (op == Op::kPush && oversize_next_push_) {
+    h.payload_bytes += (int64_t{1} << 30) + 8;
+    oversize_next_push_ = false;
+  }
   c->control.resize(sizeof(h) + body.size());
   std::memcpy(c->control.data(), &h, sizeof(h));
   if (!body.empty()) std::memcpy(c->control.data() + sizeof(h), body.data(), body.size());

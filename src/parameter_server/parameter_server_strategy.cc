@@ -656,7 +656,11 @@ Variable ParameterServerStrategy::create_row_sparse_variable(const std::string& 
 void ParameterServerStrategy::inject_corruption(ReplicaContext&, int64_t) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);  // guards the client
-  m.client->corrupt_next_push();
+  if (fault_injection().kind == FaultKind::kOversize) {
+    m.client->oversize_next_push();
+  } else {
+    m.client->corrupt_next_push();
+  }
 }
 
 void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {

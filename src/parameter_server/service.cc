@@ -191,14 +191,52 @@ bool Service::finished() const {
 }
 
 void Service::discard(const Envelope& env) {
-  // A recv of 0 bytes consumes the message with a size error (every
-  // transport matches, then reports the mismatch).
-  char none = 0;
-  Request r = t_.recv(env.source, &none, 0, env.tag);
+  // Into a buffer of exactly the message's size, for a short while: a
+  // shorter recv would be a truncation, and Open MPI writes a truncated
+  // message (past the eager size) beyond the buffer.
+  std::vector<char> sink(env.bytes);
+  Request r = t_.recv(env.source, sink.data(), sink.size(), env.tag);
   try {
     r.wait(Clock::now() + options_.timeout);
   } catch (const Error&) {
   }
+}
+
+void Service::receive_payload(WorkerState& w, const Envelope& env) {
+  // A payload message belongs to the worker's latest request (messages of
+  // one sender are probed in the order they were sent): the back of its
+  // queue, if that still waits for payload.
+  Pending* p = !w.queue.empty() && !w.queue.back().payload_ready ? &w.queue.back() : nullptr;
+  if (!p) {
+    // The payload of a request rejected on arrival (or more than a request
+    // declared): the worker's stream goes on after it.
+    discard(env);
+    logger_.warning(who(), ": dropped a payload message of ", env.bytes, " bytes from worker ", w.index,
+                    " (rank ", w.rank, ") that no accepted request declared");
+    return;
+  }
+  const size_t left = p->payload.size() - p->received;
+  if (env.bytes == 0 || env.bytes > left) {
+    discard(env);
+    p->error = "its payload message of " + std::to_string(env.bytes) + " bytes does not fit the " +
+               std::to_string(left) + " bytes still expected of the " + std::to_string(p->payload.size()) +
+               " it declared";
+    p->payload_ready = true;
+    return;
+  }
+  // Exactly the message's size, checked against what the request declared,
+  // so a worker that sends more than it claimed cannot make the transport
+  // write past the buffer.
+  Request r = t_.recv(env.source, p->payload.data() + p->received, env.bytes, env.tag);
+  try {
+    r.wait(Clock::now() + options_.timeout);
+  } catch (const Error& e) {
+    p->error = e.message();
+    p->payload_ready = true;
+    return;
+  }
+  p->received += env.bytes;
+  p->payload_ready = p->received == p->payload.size();
 }
 
 bool Service::receive_new() {
@@ -221,12 +259,16 @@ bool Service::receive_new() {
       logger_.warning(who(), ": worker ", w.index, " is back");
     }
     if (env.tag == kRequestPayloadTag) {
-      // The payload of a request rejected on arrival (its recv was never
-      // posted): the worker's stream goes on after it.
-      discard(env);
-      logger_.warning(who(), ": dropped a payload of ", env.bytes, " bytes from worker ", w.index,
-                      " (rank ", w.rank, ") whose request was rejected");
+      receive_payload(w, env);
       continue;
+    }
+    if (!w.queue.empty() && !w.queue.back().payload_ready) {
+      // A new request while the last one still waits for payload: the
+      // worker sent less than it declared.
+      Pending& last = w.queue.back();
+      last.error = "only " + std::to_string(last.received) + " of the " + std::to_string(last.payload.size()) +
+                   " payload bytes it declared arrived before the worker's next request";
+      last.payload_ready = true;
     }
     RequestHeader unknown;
     unknown.seq = -1;
@@ -278,7 +320,7 @@ bool Service::receive_new() {
                        std::to_string(p.header.payload_bytes) + " bytes");
         continue;
       }
-      p.payload_recv = t_.recv(w.rank, p.payload.data(), p.payload.size(), kRequestPayloadTag);
+      // Its parts are received as they are probed (receive_payload).
     } else {
       p.payload_ready = true;
     }
@@ -378,36 +420,34 @@ bool Service::process_queues() {
       Pending& p = w.queue.front();
       const Op op = p.request.op;
       const std::string what = from(w, p.header.op);
+      if (!p.error.empty()) {
+        logger_.warning(what, " rejected: ", p.error);
+        if (op == Op::kPush) {
+          std::lock_guard<std::mutex> lock(mu_);
+          ++stats_.pushes_rejected;
+        }
+        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kInvalidArgument), {}, what + ": " + p.error);
+        w.queue.pop_front();
+        any = true;
+        continue;
+      }
       if (!p.payload_ready) {
-        try {
-          p.payload_ready = p.payload_recv.test();
-        } catch (const Error& e) {
-          send_reply(w.rank, p.header, static_cast<int>(e.code()), {}, what + ": " + e.message());
-          w.queue.pop_front();
-          any = true;
-          continue;
-        }
-        if (!p.payload_ready) {
-          // Every part of the payload has this deadline (in the loop's
-          // running time, see tick()): a worker that stalled between its
-          // two messages, or whose payload is shorter than it claimed (the
-          // later parts of a multi-part receive never come), fails this
-          // request instead of holding its queue forever.
-          if (Clock::now() - p.arrived <= options_.timeout) break;
-          logger_.error(what, ": its payload of ", p.header.payload_bytes, " bytes did not arrive from rank ",
-                        w.rank, " within ", options_.timeout.count(), " ms");
-          send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kDeadlineExceeded), {},
-                     what + ": its payload of " + std::to_string(p.header.payload_bytes) +
-                         " bytes did not arrive from rank " + std::to_string(w.rank) + " within " +
-                         std::to_string(options_.timeout.count()) + " ms");
-          // Dropping the recv cancels it (MPI); the buffer stays, in case
-          // the transport still writes into it.
-          p.payload_recv = Request();
-          abandoned_.push_back(std::move(p.payload));
-          w.queue.pop_front();
-          any = true;
-          continue;
-        }
+        // Every part of the payload has this deadline (in the loop's
+        // running time, see tick()): a worker that stalled between its
+        // two messages, or whose payload is shorter than it claimed (the
+        // later parts of a multi-part receive never come), fails this
+        // request instead of holding its queue forever.
+        if (Clock::now() - p.arrived <= options_.timeout) break;
+        logger_.error(what, ": its payload of ", p.header.payload_bytes, " bytes did not arrive from rank ",
+                      w.rank, " within ", options_.timeout.count(), " ms");
+        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kDeadlineExceeded), {},
+                   what + ": its payload of " + std::to_string(p.header.payload_bytes) +
+                       " bytes did not arrive from rank " + std::to_string(w.rank) + " within " +
+                       std::to_string(options_.timeout.count()) + " ms");
+        // Its parts that still come are dropped (receive_payload).
+        w.queue.pop_front();
+        any = true;
+        continue;
       }
       Reply reply;
       Outcome outcome;

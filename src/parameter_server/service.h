@@ -95,8 +95,9 @@ class Service {
     RequestHeader header;
     DecodedRequest request;  // decoded and checked on arrival
     std::vector<char> payload;
-    Request payload_recv;
+    size_t received = 0;  // payload bytes in so far (it may come in parts)
     bool payload_ready = false;
+    std::string error;  // set when its payload came wrong: answered with it
     Clock::time_point arrived;
   };
   struct WorkerState {
@@ -129,8 +130,10 @@ class Service {
   // worker's queued creates declare), before its payload is allocated;
   // throws like the handlers do. Caller holds mu_.
   void check_on_arrival(const WorkerState& w, const DecodedRequest& q) const;
-  // Receives and drops a message nobody expects, without allocating its size.
+  // Receives and drops a message nobody expects.
   void discard(const Envelope& env);
+  // Receives one payload message (a part) of worker `w`'s latest request.
+  void receive_payload(WorkerState& w, const Envelope& env);
   bool process_queues();
   void reap_outgoing();
   void check_liveness();
@@ -172,9 +175,6 @@ class Service {
   std::map<int, int> worker_of_rank_;
   std::deque<Outgoing> outgoing_;
   Clock::time_point last_tick_;
-  // Payload buffers of requests given up on (deadline): kept while the
-  // transport might still write into them.
-  std::vector<std::vector<char>> abandoned_;
   size_t next_worker_ = 0;  // round-robin start
 
   mutable std::mutex mu_;  // guards everything below (read by other threads)

@@ -114,6 +114,12 @@ class RawPeer {
       sends_.push_back(t_.send(peer_, p->data(), p->size(), ps::kRequestPayloadTag));
     }
   }
+  // Sends one more payload message (a part).
+  void send_payload(const std::vector<char>& payload) {
+    auto p = std::make_shared<std::vector<char>>(payload);
+    keep_.push_back(p);
+    sends_.push_back(t_.send(peer_, p->data(), p->size(), ps::kRequestPayloadTag));
+  }
   // Receives the next reply (header, error text, payload of the size the
   // header announces); throws DeadlineExceededError when none comes `within`.
   Reply reply(milliseconds within) {
@@ -343,6 +349,34 @@ TEST_F(PsWire, PayloadThatNeverArrivesFailsTheRequestAtTheDeadline) {
   expect_serves();
 }
 
+// A payload may come in parts (the MPI transport splits at 1 GiB); each part
+// is received at exactly its size, checked against what the request still
+// expects: more than declared, or less before the worker's next request,
+// fails the request, and changes nothing.
+TEST_F(PsWire, PayloadPartsAreCheckedAgainstTheDeclaredSize) {
+  start();
+  create_variables();
+  const std::vector<char> g = floats({1, 1, 1, 1});
+  const std::vector<char> first(g.begin(), g.begin() + 8), second(g.begin() + 8, g.end());
+  // Two parts of 8 bytes for a push that declares 16: applied.
+  peer_.send(header(ps::Op::kPush, seq_++, 16), push_body({entry(0, "w", ds::Shape{4})}), &first);
+  peer_.send_payload(second);
+  auto r = peer_.reply(milliseconds(5000));
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  expect_serves({0.5f, 1.5f, 2.5f, 3.5f});
+  // 20 bytes for a push that declares 16.
+  const std::vector<char> g5 = floats({1, 1, 1, 1, 1});
+  r = peer_.call(header(ps::Op::kPush, seq_++, 16), push_body({entry(0, "w", ds::Shape{4})}), &g5);
+  expect_rejected(r, ds::ErrorCode::kInvalidArgument, "payload message of 20 bytes does not fit the 16 bytes");
+  // 8 of 16 bytes, then the next request.
+  peer_.send(header(ps::Op::kPush, seq_++, 16), push_body({entry(0, "w", ds::Shape{4})}), &first);
+  r = peer_.call(header(ps::Op::kPull, seq_++, 0, 16), pull_body({entry(0, "w")}));
+  auto r2 = peer_.reply(milliseconds(5000));
+  expect_rejected(r, ds::ErrorCode::kInvalidArgument, "only 8 of the 16 payload bytes");
+  ASSERT_EQ(r2.header.status, -1) << r2.error;
+  expect_serves({0.5f, 1.5f, 2.5f, 3.5f});
+}
+
 // Issue 14.4: a PS that was itself not running (SIGSTOP, a long pause of its
 // loop) must not count that time as its workers' silence. The clock seam
 // jumps 10 s ahead between two polls of the loop, as a stopped and continued
@@ -373,9 +407,9 @@ TEST_F(PsWire, APsThatWasNotRunningDoesNotDeclareItsWorkersGone) {
   EXPECT_LT(secs, 5.0);
 }
 
-// Messages that are not requests, or control messages larger than any
-// request, are dropped without the PS allocating their size; the worker's
-// stream goes on.
+// Messages that are not requests, payload messages no accepted request
+// declared, and control messages too short for a header are dropped (the
+// last with an error reply); the worker's stream goes on.
 TEST_F(PsWire, StrayAndOversizedMessagesAreDroppedAndTheStreamGoesOn) {
   start();
   create_variables();
