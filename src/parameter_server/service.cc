@@ -437,6 +437,7 @@ bool Service::process_queues() {
         // two messages, or whose payload is shorter than it claimed (the
         // later parts of a multi-part receive never come), fails this
         // request instead of holding its queue forever.
+        tick();  // (a stop of this process just before is no wait of the request)
         if (Clock::now() - p.arrived <= options_.timeout) break;
         logger_.error(what, ": its payload of ", p.header.payload_bytes, " bytes did not arrive from rank ",
                       w.rank, " within ", options_.timeout.count(), " ms");
@@ -551,7 +552,10 @@ void Service::reap_outgoing() {
 }
 
 void Service::check_liveness() {
-  const auto now = this->now();
+  // The time of this tick, not a fresh reading: a stop between the two
+  // would be counted as silence.
+  tick();
+  const auto now = last_tick_;
   for (WorkerState& w : workers_) {
     if (w.done || w.gone || !w.queue.empty()) continue;  // a queued request means it waits on us
     if (now - w.last_heard > options_.worker_timeout) {

@@ -123,7 +123,8 @@ class Service {
     std::vector<char> payload;
   };
 
-  // Advances the loop's running time (see above).
+  // Advances the loop's running time (see above): called before every
+  // check of silence or of a wait.
   void tick();
   bool receive_new();
   // Checks a decoded request against the shards (or the shards this

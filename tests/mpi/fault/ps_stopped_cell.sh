@@ -5,8 +5,11 @@
 #   ps_stopped_cell.sh MPIEXEC DRIVER TIMEOUT_MS
 # Runs DRIVER (diststrat_mpi_fault --strategy parameter_server: workers 0, 1,
 # the PS is rank 2; worker_timeout TIMEOUT_MS, the workers' own deadline
-# 3 x TIMEOUT_MS) under `MPIEXEC -np 3`, sends SIGSTOP to the PS rank once it
-# is serving, SIGCONT 2 x TIMEOUT_MS later, and passes when
+# 3 x TIMEOUT_MS) under `MPIEXEC -np 3`, stops the PS rank (SIGSTOP) once it
+# is serving for 1.5 x TIMEOUT_MS and continues it (SIGCONT), STOPS times
+# (a stop that lands while the loop is between its receive and its liveness
+# check used to make the PS declare every worker gone and quit), and passes
+# when
 #   - the PS was stopped while the job ran (it did not end before SIGCONT),
 #   - mpirun exits 0 and every rank prints OK with exact values: the PS did
 #     not declare its healthy workers gone for the time it was not running
@@ -18,8 +21,9 @@ if (($# != 3)); then
   exit 2
 fi
 mpiexec=$1 driver=$2 timeout_ms=$3
-stop_ms=$((2 * timeout_ms))
-steps=${DISTSTRAT_PS_STOPPED_STEPS:-5000}
+stop_ms=$((3 * timeout_ms / 2))
+stops=${DISTSTRAT_PS_STOPPED_STOPS:-4}
+steps=${DISTSTRAT_PS_STOPPED_STEPS:-20000}
 tag="diststrat-ps-stopped-$$-$RANDOM$RANDOM"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
@@ -41,20 +45,22 @@ if [[ -z $ps_pid ]]; then
   echo "FAIL: the PS process (rank 2) never appeared"
   fail=1
 else
-  sleep 0.5  # let training start
-  if kill -STOP "$ps_pid" 2>/dev/null; then
-    echo "stopped the PS (pid $ps_pid) for ${stop_ms} ms"
-    sleep "$(awk "BEGIN { print $stop_ms / 1000 }")"
-    if ! kill -0 "$job" 2>/dev/null; then
-      echo "FAIL: the job ended while the PS was stopped"
+  for ((k = 0; k < stops && !fail; ++k)); do
+    sleep 0.3  # let training go on
+    if kill -STOP "$ps_pid" 2>/dev/null; then
+      echo "stopped the PS (pid $ps_pid) for ${stop_ms} ms"
+      sleep "$(awk "BEGIN { print $stop_ms / 1000 }")"
+      if ! kill -0 "$job" 2>/dev/null; then
+        echo "FAIL: the job ended while the PS was stopped"
+        fail=1
+      fi
+      kill -CONT "$ps_pid" 2>/dev/null
+      stopped=$((stopped + 1))
+    else
+      echo "FAIL: the job ended before the PS could be stopped $stops times (raise DISTSTRAT_PS_STOPPED_STEPS)"
       fail=1
     fi
-    kill -CONT "$ps_pid" 2>/dev/null
-    stopped=1
-  else
-    echo "FAIL: the job ended before the PS could be stopped (raise DISTSTRAT_PS_STOPPED_STEPS)"
-    fail=1
-  fi
+  done
 fi
 wait "$job"
 rc=$?
@@ -88,6 +94,6 @@ if [[ -n $left ]]; then
 fi
 result=PASS
 ((fail)) && result=FAIL
-echo "CELL parameter_server PS stopped ${stop_ms} ms (stopped: $stopped): mpirun rc=$rc," \
+echo "CELL parameter_server PS stopped $stopped x ${stop_ms} ms: mpirun rc=$rc," \
      "orphans: ${left:-none} -> $result"
 exit $fail
