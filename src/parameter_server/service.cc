@@ -150,6 +150,7 @@ void Service::tick() {
     w.last_heard += excess;
     for (Pending& p : w.queue) p.arrived += excess;
   }
+  for (Outgoing& o : outgoing_) o.posted += excess;
 }
 
 void Service::run() {
@@ -514,6 +515,8 @@ void Service::send_reply(int rank, const RequestHeader& request, int status,
     }
   }
   Outgoing o;
+  o.rank = rank;
+  o.posted = Clock::now();
   o.header = std::make_shared<ReplyHeader>();
   o.header->seq = request.seq;
   o.header->status = status;
@@ -546,6 +549,19 @@ void Service::reap_outgoing() {
       for (Request& r : it->requests) done = done && r.test();
     } catch (const Error& e) {
       logger_.error(who(), ": a reply failed: ", e.message());
+    }
+    if (!done) {
+      tick();
+      if (Clock::now() - it->posted > options_.timeout) {
+        // The worker never takes it (gone, or it never posted the recv):
+        // a send has a deadline too, or the loop could never finish.
+        auto w = worker_of_rank_.find(it->rank);
+        logger_.error(who(), ": a reply to worker ", w == worker_of_rank_.end() ? -1 : w->second, " (rank ",
+                      it->rank, ") was not taken within ", options_.timeout.count(), " ms; given up");
+        it->requests.clear();  // cancels them
+        abandoned_.push_back(std::move(*it));
+        done = true;
+      }
     }
     it = done ? outgoing_.erase(it) : std::next(it);
   }

@@ -117,6 +117,8 @@ class Service {
     std::shared_ptr<std::string> error;
     std::shared_ptr<const void> payload;  // a vector, or zeros that take no memory
     std::vector<Request> requests;
+    int rank = -1;
+    Clock::time_point posted;  // a reply not taken within the timeout is given up
   };
   enum class Outcome { kServed, kDeferred };
   struct Reply {
@@ -176,6 +178,8 @@ class Service {
   std::map<int, int> worker_of_rank_;
   std::deque<Outgoing> outgoing_;
   Clock::time_point last_tick_;
+  // Buffers of replies given up on: the transport may still read them.
+  std::vector<Outgoing> abandoned_;
   size_t next_worker_ = 0;  // round-robin start
 
   mutable std::mutex mu_;  // guards everything below (read by other threads)

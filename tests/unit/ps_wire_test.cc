@@ -172,6 +172,7 @@ class PsWire : public ::testing::Test {
         std::lock_guard<std::mutex> lock(log_mu_);
         log_ += std::string("run() threw: ") + e.what() + "\n";
       }
+      returned_ = true;
     });
   }
   void TearDown() override {
@@ -219,6 +220,7 @@ class PsWire : public ::testing::Test {
   std::string log_;
   std::unique_ptr<ps::Service> service_;
   std::thread thread_;
+  std::atomic<bool> returned_{false};
   int64_t seq_ = 1;
 };
 
@@ -375,6 +377,20 @@ TEST_F(PsWire, PayloadPartsAreCheckedAgainstTheDeclaredSize) {
   expect_rejected(r, ds::ErrorCode::kInvalidArgument, "only 8 of the 16 payload bytes");
   ASSERT_EQ(r2.header.status, -1) << r2.error;
   expect_serves({0.5f, 1.5f, 2.5f, 3.5f});
+}
+
+// A reply the worker never takes (it left, or never posted the receive) is
+// given up after the timeout: the PS loop still finishes.
+TEST_F(PsWire, AReplyNobodyTakesDoesNotKeepThePsForever) {
+  ps::ServiceOptions o;
+  o.timeout = milliseconds(300);
+  start(o);
+  create_variables();
+  peer_.send(header(ps::Op::kDone, seq_++), {});  // its reply is never received
+  const auto t0 = ds::Clock::now();
+  while (!returned_ && ds::Clock::now() - t0 < std::chrono::seconds(5)) std::this_thread::sleep_for(milliseconds(10));
+  EXPECT_TRUE(returned_) << log();
+  EXPECT_NE(log().find("was not taken within 300 ms"), std::string::npos) << log();
 }
 
 // Issue 14.4: a PS that was itself not running (SIGSTOP, a long pause of its
