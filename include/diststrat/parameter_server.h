@@ -131,7 +131,8 @@ struct ParameterServerOptions {
   // A worker that sends nothing for this long (and waits on nothing) stops
   // holding back the others (staleness bound, barriers); the PS loop ends
   // when every worker has shut down or gone silent, and join() then reports
-  // the silent ones. 0 = communication.timeout.
+  // the silent ones. Silence is counted only while the PS loop runs (a
+  // stopped PS process does not blame its workers). 0 = communication.timeout.
   std::chrono::milliseconds worker_timeout{0};
   LogLevel log_level = LogLevel::kWarning;
 };

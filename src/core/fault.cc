@@ -13,6 +13,7 @@ const char* fault_kind_name(FaultKind kind) {
     case FaultKind::kExit: return "exit";
     case FaultKind::kStall: return "stall";
     case FaultKind::kCorrupt: return "corrupt";
+    case FaultKind::kOversize: return "oversize";
   }
   return "?";
 }
@@ -25,11 +26,12 @@ FaultInjection FaultInjection::parse(const std::string& text) {
   DISTSTRAT_CHECK(b != std::string::npos, kInvalidArgument, "fault injection '", text,
                   "': expected kind:rank:step");
   const std::string kind = text.substr(0, a);
-  for (FaultKind k : {FaultKind::kThrow, FaultKind::kExit, FaultKind::kStall, FaultKind::kCorrupt}) {
+  for (FaultKind k : {FaultKind::kThrow, FaultKind::kExit, FaultKind::kStall, FaultKind::kCorrupt,
+                      FaultKind::kOversize}) {
     if (kind == fault_kind_name(k)) f.kind = k;
   }
   DISTSTRAT_CHECK(f.active(), kInvalidArgument, "fault injection '", text, "': unknown kind '",
-                  kind, "' (throw, exit, stall, corrupt)");
+                  kind, "' (throw, exit, stall, corrupt, oversize)");
   try {
     size_t used = 0;
     const std::string r = text.substr(a + 1, b - a - 1), s = text.substr(b + 1);

@@ -100,6 +100,7 @@ void Strategy::inject_fault(ReplicaContext& ctx, int64_t step) {
       // it read before is raced by the frees that follow (see ThreadPool).
       ThreadPool::park_forever();
     case FaultKind::kCorrupt:
+    case FaultKind::kOversize:
       inject_corruption(ctx, step);
       return;
     case FaultKind::kNone:

@@ -672,7 +672,11 @@ Variable ParameterServerStrategy::create_row_sparse_variable(const std::string& 
 void ParameterServerStrategy::inject_corruption(ReplicaContext&, int64_t) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);  // guards the client
-  m.client->corrupt_next_push();
+  if (fault_injection().kind == FaultKind::kOversize) {
+    m.client->oversize_next_push();
+  } else {
+    m.client->corrupt_next_push();
+  }
 }
 
 void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
@@ -901,6 +905,9 @@ ParameterServerStats ParameterServerStrategy::stats() {
     out.max_staleness = std::max(out.max_staleness, r.get<int64_t>());
     out.max_step_gap = std::max(out.max_step_gap, r.get<int64_t>());
     const int64_t n = r.get<int64_t>();
+    // Checked before it sizes anything: the reply must count our workers.
+    DISTSTRAT_CHECK(n == static_cast<int64_t>(m.worker_ranks.size()), kInternal,
+                    "stats reply: protocol error: ", n, " workers, this job has ", m.worker_ranks.size());
     out.worker_steps.resize(static_cast<size_t>(n), 0);
     for (int64_t i = 0; i < n; ++i) {
       out.worker_steps[i] = std::max(out.worker_steps[i], r.get<int64_t>());
