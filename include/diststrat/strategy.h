@@ -217,7 +217,10 @@ class Strategy {
   virtual void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                                const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) = 0;
 
-  // Variable access the Variable handle forwards to.
+  // Variable access the Variable handle forwards to. Sync-on-read variables
+  // (kOnRead) are aggregated and assigned by the Variable handle itself
+  // through the strategy's reductions (see variable.h), the same way under
+  // every strategy; these hooks read and write the copies.
   virtual Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const;
   virtual Tensor variable_value(const Variable::Impl& var) const;
   virtual void assign_variable(Variable::Impl& var, const Tensor& value);
@@ -265,6 +268,11 @@ class Strategy {
   // fn through run_replicas and prefixes errors with the step.
   void run_step(const std::function<void(ReplicaContext&)>& fn);
   void inject_fault(ReplicaContext& ctx, int64_t step);
+  // Cross-replica read and write of a kOnRead variable (Variable::value and
+  // Variable::assign): collective over every worker, like reduce.
+  friend class Variable;
+  Tensor on_read_value(const Variable::Impl& var);
+  void on_read_assign(Variable& var, const Tensor& value);
 
   FaultInjection fault_;
   int64_t step_ = 0;

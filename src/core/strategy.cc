@@ -126,6 +126,19 @@ Variable Strategy::create_variable(const std::string& name, const Shape& shape, 
     DISTSTRAT_CHECK(v.name() != name, kInvalidArgument, "create_variable: a variable named '",
                     name, "' already exists");
   }
+  if (options.synchronization == VariableSynchronization::kOnRead) {
+    DISTSTRAT_CHECK(!options.trainable, kInvalidArgument, "create_variable '", name,
+                    "': a sync-on-read (kOnRead) variable cannot be trainable; set "
+                    "VariableOptions::trainable = false (as TensorFlow requires)");
+    // The parameter server keeps one copy of each variable on the PS ranks
+    // and its replicas read a pulled cache: there are no per-replica copies
+    // to aggregate, and replica writes would be lost at the next pull.
+    DISTSTRAT_CHECK(this->name() != "parameter_server", kUnimplemented,
+                    "ParameterServerStrategy: create_variable '", name,
+                    "': sync-on-read (kOnRead) variables are not supported (the PS holds one "
+                    "copy of each variable); keep per-replica metrics in run()'s results and "
+                    "combine them with Strategy::reduce");
+  }
   auto impl = std::make_shared<Variable::Impl>();
   impl->name = name;
   impl->shape = shape;
@@ -274,14 +287,48 @@ Tensor Strategy::read_variable(const Variable::Impl& var, const ReplicaContext& 
 }
 
 Tensor Strategy::variable_value(const Variable::Impl& var) const {
-  if (var.options.synchronization == VariableSynchronization::kOnRead &&
-      var.options.aggregation != VariableAggregation::kNone &&
-      var.options.aggregation != VariableAggregation::kOnlyFirstReplica) {
-    const ReduceOp op =
-        var.options.aggregation == VariableAggregation::kSum ? ReduceOp::kSum : ReduceOp::kMean;
-    return const_cast<Strategy*>(this)->reduce_tensors_across(op, var.copies);
+  if (var.options.synchronization == VariableSynchronization::kOnRead) {
+    return const_cast<Strategy*>(this)->on_read_value(var);
   }
   return var.copies.at(0).clone();
+}
+
+Tensor Strategy::on_read_value(const Variable::Impl& var) {
+  DISTSTRAT_CHECK(!var.copies.empty(), kFailedPrecondition, "value of variable '", var.name,
+                  "': it has no copies on this process");
+  switch (var.options.aggregation) {
+    case VariableAggregation::kSum:
+      return reduce_tensors_across(ReduceOp::kSum, var.copies);
+    case VariableAggregation::kMean:
+      return reduce_tensors_across(ReduceOp::kMean, var.copies);
+    case VariableAggregation::kNone:
+    case VariableAggregation::kOnlyFirstReplica:
+      break;
+  }
+  // Global replica 0's copy: the process that holds it contributes it, every
+  // other one zeros, and the sum over processes is that copy exactly (a
+  // host copy of it with one process).
+  if (first_local_replica() == 0) return reduce_tensors_across(ReduceOp::kSum, {var.copies[0]});
+  Tensor zeros(var.shape, var.dtype);
+  zeros.zero();
+  return reduce_tensors_across(ReduceOp::kSum, {zeros});
+}
+
+void Strategy::on_read_assign(Variable& var, const Tensor& value) {
+  const Variable::Impl& v = var.impl();
+  DISTSTRAT_CHECK(value.shape() == v.shape && value.dtype() == v.dtype, kInvalidArgument,
+                  "assign to variable '", v.name, "' ", dtype_name(v.dtype), v.shape.to_string(),
+                  " from ", value.debug_string());
+  if (v.options.aggregation != VariableAggregation::kSum) {
+    // The mean of equal copies, and the first copy, are the value itself.
+    assign_variable(var.impl(), value);
+    return;
+  }
+  // A sum: global replica 0 holds the value, every other replica zero.
+  Tensor zeros(v.shape, v.dtype);
+  zeros.zero();
+  const Tensor* first = first_local_replica() == 0 ? &v.copies.at(0) : nullptr;
+  update(var, [&](Tensor& copy) { copy.copy_from(&copy == first ? value : zeros); });
 }
 
 void Strategy::assign_variable(Variable::Impl& var, const Tensor& value) {

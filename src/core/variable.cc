@@ -20,8 +20,20 @@ Variable::Impl& Variable::impl() const {
 Tensor Variable::read(const ReplicaContext& ctx) const {
   return impl().owner->read_variable(impl(), ctx);
 }
-Tensor Variable::value() const { return impl().owner->variable_value(impl()); }
-void Variable::assign(const Tensor& value) { impl().owner->assign_variable(impl(), value); }
+Tensor Variable::value() const {
+  if (impl().options.synchronization == VariableSynchronization::kOnRead) {
+    return impl().owner->on_read_value(impl());
+  }
+  return impl().owner->variable_value(impl());
+}
+
+void Variable::assign(const Tensor& value) {
+  if (impl().options.synchronization == VariableSynchronization::kOnRead) {
+    impl().owner->on_read_assign(*this, value);
+    return;
+  }
+  impl().owner->assign_variable(impl(), value);
+}
 
 std::vector<Tensor>& Variable::Impl::slot(const std::string& slot_name) {
   std::lock_guard<std::mutex> lock(slots_mu);

@@ -86,13 +86,9 @@ void MirroredStrategy::update(Variable& var, const std::function<void(Tensor&)>&
 }
 
 Tensor MirroredStrategy::variable_value(const Variable::Impl& var) const {
-  if (var.copies.empty() || var.copies[0].device().is_cpu()) return Strategy::variable_value(var);
-  if (var.options.synchronization == VariableSynchronization::kOnRead &&
-      var.options.aggregation != VariableAggregation::kNone &&
-      var.options.aggregation != VariableAggregation::kOnlyFirstReplica) {
-    return const_cast<MirroredStrategy*>(this)->reduce_tensors_across(
-        var.options.aggregation == VariableAggregation::kSum ? ReduceOp::kSum : ReduceOp::kMean,
-        var.copies);
+  if (var.copies.empty() || var.copies[0].device().is_cpu() ||
+      var.options.synchronization == VariableSynchronization::kOnRead) {
+    return Strategy::variable_value(var);  // the reductions stage GPU copies
   }
   return impl_->replicas.to_host(var.copies[0]);
 }
