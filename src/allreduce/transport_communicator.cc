@@ -21,9 +21,26 @@ std::string describe_call(const char* kind, size_t count, DType dtype, const Red
 
 TransportCommunicator::TransportCommunicator(Transport& transport, CommunicationOptions options,
                                              std::vector<int> node_of,
-                                             std::unique_ptr<Transport> owned)
+                                             std::unique_ptr<Transport> owned,
+                                             const std::vector<Algorithm>& also_runs)
     : owned_(std::move(owned)), transport_(&transport), options_(std::move(options)),
       node_of_(std::move(node_of)) {
+  switch (options_.algorithm) {
+    case Algorithm::kAuto:
+    case Algorithm::kRing:
+    case Algorithm::kHalvingDoubling:
+    case Algorithm::kTree:
+    case Algorithm::kReduceToOne:
+    case Algorithm::kHierarchical:
+    case Algorithm::kCustom:
+      break;
+    default:
+      DISTSTRAT_CHECK(std::find(also_runs.begin(), also_runs.end(), options_.algorithm) != also_runs.end(),
+                      kInvalidArgument, "rank ", rank(), ": TransportCommunicator: algorithm '",
+                      algorithm_name(options_.algorithm),
+                      "' is not available over this transport (point-to-point messages); use "
+                      "auto, ring, halving_doubling, tree, reduce_to_one, hierarchical or custom");
+  }
   const int n = transport_->size();
   if (node_of_.empty() || options_.hierarchical_group_size > 0) {
     node_of_.assign(n, 0);
