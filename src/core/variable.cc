@@ -17,22 +17,32 @@ Variable::Impl& Variable::impl() const {
   return *impl_;
 }
 
-Tensor Variable::read(const ReplicaContext& ctx) const {
-  return impl().owner->read_variable(impl(), ctx);
+namespace {
+// The strategy that created `v`: an Impl made by hand has none.
+Strategy& owner_of(const Variable::Impl& v) {
+  DISTSTRAT_CHECK(v.owner != nullptr, kFailedPrecondition, "variable '", v.name,
+                  "' was not created by a strategy (use Strategy::create_variable)");
+  return *v.owner;
 }
+}  // namespace
+
+Tensor Variable::read(const ReplicaContext& ctx) const {
+  return owner_of(impl()).read_variable(impl(), ctx);
+}
+
 Tensor Variable::value() const {
-  if (impl().options.synchronization == VariableSynchronization::kOnRead) {
-    return impl().owner->on_read_value(impl());
-  }
-  return impl().owner->variable_value(impl());
+  Strategy& s = owner_of(impl());
+  if (impl().options.synchronization == VariableSynchronization::kOnRead) return s.on_read_value(impl());
+  return s.variable_value(impl());
 }
 
 void Variable::assign(const Tensor& value) {
+  Strategy& s = owner_of(impl());
   if (impl().options.synchronization == VariableSynchronization::kOnRead) {
-    impl().owner->on_read_assign(*this, value);
+    s.on_read_assign(*this, value);
     return;
   }
-  impl().owner->assign_variable(impl(), value);
+  s.assign_variable(impl(), value);
 }
 
 std::vector<Tensor>& Variable::Impl::slot(const std::string& slot_name) {
