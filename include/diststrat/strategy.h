@@ -184,10 +184,24 @@ class Strategy {
   }
 
   // Cross-replica reductions of run()'s results over all replicas in sync
-  // (all workers). kMean divides by num_replicas_in_sync().
+  // (all workers). kMean divides by num_replicas_in_sync(). Blocking; under
+  // multi-worker a collective every worker calls in the same order.
   double reduce(ReduceOp op, const PerReplica<double>& values);
   float reduce(ReduceOp op, const PerReplica<float>& values);
+  // Integer results (counts), exact at any magnitude; kMean is the sum
+  // divided by num_replicas_in_sync(), truncated toward zero.
+  int64_t reduce(ReduceOp op, const PerReplica<int64_t>& values);
   Tensor reduce(ReduceOp op, const PerReplica<Tensor>& values);
+  // TensorFlow's reduce(op, value, axis): reduces over the replicas in sync
+  // and then over dimension `axis` of each value (negative: from the end),
+  // giving the value's shape without that dimension. kMean is the mean of
+  // every element along `axis` of every replica (sum / total count, so
+  // replicas with fewer rows, as in a short last batch, weigh less; integer
+  // dtypes truncate). axis 0: the values may differ in dimension 0 (they are
+  // gathered); another axis: every value must have the same shape. A
+  // kMin/kMax/kMean over no elements is InvalidArgumentError, as is an axis
+  // out of range.
+  Tensor reduce(ReduceOp op, const PerReplica<Tensor>& values, int axis);
   // Concatenates every replica's tensor along axis 0, over all workers.
   Tensor gather(const PerReplica<Tensor>& values);
   // Copies root worker's tensor to every worker (no-op with one process).

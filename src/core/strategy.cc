@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -203,6 +204,84 @@ Tensor Strategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& l
 
 Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values) {
   return reduce_tensors_across(op, values.values());
+}
+
+int64_t Strategy::reduce(ReduceOp op, const PerReplica<int64_t>& values) {
+  DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no values");
+  std::vector<Tensor> local;
+  for (int64_t v : values) {
+    Tensor t(Shape{}, DType::kInt64);
+    t.data<int64_t>()[0] = v;
+    local.push_back(t);
+  }
+  const int64_t total =
+      reduce_tensors_across(op == ReduceOp::kMean ? ReduceOp::kSum : op, local).data<int64_t>()[0];
+  return op == ReduceOp::kMean ? total / num_replicas_in_sync() : total;
+}
+
+namespace {
+// Reduces `t` over dimension `axis` with `op` (kMean: the sum; the caller
+// divides), in host memory.
+Tensor reduce_along(const Tensor& t, int axis, ReduceOp op) {
+  const std::vector<int64_t>& dims = t.shape().dims();
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < axis; ++d) outer *= dims[d];
+  for (size_t d = static_cast<size_t>(axis) + 1; d < dims.size(); ++d) inner *= dims[d];
+  const int64_t len = dims[static_cast<size_t>(axis)];
+  std::vector<int64_t> out_dims;
+  for (size_t d = 0; d < dims.size(); ++d) {
+    if (static_cast<int>(d) != axis) out_dims.push_back(dims[d]);
+  }
+  Tensor out{Shape(out_dims), t.dtype()};
+  if (len == 0) {
+    // Only a sum or a product has a value over no elements.
+    if (op == ReduceOp::kProduct) init::Constant{1.0}(out);
+    else out.zero();
+    return out;
+  }
+  const size_t es = dtype_size(t.dtype());
+  const char* src = static_cast<const char*>(t.data());
+  char* dst = static_cast<char*>(out.data());
+  const ReduceOp acc = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  for (int64_t o = 0; o < outer; ++o) {
+    char* d = dst + static_cast<size_t>(o * inner) * es;
+    const char* row = src + static_cast<size_t>(o * len * inner) * es;
+    if (inner) std::memcpy(d, row, static_cast<size_t>(inner) * es);
+    for (int64_t a = 1; a < len; ++a) {
+      kernels::accumulate(d, row + static_cast<size_t>(a * inner) * es, static_cast<size_t>(inner),
+                          t.dtype(), acc);
+    }
+  }
+  return out;
+}
+}  // namespace
+
+Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values, int axis) {
+  DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no tensors");
+  const int rank = static_cast<int>(values[0].shape().rank());
+  DISTSTRAT_CHECK(-rank <= axis && axis < rank, kInvalidArgument, "reduce along axis ", axis,
+                  " of ", values[0].debug_string(), ": the axis must lie in [", -rank, ", ", rank,
+                  ")");
+  const int a = axis < 0 ? axis + rank : axis;
+  // Axis 0: every row of every replica, gathered (rows may differ per
+  // replica). Another axis: equal shapes, reduced over the replicas first
+  // (the two reductions commute elementwise).
+  const ReduceOp across = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const Tensor combined =
+      a == 0 ? gather_across(values.values()) : reduce_tensors_across(across, values.values());
+  const int64_t len = combined.shape()[static_cast<size_t>(a)];
+  const int64_t elements = a == 0 ? len : len * num_replicas_in_sync();
+  DISTSTRAT_CHECK(elements > 0 || op == ReduceOp::kSum || op == ReduceOp::kProduct,
+                  kInvalidArgument, "reduce ", reduce_op_name(op), " along axis ", axis, " of ",
+                  values[0].debug_string(), ": no elements to reduce");
+  Tensor out = reduce_along(combined, a, op);
+  if (op == ReduceOp::kMean) {
+    DISTSTRAT_CHECK_LE(elements, static_cast<int64_t>(std::numeric_limits<int>::max()),
+                       "reduce kMean: elements along the axis");
+    kernels::scale_mean(out.data(), static_cast<size_t>(out.num_elements()), out.dtype(),
+                        static_cast<int>(elements));
+  }
+  return out;
 }
 
 Tensor Strategy::gather_across(const std::vector<Tensor>& local) {

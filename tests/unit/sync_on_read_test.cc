@@ -15,9 +15,7 @@
 
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
-#include "harness.h"
-#include "parameter_server/strategy_impl.h"
-#include "training_util.h"
+#include "strategy_configs.h"
 
 namespace ds = diststrat;
 
@@ -25,16 +23,8 @@ namespace {
 
 const auto cpus = ds::testing::cpu_devices;
 
-// A strategy under test: kind ("mirrored", "central_storage",
-// "multi_worker"), workers (multi_worker only) and replicas per worker.
-struct Config {
-  std::string kind;
-  int workers = 1;
-  int replicas = 1;
-  std::string label() const {
-    return kind + " " + std::to_string(workers) + "x" + std::to_string(replicas);
-  }
-};
+using Config = ds::testing::StrategyConfig;
+using ds::testing::with_strategy;
 
 const std::vector<Config>& setups() {
   static const std::vector<Config> s = {
@@ -43,29 +33,6 @@ const std::vector<Config>& setups() {
       {"multi_worker", 2, 1},   {"multi_worker", 2, 2},   {"multi_worker", 3, 1},
   };
   return s;
-}
-
-// Runs fn(strategy, worker) once per worker of `s` (threads for multi_worker).
-void with_strategy(const Config& s, const std::function<void(ds::Strategy&, int)>& fn) {
-  if (s.kind == "mirrored") {
-    ds::MirroredStrategy st(cpus(s.replicas));
-    fn(st, 0);
-  } else if (s.kind == "central_storage") {
-    ds::CentralStorageStrategy st(cpus(s.replicas));
-    fn(st, 0);
-  } else {
-    ds::CommunicationOptions co;
-    co.timeout = std::chrono::seconds(30);
-    ds::InProcessGroup group(s.workers, co);
-    ds::testing::run_ranks(group, [&](ds::Communicator& comm) {
-      ds::MultiWorkerOptions o;
-      o.devices = cpus(s.replicas);
-      o.communication = co;
-      o.communicator = &comm;
-      ds::MultiWorkerMirroredStrategy st(o);
-      fn(st, comm.rank());
-    });
-  }
 }
 
 std::string temp_dir() {
