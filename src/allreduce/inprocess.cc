@@ -42,6 +42,7 @@
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport.h"
 #include "allreduce/transport_communicator.h"
+#include "core/user_text.h"
 #include "diststrat/algorithm_registry.h"
 #include "diststrat/collective.h"
 #include "diststrat/error.h"
@@ -82,7 +83,7 @@ std::string describe(const Descriptor& d) {
     if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter) os << " " << reduce_op_name(d.op);
     if (d.kind == Kind::kBroadcast) os << " from root " << d.root;
   }
-  if (!d.name.empty()) os << " '" << d.name << "'";
+  if (!d.name.empty()) os << " '" << echo(d.name) << "'";
   return os.str();
 }
 
@@ -112,7 +113,7 @@ void check_in_process_algorithm(const CommunicationOptions& o, const std::string
   if (a == Algorithm::kAuto || a == Algorithm::kDirect || point_to_point(a)) {
     if (a == Algorithm::kCustom) {
       DISTSTRAT_CHECK(o.algorithm_registry && o.algorithm_registry->find(o.custom_algorithm),
-                      kInvalidArgument, who, ": custom all-reduce algorithm '", o.custom_algorithm,
+                      kInvalidArgument, who, ": custom all-reduce algorithm '", echo(o.custom_algorithm),
                       "' is not in options.algorithm_registry");
     }
     return;
@@ -249,7 +250,7 @@ class InProcessCommunicator : public Communicator {
   }
 
   void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
-    DISTSTRAT_CHECK(0 <= root && root < s_->size, kInvalidArgument, "broadcast '", name,
+    DISTSTRAT_CHECK(0 <= root && root < s_->size, kInvalidArgument, "broadcast '", echo(name),
                     "': root ", root, " is not a rank of a group of ", s_->size);
     Descriptor d{Kind::kBroadcast, buf, buf, count, dtype, ReduceOp::kSum, root, name};
     const long call = publish_and_check(d);

@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/user_text.h"
 #include "diststrat/optimizer.h"
 #include "mirrored/local_replicas.h"
 
@@ -88,7 +89,7 @@ void CentralStorageStrategy::update(Variable& var, const std::function<void(Tens
 
 void CentralStorageStrategy::assign_variable(Variable::Impl& var, const Tensor& value) {
   DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
-                  "assign to variable '", var.name, "' ", dtype_name(var.dtype),
+                  "assign to variable '", echo(var.name), "' ", dtype_name(var.dtype),
                   var.shape.to_string(), " from ", value.debug_string());
   impl_->replicas.for_each_copy(var.copies, [&](Tensor& c) { c.copy_from(value); });
 }
@@ -133,8 +134,8 @@ void CentralStorageStrategy::apply_gradients(
       for (size_t k = 0; k < n; ++k) {
         DISTSTRAT_CHECK(pending[r][k].second.impl_ptr() == grads_and_vars[k].second.impl_ptr(),
                         kInvalidArgument, "CentralStorageStrategy::apply_gradients: replica ", r,
-                        " passed variable '", pending[r][k].second.name(), "' at position ", k,
-                        " where replica 0 passed '", grads_and_vars[k].second.name(), "'");
+                        " passed variable '", echo(pending[r][k].second.name()), "' at position ", k,
+                        " where replica 0 passed '", echo(grads_and_vars[k].second.name()), "'");
       }
     }
     Tensor iterations = optimizer.iterations().impl().copies[0];

@@ -10,6 +10,7 @@
 #include "allreduce/reduce_kernels.h"
 #include "core/data_source.h"
 #include "core/thread_pool.h"
+#include "core/user_text.h"
 #include "core/work_state.h"
 
 namespace diststrat {
@@ -125,17 +126,17 @@ Variable Strategy::create_variable(const std::string& name, const Shape& shape, 
   DISTSTRAT_CHECK(!name.empty(), kInvalidArgument, "create_variable: empty name");
   for (const Variable& v : variables_) {
     DISTSTRAT_CHECK(v.name() != name, kInvalidArgument, "create_variable: a variable named '",
-                    name, "' already exists");
+                    echo(name), "' already exists");
   }
   if (options.synchronization == VariableSynchronization::kOnRead) {
-    DISTSTRAT_CHECK(!options.trainable, kInvalidArgument, "create_variable '", name,
+    DISTSTRAT_CHECK(!options.trainable, kInvalidArgument, "create_variable '", echo(name),
                     "': a sync-on-read (kOnRead) variable cannot be trainable; set "
                     "VariableOptions::trainable = false (as TensorFlow requires)");
     // The parameter server keeps one copy of each variable on the PS ranks
     // and its replicas read a pulled cache: there are no per-replica copies
     // to aggregate, and replica writes would be lost at the next pull.
     DISTSTRAT_CHECK(this->name() != "parameter_server", kUnimplemented,
-                    "ParameterServerStrategy: create_variable '", name,
+                    "ParameterServerStrategy: create_variable '", echo(name),
                     "': sync-on-read (kOnRead) variables are not supported (the PS holds one "
                     "copy of each variable); keep per-replica metrics in run()'s results and "
                     "combine them with Strategy::reduce");
@@ -159,7 +160,7 @@ Variable Strategy::variable(const std::string& name) const {
   for (const Variable& v : variables_) {
     if (v.name() == name) return v;
   }
-  throw NotFoundError("no variable named '" + name + "' in this " + this->name() + " strategy");
+  throw NotFoundError("no variable named '" + echo(name) + "' in this " + this->name() + " strategy");
 }
 
 double Strategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
@@ -361,7 +362,7 @@ void Strategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
 Tensor Strategy::read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const {
   if (var.copies.size() == 1) return var.copies[0];
   const size_t i = static_cast<size_t>(ctx.local_replica_id());
-  DISTSTRAT_CHECK_LT(i, var.copies.size(), "read of variable '" + var.name + "': local replica");
+  DISTSTRAT_CHECK_LT(i, var.copies.size(), "read of variable '" + echo(var.name) + "': local replica");
   return var.copies[i];
 }
 
@@ -373,7 +374,7 @@ Tensor Strategy::variable_value(const Variable::Impl& var) const {
 }
 
 Tensor Strategy::on_read_value(const Variable::Impl& var) {
-  DISTSTRAT_CHECK(!var.copies.empty(), kFailedPrecondition, "value of variable '", var.name,
+  DISTSTRAT_CHECK(!var.copies.empty(), kFailedPrecondition, "value of variable '", echo(var.name),
                   "': it has no copies on this process");
   switch (var.options.aggregation) {
     case VariableAggregation::kSum:
@@ -396,7 +397,7 @@ Tensor Strategy::on_read_value(const Variable::Impl& var) {
 void Strategy::on_read_assign(Variable& var, const Tensor& value) {
   const Variable::Impl& v = var.impl();
   DISTSTRAT_CHECK(value.shape() == v.shape && value.dtype() == v.dtype, kInvalidArgument,
-                  "assign to variable '", v.name, "' ", dtype_name(v.dtype), v.shape.to_string(),
+                  "assign to variable '", echo(v.name), "' ", dtype_name(v.dtype), v.shape.to_string(),
                   " from ", value.debug_string());
   if (v.options.aggregation != VariableAggregation::kSum) {
     // The mean of equal copies, and the first copy, are the value itself.
@@ -412,7 +413,7 @@ void Strategy::on_read_assign(Variable& var, const Tensor& value) {
 
 void Strategy::assign_variable(Variable::Impl& var, const Tensor& value) {
   DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
-                  "assign to variable '", var.name, "' ", dtype_name(var.dtype),
+                  "assign to variable '", echo(var.name), "' ", dtype_name(var.dtype),
                   var.shape.to_string(), " from ", value.debug_string());
   for (Tensor& c : var.copies) c.copy_from(value);
 }

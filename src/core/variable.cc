@@ -3,6 +3,7 @@
 #include <cmath>
 #include <random>
 
+#include "core/user_text.h"
 #include "diststrat/strategy.h"
 
 namespace diststrat {
@@ -20,7 +21,7 @@ Variable::Impl& Variable::impl() const {
 namespace {
 // The strategy that created `v`: an Impl made by hand has none.
 Strategy& owner_of(const Variable::Impl& v) {
-  DISTSTRAT_CHECK(v.owner != nullptr, kFailedPrecondition, "variable '", v.name,
+  DISTSTRAT_CHECK(v.owner != nullptr, kFailedPrecondition, "variable '", echo(v.name),
                   "' was not created by a strategy (use Strategy::create_variable)");
   return *v.owner;
 }

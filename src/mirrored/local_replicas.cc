@@ -6,6 +6,7 @@
 
 #include "allreduce/inprocess.h"
 #include "core/device_manager_impl.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 
@@ -323,7 +324,7 @@ void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
     // replica's stream.
     for (size_t i = 0; i < tensors.size(); ++i) {
       DISTSTRAT_CHECK(tensors[i].device() == device(), kInvalidArgument, "all_reduce: tensor ",
-                      i < names.size() ? names[i] : std::to_string(i), " ",
+                      i < names.size() ? echo(names[i]) : std::to_string(i), " ",
                       tensors[i].debug_string(), " is not on replica ", local_id_, "'s device ",
                       device().to_string());
     }
@@ -339,7 +340,7 @@ void LocalReplicaContext::barrier(const std::string& name) { local_comm().barrie
 Tensor LocalReplicaContext::all_gather(const Tensor& t, const std::string& name) {
   Communicator& comm = local_comm();
   const int n = comm.size();
-  DISTSTRAT_CHECK(t.shape().rank() >= 1, kInvalidArgument, "all_gather '", name,
+  DISTSTRAT_CHECK(t.shape().rank() >= 1, kInvalidArgument, "all_gather '", echo(name),
                   "' of a scalar: reshape to [1]");
   owner_->strategy->placement_log().record("collective all_gather", name, device());
   if (t.device().is_gpu()) {

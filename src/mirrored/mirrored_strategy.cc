@@ -1,6 +1,7 @@
 #include "diststrat/mirrored.h"
 
 #include "core/device_scope.h"
+#include "core/user_text.h"
 #include "diststrat/optimizer.h"
 #include "mirrored/local_replicas.h"
 
@@ -95,7 +96,7 @@ Tensor MirroredStrategy::variable_value(const Variable::Impl& var) const {
 
 void MirroredStrategy::assign_variable(Variable::Impl& var, const Tensor& value) {
   DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
-                  "assign to variable '", var.name, "' ", dtype_name(var.dtype),
+                  "assign to variable '", echo(var.name), "' ", dtype_name(var.dtype),
                   var.shape.to_string(), " from ", value.debug_string());
   impl_->replicas.for_each_copy(var.copies, [&](Tensor& c) { c.copy_from(value); });
 }
