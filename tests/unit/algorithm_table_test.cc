@@ -238,6 +238,24 @@ TEST(AlgorithmTable, EveryAlgorithmIsHonouredOrRejectedByName) {
   }
 }
 
+// A multi-worker strategy over a communicator the user built runs that
+// communicator's algorithm: asking the strategy for another is refused.
+TEST(AlgorithmTable, MultiWorkerRefusesAnAlgorithmItsCommunicatorDoesNotRun) {
+  ds::InProcessGroup group(1);  // kAuto
+  ds::MultiWorkerOptions mo;
+  mo.communicator = &group.at(0);
+  mo.communication.algorithm = A::kRing;
+  try {
+    ds::MultiWorkerMirroredStrategy s(mo);
+    ADD_FAILURE() << "accepted";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("'ring'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("MultiWorkerMirroredStrategy"), std::string::npos) << e.what();
+  }
+  mo.communication.algorithm = A::kAuto;  // defers to the communicator
+  EXPECT_NO_THROW(ds::MultiWorkerMirroredStrategy{mo});
+}
+
 // A custom algorithm that names no registered function is refused by every
 // in-process subject too, naming it.
 TEST(AlgorithmTable, UnknownCustomAlgorithmIsRejectedInProcess) {
