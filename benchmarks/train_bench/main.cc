@@ -1,11 +1,13 @@
-// train_bench: training throughput of the Fashion-MNIST MLP (784-256-256-10)
-// under a strategy, batch 128 per replica, a fixed number of steps.
+// train_bench: training throughput of the Fashion-MNIST MLP (784-256-256-10;
+// --width W for 784-W-W-10) under a strategy, batch 128 per replica, a fixed
+// number of steps; --compression f16|bf16 casts the multi-worker all-reduces.
 //
 //   build/benchmarks/train_bench --strategy mirrored --replicas 1
 //   mpirun -np 1 build/benchmarks/train_bench --strategy multi_worker
 //   mpirun -np 2 build/benchmarks/train_bench --strategy multi_worker --timeline t.json
 //   mpirun -np 3 build/benchmarks/train_bench --strategy parameter_server --ps 1
 //   build/benchmarks/train_bench --strategy central_storage --replicas 2 --device gpu
+//   build/benchmarks/train_bench --strategy mirrored --device gpu --replicas 4 --split-gpus 4
 //
 // With --overlap (default) each layer's gradients are handed to
 // all_reduce_async as the backward pass produces them (last layer first), so
@@ -29,10 +31,12 @@ namespace ds = diststrat;
 int main(int argc, char** argv) {
   std::string strategy_name = "multi_worker", data_dir = ds::kFashionMnistDir, timeline;
   std::string device = "cpu";
-  int replicas = 1, steps = 300, warmup = 30, num_ps = 1;
+  int replicas = 1, steps = 300, warmup = 30, num_ps = 1, split_gpus = 1;
   int64_t per_replica_batch = 128;
   float lr = 0.05f;
   bool overlap = true;
+  int64_t width = 256;
+  std::string compression = "none";
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
   app.add_option("--strategy", strategy_name,
                  "mirrored | central_storage | multi_worker | parameter_server")
@@ -42,10 +46,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--ps", num_ps, "parameter_server: PS ranks (the last ranks)")->capture_default_str();
   app.add_option("--replicas", replicas, "local devices per process")->capture_default_str();
+  app.add_option("--split-gpus", split_gpus,
+                 "mirrored, central_storage on GPUs: logical GPUs per physical GPU")
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
   app.add_option("--batch", per_replica_batch, "batch per replica")->capture_default_str();
   app.add_flag("--overlap,!--no-overlap", overlap, "all-reduce each layer during backward")
+      ->capture_default_str();
+  app.add_option("--width", width, "hidden width of the MLP (784-W-W-10)")->capture_default_str();
+  app.add_option("--compression", compression, "multi_worker wire compression: none | f16 | bf16")
+      ->check(CLI::IsMember({"none", "f16", "bf16"}))
       ->capture_default_str();
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
@@ -62,17 +74,37 @@ int main(int argc, char** argv) {
     const std::shared_ptr<ds::DeviceManager> process_gpus =
         device == "gpu" ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(replicas))
                         : nullptr;
+    // One-process strategies: each GPU split into `split_gpus` logical GPUs
+    // sharing its memory (several replicas on one physical GPU).
+    std::shared_ptr<ds::DeviceManager> local_gpus;
+    if (device == "gpu" && split_gpus > 1) {
+      local_gpus = std::make_shared<ds::DeviceManager>();
+      for (const ds::PhysicalDeviceInfo& p : local_gpus->list_physical_devices()) {
+        const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(split_gpus);
+        local_gpus->set_logical_device_configuration(
+            p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(split_gpus, {each}));
+      }
+    }
     std::unique_ptr<ds::Strategy> strategy;
     if (strategy_name == "mirrored") {
-      strategy = std::make_unique<ds::MirroredStrategy>(devices);
+      ds::MirroredOptions o;
+      o.devices = devices;
+      o.device_manager = local_gpus;
+      strategy = std::make_unique<ds::MirroredStrategy>(o);
     } else if (strategy_name == "central_storage") {
-      strategy = std::make_unique<ds::CentralStorageStrategy>(devices);
+      ds::CentralStorageOptions o;
+      o.devices = devices;
+      o.device_manager = local_gpus;
+      strategy = std::make_unique<ds::CentralStorageStrategy>(o);
       overlap = false;
     } else if (strategy_name == "multi_worker") {
       ds::MultiWorkerOptions o;
       o.devices = devices;
       o.device_manager = process_gpus;
       o.timeline_path = timeline;
+      o.communication.compression = compression == "f16"    ? ds::Compression::kFloat16
+                                    : compression == "bf16" ? ds::Compression::kBFloat16
+                                                            : ds::Compression::kNone;
       strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
     } else if (strategy_name == "parameter_server") {
       ds::ParameterServerOptions o;
@@ -91,7 +123,7 @@ int main(int argc, char** argv) {
     }
     const bool chief = strategy->cluster().is_chief() || strategy->cluster().world_size == 1;
     const ds::Dataset train = ds::load_mnist_split(data_dir, "train");
-    const ds::nn::Mlp mlp({784, 256, 256, 10});
+    const ds::nn::Mlp mlp({784, width, width, 10});
     std::vector<ds::Variable> params = mlp.create_variables(*strategy, 1);
     ds::SGD opt(*strategy, {lr, 0.0f});
     const int64_t global_batch = per_replica_batch * strategy->num_replicas_in_sync();
@@ -139,10 +171,10 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (chief) {
       std::printf("train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
-                  "steps=%d seconds=%.3f samples_per_sec=%.0f\n",
+                  "width=%lld compression=%s steps=%d seconds=%.3f samples_per_sec=%.0f\n",
                   strategy->name().c_str(), strategy->cluster().num_workers,
                   strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
-                  overlap ? 1 : 0, steps, seconds, steps * global_batch / seconds);
+                  overlap ? 1 : 0, static_cast<long long>(width), compression.c_str(), steps, seconds, steps * global_batch / seconds);
     }
     return 0;
   } catch (const ds::Error& e) {
