@@ -100,7 +100,8 @@ class MpiCommunicator : public TransportCommunicator {
  public:
   MpiCommunicator(Transport& transport, std::unique_ptr<Transport> owned, MPI_Comm comm,
                   const CommunicationOptions& options, const std::vector<int>& hosts)
-      : TransportCommunicator(transport, options, hosts, std::move(owned)) {
+      : TransportCommunicator(transport, options, hosts, std::move(owned),
+                              {Algorithm::kMpiNative, Algorithm::kSharedMemory}) {
     DISTSTRAT_MPI_CHECK(MPI_Comm_dup(comm, &native_));
     DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(native_, MPI_ERRORS_RETURN));
     // Shared memory needs every rank on one host (whatever grouping

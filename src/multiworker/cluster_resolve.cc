@@ -2,6 +2,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/user_text.h"
 #include "diststrat/cluster.h"
 #include "diststrat/config.h"
 #include "diststrat/error.h"
@@ -18,7 +19,7 @@ int env_int(const char* name, int fallback) {
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
   DISTSTRAT_CHECK(end && *end == '\0' && x >= 0 && x < 1'000'000, kInvalidArgument, name, "='",
-                  v, "' is not a non-negative integer");
+                  echo(v), "' is not a non-negative integer");
   return static_cast<int>(x);
 }
 

@@ -193,6 +193,13 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
 
   if (options.communicator) {
     Communicator* c = options.communicator;
+    // The given communicator runs its own algorithm; a different one asked
+    // for here would be silently ignored.
+    DISTSTRAT_CHECK(algo == Algorithm::kAuto || algo == c->options().algorithm, kInvalidArgument,
+                    "MultiWorkerMirroredStrategy: options.communication.algorithm '",
+                    algorithm_name(algo), "' differs from the given communicator's '",
+                    algorithm_name(c->options().algorithm),
+                    "', which decides; build the communicator with the algorithm you want");
     m.cluster.source = ClusterSource::kExplicit;
     ClusterSpec& spec = m.cluster.spec;
     for (int r = 0; r < c->size(); ++r) {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/device_scope.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 
@@ -29,16 +30,19 @@ Optimizer::Optimizer(Strategy& strategy) : strategy_(&strategy) {
 
 void Optimizer::apply_gradients(ReplicaContext& ctx,
                                 const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
-  for (const auto& [g, v] : grads_and_vars) {
-    DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument,
-                    "apply_gradients: undefined gradient or variable");
-    DISTSTRAT_CHECK(g.shape() == v.shape() && g.dtype() == v.dtype(), kInvalidArgument,
-                    "apply_gradients: gradient ", g.debug_string(), " does not match variable '",
-                    v.name(), "' ", dtype_name(v.dtype()), v.shape().to_string());
-    DISTSTRAT_CHECK(v.dtype() == DType::kFloat32, kUnimplemented, "apply_gradients: variable '",
-                    v.name(), "' is ", dtype_name(v.dtype()), "; optimizers update float32");
-    DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, "apply_gradients: variable '",
-                    v.name(), "' is not trainable");
+  const std::string where = "apply_gradients on replica " + std::to_string(ctx.replica_id());
+  for (size_t k = 0; k < grads_and_vars.size(); ++k) {
+    const auto& [g, v] = grads_and_vars[k];
+    DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument, where, ": undefined ",
+                    v.defined() ? "gradient for variable '" + echo(v.name()) + "'" : std::string("variable"),
+                    " at position ", k);
+    DISTSTRAT_CHECK(g.shape() == v.shape() && g.dtype() == v.dtype(), kInvalidArgument, where,
+                    ": gradient ", g.debug_string(), " does not match variable '", echo(v.name()),
+                    "' ", dtype_name(v.dtype()), v.shape().to_string());
+    DISTSTRAT_CHECK(v.dtype() == DType::kFloat32, kUnimplemented, where, ": variable '",
+                    echo(v.name()), "' is ", dtype_name(v.dtype()), "; optimizers update float32");
+    DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, where, ": variable '",
+                    echo(v.name()), "' is not trainable");
   }
   ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
 }
