@@ -2,6 +2,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/env.h"
 #include "diststrat/cluster.h"
 #include "diststrat/config.h"
 #include "diststrat/error.h"
@@ -12,16 +13,6 @@
 namespace diststrat {
 
 namespace {
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  DISTSTRAT_CHECK(end && *end == '\0' && x >= 0 && x < 1'000'000, kInvalidArgument, name, "='",
-                  v, "' is not a non-negative integer");
-  return static_cast<int>(x);
-}
-
 // Every rank a worker: what a plain `mpirun -np N` job is.
 ClusterSpec workers_only(int rank, int size) {
   ClusterSpec spec;
@@ -84,7 +75,8 @@ ResolvedCluster resolve_cluster(const ClusterConfig& config) {
     p.num_nodes = p.world_size;
   }
   out.info = out.spec.jobs.empty() ? ClusterInfo{} : out.spec.info();
-  const int vnode = env_int("DISTSTRAT_VIRTUAL_NODE_SIZE", config.virtual_node_size);
+  const int vnode = static_cast<int>(
+      env::integer("DISTSTRAT_VIRTUAL_NODE_SIZE", 0, 1'000'000).value_or(config.virtual_node_size));
   out.placement = virtual_nodes(out.placement, vnode);
   return out;
 }

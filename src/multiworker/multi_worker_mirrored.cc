@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/env.h"
 #include "core/timeline.h"
 #include "diststrat/optimizer.h"
 #include "mirrored/local_replicas.h"
@@ -246,8 +247,7 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     m.total_replicas += static_cast<int>(counts[r]);
   }
 
-  const char* tl_env = std::getenv("DISTSTRAT_TIMELINE");
-  m.timeline_path = tl_env && *tl_env ? tl_env : options.timeline_path;
+  m.timeline_path = env::text("DISTSTRAT_TIMELINE").value_or(options.timeline_path);
   if (!m.timeline_path.empty()) {
     m.timeline = std::make_unique<Timeline>(m.cross->rank());
     m.timeline->enable(true);
