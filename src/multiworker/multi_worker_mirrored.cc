@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #include "allreduce/reduce_kernels.h"
 #include "core/env.h"
@@ -68,6 +69,9 @@ struct MultiWorkerMirroredStrategy::Impl {
   std::unique_ptr<FusionEngine> engine;
   std::vector<std::unique_ptr<MultiWorkerReplicaContext>> contexts;
   int64_t steps = 0;
+  // std::uncaught_exceptions() when the strategy was made: more at
+  // destruction = destroyed during stack unwinding.
+  int uncaught_at_construction = std::uncaught_exceptions();
 
   int rank() const { return cross->rank(); }
 
@@ -220,16 +224,26 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     }
     m.cross = m.comms.cross ? m.comms.cross.get() : c;
   } else {
-    m.cluster = resolve_cluster(options.cluster);
-    const std::string& type = m.cluster.info.task_type;
-    DISTSTRAT_CHECK(type == "chief" || type == "worker", kInvalidArgument,
-                    "MultiWorkerMirroredStrategy: this process is task ", type, "[",
-                    m.cluster.info.task_index,
-                    "]; only chief and worker tasks run replicas (use ParameterServerStrategy "
-                    "for ps, run evaluators separately)");
-    DISTSTRAT_CHECK(m.cluster.spec.num_tasks("ps") == 0, kInvalidArgument,
-                    "MultiWorkerMirroredStrategy: the cluster has ps tasks; use "
-                    "ParameterServerStrategy");
+    // Set-up is collective: a rank that fails it makes every rank fail,
+    // naming it, within the deadline (resolve_cluster and agree_on_setup),
+    // instead of leaving the others in make_process_communicators.
+    const std::chrono::milliseconds timeout = options.communication.timeout;
+    m.cluster = resolve_cluster(options.cluster, timeout);
+    std::exception_ptr error;
+    try {
+      const std::string& type = m.cluster.info.task_type;
+      DISTSTRAT_CHECK(type == "chief" || type == "worker", kInvalidArgument,
+                      "MultiWorkerMirroredStrategy: this process is task ", type, "[",
+                      m.cluster.info.task_index,
+                      "]; only chief and worker tasks run replicas (use ParameterServerStrategy "
+                      "for ps, run evaluators separately)");
+      DISTSTRAT_CHECK(m.cluster.spec.num_tasks("ps") == 0, kInvalidArgument,
+                      "MultiWorkerMirroredStrategy: the cluster has ps tasks; use "
+                      "ParameterServerStrategy");
+    } catch (...) {
+      error = std::current_exception();
+    }
+    agree_on_setup("MultiWorkerMirroredStrategy set-up", error, timeout);
     m.comms = make_process_communicators(m.cluster, options.communication, allow_hier);
     m.cross = m.comms.cross.get();
   }
@@ -271,7 +285,17 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
 }
 
 MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
-  if (impl_->timeline) {
+  // Destroyed while an exception propagates (a step, a data loader or the
+  // caller's own code failed): the peers are not coming to a collective
+  // with this rank any more. Nothing here waits for them, so the error
+  // reaches the caller's catch at once; the communicators tell the peers
+  // (their destructors, see ShmCommunicator).
+  const bool unwinding = std::uncaught_exceptions() > impl_->uncaught_at_construction;
+  if (unwinding && impl_->engine) {
+    impl_->engine->abort_if_pending("rank " + std::to_string(impl_->rank()) +
+                                    ": the strategy was destroyed during an exception");
+  }
+  if (impl_->timeline && !unwinding) {
     try {
       impl_->write_timeline();
     } catch (const std::exception& e) {
@@ -282,6 +306,12 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
         Timeline::write_file(path, {impl_->timeline->events_json()});
       } catch (...) {
       }
+    }
+  } else if (impl_->timeline) {
+    try {
+      Timeline::write_file(impl_->timeline_path + ".rank" + std::to_string(impl_->rank()),
+                           {impl_->timeline->events_json()});
+    } catch (...) {
     }
   }
   impl_->engine.reset();  // joins the communication thread before the communicators go
