@@ -49,6 +49,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
+  std::string timeout;
+  app.add_option("--timeout", timeout,
+                 "seconds any collective waits for peers, fractional allowed (default: "
+                 "$DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -62,23 +74,33 @@ int main(int argc, char** argv) {
     const std::shared_ptr<ds::DeviceManager> process_gpus =
         device == "gpu" ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(replicas))
                         : nullptr;
+    ds::CommunicationOptions comm;
+    if (!timeout.empty()) comm.timeout = ds::parse_timeout_seconds(timeout);
     std::unique_ptr<ds::Strategy> strategy;
     if (strategy_name == "mirrored") {
-      strategy = std::make_unique<ds::MirroredStrategy>(devices);
+      ds::MirroredOptions o;
+      o.devices = devices;
+      o.communication = comm;
+      strategy = std::make_unique<ds::MirroredStrategy>(o);
     } else if (strategy_name == "central_storage") {
-      strategy = std::make_unique<ds::CentralStorageStrategy>(devices);
+      ds::CentralStorageOptions o;
+      o.devices = devices;
+      o.communication = comm;
+      strategy = std::make_unique<ds::CentralStorageStrategy>(o);
       overlap = false;
     } else if (strategy_name == "multi_worker") {
       ds::MultiWorkerOptions o;
       o.devices = devices;
       o.device_manager = process_gpus;
       o.timeline_path = timeline;
+      o.communication.timeout = comm.timeout;
       strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
     } else if (strategy_name == "parameter_server") {
       ds::ParameterServerOptions o;
       o.num_ps = num_ps;
       o.devices = devices;
       o.device_manager = process_gpus;
+      o.communication.timeout = comm.timeout;
       auto ps = std::make_unique<ds::ParameterServerStrategy>(o);
       if (ps->is_ps()) {
         ps->join();

@@ -38,6 +38,7 @@ struct Flags {
   int64_t checkpoint_every = 0;
   int max_to_keep = 3;
   int64_t max_steps = 0;
+  std::string timeout;  // seconds; empty = CommunicationOptions' default
 };
 
 // The model's layer sizes, stored in checkpoints so that examples/predict can
@@ -96,9 +97,12 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   if (!f.timeline.empty() && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
   }
+  ds::CommunicationOptions comm;
+  if (!f.timeout.empty()) comm.timeout = ds::parse_timeout_seconds(f.timeout);
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;
     o.devices = devices;
+    o.communication = comm;
     if (f.device == "gpu" && f.split_gpus > 1) {
       // Each GPU becomes split_gpus logical GPUs sharing its memory.
       o.device_manager = std::make_shared<ds::DeviceManager>();
@@ -110,7 +114,12 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     }
     return std::make_unique<ds::MirroredStrategy>(o);
   }
-  if (f.strategy == "central_storage") return std::make_unique<ds::CentralStorageStrategy>(devices);
+  if (f.strategy == "central_storage") {
+    ds::CentralStorageOptions o;
+    o.devices = devices;
+    o.communication = comm;
+    return std::make_unique<ds::CentralStorageStrategy>(o);
+  }
   // Multi-process strategies: one replica per process unless --replicas says
   // otherwise (mpirun -np N already gives one process per core).
   const std::vector<ds::Device> per_process =
@@ -125,6 +134,7 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     o.devices = per_process;
     o.device_manager = process_gpus;
     o.timeline_path = f.timeline;
+    o.communication.timeout = comm.timeout;
     return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
   }
   if (f.strategy == "parameter_server") {
@@ -133,6 +143,7 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     o.devices = per_process;
     o.device_manager = process_gpus;
     o.max_staleness = f.max_staleness;
+    o.communication.timeout = comm.timeout;
     return std::make_unique<ds::ParameterServerStrategy>(o);
   }
   throw ds::InvalidArgumentError(
@@ -215,6 +226,17 @@ int main(int argc, char** argv) {
                  "stop (without saving) once this run's global step reaches N: simulates an "
                  "interruption (0 = no limit)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--timeout", f.timeout,
+                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
 

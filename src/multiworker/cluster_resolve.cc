@@ -95,6 +95,8 @@ ResolvedCluster resolve_cluster(const ClusterConfig& config,
     const std::chrono::milliseconds t = timeout ? *timeout : CommunicationOptions{}.timeout;
     mpi::ensure_initialized(t);
     if (timeout) mpi::bound_finalize(*timeout);
+    // The first agreement also makes sure that every rank is here before
+    // any enters placement's MPI_Comm_split_type (no non-blocking form).
     std::exception_ptr error;
     bool have_spec = false;
     try {
@@ -102,13 +104,12 @@ ResolvedCluster resolve_cluster(const ClusterConfig& config,
     } catch (...) {
       error = std::current_exception();
     }
+    mpi::agree(MPI_COMM_WORLD, "resolve_cluster", error, t);
     out.placement = mpi::placement(MPI_COMM_WORLD, t);
-    if (!error) {
-      try {
-        finish(config, have_spec, true, &out);
-      } catch (...) {
-        error = std::current_exception();
-      }
+    try {
+      finish(config, have_spec, true, &out);
+    } catch (...) {
+      error = std::current_exception();
     }
     mpi::agree(MPI_COMM_WORLD, "resolve_cluster", error, t);
     return out;
