@@ -52,12 +52,13 @@ void finalize_at_exit() {
   if (ms <= 0) ms = default_timeout_ms();
   const bool failed = mpi::failed();
   if (failed) ms = std::min<int64_t>(ms, kFailedFinalizeGrace.count());
-  std::thread([ms, failed] {
+  const int rank = mpi::world_rank();
+  std::thread([ms, failed, rank] {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     std::fprintf(stderr,
                  "diststrat: rank %d: MPI_Finalize did not complete within %lld ms (%s); exiting "
                  "with status 1 without it\n",
-                 mpi::world_rank(), static_cast<long long>(ms),
+                 rank, static_cast<long long>(ms),
                  failed ? "this rank failed and its peers may be waiting for it"
                         : "a rank is stuck or gone");
     std::fflush(stderr);
