@@ -403,14 +403,16 @@ class ShmCommunicator : public Communicator {
   // A shared window of `bytes` per rank (collective over comm_); `parts`
   // receives every rank's part as mapped in this process.
   MPI_Win allocate_shared_window(size_t bytes, std::vector<char*>* parts) const {
+    // Collective without a non-blocking form: entered only once every rank
+    // has come this far (a bounded barrier, which names a missing peer by
+    // its deadline instead of hanging in the allocation), then watched.
+    mpi::barrier(comm_, "shm communicator: before MPI_Win_allocate_shared", options_.timeout);
     MPI_Info info;
     MPI_Info_create(&info);
     MPI_Info_set(info, "alloc_shared_noncontig", "true");
     void* base = nullptr;
     MPI_Win win = MPI_WIN_NULL;
     int rc = MPI_SUCCESS;
-    // Collective without a non-blocking form; every rank makes the same
-    // sequence of calls (set-up, then allocate_buffer in the same order).
     mpi::bounded_call("shm communicator: MPI_Win_allocate_shared", options_.timeout, [&] {
       rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, comm_, &base, &win);
     });
