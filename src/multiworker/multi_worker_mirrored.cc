@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 
 #include "allreduce/reduce_kernels.h"
 #include "core/env.h"
@@ -72,6 +73,10 @@ struct MultiWorkerMirroredStrategy::Impl {
   // std::uncaught_exceptions() when the strategy was made: more at
   // destruction = destroyed during stack unwinding.
   int uncaught_at_construction = std::uncaught_exceptions();
+  // The first error of a local replica (run_replicas), for the reason the
+  // destructor gives the peers.
+  std::string last_error;
+  std::mutex error_mu;
 
   int rank() const { return cross->rank(); }
 
@@ -292,8 +297,15 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
   // (their destructors, see ShmCommunicator).
   const bool unwinding = std::uncaught_exceptions() > impl_->uncaught_at_construction;
   if (unwinding && impl_->engine) {
-    impl_->engine->abort_if_pending("rank " + std::to_string(impl_->rank()) +
-                                    ": the strategy was destroyed during an exception");
+    const std::string reason =
+        "rank " + std::to_string(impl_->rank()) + " left the group during an exception" +
+        (impl_->last_error.empty() ? std::string(" (its own error is in its output)")
+                                   : ": " + impl_->last_error);
+    impl_->engine->abort_if_pending(reason);
+    // The communicators this strategy made: a collective in flight on the
+    // communication thread fails now (so the join below does not wait for
+    // it), and the peers learn the reason (the shared-memory abort word).
+    if (impl_->comms.cross && !impl_->options.communicator) impl_->comms.cross->abort(reason);
   }
   if (impl_->timeline && !unwinding) {
     try {
@@ -353,8 +365,13 @@ void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaC
     } catch (const std::exception& e) {
       // The other local replicas may be waiting on a call this one never
       // completes: fail those calls now (their wait() throws AbortedError).
-      m.engine->abort_if_pending("rank " + std::to_string(m.rank()) + ": local replica " + std::to_string(l) +
-                      " failed: " + e.what());
+      const std::string reason = "rank " + std::to_string(m.rank()) + ": local replica " +
+                                 std::to_string(l) + " failed: " + e.what();
+      {
+        std::lock_guard<std::mutex> lock(m.error_mu);
+        if (m.last_error.empty()) m.last_error = reason;
+      }
+      m.engine->abort_if_pending(reason);
       throw;
     }
   });
