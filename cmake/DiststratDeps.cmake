@@ -53,6 +53,11 @@ macro(diststrat_resolve_backends)
       if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
         set(CMAKE_CUDA_ARCHITECTURES 80 90)
       endif()
+      # The shared CUDA runtime, once: the library links CUDA::cudart, and
+      # nvcc's default (static cudart) would put a second runtime on the line.
+      if(NOT DEFINED CMAKE_CUDA_RUNTIME_LIBRARY)
+        set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
+      endif()
       enable_language(CUDA)
       find_package(CUDAToolkit QUIET)
       if(CUDAToolkit_FOUND)
@@ -62,37 +67,62 @@ macro(diststrat_resolve_backends)
   endif()
   _diststrat_decide(CUDA _found)
 
-  # cuBLAS (CUDA toolkit, or a Python wheel's nvidia/cublas via CUBLAS_ROOT)
+  # cuBLAS: CUBLAS_ROOT (a Python wheel's nvidia/cu13 or nvidia/cublas) when
+  # given, searched alone, else the CUDA toolkit's. DISTSTRAT_CUBLAS_TARGET is
+  # what to link.
   set(_found FALSE)
   if(DISTSTRAT_HAVE_CUDA AND NOT DISTSTRAT_WITH_CUBLAS STREQUAL "OFF")
-    if(NOT TARGET CUDA::cublas AND (CUBLAS_ROOT OR DEFINED ENV{CUBLAS_ROOT}))
-      find_path(CUBLAS_INCLUDE_DIR cublas_v2.h HINTS ${CUBLAS_ROOT} $ENV{CUBLAS_ROOT}
-                PATH_SUFFIXES include NO_DEFAULT_PATH)
-      find_library(CUBLAS_LIBRARY NAMES cublas libcublas.so.13 libcublas.so.12
-                   HINTS ${CUBLAS_ROOT} $ENV{CUBLAS_ROOT} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
-      if(CUBLAS_INCLUDE_DIR AND CUBLAS_LIBRARY)
-        add_library(CUDA::cublas UNKNOWN IMPORTED)
-        set_target_properties(CUDA::cublas PROPERTIES IMPORTED_LOCATION ${CUBLAS_LIBRARY}
-                              INTERFACE_INCLUDE_DIRECTORIES ${CUBLAS_INCLUDE_DIR})
-      endif()
+    set(_cublas_root "${CUBLAS_ROOT}")
+    if(NOT _cublas_root AND DEFINED ENV{CUBLAS_ROOT})
+      set(_cublas_root "$ENV{CUBLAS_ROOT}")
     endif()
-    if(TARGET CUDA::cublas)
+    if(_cublas_root)
+      find_path(CUBLAS_INCLUDE_DIR cublas_v2.h HINTS ${_cublas_root}
+                PATH_SUFFIXES include NO_DEFAULT_PATH)
+      find_library(CUBLAS_LIBRARY NAMES libcublas.so.13 libcublas.so.12 cublas NAMES_PER_DIR
+                   HINTS ${_cublas_root} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
+      if(CUBLAS_INCLUDE_DIR AND CUBLAS_LIBRARY)
+        if(NOT TARGET diststrat_cublas)
+          add_library(diststrat_cublas UNKNOWN IMPORTED)
+          set_target_properties(diststrat_cublas PROPERTIES IMPORTED_LOCATION ${CUBLAS_LIBRARY}
+                                INTERFACE_INCLUDE_DIRECTORIES ${CUBLAS_INCLUDE_DIR})
+        endif()
+        set(DISTSTRAT_CUBLAS_TARGET diststrat_cublas)
+        set(_found TRUE)
+        message(STATUS "cuBLAS: ${CUBLAS_INCLUDE_DIR}/cublas_v2.h, ${CUBLAS_LIBRARY} (CUBLAS_ROOT)")
+      endif()
+    elseif(TARGET CUDA::cublas)
+      set(DISTSTRAT_CUBLAS_TARGET CUDA::cublas)
       set(_found TRUE)
+      get_target_property(_cublas_loc CUDA::cublas IMPORTED_LOCATION)
+      message(STATUS "cuBLAS: ${_cublas_loc} (CUDA toolkit)")
     endif()
   endif()
   _diststrat_decide(CUBLAS _found)
 
-  # NCCL (CUDA toolkit dir, or a Python wheel's nvidia/nccl via NCCL_ROOT)
+  # NCCL (CUDA toolkit dir, or a Python wheel's nvidia/nccl via NCCL_ROOT).
+  # Header, link-time and run-time library must be one NCCL: with NCCL_ROOT
+  # set, only that tree is searched (NO_DEFAULT_PATH), and per directory the
+  # versioned libnccl.so.2 (all a wheel ships) wins over a toolkit's unversioned
+  # libnccl.so (NAMES_PER_DIR). The run-time version is logged (ncclGetVersion).
   set(_found FALSE)
   if(DISTSTRAT_HAVE_CUDA AND NOT DISTSTRAT_WITH_NCCL STREQUAL "OFF")
-    find_path(NCCL_INCLUDE_DIR nccl.h
-      HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_INCLUDE_DIRS}
-      PATH_SUFFIXES include)
-    find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2
-      HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_DIR}
-      PATH_SUFFIXES lib lib64)
+    set(_nccl_root "${NCCL_ROOT}")
+    if(NOT _nccl_root AND DEFINED ENV{NCCL_ROOT})
+      set(_nccl_root "$ENV{NCCL_ROOT}")
+    endif()
+    if(_nccl_root)
+      find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_root} PATH_SUFFIXES include NO_DEFAULT_PATH)
+      find_library(NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
+        HINTS ${_nccl_root} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
+    else()
+      find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
+      find_library(NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
+        HINTS ${CUDAToolkit_LIBRARY_DIR} PATH_SUFFIXES lib lib64)
+    endif()
     if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
       set(_found TRUE)
+      message(STATUS "NCCL: header ${NCCL_INCLUDE_DIR}/nccl.h, library ${NCCL_LIBRARY}")
     endif()
   endif()
   _diststrat_decide(NCCL _found)
@@ -107,7 +137,7 @@ function(diststrat_link_backends target)
     set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
   endif()
   if(DISTSTRAT_HAVE_CUBLAS)
-    target_link_libraries(${target} PRIVATE CUDA::cublas)
+    target_link_libraries(${target} PRIVATE ${DISTSTRAT_CUBLAS_TARGET})
   endif()
   if(DISTSTRAT_HAVE_NCCL)
     target_include_directories(${target} PRIVATE ${NCCL_INCLUDE_DIR})

@@ -92,11 +92,17 @@ std::vector<ArRow> logical_allreduce(int n, const std::vector<size_t>& sizes, in
       ds::Tensor a(ds::Shape{count}, ds::DType::kFloat32, ds::Device::gpu(0));
       ds::Tensor b(ds::Shape{count}, ds::DType::kFloat32, ds::Device::gpu(0));
       const auto deadline = [] { return Clock::now() + std::chrono::seconds(60); };
-      for (int i = 0; i < 3; ++i) backend.memcpy_async(0, b.data(), a.data(), bytes, nullptr);
-      backend.synchronize(0, nullptr, deadline(), "copy warmup");
+      // Each copy is waited for, as each all-reduce call below waits for its
+      // kernel: both pay the same per-iteration synchronisation.
+      for (int i = 0; i < 3; ++i) {
+        backend.memcpy_async(0, b.data(), a.data(), bytes, nullptr);
+        backend.synchronize(0, nullptr, deadline(), "copy warmup");
+      }
       const auto t0 = Clock::now();
-      for (int i = 0; i < iters; ++i) backend.memcpy_async(0, b.data(), a.data(), bytes, nullptr);
-      backend.synchronize(0, nullptr, deadline(), "copy");
+      for (int i = 0; i < iters; ++i) {
+        backend.memcpy_async(0, b.data(), a.data(), bytes, nullptr);
+        backend.synchronize(0, nullptr, deadline(), "copy");
+      }
       row.copy_s = seconds_since(t0) / iters;
     }
     s.run([&](ds::ReplicaContext& ctx) {
@@ -164,8 +170,16 @@ int main(int argc, char** argv) {
       }
     }
     auto phys = ds::DeviceManager().list_physical_devices();
-    std::printf("gpu_bench on %s (%.0f GiB)\n\n", phys[0].name.c_str(),
+    std::printf("gpu_bench on %s (%.0f GiB)\n", phys[0].name.c_str(),
                 phys[0].total_memory_bytes / double(1ull << 30));
+    {
+      ds::GpuOptions probe;
+      probe.take_leases = false;
+      ds::DeviceManager dm(probe);
+      const std::string v = dm.impl().require_backend("gpu_bench").nccl_version();
+      std::printf("NCCL at run time: %s\n\n", v.empty() ? "none (built without NCCL)" : v.c_str());
+      std::printf("result nccl_version=%s\n", v.empty() ? "none" : v.c_str());
+    }
 
     // 1. MLP step.
     const int64_t batch = 512;

@@ -6,6 +6,7 @@
 //   mpirun -np 2 build/benchmarks/train_bench --strategy multi_worker --timeline t.json
 //   mpirun -np 3 build/benchmarks/train_bench --strategy parameter_server --ps 1
 //   build/benchmarks/train_bench --strategy central_storage --replicas 2 --device gpu
+//   build/benchmarks/train_bench --strategy mirrored --device gpu --replicas 4 --split-gpus 4
 //
 // With --overlap (default) each layer's gradients are handed to
 // all_reduce_async as the backward pass produces them (last layer first), so
@@ -29,7 +30,7 @@ namespace ds = diststrat;
 int main(int argc, char** argv) {
   std::string strategy_name = "multi_worker", data_dir = ds::kFashionMnistDir, timeline;
   std::string device = "cpu";
-  int replicas = 1, steps = 300, warmup = 30, num_ps = 1;
+  int replicas = 1, steps = 300, warmup = 30, num_ps = 1, split_gpus = 1;
   int64_t per_replica_batch = 128;
   float lr = 0.05f;
   bool overlap = true;
@@ -42,6 +43,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--ps", num_ps, "parameter_server: PS ranks (the last ranks)")->capture_default_str();
   app.add_option("--replicas", replicas, "local devices per process")->capture_default_str();
+  app.add_option("--split-gpus", split_gpus,
+                 "mirrored, central_storage on GPUs: logical GPUs per physical GPU")
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
   app.add_option("--batch", per_replica_batch, "batch per replica")->capture_default_str();
@@ -76,15 +81,28 @@ int main(int argc, char** argv) {
                         : nullptr;
     ds::CommunicationOptions comm;
     if (!timeout.empty()) comm.timeout = ds::parse_timeout_seconds(timeout);
+    // One-process strategies: each GPU split into `split_gpus` logical GPUs
+    // sharing its memory (several replicas on one physical GPU).
+    std::shared_ptr<ds::DeviceManager> local_gpus;
+    if (device == "gpu" && split_gpus > 1) {
+      local_gpus = std::make_shared<ds::DeviceManager>();
+      for (const ds::PhysicalDeviceInfo& p : local_gpus->list_physical_devices()) {
+        const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(split_gpus);
+        local_gpus->set_logical_device_configuration(
+            p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(split_gpus, {each}));
+      }
+    }
     std::unique_ptr<ds::Strategy> strategy;
     if (strategy_name == "mirrored") {
       ds::MirroredOptions o;
       o.devices = devices;
+      o.device_manager = local_gpus;
       o.communication = comm;
       strategy = std::make_unique<ds::MirroredStrategy>(o);
     } else if (strategy_name == "central_storage") {
       ds::CentralStorageOptions o;
       o.devices = devices;
+      o.device_manager = local_gpus;
       o.communication = comm;
       strategy = std::make_unique<ds::CentralStorageStrategy>(o);
       overlap = false;

@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <limits>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -67,7 +68,10 @@ ds::CheckpointMetadata position_metadata(const Flags& f, const Position& p,
 
 // Reads the position back and refuses a checkpoint whose data order differs
 // from this run's (another batch size, seed or subset would not resume exactly).
-Position resume_position(const Flags& f, const ds::CheckpointMetadata& md, const std::string& dir) {
+// Every number is range-checked (ds::metadata_int): "step=abc" is a DataLoss
+// error naming the file and key, not an exception that ends the process.
+Position resume_position(const Flags& f, const ds::CheckpointMetadata& md, const std::string& dir,
+                         const std::string& path, int64_t num_batches) {
   auto get = [&](const char* key) -> std::string {
     auto it = md.find(key);
     if (it == md.end()) {
@@ -86,7 +90,9 @@ Position resume_position(const Flags& f, const ds::CheckpointMetadata& md, const
                                      ": the data order would differ; use the same flags");
     }
   }
-  return {std::stoll(get("epoch")), std::stoll(get("batch")), std::stoll(get("step"))};
+  return {ds::metadata_int(md, "epoch", 0, std::numeric_limits<int>::max(), path),
+          ds::metadata_int(md, "batch", 0, num_batches, path),
+          ds::metadata_int(md, "step", 0, std::numeric_limits<int64_t>::max(), path)};
 }
 
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
@@ -99,24 +105,28 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   }
   ds::CommunicationOptions comm;
   if (!f.timeout.empty()) comm.timeout = ds::parse_timeout_seconds(f.timeout);
+  // One-process strategies: each GPU becomes split_gpus logical GPUs sharing its memory.
+  std::shared_ptr<ds::DeviceManager> local_gpus;
+  if (f.device == "gpu" && f.split_gpus > 1 &&
+      (f.strategy == "mirrored" || f.strategy == "central_storage")) {
+    local_gpus = std::make_shared<ds::DeviceManager>();
+    for (const ds::PhysicalDeviceInfo& p : local_gpus->list_physical_devices()) {
+      const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(f.split_gpus);
+      local_gpus->set_logical_device_configuration(
+          p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(f.split_gpus, {each}));
+    }
+  }
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;
     o.devices = devices;
+    o.device_manager = local_gpus;
     o.communication = comm;
-    if (f.device == "gpu" && f.split_gpus > 1) {
-      // Each GPU becomes split_gpus logical GPUs sharing its memory.
-      o.device_manager = std::make_shared<ds::DeviceManager>();
-      for (const ds::PhysicalDeviceInfo& p : o.device_manager->list_physical_devices()) {
-        const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(f.split_gpus);
-        o.device_manager->set_logical_device_configuration(
-            p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(f.split_gpus, {each}));
-      }
-    }
     return std::make_unique<ds::MirroredStrategy>(o);
   }
   if (f.strategy == "central_storage") {
     ds::CentralStorageOptions o;
     o.devices = devices;
+    o.device_manager = local_gpus;
     o.communication = comm;
     return std::make_unique<ds::CentralStorageStrategy>(o);
   }
@@ -196,7 +206,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", f.device, "where replicas compute: cpu or gpu")
       ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
-  app.add_option("--split-gpus", f.split_gpus, "logical GPUs per physical GPU (--device gpu)")
+  app.add_option("--split-gpus", f.split_gpus,
+                 "logical GPUs per physical GPU (--device gpu; mirrored, central_storage)")
       ->check(CLI::Range(1, 16))->capture_default_str();
   app.add_option("--replicas", f.replicas,
                  "replicas (devices) per process (multi_worker, parameter_server default: 1)")
@@ -274,10 +285,12 @@ int main(int argc, char** argv) {
       manager = std::make_unique<ds::CheckpointManager>(checkpoint, f.checkpoint_dir,
                                                         ds::CheckpointManagerOptions{f.max_to_keep});
       if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
-        pos = resume_position(f, *md, f.checkpoint_dir);
+        // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
+        const std::string from = manager->restored_path().value_or("?");
+        pos = resume_position(f, *md, f.checkpoint_dir, from, dist.num_batches());
         if (chief) {
           std::printf("resumed from %s: epoch %lld, batch %lld, step %lld\n",
-                      manager->latest().value_or("?").c_str(), static_cast<long long>(pos.epoch + 1),
+                      from.c_str(), static_cast<long long>(pos.epoch + 1),
                       static_cast<long long>(pos.batch), static_cast<long long>(pos.step));
         }
       }

@@ -10,8 +10,9 @@
 #include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
+#include <optional>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -25,31 +26,36 @@ namespace {
 const char* const kFashionClasses[10] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                                          "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
 
-// A directory means "its latest checkpoint" (the CheckpointManager layout).
+// A directory means "its latest checkpoint" (the CheckpointManager layout):
+// ds::latest_checkpoint reads `latest` safely (a FIFO there is an error, not
+// a hang) and finds the newest checkpoint when `latest` was deleted.
 std::string resolve(const std::string& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) throw ds::NotFoundError("checkpoint '" + path + "' does not exist");
   if (!S_ISDIR(st.st_mode)) return path;
-  std::ifstream in(path + "/latest");
-  std::string name;
-  if (!in || !std::getline(in, name) || name.empty()) {
-    throw ds::NotFoundError("checkpoint directory '" + path + "' has no 'latest' file");
-  }
-  return path + "/" + name;
+  const std::optional<std::string> latest = ds::latest_checkpoint(path);
+  if (!latest) throw ds::NotFoundError("checkpoint directory '" + path + "' holds no checkpoint");
+  return *latest;
 }
 
-std::vector<int64_t> parse_sizes(const std::string& text, const std::string& what) {
+// "784,256,10": every size a whole number in [1, 2^20], nothing else. A
+// list from the checkpoint's metadata that is not is kDataLoss (the file is
+// damaged), one from --model kInvalidArgument.
+std::vector<int64_t> parse_sizes(const std::string& text, const std::string& what, ds::ErrorCode code) {
   std::vector<int64_t> sizes;
   std::stringstream ss(text);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    try {
-      sizes.push_back(std::stoll(item));
-    } catch (const std::exception&) {
-      throw ds::InvalidArgumentError(what + ": '" + text + "' is not a comma-separated list of sizes");
+    int64_t v = 0;
+    const char* end = item.data() + item.size();
+    const auto r = std::from_chars(item.data(), end, v);
+    if (item.empty() || r.ec != std::errc() || r.ptr != end || v < 1 || v > (int64_t{1} << 20)) {
+      ds::throw_error(code, what + ": '" + text.substr(0, 200) +
+                                "' is not a comma-separated list of sizes in [1, 1048576]");
     }
+    sizes.push_back(v);
   }
-  if (sizes.size() < 2) throw ds::InvalidArgumentError(what + ": '" + text + "' needs at least two sizes");
+  if (sizes.size() < 2) ds::throw_error(code, what + ": '" + text.substr(0, 200) + "' needs at least two sizes");
   return sizes;
 }
 
@@ -76,15 +82,18 @@ int main(int argc, char** argv) {
     ds::SafetensorsLoadOptions lo;
     lo.require_checksums = !unverified;
     const ds::SafetensorsFile file = ds::load_checkpoint(path, lo);
+    std::vector<int64_t> sizes;
     if (model.empty()) {
       auto it = file.metadata.find("model");
       if (it == file.metadata.end() || it->second.rfind("mlp:", 0) != 0) {
         throw ds::InvalidArgumentError("checkpoint '" + path +
                                        "' has no 'model' metadata (\"mlp:784,256,256,10\"): pass --model");
       }
-      model = it->second.substr(4);
+      sizes = parse_sizes(it->second.substr(4), "checkpoint '" + path + "': metadata 'model'", ds::ErrorCode::kDataLoss);
+    } else {
+      sizes = parse_sizes(model, "--model", ds::ErrorCode::kInvalidArgument);
     }
-    const ds::nn::Mlp mlp(parse_sizes(model, "--model"));
+    const ds::nn::Mlp mlp(sizes);
 
     // Only the model's tensors are needed; optimizer state in the file is ignored.
     std::vector<ds::Tensor> params;

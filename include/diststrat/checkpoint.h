@@ -5,7 +5,8 @@
 //
 //   ds::Checkpoint ckpt(strategy, {&opt});
 //   ds::CheckpointManager manager(ckpt, "/ckpt", {/*max_to_keep=*/3});
-//   if (auto md = manager.restore_latest()) epoch = std::stoll(md->at("epoch"));
+//   if (auto md = manager.restore_latest())
+//     epoch = ds::metadata_int(*md, "epoch", 0, 1000000, *manager.restored_path());
 //   ...
 //   manager.save(step, {{"epoch", std::to_string(epoch)}});
 //
@@ -97,11 +98,28 @@ SafetensorsFile load_checkpoint(const std::string& path, const SafetensorsLoadOp
 // On failure the temporary file is removed and `path` is unchanged.
 void write_file_atomically(const std::string& path, const void* bytes, size_t size);
 
+// The integer value of user metadata `key` (decimal: an optional '-' and
+// digits, nothing else) checked to lie in [min, max]; `source` names the
+// checkpoint in errors (CheckpointManager::restored_path(), or the path given
+// to Checkpoint::restore). Throws InvalidArgumentError when `key` is absent
+// (a checkpoint of another program) and DataLossError naming `source` and
+// `key` when the value is no integer in range ("abc", "1e20", " 5"). Use it
+// for every number a program reads back from checkpoint metadata. Thread-safe.
+int64_t metadata_int(const CheckpointMetadata& md, const std::string& key, int64_t min, int64_t max,
+                     const std::string& source);
+
 // ---- A model's checkpoint ------------------------------------------------------
 
 struct RestoreOptions {
   // Accept files without diststrat checksums (written by Python/PyTorch).
   bool require_checksums = true;
+  // CheckpointManager::restore_latest only: when the checkpoint `latest`
+  // names is corrupt or incomplete (kDataLoss, kNotFound: a flipped byte, a
+  // missing shard file, a FIFO in its place) or `latest` itself is damaged,
+  // restore the newest checkpoint of the manager that does restore, with a
+  // warning naming each skipped file and why. false: such a checkpoint is
+  // an error, as Checkpoint::restore's is. Checkpoint::restore ignores it.
+  bool fall_back_to_valid = true;
   // Allow the file to lack optimizer slots and step counters (a model-only
   // file, e.g. exported from PyTorch): those keep their current values.
   bool allow_missing_optimizer_state = false;
@@ -172,7 +190,9 @@ class CheckpointParticipant {
   virtual void assign_slots(Strategy& strategy, const std::vector<SlotRef>& slots,
                             const std::vector<Tensor>& values);
   // Writes the checkpoint file(s) for `path`. `state` is the full state in
-  // checkpoint names (variables, "<var>/<slot>", iterations). Default: the
+  // checkpoint names (variables, "<var>/<slot>", iterations). `metadata` may
+  // carry reserved "diststrat." keys (CheckpointManager marks its files with
+  // one); write them unchanged, into the file that `path` names. Default: the
   // chief (or the only process) writes one file, then every process learns
   // the chief's success or error through Strategy::broadcast (a collective:
   // all processes call it). A sharded strategy writes its shards plus an
@@ -225,6 +245,8 @@ class Checkpoint {
     bool optimizer_state = false;
   };
   friend class CheckpointManager;
+  // save() without the check for reserved metadata keys.
+  void write(const std::string& path, const CheckpointMetadata& metadata) const;
   std::vector<Entry> entries() const;
   CheckpointParticipant& participant() const;
 
@@ -235,39 +257,82 @@ class Checkpoint {
 };
 
 struct CheckpointManagerOptions {
-  // Checkpoints kept; older ones are deleted after a newer one is complete.
+  // Checkpoints of this manager kept; older ones are deleted after a newer
+  // one is complete. Files it did not write are neither kept nor counted.
   int max_to_keep = 3;
 };
+
+// TensorFlow's tf.train.latest_checkpoint for a CheckpointManager directory:
+// the checkpoint `latest` names; without a `latest` file, the newest
+// checkpoint a CheckpointManager wrote there (see below), or nullopt when
+// there is none. Throws DataLossError naming the file when `latest` is
+// damaged (not a regular file, e.g. a FIFO; over 4 KiB; naming no checkpoint
+// file). Never blocks on a FIFO. Reads headers only. Blocking; thread-safe.
+std::optional<std::string> latest_checkpoint(const std::string& directory);
 
 // A directory of checkpoints "ckpt-<step>.safetensors" and a `latest` file
 // naming the newest. The checkpoint is written (atomically) first and
 // `latest` (atomically) after it, so `latest` always names a complete file.
 // A parameter-server checkpoint is the index "ckpt-<step>.safetensors" plus
 // its shard files "ckpt-<step>.ps-<i>-of-<n>.<save id>.safetensors" (written
-// before the index); pruning removes a checkpoint's index first, then every
-// shard file that no kept index names (also those of saves that failed
-// before their index was written).
-// Not thread-safe; in a multi-process job every process calls save/restore
-// at the same step (only the chief touches the directory by default).
+// before the index).
+//
+// Which files are the manager's: every checkpoint it saves carries the
+// reserved metadata "diststrat.manager_step" = <step> (in the index for a
+// sharded one). A "ckpt-<N>.safetensors" is the manager's when its header
+// verifies and carries N there; a shard file when its header's save id, PS
+// and PS count match its name. Pruning deletes only the manager's files:
+// beyond max_to_keep of its checkpoints (the index first), then its shard
+// files that no checkpoint in the directory names (also those of saves that
+// failed before their index was written). Stray files with checkpoint names,
+// renamed copies and other tools' files are never deleted or counted.
+// Checkpoints written before the marker existed are restored through
+// `latest` as ever, but never pruned.
+//
+// restore_latest:
+//  - `latest` names a checkpoint: that one. If it is corrupt or incomplete
+//    (kDataLoss / kNotFound), with RestoreOptions::fall_back_to_valid (the
+//    default) the manager's next newest that restores is taken, with a
+//    warning naming the skipped file and why; without it, the error.
+//  - `latest` is missing: the newest checkpoint of the manager (a warning
+//    names the missing pointer), falling back as above. If there are files
+//    with checkpoint names but none is the manager's: FailedPreconditionError
+//    naming them (never a silent fresh start over existing checkpoints).
+//  - `latest` is damaged (a FIFO, a huge file, a bad name): as missing, with
+//    the fallback; without it, DataLossError.
+//  - no checkpoint file at all: nullopt, a fresh start.
+// When every candidate fails, the error (the newest one's code) names each.
+// Collective in a multi-process job: every process constructs the manager
+// and calls save/restore at the same step; only the chief touches the
+// directory, and every process learns its outcome. Not thread-safe.
 class CheckpointManager {
  public:
+  // Checks the directory at once (on the chief): creates it and missing
+  // parents if absent, requires a directory in which a file can be created
+  // and removed. Throws FailedPreconditionError (a component is a regular
+  // file), PermissionDeniedError (EACCES/EPERM/EROFS) naming the directory.
+  // Removes temporary files that a crash left behind (its own names only).
   CheckpointManager(const Checkpoint& checkpoint, std::string directory,
                     CheckpointManagerOptions options = {});
 
   // Saves as "ckpt-<step>.safetensors", updates `latest`, prunes to
   // max_to_keep. Returns the path written.
   std::string save(int64_t step, const CheckpointMetadata& metadata = {});
-  // The newest checkpoint's path, or nullopt when the directory has none.
+  // latest_checkpoint(directory()). Not collective.
   std::optional<std::string> latest() const;
-  // Restores the newest checkpoint; nullopt (and the model untouched) when
-  // there is none. Errors of a present but bad checkpoint propagate.
+  // Restores the newest checkpoint (see above); nullopt (and the model
+  // untouched) when the directory has none. A failed restore changes nothing.
   std::optional<CheckpointMetadata> restore_latest(const RestoreOptions& options = {});
+  // The path the last successful restore_latest restored (after a fallback,
+  // not what `latest` names); nullopt before one.
+  const std::optional<std::string>& restored_path() const { return restored_path_; }
   const std::string& directory() const { return directory_; }
 
  private:
   const Checkpoint* checkpoint_;
   std::string directory_;
   CheckpointManagerOptions options_;
+  std::optional<std::string> restored_path_;
 };
 
 // ---- Preemption ----------------------------------------------------------------

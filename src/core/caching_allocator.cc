@@ -1,5 +1,6 @@
 #include "core/caching_allocator.h"
 
+#include <cstdio>
 #include <iterator>
 
 #include "diststrat/error.h"
@@ -10,9 +11,11 @@ namespace {
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 }  // namespace
 
-CachingAllocator::CachingAllocator(std::shared_ptr<GpuBackend> backend, int ordinal, size_t limit, bool growth,
-                                   std::string name)
-    : backend_(std::move(backend)), ordinal_(ordinal), limit_(limit), growth_(growth), name_(std::move(name)) {
+CachingAllocator::CachingAllocator(std::shared_ptr<GpuBackend> backend, int ordinal, size_t limit,
+                                   bool growth, std::string name,
+                                   std::chrono::milliseconds wait_timeout)
+    : backend_(std::move(backend)), ordinal_(ordinal), limit_(limit), growth_(growth),
+      name_(std::move(name)), wait_timeout_(wait_timeout) {
   stats_.limit_bytes = limit_;
   if (!growth_) {
     size_t bytes = limit_;
@@ -28,6 +31,21 @@ CachingAllocator::CachingAllocator(std::shared_ptr<GpuBackend> backend, int ordi
 }
 
 CachingAllocator::~CachingAllocator() {
+  std::vector<void*> events = idle_events_;
+  for (auto& [p, b] : blocks_) {
+    if (b.event) events.push_back(b.event);
+  }
+  try {
+    if (!chunks_.empty()) {
+      backend_->synchronize_device(ordinal_, DeadlineClock::now() + wait_timeout_,
+                                   name_ + ": draining the device before freeing its memory");
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "diststrat: %s; leaking %zu bytes of device memory rather than block\n",
+                 e.what(), stats_.reserved_bytes);
+    return;
+  }
+  for (void* e : events) backend_->destroy_event(ordinal_, e);
   for (const auto& [base, size] : chunks_) backend_->raw_free(ordinal_, base);
 }
 
@@ -36,51 +54,72 @@ bool CachingAllocator::add_chunk_locked(size_t bytes) {
   if (!base) return false;
   ++stats_.num_backend_allocs;
   chunks_[base] = bytes;
-  blocks_[base] = Block{bytes, true, base};
+  blocks_[base] = Block{bytes, true, base, nullptr, nullptr};
   free_.insert({bytes, base});
   stats_.reserved_bytes += bytes;
   return true;
 }
 
-// Best fit: the smallest free block that holds `bytes`; the rest is split off.
-void* CachingAllocator::take_locked(size_t bytes) {
-  auto it = free_.lower_bound({bytes, nullptr});
-  if (it == free_.end()) return nullptr;
-  char* p = it->second;
-  free_.erase(it);
-  Block& b = blocks_[p];
-  if (b.size - bytes >= kAlignment) {
-    char* rest = p + bytes;
-    blocks_[rest] = Block{b.size - bytes, true, b.chunk};
-    free_.insert({b.size - bytes, rest});
-    b.size = bytes;
-  }
-  b.free = false;
-  stats_.in_use_bytes += b.size;
-  stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
-  ++stats_.num_allocs;
-  return p;
+void CachingAllocator::release_event_locked(Block& b) {
+  if (b.event) idle_events_.push_back(b.event);
+  b.event = nullptr;
 }
 
-void* CachingAllocator::allocate(size_t bytes) {
+bool CachingAllocator::ready_locked(Block& b) {
+  if (!b.event) return true;
+  if (!backend_->event_done(ordinal_, b.event)) return false;
+  release_event_locked(b);
+  return true;
+}
+
+// Best fit: the smallest free block that holds `bytes` and that `stream` may
+// use now; the rest is split off and keeps the block's stream and event.
+void* CachingAllocator::take_locked(size_t bytes, void* stream) {
+  for (auto it = free_.lower_bound({bytes, nullptr}); it != free_.end(); ++it) {
+    char* p = it->second;
+    Block& b = blocks_[p];
+    if (b.stream != stream && !ready_locked(b)) continue;
+    free_.erase(it);
+    if (b.size - bytes >= kAlignment) {
+      char* rest = p + bytes;
+      blocks_[rest] = Block{b.size - bytes, true, b.chunk, b.stream, b.event};
+      free_.insert({b.size - bytes, rest});
+      b.size = bytes;
+      b.event = nullptr;  // moved to the rest; this block is used in `stream` order
+    } else {
+      release_event_locked(b);
+    }
+    b.free = false;
+    b.stream = stream;
+    stats_.in_use_bytes += b.size;
+    stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+    ++stats_.num_allocs;
+    return p;
+  }
+  return nullptr;
+}
+
+// A new chunk: at least kMinChunk, within the limit.
+void* CachingAllocator::grow_locked(size_t bytes, void* stream) {
+  size_t chunk = round_up(bytes, kMinChunk);
+  if (limit_) {
+    if (stats_.reserved_bytes + bytes > limit_) return nullptr;
+    chunk = std::min(chunk, limit_ - stats_.reserved_bytes);
+  }
+  if (!add_chunk_locked(chunk)) return nullptr;
+  return take_locked(bytes, stream);
+}
+
+void* CachingAllocator::allocate(size_t bytes, void* stream) {
   if (bytes == 0) return nullptr;
   const size_t need = round_up(bytes, kAlignment);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (void* p = take_locked(need)) return p;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (void* p = take_locked(need, stream)) return p;
   if (growth_) {
-    // A new chunk: at least kMinChunk, within the limit.
-    size_t chunk = round_up(need, kMinChunk);
-    if (limit_ && stats_.reserved_bytes + chunk > limit_) {
-      if (stats_.reserved_bytes + need <= limit_) chunk = limit_ - stats_.reserved_bytes;
-      else if (release_free_chunks_locked() && stats_.reserved_bytes + need <= limit_) {
-        chunk = std::min(round_up(need, kMinChunk), limit_ - stats_.reserved_bytes);
-      } else {
-        chunk = 0;
-      }
-    }
-    if (chunk && (add_chunk_locked(chunk) ||
-                  (release_free_chunks_locked() && add_chunk_locked(chunk)))) {
-      if (void* p = take_locked(need)) return p;
+    if (void* p = grow_locked(need, stream)) return p;
+    if (release_free_chunks(lock) > 0) {
+      if (void* p = take_locked(need, stream)) return p;
+      if (void* p = grow_locked(need, stream)) return p;
     }
   }
   size_t cached = 0;
@@ -96,24 +135,67 @@ void CachingAllocator::deallocate(void* ptr) {
   if (!ptr) return;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = blocks_.find(static_cast<char*>(ptr));
-  DISTSTRAT_CHECK(it != blocks_.end() && !it->second.free, kInternal, name_,
-                  ": deallocate of a pointer this allocator does not hold");
-  it->second.free = true;
-  stats_.in_use_bytes -= it->second.size;
-  // Merge with the next block, then with the previous one, inside one chunk.
+  if (it == blocks_.end() || it->second.free) {
+    std::fprintf(stderr, "diststrat: %s: deallocate of a pointer this allocator does not hold\n",
+                 name_.c_str());
+    return;
+  }
+  Block& b = it->second;
+  b.free = true;
+  stats_.in_use_bytes -= b.size;
+  // A tensor may outlive its stream (a replica's result kept after the
+  // strategy): the default stream, which is ordered with every blocking
+  // stream, then marks the point after the work the stream queued.
+  if (b.stream && !backend_->stream_alive(ordinal_, b.stream)) b.stream = nullptr;
+  // The mark after the work queued on the block's stream so far.
+  try {
+    void* ev = nullptr;
+    if (!idle_events_.empty()) {
+      ev = idle_events_.back();
+      idle_events_.pop_back();
+    } else {
+      ev = backend_->create_event(ordinal_);
+    }
+    b.event = ev;
+    backend_->record_event(ordinal_, ev, b.stream);
+  } catch (const std::exception& e) {
+    // Nothing marks the block's queued work: keep it out of circulation.
+    std::fprintf(stderr, "diststrat: %s: %s; the freed block is not reused\n", name_.c_str(),
+                 e.what());
+    if (b.event) {
+      idle_events_.push_back(b.event);
+      b.event = nullptr;
+    }
+    return;
+  }
+  // Merge with free neighbours of the same chunk that the same stream may use:
+  // same stream (the new event covers the neighbour's older one) or a
+  // neighbour whose event has completed.
+  auto mergeable = [&](Block& n) {
+    if (!n.free || n.chunk != b.chunk) return false;
+    if (n.stream == b.stream) {
+      release_event_locked(n);
+      return true;
+    }
+    try {
+      return ready_locked(n);
+    } catch (const std::exception&) {
+      return false;  // deallocate never throws: leave the neighbour as it is
+    }
+  };
   auto next = std::next(it);
-  if (next != blocks_.end() && next->second.free && next->second.chunk == it->second.chunk &&
-      it->first + it->second.size == next->first) {
+  if (next != blocks_.end() && it->first + b.size == next->first && mergeable(next->second)) {
     free_.erase({next->second.size, next->first});
-    it->second.size += next->second.size;
+    b.size += next->second.size;
     blocks_.erase(next);
   }
   if (it != blocks_.begin()) {
     auto prev = std::prev(it);
-    if (prev->second.free && prev->second.chunk == it->second.chunk &&
-        prev->first + prev->second.size == it->first) {
+    if (prev->first + prev->second.size == it->first && mergeable(prev->second)) {
       free_.erase({prev->second.size, prev->first});
-      prev->second.size += it->second.size;
+      prev->second.size += b.size;
+      prev->second.stream = b.stream;
+      prev->second.event = b.event;
       blocks_.erase(it);
       it = prev;
     }
@@ -121,28 +203,55 @@ void CachingAllocator::deallocate(void* ptr) {
   free_.insert({it->second.size, it->first});
 }
 
-size_t CachingAllocator::release_free_chunks_locked() {
+size_t CachingAllocator::release_free_chunks(std::unique_lock<std::mutex>& lock) {
   if (!growth_) return 0;
-  size_t released = 0;
+  std::vector<Block> gone;  // the chunks' single free blocks
   for (auto c = chunks_.begin(); c != chunks_.end();) {
     auto b = blocks_.find(c->first);
     if (b != blocks_.end() && b->second.free && b->second.size == c->second) {
       free_.erase({b->second.size, b->first});
+      gone.push_back(b->second);
       blocks_.erase(b);
-      backend_->raw_free(ordinal_, c->first);
       stats_.reserved_bytes -= c->second;
-      released += c->second;
       c = chunks_.erase(c);
     } else {
       ++c;
     }
   }
+  if (gone.empty()) return 0;
+  lock.unlock();
+  std::exception_ptr failed;
+  try {
+    backend_->synchronize_device(ordinal_, DeadlineClock::now() + wait_timeout_,
+                                 name_ + ": draining the device before returning cached memory");
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  size_t released = 0;
+  if (!failed) {
+    for (const Block& b : gone) {
+      if (b.event) backend_->destroy_event(ordinal_, b.event);
+      backend_->raw_free(ordinal_, b.chunk);
+      released += b.size;
+    }
+  }
+  lock.lock();
+  if (failed) {
+    // The device did not drain: keep the chunks, each with its event.
+    for (const Block& b : gone) {
+      chunks_[b.chunk] = b.size;
+      blocks_[b.chunk] = b;
+      free_.insert({b.size, b.chunk});
+      stats_.reserved_bytes += b.size;
+    }
+    std::rethrow_exception(failed);
+  }
   return released;
 }
 
 void CachingAllocator::empty_cache() {
-  std::lock_guard<std::mutex> lock(mu_);
-  release_free_chunks_locked();
+  std::unique_lock<std::mutex> lock(mu_);
+  release_free_chunks(lock);
 }
 
 MemoryStats CachingAllocator::stats() const {

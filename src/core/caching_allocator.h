@@ -12,15 +12,32 @@
 //    memory) is reserved at construction and never grows.
 // A request that cannot be served throws ResourceExhaustedError naming the
 // device, the request, the limit and what is in use and cached.
+//
+// Streams: a block belongs to the stream it was allocated for. Freeing it
+// records an event on that stream; the same stream may reuse the block at
+// once (stream order protects the work still queued on it), another stream
+// only once that event has completed. So no stream can get memory that queued
+// work of another stream still reads or writes, whatever the default-stream
+// mode of the build. A tensor used on a stream other than its allocation
+// stream must have that use ordered before its free by the caller (the
+// legacy default stream is ordered with every blocking stream).
+//
+// Chunks go back to the backend (cudaFree, which waits for the whole device
+// without a deadline) only after synchronize_device returned within
+// `wait_timeout`; past it the chunks stay cached (and the call that needed
+// them reports DeadlineExceededError), or, in the destructor, are leaked with
+// a message rather than blocking.
 // Thread-safe.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "core/gpu_backend.h"
 #include "diststrat/device_manager.h"
@@ -33,15 +50,20 @@ class CachingAllocator {
   static constexpr size_t kMinChunk = 2u << 20;   // growth granularity
 
   // `limit` 0 = none. Reserves up front when !growth (may throw).
-  CachingAllocator(std::shared_ptr<GpuBackend> backend, int ordinal, size_t limit, bool growth, std::string name);
+  CachingAllocator(std::shared_ptr<GpuBackend> backend, int ordinal, size_t limit, bool growth,
+                   std::string name,
+                   std::chrono::milliseconds wait_timeout = std::chrono::seconds(300));
   ~CachingAllocator();
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
-  // Null for 0 bytes; otherwise kAlignment-aligned memory of at least `bytes`.
-  void* allocate(size_t bytes);
+  // Null for 0 bytes; otherwise kAlignment-aligned memory of at least `bytes`
+  // for work on `stream` (null: the default stream).
+  void* allocate(size_t bytes, void* stream = nullptr);
+  // Never throws (called from tensor deleters).
   void deallocate(void* ptr);
-  // Returns wholly free chunks to the backend (growth mode only).
+  // Returns wholly free chunks to the backend (growth mode only), after the
+  // device drained; DeadlineExceededError past wait_timeout.
   void empty_cache();
   MemoryStats stats() const;
   int ordinal() const { return ordinal_; }
@@ -50,21 +72,31 @@ class CachingAllocator {
   struct Block {
     size_t size = 0;
     bool free = true;
-    char* chunk = nullptr;  // base of the chunk the block belongs to
+    char* chunk = nullptr;   // base of the chunk the block belongs to
+    void* stream = nullptr;  // the stream it was allocated for
+    void* event = nullptr;   // recorded on `stream` when freed; null once known complete
   };
   bool add_chunk_locked(size_t bytes);
-  void* take_locked(size_t bytes);
-  size_t release_free_chunks_locked();
+  void* take_locked(size_t bytes, void* stream);
+  void* grow_locked(size_t bytes, void* stream);
+  // Whether another stream may use free block `b` now (its event completed).
+  bool ready_locked(Block& b);
+  void release_event_locked(Block& b);
+  // Detaches wholly free chunks, drops the lock while the device drains and
+  // the chunks are freed, and retakes it. Returns the bytes released.
+  size_t release_free_chunks(std::unique_lock<std::mutex>& lock);
 
   std::shared_ptr<GpuBackend> backend_;  // outlives every block (tensors may outlive the manager)
   int ordinal_;
   size_t limit_;
   bool growth_;
   std::string name_;
+  std::chrono::milliseconds wait_timeout_;
   mutable std::mutex mu_;
   std::map<char*, Block> blocks_;              // by address
   std::set<std::pair<size_t, char*>> free_;    // free blocks by (size, address)
   std::map<char*, size_t> chunks_;             // base -> size
+  std::vector<void*> idle_events_;             // for reuse
   MemoryStats stats_;
 };
 

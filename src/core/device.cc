@@ -20,8 +20,10 @@ Device Device::parse(const std::string& text) {
   int index = 0;
   if (colon != std::string::npos) {
     const std::string idx = t.substr(colon + 1);
-    if (idx.empty() || !std::all_of(idx.begin(), idx.end(), ::isdigit)) {
-      throw InvalidArgumentError("bad device '" + text + "': index must be a non-negative integer");
+    // At most 9 digits: std::stoi would throw std::out_of_range past INT_MAX.
+    if (idx.empty() || idx.size() > 9 || !std::all_of(idx.begin(), idx.end(), ::isdigit)) {
+      throw InvalidArgumentError("bad device '" + text.substr(0, 200) +
+                                 "': index must be a non-negative integer below 10^9");
     }
     index = std::stoi(idx);
   }

@@ -132,13 +132,14 @@ int DeviceManager::Impl::ordinal_of(const Device& device) {
   return logical_locked(device).info.physical_ordinal;
 }
 
-std::shared_ptr<void> DeviceManager::Impl::allocate_raw(const Device& device, size_t bytes) {
+std::shared_ptr<void> DeviceManager::Impl::allocate_raw(const Device& device, size_t bytes,
+                                                         void* stream) {
   std::shared_ptr<CachingAllocator> alloc;
   {
     std::lock_guard<std::mutex> lock(mu);
     alloc = logical_locked(device).allocator;
   }
-  void* p = alloc->allocate(bytes);
+  void* p = alloc->allocate(bytes, stream);
   return std::shared_ptr<void>(p, [alloc](void* q) { alloc->deallocate(q); });
 }
 

@@ -47,7 +47,7 @@ struct DeviceManager::Impl {
   int ordinal_of(const Device& device);
   // Raw memory whose deleter hands it back to the device's allocator (which
   // the deleter keeps alive).
-  std::shared_ptr<void> allocate_raw(const Device& device, size_t bytes);
+  std::shared_ptr<void> allocate_raw(const Device& device, size_t bytes, void* stream = nullptr);
   std::vector<LogicalDeviceInfo> logical_devices();
 };
 

@@ -45,11 +45,11 @@ GpuExec gpu_exec(const Device& device, const char* op) {
 
 std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes) {
   DeviceManager& dm = scope_manager(device, "Tensor allocation");
-  std::shared_ptr<void> mem = dm.impl().allocate_raw(device, bytes);
-  if (bytes) {
-    const GpuExec e = gpu_exec(device, "Tensor allocation");
-    e.backend->memset_async(e.ordinal, mem.get(), 0, bytes, e.stream);
-  }
+  if (!bytes) return dm.impl().allocate_raw(device, bytes);
+  // The block belongs to the stream the scope uses for this device.
+  const GpuExec e = gpu_exec(device, "Tensor allocation");
+  std::shared_ptr<void> mem = dm.impl().allocate_raw(device, bytes, e.stream);
+  e.backend->memset_async(e.ordinal, mem.get(), 0, bytes, e.stream);
   return mem;
 }
 

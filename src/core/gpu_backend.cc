@@ -16,6 +16,12 @@ namespace {
 }
 }  // namespace
 
+void GpuBackend::copy_to_host(int ordinal, void* dst, const void* src, size_t bytes, void* stream,
+                              DeadlineClock::time_point deadline, const std::string& what) {
+  memcpy_async(ordinal, dst, src, bytes, stream);
+  synchronize(ordinal, stream, deadline, what);
+}
+
 void GpuBackend::dense_forward(int, void*, const float*, const float*, const float*, float*,
                                int64_t, int64_t, int64_t) {
   missing(*this, "dense_forward");

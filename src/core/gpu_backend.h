@@ -4,8 +4,12 @@
 // logical devices, leases) is tested on CPU with a fake backend. The CUDA
 // implementation lives in src/gpu/ and is registered in gpu_registry.cc.
 //
-// Ordinals are CUDA device ordinals of this process. Streams are opaque
-// (cudaStream_t on CUDA); nullptr means the device's default stream.
+// Ordinals are CUDA device ordinals of this process; an ordinal that does not
+// exist is an error, never undefined behaviour. Streams are opaque
+// (cudaStream_t on CUDA); nullptr means the device's legacy default stream,
+// which is ordered with every stream create_stream makes (the CUDA backend
+// passes cudaStreamLegacy explicitly). Device pointers are never dereferenced
+// on the host (the fake backend of the tests poisons them).
 // Enqueue-style calls (…_async, kernels) only enqueue on the stream; waits
 // take a deadline and never block past it.
 #pragma once
@@ -62,10 +66,34 @@ class GpuBackend {
   virtual void memcpy_async(int ordinal, void* dst, const void* src, size_t bytes,
                             void* stream) = 0;
   virtual void memset_async(int ordinal, void* dst, int value, size_t bytes, void* stream) = 0;
+  // Device -> host memory (any host memory, pageable too); blocks until the
+  // bytes are there, never past `deadline` (DeadlineExceededError naming
+  // `what`). The CUDA backend stages pageable destinations through pinned
+  // buffers: a cudaMemcpyAsync into pageable memory would block without one.
+  virtual void copy_to_host(int ordinal, void* dst, const void* src, size_t bytes, void* stream,
+                            DeadlineClock::time_point deadline, const std::string& what);
   // Returns when all work on `stream` is done; throws DeadlineExceededError
   // naming `what` past `deadline`, or the error the work raised.
   virtual void synchronize(int ordinal, void* stream, DeadlineClock::time_point deadline,
                            const std::string& what) = 0;
+  // Returns when the work enqueued before the call on every stream of device
+  // `ordinal` (the default stream and those create_stream made) is done; same
+  // errors. Called before raw_free, whose cudaFree waits for the whole device
+  // without a deadline.
+  virtual void synchronize_device(int ordinal, DeadlineClock::time_point deadline,
+                                  const std::string& what) = 0;
+  // Events (cudaEvent_t on CUDA) mark a point of a stream: record_event
+  // enqueues the mark, event_done says (without blocking) whether the work
+  // before it has run (true for an event never recorded). The caching
+  // allocator records one when a block is freed, so another stream reuses it
+  // only after the freeing stream's work.
+  // Whether `stream` (made by create_stream on `ordinal`) still exists; null
+  // (the default stream) always does. Tensors may outlive their stream.
+  virtual bool stream_alive(int ordinal, void* stream) = 0;
+  virtual void* create_event(int ordinal) = 0;
+  virtual void record_event(int ordinal, void* event, void* stream) = 0;
+  virtual bool event_done(int ordinal, void* event) = 0;
+  virtual void destroy_event(int ordinal, void* event) = 0;
 
   // ---- compute (float32, row-major) on `stream`; default: Unimplemented ----
   // y[n, out] = x[n, in] · w[in, out] + b
@@ -99,6 +127,8 @@ class GpuBackend {
   virtual std::vector<std::unique_ptr<Communicator>> nccl_local_group(
       const std::vector<int>& ordinals, const std::vector<void*>& streams,
       const CommunicationOptions& options);
+  // The NCCL library loaded at run time ("2.27.7"), "" without NCCL.
+  virtual std::string nccl_version() { return ""; }
   // A new NCCL unique id (opaque bytes) for a multi-process communicator.
   virtual std::string nccl_unique_id();
   // This process's rank of a multi-process NCCL communicator; every rank

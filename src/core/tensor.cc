@@ -127,8 +127,13 @@ void Tensor::copy_from(const Tensor& src) {
   // host memory is involved it completes before returning.
   const Device& gpu = device_.is_gpu() ? device_ : src.device_;
   const GpuExec e = gpu_exec(gpu, "copy_from");
+  if (device_.is_cpu()) {  // device -> host: bounded wait, staged when pageable
+    e.backend->copy_to_host(e.ordinal, data(), src.data(), nbytes(), e.stream, e.deadline(),
+                            "copy of " + src.debug_string() + " into " + debug_string());
+    return;
+  }
   e.backend->memcpy_async(e.ordinal, data(), src.data(), nbytes(), e.stream);
-  if (device_.is_cpu() || src.device_.is_cpu()) {
+  if (src.device_.is_cpu()) {
     e.synchronize("copy of " + src.debug_string() + " into " + debug_string());
   }
 }

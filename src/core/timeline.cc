@@ -1,8 +1,8 @@
 #include "core/timeline.h"
 
 #include <cstdio>
-#include <fstream>
 
+#include "diststrat/checkpoint.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -75,23 +75,19 @@ size_t Timeline::num_events() const {
 }
 
 void Timeline::write_file(const std::string& path, const std::vector<std::string>& events) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    DISTSTRAT_CHECK(f.good(), kNotFound, "timeline: cannot write '", tmp, "'");
-    f << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
-    bool first = true;
-    for (const std::string& e : events) {
-      if (e.empty()) continue;
-      if (!first) f << ",\n";
-      f << e;
-      first = false;
-    }
-    f << "\n]}\n";
-    DISTSTRAT_CHECK(f.good(), kDataLoss, "timeline: write to '", tmp, "' failed");
+  std::string text = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
+  bool first = true;
+  for (const std::string& e : events) {
+    if (e.empty()) continue;
+    if (!first) text += ",\n";
+    text += e;
+    first = false;
   }
-  DISTSTRAT_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, kInternal, "timeline: cannot rename '",
-                  tmp, "' to '", path, "'");
+  text += "\n]}\n";
+  // Atomic, with a fresh O_EXCL temporary (never a planted "<path>.tmp"
+  // followed through a symlink) and errno mapped to the right code
+  // (EACCES: kPermissionDenied, ENOENT: kNotFound, ENOSPC: kResourceExhausted).
+  write_file_atomically(path, text.data(), text.size());
 }
 
 }  // namespace diststrat

@@ -3,10 +3,17 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstdio>
+#include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "diststrat/config.h"
 #include "diststrat/error.h"
@@ -21,6 +28,7 @@ namespace diststrat {
 namespace gpu {
 
 void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line) {
+  clear_last_error();  // reported here: the next launch check must not see it again
   const std::string msg = detail::str_cat("CUDA call ", call, " failed: ", cudaGetErrorString(status),
                                           " (", cudaGetErrorName(status), ") at ", file, ":", line);
   if (status == cudaErrorMemoryAllocation) throw ResourceExhaustedError(msg);
@@ -29,6 +37,7 @@ void throw_cuda_error(cudaError_t status, const char* call, const char* file, in
 
 void check_cublas(int status, const char* call, const char* file, int line) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
+  clear_last_error();  // a failed cuBLAS call may leave a runtime error behind
   const cublasStatus_t s = static_cast<cublasStatus_t>(status);
   const std::string msg = detail::str_cat("cuBLAS call ", call, " failed: ",
                                           cublasGetStatusString(s), " (", cublasGetStatusName(s),
@@ -37,29 +46,90 @@ void check_cublas(int status, const char* call, const char* file, int line) {
   throw InternalError(msg);
 }
 
+namespace {
+// Set by a host function enqueued behind the awaited work (cudaLaunchHostFunc
+// runs it on a driver thread once everything before it on the stream is done).
+// Co-owned by the waiter and the callback, so a waiter that gives up at its
+// deadline leaves the callback something valid to write.
+struct HostSignal {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+};
+void CUDART_CB signal_host(void* arg) {
+  auto* owner = static_cast<std::shared_ptr<HostSignal>*>(arg);
+  {
+    std::lock_guard<std::mutex> lock((*owner)->mu);
+    (*owner)->done = true;
+  }
+  (*owner)->cv.notify_all();
+  delete owner;
+}
+}  // namespace
+
 void wait_stream(void* stream, DeadlineClock::time_point deadline, const std::string& what) {
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  int spins = 0;
+  const cudaStream_t s = stream_or_legacy(stream);
+  const auto fail = [&](cudaError_t st) {
+    throw_cuda_error(st, ("cudaStreamQuery while waiting for " + what).c_str(), __FILE__, __LINE__);
+  };
+  cudaError_t st = cudaStreamQuery(s);
+  if (st == cudaSuccess) return;
+  if (st != cudaErrorNotReady) fail(st);
+  // Sleep on a condition variable until the host function behind the work
+  // fires; wake every few ms to look for a failed stream (whose host function
+  // may never run) and for the deadline.
+  auto signal = std::make_shared<HostSignal>();
+  auto* arg = new std::shared_ptr<HostSignal>(signal);
+  st = cudaLaunchHostFunc(s, signal_host, arg);
+  if (st != cudaSuccess) {
+    delete arg;
+    throw_cuda_error(st, ("cudaLaunchHostFunc while waiting for " + what).c_str(), __FILE__, __LINE__);
+  }
+  std::unique_lock<std::mutex> lock(signal->mu);
   for (;;) {
-    const cudaError_t st = cudaStreamQuery(s);
-    if (st == cudaSuccess) return;
-    if (st != cudaErrorNotReady) throw_cuda_error(st, ("cudaStreamQuery while waiting for " + what).c_str(), __FILE__, __LINE__);
+    const auto wake = std::min(deadline, DeadlineClock::now() + std::chrono::milliseconds(5));
+    if (signal->cv.wait_until(lock, wake, [&] { return signal->done; })) break;
+    lock.unlock();
+    st = cudaStreamQuery(s);
+    if (st == cudaSuccess) return;  // the host function is about to run, or already ran
+    if (st != cudaErrorNotReady) fail(st);
     if (DeadlineClock::now() >= deadline) {
       throw DeadlineExceededError(what + ": the GPU work did not finish before the deadline");
     }
-    // Spin briefly (short kernels), then back off so a waiting replica does
-    // not burn a core.
-    if (++spins < 200) {
+    lock.lock();
+  }
+  lock.unlock();
+  // Everything before the host function ran; it may still have failed.
+  st = cudaStreamQuery(s);
+  if (st != cudaSuccess && st != cudaErrorNotReady) fail(st);
+}
+
+void wait_event(void* event, DeadlineClock::time_point deadline, const std::string& what) {
+  const cudaEvent_t e = static_cast<cudaEvent_t>(event);
+  for (int spins = 0;; ++spins) {
+    const cudaError_t st = cudaEventQuery(e);
+    if (st == cudaSuccess) return;
+    if (st != cudaErrorNotReady) {
+      throw_cuda_error(st, ("cudaEventQuery while waiting for " + what).c_str(), __FILE__, __LINE__);
+    }
+    if (DeadlineClock::now() >= deadline) {
+      throw DeadlineExceededError(what + ": the GPU work did not finish before the deadline");
+    }
+    if (spins < 100) {
       std::this_thread::yield();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
 }
 
 namespace {
 
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+cudaStream_t as_stream(void* s) { return stream_or_legacy(s); }
+
+// Device -> pageable host copies go through pinned buffers of this size, two
+// at a time (one fills on the GPU while the other is copied out on the host).
+constexpr size_t kStageBytes = 8u << 20;
 
 class CudaBackend : public GpuBackend {
  public:
@@ -68,14 +138,19 @@ class CudaBackend : public GpuBackend {
     if (st != cudaSuccess) {
       count_ = 0;
       reason_ = std::string(cudaGetErrorName(st)) + ": " + cudaGetErrorString(st);
-      (void)cudaGetLastError();
+      clear_last_error();
     }
   }
   ~CudaBackend() override {
     for (auto& [key, handle] : blas_) {
-      cudaSetDevice(key.first);
+      cudaSetDevice(std::get<0>(key));
       cublasDestroy(handle);
     }
+    for (Stage& st : stages_) {
+      cudaFreeHost(st.buf);
+      cudaEventDestroy(st.done);
+    }
+    clear_last_error();
   }
 
   std::string name() const override { return "cuda"; }
@@ -105,11 +180,12 @@ class CudaBackend : public GpuBackend {
   }
 
   void* raw_malloc(int ordinal, size_t bytes) override {
+    check_ordinal(ordinal);
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
     void* p = nullptr;
     const cudaError_t st = cudaMalloc(&p, bytes);
     if (st == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();  // not sticky: clear it
+      clear_last_error();  // not sticky: clear it
       return nullptr;
     }
     DISTSTRAT_CUDA_CHECK(st);
@@ -117,7 +193,9 @@ class CudaBackend : public GpuBackend {
   }
 
   void raw_free(int ordinal, void* ptr) override {
-    // Called from destructors: report, never throw.
+    // Called from destructors: report, never throw. The caller waited for the
+    // device first (synchronize_device), so cudaFree's implicit device-wide
+    // synchronization has nothing left to wait for.
     if (cudaSetDevice(ordinal) != cudaSuccess || cudaFree(ptr) != cudaSuccess) {
       const cudaError_t st = cudaGetLastError();
       if (st != cudaErrorCudartUnloading) {
@@ -128,11 +206,14 @@ class CudaBackend : public GpuBackend {
   }
 
   void* create_stream(int ordinal) override {
+    check_ordinal(ordinal);
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
     cudaStream_t s = nullptr;
-    // A blocking stream: work on the device's default stream (copies made
+    // A blocking stream: work on the legacy default stream (copies made
     // outside a replica) stays ordered with it.
-    DISTSTRAT_CUDA_CHECK(cudaStreamCreate(&s));
+    DISTSTRAT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamDefault));
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.insert({ordinal, s});
     return s;
   }
 
@@ -140,20 +221,75 @@ class CudaBackend : public GpuBackend {
     if (!stream) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = blas_.find({ordinal, stream});
-      if (it != blas_.end()) {
-        cudaSetDevice(ordinal);
-        cublasDestroy(it->second);
-        blas_.erase(it);
+      for (auto it = blas_.begin(); it != blas_.end();) {
+        if (std::get<0>(it->first) == ordinal && std::get<1>(it->first) == stream) {
+          cudaSetDevice(ordinal);
+          cublasDestroy(it->second);
+          it = blas_.erase(it);
+        } else {
+          ++it;
+        }
       }
+      streams_.erase({ordinal, as_stream(stream)});
     }
     cudaSetDevice(ordinal);
-    cudaStreamDestroy(as_stream(stream));
+    cudaStreamDestroy(as_stream(stream));  // returns at once; queued work still completes
+    clear_last_error();                    // cleanup: failures are deliberately ignored
   }
 
   void memcpy_async(int ordinal, void* dst, const void* src, size_t bytes, void* stream) override {
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
     DISTSTRAT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)));
+  }
+
+  // cudaMemcpyAsync into pageable memory is synchronous (no deadline), so
+  // such copies are staged through pinned buffers and every wait is bounded.
+  void copy_to_host(int ordinal, void* dst, const void* src, size_t bytes, void* stream,
+                    DeadlineClock::time_point deadline, const std::string& what) override {
+    if (bytes == 0) return;
+    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    const cudaStream_t s = as_stream(stream);
+    cudaPointerAttributes attr{};
+    const cudaError_t at = cudaPointerGetAttributes(&attr, dst);
+    if (at != cudaSuccess) clear_last_error();
+    if (at == cudaSuccess && attr.type == cudaMemoryTypeHost) {  // pinned: direct
+      DISTSTRAT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+      wait_stream(stream, deadline, what);
+      return;
+    }
+    std::vector<Stage*> stage = take_stages(ordinal);
+    // Back to the pool only after a complete copy: after a failure or a
+    // deadline a queued copy may still write into them (they stay owned by
+    // the backend and are freed with it).
+    struct Return {
+      CudaBackend* self;
+      std::vector<Stage*>& st;
+      bool done = false;
+      ~Return() {
+        if (done) self->return_stages(st);
+      }
+    } give_back{this, stage};
+    char* out = static_cast<char*>(dst);
+    const char* in = static_cast<const char*>(src);
+    size_t pending_off[2] = {0, 0}, pending_len[2] = {0, 0};
+    auto drain = [&](int b) {
+      if (!pending_len[b]) return;
+      wait_event(stage[b]->done, deadline, what);
+      std::memcpy(out + pending_off[b], stage[b]->buf, pending_len[b]);
+      pending_len[b] = 0;
+    };
+    int b = 0;
+    for (size_t off = 0; off < bytes; off += kStageBytes, b ^= 1) {
+      drain(b);  // the buffer's previous chunk is copied out before reuse
+      const size_t len = std::min(kStageBytes, bytes - off);
+      DISTSTRAT_CUDA_CHECK(cudaMemcpyAsync(stage[b]->buf, in + off, len, cudaMemcpyDeviceToHost, s));
+      DISTSTRAT_CUDA_CHECK(cudaEventRecord(stage[b]->done, s));
+      pending_off[b] = off;
+      pending_len[b] = len;
+    }
+    drain(b);  // the older of the (at most two) chunks in flight first
+    drain(b ^ 1);
+    give_back.done = true;
   }
 
   void memset_async(int ordinal, void* dst, int value, size_t bytes, void* stream) override {
@@ -165,6 +301,53 @@ class CudaBackend : public GpuBackend {
                    const std::string& what) override {
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
     wait_stream(stream, deadline, what);
+  }
+
+  void synchronize_device(int ordinal, DeadlineClock::time_point deadline,
+                          const std::string& what) override {
+    const cudaError_t st = cudaSetDevice(ordinal);
+    if (st == cudaErrorCudartUnloading) {  // process exit: the runtime is gone, nothing runs
+      clear_last_error();
+      return;
+    }
+    DISTSTRAT_CUDA_CHECK(st);
+    std::vector<cudaStream_t> streams{cudaStreamLegacy};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [o, s] : streams_) {
+        if (o == ordinal) streams.push_back(s);
+      }
+    }
+    for (cudaStream_t s : streams) wait_stream(s, deadline, what);
+  }
+
+  bool stream_alive(int ordinal, void* stream) override {
+    if (!stream) return true;
+    std::lock_guard<std::mutex> lock(mu_);
+    return streams_.count({ordinal, as_stream(stream)}) > 0;
+  }
+
+  void* create_event(int ordinal) override {
+    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    cudaEvent_t e = nullptr;
+    DISTSTRAT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  void record_event(int ordinal, void* event, void* stream) override {
+    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    DISTSTRAT_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), as_stream(stream)));
+  }
+  bool event_done(int ordinal, void* event) override {
+    const cudaError_t st = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (st == cudaSuccess) return true;
+    if (st == cudaErrorNotReady) return false;
+    throw_cuda_error(st, "cudaEventQuery", __FILE__, __LINE__);
+  }
+  void destroy_event(int ordinal, void* event) override {
+    if (!event) return;
+    cudaSetDevice(ordinal);
+    cudaEventDestroy(static_cast<cudaEvent_t>(event));
+    clear_last_error();
   }
 
   // Row-major C[m, n] = A[m, k]·B[k, n] is column-major Cᵀ = Bᵀ·Aᵀ, so each
@@ -245,6 +428,7 @@ class CudaBackend : public GpuBackend {
       const CommunicationOptions& options) override {
     return make_nccl_local_group(ordinals, streams, options);
   }
+  std::string nccl_version() override { return nccl_version_string(); }
   std::string nccl_unique_id() override { return make_nccl_unique_id(); }
   std::unique_ptr<Communicator> nccl_communicator(const std::string& unique_id, int rank, int size,
                                                   int ordinal, void* stream,
@@ -259,23 +443,68 @@ class CudaBackend : public GpuBackend {
                     " does not exist (", count_, " visible)");
   }
   // One cuBLAS handle per (device, stream): handles are not safe to share
-  // between replica threads.
+  // between threads. Work on the default stream (outside a replica) can come
+  // from any thread, so its handles are per thread as well.
   cublasHandle_t blas(int ordinal, void* stream) {
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    const BlasKey key{ordinal, stream, stream ? std::thread::id() : std::this_thread::get_id()};
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = blas_.find({ordinal, stream});
+    auto it = blas_.find(key);
     if (it != blas_.end()) return it->second;
     cublasHandle_t h = nullptr;
     DISTSTRAT_CUBLAS_CHECK(cublasCreate(&h));
     DISTSTRAT_CUBLAS_CHECK(cublasSetStream(h, as_stream(stream)));
-    blas_[{ordinal, stream}] = h;
+    blas_[key] = h;
     return h;
   }
 
+  // Pinned staging buffers for copy_to_host, two per copy in flight.
+  struct Stage {
+    int ordinal = 0;
+    void* buf = nullptr;
+    cudaEvent_t done = nullptr;
+  };
+  std::vector<Stage*> take_stages(int ordinal) {
+    std::vector<Stage*> out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = free_stages_.begin(); it != free_stages_.end() && out.size() < 2;) {
+        if ((*it)->ordinal == ordinal) {
+          out.push_back(*it);
+          it = free_stages_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    while (out.size() < 2) {
+      Stage st;
+      st.ordinal = ordinal;
+      DISTSTRAT_CUDA_CHECK(cudaMallocHost(&st.buf, kStageBytes));
+      const cudaError_t e = cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming);
+      if (e != cudaSuccess) {
+        cudaFreeHost(st.buf);
+        DISTSTRAT_CUDA_CHECK(e);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      stages_.push_back(st);
+      out.push_back(&stages_.back());
+    }
+    return out;
+  }
+  void return_stages(const std::vector<Stage*>& st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_stages_.insert(free_stages_.end(), st.begin(), st.end());
+  }
+
+  using BlasKey = std::tuple<int, void*, std::thread::id>;
   int count_ = 0;
   std::string reason_;
   std::mutex mu_;
-  std::map<std::pair<int, void*>, cublasHandle_t> blas_;
+  std::map<BlasKey, cublasHandle_t> blas_;
+  std::set<std::pair<int, cudaStream_t>> streams_;  // created here, per ordinal
+  std::deque<Stage> stages_;                        // stable addresses
+  std::vector<Stage*> free_stages_;
 };
 
 }  // namespace

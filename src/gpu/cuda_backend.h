@@ -13,10 +13,15 @@ namespace diststrat {
 std::unique_ptr<GpuBackend> make_cuda_backend();
 
 namespace gpu {
-// Polls `stream` until its work is done: throws DeadlineExceededError naming
+// Returns when the work enqueued on `stream` (null: the legacy default
+// stream) before the call is done: sleeps on a condition variable that a
+// host function behind the work (cudaLaunchHostFunc) signals, looking at the
+// stream every few ms for a failure. Throws DeadlineExceededError naming
 // `what` past `deadline`, or the CUDA error the work raised. Never a blind
 // cudaStreamSynchronize.
 void wait_stream(void* stream, DeadlineClock::time_point deadline, const std::string& what);
+// Polls a recorded cudaEvent_t until it completes (same errors).
+void wait_event(void* event, DeadlineClock::time_point deadline, const std::string& what);
 }  // namespace gpu
 
 }  // namespace diststrat

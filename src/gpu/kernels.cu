@@ -21,7 +21,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+// Null = the legacy default stream, explicitly (cuda_check.h).
+cudaStream_t as_stream(void* s) { return stream_or_legacy(s); }
 
 int blocks_for(int64_t work) {
   const int64_t b = (work + kThreads - 1) / kThreads;

@@ -7,10 +7,12 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 
 #include "core/gpu_backend.h"
 #include "gpu/cuda_backend.h"
+#include "gpu/call_gate.h"
 #include "gpu/cuda_check.h"
 
 namespace diststrat {
@@ -62,21 +64,26 @@ ncclUniqueId to_id(const std::string& bytes) {
 
 // Communicators that fail together: a local group (abort one = abort all)
 // or a single multi-process rank.
+//
+// NCCL forbids ncclCommAbort while another thread is inside an NCCL call on
+// the same communicator: every call into a communicator (enqueue,
+// async-error poll) goes through `gate` (shared), abort_all and reset hold it
+// exclusively (call_gate.h). Only the calls hold it, never a wait, so an
+// abort is delayed by at most one enqueue, and replicas enqueue concurrently.
 struct Group {
-  std::mutex mu;
+  CallGate gate;
   std::vector<ncclComm_t> comms;
   std::vector<int> ordinals;
-  std::atomic<bool> aborted{false};
-  std::string reason;
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // Recreates the communicators after an abort; null where that needs the
   // other processes (multi-process ranks).
   std::function<std::vector<ncclComm_t>()> create;
 
   void abort_all(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (aborted) return;
-    reason = why;
-    aborted = true;
+    gate.abort(why, [&] { abort_comms(comms, ordinals); });
+  }
+
+  static void abort_comms(std::vector<ncclComm_t>& comms, const std::vector<int>& ordinals) {
     for (size_t i = 0; i < comms.size(); ++i) {
       if (comms[i]) {
         cudaSetDevice(ordinals[i]);
@@ -84,28 +91,46 @@ struct Group {
         comms[i] = nullptr;
       }
     }
+    clear_last_error();  // failures of the cleanup are deliberately ignored
   }
 
+  // ncclCommDestroy waits for the communicator's outstanding work without a
+  // deadline: finalize (non-blocking) first and destroy only once that
+  // completed; past the deadline, or on an error, abort instead.
   ~Group() {
+    const auto deadline = Clock::now() + timeout;
     for (size_t i = 0; i < comms.size(); ++i) {
-      if (comms[i]) {
-        cudaSetDevice(ordinals[i]);
-        ncclCommDestroy(comms[i]);
+      if (!comms[i]) continue;
+      cudaSetDevice(ordinals[i]);
+      ncclResult_t st = ncclCommFinalize(comms[i]);
+      while (st == ncclSuccess || st == ncclInProgress) {
+        if (ncclCommGetAsyncError(comms[i], &st) != ncclSuccess) st = ncclInternalError;
+        if (st == ncclSuccess) break;
+        if (st != ncclInProgress || Clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
+      if (st == ncclSuccess) {
+        ncclCommDestroy(comms[i]);
+      } else {
+        ncclCommAbort(comms[i]);
+      }
+      comms[i] = nullptr;
     }
+    clear_last_error();
   }
 };
 
-// Polls until every communicator finished its (non-blocking) initialization.
-void wait_init(Group& g, Clock::time_point deadline, const std::string& what) {
-  for (size_t i = 0; i < g.comms.size(); ++i) {
+// Polls until every communicator finished its (non-blocking) initialization;
+// past the deadline throws (the caller aborts what was created).
+void wait_init(const std::vector<ncclComm_t>& comms, Clock::time_point deadline,
+               const std::string& what) {
+  for (size_t i = 0; i < comms.size(); ++i) {
     for (;;) {
       ncclResult_t st = ncclInProgress;
-      DISTSTRAT_NCCL_CHECK(ncclCommGetAsyncError(g.comms[i], &st));
+      DISTSTRAT_NCCL_CHECK(ncclCommGetAsyncError(comms[i], &st));
       if (st == ncclSuccess) break;
       DISTSTRAT_NCCL_CHECK(st);
       if (Clock::now() >= deadline) {
-        g.abort_all(what + " timed out");
         throw DeadlineExceededError(detail::str_cat(
             what, ": rank ", i, "'s NCCL communicator was not ready before the deadline (did "
             "every rank join with the same unique id?)"));
@@ -114,6 +139,23 @@ void wait_init(Group& g, Clock::time_point deadline, const std::string& what) {
     }
   }
 }
+
+// Owns communicators while they are created: if creation throws, an open
+// ncclGroupStart is closed and every communicator made so far is aborted.
+struct PendingComms {
+  std::vector<ncclComm_t> comms;
+  std::vector<int> ordinals;
+  bool group_open = false;
+  ~PendingComms() {
+    if (group_open) ncclGroupEnd();
+    Group::abort_comms(comms, ordinals);
+  }
+  std::vector<ncclComm_t> release() {
+    std::vector<ncclComm_t> out = std::move(comms);
+    comms.clear();
+    return out;
+  }
+};
 
 ncclConfig_t nonblocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -130,8 +172,11 @@ class NcclCommunicator : public Communicator {
 
   ~NcclCommunicator() override {
     if (scratch_) {
+      // Stream-ordered: cudaFree would wait for the whole device, without a
+      // deadline. (The replicas' streams outlive their communicators.)
       cudaSetDevice(ordinal_);
-      cudaFree(scratch_);
+      cudaFreeAsync(scratch_, stream());
+      clear_last_error();  // cleanup: failures are deliberately ignored
     }
   }
 
@@ -165,7 +210,7 @@ class NcclCommunicator : public Communicator {
   void barrier(const std::string& name) override {
     if (!scratch_) {
       DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal_));
-      DISTSTRAT_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)));
+      DISTSTRAT_CUDA_CHECK(cudaMallocAsync(&scratch_, sizeof(float), stream()));
     }
     all_reduce(scratch_, scratch_, 1, DType::kFloat32, ReduceOp::kSum, "barrier " + name);
   }
@@ -173,25 +218,17 @@ class NcclCommunicator : public Communicator {
   void abort(const std::string& reason) override { group_->abort_all(reason); }
 
   void reset() override {
-    std::lock_guard<std::mutex> lock(group_->mu);
-    if (!group_->aborted) return;
-    DISTSTRAT_CHECK(group_->create != nullptr, kFailedPrecondition,
-                    "NCCL communicator of rank ", rank_,
-                    " was aborted; a multi-process communicator cannot be reset: create a new "
-                    "one with a fresh unique id on every rank");
-    group_->comms = group_->create();
-    group_->aborted = false;
-    group_->reason.clear();
+    group_->gate.reset([&] {
+      DISTSTRAT_CHECK(group_->create != nullptr, kFailedPrecondition,
+                      "NCCL communicator of rank ", rank_,
+                      " was aborted; a multi-process communicator cannot be reset: create a new "
+                      "one with a fresh unique id on every rank");
+      group_->comms = group_->create();
+    });
   }
 
  private:
-  cudaStream_t stream() const { return static_cast<cudaStream_t>(stream_); }
-
-  ncclComm_t comm_or_throw(const std::string& what) {
-    std::lock_guard<std::mutex> lock(group_->mu);
-    if (group_->aborted) throw AbortedError(what + ": " + group_->reason);
-    return group_->comms[static_cast<size_t>(index_)];
-  }
+  cudaStream_t stream() const { return stream_or_legacy(stream_); }
 
   // Enqueues one NCCL collective and waits for it: first until NCCL has
   // enqueued it (non-blocking communicators may answer ncclInProgress), then
@@ -201,27 +238,30 @@ class NcclCommunicator : public Communicator {
     const std::string what = detail::str_cat("rank ", rank_, " NCCL ", kind, " '", name, "'");
     const auto deadline = Clock::now() + options_.timeout;
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal_));
-    ncclComm_t c = comm_or_throw(what);
-    const ncclResult_t r = call(c);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      check_nccl(r, kind, __FILE__, __LINE__);
-    }
+    // Enqueue through the gate: an abort cannot run while this thread is
+    // inside the NCCL call.
+    const ncclComm_t c = group_->gate.enter(what, [&] {
+      ncclComm_t comm = group_->comms[static_cast<size_t>(index_)];
+      const ncclResult_t r = call(comm);
+      if (r != ncclSuccess && r != ncclInProgress) check_nccl(r, kind, __FILE__, __LINE__);
+      return comm;
+    });
     int spins = 0;
     for (;;) {
       std::string nccl_error;
-      {
-        std::lock_guard<std::mutex> lock(group_->mu);
-        if (group_->aborted) throw AbortedError(what + ": " + group_->reason);
+      const bool done = group_->gate.enter(what, [&] {
         ncclResult_t st = ncclSuccess;
         DISTSTRAT_NCCL_CHECK(ncclCommGetAsyncError(c, &st));
         if (st != ncclSuccess && st != ncclInProgress) {
           nccl_error = ncclGetErrorString(st);
         } else if (st == ncclSuccess) {
           const cudaError_t q = cudaStreamQuery(stream());
-          if (q == cudaSuccess) return;
+          if (q == cudaSuccess) return true;
           if (q != cudaErrorNotReady) throw_cuda_error(q, "cudaStreamQuery", __FILE__, __LINE__);
         }
-      }
+        return false;
+      });
+      if (done) return;
       if (!nccl_error.empty()) {
         group_->abort_all(what + " failed: " + nccl_error);
         throw InternalError(what + ": NCCL reported " + nccl_error + " (communicator aborted)");
@@ -259,25 +299,26 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_local_group(
   DISTSTRAT_CHECK_EQ(streams.size(), ordinals.size(), "NCCL local group streams");
   auto group = std::make_shared<Group>();
   group->ordinals = ordinals;
+  group->timeout = options.timeout;
   // Created in one NCCL group call with one unique id: the documented way to
   // create several ranks from one thread.
   auto create = [ordinals, n, timeout = options.timeout]() {
     ncclUniqueId id;
     DISTSTRAT_NCCL_CHECK(ncclGetUniqueId(&id));
-    std::vector<ncclComm_t> comms(n, nullptr);
+    PendingComms pending;
+    pending.comms.assign(n, nullptr);
+    pending.ordinals = ordinals;
     ncclConfig_t config = nonblocking_config();
     DISTSTRAT_NCCL_CHECK(ncclGroupStart());
+    pending.group_open = true;
     for (int r = 0; r < n; ++r) {
       DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinals[r]));
-      DISTSTRAT_NCCL_CHECK(ncclCommInitRankConfig(&comms[r], n, id, r, &config));
+      DISTSTRAT_NCCL_CHECK(ncclCommInitRankConfig(&pending.comms[r], n, id, r, &config));
     }
+    pending.group_open = false;
     DISTSTRAT_NCCL_CHECK(ncclGroupEnd());
-    Group tmp;
-    tmp.ordinals = ordinals;
-    tmp.comms = comms;
-    wait_init(tmp, Clock::now() + timeout, "NCCL local group initialization");
-    tmp.comms.clear();  // handed to the caller
-    return comms;
+    wait_init(pending.comms, Clock::now() + timeout, "NCCL local group initialization");
+    return pending.release();
   };
   group->comms = create();
   group->create = create;
@@ -287,6 +328,13 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_local_group(
                                                      options));
   }
   return out;
+}
+
+std::string nccl_version_string() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
+  // NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z since 2.9.
+  return detail::str_cat(v / 10000, ".", v / 100 % 100, ".", v % 100);
 }
 
 std::string make_nccl_unique_id() {
@@ -301,14 +349,18 @@ std::unique_ptr<Communicator> make_nccl_communicator(const std::string& unique_i
   DISTSTRAT_CHECK(rank >= 0 && rank < size, kInvalidArgument, "NCCL communicator rank ", rank,
                   " of ", size);
   const ncclUniqueId id = to_id(unique_id);
-  auto group = std::make_shared<Group>();
-  group->ordinals = {ordinal};
-  group->comms = {nullptr};
+  PendingComms pending;
+  pending.comms = {nullptr};
+  pending.ordinals = {ordinal};
   ncclConfig_t config = nonblocking_config();
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
-  DISTSTRAT_NCCL_CHECK(ncclCommInitRankConfig(&group->comms[0], size, id, rank, &config));
-  wait_init(*group, Clock::now() + options.timeout,
+  DISTSTRAT_NCCL_CHECK(ncclCommInitRankConfig(&pending.comms[0], size, id, rank, &config));
+  wait_init(pending.comms, Clock::now() + options.timeout,
             detail::str_cat("NCCL communicator initialization of rank ", rank, " of ", size));
+  auto group = std::make_shared<Group>();
+  group->ordinals = {ordinal};
+  group->timeout = options.timeout;
+  group->comms = pending.release();
   return std::make_unique<NcclCommunicator>(group, 0, rank, size, ordinal, stream, options);
 }
 

@@ -33,6 +33,11 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_local_group(
 
 std::string make_nccl_unique_id();
 
+// The version of the NCCL library loaded at run time (ncclGetVersion), e.g.
+// "2.27.7": the header, the link-time and the run-time library may come from
+// different places (toolkit, Python wheel).
+std::string nccl_version_string();
+
 std::unique_ptr<Communicator> make_nccl_communicator(const std::string& unique_id, int rank,
                                                      int size, int ordinal, void* stream,
                                                      const CommunicationOptions& options);

@@ -167,7 +167,7 @@ class SharedDeviceCommunicator : public Communicator {
   }
 
  private:
-  cudaStream_t as_stream() const { return static_cast<cudaStream_t>(stream_); }
+  cudaStream_t as_stream() const { return stream_or_legacy(stream_); }
   Clock::time_point deadline() const { return Clock::now() + options_.timeout; }
 
   // The four steps of the header comment; `body` enqueues this rank's part.
@@ -175,6 +175,16 @@ class SharedDeviceCommunicator : public Communicator {
     const std::string what = detail::str_cat(mine.kind, " '", mine.name, "'");
     const auto until = deadline();
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(shared_->ordinal));
+    if (shared_->n == 1) {
+      // One replica: the result is its input. No rendezvous, no drain; the
+      // copy (if out of place) is ordered on the replica's stream.
+      const size_t bytes = mine.count * dtype_size(mine.dtype);
+      if (bytes && mine.kind != "broadcast" && mine.out != mine.in) {
+        DISTSTRAT_CUDA_CHECK(cudaMemcpyAsync(mine.out, mine.in, bytes, cudaMemcpyDeviceToDevice,
+                                             as_stream()));
+      }
+      return;
+    }
     DISTSTRAT_CUDA_CHECK(cudaEventRecord(shared_->ready[rank_], as_stream()));
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
@@ -224,6 +234,7 @@ std::vector<std::unique_ptr<Communicator>> make_shared_device_group(
     for (cudaEvent_t e : s->ready) {
       if (e) cudaEventDestroy(e);
     }
+    clear_last_error();  // cleanup: failures are deliberately ignored
     delete s;
   });
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(spec.ordinal));

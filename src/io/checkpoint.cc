@@ -9,13 +9,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <limits>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <map>
+#include <new>
 #include <set>
 #include <sstream>
 
+#include "core/file_util.h"
 #include "diststrat/checkpoint.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
@@ -61,10 +64,13 @@ void on_chief_then_agree(Strategy& s, const std::string& what, const std::functi
       code = static_cast<int64_t>(e.code());
       message = e.message();
       local = std::current_exception();
+    } catch (const std::bad_alloc&) {
+      // Only diststrat::Error leaves a public call, on the chief as elsewhere.
+      code = static_cast<int64_t>(ErrorCode::kResourceExhausted);
+      message = what + ": out of memory";
     } catch (const std::exception& e) {
       code = static_cast<int64_t>(ErrorCode::kInternal);
-      message = e.what();
-      local = std::current_exception();
+      message = what + ": " + e.what();
     }
   }
   if (is_multi_process(s)) {
@@ -72,6 +78,7 @@ void on_chief_then_agree(Strategy& s, const std::string& what, const std::functi
     if (code >= 0) message = broadcast_string(s, message, what + " error");
   }
   if (local) std::rethrow_exception(local);
+  if (code >= 0 && is_writer(s)) throw_error(static_cast<ErrorCode>(code), message);
   if (code >= 0) {
     throw_error(static_cast<ErrorCode>(code),
                 "rank " + std::to_string(s.cluster().rank) + ": the chief failed " + what + ": " +
@@ -86,13 +93,19 @@ std::string encode_metadata(const CheckpointMetadata& md) {
   return os.str();
 }
 CheckpointMetadata decode_metadata(const std::string& s) {
+  // Bytes from the wire: every length is checked before it is used.
   CheckpointMetadata md;
   size_t i = 0;
   auto next = [&] {
     const size_t colon = s.find(':', i);
-    const size_t n = std::stoull(s.substr(i, colon - i));
-    std::string out = s.substr(colon + 1, n);
-    i = colon + 1 + n;
+    int64_t n = 0;
+    if (colon == std::string::npos ||
+        !parse_int(s.substr(i, colon - i), 0, static_cast<int64_t>(s.size() - colon - 1), &n)) {
+      throw DataLossError("checkpoint metadata broadcast by the chief is malformed at byte " + std::to_string(i) +
+                          " of " + std::to_string(s.size()));
+    }
+    std::string out = s.substr(colon + 1, static_cast<size_t>(n));
+    i = colon + 1 + static_cast<size_t>(n);
     return out;
   };
   while (i < s.size()) {
@@ -100,6 +113,24 @@ CheckpointMetadata decode_metadata(const std::string& s) {
     md[k] = next();
   }
   return md;
+}
+
+bool parse_int(const std::string& text, int64_t lo, int64_t hi, int64_t* out) {
+  size_t i = 0;
+  const bool negative = !text.empty() && text[0] == '-';
+  if (negative) i = 1;
+  if (i == text.size() || text.size() - i > 19) return false;
+  uint64_t v = 0;
+  for (; i < text.size(); ++i) {
+    if (text[i] < '0' || text[i] > '9') return false;
+    v = v * 10 + static_cast<uint64_t>(text[i] - '0');  // 19 digits cannot wrap a uint64
+  }
+  const uint64_t max_magnitude = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) + (negative ? 1 : 0);
+  if (v > max_magnitude) return false;
+  const int64_t x = negative ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v);
+  if (x < lo || x > hi) return false;
+  *out = x;
+  return true;
 }
 
 }  // namespace ckpt
@@ -111,6 +142,19 @@ using ckpt::encode_metadata;
 using ckpt::is_multi_process;
 using ckpt::is_writer;
 using ckpt::on_chief_then_agree;
+
+int64_t metadata_int(const CheckpointMetadata& md, const std::string& key, int64_t min, int64_t max,
+                     const std::string& source) {
+  auto it = md.find(key);
+  DISTSTRAT_CHECK(it != md.end(), kInvalidArgument, "checkpoint '", source, "' has no metadata '", key, "'");
+  int64_t v = 0;
+  if (!ckpt::parse_int(it->second, min, max, &v)) {
+    const std::string shown = it->second.size() > 64 ? it->second.substr(0, 64) + "..." : it->second;
+    throw DataLossError("checkpoint '" + source + "': metadata '" + key + "' is '" + shown +
+                        "', not an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+  }
+  return v;
+}
 
 // ---- matching a file against a model ----------------------------------------
 
@@ -203,7 +247,7 @@ void CheckpointParticipant::write_checkpoint(Strategy& strategy, const std::stri
                                              const std::vector<std::pair<std::string, Tensor>>& state,
                                              const CheckpointMetadata& metadata) {
   on_chief_then_agree(strategy, "to write checkpoint '" + path + "'",
-                      [&] { save_safetensors(path, state, metadata); });
+                      [&] { ckpt::save_safetensors_reserved(path, state, metadata); });
 }
 
 CheckpointContents CheckpointParticipant::read_checkpoint(
@@ -300,11 +344,14 @@ std::vector<std::pair<std::string, Tensor>> Checkpoint::state() const {
 }
 
 void Checkpoint::save(const std::string& path, const CheckpointMetadata& metadata) const {
-  CheckpointMetadata md = metadata;
-  for (const auto& [k, v] : md) {
+  for (const auto& [k, v] : metadata) {
     DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "Checkpoint::save '", path,
                     "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
   }
+  write(path, metadata);
+}
+
+void Checkpoint::write(const std::string& path, const CheckpointMetadata& md) const {
   participant().check_checkpoint_supported(*strategy_, "Checkpoint::save '" + path + "'");
   CheckpointParticipant& p = participant();
   p.write_checkpoint(*strategy_, path, p.needs_state_to_write() ? state() : std::vector<std::pair<std::string, Tensor>>{}, md);
@@ -342,9 +389,19 @@ CheckpointMetadata Checkpoint::restore(const std::string& path, const RestoreOpt
 }
 
 // ---- CheckpointManager ---------------------------------------------------------
+//
+// What the manager owns: "ckpt-<N>.safetensors" whose verified header carries
+// kManagerStepKey == N (written by CheckpointManager::save), and the shard
+// files of its parameter-server saves (ckpt::is_own_shard_file). Only those
+// are pruned or counted towards max_to_keep; anything else in the directory
+// (a stray file with a checkpoint's name, a renamed copy, another tool's
+// file) is left alone.
 
 namespace {
 constexpr const char* kLatest = "latest";
+// `latest` holds one file name: a few KiB is plenty, more is damage.
+constexpr uint64_t kMaxLatestBytes = 4096;
+
 bool parse_step_file(const std::string& name, int64_t* step) {
   static const std::string pre = "ckpt-", suf = ".safetensors";
   if (name.size() <= pre.size() + suf.size() || name.rfind(pre, 0) != 0 ||
@@ -352,22 +409,139 @@ bool parse_step_file(const std::string& name, int64_t* step) {
     return false;
   }
   const std::string digits = name.substr(pre.size(), name.size() - pre.size() - suf.size());
-  if (digits.empty() || digits.size() > 18 ||
-      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return false;
-  }
-  *step = std::stoll(digits);
-  return true;
+  return digits.size() <= 18 && digits[0] != '-' &&
+         ckpt::parse_int(digits, 0, std::numeric_limits<int64_t>::max(), step);
 }
+
+// The names in `dir`; none when it does not exist. Any other failure is an
+// error: an unlistable directory must not look like an empty one (a silent
+// fresh start).
 std::vector<std::string> list_dir(const std::string& dir) {
   std::vector<std::string> out;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (dirent* e = ::readdir(d)) out.emplace_back(e->d_name);
-    ::closedir(d);
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) {
+    if (errno == ENOENT) return out;
+    fs::throw_errno(errno, "checkpoint directory '" + dir + "': cannot list it");
   }
+  while (dirent* e = ::readdir(d)) out.emplace_back(e->d_name);
+  ::closedir(d);
   return out;
 }
+
+bool all_digits(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// "<base>.tmp.<pid>.<n>" (write_file_atomically) or "<base>.tmp.<pid>.probe"
+// (the constructor's check) for a base this manager or its PS ranks write.
+bool is_own_temp_file(const std::string& name) {
+  const size_t t = name.rfind(".tmp.");
+  if (t == std::string::npos) return false;
+  const std::string base = name.substr(0, t), rest = name.substr(t + 5);
+  const size_t dot = rest.find('.');
+  if (dot == std::string::npos || !all_digits(rest.substr(0, dot))) return false;
+  const std::string n = rest.substr(dot + 1);
+  if (!all_digits(n) && n != "probe") return false;
+  int64_t step;
+  return base == kLatest || parse_step_file(base, &step) || ckpt::parse_shard_file_name(base).has_value();
+}
+
+// The `latest` pointer as read: absent, naming a checkpoint file, or damaged.
+struct Pointer {
+  enum State { kAbsent, kNames, kDamaged } state = kAbsent;
+  std::string name;     // kNames
+  std::string problem;  // kDamaged
+};
+
+Pointer read_pointer(const std::string& dir) {
+  const std::string path = dir + "/" + kLatest;
+  Pointer p;
+  std::string text;
+  try {
+    fs::ReadOptions o;
+    o.max_bytes = kMaxLatestBytes;  // a FIFO or a huge file is damage, not something to wait on
+    text = fs::read_text_file(path, "'" + path + "'", o);
+  } catch (const NotFoundError&) {
+    return p;
+  } catch (const DataLossError& e) {
+    p.state = Pointer::kDamaged;
+    p.problem = e.message();
+    return p;
+  }
+  std::string name = text.substr(0, text.find('\n'));
+  if (!name.empty() && name.back() == '\r') name.pop_back();
+  int64_t step;
+  if (!parse_step_file(name, &step)) {
+    p.state = Pointer::kDamaged;
+    p.problem = "'" + path + "' names '" + (name.size() > 100 ? name.substr(0, 100) + "..." : name) +
+                "', which is not a checkpoint file";
+    return p;
+  }
+  p.state = Pointer::kNames;
+  p.name = name;
+  return p;
+}
+
+// The checkpoint-named files of a directory: the manager's own (by step,
+// ascending) and the others with the reason they are not.
+struct Scan {
+  std::vector<std::pair<int64_t, std::string>> own;
+  std::vector<std::pair<std::string, std::string>> foreign;  // (name, why)
+};
+
+Scan scan(const std::string& dir) {
+  Scan sc;
+  for (const std::string& n : list_dir(dir)) {
+    int64_t step;
+    if (!parse_step_file(n, &step)) continue;
+    std::string why;
+    try {
+      const ckpt::SafetensorsHeader h = ckpt::read_safetensors_header(dir + "/" + n);
+      auto it = h.metadata.find(ckpt::kManagerStepKey);
+      int64_t st = -1;
+      if (!h.verified) {
+        why = "no diststrat checksums";
+      } else if (it == h.metadata.end()) {
+        why = "not written by a CheckpointManager (no '" + std::string(ckpt::kManagerStepKey) + "')";
+      } else if (!ckpt::parse_int(it->second, 0, std::numeric_limits<int64_t>::max(), &st) || st != step) {
+        why = "its metadata says step '" + it->second.substr(0, 24) + "' (a renamed copy?)";
+      }
+    } catch (const Error& e) {
+      why = e.message();
+    }
+    if (why.empty() && n != "ckpt-" + std::to_string(step) + ".safetensors") why = "not the name a save gives it";
+    if (why.empty()) {
+      sc.own.emplace_back(step, n);
+    } else {
+      sc.foreign.emplace_back(n, why);
+    }
+  }
+  std::sort(sc.own.begin(), sc.own.end());
+  std::sort(sc.foreign.begin(), sc.foreign.end());
+  return sc;
+}
+
+std::string describe(const std::vector<std::pair<std::string, std::string>>& files) {
+  std::string out;
+  const size_t shown = std::min<size_t>(files.size(), 5);
+  for (size_t i = 0; i < shown; ++i) out += (i ? "; " : "") + files[i].first + " (" + files[i].second + ")";
+  if (files.size() > shown) out += "; and " + std::to_string(files.size() - shown) + " more";
+  return out;
+}
+
+std::string damaged_pointer_message(const std::string& dir, const Pointer& p) {
+  return "checkpoint directory '" + dir + "': its 'latest' pointer is damaged: " + p.problem;
+}
 }  // namespace
+
+std::optional<std::string> latest_checkpoint(const std::string& directory) {
+  const Pointer p = read_pointer(directory);
+  if (p.state == Pointer::kNames) return directory + "/" + p.name;
+  if (p.state == Pointer::kDamaged) throw DataLossError(damaged_pointer_message(directory, p));
+  const Scan sc = scan(directory);
+  if (sc.own.empty()) return std::nullopt;
+  return directory + "/" + sc.own.back().second;
+}
 
 CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string directory,
                                      CheckpointManagerOptions options)
@@ -377,65 +551,62 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
   DISTSTRAT_CHECK(!directory_.empty(), kInvalidArgument, "CheckpointManager: empty directory");
   checkpoint.participant().check_checkpoint_supported(checkpoint.strategy(),
                                                       "CheckpointManager('" + directory_ + "')");
-  if (is_writer(checkpoint.strategy())) {
-    std::string partial;
-    for (size_t i = 0; i < directory_.size(); ++i) {  // mkdir -p
-      partial += directory_[i];
-      if ((directory_[i] == '/' || i + 1 == directory_.size()) && partial != "/") ::mkdir(partial.c_str(), 0755);
-    }
-    // Temporary files of saves that a crash interrupted.
+  // The directory is usable now, not 50 steps later: created if absent, a
+  // directory, writable. Every process learns the chief's outcome.
+  on_chief_then_agree(checkpoint.strategy(), "to prepare checkpoint directory '" + directory_ + "'", [&] {
+    fs::ensure_writable_directory(directory_, std::string(kLatest) + ".tmp." + std::to_string(::getpid()) + ".probe",
+                                  "CheckpointManager");
+    // Temporary files of saves that a crash interrupted (our names only).
     for (const std::string& n : list_dir(directory_)) {
-      if (n.find(".tmp.") != std::string::npos &&
-          (n.rfind("ckpt-", 0) == 0 || n.rfind(kLatest, 0) == 0)) {
-        ::unlink((directory_ + "/" + n).c_str());
-      }
+      if (is_own_temp_file(n)) ::unlink((directory_ + "/" + n).c_str());
     }
-  }
+  });
 }
 
-std::optional<std::string> CheckpointManager::latest() const {
-  std::ifstream in(directory_ + "/" + kLatest);
-  if (!in) return std::nullopt;
-  std::string name;
-  std::getline(in, name);
-  int64_t step;
-  DISTSTRAT_CHECK(parse_step_file(name, &step), kDataLoss, "checkpoint directory '", directory_,
-                  "': its 'latest' file names '", name, "', which is not a checkpoint file");
-  return directory_ + "/" + name;
-}
+std::optional<std::string> CheckpointManager::latest() const { return latest_checkpoint(directory_); }
 
 std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& metadata) {
   DISTSTRAT_CHECK(step >= 0, kInvalidArgument, "CheckpointManager::save: negative step ", step);
   const std::string name = "ckpt-" + std::to_string(step) + ".safetensors";
   const std::string path = directory_ + "/" + name;
-  checkpoint_->save(path, metadata);
+  CheckpointMetadata md = metadata;
+  for (const auto& [k, v] : md) {
+    DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "CheckpointManager::save '", path,
+                    "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
+  }
+  md[ckpt::kManagerStepKey] = std::to_string(step);  // what marks the file as this manager's
+  checkpoint_->write(path, md);
   Strategy& s = checkpoint_->strategy();
   // The checkpoint is complete on disk; only now does `latest` point at it.
   on_chief_then_agree(s, "to update '" + directory_ + "/latest'", [&] {
     const std::string text = name + "\n";
     write_file_atomically(directory_ + "/" + kLatest, text.data(), text.size());
-    std::vector<std::pair<int64_t, std::string>> all;
-    for (const std::string& n : list_dir(directory_)) {
-      int64_t st;
-      if (parse_step_file(n, &st)) all.emplace_back(st, n);
+    Scan sc = scan(directory_);
+    if (std::find(sc.own.begin(), sc.own.end(), std::make_pair(step, name)) == sc.own.end()) {
+      sc.own.emplace_back(step, name);  // just written: ours even if its header cannot be re-read now
+      std::sort(sc.own.begin(), sc.own.end());
     }
-    std::sort(all.begin(), all.end());
+    const size_t keep = static_cast<size_t>(options_.max_to_keep);
     std::set<std::string> kept_shards;  // shard files a kept (sharded) checkpoint names
-    for (size_t i = 0; i < all.size(); ++i) {
-      const std::string p = directory_ + "/" + all[i].second;
-      if (i + static_cast<size_t>(options_.max_to_keep) < all.size() && all[i].second != name) {
+    for (size_t i = 0; i < sc.own.size(); ++i) {
+      const std::string p = directory_ + "/" + sc.own[i].second;
+      if (i + keep < sc.own.size() && sc.own[i].second != name) {
         // The index first: a crash in between leaves orphans, never an index without shards.
         ::unlink(p.c_str());
       } else {
         for (const std::string& f : ckpt::shard_files_of(p)) kept_shards.insert(ckpt::file_name_of(f));
       }
     }
-    // Shard files of pruned checkpoints and of saves that never got their index.
-    for (const std::string& n : list_dir(directory_)) {
-      if (n.rfind("ckpt-", 0) == 0 && n.find(".ps-") != std::string::npos && n.find(".tmp.") == std::string::npos &&
-          !kept_shards.count(n)) {
-        ::unlink((directory_ + "/" + n).c_str());
+    // Files that are not ours keep whatever shard files they name.
+    for (const auto& f : sc.foreign) {
+      for (const std::string& sf : ckpt::shard_files_of(directory_ + "/" + f.first)) {
+        kept_shards.insert(ckpt::file_name_of(sf));
       }
+    }
+    // Our shard files of pruned checkpoints and of saves that never got their index.
+    for (const std::string& n : list_dir(directory_)) {
+      if (kept_shards.count(n) || !ckpt::parse_shard_file_name(n)) continue;
+      if (ckpt::is_own_shard_file(directory_ + "/" + n)) ::unlink((directory_ + "/" + n).c_str());
     }
   });
   return path;
@@ -443,13 +614,71 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
 
 std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const RestoreOptions& options) {
   Strategy& s = checkpoint_->strategy();
-  std::string path;
-  on_chief_then_agree(s, "to read '" + directory_ + "/latest'", [&] {
-    if (auto p = latest()) path = *p;
+  const bool writer = is_writer(s);
+  // The chief decides what to try, newest first; every process tries the same.
+  std::string plan;
+  on_chief_then_agree(s, "to find the latest checkpoint in '" + directory_ + "'", [&] {
+    const Pointer p = read_pointer(directory_);
+    if (p.state == Pointer::kDamaged && !options.fall_back_to_valid) {
+      throw DataLossError(damaged_pointer_message(directory_, p));
+    }
+    const Scan sc = scan(directory_);
+    std::vector<std::string> names;
+    if (p.state == Pointer::kNames) {
+      names.push_back(p.name);
+    } else if (sc.own.empty()) {
+      if (p.state == Pointer::kDamaged) {
+        throw DataLossError(damaged_pointer_message(directory_, p) + "; and no checkpoint of this manager to fall back to" +
+                            (sc.foreign.empty() ? std::string() : " (found: " + describe(sc.foreign) + ")"));
+      }
+      if (sc.foreign.empty()) return;  // an empty directory: a fresh start
+      // Never a silent fresh start over files that look like checkpoints.
+      throw FailedPreconditionError(
+          "checkpoint directory '" + directory_ + "' has no 'latest' pointer, and none of its checkpoint files " +
+          "was written by a CheckpointManager: " + describe(sc.foreign) +
+          ". Restore one explicitly (Checkpoint::restore) or move them away to start from scratch");
+    } else {
+      s.logger().warning("checkpoint directory '", directory_, "': ",
+                         p.state == Pointer::kAbsent ? "'" + directory_ + "/latest' is missing"
+                                                     : "its 'latest' pointer is damaged (" + p.problem + ")",
+                         "; restoring the newest checkpoint this manager wrote, '", directory_, "/",
+                         sc.own.back().second, "'");
+    }
+    for (auto it = sc.own.rbegin(); it != sc.own.rend(); ++it) {
+      if (names.empty() || it->second != names.front()) names.push_back(it->second);
+    }
+    if (!options.fall_back_to_valid) names.resize(1);
+    for (const std::string& n : names) plan += (plan.empty() ? "" : "\n") + n;
   });
-  if (is_multi_process(s)) path = broadcast_string(s, path, "checkpoint latest path");
-  if (path.empty()) return std::nullopt;
-  return checkpoint_->restore(path, options);
+  if (is_multi_process(s)) plan = broadcast_string(s, plan, "checkpoint restore plan");
+  if (plan.empty()) return std::nullopt;
+  std::vector<std::string> candidates;
+  for (size_t i = 0; i <= plan.size();) {
+    const size_t nl = std::min(plan.find('\n', i), plan.size());
+    candidates.push_back(directory_ + "/" + plan.substr(i, nl - i));
+    i = nl + 1;
+  }
+  std::string failures;
+  ErrorCode first_code = ErrorCode::kDataLoss;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    try {
+      CheckpointMetadata md = checkpoint_->restore(candidates[i], options);
+      restored_path_ = candidates[i];
+      return md;
+    } catch (const Error& e) {
+      // Only a checkpoint that is damaged or incomplete is skipped; a model
+      // mismatch, a permission or I/O problem is the caller's to see.
+      const bool unusable = e.code() == ErrorCode::kDataLoss || e.code() == ErrorCode::kNotFound;
+      if (!options.fall_back_to_valid || !unusable) throw;
+      if (i == 0) first_code = e.code();
+      failures += (failures.empty() ? "" : "; ") + e.message();
+      if (writer && i + 1 < candidates.size()) {
+        s.logger().warning("checkpoint '", candidates[i], "' cannot be restored (", e.message(),
+                           "); falling back to '", candidates[i + 1], "'");
+      }
+    }
+  }
+  throw_error(first_code, "checkpoint directory '" + directory_ + "': no checkpoint could be restored: " + failures);
 }
 
 // ---- preemption -----------------------------------------------------------------

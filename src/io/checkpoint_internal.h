@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,26 @@ CheckpointMetadata decode_metadata(const std::string& s);
 // The directory of `path` ("." without a slash) and its last component.
 std::string directory_of(const std::string& path);
 std::string file_name_of(const std::string& path);
+
+// A safetensors file's header alone (cheap for any file size): its
+// __metadata__, and whether its diststrat header checksum is present and
+// matches. Opened safely (core/file_util.h). Throws NotFoundError,
+// DataLossError (bad length, JSON or checksum) naming the file.
+struct SafetensorsHeader {
+  CheckpointMetadata metadata;
+  bool verified = false;
+};
+SafetensorsHeader read_safetensors_header(const std::string& path);
+
+// The reserved metadata key CheckpointManager::save writes into every
+// checkpoint (the index, for a sharded one): the step of its file name. A
+// "ckpt-<N>.safetensors" whose verified header carries N here is one the
+// manager wrote; nothing else is ever pruned or counted.
+constexpr const char* kManagerStepKey = "diststrat.manager_step";
+
+// Strict decimal integer ("-12", no spaces, no '+', no exponent) within
+// [lo, hi]; false otherwise (never throws).
+bool parse_int(const std::string& text, int64_t lo, int64_t hi, int64_t* out);
 
 // save_safetensors that also accepts metadata keys with the reserved prefix.
 void save_safetensors_reserved(const std::string& path,
@@ -89,6 +110,19 @@ struct LoadedCheckpoint {
 // Reads and verifies everything (index, every shard file, their agreement);
 // throws NotFoundError / DataLossError naming the file and tensor.
 LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions& options);
+
+// The parts of a shard file's name "ckpt-<N>.ps-<i>-of-<n>.<save id, 16 hex>.safetensors"
+// (shard_file_path of "ckpt-<N>.safetensors"); nullopt for any other name.
+struct ShardFileName {
+  std::string index_name;  // "ckpt-<N>.safetensors"
+  int ps = 0, num_ps = 0;
+  uint64_t save_id = 0;
+};
+std::optional<ShardFileName> parse_shard_file_name(const std::string& name);
+// Whether `path` is a shard file a save of ours wrote: its name parses and
+// its verified header's shard metadata carries the same save id, PS and PS
+// count. Header only; never throws.
+bool is_own_shard_file(const std::string& path);
 
 // The shard files an index names (empty for a single-file checkpoint or an
 // unreadable index). Used to prune.

@@ -16,7 +16,6 @@
 // breaks the JSON or the offsets, or changes its canonical form and fails the
 // header CRC (whitespace flips change nothing that is read, and pass).
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -24,13 +23,13 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "diststrat/checkpoint.h"
+#include "core/file_util.h"
 #include "io/checkpoint_internal.h"
 
 namespace diststrat {
@@ -95,6 +94,21 @@ std::string canonical_header(json header) {
   return header.dump();  // nlohmann::json objects are std::map: keys sorted, no spaces
 }
 
+// The header's __metadata__: a string-to-string map, else DataLossError.
+CheckpointMetadata metadata_of(const json& header, const std::string& what) {
+  CheckpointMetadata out;
+  auto it = header.find("__metadata__");
+  if (it == header.end()) return out;
+  if (!it->is_object()) throw DataLossError("checkpoint '" + what + "': __metadata__ is not an object");
+  for (auto m = it->begin(); m != it->end(); ++m) {
+    if (!m.value().is_string()) {
+      throw DataLossError("checkpoint '" + what + "': __metadata__ value of '" + m.key() + "' is not a string");
+    }
+    out[m.key()] = m.value().get<std::string>();
+  }
+  return out;
+}
+
 }  // namespace
 
 const Tensor* SafetensorsFile::find(const std::string& name) const {
@@ -112,12 +126,11 @@ void write_file_atomically(const std::string& path, const void* bytes, size_t si
       path + ".tmp." + std::to_string(getpid()) + "." + std::to_string(counter.fetch_add(1));
   auto fail = [&](const std::string& what, int err) {
     ::unlink(tmp.c_str());
-    const std::string msg = "writing '" + path + "': " + what + ": " + std::strerror(err);
-    if (err == ENOENT) throw NotFoundError(msg);
-    if (err == ENOSPC || err == EDQUOT) throw ResourceExhaustedError(msg);
-    throw UnavailableError(msg);
+    // ENOENT: kNotFound, EACCES/EPERM/EROFS: kPermissionDenied, ENOTDIR:
+    // kFailedPrecondition, ENOSPC/EDQUOT: kResourceExhausted, EIO...: kUnavailable.
+    fs::throw_errno(err, "writing '" + path + "': " + what);
   };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) fail("open of temporary file '" + tmp + "'", errno);
   const char* p = static_cast<const char*>(bytes);
   size_t left = size;
@@ -251,14 +264,7 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
   if (!header.is_object()) throw corrupt("header is not a JSON object");
 
   SafetensorsFile out;
-  if (header.contains("__metadata__")) {
-    const json& md = header["__metadata__"];
-    if (!md.is_object()) throw corrupt("__metadata__ is not an object");
-    for (auto it = md.begin(); it != md.end(); ++it) {
-      if (!it.value().is_string()) throw corrupt("__metadata__ value of '" + it.key() + "' is not a string");
-      out.metadata[it.key()] = it.value().get<std::string>();
-    }
-  }
+  out.metadata = metadata_of(header, what);
 
   const uint64_t data_size = size - 8 - n;
   const uint8_t* data = bytes + 8 + n;
@@ -385,20 +391,41 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
 }
 
 SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadOptions& options) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) {
-    struct stat st;
-    if (::stat(path.c_str(), &st) != 0) throw NotFoundError("checkpoint '" + path + "' does not exist");
-    throw UnavailableError("checkpoint '" + path + "' cannot be opened: " + std::strerror(errno));
-  }
-  const std::streamoff size = in.tellg();
-  DISTSTRAT_CHECK(size >= 0, kUnavailable, "checkpoint '", path, "': cannot determine its size");
-  std::vector<uint8_t> bytes(static_cast<size_t>(size));
-  in.seekg(0);
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size)) {
-    throw UnavailableError("checkpoint '" + path + "': read failed");
-  }
+  // Non-blocking open, a regular file only (a FIFO must not hang us), read up
+  // to the size fstat reported and no further.
+  const fs::ReadOnlyFile file(path, "checkpoint '" + path + "'");
+  const std::vector<uint8_t> bytes = file.read_all();
   return parse_safetensors(bytes.data(), bytes.size(), path, options);
+}
+
+ckpt::SafetensorsHeader ckpt::read_safetensors_header(const std::string& path) {
+  const fs::ReadOnlyFile file(path, "checkpoint '" + path + "'");
+  auto corrupt = [&](const std::string& msg) { return DataLossError("checkpoint '" + path + "': " + msg); };
+  uint8_t len[8];
+  if (file.size() < 8) throw corrupt("truncated: " + std::to_string(file.size()) + " bytes");
+  file.read_at(0, len, 8);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+  if (n > kMaxHeaderBytes) throw corrupt("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  if (n > file.size() - 8) throw corrupt("truncated: header length " + std::to_string(n));
+  std::string text(static_cast<size_t>(n), '\0');
+  if (n) file.read_at(8, &text[0], text.size());
+  json header;
+  try {
+    header = json::parse(text);
+  } catch (const json::exception& e) {
+    throw corrupt(std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object()) throw corrupt("header is not a JSON object");
+  SafetensorsHeader out;
+  out.metadata = metadata_of(header, path);
+  auto crc = out.metadata.find(kHeaderCrcKey);
+  if (crc != out.metadata.end()) {
+    const std::string canon = canonical_header(header);
+    if (hex32(crc32_of(canon.data(), canon.size())) != crc->second) throw corrupt("header checksum mismatch");
+    out.verified = true;
+  }
+  return out;
 }
 
 }  // namespace diststrat

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -46,11 +48,59 @@ json parse_json(const std::string& text, const std::string& file, const char* ke
   }
 }
 
-Shape shape_of(const json& j, const char* key, const std::string& file) {
-  const auto dims = field<std::vector<int64_t>>(j, key, file);
-  for (int64_t d : dims) {
-    if (d < 0) throw DataLossError("checkpoint file '" + file + "': negative dimension in '" + key + "'");
+// A required integer field within [lo, hi]: not a float, a string or a number
+// that only fits after wrapping (nlohmann's get<int> would truncate 2^32 to 0).
+int64_t int_field(const json& j, const char* key, const std::string& file, int64_t lo, int64_t hi) {
+  const json* v = nullptr;
+  if (j.is_object()) {
+    auto it = j.find(key);
+    if (it != j.end()) v = &*it;
   }
+  bool ok = v && v->is_number_integer();
+  int64_t x = 0;
+  if (ok && v->is_number_unsigned()) {
+    const uint64_t u = v->get<uint64_t>();
+    ok = u <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+    x = static_cast<int64_t>(u);
+  } else if (ok) {
+    x = v->get<int64_t>();
+  }
+  if (!ok || x < lo || x > hi) {
+    throw DataLossError("checkpoint file '" + file + "': malformed parameter-server metadata (field '" + key +
+                        "' is " + (v ? v->dump() : std::string("missing")) + ", not an integer in [" +
+                        std::to_string(lo) + ", " + std::to_string(hi) + "])");
+  }
+  return x;
+}
+constexpr int64_t kMaxInt = std::numeric_limits<int64_t>::max();
+constexpr int64_t kMaxPs = 1 << 20;
+
+// A shape whose element count fits: every dim a natural number, the product
+// (in bytes of `dtype`) without overflow.
+Shape shape_of(const json& j, const char* key, const std::string& file, DType dtype) {
+  auto bad = [&](const std::string& why) {
+    return DataLossError("checkpoint file '" + file + "': malformed parameter-server metadata (field '" + key +
+                         "': " + why + ")");
+  };
+  if (!j.contains(key) || !j[key].is_array()) throw bad("not an array");
+  std::vector<int64_t> dims;
+  uint64_t bytes = dtype_size(dtype);
+  bool overflow = false, zero = false;
+  for (const json& d : j[key]) {
+    if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(kMaxInt)) {
+      throw bad(d.dump() + " is not a dimension");
+    }
+    const uint64_t v = d.get<uint64_t>();
+    if (v == 0) {
+      zero = true;
+    } else if (!overflow && bytes > static_cast<uint64_t>(kMaxInt) / v) {
+      overflow = true;
+    } else if (!overflow) {
+      bytes *= v;
+    }
+    dims.push_back(static_cast<int64_t>(v));
+  }
+  if (overflow && !zero) throw bad(j[key].dump() + " is too large");
   return Shape(dims);
 }
 
@@ -145,15 +195,60 @@ void write_index(const std::string& path, uint64_t save_id, const std::vector<st
   save_safetensors_reserved(path, {}, md);
 }
 
+std::optional<ShardFileName> parse_shard_file_name(const std::string& name) {
+  // ckpt-<N>.ps-<i>-of-<n>.<16 hex>.safetensors
+  static const std::string suffix = ".safetensors";
+  if (name.rfind("ckpt-", 0) != 0 || name.size() <= suffix.size() ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return std::nullopt;
+  }
+  const std::string body = name.substr(0, name.size() - suffix.size());
+  const size_t ps_at = body.find(".ps-");
+  if (ps_at == std::string::npos) return std::nullopt;
+  const std::string stem = body.substr(0, ps_at), rest = body.substr(ps_at + 4);
+  const size_t of = rest.find("-of-"), dot = rest.find('.');
+  if (of == std::string::npos || dot == std::string::npos || dot < of) return std::nullopt;
+  const std::string ps = rest.substr(0, of), num = rest.substr(of + 4, dot - of - 4), hex = rest.substr(dot + 1);
+  int64_t step = 0, p = 0, n = 0;
+  if (stem.size() <= 5 || !parse_int(stem.substr(5), 0, kMaxInt, &step) || stem != "ckpt-" + std::to_string(step) ||
+      !parse_int(ps, 0, kMaxPs, &p) || !parse_int(num, 1, kMaxPs, &n) || p >= n ||
+      std::to_string(p) != ps || std::to_string(n) != num || hex.size() != 16 ||
+      hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    return std::nullopt;
+  }
+  ShardFileName out;
+  out.index_name = stem + suffix;
+  out.ps = static_cast<int>(p);
+  out.num_ps = static_cast<int>(n);
+  for (char c : hex) out.save_id = (out.save_id << 4) | static_cast<uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
+  return out;
+}
+
+bool is_own_shard_file(const std::string& path) {
+  const auto parsed = parse_shard_file_name(file_name_of(path));
+  if (!parsed) return false;
+  try {
+    const SafetensorsHeader h = read_safetensors_header(path);
+    auto it = h.metadata.find(kShardKey);
+    if (!h.verified || it == h.metadata.end()) return false;
+    const json j = parse_json(it->second, path, kShardKey);
+    return field<std::string>(j, "save_id", path) == hex64(parsed->save_id) &&
+           int_field(j, "ps", path, 0, kMaxPs) == parsed->ps && int_field(j, "num_ps", path, 1, kMaxPs) == parsed->num_ps;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 std::vector<std::string> shard_files_of(const std::string& index_path) {
   std::vector<std::string> out;
   try {
-    const SafetensorsFile f = load_safetensors(index_path);
-    auto it = f.metadata.find(kIndexKey);
-    if (it == f.metadata.end()) return out;
+    // The header is enough (and cheap): the index holds no tensors.
+    const SafetensorsHeader h = read_safetensors_header(index_path);
+    auto it = h.metadata.find(kIndexKey);
+    if (it == h.metadata.end()) return out;
     const json j = parse_json(it->second, index_path, kIndexKey);
     for (const std::string& name : field<std::vector<std::string>>(j, "files", index_path)) {
-      out.push_back(directory_of(index_path) + "/" + name);
+      if (!name.empty() && name.find('/') == std::string::npos) out.push_back(directory_of(index_path) + "/" + name);
     }
   } catch (const Error&) {
     out.clear();
@@ -176,7 +271,7 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
   };
   if (!index.tensors.empty()) throw lost("", "the index holds tensors ('" + index.tensors[0].first + "')");
   const json ij = parse_json(idx_it->second, path, kIndexKey);
-  if (field<int>(ij, "format", path) != 1) throw lost("", "unknown index format");
+  if (int_field(ij, "format", path, 0, kMaxInt) != 1) throw lost("", "unknown index format");
   const std::string save_id = field<std::string>(ij, "save_id", path);
   const auto files = field<std::vector<std::string>>(ij, "files", path);
 
@@ -208,9 +303,10 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       throw lost(fp, "written by another save (save id " + field<std::string>(sj, "save_id", fp) +
                          ", the index has " + save_id + ")");
     }
-    if (field<int>(sj, "ps", fp) != static_cast<int>(i) || field<int>(sj, "num_ps", fp) != static_cast<int>(files.size())) {
-      throw lost(fp, "holds PS " + std::to_string(field<int>(sj, "ps", fp)) + " of " +
-                         std::to_string(field<int>(sj, "num_ps", fp)) + ", the index lists it as PS " +
+    const int64_t file_ps = int_field(sj, "ps", fp, 0, kMaxPs), file_num_ps = int_field(sj, "num_ps", fp, 1, kMaxPs);
+    if (file_ps != static_cast<int64_t>(i) || file_num_ps != static_cast<int64_t>(files.size())) {
+      throw lost(fp, "holds PS " + std::to_string(file_ps) + " of " +
+                         std::to_string(file_num_ps) + ", the index lists it as PS " +
                          std::to_string(i) + " of " + std::to_string(files.size()));
     }
     if (!sj.contains("shards") || !sj["shards"].is_array()) throw lost(fp, "no shard list");
@@ -220,10 +316,10 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       rec.ps = static_cast<int>(i);
       rec.file = fp;
       const std::string var = field<std::string>(s, "variable", fp);
-      const int64_t k = field<int64_t>(s, "index", fp);
-      rec.row_offset = field<int64_t>(s, "row_offset", fp);
-      rec.rows = field<int64_t>(s, "rows", fp);
-      rec.step = field<int64_t>(s, "step", fp);
+      const int64_t k = int_field(s, "index", fp, 0, kMaxInt);
+      rec.row_offset = int_field(s, "row_offset", fp, 0, kMaxInt);
+      rec.rows = int_field(s, "rows", fp, 0, kMaxInt);
+      rec.step = int_field(s, "step", fp, 0, kMaxInt);
       const std::string vname = field<std::string>(s, "value", fp);
       rec.value = sf.find(vname);
       if (!rec.value) throw lost(fp, "tensor '" + vname + "' (shard " + std::to_string(k) + " of '" + var + "') is missing");
@@ -254,10 +350,9 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       if (dtype_text == dtype_name(d)) dtype = d;
     }
     if (!dtype) throw lost("", "variable '" + name + "' has unknown dtype '" + dtype_text + "'");
-    const Shape shape = shape_of(v, "shape", path);
+    const Shape shape = shape_of(v, "shape", path, *dtype);
     const int64_t rows = shape.rank() ? shape[0] : 1;
     const size_t rb = shape.rank() ? row_bytes_of(shape, *dtype) : dtype_size(*dtype);
-    Tensor full(shape, *dtype);
     std::map<std::string, Tensor> slots;
     std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>> steps;
     std::vector<std::pair<int64_t, int64_t>> covered;
@@ -266,9 +361,9 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       throw lost("", "variable '" + name + "' has no shards");
     }
     for (const json& s : v["shards"]) {
-      const int64_t k = field<int64_t>(s, "index", path);
-      const int ps = field<int>(s, "ps", path);
-      const int64_t off = field<int64_t>(s, "row_offset", path), n = field<int64_t>(s, "rows", path);
+      const int64_t k = int_field(s, "index", path, 0, kMaxInt);
+      const int ps = static_cast<int>(int_field(s, "ps", path, 0, kMaxPs));
+      const int64_t off = int_field(s, "row_offset", path, 0, kMaxInt), n = int_field(s, "rows", path, 0, kMaxInt);
       auto it = saved.find({name, k});
       if (ps < 0 || static_cast<size_t>(ps) >= files.size()) throw lost("", "shard " + std::to_string(k) + " of '" + name + "' on PS " + std::to_string(ps) + ", which has no file");
       const std::string fp = directory_of(path) + "/" + files[static_cast<size_t>(ps)];
@@ -284,11 +379,10 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
                            rec.value->shape().to_string() + " at row " + std::to_string(rec.row_offset) +
                            ", the index says " + dtype_name(*dtype) + want.to_string() + " at row " + std::to_string(off));
       }
-      if (off < 0 || n < 0 || off + n > rows) throw lost("", "shard " + std::to_string(k) + " of '" + name + "' has rows outside " + shape.to_string());
+      if (off > rows || n > rows - off) throw lost("", "shard " + std::to_string(k) + " of '" + name + "' has rows outside " + shape.to_string());
       covered.emplace_back(off, n);
       steps.push_back({{off, n}, rec.step});
       parts.push_back(&rec);
-      if (n && rb) std::memcpy(static_cast<char*>(full.data()) + off * rb, rec.value->data(), static_cast<size_t>(n) * rb);
     }
     std::sort(covered.begin(), covered.end());
     int64_t next = 0;
@@ -297,6 +391,12 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       next = off + n;
     }
     if (next != rows) throw lost("", "the shards of '" + name + "' cover " + std::to_string(next) + " of its " + std::to_string(rows) + " rows");
+    // Only now, with the shards' real rows covering the shape exactly, is
+    // the whole variable allocated (a lying shape cannot make us allocate).
+    Tensor full(shape, *dtype);
+    for (const Saved* p : parts) {
+      if (p->rows && rb) std::memcpy(static_cast<char*>(full.data()) + p->row_offset * rb, p->value->data(), static_cast<size_t>(p->rows) * rb);
+    }
     // Slots: a shard that never received a push has none yet (the PS creates
     // them as zeros on the first push), so its rows are zeros.
     std::set<std::string> slot_names;
@@ -342,7 +442,12 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
 }  // namespace ckpt
 
 SafetensorsFile load_checkpoint(const std::string& path, const SafetensorsLoadOptions& options) {
-  return ckpt::load_any(path, options).file;
+  try {
+    return ckpt::load_any(path, options).file;
+  } catch (const std::bad_alloc&) {
+    // Sizes are validated against the files first; this is a real shortage.
+    throw ResourceExhaustedError("checkpoint '" + path + "': out of memory while reading it");
+  }
 }
 
 }  // namespace diststrat

@@ -2,9 +2,12 @@
 // runs single-threaded here: one replica = one worker thread.
 #include <Eigen/Dense>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "core/device_scope.h"
 #include "diststrat/nn.h"
+#include "nn/layers_internal.h"
 
 namespace diststrat {
 namespace nn {
@@ -46,19 +49,21 @@ GpuXent gpu_xent(const Tensor& logits, const Tensor& labels, Tensor& dlogits, fl
   const Device& d = logits.device();
   const int64_t n = logits.shape()[0], k = logits.shape()[1];
   const GpuExec e = gpu_exec(d, op);
-  Tensor loss(Shape{n}, DType::kFloat32, d), correct(Shape{n}, DType::kInt32, d),
-      bad(Shape{1}, DType::kInt32, d);
+  // loss (float bits), correct and the bad-row flag in one device buffer, so
+  // one device -> host copy (one wait) brings all three back.
+  Tensor packed(Shape{2 * n + 1}, DType::kInt32, d);
+  int32_t* base = packed.data<int32_t>();
   e.backend->softmax_cross_entropy(e.ordinal, e.stream, logits.data<float>(),
                                    labels.data<int32_t>(), dlogits.data<float>(),
-                                   loss.data<float>(), correct.data<int32_t>(),
-                                   bad.data<int32_t>(), n, k, scale);
+                                   reinterpret_cast<float*>(base), base + n, base + 2 * n, n, k,
+                                   scale);
+  std::vector<int32_t> host(static_cast<size_t>(2 * n + 1));
+  Tensor::wrap(host.data(), Shape{2 * n + 1}, DType::kInt32).copy_from(packed);
   GpuXent out;
   out.loss.resize(static_cast<size_t>(n));
-  out.correct.resize(static_cast<size_t>(n));
-  int32_t bad_row = 0;
-  Tensor::wrap(out.loss.data(), Shape{n}, DType::kFloat32).copy_from(loss);
-  Tensor::wrap(out.correct.data(), Shape{n}, DType::kInt32).copy_from(correct);
-  Tensor::wrap(&bad_row, Shape{1}, DType::kInt32).copy_from(bad);
+  std::memcpy(out.loss.data(), host.data(), sizeof(float) * static_cast<size_t>(n));
+  out.correct.assign(host.begin() + n, host.begin() + 2 * n);
+  const int32_t bad_row = host[static_cast<size_t>(2 * n)];
   DISTSTRAT_CHECK(bad_row == 0, kInvalidArgument, op, ": the label of row ", bad_row - 1,
                   " is outside [0, ", k, ")");
   return out;
@@ -195,6 +200,33 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor&
       di[j] = static_cast<float>((p - (j == y[i] ? 1.0 : 0.0)) * grad_scale);
     }
   }
+  return loss;
+}
+
+double softmax_cross_entropy_counted(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
+                                     float grad_scale, int64_t* correct) {
+  const Device& dev = logits.device();
+  if (!dev.is_gpu() || logits.shape().rank() != 2 || logits.shape()[0] == 0) {
+    const double loss = softmax_cross_entropy(logits, labels, dlogits, grad_scale);
+    *correct = count_correct(logits, labels);
+    return loss;
+  }
+  // The public call validates the operands; then one kernel gives both.
+  check_matrix(logits, "logits", "softmax_cross_entropy", dev);
+  check_matrix(dlogits, "dlogits", "softmax_cross_entropy", dev);
+  check_on(labels, "labels", "softmax_cross_entropy", dev);
+  DISTSTRAT_CHECK(labels.dtype() == DType::kInt32 && labels.num_elements() == logits.shape()[0],
+                  kInvalidArgument, "softmax_cross_entropy: labels ", labels.debug_string(),
+                  " must be int32 with one label per row of ", logits.debug_string());
+  DISTSTRAT_CHECK(dlogits.shape() == logits.shape(), kInvalidArgument,
+                  "softmax_cross_entropy: dlogits ", dlogits.shape().to_string());
+  on_gpu(dev, "softmax_cross_entropy");
+  GpuXent r = gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy");
+  double loss = 0.0;
+  for (float l : r.loss) loss += l;
+  int64_t c = 0;
+  for (int32_t v : r.correct) c += v;
+  *correct = c;
   return loss;
 }
 

@@ -1,4 +1,5 @@
 #include "diststrat/nn.h"
+#include "nn/layers_internal.h"
 
 namespace diststrat {
 namespace nn {
@@ -55,8 +56,9 @@ Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor&
   }
   Step step;
   Tensor dy(acts.back().shape(), DType::kFloat32, x.device());
-  step.loss_sum = n ? softmax_cross_entropy(acts.back(), labels, dy, grad_scale) : 0.0;
-  step.correct = n ? count_correct(acts.back(), labels) : 0;
+  step.correct = 0;
+  step.loss_sum =
+      n ? softmax_cross_entropy_counted(acts.back(), labels, dy, grad_scale, &step.correct) : 0.0;
   step.grads.resize(params.size());
   for (size_t l = layers; l-- > 0;) {
     Tensor dw(params[2 * l].shape(), DType::kFloat32, x.device()),

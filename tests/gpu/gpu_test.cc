@@ -2,7 +2,9 @@
 // runtime sees no device, so the binary runs (and reports skips) in CI.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -170,6 +172,51 @@ TEST(GpuErrors, OutOfMemoryIsResourceExhaustedNamingTheDevice) {
     EXPECT_NE(m.find("cudaErrorInvalidDevice"), std::string::npos) << m;
     EXPECT_NE(m.find("cuda_backend.cc:"), std::string::npos) << m;
   }
+  // Reporting the error cleared it: the next, unrelated launch works (issue 18 item 1).
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  ds::ScopedExec scoped(scope_for(*dm, ds::Device::gpu(0)));
+  ds::Tensor h = random_host({1000}, 4);
+  ds::Tensor t = to_device(h, ds::Device::gpu(0));
+  EXPECT_NO_THROW(ds::nn::relu_forward(t, t));
+  const ds::Tensor back = to_host(t);
+  EXPECT_EQ(back.data<float>()[3], std::max(0.0f, h.data<float>()[3]));
+}
+
+// Device -> host copies: pageable destinations go through the pinned
+// staging buffers in chunks (sizes across chunk boundaries), pinned ones
+// directly; events and the device-wide wait of the allocator.
+TEST(GpuCopies, DeviceToHostStagedAndDirectEventsAndDeviceWait) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::ScopedExec scoped(scope_for(*dm, ds::Device::gpu(0)));
+  void* stream = b.create_stream(0);
+  for (int64_t count : {int64_t{1}, int64_t{(8 << 20) / 4}, int64_t{(20 << 20) / 4 + 3}}) {
+    ds::Tensor h = random_host({count}, 6);
+    ds::Tensor d = to_device(h, ds::Device::gpu(0));
+    std::vector<float> pageable(static_cast<size_t>(count), -1.0f);
+    b.copy_to_host(0, pageable.data(), d.data(), count * sizeof(float), stream,
+                   ds::DeadlineClock::now() + std::chrono::seconds(30), "pageable");
+    ASSERT_EQ(std::memcmp(pageable.data(), h.data(), count * sizeof(float)), 0) << count;
+    float* pinned = nullptr;
+    ASSERT_EQ(cudaMallocHost(&pinned, count * sizeof(float)), cudaSuccess);
+    b.copy_to_host(0, pinned, d.data(), count * sizeof(float), stream,
+                   ds::DeadlineClock::now() + std::chrono::seconds(30), "pinned");
+    EXPECT_EQ(std::memcmp(pinned, h.data(), count * sizeof(float)), 0) << count;
+    cudaFreeHost(pinned);
+  }
+  void* ev = b.create_event(0);
+  EXPECT_TRUE(b.event_done(0, ev));  // never recorded
+  b.record_event(0, ev, stream);
+  b.synchronize(0, stream, ds::DeadlineClock::now() + std::chrono::seconds(30), "stream");
+  EXPECT_TRUE(b.event_done(0, ev));
+  b.destroy_event(0, ev);
+  EXPECT_TRUE(b.stream_alive(0, stream));
+  b.synchronize_device(0, ds::DeadlineClock::now() + std::chrono::seconds(30), "device");
+  b.destroy_stream(0, stream);
+  EXPECT_FALSE(b.stream_alive(0, stream));
+  const std::string v = b.nccl_version();
+  std::printf("NCCL at run time: %s\n", v.empty() ? "none" : v.c_str());
 }
 
 TEST(GpuKernels, ReduceMatchesTheHostKernelsForEveryDtypeAndOp) {

@@ -550,6 +550,38 @@ TEST(CheckpointMultiProcess, ChiefWritesAndEveryWorkerRestoresTheChiefsFile) {
   EXPECT_FALSE(same_bytes(saved[1][2].second, saved[0][2].second));
 }
 
+// A corrupt newest checkpoint: the chief decides what to try, and every
+// worker falls back to the same valid one (restore_latest's fallback).
+TEST(CheckpointMultiProcess, EveryWorkerFallsBackToTheSameValidCheckpoint) {
+  const std::string dir = temp_dir();
+  std::vector<std::string> step(2), path(2);
+  std::vector<std::vector<std::pair<std::string, ds::Tensor>>> at5(2), restored(2);
+  on_two_workers([&](int i, Worker& w) {
+    ds::CheckpointManager manager(*w.ckpt, dir, {3});
+    manager.save(5, {{"step", "5"}});
+    at5[i] = w.ckpt->state();
+    for (ds::Variable& v : w.params) v.assign(ds::Tensor(v.shape(), v.dtype()));
+    manager.save(6, {{"step", "6"}});
+    if (i == 0) {
+      auto bytes = read_bytes(dir + "/ckpt-6.safetensors");
+      bytes[bytes.size() - 2] ^= 0x11;
+      write_bytes(dir + "/ckpt-6.safetensors", bytes);
+    }
+    comm_barrier(w);
+    step[i] = manager.restore_latest().value().at("step");
+    path[i] = manager.restored_path().value();
+    restored[i] = w.ckpt->state();
+  });
+  EXPECT_EQ(step[0], "5");
+  EXPECT_EQ(step[1], "5");
+  EXPECT_EQ(path[1], dir + "/ckpt-5.safetensors");
+  ASSERT_EQ(restored[1].size(), at5[0].size());
+  for (size_t k = 0; k < at5[0].size(); ++k) {
+    EXPECT_TRUE(same_bytes(restored[0][k].second, at5[0][k].second)) << at5[0][k].first;
+    EXPECT_TRUE(same_bytes(restored[1][k].second, at5[0][k].second)) << at5[0][k].first;
+  }
+}
+
 TEST(CheckpointMultiProcess, TheChiefsErrorReachesEveryWorker) {
   const std::string dir = temp_dir();
   std::vector<std::string> messages(2);

@@ -1,25 +1,56 @@
 // A GpuBackend whose "device memory" is host memory, so the device logic
 // (DeviceManager, caching allocator, leases, replica scopes, GPU code paths
-// of tensors, nn ops, optimizers and MirroredStrategy) runs in CPU tests.
-// Compute goes through the library's CPU code on wrapped host pointers;
-// collectives through an in-process group.
+// of tensors, nn ops, optimizers and the strategies) runs in CPU tests. It
+// models what a real GPU hides from such tests:
+//  - asynchrony: enqueued work (copies, memsets, kernels, event marks) does
+//    not run when it is called; it runs in enqueue order only when someone
+//    waits (synchronize, synchronize_device, copy_to_host, event_done), so a
+//    missing wait reads stale memory and fails the test. Host sources of
+//    copies are read at the call (as CUDA stages pageable memory);
+//  - streams: hold(ordinal, stream) keeps a stream's work from running until
+//    release(); the default (null) stream is ordered with the created streams
+//    as CUDA's legacy default stream is with blocking streams, or, with
+//    Options::default_stream_orders_with_streams = false, independent (a
+//    per-thread-default-stream or non-blocking-stream build);
+//  - device memory that the host cannot dereference: device pointers carry a
+//    tag bit (bit 62, a non-canonical x86-64 address), so a host read of one
+//    crashes; fresh device memory is filled with 0xff bytes (NaN), as
+//    cudaMalloc memory is not zeroed;
+//  - the CUDA runtime's per-thread state: a current device and a last error
+//    that a failing call sets and that a launch check reads and clears;
+//    invalid ordinals and streams of another device are errors;
+//  - NCCL's rule that a communicator is not aborted while another thread is
+//    inside a call on it (violations are counted in aborts_during_calls);
+//  - cudaFree waiting for the device: raw_free with work still queued on the
+//    device counts frees_with_pending_work.
+// Compute goes through the library's CPU code on the untagged pointers
+// (SGD and Adam as the CUDA kernels do them); collectives through an
+// in-process group after the rank's stream has drained.
 #pragma once
 
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
-#include <string>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <set>
+#include <shared_mutex>
+#include <string>
+#include <vector>
 
 #include "allreduce/reduce_kernels.h"
 #include "core/gpu_backend.h"
 #include "diststrat/collective.h"
 #include "diststrat/gpu_lease.h"
 #include "diststrat/nn.h"
+#include "gpu/call_gate.h"
 
 namespace diststrat_test {
 
@@ -27,13 +58,59 @@ namespace ds = diststrat;
 
 class FakeGpuBackend : public ds::GpuBackend {
  public:
+  struct Options {
+    // CUDA's legacy default stream semantics (what the CUDA backend uses).
+    bool default_stream_orders_with_streams = true;
+  };
+
   // `devices` fake GPUs of `capacity` bytes each.
   explicit FakeGpuBackend(int devices, size_t capacity = 64u << 20)
-      : devices_(devices), capacity_(capacity), used_(static_cast<size_t>(devices), 0) {}
+      : FakeGpuBackend(devices, capacity, Options()) {}
+  FakeGpuBackend(int devices, size_t capacity, Options options)
+      : devices_(devices), capacity_(capacity), options_(options),
+        used_(static_cast<size_t>(devices), 0) {}
+  ~FakeGpuBackend() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.clear();
+    run_pending_locked();
+    for (auto& [p, s] : sizes_) std::free(p);
+    for (auto& [e, info] : events_) delete static_cast<int*>(e);
+  }
+
+  // ---- the pointer model ----
+  static constexpr uintptr_t kDeviceTag = uintptr_t{1} << 62;
+  static bool is_device(const void* p) { return reinterpret_cast<uintptr_t>(p) & kDeviceTag; }
+  static void* untag(const void* p) {
+    return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~kDeviceTag);
+  }
+  // Device memory read back for a test's assertions (after the queued work).
+  template <typename T> std::vector<T> read(int ordinal, const void* dev, size_t count) {
+    std::vector<T> out(count);
+    copy_to_host(ordinal, out.data(), dev, count * sizeof(T), nullptr,
+                 ds::DeadlineClock::now() + std::chrono::seconds(30), "fake read");
+    return out;
+  }
+
+  // ---- test controls ----
+  void hold(int ordinal, void* stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.insert({ordinal, stream});
+  }
+  void release(int ordinal, void* stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.erase({ordinal, stream});
+    run_pending_locked();
+    cv_.notify_all();
+  }
+  // Called inside every fake NCCL call (after entering it): lets a test park
+  // replicas inside a collective while another one fails.
+  std::function<void(int rank)> inside_collective;
 
   std::string name() const override { return "fake"; }
   int device_count() override { return devices_; }
   ds::GpuInfo info(int ordinal) override {
+    DISTSTRAT_CHECK(ordinal >= 0 && ordinal < devices_, kNotFound, "fake GPU ordinal ", ordinal,
+                    " does not exist (", devices_, " visible)");
     ds::GpuInfo g;
     g.name = "FakeGPU";
     g.uuid = "GPU-fake-" + std::to_string(ordinal);
@@ -44,20 +121,33 @@ class FakeGpuBackend : public ds::GpuBackend {
     return g;
   }
   void* raw_malloc(int ordinal, size_t bytes) override {
+    set_device(ordinal, "cudaSetDevice(ordinal)");
     std::lock_guard<std::mutex> lock(mu_);
     if (used_[static_cast<size_t>(ordinal)] + bytes > capacity_) return nullptr;
     void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    std::memset(p, 0xff, bytes);  // cudaMalloc does not zero
     used_[static_cast<size_t>(ordinal)] += bytes;
     sizes_[p] = {ordinal, bytes};
     ++mallocs;
-    return p;
+    return tag(p);
   }
-  void raw_free(int, void* p) override {
+  void raw_free(int ordinal, void* dev) override {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = sizes_.find(p);
+    for (const Op& op : pending_) {
+      if (op.device == ordinal) {
+        ++frees_with_pending_work;  // cudaFree would have blocked on it
+        break;
+      }
+    }
+    run_pending_locked();
+    auto it = sizes_.find(untag(dev));
+    if (it == sizes_.end()) {
+      ++bad_frees;
+      return;
+    }
     used_[static_cast<size_t>(it->second.first)] -= it->second.second;
+    std::free(it->first);
     sizes_.erase(it);
-    std::free(p);
     ++frees;
   }
   size_t used(int ordinal) {
@@ -65,143 +155,443 @@ class FakeGpuBackend : public ds::GpuBackend {
     return used_[static_cast<size_t>(ordinal)];
   }
 
-  void* create_stream(int) override { return reinterpret_cast<void*>(++next_stream_); }
-  void destroy_stream(int, void*) override { ++streams_destroyed; }
-  void memcpy_async(int, void* dst, const void* src, size_t bytes, void*) override {
-    std::memmove(dst, src, bytes);
+  void* create_stream(int ordinal) override {
+    set_device(ordinal, "cudaSetDevice(ordinal)");
+    std::lock_guard<std::mutex> lock(mu_);
+    void* s = reinterpret_cast<void*>(static_cast<uintptr_t>(0x5000 + ++next_stream_));
+    stream_device_[s] = ordinal;
+    return s;
   }
-  void memset_async(int, void* dst, int value, size_t bytes, void*) override {
-    std::memset(dst, value, bytes);
-  }
-  void synchronize(int, void*, ds::DeadlineClock::time_point, const std::string&) override {
-    ++syncs;
+  void destroy_stream(int ordinal, void* stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    stream_device_.erase(stream);  // queued work still runs, as with cudaStreamDestroy
+    ++streams_destroyed;
   }
 
-  void dense_forward(int, void*, const float* x, const float* w, const float* b, float* y,
-                     int64_t n, int64_t in, int64_t out) override {
-    ds::Tensor Y = host(y, {n, out});
-    ds::nn::dense_forward(host(x, {n, in}), host(w, {in, out}), host(b, {out}), Y);
+  void memcpy_async(int ordinal, void* dst, const void* src, size_t bytes, void* stream) override {
+    begin_call(ordinal, stream, "cudaMemcpyAsync");
+    void* d = untag(dst);
+    if (is_device(src)) {
+      const void* s = untag(src);
+      enqueue(ordinal, stream, [d, s, bytes] { std::memmove(d, s, bytes); });
+    } else {
+      // Pageable host memory is staged at the call.
+      auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                        static_cast<const char*>(src) + bytes);
+      enqueue(ordinal, stream, [d, staged] { std::memcpy(d, staged->data(), staged->size()); });
+    }
   }
-  void dense_backward(int, void*, const float* x, const float* w, const float* dy, float* dx,
-                      float* dw, float* db, int64_t n, int64_t in, int64_t out) override {
-    ds::Tensor DX = dx ? host(dx, {n, in}) : ds::Tensor();
-    ds::Tensor DW = host(dw, {in, out}), DB = host(db, {out});
-    ds::nn::dense_backward(host(x, {n, in}), host(w, {in, out}), host(dy, {n, out}),
-                           dx ? &DX : nullptr, DW, DB);
+  void memset_async(int ordinal, void* dst, int value, size_t bytes, void* stream) override {
+    begin_call(ordinal, stream, "cudaMemsetAsync");
+    void* d = untag(dst);
+    enqueue(ordinal, stream, [d, value, bytes] { std::memset(d, value, bytes); });
   }
-  void relu_forward(int, void*, const float* x, float* y, int64_t count) override {
-    ds::Tensor Y = host(y, {count});
-    ds::nn::relu_forward(host(x, {count}), Y);
+  void copy_to_host(int ordinal, void* dst, const void* src, size_t bytes, void* stream,
+                    ds::DeadlineClock::time_point deadline, const std::string& what) override {
+    ++copies_to_host;
+    ds::GpuBackend::copy_to_host(ordinal, dst, src, bytes, stream, deadline, what);
   }
-  void relu_backward(int, void*, const float* y, const float* dy, float* dx,
+  void synchronize(int ordinal, void* stream, ds::DeadlineClock::time_point deadline,
+                   const std::string& what) override {
+    begin_call(ordinal, stream, "cudaStreamSynchronize");
+    ++syncs;
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = last_seq_.find({ordinal, stream});
+    const long target = it == last_seq_.end() ? -1 : it->second;
+    wait_locked(lock, ordinal, [&](const Op& op) { return op.stream == stream && op.seq <= target; },
+                deadline, what);
+  }
+  void synchronize_device(int ordinal, ds::DeadlineClock::time_point deadline,
+                          const std::string& what) override {
+    set_device(ordinal, "cudaSetDevice(ordinal)");
+    ++device_syncs;
+    std::unique_lock<std::mutex> lock(mu_);
+    const long target = next_seq_;
+    wait_locked(lock, ordinal, [&](const Op& op) { return op.seq < target; }, deadline, what);
+  }
+
+  bool stream_alive(int ordinal, void* stream) override {
+    if (!stream) return true;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stream_device_.find(stream);
+    return it != stream_device_.end() && it->second == ordinal;
+  }
+
+  void* create_event(int ordinal) override {
+    set_device(ordinal, "cudaSetDevice(ordinal)");
+    std::lock_guard<std::mutex> lock(mu_);
+    void* e = new int(0);
+    events_[e] = -1;  // never recorded: complete
+    return e;
+  }
+  void record_event(int ordinal, void* event, void* stream) override {
+    begin_call(ordinal, stream, "cudaEventRecord");
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.at(event) = enqueue_locked(ordinal, stream, [] {});
+    ++events_recorded;
+  }
+  bool event_done(int ordinal, void* event) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    run_pending_locked();
+    const long seq = events_.at(event);
+    for (const Op& op : pending_) {
+      if (op.seq == seq) return false;
+    }
+    return true;
+  }
+  void destroy_event(int, void* event) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.erase(event);
+    delete static_cast<int*>(event);
+  }
+
+  void dense_forward(int ordinal, void* stream, const float* x, const float* w, const float* b,
+                     float* y, int64_t n, int64_t in, int64_t out) override {
+    launch(ordinal, stream, "dense_forward", [=] {
+      ds::Tensor Y = host(y, {n, out});
+      ds::nn::dense_forward(host(x, {n, in}), host(w, {in, out}), host(b, {out}), Y);
+    });
+  }
+  void dense_backward(int ordinal, void* stream, const float* x, const float* w, const float* dy,
+                      float* dx, float* dw, float* db, int64_t n, int64_t in,
+                      int64_t out) override {
+    launch(ordinal, stream, "dense_backward", [=] {
+      ds::Tensor DX = dx ? host(dx, {n, in}) : ds::Tensor();
+      ds::Tensor DW = host(dw, {in, out}), DB = host(db, {out});
+      ds::nn::dense_backward(host(x, {n, in}), host(w, {in, out}), host(dy, {n, out}),
+                             dx ? &DX : nullptr, DW, DB);
+    });
+  }
+  void relu_forward(int ordinal, void* stream, const float* x, float* y, int64_t count) override {
+    launch(ordinal, stream, "relu_forward", [=] {
+      ds::Tensor Y = host(y, {count});
+      ds::nn::relu_forward(host(x, {count}), Y);
+    });
+  }
+  void relu_backward(int ordinal, void* stream, const float* y, const float* dy, float* dx,
                      int64_t count) override {
-    ds::Tensor DX = host(dx, {count});
-    ds::nn::relu_backward(host(y, {count}), host(dy, {count}), DX);
+    launch(ordinal, stream, "relu_backward", [=] {
+      ds::Tensor DX = host(dx, {count});
+      ds::nn::relu_backward(host(y, {count}), host(dy, {count}), DX);
+    });
   }
-  void softmax_cross_entropy(int, void*, const float* logits, const int32_t* labels,
-                             float* dlogits, float* loss, int32_t* correct, int32_t* bad,
-                             int64_t n, int64_t k, float scale) override {
-    *bad = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (labels[i] < 0 || labels[i] >= k) {
-        *bad = static_cast<int32_t>(i + 1);
+  void softmax_cross_entropy(int ordinal, void* stream, const float* logits_d,
+                             const int32_t* labels_d, float* dlogits_d, float* loss_d,
+                             int32_t* correct_d, int32_t* bad_d, int64_t n, int64_t k,
+                             float scale) override {
+    launch(ordinal, stream, "softmax_xent", [=] {
+      const float* logits = h(logits_d);
+      const int32_t* labels = h(labels_d);
+      float* dlogits = h(dlogits_d);
+      float* loss = h(loss_d);
+      int32_t* correct = h(correct_d);
+      int32_t* bad = h(bad_d);
+      *bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (labels[i] < 0 || labels[i] >= k) {
+          *bad = static_cast<int32_t>(i + 1);
+          return;
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        ds::Tensor z = ds::Tensor::wrap(const_cast<float*>(logits + i * k), ds::Shape{1, k},
+                                        ds::DType::kFloat32);
+        ds::Tensor d = ds::Tensor::wrap(dlogits + i * k, ds::Shape{1, k}, ds::DType::kFloat32);
+        ds::Tensor y = ds::Tensor::wrap(const_cast<int32_t*>(labels + i), ds::Shape{1},
+                                        ds::DType::kInt32);
+        loss[i] = static_cast<float>(ds::nn::softmax_cross_entropy(z, y, d, scale));
+        correct[i] = static_cast<int32_t>(ds::nn::count_correct(z, y));
+      }
+    });
+  }
+  void apply_update(int ordinal, void* stream, const ds::UpdateRule& rule, float* var_d,
+                    const float* grad_d, float* const* slots_d, size_t count,
+                    int64_t step) override {
+    ++updates;
+    if (rule.kind == ds::UpdateRule::Kind::kNone) {
+      throw ds::UnimplementedError("fake backend: the optimizer has no device rule");
+    }
+    // The slot pointer array is host memory valid only during the call.
+    std::vector<float*> slots;
+    const size_t n_slots = rule.kind == ds::UpdateRule::Kind::kAdam ? 2
+                           : rule.momentum == 0.0f                  ? 0
+                                                                    : 1;
+    for (size_t i = 0; i < n_slots; ++i) slots.push_back(h(slots_d[i]));
+    float* var = h(var_d);
+    const float* grad = h(grad_d);
+    if (rule.kind == ds::UpdateRule::Kind::kAdam) ++adam_updates;
+    launch(ordinal, stream, "update", [=] {
+      if (rule.kind == ds::UpdateRule::Kind::kSgd) {
+        for (size_t i = 0; i < count; ++i) {
+          if (rule.momentum == 0.0f) {
+            var[i] -= rule.learning_rate * grad[i];
+          } else {
+            slots[0][i] = rule.momentum * slots[0][i] - rule.learning_rate * grad[i];
+            var[i] += rule.nesterov ? rule.momentum * slots[0][i] - rule.learning_rate * grad[i]
+                                    : slots[0][i];
+          }
+        }
         return;
       }
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      ds::Tensor z = host(logits + i * k, {1, k});
-      ds::Tensor d = host(dlogits + i * k, {1, k});
-      ds::Tensor y = ds::Tensor::wrap(const_cast<int32_t*>(labels + i), ds::Shape{1},
-                                      ds::DType::kInt32);
-      loss[i] = static_cast<float>(ds::nn::softmax_cross_entropy(z, y, d, scale));
-      correct[i] = static_cast<int32_t>(ds::nn::count_correct(z, y));
-    }
-  }
-  void apply_update(int, void*, const ds::UpdateRule& rule, float* var, const float* grad,
-                    float* const* slots, size_t count, int64_t) override {
-    ++updates;
-    // SGD only (what the tests use); anything else must not silently pass.
-    if (rule.kind != ds::UpdateRule::Kind::kSgd) {
-      throw ds::UnimplementedError("fake backend: only SGD");
-    }
-    for (size_t i = 0; i < count; ++i) {
-      if (rule.momentum == 0.0f) {
-        var[i] -= rule.learning_rate * grad[i];
-      } else {
-        slots[0][i] = rule.momentum * slots[0][i] - rule.learning_rate * grad[i];
-        var[i] += rule.nesterov ? rule.momentum * slots[0][i] - rule.learning_rate * grad[i]
-                                : slots[0][i];
+      // Adam as kernels.cu's adam_kernel: bias correction folded into alpha.
+      const double t = static_cast<double>(step);
+      const float alpha = static_cast<float>(rule.learning_rate *
+                                             std::sqrt(1.0 - std::pow(rule.beta2, t)) /
+                                             (1.0 - std::pow(rule.beta1, t)));
+      const float b1 = rule.beta1, b2 = rule.beta2;
+      for (size_t i = 0; i < count; ++i) {
+        slots[0][i] = b1 * slots[0][i] + (1 - b1) * grad[i];
+        slots[1][i] = b2 * slots[1][i] + (1 - b2) * grad[i] * grad[i];
+        var[i] -= alpha * slots[0][i] / (std::sqrt(slots[1][i]) + rule.epsilon);
       }
-    }
+    });
   }
-  void reduce(int, void*, void* dst, const void* const* srcs, int n, size_t count, ds::DType dtype,
-              ds::ReduceOp op, int mean_divisor) override {
-    ds::kernels::reduce(dst, srcs, n, count, dtype, op, mean_divisor);
+  void reduce(int ordinal, void* stream, void* dst, const void* const* srcs, int n, size_t count,
+              ds::DType dtype, ds::ReduceOp op, int mean_divisor) override {
+    std::vector<const void*> in;
+    for (int i = 0; i < n; ++i) in.push_back(untag(srcs[i]));
+    void* out = untag(dst);
+    launch(ordinal, stream, "reduce", [=] {
+      ds::kernels::reduce(out, in.data(), n, count, dtype, op, mean_divisor);
+    });
   }
 
   std::vector<std::unique_ptr<ds::Communicator>> nccl_local_group(
-      const std::vector<int>& ordinals, const std::vector<void*>&,
+      const std::vector<int>& ordinals, const std::vector<void*>& streams,
       const ds::CommunicationOptions& options) override {
     ++nccl_groups;
-    return group(static_cast<int>(ordinals.size()), options);
+    return group(ordinals, streams, options);
   }
   std::vector<std::unique_ptr<ds::Communicator>> shared_device_group(
       const ds::SharedDeviceGroupSpec& spec, const ds::CommunicationOptions& options) override {
     ++shared_groups;
-    return group(static_cast<int>(spec.streams.size()), options);
+    return group(std::vector<int>(spec.streams.size(), spec.ordinal), spec.streams, options);
   }
 
-  std::atomic<int> mallocs{0}, frees{0}, syncs{0}, updates{0}, streams_destroyed{0};
+  std::atomic<int> mallocs{0}, frees{0}, syncs{0}, device_syncs{0}, updates{0}, adam_updates{0},
+      streams_destroyed{0}, copies_to_host{0}, events_recorded{0};
   std::atomic<int> nccl_groups{0}, shared_groups{0};
+  std::atomic<int> frees_with_pending_work{0}, bad_frees{0}, aborts_during_calls{0};
+
+  // The calling thread's fake CUDA state (the runtime's is per thread too).
+  struct ThreadState {
+    int device = 0;
+    std::string last_error;
+  };
+  static ThreadState& thread_state() {
+    thread_local ThreadState s;
+    return s;
+  }
 
  private:
+  struct Op {
+    long seq;
+    int device;
+    void* stream;
+    std::function<void()> fn;
+  };
+
+  static void* tag(void* p) {
+    return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | kDeviceTag);
+  }
+  template <typename T> static T* h(T* p) { return static_cast<T*>(untag(p)); }
   static ds::Tensor host(const float* p, std::initializer_list<int64_t> dims) {
-    return ds::Tensor::wrap(const_cast<float*>(p), ds::Shape(dims), ds::DType::kFloat32);
+    return ds::Tensor::wrap(static_cast<float*>(untag(p)), ds::Shape(dims), ds::DType::kFloat32);
   }
 
-  // Communicators forwarding to an in-process group they keep alive.
+  // Like throw_cuda_error: reports the thread's last error and clears it, so
+  // the next launch check does not see it again.
+  [[noreturn]] static void fail(const std::string& call) {
+    std::string err;
+    std::swap(err, thread_state().last_error);
+    throw ds::InternalError("fake CUDA call " + call + " failed: " + err);
+  }
+  void set_device(int ordinal, const char* call) {
+    if (ordinal < 0 || ordinal >= devices_) {
+      thread_state().last_error = "invalid device ordinal (cudaErrorInvalidDevice)";
+      fail(call);
+    }
+    thread_state().device = ordinal;
+  }
+  // cudaSetDevice, then the stream must belong to the current device.
+  void begin_call(int ordinal, void* stream, const char* call) {
+    set_device(ordinal, "cudaSetDevice(ordinal)");
+    if (!stream) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stream_device_.find(stream);
+    if (it == stream_device_.end() || it->second != thread_state().device) {
+      thread_state().last_error = "invalid resource handle (cudaErrorInvalidResourceHandle)";
+      fail(call);
+    }
+  }
+  // A kernel launch: enqueued, then checked as kernels.cu's check_launch does
+  // (cudaGetLastError: reads and clears the thread's last error).
+  void launch(int ordinal, void* stream, const char* kernel, std::function<void()> fn) {
+    begin_call(ordinal, stream, kernel);
+    enqueue(ordinal, stream, std::move(fn));
+    std::string err;
+    std::swap(err, thread_state().last_error);
+    if (!err.empty()) {
+      throw ds::InternalError(std::string("fake kernel launch ") + kernel + " failed: " + err);
+    }
+  }
+  void enqueue(int ordinal, void* stream, std::function<void()> fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    enqueue_locked(ordinal, stream, std::move(fn));
+  }
+  long enqueue_locked(int ordinal, void* stream, std::function<void()> fn) {
+    const long seq = next_seq_++;
+    pending_.push_back(Op{seq, ordinal, stream, std::move(fn)});
+    last_seq_[{ordinal, stream}] = seq;
+    return seq;
+  }
+  // Runs, in enqueue order, every queued op whose stream is not held and that
+  // nothing earlier it must follow is still queued.
+  void run_pending_locked() {
+    std::set<std::pair<int, void*>> blocked;
+    std::set<int> busy, legacy_busy;  // devices with a queued op / queued default-stream op
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      const std::pair<int, void*> key{it->device, it->stream};
+      const bool legacy = it->stream == nullptr;
+      bool wait = held_.count(key) || blocked.count(key);
+      if (!wait && options_.default_stream_orders_with_streams) {
+        wait = legacy ? busy.count(it->device) > 0 : legacy_busy.count(it->device) > 0;
+      }
+      if (wait) {
+        blocked.insert(key);
+        busy.insert(it->device);
+        if (legacy) legacy_busy.insert(it->device);
+        ++it;
+        continue;
+      }
+      std::function<void()> fn = std::move(it->fn);
+      it = pending_.erase(it);
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        device_error_ = e.what();  // as a failed kernel: reported by the next wait
+      }
+    }
+  }
+  template <typename Pred>
+  void wait_locked(std::unique_lock<std::mutex>& lock, int ordinal, Pred&& counts,
+                   ds::DeadlineClock::time_point deadline, const std::string& what) {
+    for (;;) {
+      run_pending_locked();
+      if (!device_error_.empty()) {
+        std::string e;
+        std::swap(e, device_error_);
+        throw ds::InternalError(what + ": fake GPU work failed: " + e);
+      }
+      bool done = true;
+      for (const Op& op : pending_) {
+        if (op.device == ordinal && counts(op)) {
+          done = false;
+          break;
+        }
+      }
+      if (done) return;
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+        run_pending_locked();
+        throw ds::DeadlineExceededError(what + ": the fake GPU work did not finish before the "
+                                               "deadline (its stream is held)");
+      }
+    }
+  }
+
+  // NCCL-like communicators: a collective drains the rank's stream, then runs
+  // on the untagged buffers through an in-process group. Its "NCCL call"
+  // goes through the same CallGate as NcclCommunicator's; an abort that finds
+  // a thread inside a call is counted as a violation of NCCL's rule.
+  struct CommState {
+    ds::gpu::CallGate gate;
+    std::atomic<int> inside{0};
+  };
   class Forward : public ds::Communicator {
    public:
-    Forward(std::shared_ptr<ds::InProcessGroup> g, int r) : g_(std::move(g)), c_(&g_->at(r)) {}
+    Forward(FakeGpuBackend* b, std::shared_ptr<ds::InProcessGroup> g,
+            std::shared_ptr<CommState> st, int r, int ordinal, void* stream)
+        : b_(b), g_(std::move(g)), st_(std::move(st)), c_(&g_->at(r)), rank_(r),
+          ordinal_(ordinal), stream_(stream) {}
     int rank() const override { return c_->rank(); }
     int size() const override { return c_->size(); }
     const ds::CommunicationOptions& options() const override { return c_->options(); }
     void all_reduce(const void* in, void* out, size_t n, ds::DType d, ds::ReduceOp op,
                     const std::string& name) override {
-      c_->all_reduce(in, out, n, d, op, name);
+      call(name, [&] { c_->all_reduce(untag(in), untag(out), n, d, op, name); });
     }
-    void broadcast(void* b, size_t n, ds::DType d, int root, const std::string& name) override {
-      c_->broadcast(b, n, d, root, name);
+    void broadcast(void* buf, size_t n, ds::DType d, int root, const std::string& name) override {
+      call(name, [&] { c_->broadcast(untag(buf), n, d, root, name); });
     }
     void all_gather(const void* in, void* out, size_t n, ds::DType d,
                     const std::string& name) override {
-      c_->all_gather(in, out, n, d, name);
+      call(name, [&] { c_->all_gather(untag(in), untag(out), n, d, name); });
     }
     void reduce_scatter(const void* in, void* out, size_t n, ds::DType d, ds::ReduceOp op,
                         const std::string& name) override {
-      c_->reduce_scatter(in, out, n, d, op, name);
+      call(name, [&] { c_->reduce_scatter(untag(in), untag(out), n, d, op, name); });
     }
     void barrier(const std::string& name) override { c_->barrier(name); }
-    void abort(const std::string& reason) override { c_->abort(reason); }
-    void reset() override { c_->reset(); }
+    void abort(const std::string& reason) override {
+      st_->gate.abort(reason, [&] {
+        if (st_->inside.load() > 0) ++b_->aborts_during_calls;  // ncclCommAbort now
+      });
+      c_->abort(reason);
+    }
+    void reset() override {
+      st_->gate.reset([] {});
+      c_->reset();
+    }
 
    private:
+    // The "NCCL call" (enqueue) through the gate, then the wait for the peers.
+    template <typename F> void call(const std::string& name, F&& run) {
+      b_->synchronize(ordinal_, stream_,
+                      ds::DeadlineClock::now() + c_->options().timeout, "fake NCCL " + name);
+      st_->gate.enter("fake NCCL " + name, [&] {
+        ++st_->inside;
+        if (b_->inside_collective) b_->inside_collective(rank_);
+        --st_->inside;
+      });
+      run();
+    }
+    FakeGpuBackend* b_;
     std::shared_ptr<ds::InProcessGroup> g_;
+    std::shared_ptr<CommState> st_;
     ds::Communicator* c_;
+    int rank_;
+    int ordinal_;
+    void* stream_;
   };
-  std::vector<std::unique_ptr<ds::Communicator>> group(int n, const ds::CommunicationOptions& o) {
+  std::vector<std::unique_ptr<ds::Communicator>> group(const std::vector<int>& ordinals,
+                                                       const std::vector<void*>& streams,
+                                                       const ds::CommunicationOptions& o) {
+    const int n = static_cast<int>(ordinals.size());
     auto g = std::make_shared<ds::InProcessGroup>(n, o);
+    auto st = std::make_shared<CommState>();
     std::vector<std::unique_ptr<ds::Communicator>> out;
-    for (int r = 0; r < n; ++r) out.push_back(std::make_unique<Forward>(g, r));
+    for (int r = 0; r < n; ++r) {
+      out.push_back(std::make_unique<Forward>(this, g, st, r, ordinals[static_cast<size_t>(r)],
+                                              streams[static_cast<size_t>(r)]));
+    }
     return out;
   }
 
   int devices_;
   size_t capacity_;
+  Options options_;
   std::mutex mu_;
+  std::condition_variable cv_;
   std::vector<size_t> used_;
-  std::map<void*, std::pair<int, size_t>> sizes_;
-  std::atomic<long> next_stream_{0};
+  std::map<void*, std::pair<int, size_t>> sizes_;  // untagged -> (ordinal, bytes)
+  std::map<void*, int> stream_device_;
+  std::map<void*, long> events_;  // -> seq of the mark (-1: never recorded)
+  std::deque<Op> pending_;
+  std::map<std::pair<int, void*>, long> last_seq_;
+  std::set<std::pair<int, void*>> held_;
+  std::string device_error_;
+  long next_seq_ = 0;
+  long next_stream_ = 0;
 };
 
 // A fresh lock directory per test.

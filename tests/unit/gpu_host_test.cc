@@ -1,4 +1,4 @@
-// The GPU backend's host-side logic, tested without a GPU: leases (flock) with
+// The GPU backend's host-side logic, tested without a GPU: leases (lock files) with
 // fake device ids, the caching allocator and DeviceManager over a fake
 // backend, CUDA_VISIBLE_DEVICES parsing, placement logging, and the GPU code
 // path of MirroredStrategy end to end on fake GPUs (host memory).
@@ -14,10 +14,13 @@
 
 #include "core/caching_allocator.h"
 #include "core/device_manager_impl.h"
+#include "core/device_scope.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/device_manager.h"
 #include "diststrat/gpu_lease.h"
 #include "fake_gpu_backend.h"
+#include "gpu/call_gate.h"
+#include "checkpoint_util.h"
 #include "training_util.h"
 
 namespace ds = diststrat;
@@ -63,7 +66,7 @@ TEST(GpuLease, QueryAndListShowHolders) {
     EXPECT_EQ(all[0].first, "fake1");
     EXPECT_EQ(all[1].first, "fake3");
   }
-  // Released: the files stay, the leases are gone.
+  // Released: the lock files are removed, the leases are gone.
   EXPECT_FALSE(ds::query_lease("fake3", dir.options()).has_value());
   EXPECT_TRUE(ds::list_leases(dir.options()).empty());
 }
@@ -277,7 +280,15 @@ TEST(DeviceManager, LogicalDevicesSplitAPhysicalGpuWithTheirOwnLimits) {
                ds::ResourceExhaustedError);
   ds::Tensor b = dm.allocate(ds::Shape{1 << 20}, ds::DType::kFloat32, ds::Device::gpu(1));
   EXPECT_EQ(b.device(), ds::Device::gpu(1));
-  EXPECT_EQ(b.data<float>()[12345], 0.0f);  // zero-filled
+  {
+    ds::Tensor host(b.shape(), b.dtype());  // device memory is read through a copy
+    ds::ExecScope sc;
+    sc.device = ds::Device::gpu(1);
+    sc.devices = &dm;
+    ds::ScopedExec scoped(sc);
+    host.copy_from(b);
+    EXPECT_EQ(host.data<float>()[12345], 0.0f);  // zero-filled
+  }
   EXPECT_EQ(dm.memory_stats(ds::Device::gpu(1)).in_use_bytes, 4u << 20);
   EXPECT_THROW(dm.allocate(ds::Shape{1}, ds::DType::kFloat32, ds::Device::gpu(3)),
                ds::NotFoundError);
@@ -657,4 +668,213 @@ TEST(MirroredOnFakeGpus, TensorCopiesCloneZeroAndAllGatherOnGpuReplicas) {
   EXPECT_GT(o.device_manager->memory_stats(ds::Device::gpu(1)).reserved_bytes, 0u);
   o.device_manager->empty_cache(ds::Device::gpu(1));
   EXPECT_EQ(o.device_manager->memory_stats(ds::Device::gpu(1)).in_use_bytes, 0u);
+}
+
+// ---- what the fake backend models (issue 18 item 9) and the regressions it catches ----------
+
+namespace {
+ds::DeadlineClock::time_point in_seconds(int s) {
+  return ds::DeadlineClock::now() + std::chrono::seconds(s);
+}
+}  // namespace
+
+// Item 1: a CUDA error that was thrown (and caught) must not make the next,
+// unrelated kernel launch fail: throwing clears the thread's last error.
+TEST(FakeGpuBackend, AReportedErrorDoesNotPoisonTheNextLaunch) {
+  FakeGpuBackend b(1);
+  void* p = b.raw_malloc(0, 64 * sizeof(float));
+  EXPECT_THROW(b.memset_async(9999, p, 0, 16, nullptr), ds::InternalError);  // no such device
+  EXPECT_TRUE(FakeGpuBackend::thread_state().last_error.empty())
+      << FakeGpuBackend::thread_state().last_error;
+  b.memset_async(0, p, 0, 64 * sizeof(float), nullptr);
+  EXPECT_NO_THROW(b.relu_forward(0, nullptr, static_cast<float*>(p), static_cast<float*>(p), 64));
+  EXPECT_EQ(b.read<float>(0, p, 64)[63], 0.0f);
+  b.raw_free(0, p);
+}
+
+TEST(FakeGpuBackend, InvalidOrdinalsAndForeignStreamsAreRejected) {
+  FakeGpuBackend b(2);
+  EXPECT_THROW(b.raw_malloc(2, 16), ds::InternalError);
+  EXPECT_THROW(b.raw_malloc(-1, 16), ds::InternalError);
+  EXPECT_THROW(b.create_stream(7), ds::InternalError);
+  EXPECT_THROW(b.info(2), ds::NotFoundError);
+  void* s1 = b.create_stream(1);
+  void* p = b.raw_malloc(0, 16);
+  EXPECT_THROW(b.memset_async(0, p, 0, 16, s1), ds::InternalError);  // s1 is GPU 1's
+  b.destroy_stream(1, s1);
+  EXPECT_THROW(b.memset_async(1, p, 0, 16, s1), ds::InternalError);  // destroyed
+  b.raw_free(0, p);
+}
+
+// Work runs when it is waited for, not when it is called; device pointers
+// are not host pointers; fresh device memory is not zero.
+TEST(FakeGpuBackend, WorkIsAsynchronousAndDeviceMemoryIsNotHostMemory) {
+  FakeGpuBackend b(1);
+  float* d = static_cast<float*>(b.raw_malloc(0, 4 * sizeof(float)));
+  EXPECT_TRUE(FakeGpuBackend::is_device(d));
+  EXPECT_TRUE(std::isnan(b.read<float>(0, d, 4)[0]));
+  const float src[4] = {1, 2, 3, 4};
+  float dst[4] = {0, 0, 0, 0};
+  b.memcpy_async(0, d, src, sizeof(src), nullptr);
+  b.memcpy_async(0, dst, d, sizeof(dst), nullptr);
+  EXPECT_EQ(dst[3], 0.0f);  // not run yet: a missing wait reads stale memory
+  b.synchronize(0, nullptr, in_seconds(5), "test");
+  EXPECT_EQ(dst[3], 4.0f);
+  // A held stream's work does not run; waiting for it hits the deadline.
+  void* s = b.create_stream(0);
+  b.hold(0, s);
+  b.memset_async(0, d, 0, sizeof(src), s);
+  EXPECT_THROW(b.synchronize(0, s, ds::DeadlineClock::now() + std::chrono::milliseconds(20), "held"),
+               ds::DeadlineExceededError);
+  b.release(0, s);
+  EXPECT_EQ(b.read<float>(0, d, 4)[3], 0.0f);
+  b.destroy_stream(0, s);
+  b.raw_free(0, d);
+}
+
+// Item 7: a block freed while its stream's work still uses it goes to
+// another stream only after that work, whatever the default-stream mode.
+TEST(CachingAllocator, AnotherStreamReusesAFreedBlockOnlyAfterTheFreeingStreamsWork) {
+  FakeGpuBackend::Options independent;
+  independent.default_stream_orders_with_streams = false;  // per-thread default streams
+  for (bool second_is_default : {false, true}) {
+    auto fake = std::make_shared<FakeGpuBackend>(1, 64u << 20, independent);
+    ds::CachingAllocator a(fake, 0, 0, true, "gpu0");
+    void* s1 = fake->create_stream(0);
+    void* s2 = second_is_default ? nullptr : fake->create_stream(0);
+    const size_t bytes = 4096;
+    void* x = a.allocate(bytes, s1);
+    fake->hold(0, s1);
+    fake->memset_async(0, x, 2, bytes, s1);  // still queued when x is freed
+    a.deallocate(x);
+    void* y = a.allocate(bytes, s2);
+    fake->memset_async(0, y, 1, bytes, s2);
+    fake->synchronize(0, s2, in_seconds(5), "s2");
+    fake->release(0, s1);
+    const std::vector<char> got = fake->read<char>(0, y, bytes);
+    EXPECT_EQ(got[0], 1) << "stream 1's queued write landed in stream 2's block"
+                         << (second_is_default ? " (default stream)" : "");
+    EXPECT_EQ(got[bytes - 1], 1);
+    // The freeing stream itself reuses the block at once (stream order).
+    void* z = a.allocate(bytes, s1);
+    a.deallocate(z);
+    a.deallocate(y);
+    fake->synchronize_device(0, in_seconds(5), "end");
+    fake->destroy_stream(0, s1);
+    if (s2) fake->destroy_stream(0, s2);
+  }
+}
+
+// Item 6: cached chunks go back (cudaFree waits for the whole device) only
+// after the device drained within the deadline; past it they stay cached.
+TEST(CachingAllocator, ChunksAreFreedOnlyAfterTheDeviceDrained) {
+  auto fake = std::make_shared<FakeGpuBackend>(1);
+  ds::CachingAllocator a(fake, 0, 0, true, "gpu0", std::chrono::milliseconds(50));
+  void* s = fake->create_stream(0);
+  void* x = a.allocate(4096, s);
+  fake->hold(0, s);
+  fake->memset_async(0, x, 0, 4096, s);
+  a.deallocate(x);
+  EXPECT_THROW(a.empty_cache(), ds::DeadlineExceededError);
+  EXPECT_EQ(a.stats().reserved_bytes, ds::CachingAllocator::kMinChunk);  // kept
+  EXPECT_EQ(fake->frees.load(), 0);
+  fake->release(0, s);
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes, 0u);
+  EXPECT_EQ(fake->frees.load(), 1);
+  EXPECT_EQ(fake->frees_with_pending_work.load(), 0);
+  fake->destroy_stream(0, s);
+}
+
+// Item 5: a failing replica's abort must not run while another replica is
+// inside a (fake) NCCL call on the same communicator.
+TEST(MirroredOnFakeGpus, AnAbortWaitsForTheCollectiveCallsInFlight) {
+  LeaseDir dir;
+  auto backend = std::make_unique<FakeGpuBackend>(3);
+  FakeGpuBackend* fake = backend.get();
+  std::atomic<int> inside{0};
+  fake->inside_collective = [&](int) {
+    ++inside;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  };
+  ds::MirroredOptions o;
+  o.devices = {ds::Device::gpu(0), ds::Device::gpu(1), ds::Device::gpu(2)};
+  o.communication.timeout = std::chrono::seconds(30);
+  o.device_manager = std::make_shared<ds::DeviceManager>(fake_options(dir), std::move(backend));
+  ds::MirroredStrategy s(o);
+  EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
+    if (ctx.replica_id() == 1) {
+      // Fail once the two others are inside their NCCL call.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (inside.load() < 2 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+      throw ds::InvalidArgumentError("replica 1 broke");
+    }
+    ds::Tensor t(ds::Shape{8}, ds::DType::kFloat32, ctx.device());
+    std::vector<ds::Tensor> v{t};
+    ctx.all_reduce(ds::ReduceOp::kSum, v, {"g"});
+  }), ds::InvalidArgumentError);
+  EXPECT_EQ(inside.load(), 2);
+  EXPECT_EQ(fake->aborts_during_calls.load(), 0);
+  fake->inside_collective = nullptr;
+}
+
+// Adam runs on the device path (slots in device memory) and trains like the CPU.
+TEST(MirroredOnFakeGpus, AdamOnTheDevicePathMatchesCpuTraining) {
+  auto train_adam = [](ds::MirroredOptions o) {
+    ds::MirroredStrategy s(o);
+    ds::nn::Mlp mlp({784, 16, 10});
+    auto vars = mlp.create_variables(s, 7);
+    ds::Adam opt(s, ds::AdamOptions{0.01f});
+    ds::DistributedDataset dist = s.distribute(ds::testing::synthetic(64, 11), 16, {false, 0, false});
+    for (int i = 0; i < 5; ++i) ds::testing::mlp_step(s, mlp, vars, opt, dist.batch(i % dist.num_batches()));
+    std::vector<ds::Tensor> out;
+    for (auto& v : vars) out.push_back(v.value());
+    return out;
+  };
+  ds::MirroredOptions cpu;
+  cpu.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+  const auto want = train_adam(cpu);
+  LeaseDir dir;
+  auto backend = std::make_unique<FakeGpuBackend>(2);
+  FakeGpuBackend* fake = backend.get();
+  ds::MirroredOptions gpu;
+  gpu.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+  gpu.device_manager = std::make_shared<ds::DeviceManager>(fake_options(dir), std::move(backend));
+  const auto got = train_adam(gpu);
+  EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
+  EXPECT_EQ(fake->adam_updates.load(), 5 * 4 * 2);  // steps x params x replicas
+  EXPECT_GT(fake->copies_to_host.load(), 0);
+}
+
+// The gate NcclCommunicator puts around its NCCL calls (item 5): an abort
+// runs only once the call inside has left, later calls see the abort, reset
+// opens the gate again.
+TEST(CallGate, AnAbortWaitsForTheCallInsideAndLaterCallsSeeIt) {
+  ds::gpu::CallGate gate;
+  std::atomic<bool> inside{false}, left{false};
+  std::thread caller([&] {
+    gate.enter("call", [&] {
+      inside = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      left = true;
+    });
+  });
+  while (!inside) std::this_thread::yield();
+  bool left_when_aborted = false;
+  EXPECT_TRUE(gate.abort("replica 1 failed", [&] { left_when_aborted = left.load(); }));
+  caller.join();
+  EXPECT_TRUE(left_when_aborted);
+  EXPECT_FALSE(gate.abort("again", [] { ADD_FAILURE() << "aborted twice"; }));
+  try {
+    gate.enter("all_reduce 'g'", [] { ADD_FAILURE() << "entered an aborted gate"; });
+    FAIL() << "no AbortedError";
+  } catch (const ds::AbortedError& e) {
+    EXPECT_NE(std::string(e.what()).find("all_reduce 'g': replica 1 failed"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(gate.reset([] { throw ds::InternalError("recreate failed"); }), ds::InternalError);
+  EXPECT_TRUE(gate.aborted());
+  gate.reset([] {});
+  EXPECT_FALSE(gate.aborted());
+  EXPECT_EQ(gate.enter("call", [] { return 7; }), 7);
 }
