@@ -99,6 +99,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
+  std::string timeout;
+  app.add_option("--timeout", timeout,
+                 "seconds any collective waits for peers, fractional allowed (default: "
+                 "$DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -112,6 +124,8 @@ int main(int argc, char** argv) {
     const std::shared_ptr<ds::DeviceManager> process_gpus =
         device == "gpu" ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(replicas))
                         : nullptr;
+    ds::CommunicationOptions comm;
+    if (!timeout.empty()) comm.timeout = ds::parse_timeout_seconds(timeout);
     // One-process strategies: each GPU split into `split_gpus` logical GPUs
     // sharing its memory (several replicas on one physical GPU).
     std::shared_ptr<ds::DeviceManager> local_gpus;
@@ -128,11 +142,13 @@ int main(int argc, char** argv) {
       ds::MirroredOptions o;
       o.devices = devices;
       o.device_manager = local_gpus;
+      o.communication = comm;
       strategy = std::make_unique<ds::MirroredStrategy>(o);
     } else if (strategy_name == "central_storage") {
       ds::CentralStorageOptions o;
       o.devices = devices;
       o.device_manager = local_gpus;
+      o.communication = comm;
       strategy = std::make_unique<ds::CentralStorageStrategy>(o);
       overlap = false;
     } else if (strategy_name == "multi_worker") {
@@ -143,6 +159,7 @@ int main(int argc, char** argv) {
       o.communication.compression = compression == "f16"    ? ds::Compression::kFloat16
                                     : compression == "bf16" ? ds::Compression::kBFloat16
                                                             : ds::Compression::kNone;
+      o.communication.timeout = comm.timeout;
       strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
     } else if (strategy_name == "parameter_server") {
       ds::ParameterServerOptions o;
@@ -150,6 +167,7 @@ int main(int argc, char** argv) {
       o.devices = devices;
       o.device_manager = process_gpus;
       o.max_staleness = max_staleness;
+      o.communication.timeout = comm.timeout;
       auto ps = std::make_unique<ds::ParameterServerStrategy>(o);
       if (ps->is_ps()) {
         ps->join();

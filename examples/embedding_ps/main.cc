@@ -103,11 +103,24 @@ int main(int argc, char** argv) {
   app.add_option("--batch", f.batch, "global batch size")->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")->capture_default_str();
   app.add_option("--lr", f.lr, "SGD learning rate")->capture_default_str();
+  std::string timeout;
+  app.add_option("--timeout", timeout,
+                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
 
   try {
     ds::ParameterServerOptions o;
     o.num_ps = f.ps;
+    if (!timeout.empty()) o.communication.timeout = ds::parse_timeout_seconds(timeout);
     for (int i = 0; i < f.replicas; ++i) o.devices.push_back(ds::Device::cpu(i));
     // Split the table over every PS rank.
     o.partitioner = ds::partitioners::FixedShards{f.ps};

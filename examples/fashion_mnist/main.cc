@@ -40,6 +40,7 @@ struct Flags {
   int64_t checkpoint_every = 0;
   int max_to_keep = 3;
   int64_t max_steps = 0;
+  std::string timeout;  // seconds; empty = CommunicationOptions' default
 };
 
 // The model's layer sizes, stored in checkpoints so that examples/predict can
@@ -103,6 +104,8 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   if (!f.timeline.empty() && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
   }
+  ds::CommunicationOptions comm;
+  if (!f.timeout.empty()) comm.timeout = ds::parse_timeout_seconds(f.timeout);
   // One-process strategies: each GPU becomes split_gpus logical GPUs sharing its memory.
   std::shared_ptr<ds::DeviceManager> local_gpus;
   if (f.device == "gpu" && f.split_gpus > 1 &&
@@ -118,12 +121,14 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     ds::MirroredOptions o;
     o.devices = devices;
     o.device_manager = local_gpus;
+    o.communication = comm;
     return std::make_unique<ds::MirroredStrategy>(o);
   }
   if (f.strategy == "central_storage") {
     ds::CentralStorageOptions o;
     o.devices = devices;
     o.device_manager = local_gpus;
+    o.communication = comm;
     return std::make_unique<ds::CentralStorageStrategy>(o);
   }
   // Multi-process strategies: one replica per process unless --replicas says
@@ -140,6 +145,7 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     o.devices = per_process;
     o.device_manager = process_gpus;
     o.timeline_path = f.timeline;
+    o.communication.timeout = comm.timeout;
     return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
   }
   if (f.strategy == "parameter_server") {
@@ -148,6 +154,7 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     o.devices = per_process;
     o.device_manager = process_gpus;
     o.max_staleness = f.max_staleness;
+    o.communication.timeout = comm.timeout;
     return std::make_unique<ds::ParameterServerStrategy>(o);
   }
   throw ds::InvalidArgumentError(
@@ -269,6 +276,17 @@ int main(int argc, char** argv) {
                  "stop (without saving) once this run's global step reaches N: simulates an "
                  "interruption (0 = no limit)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--timeout", f.timeout,
+                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
 

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "core/env.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -47,8 +48,7 @@ FaultInjection FaultInjection::parse(const std::string& text) {
 }
 
 FaultInjection FaultInjection::from_env() {
-  const char* v = std::getenv("DISTSTRAT_FAULT");
-  return parse(v ? v : "");
+  return env::parsed<FaultInjection>("DISTSTRAT_FAULT", parse).value_or(FaultInjection{});
 }
 
 }  // namespace diststrat

@@ -70,6 +70,12 @@ Tensor ReplicaContext::all_reduce(ReduceOp op, const Tensor& t, const std::strin
 // ---- Strategy --------------------------------------------------------------
 
 void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
+  // A fault aimed at a replica this job does not have would never fire: a
+  // test that relied on it would pass without testing anything.
+  DISTSTRAT_CHECK(!fault_.active() || fault_.rank < num_replicas_in_sync(), kInvalidArgument,
+                  "fault injection ", fault_kind_name(fault_.kind), ":", fault_.rank, ":",
+                  fault_.step, " (DISTSTRAT_FAULT or set_fault_injection): rank ", fault_.rank,
+                  " is not a replica of this job (replica ids 0..", num_replicas_in_sync() - 1, ")");
   const int64_t step = step_++;
   const std::string where = "step " + std::to_string(step) + ": ";
   try {

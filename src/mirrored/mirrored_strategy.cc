@@ -1,6 +1,7 @@
 #include "diststrat/mirrored.h"
 
 #include "core/device_scope.h"
+#include "core/env.h"
 #include "core/user_text.h"
 #include "diststrat/optimizer.h"
 #include "mirrored/local_replicas.h"
@@ -23,9 +24,7 @@ MirroredOptions with_default_devices(MirroredOptions o) {
 MirroredStrategy::MirroredStrategy(MirroredOptions options)
     : Strategy(options.log_level, "[mirrored]") {
   if (options.log_device_placement) placement_.set_enabled(true);
-  if (const char* env = std::getenv("DISTSTRAT_LOG_DEVICE_PLACEMENT"); env && *env) {
-    placement_.set_enabled(std::string(env) != "0");
-  }
+  if (auto env = env::flag("DISTSTRAT_LOG_DEVICE_PLACEMENT")) placement_.set_enabled(*env);
   options = with_default_devices(std::move(options));
   impl_ = std::make_unique<Impl>(this, options);
   logger_.info("MirroredStrategy on ", options.devices.size(), " device(s)");
