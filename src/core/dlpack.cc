@@ -129,7 +129,8 @@ Device gpu_of_ordinal(int ordinal) {
   std::ostringstream all;
   for (const LogicalDeviceInfo& l : dm.logical_devices()) {
     if (l.physical_ordinal == ordinal) matches.push_back(l.device);
-    all << (all.tellp() > 0 ? ", " : "") << l.device.to_string() << " = CUDA " << l.physical_ordinal;
+    all << (all.tellp() > 0 ? ", " : "") << l.device.to_string() << " = CUDA "
+        << l.physical_ordinal;
   }
   DISTSTRAT_CHECK(!matches.empty(), kInvalidArgument, "Tensor::from_dlpack: kDLCUDA device_id ",
                   ordinal, " is not a GPU of this thread's DeviceManager (",
@@ -190,7 +191,8 @@ struct Exported {
 };
 
 Tensor import(DLManagedTensor* managed, const Device* wanted) {
-  DISTSTRAT_CHECK(managed != nullptr, kInvalidArgument, "Tensor::from_dlpack: null DLManagedTensor");
+  DISTSTRAT_CHECK(managed != nullptr, kInvalidArgument,
+                  "Tensor::from_dlpack: null DLManagedTensor");
   const DLTensor& t = managed->dl_tensor;
   DISTSTRAT_CHECK(t.ndim >= 0 && t.ndim <= kMaxDims, kInvalidArgument,
                   "Tensor::from_dlpack: ndim ", t.ndim, " is outside [0, ", kMaxDims, "]");
@@ -207,7 +209,9 @@ Tensor import(DLManagedTensor* managed, const Device* wanted) {
                     join(t.shape, t.ndim), ": dim ", i, " is negative");
   }
   bool overflow = false;
-  for (int i = 0; i < t.ndim && !overflow; ++i) overflow = __builtin_mul_overflow(count, dims[i], &count);
+  for (int i = 0; i < t.ndim && !overflow; ++i) {
+    overflow = __builtin_mul_overflow(count, dims[i], &count);
+  }
   int64_t nbytes = 0;
   overflow = overflow || __builtin_mul_overflow(count, elem, &nbytes);
   DISTSTRAT_CHECK(!overflow, kInvalidArgument, "Tensor::from_dlpack: shape ", join(t.shape, t.ndim),
