@@ -16,6 +16,7 @@
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
 #include "mirrored/local_replicas.h"
+#include "multiworker/process_group.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/update_rule.h"
@@ -472,12 +473,12 @@ ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl)
 
 namespace {
 // The job's transport (the MPI backend seam), or null for a one-process run.
-std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster) {
+std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster, std::chrono::milliseconds timeout) {
   if (cluster.info.world_size <= 1) return nullptr;
 #if DISTSTRAT_HAVE_MPI
   if (mpi::launched_under_mpi()) {
     mpi::ensure_initialized();
-    return make_mpi_transport(MPI_COMM_WORLD);
+    return make_mpi_transport(MPI_COMM_WORLD, timeout);
   }
 #endif
   throw UnimplementedError("ParameterServerStrategy: a cluster of " +
@@ -492,10 +493,11 @@ ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedClus
 }
 
 std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServerOptions& options) {
-  const ResolvedCluster cluster = resolve_cluster(options.cluster);
+  // Set-up is bounded by the job's own deadline, as the multi-worker strategy's is.
+  const ResolvedCluster cluster = resolve_cluster(options.cluster, options.communication.timeout);
   auto impl = std::make_unique<ParameterServerStrategy::Impl>();
   impl->options = with_cluster(options, cluster);
-  impl->owned_transport = job_transport(cluster);
+  impl->owned_transport = job_transport(cluster, options.communication.timeout);
 #if DISTSTRAT_HAVE_MPI
   if (impl->owned_transport && mpi::launched_under_mpi()) {
     mpi::bound_finalize(std::max(options.communication.timeout, options.worker_timeout));
