@@ -401,9 +401,9 @@ TEST(Preemption, SignalSetsTheFlagAndShouldStopAgrees) {
 // python3 with numpy and safetensors: scripts/setup.sh installs them (numpy
 // from Debian, safetensors with pip into .deps/python); skipped otherwise.
 TEST(Safetensors, InteropWithPythonSafetensors) {
-  std::string root = __FILE__;
-  root = root.substr(0, root.rfind("/tests/unit/"));
-  const std::string deps = root + "/.deps/python";
+  // The source tree from the build (not __FILE__, which a compiler cache may
+  // make relative to the build directory).
+  const std::string deps = std::string(DISTSTRAT_SOURCE_DIR) + "/.deps/python";
   // Debian's interpreter (numpy from apt) when there is one, else the first on PATH.
   const std::string py =
       "PYTHONPATH=" + deps + (access("/usr/bin/python3", X_OK) == 0 ? " /usr/bin/python3" : " python3");
