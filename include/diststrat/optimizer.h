@@ -13,12 +13,55 @@
 
 namespace diststrat {
 
+// A learning rate as a function of the optimizer's step counter: the number
+// of updates completed before this one (Optimizer::iterations(), which
+// checkpoints save, so a restored run continues the schedule exactly; the
+// first update sees 0), as Keras' LearningRateSchedule(optimizer.iterations).
+// Plain data, so parameter servers rebuild it (their counter is the shard's
+// own update count, equal to iterations for a dense variable). `base` below
+// is the optimizer's learning_rate.
+//  kConstant          base.
+//  kPiecewiseConstant values[0] while t <= boundaries[0], values[i] while
+//                     boundaries[i-1] < t <= boundaries[i], values.back()
+//                     after (Keras' PiecewiseConstantDecay; base unused).
+//  kCosineDecay       linear warm-up from warmup_initial to base over
+//                     warmup_steps, then base * ((1 - alpha) * 0.5 *
+//                     (1 + cos(pi * min(t - warmup_steps, decay_steps) /
+//                     decay_steps)) + alpha) (Keras' CosineDecay).
+//  kExponentialDecay  base * decay_rate ^ (t / decay_steps), the exponent
+//                     floored when staircase (Keras' ExponentialDecay).
+// Evaluated in double, rounded to float once.
+struct LearningRateSchedule {
+  enum class Kind { kConstant, kPiecewiseConstant, kCosineDecay, kExponentialDecay };
+  Kind kind = Kind::kConstant;
+  std::vector<int64_t> boundaries;  // piecewise: strictly increasing, >= 0
+  std::vector<float> values;        // piecewise: boundaries.size() + 1 rates
+  int64_t warmup_steps = 0;         // cosine
+  float warmup_initial = 0.0f;      // cosine: the rate at t = 0 when warming up
+  int64_t decay_steps = 1;          // cosine, exponential: > 0
+  float alpha = 0.0f;               // cosine: final rate as a fraction of base, [0, 1]
+  float decay_rate = 1.0f;          // exponential: > 0
+  bool staircase = false;           // exponential
+
+  static LearningRateSchedule piecewise_constant(std::vector<int64_t> boundaries,
+                                                 std::vector<float> values);
+  static LearningRateSchedule cosine_decay(int64_t decay_steps, int64_t warmup_steps = 0,
+                                           float alpha = 0.0f, float warmup_initial = 0.0f);
+  static LearningRateSchedule exponential_decay(int64_t decay_steps, float decay_rate,
+                                                bool staircase = false);
+  // Throws InvalidArgumentError naming the bad field. Optimizers call it.
+  void validate(const std::string& owner) const;
+  // The rate for the update that follows `iterations` completed ones. Pure,
+  // thread-safe; iterations < 0 counts as 0.
+  float learning_rate(float base, int64_t iterations) const;
+};
+
 // An update rule in data form, so a GPU backend can run it as a kernel
 // (Optimizer::update is host code). kNone: the optimizer runs on the host only.
 struct UpdateRule {
   enum class Kind { kNone, kSgd, kAdam };
   Kind kind = Kind::kNone;
-  float learning_rate = 0.0f;
+  float learning_rate = 0.0f;  // update_tensor puts this step's scheduled rate here
   float momentum = 0.0f;  // SGD
   bool nesterov = false;  // SGD
   float beta1 = 0.0f, beta2 = 0.0f, epsilon = 0.0f;  // Adam
@@ -55,6 +98,11 @@ class Optimizer {
   // optimizer cannot update variables that live on a GPU.
   virtual UpdateRule device_rule() const { return {}; }
 
+  // The learning rate of the update that follows `iterations` completed
+  // ones (the schedule's value; what the loop logs). Default: the device
+  // rule's fixed rate.
+  virtual float learning_rate(int64_t iterations) const { return device_rule().learning_rate; }
+
   // Applies the rule to one tensor with its slot tensors (helper for
   // strategies); GPU tensors are updated on the calling replica's stream.
   void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots, int64_t step) const;
@@ -68,8 +116,10 @@ struct SGDOptions {
   float learning_rate = 0.01f;
   float momentum = 0.0f;  // 0 = plain SGD
   bool nesterov = false;
+  LearningRateSchedule schedule;  // default: learning_rate at every step
 };
 
+// lr = schedule at step - 1 (the learning rate when constant);
 // v = momentum * v - lr * g; w += v  (Keras' SGD; nesterov: w += momentum * v - lr * g)
 class SGD : public Optimizer {
  public:
@@ -79,10 +129,12 @@ class SGD : public Optimizer {
   void update(float* var, const float* grad, float* const* slots, size_t count,
               int64_t step) const override;
   UpdateRule device_rule() const override;
+  float learning_rate(int64_t iterations) const override;
   const SGDOptions& options() const { return options_; }
-  // The rule and its slots without an SGD object (parameter servers apply it).
+  // The rule and its slots without an SGD object (parameter servers apply
+  // it); `step` is 1-based, as in update().
   static void apply(const SGDOptions& options, float* var, const float* grad, float* const* slots,
-                    size_t count);
+                    size_t count, int64_t step);
   static std::vector<std::string> slot_names_for(const SGDOptions& options);
 
  private:
@@ -94,9 +146,11 @@ struct AdamOptions {
   float beta1 = 0.9f;
   float beta2 = 0.999f;
   float epsilon = 1e-7f;
+  LearningRateSchedule schedule;  // default: learning_rate at every step
 };
 
-// Kingma & Ba with bias correction (Keras' Adam).
+// Kingma & Ba with bias correction (Keras' Adam); the rate of update `step`
+// is the schedule at step - 1.
 class Adam : public Optimizer {
  public:
   Adam(Strategy& strategy, AdamOptions options = {});
@@ -105,6 +159,7 @@ class Adam : public Optimizer {
   void update(float* var, const float* grad, float* const* slots, size_t count,
               int64_t step) const override;
   UpdateRule device_rule() const override;
+  float learning_rate(int64_t iterations) const override;
   const AdamOptions& options() const { return options_; }
   // The rule without an Adam object (parameter servers apply it).
   static void apply(const AdamOptions& options, float* var, const float* grad, float* const* slots,

@@ -1,0 +1,288 @@
+// Training-loop features above the all-reduce (issue 17): learning-rate
+// schedules driven by the optimizer's step counter.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+
+#include "checkpoint_util.h"
+#include "diststrat/diststrat.h"
+#include "parameter_server/update_rule.h"
+#include "training_util.h"
+
+namespace ds = diststrat;
+using Schedule = ds::LearningRateSchedule;
+
+namespace {
+
+const double kPi = 3.14159265358979323846;
+
+std::string temp_dir() {
+  char tmpl[] = "/tmp/diststrat_training_XXXXXX";
+  return mkdtemp(tmpl);
+}
+
+// ---- schedules: closed forms -------------------------------------------------
+
+TEST(LearningRateSchedule, ConstantIsTheBaseRate) {
+  const Schedule s;
+  EXPECT_EQ(s.learning_rate(0.25f, 0), 0.25f);
+  EXPECT_EQ(s.learning_rate(0.25f, 1000000), 0.25f);
+}
+
+TEST(LearningRateSchedule, PiecewiseConstantSwitchesAfterEachBoundary) {
+  const Schedule s = Schedule::piecewise_constant({10, 20}, {1.0f, 0.5f, 0.1f});
+  // Keras: values[0] while t <= 10, values[1] while 10 < t <= 20, then values[2].
+  const std::vector<std::pair<int64_t, float>> want = {
+      {0, 1.0f}, {9, 1.0f}, {10, 1.0f}, {11, 0.5f}, {20, 0.5f}, {21, 0.1f}, {1000, 0.1f}};
+  for (const auto& [t, lr] : want) EXPECT_EQ(s.learning_rate(123.0f, t), lr) << "t=" << t;
+}
+
+TEST(LearningRateSchedule, CosineDecayWithLinearWarmupMatchesTheClosedForm) {
+  const float peak = 0.8f, alpha = 0.1f, w0 = 0.05f;
+  const int64_t warmup = 8, decay = 40;
+  const Schedule s = Schedule::cosine_decay(decay, warmup, alpha, w0);
+  for (int64_t t : {0, 1, 4, 7, 8, 9, 18, 28, 47, 48, 49, 500}) {
+    double want;
+    if (t < warmup) {
+      want = w0 + (double(peak) - w0) * double(t) / double(warmup);
+    } else {
+      const double d = std::min<double>(double(t - warmup), double(decay));
+      want = peak * ((1 - double(alpha)) * 0.5 * (1 + std::cos(kPi * d / decay)) + alpha);
+    }
+    EXPECT_NEAR(s.learning_rate(peak, t), want, 1e-7 * peak) << "t=" << t;
+  }
+  // Landmarks: half-way through warm-up, the peak, half-way down, the floor.
+  EXPECT_NEAR(s.learning_rate(peak, 4), (w0 + peak) / 2, 1e-7);
+  EXPECT_FLOAT_EQ(s.learning_rate(peak, 8), peak);
+  EXPECT_NEAR(s.learning_rate(peak, 28), peak * (0.5 * (1 - alpha) + alpha), 1e-7);
+  EXPECT_NEAR(s.learning_rate(peak, 48), peak * alpha, 1e-7);
+  EXPECT_NEAR(s.learning_rate(peak, 1 << 30), peak * alpha, 1e-7);
+  // No warm-up: cosine from the peak at t = 0.
+  EXPECT_FLOAT_EQ(Schedule::cosine_decay(10).learning_rate(2.0f, 0), 2.0f);
+  EXPECT_NEAR(Schedule::cosine_decay(10).learning_rate(2.0f, 5), 1.0, 1e-7);
+}
+
+TEST(LearningRateSchedule, ExponentialDecaySmoothAndStaircase) {
+  const Schedule smooth = Schedule::exponential_decay(10, 0.5f);
+  const Schedule stairs = Schedule::exponential_decay(10, 0.5f, true);
+  for (int64_t t : {0, 5, 10, 15, 20, 37}) {
+    // Within the one rounding to float.
+    EXPECT_NEAR(smooth.learning_rate(0.4f, t), 0.4f * std::pow(0.5, t / 10.0), 3e-8) << t;
+    EXPECT_NEAR(stairs.learning_rate(0.4f, t), 0.4f * std::pow(0.5, std::floor(t / 10.0)), 3e-8)
+        << t;
+  }
+  EXPECT_FLOAT_EQ(stairs.learning_rate(0.4f, 19), 0.2f);
+  EXPECT_FLOAT_EQ(smooth.learning_rate(0.4f, 20), 0.1f);
+}
+
+TEST(LearningRateSchedule, BadSchedulesAreRejectedNamingTheField) {
+  EXPECT_THROW(Schedule::piecewise_constant({10, 20}, {1.0f}), ds::InvalidArgumentError);
+  EXPECT_THROW(Schedule::piecewise_constant({20, 10}, {1.0f, 2.0f, 3.0f}), ds::InvalidArgumentError);
+  EXPECT_THROW(Schedule::cosine_decay(0), ds::InvalidArgumentError);
+  EXPECT_THROW(Schedule::cosine_decay(10, -1), ds::InvalidArgumentError);
+  EXPECT_THROW(Schedule::cosine_decay(10, 0, 1.5f), ds::InvalidArgumentError);
+  EXPECT_THROW(Schedule::exponential_decay(10, 0.0f), ds::InvalidArgumentError);
+  // A hand-built bad schedule is caught by the optimizer.
+  ds::MirroredStrategy strategy({ds::Device::cpu(0)});
+  ds::SGDOptions o;
+  o.schedule.kind = Schedule::Kind::kExponentialDecay;
+  o.schedule.decay_steps = 0;
+  try {
+    ds::SGD sgd(strategy, o);
+    FAIL() << "accepted decay_steps 0";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("decay_steps"), std::string::npos) << e.what();
+  }
+}
+
+// ---- schedules drive the update rules ------------------------------------------
+
+// SGD without momentum, gradient 1: each update subtracts the scheduled rate
+// of its step, read from the step counter (0 for the first update).
+TEST(LearningRateSchedule, SgdAndAdamUseTheRateOfTheStepCounter) {
+  ds::MirroredStrategy strategy({ds::Device::cpu(0), ds::Device::cpu(1)});
+  ds::Variable w = strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32,
+                                            ds::init::Zeros{});
+  ds::Variable a = strategy.create_variable("a", ds::Shape{3}, ds::DType::kFloat32,
+                                            ds::init::Constant{1.0});
+  ds::SGDOptions so;
+  so.learning_rate = 0.5f;
+  so.schedule = Schedule::exponential_decay(2, 0.5f, true);
+  ds::SGD sgd(strategy, so);
+  ds::AdamOptions ao;
+  ao.learning_rate = 0.1f;
+  ao.schedule = Schedule::piecewise_constant({2}, {0.1f, 0.01f});
+  ds::Adam adam(strategy, ao);
+  double want_w = 0;
+  ds::Tensor ref_a(ds::Shape{3}, ds::DType::kFloat32), m(ref_a.shape(), ds::DType::kFloat32),
+      v(ref_a.shape(), ds::DType::kFloat32);
+  ds::init::Constant{1.0}(ref_a);
+  for (int s = 0; s < 6; ++s) {
+    EXPECT_FLOAT_EQ(sgd.learning_rate(s), 0.5f * std::pow(0.5f, s / 2));
+    want_w -= sgd.learning_rate(s);
+    // Adam's reference: the closed form with the scheduled rate at step s.
+    const float lr = s <= 2 ? 0.1f : 0.01f;
+    EXPECT_EQ(adam.learning_rate(s), lr);
+    const double t = s + 1;
+    const float alpha = static_cast<float>(lr * std::sqrt(1.0 - std::pow(0.999f, t)) /
+                                           (1.0 - std::pow(0.9f, t)));
+    for (int i = 0; i < 3; ++i) {
+      const float g = ref_a.data<float>()[i];
+      float& mi = m.data<float>()[i];
+      float& vi = v.data<float>()[i];
+      mi = 0.9f * mi + (1 - 0.9f) * g;
+      vi = 0.999f * vi + (1 - 0.999f) * g * g;
+      ref_a.data<float>()[i] -= alpha * mi / (std::sqrt(vi) + 1e-7f);
+    }
+    strategy.run([&](ds::ReplicaContext& ctx) {
+      // Two replicas: each contributes half, the sum is 1 (and a's value).
+      ds::Tensor g(ds::Shape{3}, ds::DType::kFloat32);
+      ds::init::Constant{0.5}(g);
+      sgd.apply_gradients(ctx, {{g, w}});
+      ds::Tensor ga = a.read(ctx).clone();
+      for (int i = 0; i < 3; ++i) ga.data<float>()[i] *= 0.5f;
+      adam.apply_gradients(ctx, {{ga, a}});
+    });
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(w.value().data<float>()[i], want_w, 1e-6);
+  EXPECT_LE(ds::testing::max_abs_diff(a.value(), ref_a), 1e-6);
+}
+
+// The parameter server rebuilds the schedule from the wire and applies the
+// same rates as the worker's optimizer would.
+TEST(LearningRateSchedule, ParameterServerRuleRebuildsTheSchedule) {
+  ds::MirroredStrategy local({ds::Device::cpu(0)});
+  ds::SGDOptions so;
+  so.learning_rate = 0.3f;
+  so.momentum = 0.9f;
+  so.schedule = Schedule::piecewise_constant({1, 3, 7}, {0.3f, 0.2f, 0.1f, 0.05f});
+  ds::AdamOptions ao;
+  ao.schedule = Schedule::cosine_decay(9, 3, 0.2f, 0.0001f);
+  ds::SGD sgd(local, so);
+  ds::Adam adam(local, ao);
+  for (const ds::Optimizer* opt : std::vector<const ds::Optimizer*>{&sgd, &adam}) {
+    ds::ps::Writer w;
+    ds::ps::write_config(w, ds::ps::describe_optimizer(*opt));
+    const std::vector<char> bytes = w.bytes();
+    ds::ps::Reader r(bytes.data(), bytes.size(), "test");
+    const auto rule = ds::ps::make_update_rule(ds::ps::read_config(r));
+    ds::Tensor a(ds::Shape{5}, ds::DType::kFloat32), b(ds::Shape{5}, ds::DType::kFloat32);
+    ds::init::RandomNormal{0.0, 1.0, 3}(a);
+    b = a.clone();
+    std::vector<ds::Tensor> sa, sb;
+    for (size_t k = 0; k < opt->slot_names().size(); ++k) {
+      sa.emplace_back(a.shape(), ds::DType::kFloat32);
+      sb.emplace_back(a.shape(), ds::DType::kFloat32);
+    }
+    for (int64_t step = 1; step <= 14; ++step) {
+      ds::Tensor g = a.clone();
+      std::vector<ds::Tensor*> pa;
+      std::vector<float*> pb;
+      for (auto& s : sa) pa.push_back(&s);
+      for (auto& s : sb) pb.push_back(s.data<float>());
+      opt->update_tensor(a, g, pa, step);
+      rule->update(b.data<float>(), g.data<float>(), pb.data(), 5, step);
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.nbytes())) << opt->name() << " step " << step;
+    }
+  }
+}
+
+// Under ParameterServerStrategy end to end: the PS applies the scheduled rate.
+TEST(LearningRateSchedule, ParameterServerStrategyAppliesTheSchedule) {
+  ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
+  ds::Variable w = strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32,
+                                            ds::init::Zeros{});
+  ds::SGDOptions so;
+  so.learning_rate = 1.0f;
+  so.schedule = Schedule::exponential_decay(1, 0.5f);
+  ds::SGD sgd(strategy, so);
+  for (int s = 0; s < 5; ++s) {
+    strategy.run([&](ds::ReplicaContext& ctx) {
+      ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
+      ds::init::Constant{1.0}(g);
+      sgd.apply_gradients(ctx, {{g, w}});
+    });
+  }
+  // -(1 + 1/2 + 1/4 + 1/8 + 1/16)
+  for (int i = 0; i < 2; ++i) EXPECT_FLOAT_EQ(w.value().data<float>()[i], -1.9375f);
+}
+
+// ---- resume mid-schedule -------------------------------------------------------
+
+// A model whose optimizer follows a schedule, under any strategy.
+struct Scheduled {
+  Scheduled(std::unique_ptr<ds::Strategy> s, uint64_t seed, bool adam)
+      : strategy(std::move(s)), mlp({6, 5, 3}), params(mlp.create_variables(*strategy, seed)) {
+    if (adam) {
+      ds::AdamOptions o;
+      o.learning_rate = 0.05f;
+      o.schedule = Schedule::cosine_decay(6, 3, 0.1f);
+      opt = std::make_unique<ds::Adam>(*strategy, o);
+    } else {
+      ds::SGDOptions o;
+      o.learning_rate = 0.2f;
+      o.momentum = 0.9f;
+      o.schedule = Schedule::piecewise_constant({2, 4}, {0.2f, 0.05f, 0.01f});
+      opt = std::make_unique<ds::SGD>(*strategy, o);
+    }
+    ckpt = std::make_unique<ds::Checkpoint>(*strategy, std::vector<const ds::Optimizer*>{opt.get()});
+  }
+  void train(int steps, uint64_t seed) {
+    ds::testing::mlp_train(*strategy, mlp, params, *opt, 8, steps, seed);
+  }
+  int64_t iterations() const { return opt->iterations().value().data<int64_t>()[0]; }
+  std::unique_ptr<ds::Strategy> strategy;
+  ds::nn::Mlp mlp;
+  std::vector<ds::Variable> params;
+  std::unique_ptr<ds::Optimizer> opt;
+  std::unique_ptr<ds::Checkpoint> ckpt;
+};
+
+// Uninterrupted: 9 steps. Interrupted: 4 steps, CheckpointManager::save, a
+// fresh model (other initial weights) restores and runs the last 5 steps.
+// The schedule continues from the restored counter: bit-identical weights.
+void resume_case(const std::function<std::unique_ptr<ds::Strategy>()>& make, bool adam) {
+  Scheduled a(make(), 3, adam);
+  a.train(4, 11);
+  a.train(5, 12);
+
+  const std::string dir = temp_dir();
+  {
+    Scheduled b(make(), 3, adam);
+    b.train(4, 11);
+    ds::CheckpointManager manager(*b.ckpt, dir, {2});
+    manager.save(b.iterations());
+  }
+  Scheduled c(make(), 77, adam);
+  ds::CheckpointManager manager(*c.ckpt, dir, {2});
+  ASSERT_TRUE(manager.restore_latest().has_value());
+  ASSERT_EQ(c.iterations(), 4);
+  EXPECT_EQ(c.opt->learning_rate(c.iterations()), a.opt->learning_rate(4));
+  c.train(5, 12);
+  EXPECT_EQ(c.iterations(), 9);
+  ds::testing::expect_same_state(*a.ckpt, *c.ckpt);
+}
+
+std::unique_ptr<ds::Strategy> mirrored2() {
+  return std::make_unique<ds::MirroredStrategy>(
+      std::vector<ds::Device>{ds::Device::cpu(0), ds::Device::cpu(1)});
+}
+std::unique_ptr<ds::Strategy> central2() {
+  return std::make_unique<ds::CentralStorageStrategy>(
+      std::vector<ds::Device>{ds::Device::cpu(0), ds::Device::cpu(1)});
+}
+
+TEST(LearningRateScheduleResume, MirroredSgdMomentumPiecewiseContinuesBitExactly) {
+  resume_case(mirrored2, false);
+}
+TEST(LearningRateScheduleResume, MirroredAdamCosineWarmupContinuesBitExactly) {
+  resume_case(mirrored2, true);
+}
+TEST(LearningRateScheduleResume, CentralStorageAdamCosineWarmupContinuesBitExactly) {
+  resume_case(central2, true);
+}
+
+}  // namespace
