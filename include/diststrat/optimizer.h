@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -67,6 +69,38 @@ struct UpdateRule {
   float beta1 = 0.0f, beta2 = 0.0f, epsilon = 0.0f;  // Adam
 };
 
+// Gradient clipping, applied to the reduced (global) gradients after the
+// strategy's all-reduce and before the update, identically on every replica
+// and worker (no extra communication: every replica holds the same reduced
+// gradients and computes the same norm, in double, in the same order). At
+// most one field may be set (as in Keras); 0 = off.
+//  global_norm  clip_by_global_norm: every gradient of one apply_gradients
+//               call is scaled by global_norm / max(norm, global_norm), norm =
+//               sqrt(sum of all squared elements); a non-finite norm makes
+//               every gradient NaN (as tf.clip_by_global_norm).
+//  norm         clip_by_norm, per tensor: g * norm / max(|g|, norm).
+//  value        clip_by_value: each element into [-value, value].
+// The user's gradient tensors are not modified (the clipped values go to a
+// copy). Host (CPU) gradients only: a GPU gradient is UnimplementedError.
+// ParameterServerStrategy: UnimplementedError (the parameter servers apply
+// each worker's push on its own; there is no global gradient to clip).
+struct GradientClipping {
+  float global_norm = 0.0f;
+  float norm = 0.0f;
+  float value = 0.0f;
+};
+
+// What one apply_gradients call did.
+struct ApplyResult {
+  // False for the first k - 1 micro-batches under gradient accumulation: the
+  // gradients were added to this replica's sums, nothing was communicated or
+  // updated.
+  bool applied = true;
+  // The global norm of the reduced gradients before clipping, when clipping
+  // by global norm (the same on every replica and worker); NaN otherwise.
+  double global_norm = std::numeric_limits<double>::quiet_NaN();
+};
+
 class Optimizer {
  public:
   explicit Optimizer(Strategy& strategy);
@@ -86,8 +120,31 @@ class Optimizer {
   // same variables in the same order. Gradients are summed: scale the loss by
   // 1 / global batch size (DistributedBatch::global_size()) so the sum is the
   // mean over the global batch.
-  void apply_gradients(ReplicaContext& ctx,
-                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
+  // Clipping (set_clipping) runs between the reduction and the update.
+  // Under gradient accumulation (set_accumulation_steps(k)), the first k - 1
+  // calls of each update only add the gradients to this replica's local sums
+  // (no communication, no update); the k-th reduces the sums once and
+  // updates. Every local replica must make the same calls.
+  ApplyResult apply_gradients(ReplicaContext& ctx,
+                              const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
+
+  // Sets the clipping of later apply_gradients calls. Throws
+  // InvalidArgumentError for a negative or non-finite field or more than one
+  // set. Not thread-safe: call it outside Strategy::run.
+  void set_clipping(const GradientClipping& clipping);
+  const GradientClipping& clipping() const { return clipping_; }
+
+  // Gradient accumulation over k micro-batches per update (1 = off, the
+  // default): DDP's no_sync, Horovod's backward_passes_per_step. iterations()
+  // and the schedule count updates, not micro-batches. For the mean over the
+  // concatenated batch, scale every micro-batch's loss by 1 / (the global
+  // examples of all k micro-batches, a short last one included). The sums
+  // are not checkpointed: save between updates. Throws InvalidArgumentError
+  // for k < 1 and FailedPreconditionError while micro-batches are pending.
+  // Not thread-safe: call it outside Strategy::run. Host gradients only (a
+  // GPU gradient under k > 1 is UnimplementedError).
+  void set_accumulation_steps(int k);
+  int accumulation_steps() const { return accumulation_steps_; }
 
   // Number of completed apply_gradients steps (an int64 scalar variable that
   // checkpoints save with the model).
@@ -105,11 +162,28 @@ class Optimizer {
 
   // Applies the rule to one tensor with its slot tensors (helper for
   // strategies); GPU tensors are updated on the calling replica's stream.
+  // Strategies call it once per variable (per local copy) with the reduced
+  // gradient after the reduction, in the same order on every replica: under
+  // clipping by global norm, the calls of one apply_gradients on one thread
+  // are held until the last, then clipped together and applied in order.
   void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots, int64_t step) const;
 
  private:
+  struct Held;
+  struct Accumulator;
+  ApplyResult reduce_and_update(ReplicaContext& ctx,
+                                const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
+  void apply_clipped(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
+                     int64_t step, float scale) const;
+  void update_now(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
+                  int64_t step) const;
+
   Strategy* strategy_;
   Variable iterations_;
+  GradientClipping clipping_;
+  std::shared_ptr<Held> held_;  // per-thread updates held for clipping by global norm
+  int accumulation_steps_ = 1;
+  std::shared_ptr<Accumulator> accumulator_;  // per local replica sums
 };
 
 struct SGDOptions {

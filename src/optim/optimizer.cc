@@ -1,7 +1,10 @@
 #include "diststrat/optimizer.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <thread>
 
 #include "core/device_scope.h"
 
@@ -120,7 +123,51 @@ float LearningRateSchedule::learning_rate(float base, int64_t iterations) const 
   return base;
 }
 
-Optimizer::Optimizer(Strategy& strategy) : strategy_(&strategy) {
+// Updates of one apply_gradients call held back, per calling thread (a
+// replica's thread, or local replica 0's during a merge_call), until the last
+// one arrives and the global norm is known.
+struct Optimizer::Held {
+  struct Update {
+    Tensor var, grad;
+    std::vector<Tensor> slots;
+    int64_t step;
+  };
+  struct Batch {
+    size_t expected = 0;
+    std::vector<Update> updates;
+    bool flushed = false;
+    double norm = std::numeric_limits<double>::quiet_NaN();
+  };
+  std::mutex mu;
+  std::map<std::thread::id, Batch> batches;
+  // The norm of the latest flush: what a replica reports whose updates ran
+  // on another thread (CentralStorage's replicas other than 0).
+  double last_norm = std::numeric_limits<double>::quiet_NaN();
+};
+
+// Each local replica's gradient sums of the micro-batches so far.
+struct Optimizer::Accumulator {
+  struct Sums {
+    int count = 0;
+    std::vector<std::pair<Tensor, Variable>> grads_and_vars;
+  };
+  std::mutex mu;  // guards the map; each replica touches only its own Sums
+  std::map<int, Sums> replicas;
+};
+
+namespace {
+double sum_of_squares(const Tensor& g) {
+  const float* p = g.data<float>();
+  double s = 0;
+  for (int64_t i = 0, n = g.num_elements(); i < n; ++i) s += double(p[i]) * p[i];
+  return s;
+}
+}  // namespace
+
+Optimizer::Optimizer(Strategy& strategy)
+    : strategy_(&strategy),
+      held_(std::make_shared<Held>()),
+      accumulator_(std::make_shared<Accumulator>()) {
   // Each optimizer of a strategy gets its own step counter: "optimizer/iterations",
   // then "optimizer_1/iterations", ...
   const int n = optimizer_counter(strategy);
@@ -131,8 +178,8 @@ Optimizer::Optimizer(Strategy& strategy) : strategy_(&strategy) {
                                          init::Zeros{}, opts);
 }
 
-void Optimizer::apply_gradients(ReplicaContext& ctx,
-                                const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
+                                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
   for (const auto& [g, v] : grads_and_vars) {
     DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument,
                     "apply_gradients: undefined gradient or variable");
@@ -144,11 +191,186 @@ void Optimizer::apply_gradients(ReplicaContext& ctx,
     DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, "apply_gradients: variable '",
                     v.name(), "' is not trainable");
   }
-  ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
+  if (accumulation_steps_ == 1) return reduce_and_update(ctx, grads_and_vars);
+  Accumulator::Sums* sums;
+  {
+    std::lock_guard<std::mutex> lock(accumulator_->mu);
+    sums = &accumulator_->replicas[ctx.local_replica_id()];
+  }
+  auto& acc = sums->grads_and_vars;
+  if (sums->count == 0) {
+    acc.clear();
+    for (const auto& [g, v] : grads_and_vars) {
+      DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, name(), ": gradient accumulation of ",
+                      g.debug_string(), " for '", v.name(), "': host gradients only");
+      acc.emplace_back(g.clone(), v);
+    }
+  } else {
+    DISTSTRAT_CHECK(acc.size() == grads_and_vars.size(), kInvalidArgument,
+                    "apply_gradients: replica ", ctx.replica_id(), " passed ", grads_and_vars.size(),
+                    " gradients in micro-batch ", sums->count + 1, " of ", accumulation_steps_,
+                    ", the first had ", acc.size());
+    for (size_t k = 0; k < acc.size(); ++k) {
+      const auto& [g, v] = grads_and_vars[k];
+      DISTSTRAT_CHECK(v.impl_ptr() == acc[k].second.impl_ptr(), kInvalidArgument,
+                      "apply_gradients: replica ", ctx.replica_id(), " passed variable '", v.name(),
+                      "' at position ", k, " of micro-batch ", sums->count + 1, " where the first had '",
+                      acc[k].second.name(), "'");
+      DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, name(), ": gradient accumulation of ",
+                      g.debug_string(), " for '", v.name(), "': host gradients only");
+      float* dst = acc[k].first.data<float>();
+      const float* src = g.data<float>();
+      for (int64_t i = 0, n = g.num_elements(); i < n; ++i) dst[i] += src[i];
+    }
+  }
+  ApplyResult result;
+  if (++sums->count < accumulation_steps_) {
+    result.applied = false;
+    return result;
+  }
+  std::vector<std::pair<Tensor, Variable>> total = std::move(acc);
+  acc.clear();
+  sums->count = 0;
+  return reduce_and_update(ctx, total);
+}
+
+void Optimizer::set_accumulation_steps(int k) {
+  DISTSTRAT_CHECK(k >= 1, kInvalidArgument, name(), ": accumulation_steps ", k, " must be >= 1");
+  std::lock_guard<std::mutex> lock(accumulator_->mu);
+  for (const auto& [replica, sums] : accumulator_->replicas) {
+    DISTSTRAT_CHECK(sums.count == 0, kFailedPrecondition, name(), ": set_accumulation_steps(", k,
+                    ") while local replica ", replica, " has ", sums.count,
+                    " micro-batches pending");
+  }
+  accumulation_steps_ = k;
+}
+
+ApplyResult Optimizer::reduce_and_update(
+    ReplicaContext& ctx, const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  const bool clipping = clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0;
+  DISTSTRAT_CHECK(!clipping || ctx.strategy().name() != "parameter_server", kUnimplemented,
+                  "apply_gradients: gradient clipping under ParameterServerStrategy (the parameter "
+                  "servers apply each worker's push on its own; there is no global gradient to "
+                  "clip); clip in the training loop instead");
+  ApplyResult result;
+  if (clipping_.global_norm <= 0) {
+    ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
+    return result;
+  }
+  const std::thread::id me = std::this_thread::get_id();
+  {
+    std::lock_guard<std::mutex> lock(held_->mu);
+    Held::Batch& b = held_->batches[me];
+    b = Held::Batch{};
+    b.expected = grads_and_vars.size();
+  }
+  Held::Batch mine;
+  try {
+    ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(held_->mu);
+    held_->batches.erase(me);
+    throw;
+  }
+  {
+    std::lock_guard<std::mutex> lock(held_->mu);
+    auto it = held_->batches.find(me);
+    mine = std::move(it->second);
+    held_->batches.erase(it);
+    result.global_norm = mine.flushed ? mine.norm : held_->last_norm;
+  }
+  DISTSTRAT_CHECK(mine.updates.empty(), kInternal, "apply_gradients: strategy '",
+                  ctx.strategy().name(), "' updated ", mine.updates.size(), " of ",
+                  grads_and_vars.size(), " variables on replica ", ctx.replica_id(),
+                  "; clip_by_global_norm needs all of one call's updates (none applied)");
+  return result;
+}
+
+void Optimizer::set_clipping(const GradientClipping& c) {
+  int set = 0;
+  for (const auto& [field, v] : {std::pair<const char*, float>{"global_norm", c.global_norm},
+                                 {"norm", c.norm}, {"value", c.value}}) {
+    DISTSTRAT_CHECK(std::isfinite(v) && v >= 0, kInvalidArgument, name(),
+                    ": gradient clipping ", field, " ", v, " must be finite and >= 0");
+    set += v > 0;
+  }
+  DISTSTRAT_CHECK(set <= 1, kInvalidArgument, name(),
+                  ": set at most one of clipping global_norm, norm and value");
+  clipping_ = c;
 }
 
 void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots,
                               int64_t step) const {
+  const bool clipping = clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0;
+  if (!clipping) {
+    update_now(var, grad, slots, step);
+    return;
+  }
+  DISTSTRAT_CHECK(grad.device().is_cpu() && grad.dtype() == DType::kFloat32, kUnimplemented,
+                  name(), ": gradient clipping of ", grad.debug_string(),
+                  ": clipping runs on float32 host gradients only");
+  if (clipping_.global_norm <= 0) {
+    apply_clipped(var, grad, slots, step, 1.0f);
+    return;
+  }
+  std::vector<Held::Update> ready;
+  double norm = 0;
+  {
+    std::lock_guard<std::mutex> lock(held_->mu);
+    auto it = held_->batches.find(std::this_thread::get_id());
+    DISTSTRAT_CHECK(it != held_->batches.end(), kFailedPrecondition, name(),
+                    ": clip_by_global_norm: update of ", var.debug_string(),
+                    " outside apply_gradients (the norm needs every gradient of the step)");
+    Held::Batch& b = it->second;
+    Held::Update u{var, grad, {}, step};
+    for (Tensor* t : slots) u.slots.push_back(*t);
+    b.updates.push_back(std::move(u));
+    if (b.updates.size() < b.expected) return;
+    ready = std::move(b.updates);
+    b.updates.clear();
+    // In call order, so every replica sums in the same order: the same norm.
+    for (const Held::Update& h : ready) norm += sum_of_squares(h.grad);
+    norm = std::sqrt(norm);
+    b.flushed = true;
+    b.norm = norm;
+    held_->last_norm = norm;
+  }
+  const double max_norm = clipping_.global_norm;
+  const float scale = std::isfinite(norm) ? static_cast<float>(max_norm / std::max(norm, max_norm))
+                                          : std::numeric_limits<float>::quiet_NaN();
+  for (Held::Update& h : ready) {
+    std::vector<Tensor*> ptrs;
+    for (Tensor& t : h.slots) ptrs.push_back(&t);
+    apply_clipped(h.var, h.grad, ptrs, h.step, scale);
+  }
+}
+
+void Optimizer::apply_clipped(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
+                              int64_t step, float scale) const {
+  if (clipping_.norm > 0) {
+    const double n = std::sqrt(sum_of_squares(grad));
+    scale = std::isfinite(n) ? static_cast<float>(clipping_.norm / std::max<double>(n, clipping_.norm))
+                             : std::numeric_limits<float>::quiet_NaN();
+  }
+  if (scale == 1.0f && clipping_.value <= 0) {
+    update_now(var, grad, slots, step);
+    return;
+  }
+  Tensor g = grad.clone();  // the caller's gradient stays as reduced
+  float* p = g.data<float>();
+  const int64_t n = g.num_elements();
+  if (scale != 1.0f) {
+    for (int64_t i = 0; i < n; ++i) p[i] *= scale;
+  }
+  if (clipping_.value > 0) {
+    const float hi = clipping_.value, lo = -clipping_.value;
+    for (int64_t i = 0; i < n; ++i) p[i] = p[i] < lo ? lo : (p[i] > hi ? hi : p[i]);
+  }
+  update_now(var, g, slots, step);
+}
+
+void Optimizer::update_now(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
+                           int64_t step) const {
   std::vector<float*> slot_ptrs;
   for (Tensor* s : slots) {
     DISTSTRAT_CHECK(s->device() == var.device() || (s->device().is_cpu() && var.device().is_cpu()),

@@ -9,7 +9,7 @@ namespace {
 // The learning-rate schedule after the optimizer's own parameters: kind,
 // warmup_steps, warmup_initial, decay_steps, alpha, decay_rate, staircase,
 // boundary count, boundaries, then the values to the end. Doubles hold
-// every field exactly (steps below 2^53).
+// every field exactly (steps below 2^53). Without the block: constant.
 constexpr size_t kScheduleFixed = 8;
 constexpr int64_t kMaxBoundaries = 1000;
 
@@ -22,6 +22,7 @@ void put_schedule(const LearningRateSchedule& s, std::vector<double>& p) {
 }
 
 LearningRateSchedule get_schedule(const OptimizerConfig& c, size_t at) {
+  if (c.params.size() == at) return {};  // no schedule block: the constant rate
   DISTSTRAT_CHECK(c.params.size() >= at + kScheduleFixed, kInvalidArgument, "optimizer '", c.name,
                   "': ", c.params.size(), " parameters, too few for its learning-rate schedule");
   const double* q = c.params.data() + at;

@@ -1,11 +1,14 @@
 // Training-loop features above the all-reduce (issue 17): learning-rate
-// schedules driven by the optimizer's step counter.
+// schedules driven by the optimizer's step counter; gradient clipping on the
+// reduced gradients (global norm, per-tensor norm, value).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
@@ -283,6 +286,263 @@ TEST(LearningRateScheduleResume, MirroredAdamCosineWarmupContinuesBitExactly) {
 }
 TEST(LearningRateScheduleResume, CentralStorageAdamCosineWarmupContinuesBitExactly) {
   resume_case(central2, true);
+}
+
+// ---- gradient clipping ---------------------------------------------------------
+
+// Plain single-device SGD-momentum over the same global batches, with the
+// clipping written out here (independently of Optimizer): the weights and,
+// per step, the global norm of the full-batch gradient.
+struct ClipReference {
+  std::vector<ds::Tensor> params;
+  std::vector<double> norms;
+};
+ClipReference clipped_reference(const ds::nn::Mlp& mlp, const ds::Dataset& data, int64_t batch,
+                                int steps, float lr, float momentum, const ds::GradientClipping& c) {
+  ClipReference out;
+  out.params = mlp.init_params(5);
+  std::vector<ds::Tensor> velocity;
+  for (auto& p : out.params) velocity.emplace_back(p.shape(), ds::DType::kFloat32);
+  for (int s = 0; s < steps; ++s) {
+    const int64_t lo = s * batch, hi = std::min<int64_t>(lo + batch, data.size());
+    ds::Dataset b = data.slice(lo, hi);
+    auto st = mlp.forward_backward(out.params, b.features(), b.labels(), 1.0f / (hi - lo));
+    double sq = 0;
+    for (const ds::Tensor& g : st.grads) {
+      for (int64_t k = 0; k < g.num_elements(); ++k) sq += double(g.data<float>()[k]) * g.data<float>()[k];
+    }
+    const double norm = std::sqrt(sq);
+    out.norms.push_back(norm);
+    for (size_t i = 0; i < out.params.size(); ++i) {
+      ds::Tensor g = st.grads[i].clone();
+      float* gp = g.data<float>();
+      const int64_t n = g.num_elements();
+      float scale = 1.0f;
+      if (c.global_norm > 0) scale = static_cast<float>(c.global_norm / std::max<double>(norm, c.global_norm));
+      if (c.norm > 0) {
+        double t = 0;
+        for (int64_t k = 0; k < n; ++k) t += double(gp[k]) * gp[k];
+        scale = static_cast<float>(c.norm / std::max<double>(std::sqrt(t), c.norm));
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        gp[k] *= scale;
+        if (c.value > 0) gp[k] = std::min(c.value, std::max(-c.value, gp[k]));
+      }
+      float* w = out.params[i].data<float>();
+      float* v = velocity[i].data<float>();
+      for (int64_t k = 0; k < n; ++k) {
+        v[k] = momentum * v[k] - lr * gp[k];
+        w[k] += v[k];
+      }
+    }
+  }
+  return out;
+}
+
+// The same training under a strategy with Optimizer clipping: each replica's
+// reported norm per step (norms[step] has one entry per local replica).
+std::vector<std::vector<double>> train_clipped(ds::Strategy& strategy, const ds::nn::Mlp& mlp,
+                                               const ds::Dataset& data, int64_t batch, int steps,
+                                               float lr, float momentum,
+                                               const ds::GradientClipping& c,
+                                               std::vector<ds::Variable>* vars) {
+  *vars = mlp.create_variables(strategy, 5);
+  ds::SGD opt(strategy, {lr, momentum});
+  opt.set_clipping(c);
+  ds::DistributeOptions o;
+  o.shuffle = false;
+  ds::DistributedDataset dist = strategy.distribute(data, batch, o);
+  std::vector<std::vector<double>> norms;
+  std::mutex mu;
+  int done = 0;
+  for (const auto& b : dist) {
+    if (done++ == steps) break;
+    norms.emplace_back();
+    strategy.run([&](ds::ReplicaContext& ctx) {
+      std::vector<ds::Tensor> values;
+      for (auto& v : *vars) values.push_back(v.read(ctx));
+      auto st = mlp.forward_backward(values, b.features(ctx), b.labels(ctx),
+                                     1.0f / static_cast<float>(b.global_size()));
+      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+      for (size_t i = 0; i < vars->size(); ++i) gv.emplace_back(st.grads[i], (*vars)[i]);
+      const ds::ApplyResult r = opt.apply_gradients(ctx, gv);
+      std::lock_guard<std::mutex> lock(mu);
+      norms.back().push_back(r.global_norm);
+    });
+  }
+  return norms;
+}
+
+constexpr int64_t kClipBatch = 32;
+constexpr int kClipSteps = 6;
+constexpr float kClipLr = 0.1f, kClipMomentum = 0.9f;
+
+ds::GradientClipping by_global_norm(float n) {
+  ds::GradientClipping c;
+  c.global_norm = n;
+  return c;
+}
+
+// Norms reported on every replica of one process equal the reference norm
+// (<= 1e-6 relative) and each other (bit for bit); the weights match the
+// single-device clipped training.
+void expect_matches_reference(const std::vector<std::vector<double>>& norms, const ClipReference& ref,
+                              const std::vector<ds::Tensor>& weights, bool global) {
+  ASSERT_EQ(norms.size(), ref.norms.size());
+  for (size_t s = 0; s < norms.size(); ++s) {
+    ASSERT_FALSE(norms[s].empty());
+    for (double n : norms[s]) {
+      if (global) {
+        EXPECT_LE(std::fabs(n - ref.norms[s]), 1e-6 * ref.norms[s]) << "step " << s;
+        EXPECT_EQ(n, norms[s][0]) << "step " << s;  // identical on every replica
+      } else {
+        EXPECT_TRUE(std::isnan(n)) << "no global norm without clip_by_global_norm";
+      }
+    }
+  }
+  EXPECT_LE(ds::testing::max_abs_diff(weights, ref.params), 2e-6);
+}
+
+std::vector<ds::Tensor> values_of(const std::vector<ds::Variable>& vars) {
+  std::vector<ds::Tensor> v;
+  for (const auto& x : vars) v.push_back(x.value());
+  return v;
+}
+
+struct ClipCase {
+  const char* name;
+  ds::GradientClipping clipping;
+};
+
+class Clipping : public ::testing::TestWithParam<ClipCase> {};
+
+const ds::nn::Mlp& clip_mlp() {
+  static const ds::nn::Mlp mlp({784, 16, 10});
+  return mlp;
+}
+const ds::Dataset& clip_data() {
+  static const ds::Dataset data = ds::testing::synthetic(kClipBatch * kClipSteps, 21);
+  return data;
+}
+
+TEST_P(Clipping, MirroredAndCentralStorageMatchSingleDeviceClipping) {
+  const ds::GradientClipping c = GetParam().clipping;
+  const ClipReference ref = clipped_reference(clip_mlp(), clip_data(), kClipBatch, kClipSteps,
+                                              kClipLr, kClipMomentum, c);
+  // The bound really clips: the norm exceeds it at every step, and the
+  // clipped training ends far from the unclipped one.
+  if (c.global_norm > 0) {
+    for (double n : ref.norms) EXPECT_GT(n, c.global_norm * 1.5);
+  }
+  const bool on = c.global_norm > 0 || c.norm > 0 || c.value > 0;
+  const ClipReference plain = clipped_reference(clip_mlp(), clip_data(), kClipBatch, kClipSteps,
+                                                kClipLr, kClipMomentum, {});
+  if (on) EXPECT_GT(ds::testing::max_abs_diff(plain.params, ref.params), 1e-3);
+  for (int which = 0; which < 2; ++which) {
+    std::unique_ptr<ds::Strategy> s =
+        which == 0 ? mirrored2() : central2();
+    std::vector<ds::Variable> vars;
+    const auto norms = train_clipped(*s, clip_mlp(), clip_data(), kClipBatch, kClipSteps, kClipLr,
+                                     kClipMomentum, c, &vars);
+    SCOPED_TRACE(s->name());
+    for (const auto& n : norms) EXPECT_EQ(n.size(), 2u);
+    expect_matches_reference(norms, ref, values_of(vars), c.global_norm > 0);
+  }
+}
+
+// Multi-worker, workers as threads over an in-process group (as in
+// multi_worker_test.cc): 2 workers x 2 local replicas and 3 workers x 1.
+TEST_P(Clipping, MultiWorkerMatchesSingleDeviceClippingOnEveryWorker) {
+  const ds::GradientClipping c = GetParam().clipping;
+  const ClipReference ref = clipped_reference(clip_mlp(), clip_data(), kClipBatch, kClipSteps,
+                                              kClipLr, kClipMomentum, c);
+  for (const auto& [workers, local] : {std::pair<int, int>{2, 2}, {3, 1}}) {
+    SCOPED_TRACE(std::to_string(workers) + " workers x " + std::to_string(local));
+    ds::CommunicationOptions comm;
+    comm.bytes_per_pack = 4 << 10;  // several packs per step
+    comm.timeout = std::chrono::seconds(60);
+    ds::InProcessGroup group(workers, comm);
+    std::vector<std::vector<std::vector<double>>> norms(workers);
+    std::vector<std::vector<ds::Tensor>> weights(workers);
+    std::vector<std::exception_ptr> errors(workers);
+    std::vector<std::thread> threads;
+    for (int w = 0; w < workers; ++w) {
+      threads.emplace_back([&, w] {
+        try {
+          ds::MultiWorkerOptions o;
+          o.communication = comm;
+          o.communicator = &group.at(w);
+          o.devices = ds::testing::cpu_devices(local);
+          ds::MultiWorkerMirroredStrategy s(o);
+          std::vector<ds::Variable> vars;
+          norms[w] = train_clipped(s, clip_mlp(), clip_data(), kClipBatch, kClipSteps, kClipLr,
+                                   kClipMomentum, c, &vars);
+          for (auto& v : vars) {
+            for (const ds::Tensor& copy : v.impl().copies) weights[w].push_back(copy.clone());
+          }
+        } catch (...) {
+          errors[w] = std::current_exception();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+    for (int w = 0; w < workers; ++w) {
+      std::vector<ds::Tensor> first_copy;
+      for (size_t i = 0; i < weights[w].size(); i += local) first_copy.push_back(weights[w][i]);
+      expect_matches_reference(norms[w], ref, first_copy, c.global_norm > 0);
+      for (size_t s = 0; s < norms[w].size(); ++s) {
+        ASSERT_EQ(norms[w][s].size(), size_t(local));
+        if (c.global_norm > 0) EXPECT_EQ(norms[w][s][0], norms[0][s][0]) << "worker " << w;
+      }
+      // Every copy on every worker bit-identical to worker 0's.
+      ASSERT_EQ(weights[w].size(), weights[0].size());
+      for (size_t i = 0; i < weights[w].size(); ++i) {
+        EXPECT_EQ(0, std::memcmp(weights[w][i].data(), weights[0][i].data(), weights[0][i].nbytes()));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, Clipping,
+    ::testing::Values(ClipCase{"global_norm", by_global_norm(0.05f)},
+                      ClipCase{"per_tensor_norm", [] {
+                                 ds::GradientClipping c;
+                                 c.norm = 0.02f;
+                                 return c;
+                               }()},
+                      ClipCase{"value", [] {
+                                 ds::GradientClipping c;
+                                 c.value = 0.002f;
+                                 return c;
+                               }()},
+                      ClipCase{"off", ds::GradientClipping{}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(ClippingMisuse, ParameterServerIsUnimplementedAndBadSettingsAreRejected) {
+  ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
+  ds::Variable w = strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32,
+                                            ds::init::Zeros{});
+  ds::SGD sgd(strategy, {0.1f});
+  sgd.set_clipping(by_global_norm(1.0f));
+  try {
+    strategy.run([&](ds::ReplicaContext& ctx) {
+      sgd.apply_gradients(ctx, {{ds::Tensor(ds::Shape{2}, ds::DType::kFloat32), w}});
+    });
+    FAIL() << "clipping under ParameterServerStrategy was accepted";
+  } catch (const ds::Error& e) {
+    EXPECT_EQ(e.code(), ds::ErrorCode::kUnimplemented);
+    EXPECT_NE(std::string(e.what()).find("ParameterServerStrategy"), std::string::npos) << e.what();
+  }
+  ds::GradientClipping two;
+  two.global_norm = 1.0f;
+  two.value = 1.0f;
+  EXPECT_THROW(sgd.set_clipping(two), ds::InvalidArgumentError);
+  EXPECT_THROW(sgd.set_clipping(by_global_norm(-1.0f)), ds::InvalidArgumentError);
+  EXPECT_THROW(sgd.set_clipping(by_global_norm(NAN)), ds::InvalidArgumentError);
 }
 
 }  // namespace
