@@ -1,11 +1,13 @@
 // Training-loop features above the all-reduce (issue 17): learning-rate
 // schedules driven by the optimizer's step counter; gradient clipping on the
-// reduced gradients (global norm, per-tensor norm, value).
+// reduced gradients (global norm, per-tensor norm, value); gradient
+// accumulation over micro-batches with one reduction per update.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -543,6 +545,158 @@ TEST(ClippingMisuse, ParameterServerIsUnimplementedAndBadSettingsAreRejected) {
   EXPECT_THROW(sgd.set_clipping(two), ds::InvalidArgumentError);
   EXPECT_THROW(sgd.set_clipping(by_global_norm(-1.0f)), ds::InvalidArgumentError);
   EXPECT_THROW(sgd.set_clipping(by_global_norm(NAN)), ds::InvalidArgumentError);
+}
+
+// ---- gradient accumulation -----------------------------------------------------
+
+constexpr int64_t kMicro = 16;  // global examples per micro-batch
+constexpr int kUpdates = 20;
+constexpr float kAccLr = 0.05f, kAccMomentum = 0.9f;
+
+const ds::nn::Mlp& acc_mlp() {
+  static const ds::nn::Mlp mlp({784, 16, 10});
+  return mlp;
+}
+// 20 updates of k micro-batches; the very last micro-batch 3 examples short.
+ds::Dataset acc_data(int k) { return ds::testing::synthetic(kUpdates * k * kMicro - 3, 31); }
+
+// k micro-batches per update under `strategy`, each micro-batch's loss scaled
+// by 1 / (global examples of the update's k micro-batches). Checks that only
+// the k-th call applies.
+std::vector<ds::Variable> train_accumulated(ds::Strategy& strategy, int k, int64_t micro,
+                                            const ds::Dataset& data) {
+  std::vector<ds::Variable> vars = acc_mlp().create_variables(strategy, 5);
+  ds::SGD opt(strategy, {kAccLr, kAccMomentum});
+  opt.set_accumulation_steps(k);
+  ds::DistributeOptions o;
+  o.shuffle = false;
+  ds::DistributedDataset dist = strategy.distribute(data, micro, o);
+  std::vector<ds::DistributedBatch> batches;
+  for (const auto& b : dist) batches.push_back(b);
+  EXPECT_EQ(batches.size(), size_t(kUpdates * k)) << "micro-batches";
+  for (size_t u = 0; u * k < batches.size(); ++u) {
+    int64_t total = 0;
+    for (int i = 0; i < k; ++i) total += batches[u * k + i].global_size();
+    for (int i = 0; i < k; ++i) {
+      const ds::DistributedBatch& b = batches[u * k + i];
+      strategy.run([&](ds::ReplicaContext& ctx) {
+        std::vector<ds::Tensor> values;
+        for (auto& v : vars) values.push_back(v.read(ctx));
+        auto st = acc_mlp().forward_backward(values, b.features(ctx), b.labels(ctx),
+                                             1.0f / static_cast<float>(total));
+        std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+        for (size_t j = 0; j < vars.size(); ++j) gv.emplace_back(st.grads[j], vars[j]);
+        EXPECT_EQ(opt.apply_gradients(ctx, gv).applied, i == k - 1);
+      });
+    }
+    EXPECT_EQ(opt.iterations().value().data<int64_t>()[0], int64_t(u + 1));
+  }
+  return vars;
+}
+
+class Accumulation : public ::testing::TestWithParam<int> {};
+
+TEST_P(Accumulation, KMicroBatchesEqualOneBatchOfKTimesTheSizeUnderEveryStrategy) {
+  const int k = GetParam();
+  const ds::Dataset data = acc_data(k);
+  // Single device, one batch of k x 16 per update (the last one short).
+  const auto ref = ds::testing::reference_training(acc_mlp(), data, k * kMicro, kUpdates, kAccLr,
+                                                   kAccMomentum);
+  for (int which = 0; which < 2; ++which) {
+    std::unique_ptr<ds::Strategy> s = which == 0 ? mirrored2() : central2();
+    SCOPED_TRACE(s->name());
+    const auto vars = train_accumulated(*s, k, kMicro, data);
+    EXPECT_LE(ds::testing::max_abs_diff(values_of(vars), ref), 1e-6);
+  }
+  {
+    // ParameterServer, one worker with 2 replicas in lockstep: one push per
+    // update, however many micro-batches.
+    ds::ParameterServerOptions o;
+    o.devices = ds::testing::cpu_devices(2);
+    o.max_staleness = 0;
+    ds::ParameterServerStrategy s(o);
+    const auto vars = train_accumulated(s, k, kMicro, data);
+    s.flush();
+    EXPECT_LE(ds::testing::max_abs_diff(values_of(vars), ref), 1e-6) << "parameter_server";
+    EXPECT_EQ(s.stats().pushes_sent, kUpdates);
+  }
+}
+
+// Multi-worker (2 workers x 2 replicas as threads): the same weights as the
+// single device, and the communication counters of 20 updates of k
+// micro-batches equal those of 20 plain steps: nothing is sent for the
+// k - 1 earlier micro-batches.
+TEST_P(Accumulation, MultiWorkerCommunicatesOncePerUpdate) {
+  const int k = GetParam();
+  const ds::Dataset data = acc_data(k);
+  const auto ref = ds::testing::reference_training(acc_mlp(), data, k * kMicro, kUpdates, kAccLr,
+                                                   kAccMomentum);
+  auto run = [&](int steps) {
+    const int workers = 2;
+    ds::CommunicationOptions comm;
+    comm.timeout = std::chrono::seconds(60);
+    ds::InProcessGroup group(workers, comm);
+    std::vector<ds::MultiWorkerStats> before(workers), after(workers);
+    std::vector<std::vector<ds::Tensor>> weights(workers);
+    std::vector<std::exception_ptr> errors(workers);
+    std::vector<std::thread> threads;
+    for (int w = 0; w < workers; ++w) {
+      threads.emplace_back([&, w] {
+        try {
+          ds::MultiWorkerOptions o;
+          o.communication = comm;
+          o.communicator = &group.at(w);
+          o.devices = ds::testing::cpu_devices(2);
+          ds::MultiWorkerMirroredStrategy s(o);
+          // 1: the strategy run with k micro-batches; else one step per batch of k x 16.
+          std::vector<ds::Variable> vars;
+          before[w] = s.stats();
+          if (steps == 1) {
+            vars = train_accumulated(s, k, kMicro, data);
+          } else {
+            vars = train_accumulated(s, 1, k * kMicro, data);
+          }
+          after[w] = s.stats();
+          for (auto& v : vars) weights[w].push_back(v.impl().copies[0].clone());
+        } catch (...) {
+          errors[w] = std::current_exception();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+    std::vector<int64_t> counts = {after[0].calls - before[0].calls, after[0].packs - before[0].packs,
+                                   after[0].bytes - before[0].bytes};
+    EXPECT_LE(ds::testing::max_abs_diff(weights[0], ref), 1e-6);
+    EXPECT_EQ(0, ds::testing::max_abs_diff(weights[1], weights[0]));
+    return counts;
+  };
+  const std::vector<int64_t> accumulated = run(1), plain = run(2);
+  EXPECT_EQ(accumulated, plain) << "calls, packs, bytes";
+  std::cout << "k=" << k << ": " << accumulated[0] << " cross-process calls, " << accumulated[1]
+            << " packs for " << kUpdates << " updates of " << k << " micro-batches (plain: "
+            << plain[0] << ", " << plain[1] << ")\n";
+  EXPECT_GE(accumulated[0], kUpdates);
+}
+
+INSTANTIATE_TEST_SUITE_P(K, Accumulation, ::testing::Values(1, 2, 4));
+
+TEST(AccumulationMisuse, BadStepsMismatchedMicroBatchesAndChangesWhilePending) {
+  ds::MirroredStrategy strategy({ds::Device::cpu(0)});
+  ds::Variable a = strategy.create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable b = strategy.create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::SGD sgd(strategy, {0.1f});
+  EXPECT_THROW(sgd.set_accumulation_steps(0), ds::InvalidArgumentError);
+  sgd.set_accumulation_steps(2);
+  ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
+  strategy.run([&](ds::ReplicaContext& ctx) { EXPECT_FALSE(sgd.apply_gradients(ctx, {{g, a}}).applied); });
+  EXPECT_THROW(sgd.set_accumulation_steps(1), ds::FailedPreconditionError);
+  EXPECT_THROW(strategy.run([&](ds::ReplicaContext& ctx) { sgd.apply_gradients(ctx, {{g, b}}); }),
+               ds::InvalidArgumentError);
+  strategy.run([&](ds::ReplicaContext& ctx) { EXPECT_TRUE(sgd.apply_gradients(ctx, {{g, a}}).applied); });
+  sgd.set_accumulation_steps(1);
 }
 
 }  // namespace
