@@ -90,8 +90,28 @@ struct GradientClipping {
   float value = 0.0f;
 };
 
+// Dynamic loss scaling (Keras' LossScaleOptimizer): the loop multiplies its
+// loss by loss_scale(ctx); after the reduction the optimizer divides the
+// gradients by it and, if any reduced gradient is non-finite, skips the whole
+// step (no variable, slot or step counter changes) and divides the scale by
+// `multiplier` (never below 1); after `growth_interval` finite steps in a
+// row it multiplies it. The decision is taken on the reduced gradients: an
+// inf or NaN on any replica of any worker reaches every replica through the
+// all-reduce (sums propagate them), so every replica skips the same step and
+// the scale stays identical everywhere, with no extra communication.
+struct LossScaleOptions {
+  float initial_scale = 32768.0f;  // 2^15, as Keras
+  int64_t growth_interval = 2000;  // finite steps in a row before the scale grows
+  float multiplier = 2.0f;         // growth factor; a skipped step divides by it
+};
+
 // What one apply_gradients call did.
 struct ApplyResult {
+  // Loss scaling: the step's reduced gradients were not all finite, so the
+  // step was skipped (on every replica and worker alike).
+  bool skipped = false;
+  // Loss scaling: the scale this step's gradients were divided by; 1 without.
+  float loss_scale = 1.0f;
   // False for the first k - 1 micro-batches under gradient accumulation: the
   // gradients were added to this replica's sums, nothing was communicated or
   // updated.
@@ -133,6 +153,20 @@ class Optimizer {
   // set. Not thread-safe: call it outside Strategy::run.
   void set_clipping(const GradientClipping& clipping);
   const GradientClipping& clipping() const { return clipping_; }
+
+  // Turns on dynamic loss scaling: creates the non-trainable variables
+  // "<optimizer>/loss_scale" (float32), "<optimizer>/loss_scale_good_steps"
+  // and "<optimizer>/skipped_steps" (int64), which checkpoints save. Like
+  // create_variable: outside run, collective on every worker. Throws
+  // InvalidArgumentError for bad options, FailedPreconditionError if called
+  // twice. ParameterServerStrategy: UnimplementedError at apply_gradients.
+  // Host (CPU) variables and gradients only.
+  void enable_loss_scaling(const LossScaleOptions& options = {});
+  bool loss_scaling() const { return loss_scale_.defined(); }
+  // The current scale as this replica holds it (1 without loss scaling).
+  float loss_scale(ReplicaContext& ctx) const;
+  // Steps skipped for non-finite gradients so far (0 without loss scaling).
+  int64_t skipped_steps() const;
 
   // Gradient accumulation over k micro-batches per update (1 = off, the
   // default): DDP's no_sync, Horovod's backward_passes_per_step. iterations()
@@ -183,6 +217,8 @@ class Optimizer {
   GradientClipping clipping_;
   std::shared_ptr<Held> held_;  // per-thread updates held for clipping by global norm
   int accumulation_steps_ = 1;
+  LossScaleOptions loss_scale_options_;
+  Variable loss_scale_, good_steps_, skipped_steps_;
   std::shared_ptr<Accumulator> accumulator_;  // per local replica sums
 };
 

@@ -137,12 +137,17 @@ struct Optimizer::Held {
     std::vector<Update> updates;
     bool flushed = false;
     double norm = std::numeric_limits<double>::quiet_NaN();
+    // Loss scaling: this replica's copies of the state, and the decision.
+    Tensor scale, good, skipped_count;
+    float scale_value = 1.0f;
+    bool skipped = false;
   };
   std::mutex mu;
   std::map<std::thread::id, Batch> batches;
   // The norm of the latest flush: what a replica reports whose updates ran
   // on another thread (CentralStorage's replicas other than 0).
   double last_norm = std::numeric_limits<double>::quiet_NaN();
+  bool last_skipped = false;
 };
 
 // Each local replica's gradient sums of the micro-batches so far.
@@ -252,17 +257,35 @@ ApplyResult Optimizer::reduce_and_update(
                   "apply_gradients: gradient clipping under ParameterServerStrategy (the parameter "
                   "servers apply each worker's push on its own; there is no global gradient to "
                   "clip); clip in the training loop instead");
+  DISTSTRAT_CHECK(!loss_scaling() || ctx.strategy().name() != "parameter_server", kUnimplemented,
+                  "apply_gradients: loss scaling under ParameterServerStrategy (each push is "
+                  "applied on its own by the parameter servers; workers cannot agree to skip a step)");
   ApplyResult result;
-  if (clipping_.global_norm <= 0) {
+  if (clipping_.global_norm <= 0 && !loss_scaling()) {
     ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
     return result;
   }
   const std::thread::id me = std::this_thread::get_id();
+  // This replica's copy of a state variable (CentralStorage: the one host copy).
+  const auto local_copy = [&](const Variable& v) {
+    const std::vector<Tensor>& copies = v.impl().copies;
+    const Tensor& t = copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
+    DISTSTRAT_CHECK(t.device().is_cpu(), kUnimplemented, name(), ": loss scaling with '", v.name(),
+                    "' on ", t.device().to_string(), ": host variables only");
+    return t;
+  };
   {
     std::lock_guard<std::mutex> lock(held_->mu);
     Held::Batch& b = held_->batches[me];
     b = Held::Batch{};
     b.expected = grads_and_vars.size();
+    if (loss_scaling()) {
+      b.scale = local_copy(loss_scale_);
+      b.good = local_copy(good_steps_);
+      b.skipped_count = local_copy(skipped_steps_);
+      b.scale_value = b.scale.data<float>()[0];
+      result.loss_scale = b.scale_value;
+    }
   }
   Held::Batch mine;
   try {
@@ -278,12 +301,54 @@ ApplyResult Optimizer::reduce_and_update(
     mine = std::move(it->second);
     held_->batches.erase(it);
     result.global_norm = mine.flushed ? mine.norm : held_->last_norm;
+    result.skipped = mine.flushed ? mine.skipped : held_->last_skipped;
+  }
+  const std::vector<Tensor>& iter_copies = iterations_.impl().copies;
+  if (result.skipped && (iter_copies.size() > 1 || ctx.local_replica_id() == 0)) {
+    // The strategy counted the step; a skipped step is not one.
+    local_copy(iterations_).data<int64_t>()[0] -= 1;
   }
   DISTSTRAT_CHECK(mine.updates.empty(), kInternal, "apply_gradients: strategy '",
                   ctx.strategy().name(), "' updated ", mine.updates.size(), " of ",
                   grads_and_vars.size(), " variables on replica ", ctx.replica_id(),
-                  "; clip_by_global_norm needs all of one call's updates (none applied)");
+                  "; clip_by_global_norm and loss scaling need all of one call's updates (none "
+                  "applied)");
   return result;
+}
+
+void Optimizer::enable_loss_scaling(const LossScaleOptions& o) {
+  DISTSTRAT_CHECK(!loss_scaling(), kFailedPrecondition, name(), ": loss scaling is already on");
+  DISTSTRAT_CHECK(std::isfinite(o.initial_scale) && o.initial_scale >= 1, kInvalidArgument, name(),
+                  ": initial loss scale ", o.initial_scale, " must be finite and >= 1");
+  DISTSTRAT_CHECK(o.growth_interval >= 1, kInvalidArgument, name(), ": loss-scale growth_interval ",
+                  o.growth_interval, " must be >= 1");
+  DISTSTRAT_CHECK(std::isfinite(o.multiplier) && o.multiplier > 1, kInvalidArgument, name(),
+                  ": loss-scale multiplier ", o.multiplier, " must be finite and > 1");
+  const std::string& it = iterations_.name();
+  const std::string prefix = it.substr(0, it.size() - std::string("/iterations").size());
+  VariableOptions opts;
+  opts.trainable = false;
+  loss_scale_options_ = o;
+  loss_scale_ = strategy_->create_variable(prefix + "/loss_scale", Shape{}, DType::kFloat32,
+                                           init::Constant{o.initial_scale}, opts);
+  good_steps_ = strategy_->create_variable(prefix + "/loss_scale_good_steps", Shape{},
+                                           DType::kInt64, init::Zeros{}, opts);
+  skipped_steps_ = strategy_->create_variable(prefix + "/skipped_steps", Shape{}, DType::kInt64,
+                                              init::Zeros{}, opts);
+}
+
+float Optimizer::loss_scale(ReplicaContext& ctx) const {
+  if (!loss_scaling()) return 1.0f;
+  const std::vector<Tensor>& copies = loss_scale_.impl().copies;
+  const Tensor& t = copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
+  DISTSTRAT_CHECK(t.device().is_cpu(), kUnimplemented, name(), ": loss scale on ",
+                  t.device().to_string(), ": host variables only");
+  return t.data<float>()[0];
+}
+
+int64_t Optimizer::skipped_steps() const {
+  if (!loss_scaling()) return 0;
+  return skipped_steps_.value().data<int64_t>()[0];
 }
 
 void Optimizer::set_clipping(const GradientClipping& c) {
@@ -302,25 +367,25 @@ void Optimizer::set_clipping(const GradientClipping& c) {
 void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots,
                               int64_t step) const {
   const bool clipping = clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0;
-  if (!clipping) {
+  if (!clipping && !loss_scaling()) {
     update_now(var, grad, slots, step);
     return;
   }
   DISTSTRAT_CHECK(grad.device().is_cpu() && grad.dtype() == DType::kFloat32, kUnimplemented,
-                  name(), ": gradient clipping of ", grad.debug_string(),
-                  ": clipping runs on float32 host gradients only");
-  if (clipping_.global_norm <= 0) {
+                  name(), ": gradient clipping or loss scaling of ", grad.debug_string(),
+                  ": they run on float32 host gradients only");
+  if (clipping_.global_norm <= 0 && !loss_scaling()) {
     apply_clipped(var, grad, slots, step, 1.0f);
     return;
   }
   std::vector<Held::Update> ready;
-  double norm = 0;
+  Held::Batch* batch;  // this thread's; only this thread touches its fields
   {
     std::lock_guard<std::mutex> lock(held_->mu);
     auto it = held_->batches.find(std::this_thread::get_id());
     DISTSTRAT_CHECK(it != held_->batches.end(), kFailedPrecondition, name(),
-                    ": clip_by_global_norm: update of ", var.debug_string(),
-                    " outside apply_gradients (the norm needs every gradient of the step)");
+                    ": clip_by_global_norm / loss scaling: update of ", var.debug_string(),
+                    " outside apply_gradients (they need every gradient of the step)");
     Held::Batch& b = it->second;
     Held::Update u{var, grad, {}, step};
     for (Tensor* t : slots) u.slots.push_back(*t);
@@ -328,16 +393,59 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
     if (b.updates.size() < b.expected) return;
     ready = std::move(b.updates);
     b.updates.clear();
+    batch = &b;
+  }
+  bool skip = false;
+  if (loss_scaling()) {
+    // Unscale into copies (the caller's gradients stay as reduced); one
+    // non-finite element anywhere skips the step.
+    const float inv = 1.0f / batch->scale_value;
+    for (Held::Update& h : ready) {
+      Tensor g = h.grad.clone();
+      float* p = g.data<float>();
+      for (int64_t i = 0, n = g.num_elements(); i < n; ++i) {
+        p[i] *= inv;
+        skip = skip || !std::isfinite(p[i]);
+      }
+      h.grad = g;
+    }
+  }
+  double norm = std::numeric_limits<double>::quiet_NaN();
+  if (clipping_.global_norm > 0 && !skip) {
     // In call order, so every replica sums in the same order: the same norm.
+    norm = 0;
     for (const Held::Update& h : ready) norm += sum_of_squares(h.grad);
     norm = std::sqrt(norm);
-    b.flushed = true;
-    b.norm = norm;
-    held_->last_norm = norm;
   }
-  const double max_norm = clipping_.global_norm;
-  const float scale = std::isfinite(norm) ? static_cast<float>(max_norm / std::max(norm, max_norm))
-                                          : std::numeric_limits<float>::quiet_NaN();
+  {
+    std::lock_guard<std::mutex> lock(held_->mu);
+    batch->flushed = true;
+    batch->norm = norm;
+    batch->skipped = skip;
+    held_->last_norm = norm;
+    held_->last_skipped = skip;
+  }
+  if (loss_scaling()) {
+    float& scale = batch->scale.data<float>()[0];
+    int64_t& good = batch->good.data<int64_t>()[0];
+    if (skip) {
+      scale = std::max(1.0f, scale / loss_scale_options_.multiplier);
+      good = 0;
+      ++batch->skipped_count.data<int64_t>()[0];
+      return;
+    }
+    if (++good >= loss_scale_options_.growth_interval) {
+      const float grown = scale * loss_scale_options_.multiplier;
+      if (std::isfinite(grown)) scale = grown;
+      good = 0;
+    }
+  }
+  float scale = 1.0f;
+  if (clipping_.global_norm > 0) {
+    const double max_norm = clipping_.global_norm;
+    scale = std::isfinite(norm) ? static_cast<float>(max_norm / std::max(norm, max_norm))
+                                : std::numeric_limits<float>::quiet_NaN();
+  }
   for (Held::Update& h : ready) {
     std::vector<Tensor*> ptrs;
     for (Tensor& t : h.slots) ptrs.push_back(&t);

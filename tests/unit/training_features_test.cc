@@ -1,7 +1,8 @@
 // Training-loop features above the all-reduce (issue 17): learning-rate
 // schedules driven by the optimizer's step counter; gradient clipping on the
 // reduced gradients (global norm, per-tensor norm, value); gradient
-// accumulation over micro-batches with one reduction per update.
+// accumulation over micro-batches with one reduction per update; dynamic
+// loss scaling whose skip decision every replica and worker shares.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -697,6 +698,166 @@ TEST(AccumulationMisuse, BadStepsMismatchedMicroBatchesAndChangesWhilePending) {
                ds::InvalidArgumentError);
   strategy.run([&](ds::ReplicaContext& ctx) { EXPECT_TRUE(sgd.apply_gradients(ctx, {{g, a}}).applied); });
   sgd.set_accumulation_steps(1);
+}
+
+// ---- loss scaling ----------------------------------------------------------------
+
+constexpr int kLsSteps = 6, kLsBadStep = 3;
+
+// Replica r's gradient of step s before scaling (its share of the sum).
+float ls_grad(int step, int replica, int i) { return 0.01f * (step + 1) * (replica + 1) + 0.001f * i; }
+
+struct LsRun {
+  std::vector<std::vector<bool>> skipped;   // [step][local replica]
+  std::vector<std::vector<float>> scales;   // [step][local replica]: the scale used
+  std::vector<ds::Tensor> weights;          // every copy of w, then of its momentum
+  int64_t iterations = 0, skipped_steps = 0;
+  float final_scale = 0;
+};
+
+// SGD-momentum on w[4], initial scale 8, growth every 2 finite steps. The loop
+// multiplies its gradient by loss_scale(ctx); at kLsBadStep the replica with
+// global id `bad_replica` puts an inf into its gradient (-1: none, and the
+// step is left out of the loop instead: the reference of a skipped step).
+LsRun train_loss_scaled(ds::Strategy& strategy, bool scaling, int bad_replica) {
+  ds::Variable w = strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32,
+                                            ds::init::Constant{1.0});
+  ds::SGD opt(strategy, {0.1f, 0.9f});
+  if (scaling) {
+    ds::LossScaleOptions o;
+    o.initial_scale = 8.0f;
+    o.growth_interval = 2;
+    opt.enable_loss_scaling(o);
+  }
+  LsRun out;
+  std::mutex mu;
+  for (int s = 0; s < kLsSteps; ++s) {
+    if (!scaling && s == kLsBadStep) continue;
+    out.skipped.emplace_back();
+    out.scales.emplace_back();
+    strategy.run([&](ds::ReplicaContext& ctx) {
+      const float scale = opt.loss_scale(ctx);
+      ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
+      for (int i = 0; i < 4; ++i) g.data<float>()[i] = ls_grad(s, ctx.replica_id(), i) * scale;
+      if (s == kLsBadStep && ctx.replica_id() == bad_replica) g.data<float>()[2] = INFINITY;
+      const ds::ApplyResult r = opt.apply_gradients(ctx, {{g, w}});
+      std::lock_guard<std::mutex> lock(mu);
+      out.skipped.back().push_back(r.skipped);
+      out.scales.back().push_back(r.loss_scale);
+    });
+  }
+  for (const ds::Tensor& c : w.impl().copies) out.weights.push_back(c.clone());
+  for (const ds::Tensor& c : w.impl().slot("momentum")) out.weights.push_back(c.clone());
+  out.iterations = opt.iterations().value().data<int64_t>()[0];
+  out.skipped_steps = opt.skipped_steps();
+  if (scaling) out.final_scale = strategy.variable("optimizer/loss_scale").value().data<float>()[0];
+  return out;
+}
+
+// Scales used: 8, 8 (2 finite: grow), 16, skip at 3 (back off to 8), 8, 8 (grow): 16 at the end.
+void expect_one_skip(const LsRun& run, size_t replicas) {
+  const std::vector<float> want_scales = {8, 8, 16, 16, 8, 8};
+  ASSERT_EQ(run.skipped.size(), size_t(kLsSteps));
+  for (int s = 0; s < kLsSteps; ++s) {
+    ASSERT_EQ(run.skipped[s].size(), replicas);
+    for (size_t r = 0; r < replicas; ++r) {
+      EXPECT_EQ(run.skipped[s][r], s == kLsBadStep) << "step " << s << " replica " << r;
+      EXPECT_EQ(run.scales[s][r], want_scales[s]) << "step " << s << " replica " << r;
+    }
+  }
+  EXPECT_EQ(run.iterations, kLsSteps - 1);
+  EXPECT_EQ(run.skipped_steps, 1);
+  EXPECT_EQ(run.final_scale, 16.0f);
+}
+
+TEST(LossScaling, AnInfOnOneReplicaSkipsTheStepOnEveryReplicaMirroredAndCentralStorage) {
+  for (int which = 0; which < 2; ++which) {
+    std::unique_ptr<ds::Strategy> a = which == 0 ? mirrored2() : central2();
+    std::unique_ptr<ds::Strategy> b = which == 0 ? mirrored2() : central2();
+    SCOPED_TRACE(a->name());
+    const LsRun scaled = train_loss_scaled(*a, true, 1);
+    expect_one_skip(scaled, 2);
+    // Equal to training without the bad step and without scaling (the scales
+    // are powers of two: unscaling is exact).
+    const LsRun ref = train_loss_scaled(*b, false, -1);
+    ASSERT_EQ(scaled.weights.size(), ref.weights.size());
+    for (size_t i = 0; i < ref.weights.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(scaled.weights[i].data(), ref.weights[i].data(), ref.weights[i].nbytes()))
+          << "tensor " << i;
+      // Copies bit-identical across replicas.
+      EXPECT_EQ(0, std::memcmp(scaled.weights[i].data(), scaled.weights[i - i % (scaled.weights.size() / 2)].data(),
+                               ref.weights[i].nbytes()));
+    }
+  }
+}
+
+// Two workers x two replicas as threads; the inf on worker 1's second replica
+// (global replica 3): every replica of every worker skips step 3, the scales
+// agree everywhere, the weights and momentum stay bit-identical.
+TEST(LossScaling, AnInfOnOneReplicaOfOneWorkerSkipsTheStepOnEveryWorker) {
+  const int workers = 2;
+  ds::CommunicationOptions comm;
+  comm.timeout = std::chrono::seconds(60);
+  ds::InProcessGroup group(workers, comm);
+  std::vector<LsRun> runs(workers);
+  std::vector<std::exception_ptr> errors(workers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      try {
+        ds::MultiWorkerOptions o;
+        o.communication = comm;
+        o.communicator = &group.at(w);
+        o.devices = ds::testing::cpu_devices(2);
+        ds::MultiWorkerMirroredStrategy s(o);
+        runs[w] = train_loss_scaled(s, true, 3);
+      } catch (...) {
+        errors[w] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  for (int w = 0; w < workers; ++w) {
+    SCOPED_TRACE("worker " + std::to_string(w));
+    expect_one_skip(runs[w], 2);
+    ASSERT_EQ(runs[w].weights.size(), 4u);  // 2 copies of w, 2 of its momentum
+    for (size_t i = 0; i < 4; ++i) {
+      const ds::Tensor& first = runs[0].weights[i < 2 ? 0 : 2];
+      EXPECT_EQ(0, std::memcmp(runs[w].weights[i].data(), first.data(), first.nbytes())) << i;
+    }
+  }
+}
+
+TEST(LossScaling, StateIsCheckpointedAndMisuseIsAnError) {
+  std::unique_ptr<ds::Strategy> s = mirrored2();
+  ds::Variable w = s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::SGD opt(*s, {0.1f});
+  EXPECT_THROW(opt.enable_loss_scaling({0.5f}), ds::InvalidArgumentError);
+  opt.enable_loss_scaling();
+  EXPECT_THROW(opt.enable_loss_scaling(), ds::FailedPreconditionError);
+  ds::Checkpoint ckpt(*s, {&opt});
+  std::vector<std::string> names;
+  for (const auto& [name, t] : ckpt.state()) names.push_back(name);
+  for (const char* n : {"optimizer/loss_scale", "optimizer/loss_scale_good_steps", "optimizer/skipped_steps"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+  }
+
+  ds::ParameterServerStrategy ps(ds::ParameterServerOptions{});
+  ds::Variable v = ps.create_variable("v", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::SGD psopt(ps, {0.1f});
+  psopt.enable_loss_scaling();
+  try {
+    ps.run([&](ds::ReplicaContext& ctx) {
+      psopt.apply_gradients(ctx, {{ds::Tensor(ds::Shape{2}, ds::DType::kFloat32), v}});
+    });
+    FAIL() << "loss scaling under ParameterServerStrategy was accepted";
+  } catch (const ds::Error& e) {
+    EXPECT_EQ(e.code(), ds::ErrorCode::kUnimplemented);
+    EXPECT_NE(std::string(e.what()).find("ParameterServerStrategy"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
