@@ -180,8 +180,9 @@ class Optimizer {
   void set_accumulation_steps(int k);
   int accumulation_steps() const { return accumulation_steps_; }
 
-  // Number of completed apply_gradients steps (an int64 scalar variable that
-  // checkpoints save with the model).
+  // Number of completed updates (an int64 scalar variable that checkpoints
+  // save with the model); neither accumulated micro-batches nor steps skipped
+  // by loss scaling count.
   Variable iterations() const { return iterations_; }
   Strategy& strategy() const { return *strategy_; }
 
@@ -198,8 +199,9 @@ class Optimizer {
   // strategies); GPU tensors are updated on the calling replica's stream.
   // Strategies call it once per variable (per local copy) with the reduced
   // gradient after the reduction, in the same order on every replica: under
-  // clipping by global norm, the calls of one apply_gradients on one thread
-  // are held until the last, then clipped together and applied in order.
+  // clipping by global norm or loss scaling, the calls of one apply_gradients
+  // on one thread are held until the last, then checked, clipped together
+  // and applied in order (or all dropped for a skipped step).
   void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots, int64_t step) const;
 
  private:
@@ -215,7 +217,7 @@ class Optimizer {
   Strategy* strategy_;
   Variable iterations_;
   GradientClipping clipping_;
-  std::shared_ptr<Held> held_;  // per-thread updates held for clipping by global norm
+  std::shared_ptr<Held> held_;  // per-thread updates held (global norm, loss scaling)
   int accumulation_steps_ = 1;
   LossScaleOptions loss_scale_options_;
   Variable loss_scale_, good_steps_, skipped_steps_;
