@@ -290,6 +290,20 @@ TEST(LearningRateScheduleResume, MirroredAdamCosineWarmupContinuesBitExactly) {
 TEST(LearningRateScheduleResume, CentralStorageAdamCosineWarmupContinuesBitExactly) {
   resume_case(central2, true);
 }
+// Two PS ranks (threads of this process): the schedule runs on the PS from
+// each shard's restored step.
+std::unique_ptr<ds::Strategy> ps2() {
+  ds::ParameterServerOptions o;
+  o.num_ps = 2;
+  o.partitioner = ds::partitioners::FixedShards{2};
+  return std::make_unique<ds::ParameterServerStrategy>(o);
+}
+TEST(LearningRateScheduleResume, ParameterServerSgdPiecewiseContinuesBitExactly) {
+  resume_case(ps2, false);
+}
+TEST(LearningRateScheduleResume, ParameterServerAdamCosineWarmupContinuesBitExactly) {
+  resume_case(ps2, true);
+}
 
 // ---- gradient clipping ---------------------------------------------------------
 
