@@ -71,7 +71,7 @@ cuda_root=$(dirname "$(dirname "$(realpath "$nvcc")")")
 command -v cmake >/dev/null || die "cmake not found"
 command -v ninja >/dev/null || die "ninja not found"
 command -v python3 >/dev/null || die "python3 not found (needed to locate the NCCL/cuBLAS wheels)"
-for d in eigen3/Eigen googletest/googletest nlohmann CLI zlib/zlib.h fashion-mnist/train-images-idx3-ubyte.gz; do
+for d in eigen3/Eigen googletest/googletest nlohmann CLI dlpack/include/dlpack/dlpack.h zlib/zlib.h fashion-mnist/train-images-idx3-ubyte.gz; do
   [[ -e $deps/$d ]] || die "$deps/$d missing: run scripts/gpu-deps.sh on a Debian machine and carry .deps"
 done
 
@@ -179,6 +179,7 @@ configure() {  # torch-prefix (may be empty)
       -DCMAKE_CUDA_RUNTIME_LIBRARY=Shared \
       -DDISTSTRAT_WITH_CUDA=ON -DDISTSTRAT_WITH_CUBLAS=ON -DDISTSTRAT_WITH_NCCL=ON \
       -DDISTSTRAT_WITH_MPI=OFF -DDISTSTRAT_WITH_GLOO=OFF -DDISTSTRAT_WITH_TORCH=$torch_mode \
+      -DDISTSTRAT_WITH_DLPACK=ON -DDLPACK_ROOT="$deps/dlpack" \
       -DDISTSTRAT_BUILD_EXAMPLES=ON -DDISTSTRAT_BUILD_BENCHMARKS=OFF -DDISTSTRAT_BUILD_TESTS=ON \
       -DNCCL_ROOT="$nccl_root" ${cublas_root:+-DCUBLAS_ROOT="$cublas_root"} \
       -DEigen3_DIR="$cfg/Eigen3" -Dnlohmann_json_DIR="$cfg/nlohmann_json" -DCLI11_DIR="$cfg/CLI11" \

@@ -9,6 +9,8 @@
 #   .deps/googletest  <- /usr/src/googletest            (googletest sources; built there)
 #   .deps/nlohmann    <- /usr/include/nlohmann          (nlohmann-json3-dev, headers)
 #   .deps/CLI         <- /usr/include/CLI               (libcli11-dev, headers)
+#   .deps/dlpack/include/dlpack <- /usr/include/dlpack (libdlpack-dev, one header;
+#                        gpu-check.sh passes DLPACK_ROOT=.deps/dlpack)
 #   .deps/zlib        <- zlib.h, zconf.h, libz.so.1     (zlib1g-dev; the library is a
 #                        fallback: gpu-check.sh prefers the GPU machine's own libz)
 #   .deps/fashion-mnist <- the test set and the first 12000 training rows of
@@ -25,6 +27,8 @@ cp -r /usr/include/eigen3 "$out/eigen3"
 cp -r /usr/src/googletest "$out/googletest"
 cp -r /usr/include/nlohmann "$out/nlohmann"
 cp -r /usr/include/CLI "$out/CLI"
+mkdir -p "$out/dlpack/include"
+cp -r /usr/include/dlpack "$out/dlpack/include/dlpack"
 cp /usr/include/zlib.h /usr/include/zconf.h "$out/zlib/"
 cp -L /usr/lib/x86_64-linux-gnu/libz.so.1 "$out/zlib/libz.so.1"
 cp "$data"/t10k-images-idx3-ubyte.gz "$data"/t10k-labels-idx1-ubyte.gz "$out/fashion-mnist/"

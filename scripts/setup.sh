@@ -12,6 +12,7 @@ packages=(
   openmpi-bin libopenmpi-dev
   libgloo-dev
   zlib1g-dev
+  libdlpack-dev
   dataset-fashion-mnist
   python3 python3-matplotlib python3-yaml python3-numpy python3-pip
 )

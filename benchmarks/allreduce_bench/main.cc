@@ -68,7 +68,13 @@ struct Config {
   size_t fusion_bytes = 4096;
   size_t segment_bytes = 0;
   std::string csv_out;
+  std::string timeout;  // --timeout seconds; empty: DISTSTRAT_TIMEOUT, else 5 minutes
 };
+
+std::chrono::milliseconds timeout_of(const Config& c) {
+  if (!c.timeout.empty()) return ds::parse_timeout_seconds(c.timeout);
+  return ds::timeout_from_env().value_or(std::chrono::minutes(5));
+}
 
 struct Row {
   std::string algo;
@@ -603,7 +609,7 @@ int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
   }
   ds::CommunicationOptions base;
   base.segment_bytes = c.segment_bytes;
-  base.timeout = std::chrono::minutes(5);
+  base.timeout = timeout_of(c);
   ds::InProcessGroup direct(n, base);
   ds::InProcessTransportGroup transports(n);
   ThreadShared shared(n);
@@ -770,7 +776,7 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
     ds::CommunicationOptions o;
     o.algorithm = base == "mpi" ? ds::Algorithm::kMpiNative : ds::parse_algorithm(base);
     o.segment_bytes = c.segment_bytes;
-    o.timeout = std::chrono::minutes(5);
+    o.timeout = timeout_of(c);
     if (base == "direct") {
       if (w.rank() == 0) std::fprintf(stderr, "# 'direct' is in-process only (--inproc); skipped\n");
       continue;
@@ -819,6 +825,17 @@ int main(int argc, char** argv) {
   app.add_option("--fusion-bytes", c.fusion_bytes, "S for --fusion");
   app.add_option("--csv-out", c.csv_out, "also write the rows as CSV to this file");
   app.add_option("--segment-bytes", c.segment_bytes, "CommunicationOptions::segment_bytes (0 = default)");
+  app.add_option("--timeout", c.timeout,
+                 "seconds any collective waits for peers, fractional allowed (default: "
+                 "$DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
   if (!algos.empty()) {
     c.algos.clear();

@@ -62,10 +62,11 @@ std::vector<ds::Tensor> make_tensors(const std::vector<int64_t>& sizes) {
 }
 
 // The engine path: one run() whose replica enqueues every tensor and waits.
-Timing time_fused(size_t bytes_per_pack, const std::vector<int64_t>& sizes) {
+Timing time_fused(size_t bytes_per_pack, const std::vector<int64_t>& sizes,
+                  std::chrono::milliseconds timeout) {
   ds::MultiWorkerOptions o;
   o.communication.bytes_per_pack = bytes_per_pack;
-  o.communication.timeout = std::chrono::seconds(120);
+  o.communication.timeout = timeout;
   ds::MultiWorkerMirroredStrategy s(o);
   std::vector<ds::Tensor> ts = make_tensors(sizes);
   std::vector<std::string> names;
@@ -90,6 +91,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--iters", iters, "timed iterations")->capture_default_str();
   app.add_flag("--sweep", sweep, "also sweep bytes_per_pack");
+  std::string timeout_flag;
+  app.add_option("--timeout", timeout_flag,
+                 "seconds any collective waits for peers, fractional allowed (default: "
+                 "$DISTSTRAT_TIMEOUT, else 120)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -104,10 +117,13 @@ int main(int argc, char** argv) {
     const size_t count = tensor_bytes / 4, total = count * tensors;
     std::vector<int64_t> sizes(tensors, static_cast<int64_t>(count));
 
-    const Timing fused = time_fused(bytes_per_pack, sizes);
+    const std::chrono::milliseconds timeout =
+        !timeout_flag.empty() ? ds::parse_timeout_seconds(timeout_flag)
+                              : ds::timeout_from_env().value_or(std::chrono::seconds(120));
+    const Timing fused = time_fused(bytes_per_pack, sizes, timeout);
 
     ds::CommunicationOptions co;
-    co.timeout = std::chrono::seconds(120);
+    co.timeout = timeout;
     auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, co);
     std::vector<float> big(total, 1.0f), small(total, 1.0f);
     const Timing one_tensor = time_p50([&] {
@@ -141,8 +157,8 @@ int main(int argc, char** argv) {
                                  "bytes_per_pack", "K x S", "mlp grads");
       for (size_t bpp : {size_t{16} << 10, size_t{64} << 10, size_t{256} << 10, size_t{1} << 20,
                          size_t{4} << 20, size_t{16} << 20, size_t{0}}) {
-        const Timing a = time_fused(bpp, sizes);
-        const Timing b = time_fused(bpp, mlp);
+        const Timing a = time_fused(bpp, sizes, timeout);
+        const Timing b = time_fused(bpp, mlp, timeout);
         if (rank == 0) std::printf("%-14zu %11.1f / %8.1f %11.1f / %8.1f\n", bpp, a.p50, a.min, b.p50, b.min);
       }
     }

@@ -32,8 +32,9 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-int sparse(int64_t rows, int64_t dim, double fraction, int reps) {
+int sparse(int64_t rows, int64_t dim, double fraction, int reps, const std::string& timeout) {
   ds::ParameterServerOptions o;
+  if (!timeout.empty()) o.communication.timeout = ds::parse_timeout_seconds(timeout);
   ds::InProcessTransportGroup group(2);  // worker 0, PS 1
   auto ps = ds::ps::make_strategy(group.at(1), o);
   double dense_s = 0, sparse_s = 0;
@@ -128,9 +129,21 @@ int main(int argc, char** argv) {
   app.add_option("--dim", dim)->capture_default_str();
   app.add_option("--fraction", fraction)->capture_default_str();
   app.add_option("--reps", reps)->capture_default_str();
+  std::string timeout;
+  app.add_option("--timeout", timeout,
+                 "seconds any collective waits for peers, fractional allowed (default: "
+                 "$DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
   try {
-    return sparse(rows, dim, fraction, reps);
+    return sparse(rows, dim, fraction, reps, timeout);
   } catch (const ds::Error& e) {
     std::fprintf(stderr, "ps_bench: %s\n", e.what());
     return 1;

@@ -1,5 +1,6 @@
-// train_bench: training throughput of the Fashion-MNIST MLP (784-256-256-10)
-// under a strategy, batch 128 per replica, a fixed number of steps.
+// train_bench: training throughput of the Fashion-MNIST MLP (784-256-256-10;
+// --width W for 784-W-W-10) under a strategy, batch 128 per replica, a fixed
+// number of steps; --compression f16|bf16 casts the multi-worker all-reduces.
 //
 //   build/benchmarks/train_bench --strategy mirrored --replicas 1
 //   mpirun -np 1 build/benchmarks/train_bench --strategy multi_worker
@@ -16,7 +17,10 @@
 // backward). Prints samples/s (global samples over the timed steps). The
 // parameter server always uses apply_gradients (the PS applies the update), and
 // so do central storage (one shared copy) and --device gpu (the overlap path's
-// update loop runs on the host).
+// update loop runs on the host). Also prints the mean training loss per
+// example over the timed steps of every worker (loss=): under the parameter
+// server reduce() covers one worker's replicas, so the workers add their
+// shares to a metric on PS 0 and the chief reads the job's totals.
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -27,13 +31,47 @@
 
 namespace ds = diststrat;
 
+namespace {
+// Every worker's training loss: reduce(kSum) of the replicas' {loss sum,
+// rows} covers the global batch under the synchronous strategies and one
+// worker's share under the parameter server, which is added to a PS 0 metric.
+class LossMeter {
+ public:
+  explicit LossMeter(ds::Strategy& s) : ps_(dynamic_cast<ds::ParameterServerStrategy*>(&s)) {}
+  void add(const ds::Tensor& loss_sum_and_rows) {
+    const double* v = loss_sum_and_rows.data<double>();
+    if (ps_) {
+      ps_->add_to_metric("train_bench/loss", v[0], v[1]);
+    } else {
+      total_.sum += v[0];
+      total_.count += v[1];
+    }
+  }
+  // The mean loss per example since the previous call (every worker's
+  // additions made before a barrier the caller has passed).
+  double mean_since_last() {
+    const ds::MetricTotals t = ps_ ? ps_->read_metric("train_bench/loss") : total_;
+    const double n = t.count - last_.count;
+    const double mean = n > 0 ? (t.sum - last_.sum) / n : 0.0;
+    last_ = t;
+    return mean;
+  }
+
+ private:
+  ds::ParameterServerStrategy* ps_;
+  ds::MetricTotals total_, last_;
+};
+}  // namespace
+
 int main(int argc, char** argv) {
   std::string strategy_name = "multi_worker", data_dir = ds::kFashionMnistDir, timeline;
   std::string device = "cpu";
-  int replicas = 1, steps = 300, warmup = 30, num_ps = 1, split_gpus = 1;
+  int replicas = 1, steps = 300, warmup = 30, num_ps = 1, split_gpus = 1, max_staleness = -1;
   int64_t per_replica_batch = 128;
   float lr = 0.05f;
   bool overlap = true;
+  int64_t width = 256;
+  std::string compression = "none";
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
   app.add_option("--strategy", strategy_name,
                  "mirrored | central_storage | multi_worker | parameter_server")
@@ -42,6 +80,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "gpu"}))
       ->capture_default_str();
   app.add_option("--ps", num_ps, "parameter_server: PS ranks (the last ranks)")->capture_default_str();
+  app.add_option("--max-staleness", max_staleness,
+                 "parameter_server: steps a worker may run ahead of the slowest (-1 = async, 0 = lockstep)")
+      ->capture_default_str();
   app.add_option("--replicas", replicas, "local devices per process")->capture_default_str();
   app.add_option("--split-gpus", split_gpus,
                  "mirrored, central_storage on GPUs: logical GPUs per physical GPU")
@@ -52,8 +93,24 @@ int main(int argc, char** argv) {
   app.add_option("--batch", per_replica_batch, "batch per replica")->capture_default_str();
   app.add_flag("--overlap,!--no-overlap", overlap, "all-reduce each layer during backward")
       ->capture_default_str();
+  app.add_option("--width", width, "hidden width of the MLP (784-W-W-10)")->capture_default_str();
+  app.add_option("--compression", compression, "multi_worker wire compression: none | f16 | bf16")
+      ->check(CLI::IsMember({"none", "f16", "bf16"}))
+      ->capture_default_str();
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
+  std::string timeout;
+  app.add_option("--timeout", timeout,
+                 "seconds any collective waits for peers, fractional allowed (default: "
+                 "$DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -67,6 +124,8 @@ int main(int argc, char** argv) {
     const std::shared_ptr<ds::DeviceManager> process_gpus =
         device == "gpu" ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(replicas))
                         : nullptr;
+    ds::CommunicationOptions comm;
+    if (!timeout.empty()) comm.timeout = ds::parse_timeout_seconds(timeout);
     // One-process strategies: each GPU split into `split_gpus` logical GPUs
     // sharing its memory (several replicas on one physical GPU).
     std::shared_ptr<ds::DeviceManager> local_gpus;
@@ -83,11 +142,13 @@ int main(int argc, char** argv) {
       ds::MirroredOptions o;
       o.devices = devices;
       o.device_manager = local_gpus;
+      o.communication = comm;
       strategy = std::make_unique<ds::MirroredStrategy>(o);
     } else if (strategy_name == "central_storage") {
       ds::CentralStorageOptions o;
       o.devices = devices;
       o.device_manager = local_gpus;
+      o.communication = comm;
       strategy = std::make_unique<ds::CentralStorageStrategy>(o);
       overlap = false;
     } else if (strategy_name == "multi_worker") {
@@ -95,12 +156,18 @@ int main(int argc, char** argv) {
       o.devices = devices;
       o.device_manager = process_gpus;
       o.timeline_path = timeline;
+      o.communication.compression = compression == "f16"    ? ds::Compression::kFloat16
+                                    : compression == "bf16" ? ds::Compression::kBFloat16
+                                                            : ds::Compression::kNone;
+      o.communication.timeout = comm.timeout;
       strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
     } else if (strategy_name == "parameter_server") {
       ds::ParameterServerOptions o;
       o.num_ps = num_ps;
       o.devices = devices;
       o.device_manager = process_gpus;
+      o.max_staleness = max_staleness;
+      o.communication.timeout = comm.timeout;
       auto ps = std::make_unique<ds::ParameterServerStrategy>(o);
       if (ps->is_ps()) {
         ps->join();
@@ -113,12 +180,14 @@ int main(int argc, char** argv) {
     }
     const bool chief = strategy->cluster().is_chief() || strategy->cluster().world_size == 1;
     const ds::Dataset train = ds::load_mnist_split(data_dir, "train");
-    const ds::nn::Mlp mlp({784, 256, 256, 10});
+    const ds::nn::Mlp mlp({784, width, width, 10});
     std::vector<ds::Variable> params = mlp.create_variables(*strategy, 1);
     ds::SGD opt(*strategy, {lr, 0.0f});
     const int64_t global_batch = per_replica_batch * strategy->num_replicas_in_sync();
     ds::DistributedDataset dist = strategy->distribute(train, global_batch);
 
+    LossMeter meter(*strategy);
+    double loss = 0;
     int64_t done = 0, epoch = 0;
     auto t0 = std::chrono::steady_clock::now();
     while (done < warmup + steps) {
@@ -126,19 +195,23 @@ int main(int argc, char** argv) {
       for (const ds::DistributedBatch& batch : dist) {
         if (done == warmup) {
           strategy->barrier("timing start");
+          meter.mean_since_last();  // the warmup's
           t0 = std::chrono::steady_clock::now();
         }
         if (done++ == warmup + steps) break;
         const float scale = 1.0f / static_cast<float>(batch.global_size());
-        strategy->run([&](ds::ReplicaContext& ctx) {
+        ds::PerReplica<ds::Tensor> step_loss = strategy->run([&](ds::ReplicaContext& ctx) {
           std::vector<ds::Tensor> values;
           for (const ds::Variable& v : params) values.push_back(v.read(ctx));
+          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
+          sum_and_rows.data<double>()[1] = static_cast<double>(batch.labels(ctx).shape()[0]);
           if (!overlap) {
             auto s = mlp.forward_backward(values, batch.features(ctx), batch.labels(ctx), scale);
             std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
             for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(s.grads[i], params[i]);
             opt.apply_gradients(ctx, gv);
-            return;
+            sum_and_rows.data<double>()[0] = s.loss_sum;
+            return sum_and_rows;
           }
           std::vector<ds::Work> works;
           auto s = mlp.forward_backward(
@@ -154,17 +227,22 @@ int main(int argc, char** argv) {
             const float* g = s.grads[i].data<float>();
             for (int64_t k = 0; k < values[i].num_elements(); ++k) w[k] -= lr * g[k];
           }
+          sum_and_rows.data<double>()[0] = s.loss_sum;
+          return sum_and_rows;
         });
+        meter.add(strategy->reduce(ds::ReduceOp::kSum, step_loss));
       }
     }
     strategy->barrier("timing end");
+    loss = meter.mean_since_last();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (chief) {
       std::printf("train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
-                  "steps=%d seconds=%.3f samples_per_sec=%.0f\n",
+                  "width=%lld compression=%s steps=%d seconds=%.3f loss=%.4f samples_per_sec=%.0f\n",
                   strategy->name().c_str(), strategy->cluster().num_workers,
                   strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
-                  overlap ? 1 : 0, steps, seconds, steps * global_batch / seconds);
+                  overlap ? 1 : 0, static_cast<long long>(width), compression.c_str(), steps, seconds, loss,
+                  steps * global_batch / seconds);
     }
     return 0;
   } catch (const ds::Error& e) {

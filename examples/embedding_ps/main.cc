@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <map>
 #include <random>
+#include <string>
+#include <tuple>
 
 #include <diststrat/diststrat.h>
 
@@ -101,11 +103,24 @@ int main(int argc, char** argv) {
   app.add_option("--batch", f.batch, "global batch size")->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")->capture_default_str();
   app.add_option("--lr", f.lr, "SGD learning rate")->capture_default_str();
+  std::string timeout;
+  app.add_option("--timeout", timeout,
+                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
 
   try {
     ds::ParameterServerOptions o;
     o.num_ps = f.ps;
+    if (!timeout.empty()) o.communication.timeout = ds::parse_timeout_seconds(timeout);
     for (int i = 0; i < f.replicas; ++i) o.devices.push_back(ds::Device::cpu(i));
     // Split the table over every PS rank.
     o.partitioner = ds::partitioners::FixedShards{f.ps};
@@ -132,7 +147,9 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int epoch = 0; epoch < f.epochs; ++epoch) {
       dist.set_epoch(epoch);
-      double loss_sum = 0;
+      // reduce() here covers this worker's replicas only: each worker adds its
+      // share of every step to a metric on PS 0, which holds every worker's.
+      const std::string metric = "embedding_ps/loss/epoch-" + std::to_string(epoch + 1);
       for (const ds::DistributedBatch& batch : dist) {
         const float scale = 1.0f / static_cast<float>(batch.global_size());
         auto loss = strategy.run([&](ds::ReplicaContext& ctx) {
@@ -158,16 +175,23 @@ int main(int argc, char** argv) {
             }
           }
           strategy.apply_gradients(ctx, sgd, {{dw, w}, {db, b}}, {{table, l.unique_ids, drows}});
-          return std::make_pair(l_sum * scale, l.unique_ids.num_elements());
+          return std::make_tuple(l_sum, static_cast<double>(n), l.unique_ids.num_elements());
         });
-        for (const auto& [ls, u] : loss) {
+        double loss_sum = 0, examples = 0;
+        for (const auto& [ls, n, u] : loss) {
           loss_sum += ls;
+          examples += n;
           rows_moved += u;
         }
+        strategy.add_to_metric(metric, loss_sum, examples);
         ++steps;
       }
       if (chief) {
-        std::printf("epoch %d  mean loss %.4f\n", epoch + 1, loss_sum / static_cast<double>(dist.num_batches()));
+        // Workers run at their own pace: this is every example any worker had
+        // finished in this epoch when the chief finished it.
+        const ds::MetricTotals t = strategy.read_metric(metric);
+        std::printf("epoch %d  mean loss %.4f (over %.0f examples of every worker)\n", epoch + 1, t.mean(),
+                    t.count);
       }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

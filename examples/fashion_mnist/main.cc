@@ -9,6 +9,7 @@
 #include <chrono>
 #include <limits>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -39,6 +40,7 @@ struct Flags {
   int64_t checkpoint_every = 0;
   int max_to_keep = 3;
   int64_t max_steps = 0;
+  std::string timeout;  // seconds; empty = CommunicationOptions' default
 };
 
 // The model's layer sizes, stored in checkpoints so that examples/predict can
@@ -102,6 +104,8 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   if (!f.timeline.empty() && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
   }
+  ds::CommunicationOptions comm;
+  if (!f.timeout.empty()) comm.timeout = ds::parse_timeout_seconds(f.timeout);
   // One-process strategies: each GPU becomes split_gpus logical GPUs sharing its memory.
   std::shared_ptr<ds::DeviceManager> local_gpus;
   if (f.device == "gpu" && f.split_gpus > 1 &&
@@ -117,12 +121,14 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     ds::MirroredOptions o;
     o.devices = devices;
     o.device_manager = local_gpus;
+    o.communication = comm;
     return std::make_unique<ds::MirroredStrategy>(o);
   }
   if (f.strategy == "central_storage") {
     ds::CentralStorageOptions o;
     o.devices = devices;
     o.device_manager = local_gpus;
+    o.communication = comm;
     return std::make_unique<ds::CentralStorageStrategy>(o);
   }
   // Multi-process strategies: one replica per process unless --replicas says
@@ -139,6 +145,7 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     o.devices = per_process;
     o.device_manager = process_gpus;
     o.timeline_path = f.timeline;
+    o.communication.timeout = comm.timeout;
     return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
   }
   if (f.strategy == "parameter_server") {
@@ -147,12 +154,50 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
     o.devices = per_process;
     o.device_manager = process_gpus;
     o.max_staleness = f.max_staleness;
+    o.communication.timeout = comm.timeout;
     return std::make_unique<ds::ParameterServerStrategy>(o);
   }
   throw ds::InvalidArgumentError(
       "unknown --strategy '" + f.strategy +
       "' (available: mirrored, central_storage, multi_worker, parameter_server)");
 }
+
+// The training loss per example over every worker of the job. Each step
+// adds reduce(kSum) of the replicas' {loss sum, rows}: under the synchronous
+// strategies that covers the whole global batch; under the parameter server
+// reduce() covers this worker's replicas only (its workers never meet), so
+// each worker adds its share to a metric on PS 0 (TensorFlow's coordinator
+// reads its metrics the same way) and reads return every worker's totals.
+class LossMeter {
+ public:
+  explicit LossMeter(ds::Strategy& strategy)
+      : ps_(dynamic_cast<ds::ParameterServerStrategy*>(&strategy)) {}
+  void add(const ds::Tensor& loss_sum_and_rows) {
+    const double* v = loss_sum_and_rows.data<double>();
+    if (ps_) {
+      ps_->add_to_metric(kMetric, v[0], v[1]);
+    } else {
+      total_.sum += v[0];
+      total_.count += v[1];
+    }
+  }
+  // Every worker's totals so far (one round trip to PS 0 under the parameter
+  // server: every addition it has received).
+  ds::MetricTotals totals() const { return ps_ ? ps_->read_metric(kMetric) : total_; }
+  // The mean loss per example since the previous call.
+  double mean_since_last() {
+    const ds::MetricTotals t = totals();
+    const double n = t.count - last_.count;
+    const double mean = n > 0 ? (t.sum - last_.sum) / n : 0.0;
+    last_ = t;
+    return mean;
+  }
+
+ private:
+  static constexpr const char* kMetric = "fashion_mnist/train_loss";
+  ds::ParameterServerStrategy* ps_;
+  ds::MetricTotals total_, last_;
+};
 
 // One updating line on a terminal, plain periodic lines otherwise.
 class Progress {
@@ -161,7 +206,8 @@ class Progress {
       : enabled_(enabled), tty_(isatty(fileno(stdout))), total_(total_steps),
         start_(std::chrono::steady_clock::now()), last_(start_) {}
 
-  void update(int epoch, int64_t step, double loss, int64_t samples) {
+  // `loss` is asked only when a line is printed.
+  void update(int epoch, int64_t step, const std::function<double()>& loss, int64_t samples) {
     if (!enabled_) return;
     const auto now = std::chrono::steady_clock::now();
     const double since_last = std::chrono::duration<double>(now - last_).count();
@@ -173,7 +219,7 @@ class Progress {
     const double eta = step > 0 ? elapsed * (total_ - step) / step : 0.0;
     std::printf("%sepoch %d  step %lld/%lld  loss %.4f  %.0f samples/s  ETA %.0fs%s",
                 tty_ ? "\r" : "", epoch + 1, static_cast<long long>(step),
-                static_cast<long long>(total_), loss, sps, eta, tty_ ? "   " : "\n");
+                static_cast<long long>(total_), loss(), sps, eta, tty_ ? "   " : "\n");
     if (tty_ && final_step) std::printf("\n");
     std::fflush(stdout);
   }
@@ -230,6 +276,17 @@ int main(int argc, char** argv) {
                  "stop (without saving) once this run's global step reaches N: simulates an "
                  "interruption (0 = no limit)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--timeout", f.timeout,
+                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+      ->check([](const std::string& s) {
+        try {
+          ds::parse_timeout_seconds(s);
+          return std::string();
+        } catch (const ds::Error& e) {
+          return e.message();
+        }
+      });
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
 
@@ -284,6 +341,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     };
     Progress progress(chief, dist.num_batches() * f.epochs);
+    LossMeter meter(*strategy);
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0, steps_this_run = 0;
@@ -293,7 +351,7 @@ int main(int argc, char** argv) {
       while (pos.batch < dist.num_batches()) {
         const ds::DistributedBatch batch = dist.batch(pos.batch);
         const float scale = 1.0f / static_cast<float>(batch.global_size());
-        ds::PerReplica<double> loss = strategy->run([&](ds::ReplicaContext& ctx) {
+        ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
           std::vector<ds::Tensor> values;
           for (const ds::Variable& v : params) values.push_back(v.read(ctx));
           ds::nn::Mlp::Step s =
@@ -301,12 +359,15 @@ int main(int argc, char** argv) {
           std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
           for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(s.grads[i], params[i]);
           opt.apply_gradients(ctx, gv);
-          return s.loss_sum * scale;
+          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
+          sum_and_rows.data<double>()[0] = s.loss_sum;
+          sum_and_rows.data<double>()[1] = static_cast<double>(batch.labels(ctx).shape()[0]);
+          return sum_and_rows;
         });
-        const double mean_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
+        meter.add(strategy->reduce(ds::ReduceOp::kSum, loss));
         samples += batch.global_size();
         ++pos.batch;
-        progress.update(epoch, ++pos.step, mean_loss, samples);
+        progress.update(epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
         ++steps_this_run;
         if (!manager) continue;
         // The position saved is where the next run starts: (epoch, next batch).
@@ -337,6 +398,8 @@ int main(int argc, char** argv) {
                     static_cast<long long>(st.max_staleness));
       extra = buf;
     }
+    // Every worker's additions came before the barrier.
+    const double train_loss = meter.totals().mean();
     std::vector<ds::Tensor> values;
     for (const ds::Variable& v : params) values.push_back(v.value());
     const ds::Tensor logits = mlp.predict(values, test.features());
@@ -345,6 +408,10 @@ int main(int argc, char** argv) {
     if (chief) {
       // The line keeps issue 2's exact form on CPU; extras go at the end.
       if (f.device != "cpu") extra += " device=" + f.device;
+      // train_loss: the mean loss per example over this run's steps, every worker's.
+      char loss[48];
+      std::snprintf(loss, sizeof(loss), " train_loss=%.4f", train_loss);
+      extra += loss;
       std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s\n",
                   strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
                   samples / seconds, extra.c_str());

@@ -3,7 +3,9 @@
 // tf.distribute.experimental.CentralStorageStrategy).
 //
 // Each step every replica reads the single copy (Variable::read returns the
-// same storage on every replica), computes its gradients, and
+// same storage on every replica; sync-on-read variables, which hold
+// per-replica state, have one copy per replica as under MirroredStrategy),
+// computes its gradients, and
 // apply_gradients reduces them to one (reduce-to-one: the per-replica
 // gradients are summed into one host buffer, no all-reduce) and updates the
 // single copy once, with the optimizer's slots and step counter also held
@@ -69,7 +71,10 @@ class CentralStorageStrategy : public Strategy {
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
 
   // On a GPU replica: a device copy of the host value (floating variables).
+  // Sync-on-read variables: the replica's own copy.
   Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const override;
+  void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
+  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   // The GPU manager of GPU compute replicas; null on CPU.
   std::shared_ptr<DeviceManager> device_manager() const;
 

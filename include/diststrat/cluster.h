@@ -106,9 +106,12 @@ struct ResolvedCluster {
 
 // Resolves from `config`, TF_CONFIG, or the MPI launcher (initializing MPI if
 // this build has it and it is not initialized yet). Blocking (the MPI path is
-// collective over MPI_COMM_WORLD). Throws InvalidArgumentError for a
+// collective over MPI_COMM_WORLD, every MPI call bounded by
+// CommunicationOptions' default timeout). Throws InvalidArgumentError for a
 // malformed TF_CONFIG or a cluster that disagrees with the launcher's
-// rank/size.
+// rank/size (or DISTSTRAT_VIRTUAL_NODE_SIZE that is not an integer
+// 0..1000000); under a launcher every rank throws together: the failing
+// ranks their own error, the others AbortedError naming the first of them.
 ResolvedCluster resolve_cluster(const ClusterConfig& config = {});
 
 }  // namespace diststrat

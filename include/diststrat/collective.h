@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,12 +60,29 @@ enum class Compression { kNone, kFloat16, kBFloat16 };
 
 class AlgorithmRegistry;  // diststrat/algorithm_registry.h
 
+// Parses a timeout given in seconds ("300", "0.5", "1e2"): a finite number
+// > 0 and at most 30 days, rounded up to whole milliseconds. Throws
+// InvalidArgumentError quoting `text`. Pure; thread-safe.
+std::chrono::milliseconds parse_timeout_seconds(const std::string& text);
+// DISTSTRAT_TIMEOUT (seconds, parsed as above); nullopt when unset or empty.
+// Throws InvalidArgumentError naming the variable for any other value. Reads
+// the environment on every call; thread-safe unless the environment is
+// changed concurrently.
+std::optional<std::chrono::milliseconds> timeout_from_env();
+
 struct CommunicationOptions {
   // Fusion buffer size for packing small tensors into one collective;
   // 0 = everything submitted together goes into one pack.
   size_t bytes_per_pack = 4 << 20;
-  // Longest wait for peers in any single collective before DeadlineExceeded.
-  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // Longest wait for peers in any single collective before DeadlineExceeded;
+  // it also bounds every MPI call of set-up (cluster agreement, communicator
+  // and window creation) and tear-down (window and communicator release,
+  // MPI_Finalize at exit). Default: DISTSTRAT_TIMEOUT seconds when that is
+  // set (fractional allowed, e.g. DISTSTRAT_TIMEOUT=0.5; a value that does
+  // not parse makes this constructor throw InvalidArgumentError naming the
+  // variable), else 300 s. A value set in code (or by an example's
+  // --timeout flag) wins over the environment.
+  std::chrono::milliseconds timeout{timeout_from_env().value_or(std::chrono::seconds(300))};
   // All-reduce algorithm; kAuto picks by size, ranks and topology.
   Algorithm algorithm = Algorithm::kAuto;
   // Registered name of the algorithm used when algorithm == kCustom, looked up

@@ -78,17 +78,21 @@ class DistributedBatch {
 };
 
 // The batches of one pass over the data. Iterate with a range-for; call
-// set_epoch() (or next_epoch()) to reshuffle for the next pass.
+// set_epoch() to reshuffle for the next pass. Made by Strategy::distribute
+// and distribute_datasets_from_function; a default-constructed one (or one
+// made from a null source) is empty: no batches, begin() == end().
 class DistributedDataset {
  public:
   struct Source;  // implementation detail
+  DistributedDataset() = default;
   DistributedDataset(std::shared_ptr<Source> source);
 
   int64_t num_batches() const;
   int64_t global_batch_size() const;
   void set_epoch(int64_t epoch);
   int64_t epoch() const { return epoch_; }
-  // Materializes batch i of the current epoch.
+  // Materializes batch i of the current epoch; InvalidArgumentError unless
+  // 0 <= i < num_batches().
   DistributedBatch batch(int64_t i) const;
 
   class iterator {

@@ -15,6 +15,9 @@
 //   corrupt  the replica sends a corrupted message in that step: a corrupted
 //            pack signature under multi-worker fusion; elsewhere a collective
 //            whose size disagrees with its peers' (see Strategy::inject_corruption)
+//   oversize under the parameter server, the replica's next push carries a
+//            header that claims a payload over 1 GiB (the real one is sent):
+//            the PS must reject it at once; elsewhere the same as corrupt
 #pragma once
 
 #include <cstdint>
@@ -22,7 +25,7 @@
 
 namespace diststrat {
 
-enum class FaultKind { kNone, kThrow, kExit, kStall, kCorrupt };
+enum class FaultKind { kNone, kThrow, kExit, kStall, kCorrupt, kOversize };
 
 const char* fault_kind_name(FaultKind kind);
 
@@ -37,7 +40,7 @@ struct FaultInjection {
   bool fires(int replica, int64_t at_step) const {
     return active() && replica == rank && at_step == step;
   }
-  // "kind:rank:step" (kind: throw, exit, stall, corrupt); "" or "none" is
+  // "kind:rank:step" (kind: throw, exit, stall, corrupt, oversize); "" or "none" is
   // inactive. Throws InvalidArgumentError naming the text.
   static FaultInjection parse(const std::string& text);
   // DISTSTRAT_FAULT; inactive when unset.

@@ -23,6 +23,13 @@
 // - Every wait has options.communication.timeout as deadline; a rank that
 //   stops participating makes the others fail with DeadlineExceededError
 //   naming it. After a deadline or abort the strategy must be recreated.
+// - Construction is collective and bounded by the same deadline: a rank
+//   whose set-up fails (TF_CONFIG, cluster checks) makes every rank's
+//   constructor throw at once (AbortedError naming it on the others). A
+//   strategy destroyed while an exception propagates does not wait for its
+//   peers: it aborts its communicators, and peers waiting in a collective
+//   fail with AbortedError quoting the error (docs/multi_worker.md,
+//   "Set-up and tear-down").
 //
 // Thread safety: like every Strategy, call its cross-replica methods from one
 // thread; run() calls the step function on one thread per local replica.

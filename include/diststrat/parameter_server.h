@@ -32,9 +32,19 @@
 // and apply_sparse_gradients pushes gradients for only those rows.
 //
 // Consistency. Workers are asynchronous: a PS applies each push on receipt.
-// `max_staleness` bounds how far a worker may run ahead of the slowest one
-// (stale-synchronous parallel): a worker does not start step c until every
-// live worker has pushed at least c - max_staleness steps (0 = lockstep).
+// `max_staleness` = k >= 0 bounds how far a worker may run ahead of the
+// slowest live one (stale-synchronous parallel): a worker does not start step
+// c (its pull for step c is not answered) until every live worker has pushed
+// at least c - k steps, so it is at most k steps ahead. k = 0 is lockstep:
+// besides, a push of step c is applied only once every live worker's step-c
+// push has reached the PS, so every worker computes step c on the same
+// weights (after all step c - 1 pushes, before any of step c). With plain
+// SGD that is synchronous SGD over the global batch (up to the float rounding
+// of the order in which the pushes are added). The PS still applies the
+// optimizer once per push, i.e. once per worker and step: with n workers,
+// momentum, Nesterov and Adam take n steps of their rule per global step
+// (Adam's t and optimizer/iterations advance by n), each on one worker's
+// gradient, which is not synchronous momentum/Adam unless n = 1.
 //
 // Errors. A push or pull the PS rejects (wrong shape or dtype, unknown
 // variable, row id out of range) raises a clear error at the worker (at the
@@ -113,14 +123,16 @@ struct ParameterServerOptions {
   // lives whole on one PS, placed round-robin).
   Partitioner partitioner;
   // Stale-synchronous bound: a worker may be at most this many steps ahead
-  // of the slowest live worker. Negative (default) = fully asynchronous.
+  // of the slowest live worker; 0 = lockstep (see "Consistency" above).
+  // Negative (default) = fully asynchronous.
   int max_staleness = -1;
   // Deadline of every wait (pulls, staleness waits, barriers, PS replies).
   CommunicationOptions communication;
   // A worker that sends nothing for this long (and waits on nothing) stops
   // holding back the others (staleness bound, barriers); the PS loop ends
   // when every worker has shut down or gone silent, and join() then reports
-  // the silent ones. 0 = communication.timeout.
+  // the silent ones. Silence is counted only while the PS loop runs (a
+  // stopped PS process does not blame its workers). 0 = communication.timeout.
   std::chrono::milliseconds worker_timeout{0};
   LogLevel log_level = LogLevel::kWarning;
 };
@@ -138,6 +150,15 @@ struct ParameterServerStats {
   int64_t max_step_gap = 0;
   // Steps each worker has pushed, as the PS ranks saw them (max over PS ranks).
   std::vector<int64_t> worker_steps;
+};
+
+// A job-wide metric's running totals (TensorFlow's metrics that the
+// coordinator reads, e.g. tf.keras.metrics.Mean's total and count): the sums
+// of every addition of every worker.
+struct MetricTotals {
+  double sum = 0;
+  double count = 0;
+  double mean() const { return count > 0 ? sum / count : 0.0; }
 };
 
 // A gradient for some rows of a row-sparse variable: values[i] is the
@@ -186,6 +207,41 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   int num_local_replicas() const override;
   const std::vector<Device>& devices() const override;
   int first_local_replica() const override;
+
+  // What Strategy::reduce returns here: the reduction over THIS WORKER'S
+  // replicas only, not over num_replicas_in_sync() -- workers never meet in
+  // a step. kSum sums this worker's replicas, kMean divides by
+  // num_local_replicas(). So a loss summed with reduce(kSum) after scaling
+  // by 1 / global_size() is this worker's share (about 1 / num_workers of
+  // the global batch's loss). Likewise gather() and the collectives of the
+  // ReplicaContext (all_reduce, all_gather; kMean by the local count) cover
+  // this worker's replicas. For a job-wide figure, every worker adds its
+  // share to a metric on PS 0 and any worker reads the totals:
+  //
+  //   // each replica returns float64 {its loss sum, its rows}
+  //   const Tensor t = strategy.reduce(ReduceOp::kSum, per_replica);
+  //   ps.add_to_metric("train/loss", t.data<double>()[0], t.data<double>()[1]);  // every worker
+  //   double mean = ps.read_metric("train/loss").mean();   // any worker, any time
+  //
+  // (examples/fashion_mnist and benchmarks/train_bench print their loss so.)
+
+  // Worker: adds (sum, count) to the job-wide metric `name` (1..256
+  // characters) held by PS 0, created as (0, 0) at its first addition. Does
+  // not wait, like a push: a rejection (count negative or not finite, more
+  // than 1024 metrics) is raised by the next call that waits on the PS.
+  // Metrics live as long as the PS ranks; checkpoints do not hold them.
+  void add_to_metric(const std::string& name, double sum, double count = 1);
+  // Worker: the totals of `name` ((0, 0) if nobody added yet): every addition
+  // PS 0 has applied, including this worker's earlier ones and every
+  // worker's made before a barrier() this worker has since passed (so after
+  // a barrier every worker reads the same totals). Blocking: one round trip
+  // to PS 0 with the communication timeout.
+  MetricTotals read_metric(const std::string& name);
+  // This process's task as TF_CONFIG (or the explicit ClusterSpec) names it:
+  // "chief" 0, "worker" i, "ps" j; without one (plain mpirun, one process)
+  // "worker" <worker index> or "ps" <PS index>. worker_index is the position
+  // among the workers (the chief is 0; TF_CONFIG's worker i is i + 1 when
+  // there is a chief), -1 on PS ranks, as resolve_cluster() reports.
   ClusterInfo cluster() const override;
 
   bool is_ps() const;
@@ -213,7 +269,8 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
                        const std::vector<SparseGradient>& sparse);
 
   // Worker: waits for every outstanding push to be acknowledged (rethrowing a
-  // rejection) and for any prefetched pull.
+  // rejection) and for any prefetched pull. Under lockstep (max_staleness 0)
+  // a push is acknowledged once every live worker has pushed the same step.
   void flush();
   // Worker: counters and staleness as the PS ranks saw them (blocking).
   ParameterServerStats stats();
@@ -256,8 +313,7 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
  protected:
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
-  // reduce() covers this worker's replicas only (workers never meet):
-  // kMean divides by num_local_replicas().
+  // reduce() covers this worker's replicas only (see above).
   double reduce_across(ReduceOp op, const std::vector<double>& local) override;
   Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;
   Tensor gather_across(const std::vector<Tensor>& local) override;

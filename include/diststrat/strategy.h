@@ -184,10 +184,27 @@ class Strategy {
   }
 
   // Cross-replica reductions of run()'s results over all replicas in sync
-  // (all workers). kMean divides by num_replicas_in_sync().
+  // (all workers). kMean divides by num_replicas_in_sync(). Blocking; under
+  // multi-worker a collective every worker calls in the same order.
+  // Exception: ParameterServerStrategy reduces over the calling worker's
+  // replicas only (its workers never meet; parameter_server.h says how to get
+  // a job-wide figure).
   double reduce(ReduceOp op, const PerReplica<double>& values);
   float reduce(ReduceOp op, const PerReplica<float>& values);
+  // Integer results (counts), exact at any magnitude; kMean is the sum
+  // divided by num_replicas_in_sync(), truncated toward zero.
+  int64_t reduce(ReduceOp op, const PerReplica<int64_t>& values);
   Tensor reduce(ReduceOp op, const PerReplica<Tensor>& values);
+  // TensorFlow's reduce(op, value, axis): reduces over the replicas in sync
+  // and then over dimension `axis` of each value (negative: from the end),
+  // giving the value's shape without that dimension. kMean is the mean of
+  // every element along `axis` of every replica (sum / total count, so
+  // replicas with fewer rows, as in a short last batch, weigh less; integer
+  // dtypes truncate). axis 0: the values may differ in dimension 0 (they are
+  // gathered); another axis: every value must have the same shape. A
+  // kMin/kMax/kMean over no elements is InvalidArgumentError, as is an axis
+  // out of range.
+  Tensor reduce(ReduceOp op, const PerReplica<Tensor>& values, int axis);
   // Concatenates every replica's tensor along axis 0, over all workers.
   Tensor gather(const PerReplica<Tensor>& values);
   // Copies root worker's tensor to every worker (no-op with one process).
@@ -217,7 +234,10 @@ class Strategy {
   virtual void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                                const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) = 0;
 
-  // Variable access the Variable handle forwards to.
+  // Variable access the Variable handle forwards to. Sync-on-read variables
+  // (kOnRead) are aggregated and assigned by the Variable handle itself
+  // through the strategy's reductions (see variable.h), the same way under
+  // every strategy; these hooks read and write the copies.
   virtual Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const;
   virtual Tensor variable_value(const Variable::Impl& var) const;
   virtual void assign_variable(Variable::Impl& var, const Tensor& value);
@@ -265,6 +285,11 @@ class Strategy {
   // fn through run_replicas and prefixes errors with the step.
   void run_step(const std::function<void(ReplicaContext&)>& fn);
   void inject_fault(ReplicaContext& ctx, int64_t step);
+  // Cross-replica read and write of a kOnRead variable (Variable::value and
+  // Variable::assign): collective over every worker, like reduce.
+  friend class Variable;
+  Tensor on_read_value(const Variable::Impl& var);
+  void on_read_assign(Variable& var, const Tensor& value);
 
   FaultInjection fault_;
   int64_t step_ = 0;

@@ -16,6 +16,11 @@
 #include "diststrat/dtype.h"
 #include "diststrat/error.h"
 
+// DLPack's managed tensor (dlpack/dlpack.h declares it as
+// `typedef struct DLManagedTensor {...} DLManagedTensor;`, which this
+// declaration matches), so users compile against diststrat without that header.
+struct DLManagedTensor;
+
 namespace diststrat {
 
 class Shape {
@@ -56,6 +61,42 @@ class Tensor {
   // Takes shared ownership of memory allocated elsewhere (a device allocator):
   // `memory` must hold at least shape.num_elements() * dtype_size(dtype) bytes.
   static Tensor adopt(std::shared_ptr<void> memory, Shape shape, DType dtype, Device device);
+
+  // ---- DLPack (zero-copy exchange with PyTorch, JAX, CuPy, TVM, ...) ----
+  // Details and the mapping of devices and dtypes: docs/dlpack.md. Both throw
+  // UnimplementedError in a build without the DLPack header
+  // (DISTSTRAT_HAVE_DLPACK in diststrat/config.h).
+  //
+  // from_dlpack views `managed`'s memory without a copy and takes ownership
+  // of `managed`: on success its deleter (unless null) is called exactly once,
+  // when the last Tensor sharing the storage (copies, reshape, slice_rows
+  // views) goes away, on whichever thread drops it; the caller must not call
+  // it or touch `managed` afterwards. On failure (any exception), nothing was
+  // taken: the deleter has not been called and the caller still owns
+  // `managed` (as with PyTorch's at::fromDLPack). Accepted: kDLCPU and
+  // kDLCUDAHost (pinned host memory) -> Device::cpu(0); kDLCUDA device_id d ->
+  // the logical GPU of CUDA ordinal d, translated through the calling thread's
+  // DeviceManager inside Strategy::run (the replica's own device when it is on
+  // that GPU; ambiguous for a GPU split into several logical devices), else
+  // Device::gpu(d). dtypes float32/64, float16, bfloat16, int32/64 with
+  // lanes 1; compact row-major layout (strides NULL or equal to the compact
+  // ones; size-1 dims may have any stride); data + byte_offset aligned to the
+  // element size. Anything else -> InvalidArgumentError naming the field.
+  // Does not block; thread-safe (touches only `managed`).
+  static Tensor from_dlpack(DLManagedTensor* managed);
+  // The same onto an explicit device of the matching kind (a CPU device for
+  // kDLCPU/kDLCUDAHost, a GPU for kDLCUDA), e.g. a logical GPU of a split one.
+  static Tensor from_dlpack(DLManagedTensor* managed, const Device& device);
+  // A DLManagedTensor viewing this tensor's memory (no copy), compact
+  // row-major with explicit strides, byte_offset 0. It holds a reference to
+  // the storage, so the memory stays valid until the consumer calls its
+  // deleter (exactly once; from any thread), even after every Tensor is gone.
+  // Memory this tensor merely wraps (Tensor::wrap) stays the caller's to keep
+  // alive. GPU: device_type kDLCUDA with the CUDA ordinal (through the calling
+  // thread's DeviceManager when it has one, else the device index); the
+  // consumer orders its work after the replica's stream itself. Throws
+  // FailedPreconditionError for an undefined tensor. Thread-safe.
+  DLManagedTensor* to_dlpack() const;
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }

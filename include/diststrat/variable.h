@@ -28,12 +28,29 @@ enum class VariableSynchronization {
 // How per-replica values are combined (tf.VariableAggregation).
 enum class VariableAggregation { kNone, kSum, kMean, kOnlyFirstReplica };
 
+// Sync-on-read (kOnRead) variables, the same under every strategy and any
+// number of replicas and workers (TensorFlow's rules):
+//  - in replica context each replica reads and writes its own copy
+//    (Variable::read);
+//  - value() (cross-replica) aggregates the copies of every replica in sync:
+//    kSum adds them, kMean averages them, kOnlyFirstReplica (and kNone)
+//    returns global replica 0's copy;
+//  - assign(x) (cross-replica) writes the copies so that value() == x:
+//    kSum puts x into global replica 0's copy and zeros into the others
+//    (TensorFlow writes x / num_replicas_in_sync into each; both sum to x,
+//    this way exactly, in every dtype and summation order); kMean and
+//    kOnlyFirstReplica write x into every copy;
+//  - so a checkpoint, which saves value(), restores (by assign) to the same
+//    aggregate, also onto another replica or worker count.
+// kOnRead variables cannot be trainable (InvalidArgumentError), and
+// ParameterServerStrategy does not support them (UnimplementedError).
 struct VariableOptions {
   VariableSynchronization synchronization = VariableSynchronization::kOnWrite;
   // For kOnRead variables: how value() combines the replicas' copies
   // (kNone is treated as kOnlyFirstReplica).
   VariableAggregation aggregation = VariableAggregation::kNone;
-  // Whether optimizers may update it (false for counters and statistics).
+  // Whether optimizers may update it (false for counters and statistics;
+  // must be false for kOnRead).
   bool trainable = true;
 };
 
@@ -82,9 +99,13 @@ class Variable {
   // an optimizer or Strategy::update to change mirrored variables.
   Tensor read(const ReplicaContext& ctx) const;
   // Cross-replica read: for kOnWrite the (identical) value; for kOnRead the
-  // aggregate of the replicas' copies. Returns a new host tensor.
+  // aggregate of every replica's copy (see VariableOptions). Returns a new
+  // host tensor. Blocks; for kOnRead under multi-worker a collective that
+  // every worker calls. Not thread-safe with run().
   Tensor value() const;
-  // Cross-replica write of every copy. Blocks; not thread-safe with run().
+  // Cross-replica write: afterwards value() == `value` (kOnRead: see
+  // VariableOptions). Blocks; InvalidArgumentError on a shape or dtype
+  // mismatch. Not thread-safe with run().
   void assign(const Tensor& value);
 
   // Implementation access for strategies and optimizers.

@@ -21,6 +21,12 @@
 // Every barrier has a deadline (options.timeout). A rank that times out
 // reports which ranks never arrived and aborts the group, so the remaining
 // waiters fail at once rather than each waiting out its own deadline.
+//
+// options.algorithm: kAuto and kDirect are the path above. The point-to-point
+// algorithms (ring, halving-doubling, tree, reduce-to-one, hierarchical) and
+// a user's kCustom one run, written once, over an in-process transport that
+// the group owns (after the same descriptor check, so mismatches are still
+// caught); kNccl, kMpiNative and kSharedMemory are refused at construction.
 
 #include <algorithm>
 #include <atomic>
@@ -32,7 +38,12 @@
 #include <thread>
 
 #include "allreduce/algorithm.h"
+#include "allreduce/inprocess.h"
 #include "allreduce/reduce_kernels.h"
+#include "allreduce/transport.h"
+#include "allreduce/transport_communicator.h"
+#include "core/user_text.h"
+#include "diststrat/algorithm_registry.h"
 #include "diststrat/collective.h"
 #include "diststrat/error.h"
 
@@ -72,7 +83,7 @@ std::string describe(const Descriptor& d) {
     if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter) os << " " << reduce_op_name(d.op);
     if (d.kind == Kind::kBroadcast) os << " from root " << d.root;
   }
-  if (!d.name.empty()) os << " '" << d.name << "'";
+  if (!d.name.empty()) os << " '" << echo(d.name) << "'";
   return os.str();
 }
 
@@ -81,17 +92,60 @@ bool compatible(const Descriptor& a, const Descriptor& b) {
          a.root == b.root;
 }
 
+bool point_to_point(Algorithm a) {
+  switch (a) {
+    case Algorithm::kRing:
+    case Algorithm::kHalvingDoubling:
+    case Algorithm::kTree:
+    case Algorithm::kReduceToOne:
+    case Algorithm::kHierarchical:
+    case Algorithm::kCustom:
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
+
+void check_in_process_algorithm(const CommunicationOptions& o, const std::string& who) {
+  const Algorithm a = o.algorithm;
+  if (a == Algorithm::kAuto || a == Algorithm::kDirect || point_to_point(a)) {
+    if (a == Algorithm::kCustom) {
+      DISTSTRAT_CHECK(o.algorithm_registry && o.algorithm_registry->find(o.custom_algorithm),
+                      kInvalidArgument, who, ": custom all-reduce algorithm '", echo(o.custom_algorithm),
+                      "' is not in options.algorithm_registry");
+    }
+    return;
+  }
+  const char* needs = a == Algorithm::kNccl ? "GPU replicas" : "MPI processes";
+  throw InvalidArgumentError(who + ": algorithm '" + algorithm_name(a) + "' needs " + needs +
+                             " and is not available to threads of one process; use auto, direct, "
+                             "ring, halving_doubling, tree, reduce_to_one, hierarchical or custom");
+}
 
 struct InProcessGroup::State {
   State(int n, CommunicationOptions opts) : size(n), options(std::move(opts)) {
     for (auto& s : slots) s.resize(n);
     arrived_gen.assign(n, -1);
     seq.assign(n, 0);
+    if (point_to_point(options.algorithm)) make_transport();
+  }
+
+  // The point-to-point algorithms' transport and per-rank communicators,
+  // built afresh after an abort (a transport abort is sticky).
+  void make_transport() {
+    p2p_comms.clear();
+    transports = std::make_unique<InProcessTransportGroup>(size);
+    for (int r = 0; r < size; ++r) {
+      p2p_comms.push_back(std::make_unique<TransportCommunicator>(transports->at(r), options));
+    }
   }
 
   const int size;
   const CommunicationOptions options;
+  std::unique_ptr<InProcessTransportGroup> transports;       // point-to-point algorithms only
+  std::vector<std::unique_ptr<TransportCommunicator>> p2p_comms;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -172,6 +226,15 @@ class InProcessCommunicator : public Communicator {
                   const std::string& name) override {
     Descriptor d{Kind::kAllReduce, in, out, count, dtype, op, 0, name};
     const long call = publish_and_check(d);
+    if (!s_->p2p_comms.empty()) {
+      try {
+        s_->p2p_comms[static_cast<size_t>(rank_)]->all_reduce(in, out, count, dtype, op, name);
+      } catch (const Error& e) {
+        abort(e.message());  // the peers waiting on this rank fail at once
+        throw;
+      }
+      return;
+    }
     const auto& slots = s_->slots[call & 1];
     size_t lo, hi;
     algo::slice_of(count, s_->size, rank_, &lo, &hi);
@@ -187,7 +250,7 @@ class InProcessCommunicator : public Communicator {
   }
 
   void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
-    DISTSTRAT_CHECK(0 <= root && root < s_->size, kInvalidArgument, "broadcast '", name,
+    DISTSTRAT_CHECK(0 <= root && root < s_->size, kInvalidArgument, "broadcast '", echo(name),
                     "': root ", root, " is not a rank of a group of ", s_->size);
     Descriptor d{Kind::kBroadcast, buf, buf, count, dtype, ReduceOp::kSum, root, name};
     const long call = publish_and_check(d);
@@ -240,10 +303,12 @@ class InProcessCommunicator : public Communicator {
       }
     }
     s_->cv.notify_all();
+    if (s_->transports) s_->transports->at(rank_).abort(reason);
   }
 
   void reset() override {
     std::lock_guard<std::mutex> lock(s_->mu);
+    if (s_->transports) s_->make_transport();
     s_->aborted = false;
     s_->abort_reason.clear();
     s_->arrived = 0;
@@ -282,6 +347,7 @@ class InProcessCommunicator : public Communicator {
 
 InProcessGroup::InProcessGroup(int size, CommunicationOptions options) {
   DISTSTRAT_CHECK_GE(size, 1, "InProcessGroup size");
+  check_in_process_algorithm(options, "InProcessGroup");
   state_ = std::make_unique<State>(size, std::move(options));
   for (int r = 0; r < size; ++r) comms_.push_back(std::make_unique<InProcessCommunicator>(state_.get(), r));
 }

@@ -19,17 +19,23 @@ namespace {
 
 // Node of every rank of comm: the comm rank of the lowest rank sharing its
 // host (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)).
-std::vector<int> node_map(MPI_Comm comm) {
+// Collective over comm, bounded by `timeout` (allreduce/mpi_util.h).
+std::vector<int> node_map(MPI_Comm comm, std::chrono::milliseconds timeout) {
   int rank = 0, size = 1;
   DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &size));
-  MPI_Comm local;
-  DISTSTRAT_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local));
+  MPI_Comm local = MPI_COMM_NULL;
+  int rc = MPI_SUCCESS;
+  mpi::bounded_call("mpi communicator set-up: MPI_Comm_split_type", timeout, [&] {
+    rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
+  });
+  DISTSTRAT_MPI_CHECK(rc);
   int leader = rank;
-  DISTSTRAT_MPI_CHECK(MPI_Bcast(&leader, 1, MPI_INT, 0, local));
-  MPI_Comm_free(&local);
+  mpi::bcast(&leader, 1, MPI_INT, 0, local, "mpi communicator set-up: node leader", timeout);
+  mpi::free_comm(&local, timeout);
   std::vector<int> nodes(size);
-  DISTSTRAT_MPI_CHECK(MPI_Allgather(&leader, 1, MPI_INT, nodes.data(), 1, MPI_INT, comm));
+  mpi::allgather(&leader, nodes.data(), 1, MPI_INT, comm, "mpi communicator set-up: node map",
+                 timeout);
   return nodes;
 }
 
@@ -100,8 +106,9 @@ class MpiCommunicator : public TransportCommunicator {
  public:
   MpiCommunicator(Transport& transport, std::unique_ptr<Transport> owned, MPI_Comm comm,
                   const CommunicationOptions& options, const std::vector<int>& hosts)
-      : TransportCommunicator(transport, options, hosts, std::move(owned)) {
-    DISTSTRAT_MPI_CHECK(MPI_Comm_dup(comm, &native_));
+      : TransportCommunicator(transport, options, hosts, std::move(owned),
+                              {Algorithm::kMpiNative, Algorithm::kSharedMemory}) {
+    native_ = mpi::dup(comm, "mpi communicator set-up", options.timeout);
     DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(native_, MPI_ERRORS_RETURN));
     // Shared memory needs every rank on one host (whatever grouping
     // hierarchical_group_size imposes on the point-to-point algorithms).
@@ -113,9 +120,10 @@ class MpiCommunicator : public TransportCommunicator {
     }
   }
   ~MpiCommunicator() override {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&native_);
+    // A collective that timed out is still pending on native_ (MPI cannot
+    // cancel it): the process is marked failed, and native_ left to its end.
+    if (aborted_) mpi::mark_failed();
+    if (!native_pending_) mpi::free_comm(&native_, options_.timeout);
   }
 
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
@@ -195,6 +203,8 @@ class MpiCommunicator : public TransportCommunicator {
       if (flag) return;
       if (Clock::now() >= end) {
         aborted_ = true;
+        native_pending_ = true;
+        mpi::mark_failed();
         abort_reason_ = "an earlier MPI_Iallreduce timed out and cannot be cancelled";
         throw DeadlineExceededError("MPI_Iallreduce did not complete within " +
                                     std::to_string(options_.timeout.count()) +
@@ -205,6 +215,7 @@ class MpiCommunicator : public TransportCommunicator {
   }
 
   MPI_Comm native_ = MPI_COMM_NULL;
+  bool native_pending_ = false;  // an MPI_Iallreduce on native_ was given up on
   SixteenBitOps sixteen_bit_;
   std::unique_ptr<Communicator> shm_;
 };
@@ -214,9 +225,10 @@ class MpiCommunicator : public TransportCommunicator {
 
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm,
                                                     const CommunicationOptions& options) {
-  std::unique_ptr<Transport> transport = make_mpi_transport(comm);
+  std::unique_ptr<Transport> transport = make_mpi_transport(comm, options.timeout);
   Transport& ref = *transport;
-  return std::make_unique<MpiCommunicator>(ref, std::move(transport), comm, options, node_map(comm));
+  return std::make_unique<MpiCommunicator>(ref, std::move(transport), comm, options,
+                                           node_map(comm, options.timeout));
 }
 
 }  // namespace diststrat

@@ -4,6 +4,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <memory>
 
 #include "allreduce/transport.h"
@@ -18,8 +19,10 @@ namespace diststrat {
 // request. probe_any uses MPI_Iprobe. Messages over 1 GiB travel as several
 // MPI messages. MPI must be initialised; thread level: one thread at a time
 // per transport (MPI_THREAD_MULTIPLE if several transports are used from
-// different threads).
-std::unique_ptr<Transport> make_mpi_transport(MPI_Comm comm);
+// different threads). The duplicate (MPI_Comm_idup) and its release are
+// bounded by `setup_timeout` (allreduce/mpi_util.h).
+std::unique_ptr<Transport> make_mpi_transport(
+    MPI_Comm comm, std::chrono::milliseconds setup_timeout = CommunicationOptions{}.timeout);
 
 // A Communicator over the ranks of `comm` (collective over comm). all_reduce
 // runs options.algorithm: the point-to-point algorithms over the MPI

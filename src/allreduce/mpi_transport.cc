@@ -132,21 +132,18 @@ class MpiRequest : public Request::State {
 
 class MpiTransport : public Transport {
  public:
-  explicit MpiTransport(MPI_Comm comm) {
+  MpiTransport(MPI_Comm comm, std::chrono::milliseconds setup_timeout)
+      : setup_timeout_(setup_timeout) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     DISTSTRAT_CHECK(initialized, kFailedPrecondition,
                     "make_mpi_transport: MPI is not initialised (call MPI_Init first)");
-    DISTSTRAT_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+    comm_ = mpi::dup(comm, "mpi transport set-up", setup_timeout);
     DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm_, &size_));
   }
-  ~MpiTransport() override {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&comm_);
-  }
+  ~MpiTransport() override { mpi::free_comm(&comm_, setup_timeout_); }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -213,14 +210,16 @@ class MpiTransport : public Transport {
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
+  std::chrono::milliseconds setup_timeout_;
   int rank_ = 0, size_ = 1;
   std::shared_ptr<AbortState> abort_ = std::make_shared<AbortState>();
 };
 
 }  // namespace
 
-std::unique_ptr<Transport> make_mpi_transport(MPI_Comm comm) {
-  return std::make_unique<MpiTransport>(comm);
+std::unique_ptr<Transport> make_mpi_transport(MPI_Comm comm,
+                                              std::chrono::milliseconds setup_timeout) {
+  return std::make_unique<MpiTransport>(comm, setup_timeout);
 }
 
 }  // namespace diststrat

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include "core/user_text.h"
 #include "diststrat/collective.h"
 #include "diststrat/error.h"
 
@@ -43,7 +44,9 @@ Algorithm parse_algorithm(const std::string& name) {
                       Algorithm::kCustom, Algorithm::kSharedMemory}) {
     if (n == algorithm_name(a)) return a;
   }
-  throw InvalidArgumentError("unknown algorithm '" + name + "'");
+  throw InvalidArgumentError("unknown algorithm '" + echo(name) +
+                             "' (auto, direct, ring, halving_doubling, tree, reduce_to_one, "
+                             "hierarchical, nccl, mpi, custom, shm)");
 }
 
 }  // namespace diststrat

@@ -53,13 +53,24 @@
 // counter has reached its value (acquire), spinning, then yielding, then
 // sleeping, until the deadline; then it throws DeadlineExceededError naming
 // the ranks whose counters lag. abort() raises this rank's abort word, which
-// every waiting peer checks.
+// every waiting peer checks, and its reason, which they quote.
+//
+// Set-up and tear-down are bounded by options.timeout too: the communicator
+// duplicate and the barrier are non-blocking MPI calls polled against it;
+// MPI_Comm_split_type and MPI_Win_allocate_shared (no non-blocking form) run
+// under a watchdog (allreduce/mpi_util.h). The destructor frees the windows
+// only after every rank has voted to (MPI_Win_free is collective); a rank
+// that failed, or whose communicator is destroyed while an exception
+// propagates, raises its abort word instead and returns at once: its peers
+// fail their next barrier with AbortedError naming it within microseconds,
+// and nothing delays its own error on the way to the caller's catch.
 
 #include "allreduce/shm_communicator.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -72,7 +83,7 @@
 namespace diststrat {
 namespace {
 
-constexpr size_t kHeader = 256;              // keeps the buffers cache-line (and page-ish) aligned
+constexpr size_t kHeader = 512;              // keeps the buffers cache-line (and page-ish) aligned
 constexpr size_t kSmallBytes = 16 << 10;     // all-reduce chunks up to this skip slicing
 // Staging buffer size: small enough that the buffers stay in the caches,
 // large enough that the barrier per chunk is amortised. Measured with
@@ -104,6 +115,8 @@ struct alignas(64) Header {
   // Destructor: 1 = this rank will free the windows, 2 = it will not.
   std::atomic<uint32_t> release{0};
   char pad3[60];
+  // Why this rank aborted (NUL-terminated), written before `aborted` is set.
+  char abort_reason[256];
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
@@ -111,17 +124,22 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need 
 class ShmCommunicator : public Communicator {
  public:
   ShmCommunicator(MPI_Comm comm, const CommunicationOptions& options) : options_(options) {
-    DISTSTRAT_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+    const std::chrono::milliseconds t = options_.timeout;
+    comm_ = mpi::dup(comm, "shm communicator set-up", t);
     DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm_, &size_));
-    MPI_Comm local;
-    DISTSTRAT_MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local));
+    MPI_Comm local = MPI_COMM_NULL;
+    int rc = MPI_SUCCESS;
+    mpi::bounded_call("shm communicator set-up: MPI_Comm_split_type", t, [&] {
+      rc = MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
+    });
+    DISTSTRAT_MPI_CHECK(rc);
     int local_size = 0;
     MPI_Comm_size(local, &local_size);
-    MPI_Comm_free(&local);
+    mpi::free_comm(&local, t);
     if (local_size != size_) {
-      MPI_Comm_free(&comm_);
+      mpi::free_comm(&comm_, t);
       throw FailedPreconditionError("rank " + std::to_string(rank_) +
                                     ": the shared-memory communicator needs every rank on one "
                                     "node, but only " + std::to_string(local_size) + " of " +
@@ -140,25 +158,42 @@ class ShmCommunicator : public Communicator {
     }
     DISTSTRAT_MPI_CHECK(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
     // Everyone's header is constructed before anyone reads it.
-    DISTSTRAT_MPI_CHECK(MPI_Barrier(comm_));
+    mpi::barrier(comm_, "shm communicator set-up", t);
   }
 
   ~ShmCommunicator() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
+    if (std::uncaught_exceptions() > uncaught_at_construction_) {
+      // Destroyed during stack unwinding: this rank is leaving on an error
+      // and will not meet its peers again. Tell them now (they fail their
+      // next barrier naming this rank) and do not wait for their votes: that
+      // wait would hold the error back from the caller's catch for up to the
+      // whole deadline.
+      abort("rank " + std::to_string(rank_) +
+            " left the group: its communicator was destroyed while an exception propagated "
+            "(that rank's own error is in its output)");
+    }
+    if (failed_) mpi::mark_failed();
     // MPI_Win_free is collective and has no deadline: with a peer that is
     // gone or stuck it would block forever. So each rank first publishes
     // whether it will free (not after a failure of this communicator: peers
     // may be gone) and waits, up to the usual deadline, for every other
     // rank's word; the window is freed only when all said yes, so all ranks
     // decide alike (one later than the deadline counts as gone). Otherwise
-    // the window and the communicator are left to the process's end.
-    if (!all_agree_to_release()) return;
-    for (auto& w : windows_) MPI_Win_free(&w.win);
-    MPI_Win_unlock_all(win_);
-    MPI_Win_free(&win_);
-    MPI_Comm_free(&comm_);
+    // the window and the communicator are left to the process's end. The
+    // frees run under a watchdog, for a peer stopped between vote and free.
+    if (!all_agree_to_release()) {
+      mpi::mark_failed();
+      return;
+    }
+    mpi::bounded_call("shm communicator tear-down: MPI_Win_free", options_.timeout, [&] {
+      for (auto& w : windows_) MPI_Win_free(&w.win);
+      MPI_Win_unlock_all(win_);
+      MPI_Win_free(&win_);
+    });
+    mpi::free_comm(&comm_, options_.timeout);
   }
 
   int rank() const override { return rank_; }
@@ -343,7 +378,13 @@ class ShmCommunicator : public Communicator {
   void abort(const std::string& reason) override {
     failed_ = true;
     abort_reason_ = reason;
-    headers_[rank_]->aborted.store(1, std::memory_order_release);
+    mpi::mark_failed();
+    Header* h = headers_[rank_];
+    if (h->aborted.load(std::memory_order_relaxed)) return;  // the first reason stays
+    const size_t n = std::min(reason.size(), sizeof(h->abort_reason) - 1);
+    std::memcpy(h->abort_reason, reason.data(), n);
+    h->abort_reason[n] = '\0';
+    h->aborted.store(1, std::memory_order_release);
   }
 
   // Clears this rank's abort word. Every rank must call it (with no
@@ -351,6 +392,7 @@ class ShmCommunicator : public Communicator {
   void reset() override {
     abort_reason_.clear();
     headers_[rank_]->aborted.store(0, std::memory_order_release);
+    headers_[rank_]->abort_reason[0] = '\0';
   }
 
  private:
@@ -361,12 +403,19 @@ class ShmCommunicator : public Communicator {
   // A shared window of `bytes` per rank (collective over comm_); `parts`
   // receives every rank's part as mapped in this process.
   MPI_Win allocate_shared_window(size_t bytes, std::vector<char*>* parts) const {
+    // Collective without a non-blocking form: entered only once every rank
+    // has come this far (a bounded barrier, which names a missing peer by
+    // its deadline instead of hanging in the allocation), then watched.
+    mpi::barrier(comm_, "shm communicator: before MPI_Win_allocate_shared", options_.timeout);
     MPI_Info info;
     MPI_Info_create(&info);
     MPI_Info_set(info, "alloc_shared_noncontig", "true");
     void* base = nullptr;
     MPI_Win win = MPI_WIN_NULL;
-    const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, comm_, &base, &win);
+    int rc = MPI_SUCCESS;
+    mpi::bounded_call("shm communicator: MPI_Win_allocate_shared", options_.timeout, [&] {
+      rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, comm_, &base, &win);
+    });
     MPI_Info_free(&info);
     DISTSTRAT_MPI_CHECK(rc);
     parts->assign(size_, nullptr);
@@ -503,9 +552,13 @@ class ShmCommunicator : public Communicator {
       for (int q = 0; q < c_->size_; ++q) {
         if (c_->headers_[q]->aborted.load(std::memory_order_acquire)) {
           c_->failed_ = true;
+          const Header* h = c_->headers_[q];
+          const std::string reason(h->abort_reason,
+                                   strnlen(h->abort_reason, sizeof(h->abort_reason)));
           throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ +
                              " aborted by rank " + std::to_string(q) +
-                             (q == c_->rank_ ? ": " + c_->abort_reason_ : std::string()));
+                             (q == c_->rank_ ? ": " + c_->abort_reason_
+                                             : reason.empty() ? std::string() : ": " + reason));
         }
       }
     }
@@ -543,6 +596,9 @@ class ShmCommunicator : public Communicator {
   uint64_t barriers_ = 0;  // barriers this rank has entered
   uint64_t chunks_ = 0;    // chunks processed (buffer parity)
   std::string abort_reason_;
+  // std::uncaught_exceptions() at construction (more at destruction =
+  // destroyed during stack unwinding).
+  const int uncaught_at_construction_ = std::uncaught_exceptions();
   // A call failed or the communicator was aborted: peers may be gone, so the
   // destructor skips the collective window release.
   std::atomic<bool> failed_{false};

@@ -7,6 +7,7 @@
 
 #include "allreduce/custom.h"
 #include "allreduce/reduce_kernels.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 
@@ -15,15 +16,32 @@ std::string describe_call(const char* kind, size_t count, DType dtype, const Red
   std::ostringstream os;
   os << kind << " of " << count << " " << dtype_name(dtype);
   if (op) os << " " << reduce_op_name(*op);
-  if (!name.empty()) os << " '" << name << "'";
+  if (!name.empty()) os << " '" << echo(name) << "'";
   return os.str();
 }
 
 TransportCommunicator::TransportCommunicator(Transport& transport, CommunicationOptions options,
                                              std::vector<int> node_of,
-                                             std::unique_ptr<Transport> owned)
+                                             std::unique_ptr<Transport> owned,
+                                             const std::vector<Algorithm>& also_runs)
     : owned_(std::move(owned)), transport_(&transport), options_(std::move(options)),
       node_of_(std::move(node_of)) {
+  switch (options_.algorithm) {
+    case Algorithm::kAuto:
+    case Algorithm::kRing:
+    case Algorithm::kHalvingDoubling:
+    case Algorithm::kTree:
+    case Algorithm::kReduceToOne:
+    case Algorithm::kHierarchical:
+    case Algorithm::kCustom:
+      break;
+    default:
+      DISTSTRAT_CHECK(std::find(also_runs.begin(), also_runs.end(), options_.algorithm) != also_runs.end(),
+                      kInvalidArgument, "rank ", rank(), ": TransportCommunicator: algorithm '",
+                      algorithm_name(options_.algorithm),
+                      "' is not available over this transport (point-to-point messages); use "
+                      "auto, ring, halving_doubling, tree, reduce_to_one, hierarchical or custom");
+  }
   const int n = transport_->size();
   if (node_of_.empty() || options_.hierarchical_group_size > 0) {
     node_of_.assign(n, 0);
@@ -36,7 +54,7 @@ TransportCommunicator::TransportCommunicator(Transport& transport, Communication
     DISTSTRAT_CHECK(options_.algorithm_registry &&
                         options_.algorithm_registry->find(options_.custom_algorithm),
                     kInvalidArgument, "rank ", rank(), ": custom all-reduce algorithm '",
-                    options_.custom_algorithm, "' is not in options.algorithm_registry");
+                    echo(options_.custom_algorithm), "' is not in options.algorithm_registry");
   }
 }
 
@@ -92,7 +110,7 @@ void TransportCommunicator::all_reduce(const void* in, void* out, size_t count, 
 void TransportCommunicator::broadcast(void* buf, size_t count, DType dtype, int root,
                                       const std::string& name) {
   DISTSTRAT_CHECK(0 <= root && root < size(), kInvalidArgument, "rank ", rank(), ": broadcast '",
-                  name, "': root ", root, " is not a rank of a group of ", size());
+                  echo(name), "': root ", root, " is not a rank of a group of ", size());
   guarded(describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
               std::to_string(root),
           [&] {
@@ -140,7 +158,7 @@ void TransportCommunicator::reduce_scatter(const void* in, void* out, size_t cou
 }
 
 void TransportCommunicator::barrier(const std::string& name) {
-  guarded(std::string("barrier") + (name.empty() ? "" : " '" + name + "'"), [&] {
+  guarded(std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'"), [&] {
     const int tag = next_tag();
     algo::dissemination_barrier(algo::Peers::all(*transport_), tag, deadline());
   });

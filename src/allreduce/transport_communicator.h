@@ -30,8 +30,13 @@ class TransportCommunicator : public Communicator {
   // `node_of[r]` = node of rank r, for kHierarchical and kAuto. A positive
   // options.hierarchical_group_size overrides it (groups of that many
   // consecutive ranks); with neither, all ranks are one node.
+  // options.algorithm must be kAuto, a point-to-point algorithm (kRing,
+  // kHalvingDoubling, kTree, kReduceToOne, kHierarchical), kCustom with its
+  // function registered, or one of `also_runs` (what a subclass adds, such as
+  // MPI's kMpiNative); otherwise InvalidArgumentError naming it.
   TransportCommunicator(Transport& transport, CommunicationOptions options,
-                        std::vector<int> node_of = {}, std::unique_ptr<Transport> owned = nullptr);
+                        std::vector<int> node_of = {}, std::unique_ptr<Transport> owned = nullptr,
+                        const std::vector<Algorithm>& also_runs = {});
 
   int rank() const override { return transport_->rank(); }
   int size() const override { return transport_->size(); }

@@ -3,7 +3,9 @@
 // reduce-to-one: each replica publishes its gradient tensors, then inside
 // merge_call local replica 0 sums them into one buffer per variable and
 // applies the optimizer once to the single copy (and its single set of slots),
-// bumping the single step counter once. With GPU compute replicas the
+// bumping the single step counter once. Sync-on-read variables (metrics,
+// which are not trainable) are the exception: one copy per replica, as under
+// MirroredStrategy, aggregated when read. With GPU compute replicas the
 // variables stay on the host: reads copy them to the replica's device,
 // gradients come back to the host before the reduce-to-one.
 
@@ -12,6 +14,7 @@
 #include <mutex>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/user_text.h"
 #include "diststrat/optimizer.h"
 #include "mirrored/local_replicas.h"
 
@@ -74,7 +77,21 @@ std::shared_ptr<DeviceManager> CentralStorageStrategy::device_manager() const {
 
 Tensor CentralStorageStrategy::read_variable(const Variable::Impl& var,
                                              const ReplicaContext& ctx) const {
+  if (var.options.synchronization == VariableSynchronization::kOnRead) {
+    return var.copies.at(static_cast<size_t>(ctx.local_replica_id()));
+  }
   return read_on_replica_device(var.copies.at(0), ctx.device());
+}
+
+void CentralStorageStrategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
+  impl_->replicas.for_each_copy(var.impl().copies, fn);
+}
+
+void CentralStorageStrategy::assign_variable(Variable::Impl& var, const Tensor& value) {
+  DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
+                  "assign to variable '", echo(var.name), "' ", dtype_name(var.dtype),
+                  var.shape.to_string(), " from ", value.debug_string());
+  impl_->replicas.for_each_copy(var.copies, [&](Tensor& c) { c.copy_from(value); });
 }
 
 Tensor CentralStorageStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
@@ -86,6 +103,14 @@ Tensor CentralStorageStrategy::gather_across(const std::vector<Tensor>& local) {
 }
 
 void CentralStorageStrategy::place_variable(Variable::Impl& var, const Initializer& init) {
+  if (var.options.synchronization == VariableSynchronization::kOnRead) {
+    // Per-replica state (metrics, statistics): each replica writes its own
+    // copy, on its own device, and value() aggregates them.
+    Tensor initial(var.shape, var.dtype);
+    init(initial);
+    impl_->replicas.place_copies(var, initial);
+    return;
+  }
   var.copies.emplace_back(var.shape, var.dtype, impl_->parameter_device);
   init(var.copies[0]);
 }
@@ -109,8 +134,8 @@ void CentralStorageStrategy::apply_gradients(
       for (size_t k = 0; k < n; ++k) {
         DISTSTRAT_CHECK(pending[r][k].second.impl_ptr() == grads_and_vars[k].second.impl_ptr(),
                         kInvalidArgument, "CentralStorageStrategy::apply_gradients: replica ", r,
-                        " passed variable '", pending[r][k].second.name(), "' at position ", k,
-                        " where replica 0 passed '", grads_and_vars[k].second.name(), "'");
+                        " passed variable '", echo(pending[r][k].second.name()), "' at position ", k,
+                        " where replica 0 passed '", echo(grads_and_vars[k].second.name()), "'");
       }
     }
     Tensor iterations = optimizer.iterations().impl().copies[0];

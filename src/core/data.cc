@@ -62,12 +62,13 @@ DistributedDataset::DistributedDataset(std::shared_ptr<Source> source) : source_
 }
 
 int64_t DistributedDataset::num_batches() const {
+  if (!source_) return 0;
   const int64_t rows = source_->total_rows();
   const int64_t b = source_->batch_rows();
   return source_->options.drop_remainder ? rows / b : (rows + b - 1) / b;
 }
 
-int64_t DistributedDataset::global_batch_size() const { return source_->global_batch; }
+int64_t DistributedDataset::global_batch_size() const { return source_ ? source_->global_batch : 0; }
 
 void DistributedDataset::set_epoch(int64_t epoch) {
   epoch_ = epoch;
@@ -75,6 +76,7 @@ void DistributedDataset::set_epoch(int64_t epoch) {
 }
 
 void DistributedDataset::reshuffle() {
+  if (!source_) return;  // empty
   order_.resize(static_cast<size_t>(source_->total_rows()));
   std::iota(order_.begin(), order_.end(), 0);
   if (source_->options.shuffle) {
@@ -107,9 +109,9 @@ Tensor gather_rows(const Tensor& src, const int64_t* rows, int64_t n) {
 }  // namespace
 
 DistributedBatch DistributedDataset::batch(int64_t i) const {
+  DISTSTRAT_CHECK(0 <= i && i < num_batches(), kInvalidArgument, "DistributedDataset: batch ", i,
+                  " of ", num_batches(), source_ ? "" : " (an empty DistributedDataset)");
   const Source& s = *source_;
-  DISTSTRAT_CHECK(0 <= i && i < num_batches(), kInvalidArgument, "batch ", i, " of ",
-                  num_batches());
   const int64_t b = s.batch_rows();
   const int64_t begin = i * b;
   const int64_t n = std::min<int64_t>(b, s.total_rows() - begin);

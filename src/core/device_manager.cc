@@ -6,6 +6,7 @@
 #include <set>
 
 #include "core/device_manager_impl.h"
+#include "core/env.h"
 #include "core/device_scope.h"
 
 namespace diststrat {
@@ -80,9 +81,7 @@ void DeviceManager::Impl::initialize_locked() {
   // Leases first: a GPU held by another job fails before any memory is taken.
   std::vector<GpuLease> taken;
   bool take = options.take_leases;
-  if (const char* env = std::getenv("DISTSTRAT_GPU_LEASE"); env && std::string(env) == "0") {
-    take = false;
-  }
+  if (auto env = env::flag("DISTSTRAT_GPU_LEASE")) take = *env;
   if (take) {
     const auto visible_env = parse_visible_devices(std::getenv("CUDA_VISIBLE_DEVICES"));
     for (int o : ordinals) {

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "core/env.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -13,6 +14,7 @@ const char* fault_kind_name(FaultKind kind) {
     case FaultKind::kExit: return "exit";
     case FaultKind::kStall: return "stall";
     case FaultKind::kCorrupt: return "corrupt";
+    case FaultKind::kOversize: return "oversize";
   }
   return "?";
 }
@@ -25,11 +27,12 @@ FaultInjection FaultInjection::parse(const std::string& text) {
   DISTSTRAT_CHECK(b != std::string::npos, kInvalidArgument, "fault injection '", text,
                   "': expected kind:rank:step");
   const std::string kind = text.substr(0, a);
-  for (FaultKind k : {FaultKind::kThrow, FaultKind::kExit, FaultKind::kStall, FaultKind::kCorrupt}) {
+  for (FaultKind k : {FaultKind::kThrow, FaultKind::kExit, FaultKind::kStall, FaultKind::kCorrupt,
+                      FaultKind::kOversize}) {
     if (kind == fault_kind_name(k)) f.kind = k;
   }
   DISTSTRAT_CHECK(f.active(), kInvalidArgument, "fault injection '", text, "': unknown kind '",
-                  kind, "' (throw, exit, stall, corrupt)");
+                  kind, "' (throw, exit, stall, corrupt, oversize)");
   try {
     size_t used = 0;
     const std::string r = text.substr(a + 1, b - a - 1), s = text.substr(b + 1);
@@ -45,8 +48,7 @@ FaultInjection FaultInjection::parse(const std::string& text) {
 }
 
 FaultInjection FaultInjection::from_env() {
-  const char* v = std::getenv("DISTSTRAT_FAULT");
-  return parse(v ? v : "");
+  return env::parsed<FaultInjection>("DISTSTRAT_FAULT", parse).value_or(FaultInjection{});
 }
 
 }  // namespace diststrat

@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/env.h"
 #include "diststrat/error.h"
 #include "core/file_util.h"
 
@@ -433,7 +434,7 @@ std::string LeaseHolder::to_string() const {
 
 std::string resolve_lease_dir(const LeaseOptions& options) {
   if (!options.lock_dir.empty()) return options.lock_dir;
-  if (const char* env = std::getenv("DISTSTRAT_GPU_LEASE_DIR"); env && *env) return env;
+  if (auto env = env::text("DISTSTRAT_GPU_LEASE_DIR")) return *env;
   return "/tmp/diststrat-gpu-leases";
 }
 

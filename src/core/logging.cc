@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <ctime>
 
+#include "core/env.h"
+
 namespace diststrat {
 
 LogLevel parse_log_level(const std::string& text) {
@@ -22,9 +24,7 @@ LogLevel parse_log_level(const std::string& text) {
 }
 
 Logger::Logger(LogLevel level, std::string prefix) : level_(level), prefix_(std::move(prefix)) {
-  if (const char* env = std::getenv("DISTSTRAT_LOG_LEVEL"); env && *env) {
-    level_ = parse_log_level(env);
-  }
+  if (auto env = env::parsed<LogLevel>("DISTSTRAT_LOG_LEVEL", parse_log_level)) level_ = *env;
 }
 
 void Logger::set_sink(Sink sink) {
@@ -51,9 +51,7 @@ void Logger::log(LogLevel level, const std::string& message) const {
 }
 
 PlacementLog::PlacementLog(bool enabled) : enabled_(enabled) {
-  if (const char* env = std::getenv("DISTSTRAT_LOG_DEVICE_PLACEMENT"); env && *env) {
-    enabled_ = std::string(env) != "0";
-  }
+  if (auto env = env::flag("DISTSTRAT_LOG_DEVICE_PLACEMENT")) enabled_ = *env;
 }
 
 void PlacementLog::set_sink(Sink sink) {

@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <thread>
 
 #include "allreduce/reduce_kernels.h"
 #include "core/data_source.h"
 #include "core/thread_pool.h"
+#include "core/user_text.h"
 #include "core/work_state.h"
 
 namespace diststrat {
@@ -68,6 +70,12 @@ Tensor ReplicaContext::all_reduce(ReduceOp op, const Tensor& t, const std::strin
 // ---- Strategy --------------------------------------------------------------
 
 void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
+  // A fault aimed at a replica this job does not have would never fire: a
+  // test that relied on it would pass without testing anything.
+  DISTSTRAT_CHECK(!fault_.active() || fault_.rank < num_replicas_in_sync(), kInvalidArgument,
+                  "fault injection ", fault_kind_name(fault_.kind), ":", fault_.rank, ":",
+                  fault_.step, " (DISTSTRAT_FAULT or set_fault_injection): rank ", fault_.rank,
+                  " is not a replica of this job (replica ids 0..", num_replicas_in_sync() - 1, ")");
   const int64_t step = step_++;
   const std::string where = "step " + std::to_string(step) + ": ";
   try {
@@ -100,6 +108,7 @@ void Strategy::inject_fault(ReplicaContext& ctx, int64_t step) {
       // it read before is raced by the frees that follow (see ThreadPool).
       ThreadPool::park_forever();
     case FaultKind::kCorrupt:
+    case FaultKind::kOversize:
       inject_corruption(ctx, step);
       return;
     case FaultKind::kNone:
@@ -124,7 +133,20 @@ Variable Strategy::create_variable(const std::string& name, const Shape& shape, 
   DISTSTRAT_CHECK(!name.empty(), kInvalidArgument, "create_variable: empty name");
   for (const Variable& v : variables_) {
     DISTSTRAT_CHECK(v.name() != name, kInvalidArgument, "create_variable: a variable named '",
-                    name, "' already exists");
+                    echo(name), "' already exists");
+  }
+  if (options.synchronization == VariableSynchronization::kOnRead) {
+    DISTSTRAT_CHECK(!options.trainable, kInvalidArgument, "create_variable '", echo(name),
+                    "': a sync-on-read (kOnRead) variable cannot be trainable; set "
+                    "VariableOptions::trainable = false (as TensorFlow requires)");
+    // The parameter server keeps one copy of each variable on the PS ranks
+    // and its replicas read a pulled cache: there are no per-replica copies
+    // to aggregate, and replica writes would be lost at the next pull.
+    DISTSTRAT_CHECK(this->name() != "parameter_server", kUnimplemented,
+                    "ParameterServerStrategy: create_variable '", echo(name),
+                    "': sync-on-read (kOnRead) variables are not supported (the PS holds one "
+                    "copy of each variable); keep per-replica metrics in run()'s results and "
+                    "combine them with Strategy::reduce");
   }
   auto impl = std::make_shared<Variable::Impl>();
   impl->name = name;
@@ -145,7 +167,7 @@ Variable Strategy::variable(const std::string& name) const {
   for (const Variable& v : variables_) {
     if (v.name() == name) return v;
   }
-  throw NotFoundError("no variable named '" + name + "' in this " + this->name() + " strategy");
+  throw NotFoundError("no variable named '" + echo(name) + "' in this " + this->name() + " strategy");
 }
 
 double Strategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
@@ -190,6 +212,84 @@ Tensor Strategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& l
 
 Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values) {
   return reduce_tensors_across(op, values.values());
+}
+
+int64_t Strategy::reduce(ReduceOp op, const PerReplica<int64_t>& values) {
+  DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no values");
+  std::vector<Tensor> local;
+  for (int64_t v : values) {
+    Tensor t(Shape{}, DType::kInt64);
+    t.data<int64_t>()[0] = v;
+    local.push_back(t);
+  }
+  const int64_t total =
+      reduce_tensors_across(op == ReduceOp::kMean ? ReduceOp::kSum : op, local).data<int64_t>()[0];
+  return op == ReduceOp::kMean ? total / num_replicas_in_sync() : total;
+}
+
+namespace {
+// Reduces `t` over dimension `axis` with `op` (kMean: the sum; the caller
+// divides), in host memory.
+Tensor reduce_along(const Tensor& t, int axis, ReduceOp op) {
+  const std::vector<int64_t>& dims = t.shape().dims();
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < axis; ++d) outer *= dims[d];
+  for (size_t d = static_cast<size_t>(axis) + 1; d < dims.size(); ++d) inner *= dims[d];
+  const int64_t len = dims[static_cast<size_t>(axis)];
+  std::vector<int64_t> out_dims;
+  for (size_t d = 0; d < dims.size(); ++d) {
+    if (static_cast<int>(d) != axis) out_dims.push_back(dims[d]);
+  }
+  Tensor out{Shape(out_dims), t.dtype()};
+  if (len == 0) {
+    // Only a sum or a product has a value over no elements.
+    if (op == ReduceOp::kProduct) init::Constant{1.0}(out);
+    else out.zero();
+    return out;
+  }
+  const size_t es = dtype_size(t.dtype());
+  const char* src = static_cast<const char*>(t.data());
+  char* dst = static_cast<char*>(out.data());
+  const ReduceOp acc = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  for (int64_t o = 0; o < outer; ++o) {
+    char* d = dst + static_cast<size_t>(o * inner) * es;
+    const char* row = src + static_cast<size_t>(o * len * inner) * es;
+    if (inner) std::memcpy(d, row, static_cast<size_t>(inner) * es);
+    for (int64_t a = 1; a < len; ++a) {
+      kernels::accumulate(d, row + static_cast<size_t>(a * inner) * es, static_cast<size_t>(inner),
+                          t.dtype(), acc);
+    }
+  }
+  return out;
+}
+}  // namespace
+
+Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values, int axis) {
+  DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no tensors");
+  const int rank = static_cast<int>(values[0].shape().rank());
+  DISTSTRAT_CHECK(-rank <= axis && axis < rank, kInvalidArgument, "reduce along axis ", axis,
+                  " of ", values[0].debug_string(), ": the axis must lie in [", -rank, ", ", rank,
+                  ")");
+  const int a = axis < 0 ? axis + rank : axis;
+  // Axis 0: every row of every replica, gathered (rows may differ per
+  // replica). Another axis: equal shapes, reduced over the replicas first
+  // (the two reductions commute elementwise).
+  const ReduceOp across = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const Tensor combined =
+      a == 0 ? gather_across(values.values()) : reduce_tensors_across(across, values.values());
+  const int64_t len = combined.shape()[static_cast<size_t>(a)];
+  const int64_t elements = a == 0 ? len : len * num_replicas_in_sync();
+  DISTSTRAT_CHECK(elements > 0 || op == ReduceOp::kSum || op == ReduceOp::kProduct,
+                  kInvalidArgument, "reduce ", reduce_op_name(op), " along axis ", axis, " of ",
+                  values[0].debug_string(), ": no elements to reduce");
+  Tensor out = reduce_along(combined, a, op);
+  if (op == ReduceOp::kMean) {
+    DISTSTRAT_CHECK_LE(elements, static_cast<int64_t>(std::numeric_limits<int>::max()),
+                       "reduce kMean: elements along the axis");
+    kernels::scale_mean(out.data(), static_cast<size_t>(out.num_elements()), out.dtype(),
+                        static_cast<int>(elements));
+  }
+  return out;
 }
 
 Tensor Strategy::gather_across(const std::vector<Tensor>& local) {
@@ -269,24 +369,58 @@ void Strategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
 Tensor Strategy::read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const {
   if (var.copies.size() == 1) return var.copies[0];
   const size_t i = static_cast<size_t>(ctx.local_replica_id());
-  DISTSTRAT_CHECK_LT(i, var.copies.size(), "read of variable '" + var.name + "': local replica");
+  DISTSTRAT_CHECK_LT(i, var.copies.size(), "read of variable '" + echo(var.name) + "': local replica");
   return var.copies[i];
 }
 
 Tensor Strategy::variable_value(const Variable::Impl& var) const {
-  if (var.options.synchronization == VariableSynchronization::kOnRead &&
-      var.options.aggregation != VariableAggregation::kNone &&
-      var.options.aggregation != VariableAggregation::kOnlyFirstReplica) {
-    const ReduceOp op =
-        var.options.aggregation == VariableAggregation::kSum ? ReduceOp::kSum : ReduceOp::kMean;
-    return const_cast<Strategy*>(this)->reduce_tensors_across(op, var.copies);
+  if (var.options.synchronization == VariableSynchronization::kOnRead) {
+    return const_cast<Strategy*>(this)->on_read_value(var);
   }
   return var.copies.at(0).clone();
 }
 
+Tensor Strategy::on_read_value(const Variable::Impl& var) {
+  DISTSTRAT_CHECK(!var.copies.empty(), kFailedPrecondition, "value of variable '", echo(var.name),
+                  "': it has no copies on this process");
+  switch (var.options.aggregation) {
+    case VariableAggregation::kSum:
+      return reduce_tensors_across(ReduceOp::kSum, var.copies);
+    case VariableAggregation::kMean:
+      return reduce_tensors_across(ReduceOp::kMean, var.copies);
+    case VariableAggregation::kNone:
+    case VariableAggregation::kOnlyFirstReplica:
+      break;
+  }
+  // Global replica 0's copy: the process that holds it contributes it, every
+  // other one zeros, and the sum over processes is that copy exactly (a
+  // host copy of it with one process).
+  if (first_local_replica() == 0) return reduce_tensors_across(ReduceOp::kSum, {var.copies[0]});
+  Tensor zeros(var.shape, var.dtype);
+  zeros.zero();
+  return reduce_tensors_across(ReduceOp::kSum, {zeros});
+}
+
+void Strategy::on_read_assign(Variable& var, const Tensor& value) {
+  const Variable::Impl& v = var.impl();
+  DISTSTRAT_CHECK(value.shape() == v.shape && value.dtype() == v.dtype, kInvalidArgument,
+                  "assign to variable '", echo(v.name), "' ", dtype_name(v.dtype), v.shape.to_string(),
+                  " from ", value.debug_string());
+  if (v.options.aggregation != VariableAggregation::kSum) {
+    // The mean of equal copies, and the first copy, are the value itself.
+    assign_variable(var.impl(), value);
+    return;
+  }
+  // A sum: global replica 0 holds the value, every other replica zero.
+  Tensor zeros(v.shape, v.dtype);
+  zeros.zero();
+  const Tensor* first = first_local_replica() == 0 ? &v.copies.at(0) : nullptr;
+  update(var, [&](Tensor& copy) { copy.copy_from(&copy == first ? value : zeros); });
+}
+
 void Strategy::assign_variable(Variable::Impl& var, const Tensor& value) {
   DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
-                  "assign to variable '", var.name, "' ", dtype_name(var.dtype),
+                  "assign to variable '", echo(var.name), "' ", dtype_name(var.dtype),
                   var.shape.to_string(), " from ", value.debug_string());
   for (Tensor& c : var.copies) c.copy_from(value);
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <random>
 
+#include "core/user_text.h"
 #include "diststrat/strategy.h"
 
 namespace diststrat {
@@ -17,11 +18,33 @@ Variable::Impl& Variable::impl() const {
   return *impl_;
 }
 
-Tensor Variable::read(const ReplicaContext& ctx) const {
-  return impl().owner->read_variable(impl(), ctx);
+namespace {
+// The strategy that created `v`: an Impl made by hand has none.
+Strategy& owner_of(const Variable::Impl& v) {
+  DISTSTRAT_CHECK(v.owner != nullptr, kFailedPrecondition, "variable '", echo(v.name),
+                  "' was not created by a strategy (use Strategy::create_variable)");
+  return *v.owner;
 }
-Tensor Variable::value() const { return impl().owner->variable_value(impl()); }
-void Variable::assign(const Tensor& value) { impl().owner->assign_variable(impl(), value); }
+}  // namespace
+
+Tensor Variable::read(const ReplicaContext& ctx) const {
+  return owner_of(impl()).read_variable(impl(), ctx);
+}
+
+Tensor Variable::value() const {
+  Strategy& s = owner_of(impl());
+  if (impl().options.synchronization == VariableSynchronization::kOnRead) return s.on_read_value(impl());
+  return s.variable_value(impl());
+}
+
+void Variable::assign(const Tensor& value) {
+  Strategy& s = owner_of(impl());
+  if (impl().options.synchronization == VariableSynchronization::kOnRead) {
+    s.on_read_assign(*this, value);
+    return;
+  }
+  s.assign_variable(impl(), value);
+}
 
 std::vector<Tensor>& Variable::Impl::slot(const std::string& slot_name) {
   std::lock_guard<std::mutex> lock(slots_mu);

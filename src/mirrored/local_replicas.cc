@@ -4,7 +4,9 @@
 #include <cstring>
 #include <set>
 
+#include "allreduce/inprocess.h"
 #include "core/device_manager_impl.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 
@@ -51,13 +53,47 @@ void stage_to_host(Tensor& t) {
   t = host;
 }
 
+std::string strategy_display_name(const Strategy& s) {
+  const std::string n = s.name();
+  if (n == "mirrored") return "MirroredStrategy";
+  if (n == "central_storage") return "CentralStorageStrategy";
+  if (n == "multi_worker") return "MultiWorkerMirroredStrategy";
+  if (n == "parameter_server") return "ParameterServerStrategy";
+  return n;
+}
+
+namespace {
+// The options of the local replicas' host group. Multi-worker: the
+// algorithm is the cross-worker communicator's (its local replicas meet in
+// the fusion engine; this group only carries merge_call and barriers), so
+// the group runs its own default. GPU replicas all-reduce on the device
+// communicator (checked in LocalReplicas). CPU replicas: the group runs the
+// algorithm, or refuses it by name.
+CommunicationOptions local_group_options(const Strategy& strategy, const std::vector<Device>& devices,
+                                         CommunicationOptions o) {
+  const std::string who = strategy_display_name(strategy);
+  if (strategy.name() == "multi_worker") {
+    o.algorithm = Algorithm::kAuto;
+    return o;
+  }
+  const bool gpu = std::any_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_gpu(); });
+  if (gpu) {
+    o.algorithm = Algorithm::kAuto;  // LocalReplicas checks the device communicator's
+    return o;
+  }
+  check_in_process_algorithm(o, who);
+  return o;
+}
+}  // namespace
+
 LocalReplicasCore::LocalReplicasCore(Strategy* strategy, std::vector<Device> devices,
                                      CommunicationOptions options)
     : strategy(strategy),
       num_in_sync(static_cast<int>(devices.size())),
       devices(std::move(devices)),
       options(options),
-      group(static_cast<int>(this->devices.size()), options) {}
+      group(static_cast<int>(this->devices.size()),
+            local_group_options(*strategy, this->devices, options)) {}
 
 LocalReplicasCore::~LocalReplicasCore() {
   device_comms.clear();
@@ -105,7 +141,18 @@ LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
     for (const Device& d : c.devices) ordinals.push_back(dm.ordinal_of(d));
     for (int o : ordinals) c.streams.push_back(backend.create_stream(o));
     const std::set<int> distinct(ordinals.begin(), ordinals.end());
-    if (distinct.size() == 1) {
+    const Algorithm a = c.options.algorithm;
+    const bool shared = distinct.size() == 1;
+    if (strategy->name() != "multi_worker") {
+      // The device communicator runs one algorithm: NCCL across physical
+      // GPUs, the device kernel (direct) for logical GPUs of one GPU.
+      DISTSTRAT_CHECK(a == Algorithm::kAuto || a == (shared ? Algorithm::kDirect : Algorithm::kNccl),
+                      kInvalidArgument, strategy_display_name(*strategy), " on GPU replicas (",
+                      shared ? "logical GPUs of one GPU" : "several GPUs", "): algorithm '",
+                      algorithm_name(a), "' is not available; use 'auto' or '",
+                      shared ? "direct" : "nccl", "'");
+    }
+    if (shared) {
       // Logical GPUs of one physical GPU (or a single GPU): device-side reduction.
       c.device_comms = backend.shared_device_group({ordinals[0], c.streams}, c.options);
     } else if (distinct.size() == ordinals.size()) {
@@ -277,7 +324,7 @@ void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
     // replica's stream.
     for (size_t i = 0; i < tensors.size(); ++i) {
       DISTSTRAT_CHECK(tensors[i].device() == device(), kInvalidArgument, "all_reduce: tensor ",
-                      i < names.size() ? names[i] : std::to_string(i), " ",
+                      i < names.size() ? echo(names[i]) : std::to_string(i), " ",
                       tensors[i].debug_string(), " is not on replica ", local_id_, "'s device ",
                       device().to_string());
     }
@@ -293,7 +340,7 @@ void LocalReplicaContext::barrier(const std::string& name) { local_comm().barrie
 Tensor LocalReplicaContext::all_gather(const Tensor& t, const std::string& name) {
   Communicator& comm = local_comm();
   const int n = comm.size();
-  DISTSTRAT_CHECK(t.shape().rank() >= 1, kInvalidArgument, "all_gather '", name,
+  DISTSTRAT_CHECK(t.shape().rank() >= 1, kInvalidArgument, "all_gather '", echo(name),
                   "' of a scalar: reshape to [1]");
   owner_->strategy->placement_log().record("collective all_gather", name, device());
   if (t.device().is_gpu()) {

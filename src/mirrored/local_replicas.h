@@ -138,6 +138,9 @@ class LocalReplicas {
   ThreadPool pool_;
 };
 
+// "MirroredStrategy", "CentralStorageStrategy", ... for error messages.
+std::string strategy_display_name(const Strategy& s);
+
 // Checks a device list: non-empty, no duplicates.
 void validate_devices(const std::vector<Device>& devices, const char* strategy_name);
 

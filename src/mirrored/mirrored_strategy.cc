@@ -1,6 +1,8 @@
 #include "diststrat/mirrored.h"
 
 #include "core/device_scope.h"
+#include "core/env.h"
+#include "core/user_text.h"
 #include "diststrat/optimizer.h"
 #include "mirrored/local_replicas.h"
 
@@ -22,9 +24,7 @@ MirroredOptions with_default_devices(MirroredOptions o) {
 MirroredStrategy::MirroredStrategy(MirroredOptions options)
     : Strategy(options.log_level, "[mirrored]") {
   if (options.log_device_placement) placement_.set_enabled(true);
-  if (const char* env = std::getenv("DISTSTRAT_LOG_DEVICE_PLACEMENT"); env && *env) {
-    placement_.set_enabled(std::string(env) != "0");
-  }
+  if (auto env = env::flag("DISTSTRAT_LOG_DEVICE_PLACEMENT")) placement_.set_enabled(*env);
   options = with_default_devices(std::move(options));
   impl_ = std::make_unique<Impl>(this, options);
   logger_.info("MirroredStrategy on ", options.devices.size(), " device(s)");
@@ -86,20 +86,16 @@ void MirroredStrategy::update(Variable& var, const std::function<void(Tensor&)>&
 }
 
 Tensor MirroredStrategy::variable_value(const Variable::Impl& var) const {
-  if (var.copies.empty() || var.copies[0].device().is_cpu()) return Strategy::variable_value(var);
-  if (var.options.synchronization == VariableSynchronization::kOnRead &&
-      var.options.aggregation != VariableAggregation::kNone &&
-      var.options.aggregation != VariableAggregation::kOnlyFirstReplica) {
-    return const_cast<MirroredStrategy*>(this)->reduce_tensors_across(
-        var.options.aggregation == VariableAggregation::kSum ? ReduceOp::kSum : ReduceOp::kMean,
-        var.copies);
+  if (var.copies.empty() || var.copies[0].device().is_cpu() ||
+      var.options.synchronization == VariableSynchronization::kOnRead) {
+    return Strategy::variable_value(var);  // the reductions stage GPU copies
   }
   return impl_->replicas.to_host(var.copies[0]);
 }
 
 void MirroredStrategy::assign_variable(Variable::Impl& var, const Tensor& value) {
   DISTSTRAT_CHECK(value.shape() == var.shape && value.dtype() == var.dtype, kInvalidArgument,
-                  "assign to variable '", var.name, "' ", dtype_name(var.dtype),
+                  "assign to variable '", echo(var.name), "' ", dtype_name(var.dtype),
                   var.shape.to_string(), " from ", value.debug_string());
   impl_->replicas.for_each_copy(var.copies, [&](Tensor& c) { c.copy_from(value); });
 }

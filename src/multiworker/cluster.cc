@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <set>
 
+#include "core/user_text.h"
 #include "diststrat/cluster.h"
 #include "diststrat/error.h"
 
@@ -20,14 +21,20 @@ const std::set<std::string> kKnownJobs = {"chief", "worker", "ps", "evaluator"};
   throw InvalidArgumentError("cluster spec: " + what);
 }
 
-bool valid_address(const std::string& a) {
+// What is wrong with a "host:port" address, or "" when nothing is.
+std::string address_problem(const std::string& a) {
   const size_t colon = a.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == a.size()) return false;
-  for (size_t i = colon + 1; i < a.size(); ++i) {
-    if (a[i] < '0' || a[i] > '9') return false;
+  if (colon == std::string::npos || colon + 1 == a.size()) return "has no ':port'";
+  if (colon == 0) return "has no host before ':'";
+  const std::string port = a.substr(colon + 1);
+  for (char c : port) {
+    if (c < '0' || c > '9') return "port '" + echo(port) + "' is not a number";
   }
-  const long port = std::strtol(a.c_str() + colon + 1, nullptr, 10);
-  return port > 0 && port < 65536;
+  if (port.size() > 5 || std::strtol(port.c_str(), nullptr, 10) < 1 ||
+      std::strtol(port.c_str(), nullptr, 10) > 65535) {
+    return "port " + echo(port) + " is out of range (1-65535)";
+  }
+  return "";
 }
 
 }  // namespace
@@ -37,32 +44,34 @@ void ClusterSpec::validate() const {
   int present = 0;
   for (const auto& [job, tasks] : jobs) {
     if (!kKnownJobs.count(job)) {
-      bad("unknown job '" + job + "' (jobs are chief, worker, ps, evaluator)");
+      bad("unknown job '" + echo(job) + "' (jobs are chief, worker, ps, evaluator)");
     }
     if (tasks.empty()) continue;
     ++present;
     if ((job == "chief" || job == "evaluator") && tasks.size() > 1) {
-      bad("job '" + job + "' has " + std::to_string(tasks.size()) + " tasks; at most one is allowed");
+      bad("job '" + echo(job) + "' has " + std::to_string(tasks.size()) + " tasks; at most one is allowed");
     }
     for (size_t i = 0; i < tasks.size(); ++i) {
       const std::string& a = tasks[i];
-      if (!valid_address(a)) {
-        bad("address '" + a + "' of " + job + "[" + std::to_string(i) + "] is not host:port");
+      const std::string problem = address_problem(a);
+      if (!problem.empty()) {
+        bad("address '" + echo(a) + "' of " + echo(job) + "[" + std::to_string(i) +
+            "] is not host:port: " + problem);
       }
       if (!addresses.insert(a).second) {
-        bad("duplicate address '" + a + "' (" + job + "[" + std::to_string(i) + "])");
+        bad("duplicate address '" + echo(a) + "' (" + echo(job) + "[" + std::to_string(i) + "])");
       }
     }
   }
   if (present == 0) bad("the cluster has no tasks");
   if (num_workers() == 0) bad("the cluster has no chief and no worker: nothing runs replicas");
   if (!kKnownJobs.count(task_type)) {
-    bad("task type '" + task_type + "' is not a job (chief, worker, ps, evaluator)");
+    bad("task type '" + echo(task_type) + "' is not a job (chief, worker, ps, evaluator)");
   }
   const int n = num_tasks(task_type);
-  if (n == 0) bad("task type '" + task_type + "' has no tasks in the cluster");
+  if (n == 0) bad("task type '" + echo(task_type) + "' has no tasks in the cluster");
   if (task_index < 0 || task_index >= n) {
-    bad("task index " + std::to_string(task_index) + " out of range for job '" + task_type +
+    bad("task index " + std::to_string(task_index) + " out of range for job '" + echo(task_type) +
         "' with " + std::to_string(n) + " task" + (n == 1 ? "" : "s"));
   }
 }
@@ -74,12 +83,12 @@ ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
     j = json::parse(text);
   } catch (const json::exception& e) {
     // parse_error, and out_of_range for numbers that overflow (found by fuzz_tf_config).
-    throw InvalidArgumentError(std::string("TF_CONFIG is not valid JSON: ") + e.what());
+    throw InvalidArgumentError("TF_CONFIG is not valid JSON: " + echo(e.what(), 2 * kMaxEchoedChars));
   }
   if (!j.is_object()) bad("TF_CONFIG must be a JSON object, got " + std::string(j.type_name()));
   for (const auto& [key, value] : j.items()) {
     if (key != "cluster" && key != "task" && key != "environment" && key != "rpc_layer") {
-      bad("TF_CONFIG has an unknown key '" + key + "' (cluster, task, environment, rpc_layer)");
+      bad("TF_CONFIG has an unknown key '" + echo(key) + "' (cluster, task, environment, rpc_layer)");
     }
   }
   if (!j.contains("cluster")) bad("TF_CONFIG has no 'cluster'");
@@ -88,11 +97,11 @@ ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
   if (!c.is_object()) bad("'cluster' must be an object of job -> [addresses]");
   ClusterSpec spec;
   for (const auto& [job, tasks] : c.items()) {
-    if (!kKnownJobs.count(job)) bad("unknown job '" + job + "' (jobs are chief, worker, ps, evaluator)");
-    if (!tasks.is_array()) bad("job '" + job + "' must be a list of \"host:port\" strings");
+    if (!kKnownJobs.count(job)) bad("unknown job '" + echo(job) + "' (jobs are chief, worker, ps, evaluator)");
+    if (!tasks.is_array()) bad("job '" + echo(job) + "' must be a list of \"host:port\" strings");
     std::vector<std::string> addrs;
     for (const json& a : tasks) {
-      if (!a.is_string()) bad("job '" + job + "' has a non-string address " + a.dump());
+      if (!a.is_string()) bad("job '" + echo(job) + "' has a non-string address " + echo(a.dump()));
       addrs.push_back(a.get<std::string>());
     }
     spec.jobs[job] = std::move(addrs);
@@ -101,14 +110,14 @@ ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
   if (!t.is_object()) bad("'task' must be an object with 'type' and 'index'");
   for (const auto& [key, value] : t.items()) {
     if (key != "type" && key != "index" && key != "trial") {
-      bad("'task' has an unknown key '" + key + "'");
+      bad("'task' has an unknown key '" + echo(key) + "'");
     }
   }
   if (!t.contains("type")) bad("'task' has no 'type'");
-  if (!t["type"].is_string()) bad("task 'type' must be a string, got " + t["type"].dump());
+  if (!t["type"].is_string()) bad("task 'type' must be a string, got " + echo(t["type"].dump()));
   spec.task_type = t["type"].get<std::string>();
   if (!t.contains("index")) bad("'task' has no 'index'");
-  if (!t["index"].is_number_integer()) bad("task 'index' must be an integer, got " + t["index"].dump());
+  if (!t["index"].is_number_integer()) bad("task 'index' must be an integer, got " + echo(t["index"].dump()));
   const int64_t index = t["index"].get<int64_t>();
   if (index < 0 || index > 1'000'000) bad("task index " + std::to_string(index) + " out of range");
   spec.task_index = static_cast<int>(index);
@@ -162,7 +171,7 @@ const std::string& ClusterSpec::address() const {
   auto it = jobs.find(task_type);
   DISTSTRAT_CHECK(it != jobs.end() && task_index >= 0 &&
                       task_index < static_cast<int>(it->second.size()),
-                  kInvalidArgument, "cluster spec: no task ", task_type, "[", task_index, "]");
+                  kInvalidArgument, "cluster spec: no task ", echo(task_type), "[", task_index, "]");
   return it->second[task_index];
 }
 

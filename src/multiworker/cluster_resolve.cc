@@ -1,10 +1,14 @@
 // resolve_cluster: explicit spec, TF_CONFIG, or the MPI launcher.
 #include <cstdlib>
+#include <exception>
 #include <string>
 
+#include "core/env.h"
 #include "diststrat/cluster.h"
+#include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/error.h"
+#include "multiworker/process_group.h"
 #if DISTSTRAT_HAVE_MPI
 #include "multiworker/mpi_env.h"
 #endif
@@ -12,16 +16,6 @@
 namespace diststrat {
 
 namespace {
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  DISTSTRAT_CHECK(end && *end == '\0' && x >= 0 && x < 1'000'000, kInvalidArgument, name, "='",
-                  v, "' is not a non-negative integer");
-  return static_cast<int>(x);
-}
-
 // Every rank a worker: what a plain `mpirun -np N` job is.
 ClusterSpec workers_only(int rank, int size) {
   ClusterSpec spec;
@@ -31,61 +25,99 @@ ClusterSpec workers_only(int rank, int size) {
   spec.task_index = rank;
   return spec;
 }
-}  // namespace
 
-ResolvedCluster resolve_cluster(const ClusterConfig& config) {
-  ResolvedCluster out;
-  bool have_spec = false;
+// The spec from the configuration alone (explicit, else TF_CONFIG); false
+// when there is none.
+bool spec_of(const ClusterConfig& config, ResolvedCluster* out) {
   if (!config.spec.jobs.empty()) {
     config.spec.validate();
-    out.spec = config.spec;
-    out.source = ClusterSource::kExplicit;
-    have_spec = true;
-  } else if (config.use_tf_config) {
-    const char* tf = std::getenv("TF_CONFIG");
-    if (tf && *tf) {
-      out.spec = ClusterSpec::from_tf_config(tf);
-      out.source = ClusterSource::kTfConfig;
-      have_spec = true;
+    out->spec = config.spec;
+    out->source = ClusterSource::kExplicit;
+    return true;
+  }
+  if (config.use_tf_config) {
+    if (auto tf = env::text("TF_CONFIG")) {
+      out->spec = ClusterSpec::from_tf_config(*tf);
+      out->source = ClusterSource::kTfConfig;
+      return true;
     }
   }
+  return false;
+}
 
-  bool from_mpi = false;
-#if DISTSTRAT_HAVE_MPI
-  if (mpi::launched_under_mpi()) {
-    mpi::ensure_initialized();
-    out.placement = mpi::placement(MPI_COMM_WORLD);
-    from_mpi = true;
-  }
-#endif
+// Placement, spec and virtual nodes agreed; `have_spec` from spec_of.
+void finish(const ClusterConfig& config, bool have_spec, bool from_mpi, ResolvedCluster* out) {
   if (from_mpi) {
-    const Placement& p = out.placement;
+    const Placement& p = out->placement;
     if (have_spec) {
       // The launcher's ranks must agree with the spec's rank order.
-      DISTSTRAT_CHECK(out.spec.world_size() == p.world_size, kInvalidArgument, "cluster spec (",
-                      cluster_source_name(out.source), ") has ", out.spec.world_size(),
+      DISTSTRAT_CHECK(out->spec.world_size() == p.world_size, kInvalidArgument, "cluster spec (",
+                      cluster_source_name(out->source), ") has ", out->spec.world_size(),
                       " training processes but the MPI launcher started ", p.world_size);
-      DISTSTRAT_CHECK(out.spec.rank() == p.rank, kInvalidArgument, "cluster spec (",
-                      cluster_source_name(out.source), "): task ", out.spec.task_type, "[",
-                      out.spec.task_index, "] has rank ", out.spec.rank(),
+      DISTSTRAT_CHECK(out->spec.rank() == p.rank, kInvalidArgument, "cluster spec (",
+                      cluster_source_name(out->source), "): task ", out->spec.task_type, "[",
+                      out->spec.task_index, "] has rank ", out->spec.rank(),
                       " in chief/worker/ps order but MPI rank ", p.rank);
     } else {
-      out.spec = workers_only(p.rank, p.world_size);
-      out.source = ClusterSource::kMpi;
+      out->spec = workers_only(p.rank, p.world_size);
+      out->source = ClusterSource::kMpi;
     }
   } else if (have_spec) {
     // No launcher: one process per node as far as we can tell.
-    Placement& p = out.placement;
-    p.rank = std::max(0, out.spec.rank());
-    p.world_size = out.spec.world_size();
+    Placement& p = out->placement;
+    p.rank = std::max(0, out->spec.rank());
+    p.world_size = out->spec.world_size();
     p.local_rank = 0;
     p.local_size = 1;
     p.node = p.rank;
     p.num_nodes = p.world_size;
   }
-  out.info = out.spec.jobs.empty() ? ClusterInfo{} : out.spec.info();
-  const int vnode = env_int("DISTSTRAT_VIRTUAL_NODE_SIZE", config.virtual_node_size);
-  out.placement = virtual_nodes(out.placement, vnode);
+  out->info = out->spec.jobs.empty() ? ClusterInfo{} : out->spec.info();
+  const int vnode = static_cast<int>(
+      env::integer("DISTSTRAT_VIRTUAL_NODE_SIZE", 0, 1'000'000).value_or(config.virtual_node_size));
+  out->placement = virtual_nodes(out->placement, vnode);
+}
+}  // namespace
+
+ResolvedCluster resolve_cluster(const ClusterConfig& config) {
+  return resolve_cluster(config, std::nullopt);
+}
+
+ResolvedCluster resolve_cluster(const ClusterConfig& config,
+                                std::optional<std::chrono::milliseconds> timeout) {
+  ResolvedCluster out;
+#if DISTSTRAT_HAVE_MPI
+  if (mpi::launched_under_mpi()) {
+    // Under a launcher every rank takes every collective step of set-up, even
+    // one whose configuration is bad: its error is carried to the agreement
+    // at the end, where every rank fails together naming it (instead of the
+    // others waiting for it in the next collective).
+    const std::chrono::milliseconds t = timeout ? *timeout : CommunicationOptions{}.timeout;
+    mpi::ensure_initialized(t);
+    if (timeout) mpi::bound_finalize(*timeout);
+    // The first agreement also makes sure that every rank is here before
+    // any enters placement's MPI_Comm_split_type (no non-blocking form).
+    std::exception_ptr error;
+    bool have_spec = false;
+    try {
+      have_spec = spec_of(config, &out);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    mpi::agree(MPI_COMM_WORLD, "resolve_cluster", error, t);
+    out.placement = mpi::placement(MPI_COMM_WORLD, t);
+    try {
+      finish(config, have_spec, true, &out);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    mpi::agree(MPI_COMM_WORLD, "resolve_cluster", error, t);
+    return out;
+  }
+#endif
+  (void)timeout;
+  const bool have_spec = spec_of(config, &out);
+  finish(config, have_spec, false, &out);
   return out;
 }
 

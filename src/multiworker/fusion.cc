@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/user_text.h"
 #include "core/work_state.h"
 
 namespace diststrat {
@@ -39,6 +40,16 @@ std::string name_at(const std::vector<std::string>& names, size_t i) {
   return i < names.size() && !names[i].empty() ? names[i] : "tensor#" + std::to_string(i);
 }
 
+// The first tensors of a call, for messages about it: "'a', 'b', 'c' and 7
+// more" (names as the user gave them, each echoed at most ~200 characters).
+std::string first_tensors(const std::vector<std::string>& names, size_t num) {
+  constexpr size_t kShown = 3;
+  std::string out;
+  for (size_t i = 0; i < num && i < kShown; ++i) out += (i ? ", '" : "'") + echo(name_at(names, i)) + "'";
+  if (num > kShown) out += " and " + std::to_string(num - kShown) + " more";
+  return num ? out : "no tensors";
+}
+
 std::vector<std::string> split_lines(const std::string& s) {
   std::vector<std::string> out;
   std::istringstream is(s);
@@ -51,6 +62,14 @@ std::string rank_list(const std::vector<int>& ranks) {
   os << (ranks.size() == 1 ? "rank " : "ranks ");
   for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
   return os.str();
+}
+
+// A signature line as messages show it: a tensor line "'name' dtype[shape]"
+// with the name echoed (at most ~200 characters), other lines echoed whole.
+std::string shown_line(const std::string& line) {
+  const size_t end = line.rfind("' ");
+  if (line.empty() || line[0] != '\'' || end == std::string::npos || end == 0) return echo(line);
+  return "'" + echo(line.substr(1, end - 1)) + line.substr(end);
 }
 
 // Explains how the ranks' call signatures differ: the first differing line
@@ -95,7 +114,7 @@ std::string describe_mismatch(const std::vector<std::string>& sigs, int64_t call
         os << " enqueued no tensor #" << (i - 1) << " (only "
            << lines[groups[g].second[0]].size() - 1 << " tensors)";
       } else {
-        os << (groups[g].second.size() == 1 ? " has " : " have ") << groups[g].first;
+        os << (groups[g].second.size() == 1 ? " has " : " have ") << shown_line(groups[g].first);
       }
     }
     return os.str();
@@ -201,8 +220,8 @@ Work FusionEngine::enqueue(int local, Part part, bool is_task, const std::string
     }
     std::ostringstream why;
     if (c.is_task != is_task || c.what != what) {
-      why << "local replica " << other_id << " called " << c.what << " but local replica " << local
-          << " called " << what;
+      why << "local replica " << other_id << " called " << echo(c.what) << " but local replica "
+          << local << " called " << echo(what);
     } else if (!is_task) {
       if (other->op != part.op) {
         why << "local replica " << other_id << " reduces with " << reduce_op_name(other->op)
@@ -215,8 +234,8 @@ Work FusionEngine::enqueue(int local, Part part, bool is_task, const std::string
           const std::string a = tensor_line(name_at(other->names, i), other->tensors[i]);
           const std::string b = tensor_line(name_at(part.names, i), part.tensors[i]);
           if (a != b) {
-            why << "tensor #" << i << ": local replica " << other_id << " has " << a
-                << " but local replica " << local << " has " << b;
+            why << "tensor #" << i << ": local replica " << other_id << " has " << shown_line(a)
+                << " but local replica " << local << " has " << shown_line(b);
             break;
           }
         }
@@ -414,7 +433,12 @@ void FusionEngine::check_signatures(const Call& call) {
     if (!call.local_mismatch.empty()) throw InvalidArgumentError(call.local_mismatch);
     return;
   }
-  const std::string label = "signature of fused all_reduce call #" + std::to_string(index);
+  // Named after the user's tensors: a peer that never comes makes this the
+  // collective that times out.
+  const Part& p0 = call.parts[0];
+  const std::string label = "signature of fused all_reduce call #" + std::to_string(index) + " of " +
+                            (call.local_mismatch.empty() ? first_tensors(p0.names, p0.tensors.size())
+                                                         : std::string("mismatched local tensors"));
   const int64_t honest = static_cast<int64_t>(signature_hash(call));
   int64_t mine = honest;
   if (corrupt_next_signature_.exchange(false)) mine ^= static_cast<int64_t>(0x5a5a5a5a5a5a5a5aull);
@@ -517,7 +541,8 @@ void FusionEngine::execute_all_reduce(Call& call) {
     const size_t count = bytes / esz;
     const std::string name = "fused all_reduce #" + std::to_string(index) + " pack " +
                              std::to_string(pk + 1) + "/" + std::to_string(packs.size()) + " [" +
-                             name_at(p0.names, i) + (j - i > 1 ? " .. " + name_at(p0.names, j - 1) : "") +
+                             echo(name_at(p0.names, i)) +
+                             (j - i > 1 ? " .. " + echo(name_at(p0.names, j - 1)) : "") +
                              "]";
     const std::string args = "\"call\": " + std::to_string(index) + ", \"pack\": " +
                              std::to_string(pk) + ", \"tensors\": " + std::to_string(j - i) +

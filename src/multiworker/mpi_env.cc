@@ -1,5 +1,6 @@
 #include "multiworker/mpi_env.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -7,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "diststrat/collective.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -24,8 +26,17 @@ bool launched_under_mpi() {
 
 namespace {
 // The longest deadline of this process's MPI strategies (bound_finalize);
-// 0 = MPI_Finalize unbounded. Per process, like MPI's own state.
+// 0 = none given (the default timeout applies). Per process, like MPI's own
+// state.
 std::atomic<int64_t> finalize_deadline_ms{0};
+
+int64_t default_timeout_ms() {
+  try {
+    return CommunicationOptions{}.timeout.count();
+  } catch (const std::exception&) {  // a junk DISTSTRAT_TIMEOUT; already reported at start-up
+    return std::chrono::milliseconds(std::chrono::seconds(300)).count();
+  }
+}
 
 void finalize_at_exit() {
   int finalized = 0;
@@ -33,19 +44,26 @@ void finalize_at_exit() {
   if (finalized) return;
   // MPI_Finalize meets every rank of the job: with one stuck or gone it never
   // returns. Past the deadline this process ends with status 1 without it
-  // (the launcher then ends the job, stuck ranks included).
-  const int64_t ms = finalize_deadline_ms.load();
-  if (ms > 0) {
-    std::thread([ms] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      std::fprintf(stderr,
-                   "diststrat: MPI_Finalize did not complete within %lld ms (a rank is stuck or "
-                   "gone); exiting with status 1 without it\n",
-                   static_cast<long long>(ms));
-      std::fflush(stderr);
-      std::_Exit(1);
-    }).detach();
-  }
+  // (the launcher then ends the job, stuck ranks included). After a failure
+  // of this process's MPI state the peers may be waiting for it in a
+  // collective they will only leave at their own deadline: end soon instead,
+  // so that the launcher ends them (and the job) within seconds.
+  int64_t ms = finalize_deadline_ms.load();
+  if (ms <= 0) ms = default_timeout_ms();
+  const bool failed = mpi::failed();
+  if (failed) ms = std::min<int64_t>(ms, kFailedFinalizeGrace.count());
+  const int rank = mpi::world_rank();
+  std::thread([ms, failed, rank] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    std::fprintf(stderr,
+                 "diststrat: rank %d: MPI_Finalize did not complete within %lld ms (%s); exiting "
+                 "with status 1 without it\n",
+                 rank, static_cast<long long>(ms),
+                 failed ? "this rank failed and its peers may be waiting for it"
+                        : "a rank is stuck or gone");
+    std::fflush(stderr);
+    std::_Exit(1);
+  }).detach();
   MPI_Finalize();
 }
 }  // namespace
@@ -56,7 +74,9 @@ void bound_finalize(std::chrono::milliseconds deadline) {
   }
 }
 
-void ensure_initialized() {
+void ensure_initialized() { ensure_initialized(CommunicationOptions{}.timeout); }
+
+void ensure_initialized(std::chrono::milliseconds timeout) {
   // MPI_Init may be called once per process; the mutex only orders two
   // strategies constructed concurrently by different threads.
   static std::mutex mu;
@@ -67,7 +87,12 @@ void ensure_initialized() {
   DISTSTRAT_CHECK(!finalized, kFailedPrecondition, "MPI was already finalized");
   int provided = 0;
   if (!initialized) {
-    DISTSTRAT_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
+    int rc = MPI_SUCCESS;
+    // MPI_Init meets the other ranks (Open MPI exchanges addresses there).
+    mpi::bounded_call("MPI_Init_thread", timeout, [&] {
+      rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    });
+    DISTSTRAT_MPI_CHECK(rc);
     std::atexit(finalize_at_exit);
   } else {
     MPI_Query_thread(&provided);
@@ -77,20 +102,25 @@ void ensure_initialized() {
                   "; the multi-worker strategy needs at least MPI_THREAD_SERIALIZED");
 }
 
-Placement placement(MPI_Comm comm) {
+Placement placement(MPI_Comm comm, std::chrono::milliseconds timeout) {
   Placement p;
   DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &p.rank));
   DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &p.world_size));
-  MPI_Comm node_comm;
-  DISTSTRAT_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, p.rank, MPI_INFO_NULL, &node_comm));
+  MPI_Comm node_comm = MPI_COMM_NULL;
+  int rc = MPI_SUCCESS;
+  mpi::bounded_call("placement: MPI_Comm_split_type(SHARED)", timeout, [&] {
+    rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, p.rank, MPI_INFO_NULL, &node_comm);
+  });
+  DISTSTRAT_MPI_CHECK(rc);
   DISTSTRAT_MPI_CHECK(MPI_Comm_rank(node_comm, &p.local_rank));
   DISTSTRAT_MPI_CHECK(MPI_Comm_size(node_comm, &p.local_size));
   // A node is named by its lowest rank; nodes are numbered in that order.
   int leader = p.rank;
-  DISTSTRAT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, node_comm));
-  MPI_Comm_free(&node_comm);
+  mpi::allreduce_in_place(&leader, 1, MPI_INT, MPI_MIN, node_comm, "placement: node leader",
+                          timeout);
+  mpi::free_comm(&node_comm, timeout);
   std::vector<int> leaders(p.world_size);
-  DISTSTRAT_MPI_CHECK(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, comm));
+  mpi::allgather(&leader, leaders.data(), 1, MPI_INT, comm, "placement: node leaders", timeout);
   p.node = 0;
   p.num_nodes = 0;
   for (int r = 0; r < p.world_size; ++r) {

@@ -19,15 +19,26 @@ namespace mpi {
 bool launched_under_mpi();
 // Initializes MPI with MPI_THREAD_MULTIPLE if nobody has yet (and finalizes
 // it at exit); throws UnavailableError when the library gives less than
-// MPI_THREAD_SERIALIZED.
+// MPI_THREAD_SERIALIZED. MPI_Init_thread meets every rank of the job: it runs
+// under a Watchdog of `timeout`. Thread-safe.
+void ensure_initialized(std::chrono::milliseconds timeout);
+// The same with CommunicationOptions' default timeout (DISTSTRAT_TIMEOUT or
+// 300 s).
 void ensure_initialized();
 // Bounds the MPI_Finalize that ensure_initialized registered at exit by
-// `deadline` (the longest one given wins): past it the process exits with
-// status 1 without finalizing, so a rank that is stuck or gone cannot hang
-// the others' exit. Thread-safe.
+// `deadline` (the longest one given wins; none given: the default timeout):
+// past it the process exits with status 1 without finalizing, so a rank that
+// is stuck or gone cannot hang the others' exit. When this process's MPI
+// state failed (mpi::mark_failed: a communicator failed, timed out, or was
+// torn down during an exception) its peers may never arrive, and the exit
+// waits at most kFailedFinalizeGrace, so that a failing rank ends soon and
+// the launcher ends the job. Thread-safe.
 void bound_finalize(std::chrono::milliseconds deadline);
-// Rank, size and node grouping of `comm` (MPI_Comm_split_type SHARED).
-Placement placement(MPI_Comm comm);
+constexpr std::chrono::milliseconds kFailedFinalizeGrace{3000};
+// Rank, size and node grouping of `comm` (MPI_Comm_split_type SHARED, under
+// a Watchdog; the other collectives non-blocking, bounded by `timeout`).
+// Collective over comm.
+Placement placement(MPI_Comm comm, std::chrono::milliseconds timeout);
 
 }  // namespace mpi
 }  // namespace diststrat

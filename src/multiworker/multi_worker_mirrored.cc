@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <mutex>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/env.h"
 #include "core/timeline.h"
 #include "diststrat/optimizer.h"
 #include "mirrored/local_replicas.h"
@@ -67,6 +70,13 @@ struct MultiWorkerMirroredStrategy::Impl {
   std::unique_ptr<FusionEngine> engine;
   std::vector<std::unique_ptr<MultiWorkerReplicaContext>> contexts;
   int64_t steps = 0;
+  // std::uncaught_exceptions() when the strategy was made: more at
+  // destruction = destroyed during stack unwinding.
+  int uncaught_at_construction = std::uncaught_exceptions();
+  // The first error of a local replica (run_replicas), for the reason the
+  // destructor gives the peers.
+  std::string last_error;
+  std::mutex error_mu;
 
   int rank() const { return cross->rank(); }
 
@@ -193,6 +203,13 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
 
   if (options.communicator) {
     Communicator* c = options.communicator;
+    // The given communicator runs its own algorithm; a different one asked
+    // for here would be silently ignored.
+    DISTSTRAT_CHECK(algo == Algorithm::kAuto || algo == c->options().algorithm, kInvalidArgument,
+                    "MultiWorkerMirroredStrategy: options.communication.algorithm '",
+                    algorithm_name(algo), "' differs from the given communicator's '",
+                    algorithm_name(c->options().algorithm),
+                    "', which decides; build the communicator with the algorithm you want");
     m.cluster.source = ClusterSource::kExplicit;
     ClusterSpec& spec = m.cluster.spec;
     for (int r = 0; r < c->size(); ++r) {
@@ -219,16 +236,26 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     }
     m.cross = m.comms.cross ? m.comms.cross.get() : c;
   } else {
-    m.cluster = resolve_cluster(options.cluster);
-    const std::string& type = m.cluster.info.task_type;
-    DISTSTRAT_CHECK(type == "chief" || type == "worker", kInvalidArgument,
-                    "MultiWorkerMirroredStrategy: this process is task ", type, "[",
-                    m.cluster.info.task_index,
-                    "]; only chief and worker tasks run replicas (use ParameterServerStrategy "
-                    "for ps, run evaluators separately)");
-    DISTSTRAT_CHECK(m.cluster.spec.num_tasks("ps") == 0, kInvalidArgument,
-                    "MultiWorkerMirroredStrategy: the cluster has ps tasks; use "
-                    "ParameterServerStrategy");
+    // Set-up is collective: a rank that fails it makes every rank fail,
+    // naming it, within the deadline (resolve_cluster and agree_on_setup),
+    // instead of leaving the others in make_process_communicators.
+    const std::chrono::milliseconds timeout = options.communication.timeout;
+    m.cluster = resolve_cluster(options.cluster, timeout);
+    std::exception_ptr error;
+    try {
+      const std::string& type = m.cluster.info.task_type;
+      DISTSTRAT_CHECK(type == "chief" || type == "worker", kInvalidArgument,
+                      "MultiWorkerMirroredStrategy: this process is task ", type, "[",
+                      m.cluster.info.task_index,
+                      "]; only chief and worker tasks run replicas (use ParameterServerStrategy "
+                      "for ps, run evaluators separately)");
+      DISTSTRAT_CHECK(m.cluster.spec.num_tasks("ps") == 0, kInvalidArgument,
+                      "MultiWorkerMirroredStrategy: the cluster has ps tasks; use "
+                      "ParameterServerStrategy");
+    } catch (...) {
+      error = std::current_exception();
+    }
+    agree_on_setup("MultiWorkerMirroredStrategy set-up", error, timeout);
     m.comms = make_process_communicators(m.cluster, options.communication, allow_hier);
     m.cross = m.comms.cross.get();
   }
@@ -246,8 +273,7 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     m.total_replicas += static_cast<int>(counts[r]);
   }
 
-  const char* tl_env = std::getenv("DISTSTRAT_TIMELINE");
-  m.timeline_path = tl_env && *tl_env ? tl_env : options.timeline_path;
+  m.timeline_path = env::text("DISTSTRAT_TIMELINE").value_or(options.timeline_path);
   if (!m.timeline_path.empty()) {
     m.timeline = std::make_unique<Timeline>(m.cross->rank());
     m.timeline->enable(true);
@@ -271,7 +297,24 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
 }
 
 MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
-  if (impl_->timeline) {
+  // Destroyed while an exception propagates (a step, a data loader or the
+  // caller's own code failed): the peers are not coming to a collective
+  // with this rank any more. Nothing here waits for them, so the error
+  // reaches the caller's catch at once; the communicators tell the peers
+  // (their destructors, see ShmCommunicator).
+  const bool unwinding = std::uncaught_exceptions() > impl_->uncaught_at_construction;
+  if (unwinding && impl_->engine) {
+    const std::string reason =
+        "rank " + std::to_string(impl_->rank()) + " left the group during an exception" +
+        (impl_->last_error.empty() ? std::string(" (its own error is in its output)")
+                                   : ": " + impl_->last_error);
+    impl_->engine->abort_if_pending(reason);
+    // The communicators this strategy made: a collective in flight on the
+    // communication thread fails now (so the join below does not wait for
+    // it), and the peers learn the reason (the shared-memory abort word).
+    if (impl_->comms.cross && !impl_->options.communicator) impl_->comms.cross->abort(reason);
+  }
+  if (impl_->timeline && !unwinding) {
     try {
       impl_->write_timeline();
     } catch (const std::exception& e) {
@@ -282,6 +325,12 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
         Timeline::write_file(path, {impl_->timeline->events_json()});
       } catch (...) {
       }
+    }
+  } else if (impl_->timeline) {
+    try {
+      Timeline::write_file(impl_->timeline_path + ".rank" + std::to_string(impl_->rank()),
+                           {impl_->timeline->events_json()});
+    } catch (...) {
     }
   }
   impl_->engine.reset();  // joins the communication thread before the communicators go
@@ -323,8 +372,13 @@ void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaC
     } catch (const std::exception& e) {
       // The other local replicas may be waiting on a call this one never
       // completes: fail those calls now (their wait() throws AbortedError).
-      m.engine->abort_if_pending("rank " + std::to_string(m.rank()) + ": local replica " + std::to_string(l) +
-                      " failed: " + e.what());
+      const std::string reason = "rank " + std::to_string(m.rank()) + ": local replica " +
+                                 std::to_string(l) + " failed: " + e.what();
+      {
+        std::lock_guard<std::mutex> lock(m.error_mu);
+        if (m.last_error.empty()) m.last_error = reason;
+      }
+      m.engine->abort_if_pending(reason);
       throw;
     }
   });

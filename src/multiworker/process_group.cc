@@ -40,50 +40,91 @@ class SoloCommunicator : public Communicator {
 };
 }  // namespace
 
+void agree_on_setup(const std::string& what, std::exception_ptr local_error,
+                    std::chrono::milliseconds timeout) {
+#if DISTSTRAT_HAVE_MPI
+  if (mpi::launched_under_mpi()) {
+    mpi::ensure_initialized(timeout);
+    mpi::agree(MPI_COMM_WORLD, what, local_error, timeout);
+    return;
+  }
+#endif
+  (void)what;
+  (void)timeout;
+  if (local_error) std::rethrow_exception(local_error);
+}
+
+#if DISTSTRAT_HAVE_MPI
+namespace {
+// The MPI communicators of `cluster` (see make_process_communicators).
+ProcessCommunicators make_mpi_process_communicators(const Placement& p,
+                                                    const CommunicationOptions& options,
+                                                    bool allow_hierarchical) {
+  ProcessCommunicators out;
+  const std::chrono::milliseconds t = options.timeout;
+  CommunicationOptions flat_opts = options;
+  if (flat_opts.algorithm == Algorithm::kHierarchical) flat_opts.algorithm = Algorithm::kAuto;
+  // Every node must have as many ranks for the hierarchical split.
+  int sizes[2] = {p.local_size, -p.local_size};
+  mpi::allreduce_in_place(sizes, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD,
+                          "make_process_communicators: node sizes", t);
+  const bool uniform = sizes[0] == -sizes[1];
+  if (allow_hierarchical && p.num_nodes > 1 && p.local_size > 1 && uniform) {
+    // Every rank takes this branch (the condition is agreed), and every rank
+    // has completed the allreduce above, so all enter the splits.
+    MPI_Comm node_comm = MPI_COMM_NULL, cross_comm = MPI_COMM_NULL;
+    int rc[2] = {MPI_SUCCESS, MPI_SUCCESS};
+    mpi::bounded_call("make_process_communicators: MPI_Comm_split", t, [&] {
+      rc[0] = MPI_Comm_split(MPI_COMM_WORLD, p.node, p.rank, &node_comm);
+      if (rc[0] == MPI_SUCCESS) rc[1] = MPI_Comm_split(MPI_COMM_WORLD, p.local_rank, p.rank, &cross_comm);
+    });
+    DISTSTRAT_MPI_CHECK(rc[0]);
+    DISTSTRAT_MPI_CHECK(rc[1]);
+    // Inside a node: kAuto (the shared-memory path); across nodes: MPI
+    // itself (its network transport), even when the "nodes" are virtual.
+    // (Compressed f16/bf16 packs too: the MPI communicator reduces them
+    // with its own MPI_Ops.)
+    CommunicationOptions inter_opts = options;
+    inter_opts.algorithm = Algorithm::kMpiNative;
+    CommunicationOptions intra_opts = flat_opts;
+    auto flat = make_mpi_communicator(MPI_COMM_WORLD, flat_opts);
+    auto intra = make_mpi_communicator(node_comm, intra_opts);
+    auto inter = make_mpi_communicator(cross_comm, inter_opts);
+    mpi::free_comm(&node_comm, t);
+    mpi::free_comm(&cross_comm, t);
+    out.cross = std::make_unique<HierarchicalCommunicator>(std::move(flat), std::move(intra),
+                                                           std::move(inter));
+    out.hierarchical = true;
+  } else {
+    out.cross = make_mpi_communicator(MPI_COMM_WORLD, flat_opts);
+  }
+  return out;
+}
+}  // namespace
+#endif
+
 ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
                                                 const CommunicationOptions& options,
                                                 bool allow_hierarchical) {
-  ProcessCommunicators out;
   const Placement& p = cluster.placement;
 #if DISTSTRAT_HAVE_MPI
   if (mpi::launched_under_mpi()) {
-    mpi::ensure_initialized();
+    mpi::ensure_initialized(options.timeout);
     mpi::bound_finalize(options.timeout);
-    CommunicationOptions flat_opts = options;
-    if (flat_opts.algorithm == Algorithm::kHierarchical) flat_opts.algorithm = Algorithm::kAuto;
-    // Every node must have as many ranks for the hierarchical split.
-    int sizes[2] = {p.local_size, -p.local_size};
-    DISTSTRAT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sizes, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-    const bool uniform = sizes[0] == -sizes[1];
-    if (allow_hierarchical && p.num_nodes > 1 && p.local_size > 1 && uniform) {
-      MPI_Comm node_comm, cross_comm;
-      DISTSTRAT_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, p.node, p.rank, &node_comm));
-      DISTSTRAT_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, p.local_rank, p.rank, &cross_comm));
-      // Inside a node: kAuto (the shared-memory path); across nodes: MPI
-      // itself (its network transport), even when the "nodes" are virtual.
-      // (Compressed f16/bf16 packs too: the MPI communicator reduces them
-      // with its own MPI_Ops.)
-      CommunicationOptions inter_opts = options;
-      inter_opts.algorithm = Algorithm::kMpiNative;
-      CommunicationOptions intra_opts = flat_opts;
-      auto flat = make_mpi_communicator(MPI_COMM_WORLD, flat_opts);
-      auto intra = make_mpi_communicator(node_comm, intra_opts);
-      auto inter = make_mpi_communicator(cross_comm, inter_opts);
-      MPI_Comm_free(&node_comm);
-      MPI_Comm_free(&cross_comm);
-      out.cross = std::make_unique<HierarchicalCommunicator>(std::move(flat), std::move(intra),
-                                                             std::move(inter));
-      out.hierarchical = true;
-    } else {
-      out.cross = make_mpi_communicator(MPI_COMM_WORLD, flat_opts);
+    try {
+      return make_mpi_process_communicators(p, options, allow_hierarchical);
+    } catch (...) {
+      // Peers may be waiting for this rank in a set-up collective.
+      mpi::mark_failed();
+      throw;
     }
-    return out;
   }
 #endif
   DISTSTRAT_CHECK(p.world_size <= 1, kUnimplemented, "a cluster of ", p.world_size,
                   " processes needs MPI (launch with mpirun), which ",
                   DISTSTRAT_HAVE_MPI ? "did not start this process" : "this build does not have",
                   "; or pass MultiWorkerOptions::communicator");
+  ProcessCommunicators out;
   out.cross = std::make_unique<SoloCommunicator>(options);
   return out;
 }

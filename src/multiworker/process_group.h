@@ -2,7 +2,11 @@
 // MPI backend is plugged in.
 #pragma once
 
+#include <chrono>
+#include <exception>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "diststrat/cluster.h"
 #include "diststrat/collective.h"
@@ -20,6 +24,30 @@ struct ProcessCommunicators {
 // several nodes (real or virtual) and hierarchical allowed: a
 // HierarchicalCommunicator over node-local and cross-node MPI communicators.
 // Throws UnimplementedError for a multi-process cluster in a build without MPI.
+// resolve_cluster (diststrat/cluster.h) with every MPI call of it bounded by
+// `timeout` (nullopt: CommunicationOptions' default), which also bounds
+// MPI_Finalize at exit. Under a launcher it is collective, and a rank whose
+// configuration fails (malformed TF_CONFIG, a spec that disagrees with its
+// MPI rank) makes every rank throw, naming it (mpi::agree).
+ResolvedCluster resolve_cluster(const ClusterConfig& config,
+                                std::optional<std::chrono::milliseconds> timeout);
+
+// The set-up agreement of a multi-process strategy: under an MPI launcher
+// every process says whether its set-up step `what` succeeded (`local_error`
+// null) and, if one failed, every process throws (mpi::agree), within
+// `timeout`. Without a launcher it rethrows `local_error`, if any.
+// Collective under a launcher: every process must call it, failed or not.
+void agree_on_setup(const std::string& what, std::exception_ptr local_error,
+                    std::chrono::milliseconds timeout);
+
+// Builds the communicators of `cluster` (collective over the job's processes).
+// With one process and no MPI launcher: a one-rank in-process group. With
+// several nodes (real or virtual) and hierarchical allowed: a
+// HierarchicalCommunicator over node-local and cross-node MPI communicators.
+// Throws UnimplementedError for a multi-process cluster in a build without MPI.
+// Every MPI call is bounded by options.timeout (allreduce/mpi_util.h); a
+// rank that fails in here marks its MPI state failed, so that it exits soon
+// and the launcher ends the job.
 ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
                                                 const CommunicationOptions& options,
                                                 bool allow_hierarchical);

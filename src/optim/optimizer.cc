@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "core/device_scope.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 
@@ -185,16 +186,19 @@ Optimizer::Optimizer(Strategy& strategy)
 
 ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
                                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
-  for (const auto& [g, v] : grads_and_vars) {
-    DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument,
-                    "apply_gradients: undefined gradient or variable");
-    DISTSTRAT_CHECK(g.shape() == v.shape() && g.dtype() == v.dtype(), kInvalidArgument,
-                    "apply_gradients: gradient ", g.debug_string(), " does not match variable '",
-                    v.name(), "' ", dtype_name(v.dtype()), v.shape().to_string());
-    DISTSTRAT_CHECK(v.dtype() == DType::kFloat32, kUnimplemented, "apply_gradients: variable '",
-                    v.name(), "' is ", dtype_name(v.dtype()), "; optimizers update float32");
-    DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, "apply_gradients: variable '",
-                    v.name(), "' is not trainable");
+  const std::string where = "apply_gradients on replica " + std::to_string(ctx.replica_id());
+  for (size_t k = 0; k < grads_and_vars.size(); ++k) {
+    const auto& [g, v] = grads_and_vars[k];
+    DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument, where, ": undefined ",
+                    v.defined() ? "gradient for variable '" + echo(v.name()) + "'" : std::string("variable"),
+                    " at position ", k);
+    DISTSTRAT_CHECK(g.shape() == v.shape() && g.dtype() == v.dtype(), kInvalidArgument, where,
+                    ": gradient ", g.debug_string(), " does not match variable '", echo(v.name()),
+                    "' ", dtype_name(v.dtype()), v.shape().to_string());
+    DISTSTRAT_CHECK(v.dtype() == DType::kFloat32, kUnimplemented, where, ": variable '",
+                    echo(v.name()), "' is ", dtype_name(v.dtype()), "; optimizers update float32");
+    DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, where, ": variable '",
+                    echo(v.name()), "' is not trainable");
   }
   if (accumulation_steps_ == 1) return reduce_and_update(ctx, grads_and_vars);
   Accumulator::Sums* sums;
@@ -207,7 +211,7 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
     acc.clear();
     for (const auto& [g, v] : grads_and_vars) {
       DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, name(), ": gradient accumulation of ",
-                      g.debug_string(), " for '", v.name(), "': host gradients only");
+                      g.debug_string(), " for '", echo(v.name()), "': host gradients only");
       acc.emplace_back(g.clone(), v);
     }
   } else {
@@ -218,11 +222,11 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
     for (size_t k = 0; k < acc.size(); ++k) {
       const auto& [g, v] = grads_and_vars[k];
       DISTSTRAT_CHECK(v.impl_ptr() == acc[k].second.impl_ptr(), kInvalidArgument,
-                      "apply_gradients: replica ", ctx.replica_id(), " passed variable '", v.name(),
+                      "apply_gradients: replica ", ctx.replica_id(), " passed variable '", echo(v.name()),
                       "' at position ", k, " of micro-batch ", sums->count + 1, " where the first had '",
-                      acc[k].second.name(), "'");
+                      echo(acc[k].second.name()), "'");
       DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, name(), ": gradient accumulation of ",
-                      g.debug_string(), " for '", v.name(), "': host gradients only");
+                      g.debug_string(), " for '", echo(v.name()), "': host gradients only");
       float* dst = acc[k].first.data<float>();
       const float* src = g.data<float>();
       for (int64_t i = 0, n = g.num_elements(); i < n; ++i) dst[i] += src[i];
@@ -270,7 +274,7 @@ ApplyResult Optimizer::reduce_and_update(
   const auto local_copy = [&](const Variable& v) {
     const std::vector<Tensor>& copies = v.impl().copies;
     const Tensor& t = copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
-    DISTSTRAT_CHECK(t.device().is_cpu(), kUnimplemented, name(), ": loss scaling with '", v.name(),
+    DISTSTRAT_CHECK(t.device().is_cpu(), kUnimplemented, name(), ": loss scaling with '", echo(v.name()),
                     "' on ", t.device().to_string(), ": host variables only");
     return t;
   };

@@ -36,6 +36,10 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
     h.magic = ~kMagic;
     corrupt_next_push_ = false;
   }
+  if (op == Op::kPush && oversize_next_push_) {
+    h.payload_bytes += (int64_t{1} << 30) + 8;
+    oversize_next_push_ = false;
+  }
   c->control.resize(sizeof(h) + body.size());
   std::memcpy(c->control.data(), &h, sizeof(h));
   if (!body.empty()) std::memcpy(c->control.data() + sizeof(h), body.data(), body.size());
@@ -73,17 +77,14 @@ bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
     }
     switch (c.stage) {
       case Call::Stage::kHeader: {
-        if (c.reply.magic != kMagic || (c.reply.seq != c.seq && c.reply.seq != -1)) {
-          finish(c, std::make_exception_ptr(InternalError(
-                        c.what + ": protocol error: reply for request " +
-                        std::to_string(c.reply.seq) + " while expecting " + std::to_string(c.seq))));
-          return true;
+        // Nothing of the reply is used before it is checked: the error
+        // text's size (it sizes an allocation), the status, the payload.
+        std::string bad = check_reply(c.reply, static_cast<int64_t>(c.reply_bytes));
+        if (bad.empty() && c.reply.seq != c.seq && c.reply.seq != -1) {
+          bad = "reply for request " + std::to_string(c.reply.seq) + " while expecting " + std::to_string(c.seq);
         }
-        if (c.reply.payload_bytes != static_cast<int64_t>(c.reply_bytes)) {
-          finish(c, std::make_exception_ptr(InternalError(
-                        c.what + ": protocol error: the reply carries " +
-                        std::to_string(c.reply.payload_bytes) + " bytes, expected " +
-                        std::to_string(c.reply_bytes))));
+        if (!bad.empty()) {
+          finish(c, std::make_exception_ptr(InternalError(c.what + ": protocol error: " + bad)));
           return true;
         }
         if (c.reply.error_bytes > 0) {
@@ -99,8 +100,7 @@ bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
       }
       case Call::Stage::kError: {
         try {
-          const ErrorCode code = c.reply.status >= 0 ? static_cast<ErrorCode>(c.reply.status)
-                                                     : ErrorCode::kInternal;
+          const ErrorCode code = static_cast<ErrorCode>(c.reply.status);  // checked: a known code
           throw_error(code, c.what + " failed: " + c.error_text);
         } catch (...) {
           c.pending_error = std::current_exception();

@@ -71,6 +71,9 @@ class Client {
   // Fault injection: the next push's header goes out with its magic
   // damaged, as a corrupted message would (the PS must reject it).
   void corrupt_next_push() { corrupt_next_push_ = true; }
+  // Fault injection: the next push's header claims 1 GiB + 8 bytes more
+  // payload than it sends (a payload the PS would receive in parts).
+  void oversize_next_push() { oversize_next_push_ = true; }
 
  private:
   // Advances `c`; blocks up to `deadline` when `block`. True once done.
@@ -84,6 +87,7 @@ class Client {
   std::chrono::milliseconds timeout_;
   int64_t next_seq_ = 1;
   bool corrupt_next_push_ = false;
+  bool oversize_next_push_ = false;
   std::vector<std::deque<CallPtr>> fifo_;  // per PS, in posting order
   std::vector<std::exception_ptr> deferred_;
   // Sends of failed calls that had not completed: the transport may still

@@ -3,6 +3,7 @@
 // behind the push). The PS side is service.cc; the wire protocol wire.h.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -10,10 +11,12 @@
 #include <set>
 #include <unordered_map>
 
+#include "allreduce/reduce_kernels.h"
 #include "diststrat/config.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
 #include "mirrored/local_replicas.h"
+#include "multiworker/process_group.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/update_rule.h"
@@ -118,6 +121,10 @@ struct ParameterServerStrategy::Impl {
   std::vector<int> ps_ranks, worker_ranks;
   bool is_ps = false;
   int index = 0;  // among PS ranks or among workers
+  // This process's task as TF_CONFIG / the explicit spec names it ("chief",
+  // "worker" or "ps" and its index), when the cluster came from one.
+  std::string task_type;
+  int task_index = 0;
   std::vector<std::unique_ptr<ps::ServiceRunner>> services;  // PS loops in this process
 
   // Worker side.
@@ -466,12 +473,12 @@ ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl)
 
 namespace {
 // The job's transport (the MPI backend seam), or null for a one-process run.
-std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster) {
+std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster, std::chrono::milliseconds timeout) {
   if (cluster.info.world_size <= 1) return nullptr;
 #if DISTSTRAT_HAVE_MPI
   if (mpi::launched_under_mpi()) {
     mpi::ensure_initialized();
-    return make_mpi_transport(MPI_COMM_WORLD);
+    return make_mpi_transport(MPI_COMM_WORLD, timeout);
   }
 #endif
   throw UnimplementedError("ParameterServerStrategy: a cluster of " +
@@ -486,10 +493,11 @@ ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedClus
 }
 
 std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServerOptions& options) {
-  const ResolvedCluster cluster = resolve_cluster(options.cluster);
+  // Set-up is bounded by the job's own deadline, as the multi-worker strategy's is.
+  const ResolvedCluster cluster = resolve_cluster(options.cluster, options.communication.timeout);
   auto impl = std::make_unique<ParameterServerStrategy::Impl>();
   impl->options = with_cluster(options, cluster);
-  impl->owned_transport = job_transport(cluster);
+  impl->owned_transport = job_transport(cluster, options.communication.timeout);
 #if DISTSTRAT_HAVE_MPI
   if (impl->owned_transport && mpi::launched_under_mpi()) {
     mpi::bound_finalize(std::max(options.communication.timeout, options.worker_timeout));
@@ -498,11 +506,20 @@ std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServ
   if (impl->owned_transport) {
     impl->init_layout(*impl->owned_transport);
     const std::string want = impl->is_ps ? "ps" : "worker";
-    DISTSTRAT_CHECK(cluster.spec.num_tasks("ps") == 0 || cluster.info.task_type == want ||
-                        (want == "worker" && cluster.info.task_type == "chief"),
-                    kInvalidArgument, "ParameterServerStrategy: rank ", impl->rank, " is task '",
+    const bool agrees = cluster.info.task_type == want ||
+                        (want == "worker" && cluster.info.task_type == "chief");
+    DISTSTRAT_CHECK(cluster.spec.num_tasks("ps") == 0 || agrees, kInvalidArgument,
+                    "ParameterServerStrategy: rank ", impl->rank, " is task '",
                     cluster.info.task_type, "' in the cluster but a ", want,
                     " by rank order (chief, worker, ps)");
+    // cluster() reports the task the spec names (TF_CONFIG's chief is
+    // "chief:0", its worker:0 is "worker:0" though it is worker index 1).
+    const bool named = cluster.source == ClusterSource::kExplicit ||
+                       cluster.source == ClusterSource::kTfConfig;
+    if (named && agrees) {
+      impl->task_type = cluster.info.task_type;
+      impl->task_index = cluster.info.task_index;
+    }
   }
   return impl;
 }
@@ -566,12 +583,13 @@ int ParameterServerStrategy::first_local_replica() const {
 
 ClusterInfo ParameterServerStrategy::cluster() const {
   ClusterInfo c;
-  c.task_type = impl_->is_ps ? "ps" : "worker";
-  c.task_index = impl_->index;
+  // The spec's task when there is one; else the role by rank order.
+  c.task_type = !impl_->task_type.empty() ? impl_->task_type : impl_->is_ps ? "ps" : "worker";
+  c.task_index = !impl_->task_type.empty() ? impl_->task_index : impl_->index;
   c.rank = impl_->own_group ? 0 : impl_->rank;
   c.world_size = impl_->own_group ? 1 : impl_->world;
   c.num_workers = impl_->num_workers();
-  c.worker_index = impl_->is_ps ? 0 : impl_->index;
+  c.worker_index = impl_->is_ps ? -1 : impl_->index;  // PS ranks run no replicas (as cluster.h)
   return c;
 }
 
@@ -656,7 +674,11 @@ Variable ParameterServerStrategy::create_row_sparse_variable(const std::string& 
 void ParameterServerStrategy::inject_corruption(ReplicaContext&, int64_t) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);  // guards the client
-  m.client->corrupt_next_push();
+  if (fault_injection().kind == FaultKind::kOversize) {
+    m.client->oversize_next_push();
+  } else {
+    m.client->corrupt_next_push();
+  }
 }
 
 void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
@@ -885,6 +907,9 @@ ParameterServerStats ParameterServerStrategy::stats() {
     out.max_staleness = std::max(out.max_staleness, r.get<int64_t>());
     out.max_step_gap = std::max(out.max_step_gap, r.get<int64_t>());
     const int64_t n = r.get<int64_t>();
+    // Checked before it sizes anything: the reply must count our workers.
+    DISTSTRAT_CHECK(n == static_cast<int64_t>(m.worker_ranks.size()), kInternal,
+                    "stats reply: protocol error: ", n, " workers, this job has ", m.worker_ranks.size());
     out.worker_steps.resize(static_cast<size_t>(n), 0);
     for (int64_t i = 0; i < n; ++i) {
       out.worker_steps[i] = std::max(out.worker_steps[i], r.get<int64_t>());
@@ -963,7 +988,43 @@ void ParameterServerStrategy::update(Variable& var, const std::function<void(Ten
 
 Tensor ParameterServerStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
   impl_->require_worker("reduce");
-  return Strategy::reduce_tensors_across(op, impl_->replicas->to_host(local));
+  // As reduce_across: this worker's replicas, so kMean divides by their
+  // number (the base class divides by every worker's replicas).
+  const std::vector<Tensor> host = impl_->replicas->to_host(local);
+  if (op != ReduceOp::kMean) return Strategy::reduce_tensors_across(op, host);
+  Tensor out = Strategy::reduce_tensors_across(ReduceOp::kSum, host);
+  kernels::scale_mean(out.data(), static_cast<size_t>(out.num_elements()), out.dtype(),
+                      static_cast<int>(host.size()));
+  return out;
+}
+
+void ParameterServerStrategy::add_to_metric(const std::string& name, double sum, double count) {
+  Impl& m = *impl_;
+  m.require_worker("add_to_metric");
+  DISTSTRAT_CHECK(std::isfinite(count) && count >= 0, kInvalidArgument, "worker ", m.index,
+                  ": add_to_metric '", name.substr(0, 200), "': count ", count,
+                  " is not a finite number >= 0");
+  std::lock_guard<std::mutex> lock(m.mu);
+  ps::Writer w;
+  w.put_string(name).put<double>(sum).put<double>(count);
+  auto c = m.client->post(0, ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
+                          "add to metric '" + name.substr(0, 200) + "'");
+  m.client->detach(c);
+  m.client->poll();
+  m.progress_cv.notify_all();
+}
+
+MetricTotals ParameterServerStrategy::read_metric(const std::string& name) {
+  Impl& m = *impl_;
+  m.require_worker("read_metric");
+  std::lock_guard<std::mutex> lock(m.mu);
+  ps::Writer w;
+  w.put_string(name).put<double>(0.0).put<double>(0.0);
+  double totals[2] = {0, 0};
+  auto c = m.client->post(0, ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, totals, sizeof totals,
+                          "read of metric '" + name.substr(0, 200) + "'");
+  m.client->wait(c);
+  return MetricTotals{totals[0], totals[1]};
 }
 
 Tensor ParameterServerStrategy::gather_across(const std::vector<Tensor>& local) {

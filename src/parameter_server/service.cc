@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <thread>
+
+#include <sys/mman.h>
 
 #include "io/checkpoint_internal.h"
 #include "parameter_server/update_rule.h"
@@ -13,7 +17,6 @@ namespace diststrat {
 namespace ps {
 
 namespace {
-constexpr int64_t kMaxPayloadBytes = int64_t{1} << 40;
 
 bool valid_dtype(int32_t d) { return d >= 0 && d <= static_cast<int32_t>(DType::kInt64); }
 
@@ -41,11 +44,80 @@ int64_t row_elems(const Shape& s) {
   for (size_t i = 1; i < s.rank(); ++i) n *= s[i];
   return n;
 }
+
+// `n` zero bytes that take no memory: an anonymous read-only mapping, all of
+// whose pages are the kernel's zero page. The padding of an error reply, so
+// that a large reply the request expects costs the PS no memory.
+class ZeroBytes {
+ public:
+  explicit ZeroBytes(size_t n) : n_(n) {
+    p_ = ::mmap(nullptr, n, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p_ == MAP_FAILED) p_ = nullptr;
+  }
+  ~ZeroBytes() {
+    if (p_) ::munmap(p_, n_);
+  }
+  ZeroBytes(const ZeroBytes&) = delete;
+  ZeroBytes& operator=(const ZeroBytes&) = delete;
+  const void* data() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_;
+};
+
+// What the PS knows of a shard when it checks a request on arrival: a
+// created shard, or one the worker's own queued create declares.
+struct ShardInfo {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  Shape shape;  // of the shard
+  int64_t full_rows = 0;
+};
+
+int64_t shard_bytes(const ShardInfo& s, const std::string& what) {
+  return checked_bytes(s.shape, dtype_size(s.dtype), what);
+}
+
+int64_t row_bytes_of(const ShardInfo& s, const std::string& what) {
+  std::vector<int64_t> d = s.shape.dims();
+  if (!d.empty()) d[0] = 1;
+  return checked_bytes(Shape(d), dtype_size(s.dtype), what);
+}
+
+// The checks of one entry against its shard, shared by the arrival check
+// and the handlers (so that both say the same).
+void check_push_entry(const Entry& e, const ShardInfo& s) {
+  DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(DType::kFloat32) && s.dtype == DType::kFloat32,
+                  kInvalidArgument, "push to '", e.name, "': gradient dtype ",
+                  valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
+                  ", variable dtype ", dtype_name(s.dtype), "; optimizers update float32");
+  if (e.sparse) {
+    std::vector<int64_t> want = s.shape.dims();
+    DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", e.name, "'");
+    want[0] = e.num_ids;
+    DISTSTRAT_CHECK(e.num_ids >= 0 && e.shape == Shape(want), kInvalidArgument, "push to '", e.name,
+                    "' shard ", e.shard_index, ": row gradient ", e.shape.to_string(), " for ",
+                    e.num_ids, " ids does not match the rows ", Shape(want).to_string());
+  } else {
+    DISTSTRAT_CHECK(e.shape == s.shape, kInvalidArgument, "push to '", e.name, "' shard ",
+                    e.shard_index, ": gradient shape ", e.shape.to_string(),
+                    " does not match the shard's ", s.shape.to_string());
+  }
+}
+
+void check_value_entry(const char* op, const Entry& e, const ShardInfo& s) {
+  DISTSTRAT_CHECK(!e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.shape,
+                  kInvalidArgument, op, " '", e.name, "' shard ", e.shard_index, ": value ",
+                  valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
+                  e.shape.to_string(), " does not match ", dtype_name(s.dtype), s.shape.to_string());
+}
+
 }  // namespace
 
 Service::Service(Transport& transport, ServiceOptions options, const Logger& logger)
     : t_(transport), options_(std::move(options)), logger_(logger) {
-  const auto now = Clock::now();
+  const auto now = this->now();
   for (size_t i = 0; i < options_.worker_ranks.size(); ++i) {
     WorkerState w;
     w.rank = options_.worker_ranks[i];
@@ -54,15 +126,38 @@ Service::Service(Transport& transport, ServiceOptions options, const Logger& log
     worker_of_rank_[w.rank] = static_cast<int>(i);
     workers_.push_back(std::move(w));
   }
+  last_tick_ = now;
 }
 
 Service::~Service() = default;
 
 std::string Service::who() const { return "PS rank " + std::to_string(t_.rank()); }
 
+std::string Service::from(const WorkerState& w, uint16_t op) const {
+  return who() + ": " + (valid_op(op) ? op_name(static_cast<Op>(op)) : "request") + " from worker " +
+         std::to_string(w.index);
+}
+
+void Service::tick() {
+  const Clock::time_point t = now();
+  const Clock::duration gap = t - last_tick_;
+  last_tick_ = t;
+  if (gap <= kMaxPollGap) return;
+  // The loop did not run for a while (stopped, starved, a long save): that
+  // time is nobody's silence and no request's wait. Shift every start of
+  // silence and of waiting forward by what exceeds a normal poll gap.
+  const Clock::duration excess = gap - kMaxPollGap;
+  for (WorkerState& w : workers_) {
+    w.last_heard += excess;
+    for (Pending& p : w.queue) p.arrived += excess;
+  }
+  for (Outgoing& o : outgoing_) o.posted += excess;
+}
+
 void Service::run() {
   Backoff backoff;
   while (!stop_) {
+    tick();
     bool progressed = receive_new();
     progressed |= process_queues();
     reap_outgoing();
@@ -97,59 +192,225 @@ bool Service::finished() const {
   return outgoing_.empty();
 }
 
+void Service::discard(const Envelope& env) {
+  // Into a buffer of exactly the message's size, for a short while: a
+  // shorter recv would be a truncation, and Open MPI writes a truncated
+  // message (past the eager size) beyond the buffer.
+  std::vector<char> sink(env.bytes);
+  Request r = t_.recv(env.source, sink.data(), sink.size(), env.tag);
+  try {
+    r.wait(Clock::now() + options_.timeout);
+  } catch (const Error&) {
+  }
+}
+
+void Service::receive_payload(WorkerState& w, const Envelope& env) {
+  // A payload message belongs to the worker's latest request (messages of
+  // one sender are probed in the order they were sent): the back of its
+  // queue, if that still waits for payload.
+  Pending* p = !w.queue.empty() && !w.queue.back().payload_ready ? &w.queue.back() : nullptr;
+  if (!p) {
+    // The payload of a request rejected on arrival (or more than a request
+    // declared): the worker's stream goes on after it.
+    discard(env);
+    logger_.warning(who(), ": dropped a payload message of ", env.bytes, " bytes from worker ", w.index,
+                    " (rank ", w.rank, ") that no accepted request declared");
+    return;
+  }
+  const size_t left = p->payload.size() - p->received;
+  if (env.bytes == 0 || env.bytes > left) {
+    discard(env);
+    p->error = "its payload message of " + std::to_string(env.bytes) + " bytes does not fit the " +
+               std::to_string(left) + " bytes still expected of the " + std::to_string(p->payload.size()) +
+               " it declared";
+    p->payload_ready = true;
+    return;
+  }
+  // Exactly the message's size, checked against what the request declared,
+  // so a worker that sends more than it claimed cannot make the transport
+  // write past the buffer.
+  Request r = t_.recv(env.source, p->payload.data() + p->received, env.bytes, env.tag);
+  try {
+    r.wait(Clock::now() + options_.timeout);
+  } catch (const Error& e) {
+    p->error = e.message();
+    p->payload_ready = true;
+    return;
+  }
+  p->received += env.bytes;
+  p->payload_ready = p->received == p->payload.size();
+}
+
 bool Service::receive_new() {
   bool any = false;
   Envelope env;
   while (t_.probe_any(&env)) {
     any = true;
-    std::vector<char> control(env.bytes);
-    Request r = t_.recv(env.source, control.data(), env.bytes, env.tag);
-    r.wait(Clock::now() + options_.timeout);
     auto it = worker_of_rank_.find(env.source);
-    if (env.tag != kRequestTag || it == worker_of_rank_.end()) {
+    if (it == worker_of_rank_.end() || (env.tag != kRequestTag && env.tag != kRequestPayloadTag)) {
+      discard(env);
       logger_.error(who(), ": dropped a message of ", env.bytes, " bytes with tag ", env.tag,
                     " from rank ", env.source, " (not a worker request)");
       continue;
     }
     WorkerState& w = workers_[it->second];
-    w.last_heard = Clock::now();
+    w.last_heard = now();
     if (w.gone && !w.done) {
       std::lock_guard<std::mutex> lock(mu_);
       w.gone = false;
       logger_.warning(who(), ": worker ", w.index, " is back");
     }
-    Pending p;
-    p.arrived = w.last_heard;
-    p.control = std::move(control);
-    if (p.control.size() < sizeof(RequestHeader)) {
-      RequestHeader unknown;
-      unknown.seq = -1;
+    if (env.tag == kRequestPayloadTag) {
+      receive_payload(w, env);
+      continue;
+    }
+    if (!w.queue.empty() && !w.queue.back().payload_ready) {
+      // A new request while the last one still waits for payload: the
+      // worker sent less than it declared.
+      Pending& last = w.queue.back();
+      last.error = "only " + std::to_string(last.received) + " of the " + std::to_string(last.payload.size()) +
+                   " payload bytes it declared arrived before the worker's next request";
+      last.payload_ready = true;
+    }
+    RequestHeader unknown;
+    unknown.seq = -1;
+    if (env.bytes > kMaxControlBytes) {
+      discard(env);
       send_reply(w.rank, unknown, static_cast<int>(ErrorCode::kInvalidArgument), {},
-                 who() + ": malformed request of " + std::to_string(p.control.size()) + " bytes");
+                 who() + ": request from worker " + std::to_string(w.index) + " (rank " + std::to_string(w.rank) +
+                     ") of " + std::to_string(env.bytes) + " bytes (at most " + std::to_string(kMaxControlBytes) + ")");
       continue;
     }
-    std::memcpy(&p.header, p.control.data(), sizeof(RequestHeader));
-    if (p.header.magic != kMagic || p.header.payload_bytes < 0 ||
-        p.header.payload_bytes > kMaxPayloadBytes) {
-      // Without a trustworthy header the worker's message stream cannot be
-      // followed any further: stop serving it.
-      RequestHeader bad = p.header;
-      bad.reply_bytes = 0;  // cannot be trusted either
-      send_reply(w.rank, bad, static_cast<int>(ErrorCode::kInvalidArgument), {},
-                 who() + ": malformed request header from worker " + std::to_string(w.index) +
-                     " (rank " + std::to_string(w.rank) + ")");
-      w.gone = true;
+    std::vector<char> control(env.bytes);
+    Request r = t_.recv(env.source, control.data(), env.bytes, env.tag);
+    r.wait(Clock::now() + options_.timeout);
+    Pending p;
+    p.arrived = Clock::now();
+    if (control.size() >= sizeof(RequestHeader)) std::memcpy(&p.header, control.data(), sizeof(RequestHeader));
+    try {
+      p.request = decode_request(control.data(), control.size());
+      DISTSTRAT_CHECK(p.request.header.worker == w.index, kInvalidArgument, "the header names worker ",
+                      p.request.header.worker);
+      std::lock_guard<std::mutex> lock(mu_);
+      check_on_arrival(w, p.request);
+    } catch (const Error& e) {
+      // Nothing was allocated for it and nothing changes; its payload, if
+      // the worker sends one, is dropped when it comes.
+      RequestHeader h = control.size() >= sizeof(RequestHeader) ? p.header : unknown;
+      // Pad the reply only for a reply size that could be real (the
+      // worker's recv is posted for it); ZeroBytes costs no memory.
+      if (h.magic != kMagic || h.reply_bytes < 0 || h.reply_bytes > kMaxMessageBytes) h.reply_bytes = 0;
+      if (p.request.op == Op::kPush || h.op == static_cast<uint16_t>(Op::kPush)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.pushes_rejected;
+      }
+      const std::string what = control.size() >= sizeof(RequestHeader)
+                                   ? from(w, p.header.op)
+                                   : who() + ": request from worker " + std::to_string(w.index) + " (rank " +
+                                         std::to_string(w.rank) + ")";
+      logger_.warning(what, " rejected: ", e.message());
+      send_reply(w.rank, h, static_cast<int>(e.code()), {}, what + ": " + e.message());
       continue;
     }
+    p.header = p.request.header;
     if (p.header.payload_bytes > 0) {
-      p.payload.resize(static_cast<size_t>(p.header.payload_bytes));
-      p.payload_recv = t_.recv(w.rank, p.payload.data(), p.payload.size(), kRequestPayloadTag);
+      try {
+        p.payload.resize(static_cast<size_t>(p.header.payload_bytes));
+      } catch (const std::bad_alloc&) {
+        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kResourceExhausted), {},
+                   from(w, p.header.op) + ": no memory for its payload of " +
+                       std::to_string(p.header.payload_bytes) + " bytes");
+        continue;
+      }
+      // Its parts are received as they are probed (receive_payload).
     } else {
       p.payload_ready = true;
     }
     w.queue.push_back(std::move(p));
   }
   return any;
+}
+
+void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) const {
+  // The shard an entry names: a created one, or one this worker's queued
+  // create declares (its requests are served after that create).
+  auto info = [&](const Entry& e, const std::string& what) {
+    ShardInfo s;
+    auto it = shards_.find({e.var_id, e.shard_index});
+    if (it != shards_.end()) {
+      s.name = it->second.name;
+      s.dtype = it->second.dtype;
+      s.shape = it->second.value.shape();
+      s.full_rows = it->second.full_shape.rank() ? it->second.full_shape[0] : 0;
+    } else {
+      const CreateSpec* spec = nullptr;
+      for (const Pending& p : w.queue) {
+        if (p.request.op == Op::kCreate && p.request.create.var_id == e.var_id &&
+            p.request.create.shard_index == e.shard_index) {
+          spec = &p.request.create;
+        }
+      }
+      if (!spec) {
+        throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " + std::to_string(e.var_id) +
+                            ", shard " + std::to_string(e.shard_index) + ") on this PS");
+      }
+      s.name = spec->name;
+      s.dtype = static_cast<DType>(spec->dtype);
+      s.shape = spec->shard_shape;
+      s.full_rows = spec->full_shape.rank() ? spec->full_shape[0] : 0;
+    }
+    DISTSTRAT_CHECK(s.name == e.name, kInvalidArgument, what, ": variable id ", e.var_id, " is '", s.name,
+                    "' here, not '", e.name, "'");
+    return s;
+  };
+  const std::string what = op_name(q.op);
+  int64_t reply = -1;  // the reply size the shards fix (-1: the decoder checked it)
+  switch (q.op) {
+    case Op::kPull:
+      reply = 0;
+      for (const Entry& e : q.entries) {
+        const ShardInfo s = info(e, "pull");
+        if (e.sparse) {
+          DISTSTRAT_CHECK(s.shape.rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name, "'");
+          reply = checked_add(reply, checked_mul(e.num_ids, row_bytes_of(s, "pull"), "pull of '" + e.name + "'"),
+                              "pull");
+        } else {
+          reply = checked_add(reply, shard_bytes(s, "pull"), "pull");
+        }
+      }
+      break;
+    case Op::kPush:
+      for (const Entry& e : q.entries) check_push_entry(e, info(e, "push"));
+      break;
+    case Op::kAssign:
+      for (const Entry& e : q.entries) check_value_entry("assign to", e, info(e, "assign"));
+      break;
+    case Op::kReadSlots:
+      reply = 0;
+      for (const Entry& e : q.entries) {
+        const ShardInfo s = info(e, "slot read");
+        DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
+                        "': the variable is ", dtype_name(s.dtype), ", only float32 variables have slots");
+        reply = checked_add(reply, checked_bytes(s.shape, sizeof(float), "slot read"), "slot read");
+      }
+      break;
+    case Op::kRestore:
+      for (size_t i = 0; i < q.entries.size(); ++i) {
+        const Entry& e = q.entries[i];
+        const ShardInfo s = info(e, "restore");
+        check_value_entry("restore of", e, s);
+        DISTSTRAT_CHECK(q.restore[i].slots.empty() || s.dtype == DType::kFloat32, kInvalidArgument, "restore of '",
+                        e.name, "': slots for a ", dtype_name(s.dtype), " variable");
+      }
+      break;
+    case Op::kStats:
+      reply = static_cast<int64_t>((6 + workers_.size()) * sizeof(int64_t));
+      break;
+    default:
+      break;
+  }
+  DISTSTRAT_CHECK(reply < 0 || q.header.reply_bytes == reply, kInvalidArgument, what,
+                  ": the header expects a reply of ", q.header.reply_bytes, " bytes, the request's is ", reply);
 }
 
 bool Service::process_queues() {
@@ -159,18 +420,37 @@ bool Service::process_queues() {
     WorkerState& w = workers_[(next_worker_ + k) % n];
     while (!w.queue.empty()) {
       Pending& p = w.queue.front();
-      const Op op = static_cast<Op>(p.header.op);
-      const std::string what = who() + ": " + op_name(op) + " from worker " + std::to_string(w.index);
-      if (!p.payload_ready) {
-        try {
-          p.payload_ready = p.payload_recv.test();
-        } catch (const Error& e) {
-          send_reply(w.rank, p.header, static_cast<int>(e.code()), {}, what + ": " + e.message());
-          w.queue.pop_front();
-          any = true;
-          continue;
+      const Op op = p.request.op;
+      const std::string what = from(w, p.header.op);
+      if (!p.error.empty()) {
+        logger_.warning(what, " rejected: ", p.error);
+        if (op == Op::kPush) {
+          std::lock_guard<std::mutex> lock(mu_);
+          ++stats_.pushes_rejected;
         }
-        if (!p.payload_ready) break;
+        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kInvalidArgument), {}, what + ": " + p.error);
+        w.queue.pop_front();
+        any = true;
+        continue;
+      }
+      if (!p.payload_ready) {
+        // Every part of the payload has this deadline (in the loop's
+        // running time, see tick()): a worker that stalled between its
+        // two messages, or whose payload is shorter than it claimed (the
+        // later parts of a multi-part receive never come), fails this
+        // request instead of holding its queue forever.
+        tick();  // (a stop of this process just before is no wait of the request)
+        if (Clock::now() - p.arrived <= options_.timeout) break;
+        logger_.error(what, ": its payload of ", p.header.payload_bytes, " bytes did not arrive from rank ",
+                      w.rank, " within ", options_.timeout.count(), " ms");
+        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kDeadlineExceeded), {},
+                   what + ": its payload of " + std::to_string(p.header.payload_bytes) +
+                       " bytes did not arrive from rank " + std::to_string(w.rank) + " within " +
+                       std::to_string(options_.timeout.count()) + " ms");
+        // Its parts that still come are dropped (receive_payload).
+        w.queue.pop_front();
+        any = true;
+        continue;
       }
       Reply reply;
       Outcome outcome;
@@ -198,7 +478,7 @@ bool Service::process_queues() {
       send_reply(w.rank, p.header, -1, std::move(reply.payload), "");
       // Silence counts from our answer: a worker held by a deferred request
       // (a staleness wait) was waiting on us, not silent.
-      w.last_heard = Clock::now();
+      w.last_heard = now();
       w.queue.pop_front();
       any = true;
     }
@@ -209,14 +489,35 @@ bool Service::process_queues() {
 
 void Service::send_reply(int rank, const RequestHeader& request, int status,
                          std::vector<char> payload, std::string error) {
-  const size_t expected = static_cast<size_t>(std::max<int64_t>(0, request.reply_bytes));
+  // Callers pass a reply_bytes that was checked (or 0 when it cannot be).
+  const size_t expected =
+      static_cast<size_t>(std::min<int64_t>(kMaxMessageBytes, std::max<int64_t>(0, request.reply_bytes)));
   if (status == -1 && payload.size() != expected) {
     status = static_cast<int>(ErrorCode::kInternal);
     error = who() + ": a reply of " + std::to_string(payload.size()) + " bytes where the request expects " +
             std::to_string(expected);
   }
-  if (status != -1) payload.assign(expected, 0);
+  if (status != -1 && error.empty()) error = who() + ": " + error_code_name(static_cast<ErrorCode>(status));
+  if (error.size() > static_cast<size_t>(kMaxStringBytes)) error.resize(static_cast<size_t>(kMaxStringBytes));
+  std::shared_ptr<const void> pad;
+  size_t pad_bytes = 0;
+  if (status != -1) {
+    // The request's reply payload is padded with zeros: small ones from
+    // memory, large ones from a mapping that costs none.
+    if (expected <= (size_t{1} << 16)) {
+      payload.assign(expected, 0);
+    } else {
+      payload.clear();
+      auto zeros = std::make_shared<ZeroBytes>(expected);
+      if (zeros->data()) {
+        pad = zeros;
+        pad_bytes = expected;
+      }
+    }
+  }
   Outgoing o;
+  o.rank = rank;
+  o.posted = Clock::now();
   o.header = std::make_shared<ReplyHeader>();
   o.header->seq = request.seq;
   o.header->status = status;
@@ -224,16 +525,20 @@ void Service::send_reply(int rank, const RequestHeader& request, int status,
     std::lock_guard<std::mutex> lock(mu_);
     o.header->version = stats_.version;
   }
-  o.header->payload_bytes = static_cast<int64_t>(payload.size());
+  o.header->payload_bytes = static_cast<int64_t>(pad ? pad_bytes : payload.size());
   o.header->error_bytes = static_cast<int64_t>(error.size());
   o.requests.push_back(t_.send(rank, o.header.get(), sizeof(ReplyHeader), kReplyTag));
   if (!error.empty()) {
     o.error = std::make_shared<std::string>(error);
     o.requests.push_back(t_.send(rank, o.error->data(), o.error->size(), kReplyErrorTag));
   }
-  if (!payload.empty()) {
-    o.payload = std::make_shared<std::vector<char>>(std::move(payload));
-    o.requests.push_back(t_.send(rank, o.payload->data(), o.payload->size(), kReplyPayloadTag));
+  if (pad) {
+    o.payload = pad;
+    o.requests.push_back(t_.send(rank, static_cast<const ZeroBytes*>(pad.get())->data(), pad_bytes, kReplyPayloadTag));
+  } else if (!payload.empty()) {
+    auto bytes = std::make_shared<std::vector<char>>(std::move(payload));
+    o.payload = bytes;
+    o.requests.push_back(t_.send(rank, bytes->data(), bytes->size(), kReplyPayloadTag));
   }
   outgoing_.push_back(std::move(o));
 }
@@ -246,12 +551,28 @@ void Service::reap_outgoing() {
     } catch (const Error& e) {
       logger_.error(who(), ": a reply failed: ", e.message());
     }
+    if (!done) {
+      tick();
+      if (Clock::now() - it->posted > options_.timeout) {
+        // The worker never takes it (gone, or it never posted the recv):
+        // a send has a deadline too, or the loop could never finish.
+        auto w = worker_of_rank_.find(it->rank);
+        logger_.error(who(), ": a reply to worker ", w == worker_of_rank_.end() ? -1 : w->second, " (rank ",
+                      it->rank, ") was not taken within ", options_.timeout.count(), " ms; given up");
+        it->requests.clear();  // cancels them
+        abandoned_.push_back(std::move(*it));
+        done = true;
+      }
+    }
     it = done ? outgoing_.erase(it) : std::next(it);
   }
 }
 
 void Service::check_liveness() {
-  const auto now = Clock::now();
+  // The time of this tick, not a fresh reading: a stop between the two
+  // would be counted as silence.
+  tick();
+  const auto now = last_tick_;
   for (WorkerState& w : workers_) {
     if (w.done || w.gone || !w.queue.empty()) continue;  // a queued request means it waits on us
     if (now - w.last_heard > options_.worker_timeout) {
@@ -284,48 +605,66 @@ Service::Shard& Service::find_shard(const Entry& e, const std::string& what) {
 }
 
 Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
-  Reader r(p.control.data() + sizeof(RequestHeader), p.control.size() - sizeof(RequestHeader),
-           op_name(static_cast<Op>(p.header.op)));
-  switch (static_cast<Op>(p.header.op)) {
-    case Op::kCreate: return handle_create(w, p, r);
-    case Op::kPull: return handle_pull(w, p, r, reply);
-    case Op::kPush: handle_push(w, p, r); return Outcome::kServed;
-    case Op::kAssign: handle_assign(w, p, r); return Outcome::kServed;
-    case Op::kBarrier: return handle_barrier(w, p, r);
+  // p.request was decoded and checked on arrival (receive_new); the
+  // handlers check again what the shards or the payload decide.
+  switch (p.request.op) {
+    case Op::kCreate: return handle_create(w, p);
+    case Op::kPull: return handle_pull(w, p, reply);
+    case Op::kPush:
+      if (lockstep_holds(w, p)) return Outcome::kDeferred;
+      handle_push(w, p);
+      return Outcome::kServed;
+    case Op::kAssign: handle_assign(w, p); return Outcome::kServed;
+    case Op::kBarrier: return handle_barrier(w, p);
     case Op::kStats: handle_stats(reply); return Outcome::kServed;
     case Op::kDone: w.done = true; return Outcome::kServed;
-    case Op::kBroadcast: return handle_broadcast(w, p, r, reply);
-    case Op::kStopCheck: handle_stop_check(w, r, reply); return Outcome::kServed;
-    case Op::kSave: handle_save(r, reply); return Outcome::kServed;
-    case Op::kReadSlots: handle_read_slots(r, reply); return Outcome::kServed;
-    case Op::kRestore: handle_restore(p, r); return Outcome::kServed;
+    case Op::kBroadcast: return handle_broadcast(w, p, reply);
+    case Op::kStopCheck: handle_stop_check(w, p, reply); return Outcome::kServed;
+    case Op::kSave: handle_save(p, reply); return Outcome::kServed;
+    case Op::kReadSlots: handle_read_slots(p, reply); return Outcome::kServed;
+    case Op::kRestore: handle_restore(p); return Outcome::kServed;
+    case Op::kMetric: handle_metric(p, reply); return Outcome::kServed;
   }
   throw InvalidArgumentError("unknown op " + std::to_string(p.header.op));
 }
 
-Service::Outcome Service::handle_create(WorkerState& w, Pending& p, Reader& r) {
-  Shard spec;
-  const int64_t var_id = r.get<int64_t>();
-  spec.name = r.get_string();
-  const std::string name = spec.name;
-  const int32_t dtype = r.get<int32_t>();
-  DISTSTRAT_CHECK(valid_dtype(dtype), kInvalidArgument, "variable '", spec.name, "': bad dtype ", dtype);
-  spec.dtype = static_cast<DType>(dtype);
-  spec.full_shape = r.get_shape();
-  const int64_t shard_index = r.get<int64_t>();
-  spec.num_shards = r.get<int64_t>();
-  spec.row_offset = r.get<int64_t>();
-  spec.rows = r.get<int64_t>();
-  const bool has_value = r.get<uint8_t>() != 0;
-  std::vector<int64_t> dims = spec.full_shape.dims();
-  if (!dims.empty()) {
-    DISTSTRAT_CHECK(spec.row_offset >= 0 && spec.rows >= 0 && spec.row_offset + spec.rows <= dims[0],
-                    kInvalidArgument, "variable '", spec.name, "' shard ", shard_index, ": rows [",
-                    spec.row_offset, ", ", spec.row_offset + spec.rows, ") outside ",
-                    spec.full_shape.to_string());
-    dims[0] = spec.rows;
+// max_staleness 0 is lockstep: every step's gradients are computed on the
+// same weights. The pull rule (handle_pull) makes a worker's step c start
+// after every live worker's step c - 1 push is applied; this holds a step-c
+// push until every other live worker's step-c push has reached the head of
+// its queue too, so no step-c update is applied while another worker still
+// pulls or reads the weights of step c (its reads precede its push).
+bool Service::lockstep_holds(WorkerState& w, const Pending& p) {
+  if (options_.max_staleness != 0) return false;
+  const int64_t step = p.request.steps_after - 1;  // the push carries the steps after it
+  w.push_reached = std::max(w.push_reached, step);
+  for (const WorkerState& o : workers_) {
+    if (&o == &w || o.done || o.gone || o.push_reached >= step) continue;
+    if (Clock::now() - p.arrived > options_.timeout) {
+      throw DeadlineExceededError("lockstep push of step " + std::to_string(step) + " from worker " +
+                                  std::to_string(w.index) + " waited past the deadline for worker " +
+                                  std::to_string(o.index) + " (at step " + std::to_string(o.steps) +
+                                  ", max_staleness 0)");
+    }
+    return true;
   }
-  const Shape shard_shape(dims);
+  return false;
+}
+
+Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
+  const CreateSpec& c = p.request.create;  // dtype, shard and rows checked by decode_request
+  Shard spec;
+  const int64_t var_id = c.var_id;
+  spec.name = c.name;
+  const std::string name = spec.name;
+  spec.dtype = static_cast<DType>(c.dtype);
+  spec.full_shape = c.full_shape;
+  const int64_t shard_index = c.shard_index;
+  spec.num_shards = c.num_shards;
+  spec.row_offset = c.row_offset;
+  spec.rows = c.rows;
+  const bool has_value = c.has_value;
+  const Shape shard_shape = c.shard_shape;
   const size_t bytes = static_cast<size_t>(shard_shape.num_elements()) * dtype_size(spec.dtype);
   DISTSTRAT_CHECK(!has_value || p.payload.size() == bytes, kInvalidArgument, "variable '", spec.name,
                   "' shard ", shard_index, ": initial value has ", p.payload.size(),
@@ -378,8 +717,8 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p, Reader& r) {
   return Outcome::kServed;
 }
 
-Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reader& r, Reply& reply) {
-  const int64_t clock = r.get<int64_t>();
+Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) {
+  const int64_t clock = p.request.clock;
   if (clock >= 0 && options_.max_staleness >= 0) {
     const int slowest = slowest_other(w.index);
     if (slowest >= 0 && clock - workers_[slowest].steps > options_.max_staleness) {
@@ -393,28 +732,25 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reader& r, Rep
       return Outcome::kDeferred;
     }
   }
-  const int64_t n = r.get<int64_t>();
-  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "pull of ", n, " entries");
-  std::vector<Entry> entries;
+  const std::vector<Entry>& entries = p.request.entries;
   std::vector<Shard*> shards;
-  size_t ids_bytes = 0, out_bytes = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    entries.push_back(read_entry(r));
-    const Entry& e = entries.back();
+  int64_t ids_bytes = 0, out_bytes = 0;  // overflow-checked (the decoder and the arrival check agree)
+  for (const Entry& e : entries) {
     Shard& s = find_shard(e, "pull");
     shards.push_back(&s);
-    const size_t row_bytes = static_cast<size_t>(row_elems(s.value.shape())) * dtype_size(s.dtype);
+    const int64_t row_bytes = checked_mul(row_elems(s.value.shape()), dtype_size(s.dtype), "pull");
     if (e.sparse) {
       DISTSTRAT_CHECK(s.value.shape().rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name, "'");
-      DISTSTRAT_CHECK(e.num_ids >= 0, kInvalidArgument, "pull of '", e.name, "': ", e.num_ids, " ids");
-      ids_bytes += static_cast<size_t>(e.num_ids) * sizeof(int64_t);
-      out_bytes += static_cast<size_t>(e.num_ids) * row_bytes;
+      ids_bytes = checked_add(ids_bytes, checked_mul(e.num_ids, int64_t{sizeof(int64_t)}, "pull"), "pull");
+      out_bytes = checked_add(out_bytes, checked_mul(e.num_ids, row_bytes, "pull"), "pull");
     } else {
-      out_bytes += s.value.nbytes();
+      out_bytes = checked_add(out_bytes, static_cast<int64_t>(s.value.nbytes()), "pull");
     }
   }
-  DISTSTRAT_CHECK(p.payload.size() == ids_bytes, kInvalidArgument, "pull: payload has ",
+  DISTSTRAT_CHECK(static_cast<int64_t>(p.payload.size()) == ids_bytes, kInvalidArgument, "pull: payload has ",
                   p.payload.size(), " bytes of row ids, the entries declare ", ids_bytes);
+  DISTSTRAT_CHECK(out_bytes == p.header.reply_bytes, kInvalidArgument, "pull: the reply is ", out_bytes,
+                  " bytes, the request expects ", p.header.reply_bytes);
   // Validate every id before producing anything.
   const int64_t* ids = reinterpret_cast<const int64_t*>(p.payload.data());
   for (size_t i = 0, k = 0; i < entries.size(); ++i) {
@@ -427,7 +763,7 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reader& r, Rep
                       entries[i].shard_index, " (the variable has ", s.full_shape[0], " rows)");
     }
   }
-  reply.payload.resize(out_bytes);
+  reply.payload.resize(static_cast<size_t>(out_bytes));
   char* out = reply.payload.data();
   for (size_t i = 0, k = 0; i < entries.size(); ++i) {
     const Shard& s = *shards[i];
@@ -446,15 +782,13 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reader& r, Rep
   return Outcome::kServed;
 }
 
-void Service::handle_push(WorkerState& w, Pending& p, Reader& r) {
-  const int64_t steps_after = r.get<int64_t>();
-  const int64_t pulled_version = r.get<int64_t>();
-  const OptimizerConfig config = read_config(r);
-  const int64_t iter_var = r.get<int64_t>();
-  const std::string iter_name = r.get_string();
-  const int64_t n = r.get<int64_t>();
-  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "push of ", n, " entries");
-  std::unique_ptr<UpdateRule> rule = make_update_rule(config);
+void Service::handle_push(WorkerState& w, Pending& p) {
+  const DecodedRequest& q = p.request;  // sizes checked on arrival, without overflow
+  const int64_t steps_after = q.steps_after;
+  const int64_t pulled_version = q.pulled_version;
+  const int64_t iter_var = q.iter_var;
+  const std::string& iter_name = q.iter_name;
+  std::unique_ptr<UpdateRule> rule = make_update_rule(q.config);
 
   // Validate the whole push before changing anything.
   struct Item {
@@ -467,13 +801,9 @@ void Service::handle_push(WorkerState& w, Pending& p, Reader& r) {
     // behaviour; found by UBSan).
     std::shared_ptr<std::vector<int64_t>> id_storage;
   };
-  std::vector<Entry> entries;
-  entries.reserve(static_cast<size_t>(n));
   std::vector<Item> items;
   size_t offset = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    entries.push_back(read_entry(r));
-    const Entry& e = entries.back();
+  for (const Entry& e : q.entries) {
     Shard& s = find_shard(e, "push");
     DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(DType::kFloat32) && s.dtype == DType::kFloat32,
                     kInvalidArgument, "push to '", e.name, "': gradient dtype ",
@@ -565,13 +895,10 @@ void Service::handle_push(WorkerState& w, Pending& p, Reader& r) {
   }
 }
 
-void Service::handle_assign(WorkerState&, Pending& p, Reader& r) {
-  const int64_t n = r.get<int64_t>();
-  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "assign of ", n, " entries");
+void Service::handle_assign(WorkerState&, Pending& p) {
   std::vector<std::pair<Shard*, size_t>> items;
   size_t offset = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const Entry e = read_entry(r);
+  for (const Entry& e : p.request.entries) {
     Shard& s = find_shard(e, "assign");
     DISTSTRAT_CHECK(!e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
                     kInvalidArgument, "assign to '", e.name, "' shard ", e.shard_index, ": value ",
@@ -588,8 +915,8 @@ void Service::handle_assign(WorkerState&, Pending& p, Reader& r) {
   }
 }
 
-Service::Outcome Service::handle_barrier(WorkerState& w, Pending& p, Reader& r) {
-  const int64_t count = r.get<int64_t>();
+Service::Outcome Service::handle_barrier(WorkerState& w, Pending& p) {
+  const int64_t count = p.request.count;
   w.barrier_count = std::max(w.barrier_count, count);
   std::string missing;
   for (const WorkerState& o : workers_) {
@@ -604,9 +931,9 @@ Service::Outcome Service::handle_barrier(WorkerState& w, Pending& p, Reader& r) 
   return Outcome::kDeferred;
 }
 
-Service::Outcome Service::handle_broadcast(WorkerState& w, Pending& p, Reader& r, Reply& reply) {
-  const int64_t count = r.get<int64_t>();
-  const bool root = r.get<uint8_t>() != 0;
+Service::Outcome Service::handle_broadcast(WorkerState& w, Pending& p, Reply& reply) {
+  const int64_t count = p.request.count;
+  const bool root = p.request.root;
   if (root) {
     broadcasts_.emplace(count, p.payload);
   } else {
@@ -633,9 +960,9 @@ Service::Outcome Service::handle_broadcast(WorkerState& w, Pending& p, Reader& r
   return Outcome::kServed;
 }
 
-void Service::handle_stop_check(WorkerState& w, Reader& r, Reply& reply) {
-  const int64_t step = r.get<int64_t>();
-  const bool signalled = r.get<uint8_t>() != 0;
+void Service::handle_stop_check(WorkerState& w, Pending& p, Reply& reply) {
+  const int64_t step = p.request.step;
+  const bool signalled = p.request.signalled;
   w.checked_step = std::max(w.checked_step, step);
   if (stop_at_ < 0 && (signalled || ckpt::preemption_signalled())) {
     // Every worker answered "go on" for the steps it has asked about, so the
@@ -653,11 +980,11 @@ void Service::handle_stop_check(WorkerState& w, Reader& r, Reply& reply) {
   reply.payload = std::move(wr.bytes());
 }
 
-void Service::handle_save(Reader& r, Reply& reply) {
-  const std::string path = r.get_string();
-  const uint64_t save_id = r.get<uint64_t>();
-  const int32_t ps = r.get<int32_t>();
-  const int32_t num_ps = r.get<int32_t>();
+void Service::handle_save(Pending& p, Reply& reply) {
+  const std::string& path = p.request.path;
+  const uint64_t save_id = p.request.save_id;
+  const int32_t ps = p.request.ps;
+  const int32_t num_ps = p.request.num_ps;
   const std::vector<ShardSnapshot> shards = snapshot_locked();
   // Blocks this loop for the write: the workers are quiesced (a save is
   // collective), and the snapshot is the state after every push before it.
@@ -667,20 +994,20 @@ void Service::handle_save(Reader& r, Reply& reply) {
   reply.payload = std::move(wr.bytes());
 }
 
-void Service::handle_read_slots(Reader& r, Reply& reply) {
-  const int64_t n = r.get<int64_t>();
-  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "slot read of ", n, " entries");
+void Service::handle_read_slots(Pending& p, Reply& reply) {
   std::vector<std::pair<const Shard*, std::string>> items;
   size_t bytes = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const Entry e = read_entry(r);
-    const std::string slot = r.get_string();
+  for (size_t i = 0; i < p.request.entries.size(); ++i) {
+    const Entry& e = p.request.entries[i];
+    const std::string& slot = p.request.slot_of[i];
     const Shard& s = find_shard(e, "slot read");
     DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
                     "': the variable is ", dtype_name(s.dtype), ", only float32 variables have slots");
     items.emplace_back(&s, slot);
     bytes += static_cast<size_t>(s.value.num_elements()) * sizeof(float);
   }
+  DISTSTRAT_CHECK(static_cast<int64_t>(bytes) == p.header.reply_bytes, kInvalidArgument, "slot read: the reply is ",
+                  bytes, " bytes, the request expects ", p.header.reply_bytes);
   reply.payload.assign(bytes, 0);  // a slot not created yet (no push) is zeros
   char* out = reply.payload.data();
   for (const auto& [s, slot] : items) {
@@ -691,9 +1018,7 @@ void Service::handle_read_slots(Reader& r, Reply& reply) {
   }
 }
 
-void Service::handle_restore(Pending& p, Reader& r) {
-  const int64_t n = r.get<int64_t>();
-  DISTSTRAT_CHECK(n >= 0 && n <= (1 << 24), kInvalidArgument, "restore of ", n, " entries");
+void Service::handle_restore(Pending& p) {
   struct Item {
     Shard* s;
     bool has_value;
@@ -704,14 +1029,11 @@ void Service::handle_restore(Pending& p, Reader& r) {
   std::vector<Item> items;
   size_t offset = 0;
   // Validate everything before writing anything.
-  for (int64_t i = 0; i < n; ++i) {
-    const Entry e = read_entry(r);
+  for (size_t i = 0; i < p.request.entries.size(); ++i) {
+    const Entry& e = p.request.entries[i];
+    const RestoreSpec& spec = p.request.restore[i];
     Shard* shard = &find_shard(e, "restore");
-    const bool has_value = r.get<uint8_t>() != 0;
-    Item it{shard, has_value, r.get<int64_t>(), {}, offset};
-    const int64_t nslots = r.get<int64_t>();
-    DISTSTRAT_CHECK(nslots >= 0 && nslots <= 64, kInvalidArgument, "restore of '", e.name, "': ", nslots, " slots");
-    for (int64_t k = 0; k < nslots; ++k) it.slots.push_back(r.get_string());
+    Item it{shard, spec.has_value, spec.step, spec.slots, offset};
     const Shard& s = *it.s;
     DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(), kInvalidArgument,
                     "restore of '", e.name, "' shard ", e.shard_index, ": value ",
@@ -740,6 +1062,27 @@ void Service::handle_restore(Pending& p, Reader& r) {
     }
     if (it.step >= 0) s.step = it.step;
   }
+}
+
+void Service::handle_metric(Pending& p, Reply& reply) {
+  // Name, count and reply size were checked by decode_request.
+  constexpr size_t kMaxMetrics = 1024;
+  const std::string& name = p.request.metric_name;
+  const double sum = p.request.metric_sum;
+  const double count = p.request.metric_count;
+  const std::string shown = name.size() > 200 ? name.substr(0, 200) + "..." : name;
+  auto it = metrics_.find(name);
+  if (it == metrics_.end()) {
+    DISTSTRAT_CHECK(metrics_.size() < kMaxMetrics, kInvalidArgument, "metric '", shown, "': already ",
+                    kMaxMetrics, " metrics on ", who());
+    it = metrics_.emplace(name, std::make_pair(0.0, 0.0)).first;
+  }
+  it->second.first += sum;
+  it->second.second += count;
+  if (p.header.reply_bytes == 0) return;
+  Writer wr;
+  wr.put(it->second.first).put(it->second.second);
+  reply.payload = std::move(wr.bytes());
 }
 
 void Service::handle_stats(Reply& reply) {

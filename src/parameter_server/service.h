@@ -8,13 +8,21 @@
 // by the staleness bound, a barrier, a variable the chief has not created
 // yet) stays at the head of that worker's queue until it can be served or
 // its deadline passes, while the other workers are served. A request the PS
-// rejects (bad shape, dtype, variable or row id) is answered with an error
-// and changes nothing.
+// rejects (malformed, or a shape, size, dtype, variable or row id that
+// disagrees with its shards) is answered with an error naming the worker
+// and changes nothing; it is checked before its payload is allocated, and a
+// payload that does not arrive within the deadline fails its request.
+//
+// Silence and waits are measured in the loop's running time: a gap between
+// two polls longer than kMaxPollGap (the PS process was stopped, or its
+// host starved it) counts as kMaxPollGap, so a PS that was not running does
+// not declare its workers gone or their waits expired.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -29,12 +37,18 @@
 namespace diststrat {
 namespace ps {
 
+// The longest gap between two polls of the loop that counts as running time.
+constexpr std::chrono::milliseconds kMaxPollGap{100};
+
 struct ServiceOptions {
   std::vector<int> worker_ranks;  // transport ranks of the workers, by worker index
   int max_staleness = -1;         // < 0: unbounded
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // A worker silent this long is treated as gone (see ParameterServerOptions).
   std::chrono::milliseconds worker_timeout{std::chrono::seconds(300)};
+  // Test seam: the clock the loop reads to measure silence (empty: the
+  // steady clock). A test makes it jump to stand for a PS that was stopped.
+  std::function<Clock::time_point()> clock;
 };
 
 struct ServiceStats {
@@ -79,10 +93,11 @@ class Service {
   };
   struct Pending {
     RequestHeader header;
-    std::vector<char> control;  // the whole control message
+    DecodedRequest request;  // decoded and checked on arrival
     std::vector<char> payload;
-    Request payload_recv;
+    size_t received = 0;  // payload bytes in so far (it may come in parts)
     bool payload_ready = false;
+    std::string error;  // set when its payload came wrong: answered with it
     Clock::time_point arrived;
   };
   struct WorkerState {
@@ -92,6 +107,7 @@ class Service {
     int64_t barrier_count = 0;
     int64_t broadcast_count = 0;  // broadcasts it has completed
     int64_t checked_step = -1;    // the last step it asked kStopCheck about
+    int64_t push_reached = -1;    // lockstep: last step whose push reached its queue's head
     bool done = false;
     bool gone = false;
     Clock::time_point last_heard;
@@ -100,15 +116,28 @@ class Service {
   struct Outgoing {
     std::shared_ptr<ReplyHeader> header;
     std::shared_ptr<std::string> error;
-    std::shared_ptr<std::vector<char>> payload;
+    std::shared_ptr<const void> payload;  // a vector, or zeros that take no memory
     std::vector<Request> requests;
+    int rank = -1;
+    Clock::time_point posted;  // a reply not taken within the timeout is given up
   };
   enum class Outcome { kServed, kDeferred };
   struct Reply {
     std::vector<char> payload;
   };
 
+  // Advances the loop's running time (see above): called before every
+  // check of silence or of a wait.
+  void tick();
   bool receive_new();
+  // Checks a decoded request against the shards (or the shards this
+  // worker's queued creates declare), before its payload is allocated;
+  // throws like the handlers do. Caller holds mu_.
+  void check_on_arrival(const WorkerState& w, const DecodedRequest& q) const;
+  // Receives and drops a message nobody expects.
+  void discard(const Envelope& env);
+  // Receives one payload message (a part) of worker `w`'s latest request.
+  void receive_payload(WorkerState& w, const Envelope& env);
   bool process_queues();
   void reap_outgoing();
   void check_liveness();
@@ -117,20 +146,26 @@ class Service {
 
   // Handlers: fill `reply` and return kServed, or kDeferred (nothing changed).
   Outcome handle(WorkerState& w, Pending& p, Reply& reply);
-  Outcome handle_create(WorkerState& w, Pending& p, Reader& r);
-  Outcome handle_pull(WorkerState& w, Pending& p, Reader& r, Reply& reply);
-  void handle_push(WorkerState& w, Pending& p, Reader& r);
-  void handle_assign(WorkerState& w, Pending& p, Reader& r);
-  Outcome handle_barrier(WorkerState& w, Pending& p, Reader& r);
+  Outcome handle_create(WorkerState& w, Pending& p);
+  Outcome handle_pull(WorkerState& w, Pending& p, Reply& reply);
+  void handle_push(WorkerState& w, Pending& p);
+  // max_staleness 0: whether push `p` must wait for the other workers' pushes
+  // of its step.
+  bool lockstep_holds(WorkerState& w, const Pending& p);
+  void handle_assign(WorkerState& w, Pending& p);
+  Outcome handle_barrier(WorkerState& w, Pending& p);
   void handle_stats(Reply& reply);
-  Outcome handle_broadcast(WorkerState& w, Pending& p, Reader& r, Reply& reply);
-  void handle_stop_check(WorkerState& w, Reader& r, Reply& reply);
-  void handle_save(Reader& r, Reply& reply);
-  void handle_read_slots(Reader& r, Reply& reply);
-  void handle_restore(Pending& p, Reader& r);
+  Outcome handle_broadcast(WorkerState& w, Pending& p, Reply& reply);
+  void handle_stop_check(WorkerState& w, Pending& p, Reply& reply);
+  void handle_save(Pending& p, Reply& reply);
+  void handle_read_slots(Pending& p, Reply& reply);
+  void handle_restore(Pending& p);
+  void handle_metric(Pending& p, Reply& reply);
   std::vector<ShardSnapshot> snapshot_locked() const;
 
   Shard& find_shard(const Entry& e, const std::string& what);
+  // Who sent a request: "PS rank 2: push from worker 1".
+  std::string from(const WorkerState& w, uint16_t op) const;
   // Slowest live worker other than `except` (index), or -1 when none.
   int slowest_other(int except) const;
   // Sends header, error text and payload; the payload is always exactly
@@ -138,6 +173,7 @@ class Service {
   void send_reply(int rank, const RequestHeader& request, int status, std::vector<char> payload,
                   std::string error);
   std::string who() const;
+  Clock::time_point now() const { return options_.clock ? options_.clock() : Clock::now(); }
 
   Transport& t_;
   ServiceOptions options_;
@@ -146,6 +182,9 @@ class Service {
   std::vector<WorkerState> workers_;
   std::map<int, int> worker_of_rank_;
   std::deque<Outgoing> outgoing_;
+  Clock::time_point last_tick_;
+  // Buffers of replies given up on: the transport may still read them.
+  std::vector<Outgoing> abandoned_;
   size_t next_worker_ = 0;  // round-robin start
 
   mutable std::mutex mu_;  // guards everything below (read by other threads)
@@ -156,6 +195,8 @@ class Service {
   std::map<int64_t, std::vector<char>> broadcasts_;
   // Preemption: the step every worker stops at (-1: none yet).
   int64_t stop_at_ = -1;
+  // Job-wide metrics (PS 0): name -> (sum, count) over every worker's additions.
+  std::map<std::string, std::pair<double, double>> metrics_;
 };
 
 }  // namespace ps

@@ -14,10 +14,7 @@
 namespace diststrat {
 namespace ps {
 
-struct OptimizerConfig {
-  std::string name;            // "sgd", "adam"
-  std::vector<double> params;  // the options, in a fixed order per name
-};
+// OptimizerConfig (the rule as data) is declared in wire.h: it travels in pushes.
 // Throws UnimplementedError for optimizers a PS cannot rebuild.
 OptimizerConfig describe_optimizer(const Optimizer& optimizer);
 void write_config(Writer& w, const OptimizerConfig& c);

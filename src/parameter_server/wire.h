@@ -14,6 +14,14 @@
 //
 // Both ends run on the same kind of host (byte order and struct layout are
 // the sender's); fields are fixed-width.
+//
+// Nothing that arrives is trusted. The PS decodes each control message with
+// decode_request (a pure function: every count, length, shape, dtype and
+// flag in range, byte sizes computed with overflow checks, and the header's
+// payload_bytes equal to what the fields declare) and checks it against its
+// variables before it allocates the payload or indexes anything; the worker
+// checks each ReplyHeader (check_reply) before it receives the error text.
+// Every receive, on both sides, has a deadline.
 #pragma once
 
 #include <cstdint>
@@ -48,8 +56,20 @@ enum class Op : uint16_t {
   kSave = 10,      // write this PS's shard file (value, slots, step of every shard)
   kReadSlots = 11, // read optimizer slots of shards
   kRestore = 12,   // overwrite shards' values, slots and step counters
+  kMetric = 13,    // PS 0: add (sum, count) to a job-wide metric; reply its totals if asked
 };
 const char* op_name(Op op);
+// Whether `op` (as it travels, uint16) is one of the ops above.
+bool valid_op(uint16_t op);
+
+// What one message may declare at most; anything larger is malformed.
+constexpr int64_t kMaxMessageBytes = int64_t{1} << 40;  // a request's payload, a reply's payload
+constexpr size_t kMaxControlBytes = size_t{64} << 20;   // a request's control message
+constexpr int64_t kMaxEntries = int64_t{1} << 24;       // entries of one request
+constexpr int64_t kMaxStringBytes = int64_t{1} << 20;   // a name, a path, an error text
+constexpr int kMaxShapeRank = 32;
+constexpr int kMaxSlots = 64;
+constexpr size_t kMaxMetricNameBytes = 256;
 
 struct RequestHeader {
   uint32_t magic = kMagic;
@@ -89,7 +109,8 @@ class Writer {
 };
 
 // Reads what a Writer wrote; a short or malformed message is an
-// InvalidArgumentError naming `what`.
+// InvalidArgumentError naming `what`. Strings are at most kMaxStringBytes,
+// shapes at most kMaxShapeRank dims, each >= 0.
 class Reader {
  public:
   Reader(const char* data, size_t size, std::string what)
@@ -103,7 +124,11 @@ class Reader {
   }
   std::string get_string();
   Shape get_shape();
+  // A uint8 that must be 0 or 1.
+  bool get_bool(const char* field);
   bool at_end() const { return p_ == end_; }
+  size_t remaining() const { return static_cast<size_t>(end_ - p_); }
+  const std::string& what() const { return what_; }
 
  private:
   void need(size_t n) const;
@@ -129,7 +154,87 @@ struct Entry {
   int64_t num_ids = 0;  // sparse: row ids (global, int64) precede the values in the payload
 };
 void write_entry(Writer& w, const Entry& e);
+// Reads and checks an entry on its own: dtype valid, sparse 0 or 1, num_ids
+// >= 0 (0 unless sparse), shape's element count representable.
 Entry read_entry(Reader& r);
+
+// Byte counts of declared sizes: a * b, a + b (a, b >= 0), and a shape's
+// element count times `elem_bytes`. Throw InvalidArgumentError naming `what`
+// when the result would exceed kMaxMessageBytes (so nothing overflows).
+int64_t checked_mul(int64_t a, int64_t b, const std::string& what);
+int64_t checked_add(int64_t a, int64_t b, const std::string& what);
+int64_t checked_bytes(const Shape& shape, int64_t elem_bytes, const std::string& what);
+
+// The rule of a push as data (see update_rule.h).
+struct OptimizerConfig {
+  std::string name;            // "sgd", "adam"
+  std::vector<double> params;  // the options, in a fixed order per name
+};
+
+// A kCreate: the shard a worker declares (and, from the chief, its value).
+struct CreateSpec {
+  int64_t var_id = 0;
+  std::string name;
+  int32_t dtype = 0;
+  Shape full_shape;
+  int64_t shard_index = 0, num_shards = 1, row_offset = 0, rows = 0;
+  bool has_value = false;
+  Shape shard_shape;  // full_shape with rows in place of dim 0
+};
+
+// A kRestore item, beside its entry.
+struct RestoreSpec {
+  bool has_value = false;
+  int64_t step = -1;  // -1: keep the shard's step
+  std::vector<std::string> slots;
+};
+
+// A control message decoded and checked on its own (decode_request). Only
+// the fields of `op` are set.
+struct DecodedRequest {
+  RequestHeader header;
+  Op op = Op::kDone;
+  CreateSpec create;                 // kCreate
+  int64_t clock = -1;                // kPull: the worker's step (-1: no staleness check)
+  int64_t steps_after = 0;           // kPush: the worker's pushed steps after this one
+  int64_t pulled_version = -1;       // kPush: the version its gradients were computed from
+  OptimizerConfig config;            // kPush
+  int64_t iter_var = -1;             // kPush: the step counter to bump (-1: none)
+  std::string iter_name;             // kPush
+  std::vector<Entry> entries;        // kPull, kPush, kAssign, kReadSlots, kRestore
+  std::vector<std::string> slot_of;  // kReadSlots: the slot of each entry
+  std::vector<RestoreSpec> restore;  // kRestore: beside each entry
+  int64_t count = 0;                 // kBarrier, kBroadcast
+  bool root = false;                 // kBroadcast
+  int64_t step = 0;                  // kStopCheck
+  bool signalled = false;            // kStopCheck
+  std::string path;                  // kSave
+  uint64_t save_id = 0;              // kSave
+  int32_t ps = 0, num_ps = 0;        // kSave
+  std::string metric_name;           // kMetric: 1..kMaxMetricNameBytes
+  double metric_sum = 0;             // kMetric
+  double metric_count = 0;           // kMetric: finite, >= 0
+};
+
+// Decodes one control message (RequestHeader + the op's fields). Checks,
+// without any state of the PS: size, magic, op, payload_bytes and
+// reply_bytes in [0, kMaxMessageBytes], every field as read_entry and the
+// op's own ranges (entry counts <= kMaxEntries, create rows within the
+// shape), no bytes left over, and payload_bytes equal to the bytes the
+// fields declare (row ids x 8 plus values for a push, row ids x 8 for a
+// pull, the value for a create with one, ...; computed with checked_*), and
+// reply_bytes where the fields alone fix it (0, or 8 for a preemption check
+// and a save). What needs the PS's variables (a pull's reply size, shapes
+// against shards, row ids in range) is checked by the PS. Throws
+// InvalidArgumentError; never allocates more than a small multiple of `size`.
+// Pure and thread-safe.
+DecodedRequest decode_request(const char* data, size_t size);
+
+// The first problem with a reply header for a request that expects
+// `reply_bytes` of payload (magic, status a known ErrorCode or -1, an error
+// text of 1..kMaxStringBytes exactly when status is an error, version >= 0,
+// payload_bytes == reply_bytes), or "" when there is none. Pure.
+std::string check_reply(const ReplyHeader& h, int64_t reply_bytes);
 
 }  // namespace ps
 }  // namespace diststrat

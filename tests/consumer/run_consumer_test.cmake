@@ -29,3 +29,18 @@ endif()
 separate_arguments(flags UNIX_COMMAND "${flags}")
 run(c++ ${SOURCE_DIR}/tests/consumer/main.cc -o ${WORK_DIR}/consumer_pc ${flags})
 run(${CMAKE_COMMAND} -E env LD_LIBRARY_PATH=${prefix}/lib ${WORK_DIR}/consumer_pc)
+
+# The installed examples and tools run from the prefix as they are, without
+# LD_LIBRARY_PATH (their install RPATH finds the library): --help for each,
+# and diststrat-smi for real.
+file(GLOB installed_programs ${prefix}/bin/*)
+list(LENGTH installed_programs n_programs)
+if(n_programs EQUAL 0)
+  message(FATAL_ERROR "nothing was installed into ${prefix}/bin")
+endif()
+foreach(program ${installed_programs})
+  run(${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH ${program} --help)
+endforeach()
+file(MAKE_DIRECTORY ${WORK_DIR}/leases)
+run(${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH ${prefix}/bin/diststrat-smi
+    --lease-dir ${WORK_DIR}/leases)

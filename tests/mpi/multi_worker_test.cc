@@ -194,17 +194,26 @@ TEST(MultiWorkerMpi, ClusterFromTheLauncherAndFromTfConfig) {
     EXPECT_EQ(s.cluster().task_type, type);
     EXPECT_EQ(s.num_replicas_in_sync(), n);
   }
-  // A TF_CONFIG whose task does not match the launcher's rank is rejected.
+  // A TF_CONFIG whose task does not match the launcher's rank is rejected:
+  // by the ranks it does not match, and (issue 14.1) by rank 0, which it
+  // matches, naming rank 1: set-up is agreed, nobody goes on alone.
   const std::string wrong = R"({"cluster":{"chief":["c:1"],"worker":[)" + workers +
                             R"(]},"task":{"type":"chief","index":0}})";
   setenv("TF_CONFIG", wrong.c_str(), 1);
   try {
     ds::resolve_cluster({});  // collective: every rank calls it
-    EXPECT_EQ(me, 0) << "accepted";
+    ADD_FAILURE() << "accepted";
   } catch (const ds::InvalidArgumentError& e) {
     EXPECT_NE(me, 0);
     EXPECT_NE(e.message().find("MPI rank " + std::to_string(me)), std::string::npos) << e.message();
+  } catch (const ds::AbortedError& e) {
+    EXPECT_EQ(me, 0);
+    EXPECT_NE(e.message().find("rank 0: resolve_cluster aborted: rank 1 failed: [kInvalidArgument]"),
+              std::string::npos)
+        << e.message();
   }
+  // The same through the strategy's constructor: every rank fails together.
+  EXPECT_THROW(ds::MultiWorkerMirroredStrategy{options(1)}, ds::Error);
   unsetenv("TF_CONFIG");
   MPI_Barrier(MPI_COMM_WORLD);
 }

@@ -2,7 +2,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "allreduce/transport.h"
@@ -10,6 +12,7 @@
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/update_rule.h"
+#include "least_squares_util.h"
 #include "training_util.h"
 
 namespace ds = diststrat;
@@ -306,6 +309,149 @@ TEST(ParameterServerAsync, LockstepWaitHasADeadlineNamingTheSlowWorker) {
   if (other_error) std::rethrow_exception(other_error);
 }
 
+// ---- lockstep and the staleness bound ----------------------------------------
+
+using ds::testing::LeastSquares;
+constexpr int kDim = LeastSquares::kDim;
+
+// `workers` workers (ranks 0..workers-1) and one PS train `steps` steps of the
+// least-squares model with plain SGD, each worker on its slice of every
+// global batch, with random pauses (seeded by `seed`) to vary the
+// interleaving. Returns the final weights.
+std::vector<float> lockstep_run(const LeastSquares& b, int workers, int steps, float lr, uint64_t seed) {
+  ds::ParameterServerOptions o;
+  o.max_staleness = 0;
+  o.communication.timeout = std::chrono::seconds(30);
+  ds::InProcessTransportGroup group(workers + 1);
+  auto ps = ds::ps::make_strategy(group.at(workers), o);
+  std::vector<float> out;
+  std::vector<std::exception_ptr> errors(workers);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < workers; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        std::mt19937_64 rng(seed * 31 + r);
+        auto pause = [&] {
+          const int us = static_cast<int>(rng() % 1500);
+          if (us > 500) std::this_thread::sleep_for(std::chrono::microseconds(us));
+        };
+        if (r > 0) pause();  // the chief often starts first
+        auto s = ds::ps::make_strategy(group.at(r), o);
+        ds::Variable w = s->create_variable("w", ds::Shape{kDim}, ds::DType::kFloat32,
+                                            ds::init::Constant{LeastSquares::kInit});
+        ds::SGD sgd(*s, {lr});
+        const int lo = LeastSquares::first_row(r, workers), hi = LeastSquares::first_row(r + 1, workers);
+        for (int t = 0; t < steps; ++t) {
+          pause();
+          s->run([&](ds::ReplicaContext& ctx) {
+            const ds::Tensor wt = w.read(ctx);
+            pause();
+            const std::vector<float> g = b.grad(t, lo, hi, wt.data<float>());
+            ds::Tensor gt(ds::Shape{kDim}, ds::DType::kFloat32);
+            std::copy(g.begin(), g.end(), gt.data<float>());
+            sgd.apply_gradients(ctx, {{gt, w}});
+          });
+        }
+        s->flush();
+        s->barrier("end");  // every worker's pushes are applied
+        if (r == 0) {
+          const ds::Tensor v = w.value();
+          out.assign(v.data<float>(), v.data<float>() + kDim);
+        }
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ps->join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return out;
+}
+
+TEST(ParameterServerLockstep, MaxStalenessZeroEqualsSynchronousSgdIn20Of20Runs) {
+  const int steps = 8;
+  const float lr = 0.3f;
+  const LeastSquares b(steps, 3);
+  const std::vector<float> ref = b.synchronous_sgd(steps, lr);
+  for (int workers : {2, 3}) {
+    int equal = 0;
+    double worst = 0;
+    for (int run = 0; run < 20; ++run) {
+      const std::vector<float> got = lockstep_run(b, workers, steps, lr, 1000 * workers + run);
+      ASSERT_EQ(got.size(), ref.size());
+      double diff = 0;
+      for (int j = 0; j < kDim; ++j) diff = std::max(diff, std::fabs(double(got[j]) - ref[j]));
+      worst = std::max(worst, diff);
+      if (diff <= 1e-5) ++equal;
+    }
+    EXPECT_EQ(equal, 20) << workers << " workers: only " << equal
+                         << " of 20 runs equal synchronous SGD; worst max |diff| " << worst;
+  }
+}
+
+// Worker 1 creates the variable and then stays inside its step 0 until told;
+// worker 0 must start exactly steps 0..k (k + 1 steps) and then wait.
+class StalenessBound : public ::testing::TestWithParam<int> {};
+
+TEST_P(StalenessBound, AWorkerRunsExactlyKStepsAheadOfAStuckOne) {
+  const int k = GetParam();
+  ds::ParameterServerOptions o;
+  o.max_staleness = k;
+  o.communication.timeout = std::chrono::seconds(30);
+  ds::InProcessTransportGroup group(3);
+  auto ps = ds::ps::make_strategy(group.at(2), o);
+  std::atomic<int> started{0};   // steps worker 0 has started (its pull was answered)
+  std::atomic<bool> release{false};
+  std::exception_ptr errors[2];
+  const int steps = k + 3;
+  auto body = [&](int r) {
+    try {
+      auto s = ds::ps::make_strategy(group.at(r), o);
+      ds::Variable w = s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+      ds::SGD sgd(*s, {0.1f});
+      for (int t = 0; t < steps; ++t) {
+        s->run([&](ds::ReplicaContext& ctx) {
+          if (r == 0) ++started;
+          if (r == 1 && t == 0) {
+            while (!release) std::this_thread::sleep_for(milliseconds(2));
+          }
+          ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
+          ds::init::Constant{1.0}(g);
+          sgd.apply_gradients(ctx, {{g, w}});
+        });
+      }
+      s->flush();
+      s->barrier("end");
+    } catch (...) {
+      errors[r] = std::current_exception();
+    }
+  };
+  std::thread w0(body, 0), w1(body, 1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (started < k + 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  // Give a wrong bound time to show.
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_EQ(started.load(), k + 1) << "max_staleness " << k << ": worker 0 started " << started
+                                   << " steps while worker 1 was stuck in step 0";
+  release = true;
+  w0.join();
+  w1.join();
+  ps->join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  EXPECT_EQ(started.load(), steps);
+  const ds::ps::ServiceStats st = ds::ps::local_service(*ps).stats();
+  EXPECT_EQ(st.worker_steps, (std::vector<int64_t>{steps, steps}));
+}
+
+INSTANTIATE_TEST_SUITE_P(K, StalenessBound, ::testing::Values(0, 1, 2));
+
 // ---- row-sparse ------------------------------------------------------------------
 
 TEST(ParameterServerSparse, GatherAndPushOnlyTheRowsOverShards) {
@@ -484,6 +630,106 @@ TEST(ParameterServerBadInput, ErrorOfANonBlockingPushSurfacesAtTheNextStep) {
   EXPECT_EQ(strategy.stats().pushes_rejected, 1);
 }
 
+// ---- job-wide figures: reduce() is per worker, metrics are job-wide -----------
+
+// Three workers with two replicas each and two PS ranks. Every replica's
+// "loss" is 1 + worker index; reduce() gives this worker's replicas' figure,
+// the metric on PS 0 every worker's.
+TEST(ParameterServerMetrics, ReduceIsPerWorkerAndTheMetricIsJobWide) {
+  const int workers = 3, num_ps = 2, steps = 5;
+  ds::ParameterServerOptions o;
+  o.num_ps = num_ps;
+  o.devices = cpus(2);
+  o.communication.timeout = std::chrono::seconds(30);
+  ds::InProcessTransportGroup group(workers + num_ps);
+  std::vector<std::unique_ptr<ds::ParameterServerStrategy>> ps;
+  for (int p = 0; p < num_ps; ++p) ps.push_back(ds::ps::make_strategy(group.at(workers + p), o));
+  std::vector<std::exception_ptr> errors(workers);
+  std::vector<ds::MetricTotals> seen(workers);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < workers; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto s = ds::ps::make_strategy(group.at(r), o);
+        EXPECT_EQ(s->num_replicas_in_sync(), 2 * workers);
+        ds::Variable w = s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+        for (int t = 0; t < steps; ++t) {
+          // {loss sum, rows} per replica, as the examples return them.
+          ds::PerReplica<ds::Tensor> loss = s->run([&](ds::ReplicaContext&) {
+            ds::Tensor v(ds::Shape{2}, ds::DType::kFloat64);
+            v.data<double>()[0] = 1.0 + r;
+            v.data<double>()[1] = 4;  // rows of this replica
+            return v;
+          });
+          const ds::Tensor local = s->reduce(ds::ReduceOp::kSum, loss);
+          EXPECT_EQ(local.data<double>()[0], 2.0 * (1 + r));  // this worker's two replicas
+          EXPECT_EQ(local.data<double>()[1], 8.0);
+          const ds::Tensor mean = s->reduce(ds::ReduceOp::kMean, loss);
+          EXPECT_EQ(mean.data<double>()[0], 1.0 + r) << "kMean of tensors divides by the local replicas";
+          ds::PerReplica<double> scalar = s->run([&](ds::ReplicaContext&) { return 1.0 + r; });
+          EXPECT_EQ(s->reduce(ds::ReduceOp::kMean, scalar), 1.0 + r);
+          s->add_to_metric("train/loss", local.data<double>()[0], local.data<double>()[1]);
+        }
+        // A worker sees its own additions at once.
+        EXPECT_GE(s->read_metric("train/loss").count, steps * 8.0);
+        s->barrier("added");
+        seen[r] = s->read_metric("train/loss");
+        EXPECT_EQ(s->read_metric("nobody added").count, 0.0);
+        s->barrier("read");
+        (void)w;
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& p : ps) p->join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  // Every worker's every step: sum 5 * 2 * (1 + 2 + 3), count 5 * 3 * 8.
+  for (int r = 0; r < workers; ++r) {
+    EXPECT_EQ(seen[r].sum, steps * 2.0 * (1 + 2 + 3)) << "worker " << r;
+    EXPECT_EQ(seen[r].count, steps * 8.0 * workers) << "worker " << r;
+    EXPECT_DOUBLE_EQ(seen[r].mean(), 2.0 * 6 / 24.0);
+  }
+}
+
+TEST(ParameterServerMetrics, BadAdditionsAreRejectedAndChangeNothing) {
+  ds::ParameterServerOptions o;
+  o.communication.timeout = std::chrono::seconds(10);
+  ds::InProcessTransportGroup group(3);  // worker 0 (strategy), worker 1 (raw), PS 2
+  auto ps = ds::ps::make_strategy(group.at(2), o);
+  {
+    auto s = ds::ps::make_strategy(group.at(0), o);
+    s->add_to_metric("m", 3.0, 2.0);
+    expect_error([&] { s->add_to_metric("m", 1.0, -1.0); }, ds::ErrorCode::kInvalidArgument,
+                 "worker 0: add_to_metric 'm': count -1 is not a finite number >= 0");
+    RawWorker raw(group.at(1));
+    auto metric = [&](const std::string& name, double sum, double count) {
+      ds::ps::Writer w;
+      w.put_string(name).put<double>(sum).put<double>(count);
+      auto call = raw.client.post(0, ds::ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
+                                  "raw metric");
+      raw.client.wait(call);
+    };
+    expect_error([&] { metric("m", 1.0, std::nan("")); }, ds::ErrorCode::kInvalidArgument,
+                 "metric 'm': count nan is not a finite number >= 0");
+    expect_error([&] { metric(std::string(300, 'x'), 1.0, 1.0); }, ds::ErrorCode::kInvalidArgument,
+                 "a name of 300 characters (1 to 256)");
+    expect_error([&] { metric("", 1.0, 1.0); }, ds::ErrorCode::kInvalidArgument,
+                 "a name of 0 characters");
+    metric("m", 1.0, 1.0);
+    const ds::MetricTotals t = s->read_metric("m");
+    EXPECT_EQ(t.sum, 4.0);
+    EXPECT_EQ(t.count, 3.0);
+    auto done = raw.client.post(0, ds::ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0, "done");
+    raw.client.wait(done);
+  }
+  ps->join();
+  EXPECT_THROW(ps->add_to_metric("m", 1.0), ds::FailedPreconditionError);
+}
+
 // ---- checkpoints -------------------------------------------------------------------
 
 TEST(ParameterServer, ShardsSnapshotAndARestartedJobResumes) {
@@ -537,6 +783,8 @@ TEST(ParameterServer, RolesAndMisuse) {
   EXPECT_TRUE(ps->is_ps());
   EXPECT_EQ(ps->cluster().task_type, "ps");
   EXPECT_EQ(ps->cluster().task_index, 1);
+  EXPECT_EQ(ps->cluster().worker_index, -1);  // runs no replicas, as resolve_cluster() says
+  EXPECT_FALSE(ps->cluster().is_chief());
   EXPECT_THROW(ps->create_variable("x", ds::Shape{1}, ds::DType::kFloat32, ds::init::Zeros{}),
                ds::FailedPreconditionError);
   ds::ParameterServerOptions bad;

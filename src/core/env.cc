@@ -1,0 +1,77 @@
+#include "core/env.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+
+#include "core/user_text.h"
+#include "diststrat/collective.h"
+
+namespace diststrat {
+
+std::chrono::milliseconds parse_timeout_seconds(const std::string& text) {
+  const char* s = text.c_str();
+  char* end = nullptr;
+  errno = 0;
+  const double secs = std::strtod(s, &end);
+  // 30 days: longer than any job waits for a peer, and far from overflowing
+  // the clocks' time_point arithmetic.
+  constexpr double kMax = 30.0 * 24 * 3600;
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || end == s ||
+      *end != '\0' || errno == ERANGE || !std::isfinite(secs) || !(secs > 0) || secs > kMax) {
+    throw InvalidArgumentError("timeout '" + echo(text) +
+                               "': expected seconds, a number > 0 and at most 2592000 (30 days), "
+                               "e.g. 300 or 0.5");
+  }
+  // Whole milliseconds, rounded up so that a tiny positive value stays > 0.
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(secs * 1000.0)));
+}
+
+std::optional<std::chrono::milliseconds> timeout_from_env() {
+  return env::seconds("DISTSTRAT_TIMEOUT");
+}
+
+namespace env {
+
+void fail(const char* name, const std::string& value, const std::string& what) {
+  throw InvalidArgumentError(std::string(name) + "='" + echo(value) + "': " + what);
+}
+
+std::optional<std::string> text(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  return std::string(v);
+}
+
+std::optional<bool> flag(const char* name) {
+  const std::optional<std::string> v = text(name);
+  if (!v) return std::nullopt;
+  std::string t = *v;
+  std::transform(t.begin(), t.end(), t.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (t == "1" || t == "true" || t == "yes" || t == "on") return true;
+  if (t == "0" || t == "false" || t == "no" || t == "off") return false;
+  fail(name, *v, "expected 1 or 0 (also true/false, yes/no, on/off)");
+}
+
+std::optional<int64_t> integer(const char* name, int64_t lo, int64_t hi) {
+  const std::optional<std::string> v = text(name);
+  if (!v) return std::nullopt;
+  const char* s = v->c_str();
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(s, &end, 10);
+  if (std::isspace(static_cast<unsigned char>(*s)) || end == s || *end != '\0' || errno == ERANGE ||
+      x < lo || x > hi) {
+    fail(name, *v, "expected an integer from " + std::to_string(lo) + " to " + std::to_string(hi));
+  }
+  return static_cast<int64_t>(x);
+}
+
+std::optional<std::chrono::milliseconds> seconds(const char* name) {
+  return parsed<std::chrono::milliseconds>(name, parse_timeout_seconds);
+}
+
+}  // namespace env
+}  // namespace diststrat

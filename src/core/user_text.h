@@ -1,0 +1,39 @@
+// Strings that came from outside (tensor and variable names, TF_CONFIG,
+// environment variables, file contents) as error messages echo them: at
+// most kMaxEchoedChars characters, then how long the string was; control
+// characters escaped, so a message stays one readable line whatever it
+// quotes.
+#pragma once
+
+#include <cstddef>
+#include <cstdio>
+#include <string>
+
+namespace diststrat {
+
+constexpr size_t kMaxEchoedChars = 200;
+
+// "abc", or the first kMaxEchoedChars characters + "... (12345 characters)".
+inline std::string echo(const std::string& s, size_t max_chars = kMaxEchoedChars) {
+  std::string out;
+  const size_t shown = s.size() <= max_chars ? s.size() : max_chars;
+  out.reserve(shown + 32);
+  for (size_t i = 0; i < shown; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c < 0x20 || c == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (shown < s.size()) out += "... (" + std::to_string(s.size()) + " characters)";
+  return out;
+}
+
+}  // namespace diststrat

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# One network-fault cell on the namespace cluster (scripts/cluster.sh), run
+# by ctest (label cluster):
+#   fault_cell.sh CLUSTER_SH DRIVER KIND [TIMEOUT_MS]
+# DRIVER is diststrat_mpi_fault; 3 hosts x 1 rank (dsct-h0..2, ranks 0..2).
+# KIND:
+#   link_down            multi_worker; host 2's cable is pulled mid-training
+#                        (its switch port goes down) and stays out
+#   link_blip            multi_worker; host 2's cable is out for 0.5 s
+#                        (DSC_BLIP_S; less than the deadline and than the
+#                        ~1.4 s after which the cluster's TCP gives up, see
+#                        scripts/cluster.sh) and back: TCP retransmits, the
+#                        job must finish with every value exact
+#   host_dies            multi_worker; every process in host 2's namespace is
+#                        killed mid-training
+#   ps_worker_host_dies  parameter_server (PS = rank 2 on host 2); worker
+#                        host 1 dies
+#   ps_host_dies         parameter_server; the PS host (host 2) dies
+# The failing kinds pass when mpirun exits non-zero within the deadline +
+# 10 s of the fault (deadline: TIMEOUT_MS, default 2000, for multi_worker;
+# 3 x TIMEOUT_MS for parameter_server, the workers' own wait), some line of
+# the output names the victim's rank ("rank R") or host, and no process is
+# left in any namespace of the cluster (nor any with this cell's --tag).
+# "Mid-training" = once host 0 sends > 100 packets per 0.2 s.
+# Exit 77 (ctest: skipped) with the reason where namespaces are refused.
+set -u
+if (($# < 3)); then
+  echo "usage: $0 CLUSTER_SH DRIVER KIND [TIMEOUT_MS]" >&2
+  exit 2
+fi
+cluster=$1 driver=$2 kind=$3 timeout_ms=${4:-2000}
+# A cluster of its own, apart from one a user may have up (dsc, net 0).
+export DSC_PREFIX=${DSC_PREFIX:-dsct} DSC_NET=${DSC_NET:-1}
+if ! why=$(timeout 30 "$cluster" check); then
+  echo "SKIP: cannot make the namespace cluster here: $why"
+  exit 77
+fi
+tag="diststrat-cluster-cell-$$-$RANDOM$RANDOM"
+log=$(mktemp)
+cleanup() {
+  timeout 60 "$cluster" down >/dev/null 2>&1
+  rm -f "$log"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+timeout 60 "$cluster" down >/dev/null 2>&1  # a previous crash's leftovers
+timeout 60 "$cluster" --hosts 3 up || { echo "FAIL: cluster up"; exit 1; }
+
+strategy=multi_worker steps=1000000 victim=2 blip_s=${DSC_BLIP_S:-0.5}
+case $kind in
+  link_down | host_dies) ;;
+  link_blip) steps=${DSC_BLIP_STEPS:-1500} ;;
+  ps_worker_host_dies) strategy=parameter_server victim=1 ;;
+  ps_host_dies) strategy=parameter_server victim=2 ;;
+  *) echo "unknown kind $kind"; exit 2 ;;
+esac
+host=${DSC_PREFIX}-h$victim
+if [[ $strategy == parameter_server ]]; then deadline_ms=$((3 * timeout_ms)); else deadline_ms=$timeout_ms; fi
+bound_ms=$((deadline_ms + 10000))
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+
+start_ms=$(now_ms)
+timeout -s KILL 120 "$cluster" run --ppn 1 -- "$driver" --strategy "$strategy" --steps "$steps" \
+  --timeout-ms "$timeout_ms" --tag "$tag" >"$log" 2>&1 &
+job=$!
+
+# Wait for training to be under way (host 0's packet counter climbing).
+tx() { timeout 5 "$cluster" counters 0 | awk '{print $3}'; }
+under_way=0
+prev=$(tx)
+for ((i = 0; i < 150; ++i)); do
+  sleep 0.2
+  kill -0 "$job" 2>/dev/null || break
+  cur=$(tx)
+  if ((cur - prev > 100)); then under_way=1; break; fi
+  prev=$cur
+done
+if ((!under_way)); then
+  wait "$job"
+  cat "$log"
+  echo "FAIL: training never got under way (or ended first)"
+  exit 1
+fi
+
+fault_ms=$(now_ms)
+case $kind in
+  link_down) timeout 20 "$cluster" link "$host" down ;;
+  link_blip)
+    timeout 20 "$cluster" link "$host" down
+    sleep "$blip_s"
+    timeout 20 "$cluster" link "$host" up ;;
+  host_dies | ps_worker_host_dies | ps_host_dies) timeout 20 "$cluster" kill "$host" ;;
+esac
+echo "fault '$kind' on $host (rank $victim) $((fault_ms - start_ms)) ms after mpirun started"
+still_running=0
+kill -0 "$job" 2>/dev/null && still_running=1
+wait "$job"
+rc=$?
+end_ms=$(now_ms)
+cat "$log"
+echo "----"
+fail=0
+if [[ $kind == link_blip ]]; then
+  if ((!still_running)); then
+    echo "FAIL: the job ended before the link came back (raise DSC_BLIP_STEPS)"
+    fail=1
+  fi
+  if ((rc != 0)); then echo "FAIL: mpirun exited $rc after a 1 s blip"; fail=1; fi
+  ok=$(grep -cE "^rank [0-9]+: OK .* $steps steps, values exact" "$log")
+  if ((ok != 3)); then echo "FAIL: $ok of 3 ranks report '$steps steps, values exact'"; fail=1; fi
+  naming="(none needed)"
+else
+  if ((rc == 0)); then echo "FAIL: mpirun exited 0 (the fault did not fail the job)"; fail=1; fi
+  if ((end_ms - fault_ms > bound_ms)); then
+    echo "FAIL: the job ended $((end_ms - fault_ms)) ms after the fault, more than deadline + 10 s (${bound_ms} ms)"
+    fail=1
+  fi
+  naming=$(grep -E "rank $victim([^0-9]|$)|$host([^0-9]|$)" "$log" | head -3)
+  if [[ -z $naming ]]; then echo "FAIL: no line names rank $victim or host $host"; fail=1; fi
+fi
+sleep 0.5
+left=$(timeout 10 "$cluster" pids; pgrep -f -- "--tag $tag")
+if [[ -n $left ]]; then
+  echo "FAIL: processes left after mpirun returned:"
+  ps -o pid,stat,etime,cmd -p "$(echo $left | tr ' ' ',')" | cut -c1-200
+  fail=1
+fi
+result=PASS
+((fail)) && result=FAIL
+echo "CELL $kind on $host (rank $victim): mpirun rc=$rc, ended $((end_ms - fault_ms)) ms after the" \
+     "fault (bound ${bound_ms} ms), orphans: ${left:-none} -> $result"
+echo "named by: $naming"
+exit $fail
