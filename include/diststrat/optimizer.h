@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,15 +15,110 @@
 
 namespace diststrat {
 
+// A learning rate as a function of the optimizer's step counter: the number
+// of updates completed before this one (Optimizer::iterations(), which
+// checkpoints save, so a restored run continues the schedule exactly; the
+// first update sees 0), as Keras' LearningRateSchedule(optimizer.iterations).
+// Plain data, so parameter servers rebuild it (their counter is the shard's
+// own update count, equal to iterations for a dense variable). `base` below
+// is the optimizer's learning_rate.
+//  kConstant          base.
+//  kPiecewiseConstant values[0] while t <= boundaries[0], values[i] while
+//                     boundaries[i-1] < t <= boundaries[i], values.back()
+//                     after (Keras' PiecewiseConstantDecay; base unused).
+//  kCosineDecay       linear warm-up from warmup_initial to base over
+//                     warmup_steps, then base * ((1 - alpha) * 0.5 *
+//                     (1 + cos(pi * min(t - warmup_steps, decay_steps) /
+//                     decay_steps)) + alpha) (Keras' CosineDecay).
+//  kExponentialDecay  base * decay_rate ^ (t / decay_steps), the exponent
+//                     floored when staircase (Keras' ExponentialDecay).
+// Evaluated in double, rounded to float once.
+struct LearningRateSchedule {
+  enum class Kind { kConstant, kPiecewiseConstant, kCosineDecay, kExponentialDecay };
+  Kind kind = Kind::kConstant;
+  std::vector<int64_t> boundaries;  // piecewise: strictly increasing, >= 0
+  std::vector<float> values;        // piecewise: boundaries.size() + 1 rates
+  int64_t warmup_steps = 0;         // cosine
+  float warmup_initial = 0.0f;      // cosine: the rate at t = 0 when warming up
+  int64_t decay_steps = 1;          // cosine, exponential: > 0
+  float alpha = 0.0f;               // cosine: final rate as a fraction of base, [0, 1]
+  float decay_rate = 1.0f;          // exponential: > 0
+  bool staircase = false;           // exponential
+
+  static LearningRateSchedule piecewise_constant(std::vector<int64_t> boundaries,
+                                                 std::vector<float> values);
+  static LearningRateSchedule cosine_decay(int64_t decay_steps, int64_t warmup_steps = 0,
+                                           float alpha = 0.0f, float warmup_initial = 0.0f);
+  static LearningRateSchedule exponential_decay(int64_t decay_steps, float decay_rate,
+                                                bool staircase = false);
+  // Throws InvalidArgumentError naming the bad field. Optimizers call it.
+  void validate(const std::string& owner) const;
+  // The rate for the update that follows `iterations` completed ones. Pure,
+  // thread-safe; iterations < 0 counts as 0.
+  float learning_rate(float base, int64_t iterations) const;
+};
+
 // An update rule in data form, so a GPU backend can run it as a kernel
 // (Optimizer::update is host code). kNone: the optimizer runs on the host only.
 struct UpdateRule {
   enum class Kind { kNone, kSgd, kAdam };
   Kind kind = Kind::kNone;
-  float learning_rate = 0.0f;
+  float learning_rate = 0.0f;  // update_tensor puts this step's scheduled rate here
   float momentum = 0.0f;  // SGD
   bool nesterov = false;  // SGD
   float beta1 = 0.0f, beta2 = 0.0f, epsilon = 0.0f;  // Adam
+};
+
+// Gradient clipping, applied to the reduced (global) gradients after the
+// strategy's all-reduce and before the update, identically on every replica
+// and worker (no extra communication: every replica holds the same reduced
+// gradients and computes the same norm, in double, in the same order). At
+// most one field may be set (as in Keras); 0 = off.
+//  global_norm  clip_by_global_norm: every gradient of one apply_gradients
+//               call is scaled by global_norm / max(norm, global_norm), norm =
+//               sqrt(sum of all squared elements); a non-finite norm makes
+//               every gradient NaN (as tf.clip_by_global_norm).
+//  norm         clip_by_norm, per tensor: g * norm / max(|g|, norm).
+//  value        clip_by_value: each element into [-value, value].
+// The user's gradient tensors are not modified (the clipped values go to a
+// copy). Host (CPU) gradients only: a GPU gradient is UnimplementedError.
+// ParameterServerStrategy: UnimplementedError (the parameter servers apply
+// each worker's push on its own; there is no global gradient to clip).
+struct GradientClipping {
+  float global_norm = 0.0f;
+  float norm = 0.0f;
+  float value = 0.0f;
+};
+
+// Dynamic loss scaling (Keras' LossScaleOptimizer): the loop multiplies its
+// loss by loss_scale(ctx); after the reduction the optimizer divides the
+// gradients by it and, if any reduced gradient is non-finite, skips the whole
+// step (no variable, slot or step counter changes) and divides the scale by
+// `multiplier` (never below 1); after `growth_interval` finite steps in a
+// row it multiplies it. The decision is taken on the reduced gradients: an
+// inf or NaN on any replica of any worker reaches every replica through the
+// all-reduce (sums propagate them), so every replica skips the same step and
+// the scale stays identical everywhere, with no extra communication.
+struct LossScaleOptions {
+  float initial_scale = 32768.0f;  // 2^15, as Keras
+  int64_t growth_interval = 2000;  // finite steps in a row before the scale grows
+  float multiplier = 2.0f;         // growth factor; a skipped step divides by it
+};
+
+// What one apply_gradients call did.
+struct ApplyResult {
+  // Loss scaling: the step's reduced gradients were not all finite, so the
+  // step was skipped (on every replica and worker alike).
+  bool skipped = false;
+  // Loss scaling: the scale this step's gradients were divided by; 1 without.
+  float loss_scale = 1.0f;
+  // False for the first k - 1 micro-batches under gradient accumulation: the
+  // gradients were added to this replica's sums, nothing was communicated or
+  // updated.
+  bool applied = true;
+  // The global norm of the reduced gradients before clipping, when clipping
+  // by global norm (the same on every replica and worker); NaN otherwise.
+  double global_norm = std::numeric_limits<double>::quiet_NaN();
 };
 
 class Optimizer {
@@ -43,11 +140,49 @@ class Optimizer {
   // same variables in the same order. Gradients are summed: scale the loss by
   // 1 / global batch size (DistributedBatch::global_size()) so the sum is the
   // mean over the global batch.
-  void apply_gradients(ReplicaContext& ctx,
-                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
+  // Clipping (set_clipping) runs between the reduction and the update.
+  // Under gradient accumulation (set_accumulation_steps(k)), the first k - 1
+  // calls of each update only add the gradients to this replica's local sums
+  // (no communication, no update); the k-th reduces the sums once and
+  // updates. Every local replica must make the same calls.
+  ApplyResult apply_gradients(ReplicaContext& ctx,
+                              const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
 
-  // Number of completed apply_gradients steps (an int64 scalar variable that
-  // checkpoints save with the model).
+  // Sets the clipping of later apply_gradients calls. Throws
+  // InvalidArgumentError for a negative or non-finite field or more than one
+  // set. Not thread-safe: call it outside Strategy::run.
+  void set_clipping(const GradientClipping& clipping);
+  const GradientClipping& clipping() const { return clipping_; }
+
+  // Turns on dynamic loss scaling: creates the non-trainable variables
+  // "<optimizer>/loss_scale" (float32), "<optimizer>/loss_scale_good_steps"
+  // and "<optimizer>/skipped_steps" (int64), which checkpoints save. Like
+  // create_variable: outside run, collective on every worker. Throws
+  // InvalidArgumentError for bad options, FailedPreconditionError if called
+  // twice. ParameterServerStrategy: UnimplementedError at apply_gradients.
+  // Host (CPU) variables and gradients only.
+  void enable_loss_scaling(const LossScaleOptions& options = {});
+  bool loss_scaling() const { return loss_scale_.defined(); }
+  // The current scale as this replica holds it (1 without loss scaling).
+  float loss_scale(ReplicaContext& ctx) const;
+  // Steps skipped for non-finite gradients so far (0 without loss scaling).
+  int64_t skipped_steps() const;
+
+  // Gradient accumulation over k micro-batches per update (1 = off, the
+  // default): DDP's no_sync, Horovod's backward_passes_per_step. iterations()
+  // and the schedule count updates, not micro-batches. For the mean over the
+  // concatenated batch, scale every micro-batch's loss by 1 / (the global
+  // examples of all k micro-batches, a short last one included). The sums
+  // are not checkpointed: save between updates. Throws InvalidArgumentError
+  // for k < 1 and FailedPreconditionError while micro-batches are pending.
+  // Not thread-safe: call it outside Strategy::run. Host gradients only (a
+  // GPU gradient under k > 1 is UnimplementedError).
+  void set_accumulation_steps(int k);
+  int accumulation_steps() const { return accumulation_steps_; }
+
+  // Number of completed updates (an int64 scalar variable that checkpoints
+  // save with the model); neither accumulated micro-batches nor steps skipped
+  // by loss scaling count.
   Variable iterations() const { return iterations_; }
   Strategy& strategy() const { return *strategy_; }
 
@@ -55,21 +190,48 @@ class Optimizer {
   // optimizer cannot update variables that live on a GPU.
   virtual UpdateRule device_rule() const { return {}; }
 
+  // The learning rate of the update that follows `iterations` completed
+  // ones (the schedule's value; what the loop logs). Default: the device
+  // rule's fixed rate.
+  virtual float learning_rate(int64_t iterations) const { return device_rule().learning_rate; }
+
   // Applies the rule to one tensor with its slot tensors (helper for
   // strategies); GPU tensors are updated on the calling replica's stream.
+  // Strategies call it once per variable (per local copy) with the reduced
+  // gradient after the reduction, in the same order on every replica: under
+  // clipping by global norm or loss scaling, the calls of one apply_gradients
+  // on one thread are held until the last, then checked, clipped together
+  // and applied in order (or all dropped for a skipped step).
   void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots, int64_t step) const;
 
  private:
+  struct Held;
+  struct Accumulator;
+  ApplyResult reduce_and_update(ReplicaContext& ctx,
+                                const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
+  void apply_clipped(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
+                     int64_t step, float scale) const;
+  void update_now(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
+                  int64_t step) const;
+
   Strategy* strategy_;
   Variable iterations_;
+  GradientClipping clipping_;
+  std::shared_ptr<Held> held_;  // per-thread updates held (global norm, loss scaling)
+  int accumulation_steps_ = 1;
+  LossScaleOptions loss_scale_options_;
+  Variable loss_scale_, good_steps_, skipped_steps_;
+  std::shared_ptr<Accumulator> accumulator_;  // per local replica sums
 };
 
 struct SGDOptions {
   float learning_rate = 0.01f;
   float momentum = 0.0f;  // 0 = plain SGD
   bool nesterov = false;
+  LearningRateSchedule schedule;  // default: learning_rate at every step
 };
 
+// lr = schedule at step - 1 (the learning rate when constant);
 // v = momentum * v - lr * g; w += v  (Keras' SGD; nesterov: w += momentum * v - lr * g)
 class SGD : public Optimizer {
  public:
@@ -79,10 +241,12 @@ class SGD : public Optimizer {
   void update(float* var, const float* grad, float* const* slots, size_t count,
               int64_t step) const override;
   UpdateRule device_rule() const override;
+  float learning_rate(int64_t iterations) const override;
   const SGDOptions& options() const { return options_; }
-  // The rule and its slots without an SGD object (parameter servers apply it).
+  // The rule and its slots without an SGD object (parameter servers apply
+  // it); `step` is 1-based, as in update().
   static void apply(const SGDOptions& options, float* var, const float* grad, float* const* slots,
-                    size_t count);
+                    size_t count, int64_t step);
   static std::vector<std::string> slot_names_for(const SGDOptions& options);
 
  private:
@@ -94,9 +258,11 @@ struct AdamOptions {
   float beta1 = 0.9f;
   float beta2 = 0.999f;
   float epsilon = 1e-7f;
+  LearningRateSchedule schedule;  // default: learning_rate at every step
 };
 
-// Kingma & Ba with bias correction (Keras' Adam).
+// Kingma & Ba with bias correction (Keras' Adam); the rate of update `step`
+// is the schedule at step - 1.
 class Adam : public Optimizer {
  public:
   Adam(Strategy& strategy, AdamOptions options = {});
@@ -105,6 +271,7 @@ class Adam : public Optimizer {
   void update(float* var, const float* grad, float* const* slots, size_t count,
               int64_t step) const override;
   UpdateRule device_rule() const override;
+  float learning_rate(int64_t iterations) const override;
   const AdamOptions& options() const { return options_; }
   // The rule without an Adam object (parameter servers apply it).
   static void apply(const AdamOptions& options, float* var, const float* grad, float* const* slots,

@@ -1,16 +1,72 @@
 #include "parameter_server/update_rule.h"
 
+#include <cmath>
+
 namespace diststrat {
 namespace ps {
+
+namespace {
+// The learning-rate schedule after the optimizer's own parameters: kind,
+// warmup_steps, warmup_initial, decay_steps, alpha, decay_rate, staircase,
+// boundary count, boundaries, then the values to the end. Doubles hold
+// every field exactly (steps below 2^53). Without the block: constant.
+constexpr size_t kScheduleFixed = 8;
+constexpr int64_t kMaxBoundaries = 1000;
+
+void put_schedule(const LearningRateSchedule& s, std::vector<double>& p) {
+  p.insert(p.end(), {double(static_cast<int>(s.kind)), double(s.warmup_steps), s.warmup_initial,
+                     double(s.decay_steps), s.alpha, s.decay_rate, s.staircase ? 1.0 : 0.0,
+                     double(s.boundaries.size())});
+  for (int64_t b : s.boundaries) p.push_back(double(b));
+  for (float v : s.values) p.push_back(v);
+}
+
+LearningRateSchedule get_schedule(const OptimizerConfig& c, size_t at) {
+  if (c.params.size() == at) return {};  // no schedule block: the constant rate
+  DISTSTRAT_CHECK(c.params.size() >= at + kScheduleFixed, kInvalidArgument, "optimizer '", c.name,
+                  "': ", c.params.size(), " parameters, too few for its learning-rate schedule");
+  const double* q = c.params.data() + at;
+  const auto as_int = [&](double d, const char* what) {
+    DISTSTRAT_CHECK(d == std::floor(d) && std::fabs(d) < 9.0e15, kInvalidArgument, "optimizer '",
+                    c.name, "': schedule ", what, " ", d, " is not an integer");
+    return static_cast<int64_t>(d);
+  };
+  LearningRateSchedule s;
+  const int64_t kind = as_int(q[0], "kind");
+  DISTSTRAT_CHECK(kind >= 0 && kind <= static_cast<int64_t>(LearningRateSchedule::Kind::kExponentialDecay),
+                  kInvalidArgument, "optimizer '", c.name, "': unknown schedule kind ", kind);
+  s.kind = static_cast<LearningRateSchedule::Kind>(kind);
+  s.warmup_steps = as_int(q[1], "warmup_steps");
+  s.warmup_initial = static_cast<float>(q[2]);
+  s.decay_steps = as_int(q[3], "decay_steps");
+  s.alpha = static_cast<float>(q[4]);
+  s.decay_rate = static_cast<float>(q[5]);
+  s.staircase = q[6] != 0.0;
+  const int64_t nb = as_int(q[7], "boundary count");
+  const size_t rest = c.params.size() - at - kScheduleFixed;  // boundaries, then values
+  DISTSTRAT_CHECK(nb >= 0 && nb <= kMaxBoundaries && rest >= size_t(nb) &&
+                      rest - size_t(nb) <= size_t(kMaxBoundaries) + 1,
+                  kInvalidArgument, "optimizer '", c.name, "': schedule with ", nb,
+                  " boundaries does not fit its ", c.params.size(), " parameters");
+  for (int64_t i = 0; i < nb; ++i) s.boundaries.push_back(as_int(q[kScheduleFixed + i], "boundary"));
+  for (size_t i = size_t(nb); i < rest; ++i) s.values.push_back(static_cast<float>(q[kScheduleFixed + i]));
+  s.validate("optimizer '" + c.name + "' from a worker");
+  return s;
+}
+}  // namespace
 
 OptimizerConfig describe_optimizer(const Optimizer& optimizer) {
   if (const auto* sgd = dynamic_cast<const SGD*>(&optimizer)) {
     const SGDOptions& o = sgd->options();
-    return {"sgd", {o.learning_rate, o.momentum, o.nesterov ? 1.0 : 0.0}};
+    OptimizerConfig c{"sgd", {o.learning_rate, o.momentum, o.nesterov ? 1.0 : 0.0}};
+    put_schedule(o.schedule, c.params);
+    return c;
   }
   if (const auto* adam = dynamic_cast<const Adam*>(&optimizer)) {
     const AdamOptions& o = adam->options();
-    return {"adam", {o.learning_rate, o.beta1, o.beta2, o.epsilon}};
+    OptimizerConfig c{"adam", {o.learning_rate, o.beta1, o.beta2, o.epsilon}};
+    put_schedule(o.schedule, c.params);
+    return c;
   }
   throw UnimplementedError("parameter servers apply the sgd and adam optimizers; '" +
                            optimizer.name() + "' cannot be sent to them");
@@ -25,7 +81,7 @@ OptimizerConfig read_config(Reader& r) {
   OptimizerConfig c;
   c.name = r.get_string();
   const int64_t n = r.get<int64_t>();
-  DISTSTRAT_CHECK(n >= 0 && n <= 64, kInvalidArgument, "optimizer '", c.name, "': ", n,
+  DISTSTRAT_CHECK(n >= 0 && n <= 64 + 2 * kMaxBoundaries, kInvalidArgument, "optimizer '", c.name, "': ", n,
                   " parameters");
   for (int64_t i = 0; i < n; ++i) c.params.push_back(r.get<double>());
   return c;
@@ -37,8 +93,8 @@ class SgdRule : public UpdateRule {
   explicit SgdRule(SGDOptions o) : o_(o) {}
   std::vector<std::string> slot_names() const override { return SGD::slot_names_for(o_); }
   void update(float* var, const float* grad, float* const* slots, size_t count,
-              int64_t) const override {
-    SGD::apply(o_, var, grad, slots, count);
+              int64_t step) const override {
+    SGD::apply(o_, var, grad, slots, count, step);
   }
 
  private:
@@ -61,16 +117,16 @@ class AdamRule : public UpdateRule {
 
 std::unique_ptr<UpdateRule> make_update_rule(const OptimizerConfig& c) {
   if (c.name == "sgd") {
-    DISTSTRAT_CHECK_EQ(c.params.size(), 3u, "sgd optimizer parameters");
     SGDOptions o;
+    o.schedule = get_schedule(c, 3);
     o.learning_rate = static_cast<float>(c.params[0]);
     o.momentum = static_cast<float>(c.params[1]);
     o.nesterov = c.params[2] != 0.0;
     return std::make_unique<SgdRule>(o);
   }
   if (c.name == "adam") {
-    DISTSTRAT_CHECK_EQ(c.params.size(), 4u, "adam optimizer parameters");
     AdamOptions o;
+    o.schedule = get_schedule(c, 4);
     o.learning_rate = static_cast<float>(c.params[0]);
     o.beta1 = static_cast<float>(c.params[1]);
     o.beta2 = static_cast<float>(c.params[2]);
