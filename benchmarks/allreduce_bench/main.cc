@@ -828,14 +828,7 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", c.timeout,
                  "seconds any collective waits for peers, fractional allowed (default: "
                  "$DISTSTRAT_TIMEOUT, else 300)")
-      ->check([](const std::string& s) {
-        try {
-          ds::parse_timeout_seconds(s);
-          return std::string();
-        } catch (const ds::Error& e) {
-          return e.message();
-        }
-      });
+      ->check(ds::timeout_seconds_error);
   CLI11_PARSE(app, argc, argv);
   if (!algos.empty()) {
     c.algos.clear();

@@ -95,14 +95,7 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", timeout_flag,
                  "seconds any collective waits for peers, fractional allowed (default: "
                  "$DISTSTRAT_TIMEOUT, else 120)")
-      ->check([](const std::string& s) {
-        try {
-          ds::parse_timeout_seconds(s);
-          return std::string();
-        } catch (const ds::Error& e) {
-          return e.message();
-        }
-      });
+      ->check(ds::timeout_seconds_error);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -64,6 +64,9 @@ class AlgorithmRegistry;  // diststrat/algorithm_registry.h
 // > 0 and at most 30 days, rounded up to whole milliseconds. Throws
 // InvalidArgumentError quoting `text`. Pure; thread-safe.
 std::chrono::milliseconds parse_timeout_seconds(const std::string& text);
+// Why parse_timeout_seconds(text) would throw (its message), or "" when it
+// would not: a validator for command-line flags (CLI11's check()). Pure.
+std::string timeout_seconds_error(const std::string& text);
 // DISTSTRAT_TIMEOUT (seconds, parsed as above); nullopt when unset or empty.
 // Throws InvalidArgumentError naming the variable for any other value. Reads
 // the environment on every call; thread-safe unless the environment is

@@ -29,6 +29,15 @@ std::chrono::milliseconds parse_timeout_seconds(const std::string& text) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(secs * 1000.0)));
 }
 
+std::string timeout_seconds_error(const std::string& text) {
+  try {
+    parse_timeout_seconds(text);
+    return "";
+  } catch (const Error& e) {
+    return e.message();
+  }
+}
+
 std::optional<std::chrono::milliseconds> timeout_from_env() {
   return env::seconds("DISTSTRAT_TIMEOUT");
 }
