@@ -20,10 +20,12 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/device_manager_impl.h"
@@ -145,7 +147,12 @@ Device gpu_of_ordinal(int ordinal) {
 }
 
 Device device_from_dl(const DLDevice& dev, const Device* wanted) {
-  const int type = static_cast<int>(dev.device_type);
+  // Read as the integer it travels as: a producer's unknown type code is no
+  // valid DLDeviceType, and loading it as the enum is undefined behaviour.
+  std::underlying_type_t<DLDeviceType> raw;
+  static_assert(sizeof raw == sizeof dev.device_type, "DLDeviceType's size");
+  std::memcpy(&raw, &dev.device_type, sizeof raw);
+  const int type = static_cast<int>(raw);
   if (type == kDLCPU || type == kDLCUDAHost) {  // pinned host memory is host memory
     DISTSTRAT_CHECK(!wanted || wanted->is_cpu(), kInvalidArgument, "Tensor::from_dlpack: ",
                     device_type_name(type), " memory onto ", wanted->to_string(),
