@@ -260,6 +260,11 @@ struct CheckpointManagerOptions {
   // Checkpoints of this manager kept; older ones are deleted after a newer
   // one is complete. Files it did not write are neither kept nor counted.
   int max_to_keep = 3;
+  // A restore-only reader (an evaluator, a directory it may not write): the
+  // constructor neither creates nor probes the directory nor removes stale
+  // temporary files, and save() throws FailedPreconditionError. latest() and
+  // restore_latest() work as usual (restore_latest never writes).
+  bool read_only = false;
 };
 
 // TensorFlow's tf.train.latest_checkpoint for a CheckpointManager directory:
