@@ -357,8 +357,9 @@ Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std:
     expected = e->end;
   }
   if (expected != data_size) {  // each end lies within data_size: the rest is a tail
-    throw corrupt(std::to_string(data_size - expected) + " trailing bytes after the " + std::to_string(expected) +
-                  " bytes of tensor data the header declares (an extended or foreign file?)");
+    throw corrupt("the tensors cover " + std::to_string(expected) + " bytes but the data region has " +
+                  std::to_string(data_size) + ": " + std::to_string(data_size - expected) +
+                  " trailing bytes (an extended or foreign file?)");
   }
 
   out.has_crcs = out.file.metadata.count(kHeaderCrcKey) > 0;
