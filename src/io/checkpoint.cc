@@ -173,13 +173,13 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
     const Tensor* got = file.find(name);
     if (!got) {
       if (!opt.count(name)) {
-        problems.push_back("tensor '" + name + "' (" + dtype_name(want.dtype()) +
+        problems.push_back("tensor '" + echo(name) + "' (" + dtype_name(want.dtype()) +
                            want.shape().to_string() + ") is missing");
       }
       continue;
     }
     if (got->dtype() != want.dtype() || got->shape() != want.shape()) {
-      problems.push_back("tensor '" + name + "' is " + dtype_name(got->dtype()) +
+      problems.push_back("tensor '" + echo(name) + "' is " + dtype_name(got->dtype()) +
                          got->shape().to_string() + " in the file but " + dtype_name(want.dtype()) +
                          want.shape().to_string() + " in the model");
       continue;
@@ -188,7 +188,7 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
   }
   for (const auto& [name, t] : file.tensors) {
     if (!expected_names.count(name)) {
-      problems.push_back("tensor '" + name + "' (" + dtype_name(t.dtype()) + t.shape().to_string() +
+      problems.push_back("tensor '" + echo(name) + "' (" + dtype_name(t.dtype()) + t.shape().to_string() +
                          ") is not in the model");
     }
   }
