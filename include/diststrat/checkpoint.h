@@ -260,14 +260,19 @@ struct CheckpointManagerOptions {
   // Checkpoints of this manager kept; older ones are deleted after a newer
   // one is complete. Files it did not write are neither kept nor counted.
   int max_to_keep = 3;
+  // A restore-only reader (an evaluator, a directory it may not write): the
+  // constructor neither creates nor probes the directory nor removes stale
+  // temporary files, and save() throws FailedPreconditionError. latest() and
+  // restore_latest() work as usual (restore_latest never writes).
+  bool read_only = false;
 };
 
 // TensorFlow's tf.train.latest_checkpoint for a CheckpointManager directory:
 // the checkpoint `latest` names; without a `latest` file, the newest
 // checkpoint a CheckpointManager wrote there (see below), or nullopt when
 // there is none. Throws DataLossError naming the file when `latest` is
-// damaged (not a regular file, e.g. a FIFO; over 4 KiB; naming no checkpoint
-// file). Never blocks on a FIFO. Reads headers only. Blocking; thread-safe.
+// damaged (not a regular file, e.g. a FIFO; a symlink loop; over 4 KiB;
+// naming no checkpoint file). Never blocks on a FIFO. Reads headers only. Blocking; thread-safe.
 std::optional<std::string> latest_checkpoint(const std::string& directory);
 
 // A directory of checkpoints "ckpt-<step>.safetensors" and a `latest` file
@@ -293,15 +298,20 @@ std::optional<std::string> latest_checkpoint(const std::string& directory);
 //  - `latest` names a checkpoint: that one. If it is corrupt or incomplete
 //    (kDataLoss / kNotFound), with RestoreOptions::fall_back_to_valid (the
 //    default) the manager's next newest that restores is taken, with a
-//    warning naming the skipped file and why; without it, the error.
+//    warning naming the skipped file and why; without it, the error. Files
+//    with checkpoint names passed over on the way (not the manager's, e.g.
+//    a damaged header) are named in a warning too, with why; never pruned.
 //  - `latest` is missing: the newest checkpoint of the manager (a warning
 //    names the missing pointer), falling back as above. If there are files
 //    with checkpoint names but none is the manager's: FailedPreconditionError
 //    naming them (never a silent fresh start over existing checkpoints).
-//  - `latest` is damaged (a FIFO, a huge file, a bad name): as missing, with
+//  - `latest` is damaged (a FIFO, a symlink loop, a huge file, a bad name): as missing, with
 //    the fallback; without it, DataLossError.
 //  - no checkpoint file at all: nullopt, a fresh start.
-// When every candidate fails, the error (the newest one's code) names each.
+// When every candidate fails, the error (the newest one's code) names each,
+// and every file passed over. A checkpoint is validated from its header
+// before its data is read: a huge junk file (zeros, a bad header, trailing
+// bytes) is kDataLoss at once, skipped like other damage.
 // Collective in a multi-process job: every process constructs the manager
 // and calls save/restore at the same step; only the chief touches the
 // directory, and every process learns its outcome. Not thread-safe.
@@ -312,6 +322,8 @@ class CheckpointManager {
   // and removed. Throws FailedPreconditionError (a component is a regular
   // file), PermissionDeniedError (EACCES/EPERM/EROFS) naming the directory.
   // Removes temporary files that a crash left behind (its own names only).
+  // With options.read_only (a restore-only evaluator): none of this; the
+  // directory is only read, and save() throws FailedPreconditionError.
   CheckpointManager(const Checkpoint& checkpoint, std::string directory,
                     CheckpointManagerOptions options = {});
 

@@ -75,6 +75,8 @@ ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what, con
       throw PermissionDeniedError(what + " is a symbolic link; refusing to follow it");
     }
     if (err == ENOENT) throw NotFoundError(what + " does not exist");
+    // Following symlinks, ELOOP is a loop (or a chain over 40 deep): a damaged file, like a FIFO.
+    if (err == ELOOP) throw_error(options.bad_file_code, what + " is a symbolic link loop: " + std::strerror(err));
     throw_errno(err, what + ": open failed");
   }
   struct stat st;

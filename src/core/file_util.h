@@ -46,7 +46,7 @@ class ReadOnlyFile {
   // Opens `path` (named `what` in errors, e.g. "checkpoint '/c/ckpt-5.safetensors'").
   // Never blocks on a FIFO or device. Throws NotFoundError, PermissionDeniedError,
   // options.bad_file_code ("is a FIFO, not a regular file" / "is N bytes, over
-  // the M-byte limit") or the errno_code of a failing open/fstat.
+  // the M-byte limit" / "is a symbolic link loop") or the errno_code of a failing open/fstat.
   ReadOnlyFile(const std::string& path, const std::string& what, const ReadOptions& options = {});
   ~ReadOnlyFile();
   ReadOnlyFile(const ReadOnlyFile&) = delete;

@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "core/file_util.h"
+#include "core/user_text.h"
 #include "diststrat/checkpoint.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
@@ -145,12 +146,14 @@ using ckpt::on_chief_then_agree;
 
 int64_t metadata_int(const CheckpointMetadata& md, const std::string& key, int64_t min, int64_t max,
                      const std::string& source) {
+  // Inverted bounds are the caller's mistake, not the file's.
+  DISTSTRAT_CHECK(min <= max, kInvalidArgument, "metadata_int('", echo(key), "', checkpoint '", source,
+                  "'): min ", min, " is greater than max ", max);
   auto it = md.find(key);
-  DISTSTRAT_CHECK(it != md.end(), kInvalidArgument, "checkpoint '", source, "' has no metadata '", key, "'");
+  DISTSTRAT_CHECK(it != md.end(), kInvalidArgument, "checkpoint '", source, "' has no metadata '", echo(key), "'");
   int64_t v = 0;
   if (!ckpt::parse_int(it->second, min, max, &v)) {
-    const std::string shown = it->second.size() > 64 ? it->second.substr(0, 64) + "..." : it->second;
-    throw DataLossError("checkpoint '" + source + "': metadata '" + key + "' is '" + shown +
+    throw DataLossError("checkpoint '" + source + "': metadata '" + echo(key) + "' is '" + echo(it->second, 64) +
                         "', not an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
   }
   return v;
@@ -170,13 +173,13 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
     const Tensor* got = file.find(name);
     if (!got) {
       if (!opt.count(name)) {
-        problems.push_back("tensor '" + name + "' (" + dtype_name(want.dtype()) +
+        problems.push_back("tensor '" + echo(name) + "' (" + dtype_name(want.dtype()) +
                            want.shape().to_string() + ") is missing");
       }
       continue;
     }
     if (got->dtype() != want.dtype() || got->shape() != want.shape()) {
-      problems.push_back("tensor '" + name + "' is " + dtype_name(got->dtype()) +
+      problems.push_back("tensor '" + echo(name) + "' is " + dtype_name(got->dtype()) +
                          got->shape().to_string() + " in the file but " + dtype_name(want.dtype()) +
                          want.shape().to_string() + " in the model");
       continue;
@@ -185,7 +188,7 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
   }
   for (const auto& [name, t] : file.tensors) {
     if (!expected_names.count(name)) {
-      problems.push_back("tensor '" + name + "' (" + dtype_name(t.dtype()) + t.shape().to_string() +
+      problems.push_back("tensor '" + echo(name) + "' (" + dtype_name(t.dtype()) + t.shape().to_string() +
                          ") is not in the model");
     }
   }
@@ -473,7 +476,7 @@ Pointer read_pointer(const std::string& dir) {
   int64_t step;
   if (!parse_step_file(name, &step)) {
     p.state = Pointer::kDamaged;
-    p.problem = "'" + path + "' names '" + (name.size() > 100 ? name.substr(0, 100) + "..." : name) +
+    p.problem = "'" + path + "' names '" + echo(name) +
                 "', which is not a checkpoint file";
     return p;
   }
@@ -504,7 +507,7 @@ Scan scan(const std::string& dir) {
       } else if (it == h.metadata.end()) {
         why = "not written by a CheckpointManager (no '" + std::string(ckpt::kManagerStepKey) + "')";
       } else if (!ckpt::parse_int(it->second, 0, std::numeric_limits<int64_t>::max(), &st) || st != step) {
-        why = "its metadata says step '" + it->second.substr(0, 24) + "' (a renamed copy?)";
+        why = "its metadata says step '" + echo(it->second, 24) + "' (a renamed copy?)";
       }
     } catch (const Error& e) {
       why = e.message();
@@ -551,6 +554,8 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
   DISTSTRAT_CHECK(!directory_.empty(), kInvalidArgument, "CheckpointManager: empty directory");
   checkpoint.participant().check_checkpoint_supported(checkpoint.strategy(),
                                                       "CheckpointManager('" + directory_ + "')");
+  // A restore-only reader touches nothing in the directory.
+  if (options_.read_only) return;
   // The directory is usable now, not 50 steps later: created if absent, a
   // directory, writable. Every process learns the chief's outcome.
   on_chief_then_agree(checkpoint.strategy(), "to prepare checkpoint directory '" + directory_ + "'", [&] {
@@ -566,6 +571,8 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
 std::optional<std::string> CheckpointManager::latest() const { return latest_checkpoint(directory_); }
 
 std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& metadata) {
+  DISTSTRAT_CHECK(!options_.read_only, kFailedPrecondition, "CheckpointManager::save(", step, ") into '",
+                  directory_, "': the manager was made with read_only = true");
   DISTSTRAT_CHECK(step >= 0, kInvalidArgument, "CheckpointManager::save: negative step ", step);
   const std::string name = "ckpt-" + std::to_string(step) + ".safetensors";
   const std::string path = directory_ + "/" + name;
@@ -644,23 +651,57 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
                          "; restoring the newest checkpoint this manager wrote, '", directory_, "/",
                          sc.own.back().second, "'");
     }
+    // The fallback order, newest first: the manager's own checkpoints to try,
+    // and, older than the first candidate, the other checkpoint-named files
+    // (damaged headers, strays), which are passed over but named as they are
+    // ("?<name>\t<why>" in the plan). They are not verifiably ours: never tried, never pruned.
+    std::vector<std::pair<int64_t, std::string>> order;
     for (auto it = sc.own.rbegin(); it != sc.own.rend(); ++it) {
-      if (names.empty() || it->second != names.front()) names.push_back(it->second);
+      if (names.empty() || it->second != names.front()) order.emplace_back(it->first, it->second);
     }
+    // The first candidate: what `latest` names, else the newest of our own (order is not empty then).
+    const std::string first = names.empty() ? order.front().second : names.front();
+    int64_t first_step = 0;
+    if (parse_step_file(first, &first_step)) {
+      for (const auto& [n, why] : sc.foreign) {
+        int64_t st;
+        if (n != first && parse_step_file(n, &st) && st < first_step) {
+          order.emplace_back(st, "?" + n + "\t" + echo(why, 1000));
+        }
+      }
+    }
+    std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (const auto& o : order) names.push_back(o.second);
     if (!options.fall_back_to_valid) names.resize(1);
     for (const std::string& n : names) plan += (plan.empty() ? "" : "\n") + n;
   });
   if (is_multi_process(s)) plan = broadcast_string(s, plan, "checkpoint restore plan");
   if (plan.empty()) return std::nullopt;
-  std::vector<std::string> candidates;
+  std::vector<std::string> candidates, skip_why;  // skip_why non-empty: passed over, not tried
   for (size_t i = 0; i <= plan.size();) {
     const size_t nl = std::min(plan.find('\n', i), plan.size());
-    candidates.push_back(directory_ + "/" + plan.substr(i, nl - i));
+    std::string line = plan.substr(i, nl - i), why;
+    if (!line.empty() && line[0] == '?') {
+      const size_t tab = line.find('\t');
+      why = tab == std::string::npos ? "unreadable" : line.substr(tab + 1);
+      line = line.substr(1, tab == std::string::npos ? std::string::npos : tab - 1);
+    }
+    candidates.push_back(directory_ + "/" + line);
+    skip_why.push_back(why);
     i = nl + 1;
   }
   std::string failures;
   ErrorCode first_code = ErrorCode::kDataLoss;
   for (size_t i = 0; i < candidates.size(); ++i) {
+    if (!skip_why[i].empty()) {
+      const std::string msg = "checkpoint '" + candidates[i] + "' is skipped (" + skip_why[i] +
+                              "): it cannot be verified as this manager's, so it is neither tried nor pruned";
+      failures += (failures.empty() ? "" : "; ") + msg;
+      if (writer && i + 1 < candidates.size()) {
+        s.logger().warning(msg, "; falling back to '", candidates[i + 1], "'");
+      }
+      continue;
+    }
     try {
       CheckpointMetadata md = checkpoint_->restore(candidates[i], options);
       restored_path_ = candidates[i];

@@ -24,12 +24,14 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "diststrat/checkpoint.h"
 #include "core/file_util.h"
+#include "core/user_text.h"
 #include "io/checkpoint_internal.h"
 
 namespace diststrat {
@@ -102,7 +104,7 @@ CheckpointMetadata metadata_of(const json& header, const std::string& what) {
   if (!it->is_object()) throw DataLossError("checkpoint '" + what + "': __metadata__ is not an object");
   for (auto m = it->begin(); m != it->end(); ++m) {
     if (!m.value().is_string()) {
-      throw DataLossError("checkpoint '" + what + "': __metadata__ value of '" + m.key() + "' is not a string");
+      throw DataLossError("checkpoint '" + what + "': __metadata__ value of '" + echo(m.key()) + "' is not a string");
     }
     out[m.key()] = m.value().get<std::string>();
   }
@@ -237,49 +239,62 @@ void ckpt::save_safetensors_reserved(const std::string& path,
 
 // ---- reading ------------------------------------------------------------------
 
-SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::string& what,
-                                  const SafetensorsLoadOptions& options) {
-  DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
-                  "load_safetensors: big-endian hosts are not supported");
+namespace {
+
+struct Entry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  uint64_t begin, end;
+};
+
+// A header parsed and checked against the size of the data region that
+// follows it: what is left to read is exactly the tensors' bytes.
+struct Layout {
+  json header;
+  SafetensorsFile file;  // metadata only, so far
+  std::vector<Entry> entries;
+  bool has_crcs = false;
+};
+
+// The 8-byte header length N of a `size`-byte file, checked: N > 0 (a file
+// of zeros is damage), within the 100 MiB limit, within the file.
+uint64_t checked_header_length(const uint8_t len[8], uint64_t size, const std::string& what) {
+  auto corrupt = [&](const std::string& msg) { return DataLossError("checkpoint '" + what + "': " + msg); };
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+  if (n == 0) throw corrupt("header length 0 (an empty or zeroed file?)");
+  if (n > kMaxHeaderBytes) throw corrupt("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  if (n > size - 8) {
+    throw corrupt("truncated: header length " + std::to_string(n) + " but only " + std::to_string(size - 8) +
+                  " bytes follow");
+  }
+  return n;
+}
+
+// The header (n bytes of JSON) of a file whose data region has data_size
+// bytes: parsed, every entry checked, the entries tiling the data region
+// exactly, the header checksum verified. Reads no tensor data.
+Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std::string& what,
+                    const SafetensorsLoadOptions& options) {
   auto corrupt = [&](const std::string& msg) -> DataLossError {
     return DataLossError("checkpoint '" + what + "': " + msg);
   };
-  if (size < 8) {
-    throw corrupt("truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
-  }
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
-  if (n > kMaxHeaderBytes) throw corrupt("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
-  if (n > size - 8) {
-    throw corrupt("truncated: header length " + std::to_string(n) + " but only " +
-                  std::to_string(size - 8) + " bytes follow");
-  }
-  const char* text = reinterpret_cast<const char*>(bytes + 8);
-  json header;
+  Layout out;
+  json& header = out.header;
   try {
     header = json::parse(text, text + n);
   } catch (const json::exception& e) {
-    throw corrupt(std::string("header is not valid JSON: ") + e.what());
+    throw corrupt(std::string("header is not valid JSON: ") + echo(e.what()));
   }
   if (!header.is_object()) throw corrupt("header is not a JSON object");
-
-  SafetensorsFile out;
-  out.metadata = metadata_of(header, what);
-
-  const uint64_t data_size = size - 8 - n;
-  const uint8_t* data = bytes + 8 + n;
-  struct Entry {
-    std::string name;
-    DType dtype;
-    Shape shape;
-    uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
+  out.file.metadata = metadata_of(header, what);
+  std::vector<Entry>& entries = out.entries;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") continue;
     const std::string& name = it.key();
     const json& e = it.value();
-    auto bad = [&](const std::string& msg) { return corrupt("tensor '" + name + "': " + msg); };
+    auto bad = [&](const std::string& msg) { return corrupt("tensor '" + echo(name) + "': " + msg); };
     if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets")) {
       throw bad("entry needs dtype, shape and data_offsets");
     }
@@ -288,10 +303,10 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
     const std::optional<DType> dtype = parse_dtype(dt);
     if (!dtype) {
       if (known_unsupported_dtype(dt)) {
-        throw UnimplementedError("checkpoint '" + what + "': tensor '" + name + "' has dtype " + dt +
+        throw UnimplementedError("checkpoint '" + what + "': tensor '" + echo(name) + "' has dtype " + echo(dt) +
                                  ", which diststrat does not support (F32, F64, F16, BF16, I32, I64)");
       }
-      throw bad("unknown dtype '" + dt + "'");
+      throw bad("unknown dtype '" + echo(dt) + "'");
     }
     const json& shape = e["shape"];
     if (!shape.is_array()) throw bad("shape is not an array");
@@ -300,7 +315,7 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
     uint64_t elements = 1;
     bool overflow = false;
     for (const json& d : shape) {
-      if (!d.is_number_unsigned()) throw bad("shape " + shape.dump() + " has a non-natural dim");
+      if (!d.is_number_unsigned()) throw bad("shape " + echo(shape.dump()) + " has a non-natural dim");
       const uint64_t v = d.get<uint64_t>();
       if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) throw bad("dim too large");
       if (v != 0 && elements > std::numeric_limits<uint64_t>::max() / v) overflow = true;
@@ -321,7 +336,7 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
     const size_t esize = dtype_size(*dtype);
     if (overflow || elements > std::numeric_limits<uint64_t>::max() / esize ||
         elements * esize != end - begin) {
-      throw bad("shape " + shape.dump() + " of " + dt + " does not match data_offsets [" +
+      throw bad("shape " + echo(shape.dump()) + " of " + dt + " does not match data_offsets [" +
                 std::to_string(begin) + ", " + std::to_string(end) + "]");
     }
     entries.push_back({name, *dtype, Shape(dims), begin, end});
@@ -335,39 +350,52 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
   uint64_t expected = 0;
   for (const Entry* e : by_offset) {
     if (e->begin != expected) {
-      throw corrupt("tensor '" + e->name + "': data_offsets begin " + std::to_string(e->begin) +
+      throw corrupt("tensor '" + echo(e->name) + "': data_offsets begin " + std::to_string(e->begin) +
                     (e->begin < expected ? " overlaps the previous tensor" : " leaves a gap") +
                     " (expected " + std::to_string(expected) + ")");
     }
     expected = e->end;
   }
-  if (expected != data_size) {
+  if (expected != data_size) {  // each end lies within data_size: the rest is a tail
     throw corrupt("the tensors cover " + std::to_string(expected) + " bytes but the data region has " +
-                  std::to_string(data_size) + " (truncated or extended file?)");
+                  std::to_string(data_size) + ": " + std::to_string(data_size - expected) +
+                  " trailing bytes (an extended or foreign file?)");
   }
 
-  const bool has_crcs = out.metadata.count(kHeaderCrcKey) > 0;
-  if (options.require_checksums && !has_crcs) {
+  out.has_crcs = out.file.metadata.count(kHeaderCrcKey) > 0;
+  if (options.require_checksums && !out.has_crcs) {
     throw corrupt("has no diststrat checksums (written by another tool, or its header was damaged); "
                   "load it with require_checksums = false to accept it unverified");
   }
-  if (has_crcs) {
+  if (out.has_crcs) {
     const std::string canon = canonical_header(header);
     const std::string got = hex32(crc32_of(canon.data(), canon.size()));
-    if (got != out.metadata[kHeaderCrcKey]) {
-      throw corrupt("header checksum mismatch (stored " + out.metadata[kHeaderCrcKey] + ", computed " +
+    if (got != out.file.metadata[kHeaderCrcKey]) {
+      throw corrupt("header checksum mismatch (stored " + echo(out.file.metadata[kHeaderCrcKey]) + ", computed " +
                     got + "): the header was modified");
     }
   }
+  return out;
+}
+
+// The tensors of a checked layout from its data region (exactly the bytes
+// the header declares), each verified against its checksum.
+SafetensorsFile build_tensors(Layout& layout, const uint8_t* data, const std::string& what) {
+  auto corrupt = [&](const std::string& msg) -> DataLossError {
+    return DataLossError("checkpoint '" + what + "': " + msg);
+  };
+  SafetensorsFile& out = layout.file;
+  const bool has_crcs = layout.has_crcs;
+  const std::vector<Entry>& entries = layout.entries;
   for (const Entry& e : entries) {
     const uint8_t* p = data + e.begin;
     const size_t nbytes = static_cast<size_t>(e.end - e.begin);
     if (has_crcs) {
       auto it = out.metadata.find(kTensorCrcPrefix + e.name);
-      if (it == out.metadata.end()) throw corrupt("tensor '" + e.name + "' has no checksum");
+      if (it == out.metadata.end()) throw corrupt("tensor '" + echo(e.name) + "' has no checksum");
       const std::string got = hex32(crc32_of(p, nbytes));
       if (got != it->second) {
-        throw corrupt("tensor '" + e.name + "': checksum mismatch (stored " + it->second +
+        throw corrupt("tensor '" + echo(e.name) + "': checksum mismatch (stored " + echo(it->second) +
                       ", computed " + got + "): its data is corrupted");
       }
     }
@@ -379,7 +407,7 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
     // A checksum for a tensor that is not there: the header lost an entry.
     for (const auto& [k, v] : out.metadata) {
       if (k.rfind(kTensorCrcPrefix, 0) == 0 && !out.find(k.substr(std::strlen(kTensorCrcPrefix)))) {
-        throw corrupt("tensor '" + k.substr(std::strlen(kTensorCrcPrefix)) +
+        throw corrupt("tensor '" + echo(k.substr(std::strlen(kTensorCrcPrefix))) +
                       "' has a checksum but no header entry");
       }
     }
@@ -387,15 +415,52 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
   std::sort(out.tensors.begin(), out.tensors.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   out.verified = has_crcs;
-  return out;
+  return std::move(out);
+}
+
+}  // namespace
+
+SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::string& what,
+                                  const SafetensorsLoadOptions& options) {
+  DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
+                  "load_safetensors: big-endian hosts are not supported");
+  if (size < 8) {
+    throw DataLossError("checkpoint '" + what + "': truncated: " + std::to_string(size) +
+                        " bytes, shorter than the 8-byte header length");
+  }
+  const uint64_t n = checked_header_length(bytes, size, what);
+  Layout layout = parse_layout(reinterpret_cast<const char*>(bytes + 8), n, size - 8 - n, what, options);
+  return build_tensors(layout, bytes + 8 + n, what);
 }
 
 SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadOptions& options) {
-  // Non-blocking open, a regular file only (a FIFO must not hang us), read up
-  // to the size fstat reported and no further.
+  DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
+                  "load_safetensors: big-endian hosts are not supported");
+  // Non-blocking open, a regular file only (a FIFO must not hang us). The
+  // header first: only once it is consistent with the file's size is the
+  // data it declares read, so a huge junk file is damage found at once, not
+  // a huge allocation.
   const fs::ReadOnlyFile file(path, "checkpoint '" + path + "'");
-  const std::vector<uint8_t> bytes = file.read_all();
-  return parse_safetensors(bytes.data(), bytes.size(), path, options);
+  if (file.size() < 8) {
+    throw DataLossError("checkpoint '" + path + "': truncated: " + std::to_string(file.size()) +
+                        " bytes, shorter than the 8-byte header length");
+  }
+  uint8_t len[8];
+  file.read_at(0, len, 8);
+  const uint64_t n = checked_header_length(len, file.size(), path);
+  std::string text(static_cast<size_t>(n), '\0');
+  file.read_at(8, &text[0], text.size());
+  const uint64_t data_size = file.size() - 8 - n;
+  Layout layout = parse_layout(text.data(), n, data_size, path, options);
+  std::vector<uint8_t> data;
+  try {
+    data.resize(static_cast<size_t>(data_size));
+  } catch (const std::bad_alloc&) {
+    throw ResourceExhaustedError("checkpoint '" + path + "': its " + std::to_string(data_size) +
+                                 " bytes of tensor data do not fit in memory");
+  }
+  if (data_size > 0) file.read_at(8 + n, data.data(), data.size());
+  return build_tensors(layout, data.data(), path);
 }
 
 ckpt::SafetensorsHeader ckpt::read_safetensors_header(const std::string& path) {
@@ -404,17 +469,14 @@ ckpt::SafetensorsHeader ckpt::read_safetensors_header(const std::string& path) {
   uint8_t len[8];
   if (file.size() < 8) throw corrupt("truncated: " + std::to_string(file.size()) + " bytes");
   file.read_at(0, len, 8);
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-  if (n > kMaxHeaderBytes) throw corrupt("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
-  if (n > file.size() - 8) throw corrupt("truncated: header length " + std::to_string(n));
+  const uint64_t n = checked_header_length(len, file.size(), path);
   std::string text(static_cast<size_t>(n), '\0');
   if (n) file.read_at(8, &text[0], text.size());
   json header;
   try {
     header = json::parse(text);
   } catch (const json::exception& e) {
-    throw corrupt(std::string("header is not valid JSON: ") + e.what());
+    throw corrupt(std::string("header is not valid JSON: ") + echo(e.what()));
   }
   if (!header.is_object()) throw corrupt("header is not a JSON object");
   SafetensorsHeader out;

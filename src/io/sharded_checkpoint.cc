@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 
+#include "core/user_text.h"
 #include "io/checkpoint_internal.h"
 
 namespace diststrat {
@@ -34,7 +35,7 @@ template <typename T> T field(const json& j, const char* key, const std::string&
     return j.at(key).get<T>();
   } catch (const json::exception& e) {
     throw DataLossError("checkpoint file '" + file + "': malformed parameter-server metadata (field '" +
-                        key + "': " + e.what() + ")");
+                        key + "': " + echo(e.what()) + ")");
   }
 }
 
@@ -44,7 +45,7 @@ json parse_json(const std::string& text, const std::string& file, const char* ke
     if (!j.is_object()) throw DataLossError("checkpoint file '" + file + "': '" + key + "' is not a JSON object");
     return j;
   } catch (const json::exception& e) {
-    throw DataLossError("checkpoint file '" + file + "': '" + key + "' is not valid JSON: " + e.what());
+    throw DataLossError("checkpoint file '" + file + "': '" + key + "' is not valid JSON: " + echo(e.what()));
   }
 }
 
@@ -67,7 +68,7 @@ int64_t int_field(const json& j, const char* key, const std::string& file, int64
   }
   if (!ok || x < lo || x > hi) {
     throw DataLossError("checkpoint file '" + file + "': malformed parameter-server metadata (field '" + key +
-                        "' is " + (v ? v->dump() : std::string("missing")) + ", not an integer in [" +
+                        "' is " + (v ? echo(v->dump()) : std::string("missing")) + ", not an integer in [" +
                         std::to_string(lo) + ", " + std::to_string(hi) + "])");
   }
   return x;
@@ -88,7 +89,7 @@ Shape shape_of(const json& j, const char* key, const std::string& file, DType dt
   bool overflow = false, zero = false;
   for (const json& d : j[key]) {
     if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(kMaxInt)) {
-      throw bad(d.dump() + " is not a dimension");
+      throw bad(echo(d.dump()) + " is not a dimension");
     }
     const uint64_t v = d.get<uint64_t>();
     if (v == 0) {
@@ -100,7 +101,7 @@ Shape shape_of(const json& j, const char* key, const std::string& file, DType dt
     }
     dims.push_back(static_cast<int64_t>(v));
   }
-  if (overflow && !zero) throw bad(j[key].dump() + " is too large");
+  if (overflow && !zero) throw bad(echo(j[key].dump()) + " is too large");
   return Shape(dims);
 }
 
@@ -267,7 +268,8 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
   out.sharded = true;
   auto lost = [&](const std::string& file, const std::string& msg) -> DataLossError {
     return DataLossError("parameter-server checkpoint '" + path + "': " +
-                         (file.empty() ? "" : "shard file '" + file + "': ") + msg);
+                         (file.empty() ? "" : "shard file '" + file + "': ") +
+                         echo(msg, 4 * kMaxEchoedChars));  // names and ids from the file, escaped
   };
   if (!index.tensors.empty()) throw lost("", "the index holds tensors ('" + index.tensors[0].first + "')");
   const json ij = parse_json(idx_it->second, path, kIndexKey);

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -537,4 +538,182 @@ TEST(CheckpointManagerRobustness, AnUnlistableDirectoryIsNotEmpty) {
       30);
   ::chmod((dir + "/c").c_str(), 0755);
   EXPECT_EQ(rc, 0) << "3 = an unlistable directory looked empty";
+}
+
+// ---- outside tester's findings: big junk files, silent skips, loops, echoes ----
+
+namespace {
+// The peak resident set of this process, in KiB.
+long max_rss_kib() {
+  struct rusage ru;
+  ::getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_maxrss;
+}
+bool has_control_byte(const std::string& s) {
+  for (unsigned char c : s) {
+    if ((c < 0x20 && c != '\n') || c == 0x7f) return true;
+  }
+  return false;
+}
+}  // namespace
+
+// A sparse 64 GiB file of zeros where `latest` points (header length 0) is
+// damage: skipped at once for the older checkpoints, never "does not fit in memory".
+TEST(CheckpointManagerRobustness, AHugeSparseJunkFileAsTheNewestIsFallenBackFrom) {
+  const std::string dir = temp_dir();
+  Small a;
+  save_steps(a, dir, 1, 2, 1);
+  ASSERT_EQ(::unlink(ckpt_path(dir, 2).c_str()), 0);
+  ASSERT_EQ(::truncate((write_bytes(ckpt_path(dir, 2), {}), ckpt_path(dir, 2)).c_str(), int64_t{64} << 30), 0);
+  expect_error<ds::DataLossError>([&] { ds::load_safetensors(ckpt_path(dir, 2)); },
+                                  {"ckpt-2.safetensors", "header length 0"}, "zeros");
+  Small b(9);
+  ds::CheckpointManager mb(b.ckpt, dir, {3});
+  const auto md = mb.restore_latest();
+  ASSERT_TRUE(md.has_value());
+  EXPECT_EQ(md->at("step"), "1");
+  EXPECT_TRUE(contains(b.warnings, "ckpt-2.safetensors")) << b.warnings;
+}
+
+// A valid checkpoint extended by 1 GiB (sparse) is kDataLoss for its trailing
+// bytes, found from the header alone: nothing near 1 GiB is read or allocated.
+TEST(CheckpointRobustness, TrailingBytesAreDataLossWithoutReadingThem) {
+  const std::string dir = temp_dir();
+  Small a;
+  save_steps(a, dir, 1, 1, 1);
+  const std::string p = ckpt_path(dir, 1);
+  struct stat st;
+  ASSERT_EQ(::stat(p.c_str(), &st), 0);
+  ASSERT_EQ(::truncate(p.c_str(), st.st_size + (int64_t{1} << 30)), 0);
+  const int rc = run_bounded(
+      [&] {
+        const long before = max_rss_kib();
+        try {
+          ds::load_safetensors(p);
+          return 2;
+        } catch (const ds::DataLossError& e) {
+          if (!contains(e.what(), "trailing bytes")) {
+            std::fprintf(stderr, "%s\n", e.what());
+            return 3;
+          }
+        } catch (const ds::Error& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+          return 4;
+        }
+        const long grew = max_rss_kib() - before;
+        if (grew > 128 * 1024) {
+          std::fprintf(stderr, "peak RSS grew by %ld KiB\n", grew);
+          return 5;
+        }
+        return 0;
+      },
+      30);
+  EXPECT_EQ(rc, 0) << "2 = loaded, 3 = message, 4 = other code, 5 = the extension was read into memory";
+}
+
+// A checkpoint with a damaged header (not verifiable as the manager's) that
+// the fallback passes over is named in the warning, and in the final error.
+TEST(CheckpointManagerRobustness, ACheckpointWithADamagedHeaderSkippedInFallbackIsNamed) {
+  const std::string dir = temp_dir();
+  Small a;
+  save_steps(a, dir, 0, 2, 1);
+  auto h = read_bytes(ckpt_path(dir, 1));
+  h[20] ^= 0x20;
+  write_bytes(ckpt_path(dir, 1), h);
+  auto d = read_bytes(ckpt_path(dir, 2));
+  d[d.size() - 3] ^= 0x20;
+  write_bytes(ckpt_path(dir, 2), d);
+  {
+    Small b(9);
+    ds::CheckpointManager mb(b.ckpt, dir, {3});
+    const auto md = mb.restore_latest();
+    ASSERT_TRUE(md.has_value());
+    EXPECT_EQ(md->at("step"), "0");
+    EXPECT_TRUE(contains(b.warnings, "ckpt-2.safetensors")) << b.warnings;
+    EXPECT_TRUE(contains(b.warnings, "ckpt-1.safetensors")) << b.warnings;
+  }
+  auto z = read_bytes(ckpt_path(dir, 0));
+  z[z.size() - 3] ^= 0x20;
+  write_bytes(ckpt_path(dir, 0), z);
+  Small c(9);
+  ds::CheckpointManager mc(c.ckpt, dir, {3});
+  expect_error<ds::DataLossError>([&] { mc.restore_latest(); },
+                                  {"ckpt-2.safetensors", "ckpt-1.safetensors", "ckpt-0.safetensors"}, "all corrupt");
+  EXPECT_TRUE(exists(ckpt_path(dir, 1)));  // not pruned, not deleted
+}
+
+// `latest` as a symlink loop is a damaged pointer (fallen back from), like a FIFO.
+TEST(CheckpointManagerRobustness, ASymlinkLoopAsLatestIsADamagedPointer) {
+  const std::string dir = temp_dir();
+  Small a;
+  save_steps(a, dir, 1, 2, 1);
+  ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
+  ASSERT_EQ(::symlink("latest", (dir + "/latest").c_str()), 0);
+  expect_error<ds::DataLossError>([&] { ds::latest_checkpoint(dir); }, {dir + "/latest"}, "latest_checkpoint");
+  Small b(9);
+  ds::CheckpointManager mb(b.ckpt, dir, {3});
+  const auto md = mb.restore_latest();
+  ASSERT_TRUE(md.has_value());
+  EXPECT_EQ(md->at("step"), "2");
+  EXPECT_TRUE(contains(b.warnings, "damaged")) << b.warnings;
+}
+
+TEST(CheckpointRobustness, MetadataIntWithInvertedBoundsIsInvalidArgument) {
+  const ds::CheckpointMetadata md{{"step", "3"}};
+  expect_error<ds::InvalidArgumentError>([&] { ds::metadata_int(md, "step", 5, 1, "/c/f"); },
+                                         {"'step'", "5", "1"}, "min > max");
+}
+
+// `latest` pointing at a binary file: the warning quotes it escaped, in full length.
+TEST(CheckpointManagerRobustness, ADamagedPointerWarningEscapesControlBytes) {
+  const std::string dir = temp_dir();
+  Small a;
+  save_steps(a, dir, 1, 2, 1);
+  ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
+  // Binary content under 4 KiB: its first line (up to a newline) is quoted.
+  std::vector<uint8_t> junk = {'c', 'k', 0x00, 0x01, 0x1b, '[', '2', 'J', 0x7f, 'x', 0x00, 'y'};
+  write_bytes(dir + "/junk", junk);
+  ASSERT_EQ(::symlink("junk", (dir + "/latest").c_str()), 0);
+  Small b(9);
+  ds::CheckpointManager mb(b.ckpt, dir, {3});
+  ASSERT_TRUE(mb.restore_latest().has_value());
+  EXPECT_TRUE(contains(b.warnings, "damaged")) << b.warnings;
+  EXPECT_FALSE(has_control_byte(b.warnings)) << b.warnings;
+  EXPECT_TRUE(contains(b.warnings, "ck\\x00\\x01\\x1b[2J\\x7fx\\x00y")) << b.warnings;
+}
+
+// A restore-only reader (an evaluator) of a read-only directory.
+TEST(CheckpointManagerRobustness, AReadOnlyManagerRestoresFromAReadOnlyDirectory) {
+  const std::string dir = temp_dir();
+  ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
+  {
+    Small a;
+    save_steps(a, dir + "/c", 1, 2, 1);
+  }
+  ASSERT_EQ(::chmod((dir + "/c").c_str(), 0555), 0);
+  const int rc = run_bounded(
+      [&] {
+        if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) return 10;
+        Small b(9);
+        ds::CheckpointManagerOptions o;
+        o.read_only = true;
+        try {
+          ds::CheckpointManager mb(b.ckpt, dir + "/c", o);
+          const auto md = mb.restore_latest();
+          if (!md || md->at("step") != "2") return 2;
+          try {
+            mb.save(3);
+            return 3;
+          } catch (const ds::FailedPreconditionError& e) {
+            if (!contains(e.what(), "read_only")) return 4;
+          }
+        } catch (const ds::Error& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+          return 5;
+        }
+        return 0;
+      },
+      30);
+  ::chmod((dir + "/c").c_str(), 0755);
+  EXPECT_EQ(rc, 0) << "2 = wrong restore, 3 = saved, 4 = message, 5 = refused";
 }
