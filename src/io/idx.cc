@@ -193,7 +193,7 @@ IdxArray parse_idx(const uint8_t* bytes, size_t size, const std::string& what) {
   size_t pos = 0;
   auto read = [&](uint8_t* dst, size_t n) {
     const size_t k = std::min(n, size - pos);
-    std::memcpy(dst, bytes + pos, k);
+    if (k > 0) std::memcpy(dst, bytes + pos, k);  // memcpy of 0 bytes still wants non-null pointers
     pos += k;
     return k;
   };
