@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/collective_check.h"
 #include "core/env.h"
 #include "core/timeline.h"
 #include "diststrat/optimizer.h"
@@ -153,6 +154,11 @@ LocalReplicaContext& MultiWorkerReplicaContext::inner() const { return impl_->re
 
 Work MultiWorkerReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
                                                  std::vector<std::string> names) {
+  try {
+    check_replica_tensors(*this, "all_reduce", tensors, names);
+  } catch (...) {
+    return Work::completed(std::current_exception());
+  }
   const bool on_gpu = std::any_of(tensors.begin(), tensors.end(),
                                   [](const Tensor& t) { return t.device().is_gpu(); });
   if (!on_gpu) return impl_->engine->all_reduce_async(local_, op, std::move(tensors), std::move(names));
