@@ -96,6 +96,8 @@ class ReplicaContext {
   // All-reduces `tensors` in place over every replica in sync, packing small
   // tensors together. Blocks. Every replica must pass the same list (names,
   // shapes, dtypes, order); `names` (optional) label tensors in errors.
+  // Every collective takes tensors on the replica's device (host memory on a
+  // CPU replica); another device is InvalidArgumentError.
   virtual void all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
                           const std::vector<std::string>& names = {}) = 0;
   // Enqueues the same and returns at once where the strategy overlaps
@@ -185,13 +187,16 @@ class Strategy {
 
   // Cross-replica reductions of run()'s results over all replicas in sync
   // (all workers). kMean divides by num_replicas_in_sync(). Blocking; under
-  // multi-worker a collective every worker calls in the same order.
+  // multi-worker a collective every worker calls in the same order. A
+  // PerReplica must hold one value per local replica (num_local_replicas(),
+  // as run() returns) and no undefined tensor, else InvalidArgumentError.
   // Exception: ParameterServerStrategy reduces over the calling worker's
   // replicas only (its workers never meet; parameter_server.h says how to get
   // a job-wide figure).
   double reduce(ReduceOp op, const PerReplica<double>& values);
   float reduce(ReduceOp op, const PerReplica<float>& values);
-  // Integer results (counts), exact at any magnitude; kMean is the sum
+  // Integer results (counts), exact at any magnitude: a kSum outside int64 is
+  // InvalidArgumentError ("int64 sum overflows"); kMean is the exact sum
   // divided by num_replicas_in_sync(), truncated toward zero.
   int64_t reduce(ReduceOp op, const PerReplica<int64_t>& values);
   Tensor reduce(ReduceOp op, const PerReplica<Tensor>& values);

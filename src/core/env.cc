@@ -11,22 +11,53 @@
 
 namespace diststrat {
 
+namespace {
+// A plain decimal number: digits with at most one '.', at least one digit,
+// then an optional exponent (e/E, optional sign, digits). No sign, no hex,
+// no "inf"/"nan", no spaces: what strtod accepts beyond this is a typo here.
+bool is_decimal(const std::string& t) {
+  size_t i = 0, digits = 0;
+  while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i, ++digits;
+  if (i < t.size() && t[i] == '.') {
+    ++i;
+    while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i, ++digits;
+  }
+  if (digits == 0) return false;
+  if (i < t.size() && (t[i] == 'e' || t[i] == 'E')) {
+    ++i;
+    if (i < t.size() && (t[i] == '+' || t[i] == '-')) ++i;
+    size_t exp = 0;
+    while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i, ++exp;
+    if (exp == 0) return false;
+  }
+  return i == t.size();
+}
+}  // namespace
+
 std::chrono::milliseconds parse_timeout_seconds(const std::string& text) {
-  const char* s = text.c_str();
-  char* end = nullptr;
-  errno = 0;
-  const double secs = std::strtod(s, &end);
   // 30 days: longer than any job waits for a peer, and far from overflowing
   // the clocks' time_point arithmetic.
   constexpr double kMax = 30.0 * 24 * 3600;
-  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || end == s ||
-      *end != '\0' || errno == ERANGE || !std::isfinite(secs) || !(secs > 0) || secs > kMax) {
-    throw InvalidArgumentError("timeout '" + echo(text) +
-                               "': expected seconds, a number > 0 and at most 2592000 (30 days), "
-                               "e.g. 300 or 0.5");
+  // Deadlines are whole milliseconds: a smaller value would silently become
+  // one (or zero).
+  constexpr double kMin = 0.001;
+  double secs = 0;
+  if (is_decimal(text)) {
+    errno = 0;
+    secs = std::strtod(text.c_str(), nullptr);
+    if (errno == ERANGE && secs != 0) secs = HUGE_VAL;
   }
-  // Whole milliseconds, rounded up so that a tiny positive value stays > 0.
-  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(secs * 1000.0)));
+  if (!is_decimal(text) || !std::isfinite(secs) || !(secs > 0) || secs > kMax) {
+    throw InvalidArgumentError("timeout '" + echo(text) +
+                               "': expected seconds, a decimal number > 0 and at most 2592000 "
+                               "(30 days), e.g. 300 or 0.5");
+  }
+  if (secs < kMin) {
+    throw InvalidArgumentError("timeout '" + echo(text) +
+                               "': below the minimum; a timeout is at least 0.001 seconds (1 ms)");
+  }
+  // Whole milliseconds, rounded up (0.0015 s waits 2 ms, never less).
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(secs * 1000.0 - 1e-9)));
 }
 
 std::string timeout_seconds_error(const std::string& text) {

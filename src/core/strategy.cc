@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/collective_check.h"
 #include "core/data_source.h"
 #include "core/thread_pool.h"
 #include "core/user_text.h"
@@ -50,6 +51,27 @@ Work Work::completed(std::exception_ptr error) {
 }
 
 // ---- ReplicaContext --------------------------------------------------------
+
+void check_replica_tensors(const ReplicaContext& ctx, const char* op,
+                           const std::vector<Tensor>& tensors, const std::vector<std::string>& names,
+                           bool host_ok) {
+  const Device& mine = ctx.device();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    const std::string label = i < names.size() && !names[i].empty()
+                                  ? "'" + echo(names[i]) + "'"
+                                  : "#" + std::to_string(i);
+    DISTSTRAT_CHECK(t.defined(), kInvalidArgument, "replica ", ctx.replica_id(), ": ", op,
+                    ": tensor ", label, " is an undefined tensor");
+    const Device& d = t.device();
+    // CPU replicas share host memory (every host tensor is /device:CPU:0).
+    const bool ok = mine.is_cpu() ? d.is_cpu() : (d == mine || (host_ok && d.is_cpu()));
+    DISTSTRAT_CHECK(ok, kInvalidArgument, "replica ", ctx.replica_id(), ": ", op, ": tensor ",
+                    label, " ", t.debug_string(), " is on ", d.to_string(),
+                    ", but the replica's device is ", mine.to_string(),
+                    mine.is_cpu() ? " (host memory expected)" : "");
+  }
+}
 
 Work ReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
                                       std::vector<std::string> names) {
@@ -170,6 +192,29 @@ Variable Strategy::variable(const std::string& name) const {
   throw NotFoundError("no variable named '" + echo(name) + "' in this " + this->name() + " strategy");
 }
 
+namespace {
+// A PerReplica that enters a cross-replica call holds one value per local
+// replica, as run() returns; anything else would reduce silently wrong.
+void check_count(const Strategy& s, const std::string& what, size_t n) {
+  const size_t want = static_cast<size_t>(s.num_local_replicas());
+  DISTSTRAT_CHECK(n == want, kInvalidArgument, what, ": the PerReplica values hold ", n,
+                  n == 1 ? " value" : " values", ", but this ", s.name(), " strategy has ", want,
+                  " local replicas (one value per local replica, as run() returns)");
+}
+
+void check_tensors(const Strategy& s, const std::string& what, const PerReplica<Tensor>& values) {
+  check_count(s, what, values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    DISTSTRAT_CHECK(values[i].defined(), kInvalidArgument, what, ": the value of replica ", i,
+                    " is an undefined tensor");
+  }
+}
+
+std::string op_text(const char* call, ReduceOp op) {
+  return std::string(call) + " " + reduce_op_name(op);
+}
+}  // namespace
+
 double Strategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
   DISTSTRAT_CHECK(!local.empty(), kInvalidArgument, "reduce of no values");
   double acc = local[0];
@@ -187,10 +232,12 @@ double Strategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
 }
 
 double Strategy::reduce(ReduceOp op, const PerReplica<double>& values) {
+  check_count(*this, op_text("reduce", op), values.size());
   return reduce_across(op, values.values());
 }
 
 float Strategy::reduce(ReduceOp op, const PerReplica<float>& values) {
+  check_count(*this, op_text("reduce", op), values.size());
   std::vector<double> d(values.begin(), values.end());
   return static_cast<float>(reduce_across(op, d));
 }
@@ -211,20 +258,46 @@ Tensor Strategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& l
 }
 
 Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values) {
+  check_tensors(*this, op_text("reduce", op), values);
   return reduce_tensors_across(op, values.values());
 }
 
 int64_t Strategy::reduce(ReduceOp op, const PerReplica<int64_t>& values) {
+  const std::string what = op_text("reduce", op) + " of PerReplica<int64_t>";
+  check_count(*this, what, values.size());
   DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no values");
+  if (op != ReduceOp::kSum && op != ReduceOp::kMean) {
+    std::vector<Tensor> local;
+    for (int64_t v : values) {
+      Tensor t(Shape{}, DType::kInt64);
+      t.data<int64_t>()[0] = v;
+      local.push_back(t);
+    }
+    return reduce_tensors_across(op, local).data<int64_t>()[0];
+  }
+  // Exact at any magnitude, over every worker: each value travels as a high
+  // half (v >> 32, in [-2^31, 2^31)) and a low half (v & 0xffffffff, in
+  // [0, 2^32)), whose int64 sums cannot overflow below 2^31 replicas; the
+  // total is rebuilt in 128 bits.
   std::vector<Tensor> local;
   for (int64_t v : values) {
-    Tensor t(Shape{}, DType::kInt64);
-    t.data<int64_t>()[0] = v;
+    Tensor t(Shape{2}, DType::kInt64);
+    t.data<int64_t>()[0] = v >> 32;
+    t.data<int64_t>()[1] = static_cast<int64_t>(static_cast<uint64_t>(v) & 0xffffffffu);
     local.push_back(t);
   }
-  const int64_t total =
-      reduce_tensors_across(op == ReduceOp::kMean ? ReduceOp::kSum : op, local).data<int64_t>()[0];
-  return op == ReduceOp::kMean ? total / num_replicas_in_sync() : total;
+  const Tensor parts = reduce_tensors_across(ReduceOp::kSum, local);
+  const __int128 total = static_cast<__int128>(parts.data<int64_t>()[0]) * (__int128(1) << 32) +
+                         static_cast<__int128>(parts.data<int64_t>()[1]);
+  if (op == ReduceOp::kMean) {
+    // The mean of int64 values is an int64; / truncates toward zero.
+    return static_cast<int64_t>(total / num_replicas_in_sync());
+  }
+  DISTSTRAT_CHECK(total >= std::numeric_limits<int64_t>::min() &&
+                      total <= std::numeric_limits<int64_t>::max(),
+                  kInvalidArgument, what, " over ", num_replicas_in_sync(),
+                  " replicas: the int64 sum overflows (use kMean, or reduce doubles)");
+  return static_cast<int64_t>(total);
 }
 
 namespace {
@@ -265,8 +338,22 @@ Tensor reduce_along(const Tensor& t, int axis, ReduceOp op) {
 }  // namespace
 
 Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values, int axis) {
+  const std::string what = op_text("reduce", op) + " along axis " + std::to_string(axis);
+  check_tensors(*this, what, values);
   DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no tensors");
   const int rank = static_cast<int>(values[0].shape().rank());
+  for (size_t i = 1; i < values.size(); ++i) {
+    const Shape& s0 = values[0].shape();
+    const Shape& si = values[i].shape();
+    // Axis 0 gathers (dimension 0 may differ); other axes need equal shapes.
+    bool same = si.rank() == s0.rank() && values[i].dtype() == values[0].dtype();
+    for (size_t d = 0; same && d < s0.rank(); ++d) {
+      same = si[d] == s0[d] || (d == 0 && (axis == 0 || axis == -rank));
+    }
+    DISTSTRAT_CHECK(same, kInvalidArgument, what, ": the value of replica ", i, " ",
+                    values[i].debug_string(), " does not match replica 0's ",
+                    values[0].debug_string());
+  }
   DISTSTRAT_CHECK(-rank <= axis && axis < rank, kInvalidArgument, "reduce along axis ", axis,
                   " of ", values[0].debug_string(), ": the axis must lie in [", -rank, ", ", rank,
                   ")");
@@ -315,7 +402,10 @@ Tensor Strategy::gather_across(const std::vector<Tensor>& local) {
   return out;
 }
 
-Tensor Strategy::gather(const PerReplica<Tensor>& values) { return gather_across(values.values()); }
+Tensor Strategy::gather(const PerReplica<Tensor>& values) {
+  check_tensors(*this, "gather", values);
+  return gather_across(values.values());
+}
 
 void Strategy::broadcast(Tensor&, int, const std::string&) {}
 void Strategy::barrier(const std::string&) {}

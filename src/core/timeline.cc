@@ -1,8 +1,14 @@
 #include "core/timeline.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 #include "diststrat/checkpoint.h"
+#include "core/user_text.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -88,6 +94,30 @@ void Timeline::write_file(const std::string& path, const std::vector<std::string
   // followed through a symlink) and errno mapped to the right code
   // (EACCES: kPermissionDenied, ENOENT: kNotFound, ENOSPC: kResourceExhausted).
   write_file_atomically(path, text.data(), text.size());
+}
+
+void Timeline::check_path(const std::string& path, const std::string& source) {
+  const std::string what = source + "='" + echo(path) + "'";
+  const size_t slash = path.rfind('/');
+  DISTSTRAT_CHECK(slash != path.size() - 1 || path.empty(), kInvalidArgument, what,
+                  ": a timeline file path must name a file, not a directory");
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    const int err = errno;
+    throw InvalidArgumentError(what + ": its directory '" + echo(dir) + "' cannot be used (errno " +
+                               std::to_string(err) + ": " + std::strerror(err) + ")");
+  }
+  DISTSTRAT_CHECK(S_ISDIR(st.st_mode), kInvalidArgument, what, ": '", echo(dir),
+                  "' is not a directory");
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    const int err = errno;
+    throw PermissionDeniedError(what + ": its directory '" + echo(dir) + "' is not writable (errno " +
+                                std::to_string(err) + ": " + std::strerror(err) + ")");
+  }
+  if (::stat(path.c_str(), &st) == 0) {
+    DISTSTRAT_CHECK(!S_ISDIR(st.st_mode), kInvalidArgument, what, " is a directory");
+  }
 }
 
 }  // namespace diststrat

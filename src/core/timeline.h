@@ -33,6 +33,12 @@ class Timeline {
   // Writes {"traceEvents": [<events>...]} to `path` (creating or replacing
   // it); `events` lets a caller merge other ranks' events_json().
   static void write_file(const std::string& path, const std::vector<std::string>& events);
+  // Throws unless `path` can be written later: its directory exists
+  // (InvalidArgumentError) and is writable (PermissionDeniedError), and it
+  // is not itself a directory. `source` names where the path came from
+  // (DISTSTRAT_TIMELINE or an option) in the message. Checked when a
+  // strategy is made, so a bad path fails at once, not at the end of a job.
+  static void check_path(const std::string& path, const std::string& source);
 
  private:
   int pid_;

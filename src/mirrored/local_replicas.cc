@@ -5,6 +5,7 @@
 #include <set>
 
 #include "allreduce/inprocess.h"
+#include "core/collective_check.h"
 #include "core/device_manager_impl.h"
 #include "core/user_text.h"
 
@@ -311,6 +312,7 @@ void* LocalReplicaContext::stream() const {
 
 void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
                                      const std::vector<std::string>& names) {
+  check_replica_tensors(*this, "all_reduce", tensors, names);
   const PlacementLog& placement = owner_->strategy->placement_log();
   if (placement.enabled()) {
     for (size_t i = 0; i < tensors.size(); ++i) {
@@ -322,12 +324,6 @@ void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
   if (Communicator* dc = device_comm()) {
     // GPU buffers: packed in device memory, copies and collectives on the
     // replica's stream.
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      DISTSTRAT_CHECK(tensors[i].device() == device(), kInvalidArgument, "all_reduce: tensor ",
-                      i < names.size() ? echo(names[i]) : std::to_string(i), " ",
-                      tensors[i].debug_string(), " is not on replica ", local_id_, "'s device ",
-                      device().to_string());
-    }
     DevicePackMemory memory(device(), device_pack_);
     packer_.run(*dc, op, tensors, names, owner_->options.bytes_per_pack, &memory);
     return;
@@ -340,6 +336,8 @@ void LocalReplicaContext::barrier(const std::string& name) { local_comm().barrie
 Tensor LocalReplicaContext::all_gather(const Tensor& t, const std::string& name) {
   Communicator& comm = local_comm();
   const int n = comm.size();
+  // GPU replicas gather through host memory, so host tensors are fine there.
+  check_replica_tensors(*this, "all_gather", {t}, {name}, /*host_ok=*/true);
   DISTSTRAT_CHECK(t.shape().rank() >= 1, kInvalidArgument, "all_gather '", echo(name),
                   "' of a scalar: reshape to [1]");
   owner_->strategy->placement_log().record("collective all_gather", name, device());

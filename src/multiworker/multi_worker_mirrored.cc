@@ -5,8 +5,10 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/collective_check.h"
 #include "core/env.h"
 #include "core/timeline.h"
 #include "diststrat/optimizer.h"
@@ -153,6 +155,11 @@ LocalReplicaContext& MultiWorkerReplicaContext::inner() const { return impl_->re
 
 Work MultiWorkerReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
                                                  std::vector<std::string> names) {
+  try {
+    check_replica_tensors(*this, "all_reduce", tensors, names);
+  } catch (...) {
+    return Work::completed(std::current_exception());
+  }
   const bool on_gpu = std::any_of(tensors.begin(), tensors.end(),
                                   [](const Tensor& t) { return t.device().is_gpu(); });
   if (!on_gpu) return impl_->engine->all_reduce_async(local_, op, std::move(tensors), std::move(names));
@@ -273,8 +280,14 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     m.total_replicas += static_cast<int>(counts[r]);
   }
 
-  m.timeline_path = env::text("DISTSTRAT_TIMELINE").value_or(options.timeline_path);
+  const std::optional<std::string> env_timeline = env::text("DISTSTRAT_TIMELINE");
+  m.timeline_path = env_timeline.value_or(options.timeline_path);
   if (!m.timeline_path.empty()) {
+    // Written only when the strategy goes: a path that cannot be written
+    // fails now, not after the job's work is done.
+    Timeline::check_path(m.timeline_path, "rank " + std::to_string(m.cross->rank()) + ": " +
+                                              (env_timeline ? "DISTSTRAT_TIMELINE"
+                                                            : "MultiWorkerOptions::timeline_path"));
     m.timeline = std::make_unique<Timeline>(m.cross->rank());
     m.timeline->enable(true);
     for (size_t l = 0; l < options.devices.size(); ++l) {
@@ -295,6 +308,18 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
                " local replica(s), ", m.total_replicas, " in sync, node ", m.cluster.placement.node,
                " of ", m.cluster.placement.num_nodes, m.comms.hierarchical ? ", hierarchical" : "");
 }
+
+namespace {
+// From the destructor: nothing may escape, but a lost timeline is said
+// (the error names the path and the errno).
+void write_own_timeline(const Logger& logger, const Timeline& timeline, const std::string& path) {
+  try {
+    Timeline::write_file(path, {timeline.events_json()});
+  } catch (const std::exception& e) {
+    logger.warning("timeline: could not write ", path, "; this rank's events are lost: ", e.what());
+  }
+}
+}  // namespace
 
 MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
   // Destroyed while an exception propagates (a step, a data loader or the
@@ -320,18 +345,12 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
     } catch (const std::exception& e) {
       // A peer is gone: keep this rank's events in a file of its own.
       const std::string path = impl_->timeline_path + ".rank" + std::to_string(impl_->rank());
-      logger_.warning("timeline: merging failed (", e.what(), "); writing ", path);
-      try {
-        Timeline::write_file(path, {impl_->timeline->events_json()});
-      } catch (...) {
-      }
+      logger_.warning("timeline: writing the merged ", impl_->timeline_path, " failed (", e.what(),
+                      "); writing ", path);
+      write_own_timeline(logger_, *impl_->timeline, path);
     }
   } else if (impl_->timeline) {
-    try {
-      Timeline::write_file(impl_->timeline_path + ".rank" + std::to_string(impl_->rank()),
-                           {impl_->timeline->events_json()});
-    } catch (...) {
-    }
+    write_own_timeline(logger_, *impl_->timeline, impl_->timeline_path + ".rank" + std::to_string(impl_->rank()));
   }
   impl_->engine.reset();  // joins the communication thread before the communicators go
 }

@@ -475,6 +475,38 @@ TEST(DLPack, ImportedTensorsAllReduceInPlaceUnderMirroredStrategy) {
   }
 }
 
+// A kDLCUDA tensor is a GPU tensor whatever this build or machine has: a
+// CPU replica's collective rejects it (naming it and both devices) instead
+// of reducing device memory on the host.
+TEST(DLPack, CudaTensorsAreRejectedByCpuReplicaCollectives) {
+  ds::MirroredStrategy strategy({ds::Device::cpu(0), ds::Device::cpu(1)});
+  std::vector<std::vector<float>> bufs = {{1, 2}, {3, 4}};
+  int deletes = 0;
+  std::vector<ds::Tensor> imported;
+  for (int r = 0; r < 2; ++r) {
+    Spec s;
+    s.device = {kDLCUDA, 0};
+    s.shape = {2};
+    imported.push_back(ds::Tensor::from_dlpack(make(bufs[r].data(), nullptr, s, &deletes)));
+    ASSERT_EQ(imported.back().device(), ds::Device::gpu(0));
+  }
+  strategy.run([&](ds::ReplicaContext& ctx) {
+    std::vector<ds::Tensor> t{imported[static_cast<size_t>(ctx.local_replica_id())]};
+    try {
+      ctx.all_reduce(ds::ReduceOp::kSum, t, {"imported"});
+      ADD_FAILURE() << "a kDLCUDA tensor was all-reduced on " << ctx.device().to_string();
+    } catch (const ds::InvalidArgumentError& e) {
+      const std::string m = e.message();
+      EXPECT_NE(m.find("'imported'"), std::string::npos) << m;
+      EXPECT_NE(m.find("/device:GPU:0"), std::string::npos) << m;
+      EXPECT_NE(m.find(ctx.device().to_string()), std::string::npos) << m;
+    }
+  });
+  EXPECT_EQ(bufs[0], (std::vector<float>{1, 2}));
+  imported.clear();
+  EXPECT_EQ(deletes, 2);
+}
+
 // The same through a bare in-process communicator (no strategy).
 TEST(DLPack, ImportedTensorsAllReduceOverAnInProcessCommunicator) {
   ds::InProcessGroup group(2);

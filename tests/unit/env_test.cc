@@ -65,9 +65,46 @@ TEST(Env, TimeoutParsesSecondsIncludingFractions) {
   EXPECT_EQ(ds::parse_timeout_seconds("300"), milliseconds(300000));
   EXPECT_EQ(ds::parse_timeout_seconds("0.5"), milliseconds(500));
   EXPECT_EQ(ds::parse_timeout_seconds("1e1"), milliseconds(10000));
-  EXPECT_EQ(ds::parse_timeout_seconds("0.0001"), milliseconds(1));  // rounded up, never 0
+  EXPECT_EQ(ds::parse_timeout_seconds("0.001"), milliseconds(1));
+  EXPECT_EQ(ds::parse_timeout_seconds("0.0015"), milliseconds(2));  // rounded up
   for (const char* bad : {"", "0", "-5", "abc", "5s", " 5", "nan", "inf", "1e300", "3000000"}) {
     EXPECT_THROW(ds::parse_timeout_seconds(bad), ds::InvalidArgumentError) << "'" << bad << "'";
+  }
+}
+
+TEST(Env, TimeoutIsADecimalNumberOfAtLeastOneMillisecond) {
+  EXPECT_EQ(ds::parse_timeout_seconds("2.5E2"), milliseconds(250000));
+  EXPECT_EQ(ds::parse_timeout_seconds(".5"), milliseconds(500));
+  EXPECT_EQ(ds::parse_timeout_seconds("5."), milliseconds(5000));
+  EXPECT_EQ(ds::parse_timeout_seconds("1e-3"), milliseconds(1));
+  for (const char* bad : {"0x10", "0X1p4", "1e-9", "0.0004", "0.0009", "+5", "1..2", "1e", "e5",
+                          ".", "5 ", "1e+", "infinity"}) {
+    std::string what;
+    try {
+      ds::parse_timeout_seconds(bad);
+    } catch (const ds::InvalidArgumentError& e) {
+      what = e.message();
+    }
+    EXPECT_NE(what.find(std::string("'") + bad + "'"), std::string::npos) << "'" << bad << "': " << what;
+  }
+  try {
+    ds::parse_timeout_seconds("0.0004");
+    FAIL() << "0.0004 accepted";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(e.message().find("at least 0.001"), std::string::npos) << e.message();
+  }
+}
+
+TEST(Env, FaultSpecKeywordsIgnoreCaseAndFieldsRejectSpaces) {
+  EXPECT_FALSE(ds::FaultInjection::parse("NONE").active());
+  EXPECT_FALSE(ds::FaultInjection::parse("None").active());
+  const ds::FaultInjection f = ds::FaultInjection::parse("THROW:1:2");
+  EXPECT_EQ(f.kind, ds::FaultKind::kThrow);
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.step, 2);
+  for (const char* bad : {"throw: 1:1", "throw:1: 1", " throw:1:1", "throw :1:1", "throw:1:1 ",
+                          "throw:+1:1", "throw:1:1:1"}) {
+    EXPECT_THROW(ds::FaultInjection::parse(bad), ds::InvalidArgumentError) << "'" << bad << "'";
   }
 }
 
