@@ -17,13 +17,14 @@ struct Work::State {
   std::exception_ptr error;
 
   // Marks the work complete (with `e` as its error, if any) and wakes waiters.
+  // Notifies under the lock: a waiter that sees `done` may drop the last
+  // reference and destroy this state at once, so nothing here may touch it
+  // after the lock is released (TSan: cond_broadcast vs cond_destroy).
   void finish(std::exception_ptr e = nullptr) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (done) return;
-      error = e;
-      done = true;
-    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (done) return;
+    error = e;
+    done = true;
     cv.notify_all();
   }
 };

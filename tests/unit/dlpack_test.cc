@@ -51,7 +51,7 @@ struct Producer {
   int* deletes = nullptr;
   static void deleter(DLManagedTensor* self) {
     auto* p = static_cast<Producer*>(self->manager_ctx);
-    ++*p->deletes;
+    __atomic_fetch_add(p->deletes, 1, __ATOMIC_SEQ_CST);  // deleters may run on replica threads
     delete p;
   }
 };
