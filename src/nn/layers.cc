@@ -161,9 +161,10 @@ void relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
   for (int64_t i = 0; i < n; ++i) o[i] = a[i] > 0.0f ? g[i] : 0.0f;
 }
 
-double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
-                             float grad_scale) {
-  const Device& dev = logits.device();
+namespace {
+// The operands of softmax_cross_entropy (both forms), on `dev`.
+void check_xent_operands(const Tensor& logits, const Tensor& labels, const Tensor& dlogits,
+                         const Device& dev) {
   check_matrix(logits, "logits", "softmax_cross_entropy", dev);
   check_matrix(dlogits, "dlogits", "softmax_cross_entropy", dev);
   check_on(labels, "labels", "softmax_cross_entropy", dev);
@@ -172,6 +173,13 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor&
                   " must be int32 with one label per row of ", logits.debug_string());
   DISTSTRAT_CHECK(dlogits.shape() == logits.shape(), kInvalidArgument,
                   "softmax_cross_entropy: dlogits ", dlogits.shape().to_string());
+}
+}  // namespace
+
+double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
+                             float grad_scale) {
+  const Device& dev = logits.device();
+  check_xent_operands(logits, labels, dlogits, dev);
   if (on_gpu(dev, "softmax_cross_entropy")) {
     if (logits.shape()[0] == 0) return 0.0;
     GpuXent r = gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy");
@@ -212,14 +220,7 @@ double softmax_cross_entropy_counted(const Tensor& logits, const Tensor& labels,
     return loss;
   }
   // The public call validates the operands; then one kernel gives both.
-  check_matrix(logits, "logits", "softmax_cross_entropy", dev);
-  check_matrix(dlogits, "dlogits", "softmax_cross_entropy", dev);
-  check_on(labels, "labels", "softmax_cross_entropy", dev);
-  DISTSTRAT_CHECK(labels.dtype() == DType::kInt32 && labels.num_elements() == logits.shape()[0],
-                  kInvalidArgument, "softmax_cross_entropy: labels ", labels.debug_string(),
-                  " must be int32 with one label per row of ", logits.debug_string());
-  DISTSTRAT_CHECK(dlogits.shape() == logits.shape(), kInvalidArgument,
-                  "softmax_cross_entropy: dlogits ", dlogits.shape().to_string());
+  check_xent_operands(logits, labels, dlogits, dev);
   on_gpu(dev, "softmax_cross_entropy");
   GpuXent r = gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy");
   double loss = 0.0;
