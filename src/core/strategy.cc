@@ -24,17 +24,8 @@ void Work::wait() {
   // The collective behind a Work carries its own deadline and always
   // completes or fails, so this wait is bounded by it.
   state_->cv.wait(lock, [&] { return state_->done; });
-  if (!state_->error) return;
-  // Every waiter throws its own copy of a diststrat::Error. The shared
-  // exception object is read only here, while this handle still holds the
-  // state, so its destruction by whichever thread drops the state last is
-  // ordered after these reads (the exception's own reference count lives in
-  // libstdc++, where ThreadSanitizer cannot see it).
-  try {
-    std::rethrow_exception(state_->error);
-  } catch (const Error& e) {
-    throw_error(e.code(), e.message());
-  }
+  // Every waiter throws its own copy of the error.
+  if (state_->failed) throw_error(state_->code, state_->message);
 }
 
 bool Work::done() const {
@@ -45,8 +36,7 @@ bool Work::done() const {
 
 Work Work::completed(std::exception_ptr error) {
   auto s = std::make_shared<State>();
-  s->done = true;
-  s->error = error;
+  s->finish(error);
   return Work(s);
 }
 

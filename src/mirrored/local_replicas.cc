@@ -383,20 +383,43 @@ std::shared_ptr<void> LocalReplicaContext::merge_call_impl(
     const std::function<std::shared_ptr<void>(Strategy&)>& fn) {
   Communicator& comm = local_comm();
   comm.barrier("merge_call enter");
+  std::exception_ptr mine;  // replica 0's own exception
   if (local_id_ == 0) {
     owner_->merge_result.reset();
-    owner_->merge_error = nullptr;
+    owner_->merge_failed = false;
     try {
       owner_->merge_result = fn(*owner_->strategy);
     } catch (...) {
-      owner_->merge_error = std::current_exception();
+      mine = std::current_exception();
+      owner_->merge_failed = true;
+      try {
+        throw;
+      } catch (const Error& e) {
+        owner_->merge_error_is_error = true;
+        owner_->merge_code = e.code();
+        owner_->merge_message = e.message();
+      } catch (const std::exception& e) {
+        owner_->merge_error_is_error = false;
+        owner_->merge_message = e.what();
+      } catch (...) {
+        owner_->merge_error_is_error = false;
+        owner_->merge_message = "a non-standard exception";
+      }
     }
   }
   comm.barrier("merge_call result");
   std::shared_ptr<void> result = owner_->merge_result;
-  std::exception_ptr error = owner_->merge_error;
+  const bool failed = owner_->merge_failed;
+  const bool is_error = owner_->merge_error_is_error;
+  const ErrorCode code = owner_->merge_code;
+  const std::string message = failed ? owner_->merge_message : std::string();
   comm.barrier("merge_call exit");
-  if (error) std::rethrow_exception(error);
+  if (mine) std::rethrow_exception(mine);
+  if (failed) {
+    if (is_error) throw_error(code, message);
+    throw AbortedError("replica " + std::to_string(replica_id()) +
+                       ": merge_call failed on local replica 0: " + message);
+  }
   return result;
 }
 

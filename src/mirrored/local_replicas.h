@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "allreduce/packed.h"
@@ -80,9 +81,14 @@ struct LocalReplicasCore {
   std::vector<void*> streams;                    // per replica (GPU)
   std::vector<std::unique_ptr<Communicator>> device_comms;
   std::vector<std::unique_ptr<LocalReplicaContext>> contexts;
-  // merge_call hand-off from local replica 0 to the others.
+  // merge_call hand-off from local replica 0 to the others. Replica 0
+  // rethrows its own exception; the others throw a copy made from the plain
+  // code and message, so no exception object is shared between threads.
   std::shared_ptr<void> merge_result;
-  std::exception_ptr merge_error;
+  bool merge_failed = false;
+  bool merge_error_is_error = false;  // a diststrat::Error (else: what() below)
+  ErrorCode merge_code = ErrorCode::kInternal;
+  std::string merge_message;
 };
 
 // With GPU devices (all replicas on GPUs; CPU and GPU replicas do not mix),

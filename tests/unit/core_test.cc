@@ -3,8 +3,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <thread>
+#include <vector>
 
 #include "core/thread_pool.h"
+#include "core/work_state.h"
 #include "diststrat/diststrat.h"
 
 namespace ds = diststrat;
@@ -27,6 +29,44 @@ TEST(Error, CheckRecordsExpressionAndValues) {
     FAIL();
   } catch (const ds::InvalidArgumentError& e) {
     EXPECT_EQ(e.message(), "all_reduce 'w': a == b failed: 3 vs 4");
+  }
+}
+
+// A collective's error is finished on the communication thread and read by
+// every waiter on its own thread; each waiter throws its own copy, the
+// finisher's exception object never crosses threads, and the last one to
+// drop the state may be any of them (TSan found the shared-exception version
+// racy: the exception's reference count lives in uninstrumented libstdc++).
+TEST(Work, AnErrorFinishedOnAnotherThreadReachesEveryWaiterAsItsOwnCopy) {
+  for (int round = 0; round < 200; ++round) {
+    auto state = std::make_shared<ds::Work::State>();
+    std::vector<std::thread> waiters;
+    std::vector<std::string> seen(3);
+    for (int w = 0; w < 3; ++w) {
+      waiters.emplace_back([work = ds::Work(state), &seen, w]() mutable {
+        try {
+          work.wait();
+        } catch (const ds::DeadlineExceededError& e) {
+          seen[w] = e.message();
+        }
+        work = ds::Work();  // drop this waiter's reference at once
+      });
+    }
+    std::thread finisher([raw = state.get()] {
+      raw->finish(std::make_exception_ptr(ds::DeadlineExceededError("rank 1 never came")));
+    });
+    state.reset();  // the waiters (and nobody else) hold the state now
+    finisher.join();
+    for (auto& t : waiters) t.join();
+    for (const std::string& m : seen) ASSERT_EQ(m, "rank 1 never came");
+  }
+  // A non-diststrat exception keeps its text (as an InternalError).
+  ds::Work failed = ds::Work::completed(std::make_exception_ptr(std::runtime_error("boom")));
+  try {
+    failed.wait();
+    FAIL();
+  } catch (const ds::InternalError& e) {
+    EXPECT_EQ(e.message(), "boom");
   }
 }
 

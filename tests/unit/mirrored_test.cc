@@ -223,6 +223,24 @@ TEST(Mirrored, ReduceGatherMergeCallAndAllGather) {
     ctx.merge_call([](ds::Strategy&) { throw ds::FailedPreconditionError("merge failed"); });
   }),
                ds::FailedPreconditionError);
+  // Each replica gets its own exception object: local replica 0 the one fn
+  // threw, the others a copy (for a non-diststrat exception an AbortedError
+  // quoting it).
+  std::vector<std::string> got(strategy.num_local_replicas());
+  strategy.run([&](ds::ReplicaContext& ctx) {
+    try {
+      ctx.merge_call([](ds::Strategy&) { throw std::runtime_error("user merge failed"); });
+    } catch (const ds::AbortedError& e) {
+      got[ctx.local_replica_id()] = "aborted: " + e.message();
+    } catch (const std::exception& e) {
+      got[ctx.local_replica_id()] = e.what();
+    }
+  });
+  EXPECT_EQ(got[0], "user merge failed");
+  for (size_t r = 1; r < got.size(); ++r) {
+    EXPECT_EQ(got[r], "aborted: replica " + std::to_string(r) +
+                          ": merge_call failed on local replica 0: user merge failed");
+  }
 }
 
 TEST(Mirrored, OnReadVariablesAggregateWhenRead) {
