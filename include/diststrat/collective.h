@@ -31,6 +31,9 @@
 
 namespace diststrat {
 
+// Integer (int32/int64) kSum and kProduct wrap modulo 2^bits, as MPI's and
+// NCCL's do; kMean of integers truncates toward zero. Strategy::reduce of
+// PerReplica<int64_t> is exact instead (an overflow is InvalidArgumentError).
 enum class ReduceOp { kSum, kMean, kMin, kMax, kProduct };
 const char* reduce_op_name(ReduceOp op);
 

@@ -195,9 +195,10 @@ class Strategy {
   // a job-wide figure).
   double reduce(ReduceOp op, const PerReplica<double>& values);
   float reduce(ReduceOp op, const PerReplica<float>& values);
-  // Integer results (counts), exact at any magnitude: a kSum outside int64 is
-  // InvalidArgumentError ("int64 sum overflows"); kMean is the exact sum
-  // divided by num_replicas_in_sync(), truncated toward zero.
+  // Integer results (counts), exact at any magnitude: a kSum or kProduct
+  // outside int64 is InvalidArgumentError ("int64 sum overflows", "int64
+  // product overflows"); kMean is the exact sum divided by
+  // num_replicas_in_sync(), truncated toward zero.
   int64_t reduce(ReduceOp op, const PerReplica<int64_t>& values);
   Tensor reduce(ReduceOp op, const PerReplica<Tensor>& values);
   // TensorFlow's reduce(op, value, axis): reduces over the replicas in sync

@@ -35,11 +35,29 @@ template <typename T> struct Acc { using type = T; };
 template <> struct Acc<Half> { using type = float; };
 template <> struct Acc<BFloat16> { using type = float; };
 
+// Integer sums and products wrap modulo 2^bits (as MPI's and NCCL's do),
+// computed in the unsigned type: signed overflow would be undefined.
+template <typename A> A wrap_add(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+template <typename A> A wrap_mul(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+  } else {
+    return a * b;
+  }
+}
 struct SumOp {
-  template <typename A> A operator()(A a, A b) const { return a + b; }
+  template <typename A> A operator()(A a, A b) const { return wrap_add(a, b); }
 };
 struct ProdOp {
-  template <typename A> A operator()(A a, A b) const { return a * b; }
+  template <typename A> A operator()(A a, A b) const { return wrap_mul(a, b); }
 };
 struct MinOp {
   template <typename A> A operator()(A a, A b) const { return b < a ? b : a; }

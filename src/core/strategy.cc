@@ -256,6 +256,28 @@ int64_t Strategy::reduce(ReduceOp op, const PerReplica<int64_t>& values) {
   const std::string what = op_text("reduce", op) + " of PerReplica<int64_t>";
   check_count(*this, what, values.size());
   DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no values");
+  if (op == ReduceOp::kProduct) {
+    // Exact as well: every value is gathered (one int64 per replica) and
+    // multiplied here with overflow checks, the same on every worker.
+    std::vector<Tensor> local;
+    for (int64_t v : values) {
+      Tensor t(Shape{1}, DType::kInt64);
+      t.data<int64_t>()[0] = v;
+      local.push_back(t);
+    }
+    const Tensor all = gather_across(local);
+    const int64_t* x = all.data<int64_t>();
+    const int64_t n = all.num_elements();
+    for (int64_t i = 0; i < n; ++i) {
+      if (x[i] == 0) return 0;  // zero whatever the other factors are
+    }
+    int64_t product = 1;
+    for (int64_t i = 0; i < n; ++i) {
+      DISTSTRAT_CHECK(!__builtin_mul_overflow(product, x[i], &product), kInvalidArgument, what,
+                      " over ", n, " replicas: the int64 product overflows (reduce doubles)");
+    }
+    return product;
+  }
   if (op != ReduceOp::kSum && op != ReduceOp::kMean) {
     std::vector<Tensor> local;
     for (int64_t v : values) {

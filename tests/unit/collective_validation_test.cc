@@ -85,6 +85,32 @@ TEST(CollectiveValidation, Int64SumOverflowIsAnErrorAndMeanIsExact) {
   }
 }
 
+// kProduct of int64 counts is exact too: a product outside int64 is an
+// error, not a wrapped number (it used to wrap through the reduce kernel).
+TEST(CollectiveValidation, Int64ProductOverflowIsAnErrorAndExactOtherwise) {
+  for (const Config& c : kConfigs) {
+    ds::testing::with_strategy(c, [&](ds::Strategy& s, int) {
+      const std::string where = c.label();
+      const int64_t n = s.num_replicas_in_sync();
+      if (n < 2) return;
+      ds::PerReplica<int64_t> big = s.run([&](ds::ReplicaContext&) { return int64_t(1) << 40; });
+      const std::string e = error_of([&] { s.reduce(ds::ReduceOp::kProduct, big); });
+      EXPECT_TRUE(has(e, "int64 product overflows") && has(e, "reduce product")) << where << ": " << e;
+      // 3 * (-2)^(n-1) fits and keeps its sign.
+      ds::PerReplica<int64_t> small =
+          s.run([&](ds::ReplicaContext& ctx) { return ctx.replica_id() == 0 ? int64_t(3) : int64_t(-2); });
+      int64_t want = 3;
+      for (int64_t r = 1; r < n; ++r) want *= -2;
+      EXPECT_EQ(s.reduce(ds::ReduceOp::kProduct, small), want) << where;
+      // One factor of zero: zero, whatever the others (no overflow error).
+      ds::PerReplica<int64_t> zero = s.run([&](ds::ReplicaContext& ctx) {
+        return ctx.replica_id() == 0 ? int64_t(0) : std::numeric_limits<int64_t>::max();
+      });
+      EXPECT_EQ(s.reduce(ds::ReduceOp::kProduct, zero), 0) << where;
+    });
+  }
+}
+
 TEST(CollectiveValidation, PerReplicaOfTheWrongSizeIsRejected) {
   ds::MirroredStrategy s(ds::testing::cpu_devices(2));
   ds::Tensor t(ds::Shape{2}, ds::DType::kFloat32);

@@ -2,7 +2,9 @@
 // every alignment: copy_streaming (streaming stores for large outputs).
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "allreduce/reduce_kernels.h"
@@ -26,4 +28,23 @@ TEST(ReduceKernels, CopyStreamingCopiesAnySizeAtAnyAlignment) {
       }
     }
   }
+}
+
+// Integer sums and products wrap modulo 2^bits, like MPI's and NCCL's, and
+// are defined behaviour (they were signed overflow: UBSan).
+TEST(ReduceKernels, IntegerSumAndProductWrapAroundWithoutUndefinedBehaviour) {
+  const int32_t a32[2] = {std::numeric_limits<int32_t>::max(), -7};
+  const int32_t b32[2] = {1, std::numeric_limits<int32_t>::min()};
+  const void* s32[2] = {a32, b32};
+  int32_t out32[2];
+  ds::kernels::reduce(out32, s32, 2, 2, ds::DType::kInt32, ds::ReduceOp::kSum, 2);
+  EXPECT_EQ(out32[0], std::numeric_limits<int32_t>::min());
+  EXPECT_EQ(out32[1], std::numeric_limits<int32_t>::max() - 6);
+  const int64_t a64[1] = {int64_t(1) << 40};
+  const int64_t b64[1] = {(int64_t(1) << 40) + 1};
+  const void* s64[2] = {a64, b64};
+  int64_t out64[1];
+  ds::kernels::reduce(out64, s64, 2, 1, ds::DType::kInt64, ds::ReduceOp::kProduct, 2);
+  const uint64_t want = (uint64_t(1) << 40) * ((uint64_t(1) << 40) + 1);
+  EXPECT_EQ(static_cast<uint64_t>(out64[0]), want);
 }
