@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,9 +42,9 @@ std::vector<std::string> entries(const std::string& dir) {
 // It forks a grandchild that exits normally after destroying (its copy of)
 // this process's TempDir: the grandchild removes only what it made itself.
 TEST(TempDirChild, MakesBothFormsAndAForkedGrandchildLeavesThemAlone) {
-  const std::string registered = dt::temp_dir("registered_");
-  const dt::TempDir scoped("scoped_");
-  auto heap = std::make_unique<dt::TempDir>("heap_");
+  const std::string registered = dt::temp_dir("diststrat_tempdir_registered_");
+  const dt::TempDir scoped("diststrat_tempdir_scoped_");
+  auto heap = std::make_unique<dt::TempDir>("diststrat_tempdir_heap_");
   ASSERT_TRUE(is_private_dir(registered)) << registered;
   ASSERT_TRUE(is_private_dir(scoped.path())) << scoped.path();
   EXPECT_EQ(fs::path(registered).parent_path(), fs::path(dt::temp_root()));
@@ -59,7 +60,7 @@ TEST(TempDirChild, MakesBothFormsAndAForkedGrandchildLeavesThemAlone) {
     if (pid == 0) {
       ::close(fds[0]);
       heap.reset();  // a copy of the parent's: must not remove it
-      const std::string own = dt::temp_dir("grandchild_");
+      const std::string own = dt::temp_dir("diststrat_tempdir_grandchild_");
       if (::write(fds[1], own.data(), own.size()) != static_cast<ssize_t>(own.size())) ::_exit(3);
       ::close(fds[1]);
       std::exit(0);  // normal exit: the registry's destructor runs here
@@ -73,6 +74,14 @@ TEST(TempDirChild, MakesBothFormsAndAForkedGrandchildLeavesThemAlone) {
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);
     ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
   }
+  // Run by TempDir.AChildProcessThatExitsNormallyLeavesNothingInTmpdir: tell
+  // it which directories to look for.
+  if (const char* report = std::getenv("DISTSTRAT_TEMP_DIR_TEST_REPORT")) {
+    std::FILE* f = std::fopen(report, "w");
+    ASSERT_NE(f, nullptr) << report << ": " << std::strerror(errno);
+    std::fprintf(f, "%s\n%s\n%s\n", registered.c_str(), scoped.path().c_str(), heap->path().c_str());
+    std::fclose(f);
+  }
   ASSERT_FALSE(grandchild_dir.empty());
   EXPECT_FALSE(fs::exists(grandchild_dir)) << "the grandchild left " << grandchild_dir;
   EXPECT_TRUE(is_private_dir(registered)) << "the grandchild removed its parent's " << registered;
@@ -85,11 +94,15 @@ TEST(TempDirChild, MakesBothFormsAndAForkedGrandchildLeavesThemAlone) {
 // The test binary itself, as a child with a private TMPDIR, runs the test
 // above and exits normally: every directory it made is gone.
 TEST(TempDir, AChildProcessThatExitsNormallyLeavesNothingInTmpdir) {
-  const dt::TempDir root("diststrat_tempdir_test_");
+  const dt::TempDir root("diststrat_tempdir_test_"), out("diststrat_tempdir_report_");
+  const std::string report = out / "report";
   const dt::ChildResult r = dt::run_in_child(
       [&] {
         ::setenv("TMPDIR", root.path().c_str(), 1);
-        ::unsetenv("GTEST_OUTPUT");
+        ::setenv("DISTSTRAT_TEMP_DIR_TEST_REPORT", report.c_str(), 1);
+        for (const char* v : {"GTEST_OUTPUT", "GTEST_FILTER", "GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS"}) {
+          ::unsetenv(v);
+        }
         const char* argv[] = {"/proc/self/exe",
                               "--gtest_filter=TempDirChild.MakesBothFormsAndAForkedGrandchildLeavesThemAlone",
                               nullptr};
@@ -100,6 +113,15 @@ TEST(TempDir, AChildProcessThatExitsNormallyLeavesNothingInTmpdir) {
   ASSERT_FALSE(r.timed_out);
   ASSERT_EQ(r.term_signal, 0);
   ASSERT_EQ(r.exit_code, 0) << "the child test failed (97: exec failed)";
+  // The child made its directories in root (it ran), and they are gone.
+  std::ifstream in(report);
+  std::vector<std::string> made;
+  for (std::string line; std::getline(in, line);) made.push_back(line);
+  ASSERT_EQ(made.size(), 3u) << "the child test did not run or report";
+  for (const std::string& d : made) {
+    EXPECT_EQ(fs::path(d).parent_path(), fs::path(root.path())) << d;
+    EXPECT_FALSE(fs::exists(d)) << d;
+  }
   EXPECT_EQ(entries(root.path()), std::vector<std::string>{});
 }
 
