@@ -27,7 +27,7 @@ list_tmp() {
   local p
   for p in "$@"; do
     find /tmp -maxdepth 1 -name "${p}*" -print 2>/dev/null
-  done | sort
+  done | sort -u
 }
 before=$(list_tmp "${prefixes[@]}")
 rc=0
