@@ -15,10 +15,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -721,21 +724,41 @@ template <typename T> class GlooRunner : public Runner {
 };
 
 std::shared_ptr<gloo::rendezvous::Context> gloo_context(int rank, int size) {
-  // A file store in a directory rank 0 names; ranks share /tmp on one host.
+  // A file store in a directory rank 0 names under $TMPDIR (default /tmp);
+  // ranks share it on one host. Rank 0 removes it once every rank is
+  // connected, or when its own connect throws.
   char dir[256] = {0};
   if (rank == 0) {
-    std::snprintf(dir, sizeof dir, "/tmp/allreduce_bench_gloo_XXXXXX");
-    if (!mkdtemp(dir)) throw ds::InternalError("mkdtemp failed for the Gloo file store");
+    const char* tmp = std::getenv("TMPDIR");
+    std::snprintf(dir, sizeof dir, "%s/allreduce_bench_gloo_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(dir)) {
+      const int err = errno;
+      dir[0] = '\0';  // tells the other ranks
+      MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+      throw ds::InternalError(std::string("rank 0: mkdtemp failed for the Gloo file store: ") +
+                              std::strerror(err));
+    }
   }
   MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
-  gloo::transport::tcp::attr attr;
-  attr.hostname = "127.0.0.1";
-  auto dev = gloo::transport::tcp::CreateDevice(attr);
-  gloo::rendezvous::FileStore store(dir);
-  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
-  ctx->connectFullMesh(store, dev);
+  if (dir[0] == '\0') {
+    throw ds::InternalError("rank " + std::to_string(rank) + ": rank 0 could not make the Gloo file store");
+  }
+  std::shared_ptr<gloo::rendezvous::Context> ctx;
+  try {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = "127.0.0.1";
+    auto dev = gloo::transport::tcp::CreateDevice(attr);
+    gloo::rendezvous::FileStore store(dir);
+    ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    ctx->connectFullMesh(store, dev);
+  } catch (...) {
+    std::error_code ec;
+    if (rank == 0) std::filesystem::remove_all(dir, ec);
+    throw;
+  }
   MPI_Barrier(MPI_COMM_WORLD);
-  if (rank == 0) std::system((std::string("rm -rf ") + dir).c_str());
+  std::error_code ec;
+  if (rank == 0) std::filesystem::remove_all(dir, ec);
   return ctx;
 }
 #endif

@@ -11,6 +11,7 @@
 
 #include "../unit/checkpoint_util.h"
 #include "diststrat/diststrat.h"
+#include "mpi_temp_dir.h"
 
 namespace ds = diststrat;
 
@@ -45,10 +46,7 @@ void expect_same_state(const MwTrainee& a, const MwTrainee& b) {
 TEST(CheckpointMpi, MultiWorkerChiefWritesEveryProcessRestoresBitExact) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  char dir[64] = "/tmp/diststrat_ckpt_mpi_XXXXXX";
-  if (rank == 0) ASSERT_NE(::mkdtemp(dir), nullptr);
-  MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
-  const std::string path = std::string(dir) + "/mw.safetensors";
+  const std::string path = diststrat_test::job_temp_dir("diststrat_ckpt_mpi_") + "/mw.safetensors";
 
   MwTrainee a(3);
   a.train(3, 11);
@@ -73,9 +71,7 @@ TEST(CheckpointMpi, MultiWorkerChiefWritesEveryProcessRestoresBitExact) {
 TEST(CheckpointMpi, MultiWorkerSyncOnReadCountersSurviveFiveSaveRestoreCycles) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  char dir[64] = "/tmp/diststrat_onread_mpi_XXXXXX";
-  if (rank == 0) ASSERT_NE(::mkdtemp(dir), nullptr);
-  MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+  const std::string dir = diststrat_test::job_temp_dir("diststrat_onread_mpi_");
   ds::MultiWorkerOptions o = MwTrainee::opts();
   o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
   ds::MultiWorkerMirroredStrategy s(o);

@@ -7,12 +7,11 @@
 #include <mpi.h>
 #include <unistd.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "../unit/checkpoint_util.h"
 #include "diststrat/diststrat.h"
+#include "mpi_temp_dir.h"
 
 namespace ds = diststrat;
 
@@ -32,12 +31,7 @@ TEST(MpiParameterServerCheckpoint, SaveStopAndResumeOnAnotherNumberOfPsRanks) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   // One directory for the job (one host here; a shared file system across hosts).
-  char dir[128] = {0};
-  if (rank == 0) {
-    std::strcpy(dir, "/tmp/diststrat_ps_ckpt_mpi_XXXXXX");
-    ASSERT_NE(::mkdtemp(dir), nullptr);
-  }
-  MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+  const std::string dir = diststrat_test::job_temp_dir("diststrat_ps_ckpt_mpi_");
   const int ps_before = size >= 4 ? 2 : 1, workers_before = size - ps_before, steps_before = 3;
   {
     ds::ParameterServerStrategy s(ps_options(ps_before, 2));
@@ -80,11 +74,7 @@ TEST(MpiParameterServerCheckpoint, SaveStopAndResumeOnAnotherNumberOfPsRanks) {
       s.barrier("done");
     }
   }
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (rank == 0) {
-    const std::string cmd = std::string("rm -rf ") + dir;
-    EXPECT_EQ(std::system(cmd.c_str()), 0);
-  }
+  MPI_Barrier(MPI_COMM_WORLD);  // dir: removed when rank 0 exits (job_temp_dir)
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "diststrat/device_manager.h"
 #include "diststrat/diststrat.h"
 #include "fake_gpu_backend.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 
@@ -23,11 +24,9 @@ namespace {
 
 // Each strategy leases its fake GPUs exclusively: one lock directory each.
 struct FakeGpuMirrored {
-  explicit FakeGpuMirrored(uint64_t seed) : mlp({784, 16, 10}) {
-    char tmpl[] = "/tmp/diststrat-ckpt-lease-XXXXXX";
-    lock_dir = ::mkdtemp(tmpl);
+  explicit FakeGpuMirrored(uint64_t seed) : lock_dir("diststrat-ckpt-lease-"), mlp({784, 16, 10}) {
     ds::GpuOptions g;
-    g.lease.lock_dir = lock_dir;
+    g.lease.lock_dir = lock_dir.path();
     ds::MirroredOptions o;
     o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
     o.device_manager = std::make_shared<ds::DeviceManager>(
@@ -41,8 +40,7 @@ struct FakeGpuMirrored {
     ckpt.reset();
     opt.reset();
     vars.clear();
-    strategy.reset();
-    std::filesystem::remove_all(lock_dir);
+    strategy.reset();  // releases the leases before lock_dir goes
   }
   void train(int steps, const ds::Dataset& data) {
     ds::DistributedDataset dist = strategy->distribute(data, 16, {false, 0, false});
@@ -50,7 +48,7 @@ struct FakeGpuMirrored {
       ds::testing::mlp_step(*strategy, mlp, vars, *opt, dist.batch(i % dist.num_batches()));
     }
   }
-  std::string lock_dir;
+  const diststrat_test::TempDir lock_dir;  // first member: destroyed last
   ds::nn::Mlp mlp;
   std::unique_ptr<ds::MirroredStrategy> strategy;
   std::vector<ds::Variable> vars;
@@ -66,8 +64,8 @@ bool same(const ds::Tensor& a, const ds::Tensor& b) {
 }  // namespace
 
 TEST(CheckpointOnFakeGpus, RoundTripOfDeviceVariablesAndSlotsContinuesIdentically) {
-  char tmpl[] = "/tmp/diststrat-ckpt-gpu-XXXXXX";
-  const std::string path = std::string(::mkdtemp(tmpl)) + "/c.safetensors";
+  const diststrat_test::TempDir dir("diststrat-ckpt-gpu-");
+  const std::string path = dir / "c.safetensors";
   ds::Tensor x(ds::Shape{64, 784}, ds::DType::kFloat32), y(ds::Shape{64}, ds::DType::kInt32);
   ds::init::RandomNormal{0, 1, 11}(x);
   for (int i = 0; i < 64; ++i) y.data<int32_t>()[i] = (i * 7) % 10;

@@ -16,12 +16,13 @@
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "harness.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 
 TEST(CheckpointMultiWorker, ChiefWritesEveryWorkerRestoresAndAgreesOnPreemption) {
-  char tmpl[] = "/tmp/diststrat-ckpt-mw-XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl);
+  const diststrat_test::TempDir temp("diststrat-ckpt-mw-");
+  const std::string& dir = temp.path();
   ds::CommunicationOptions co;
   co.timeout = std::chrono::seconds(30);
   ds::InProcessGroup group(2, co);

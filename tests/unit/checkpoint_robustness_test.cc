@@ -25,15 +25,14 @@
 #include "diststrat/diststrat.h"
 #include "core/timeline.h"
 #include "io/checkpoint_internal.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/diststrat_ckrob_XXXXXX";
-  return ::mkdtemp(tmpl);
-}
+using diststrat_test::temp_dir;
+constexpr char kTempPrefix[] = "diststrat_ckrob_";  // removed at exit (tests/common/temp_dir.h)
 
 std::vector<uint8_t> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -114,7 +113,7 @@ void expect_error(Fn&& fn, std::vector<std::string> parts, const std::string& la
 // ---- 13.7: pruning only what the manager wrote --------------------------------
 
 TEST(CheckpointManagerRobustness, StrayFilesAreNeitherPrunedNorCounted) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small m;
   // A file that only looks like a checkpoint, and a real safetensors file
   // written by someone else, both "newer" than anything the manager writes.
@@ -147,7 +146,7 @@ TEST(CheckpointManagerRobustness, StrayFilesAreNeitherPrunedNorCounted) {
 // A copy of a real checkpoint under a newer name is not the manager's either
 // (its metadata names another step).
 TEST(CheckpointManagerRobustness, ARenamedCopyIsNotCounted) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small m;
   save_steps(m, dir, 1, 2, 1, 2);
   const std::string copy = ckpt_path(dir, 50);
@@ -162,7 +161,7 @@ TEST(CheckpointManagerRobustness, ARenamedCopyIsNotCounted) {
 // ---- 13.8: `latest` deleted ---------------------------------------------------
 
 TEST(CheckpointManagerRobustness, MissingLatestRestoresTheNewestCheckpointWithAWarning) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 200, 300, 50);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
@@ -178,7 +177,7 @@ TEST(CheckpointManagerRobustness, MissingLatestRestoresTheNewestCheckpointWithAW
 }
 
 TEST(CheckpointManagerRobustness, MissingLatestWithOnlyForeignCheckpointFilesRefuses) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ds::save_safetensors(ckpt_path(dir, 5), {{"x", ds::Tensor(ds::Shape{2}, ds::DType::kFloat32)}});
   Small b;
   ds::CheckpointManager mb(b.ckpt, dir, {3});
@@ -189,7 +188,7 @@ TEST(CheckpointManagerRobustness, MissingLatestWithOnlyForeignCheckpointFilesRef
 // ---- 13.9: newest checkpoint corrupt ------------------------------------------
 
 TEST(CheckpointManagerRobustness, CorruptNewestFallsBackToTheNewestValidOneWithAWarning) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   Small at2(3);
@@ -210,7 +209,7 @@ TEST(CheckpointManagerRobustness, CorruptNewestFallsBackToTheNewestValidOneWithA
 }
 
 TEST(CheckpointManagerRobustness, EveryCheckpointCorruptIsDataLossNamingEach) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   for (int64_t s : {1, 2}) write_bytes(ckpt_path(dir, s), {1, 2, 3, 4, 5, 6, 7, 8, 9});
@@ -238,7 +237,7 @@ TEST(CheckpointRobustness, MalformedBroadcastMetadataIsADiststratError) {
 // A parameter-server index whose numbers do not fit their fields (ps 2^32
 // would wrap to 0) is DataLoss naming the file and the field.
 TEST(CheckpointRobustness, ShardedIndexNumbersOutOfRangeAreDataLoss) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   const std::string index = dir + "/ckpt-1.safetensors";
   ds::ShardSnapshot snap;
   snap.variable = "w";
@@ -270,7 +269,7 @@ TEST(CheckpointRobustness, ShardedIndexNumbersOutOfRangeAreDataLoss) {
 // ---- 13.11: the directory is checked when the manager is made ------------------
 
 TEST(CheckpointManagerRobustness, ARegularFileAsDirectoryFailsAtConstruction) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   write_bytes(dir + "/file", {'x'});
   Small m;
   expect_error<ds::FailedPreconditionError>([&] { ds::CheckpointManager bad(m.ckpt, dir + "/file"); },
@@ -281,7 +280,7 @@ TEST(CheckpointManagerRobustness, ARegularFileAsDirectoryFailsAtConstruction) {
 
 // As another user (root drops to nobody in a child; others use a 0555 dir).
 TEST(CheckpointManagerRobustness, AnUnwritableDirectoryIsPermissionDeniedAtConstruction) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ASSERT_EQ(::mkdir((dir + "/ro").c_str(), 0555), 0);
   ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
   const int rc = run_bounded(
@@ -320,7 +319,7 @@ TEST(CheckpointManagerRobustness, AnUnwritableDirectoryIsPermissionDeniedAtConst
 // ---- 14.5: FIFOs and other non-regular files never block ----------------------
 
 TEST(CheckpointManagerRobustness, LatestAsAFifoDoesNotHang) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   {
     Small a;
     save_steps(a, dir, 1, 2, 1);
@@ -349,7 +348,7 @@ TEST(CheckpointManagerRobustness, LatestAsAFifoDoesNotHang) {
 }
 
 TEST(CheckpointManagerRobustness, ACheckpointFileThatIsAFifoDoesNotHang) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   {
     Small a;
     save_steps(a, dir, 1, 2, 1);
@@ -376,7 +375,7 @@ TEST(CheckpointManagerRobustness, ACheckpointFileThatIsAFifoDoesNotHang) {
 }
 
 TEST(CheckpointManagerRobustness, AHugeOrDirectoryLatestIsNamedAndFallenBackFrom) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 1, 1);
   {
@@ -391,7 +390,7 @@ TEST(CheckpointManagerRobustness, AHugeOrDirectoryLatestIsNamedAndFallenBackFrom
 }
 
 TEST(CheckpointManagerRobustness, ADirectoryAsLatestIsNamedAndFallenBackFrom) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 1, 1);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
@@ -406,7 +405,7 @@ TEST(CheckpointManagerRobustness, ADirectoryAsLatestIsNamedAndFallenBackFrom) {
 // With the fallback off, a corrupt newest checkpoint or a damaged pointer is
 // the error it always was, and the model is untouched.
 TEST(CheckpointManagerRobustness, WithoutFallbackACorruptNewestIsRefused) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   auto bytes = read_bytes(ckpt_path(dir, 2));
@@ -435,7 +434,7 @@ TEST(CheckpointManagerRobustness, WithoutFallbackACorruptNewestIsRefused) {
 
 // A checkpoint of another model is not "corrupt": no fallback hides it.
 TEST(CheckpointManagerRobustness, AModelMismatchIsNotFallenBackFrom) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ds::MirroredStrategy s(std::vector<ds::Device>{ds::Device::cpu(0)});
@@ -472,7 +471,7 @@ TEST(CheckpointRobustness, MetadataIntParsesStrictlyWithinRange) {
 // The timeline file: written atomically through a fresh temporary, never
 // through a symlink planted at "<path>.tmp", and errno mapped to its code.
 TEST(FileWritesRobustness, TimelineFileDoesNotFollowAPlantedTempSymlink) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   write_bytes(dir + "/victim", {'k', 'e', 'e', 'p'});
   ASSERT_EQ(::symlink((dir + "/victim").c_str(), (dir + "/t.json.tmp").c_str()), 0);
   ds::Timeline::write_file(dir + "/t.json", {"{\"name\":\"x\"}"});
@@ -492,7 +491,7 @@ TEST(FileWritesRobustness, DeviceIndexOverflowIsInvalidArgument) {
 // Shard-file names: an orphan a save of ours wrote (name and header agree) is
 // pruned; a renamed one (its header names another save) or garbage is kept.
 TEST(CheckpointManagerRobustness, OnlyOwnOrphanShardFilesArePruned) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ds::ShardSnapshot snap;
   snap.variable = "w";
   snap.full_shape = ds::Shape{2};
@@ -513,7 +512,7 @@ TEST(CheckpointManagerRobustness, OnlyOwnOrphanShardFilesArePruned) {
 // A directory that cannot be listed is an error, not an empty directory (a
 // silent fresh start over checkpoints that are there).
 TEST(CheckpointManagerRobustness, AnUnlistableDirectoryIsNotEmpty) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
   {
     Small a;
@@ -560,7 +559,7 @@ bool has_control_byte(const std::string& s) {
 // A sparse 64 GiB file of zeros where `latest` points (header length 0) is
 // damage: skipped at once for the older checkpoints, never "does not fit in memory".
 TEST(CheckpointManagerRobustness, AHugeSparseJunkFileAsTheNewestIsFallenBackFrom) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ASSERT_EQ(::unlink(ckpt_path(dir, 2).c_str()), 0);
@@ -578,7 +577,7 @@ TEST(CheckpointManagerRobustness, AHugeSparseJunkFileAsTheNewestIsFallenBackFrom
 // A valid checkpoint extended by 1 GiB (sparse) is kDataLoss for its trailing
 // bytes, found from the header alone: nothing near 1 GiB is read or allocated.
 TEST(CheckpointRobustness, TrailingBytesAreDataLossWithoutReadingThem) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 1, 1);
   const std::string p = ckpt_path(dir, 1);
@@ -614,7 +613,7 @@ TEST(CheckpointRobustness, TrailingBytesAreDataLossWithoutReadingThem) {
 // A checkpoint with a damaged header (not verifiable as the manager's) that
 // the fallback passes over is named in the warning, and in the final error.
 TEST(CheckpointManagerRobustness, ACheckpointWithADamagedHeaderSkippedInFallbackIsNamed) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 0, 2, 1);
   auto h = read_bytes(ckpt_path(dir, 1));
@@ -644,7 +643,7 @@ TEST(CheckpointManagerRobustness, ACheckpointWithADamagedHeaderSkippedInFallback
 
 // `latest` as a symlink loop is a damaged pointer (fallen back from), like a FIFO.
 TEST(CheckpointManagerRobustness, ASymlinkLoopAsLatestIsADamagedPointer) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
@@ -666,7 +665,7 @@ TEST(CheckpointRobustness, MetadataIntWithInvertedBoundsIsInvalidArgument) {
 
 // `latest` pointing at a binary file: the warning quotes it escaped, in full length.
 TEST(CheckpointManagerRobustness, ADamagedPointerWarningEscapesControlBytes) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
@@ -684,7 +683,7 @@ TEST(CheckpointManagerRobustness, ADamagedPointerWarningEscapesControlBytes) {
 
 // A restore-only reader (an evaluator) of a read-only directory.
 TEST(CheckpointManagerRobustness, AReadOnlyManagerRestoresFromAReadOnlyDirectory) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
   {
     Small a;

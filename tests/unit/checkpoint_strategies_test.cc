@@ -12,15 +12,14 @@
 
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/diststrat_ckpt_strat_XXXXXX";
-  return mkdtemp(tmpl);
-}
+using diststrat_test::temp_dir;
+constexpr char kTempPrefix[] = "diststrat_ckpt_strat_";  // removed at exit (tests/common/temp_dir.h)
 
 // A model under any strategy: an MLP, SGD with momentum, its checkpoint.
 struct Trainee {
@@ -40,7 +39,7 @@ void expect_same_state(const Trainee& a, const Trainee& b) { ds::testing::expect
 // Train, save, restore into a differently initialised model: the same state
 // (weights, slots, step counter), and training continues identically.
 void round_trip(const std::function<std::unique_ptr<ds::Strategy>()>& make) {
-  const std::string path = temp_dir() + "/rt.safetensors";
+  const std::string path = temp_dir(kTempPrefix) + "/rt.safetensors";
   Trainee a(make(), 3);
   a.train(3, 11);
   a.ckpt.save(path, {{"epoch", "2"}});

@@ -21,15 +21,14 @@
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
 #include "harness.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/diststrat_ckpt_XXXXXX";
-  return mkdtemp(tmpl);
-}
+using diststrat_test::temp_dir;
+constexpr char kTempPrefix[] = "diststrat_ckpt_";  // removed at exit (tests/common/temp_dir.h)
 
 std::vector<uint8_t> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -81,7 +80,7 @@ void expect_error(Fn&& fn, std::vector<std::string> parts, const std::string& la
 }  // namespace
 
 TEST(Safetensors, RoundTripsEveryDtypeScalarsAndEmptyTensors) {
-  const std::string path = temp_dir() + "/a.safetensors";
+  const std::string path = temp_dir(kTempPrefix) + "/a.safetensors";
   const auto tensors = sample_tensors();
   ds::save_safetensors(path, tensors, {{"epoch", "3"}, {"note", "é ✓"}});
   ds::SafetensorsFile f = ds::load_safetensors(path);
@@ -103,7 +102,7 @@ TEST(Safetensors, RoundTripsEveryDtypeScalarsAndEmptyTensors) {
 }
 
 TEST(Safetensors, RejectsBadInputOnSave) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ds::Tensor t(ds::Shape{2}, ds::DType::kFloat32);
   EXPECT_THROW(ds::save_safetensors(dir + "/x", {{"a", t}, {"a", t}}), ds::InvalidArgumentError);
   EXPECT_THROW(ds::save_safetensors(dir + "/x", {{"", t}}), ds::InvalidArgumentError);
@@ -117,7 +116,7 @@ TEST(Safetensors, RejectsBadInputOnSave) {
 // JSON header, padding, data): always DataLossError naming the file, never a
 // crash or a silently different tensor.
 TEST(Safetensors, EveryTruncationAndEveryFlippedByteIsDataLoss) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   const std::string path = dir + "/good.safetensors";
   ds::Tensor w(ds::Shape{4, 3}, ds::DType::kFloat32);
   ds::init::RandomNormal{0.0, 1.0, 7}(w);
@@ -153,7 +152,7 @@ TEST(Safetensors, EveryTruncationAndEveryFlippedByteIsDataLoss) {
 }
 
 TEST(Safetensors, DataFlipNamesTheTensor) {
-  const std::string path = temp_dir() + "/a.safetensors";
+  const std::string path = temp_dir(kTempPrefix) + "/a.safetensors";
   ds::Tensor a(ds::Shape{8}, ds::DType::kFloat32), b(ds::Shape{8}, ds::DType::kFloat32);
   ds::save_safetensors(path, {{"layer/a", a}, {"layer/b", b}});
   auto bytes = read_bytes(path);
@@ -252,7 +251,7 @@ void expect_same_state(const Model& a, const Model& b) { ds::testing::expect_sam
 }  // namespace
 
 TEST(Checkpoint, MirroredRoundTripRestoresWeightsSlotsAndIterationsBitExact) {
-  const std::string path = temp_dir() + "/m.safetensors";
+  const std::string path = temp_dir(kTempPrefix) + "/m.safetensors";
   Model a;
   a.train(3, 11);
   const auto names = [&] {
@@ -287,7 +286,7 @@ TEST(Checkpoint, MirroredRoundTripRestoresWeightsSlotsAndIterationsBitExact) {
 }
 
 TEST(Checkpoint, ModelMismatchIsInvalidArgumentAndChangesNothing) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Model small;
   small.train(1, 1);
   small.ckpt.save(dir + "/small.safetensors");
@@ -325,7 +324,7 @@ TEST(Checkpoint, ModelMismatchIsInvalidArgumentAndChangesNothing) {
 }
 
 TEST(Checkpoint, CorruptFileRestoreChangesNothing) {
-  const std::string path = temp_dir() + "/c.safetensors";
+  const std::string path = temp_dir(kTempPrefix) + "/c.safetensors";
   Model a;
   a.train(2, 1);
   a.ckpt.save(path);
@@ -340,7 +339,7 @@ TEST(Checkpoint, CorruptFileRestoreChangesNothing) {
 }
 
 TEST(CheckpointManager, KeepsTheLastKAndPointsLatestAtTheNewest) {
-  const std::string dir = temp_dir() + "/nested/ckpts";
+  const std::string dir = temp_dir(kTempPrefix) + "/nested/ckpts";
   Model a;
   ds::CheckpointManager manager(a.ckpt, dir, {2});
   EXPECT_FALSE(manager.latest().has_value());
@@ -366,7 +365,7 @@ TEST(CheckpointManager, KeepsTheLastKAndPointsLatestAtTheNewest) {
 // the latest checkpoint loads, verifies and is internally consistent.
 TEST(CheckpointManager, KillDuringSaveAlwaysLeavesALoadableLatest) {
   const ds::testing::KillStats st = ds::testing::kill_during_save(
-      temp_dir(),
+      temp_dir(kTempPrefix),
       [](const std::string& dir, int64_t first_step) {
         ds::MirroredStrategy s(std::vector<ds::Device>{ds::Device::cpu(0)});
         ds::Variable big = s.create_variable("big", {256, 256}, ds::DType::kFloat32, ds::init::Zeros{});
@@ -411,7 +410,7 @@ TEST(Safetensors, InteropWithPythonSafetensors) {
     GTEST_SKIP() << "python3 with numpy and safetensors is not available (scripts/setup.sh "
                     "installs them into " << deps << ")";
   }
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ds::save_safetensors(dir + "/ours.safetensors", sample_tensors(), {{"epoch", "7"}});
   const std::string script = dir + "/interop.py";
   std::ofstream(script) << R"(import json, struct, sys, numpy as np
@@ -526,7 +525,7 @@ void on_two_workers(const std::function<void(int, Worker&)>& fn) {
 }  // namespace
 
 TEST(CheckpointMultiProcess, ChiefWritesAndEveryWorkerRestoresTheChiefsFile) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   std::vector<std::vector<std::pair<std::string, ds::Tensor>>> saved(2), restored(2);
   std::vector<ds::CheckpointMetadata> md(2);
   on_two_workers([&](int i, Worker& w) {
@@ -553,7 +552,7 @@ TEST(CheckpointMultiProcess, ChiefWritesAndEveryWorkerRestoresTheChiefsFile) {
 // A corrupt newest checkpoint: the chief decides what to try, and every
 // worker falls back to the same valid one (restore_latest's fallback).
 TEST(CheckpointMultiProcess, EveryWorkerFallsBackToTheSameValidCheckpoint) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   std::vector<std::string> step(2), path(2);
   std::vector<std::vector<std::pair<std::string, ds::Tensor>>> at5(2), restored(2);
   on_two_workers([&](int i, Worker& w) {
@@ -583,7 +582,7 @@ TEST(CheckpointMultiProcess, EveryWorkerFallsBackToTheSameValidCheckpoint) {
 }
 
 TEST(CheckpointMultiProcess, TheChiefsErrorReachesEveryWorker) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   std::vector<std::string> messages(2);
   std::vector<int> stopped(2);  // not vector<bool>: its bits share words (a data race, TSan)
   on_two_workers([&](int i, Worker& w) {
@@ -618,7 +617,7 @@ TEST(CheckpointMultiProcess, TheChiefsErrorReachesEveryWorker) {
 }
 
 TEST(Checkpoint, AdamMomentsAndStepRoundTripAndTrainingContinuesIdentically) {
-  const std::string path = temp_dir() + "/adam.safetensors";
+  const std::string path = temp_dir(kTempPrefix) + "/adam.safetensors";
   auto make = [](uint64_t seed) {
     auto s = std::make_unique<ds::MirroredStrategy>(
         std::vector<ds::Device>{ds::Device::cpu(0), ds::Device::cpu(1)});
@@ -659,7 +658,7 @@ TEST(Checkpoint, AdamMomentsAndStepRoundTripAndTrainingContinuesIdentically) {
 // file that reads back exactly as written (a change only to whitespace) —
 // never a crash, never different tensors or metadata.
 TEST(Safetensors, RandomDamageIsAnErrorOrHarmless) {
-  const std::string path = temp_dir() + "/r.safetensors";
+  const std::string path = temp_dir(kTempPrefix) + "/r.safetensors";
   ds::save_safetensors(path, sample_tensors(), {{"epoch", "12"}});
   const std::vector<uint8_t> good = read_bytes(path);
   const ds::SafetensorsFile original = ds::parse_safetensors(good.data(), good.size(), "good");

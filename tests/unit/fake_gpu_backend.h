@@ -51,6 +51,7 @@
 #include "diststrat/gpu_lease.h"
 #include "diststrat/nn.h"
 #include "gpu/call_gate.h"
+#include "../common/temp_dir.h"
 
 namespace diststrat_test {
 
@@ -599,21 +600,17 @@ class FakeGpuBackend : public ds::GpuBackend {
 // A fresh lock directory per test.
 class LeaseDir {
  public:
-  LeaseDir() {
-    char tmpl[] = "/tmp/diststrat-lease-test-XXXXXX";
-    path_ = ::mkdtemp(tmpl);
-  }
-  ~LeaseDir() { std::filesystem::remove_all(path_); }
+  LeaseDir() : dir_("diststrat-lease-test-") {}
   ds::LeaseOptions options() const {
     ds::LeaseOptions o;
-    o.lock_dir = path_;
+    o.lock_dir = dir_.path();
     o.poll_interval = std::chrono::milliseconds(5);
     return o;
   }
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return dir_.path(); }
 
  private:
-  std::string path_;
+  TempDir dir_;
 };
 
 }  // namespace diststrat_test

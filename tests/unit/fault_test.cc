@@ -23,6 +23,7 @@
 #include "diststrat/multi_worker_mirrored.h"
 #include "harness.h"
 #include "parameter_server/strategy_impl.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 using std::chrono::milliseconds;
@@ -32,10 +33,8 @@ namespace {
 constexpr auto kTimeout = milliseconds(2000);
 constexpr int kFaultStep = 3;
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/diststrat-fault-XXXXXX";
-  return ::mkdtemp(tmpl);
-}
+using diststrat_test::temp_dir;
+constexpr char kTempPrefix[] = "diststrat-fault-";  // removed at exit (tests/common/temp_dir.h)
 
 struct Result {
   std::string error;       // "" if training finished
@@ -116,7 +115,7 @@ std::string cell_name(const ::testing::TestParamInfo<Cell>& info) {
 class LocalFault : public ::testing::TestWithParam<Cell> {};
 
 TEST_P(LocalFault, SurvivorsFailWithinTheDeadlineNamingRankAndStep) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   auto s = make_local(GetParam().strategy);
   const auto t0 = std::chrono::steady_clock::now();
   const Result r = train(*s, GetParam().kind, 1, dir, 3);
@@ -142,7 +141,7 @@ TEST(FaultExit, ProcessExitsAtTheStepAndTheLastCheckpointLoads) {
   // "fast" (fork) so the child writes to the directory made here.
   ::testing::FLAGS_gtest_death_test_style = "fast";
   for (const std::string which : {"mirrored", "central_storage"}) {
-    const std::string dir = temp_dir();
+    const std::string dir = temp_dir(kTempPrefix);
     EXPECT_EXIT(
         {
           auto s = make_local(which);
@@ -162,7 +161,7 @@ class MultiWorkerFault : public ::testing::TestWithParam<ds::FaultKind> {};
 // run() fails too unless it is stalled (then it stays stuck, as a hung
 // process would until its launcher kills it).
 TEST_P(MultiWorkerFault, TheOtherWorkerFailsWithinTheDeadlineNamingRankAndStep) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ds::CommunicationOptions co;
   co.timeout = kTimeout;
   // A stalled worker keeps using the group for good: it outlives the test then.

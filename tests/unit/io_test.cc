@@ -11,6 +11,7 @@
 
 #include "child_util.h"
 #include "diststrat/diststrat.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 using diststrat_test::current_rss_kib;
@@ -18,16 +19,7 @@ using diststrat_test::run_in_child;
 
 namespace {
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/diststrat_io_XXXXXX";
-  return mkdtemp(tmpl);
-}
-
-// A temp directory removed with everything in it at the end of the scope.
-struct ScopedDir {
-  std::string path = temp_dir();
-  ~ScopedDir() { std::filesystem::remove_all(path); }
-};
+constexpr char kTempPrefix[] = "diststrat_io_";
 
 std::vector<uint8_t> idx_bytes(std::vector<uint32_t> dims, size_t payload) {
   std::vector<uint8_t> b{0, 0, 8, static_cast<uint8_t>(dims.size())};
@@ -52,8 +44,8 @@ void write_gz(const std::string& path, const std::vector<uint8_t>& b) {
 }
 
 TEST(Idx, ParsesPlainAndGzip) {
-  const ScopedDir scoped;
-  const std::string& dir = scoped.path;
+  const diststrat_test::TempDir scoped(kTempPrefix);
+  const std::string& dir = scoped.path();
   write(dir + "/a", idx_bytes({2, 3}, 6));
   write_gz(dir + "/a.gz", idx_bytes({2, 3}, 6));
   for (const std::string p : {dir + "/a", dir + "/a.gz"}) {
@@ -65,8 +57,8 @@ TEST(Idx, ParsesPlainAndGzip) {
 }
 
 TEST(Idx, MissingTruncatedAndCorruptFilesAreClearErrors) {
-  const ScopedDir scoped;
-  const std::string& dir = scoped.path;
+  const diststrat_test::TempDir scoped(kTempPrefix);
+  const std::string& dir = scoped.path();
   EXPECT_THROW(ds::read_idx(dir + "/missing"), ds::NotFoundError);
   write(dir + "/short", idx_bytes({2, 3}, 5));
   EXPECT_THROW(ds::read_idx(dir + "/short"), ds::DataLossError);
@@ -124,8 +116,8 @@ std::vector<uint8_t> idx_gzip_bomb(std::vector<uint32_t> dims, size_t payload, s
 // A FIFO where an IDX file should be is a clear error, never a wait for a
 // writer (nor a misleading "does not exist").
 TEST(Idx, AFifoIsAnErrorNotAHang) {
-  const ScopedDir scoped;
-  const std::string& dir = scoped.path;
+  const diststrat_test::TempDir scoped(kTempPrefix);
+  const std::string& dir = scoped.path();
   ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0644), 0);
   ASSERT_EQ(::mkfifo((dir + "/train-images-idx3-ubyte.gz").c_str(), 0644), 0);
   const auto r = run_in_child([&] {
@@ -156,8 +148,8 @@ TEST(Idx, AFifoIsAnErrorNotAHang) {
 // A 1 MB gzip file that inflates to 512 MiB is refused as soon as the
 // output passes what its header's dims allow, not after inflating it all.
 TEST(Idx, AGzipBombStopsAtTheSizeTheHeaderAllows) {
-  const ScopedDir scoped;
-  const std::string& dir = scoped.path;
+  const diststrat_test::TempDir scoped(kTempPrefix);
+  const std::string& dir = scoped.path();
   write(dir + "/bomb.gz", idx_gzip_bomb({10, 10}, 100, 512));
   const long base = current_rss_kib();
   const auto r = run_in_child([&] {
@@ -178,8 +170,8 @@ TEST(Idx, AGzipBombStopsAtTheSizeTheHeaderAllows) {
 // A plain file far longer than its dims (sparse, 1 GiB) is refused from its
 // size, not read whole.
 TEST(Idx, APlainFileLongerThanItsDimsIsNotReadWhole) {
-  const ScopedDir scoped;
-  const std::string& dir = scoped.path;
+  const diststrat_test::TempDir scoped(kTempPrefix);
+  const std::string& dir = scoped.path();
   write(dir + "/long", idx_bytes({10, 10}, 100));
   ASSERT_EQ(::truncate((dir + "/long").c_str(), off_t(1) << 30), 0);
   const long base = current_rss_kib();
@@ -202,8 +194,8 @@ TEST(Idx, APlainFileLongerThanItsDimsIsNotReadWhole) {
 // there (gzip and plain), one extra byte, and concatenated gzip members (which
 // gzip itself reads as one stream).
 TEST(Idx, PayloadMustMatchTheDimsExactly) {
-  const ScopedDir scoped;
-  const std::string& dir = scoped.path;
+  const diststrat_test::TempDir scoped(kTempPrefix);
+  const std::string& dir = scoped.path();
   write_gz(dir + "/claim.gz", idx_bytes({1 << 16, 1 << 16, 4}, 10));
   write(dir + "/claim", idx_bytes({1 << 16, 1 << 16, 4}, 10));
   write_gz(dir + "/extra.gz", idx_bytes({2, 3}, 7));

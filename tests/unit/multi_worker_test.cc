@@ -13,6 +13,7 @@
 
 #include "diststrat/diststrat.h"
 #include "training_util.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 
@@ -330,8 +331,8 @@ TEST(MultiWorkerSafety, ALocalReplicaThatNeverEnqueuesIsNamed) {
 }
 
 TEST(MultiWorker, ChiefInitialValuesReduceGatherBroadcastAndTimeline) {
-  const std::string path = ::testing::TempDir() + "/mw_timeline.json";
-  std::remove(path.c_str());
+  const diststrat_test::TempDir tmp("diststrat_mw_timeline_");
+  const std::string path = tmp / "mw_timeline.json";
   ds::CommunicationOptions comm;
   comm.timeout = std::chrono::seconds(30);
   rethrow_first(run_workers(2, 0, comm, [&](int w, ds::MultiWorkerOptions& o) {

@@ -20,6 +20,7 @@
 #include "fault_util.h"
 #include "diststrat/diststrat.h"
 #include "parameter_server/strategy_impl.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 using std::chrono::milliseconds;
@@ -58,8 +59,8 @@ Outcome train_and_save(ds::ParameterServerStrategy& s, const std::string& dir, d
 class PsCheckpointFault : public ::testing::TestWithParam<ds::FaultKind> {};
 
 TEST_P(PsCheckpointFault, TheLastCheckpointStillLoadsAndRestores) {
-  char tmpl[] = "/tmp/diststrat-ps-fault-XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl);
+  const diststrat_test::TempDir temp("diststrat-ps-fault-");
+  const std::string& dir = temp.path();
   const bool stall = GetParam() == ds::FaultKind::kStall;
   ds::ParameterServerOptions o;
   o.worker_timeout = kWorkerTimeout;

@@ -26,16 +26,15 @@
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
 #include "parameter_server/strategy_impl.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 namespace pp = diststrat::partitioners;
 
 namespace {
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/diststrat_ps_ckpt_XXXXXX";
-  return ::mkdtemp(tmpl);
-}
+using diststrat_test::temp_dir;
+constexpr char kTempPrefix[] = "diststrat_ps_ckpt_";  // removed at exit (tests/common/temp_dir.h)
 
 std::vector<std::string> list(const std::string& dir) {
   std::vector<std::string> out;
@@ -106,7 +105,7 @@ class PsCheckpointReshard : public ::testing::TestWithParam<ReshardCase> {};
 // (so Adam's per-shard step counters came back too).
 TEST_P(PsCheckpointReshard, RestoresBitExactAndContinuesIdentically) {
   const ReshardCase& c = GetParam();
-  const std::string dir = temp_dir(), path = dir + "/ckpt-3.safetensors";
+  const std::string dir = temp_dir(kTempPrefix), path = dir + "/ckpt-3.safetensors";
   Job a(c.from, c.adam, 3);
   a.train(3, 11);
   a.ckpt.save(path, {{"epoch", "2"}});
@@ -142,7 +141,7 @@ INSTANTIATE_TEST_SUITE_P(
 // A row-sparse table (rows pushed lazily: untouched shards have no slots
 // yet) saved from 2 PS ranks restores onto 3, its slots included.
 TEST(PsCheckpoint, RowSparseTablesRoundTripWithTheirSlots) {
-  const std::string path = temp_dir() + "/emb.safetensors";
+  const std::string path = temp_dir(kTempPrefix) + "/emb.safetensors";
   struct Table {
     explicit Table(const Layout& l, double init)
         : s(options(l)), emb(s.create_row_sparse_variable("emb", {10, 4}, ds::DType::kFloat32, ds::init::Constant{init})),
@@ -178,7 +177,7 @@ TEST(PsCheckpoint, RowSparseTablesRoundTripWithTheirSlots) {
 // A PS checkpoint opens whole with load_checkpoint (examples/predict) and
 // restores into another strategy; a single-file checkpoint restores into a PS job.
 TEST(PsCheckpoint, CrossesToAndFromSingleFileStrategies) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Job a(kTwo, false, 3);
   a.train(3, 11);
   a.ckpt.save(dir + "/ps.safetensors");
@@ -200,7 +199,7 @@ TEST(PsCheckpoint, CrossesToAndFromSingleFileStrategies) {
 // Every way a PS checkpoint can be broken is refused, naming the file and
 // tensor, and the model is left untouched.
 TEST(PsCheckpoint, BrokenCheckpointsAreRefusedAndChangeNothing) {
-  const std::string dir = temp_dir(), path = dir + "/ckpt-1.safetensors";
+  const std::string dir = temp_dir(kTempPrefix), path = dir + "/ckpt-1.safetensors";
   Job a(kTwo, true, 3);
   a.train(2, 11);
   a.ckpt.save(path);
@@ -247,7 +246,7 @@ TEST(PsCheckpoint, BrokenCheckpointsAreRefusedAndChangeNothing) {
   expect_error(path, ds::ErrorCode::kNotFound, {shards[1]});
   // A shard file of another save under the expected name (index/shard disagreement).
   {
-    const std::string other = temp_dir();
+    const std::string other = temp_dir(kTempPrefix);
     a.ckpt.save(other + "/ckpt-1.safetensors");
     const auto os = shard_files(other);
     copy(other + "/" + os[1], dir + "/" + shards[1]);
@@ -278,7 +277,7 @@ TEST(PsCheckpoint, BrokenCheckpointsAreRefusedAndChangeNothing) {
 // `latest` on the previous checkpoint, which loads and restores; the next
 // successful save prunes the failed save's shard files.
 TEST(PsCheckpoint, FailureBetweenShardsAndIndexLeavesThePreviousCheckpoint) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   Job a(kTwo, false, 3);
   ds::CheckpointManager manager(a.ckpt, dir, {2});
   a.train(1, 1);
@@ -312,7 +311,7 @@ TEST(PsCheckpoint, FailureBetweenShardsAndIndexLeavesThePreviousCheckpoint) {
 // a new job with three PS ranks resumes on both workers (each gets the
 // metadata) and keeps training.
 TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   auto run_job = [&](int num_ps, const std::function<void(ds::ParameterServerStrategy&, int)>& body) {
     ds::ParameterServerOptions o;
     o.num_ps = num_ps;
@@ -371,7 +370,7 @@ TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
 // at the same step, agreed through PS 0 without lockstep, and the checkpoint
 // they save there holds both workers' pushes up to it.
 TEST(PsCheckpoint, WorkersAgreeOnAPreemptionStep) {
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   ds::ParameterServerOptions o;
   o.num_ps = 1;
   o.communication.timeout = std::chrono::seconds(30);
@@ -427,7 +426,7 @@ TEST(PsCheckpoint, WorkersAgreeOnAPreemptionStep) {
 // pruning. After every kill the latest checkpoint loads whole and verified.
 TEST(PsCheckpoint, KillDuringSaveAlwaysLeavesALoadableLatest) {
   const ds::testing::KillStats st = ds::testing::kill_during_save(
-      temp_dir(),
+      temp_dir(kTempPrefix),
       [](const std::string& dir, int64_t first_step) {
         ds::ParameterServerStrategy s(options(kTwo));
         ds::Variable big = s.create_variable("big", {128, 256}, ds::DType::kFloat32, ds::init::Zeros{});
@@ -445,7 +444,7 @@ TEST(PsCheckpoint, PsRanksRefuseToSaveThemselves) {
   auto ps = ds::ps::make_strategy(group.at(1), o);
   ds::Checkpoint ckpt(*ps);
   try {
-    ckpt.save(temp_dir() + "/x.safetensors");
+    ckpt.save(temp_dir(kTempPrefix) + "/x.safetensors");
     ADD_FAILURE() << "a PS rank saved";
   } catch (const ds::FailedPreconditionError& e) {
     EXPECT_NE(e.message().find("rank 1 (ps 0)"), std::string::npos) << e.what();

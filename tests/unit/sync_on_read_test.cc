@@ -16,6 +16,7 @@
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "strategy_configs.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 
@@ -35,10 +36,8 @@ const std::vector<Config>& setups() {
   return s;
 }
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/diststrat-onread-XXXXXX";
-  return ::mkdtemp(tmpl);
-}
+using diststrat_test::temp_dir;
+constexpr char kTempPrefix[] = "diststrat-onread-";  // removed at exit (tests/common/temp_dir.h)
 
 ds::VariableOptions on_read(ds::VariableAggregation a) {
   ds::VariableOptions o;
@@ -132,7 +131,7 @@ TEST(SyncOnRead, ReplicaUpdatesAggregateAsDocumented) {
 // counting goes on from the restored value.
 TEST(SyncOnRead, CounterSurvivesFiveSaveRestoreCyclesUnderEveryStrategy) {
   for (const Config& s : setups()) {
-    const std::string dir = temp_dir();
+    const std::string dir = temp_dir(kTempPrefix);
     with_strategy(s, [&](ds::Strategy& st, int worker) {
       const std::string where = s.label() + " worker " + std::to_string(worker);
       const int n = st.num_replicas_in_sync();
@@ -195,7 +194,7 @@ TEST(SyncOnRead, RestoreOntoAnotherReplicaOrWorkerCountKeepsTheAggregate) {
       {{"multi_worker", 2, 1}, {"multi_worker", 2, 2}},
   };
   for (const auto& [from, to] : pairs) {
-    const std::string path = temp_dir() + "/x.safetensors";
+    const std::string path = temp_dir(kTempPrefix) + "/x.safetensors";
     std::vector<ds::Tensor> saved;
     auto make = [&](ds::Strategy& st) {
       std::vector<ds::Variable> vars;

@@ -17,6 +17,7 @@
 #include "diststrat/diststrat.h"
 #include "parameter_server/update_rule.h"
 #include "training_util.h"
+#include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 using Schedule = ds::LearningRateSchedule;
@@ -25,10 +26,8 @@ namespace {
 
 const double kPi = 3.14159265358979323846;
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/diststrat_training_XXXXXX";
-  return mkdtemp(tmpl);
-}
+using diststrat_test::temp_dir;
+constexpr char kTempPrefix[] = "diststrat_training_";  // removed at exit (tests/common/temp_dir.h)
 
 // ---- schedules: closed forms -------------------------------------------------
 
@@ -255,7 +254,7 @@ void resume_case(const std::function<std::unique_ptr<ds::Strategy>()>& make, boo
   a.train(4, 11);
   a.train(5, 12);
 
-  const std::string dir = temp_dir();
+  const std::string dir = temp_dir(kTempPrefix);
   {
     Scheduled b(make(), 3, adam);
     b.train(4, 11);
