@@ -113,8 +113,8 @@ class ProcessGroup final : public Communicator {
 
 // Copies root's `tensors` into every rank's `tensors`, in place (e.g. a
 // model's parameters from the chief at start-up). Every rank passes the same
-// list: the same number of tensors, in the same order, with the same dtypes
-// and shapes (and names, when given) and the same root. `names[i]` names
+// list: the same number of tensors, in the same order, with the same dtypes,
+// shapes and names (or no names on every rank), and the same root. `names[i]` names
 // tensors[i] in errors; empty = "#i". Tensors must be defined and in host
 // memory; their storage may be owned or wrapped (Tensor::wrap,
 // Tensor::from_dlpack).
