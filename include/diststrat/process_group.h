@@ -38,8 +38,10 @@
 //   AbortedError naming it. The destructor is collective too: ranks of one
 //   host wait (at most options.timeout) for each other to release the shared
 //   windows; destroy groups and strategies in the same order on every rank.
-//   A group destroyed while an exception propagates does not wait: it aborts,
-//   so peers waiting in a collective with it fail at once naming this rank.
+//   A group destroyed while an exception propagates does not wait: it aborts;
+//   peers on its host waiting in a collective with it fail at once with
+//   AbortedError naming this rank (through shared memory), peers elsewhere at
+//   their deadline or when the launcher ends the job.
 // - MPI's lifetime: a group never finalizes MPI. If no one had initialized
 //   MPI, the first group (or strategy, or resolve_cluster) initializes it and
 //   the library finalizes it at exit, bounded by the longest timeout of the
