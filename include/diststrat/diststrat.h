@@ -20,6 +20,7 @@
 #include "diststrat/nn.h"
 #include "diststrat/optimizer.h"
 #include "diststrat/parameter_server.h"
+#include "diststrat/process_group.h"
 #include "diststrat/strategy.h"
 #include "diststrat/tensor.h"
 #include "diststrat/variable.h"

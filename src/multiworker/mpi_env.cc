@@ -25,7 +25,7 @@ bool launched_under_mpi() {
 }
 
 namespace {
-// The longest deadline of this process's MPI strategies (bound_finalize);
+// The longest deadline of this process's MPI strategies and process groups (bound_finalize);
 // 0 = none given (the default timeout applies). Per process, like MPI's own
 // state.
 std::atomic<int64_t> finalize_deadline_ms{0};

@@ -1,5 +1,9 @@
 #include "multiworker/process_group.h"
 
+#include <exception>
+
+#include "diststrat/process_group.h"
+
 #include "diststrat/config.h"
 #include "multiworker/hierarchical.h"
 #if DISTSTRAT_HAVE_MPI
@@ -123,10 +127,86 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
   DISTSTRAT_CHECK(p.world_size <= 1, kUnimplemented, "a cluster of ", p.world_size,
                   " processes needs MPI (launch with mpirun), which ",
                   DISTSTRAT_HAVE_MPI ? "did not start this process" : "this build does not have",
-                  "; or pass MultiWorkerOptions::communicator");
+                  " (MultiWorkerMirroredStrategy: or pass MultiWorkerOptions::communicator)");
   ProcessCommunicators out;
   out.cross = std::make_unique<SoloCommunicator>(options);
   return out;
+}
+
+// ---- ProcessGroup (diststrat/process_group.h) ----
+
+struct ProcessGroup::Impl {
+  ResolvedCluster cluster;
+  ProcessCommunicators comms;
+  // std::uncaught_exceptions() at construction: more at destruction =
+  // destroyed during stack unwinding.
+  int uncaught_at_construction = std::uncaught_exceptions();
+  Communicator& comm() const { return *comms.cross; }
+};
+
+ProcessGroup::ProcessGroup(ProcessGroupOptions options) : impl_(std::make_unique<Impl>()) {
+  const std::chrono::milliseconds timeout = options.communication.timeout;
+  // Checked before any MPI call: every rank computes it from the same code.
+  DISTSTRAT_CHECK(timeout.count() > 0, kInvalidArgument,
+                  "ProcessGroup: options.communication.timeout must be > 0 ms, got ",
+                  timeout.count(), " ms");
+  Impl& m = *impl_;
+  // Set-up is collective: a rank that fails it makes every rank fail, naming
+  // it, within the deadline (as for MultiWorkerMirroredStrategy).
+  m.cluster = resolve_cluster(options.cluster, timeout);
+  std::exception_ptr error;
+  try {
+    DISTSTRAT_CHECK(m.cluster.info.rank >= 0 && m.cluster.info.task_type != "evaluator",
+                    kInvalidArgument, "ProcessGroup: this process is task ",
+                    m.cluster.info.task_type, "[", m.cluster.info.task_index,
+                    "], which is not one of the job's training processes (chief, worker, ps)");
+  } catch (...) {
+    error = std::current_exception();
+  }
+  agree_on_setup("ProcessGroup set-up", error, timeout);
+  const Algorithm algo = options.communication.algorithm;
+  m.comms = make_process_communicators(m.cluster, options.communication,
+                                       algo == Algorithm::kAuto || algo == Algorithm::kHierarchical);
+  DISTSTRAT_CHECK_EQ(m.comm().rank(), m.cluster.info.rank, "ProcessGroup: communicator rank vs process rank");
+}
+
+ProcessGroup::~ProcessGroup() {
+  // Destroyed while an exception propagates: this rank will not meet its
+  // peers again; tell them (a peer in a collective fails now, naming this
+  // rank) instead of letting them wait out the deadline.
+  if (std::uncaught_exceptions() > impl_->uncaught_at_construction) {
+    impl_->comm().abort("rank " + std::to_string(impl_->comm().rank()) +
+                        " left the group: its ProcessGroup was destroyed while an exception "
+                        "propagated (that rank's own error is in its output)");
+  }
+}
+
+int ProcessGroup::rank() const { return impl_->comm().rank(); }
+int ProcessGroup::size() const { return impl_->comm().size(); }
+const CommunicationOptions& ProcessGroup::options() const { return impl_->comm().options(); }
+const ResolvedCluster& ProcessGroup::cluster() const { return impl_->cluster; }
+bool ProcessGroup::hierarchical() const { return impl_->comms.hierarchical; }
+
+void ProcessGroup::all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                              const std::string& name) {
+  impl_->comm().all_reduce(in, out, count, dtype, op, name);
+}
+void ProcessGroup::broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) {
+  impl_->comm().broadcast(buf, count, dtype, root, name);
+}
+void ProcessGroup::all_gather(const void* in, void* out, size_t count, DType dtype,
+                              const std::string& name) {
+  impl_->comm().all_gather(in, out, count, dtype, name);
+}
+void ProcessGroup::reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                                  const std::string& name) {
+  impl_->comm().reduce_scatter(in, out, count, dtype, op, name);
+}
+void ProcessGroup::barrier(const std::string& name) { impl_->comm().barrier(name); }
+void ProcessGroup::abort(const std::string& reason) { impl_->comm().abort(reason); }
+void ProcessGroup::reset() { impl_->comm().reset(); }
+std::shared_ptr<void> ProcessGroup::allocate_buffer(size_t bytes) {
+  return impl_->comm().allocate_buffer(bytes);
 }
 
 }  // namespace diststrat

@@ -1,4 +1,5 @@
-// All-reduces across two CPU replicas of a MirroredStrategy and checks the sum.
+// All-reduces across two CPU replicas of a MirroredStrategy and checks the sum;
+// then a one-rank ProcessGroup (diststrat/process_group.h) from outside.
 #include <cstdio>
 
 #include <diststrat/diststrat.h>
@@ -13,7 +14,13 @@ int main() {
     ctx.all_reduce(ds::ReduceOp::kSum, v);
     return t.data<float>()[2];
   });
-  const bool ok = sums[0] == 3.0f && sums[1] == 3.0f;
+  // The job-wide process group outside any strategy (one rank without mpirun).
+  ds::ProcessGroup pg;
+  std::vector<ds::Tensor> params{ds::Tensor(ds::Shape{2}, ds::DType::kFloat32)};
+  params[0].data<float>()[1] = 5.0f;
+  ds::broadcast_tensors(pg, params, 0, {"w"});
+  pg.all_reduce(params[0], ds::ReduceOp::kSum, "w");
+  const bool ok = sums[0] == 3.0f && sums[1] == 3.0f && pg.size() == 1 && params[0].data<float>()[1] == 5.0f;
   std::printf("consumer: diststrat %s, sum=%g %s\n", DISTSTRAT_VERSION, sums[0], ok ? "ok" : "WRONG");
   return ok ? 0 : 1;
 }

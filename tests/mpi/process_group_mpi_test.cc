@@ -1,0 +1,324 @@
+// The public process group (diststrat/process_group.h) under mpirun (np 2..4,
+// and 4 ranks in virtual nodes over TCP): every collective through it,
+// broadcast_tensors, a group next to a MultiWorkerMirroredStrategy (either
+// order, and used from two threads at once), groups in sequence, a
+// mismatched broadcast list and a rank that stops.
+//
+// Only the public API (diststrat/diststrat.h) is used, as a program would.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../common/collective_cases.h"
+#include "diststrat/diststrat.h"
+
+namespace ds = diststrat;
+namespace tc = diststrat::testing_cases;
+
+namespace {
+
+int world_size() {
+  int s;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
+int world_rank() {
+  int r;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+bool virtual_nodes() {
+  const char* v = std::getenv("DISTSTRAT_VIRTUAL_NODE_SIZE");
+  return v && std::atoi(v) > 0;
+}
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+ds::ProcessGroupOptions group_options(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  ds::ProcessGroupOptions o;
+  o.communication.timeout = timeout;
+  return o;
+}
+
+// A parameter list whose values depend on the rank (so a broadcast shows).
+std::vector<ds::Tensor> params_of(int rank) {
+  std::vector<ds::Tensor> ts{ds::Tensor({3, 4}, ds::DType::kFloat32), ds::Tensor({4}, ds::DType::kFloat32),
+                             ds::Tensor({}, ds::DType::kInt64), ds::Tensor({1000}, ds::DType::kFloat64)};
+  for (int i = 0; i < 12; ++i) ts[0].data<float>()[i] = rank * 100.0f + i;
+  for (int i = 0; i < 4; ++i) ts[1].data<float>()[i] = -rank - 0.5f * i;
+  ts[2].data<int64_t>()[0] = 7 + rank;
+  for (int i = 0; i < 1000; ++i) ts[3].data<double>()[i] = rank + 1e-3 * i;
+  return ts;
+}
+const std::vector<std::string> kParamNames{"fc/kernel", "fc/bias", "step", "emb"};
+
+void expect_params_of(const std::vector<ds::Tensor>& ts, int root) {
+  const std::vector<ds::Tensor> want = params_of(root);
+  ASSERT_EQ(ts.size(), want.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    EXPECT_EQ(std::memcmp(ts[i].data(), want[i].data(), want[i].nbytes()), 0)
+        << "rank " << world_rank() << " tensor " << kParamNames[i] << " from root " << root;
+  }
+}
+
+// all_reduce / broadcast / all_gather / reduce_scatter / barrier /
+// broadcast_tensors through `pg`, against closed-form values.
+void exercise(ds::ProcessGroup& pg) {
+  const int n = pg.size(), me = pg.rank();
+  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{1} << 18}) {
+    for (ds::ReduceOp op : {ds::ReduceOp::kSum, ds::ReduceOp::kMean, ds::ReduceOp::kMax}) {
+      for (ds::DType dtype : {ds::DType::kFloat32, ds::DType::kInt64}) {
+        std::vector<char> buf = tc::make_input(me, count, dtype, op);
+        pg.all_reduce(buf.data(), buf.data(), count, dtype, op, "grad");
+        ASSERT_TRUE(tc::check_reduced(buf.data(), count, dtype, op, n)) << count;
+      }
+    }
+    std::vector<float> mine(count), all(count * n, -1.f);
+    for (size_t i = 0; i < count; ++i) mine[i] = static_cast<float>(me * 1000 + i);
+    pg.all_gather(mine.data(), all.data(), count, ds::DType::kFloat32, "g");
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < count; ++i) ASSERT_EQ(all[r * count + i], r * 1000 + i);
+    std::vector<char> in = tc::make_input(me, count * n, ds::DType::kFloat64, ds::ReduceOp::kSum);
+    std::vector<double> out(count);
+    pg.reduce_scatter(in.data(), out.data(), count, ds::DType::kFloat64, ds::ReduceOp::kSum, "rs");
+    ASSERT_TRUE(tc::check_reduced(out.data(), count, ds::DType::kFloat64, ds::ReduceOp::kSum, n, me * count));
+    pg.barrier("b");
+  }
+  // The Tensor wrapper, in place.
+  ds::Tensor t({5}, ds::DType::kFloat32);
+  for (int i = 0; i < 5; ++i) t.data<float>()[i] = static_cast<float>(me + i);
+  pg.all_reduce(t, ds::ReduceOp::kSum, "t");
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(t.data<float>()[i], n * (n - 1) / 2.0f + n * i);
+  for (int root = 0; root < n; ++root) {
+    std::vector<ds::Tensor> ts = params_of(me);
+    ds::broadcast_tensors(pg, ts, root, kParamNames);
+    expect_params_of(ts, root);
+  }
+}
+
+}  // namespace
+
+TEST(ProcessGroupMpi, EveryCollectiveThroughThePublicGroup) {
+  ds::ProcessGroup pg(group_options());
+  EXPECT_EQ(pg.size(), world_size());
+  EXPECT_EQ(pg.rank(), world_rank());
+  EXPECT_EQ(pg.cluster().source, ds::ClusterSource::kMpi);
+  EXPECT_EQ(pg.cluster().info.is_chief(), world_rank() == 0);
+  // One host: shared memory, flat. Virtual nodes of 2 on 4 ranks: hierarchical.
+  EXPECT_EQ(pg.hierarchical(), virtual_nodes() && world_size() % 2 == 0 && world_size() >= 4);
+  exercise(pg);
+  // Small packs: several broadcasts per list, the 8000-byte tensor on its own.
+  for (size_t bytes_per_pack : {size_t{0}, size_t{40}, size_t{4096}}) {
+    ds::ProcessGroupOptions o = group_options();
+    o.communication.bytes_per_pack = bytes_per_pack;
+    ds::ProcessGroup packed(o);
+    std::vector<ds::Tensor> ts = params_of(world_rank());
+    ds::broadcast_tensors(packed, ts, world_size() - 1, kParamNames);
+    expect_params_of(ts, world_size() - 1);
+  }
+}
+
+// The hierarchical path from the group's own options (virtual nodes of 2).
+TEST(ProcessGroupMpi, VirtualNodesMakeTheAllReduceHierarchical) {
+  ds::ProcessGroupOptions o = group_options();
+  o.cluster.virtual_node_size = 2;
+  ds::ProcessGroup pg(o);
+  const int n = world_size();
+  if (!virtual_nodes()) EXPECT_EQ(pg.hierarchical(), n % 2 == 0 && n >= 4) << n;
+  if (!virtual_nodes()) EXPECT_EQ(pg.cluster().placement.num_nodes, (n + 1) / 2);
+  exercise(pg);
+}
+
+TEST(ProcessGroupMpi, FromTfConfig) {
+  const int n = world_size(), me = world_rank();
+  std::string workers;
+  for (int w = 1; w < n; ++w) workers += std::string(w > 1 ? "," : "") + "\"w" + std::to_string(w) + ":1\"";
+  const std::string tf = R"({"cluster":{"chief":["c:1"],"worker":[)" + workers + R"(]},"task":{"type":")" +
+                         (me == 0 ? "chief" : "worker") + R"(","index":)" + std::to_string(me == 0 ? 0 : me - 1) +
+                         "}}";
+  setenv("TF_CONFIG", tf.c_str(), 1);
+  {
+    ds::ProcessGroup pg(group_options());
+    EXPECT_EQ(pg.cluster().source, ds::ClusterSource::kTfConfig);
+    EXPECT_EQ(pg.rank(), me);
+    int64_t x = 1;
+    pg.all_reduce(&x, 1, ds::ReduceOp::kSum, "x");
+    EXPECT_EQ(x, n);
+  }
+  // A TF_CONFIG that disagrees with rank 1's MPI rank: every rank's
+  // constructor throws, rank 0 naming rank 1.
+  if (me == 1) setenv("TF_CONFIG", R"({"cluster":{"worker":["a:1","b:1"]},"task":{"type":"worker","index":0}})", 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    ds::ProcessGroup pg(group_options(std::chrono::seconds(20)));
+    ADD_FAILURE() << "rank " << me << ": accepted";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_EQ(me, 1) << e.what();
+  } catch (const ds::AbortedError& e) {
+    EXPECT_NE(me, 1) << e.what();
+    EXPECT_TRUE(has(e.message(), "rank 1 failed: [kInvalidArgument]")) << e.message();
+  }
+  EXPECT_LT(seconds_since(t0), 10.0);
+  unsetenv("TF_CONFIG");
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A group and a strategy in one process, created in either order, each used
+// in turn and then from two threads at once; and groups one after another.
+TEST(ProcessGroupMpi, CoexistsWithAMultiWorkerStrategyInEitherOrder) {
+  const int n = world_size(), me = world_rank();
+  ds::MultiWorkerOptions so;
+  so.communication.timeout = std::chrono::seconds(60);
+  auto step = [&](ds::MultiWorkerMirroredStrategy& s, int k) {
+    auto sums = s.run([&](ds::ReplicaContext& ctx) {
+      ds::Tensor g({16}, ds::DType::kFloat32);
+      for (int i = 0; i < 16; ++i) g.data<float>()[i] = static_cast<float>(me + k + i);
+      std::vector<ds::Tensor> v{g};
+      ctx.all_reduce(ds::ReduceOp::kSum, v, {"dense/grad"});
+      return g.data<float>()[15];
+    });
+    EXPECT_EQ(sums[0], n * (n - 1) / 2.0f + n * (k + 15.0f));
+  };
+  auto group_round = [&](ds::ProcessGroup& pg, int k) {
+    int64_t x = me + k;
+    pg.all_reduce(&x, 1, ds::ReduceOp::kSum, "x");
+    EXPECT_EQ(x, n * (n - 1) / 2 + n * k);
+    std::vector<ds::Tensor> ts = params_of(me);
+    ds::broadcast_tensors(pg, ts, 0, kParamNames);
+    expect_params_of(ts, 0);
+  };
+  for (bool group_first : {true, false}) {
+    SCOPED_TRACE(group_first ? "group first" : "strategy first");
+    std::unique_ptr<ds::ProcessGroup> pg;
+    std::unique_ptr<ds::MultiWorkerMirroredStrategy> s;
+    if (group_first) pg = std::make_unique<ds::ProcessGroup>(group_options());
+    s = std::make_unique<ds::MultiWorkerMirroredStrategy>(so);
+    if (!group_first) pg = std::make_unique<ds::ProcessGroup>(group_options());
+    for (int k = 0; k < 3; ++k) {
+      step(*s, k);
+      group_round(*pg, k);
+    }
+    ds::Tensor b({4}, ds::DType::kInt32);
+    for (int i = 0; i < 4; ++i) b.data<int32_t>()[i] = me * 10 + i;
+    s->broadcast(b, 0, "b");
+    EXPECT_EQ(b.data<int32_t>()[3], 3);
+    // Both at once: the group from a thread of its own, the strategy here.
+    std::thread user([&] {
+      for (int k = 0; k < 20; ++k) group_round(*pg, k);
+    });
+    for (int k = 0; k < 20; ++k) step(*s, k);
+    user.join();
+    // Torn down in the opposite order of creation (and the other order the
+    // second time round).
+    if (group_first) {
+      s.reset();
+      pg.reset();
+    } else {
+      pg.reset();
+      s.reset();
+    }
+  }
+  for (int i = 0; i < 3; ++i) {
+    ds::ProcessGroup pg(group_options());
+    group_round(pg, i);
+  }
+}
+
+// A rank whose list differs: every rank throws InvalidArgumentError naming the
+// rank and the tensor, well within the deadline; the group stays usable.
+TEST(ProcessGroupMpi, AMismatchedBroadcastListIsAnErrorOnEveryRankNamingTheTensor) {
+  const int n = world_size(), me = world_rank(), odd = n - 1;
+  ds::ProcessGroup pg(group_options(std::chrono::seconds(20)));
+  const std::vector<std::string> expected{
+      "rank " + std::to_string(odd) + " has 5 tensors, root 0 has 4: rank " + std::to_string(odd) +
+          "'s tensor #4 'extra/w' float32[6] is extra",
+      "rank " + std::to_string(odd) + " has #1 'fc/bias' float32[5], root 0 has #1 'fc/bias' float32[4]"};
+  for (int variant = 0; variant < 2; ++variant) {
+    std::vector<ds::Tensor> ts = params_of(me);
+    std::vector<std::string> names = kParamNames;
+    if (me == odd && variant == 0) {
+      ts.emplace_back(ds::Shape{6}, ds::DType::kFloat32);
+      names.push_back("extra/w");
+    }
+    if (me == odd && variant == 1) ts[1] = ds::Tensor({5}, ds::DType::kFloat32);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      ds::broadcast_tensors(pg, ts, 0, names);
+      ADD_FAILURE() << "rank " << me << ": no error";
+    } catch (const ds::InvalidArgumentError& e) {
+      if (me == 0) std::fprintf(stderr, "[rank 0] %s\n", e.what());
+      EXPECT_TRUE(has(e.message(), "rank " + std::to_string(me) + ": broadcast_tensors: ")) << e.message();
+      EXPECT_TRUE(has(e.message(), expected[variant])) << e.message();
+    }
+    EXPECT_LT(seconds_since(t0), 5.0);
+    // Nothing was written; the group is in step.
+    if (me != 0) EXPECT_EQ(ts[0].data<float>()[1], me * 100.0f + 1);
+    std::vector<ds::Tensor> ok = params_of(me);
+    ds::broadcast_tensors(pg, ok, 0, kParamNames);
+    expect_params_of(ok, 0);
+  }
+}
+
+// A rank that throws while it holds a group: its peers, waiting in a
+// collective, fail at once with AbortedError naming it (shared memory carries
+// the abort; across virtual nodes the MPI side would wait for its deadline).
+TEST(ProcessGroupMpi, AGroupDestroyedDuringAnExceptionReleasesItsPeers) {
+  if (virtual_nodes()) GTEST_SKIP() << "the abort travels through shared memory (one node)";
+  const int me = world_rank();
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    ds::ProcessGroup pg(group_options(std::chrono::seconds(30)));
+    if (me == 0) throw std::runtime_error("rank 0's data loader failed");
+    std::vector<float> g(100, 1.0f);
+    pg.all_reduce(g.data(), g.data(), g.size(), ds::DType::kFloat32, ds::ReduceOp::kSum, "grad");
+    ADD_FAILURE() << "rank " << me << ": all_reduce returned";
+  } catch (const ds::AbortedError& e) {
+    EXPECT_NE(me, 0);
+    EXPECT_TRUE(has(e.message(), "rank 0 left the group")) << e.message();
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(me, 0) << e.what();
+  }
+  EXPECT_LT(seconds_since(t0), 10.0) << "deadline was 30 s";
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Last: the last rank stops taking part; the others' broadcast_tensors fails
+// with DeadlineExceeded naming it, within the deadline.
+TEST(ProcessGroupMpi, ZZ_ARankThatStopsIsDeadlineExceeded) {
+  const int stopper = world_size() - 1, me = world_rank();
+  {
+    ds::ProcessGroup pg(group_options(std::chrono::milliseconds(1000)));
+    if (me != stopper) {
+      std::vector<ds::Tensor> ts = params_of(me);
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        ds::broadcast_tensors(pg, ts, 0, kParamNames);
+        ADD_FAILURE() << "no error";
+      } catch (const ds::DeadlineExceededError& e) {
+        std::fprintf(stderr, "[rank %d] %s\n", me, e.what());
+        EXPECT_TRUE(has(e.message(), "rank " + std::to_string(stopper) + " did not arrive") ||
+                    has(e.message(), "ranks " + std::to_string(stopper - 1) + ", " + std::to_string(stopper)) ||
+                    has(e.message(), "peer " + std::to_string(stopper)))
+            << e.message();
+        EXPECT_TRUE(has(e.message(), "broadcast_tensors/signatures")) << e.message();
+      } catch (const ds::AbortedError& e) {
+        std::fprintf(stderr, "[rank %d] %s\n", me, e.what());
+        EXPECT_TRUE(has(e.message(), "rank " + std::to_string(stopper))) << e.message();
+      }
+      EXPECT_LT(seconds_since(t0), 1.0 + 3.0) << "deadline was 1 s";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
