@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -119,7 +120,9 @@ TEST(ZeroMpi, CheckpointRestoresOnOneWorkerFewerUnshardedAndOneMoreSharded) {
   ds::Tensor pid(ds::Shape{1}, ds::DType::kInt64);
   pid.data<int64_t>()[0] = getpid();
   s.broadcast(pid, 0, "pid");
-  const std::string path = "/tmp/diststrat_zero_mpi_" + std::to_string(pid.data<int64_t>()[0]) + ".safetensors";
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/diststrat_zero_mpi_" +
+                           std::to_string(pid.data<int64_t>()[0]) + ".safetensors";
   auto vars = zc::create_model(s);
   auto opt = zc::make_optimizer(s, adam);
   zc::train(s, *opt, vars, kSteps / 2);

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -27,9 +29,18 @@ namespace {
 constexpr int kSteps = 20;
 constexpr double kTol = 1e-5;
 
+// A file in a fresh directory under $TMPDIR (else /tmp); remove_temp
+// deletes both.
 std::string temp_path(const std::string& tag) {
-  char tmpl[] = "/tmp/diststrat_zero_XXXXXX";
-  return std::string(mkdtemp(tmpl)) + "/" + tag + ".safetensors";
+  const char* env = std::getenv("TMPDIR");
+  std::string tmpl = std::string(env && *env ? env : "/tmp") + "/diststrat_zero_XXXXXX";
+  if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp " + tmpl);
+  return tmpl + "/" + tag + ".safetensors";
+}
+
+void remove_temp(const std::string& path) {
+  std::remove(path.c_str());
+  std::remove(path.substr(0, path.rfind('/')).c_str());
 }
 
 ds::MirroredOptions mirrored(int replicas, bool zero) {
@@ -377,7 +388,7 @@ TEST(ZeroCheckpoint, MirroredThreeShardedRestoresOnTwoUnshardedAndFourSharded) {
       EXPECT_LE(zc::max_diff(zc::values(vars), ref), kTol);
       EXPECT_TRUE(zc::copies_identical(vars));
     }
-    std::remove(path.c_str());
+    remove_temp(path);
   }
 }
 
@@ -410,7 +421,7 @@ TEST(ZeroCheckpoint, MultiWorkerThreeShardedRestoresOnTwoUnshardedAndFourSharded
       EXPECT_EQ(0, zc::max_diff(got[static_cast<size_t>(w)], got[0]));
     }
   }
-  std::remove(path.c_str());
+  remove_temp(path);
 }
 
 }  // namespace
