@@ -11,6 +11,15 @@
 // reference. Baselines run in the same invocation: mpi = MPI_Allreduce
 // (MPI_Iallreduce polled), gloo = Gloo's ring-chunked and halving-doubling
 // over TCP loopback.
+//
+// --collectives all_reduce,reduce_scatter,all_gather adds rows for the
+// other two collectives of every communicator-backed algorithm ("ring/
+// reduce_scatter", ...), as ZeRO-1 uses them (a reduce-scatter plus an
+// all-gather move the bytes of one all-reduce); "mpi/<collective>" is the
+// kMpiNative communicator's own reduce_scatter / all_gather (only its
+// all_reduce is MPI_Allreduce). nccl-tests' convention:
+// size = the whole buffer (p blocks: the reduce-scatter's input, the
+// all-gather's output), algbw = size / time, busbw = algbw (p - 1) / p.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -71,6 +80,7 @@ struct Config {
   size_t fusion_bytes = 4096;
   size_t segment_bytes = 0;
   std::string csv_out;
+  std::vector<std::string> collectives{"all_reduce"};
   std::string timeout;  // --timeout seconds; empty: DISTSTRAT_TIMEOUT, else 5 minutes
 };
 
@@ -334,10 +344,60 @@ std::vector<Row> run_sweep(World& w, const Config& c, ds::DType dtype, ds::Reduc
       }
       rows.push_back(row);
     }
+    // reduce_scatter / all_gather over p blocks of count / p elements.
+    const size_t block = count / static_cast<size_t>(p);
+    for (const std::string& coll : c.collectives) {
+      if (coll == "all_reduce" || block == 0) continue;
+      const bool scatter = coll == "reduce_scatter";
+      for (auto& [name, runner] : runners) {
+        ds::Communicator* comm = runner->communicator();
+        if (!comm) continue;  // memcpy, gloo: all-reduce only
+        auto [in, out] = runner->buffers(count * es);
+        if (!in) {
+          in = heap_in.data();
+          out = heap_out.data();
+        }
+        fill(in, dtype, scatter ? block * p : block, w.rank(), op);
+        Row row;
+        row.algo = name + "/" + coll;
+        row.count = block * static_cast<size_t>(p);
+        row.bytes = row.count * es;
+        const auto run = [&] {
+          if (scatter) {
+            comm->reduce_scatter(in, out, block, dtype, op, "bench");
+          } else {
+            comm->all_gather(in, out, block, dtype, "bench");
+          }
+        };
+        const auto t = time_iterations(w, c, run);
+        row.p50_us = percentile(t, 0.5);
+        row.p99_us = percentile(t, 0.99);
+        row.algbw = row.bytes / (row.p50_us * 1e-6) / 1e9;
+        row.busbw = row.algbw * (p - 1) / p;
+        if (c.check) {
+          std::memset(out, 0, count * es);
+          run();
+          bool ok = true;
+          const double rel = dtype == ds::DType::kBFloat16 ? 1e-2 : dtype == ds::DType::kFloat16 ? 2e-3 : 1e-6;
+          for (size_t i = 0; i < (scatter ? block : block * p) && ok; ++i) {
+            // reduce_scatter: element rank * block + i of the reduction;
+            // all_gather: rank i / block's element i % block.
+            const double want = scatter ? reduced(p, w.rank() * block + i, op, dtype)
+                                        : contribution(static_cast<int>(i / block), i % block, op);
+            ok = std::abs(get(out, dtype, i) - want) <= rel * std::abs(want) + 1e-9;
+          }
+          row.check = w.all_true(ok) ? "ok" : "FAIL";
+        }
+        rows.push_back(row);
+      }
+    }
   }
   for (Row& r : rows) {
+    // Against the mpi row of the same collective ("mpi", "mpi/reduce_scatter").
+    const size_t slash = r.algo.find('/');
+    const std::string mpi = "mpi" + (slash == std::string::npos ? std::string() : r.algo.substr(slash));
     for (const Row& m : rows) {
-      if (m.algo == "mpi" && m.bytes == r.bytes) r.vs_mpi = m.p50_us / r.p50_us;
+      if (m.algo == mpi && m.bytes == r.bytes) r.vs_mpi = m.p50_us / r.p50_us;
     }
   }
   return rows;
@@ -827,7 +887,10 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
 int main(int argc, char** argv) {
   Config c;
   CLI::App app{"diststrat all-reduce benchmark (nccl-tests style)"};
-  std::string algos;
+  std::string algos, collectives;
+  app.add_option("--collectives", collectives,
+                 "comma-separated: all_reduce (always), reduce_scatter, all_gather (rows per "
+                 "communicator-backed algorithm)");
   app.add_option("--algos", algos,
                  "comma-separated: ring,halving_doubling,tree,reduce_to_one,hierarchical,shm,auto,"
                  "mpi,gloo (and direct with --inproc); <algo>_registered = that algorithm on "
@@ -858,6 +921,18 @@ int main(int argc, char** argv) {
     std::stringstream ss(algos);
     for (std::string a; std::getline(ss, a, ',');)
       if (!a.empty()) c.algos.push_back(a);
+  }
+  if (!collectives.empty()) {
+    c.collectives.clear();
+    std::stringstream ss(collectives);
+    for (std::string a; std::getline(ss, a, ',');) {
+      if (a.empty()) continue;
+      if (a != "all_reduce" && a != "reduce_scatter" && a != "all_gather") {
+        std::fprintf(stderr, "allreduce_bench: unknown collective '%s'\n", a.c_str());
+        return 2;
+      }
+      c.collectives.push_back(a);
+    }
   }
   // Upper-case "256M" style sizes are not parsed; use bytes (CLI11 accepts 268435456).
   try {

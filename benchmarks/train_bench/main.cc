@@ -21,7 +21,18 @@
 // example over the timed steps of every worker (loss=): under the parameter
 // server reduce() covers one worker's replicas, so the workers add their
 // shares to a metric on PS 0 and the chief reads the job's totals.
+//
+// ZeRO-1 (sharded optimizer state, mirrored and multi_worker): --zero on
+// trains with MultiWorkerOptions / MirroredOptions::shard_optimizer_state
+// (apply_gradients path); --zero compare builds both strategies in this one
+// process and times them in alternating blocks of --block steps, so machine
+// noise hits both alike, and prints each one's step time, the ratio (with
+// its spread over the blocks) and optimizer-slot bytes per replica;
+// --optimizer adam|sgd picks the rule.
+//
+//   mpirun -np 4 build/benchmarks/train_bench --strategy multi_worker --optimizer adam --zero compare
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -72,6 +83,8 @@ int main(int argc, char** argv) {
   bool overlap = true;
   int64_t width = 256;
   std::string compression = "none";
+  std::string zero = "off", optimizer = "sgd";
+  int block = 20;
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
   app.add_option("--strategy", strategy_name,
                  "mirrored | central_storage | multi_worker | parameter_server")
@@ -97,6 +110,13 @@ int main(int argc, char** argv) {
   app.add_option("--compression", compression, "multi_worker wire compression: none | f16 | bf16")
       ->check(CLI::IsMember({"none", "f16", "bf16"}))
       ->capture_default_str();
+  app.add_option("--zero", zero, "ZeRO-1 sharded optimizer state: off | on | compare (mirrored, multi_worker)")
+      ->check(CLI::IsMember({"off", "on", "compare"}))
+      ->capture_default_str();
+  app.add_option("--optimizer", optimizer, "sgd | adam")
+      ->check(CLI::IsMember({"sgd", "adam"}))
+      ->capture_default_str();
+  app.add_option("--block", block, "--zero compare: steps per timed block")->capture_default_str();
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
   std::string timeout;
@@ -130,13 +150,118 @@ int main(int argc, char** argv) {
             p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(split_gpus, {each}));
       }
     }
+    const auto make_strategy = [&](bool shard) -> std::unique_ptr<ds::Strategy> {
+      if (strategy_name == "mirrored") {
+        ds::MirroredOptions o;
+        o.devices = devices;
+        o.device_manager = local_gpus;
+        o.communication = comm;
+        o.shard_optimizer_state = shard;
+        return std::make_unique<ds::MirroredStrategy>(o);
+      }
+      if (strategy_name == "multi_worker") {
+        ds::MultiWorkerOptions o;
+        o.devices = devices;
+        o.device_manager = process_gpus;
+        o.timeline_path = timeline;
+        o.communication.compression = compression == "f16"    ? ds::Compression::kFloat16
+                                      : compression == "bf16" ? ds::Compression::kBFloat16
+                                                              : ds::Compression::kNone;
+        o.communication.timeout = comm.timeout;
+        o.shard_optimizer_state = shard;
+        return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
+      }
+      throw ds::InvalidArgumentError("--zero needs --strategy mirrored or multi_worker");
+    };
+    const auto make_optimizer = [&](ds::Strategy& s) -> std::unique_ptr<ds::Optimizer> {
+      if (optimizer == "adam") {
+        ds::AdamOptions o;
+        o.learning_rate = lr / 50;
+        return std::make_unique<ds::Adam>(s, o);
+      }
+      return std::make_unique<ds::SGD>(s, ds::SGDOptions{lr, 0.0f});
+    };
+    if (zero != "off" || optimizer != "sgd") overlap = false;  // the optimizer's own path
+    if (zero == "compare") {
+      // Both strategies in this process, timed in alternating blocks.
+      struct Run {
+        std::unique_ptr<ds::Strategy> strategy;
+        std::vector<ds::Variable> params;
+        std::unique_ptr<ds::Optimizer> opt;
+        ds::DistributedDataset dist;
+        int64_t next = 0;
+        double seconds = 0;
+      };
+      const ds::Dataset train = ds::load_mnist_split(data_dir, "train");
+      const ds::nn::Mlp mlp({784, width, width, 10});
+      Run runs[2];
+      for (int z = 0; z < 2; ++z) {
+        Run& r = runs[z];
+        r.strategy = make_strategy(z == 1);
+        r.params = mlp.create_variables(*r.strategy, 1);
+        r.opt = make_optimizer(*r.strategy);
+        r.dist = r.strategy->distribute(train, per_replica_batch * r.strategy->num_replicas_in_sync());
+      }
+      const auto step = [&](Run& r) {
+        const ds::DistributedBatch batch = r.dist.batch(r.next++ % r.dist.num_batches());
+        const float scale = 1.0f / static_cast<float>(batch.global_size());
+        r.strategy->run([&](ds::ReplicaContext& ctx) {
+          std::vector<ds::Tensor> values;
+          for (const ds::Variable& v : r.params) values.push_back(v.read(ctx));
+          auto s = mlp.forward_backward(values, batch.features(ctx), batch.labels(ctx), scale);
+          std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+          for (size_t i = 0; i < r.params.size(); ++i) gv.emplace_back(s.grads[i], r.params[i]);
+          r.opt->apply_gradients(ctx, gv);
+        });
+      };
+      for (Run& r : runs) {
+        for (int i = 0; i < warmup; ++i) step(r);
+      }
+      std::vector<double> ratios;
+      const int blocks = std::max(1, steps / std::max(1, block));
+      for (int b = 0; b < blocks; ++b) {
+        double t[2];
+        for (int z = 0; z < 2; ++z) {
+          // Alternate which goes first, so neither always follows the other.
+          Run& r = runs[(b + z) % 2];
+          r.strategy->barrier("block start");
+          const auto start = std::chrono::steady_clock::now();
+          for (int i = 0; i < block; ++i) step(r);
+          r.strategy->barrier("block end");
+          const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          r.seconds += sec;
+          t[(b + z) % 2] = sec;
+        }
+        ratios.push_back(t[1] / t[0]);
+      }
+      std::sort(ratios.begin(), ratios.end());
+      const bool chief = runs[0].strategy->cluster().is_chief() || runs[0].strategy->cluster().world_size == 1;
+      if (chief) {
+        const int n = blocks * block;
+        for (int z = 0; z < 2; ++z) {
+          std::printf("train_bench: strategy=%s zero=%d optimizer=%s workers=%d replicas=%d "
+                      "batch_per_replica=%lld width=%lld steps=%d step_ms=%.3f "
+                      "optimizer_slot_bytes_per_replica=%lld\n",
+                      runs[z].strategy->name().c_str(), z, optimizer.c_str(),
+                      runs[z].strategy->cluster().num_workers, runs[z].strategy->num_replicas_in_sync(),
+                      static_cast<long long>(per_replica_batch), static_cast<long long>(width), n,
+                      1e3 * runs[z].seconds / n,
+                      static_cast<long long>(runs[z].opt->slot_bytes_per_replica()));
+        }
+        std::printf("train_bench: zero/plain step time %.3f (blocks of %d: min %.3f median %.3f max %.3f), "
+                    "slot bytes %.3f\n",
+                    runs[1].seconds / runs[0].seconds, block, ratios.front(), ratios[ratios.size() / 2],
+                    ratios.back(),
+                    double(runs[1].opt->slot_bytes_per_replica()) /
+                        double(std::max<int64_t>(1, runs[0].opt->slot_bytes_per_replica())));
+      }
+      return 0;
+    }
     std::unique_ptr<ds::Strategy> strategy;
-    if (strategy_name == "mirrored") {
-      ds::MirroredOptions o;
-      o.devices = devices;
-      o.device_manager = local_gpus;
-      o.communication = comm;
-      strategy = std::make_unique<ds::MirroredStrategy>(o);
+    if (strategy_name == "mirrored" || strategy_name == "multi_worker") {
+      strategy = make_strategy(zero == "on");
+    } else if (zero != "off") {
+      throw ds::InvalidArgumentError("--zero needs --strategy mirrored or multi_worker");
     } else if (strategy_name == "central_storage") {
       ds::CentralStorageOptions o;
       o.devices = devices;
@@ -144,16 +269,6 @@ int main(int argc, char** argv) {
       o.communication = comm;
       strategy = std::make_unique<ds::CentralStorageStrategy>(o);
       overlap = false;
-    } else if (strategy_name == "multi_worker") {
-      ds::MultiWorkerOptions o;
-      o.devices = devices;
-      o.device_manager = process_gpus;
-      o.timeline_path = timeline;
-      o.communication.compression = compression == "f16"    ? ds::Compression::kFloat16
-                                    : compression == "bf16" ? ds::Compression::kBFloat16
-                                                            : ds::Compression::kNone;
-      o.communication.timeout = comm.timeout;
-      strategy = std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
     } else if (strategy_name == "parameter_server") {
       ds::ParameterServerOptions o;
       o.num_ps = num_ps;
@@ -175,7 +290,8 @@ int main(int argc, char** argv) {
     const ds::Dataset train = ds::load_mnist_split(data_dir, "train");
     const ds::nn::Mlp mlp({784, width, width, 10});
     std::vector<ds::Variable> params = mlp.create_variables(*strategy, 1);
-    ds::SGD opt(*strategy, {lr, 0.0f});
+    std::unique_ptr<ds::Optimizer> opt_ptr = make_optimizer(*strategy);
+    ds::Optimizer& opt = *opt_ptr;
     const int64_t global_batch = per_replica_batch * strategy->num_replicas_in_sync();
     ds::DistributedDataset dist = strategy->distribute(train, global_batch);
 
@@ -231,11 +347,13 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (chief) {
       std::printf("train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
-                  "width=%lld compression=%s steps=%d seconds=%.3f loss=%.4f samples_per_sec=%.0f\n",
+                  "width=%lld compression=%s zero=%s optimizer=%s steps=%d seconds=%.3f loss=%.4f "
+                  "samples_per_sec=%.0f optimizer_slot_bytes_per_replica=%lld\n",
                   strategy->name().c_str(), strategy->cluster().num_workers,
                   strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
-                  overlap ? 1 : 0, static_cast<long long>(width), compression.c_str(), steps, seconds, loss,
-                  steps * global_batch / seconds);
+                  overlap ? 1 : 0, static_cast<long long>(width), compression.c_str(), zero.c_str(),
+                  optimizer.c_str(), steps, seconds, loss, steps * global_batch / seconds,
+                  static_cast<long long>(opt.slot_bytes_per_replica()));
     }
     return 0;
   } catch (const ds::Error& e) {

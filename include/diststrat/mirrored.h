@@ -33,6 +33,10 @@ struct MirroredOptions {
   // Log the device of every variable, collective and op
   // (DISTSTRAT_LOG_DEVICE_PLACEMENT=1 overrides).
   bool log_device_placement = false;
+  // ZeRO-1: shard optimizer slots over the replicas (reduce-scatter the
+  // gradients, each replica updates its block, all-gather the variables;
+  // see Optimizer::apply_sharded and docs/training.md). CPU replicas only.
+  bool shard_optimizer_state = false;
 };
 
 class MirroredStrategy : public Strategy {

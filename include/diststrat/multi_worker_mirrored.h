@@ -91,6 +91,14 @@ struct MultiWorkerOptions {
   Communicator* node_communicator = nullptr;
   Communicator* cross_node_communicator = nullptr;
   LogLevel log_level = LogLevel::kWarning;
+  // ZeRO-1 (off by default): shard optimizer slots over every replica in
+  // sync; gradients are reduce-scattered through the fusion engine, each
+  // replica updates its block of the variables with its block of the slots
+  // (~1/R of the slot memory, Optimizer::slot_bytes_per_replica), and the
+  // blocks are all-gathered. Checkpoints hold the full state (the same file
+  // as without). CPU replicas, the same local replica count on every worker
+  // (else UnimplementedError at construction). See docs/training.md.
+  bool shard_optimizer_state = false;
 };
 
 // Counters of the fusion engine (for tests and benchmarks).

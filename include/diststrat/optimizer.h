@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -121,6 +122,22 @@ struct ApplyResult {
   double global_norm = std::numeric_limits<double>::quiet_NaN();
 };
 
+// ZeRO-1 (sharded optimizer state): the collectives a strategy hands to
+// Optimizer::apply_sharded, over every replica in sync (R of them, global
+// replica ids 0..R-1). Each blocks until this replica's part is done; every
+// replica calls each the same number of times in the same order.
+struct ShardedCollectives {
+  // `in`: R * B float32 elements; `out`: B. Leaves block replica_id() of the
+  // element-wise sum over all replicas in `out`.
+  std::function<void(const Tensor& in, Tensor& out)> reduce_scatter;
+  // `in`: B float32 elements; `out`: R * B, every replica's `in` in replica
+  // order.
+  std::function<void(const Tensor& in, Tensor& out)> all_gather;
+  // The sum of one double over every replica in sync (global-norm clipping,
+  // loss scaling's non-finite decision): one scalar reduction per step.
+  std::function<double(double)> sum;
+};
+
 class Optimizer {
  public:
   explicit Optimizer(Strategy& strategy);
@@ -204,9 +221,52 @@ class Optimizer {
   // and applied in order (or all dropped for a skipped step).
   void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots, int64_t step) const;
 
+  // ZeRO-1, called by a strategy's apply_gradients in place of its
+  // all-reduce and per-copy updates when the strategy shards optimizer state
+  // (MirroredOptions / MultiWorkerOptions::shard_optimizer_state). The
+  // variables of the call, in creation order, are laid end to end as one flat
+  // vector of N float32 elements, cut into R blocks of B = ceil(N / R)
+  // (the last blocks shorter or empty: no divisibility needed); global
+  // replica r owns block r. The gradients are reduce-scattered (each replica
+  // receives the sum of its block only), each replica updates its block of
+  // the variables with its block of the slots (slots are allocated for that
+  // block only: ~1/R of the non-sharded slot memory), and the updated blocks
+  // are all-gathered into every replica's copies, so the copies stay
+  // bit-identical. Global-norm clipping sums the blocks' squared norms with
+  // one scalar reduction; loss scaling reduces the non-finite decision the
+  // same way (they share the one scalar). Every call of this optimizer must
+  // pass the same variables (UnimplementedError otherwise), float32 host
+  // tensors only (GPU: UnimplementedError); per-tensor clip_by_norm is
+  // UnimplementedError (each replica sees only a piece of a tensor).
+  // Slots that exist in full when the first sharded call comes (restored
+  // from a checkpoint) are cut into the blocks and the full copies freed.
+  void apply_sharded(ReplicaContext& ctx, const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+                     const ShardedCollectives& collectives);
+  // True once apply_sharded has laid out this optimizer's state.
+  bool sharded() const;
+  // Whether the slot `slot_name` of `var` is held in blocks by this
+  // optimizer (checkpoints gather it with gather_sharded_slots).
+  bool sharded_slot(const Variable::Impl& var, const std::string& slot_name) const;
+  // Full host values of sharded slots, gathered from every replica's block
+  // (one all_gather per slot name). Cross-replica context, collective on
+  // every worker (it runs one Strategy::run). Blocking.
+  std::vector<Tensor> gather_sharded_slots(
+      const std::vector<std::pair<const Variable::Impl*, std::string>>& slots) const;
+  // Writes full host `values` of sharded slots: each local replica keeps its
+  // block. Cross-replica context; no communication (every worker has the
+  // full values). Blocking.
+  void assign_sharded_slots(const std::vector<std::pair<const Variable::Impl*, std::string>>& slots,
+                            const std::vector<Tensor>& values) const;
+  // Bytes of optimizer slots (this optimizer's slot_names() of every
+  // trainable variable) the largest local replica holds now: the full slots
+  // of every variable without sharding, the replica's blocks with it.
+  // Slots not created yet count 0. Not thread-safe with run().
+  int64_t slot_bytes_per_replica() const;
+
  private:
   struct Held;
   struct Accumulator;
+  struct Zero;
   ApplyResult reduce_and_update(ReplicaContext& ctx,
                                 const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
   void apply_clipped(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
@@ -222,6 +282,7 @@ class Optimizer {
   LossScaleOptions loss_scale_options_;
   Variable loss_scale_, good_steps_, skipped_steps_;
   std::shared_ptr<Accumulator> accumulator_;  // per local replica sums
+  std::shared_ptr<Zero> zero_;                // ZeRO-1 layout and slot blocks
 };
 
 struct SGDOptions {

@@ -340,8 +340,30 @@ std::vector<std::pair<std::string, Tensor>> Checkpoint::state() const {
       slot_names.push_back(e.name);
     }
   }
-  std::vector<Tensor> values = participant().read_slots(*strategy_, slots);
-  for (size_t k = 0; k < slots.size(); ++k) out.emplace_back(slot_names[k], values[k]);
+  // Slots an optimizer holds in blocks (ZeRO-1) are gathered whole by it, so
+  // the file is the same as without sharding.
+  std::vector<CheckpointParticipant::SlotRef> plain;
+  std::vector<std::string> plain_names;
+  std::vector<std::vector<std::pair<const Variable::Impl*, std::string>>> sharded(optimizers_.size());
+  std::vector<std::vector<std::string>> sharded_names(optimizers_.size());
+  for (size_t k = 0; k < slots.size(); ++k) {
+    size_t o = 0;
+    while (o < optimizers_.size() && !optimizers_[o]->sharded_slot(*slots[k].var, slots[k].slot)) ++o;
+    if (o < optimizers_.size()) {
+      sharded[o].emplace_back(slots[k].var, slots[k].slot);
+      sharded_names[o].push_back(slot_names[k]);
+    } else {
+      plain.push_back(slots[k]);
+      plain_names.push_back(slot_names[k]);
+    }
+  }
+  std::vector<Tensor> values = participant().read_slots(*strategy_, plain);
+  for (size_t k = 0; k < plain.size(); ++k) out.emplace_back(plain_names[k], values[k]);
+  for (size_t o = 0; o < optimizers_.size(); ++o) {
+    if (sharded[o].empty()) continue;
+    std::vector<Tensor> v = optimizers_[o]->gather_sharded_slots(sharded[o]);
+    for (size_t k = 0; k < v.size(); ++k) out.emplace_back(sharded_names[o][k], v[k]);
+  }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   return out;
 }
@@ -387,7 +409,21 @@ CheckpointMetadata Checkpoint::restore(const std::string& path, const RestoreOpt
       slot_values.push_back(it->second);
     }
   }
-  p.assign_slots(*strategy_, slots, slot_values);
+  std::vector<CheckpointParticipant::SlotRef> plain;
+  std::vector<Tensor> plain_values;
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const Optimizer* owner = nullptr;
+    for (const Optimizer* o : optimizers_) {
+      if (!owner && o->sharded_slot(*slots[k].var, slots[k].slot)) owner = o;
+    }
+    if (owner) {
+      owner->assign_sharded_slots({{slots[k].var, slots[k].slot}}, {slot_values[k]});
+    } else {
+      plain.push_back(slots[k]);
+      plain_values.push_back(slot_values[k]);
+    }
+  }
+  p.assign_slots(*strategy_, plain, plain_values);
   return c.metadata;
 }
 

@@ -10,8 +10,10 @@ namespace diststrat {
 
 struct MirroredStrategy::Impl {
   Impl(MirroredStrategy* s, const MirroredOptions& o)
-      : replicas(s, o.devices, o.communication, o.device_manager) {}
+      : replicas(s, o.devices, o.communication, o.device_manager),
+        shard_optimizer_state(o.shard_optimizer_state) {}
   LocalReplicas replicas;
+  bool shard_optimizer_state;
 };
 
 namespace {
@@ -59,6 +61,28 @@ void MirroredStrategy::place_variable(Variable::Impl& var, const Initializer& in
 
 void MirroredStrategy::apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  if (impl_->shard_optimizer_state) {
+    // ZeRO-1 over the in-process group: reduce-scatter, update the block,
+    // all-gather (Optimizer::apply_sharded).
+    auto* local_ctx = dynamic_cast<LocalReplicaContext*>(&ctx);
+    DISTSTRAT_CHECK(local_ctx != nullptr, kInternal, "MirroredStrategy: foreign replica context");
+    Communicator& comm = local_ctx->local_comm();
+    ShardedCollectives c;
+    c.reduce_scatter = [&](const Tensor& in, Tensor& out) {
+      comm.reduce_scatter(in.data(), out.data(), static_cast<size_t>(out.num_elements()),
+                          DType::kFloat32, ReduceOp::kSum, "sharded gradients");
+    };
+    c.all_gather = [&](const Tensor& in, Tensor& out) {
+      comm.all_gather(in.data(), out.data(), static_cast<size_t>(in.num_elements()), DType::kFloat32,
+                      "sharded variables");
+    };
+    c.sum = [&](double v) {
+      comm.all_reduce(&v, &v, 1, DType::kFloat64, ReduceOp::kSum, "sharded gradient norm");
+      return v;
+    };
+    optimizer.apply_sharded(ctx, grads_and_vars, c);
+    return;
+  }
   std::vector<Tensor> grads;
   std::vector<std::string> names;
   for (const auto& [g, v] : grads_and_vars) {

@@ -80,6 +80,19 @@ class FusionEngine {
   Work all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
                         std::vector<std::string> names);
 
+  // ZeRO-1 collectives over every replica in sync (R = ranks x local
+  // replicas; every rank must have the same number of local replicas), one
+  // message each (no packing), signature-checked like all_reduce. Global
+  // replica g = rank * num_local_replicas + local.
+  // reduce_scatter: `in` holds R * B elements, `out` B; out = block g of the
+  // op over every replica's `in` (the local replicas are reduced in-process
+  // first, then one cross-process reduce_scatter of L * B per rank).
+  // all_gather: `in` holds B, `out` R * B: every replica's `in` in replica
+  // order. Non-blocking like all_reduce_async; InvalidArgumentError (in the
+  // Work) for sizes that do not fit. Thread-safe (one thread per local replica).
+  Work reduce_scatter_async(int local, ReduceOp op, Tensor in, Tensor out, std::string name);
+  Work all_gather_async(int local, Tensor in, Tensor out, std::string name);
+
   // Runs fn(cross) on the communication thread as the next call, once every
   // local replica has submitted it (fn of local replica 0 runs).
   Work submit(int local, std::function<void(Communicator&)> fn, std::string what);
@@ -105,8 +118,11 @@ class FusionEngine {
   FusionStats stats() const;
 
  private:
+  enum class Kind { kAllReduce, kReduceScatter, kAllGather };
   struct Part {
     bool present = false;
+    Kind kind = Kind::kAllReduce;
+    Tensor out;  // reduce_scatter / all_gather: the result
     ReduceOp op = ReduceOp::kSum;
     std::vector<Tensor> tensors;
     std::vector<std::string> names;
@@ -126,6 +142,7 @@ class FusionEngine {
   void loop();
   void execute(Call& call);
   void execute_all_reduce(Call& call);
+  void execute_sharded(Call& call);  // reduce_scatter / all_gather
   // The call's signature as text (one header line, one line per tensor) and
   // its 64-bit hash (what the ranks exchange first).
   std::string signature_header(ReduceOp op) const;
@@ -159,6 +176,7 @@ class FusionEngine {
   int64_t executed_ = 0;  // calls run across processes (same count on every rank)
 
   Buffer buffer_, wire_;  // only the engine thread touches them
+  Buffer shard_;          // ZeRO-1 collectives' staging (engine thread only)
   std::thread thread_;
 };
 

@@ -295,6 +295,15 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     }
     m.timeline->name_thread(kStepLane, "steps");
   }
+  if (options.shard_optimizer_state) {
+    // Every rank has the counts, so every rank throws alike.
+    for (int r = 0; r < n; ++r) {
+      DISTSTRAT_CHECK(counts[r] == mine, kUnimplemented, "rank ", m.cross->rank(),
+                      ": MultiWorkerMirroredStrategy shard_optimizer_state (ZeRO-1) with ",
+                      mine, " local replicas here and ", counts[r], " on worker ", r,
+                      "; every worker needs the same number of local replicas");
+    }
+  }
   m.options = options;
   m.replicas = std::make_unique<LocalReplicas>(this, options.devices, options.communication,
                                                options.device_manager);
@@ -502,6 +511,24 @@ void MultiWorkerMirroredStrategy::apply_gradients(
     const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
   Impl& m = *impl_;
   const int local = ctx.local_replica_id();
+  if (m.options.shard_optimizer_state) {
+    // ZeRO-1 through the fusion engine (Optimizer::apply_sharded).
+    ShardedCollectives c;
+    c.reduce_scatter = [&](const Tensor& in, Tensor& out) {
+      m.engine->reduce_scatter_async(local, ReduceOp::kSum, in, out, "sharded gradients").wait();
+    };
+    c.all_gather = [&](const Tensor& in, Tensor& out) {
+      m.engine->all_gather_async(local, in, out, "sharded variables").wait();
+    };
+    c.sum = [&](double v) {
+      std::vector<Tensor> t{Tensor(Shape{1}, DType::kFloat64)};
+      t[0].data<double>()[0] = v;
+      ctx.all_reduce(ReduceOp::kSum, t, {"sharded gradient norm"});
+      return t[0].data<double>()[0];
+    };
+    optimizer.apply_sharded(ctx, grads_and_vars, c);
+    return;
+  }
   // Reverse creation order: the order backprop produces gradients in, so the
   // enqueue order (and the packs) is the same whatever order the caller used.
   std::vector<size_t> order(grads_and_vars.size());
