@@ -189,4 +189,58 @@ class DistributedDataParallel {
   std::vector<std::unique_ptr<Replica>> state_;
 };
 
+// ---- checkpoints -------------------------------------------------------------
+
+// A LibTorch job's state as diststrat variables, so that Checkpoint /
+// CheckpointManager save and restore it like any model (safetensors files
+// that Python's torch / safetensors read):
+//   "<prefix><name>"            every parameter and buffer, by its
+//                               named_parameters() / named_buffers() name
+//   "<prefix><name>/<slot>"     optimizer state: SGD momentum_buffer; Adam and
+//                               AdamW exp_avg, exp_avg_sq, max_exp_avg_sq
+//                               (amsgrad) and step (int64 [1])
+//   "<prefix>torch/optimizer_state"  int64 [P]: 1 where the optimizer has state
+//                               for parameter p (it creates it lazily)
+//   "<prefix>torch/step"        int64 [1]: the step passed to capture()
+//
+//   dt::TrainingState state(ddp, {opt0.get(), opt1.get()});   // collective
+//   ds::Checkpoint ckpt(strategy);
+//   ds::CheckpointManager manager(ckpt, dir);
+//   if (manager.restore_latest()) step = state.apply();   // resume
+//   ... train; every N steps: state.capture(step); manager.save(step);
+//
+// The variables are created with trainable = false (no diststrat optimizer
+// touches them) through Strategy::create_variable, so every process creates
+// them at the same point (multi-worker: the chief's values). Optimizers other
+// than SGD, Adam and AdamW are UnimplementedError. All methods: cross-replica
+// context (outside Strategy::run), blocking, not thread-safe with run().
+class TrainingState {
+ public:
+  // `optimizers`: none, or one per local replica, each over
+  // ddp.module(i)->parameters() (the same kind and options on every replica).
+  TrainingState(DistributedDataParallel& ddp, std::vector<torch::optim::Optimizer*> optimizers = {},
+                std::string prefix = "");
+  ~TrainingState();
+  TrainingState(const TrainingState&) = delete;
+  TrainingState& operator=(const TrainingState&) = delete;
+
+  // Copies local replica 0's module and optimizer state and `step` into the
+  // variables (call before Checkpoint::save / CheckpointManager::save).
+  void capture(int64_t step);
+  // Writes the variables into every local replica's module and optimizer
+  // (call after a successful restore); returns the captured step.
+  int64_t apply();
+  // The variables, in creation order.
+  const std::vector<Variable>& variables() const { return variables_; }
+
+  struct Slot;  // src/torch/checkpoint.cc
+
+ private:
+  DistributedDataParallel* ddp_;
+  std::vector<torch::optim::Optimizer*> optimizers_;
+  std::vector<Variable> variables_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  Variable defined_, step_;
+};
+
 }  // namespace diststrat::libtorch

@@ -104,15 +104,15 @@ inline bool bit_identical(torch::nn::Module& a, torch::nn::Module& b) {
 // The same loop under `strategy`: one optimizer per local replica, the
 // epoch's batches in order (no shuffle). After every step all local replicas
 // must be bit-identical (checked here). `steps` <= the batches of one epoch.
-inline void train_ddp(Strategy& strategy, dt::DistributedDataParallel& ddp, const Dataset& data,
-                      int64_t global_batch, int steps) {
-  std::vector<std::unique_ptr<torch::optim::SGD>> opts;
-  for (int i = 0; i < ddp.num_local_replicas(); ++i) opts.push_back(make_sgd(*ddp.module(i)));
+// Steps [first, last) with the given optimizers (one per local replica).
+inline void train_ddp_steps(Strategy& strategy, dt::DistributedDataParallel& ddp,
+                            std::vector<std::unique_ptr<torch::optim::SGD>>& opts, const Dataset& data,
+                            int64_t global_batch, int first, int last) {
   DistributeOptions o;
   o.shuffle = false;
   DistributedDataset dist = strategy.distribute(data, global_batch, o);
-  ASSERT_GE(dist.num_batches(), steps);
-  for (int s = 0; s < steps; ++s) {
+  ASSERT_GE(dist.num_batches(), last);
+  for (int s = first; s < last; ++s) {
     DistributedBatch batch = dist.batch(s);
     strategy.run([&](ReplicaContext& ctx) {
       auto& model = ddp.module(ctx);
@@ -131,6 +131,18 @@ inline void train_ddp(Strategy& strategy, dt::DistributedDataParallel& ddp, cons
           << "step " << s << ": local replica " << i << " differs from replica 0";
     }
   }
+}
+
+inline std::vector<std::unique_ptr<torch::optim::SGD>> make_sgds(dt::DistributedDataParallel& ddp) {
+  std::vector<std::unique_ptr<torch::optim::SGD>> opts;
+  for (int i = 0; i < ddp.num_local_replicas(); ++i) opts.push_back(make_sgd(*ddp.module(i)));
+  return opts;
+}
+
+inline void train_ddp(Strategy& strategy, dt::DistributedDataParallel& ddp, const Dataset& data,
+                      int64_t global_batch, int steps) {
+  auto opts = make_sgds(ddp);
+  train_ddp_steps(strategy, ddp, opts, data, global_batch, 0, steps);
 }
 
 }  // namespace diststrat::testing
