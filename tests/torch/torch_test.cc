@@ -318,6 +318,125 @@ TEST(TorchDdp, SeveralReplicasNeedACloneableModule) {
   }
 }
 
+// ---- ParameterServerStrategy ----------------------------------------------------
+
+ParameterServerOptions ps_options() {
+  ParameterServerOptions o;
+  o.num_ps = 1;  // one process: the PS rank runs as a thread
+  o.devices = {Device::cpu(0), Device::cpu(1)};
+  o.max_staleness = 0;  // one worker in lockstep: synchronous SGD
+  return o;
+}
+
+double max_abs_diff_to_ps(torch::nn::Module& ref, dt::ParameterServerModel& model) {
+  double d = 0;
+  for (const auto& p : ref.named_parameters(true)) {
+    const Tensor v = model.variable(p.key()).value();
+    d = std::max(d, (p.value() - dt::to_torch(v)).abs().max().item<double>());
+  }
+  return d;
+}
+
+TEST(TorchParameterServer, DenseModuleMatchesSingleProcessSgd) {
+  const Dataset data = equivalence_data();
+  auto ref = make_net(7);
+  {
+    torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(kLr));
+    at::Tensor x = dt::to_torch(data.features()), y = dt::to_torch(data.labels());
+    for (int s = 0; s < kSteps; ++s) {
+      const int64_t b = s * kGlobalBatch, e = std::min(data.size(), b + kGlobalBatch);
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(ref->forward(x.slice(0, b, e)), y.slice(0, b, e)).backward();
+      opt.step();
+    }
+  }
+  ParameterServerStrategy strategy(ps_options());
+  SGDOptions so;
+  so.learning_rate = static_cast<float>(kLr);
+  SGD sgd(strategy, so);
+  auto net = make_net(7);
+  dt::ParameterServerModel model(strategy, net, sgd);
+  DistributeOptions d;
+  d.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, kGlobalBatch, d);
+  for (int s = 0; s < kSteps; ++s) {
+    DistributedBatch batch = dist.batch(s);
+    strategy.run([&](ReplicaContext& ctx) {
+      auto& m = model.module(ctx);
+      // The module's parameters are the pull cache itself (no copy).
+      EXPECT_EQ(m->named_parameters()["fc1.weight"].data_ptr(),
+                model.variable("fc1.weight").read(ctx).data());
+      at::Tensor x = dt::to_torch(batch.features(ctx)), y = dt::to_torch(batch.labels(ctx));
+      at::Tensor loss;
+      if (x.size(0) > 0) loss = torch::nn::functional::cross_entropy(m->as<NetImpl>()->forward(x), y);
+      model.backward(ctx, loss, x.size(0), batch.global_size());
+    });
+  }
+  strategy.flush();
+  ASSERT_GT(max_abs_diff(*ref, *make_net(7)), 1e-3) << "the reference did not train";
+  EXPECT_LE(max_abs_diff_to_ps(*ref, model), 1e-5);
+}
+
+// An embedding table as a row-sparse PS variable: only the rows a step uses
+// are pulled and pushed; the result equals dense single-process training.
+struct EmbNetImpl : torch::nn::Cloneable<EmbNetImpl> {
+  EmbNetImpl() { reset(); }
+  void reset() override {
+    emb = register_module("emb", torch::nn::Embedding(30, 4));
+    fc = register_module("fc", torch::nn::Linear(4, 3));
+  }
+  at::Tensor head(const at::Tensor& e) { return fc->forward(e.mean(1)); }  // e: [n, 3, 4]
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+
+TEST(TorchParameterServer, RowSparseEmbeddingMatchesDenseTraining) {
+  constexpr int64_t n = kGlobalBatch * 10;
+  torch::manual_seed(5);
+  at::Tensor ids = torch::randint(0, 30, {n, 3}, torch::kLong);
+  at::Tensor labels = torch::randint(0, 3, {n}, torch::kLong);
+  Tensor f(Shape{n, 3}, DType::kInt64), l(Shape{n}, DType::kInt64);
+  std::memcpy(f.data(), ids.data_ptr(), f.nbytes());
+  std::memcpy(l.data(), labels.data_ptr(), l.nbytes());
+  const Dataset data(f, l);
+  torch::manual_seed(11);
+  auto ref = std::make_shared<EmbNetImpl>();
+  torch::manual_seed(11);
+  auto net = std::make_shared<EmbNetImpl>();
+  {
+    torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(kLr));
+    for (int s = 0; s < 10; ++s) {
+      const int64_t b = s * kGlobalBatch, e = b + kGlobalBatch;
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(ref->head(ref->emb->forward(ids.slice(0, b, e))),
+                                           labels.slice(0, b, e))
+          .backward();
+      opt.step();
+    }
+  }
+  ParameterServerStrategy strategy(ps_options());
+  SGDOptions so;
+  so.learning_rate = static_cast<float>(kLr);
+  SGD sgd(strategy, so);
+  dt::ParameterServerModel model(strategy, net, sgd, {"emb.weight"});
+  DistributeOptions d;
+  d.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, kGlobalBatch, d);
+  for (int s = 0; s < 10; ++s) {
+    DistributedBatch batch = dist.batch(s);
+    strategy.run([&](ReplicaContext& ctx) {
+      auto m = model.module(ctx)->as<EmbNetImpl>();
+      at::Tensor x = dt::to_torch(batch.features(ctx)), y = dt::to_torch(batch.labels(ctx));
+      auto rows = model.gather_rows(ctx, "emb.weight", x);
+      EXPECT_LE(rows.rows.size(0), x.numel());
+      at::Tensor loss = torch::nn::functional::cross_entropy(m->head(torch::embedding(rows.rows, rows.index)), y);
+      model.backward(ctx, loss, x.size(0), batch.global_size());
+    });
+  }
+  strategy.flush();
+  EXPECT_LE(max_abs_diff_to_ps(*ref, model), 1e-5);
+}
+
 // ---- checkpoints ------------------------------------------------------------
 
 std::string scratch_dir(const std::string& name) {
