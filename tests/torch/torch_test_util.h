@@ -116,6 +116,8 @@ inline void train_ddp_steps(Strategy& strategy, dt::DistributedDataParallel& ddp
     DistributedBatch batch = dist.batch(s);
     strategy.run([&](ReplicaContext& ctx) {
       auto& model = ddp.module(ctx);
+      // Several replicas in one process: one intra-op thread each.
+      if (ddp.num_local_replicas() > 1) EXPECT_EQ(at::get_num_threads(), 1);
       at::Tensor x = dt::to_torch(batch.features(ctx)), y = dt::to_torch(batch.labels(ctx));
       torch::optim::SGD& opt = *opts[ctx.local_replica_id()];
       opt.zero_grad();
