@@ -6,14 +6,14 @@
 //     produces gradients, as c10d's reducer assumes before it has seen a
 //     step), consecutive parameters up to bytes_per_bucket. The bucket list is
 //     identical on every replica of the job, so is every launch order below.
-//  2. backward() seeds the autograd pass with `rows` (the loss is a mean over
-//     this replica's rows, so the gradients become sums over them) and runs
-//     it. A post-hook on each parameter's gradient accumulator (the
+//  2. backward() seeds the autograd pass with rows / global_rows (the loss
+//     is a mean over this replica's rows; under no_sync accumulation with
+//     `rows`, the sums being divided by the window's global rows when the
+//     bucket launches) and runs it. A post-hook on each parameter's gradient accumulator (the
 //     AccumulateGrad node, as c10d's reducer registers it) fires once the
 //     parameter's .grad holds this pass's contribution: the parameter is
 //     marked ready, and while the next bucket in launch order is complete it
-//     is launched: its gradients are scaled by 1 / (global rows accumulated
-//     since the last synchronization) and handed to
+//     is launched: its gradients (rescaled after accumulation) are handed to
 //     ReplicaContext::all_reduce_async(kSum) as one call (one fused pack of
 //     the multi-worker fusion engine), while backward continues.
 //  3. After the autograd pass, the buckets not launched yet are launched in
@@ -260,6 +260,13 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
     for (size_t k : buckets_[b]) bucket_of[k] = b;
   }
   bucket_of_ = bucket_of;
+  // The names the fusion engine checks across ranks (and quotes in errors).
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    std::vector<std::string> n;
+    for (size_t k : buckets_[b]) n.push_back("ddp/" + names_[k]);
+    if (b + 1 == buckets_.size() && !options_.find_unused_parameters) n.push_back("ddp/unused_parameter_flags");
+    bucket_names_.push_back(std::move(n));
+  }
 
   // 4. Hooks on every replica's gradient accumulators.
   for (int i = 0; i < local; ++i) {
@@ -351,17 +358,16 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
         DISTSTRAT_CHECK(p.grad().layout() == c10::kStrided, kInvalidArgument,
                         "DistributedDataParallel: the gradient of '", names_[k],
                         "' is sparse; sparse gradients are not supported (Embedding: sparse=false)");
-        p.mutable_grad().mul_(r.scale);
+        if (r.scale != 1.0f) p.mutable_grad().mul_(r.scale);
         tensors.push_back(to_diststrat(p.grad()));
-        names.push_back("ddp/" + names_[k]);
       }
     }
+    names = bucket_names_[b];
     if (b + 1 == buckets_.size() && !options_.find_unused_parameters) {
       r.unused_flags = Tensor(Shape{static_cast<int64_t>(names_.size())}, DType::kFloat32);
       float* f = r.unused_flags.data<float>();
       for (size_t k = 0; k < names_.size(); ++k) f[k] = r.got_grad[k] ? 0.0f : 1.0f;
       tensors.push_back(r.unused_flags);
-      names.push_back("ddp/unused_parameter_flags");
     }
     r.works.push_back(r.ctx->all_reduce_async(ReduceOp::kSum, std::move(tensors), std::move(names)));
     ++r.launched;
@@ -382,12 +388,21 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                   " and global_rows ", global_rows, " (0 <= rows <= global_rows expected)");
   if (num_local_replicas() > 1) single_intra_op_thread();
   Replica& r = *state_[static_cast<size_t>(local)];
+  // A window of one micro-batch (no no_sync before it) seeds backward with
+  // rows / global_rows directly, so the hooks need not rescale; otherwise the
+  // micro-batches seed `rows` and the synchronizing pass divides the sums by
+  // the window's global rows.
+  const bool single = !r.in_no_sync && r.window_global_rows == 0;
   r.window_global_rows += global_rows;
+  const double seed = single ? (global_rows > 0 ? static_cast<double>(rows) / static_cast<double>(global_rows) : 0.0)
+                             : static_cast<double>(rows);
   const bool sync = !r.in_no_sync;
   if (sync) {
     r.syncing = true;
     r.ctx = &ctx;
-    r.scale = r.window_global_rows > 0 ? static_cast<float>(1.0 / static_cast<double>(r.window_global_rows)) : 0.0f;
+    r.scale = single ? 1.0f
+              : r.window_global_rows > 0 ? static_cast<float>(1.0 / static_cast<double>(r.window_global_rows))
+                                         : 0.0f;
     std::fill(r.ready.begin(), r.ready.end(), 0);
     r.pending.assign(buckets_.size(), 0);
     for (size_t b = 0; b < buckets_.size(); ++b) r.pending[b] = static_cast<int>(buckets_[b].size());
@@ -416,9 +431,9 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                     "): the loss must be a scalar, got ",
                     loss.defined() ? shape_text(loss) : std::string("an undefined tensor"));
     try {
-      // Seed `rows`: the loss is a mean over this replica's rows, the
-      // gradients become sums over them (divided by the global rows later).
-      torch::autograd::backward({loss}, {torch::full_like(loss, static_cast<double>(rows))});
+      // The loss is a mean over this replica's rows: seeded with `rows` the
+      // gradients are sums over them (see `seed` above).
+      torch::autograd::backward({loss}, {torch::full_like(loss, seed)});
     } catch (...) {
       backward_error = std::current_exception();
     }

@@ -1,7 +1,8 @@
 // diststrat::torch under mpirun (ctest: torch_mpi_np2): DistributedDataParallel
 // over MultiWorkerMirroredStrategy, 2 processes x 1 and x 2 replicas, against
 // single-process LibTorch; a module that differs across ranks and a parameter
-// unused on one rank fail on every rank, naming it.
+// unused on one rank fail on every rank, naming it; ParameterServerModel with
+// a PS process and a worker process.
 #include <chrono>
 
 #include "torch_test_util.h"
@@ -98,6 +99,57 @@ TEST(TorchMultiWorkerMpi, ParameterUnusedOnOneRankFailsOnEveryRankNamingIt) {
       EXPECT_EQ(error.find("this one included") != std::string::npos, rank == 1) << error;
     }
   }
+}
+
+// ParameterServerModel across processes: rank 1 is the PS, rank 0 the only
+// worker (2 replicas) in lockstep: equal to single-process torch SGD.
+TEST(TorchParameterServerMpi, WorkerAndPsProcessesMatchSingleProcessSgd) {
+  ParameterServerOptions o;
+  o.num_ps = 1;
+  o.devices = {Device::cpu(0), Device::cpu(1)};
+  o.max_staleness = 0;
+  o.communication.timeout = std::chrono::seconds(60);
+  ParameterServerStrategy strategy(o);
+  if (strategy.is_ps()) {
+    strategy.join();
+    return;
+  }
+  const Dataset data = make_data(kGlobalBatch * (kSteps - 1) + 3);
+  auto ref = make_net(7);
+  {
+    torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(kLr));
+    at::Tensor x = dt::to_torch(data.features()), y = dt::to_torch(data.labels());
+    for (int s = 0; s < kSteps; ++s) {
+      const int64_t b = s * kGlobalBatch, e = std::min(data.size(), b + kGlobalBatch);
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(ref->forward(x.slice(0, b, e)), y.slice(0, b, e)).backward();
+      opt.step();
+    }
+  }
+  SGDOptions so;
+  so.learning_rate = static_cast<float>(kLr);
+  SGD sgd(strategy, so);
+  dt::ParameterServerModel model(strategy, make_net(7), sgd);
+  DistributeOptions d;
+  d.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, kGlobalBatch, d);
+  for (int s = 0; s < kSteps; ++s) {
+    DistributedBatch batch = dist.batch(s);
+    strategy.run([&](ReplicaContext& ctx) {
+      auto& m = model.module(ctx);
+      at::Tensor x = dt::to_torch(batch.features(ctx)), y = dt::to_torch(batch.labels(ctx));
+      at::Tensor loss;
+      if (x.size(0) > 0) loss = torch::nn::functional::cross_entropy(m->as<NetImpl>()->forward(x), y);
+      model.backward(ctx, loss, x.size(0), batch.global_size());
+    });
+  }
+  strategy.flush();
+  double diff = 0;
+  for (const auto& p : ref->named_parameters(true)) {
+    const Tensor v = model.variable(p.key()).value();
+    diff = std::max(diff, (p.value() - dt::to_torch(v)).abs().max().item<double>());
+  }
+  EXPECT_LE(diff, 1e-5);
 }
 
 }  // namespace
