@@ -40,6 +40,7 @@
 
 #include <torch/torch.h>
 
+#include "diststrat/multi_worker_mirrored.h"
 #include "diststrat/optimizer.h"
 #include "diststrat/parameter_server.h"
 #include "diststrat/strategy.h"
@@ -87,8 +88,9 @@ struct DdpOptions {
   // Bucket size in bytes: consecutive parameters (in reverse registration
   // order, the order backprop produces them) are grouped into buckets of up
   // to this many bytes, one all-reduce call per bucket (which the
-  // multi-worker fusion engine packs into one message). 0 = one bucket.
-  size_t bytes_per_bucket = 256 << 10;
+  // multi-worker fusion engine packs into one message: the default equals
+  // its default bytes_per_pack). 0 = one bucket.
+  size_t bytes_per_bucket = kMultiWorkerBytesPerPack;
 };
 
 struct DdpStats {

@@ -3,7 +3,10 @@
 // single-process LibTorch; a module that differs across ranks and a parameter
 // unused on one rank fail on every rank, naming it; ParameterServerModel with
 // a PS process and a worker process.
+#include <unistd.h>
+
 #include <chrono>
+#include <filesystem>
 
 #include "torch_test_util.h"
 
@@ -99,6 +102,54 @@ TEST(TorchMultiWorkerMpi, ParameterUnusedOnOneRankFailsOnEveryRankNamingIt) {
       EXPECT_EQ(error.find("this one included") != std::string::npos, rank == 1) << error;
     }
   }
+}
+
+// TrainingState under multi-worker: the chief writes, every rank restores
+// into a module that started elsewhere and gets the saved weights and
+// momentum bit for bit.
+TEST(TorchMultiWorkerMpi, TrainingStateRestoresOnEveryRank) {
+  MultiWorkerMirroredStrategy strategy(options(1));
+  Tensor pid(Shape{1}, DType::kInt64);
+  pid.data<int64_t>()[0] = ::getpid();
+  strategy.broadcast(pid, 0, "scratch dir");
+  const std::string dir = "/tmp/diststrat_torch_mpi_ckpt_" + std::to_string(pid.data<int64_t>()[0]);
+  const Dataset data = make_data(kGlobalBatch * 3);
+  std::vector<at::Tensor> saved_params, saved_momentum;
+  {
+    dt::DistributedDataParallel ddp(strategy, make_net(7));
+    auto opts = make_sgds(ddp);
+    dt::TrainingState state(ddp, {opts[0].get()});
+    Checkpoint ckpt(strategy);
+    CheckpointManager manager(ckpt, dir);
+    train_ddp_steps(strategy, ddp, opts, data, kGlobalBatch, 0, 3);
+    state.capture(3);
+    manager.save(3);
+    for (const at::Tensor& p : ddp.module(0)->parameters()) {
+      saved_params.push_back(p.detach().clone());
+      saved_momentum.push_back(static_cast<torch::optim::SGDParamState&>(
+                                   *opts[0]->state().at(c10::guts::to_string(p.unsafeGetTensorImpl())))
+                                   .momentum_buffer()
+                                   .clone());
+    }
+  }
+  MultiWorkerMirroredStrategy fresh(options(1));
+  dt::DistributedDataParallel ddp(fresh, make_net(99));
+  auto opts = make_sgds(ddp);
+  dt::TrainingState state(ddp, {opts[0].get()});
+  Checkpoint ckpt(fresh);
+  CheckpointManager manager(ckpt, dir);
+  ASSERT_TRUE(manager.restore_latest().has_value());
+  EXPECT_EQ(state.apply(), 3);
+  auto params = ddp.module(0)->parameters();
+  ASSERT_EQ(params.size(), saved_params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(params[i], saved_params[i])) << "parameter " << i;
+    auto& st = static_cast<torch::optim::SGDParamState&>(
+        *opts[0]->state().at(c10::guts::to_string(params[i].unsafeGetTensorImpl())));
+    EXPECT_TRUE(torch::equal(st.momentum_buffer(), saved_momentum[i])) << "momentum " << i;
+  }
+  fresh.barrier("checkpoint read");
+  if (fresh.cluster().is_chief()) std::filesystem::remove_all(dir);
 }
 
 // ParameterServerModel across processes: rank 1 is the PS, rank 0 the only
