@@ -45,8 +45,8 @@ void copy_into(at::Tensor& dst, const Tensor& src) {
 
 struct TrainingState::Slot {
   enum Kind { kParameter, kBuffer, kMomentum, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kStep } kind;
-  std::string name;   // module name (parameter/buffer) or owning parameter
-  size_t param = 0;   // index among the trainable parameters (optimizer slots)
+  std::string name;  // module name (parameter/buffer) or owning parameter
+  size_t param = 0;  // index among the trainable parameters (optimizer slots)
   Variable var;
 };
 
@@ -83,15 +83,17 @@ TrainingState::TrainingState(DistributedDataParallel& ddp,
                              std::vector<torch::optim::Optimizer*> optimizers, std::string prefix)
     : ddp_(&ddp), optimizers_(std::move(optimizers)) {
   Strategy& strategy = ddp.strategy();
-  DISTSTRAT_CHECK(optimizers_.empty() || static_cast<int>(optimizers_.size()) == ddp.num_local_replicas(),
-                  kInvalidArgument, "TrainingState: ", optimizers_.size(),
-                  " optimizers for ", ddp.num_local_replicas(), " local replicas (none, or one per replica)");
+  DISTSTRAT_CHECK(
+      optimizers_.empty() || static_cast<int>(optimizers_.size()) == ddp.num_local_replicas(),
+      kInvalidArgument, "TrainingState: ", optimizers_.size(), " optimizers for ",
+      ddp.num_local_replicas(), " local replicas (none, or one per replica)");
   bool momentum = false, amsgrad = false;
   const OptKind kind = kind_of(optimizers_.empty() ? nullptr : optimizers_[0], &momentum, &amsgrad);
   for (auto* o : optimizers_) {
     bool m2, a2;
     DISTSTRAT_CHECK(o != nullptr && kind_of(o, &m2, &a2) == kind && m2 == momentum && a2 == amsgrad,
-                    kInvalidArgument, "TrainingState: the replicas' optimizers differ in kind or options");
+                    kInvalidArgument,
+                    "TrainingState: the replicas' optimizers differ in kind or options");
   }
   torch::nn::Module& m = *ddp.module(0);
   VariableOptions vo;
@@ -118,14 +120,16 @@ TrainingState::TrainingState(DistributedDataParallel& ddp,
     variables_.push_back(slot->var);
     slots_.push_back(std::move(slot));
   };
-  for (const auto& p : m.named_parameters(true)) add(Slot::kParameter, p.key(), 0, p.key(), p.value());
+  for (const auto& p : m.named_parameters(true))
+    add(Slot::kParameter, p.key(), 0, p.key(), p.value());
   for (const auto& b : m.named_buffers(true)) add(Slot::kBuffer, b.key(), 0, b.key(), b.value());
   const std::vector<at::Tensor> params = trainable(m);
   const std::vector<std::string>& names = ddp.parameter_names();
   const at::Tensor step_like = torch::zeros({1}, torch::kLong);
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string& n = names[i];
-    if (kind == OptKind::kSgd && momentum) add(Slot::kMomentum, n, i, n + "/momentum_buffer", params[i]);
+    if (kind == OptKind::kSgd && momentum)
+      add(Slot::kMomentum, n, i, n + "/momentum_buffer", params[i]);
     if (kind == OptKind::kAdam || kind == OptKind::kAdamW) {
       add(Slot::kExpAvg, n, i, n + "/exp_avg", params[i]);
       add(Slot::kExpAvgSq, n, i, n + "/exp_avg_sq", params[i]);
@@ -136,7 +140,8 @@ TrainingState::TrainingState(DistributedDataParallel& ddp,
   defined_ = strategy.create_variable(prefix + "torch/optimizer_state",
                                       Shape{static_cast<int64_t>(params.size())}, DType::kInt64,
                                       init::Zeros{}, vo);
-  step_ = strategy.create_variable(prefix + "torch/step", Shape{1}, DType::kInt64, init::Zeros{}, vo);
+  step_ =
+      strategy.create_variable(prefix + "torch/step", Shape{1}, DType::kInt64, init::Zeros{}, vo);
   variables_.push_back(defined_);
   variables_.push_back(step_);
 }
@@ -159,7 +164,9 @@ void TrainingState::capture(int64_t step) {
     } else if (defined.data<int64_t>()[s->param]) {
       auto& st = *opt->state().at(key_of(params[s->param]));
       switch (s->kind) {
-        case Slot::kMomentum: value = static_cast<torch::optim::SGDParamState&>(st).momentum_buffer(); break;
+        case Slot::kMomentum:
+          value = static_cast<torch::optim::SGDParamState&>(st).momentum_buffer();
+          break;
         case Slot::kExpAvg:
           value = dynamic_cast<torch::optim::AdamParamState*>(&st)
                       ? static_cast<torch::optim::AdamParamState&>(st).exp_avg()
@@ -182,7 +189,8 @@ void TrainingState::capture(int64_t step) {
           value = torch::full({1}, n, torch::kLong);
           break;
         }
-        default: break;
+        default:
+          break;
       }
     }
     if (!value.defined()) {  // no state yet (or a slot the optimizer leaves empty)
@@ -206,7 +214,8 @@ int64_t TrainingState::apply() {
   for (int r = 0; r < ddp_->num_local_replicas(); ++r) {
     torch::nn::Module& m = *ddp_->module(r);
     const std::vector<at::Tensor> params = trainable(m);
-    torch::optim::Optimizer* opt = optimizers_.empty() ? nullptr : optimizers_[static_cast<size_t>(r)];
+    torch::optim::Optimizer* opt =
+        optimizers_.empty() ? nullptr : optimizers_[static_cast<size_t>(r)];
     bool momentum = false, amsgrad = false;
     const OptKind kind = kind_of(opt, &momentum, &amsgrad);
     if (opt != nullptr) {

@@ -15,24 +15,43 @@ namespace {
 
 bool to_dtype(c10::ScalarType s, DType* out) {
   switch (s) {
-    case c10::ScalarType::Float: *out = DType::kFloat32; return true;
-    case c10::ScalarType::Double: *out = DType::kFloat64; return true;
-    case c10::ScalarType::Half: *out = DType::kFloat16; return true;
-    case c10::ScalarType::BFloat16: *out = DType::kBFloat16; return true;
-    case c10::ScalarType::Int: *out = DType::kInt32; return true;
-    case c10::ScalarType::Long: *out = DType::kInt64; return true;
-    default: return false;
+    case c10::ScalarType::Float:
+      *out = DType::kFloat32;
+      return true;
+    case c10::ScalarType::Double:
+      *out = DType::kFloat64;
+      return true;
+    case c10::ScalarType::Half:
+      *out = DType::kFloat16;
+      return true;
+    case c10::ScalarType::BFloat16:
+      *out = DType::kBFloat16;
+      return true;
+    case c10::ScalarType::Int:
+      *out = DType::kInt32;
+      return true;
+    case c10::ScalarType::Long:
+      *out = DType::kInt64;
+      return true;
+    default:
+      return false;
   }
 }
 
 c10::ScalarType to_scalar_type(DType d) {
   switch (d) {
-    case DType::kFloat32: return c10::ScalarType::Float;
-    case DType::kFloat64: return c10::ScalarType::Double;
-    case DType::kFloat16: return c10::ScalarType::Half;
-    case DType::kBFloat16: return c10::ScalarType::BFloat16;
-    case DType::kInt32: return c10::ScalarType::Int;
-    case DType::kInt64: return c10::ScalarType::Long;
+    case DType::kFloat32:
+      return c10::ScalarType::Float;
+    case DType::kFloat64:
+      return c10::ScalarType::Double;
+    case DType::kFloat16:
+      return c10::ScalarType::Half;
+    case DType::kBFloat16:
+      return c10::ScalarType::BFloat16;
+    case DType::kInt32:
+      return c10::ScalarType::Int;
+    case DType::kInt64:
+      return c10::ScalarType::Long;
   }
   throw_error(ErrorCode::kInternal, "to_torch: unknown dtype");
 }
@@ -48,7 +67,8 @@ std::string describe(const at::Tensor& t) {
 Tensor to_diststrat(const at::Tensor& t) {
   if (!t.defined()) return Tensor();
   DISTSTRAT_CHECK(t.layout() == c10::kStrided, kInvalidArgument, "to_diststrat: tensor ",
-                  describe(t), " has layout ", t.layout(), "; only dense (strided) tensors convert");
+                  describe(t), " has layout ", t.layout(),
+                  "; only dense (strided) tensors convert");
   DISTSTRAT_CHECK(!t.is_quantized(), kInvalidArgument, "to_diststrat: tensor ", describe(t),
                   " is quantized; only float32/64, float16, bfloat16, int32/64 convert");
   DType dtype;
@@ -58,8 +78,8 @@ Tensor to_diststrat(const at::Tensor& t) {
   DISTSTRAT_CHECK(t.is_contiguous(), kInvalidArgument, "to_diststrat: tensor ", describe(t),
                   " is not contiguous (strides ", t.strides(),
                   "); a view shares memory only in compact row-major layout: call .contiguous()");
-  DISTSTRAT_CHECK(t.is_cpu() || t.is_cuda(), kInvalidArgument, "to_diststrat: tensor ",
-                  describe(t), " is on ", t.device(), "; only CPU and CUDA tensors convert");
+  DISTSTRAT_CHECK(t.is_cpu() || t.is_cuda(), kInvalidArgument, "to_diststrat: tensor ", describe(t),
+                  " is on ", t.device(), "; only CPU and CUDA tensors convert");
   std::vector<int64_t> dims(t.sizes().begin(), t.sizes().end());
   if (t.is_cuda()) {
 #if DISTSTRAT_HAVE_DLPACK
@@ -72,8 +92,8 @@ Tensor to_diststrat(const at::Tensor& t) {
     }
 #else
     const at::Tensor keep = t;
-    return Tensor::adopt(std::shared_ptr<void>(t.data_ptr(), [keep](void*) {}), Shape(dims),
-                         dtype, Device::gpu(t.device().index()));
+    return Tensor::adopt(std::shared_ptr<void>(t.data_ptr(), [keep](void*) {}), Shape(dims), dtype,
+                         Device::gpu(t.device().index()));
 #endif
   }
   // The deleter's copy of `t` keeps its storage alive.
@@ -97,8 +117,8 @@ at::Tensor to_torch(const Tensor& t) {
   // torch has no read-only tensors: the view is writable, as documented.
   void* data = const_cast<void*>(t.num_elements() ? t.data() : nullptr);
   const Tensor keep = t;
-  return torch::from_blob(data, dims, [keep](void*) {},
-                          torch::TensorOptions().dtype(to_scalar_type(t.dtype())));
+  return torch::from_blob(
+      data, dims, [keep](void*) {}, torch::TensorOptions().dtype(to_scalar_type(t.dtype())));
 }
 
 }  // namespace diststrat::libtorch

@@ -29,14 +29,14 @@
 // Under MultiWorkerMirroredStrategy the all-reduce of a bucket runs on the
 // fusion engine's thread while backward goes on; under Mirrored/CentralStorage
 // it is the in-process all-reduce (it completes in the hook).
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <sstream>
-
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include "diststrat/torch.h"
 
@@ -114,14 +114,16 @@ void check_same_module(Strategy& strategy, const std::vector<std::string>& lines
   std::vector<Tensor> texts;
   for (int i = 0; i < local; ++i) {
     Tensor t(Shape{1, std::max<int64_t>(max_len, 1)}, DType::kInt32);
-    for (size_t c = 0; c < text.size(); ++c) t.data<int32_t>()[c] = static_cast<unsigned char>(text[c]);
+    for (size_t c = 0; c < text.size(); ++c)
+      t.data<int32_t>()[c] = static_cast<unsigned char>(text[c]);
     texts.push_back(t);
   }
   const Tensor all_text = strategy.gather(PerReplica<Tensor>(texts));
   const int64_t width = all_text.shape()[1];
   auto text_of = [&](int64_t r) {
     std::string s(static_cast<size_t>(v[2 * r + 1]), '\0');
-    for (size_t c = 0; c < s.size(); ++c) s[c] = static_cast<char>(all_text.data<int32_t>()[r * width + c]);
+    for (size_t c = 0; c < s.size(); ++c)
+      s[c] = static_cast<char>(all_text.data<int32_t>()[r * width + c]);
     return split_lines(s);
   };
   const std::vector<std::string> chief = text_of(0);
@@ -145,8 +147,9 @@ void check_same_module(Strategy& strategy, const std::vector<std::string>& lines
                       "; every worker must construct the same module");
     }
   }
-  throw_error(ErrorCode::kInternal, "DistributedDataParallel: module signatures differ (hash) but "
-                                    "their texts agree");
+  throw_error(ErrorCode::kInternal,
+              "DistributedDataParallel: module signatures differ (hash) but "
+              "their texts agree");
 }
 
 // at::set_num_threads(1) once per thread.
@@ -174,9 +177,9 @@ struct DistributedDataParallel::Replica {
   bool syncing = false;
   ReplicaContext* ctx = nullptr;
   float scale = 1.0f;
-  std::vector<char> ready;    // per parameter: its bucket may include it
-  std::vector<int> pending;   // per bucket: parameters not ready yet
-  size_t next_bucket = 0;     // first bucket not launched
+  std::vector<char> ready;   // per parameter: its bucket may include it
+  std::vector<int> pending;  // per bucket: parameters not ready yet
+  size_t next_bucket = 0;    // first bucket not launched
   std::vector<Work> works;
   std::exception_ptr launch_error;
   Tensor unused_flags;  // float32 [P], summed over replicas (last bucket)
@@ -225,7 +228,8 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
     } catch (const c10::Error& e) {
       throw_error(ErrorCode::kInvalidArgument,
                   "DistributedDataParallel: cannot replicate the module for local replica " +
-                      std::to_string(i) + " (make it a torch::nn::Cloneable): " + e.what_without_backtrace());
+                      std::to_string(i) +
+                      " (make it a torch::nn::Cloneable): " + e.what_without_backtrace());
     }
     replicas_.push_back(copy);
   }
@@ -246,7 +250,8 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   std::vector<size_t> bucket;
   size_t bytes = 0;
   for (size_t k = names_.size(); k-- > 0;) {
-    if (!bucket.empty() && options_.bytes_per_bucket > 0 && bytes + sizes[k] > options_.bytes_per_bucket) {
+    if (!bucket.empty() && options_.bytes_per_bucket > 0 &&
+        bytes + sizes[k] > options_.bytes_per_bucket) {
       buckets_.push_back(bucket);
       bucket.clear();
       bytes = 0;
@@ -264,7 +269,8 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   for (size_t b = 0; b < buckets_.size(); ++b) {
     std::vector<std::string> n;
     for (size_t k : buckets_[b]) n.push_back("ddp/" + names_[k]);
-    if (b + 1 == buckets_.size() && !options_.find_unused_parameters) n.push_back("ddp/unused_parameter_flags");
+    if (b + 1 == buckets_.size() && !options_.find_unused_parameters)
+      n.push_back("ddp/unused_parameter_flags");
     bucket_names_.push_back(std::move(n));
   }
 
@@ -280,15 +286,17 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
     r->got_grad.assign(names_.size(), 0);
     r->ready.assign(names_.size(), 0);
     for (size_t k = 0; k < r->params.size(); ++k) {
-      std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(r->params[k]);
+      std::shared_ptr<torch::autograd::Node> acc =
+          torch::autograd::impl::grad_accumulator(r->params[k]);
       DISTSTRAT_CHECK(acc != nullptr, kInvalidArgument, "DistributedDataParallel: parameter '",
                       names_[k], "' is not a leaf that accumulates a gradient");
-      const uintptr_t key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [this, i, k](const torch::autograd::variable_list& outputs,
-                       const torch::autograd::variable_list&) {
-            on_gradient_ready(i, k);
-            return outputs;
-          }));
+      const uintptr_t key =
+          acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+              [this, i, k](const torch::autograd::variable_list& outputs,
+                           const torch::autograd::variable_list&) {
+                on_gradient_ready(i, k);
+                return outputs;
+              }));
       r->accumulators.push_back(std::move(acc));
       r->hook_keys.push_back(key);
     }
@@ -298,7 +306,8 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
 
 DistributedDataParallel::~DistributedDataParallel() {
   for (auto& r : state_) {
-    for (size_t k = 0; k < r->accumulators.size(); ++k) r->accumulators[k]->del_post_hook(r->hook_keys[k]);
+    for (size_t k = 0; k < r->accumulators.size(); ++k)
+      r->accumulators[k]->del_post_hook(r->hook_keys[k]);
   }
 }
 
@@ -355,9 +364,10 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
         } else if (!g.is_contiguous()) {
           p.mutable_grad() = g.contiguous();
         }
-        DISTSTRAT_CHECK(p.grad().layout() == c10::kStrided, kInvalidArgument,
-                        "DistributedDataParallel: the gradient of '", names_[k],
-                        "' is sparse; sparse gradients are not supported (Embedding: sparse=false)");
+        DISTSTRAT_CHECK(
+            p.grad().layout() == c10::kStrided, kInvalidArgument,
+            "DistributedDataParallel: the gradient of '", names_[k],
+            "' is sparse; sparse gradients are not supported (Embedding: sparse=false)");
         if (r.scale != 1.0f) p.mutable_grad().mul_(r.scale);
         tensors.push_back(to_diststrat(p.grad()));
       }
@@ -369,7 +379,8 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
       for (size_t k = 0; k < names_.size(); ++k) f[k] = r.got_grad[k] ? 0.0f : 1.0f;
       tensors.push_back(r.unused_flags);
     }
-    r.works.push_back(r.ctx->all_reduce_async(ReduceOp::kSum, std::move(tensors), std::move(names)));
+    r.works.push_back(
+        r.ctx->all_reduce_async(ReduceOp::kSum, std::move(tensors), std::move(names)));
     ++r.launched;
     if (in_hook) ++r.in_hook;
   } catch (...) {
@@ -381,8 +392,9 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                                        int64_t global_rows) {
   const int local = ctx.local_replica_id();
   DISTSTRAT_CHECK(&ctx.strategy() == strategy_ && local >= 0 && local < num_local_replicas(),
-                  kInvalidArgument, "DistributedDataParallel::backward: the replica context is not "
-                                    "one of this model's strategy");
+                  kInvalidArgument,
+                  "DistributedDataParallel::backward: the replica context is not "
+                  "one of this model's strategy");
   DISTSTRAT_CHECK(rows >= 0 && global_rows >= rows, kInvalidArgument,
                   "DistributedDataParallel::backward (replica ", ctx.replica_id(), "): rows ", rows,
                   " and global_rows ", global_rows, " (0 <= rows <= global_rows expected)");
@@ -394,18 +406,22 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   // the window's global rows.
   const bool single = !r.in_no_sync && r.window_global_rows == 0;
   r.window_global_rows += global_rows;
-  const double seed = single ? (global_rows > 0 ? static_cast<double>(rows) / static_cast<double>(global_rows) : 0.0)
-                             : static_cast<double>(rows);
+  const double seed =
+      single
+          ? (global_rows > 0 ? static_cast<double>(rows) / static_cast<double>(global_rows) : 0.0)
+          : static_cast<double>(rows);
   const bool sync = !r.in_no_sync;
   if (sync) {
     r.syncing = true;
     r.ctx = &ctx;
     r.scale = single ? 1.0f
-              : r.window_global_rows > 0 ? static_cast<float>(1.0 / static_cast<double>(r.window_global_rows))
-                                         : 0.0f;
+              : r.window_global_rows > 0
+                  ? static_cast<float>(1.0 / static_cast<double>(r.window_global_rows))
+                  : 0.0f;
     std::fill(r.ready.begin(), r.ready.end(), 0);
     r.pending.assign(buckets_.size(), 0);
-    for (size_t b = 0; b < buckets_.size(); ++b) r.pending[b] = static_cast<int>(buckets_[b].size());
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      r.pending[b] = static_cast<int>(buckets_[b].size());
     r.next_bucket = 0;
     r.works.clear();
     r.launch_error = nullptr;
@@ -473,8 +489,9 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
     for (size_t k = 0; k < names_.size(); ++k) {
       if (f[k] == 0.0f) continue;
       if (listed < 8) {
-        which += (listed ? ", '" : "'") + names_[k] + "' (on " + std::to_string(static_cast<int64_t>(f[k])) +
-                 " of " + std::to_string(ctx.num_replicas_in_sync()) + " replicas" +
+        which += (listed ? ", '" : "'") + names_[k] + "' (on " +
+                 std::to_string(static_cast<int64_t>(f[k])) + " of " +
+                 std::to_string(ctx.num_replicas_in_sync()) + " replicas" +
                  (r.got_grad[k] ? "" : ", this one included") + ")";
       }
       ++listed;
@@ -493,8 +510,9 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
 DistributedDataParallel::NoSync DistributedDataParallel::no_sync(ReplicaContext& ctx) {
   const int local = ctx.local_replica_id();
   DISTSTRAT_CHECK(&ctx.strategy() == strategy_ && local >= 0 && local < num_local_replicas(),
-                  kInvalidArgument, "DistributedDataParallel::no_sync: the replica context is not "
-                                    "one of this model's strategy");
+                  kInvalidArgument,
+                  "DistributedDataParallel::no_sync: the replica context is not "
+                  "one of this model's strategy");
   Replica& r = *state_[static_cast<size_t>(local)];
   DISTSTRAT_CHECK(!r.in_no_sync, kFailedPrecondition, "DistributedDataParallel::no_sync (replica ",
                   ctx.replica_id(), "): already inside a no_sync() guard");

@@ -27,7 +27,8 @@ at::Tensor parameter(torch::nn::Module& m, const std::string& name) {
   for (const auto& p : m.named_parameters(true)) {
     if (p.key() == name) return p.value();
   }
-  throw_error(ErrorCode::kNotFound, "ParameterServerModel: the module has no parameter '" + name + "'");
+  throw_error(ErrorCode::kNotFound,
+              "ParameterServerModel: the module has no parameter '" + name + "'");
 }
 
 void single_intra_op_thread() {
@@ -42,15 +43,16 @@ void single_intra_op_thread() {
 
 ParameterServerModel::ParameterServerModel(ParameterServerStrategy& strategy,
                                            std::shared_ptr<torch::nn::Module> module,
-                                           Optimizer& optimizer, std::vector<std::string> row_sparse)
+                                           Optimizer& optimizer,
+                                           std::vector<std::string> row_sparse)
     : strategy_(&strategy), optimizer_(&optimizer), sparse_names_(std::move(row_sparse)) {
   DISTSTRAT_CHECK(module != nullptr, kInvalidArgument, "ParameterServerModel: null module");
   DISTSTRAT_CHECK(strategy.is_worker(), kFailedPrecondition,
                   "ParameterServerModel: this process is a PS rank (call join() there)");
   for (const std::string& n : sparse_names_) {
     const at::Tensor p = parameter(*module, n);
-    DISTSTRAT_CHECK(p.dim() == 2, kInvalidArgument, "ParameterServerModel: row-sparse parameter '", n,
-                    "' must be a [rows, dim] table, not ", p.sizes());
+    DISTSTRAT_CHECK(p.dim() == 2, kInvalidArgument, "ParameterServerModel: row-sparse parameter '",
+                    n, "' must be a [rows, dim] table, not ", p.sizes());
   }
   torch::NoGradGuard no_grad;
   auto make = [&](const std::string& name, const at::Tensor& p, bool sparse) {
@@ -70,7 +72,8 @@ ParameterServerModel::ParameterServerModel(ParameterServerStrategy& strategy,
     dense_names_.push_back(p.key());
     dense_vars_.push_back(make(p.key(), p.value(), false));
   }
-  for (const std::string& n : sparse_names_) sparse_vars_.push_back(make(n, parameter(*module, n), true));
+  for (const std::string& n : sparse_names_)
+    sparse_vars_.push_back(make(n, parameter(*module, n), true));
 
   replicas_.push_back(module);
   for (int i = 1; i < strategy.num_local_replicas(); ++i) {
@@ -79,7 +82,8 @@ ParameterServerModel::ParameterServerModel(ParameterServerStrategy& strategy,
     } catch (const c10::Error& e) {
       throw_error(ErrorCode::kInvalidArgument,
                   "ParameterServerModel: cannot replicate the module for local replica " +
-                      std::to_string(i) + " (make it a torch::nn::Cloneable): " + e.what_without_backtrace());
+                      std::to_string(i) +
+                      " (make it a torch::nn::Cloneable): " + e.what_without_backtrace());
     }
   }
   for (auto& m : replicas_) {
@@ -117,10 +121,12 @@ Variable ParameterServerModel::variable(const std::string& parameter) const {
   for (size_t k = 0; k < sparse_names_.size(); ++k) {
     if (sparse_names_[k] == parameter) return sparse_vars_[k];
   }
-  throw_error(ErrorCode::kNotFound, "ParameterServerModel: no PS variable for parameter '" + parameter + "'");
+  throw_error(ErrorCode::kNotFound,
+              "ParameterServerModel: no PS variable for parameter '" + parameter + "'");
 }
 
-ParameterServerModel::Rows ParameterServerModel::gather_rows(ReplicaContext& ctx, const std::string& name,
+ParameterServerModel::Rows ParameterServerModel::gather_rows(ReplicaContext& ctx,
+                                                             const std::string& name,
                                                              const at::Tensor& ids) {
   size_t v = sparse_names_.size();
   for (size_t k = 0; k < sparse_names_.size(); ++k) {
@@ -129,8 +135,10 @@ ParameterServerModel::Rows ParameterServerModel::gather_rows(ReplicaContext& ctx
   DISTSTRAT_CHECK(v < sparse_names_.size(), kNotFound, "ParameterServerModel::gather_rows: '", name,
                   "' is not a row-sparse parameter of this model");
   DISTSTRAT_CHECK(ids.scalar_type() == torch::kLong, kInvalidArgument,
-                  "ParameterServerModel::gather_rows('", name, "'): ids must be int64, not ", ids.scalar_type());
-  auto [unique, inverse] = at::_unique(ids.flatten().cpu(), /*sorted=*/true, /*return_inverse=*/true);
+                  "ParameterServerModel::gather_rows('", name, "'): ids must be int64, not ",
+                  ids.scalar_type());
+  auto [unique, inverse] =
+      at::_unique(ids.flatten().cpu(), /*sorted=*/true, /*return_inverse=*/true);
   const Tensor uids = to_diststrat(unique.contiguous()).clone();
   const Tensor pulled = strategy_->gather_rows(sparse_vars_[v], uids);
   Rows out;
@@ -153,11 +161,13 @@ void ParameterServerModel::backward(ReplicaContext& ctx, const at::Tensor& loss,
   }
   if (rows > 0) {
     DISTSTRAT_CHECK(loss.defined() && loss.numel() == 1, kInvalidArgument,
-                    "ParameterServerModel::backward (replica ", ctx.replica_id(), "): the loss must be a scalar");
+                    "ParameterServerModel::backward (replica ", ctx.replica_id(),
+                    "): the loss must be a scalar");
     // The summed-gradient convention of Optimizer::apply_gradients: this
     // replica's share of the global mean.
     torch::autograd::backward(
-        {loss}, {torch::full_like(loss, static_cast<double>(rows) / static_cast<double>(global_rows))});
+        {loss},
+        {torch::full_like(loss, static_cast<double>(rows) / static_cast<double>(global_rows))});
   }
   torch::NoGradGuard no_grad;
   std::vector<std::pair<Tensor, Variable>> dense;

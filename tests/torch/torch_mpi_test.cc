@@ -84,8 +84,8 @@ TEST(TorchMultiWorkerMpi, ParameterUnusedOnOneRankFailsOnEveryRankNamingIt) {
       strategy.run([&](ReplicaContext& ctx) {
         DistributedBatch b = dist.batch(0);
         at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
-        at::Tensor loss = torch::nn::functional::cross_entropy(
-            ddp.module(ctx)->as<NetImpl>()->forward(x), y);
+        at::Tensor loss =
+            torch::nn::functional::cross_entropy(ddp.module(ctx)->as<NetImpl>()->forward(x), y);
         ddp.backward(ctx, loss, x.size(0), b.global_size());
       });
     } catch (const InvalidArgumentError& e) {
@@ -126,10 +126,11 @@ TEST(TorchMultiWorkerMpi, TrainingStateRestoresOnEveryRank) {
     manager.save(3);
     for (const at::Tensor& p : ddp.module(0)->parameters()) {
       saved_params.push_back(p.detach().clone());
-      saved_momentum.push_back(static_cast<torch::optim::SGDParamState&>(
-                                   *opts[0]->state().at(c10::guts::to_string(p.unsafeGetTensorImpl())))
-                                   .momentum_buffer()
-                                   .clone());
+      saved_momentum.push_back(
+          static_cast<torch::optim::SGDParamState&>(
+              *opts[0]->state().at(c10::guts::to_string(p.unsafeGetTensorImpl())))
+              .momentum_buffer()
+              .clone());
     }
   }
   MultiWorkerMirroredStrategy fresh(options(1));
@@ -173,7 +174,8 @@ TEST(TorchParameterServerMpi, WorkerAndPsProcessesMatchSingleProcessSgd) {
     for (int s = 0; s < kSteps; ++s) {
       const int64_t b = s * kGlobalBatch, e = std::min(data.size(), b + kGlobalBatch);
       opt.zero_grad();
-      torch::nn::functional::cross_entropy(ref->forward(x.slice(0, b, e)), y.slice(0, b, e)).backward();
+      torch::nn::functional::cross_entropy(ref->forward(x.slice(0, b, e)), y.slice(0, b, e))
+          .backward();
       opt.step();
     }
   }
@@ -190,7 +192,8 @@ TEST(TorchParameterServerMpi, WorkerAndPsProcessesMatchSingleProcessSgd) {
       auto& m = model.module(ctx);
       at::Tensor x = dt::to_torch(batch.features(ctx)), y = dt::to_torch(batch.labels(ctx));
       at::Tensor loss;
-      if (x.size(0) > 0) loss = torch::nn::functional::cross_entropy(m->as<NetImpl>()->forward(x), y);
+      if (x.size(0) > 0)
+        loss = torch::nn::functional::cross_entropy(m->as<NetImpl>()->forward(x), y);
       model.backward(ctx, loss, x.size(0), batch.global_size());
     });
   }

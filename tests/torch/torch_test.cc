@@ -137,7 +137,8 @@ TEST(TorchDdp, BucketsLaunchFromTheHooksInBackpropOrder) {
     dt::DistributedDataParallel ddp(strategy, make_net(7), o);
     train_ddp(strategy, ddp, data, kGlobalBatch, 2);
     const DdpStats s = ddp.stats();
-    EXPECT_EQ(s.buckets_launched, 2 * 2 * 4) << "overlap " << overlap;  // steps x replicas x buckets
+    EXPECT_EQ(s.buckets_launched, 2 * 2 * 4)
+        << "overlap " << overlap;  // steps x replicas x buckets
     // Every bucket is complete before backward returns, so with overlap all
     // of them start inside the hooks; without, none.
     EXPECT_EQ(s.buckets_in_hook, overlap ? s.buckets_launched : 0) << "overlap " << overlap;
@@ -237,8 +238,8 @@ void run_unused(Strategy& strategy, dt::DistributedDataParallel& ddp, const Data
     strategy.run([&](ReplicaContext& ctx) {
       DistributedBatch b = dist.batch(0);
       at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
-      at::Tensor loss = torch::nn::functional::cross_entropy(
-          ddp.module(ctx)->as<NetImpl>()->forward(x), y);
+      at::Tensor loss =
+          torch::nn::functional::cross_entropy(ddp.module(ctx)->as<NetImpl>()->forward(x), y);
       try {
         ddp.backward(ctx, loss, x.size(0), b.global_size());
       } catch (const InvalidArgumentError& e) {
@@ -346,7 +347,8 @@ TEST(TorchParameterServer, DenseModuleMatchesSingleProcessSgd) {
     for (int s = 0; s < kSteps; ++s) {
       const int64_t b = s * kGlobalBatch, e = std::min(data.size(), b + kGlobalBatch);
       opt.zero_grad();
-      torch::nn::functional::cross_entropy(ref->forward(x.slice(0, b, e)), y.slice(0, b, e)).backward();
+      torch::nn::functional::cross_entropy(ref->forward(x.slice(0, b, e)), y.slice(0, b, e))
+          .backward();
       opt.step();
     }
   }
@@ -368,7 +370,8 @@ TEST(TorchParameterServer, DenseModuleMatchesSingleProcessSgd) {
                 model.variable("fc1.weight").read(ctx).data());
       at::Tensor x = dt::to_torch(batch.features(ctx)), y = dt::to_torch(batch.labels(ctx));
       at::Tensor loss;
-      if (x.size(0) > 0) loss = torch::nn::functional::cross_entropy(m->as<NetImpl>()->forward(x), y);
+      if (x.size(0) > 0)
+        loss = torch::nn::functional::cross_entropy(m->as<NetImpl>()->forward(x), y);
       model.backward(ctx, loss, x.size(0), batch.global_size());
     });
   }
@@ -429,13 +432,15 @@ TEST(TorchParameterServer, RowSparseEmbeddingMatchesDenseTraining) {
       at::Tensor x = dt::to_torch(batch.features(ctx)), y = dt::to_torch(batch.labels(ctx));
       auto rows = model.gather_rows(ctx, "emb.weight", x);
       EXPECT_LE(rows.rows.size(0), x.numel());
-      at::Tensor loss = torch::nn::functional::cross_entropy(m->head(torch::embedding(rows.rows, rows.index)), y);
+      at::Tensor loss =
+          torch::nn::functional::cross_entropy(m->head(torch::embedding(rows.rows, rows.index)), y);
       model.backward(ctx, loss, x.size(0), batch.global_size());
     });
   }
   strategy.flush();
   torch::manual_seed(11);
-  ASSERT_GT(max_abs_diff(*ref, *std::make_shared<EmbNetImpl>()), 1e-3) << "the reference did not train";
+  ASSERT_GT(max_abs_diff(*ref, *std::make_shared<EmbNetImpl>()), 1e-3)
+      << "the reference did not train";
   EXPECT_LE(max_abs_diff_to_ps(*ref, model), 1e-5);
 }
 
@@ -482,11 +487,12 @@ TEST(TorchCheckpoint, ResumeIsBitIdenticalAndPythonGetsTheSameLogits) {
     }
     const std::string bx = dir + "/batch.f32", bl = dir + "/logits.f32";
     std::ofstream(bx, std::ios::binary).write(static_cast<const char*>(x.data_ptr()), x.nbytes());
-    std::ofstream(bl, std::ios::binary).write(static_cast<const char*>(logits.data_ptr()), logits.nbytes());
+    std::ofstream(bl, std::ios::binary)
+        .write(static_cast<const char*>(logits.data_ptr()), logits.nbytes());
     const std::string cmd = "PYTHONPATH=" + std::string(DISTSTRAT_SOURCE_DIR) +
                             "/.deps/python /usr/bin/python3 " + DISTSTRAT_SOURCE_DIR +
-                            "/tests/torch/check_checkpoint.py " + saved + " " + bx + " " + bl + " " +
-                            std::to_string(kGlobalBatch) + " 2>&1";
+                            "/tests/torch/check_checkpoint.py " + saved + " " + bx + " " + bl +
+                            " " + std::to_string(kGlobalBatch) + " 2>&1";
     FILE* p = ::popen(cmd.c_str(), "r");
     ASSERT_NE(p, nullptr);
     std::string out;
@@ -494,7 +500,8 @@ TEST(TorchCheckpoint, ResumeIsBitIdenticalAndPythonGetsTheSameLogits) {
     while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
     const int rc = ::pclose(p);
     if (out.find("No module named 'torch'") != std::string::npos) {
-      std::printf("note: /usr/bin/python3 has no torch (python3-torch); the Python check is skipped\n");
+      std::printf(
+          "note: /usr/bin/python3 has no torch (python3-torch); the Python check is skipped\n");
     } else {
       EXPECT_EQ(rc, 0) << out;
       EXPECT_NE(out.find("OK"), std::string::npos) << out;
@@ -513,8 +520,8 @@ TEST(TorchCheckpoint, ResumeIsBitIdenticalAndPythonGetsTheSameLogits) {
   ASSERT_TRUE(bit_identical(*ddp.module(0), *ddp.module(1)));
   train_ddp_steps(strategy, ddp, opts, data, kGlobalBatch, 5, 10);
   for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(bit_identical(*a.module(r), *ddp.module(r))) << "replica " << r << ": max diff "
-                                                               << max_abs_diff(*a.module(r), *ddp.module(r));
+    EXPECT_TRUE(bit_identical(*a.module(r), *ddp.module(r)))
+        << "replica " << r << ": max diff " << max_abs_diff(*a.module(r), *ddp.module(r));
     auto pa = a.module(r)->parameters(), pb = ddp.module(r)->parameters();
     for (size_t i = 0; i < pa.size(); ++i) {
       auto& sa = static_cast<torch::optim::SGDParamState&>(
@@ -526,7 +533,8 @@ TEST(TorchCheckpoint, ResumeIsBitIdenticalAndPythonGetsTheSameLogits) {
   }
   // The file holds the names torch uses.
   const SafetensorsFile file = load_safetensors(saved, SafetensorsLoadOptions{});
-  for (const char* name : {"fc1.weight", "fc2.bias", "scale", "fc1.weight/momentum_buffer", "torch/step"}) {
+  for (const char* name :
+       {"fc1.weight", "fc2.bias", "scale", "fc1.weight/momentum_buffer", "torch/step"}) {
     EXPECT_NE(file.find(name), nullptr) << name;
   }
   std::filesystem::remove_all(dir);

@@ -24,7 +24,8 @@ using dt::DdpStats;
 // 8 -> 16 -> 4 MLP with a buffer; `extra` adds a layer (a different module),
 // `use_extra` = false leaves it out of the forward pass (an unused parameter).
 struct NetImpl : torch::nn::Cloneable<NetImpl> {
-  explicit NetImpl(bool extra = false, bool use_extra = true) : extra_(extra), use_extra_(use_extra) {
+  explicit NetImpl(bool extra = false, bool use_extra = true)
+      : extra_(extra), use_extra_(use_extra) {
     reset();
   }
   void reset() override {
@@ -106,8 +107,8 @@ inline bool bit_identical(torch::nn::Module& a, torch::nn::Module& b) {
 // must be bit-identical (checked here). `steps` <= the batches of one epoch.
 // Steps [first, last) with the given optimizers (one per local replica).
 inline void train_ddp_steps(Strategy& strategy, dt::DistributedDataParallel& ddp,
-                            std::vector<std::unique_ptr<torch::optim::SGD>>& opts, const Dataset& data,
-                            int64_t global_batch, int first, int last) {
+                            std::vector<std::unique_ptr<torch::optim::SGD>>& opts,
+                            const Dataset& data, int64_t global_batch, int first, int last) {
   DistributeOptions o;
   o.shuffle = false;
   DistributedDataset dist = strategy.distribute(data, global_batch, o);
