@@ -149,9 +149,12 @@ class DistributedDataParallel {
   // no_sync() since the last synchronization (the true global batch, so a
   // short last batch is weighted right), identical on every replica.
   // A replica with rows == 0 runs no backward (its loss is NaN) and
-  // contributes zero. Blocking (the strategy's deadline bounds every wait);
-  // errors of the collectives (a peer that never arrives, a mismatch) are
-  // thrown here. Call it from the replica's own thread.
+  // contributes zero. A replica whose autograd pass throws (a non-scalar
+  // loss, an autograd error) still sends its buckets (zeros) and rethrows;
+  // every other replica then throws AbortedError (the step's sum is
+  // incomplete) instead of waiting. Blocking (the strategy's deadline bounds
+  // every wait); errors of the collectives (a peer that never arrives, a
+  // mismatch) are thrown here. Call it from the replica's own thread.
   void backward(ReplicaContext& ctx, const at::Tensor& loss, int64_t rows, int64_t global_rows);
 
   // RAII guard (torch DDP's no_sync): backward() calls while it lives only

@@ -18,12 +18,14 @@
 //     the multi-worker fusion engine), while backward continues.
 //  3. After the autograd pass, the buckets not launched yet are launched in
 //     order: their parameters without a gradient in this pass keep what they
-//     accumulated under no_sync(), or become zeros. Without
-//     find_unused_parameters the last bucket also carries one float per
-//     parameter, 1 where this replica got no gradient for it in the whole
-//     accumulation window, so every replica learns after the reduction which
-//     parameters some replica missed and throws the same error: no rank
-//     waits for a bucket another rank never sends.
+//     accumulated under no_sync(), or become zeros. The last bucket also
+//     carries one float per parameter, 1 where this replica got no gradient
+//     for it in the whole accumulation window, and one that is 1 where this
+//     replica's autograd pass failed, so every replica learns after the
+//     reduction which parameters some replica missed (an error on every
+//     replica unless find_unused_parameters) and whether the step's sum is
+//     incomplete (AbortedError on the others; the failing replica throws its
+//     own error): no rank waits for a bucket another rank never sends.
 //  4. Every bucket's Work is waited for; the gradients are then the global
 //     mean, identical on every replica.
 // Under MultiWorkerMirroredStrategy the all-reduce of a bucket runs on the
@@ -182,7 +184,10 @@ struct DistributedDataParallel::Replica {
   size_t next_bucket = 0;    // first bucket not launched
   std::vector<Work> works;
   std::exception_ptr launch_error;
-  Tensor unused_flags;  // float32 [P], summed over replicas (last bucket)
+  // float32 [P + 1], summed over replicas (last bucket): [k] = replicas
+  // without a gradient for parameter k, [P] = replicas whose backward failed.
+  Tensor unused_flags;
+  bool failed = false;  // this replica's autograd pass failed
   std::atomic<int64_t> launched{0}, in_hook{0}, sync_steps{0};
 };
 
@@ -269,8 +274,7 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   for (size_t b = 0; b < buckets_.size(); ++b) {
     std::vector<std::string> n;
     for (size_t k : buckets_[b]) n.push_back("ddp/" + names_[k]);
-    if (b + 1 == buckets_.size() && !options_.find_unused_parameters)
-      n.push_back("ddp/unused_parameter_flags");
+    if (b + 1 == buckets_.size()) n.push_back("ddp/step_flags");
     bucket_names_.push_back(std::move(n));
   }
 
@@ -373,10 +377,11 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
       }
     }
     names = bucket_names_[b];
-    if (b + 1 == buckets_.size() && !options_.find_unused_parameters) {
-      r.unused_flags = Tensor(Shape{static_cast<int64_t>(names_.size())}, DType::kFloat32);
+    if (b + 1 == buckets_.size()) {
+      r.unused_flags = Tensor(Shape{static_cast<int64_t>(names_.size()) + 1}, DType::kFloat32);
       float* f = r.unused_flags.data<float>();
       for (size_t k = 0; k < names_.size(); ++k) f[k] = r.got_grad[k] ? 0.0f : 1.0f;
+      f[names_.size()] = r.failed ? 1.0f : 0.0f;
       tensors.push_back(r.unused_flags);
     }
     r.works.push_back(
@@ -425,6 +430,7 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
     r.next_bucket = 0;
     r.works.clear();
     r.launch_error = nullptr;
+    r.failed = false;
   }
   // Leaves the replica's step state clean whatever happens.
   struct Reset {
@@ -442,13 +448,14 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
 
   std::exception_ptr backward_error;
   if (rows > 0) {
-    DISTSTRAT_CHECK(loss.defined() && loss.numel() == 1, kInvalidArgument,
-                    "DistributedDataParallel::backward (replica ", ctx.replica_id(),
-                    "): the loss must be a scalar, got ",
-                    loss.defined() ? shape_text(loss) : std::string("an undefined tensor"));
+    // A bad loss or a failing autograd pass still launches every bucket
+    // below (so no peer waits for them), then throws.
     try {
-      // The loss is a mean over this replica's rows: seeded with `rows` the
-      // gradients are sums over them (see `seed` above).
+      DISTSTRAT_CHECK(loss.defined() && loss.numel() == 1, kInvalidArgument,
+                      "DistributedDataParallel::backward (replica ", ctx.replica_id(),
+                      "): the loss must be a scalar, got ",
+                      loss.defined() ? shape_text(loss) : std::string("an undefined tensor"));
+      // The loss is a mean over this replica's rows (see `seed` above).
       torch::autograd::backward({loss}, {torch::full_like(loss, seed)});
     } catch (...) {
       backward_error = std::current_exception();
@@ -463,8 +470,12 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
     return;
   }
   // The buckets the hooks did not launch, in order. Even after a failed
-  // backward: the other replicas wait for these calls (they get zeros or
-  // partial sums; this replica then throws).
+  // backward: the other replicas wait for these calls (they get zeros and
+  // the failure flag; this replica then throws its own error).
+  if (backward_error) {
+    r.failed = true;
+    std::fill(r.got_grad.begin(), r.got_grad.end(), 1);  // not "unused"
+  }
   for (size_t b = r.next_bucket; b < buckets_.size(); ++b) {
     for (size_t k : buckets_[b]) r.ready[k] = 1;
     r.pending[b] = 0;
@@ -482,6 +493,14 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   if (backward_error) std::rethrow_exception(backward_error);
   if (r.launch_error) std::rethrow_exception(r.launch_error);
   if (wait_error) std::rethrow_exception(wait_error);
+  const float failed = r.unused_flags.data<float>()[names_.size()];
+  if (failed > 0) {
+    throw_error(ErrorCode::kAborted,
+                "DistributedDataParallel::backward (replica " + std::to_string(ctx.replica_id()) +
+                    "): the autograd pass failed on " + std::to_string(static_cast<int64_t>(failed)) +
+                    " of " + std::to_string(ctx.num_replicas_in_sync()) +
+                    " replicas (see that replica's error); this step's gradients are incomplete");
+  }
   if (!options_.find_unused_parameters) {
     const float* f = r.unused_flags.data<float>();
     std::string which;

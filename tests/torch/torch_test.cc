@@ -296,6 +296,49 @@ TEST(TorchDdp, FindUnusedParametersCountsThemAsZero) {
   }
 }
 
+// A replica whose loss is unusable throws its error; the other does not hang
+// waiting for its buckets (they are sent, as zeros, with a failure flag) and
+// throws AbortedError; run() reports the real error. The next step works.
+TEST(TorchDdp, BadLossOnOneReplicaFailsTheStepEverywhereWithoutHanging) {
+  const Dataset data = make_data(16);
+  MirroredStrategy strategy({Device::cpu(0), Device::cpu(1)});
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  DistributeOptions o;
+  o.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, 16, o);
+  for (bool bad : {true, false}) {
+    std::vector<std::string> errors(2);
+    try {
+      strategy.run([&](ReplicaContext& ctx) {
+        DistributedBatch b = dist.batch(0);
+        at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
+        at::Tensor logits = ddp.module(ctx)->as<NetImpl>()->forward(x);
+        at::Tensor loss = bad && ctx.local_replica_id() == 1
+                              ? logits  // not a scalar
+                              : torch::nn::functional::cross_entropy(logits, y);
+        try {
+          ddp.backward(ctx, loss, x.size(0), b.global_size());
+        } catch (const Error& e) {
+          errors[ctx.local_replica_id()] = e.what();
+          throw;
+        }
+      });
+      EXPECT_FALSE(bad) << "a non-scalar loss was accepted";
+    } catch (const InvalidArgumentError& e) {
+      EXPECT_TRUE(bad);
+      EXPECT_NE(std::string(e.what()).find("the loss must be a scalar"), std::string::npos)
+          << e.what();
+    }
+    if (bad) {
+      EXPECT_NE(errors[0].find("the autograd pass failed on 1 of 2 replicas"), std::string::npos)
+          << errors[0];
+      EXPECT_NE(errors[1].find("the loss must be a scalar"), std::string::npos) << errors[1];
+    } else {
+      EXPECT_EQ(errors[0] + errors[1], "");
+    }
+  }
+}
+
 TEST(TorchDdp, OneReplicaKeepsTheModuleAndNamesItsParameters) {
   MirroredStrategy strategy({Device::cpu(0)});
   auto net = make_net(7);
