@@ -363,15 +363,15 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
       for (size_t k : buckets_[b]) {
         at::Tensor& p = r.params[k];
         at::Tensor g = p.grad();
+        DISTSTRAT_CHECK(
+            !g.defined() || g.layout() == c10::kStrided, kInvalidArgument,
+            "DistributedDataParallel: the gradient of '", names_[k],
+            "' is sparse; sparse gradients are not supported (Embedding: sparse=false)");
         if (!g.defined()) {
           p.mutable_grad() = torch::zeros_like(p, at::MemoryFormat::Contiguous);
         } else if (!g.is_contiguous()) {
           p.mutable_grad() = g.contiguous();
         }
-        DISTSTRAT_CHECK(
-            p.grad().layout() == c10::kStrided, kInvalidArgument,
-            "DistributedDataParallel: the gradient of '", names_[k],
-            "' is sparse; sparse gradients are not supported (Embedding: sparse=false)");
         if (r.scale != 1.0f) p.mutable_grad().mul_(r.scale);
         tensors.push_back(to_diststrat(p.grad()));
       }
