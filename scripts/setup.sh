@@ -13,6 +13,7 @@ packages=(
   libgloo-dev
   zlib1g-dev
   libdlpack-dev
+  libtorch-dev python3-torch
   dataset-fashion-mnist
   python3 python3-matplotlib python3-yaml python3-numpy python3-pip
 )
