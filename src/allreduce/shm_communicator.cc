@@ -89,6 +89,7 @@
 #include "allreduce/mpi_util.h"
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport_communicator.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 namespace {
@@ -369,7 +370,7 @@ class ShmCommunicator : public Communicator {
       // disagreement named on all of them; on every rank, the same error.
       call.empty();
       DISTSTRAT_CHECK(0 <= root && root < size_, kInvalidArgument, "rank ", rank_, ": broadcast '",
-                      name, "': root ", root, " is not a rank of a group of ", size_);
+                      echo(name), "': root ", root, " is not a rank of a group of ", size_);
       return;
     }
     char* p = static_cast<char*>(data);
@@ -430,7 +431,7 @@ class ShmCommunicator : public Communicator {
   }
 
   void barrier(const std::string& name) override {
-    Call call(this, std::string("barrier") + (name.empty() ? "" : " '" + name + "'") + " (shm)",
+    Call call(this, std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'") + " (shm)",
               record(CallKind::kBarrier, 0, DType::kFloat32, nullptr, -1));
     ++chunks_;  // keeps the buffer parity rule simple: a barrier is an empty chunk
     call.barrier();
@@ -516,7 +517,7 @@ class ShmCommunicator : public Communicator {
         return std::to_string(p.count) + " x " + dtype_name(static_cast<DType>(p.dtype)) + " " +
                reduce_op_name(static_cast<ReduceOp>(p.op));
       };
-      const std::string msg = "rank " + std::to_string(rank_) + ": all_reduce '" + name +
+      const std::string msg = "rank " + std::to_string(rank_) + ": all_reduce '" + echo(name) +
                               "' (shm): ranks disagree on the call: rank 0 has " + what(a) +
                               ", rank " + std::to_string(q) + " has " + what(b);
       abort(msg);

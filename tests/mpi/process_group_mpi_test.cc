@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -364,6 +365,58 @@ TEST(ProcessGroupMpi, MismatchedCallsAreAnErrorOnEveryRankNamingTheCall) {
   EXPECT_THROW(pg.broadcast(b.data(), 4, ds::DType::kFloat32, n, "w"), ds::InvalidArgumentError);
   pg.broadcast(b.data(), 4, ds::DType::kFloat32, odd, "w");
   EXPECT_EQ(b[3], static_cast<float>(odd));
+}
+
+// A group used from a second thread while a collective of the first is in
+// flight: the second call fails at once (FailedPreconditionError naming both
+// calls) and the group is aborted, so every rank fails loudly instead of
+// mixing the two calls' bytes.
+TEST(ProcessGroupMpi, ASecondThreadInTheSameGroupIsAnErrorNotWrongNumbers) {
+  if (virtual_nodes()) GTEST_SKIP() << "the abort travels through shared memory (one node)";
+  const int me = world_rank();
+  ds::ProcessGroup pg(group_options(std::chrono::seconds(5)));
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me == 0) {
+    std::atomic<bool> entering{false};
+    std::string first_error;
+    std::thread first([&] {
+      try {
+        entering = true;
+        pg.barrier("first");  // the peers come only ~1 s later
+        first_error = "returned";
+      } catch (const ds::Error& e) {
+        first_error = e.what();
+      }
+    });
+    while (!entering) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::vector<float> g(10, 1.0f);
+    try {
+      pg.all_reduce(g.data(), g.data(), g.size(), ds::DType::kFloat32, ds::ReduceOp::kSum, "second");
+      ADD_FAILURE() << "the second thread's all_reduce returned";
+    } catch (const ds::FailedPreconditionError& e) {
+      std::fprintf(stderr, "[rank 0] %s\n", e.what());
+      EXPECT_TRUE(has(e.message(), "rank 0: ")) << e.message();
+      EXPECT_TRUE(has(e.message(), "'second'")) << e.message();
+      EXPECT_TRUE(has(e.message(), "'first'")) << e.message();
+    } catch (const ds::Error& e) {
+      ADD_FAILURE() << e.what();
+    }
+    first.join();
+    EXPECT_TRUE(has(first_error, "[kAborted]")) << first_error;
+  } else {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    try {
+      pg.barrier("first");
+      ADD_FAILURE() << "rank " << me << ": barrier returned";
+    } catch (const ds::AbortedError& e) {
+      EXPECT_TRUE(has(e.message(), "two threads")) << e.message();
+    } catch (const ds::Error& e) {
+      ADD_FAILURE() << e.what();
+    }
+  }
+  EXPECT_LT(seconds_since(t0), 4.5) << "deadline was 5 s";
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // A rank that throws while it holds a group: its peers, waiting in a
