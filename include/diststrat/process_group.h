@@ -25,8 +25,16 @@
 //   collectives in the same order, each bounded by options.timeout, then
 //   DeadlineExceededError naming the ranks that never arrived; after a
 //   deadline or abort() the group is unusable: destroy it and make another.
+//   Ranks whose calls differ (kind of collective, count, dtype, reduce op,
+//   root) all throw InvalidArgumentError naming the first odd rank and both
+//   calls, and the group is aborted; with several nodes the hierarchical
+//   all_reduce compares within each node only (the other nodes' ranks fail
+//   at their deadline). Names are not compared (they only label errors).
 // - Thread safety: one thread at a time per group (a group is one rank's
-//   Communicator). Several groups and strategies of one process may be used
+//   Communicator). A call made while another thread's call on the same group
+//   is in flight throws FailedPreconditionError naming both and aborts the
+//   group (every rank's calls then fail with AbortedError); abort() alone may
+//   be called from any thread. Several groups and strategies of one process may be used
 //   from different threads at once (MPI is initialized with
 //   MPI_THREAD_MULTIPLE when the library initializes it; a program that
 //   initializes MPI itself must ask for MPI_THREAD_MULTIPLE for that).

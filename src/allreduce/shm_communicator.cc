@@ -49,6 +49,16 @@
 // still collect its last chunk. broadcast, all_gather and reduce_scatter use
 // one barrier per chunk (stage, barrier, read).
 //
+// Every call first publishes what it is (kind, count, dtype, reduce op,
+// root) in its header, and every rank compares all ranks' calls right after
+// the call's first barrier, before it reads or writes anything of a peer's:
+// a rank whose call differs is named on every rank (InvalidArgumentError,
+// then an abort, so a rank that looks later fails too) instead of the ranks
+// exchanging bytes of different calls. Calls of nothing (count 0) meet at one
+// barrier for it. The record is double-buffered by the parity of the first
+// barrier's number: a peer can write the next call's record while this rank
+// still compares, but not the one after (that needs this rank's next barrier).
+//
 // Barrier: each rank bumps its own counter (release) and waits until every
 // counter has reached its value (acquire), spinning, then yielding, then
 // sleeping, until the deadline; then it throws DeadlineExceededError naming
@@ -79,11 +89,12 @@
 #include "allreduce/mpi_util.h"
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport_communicator.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 namespace {
 
-constexpr size_t kHeader = 512;              // keeps the buffers cache-line (and page-ish) aligned
+constexpr size_t kHeader = 1024;             // keeps the buffers cache-line (and page-ish) aligned
 constexpr size_t kSmallBytes = 16 << 10;     // all-reduce chunks up to this skip slicing
 // Staging buffer size: small enough that the buffers stay in the caches,
 // large enough that the barrier per chunk is amortised. Measured with
@@ -105,6 +116,17 @@ struct Placement {
   int32_t dtype = 0, op = 0;
 };
 
+// What a call is, as the ranks compare it (see "Every call first publishes").
+enum class CallKind : uint32_t { kAllReduce = 1, kBroadcast, kAllGather, kReduceScatter, kBarrier };
+struct CallRecord {
+  uint32_t kind = 0;
+  int32_t dtype = 0, op = -1, root = -1;
+  uint64_t count = 0;
+  bool operator==(const CallRecord& o) const {
+    return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count;
+  }
+};
+
 struct alignas(64) Header {
   std::atomic<uint64_t> arrived{0};
   char pad0[56];
@@ -117,9 +139,36 @@ struct alignas(64) Header {
   char pad3[60];
   // Why this rank aborted (NUL-terminated), written before `aborted` is set.
   char abort_reason[256];
+  // This rank's current call, by the parity of its first barrier's number.
+  CallRecord calls[2];
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
+
+CallRecord record(CallKind kind, size_t count, DType dtype, const ReduceOp* op, int root) {
+  CallRecord r;
+  r.kind = static_cast<uint32_t>(kind);
+  r.count = count;
+  r.dtype = kind == CallKind::kBarrier ? 0 : static_cast<int32_t>(dtype);
+  r.op = op ? static_cast<int32_t>(*op) : -1;
+  r.root = root;
+  return r;
+}
+
+// "5 x float32 in all_gather", "4 x float32 from root 1 in broadcast", "a barrier".
+std::string describe_record(const CallRecord& r) {
+  static const char* const kNames[] = {"?", "all_reduce", "broadcast", "all_gather", "reduce_scatter",
+                                       "barrier"};
+  const char* kind = r.kind < 6 ? kNames[r.kind] : "?";
+  if (r.kind == static_cast<uint32_t>(CallKind::kBarrier)) return "a barrier";
+  const bool known = r.dtype >= 0 && r.dtype <= static_cast<int32_t>(DType::kInt64);
+  std::string s = std::to_string(r.count) + " x " + (known ? dtype_name(static_cast<DType>(r.dtype)) : "?");
+  if (r.op >= 0 && r.op <= static_cast<int32_t>(ReduceOp::kProduct)) {
+    s += std::string(" ") + reduce_op_name(static_cast<ReduceOp>(r.op));
+  }
+  if (r.kind == static_cast<uint32_t>(CallKind::kBroadcast)) s += " from root " + std::to_string(r.root);
+  return s + " in " + kind;
+}
 
 class ShmCommunicator : public Communicator {
  public:
@@ -217,8 +266,9 @@ class ShmCommunicator : public Communicator {
 
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                   const std::string& name) override {
-    Call call(this, describe_call("all_reduce", count, dtype, &op, name) + " (shm)");
-    if (count == 0) return;
+    Call call(this, describe_call("all_reduce", count, dtype, &op, name) + " (shm)",
+              record(CallKind::kAllReduce, count, dtype, &op, -1));
+    if (count == 0) return call.empty();
     const size_t es = dtype_size(dtype);
     const size_t per = chunk_ / es;
     const char* src = static_cast<const char*>(in);
@@ -311,11 +361,18 @@ class ShmCommunicator : public Communicator {
   }
 
   void broadcast(void* data, size_t count, DType dtype, int root, const std::string& name) override {
-    DISTSTRAT_CHECK(0 <= root && root < size_, kInvalidArgument, "rank ", rank_, ": broadcast '",
-                    name, "': root ", root, " is not a rank of a group of ", size_);
     Call call(this, describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
-                        std::to_string(root) + " (shm)");
+                        std::to_string(root) + " (shm)",
+              record(CallKind::kBroadcast, count, dtype, nullptr, root));
     const size_t bytes = count * dtype_size(dtype);
+    if (root < 0 || root >= size_ || bytes == 0) {
+      // Met first, so a root out of range on some ranks only is a
+      // disagreement named on all of them; on every rank, the same error.
+      call.empty();
+      DISTSTRAT_CHECK(0 <= root && root < size_, kInvalidArgument, "rank ", rank_, ": broadcast '",
+                      echo(name), "': root ", root, " is not a rank of a group of ", size_);
+      return;
+    }
     char* p = static_cast<char*>(data);
     for (size_t off = 0; off < bytes; off += chunk_) {
       const size_t len = std::min(chunk_, bytes - off);
@@ -328,8 +385,10 @@ class ShmCommunicator : public Communicator {
 
   void all_gather(const void* in, void* out, size_t count, DType dtype,
                   const std::string& name) override {
-    Call call(this, describe_call("all_gather", count, dtype, nullptr, name) + " (shm)");
+    Call call(this, describe_call("all_gather", count, dtype, nullptr, name) + " (shm)",
+              record(CallKind::kAllGather, count, dtype, nullptr, -1));
     const size_t bytes = count * dtype_size(dtype);
+    if (bytes == 0) return call.empty();
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
     for (size_t off = 0; off < bytes; off += chunk_) {
@@ -347,7 +406,9 @@ class ShmCommunicator : public Communicator {
 
   void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                       const std::string& name) override {
-    Call call(this, describe_call("reduce_scatter", count, dtype, &op, name) + " (shm)");
+    Call call(this, describe_call("reduce_scatter", count, dtype, &op, name) + " (shm)",
+              record(CallKind::kReduceScatter, count, dtype, &op, -1));
+    if (count == 0) return call.empty();
     const size_t es = dtype_size(dtype);
     // Each chunk stages `per` elements of every rank's block.
     const size_t per = std::max<size_t>(1, chunk_ / (es * size_));
@@ -370,7 +431,8 @@ class ShmCommunicator : public Communicator {
   }
 
   void barrier(const std::string& name) override {
-    Call call(this, std::string("barrier") + (name.empty() ? "" : " '" + name + "'") + " (shm)");
+    Call call(this, std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'") + " (shm)",
+              record(CallKind::kBarrier, 0, DType::kFloat32, nullptr, -1));
     ++chunks_;  // keeps the buffer parity rule simple: a barrier is an empty chunk
     call.barrier();
   }
@@ -455,7 +517,7 @@ class ShmCommunicator : public Communicator {
         return std::to_string(p.count) + " x " + dtype_name(static_cast<DType>(p.dtype)) + " " +
                reduce_op_name(static_cast<ReduceOp>(p.op));
       };
-      const std::string msg = "rank " + std::to_string(rank_) + ": all_reduce '" + name +
+      const std::string msg = "rank " + std::to_string(rank_) + ": all_reduce '" + echo(name) +
                               "' (shm): ranks disagree on the call: rank 0 has " + what(a) +
                               ", rank " + std::to_string(q) + " has " + what(b);
       abort(msg);
@@ -521,9 +583,17 @@ class ShmCommunicator : public Communicator {
   // One collective call: its description for errors and its barriers.
   class Call {
    public:
-    Call(ShmCommunicator* c, std::string what) : c_(c), what_(std::move(what)) {
+    // Publishes `rec` for the comparison after the first barrier.
+    Call(ShmCommunicator* c, std::string what, const CallRecord& rec) : c_(c), what_(std::move(what)) {
       deadline_ = Clock::now() + c_->options_.timeout;
       check_abort();
+      slot_ = static_cast<int>((c_->barriers_ + 1) % 2);
+      c_->headers_[c_->rank_]->calls[slot_] = rec;
+    }
+    // A call that moves nothing: meet (and compare) once, as an empty chunk.
+    void empty() {
+      ++c_->chunks_;
+      barrier();
     }
     void barrier() {
       const uint64_t target = ++c_->barriers_;
@@ -545,9 +615,26 @@ class ShmCommunicator : public Communicator {
           }
         }
       }
+      if (!compared_) {
+        compared_ = true;
+        compare_calls();
+      }
     }
 
    private:
+    // Every rank sees the same records, so every rank throws alike.
+    void compare_calls() {
+      const CallRecord& first = c_->headers_[0]->calls[slot_];
+      for (int q = 1; q < c_->size_; ++q) {
+        const CallRecord& other = c_->headers_[q]->calls[slot_];
+        if (other == first) continue;
+        const std::string msg = "rank " + std::to_string(c_->rank_) + ": " + what_ +
+                                ": ranks disagree on the call: rank 0 has " + describe_record(first) +
+                                ", rank " + std::to_string(q) + " has " + describe_record(other);
+        c_->abort(msg);
+        throw InvalidArgumentError(msg);
+      }
+    }
     void check_abort() {
       for (int q = 0; q < c_->size_; ++q) {
         if (c_->headers_[q]->aborted.load(std::memory_order_acquire)) {
@@ -578,6 +665,8 @@ class ShmCommunicator : public Communicator {
     ShmCommunicator* c_;
     std::string what_;
     Clock::time_point deadline_;
+    int slot_ = 0;
+    bool compared_ = false;
   };
 
   CommunicationOptions options_;

@@ -1,9 +1,11 @@
 #include "multiworker/process_group.h"
 
 #include <exception>
+#include <mutex>
 
 #include "diststrat/process_group.h"
 
+#include "core/user_text.h"
 #include "diststrat/config.h"
 #include "multiworker/hierarchical.h"
 #if DISTSTRAT_HAVE_MPI
@@ -142,6 +144,46 @@ struct ProcessGroup::Impl {
   // destroyed during stack unwinding.
   int uncaught_at_construction = std::uncaught_exceptions();
   Communicator& comm() const { return *comms.cross; }
+
+  // One thread at a time: a call made while another thread's is in flight
+  // would mix the two calls' bytes (and barriers) on this rank. It fails
+  // instead, and aborts the group so that every rank fails loudly.
+  std::mutex mu;
+  bool busy = false;       // under mu
+  std::string in_flight;   // under mu: "barrier 'x'"
+  class Use {
+   public:
+    Use(Impl& m, std::string what) : m_(m) {
+      std::string other;
+      {
+        std::lock_guard<std::mutex> lock(m_.mu);
+        if (!m_.busy) {
+          m_.busy = true;
+          m_.in_flight = std::move(what);
+          return;
+        }
+        other = m_.in_flight;
+      }
+      const std::string who = "rank " + std::to_string(m_.comm().rank());
+      m_.comm().abort(who + " used the group from two threads at once (" + what + " during " + other +
+                      "); the group is aborted");
+      throw FailedPreconditionError(who + ": ProcessGroup " + what + " was called while " + other +
+                                    " is in flight on another thread: a group serves one thread at "
+                                    "a time (make one group per thread); the group is aborted");
+    }
+    ~Use() {
+      std::lock_guard<std::mutex> lock(m_.mu);
+      m_.busy = false;
+    }
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    Impl& m_;
+  };
+  static std::string call(const char* kind, const std::string& name) {
+    return name.empty() ? std::string(kind) : std::string(kind) + " '" + echo(name) + "'";
+  }
 };
 
 ProcessGroup::ProcessGroup(ProcessGroupOptions options) : impl_(std::make_unique<Impl>()) {
@@ -189,23 +231,34 @@ bool ProcessGroup::hierarchical() const { return impl_->comms.hierarchical; }
 
 void ProcessGroup::all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                               const std::string& name) {
+  Impl::Use use(*impl_, Impl::call("all_reduce", name));
   impl_->comm().all_reduce(in, out, count, dtype, op, name);
 }
 void ProcessGroup::broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) {
+  Impl::Use use(*impl_, Impl::call("broadcast", name));
   impl_->comm().broadcast(buf, count, dtype, root, name);
 }
 void ProcessGroup::all_gather(const void* in, void* out, size_t count, DType dtype,
                               const std::string& name) {
+  Impl::Use use(*impl_, Impl::call("all_gather", name));
   impl_->comm().all_gather(in, out, count, dtype, name);
 }
 void ProcessGroup::reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                                   const std::string& name) {
+  Impl::Use use(*impl_, Impl::call("reduce_scatter", name));
   impl_->comm().reduce_scatter(in, out, count, dtype, op, name);
 }
-void ProcessGroup::barrier(const std::string& name) { impl_->comm().barrier(name); }
+void ProcessGroup::barrier(const std::string& name) {
+  Impl::Use use(*impl_, Impl::call("barrier", name));
+  impl_->comm().barrier(name);
+}
 void ProcessGroup::abort(const std::string& reason) { impl_->comm().abort(reason); }
-void ProcessGroup::reset() { impl_->comm().reset(); }
+void ProcessGroup::reset() {
+  Impl::Use use(*impl_, "reset");
+  impl_->comm().reset();
+}
 std::shared_ptr<void> ProcessGroup::allocate_buffer(size_t bytes) {
+  Impl::Use use(*impl_, "allocate_buffer");
   return impl_->comm().allocate_buffer(bytes);
 }
 
