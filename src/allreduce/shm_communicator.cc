@@ -79,6 +79,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <cstring>
 #include <exception>
 #include <sstream>
@@ -437,10 +438,13 @@ class ShmCommunicator : public Communicator {
     call.barrier();
   }
 
+  // Thread-safe (abort may come from any thread while a collective runs):
+  // abort_mu_ guards abort_reason_ and this rank's header reason.
   void abort(const std::string& reason) override {
     failed_ = true;
-    abort_reason_ = reason;
     mpi::mark_failed();
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    abort_reason_ = reason;
     Header* h = headers_[rank_];
     if (h->aborted.load(std::memory_order_relaxed)) return;  // the first reason stays
     const size_t n = std::min(reason.size(), sizeof(h->abort_reason) - 1);
@@ -452,6 +456,7 @@ class ShmCommunicator : public Communicator {
   // Clears this rank's abort word. Every rank must call it (with no
   // collective in flight) before the group is used again.
   void reset() override {
+    std::lock_guard<std::mutex> lock(abort_mu_);
     abort_reason_.clear();
     headers_[rank_]->aborted.store(0, std::memory_order_release);
     headers_[rank_]->abort_reason[0] = '\0';
@@ -644,7 +649,7 @@ class ShmCommunicator : public Communicator {
                                    strnlen(h->abort_reason, sizeof(h->abort_reason)));
           throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ +
                              " aborted by rank " + std::to_string(q) +
-                             (q == c_->rank_ ? ": " + c_->abort_reason_
+                             (q == c_->rank_ ? ": " + c_->own_abort_reason()
                                              : reason.empty() ? std::string() : ": " + reason));
         }
       }
@@ -684,7 +689,12 @@ class ShmCommunicator : public Communicator {
   std::vector<Window> windows_;  // from allocate_buffer
   uint64_t barriers_ = 0;  // barriers this rank has entered
   uint64_t chunks_ = 0;    // chunks processed (buffer parity)
-  std::string abort_reason_;
+  std::mutex abort_mu_;
+  std::string abort_reason_;  // guarded by abort_mu_
+  std::string own_abort_reason() {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    return abort_reason_;
+  }
   // std::uncaught_exceptions() at construction (more at destruction =
   // destroyed during stack unwinding).
   const int uncaught_at_construction_ = std::uncaught_exceptions();
