@@ -1,0 +1,498 @@
+// DistributedDataParallel for LibTorch over the strategies' all-reduce.
+//
+// How a synchronizing backward() runs (per local replica, on its thread):
+//  1. The parameters (requires_grad, named_parameters() order) are cut into
+//     buckets at construction: reverse registration order (the order backprop
+//     produces gradients, as c10d's reducer assumes before it has seen a
+//     step), consecutive parameters up to bytes_per_bucket. The bucket list is
+//     identical on every replica of the job, so is every launch order below.
+//  2. backward() seeds the autograd pass with `rows` (the loss is a mean over
+//     this replica's rows, so the gradients become sums over them) and runs
+//     it. A post-hook on each parameter's gradient accumulator (the
+//     AccumulateGrad node, as c10d's reducer registers it) fires once the
+//     parameter's .grad holds this pass's contribution: the parameter is
+//     marked ready, and while the next bucket in launch order is complete it
+//     is launched: its gradients are scaled by 1 / (global rows accumulated
+//     since the last synchronization) and handed to
+//     ReplicaContext::all_reduce_async(kSum) as one call (one fused pack of
+//     the multi-worker fusion engine), while backward continues.
+//  3. After the autograd pass, the buckets not launched yet are launched in
+//     order: their parameters without a gradient in this pass keep what they
+//     accumulated under no_sync(), or become zeros. Without
+//     find_unused_parameters the last bucket also carries one float per
+//     parameter, 1 where this replica got no gradient for it in the whole
+//     accumulation window, so every replica learns after the reduction which
+//     parameters some replica missed and throws the same error: no rank
+//     waits for a bucket another rank never sends.
+//  4. Every bucket's Work is waited for; the gradients are then the global
+//     mean, identical on every replica.
+// Under MultiWorkerMirroredStrategy the all-reduce of a bucket runs on the
+// fusion engine's thread while backward goes on; under Mirrored/CentralStorage
+// it is the in-process all-reduce (it completes in the hook).
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <sstream>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "diststrat/torch.h"
+
+namespace diststrat::libtorch {
+
+namespace {
+
+// FNV-1a: identical in every process (std::hash need not be).
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::string shape_text(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.scalar_type() << t.sizes();
+  return os.str();
+}
+
+// One line per parameter / buffer: what every replica must agree on.
+std::vector<std::string> module_signature(torch::nn::Module& m) {
+  std::vector<std::string> lines;
+  for (const auto& p : m.named_parameters(/*recurse=*/true)) {
+    lines.push_back("parameter '" + p.key() + "' " + shape_text(p.value()) +
+                    (p.value().requires_grad() ? "" : " (no grad)"));
+  }
+  for (const auto& b : m.named_buffers(/*recurse=*/true)) {
+    lines.push_back("buffer '" + b.key() + "' " + shape_text(b.value()));
+  }
+  return lines;
+}
+
+std::string join_lines(const std::vector<std::string>& lines) {
+  std::string s;
+  for (const std::string& l : lines) s += l + "\n";
+  return s;
+}
+
+std::vector<std::string> split_lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream is(s);
+  for (std::string l; std::getline(is, l);) out.push_back(l);
+  return out;
+}
+
+// Checks that every replica in sync has the same signature; throws the same
+// InvalidArgumentError on every process otherwise. Collective (two gathers).
+void check_same_module(Strategy& strategy, const std::vector<std::string>& lines) {
+  const int local = strategy.num_local_replicas();
+  const std::string text = join_lines(lines);
+  std::vector<Tensor> mine;
+  for (int i = 0; i < local; ++i) {
+    Tensor t(Shape{1, 2}, DType::kInt64);
+    t.data<int64_t>()[0] = static_cast<int64_t>(fnv1a(text));
+    t.data<int64_t>()[1] = static_cast<int64_t>(text.size());
+    mine.push_back(t);
+  }
+  const Tensor all = strategy.gather(PerReplica<Tensor>(mine));
+  const int64_t n = all.shape()[0];
+  const int64_t* v = all.data<int64_t>();
+  bool same = true;
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    same = same && v[2 * r] == v[0] && v[2 * r + 1] == v[1];
+    max_len = std::max(max_len, v[2 * r + 1]);
+  }
+  if (same) return;
+  // Somebody differs: every process gathers every signature text (padded to
+  // the longest, one int32 per byte) and names the first difference against
+  // replica 0 (the chief's first replica).
+  std::vector<Tensor> texts;
+  for (int i = 0; i < local; ++i) {
+    Tensor t(Shape{1, std::max<int64_t>(max_len, 1)}, DType::kInt32);
+    for (size_t c = 0; c < text.size(); ++c) t.data<int32_t>()[c] = static_cast<unsigned char>(text[c]);
+    texts.push_back(t);
+  }
+  const Tensor all_text = strategy.gather(PerReplica<Tensor>(texts));
+  const int64_t width = all_text.shape()[1];
+  auto text_of = [&](int64_t r) {
+    std::string s(static_cast<size_t>(v[2 * r + 1]), '\0');
+    for (size_t c = 0; c < s.size(); ++c) s[c] = static_cast<char>(all_text.data<int32_t>()[r * width + c]);
+    return split_lines(s);
+  };
+  const std::vector<std::string> chief = text_of(0);
+  for (int64_t r = 1; r < n; ++r) {
+    const std::vector<std::string> other = text_of(r);
+    for (size_t i = 0; i < std::max(chief.size(), other.size()); ++i) {
+      const std::string a = i < chief.size() ? chief[i] : "";
+      const std::string b = i < other.size() ? other[i] : "";
+      if (a == b) continue;
+      std::string what;
+      if (a.empty()) {
+        what = "replica " + std::to_string(r) + " has " + b + " that replica 0 does not have";
+      } else if (b.empty()) {
+        what = "replica 0 has " + a + " that replica " + std::to_string(r) + " does not have";
+      } else {
+        what = "replica 0 has " + a + " where replica " + std::to_string(r) + " has " + b;
+      }
+      throw_error(ErrorCode::kInvalidArgument,
+                  "DistributedDataParallel: the module differs across replicas (entry " +
+                      std::to_string(i) + " of named_parameters() then named_buffers()): " + what +
+                      "; every worker must construct the same module");
+    }
+  }
+  throw_error(ErrorCode::kInternal, "DistributedDataParallel: module signatures differ (hash) but "
+                                    "their texts agree");
+}
+
+// at::set_num_threads(1) once per thread.
+void single_intra_op_thread() {
+  thread_local bool done = false;
+  if (!done) {
+    at::set_num_threads(1);
+    done = true;
+  }
+}
+
+}  // namespace
+
+struct DistributedDataParallel::Replica {
+  int local = 0;
+  std::vector<at::Tensor> params;  // requires_grad, in names_ order
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hook_keys;
+
+  bool in_no_sync = false;
+  // The accumulation window (micro-batches since the last synchronization).
+  int64_t window_global_rows = 0;
+  std::vector<char> got_grad;  // hook fired for the parameter in the window
+  // The synchronizing backward in progress.
+  bool syncing = false;
+  ReplicaContext* ctx = nullptr;
+  float scale = 1.0f;
+  std::vector<char> ready;    // per parameter: its bucket may include it
+  std::vector<int> pending;   // per bucket: parameters not ready yet
+  size_t next_bucket = 0;     // first bucket not launched
+  std::vector<Work> works;
+  std::exception_ptr launch_error;
+  Tensor unused_flags;  // float32 [P], summed over replicas (last bucket)
+  std::atomic<int64_t> launched{0}, in_hook{0}, sync_steps{0};
+};
+
+DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
+                                                 std::shared_ptr<torch::nn::Module> module,
+                                                 DdpOptions options)
+    : strategy_(&strategy), options_(options) {
+  DISTSTRAT_CHECK(module != nullptr, kInvalidArgument, "DistributedDataParallel: null module");
+  DISTSTRAT_CHECK(strategy.name() != "parameter_server", kUnimplemented,
+                  "DistributedDataParallel: ParameterServerStrategy is not supported (its workers "
+                  "do not all-reduce; see docs/torch.md)");
+  const int local = strategy.num_local_replicas();
+  const std::vector<std::string> signature = module_signature(*module);
+
+  // 1. Same module everywhere (only where other processes take part: local
+  // replicas are clones of one module).
+  const ClusterInfo cluster = strategy.cluster();
+  if (cluster.num_workers > 1) check_same_module(strategy, signature);
+
+  // 2. The chief's values, in place.
+  {
+    torch::NoGradGuard no_grad;
+    if (cluster.num_workers > 1) {
+      for (auto& p : module->named_parameters(true)) {
+        Tensor t = to_diststrat(p.value());
+        strategy.broadcast(t, 0, "ddp/parameter/" + p.key());
+      }
+      for (auto& b : module->named_buffers(true)) {
+        Tensor t = to_diststrat(b.value());
+        strategy.broadcast(t, 0, "ddp/buffer/" + b.key());
+      }
+    }
+  }
+
+  // 3. One module per local replica.
+  replicas_.push_back(module);
+  for (int i = 1; i < local; ++i) {
+    const Device& d = strategy.devices()[static_cast<size_t>(i)];
+    std::shared_ptr<torch::nn::Module> copy;
+    try {
+      copy = d.is_gpu() ? module->clone(torch::Device(torch::kCUDA, static_cast<int16_t>(d.index)))
+                        : module->clone();
+    } catch (const c10::Error& e) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "DistributedDataParallel: cannot replicate the module for local replica " +
+                      std::to_string(i) + " (make it a torch::nn::Cloneable): " + e.what_without_backtrace());
+    }
+    replicas_.push_back(copy);
+  }
+
+  // Parameters that train, and the buckets in launch order.
+  for (const auto& p : module->named_parameters(true)) {
+    if (p.value().requires_grad()) names_.push_back(p.key());
+  }
+  std::vector<size_t> sizes;
+  for (const auto& p : module->named_parameters(true)) {
+    if (!p.value().requires_grad()) continue;
+    const at::Tensor& t = p.value();
+    DISTSTRAT_CHECK(t.layout() == c10::kStrided && t.is_contiguous(), kInvalidArgument,
+                    "DistributedDataParallel: parameter '", p.key(), "' ", shape_text(t),
+                    " must be dense and contiguous");
+    sizes.push_back(static_cast<size_t>(t.numel()) * t.element_size());
+  }
+  std::vector<size_t> bucket;
+  size_t bytes = 0;
+  for (size_t k = names_.size(); k-- > 0;) {
+    if (!bucket.empty() && options_.bytes_per_bucket > 0 && bytes + sizes[k] > options_.bytes_per_bucket) {
+      buckets_.push_back(bucket);
+      bucket.clear();
+      bytes = 0;
+    }
+    bucket.push_back(k);
+    bytes += sizes[k];
+  }
+  if (!bucket.empty()) buckets_.push_back(bucket);
+  std::vector<size_t> bucket_of(names_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (size_t k : buckets_[b]) bucket_of[k] = b;
+  }
+  bucket_of_ = bucket_of;
+
+  // 4. Hooks on every replica's gradient accumulators.
+  for (int i = 0; i < local; ++i) {
+    auto r = std::make_unique<Replica>();
+    r->local = i;
+    for (const auto& p : replicas_[static_cast<size_t>(i)]->named_parameters(true)) {
+      if (p.value().requires_grad()) r->params.push_back(p.value());
+    }
+    DISTSTRAT_CHECK_EQ(r->params.size(), names_.size(),
+                       "DistributedDataParallel: parameters of the clone of local replica ", i);
+    r->got_grad.assign(names_.size(), 0);
+    r->ready.assign(names_.size(), 0);
+    for (size_t k = 0; k < r->params.size(); ++k) {
+      std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(r->params[k]);
+      DISTSTRAT_CHECK(acc != nullptr, kInvalidArgument, "DistributedDataParallel: parameter '",
+                      names_[k], "' is not a leaf that accumulates a gradient");
+      const uintptr_t key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, i, k](const torch::autograd::variable_list& outputs,
+                       const torch::autograd::variable_list&) {
+            on_gradient_ready(i, k);
+            return outputs;
+          }));
+      r->accumulators.push_back(std::move(acc));
+      r->hook_keys.push_back(key);
+    }
+    state_.push_back(std::move(r));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  for (auto& r : state_) {
+    for (size_t k = 0; k < r->accumulators.size(); ++k) r->accumulators[k]->del_post_hook(r->hook_keys[k]);
+  }
+}
+
+const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module(int local_replica) const {
+  DISTSTRAT_CHECK(local_replica >= 0 && local_replica < num_local_replicas(), kInvalidArgument,
+                  "DistributedDataParallel::module(", local_replica, "): ", num_local_replicas(),
+                  " local replicas");
+  return replicas_[static_cast<size_t>(local_replica)];
+}
+
+const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module(ReplicaContext& ctx) {
+  if (num_local_replicas() > 1) single_intra_op_thread();
+  return module(ctx.local_replica_id());
+}
+
+DdpStats DistributedDataParallel::stats() const {
+  DdpStats s;
+  for (const auto& r : state_) {
+    s.buckets_launched += r->launched;
+    s.buckets_in_hook += r->in_hook;
+  }
+  if (!state_.empty()) s.sync_steps = state_[0]->sync_steps;
+  return s;
+}
+
+void DistributedDataParallel::on_gradient_ready(int local, size_t k) {
+  Replica& r = *state_[static_cast<size_t>(local)];
+  r.got_grad[k] = 1;
+  if (!r.syncing || r.ready[k]) return;
+  r.ready[k] = 1;
+  --r.pending[bucket_of_[k]];
+  if (options_.overlap) launch_ready_buckets(r, /*in_hook=*/true);
+}
+
+void DistributedDataParallel::launch_ready_buckets(Replica& r, bool in_hook) {
+  while (r.next_bucket < buckets_.size() && r.pending[r.next_bucket] == 0) {
+    launch_bucket(r, r.next_bucket, in_hook);
+    ++r.next_bucket;
+  }
+}
+
+void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) {
+  if (r.launch_error) return;
+  try {
+    std::vector<Tensor> tensors;
+    std::vector<std::string> names;
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t k : buckets_[b]) {
+        at::Tensor& p = r.params[k];
+        at::Tensor g = p.grad();
+        if (!g.defined()) {
+          p.mutable_grad() = torch::zeros_like(p, at::MemoryFormat::Contiguous);
+        } else if (!g.is_contiguous()) {
+          p.mutable_grad() = g.contiguous();
+        }
+        DISTSTRAT_CHECK(p.grad().layout() == c10::kStrided, kInvalidArgument,
+                        "DistributedDataParallel: the gradient of '", names_[k],
+                        "' is sparse; sparse gradients are not supported (Embedding: sparse=false)");
+        p.mutable_grad().mul_(r.scale);
+        tensors.push_back(to_diststrat(p.grad()));
+        names.push_back("ddp/" + names_[k]);
+      }
+    }
+    if (b + 1 == buckets_.size() && !options_.find_unused_parameters) {
+      r.unused_flags = Tensor(Shape{static_cast<int64_t>(names_.size())}, DType::kFloat32);
+      float* f = r.unused_flags.data<float>();
+      for (size_t k = 0; k < names_.size(); ++k) f[k] = r.got_grad[k] ? 0.0f : 1.0f;
+      tensors.push_back(r.unused_flags);
+      names.push_back("ddp/unused_parameter_flags");
+    }
+    r.works.push_back(r.ctx->all_reduce_async(ReduceOp::kSum, std::move(tensors), std::move(names)));
+    ++r.launched;
+    if (in_hook) ++r.in_hook;
+  } catch (...) {
+    r.launch_error = std::current_exception();
+  }
+}
+
+void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& loss, int64_t rows,
+                                       int64_t global_rows) {
+  const int local = ctx.local_replica_id();
+  DISTSTRAT_CHECK(&ctx.strategy() == strategy_ && local >= 0 && local < num_local_replicas(),
+                  kInvalidArgument, "DistributedDataParallel::backward: the replica context is not "
+                                    "one of this model's strategy");
+  DISTSTRAT_CHECK(rows >= 0 && global_rows >= rows, kInvalidArgument,
+                  "DistributedDataParallel::backward (replica ", ctx.replica_id(), "): rows ", rows,
+                  " and global_rows ", global_rows, " (0 <= rows <= global_rows expected)");
+  if (num_local_replicas() > 1) single_intra_op_thread();
+  Replica& r = *state_[static_cast<size_t>(local)];
+  r.window_global_rows += global_rows;
+  const bool sync = !r.in_no_sync;
+  if (sync) {
+    r.syncing = true;
+    r.ctx = &ctx;
+    r.scale = r.window_global_rows > 0 ? static_cast<float>(1.0 / static_cast<double>(r.window_global_rows)) : 0.0f;
+    std::fill(r.ready.begin(), r.ready.end(), 0);
+    r.pending.assign(buckets_.size(), 0);
+    for (size_t b = 0; b < buckets_.size(); ++b) r.pending[b] = static_cast<int>(buckets_[b].size());
+    r.next_bucket = 0;
+    r.works.clear();
+    r.launch_error = nullptr;
+  }
+  // Leaves the replica's step state clean whatever happens.
+  struct Reset {
+    Replica& r;
+    bool sync;
+    ~Reset() {
+      if (!sync) return;
+      r.syncing = false;
+      r.ctx = nullptr;
+      r.works.clear();
+      r.window_global_rows = 0;
+      std::fill(r.got_grad.begin(), r.got_grad.end(), 0);
+    }
+  } reset{r, sync};
+
+  std::exception_ptr backward_error;
+  if (rows > 0) {
+    DISTSTRAT_CHECK(loss.defined() && loss.numel() == 1, kInvalidArgument,
+                    "DistributedDataParallel::backward (replica ", ctx.replica_id(),
+                    "): the loss must be a scalar, got ",
+                    loss.defined() ? shape_text(loss) : std::string("an undefined tensor"));
+    try {
+      // Seed `rows`: the loss is a mean over this replica's rows, the
+      // gradients become sums over them (divided by the global rows later).
+      torch::autograd::backward({loss}, {torch::full_like(loss, static_cast<double>(rows))});
+    } catch (...) {
+      backward_error = std::current_exception();
+    }
+  } else {
+    // No rows: nothing to differentiate; the replica contributes zeros (its
+    // parameters are not "unused").
+    std::fill(r.got_grad.begin(), r.got_grad.end(), 1);
+  }
+  if (!sync) {
+    if (backward_error) std::rethrow_exception(backward_error);
+    return;
+  }
+  // The buckets the hooks did not launch, in order. Even after a failed
+  // backward: the other replicas wait for these calls (they get zeros or
+  // partial sums; this replica then throws).
+  for (size_t b = r.next_bucket; b < buckets_.size(); ++b) {
+    for (size_t k : buckets_[b]) r.ready[k] = 1;
+    r.pending[b] = 0;
+  }
+  launch_ready_buckets(r, /*in_hook=*/false);
+  std::exception_ptr wait_error;
+  for (Work& w : r.works) {
+    try {
+      w.wait();
+    } catch (...) {
+      if (!wait_error) wait_error = std::current_exception();
+    }
+  }
+  if (local == 0) ++r.sync_steps;
+  if (backward_error) std::rethrow_exception(backward_error);
+  if (r.launch_error) std::rethrow_exception(r.launch_error);
+  if (wait_error) std::rethrow_exception(wait_error);
+  if (!options_.find_unused_parameters) {
+    const float* f = r.unused_flags.data<float>();
+    std::string which;
+    int listed = 0;
+    for (size_t k = 0; k < names_.size(); ++k) {
+      if (f[k] == 0.0f) continue;
+      if (listed < 8) {
+        which += (listed ? ", '" : "'") + names_[k] + "' (on " + std::to_string(static_cast<int64_t>(f[k])) +
+                 " of " + std::to_string(ctx.num_replicas_in_sync()) + " replicas" +
+                 (r.got_grad[k] ? "" : ", this one included") + ")";
+      }
+      ++listed;
+    }
+    if (listed > 0) {
+      if (listed > 8) which += " and " + std::to_string(listed - 8) + " more";
+      throw_error(ErrorCode::kInvalidArgument,
+                  "DistributedDataParallel::backward (replica " + std::to_string(ctx.replica_id()) +
+                      "): parameter(s) " + which +
+                      " got no gradient in this step (not part of the loss); set "
+                      "DdpOptions::find_unused_parameters = true to count them as zero");
+    }
+  }
+}
+
+DistributedDataParallel::NoSync DistributedDataParallel::no_sync(ReplicaContext& ctx) {
+  const int local = ctx.local_replica_id();
+  DISTSTRAT_CHECK(&ctx.strategy() == strategy_ && local >= 0 && local < num_local_replicas(),
+                  kInvalidArgument, "DistributedDataParallel::no_sync: the replica context is not "
+                                    "one of this model's strategy");
+  Replica& r = *state_[static_cast<size_t>(local)];
+  DISTSTRAT_CHECK(!r.in_no_sync, kFailedPrecondition, "DistributedDataParallel::no_sync (replica ",
+                  ctx.replica_id(), "): already inside a no_sync() guard");
+  r.in_no_sync = true;
+  return NoSync(this, local);
+}
+
+DistributedDataParallel::NoSync::NoSync(NoSync&& o) noexcept : ddp_(o.ddp_), local_(o.local_) {
+  o.ddp_ = nullptr;
+}
+
+DistributedDataParallel::NoSync::~NoSync() {
+  if (ddp_ != nullptr) ddp_->state_[static_cast<size_t>(local_)]->in_no_sync = false;
+}
+
+}  // namespace diststrat::libtorch
