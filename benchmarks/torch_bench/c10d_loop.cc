@@ -40,6 +40,7 @@ Result run_c10d_gloo(const Config& config, const Data& data, int rank, int world
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
   auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, options);
 
+  torch_fashion_mnist::use_intra_op_threads(config.threads);
   // Every process seeds alike, so the replicas start equal (as dist-mnist's do).
   torch::manual_seed(static_cast<uint64_t>(config.seed));
   torch_fashion_mnist::Cnn model;

@@ -21,6 +21,7 @@ struct Config {
   float momentum = 0.9f;
   uint64_t seed = 1;
   double timeout_s = 300;  // for every wait on a peer
+  int threads = 1;         // LibTorch intra-op threads per process
 };
 
 // The training rows (x float32 [N, 784], y int64 [N]); N a multiple of

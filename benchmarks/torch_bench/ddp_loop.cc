@@ -45,6 +45,7 @@ Result run_diststrat_ddp(const Config& config, const Data& data, const DdpMode& 
       t0 = std::chrono::steady_clock::now();
     }
     ds::PerReplica<double> loss = strategy.run([&](ds::ReplicaContext& ctx) {
+      torch_fashion_mnist::use_intra_op_threads(config.threads);
       auto* model = ddp.module(ctx)->as<torch_fashion_mnist::CnnImpl>();
       optimizer.zero_grad();
       torch::Tensor l = torch_fashion_mnist::mean_cross_entropy(

@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   std::string mode = "ddp", data_dir = ds::kFashionMnistDir, store, timeout;
   torch_bench::Config config;
   torch_bench::DdpMode ddp;
-  int rank = -1, world = -1, threads = 1;
+  int rank = -1, world = -1;
   int64_t rows = 16384;
   CLI::App app{"Training throughput of the LibTorch Fashion-MNIST CNN: diststrat DDP vs c10d Gloo"};
   app.add_option("--mode", mode, "ddp (diststrat::libtorch::DistributedDataParallel) | c10d (ProcessGroupGloo)")
@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--lr", config.lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seed", config.seed, "initial weights")->capture_default_str();
-  app.add_option("--threads", threads, "LibTorch intra-op threads per process")
+  app.add_option("--threads", config.threads, "LibTorch intra-op threads per process")
       ->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--rows", rows, "training rows used (cyclically)")->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -93,7 +93,6 @@ int main(int argc, char** argv) {
 
   try {
     if (!timeout.empty()) config.timeout_s = ds::parse_timeout_seconds(timeout).count() / 1000.0;
-    at::set_num_threads(threads);
     const ds::Dataset train = ds::load_mnist_split(data_dir, "train", rows);
     const int64_t usable = train.size() / config.batch * config.batch;
     if (usable == 0) {
@@ -135,7 +134,7 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       std::printf("torch_bench: mode=%s processes=%d batch_per_process=%lld steps=%d threads=%d "
                   "seconds=%.3f loss=%.4f samples_per_sec=%.0f\n",
-                  label.c_str(), world, static_cast<long long>(config.batch), config.steps, threads,
+                  label.c_str(), world, static_cast<long long>(config.batch), config.steps, config.threads,
                   r.seconds, r.mean_loss,
                   static_cast<double>(config.steps) * config.batch * world / r.seconds);
     }

@@ -57,4 +57,16 @@ inline int64_t count_correct(const torch::Tensor& logits, const torch::Tensor& l
   return logits.argmax(1).eq(labels.to(torch::kLong)).sum().item<int64_t>();
 }
 
+// LibTorch's intra-op threads (OpenMP's are per thread) for the calling
+// thread, set once per thread: a strategy may run a replica on a thread of
+// its own, where the setting of main() does not reach. One replica = one core
+// unless asked otherwise (DESIGN: one replica = one worker thread).
+inline void use_intra_op_threads(int n) {
+  thread_local int set = 0;
+  if (set != n) {
+    at::set_num_threads(n);
+    set = n;
+  }
+}
+
 }  // namespace torch_fashion_mnist
