@@ -28,8 +28,9 @@
 // engine, overlapped with backward), MirroredStrategy and
 // CentralStorageStrategy (one module clone per local replica, gradients
 // reduced in-process; every replica applies the same update to its clone, so
-// the clones stay bit-identical). ParameterServerStrategy is not supported
-// (the constructor throws UnimplementedError).
+// the clones stay bit-identical). ParameterServerStrategy: ParameterServerModel
+// below (the PS applies a diststrat Optimizer; the module's parameters view
+// the worker's pull cache).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +40,8 @@
 
 #include <torch/torch.h>
 
+#include "diststrat/optimizer.h"
+#include "diststrat/parameter_server.h"
 #include "diststrat/strategy.h"
 #include "diststrat/tensor.h"
 
@@ -115,7 +118,7 @@ class DistributedDataParallel {
   //  4. Registers a post-hook on each parameter's gradient accumulator.
   // Parameters must be dense, contiguous, on the replica's device (CPU, or
   // the replica's GPU), of a dtype to_diststrat accepts.
-  // ParameterServerStrategy: UnimplementedError.
+  // ParameterServerStrategy: UnimplementedError (use ParameterServerModel).
   DistributedDataParallel(Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
                           DdpOptions options = {});
   // Removes the hooks (the modules stay usable as plain modules).
@@ -187,6 +190,132 @@ class DistributedDataParallel {
   std::vector<std::vector<size_t>> buckets_;  // parameter indices, launch order
   std::vector<size_t> bucket_of_;             // parameter index -> bucket
   std::vector<std::unique_ptr<Replica>> state_;
+};
+
+// ---- ParameterServerStrategy ---------------------------------------------------
+
+// A torch::nn::Module trained by parameter servers. Worker side:
+//
+//   ds::ParameterServerStrategy strategy(options);
+//   if (strategy.is_ps()) { strategy.join(); return 0; }
+//   ds::SGD sgd(strategy, {.learning_rate = 0.05f});       // applied on the PS ranks
+//   dt::ParameterServerModel model(strategy, net, sgd, {"emb.weight"});
+//   strategy.run([&](ds::ReplicaContext& ctx) {
+//     auto& m = model.module(ctx);                    // parameters = the pulled cache
+//     auto rows = model.gather_rows(ctx, "emb.weight", ids);   // row-sparse pull
+//     at::Tensor e = torch::embedding(rows.rows, rows.index);
+//     ... loss (mean over this replica's rows) ...
+//     model.backward(ctx, loss, rows_here, batch.global_size());  // pushes, no wait
+//   });
+//
+// Each dense parameter (requires_grad, by its named_parameters() name) is a PS
+// variable; the worker's replicas' module parameters are views of the
+// worker's pull cache (no copy: Variable::read), so forward always sees the
+// weights pulled for this step. Parameters named in `row_sparse` (an
+// Embedding's [V, D] weight) are row-sparse PS variables that are never pulled
+// whole: gather_rows pulls only a step's rows and backward pushes gradients for
+// only those rows. Gradients are pushed after backward (asynchronously, per
+// ParameterServerOptions::max_staleness), summed over the worker's replicas
+// and scaled by 1 / global rows, as Optimizer::apply_gradients expects.
+// Buffers are not trained by the PS (each worker keeps its own).
+class ParameterServerModel {
+ public:
+  // Cross-replica context on a worker; every worker constructs it at the
+  // same point (variables are created in named_parameters() order; the PS
+  // keeps the chief's initial values). Clones the module per further local
+  // replica (a torch::nn::Cloneable). PS ranks: FailedPreconditionError.
+  ParameterServerModel(ParameterServerStrategy& strategy, std::shared_ptr<torch::nn::Module> module,
+                       Optimizer& optimizer, std::vector<std::string> row_sparse = {});
+  ~ParameterServerModel();
+  ParameterServerModel(const ParameterServerModel&) = delete;
+  ParameterServerModel& operator=(const ParameterServerModel&) = delete;
+
+  int num_local_replicas() const { return static_cast<int>(replicas_.size()); }
+  const std::shared_ptr<torch::nn::Module>& module(int local_replica) const;
+  // Replica context: this replica's module, its dense parameters viewing the
+  // cache pulled for this step (intra-op threads set to 1 as under DDP).
+  const std::shared_ptr<torch::nn::Module>& module(ReplicaContext& ctx);
+  // The PS variable of a parameter (dense or row-sparse); NotFoundError.
+  Variable variable(const std::string& parameter) const;
+
+  struct Rows {
+    at::Tensor rows;   // [n_unique, D] pulled rows, a leaf that requires grad
+    at::Tensor index;  // ids remapped into `rows` (same shape as ids)
+  };
+  // Replica context: pulls the rows `ids` (int64, any shape) of row-sparse
+  // parameter `name` (blocking); torch::embedding(rows.rows, rows.index)
+  // equals the full table's lookup. The rows' gradients are pushed by the
+  // next backward(). Several calls per step accumulate.
+  Rows gather_rows(ReplicaContext& ctx, const std::string& name, const at::Tensor& ids);
+  // Replica context, every local replica: backward of `loss` (the mean over
+  // this replica's `rows` rows; rows == 0 runs none and pushes zeros), then
+  // one push of every dense gradient and every gathered rows' gradient.
+  // Does not wait for the PS (errors come at the next wait: run, flush).
+  void backward(ReplicaContext& ctx, const at::Tensor& loss, int64_t rows, int64_t global_rows);
+
+  struct Replica;  // src/torch/parameter_server.cc
+
+ private:
+  ParameterServerStrategy* strategy_;
+  Optimizer* optimizer_;
+  std::vector<std::shared_ptr<torch::nn::Module>> replicas_;
+  std::vector<std::string> dense_names_, sparse_names_;
+  std::vector<Variable> dense_vars_, sparse_vars_;
+  std::vector<std::unique_ptr<Replica>> state_;
+};
+
+// ---- checkpoints -------------------------------------------------------------
+
+// A LibTorch job's state as diststrat variables, so that Checkpoint /
+// CheckpointManager save and restore it like any model (safetensors files
+// that Python's torch / safetensors read):
+//   "<prefix><name>"            every parameter and buffer, by its
+//                               named_parameters() / named_buffers() name
+//   "<prefix><name>/<slot>"     optimizer state: SGD momentum_buffer; Adam and
+//                               AdamW exp_avg, exp_avg_sq, max_exp_avg_sq
+//                               (amsgrad) and step (int64 [1])
+//   "<prefix>torch/optimizer_state"  int64 [P]: 1 where the optimizer has state
+//                               for parameter p (it creates it lazily)
+//   "<prefix>torch/step"        int64 [1]: the step passed to capture()
+//
+//   dt::TrainingState state(ddp, {opt0.get(), opt1.get()});   // collective
+//   ds::Checkpoint ckpt(strategy);
+//   ds::CheckpointManager manager(ckpt, dir);
+//   if (manager.restore_latest()) step = state.apply();   // resume
+//   ... train; every N steps: state.capture(step); manager.save(step);
+//
+// The variables are created with trainable = false (no diststrat optimizer
+// touches them) through Strategy::create_variable, so every process creates
+// them at the same point (multi-worker: the chief's values). Optimizers other
+// than SGD, Adam and AdamW are UnimplementedError. All methods: cross-replica
+// context (outside Strategy::run), blocking, not thread-safe with run().
+class TrainingState {
+ public:
+  // `optimizers`: none, or one per local replica, each over
+  // ddp.module(i)->parameters() (the same kind and options on every replica).
+  TrainingState(DistributedDataParallel& ddp, std::vector<torch::optim::Optimizer*> optimizers = {},
+                std::string prefix = "");
+  ~TrainingState();
+  TrainingState(const TrainingState&) = delete;
+  TrainingState& operator=(const TrainingState&) = delete;
+
+  // Copies local replica 0's module and optimizer state and `step` into the
+  // variables (call before Checkpoint::save / CheckpointManager::save).
+  void capture(int64_t step);
+  // Writes the variables into every local replica's module and optimizer
+  // (call after a successful restore); returns the captured step.
+  int64_t apply();
+  // The variables, in creation order.
+  const std::vector<Variable>& variables() const { return variables_; }
+
+  struct Slot;  // src/torch/checkpoint.cc
+
+ private:
+  DistributedDataParallel* ddp_;
+  std::vector<torch::optim::Optimizer*> optimizers_;
+  std::vector<Variable> variables_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  Variable defined_, step_;
 };
 
 }  // namespace diststrat::libtorch

@@ -190,7 +190,7 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   DISTSTRAT_CHECK(module != nullptr, kInvalidArgument, "DistributedDataParallel: null module");
   DISTSTRAT_CHECK(strategy.name() != "parameter_server", kUnimplemented,
                   "DistributedDataParallel: ParameterServerStrategy is not supported (its workers "
-                  "do not all-reduce; see docs/torch.md)");
+                  "do not all-reduce; use ParameterServerModel, docs/torch.md)");
   const int local = strategy.num_local_replicas();
   const std::vector<std::string> signature = module_signature(*module);
 

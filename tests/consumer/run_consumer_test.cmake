@@ -17,6 +17,15 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${CMAKE_COMMAND} -E env LD_LIBRARY_PATH=${prefix}/lib ${WORK_DIR}/build/consumer)
 
+# diststrat::torch through the package config (which finds LibTorch), when
+# this build has it.
+if(WITH_TORCH)
+  run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer/torch -B ${WORK_DIR}/build_torch
+      -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
+  run(${CMAKE_COMMAND} --build ${WORK_DIR}/build_torch)
+  run(${CMAKE_COMMAND} -E env LD_LIBRARY_PATH=${prefix}/lib ${WORK_DIR}/build_torch/torch_consumer)
+endif()
+
 # pkg-config: compile the same program with the flags diststrat.pc gives.
 find_program(PKG_CONFIG pkg-config REQUIRED)
 execute_process(
