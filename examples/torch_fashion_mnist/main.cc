@@ -7,8 +7,14 @@
 //   build/examples/torch_fashion_mnist --strategy mirrored --replicas 2
 //   build/examples/torch_fashion_mnist --strategy central_storage --replicas 2
 //   mpirun -np 2 build/examples/torch_fashion_mnist --strategy multi_worker
+//   mpirun -np 3 build/examples/torch_fashion_mnist --strategy parameter_server --ps 1
 //
-// Flags and the `final:` line are fashion_mnist's (the CPU subset: Debian's
+// The synchronous strategies train with DistributedDataParallel and one
+// torch::optim::SGD per replica; the parameter server with
+// ParameterServerModel (the module's parameters view the worker's pull
+// cache, backward pushes the gradients, the PS ranks apply a diststrat SGD of
+// the same learning rate and momentum). Flags and the `final:` line are
+// fashion_mnist's (the CPU subset: Debian's
 // LibTorch has no CUDA). Each replica runs its forward/backward on its own
 // thread with --threads LibTorch intra-op threads (default 1: one replica =
 // one core).
@@ -97,6 +103,40 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
       "' (available: mirrored, central_storage, multi_worker, parameter_server)");
 }
 
+// The training loss per example over every worker of the job: reduce(kSum)
+// of the replicas' {loss sum, rows} covers the global batch under the
+// synchronous strategies; under the parameter server it covers one worker's
+// replicas, so each worker adds its share to a metric on PS 0 (as
+// examples/fashion_mnist does) and reads return every worker's totals.
+class LossMeter {
+ public:
+  explicit LossMeter(ds::Strategy& strategy)
+      : ps_(dynamic_cast<ds::ParameterServerStrategy*>(&strategy)) {}
+  void add(const ds::Tensor& loss_sum_and_rows) {
+    const double* v = loss_sum_and_rows.data<double>();
+    if (ps_) {
+      ps_->add_to_metric(kMetric, v[0], v[1]);
+    } else {
+      total_.sum += v[0];
+      total_.count += v[1];
+    }
+  }
+  ds::MetricTotals totals() const { return ps_ ? ps_->read_metric(kMetric) : total_; }
+  // The mean loss per example since the previous call.
+  double mean_since_last() {
+    const ds::MetricTotals t = totals();
+    const double n = t.count - last_.count;
+    const double mean = n > 0 ? (t.sum - last_.sum) / n : 0.0;
+    last_ = t;
+    return mean;
+  }
+
+ private:
+  static constexpr const char* kMetric = "torch_fashion_mnist/train_loss";
+  ds::ParameterServerStrategy* ps_;
+  ds::MetricTotals total_, last_;
+};
+
 // Test accuracy of `model` on `test` (rows in chunks, no autograd).
 double evaluate(CnnImpl& model, const ds::Dataset& test) {
   torch::NoGradGuard no_grad;
@@ -154,79 +194,108 @@ int main(int argc, char** argv) {
 
   try {
     std::unique_ptr<ds::Strategy> strategy = make_strategy(f);
+    auto* ps = dynamic_cast<ds::ParameterServerStrategy*>(strategy.get());
+    if (ps && ps->is_ps()) {  // PS ranks serve until the workers are done
+      ps->join();
+      return 0;
+    }
     const ds::ClusterInfo cluster = strategy->cluster();
     const bool chief = cluster.is_chief() || cluster.world_size == 1;
 
     const ds::Dataset train = ds::load_mnist_split(f.data, "train", f.limit);
     const ds::Dataset test = ds::load_mnist_split(f.data, "t10k");
 
-    // Every process builds the module alike; DDP checks that the replicas
-    // agree and broadcasts the chief's values, then clones one module per
-    // further local replica.
+    // Every process builds the module alike. DDP checks that the replicas
+    // agree and broadcasts the chief's values; the PS keeps the chief's.
+    // Both clone one module per further local replica.
     torch::manual_seed(f.seed);
     torch_fashion_mnist::use_intra_op_threads(f.threads);
-    dt::DistributedDataParallel ddp(*strategy, std::make_shared<CnnImpl>());
+    auto net = std::make_shared<CnnImpl>();
+    std::unique_ptr<dt::DistributedDataParallel> ddp;
+    std::unique_ptr<ds::SGD> ps_sgd;  // the update the PS ranks apply
+    std::unique_ptr<dt::ParameterServerModel> ps_model;
     // One optimizer per local replica, each over its replica's module: every
     // replica applies the same (all-reduced) gradients, so they stay equal.
     std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
-    for (int i = 0; i < ddp.num_local_replicas(); ++i) {
-      optimizers.push_back(std::make_unique<torch::optim::SGD>(
-          ddp.module(i)->parameters(), torch::optim::SGDOptions(f.lr).momentum(f.momentum)));
+    if (ps) {
+      ps_sgd = std::make_unique<ds::SGD>(*strategy, ds::SGDOptions{f.lr, f.momentum});
+      ps_model = std::make_unique<dt::ParameterServerModel>(*ps, net, *ps_sgd);
+    } else {
+      ddp = std::make_unique<dt::DistributedDataParallel>(*strategy, net);
+      for (int i = 0; i < ddp->num_local_replicas(); ++i) {
+        optimizers.push_back(std::make_unique<torch::optim::SGD>(
+            ddp->module(i)->parameters(), torch::optim::SGDOptions(f.lr).momentum(f.momentum)));
+      }
     }
 
     ds::DistributeOptions dopts;
     dopts.seed = f.seed;
     ds::DistributedDataset dist = strategy->distribute(train, f.batch, dopts);
+    LossMeter meter(*strategy);
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0;
-    double run_loss_sum = 0, run_rows = 0;
     for (int epoch = 0; epoch < f.epochs; ++epoch) {
       dist.set_epoch(epoch);
-      double loss_sum = 0, rows = 0;
       for (const ds::DistributedBatch& batch : dist) {
         ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
           torch_fashion_mnist::use_intra_op_threads(f.threads);
-          CnnImpl& model = *ddp.module(ctx)->as<CnnImpl>();
-          torch::optim::SGD& opt = *optimizers[ctx.local_replica_id()];
+          CnnImpl& model = *(ps_model ? ps_model->module(ctx) : ddp->module(ctx))->as<CnnImpl>();
+          torch::optim::SGD* opt = ps_model ? nullptr : optimizers[ctx.local_replica_id()].get();
           const at::Tensor x = dt::to_torch(batch.features(ctx));  // zero-copy views
           const at::Tensor y = dt::to_torch(batch.labels(ctx));
-          opt.zero_grad();
+          if (opt) opt->zero_grad();
           // The mean over this replica's rows (NaN for a replica without
-          // rows in a short last batch: DDP then runs no backward for it).
+          // rows in a short last batch: backward then runs none for it).
           const at::Tensor l = torch_fashion_mnist::mean_cross_entropy(model.forward(x), y);
-          ddp.backward(ctx, l, x.size(0), batch.global_size());  // grads: the global batch's mean
-          opt.step();
+          if (ps_model) {
+            ps_model->backward(ctx, l, x.size(0), batch.global_size());  // pushes the gradients
+          } else {
+            ddp->backward(ctx, l, x.size(0), batch.global_size());  // grads: the global batch's mean
+            opt->step();
+          }
           ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
           sum_and_rows.data<double>()[0] = x.size(0) > 0 ? l.item<double>() * x.size(0) : 0.0;
           sum_and_rows.data<double>()[1] = static_cast<double>(x.size(0));
           return sum_and_rows;
         });
-        const ds::Tensor total = strategy->reduce(ds::ReduceOp::kSum, loss);
-        loss_sum += total.data<double>()[0];
-        rows += total.data<double>()[1];
+        meter.add(strategy->reduce(ds::ReduceOp::kSum, loss));
         samples += batch.global_size();
       }
-      run_loss_sum += loss_sum;
-      run_rows += rows;
       if (chief) {
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         std::printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch + 1, f.epochs,
-                    rows > 0 ? loss_sum / rows : 0.0, samples / s);
+                    meter.mean_since_last(), samples / s);
         std::fflush(stdout);
       }
     }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    strategy->barrier("evaluate");  // every worker's updates (and loss additions) are in
+    std::string extra;
+    CnnImpl& model = *(ps_model ? ps_model->module(0) : ddp->module(0))->as<CnnImpl>();
+    if (ps_model) {
+      // The PS holds the trained values; module 0 views the cache of this
+      // worker's last pull, so refresh it (the PS's values, read now).
+      torch::NoGradGuard no_grad;
+      for (const auto& p : model.named_parameters()) {
+        p.value().copy_(dt::to_torch(ps_model->variable(p.key()).value()));
+      }
+      const ds::ParameterServerStats st = ps->stats();
+      char buf[96];
+      std::snprintf(buf, sizeof(buf), " mean_staleness=%.2f max_staleness=%lld", st.mean_staleness,
+                    static_cast<long long>(st.max_staleness));
+      extra = buf;
+    }
+    const double train_loss = meter.totals().mean();
     if (chief) {
-      // Every replica holds the same weights: module 0 stands for all.
-      const double accuracy = evaluate(*ddp.module(0)->as<CnnImpl>(), test);
-      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f "
+      // Synchronous strategies: every replica holds the same weights, module 0 stands for all.
+      const double accuracy = evaluate(model, test);
+      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s "
                   "train_loss=%.4f\n",
                   strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
-                  samples / seconds, run_rows > 0 ? run_loss_sum / run_rows : 0.0);
+                  samples / seconds, extra.c_str(), train_loss);
     }
-    strategy->barrier("done");
     return 0;
   } catch (const ds::Error& e) {
     std::fprintf(stderr, "torch_fashion_mnist: %s\n", e.what());
