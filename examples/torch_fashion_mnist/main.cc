@@ -137,9 +137,11 @@ class LossMeter {
   ds::MetricTotals total_, last_;
 };
 
-// Test accuracy of `model` on `test` (rows in chunks, no autograd).
+// Test accuracy of `model` on `test` (rows in chunks, no autograd; leaves
+// the model in eval mode).
 double evaluate(CnnImpl& model, const ds::Dataset& test) {
   torch::NoGradGuard no_grad;
+  model.eval();  // the batch norms' running statistics
   const at::Tensor x = dt::to_torch(test.features());
   const at::Tensor y = dt::to_torch(test.labels());
   int64_t correct = 0;
