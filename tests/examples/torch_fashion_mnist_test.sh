@@ -49,8 +49,8 @@ for name in "${names[@]}"; do
     { echo "FAIL: $name: unexpected final line: $line"; exit 1; }
   acc=$(field test_accuracy <<<"$line")
   loss=$(field train_loss <<<"$line")
-  # 32 steps of plain SGD reach ~0.5 on this subset; chance is 0.10.
-  awk -v a="$acc" 'BEGIN { exit !(a >= 0.4) }' || { echo "FAIL: $name: test_accuracy $acc < 0.4"; exit 1; }
+  # 32 steps of plain SGD reach ~0.75 on this subset; chance is 0.10.
+  awk -v a="$acc" 'BEGIN { exit !(a >= 0.6) }' || { echo "FAIL: $name: test_accuracy $acc < 0.6"; exit 1; }
   close "$loss" "$ref_loss" 0.002 ||
     { echo "FAIL: $name train_loss $loss differs from mirrored's $ref_loss"; exit 1; }
   close "$acc" "$ref_acc" 0.01 ||
