@@ -16,8 +16,8 @@
 // the same learning rate and momentum). Flags and the `final:` line are
 // fashion_mnist's (the CPU subset: Debian's
 // LibTorch has no CUDA). Each replica runs its forward/backward on its own
-// thread with --threads LibTorch intra-op threads (default 1: one replica =
-// one core).
+// thread with one LibTorch intra-op thread (one replica = one core; --threads
+// gives a process of one replica more).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -189,7 +189,8 @@ int main(int argc, char** argv) {
                  "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
                  "(default: $DISTSTRAT_TIMEOUT, else 300)")
       ->check(ds::timeout_seconds_error);
-  app.add_option("--threads", f.threads, "LibTorch intra-op threads per replica")
+  app.add_option("--threads", f.threads,
+                 "LibTorch intra-op threads of a process with one replica (several replicas: 1 each)")
       ->check(CLI::Range(1, 256))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
