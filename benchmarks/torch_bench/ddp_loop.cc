@@ -31,7 +31,7 @@ Result run_diststrat_ddp(const Config& config, const Data& data, const DdpMode& 
   auto net = std::make_shared<torch_fashion_mnist::CnnImpl>();
   dt::DdpOptions ddp_options;
   ddp_options.overlap = mode.overlap;
-  ddp_options.bytes_per_bucket = mode.bytes_per_bucket;
+  if (mode.bytes_per_bucket >= 0) ddp_options.bytes_per_bucket = static_cast<size_t>(mode.bytes_per_bucket);
   dt::DistributedDataParallel ddp(strategy, net, ddp_options);
   torch::optim::SGD optimizer(ddp.module(0)->parameters(),
                               torch::optim::SGDOptions(config.lr).momentum(config.momentum));

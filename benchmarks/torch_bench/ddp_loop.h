@@ -3,7 +3,7 @@
 // MultiWorkerMirroredStrategy instead of the hand-written all-reduces.
 #pragma once
 
-#include <cstddef>
+#include <cstdint>
 
 #include "c10d_loop.h"
 
@@ -11,7 +11,7 @@ namespace torch_bench {
 
 struct DdpMode {
   bool overlap = true;                   // DdpOptions::overlap
-  size_t bytes_per_bucket = 256 << 10;   // DdpOptions::bytes_per_bucket
+  int64_t bytes_per_bucket = -1;         // DdpOptions::bytes_per_bucket; -1 = its default
 };
 
 // Trains Config::warmup + Config::steps steps with one replica per process

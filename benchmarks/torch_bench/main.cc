@@ -70,8 +70,9 @@ int main(int argc, char** argv) {
   app.add_flag("--overlap,!--no-overlap", ddp.overlap,
                "ddp: all-reduce buckets from the autograd hooks, during backward")
       ->capture_default_str();
-  app.add_option("--bytes-per-bucket", ddp.bytes_per_bucket, "ddp: DdpOptions::bytes_per_bucket")
-      ->capture_default_str();
+  app.add_option("--bytes-per-bucket", ddp.bytes_per_bucket,
+                 "ddp: DdpOptions::bytes_per_bucket (0 = one bucket, -1 = DdpOptions' default)")
+      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 40))->capture_default_str();
   app.add_option("--steps", config.steps, "timed steps")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--warmup", config.warmup, "untimed steps first")->check(CLI::NonNegativeNumber)
       ->capture_default_str();
