@@ -1,0 +1,310 @@
+// Trains a LibTorch CNN (cnn.h: two conv + pool layers, two dense) on
+// Fashion-MNIST under the strategy named by --strategy, with
+// diststrat::libtorch::DistributedDataParallel: the examples/fashion_mnist
+// loop with a torch::nn::Module and torch's optimizer instead of the
+// library's MLP. The loop below is written once against Strategy&:
+//
+//   build/examples/torch_fashion_mnist --strategy mirrored --replicas 2
+//   build/examples/torch_fashion_mnist --strategy central_storage --replicas 2
+//   mpirun -np 2 build/examples/torch_fashion_mnist --strategy multi_worker
+//   mpirun -np 3 build/examples/torch_fashion_mnist --strategy parameter_server --ps 1
+//
+// The synchronous strategies train with DistributedDataParallel and one
+// torch::optim::SGD per replica; the parameter server with
+// ParameterServerModel (the module's parameters view the worker's pull
+// cache, backward pushes the gradients, the PS ranks apply a diststrat SGD of
+// the same learning rate and momentum). Flags and the `final:` line are
+// fashion_mnist's (the CPU subset: Debian's
+// LibTorch has no CUDA). Each replica runs its forward/backward on its own
+// thread with one LibTorch intra-op thread (one replica = one core; --threads
+// gives a process of one replica more).
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <diststrat/diststrat.h>
+#include <diststrat/torch.h>
+
+#include "cnn.h"
+
+namespace ds = diststrat;
+namespace dt = diststrat::libtorch;
+using torch_fashion_mnist::CnnImpl;
+
+namespace {
+
+struct Flags {
+  std::string strategy = "mirrored";
+  std::string device = "cpu";
+  int replicas = 2;
+  bool replicas_given = false;
+  int ps = 1;
+  int max_staleness = -1;
+  int epochs = 3;
+  int64_t batch = 128;
+  float lr = 0.05f;
+  float momentum = 0.9f;
+  uint64_t seed = 1;
+  std::string data = ds::kFashionMnistDir;
+  int64_t limit = 0;
+  std::string timeline;
+  std::string timeout;  // seconds; empty = CommunicationOptions' default
+  int threads = 1;
+};
+
+std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
+  if (f.device != "cpu") {
+    throw ds::InvalidArgumentError("--device " + f.device +
+                                   ": this example runs on CPU (Debian's LibTorch has no CUDA)");
+  }
+  if (!f.timeline.empty() && f.strategy != "multi_worker") {
+    throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
+  }
+  std::vector<ds::Device> devices;
+  for (int i = 0; i < f.replicas; ++i) devices.push_back(ds::Device::cpu(i));
+  ds::CommunicationOptions comm;
+  if (!f.timeout.empty()) comm.timeout = ds::parse_timeout_seconds(f.timeout);
+  if (f.strategy == "mirrored") {
+    ds::MirroredOptions o;
+    o.devices = devices;
+    o.communication = comm;
+    return std::make_unique<ds::MirroredStrategy>(o);
+  }
+  if (f.strategy == "central_storage") {
+    ds::CentralStorageOptions o;
+    o.devices = devices;
+    o.communication = comm;
+    return std::make_unique<ds::CentralStorageStrategy>(o);
+  }
+  // Multi-process strategies: one replica per process unless --replicas says
+  // otherwise (mpirun -np N already gives one process per core).
+  const std::vector<ds::Device> per_process =
+      f.replicas_given ? devices : std::vector<ds::Device>{devices.front()};
+  if (f.strategy == "multi_worker") {
+    ds::MultiWorkerOptions o;
+    o.devices = per_process;
+    o.timeline_path = f.timeline;
+    o.communication.timeout = comm.timeout;
+    return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
+  }
+  if (f.strategy == "parameter_server") {
+    ds::ParameterServerOptions o;
+    o.num_ps = f.ps;
+    o.devices = per_process;
+    o.max_staleness = f.max_staleness;
+    o.communication.timeout = comm.timeout;
+    return std::make_unique<ds::ParameterServerStrategy>(o);
+  }
+  throw ds::InvalidArgumentError(
+      "unknown --strategy '" + f.strategy +
+      "' (available: mirrored, central_storage, multi_worker, parameter_server)");
+}
+
+// The training loss per example over every worker of the job: reduce(kSum)
+// of the replicas' {loss sum, rows} covers the global batch under the
+// synchronous strategies; under the parameter server it covers one worker's
+// replicas, so each worker adds its share to a metric on PS 0 (as
+// examples/fashion_mnist does) and reads return every worker's totals.
+class LossMeter {
+ public:
+  explicit LossMeter(ds::Strategy& strategy)
+      : ps_(dynamic_cast<ds::ParameterServerStrategy*>(&strategy)) {}
+  void add(const ds::Tensor& loss_sum_and_rows) {
+    const double* v = loss_sum_and_rows.data<double>();
+    if (ps_) {
+      ps_->add_to_metric(kMetric, v[0], v[1]);
+    } else {
+      total_.sum += v[0];
+      total_.count += v[1];
+    }
+  }
+  ds::MetricTotals totals() const { return ps_ ? ps_->read_metric(kMetric) : total_; }
+  // The mean loss per example since the previous call.
+  double mean_since_last() {
+    const ds::MetricTotals t = totals();
+    const double n = t.count - last_.count;
+    const double mean = n > 0 ? (t.sum - last_.sum) / n : 0.0;
+    last_ = t;
+    return mean;
+  }
+
+ private:
+  static constexpr const char* kMetric = "torch_fashion_mnist/train_loss";
+  ds::ParameterServerStrategy* ps_;
+  ds::MetricTotals total_, last_;
+};
+
+// Test accuracy of `model` on `test` (rows in chunks, no autograd; leaves
+// the model in eval mode).
+double evaluate(CnnImpl& model, const ds::Dataset& test) {
+  torch::NoGradGuard no_grad;
+  model.eval();  // the batch norms' running statistics
+  const at::Tensor x = dt::to_torch(test.features());
+  const at::Tensor y = dt::to_torch(test.labels());
+  int64_t correct = 0;
+  for (int64_t begin = 0; begin < x.size(0); begin += 1000) {
+    const int64_t n = std::min<int64_t>(1000, x.size(0) - begin);
+    correct += torch_fashion_mnist::count_correct(model.forward(x.narrow(0, begin, n)),
+                                                  y.narrow(0, begin, n));
+  }
+  return static_cast<double>(correct) / static_cast<double>(x.size(0));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"Train a LibTorch CNN on Fashion-MNIST with a diststrat strategy"};
+  app.add_option("--strategy", f.strategy,
+                 "mirrored | central_storage | multi_worker (under mpirun) | parameter_server")
+      ->capture_default_str();
+  app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
+      ->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--max-staleness", f.max_staleness,
+                 "parameter_server: steps a worker may run ahead of the slowest (-1 = async)")
+      ->capture_default_str();
+  app.add_option("--device", f.device, "where replicas compute: cpu (gpu needs a CUDA LibTorch)")
+      ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
+  app.add_option("--replicas", f.replicas,
+                 "replicas (devices) per process (multi_worker, parameter_server default: 1)")
+      ->check(CLI::Range(1, 256))->capture_default_str();
+  app.add_option("--epochs", f.epochs, "passes over the training set")
+      ->check(CLI::Range(1, 1000000))->capture_default_str();
+  app.add_option("--batch", f.batch, "global batch size")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr", f.lr, "learning rate (SGD)")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--momentum", f.momentum, "SGD momentum")->check(CLI::Range(0.0, 0.999))
+      ->capture_default_str();
+  app.add_option("--seed", f.seed, "initialization and shuffling seed")->capture_default_str();
+  app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
+  app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--timeline", f.timeline,
+                 "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
+  app.add_option("--timeout", f.timeout,
+                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+      ->check(ds::timeout_seconds_error);
+  app.add_option("--threads", f.threads,
+                 "LibTorch intra-op threads of a process with one replica (several replicas: 1 each)")
+      ->check(CLI::Range(1, 256))->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  f.replicas_given = app.count("--replicas") > 0;
+
+  try {
+    std::unique_ptr<ds::Strategy> strategy = make_strategy(f);
+    auto* ps = dynamic_cast<ds::ParameterServerStrategy*>(strategy.get());
+    if (ps && ps->is_ps()) {  // PS ranks serve until the workers are done
+      ps->join();
+      return 0;
+    }
+    const ds::ClusterInfo cluster = strategy->cluster();
+    const bool chief = cluster.is_chief() || cluster.world_size == 1;
+
+    const ds::Dataset train = ds::load_mnist_split(f.data, "train", f.limit);
+    const ds::Dataset test = ds::load_mnist_split(f.data, "t10k");
+
+    // Every process builds the module alike. DDP checks that the replicas
+    // agree and broadcasts the chief's values; the PS keeps the chief's.
+    // Both clone one module per further local replica.
+    torch::manual_seed(f.seed);
+    torch_fashion_mnist::use_intra_op_threads(f.threads);
+    auto net = std::make_shared<CnnImpl>();
+    std::unique_ptr<dt::DistributedDataParallel> ddp;
+    std::unique_ptr<ds::SGD> ps_sgd;  // the update the PS ranks apply
+    std::unique_ptr<dt::ParameterServerModel> ps_model;
+    // One optimizer per local replica, each over its replica's module: every
+    // replica applies the same (all-reduced) gradients, so they stay equal.
+    std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
+    if (ps) {
+      ps_sgd = std::make_unique<ds::SGD>(*strategy, ds::SGDOptions{f.lr, f.momentum});
+      ps_model = std::make_unique<dt::ParameterServerModel>(*ps, net, *ps_sgd);
+    } else {
+      ddp = std::make_unique<dt::DistributedDataParallel>(*strategy, net);
+      for (int i = 0; i < ddp->num_local_replicas(); ++i) {
+        optimizers.push_back(std::make_unique<torch::optim::SGD>(
+            ddp->module(i)->parameters(), torch::optim::SGDOptions(f.lr).momentum(f.momentum)));
+      }
+    }
+
+    ds::DistributeOptions dopts;
+    dopts.seed = f.seed;
+    ds::DistributedDataset dist = strategy->distribute(train, f.batch, dopts);
+    LossMeter meter(*strategy);
+
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t samples = 0;
+    for (int epoch = 0; epoch < f.epochs; ++epoch) {
+      dist.set_epoch(epoch);
+      for (const ds::DistributedBatch& batch : dist) {
+        ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
+          torch_fashion_mnist::use_intra_op_threads(f.threads);
+          CnnImpl& model = *(ps_model ? ps_model->module(ctx) : ddp->module(ctx))->as<CnnImpl>();
+          torch::optim::SGD* opt = ps_model ? nullptr : optimizers[ctx.local_replica_id()].get();
+          const at::Tensor x = dt::to_torch(batch.features(ctx));  // zero-copy views
+          const at::Tensor y = dt::to_torch(batch.labels(ctx));
+          if (opt) opt->zero_grad();
+          // The mean over this replica's rows (NaN for a replica without
+          // rows in a short last batch: backward then runs none for it).
+          const at::Tensor l = torch_fashion_mnist::mean_cross_entropy(model.forward(x), y);
+          if (ps_model) {
+            ps_model->backward(ctx, l, x.size(0), batch.global_size());  // pushes the gradients
+          } else {
+            ddp->backward(ctx, l, x.size(0), batch.global_size());  // grads: the global batch's mean
+            opt->step();
+          }
+          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
+          sum_and_rows.data<double>()[0] = x.size(0) > 0 ? l.item<double>() * x.size(0) : 0.0;
+          sum_and_rows.data<double>()[1] = static_cast<double>(x.size(0));
+          return sum_and_rows;
+        });
+        meter.add(strategy->reduce(ds::ReduceOp::kSum, loss));
+        samples += batch.global_size();
+      }
+      if (chief) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch + 1, f.epochs,
+                    meter.mean_since_last(), samples / s);
+        std::fflush(stdout);
+      }
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    strategy->barrier("evaluate");  // every worker's updates (and loss additions) are in
+    std::string extra;
+    CnnImpl& model = *(ps_model ? ps_model->module(0) : ddp->module(0))->as<CnnImpl>();
+    if (ps_model) {
+      // The PS holds the trained values; module 0 views the cache of this
+      // worker's last pull, so refresh it (the PS's values, read now).
+      torch::NoGradGuard no_grad;
+      for (const auto& p : model.named_parameters()) {
+        p.value().copy_(dt::to_torch(ps_model->variable(p.key()).value()));
+      }
+      const ds::ParameterServerStats st = ps->stats();
+      char buf[96];
+      std::snprintf(buf, sizeof(buf), " mean_staleness=%.2f max_staleness=%lld", st.mean_staleness,
+                    static_cast<long long>(st.max_staleness));
+      extra = buf;
+    }
+    const double train_loss = meter.totals().mean();
+    if (chief) {
+      // Synchronous strategies: every replica holds the same weights, module 0 stands for all.
+      const double accuracy = evaluate(model, test);
+      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s "
+                  "train_loss=%.4f\n",
+                  strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
+                  samples / seconds, extra.c_str(), train_loss);
+    }
+    return 0;
+  } catch (const ds::Error& e) {
+    std::fprintf(stderr, "torch_fashion_mnist: %s\n", e.what());
+    return 1;
+  } catch (const c10::Error& e) {  // LibTorch's own errors (a shape, a dtype)
+    std::fprintf(stderr, "torch_fashion_mnist: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+}
