@@ -187,6 +187,7 @@ class DistributedDataParallel {
   void on_gradient_ready(int local, size_t param);
   void launch_ready_buckets(Replica& r, bool in_hook);
   void launch_bucket(Replica& r, size_t bucket, bool in_hook);
+  void check_same_step(ReplicaContext& ctx, const Replica& r) const;
 
   Strategy* strategy_;
   DdpOptions options_;

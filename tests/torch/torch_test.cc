@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -337,6 +338,88 @@ TEST(TorchDdp, BadLossOnOneReplicaFailsTheStepEverywhereWithoutHanging) {
       EXPECT_EQ(errors[0] + errors[1], "");
     }
   }
+}
+
+// Replicas that disagree on the step (rows / global_rows that do not add up,
+// no_sync() on one replica only) would scale or pair the gradients wrongly
+// without a word; every replica throws the same InvalidArgumentError instead,
+// within the deadline, and the next consistent step works.
+struct Disagreement {
+  const char* name;
+  const char* expected;  // in every replica's error
+  // (replica, rows, global_rows) -> global_rows to pass
+  std::function<int64_t(int, int64_t, int64_t)> global_rows;
+  bool no_sync_on_replica0 = false;
+  bool negative_rows_on_replica1 = false;
+  const char* expected0 = nullptr;  // replica 0's error, when it differs
+};
+
+TEST(TorchDdp, StepsThatDisagreeAcrossReplicasFailOnEveryReplica) {
+  const Dataset data = make_data(16);
+  MirroredOptions mo;
+  mo.devices = {Device::cpu(0), Device::cpu(1)};
+  mo.communication.timeout = std::chrono::seconds(5);  // before the fix: a hang until it
+  MirroredStrategy strategy(mo);
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  DistributeOptions o;
+  o.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, 8, o);
+  const std::vector<Disagreement> cases = {
+      {"global_rows differs on one replica", "global_rows",
+       [](int r, int64_t, int64_t g) { return r == 1 ? g + 4 : g; }},
+      {"global_rows is not the sum of the rows", "rows over all 2 replicas sum to 8",
+       [](int, int64_t, int64_t g) { return 2 * g; }},
+      {"no_sync on one replica only", "micro-batch",
+       [](int, int64_t, int64_t g) { return g; }, true},
+      {"negative rows on one replica", "rows -1 and global_rows",
+       [](int, int64_t, int64_t g) { return g; }, false, true,
+       "the autograd pass failed on 1 of 2 replicas"},
+      {"consistent", "", [](int, int64_t, int64_t g) { return g; }},
+  };
+  for (const Disagreement& c : cases) {
+    std::vector<std::string> errors(2);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      strategy.run([&](ReplicaContext& ctx) {
+        const int r = ctx.local_replica_id();
+        auto step = [&](int64_t i) {
+          DistributedBatch b = dist.batch(i);
+          at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
+          at::Tensor loss =
+              torch::nn::functional::cross_entropy(ddp.module(ctx)->as<NetImpl>()->forward(x), y);
+          const int64_t rows = c.negative_rows_on_replica1 && r == 1 ? -1 : x.size(0);
+          ddp.backward(ctx, loss, rows, c.global_rows(r, x.size(0), b.global_size()));
+        };
+        try {
+          if (c.no_sync_on_replica0 && r == 0) {
+            auto guard = ddp.no_sync(ctx);
+            step(0);
+          } else {
+            step(0);
+          }
+          step(1);
+        } catch (const Error& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+          throw;
+        }
+      });
+    } catch (const Error&) {
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4)) << c.name;
+    for (int r = 0; r < 2; ++r) {
+      const std::string& e = errors[static_cast<size_t>(r)];
+      if (*c.expected == '\0') {
+        EXPECT_EQ(e, "") << c.name;
+        continue;
+      }
+      const char* expected = r == 0 && c.expected0 ? c.expected0 : c.expected;
+      EXPECT_NE(e.find(expected), std::string::npos) << c.name << ", replica " << r << ": " << e;
+      EXPECT_NE(e.find("replica " + std::to_string(r)), std::string::npos) << c.name << ": " << e;
+    }
+  }
+  // After the consistent step the clones agree.
+  auto p0 = ddp.module(0)->parameters(), p1 = ddp.module(1)->parameters();
+  for (size_t i = 0; i < p0.size(); ++i) EXPECT_TRUE(torch::equal(p0[i].grad(), p1[i].grad())) << i;
 }
 
 TEST(TorchDdp, OneReplicaKeepsTheModuleAndNamesItsParameters) {
