@@ -666,5 +666,70 @@ TEST(TorchCheckpoint, ResumeIsBitIdenticalAndPythonGetsTheSameLogits) {
   std::filesystem::remove_all(dir);
 }
 
+// An optimizer over another replica's parameters (or over tensors of no
+// replica) would step the wrong clone and checkpoint no state: the
+// TrainingState constructor names it.
+TEST(TorchCheckpoint, OptimizerOverTheWrongReplicaIsNamed) {
+  MirroredStrategy strategy({Device::cpu(0), Device::cpu(1)});
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  auto swapped0 = make_sgd(*ddp.module(1)), swapped1 = make_sgd(*ddp.module(0));
+  try {
+    dt::TrainingState state(ddp, {swapped0.get(), swapped1.get()});
+    FAIL() << "optimizers over the other replica's parameters were accepted";
+  } catch (const InvalidArgumentError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("optimizer 0"), std::string::npos) << m;
+    EXPECT_NE(m.find("'fc1.weight' of local replica 1"), std::string::npos) << m;
+  }
+  at::Tensor stray = torch::zeros({3}, torch::requires_grad());
+  torch::optim::SGD foreign({stray}, torch::optim::SGDOptions(kLr).momentum(kMomentum));
+  auto good0 = make_sgd(*ddp.module(0));
+  try {
+    dt::TrainingState state(ddp, {good0.get(), &foreign});
+    FAIL() << "an optimizer over a tensor of no replica was accepted";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Float[3]"), std::string::npos) << e.what();
+  }
+  auto good1 = make_sgd(*ddp.module(1));
+  dt::TrainingState state(ddp, {good0.get(), good1.get()});
+}
+
+// A checkpoint of another model (an extra layer), or a damaged file, is an
+// error naming the file, and leaves the model as it was.
+TEST(TorchCheckpoint, ForeignOrDamagedCheckpointIsRefused) {
+  const std::string dir = scratch_dir("foreign");
+  std::filesystem::create_directories(dir);
+  std::string saved;
+  {
+    MirroredStrategy strategy({Device::cpu(0), Device::cpu(1)});
+    dt::DistributedDataParallel ddp(strategy, make_net(8, /*extra=*/true));
+    auto opts = make_sgds(ddp);
+    dt::TrainingState state(ddp, {opts[0].get(), opts[1].get()});
+    Checkpoint ckpt(strategy);
+    state.capture(3);
+    saved = dir + "/other.safetensors";
+    ckpt.save(saved);
+  }
+  MirroredStrategy strategy({Device::cpu(0), Device::cpu(1)});
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  auto opts = make_sgds(ddp);
+  dt::TrainingState state(ddp, {opts[0].get(), opts[1].get()});
+  const at::Tensor before = ddp.module(0)->parameters()[0].clone();
+  Checkpoint ckpt(strategy);
+  EXPECT_THROW(ckpt.restore(saved), Error);
+  EXPECT_TRUE(torch::equal(before, ddp.module(0)->parameters()[0]));
+  // Truncated.
+  const auto size = std::filesystem::file_size(saved);
+  std::filesystem::resize_file(saved, size / 2);
+  try {
+    ckpt.restore(saved);
+    FAIL() << "a truncated checkpoint was restored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(saved), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace diststrat::testing
