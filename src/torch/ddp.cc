@@ -181,7 +181,10 @@ struct DistributedDataParallel::Replica {
   int64_t window_global_rows = 0;
   int64_t window_rows = 0;     // this replica's rows in the window
   int64_t window_batches = 0;  // backward() calls in the window
-  int64_t sync_index = 0;      // synchronizing backward() calls so far
+  // Synchronizing backward() calls in the current Strategy::run (the run
+  // told apart by Strategy::steps_run()).
+  int64_t run_seen = -1;
+  int64_t sync_index = 0;
   std::vector<char> got_grad;  // hook fired for the parameter in the window
   // The synchronizing backward in progress.
   bool syncing = false;
@@ -196,7 +199,7 @@ struct DistributedDataParallel::Replica {
   // replicas without a gradient for parameter k, [P] = replicas whose
   // backward failed, [P+1] = their window rows, [P+2] = their window
   // global_rows, [P+3] = their window backward() calls, [P+4] = their
-  // synchronization index (mod 2^20): what they must agree on.
+  // synchronization index in this run(): what they must agree on.
   Tensor unused_flags;
   bool failed = false;  // this replica's autograd pass failed
   std::atomic<int64_t> launched{0}, in_hook{0}, sync_steps{0};
@@ -461,6 +464,11 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
     r.works.clear();
     r.launch_error = nullptr;
     r.failed = false;
+    const int64_t run = strategy_->steps_run();
+    if (run != r.run_seen) {
+      r.run_seen = run;
+      r.sync_index = 0;
+    }
     ++r.sync_index;
   }
   // Leaves the replica's step state clean whatever happens.
@@ -580,12 +588,12 @@ void DistributedDataParallel::check_same_step(ReplicaContext& ctx, const Replica
                 who + "the replicas are not in the same step: this replica synchronizes " +
                     std::to_string(r.window_batches) +
                     " micro-batch(es) as its synchronizing backward() #" +
-                    std::to_string(r.sync_index) + ", but over all " + std::to_string(n) +
+                    std::to_string(r.sync_index) + " in this run(), but over all " + std::to_string(n) +
                     " replicas the micro-batch counts sum to " + std::to_string(sum(3)) +
                     " and the indices to " + std::to_string(sum(4)) + " (expected " +
                     std::to_string(n * r.window_batches) + " and " + std::to_string(n * index) +
-                    "); every replica must call backward() as often, and no_sync() on all "
-                    "replicas or none");
+                    "); every replica must call backward() as often in each run(), and "
+                    "no_sync() on all replicas or none");
   }
   if (sum(1) != r.window_global_rows || sum(2) != n * r.window_global_rows) {
     throw_error(ErrorCode::kInvalidArgument,
