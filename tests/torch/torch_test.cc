@@ -57,6 +57,28 @@ TEST(TorchConvert, KeepsTheOwnerAlive) {
   EXPECT_EQ(wrapped.data<float>()[4], 5.0f);
 }
 
+// A lazily negated view (its bytes hold -x) and a ZeroTensor (no memory at
+// all) cannot be viewed: the first converted with the wrong sign, the second
+// failed inside Tensor::wrap.
+TEST(TorchConvert, RejectsLazyNegativeAndZeroTensors) {
+  at::Tensor neg = torch::ones({2})._neg_view();
+  ASSERT_EQ(neg[0].item<float>(), -1.0f);
+  try {
+    Tensor t = dt::to_diststrat(neg);
+    FAIL() << "a negative view converted, reading " << t.data<float>()[0];
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("resolve_neg()"), std::string::npos) << e.what();
+  }
+  try {
+    dt::to_diststrat(at::_efficientzerotensor({2}));
+    FAIL() << "a ZeroTensor converted";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("to_diststrat: tensor Float[2]"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("ZeroTensor"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TorchConvert, RejectsWhatCannotBeViewed) {
   at::Tensor a = torch::zeros({4, 6});
   try {
