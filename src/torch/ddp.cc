@@ -159,6 +159,16 @@ constexpr size_t kStepFlags = 5;
 // Counts sent as float32 are exact below 2^24; the sync index goes mod 2^20.
 constexpr int64_t kSyncIndexModulus = int64_t{1} << 20;
 
+// The replica whose backward() runs an autograd pass on this thread (CPU
+// passes run on the caller's thread), so that a hook of another replica's
+// parameter, reached because the step used the wrong replica's module, is
+// told apart from this replica's own.
+struct ActivePass {
+  const DistributedDataParallel* ddp = nullptr;
+  int local = -1;
+};
+thread_local ActivePass active_pass;
+
 // at::set_num_threads(1) once per thread.
 void single_intra_op_thread() {
   thread_local bool done = false;
@@ -202,6 +212,8 @@ struct DistributedDataParallel::Replica {
   // synchronization index in this run(): what they must agree on.
   Tensor unused_flags;
   bool failed = false;  // this replica's autograd pass failed
+  // Set by a hook of another replica's parameter during this replica's pass.
+  std::string foreign_parameter;
   std::atomic<int64_t> launched{0}, in_hook{0}, sync_steps{0};
 };
 
@@ -352,6 +364,15 @@ DdpStats DistributedDataParallel::stats() const {
 }
 
 void DistributedDataParallel::on_gradient_ready(int local, size_t k) {
+  if (active_pass.ddp == this && active_pass.local != local) {
+    // Replica `active_pass.local` ran replica `local`'s module: leave that
+    // replica's step alone (it runs on its own thread), fail this one.
+    Replica& caller = *state_[static_cast<size_t>(active_pass.local)];
+    if (caller.foreign_parameter.empty())
+      caller.foreign_parameter =
+          "local replica " + std::to_string(local) + "'s parameter '" + names_[k] + "'";
+    return;
+  }
   Replica& r = *state_[static_cast<size_t>(local)];
   r.got_grad[k] = 1;
   if (!r.syncing || r.ready[k]) return;
@@ -499,7 +520,18 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                       "): the loss must be a scalar, got ",
                       loss.defined() ? shape_text(loss) : std::string("an undefined tensor"));
       // The loss is a mean over this replica's rows (see `seed` above).
+      struct Active {
+        ActivePass saved = active_pass;
+        ~Active() { active_pass = saved; }
+      } active;
+      active_pass = {this, local};
+      r.foreign_parameter.clear();
       torch::autograd::backward({loss}, {torch::full_like(loss, seed)});
+      DISTSTRAT_CHECK(r.foreign_parameter.empty(), kInvalidArgument,
+                      "DistributedDataParallel::backward (replica ", ctx.replica_id(),
+                      "): the autograd pass reached ", r.foreign_parameter,
+                      ": each replica must run its own module, ddp.module(ctx), not another "
+                      "replica's");
     } catch (...) {
       backward_error = std::current_exception();
     }

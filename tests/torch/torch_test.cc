@@ -444,6 +444,50 @@ TEST(TorchDdp, StepsThatDisagreeAcrossReplicasFailOnEveryReplica) {
   for (size_t i = 0; i < p0.size(); ++i) EXPECT_TRUE(torch::equal(p0[i].grad(), p1[i].grad())) << i;
 }
 
+// Every replica running replica 0's module (ddp.module(0) instead of
+// ddp.module(ctx)): replica 1's autograd pass would fire replica 0's hooks
+// from replica 1's thread, racing on replica 0's step. It fails the step on
+// every replica, naming the mix-up, within the deadline; the next step works.
+TEST(TorchDdp, ModuleOfAnotherReplicaFailsTheStep) {
+  const Dataset data = make_data(16);
+  MirroredOptions mo;
+  mo.devices = {Device::cpu(0), Device::cpu(1)};
+  mo.communication.timeout = std::chrono::seconds(5);
+  MirroredStrategy strategy(mo);
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  DistributeOptions o;
+  o.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, 8, o);
+  for (bool wrong : {true, false}) {
+    std::vector<std::string> errors(2);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      strategy.run([&](ReplicaContext& ctx) {
+        const int r = ctx.local_replica_id();
+        DistributedBatch b = dist.batch(0);
+        at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
+        auto& m = wrong ? ddp.module(0) : ddp.module(ctx);
+        at::Tensor loss = torch::nn::functional::cross_entropy(m->as<NetImpl>()->forward(x), y);
+        try {
+          ddp.backward(ctx, loss, x.size(0), b.global_size());
+        } catch (const Error& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+          throw;
+        }
+      });
+    } catch (const Error&) {
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+    if (wrong) {
+      EXPECT_NE(errors[1].find("local replica 0's parameter"), std::string::npos) << errors[1];
+      EXPECT_NE(errors[0].find("the autograd pass failed on 1 of 2 replicas"), std::string::npos)
+          << errors[0];
+    } else {
+      EXPECT_EQ(errors[0] + errors[1], "");
+    }
+  }
+}
+
 TEST(TorchDdp, OneReplicaKeepsTheModuleAndNamesItsParameters) {
   MirroredStrategy strategy({Device::cpu(0)});
   auto net = make_net(7);
