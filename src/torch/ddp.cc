@@ -572,8 +572,9 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   if (failed > 0) {
     throw_error(ErrorCode::kAborted,
                 "DistributedDataParallel::backward (replica " + std::to_string(ctx.replica_id()) +
-                    "): the autograd pass failed on " + std::to_string(static_cast<int64_t>(failed)) +
-                    " of " + std::to_string(ctx.num_replicas_in_sync()) +
+                    "): the autograd pass failed on " +
+                    std::to_string(static_cast<int64_t>(failed)) + " of " +
+                    std::to_string(ctx.num_replicas_in_sync()) +
                     " replicas (see that replica's error); this step's gradients are incomplete");
   }
   check_same_step(ctx, r);
@@ -620,10 +621,11 @@ void DistributedDataParallel::check_same_step(ReplicaContext& ctx, const Replica
                 who + "the replicas are not in the same step: this replica synchronizes " +
                     std::to_string(r.window_batches) +
                     " micro-batch(es) as its synchronizing backward() #" +
-                    std::to_string(r.sync_index) + " in this run(), but over all " + std::to_string(n) +
-                    " replicas the micro-batch counts sum to " + std::to_string(sum(3)) +
-                    " and the indices to " + std::to_string(sum(4)) + " (expected " +
-                    std::to_string(n * r.window_batches) + " and " + std::to_string(n * index) +
+                    std::to_string(r.sync_index) + " in this run(), but over all " +
+                    std::to_string(n) + " replicas the micro-batch counts sum to " +
+                    std::to_string(sum(3)) + " and the indices to " + std::to_string(sum(4)) +
+                    " (expected " + std::to_string(n * r.window_batches) + " and " +
+                    std::to_string(n * index) +
                     "); every replica must call backward() as often in each run(), and "
                     "no_sync() on all replicas or none");
   }

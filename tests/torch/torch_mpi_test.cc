@@ -125,8 +125,8 @@ TEST(TorchMultiWorkerMpi, BackwardTwiceOnOneRankFailsOnEveryRank) {
         DistributedBatch b = dist.batch(step);
         at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
         auto loss = [&] {
-          return torch::nn::functional::cross_entropy(
-              ddp.module(ctx)->as<NetImpl>()->forward(x), y);
+          return torch::nn::functional::cross_entropy(ddp.module(ctx)->as<NetImpl>()->forward(x),
+                                                      y);
         };
         ddp.backward(ctx, loss(), x.size(0), b.global_size());
         if (rank == 1 && step == 0) ddp.backward(ctx, loss(), x.size(0), b.global_size());
