@@ -56,8 +56,9 @@ namespace diststrat::libtorch {
 // GPU of that CUDA ordinal (through the calling thread's DeviceManager inside
 // Strategy::run, as Tensor::from_dlpack does). dtypes float32/64, float16,
 // bfloat16, int32/64. A non-contiguous tensor, another dtype, another device
-// type or a sparse/quantized tensor is InvalidArgumentError naming what is
-// wrong (call .contiguous() first). An undefined at::Tensor gives an
+// type, a sparse/quantized tensor, a lazily negated/conjugated view or a
+// ZeroTensor is InvalidArgumentError naming what is wrong (call
+// .contiguous() / .resolve_neg() / .clone() first). An undefined at::Tensor gives an
 // undefined Tensor. Does not block; thread-safe.
 Tensor to_diststrat(const at::Tensor& t);
 
@@ -187,6 +188,7 @@ class DistributedDataParallel {
   void on_gradient_ready(int local, size_t param);
   void launch_ready_buckets(Replica& r, bool in_hook);
   void launch_bucket(Replica& r, size_t bucket, bool in_hook);
+  void check_same_step(ReplicaContext& ctx, const Replica& r) const;
 
   Strategy* strategy_;
   DdpOptions options_;

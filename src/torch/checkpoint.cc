@@ -3,7 +3,9 @@
 // CheckpointManager (safetensors, atomic, verified, sharded where the strategy
 // shards) handle a LibTorch job like any other. capture() copies into the
 // variables, apply() copies back into every local replica.
+#include <algorithm>
 #include <cstring>
+#include <sstream>
 
 #include "diststrat/torch.h"
 
@@ -89,11 +91,41 @@ TrainingState::TrainingState(DistributedDataParallel& ddp,
       ddp.num_local_replicas(), " local replicas (none, or one per replica)");
   bool momentum = false, amsgrad = false;
   const OptKind kind = kind_of(optimizers_.empty() ? nullptr : optimizers_[0], &momentum, &amsgrad);
-  for (auto* o : optimizers_) {
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    torch::optim::Optimizer* o = optimizers_[i];
     bool m2, a2;
     DISTSTRAT_CHECK(o != nullptr && kind_of(o, &m2, &a2) == kind && m2 == momentum && a2 == amsgrad,
-                    kInvalidArgument,
-                    "TrainingState: the replicas' optimizers differ in kind or options");
+                    kInvalidArgument, "TrainingState: optimizer ", i,
+                    o == nullptr ? " is null" : " differs from optimizer 0 in kind or options",
+                    " (one per local replica, the same kind and options)");
+  }
+  // Optimizer i must step local replica i's parameters: one over another
+  // replica's clone would update that clone twice and checkpoint no state.
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    const std::vector<at::Tensor> own = trainable(*ddp.module(static_cast<int>(i)));
+    for (const auto& g : optimizers_[i]->param_groups()) {
+      for (const at::Tensor& p : g.params()) {
+        const bool ok = std::any_of(own.begin(), own.end(), [&](const at::Tensor& q) {
+          return q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+        });
+        if (ok) continue;
+        std::string whose = "a tensor of no local replica's module";
+        for (int r = 0; r < ddp.num_local_replicas(); ++r) {
+          const std::vector<std::string>& names = ddp.parameter_names();
+          const std::vector<at::Tensor> other = trainable(*ddp.module(r));
+          for (size_t k = 0; k < other.size() && k < names.size(); ++k) {
+            if (other[k].unsafeGetTensorImpl() == p.unsafeGetTensorImpl())
+              whose = "parameter '" + names[k] + "' of local replica " + std::to_string(r);
+          }
+        }
+        std::ostringstream shape;
+        shape << p.scalar_type() << p.sizes();
+        throw_error(ErrorCode::kInvalidArgument,
+                    "TrainingState: optimizer " + std::to_string(i) + " (of local replica " +
+                        std::to_string(i) + ") holds " + shape.str() + ", " + whose +
+                        "; optimizer i must be built over ddp.module(i)->parameters()");
+      }
+    }
   }
   torch::nn::Module& m = *ddp.module(0);
   VariableOptions vo;

@@ -71,6 +71,14 @@ Tensor to_diststrat(const at::Tensor& t) {
                   "; only dense (strided) tensors convert");
   DISTSTRAT_CHECK(!t.is_quantized(), kInvalidArgument, "to_diststrat: tensor ", describe(t),
                   " is quantized; only float32/64, float16, bfloat16, int32/64 convert");
+  // Lazy views whose bytes are not their values: a negative view holds -x,
+  // a conjugate view conj(x), a ZeroTensor no memory at all.
+  DISTSTRAT_CHECK(!t.is_neg() && !t.is_conj(), kInvalidArgument, "to_diststrat: tensor ",
+                  describe(t), " is a lazily ", t.is_neg() ? "negated" : "conjugated",
+                  " view (its memory holds the other sign): call .resolve_neg() / "
+                  ".resolve_conj() first");
+  DISTSTRAT_CHECK(!t._is_zerotensor(), kInvalidArgument, "to_diststrat: tensor ", describe(t),
+                  " is a ZeroTensor (no memory behind it): call .clone() first");
   DType dtype;
   DISTSTRAT_CHECK(to_dtype(t.scalar_type(), &dtype), kInvalidArgument, "to_diststrat: tensor ",
                   describe(t), " has dtype ", t.scalar_type(),

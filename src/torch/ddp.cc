@@ -154,6 +154,21 @@ void check_same_module(Strategy& strategy, const std::vector<std::string>& lines
               "their texts agree");
 }
 
+// Floats after the per-parameter "no gradient" flags in the last bucket.
+constexpr size_t kStepFlags = 5;
+// Counts sent as float32 are exact below 2^24; the sync index goes mod 2^20.
+constexpr int64_t kSyncIndexModulus = int64_t{1} << 20;
+
+// The replica whose backward() runs an autograd pass on this thread (CPU
+// passes run on the caller's thread), so that a hook of another replica's
+// parameter, reached because the step used the wrong replica's module, is
+// told apart from this replica's own.
+struct ActivePass {
+  const DistributedDataParallel* ddp = nullptr;
+  int local = -1;
+};
+thread_local ActivePass active_pass;
+
 // at::set_num_threads(1) once per thread.
 void single_intra_op_thread() {
   thread_local bool done = false;
@@ -174,6 +189,12 @@ struct DistributedDataParallel::Replica {
   bool in_no_sync = false;
   // The accumulation window (micro-batches since the last synchronization).
   int64_t window_global_rows = 0;
+  int64_t window_rows = 0;     // this replica's rows in the window
+  int64_t window_batches = 0;  // backward() calls in the window
+  // Synchronizing backward() calls in the current Strategy::run (the run
+  // told apart by Strategy::steps_run()).
+  int64_t run_seen = -1;
+  int64_t sync_index = 0;
   std::vector<char> got_grad;  // hook fired for the parameter in the window
   // The synchronizing backward in progress.
   bool syncing = false;
@@ -184,10 +205,15 @@ struct DistributedDataParallel::Replica {
   size_t next_bucket = 0;    // first bucket not launched
   std::vector<Work> works;
   std::exception_ptr launch_error;
-  // float32 [P + 1], summed over replicas (last bucket): [k] = replicas
-  // without a gradient for parameter k, [P] = replicas whose backward failed.
+  // float32 [P + kStepFlags], summed over replicas (last bucket): [k] =
+  // replicas without a gradient for parameter k, [P] = replicas whose
+  // backward failed, [P+1] = their window rows, [P+2] = their window
+  // global_rows, [P+3] = their window backward() calls, [P+4] = their
+  // synchronization index in this run(): what they must agree on.
   Tensor unused_flags;
   bool failed = false;  // this replica's autograd pass failed
+  // Set by a hook of another replica's parameter during this replica's pass.
+  std::string foreign_parameter;
   std::atomic<int64_t> launched{0}, in_hook{0}, sync_steps{0};
 };
 
@@ -338,6 +364,15 @@ DdpStats DistributedDataParallel::stats() const {
 }
 
 void DistributedDataParallel::on_gradient_ready(int local, size_t k) {
+  if (active_pass.ddp == this && active_pass.local != local) {
+    // Replica `active_pass.local` ran replica `local`'s module: leave that
+    // replica's step alone (it runs on its own thread), fail this one.
+    Replica& caller = *state_[static_cast<size_t>(active_pass.local)];
+    if (caller.foreign_parameter.empty())
+      caller.foreign_parameter =
+          "local replica " + std::to_string(local) + "'s parameter '" + names_[k] + "'";
+    return;
+  }
   Replica& r = *state_[static_cast<size_t>(local)];
   r.got_grad[k] = 1;
   if (!r.syncing || r.ready[k]) return;
@@ -378,10 +413,15 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
     }
     names = bucket_names_[b];
     if (b + 1 == buckets_.size()) {
-      r.unused_flags = Tensor(Shape{static_cast<int64_t>(names_.size()) + 1}, DType::kFloat32);
+      const size_t P = names_.size();
+      r.unused_flags = Tensor(Shape{static_cast<int64_t>(P + kStepFlags)}, DType::kFloat32);
       float* f = r.unused_flags.data<float>();
-      for (size_t k = 0; k < names_.size(); ++k) f[k] = r.got_grad[k] ? 0.0f : 1.0f;
-      f[names_.size()] = r.failed ? 1.0f : 0.0f;
+      for (size_t k = 0; k < P; ++k) f[k] = r.got_grad[k] ? 0.0f : 1.0f;
+      f[P] = r.failed ? 1.0f : 0.0f;
+      f[P + 1] = static_cast<float>(r.window_rows);
+      f[P + 2] = static_cast<float>(r.window_global_rows);
+      f[P + 3] = static_cast<float>(r.window_batches);
+      f[P + 4] = static_cast<float>(r.sync_index % kSyncIndexModulus);
       tensors.push_back(r.unused_flags);
     }
     r.works.push_back(
@@ -400,9 +440,21 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                   kInvalidArgument,
                   "DistributedDataParallel::backward: the replica context is not "
                   "one of this model's strategy");
-  DISTSTRAT_CHECK(rows >= 0 && global_rows >= rows, kInvalidArgument,
-                  "DistributedDataParallel::backward (replica ", ctx.replica_id(), "): rows ", rows,
-                  " and global_rows ", global_rows, " (0 <= rows <= global_rows expected)");
+  // Bad rows fail this replica's pass like a bad loss: its buckets still go
+  // (zeros, failure flag), so no peer waits for them.
+  std::exception_ptr argument_error;
+  if (rows < 0 || global_rows < rows) {
+    try {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "DistributedDataParallel::backward (replica " + std::to_string(ctx.replica_id()) +
+                      "): rows " + std::to_string(rows) + " and global_rows " +
+                      std::to_string(global_rows) + " (0 <= rows <= global_rows expected)");
+    } catch (...) {
+      argument_error = std::current_exception();
+    }
+    rows = 0;
+    global_rows = std::max<int64_t>(global_rows, 0);
+  }
   if (num_local_replicas() > 1) single_intra_op_thread();
   Replica& r = *state_[static_cast<size_t>(local)];
   // A window of one micro-batch (no no_sync before it) seeds backward with
@@ -411,6 +463,8 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   // the window's global rows.
   const bool single = !r.in_no_sync && r.window_global_rows == 0;
   r.window_global_rows += global_rows;
+  r.window_rows += rows;
+  ++r.window_batches;
   const double seed =
       single
           ? (global_rows > 0 ? static_cast<double>(rows) / static_cast<double>(global_rows) : 0.0)
@@ -431,6 +485,12 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
     r.works.clear();
     r.launch_error = nullptr;
     r.failed = false;
+    const int64_t run = strategy_->steps_run();
+    if (run != r.run_seen) {
+      r.run_seen = run;
+      r.sync_index = 0;
+    }
+    ++r.sync_index;
   }
   // Leaves the replica's step state clean whatever happens.
   struct Reset {
@@ -442,12 +502,16 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
       r.ctx = nullptr;
       r.works.clear();
       r.window_global_rows = 0;
+      r.window_rows = 0;
+      r.window_batches = 0;
       std::fill(r.got_grad.begin(), r.got_grad.end(), 0);
     }
   } reset{r, sync};
 
-  std::exception_ptr backward_error;
-  if (rows > 0) {
+  std::exception_ptr backward_error = argument_error;
+  if (argument_error) {
+    // Nothing to differentiate; the failure flag goes with the buckets.
+  } else if (rows > 0) {
     // A bad loss or a failing autograd pass still launches every bucket
     // below (so no peer waits for them), then throws.
     try {
@@ -456,7 +520,18 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                       "): the loss must be a scalar, got ",
                       loss.defined() ? shape_text(loss) : std::string("an undefined tensor"));
       // The loss is a mean over this replica's rows (see `seed` above).
+      struct Active {
+        ActivePass saved = active_pass;
+        ~Active() { active_pass = saved; }
+      } active;
+      active_pass = {this, local};
+      r.foreign_parameter.clear();
       torch::autograd::backward({loss}, {torch::full_like(loss, seed)});
+      DISTSTRAT_CHECK(r.foreign_parameter.empty(), kInvalidArgument,
+                      "DistributedDataParallel::backward (replica ", ctx.replica_id(),
+                      "): the autograd pass reached ", r.foreign_parameter,
+                      ": each replica must run its own module, ddp.module(ctx), not another "
+                      "replica's");
     } catch (...) {
       backward_error = std::current_exception();
     }
@@ -497,10 +572,12 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   if (failed > 0) {
     throw_error(ErrorCode::kAborted,
                 "DistributedDataParallel::backward (replica " + std::to_string(ctx.replica_id()) +
-                    "): the autograd pass failed on " + std::to_string(static_cast<int64_t>(failed)) +
-                    " of " + std::to_string(ctx.num_replicas_in_sync()) +
+                    "): the autograd pass failed on " +
+                    std::to_string(static_cast<int64_t>(failed)) + " of " +
+                    std::to_string(ctx.num_replicas_in_sync()) +
                     " replicas (see that replica's error); this step's gradients are incomplete");
   }
+  check_same_step(ctx, r);
   if (!options_.find_unused_parameters) {
     const float* f = r.unused_flags.data<float>();
     std::string which;
@@ -523,6 +600,44 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                       " got no gradient in this step (not part of the loss); set "
                       "DdpOptions::find_unused_parameters = true to count them as zero");
     }
+  }
+}
+
+// After the reduction of the step flags: the replicas must have synchronized
+// the same step (as many backward() calls, in as many micro-batches) and
+// their rows must add up to the global_rows every one of them passed, or the
+// sums just applied pair or scale gradients wrongly. A difference shows in
+// the sums on every replica alike (the same error everywhere); a deviation
+// that cancels in the sums is still caught by the replicas that deviate.
+void DistributedDataParallel::check_same_step(ReplicaContext& ctx, const Replica& r) const {
+  const float* f = r.unused_flags.data<float>() + names_.size();
+  const int64_t n = ctx.num_replicas_in_sync();
+  const auto sum = [&](size_t i) { return static_cast<int64_t>(f[i]); };
+  const std::string who = "DistributedDataParallel::backward (replica " +
+                          std::to_string(ctx.replica_id()) + " of " + std::to_string(n) + "): ";
+  const int64_t index = r.sync_index % kSyncIndexModulus;
+  if (sum(3) != n * r.window_batches || sum(4) != n * index) {
+    throw_error(ErrorCode::kInvalidArgument,
+                who + "the replicas are not in the same step: this replica synchronizes " +
+                    std::to_string(r.window_batches) +
+                    " micro-batch(es) as its synchronizing backward() #" +
+                    std::to_string(r.sync_index) + " in this run(), but over all " +
+                    std::to_string(n) + " replicas the micro-batch counts sum to " +
+                    std::to_string(sum(3)) + " and the indices to " + std::to_string(sum(4)) +
+                    " (expected " + std::to_string(n * r.window_batches) + " and " +
+                    std::to_string(n * index) +
+                    "); every replica must call backward() as often in each run(), and "
+                    "no_sync() on all replicas or none");
+  }
+  if (sum(1) != r.window_global_rows || sum(2) != n * r.window_global_rows) {
+    throw_error(ErrorCode::kInvalidArgument,
+                who + "rows over all " + std::to_string(n) + " replicas sum to " +
+                    std::to_string(sum(1)) + " but this replica's global_rows is " +
+                    std::to_string(r.window_global_rows) + " (summed over replicas " +
+                    std::to_string(sum(2)) + ", expected " +
+                    std::to_string(n * r.window_global_rows) +
+                    "); every replica must pass the same global_rows, the sum of all replicas' "
+                    "rows (DistributedBatch::global_size())");
   }
 }
 

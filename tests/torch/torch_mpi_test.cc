@@ -104,6 +104,42 @@ TEST(TorchMultiWorkerMpi, ParameterUnusedOnOneRankFailsOnEveryRankNamingIt) {
   }
 }
 
+// A rank that calls backward() twice in one run() would pair its second
+// call with the other rank's next step (silently diverging ranks, a
+// deadline at the end): both ranks fail at once naming the step mismatch.
+TEST(TorchMultiWorkerMpi, BackwardTwiceOnOneRankFailsOnEveryRank) {
+  MultiWorkerOptions mo = options(1);
+  mo.communication.timeout = std::chrono::seconds(10);
+  MultiWorkerMirroredStrategy strategy(mo);
+  const int rank = strategy.cluster().worker_index;
+  const Dataset data = make_data(16);
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  DistributeOptions d;
+  d.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, 8, d);
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  for (int step = 0; step < 2 && error.empty(); ++step) {
+    try {
+      strategy.run([&](ReplicaContext& ctx) {
+        DistributedBatch b = dist.batch(step);
+        at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
+        auto loss = [&] {
+          return torch::nn::functional::cross_entropy(ddp.module(ctx)->as<NetImpl>()->forward(x),
+                                                      y);
+        };
+        ddp.backward(ctx, loss(), x.size(0), b.global_size());
+        if (rank == 1 && step == 0) ddp.backward(ctx, loss(), x.size(0), b.global_size());
+      });
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(8)) << "rank " << rank;
+  EXPECT_NE(error.find("the replicas are not in the same step"), std::string::npos)
+      << "rank " << rank << ": " << error;
+}
+
 // TrainingState under multi-worker: the chief writes, every rank restores
 // into a module that started elsewhere and gets the saved weights and
 // momentum bit for bit.

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -54,6 +55,28 @@ TEST(TorchConvert, KeepsTheOwnerAlive) {
   EXPECT_EQ(v[4].item<float>(), 5.0f);
   Tensor wrapped = dt::to_diststrat(v);
   EXPECT_EQ(wrapped.data<float>()[4], 5.0f);
+}
+
+// A lazily negated view (its bytes hold -x) and a ZeroTensor (no memory at
+// all) cannot be viewed: the first converted with the wrong sign, the second
+// failed inside Tensor::wrap.
+TEST(TorchConvert, RejectsLazyNegativeAndZeroTensors) {
+  at::Tensor neg = torch::ones({2})._neg_view();
+  ASSERT_EQ(neg[0].item<float>(), -1.0f);
+  try {
+    Tensor t = dt::to_diststrat(neg);
+    FAIL() << "a negative view converted, reading " << t.data<float>()[0];
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("resolve_neg()"), std::string::npos) << e.what();
+  }
+  try {
+    dt::to_diststrat(at::_efficientzerotensor({2}));
+    FAIL() << "a ZeroTensor converted";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("to_diststrat: tensor Float[2]"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("ZeroTensor"), std::string::npos) << e.what();
+  }
 }
 
 TEST(TorchConvert, RejectsWhatCannotBeViewed) {
@@ -339,6 +362,132 @@ TEST(TorchDdp, BadLossOnOneReplicaFailsTheStepEverywhereWithoutHanging) {
   }
 }
 
+// Replicas that disagree on the step (rows / global_rows that do not add up,
+// no_sync() on one replica only) would scale or pair the gradients wrongly
+// without a word; every replica throws the same InvalidArgumentError instead,
+// within the deadline, and the next consistent step works.
+struct Disagreement {
+  const char* name;
+  const char* expected;  // in every replica's error
+  // (replica, rows, global_rows) -> global_rows to pass
+  std::function<int64_t(int, int64_t, int64_t)> global_rows;
+  bool no_sync_on_replica0 = false;
+  bool negative_rows_on_replica1 = false;
+  const char* expected0 = nullptr;  // replica 0's error, when it differs
+};
+
+TEST(TorchDdp, StepsThatDisagreeAcrossReplicasFailOnEveryReplica) {
+  const Dataset data = make_data(16);
+  MirroredOptions mo;
+  mo.devices = {Device::cpu(0), Device::cpu(1)};
+  mo.communication.timeout = std::chrono::seconds(5);  // before the fix: a hang until it
+  MirroredStrategy strategy(mo);
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  DistributeOptions o;
+  o.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, 8, o);
+  const std::vector<Disagreement> cases = {
+      {"global_rows differs on one replica", "global_rows",
+       [](int r, int64_t, int64_t g) { return r == 1 ? g + 4 : g; }},
+      {"global_rows is not the sum of the rows", "rows over all 2 replicas sum to 8",
+       [](int, int64_t, int64_t g) { return 2 * g; }},
+      {"no_sync on one replica only", "micro-batch", [](int, int64_t, int64_t g) { return g; },
+       true},
+      {"negative rows on one replica", "rows -1 and global_rows",
+       [](int, int64_t, int64_t g) { return g; }, false, true,
+       "the autograd pass failed on 1 of 2 replicas"},
+      {"consistent", "", [](int, int64_t, int64_t g) { return g; }},
+  };
+  for (const Disagreement& c : cases) {
+    std::vector<std::string> errors(2);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      strategy.run([&](ReplicaContext& ctx) {
+        const int r = ctx.local_replica_id();
+        auto step = [&](int64_t i) {
+          DistributedBatch b = dist.batch(i);
+          at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
+          at::Tensor loss =
+              torch::nn::functional::cross_entropy(ddp.module(ctx)->as<NetImpl>()->forward(x), y);
+          const int64_t rows = c.negative_rows_on_replica1 && r == 1 ? -1 : x.size(0);
+          ddp.backward(ctx, loss, rows, c.global_rows(r, x.size(0), b.global_size()));
+        };
+        try {
+          if (c.no_sync_on_replica0 && r == 0) {
+            auto guard = ddp.no_sync(ctx);
+            step(0);
+          } else {
+            step(0);
+          }
+          step(1);
+        } catch (const Error& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+          throw;
+        }
+      });
+    } catch (const Error&) {
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4)) << c.name;
+    for (int r = 0; r < 2; ++r) {
+      const std::string& e = errors[static_cast<size_t>(r)];
+      if (*c.expected == '\0') {
+        EXPECT_EQ(e, "") << c.name;
+        continue;
+      }
+      const char* expected = r == 0 && c.expected0 ? c.expected0 : c.expected;
+      EXPECT_NE(e.find(expected), std::string::npos) << c.name << ", replica " << r << ": " << e;
+      EXPECT_NE(e.find("replica " + std::to_string(r)), std::string::npos) << c.name << ": " << e;
+    }
+  }
+  // After the consistent step the clones agree.
+  auto p0 = ddp.module(0)->parameters(), p1 = ddp.module(1)->parameters();
+  for (size_t i = 0; i < p0.size(); ++i) EXPECT_TRUE(torch::equal(p0[i].grad(), p1[i].grad())) << i;
+}
+
+// Every replica running replica 0's module (ddp.module(0) instead of
+// ddp.module(ctx)): replica 1's autograd pass would fire replica 0's hooks
+// from replica 1's thread, racing on replica 0's step. It fails the step on
+// every replica, naming the mix-up, within the deadline; the next step works.
+TEST(TorchDdp, ModuleOfAnotherReplicaFailsTheStep) {
+  const Dataset data = make_data(16);
+  MirroredOptions mo;
+  mo.devices = {Device::cpu(0), Device::cpu(1)};
+  mo.communication.timeout = std::chrono::seconds(5);
+  MirroredStrategy strategy(mo);
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  DistributeOptions o;
+  o.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, 8, o);
+  for (bool wrong : {true, false}) {
+    std::vector<std::string> errors(2);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      strategy.run([&](ReplicaContext& ctx) {
+        const int r = ctx.local_replica_id();
+        DistributedBatch b = dist.batch(0);
+        at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
+        auto& m = wrong ? ddp.module(0) : ddp.module(ctx);
+        at::Tensor loss = torch::nn::functional::cross_entropy(m->as<NetImpl>()->forward(x), y);
+        try {
+          ddp.backward(ctx, loss, x.size(0), b.global_size());
+        } catch (const Error& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+          throw;
+        }
+      });
+    } catch (const Error&) {
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+    if (wrong) {
+      EXPECT_NE(errors[1].find("local replica 0's parameter"), std::string::npos) << errors[1];
+      EXPECT_NE(errors[0].find("the autograd pass failed on 1 of 2 replicas"), std::string::npos)
+          << errors[0];
+    } else {
+      EXPECT_EQ(errors[0] + errors[1], "");
+    }
+  }
+}
+
 TEST(TorchDdp, OneReplicaKeepsTheModuleAndNamesItsParameters) {
   MirroredStrategy strategy({Device::cpu(0)});
   auto net = make_net(7);
@@ -579,6 +728,71 @@ TEST(TorchCheckpoint, ResumeIsBitIdenticalAndPythonGetsTheSameLogits) {
   for (const char* name :
        {"fc1.weight", "fc2.bias", "scale", "fc1.weight/momentum_buffer", "torch/step"}) {
     EXPECT_NE(file.find(name), nullptr) << name;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// An optimizer over another replica's parameters (or over tensors of no
+// replica) would step the wrong clone and checkpoint no state: the
+// TrainingState constructor names it.
+TEST(TorchCheckpoint, OptimizerOverTheWrongReplicaIsNamed) {
+  MirroredStrategy strategy({Device::cpu(0), Device::cpu(1)});
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  auto swapped0 = make_sgd(*ddp.module(1)), swapped1 = make_sgd(*ddp.module(0));
+  try {
+    dt::TrainingState state(ddp, {swapped0.get(), swapped1.get()});
+    FAIL() << "optimizers over the other replica's parameters were accepted";
+  } catch (const InvalidArgumentError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("optimizer 0"), std::string::npos) << m;
+    EXPECT_NE(m.find("'fc1.weight' of local replica 1"), std::string::npos) << m;
+  }
+  at::Tensor stray = torch::zeros({3}, torch::requires_grad());
+  torch::optim::SGD foreign({stray}, torch::optim::SGDOptions(kLr).momentum(kMomentum));
+  auto good0 = make_sgd(*ddp.module(0));
+  try {
+    dt::TrainingState state(ddp, {good0.get(), &foreign});
+    FAIL() << "an optimizer over a tensor of no replica was accepted";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Float[3]"), std::string::npos) << e.what();
+  }
+  auto good1 = make_sgd(*ddp.module(1));
+  dt::TrainingState state(ddp, {good0.get(), good1.get()});
+}
+
+// A checkpoint of another model (an extra layer), or a damaged file, is an
+// error naming the file, and leaves the model as it was.
+TEST(TorchCheckpoint, ForeignOrDamagedCheckpointIsRefused) {
+  const std::string dir = scratch_dir("foreign");
+  std::filesystem::create_directories(dir);
+  std::string saved;
+  {
+    MirroredStrategy strategy({Device::cpu(0), Device::cpu(1)});
+    dt::DistributedDataParallel ddp(strategy, make_net(8, /*extra=*/true));
+    auto opts = make_sgds(ddp);
+    dt::TrainingState state(ddp, {opts[0].get(), opts[1].get()});
+    Checkpoint ckpt(strategy);
+    state.capture(3);
+    saved = dir + "/other.safetensors";
+    ckpt.save(saved);
+  }
+  MirroredStrategy strategy({Device::cpu(0), Device::cpu(1)});
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  auto opts = make_sgds(ddp);
+  dt::TrainingState state(ddp, {opts[0].get(), opts[1].get()});
+  const at::Tensor before = ddp.module(0)->parameters()[0].clone();
+  Checkpoint ckpt(strategy);
+  EXPECT_THROW(ckpt.restore(saved), Error);
+  EXPECT_TRUE(torch::equal(before, ddp.module(0)->parameters()[0]));
+  // Truncated.
+  const auto size = std::filesystem::file_size(saved);
+  std::filesystem::resize_file(saved, size / 2);
+  try {
+    ckpt.restore(saved);
+    FAIL() << "a truncated checkpoint was restored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(saved), std::string::npos) << e.what();
   }
   std::filesystem::remove_all(dir);
 }
