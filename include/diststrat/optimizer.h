@@ -162,6 +162,10 @@ class Optimizer {
   // calls of each update only add the gradients to this replica's local sums
   // (no communication, no update); the k-th reduces the sums once and
   // updates. Every local replica must make the same calls.
+  // Mixed precision: a float32 variable's gradient may be float16 or
+  // bfloat16 (host memory); it is widened to float32 exactly (inf and NaN
+  // kept, so loss scaling sees an f16 overflow) and reduced and applied in
+  // float32. Any other dtype or shape mismatch is InvalidArgumentError.
   ApplyResult apply_gradients(ReplicaContext& ctx,
                               const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
 

@@ -231,9 +231,46 @@ Optimizer::Optimizer(Strategy& strategy)
                                          init::Zeros{}, opts);
 }
 
+namespace {
+// A float16 / bfloat16 gradient of a float32 variable (mixed precision).
+bool is_low_precision_gradient(const Tensor& g, const Variable& v) {
+  return (g.dtype() == DType::kFloat16 || g.dtype() == DType::kBFloat16) &&
+         v.dtype() == DType::kFloat32;
+}
+
+// The float32 copy of a low-precision host gradient: exact (every f16 / bf16
+// value, inf and NaN included, is a float32), so an overflow to inf in the
+// loop's f16 arithmetic reaches the loss-scaling check as inf.
+Tensor widen_to_float32(const Tensor& g) {
+  Tensor out(g.shape(), DType::kFloat32);
+  float* dst = out.data<float>();
+  const uint16_t* src = static_cast<const uint16_t*>(g.data());
+  const int64_t n = g.num_elements();
+  if (g.dtype() == DType::kFloat16) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = Half::to_float(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16::to_float(src[i]);
+  }
+  return out;
+}
+}  // namespace
+
 ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
-                                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+                                       const std::vector<std::pair<Tensor, Variable>>& given) {
   const std::string where = "apply_gradients on replica " + std::to_string(ctx.replica_id());
+  // Mixed precision: f16 / bf16 host gradients of float32 variables are
+  // widened to float32 first; the reduction and the update run in float32.
+  std::vector<std::pair<Tensor, Variable>> widened;
+  for (size_t k = 0; k < given.size(); ++k) {
+    const auto& [g, v] = given[k];
+    if (!g.defined() || !v.defined() || !is_low_precision_gradient(g, v) || g.shape() != v.shape()) continue;
+    DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, where, ": gradient ", g.debug_string(),
+                    " of float32 variable '", echo(v.name()),
+                    "': mixed-precision gradients must be in host memory (cast on the device)");
+    if (widened.empty()) widened = given;
+    widened[k].first = widen_to_float32(g);
+  }
+  const std::vector<std::pair<Tensor, Variable>>& grads_and_vars = widened.empty() ? given : widened;
   for (size_t k = 0; k < grads_and_vars.size(); ++k) {
     const auto& [g, v] = grads_and_vars[k];
     DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument, where, ": undefined ",
@@ -241,7 +278,8 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
                     " at position ", k);
     DISTSTRAT_CHECK(g.shape() == v.shape() && g.dtype() == v.dtype(), kInvalidArgument, where,
                     ": gradient ", g.debug_string(), " does not match variable '", echo(v.name()),
-                    "' ", dtype_name(v.dtype()), v.shape().to_string());
+                    "' ", dtype_name(v.dtype()), v.shape().to_string(),
+                    " (gradients are float32, or float16/bfloat16 for a float32 variable)");
     DISTSTRAT_CHECK(v.dtype() == DType::kFloat32, kUnimplemented, where, ": variable '",
                     echo(v.name()), "' is ", dtype_name(v.dtype()), "; optimizers update float32");
     DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, where, ": variable '",

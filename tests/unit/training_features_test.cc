@@ -732,7 +732,13 @@ struct LsRun {
 // multiplies its gradient by loss_scale(ctx); at kLsBadStep the replica with
 // global id `bad_replica` puts an inf into its gradient (-1: none, and the
 // step is left out of the loop instead: the reference of a skipped step).
-LsRun train_loss_scaled(ds::Strategy& strategy, bool scaling, int bad_replica) {
+// `grad_dtype` f16/bf16: the loop hands mixed-precision gradients (its f32
+// values rounded to that type; the bad one overflows it, 70000 * scale, instead
+// of being set to inf); f32 with `round_like` f16/bf16: the same rounded values
+// as float32 gradients (the reference of a mixed-precision run).
+LsRun train_loss_scaled(ds::Strategy& strategy, bool scaling, int bad_replica,
+                        ds::DType grad_dtype = ds::DType::kFloat32,
+                        ds::DType round_like = ds::DType::kFloat32) {
   ds::Variable w = strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32,
                                             ds::init::Constant{1.0});
   ds::SGD opt(strategy, {0.1f, 0.9f});
@@ -750,9 +756,25 @@ LsRun train_loss_scaled(ds::Strategy& strategy, bool scaling, int bad_replica) {
     out.scales.emplace_back();
     strategy.run([&](ds::ReplicaContext& ctx) {
       const float scale = opt.loss_scale(ctx);
-      ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
-      for (int i = 0; i < 4; ++i) g.data<float>()[i] = ls_grad(s, ctx.replica_id(), i) * scale;
-      if (s == kLsBadStep && ctx.replica_id() == bad_replica) g.data<float>()[2] = INFINITY;
+      const ds::DType low = grad_dtype != ds::DType::kFloat32 ? grad_dtype : round_like;
+      std::vector<float> v(4);
+      for (int i = 0; i < 4; ++i) v[i] = ls_grad(s, ctx.replica_id(), i) * scale;
+      if (s == kLsBadStep && ctx.replica_id() == bad_replica) {
+        v[2] = low == ds::DType::kFloat32 ? INFINITY : 70000.0f * scale;
+      }
+      ds::Tensor g(ds::Shape{4}, grad_dtype);
+      for (int i = 0; i < 4; ++i) {
+        const float rounded = low == ds::DType::kFloat16    ? float(ds::Half(v[i]))
+                              : low == ds::DType::kBFloat16 ? float(ds::BFloat16(v[i]))
+                                                            : v[i];
+        if (grad_dtype == ds::DType::kFloat16) {
+          g.data<ds::Half>()[i] = ds::Half(v[i]);
+        } else if (grad_dtype == ds::DType::kBFloat16) {
+          g.data<ds::BFloat16>()[i] = ds::BFloat16(v[i]);
+        } else {
+          g.data<float>()[i] = rounded;
+        }
+      }
       const ds::ApplyResult r = opt.apply_gradients(ctx, {{g, w}});
       std::lock_guard<std::mutex> lock(mu);
       out.skipped.back().push_back(r.skipped);
@@ -802,6 +824,63 @@ TEST(LossScaling, AnInfOnOneReplicaSkipsTheStepOnEveryReplicaMirroredAndCentralS
                                ref.weights[i].nbytes()));
     }
   }
+}
+
+// Mixed precision: f16 / bf16 gradients of float32 variables. An f16
+// overflow on one replica (70000 * scale is inf in f16) skips the step on
+// every replica, and the run equals one with float32 gradients holding the
+// same rounded values, bit for bit (bf16's range holds 70000 * scale: no
+// overflow, no skip; f16 gradients there must be finite to compare).
+TEST(LossScaling, HalfAndBFloat16GradientsOfFloat32VariablesAreWidenedAndOverflowSkips) {
+  for (int which = 0; which < 2; ++which) {
+    SCOPED_TRACE(which == 0 ? "mirrored" : "central_storage");
+    std::unique_ptr<ds::Strategy> a = which == 0 ? mirrored2() : central2();
+    std::unique_ptr<ds::Strategy> b = which == 0 ? mirrored2() : central2();
+    const LsRun half = train_loss_scaled(*a, true, 1, ds::DType::kFloat16);
+    expect_one_skip(half, 2);
+    const LsRun ref = train_loss_scaled(*b, true, 1, ds::DType::kFloat32, ds::DType::kFloat16);
+    expect_one_skip(ref, 2);
+    ASSERT_EQ(half.weights.size(), ref.weights.size());
+    for (size_t i = 0; i < ref.weights.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(half.weights[i].data(), ref.weights[i].data(), ref.weights[i].nbytes()))
+          << "tensor " << i;
+    }
+    std::unique_ptr<ds::Strategy> c = which == 0 ? mirrored2() : central2();
+    std::unique_ptr<ds::Strategy> d = which == 0 ? mirrored2() : central2();
+    const LsRun bf = train_loss_scaled(*c, true, 1, ds::DType::kBFloat16);
+    const LsRun bf_ref = train_loss_scaled(*d, true, 1, ds::DType::kFloat32, ds::DType::kBFloat16);
+    for (int s = 0; s < kLsSteps; ++s) EXPECT_FALSE(bf.skipped[s][0]) << s;
+    for (size_t i = 0; i < bf_ref.weights.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(bf.weights[i].data(), bf_ref.weights[i].data(), bf_ref.weights[i].nbytes()))
+          << "tensor " << i;
+    }
+  }
+  // Without loss scaling too (plain mixed-precision gradients), and the
+  // mismatches that stay errors: a float64 gradient, an f16 gradient of the
+  // wrong shape.
+  auto s = mirrored2();
+  ds::Variable w = s->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::SGD opt(*s, {0.5f, 0.0f});
+  s->run([&](ds::ReplicaContext& ctx) {
+    ds::Tensor g(ds::Shape{4}, ds::DType::kFloat16);
+    for (int i = 0; i < 4; ++i) g.data<ds::Half>()[i] = ds::Half(0.25f);
+    opt.apply_gradients(ctx, {{g, w}});
+  });
+  for (const ds::Tensor& c : w.impl().copies) EXPECT_EQ(c.data<float>()[0], 1.0f - 0.5f * 0.5f);
+  s->run([&](ds::ReplicaContext& ctx) {
+    ds::Tensor g64(ds::Shape{4}, ds::DType::kFloat64);
+    g64.zero();
+    ds::Tensor g16(ds::Shape{3}, ds::DType::kFloat16);
+    g16.zero();
+    for (const ds::Tensor& g : {g64, g16}) {
+      try {
+        opt.apply_gradients(ctx, {{g, w}});
+        ADD_FAILURE() << "accepted " << g.debug_string();
+      } catch (const ds::InvalidArgumentError& e) {
+        EXPECT_NE(std::string(e.what()).find("does not match variable 'w'"), std::string::npos) << e.what();
+      }
+    }
+  });
 }
 
 // Two workers x two replicas as threads; the inf on worker 1's second replica
