@@ -29,6 +29,11 @@
 // noise hits both alike, and prints each one's step time, the ratio (with
 // its spread over the blocks) and optimizer-slot bytes per replica;
 // --optimizer adam|sgd picks the rule.
+// Gradient accumulation: --accumulation k makes every update k micro-batches
+// (Optimizer::set_accumulation_steps, the apply_gradients path; --steps and
+// samples_per_sec count micro-batches) and, under multi_worker, prints the
+// cross-process calls of the step functions per update
+// (gradient_calls_per_update: 1 when only the k-th micro-batch communicates).
 //
 //   mpirun -np 4 build/benchmarks/train_bench --strategy multi_worker --optimizer adam --zero compare
 #include <CLI/CLI.hpp>
@@ -84,6 +89,7 @@ int main(int argc, char** argv) {
   int64_t width = 256;
   std::string compression = "none";
   std::string zero = "off", optimizer = "sgd";
+  int accumulation = 1;
   int block = 20;
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
   app.add_option("--strategy", strategy_name,
@@ -115,6 +121,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--optimizer", optimizer, "sgd | adam")
       ->check(CLI::IsMember({"sgd", "adam"}))
+      ->capture_default_str();
+  app.add_option("--accumulation", accumulation,
+                 "micro-batches per update (Optimizer::set_accumulation_steps; the apply_gradients "
+                 "path); --steps counts micro-batches")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--block", block, "--zero compare: steps per timed block")->capture_default_str();
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
@@ -292,6 +303,12 @@ int main(int argc, char** argv) {
     std::vector<ds::Variable> params = mlp.create_variables(*strategy, 1);
     std::unique_ptr<ds::Optimizer> opt_ptr = make_optimizer(*strategy);
     ds::Optimizer& opt = *opt_ptr;
+    if (accumulation > 1) {
+      opt.set_accumulation_steps(accumulation);
+      overlap = false;  // accumulation lives in apply_gradients
+    }
+    auto* multi_worker = dynamic_cast<ds::MultiWorkerMirroredStrategy*>(strategy.get());
+    int64_t grad_calls = 0;  // cross-process calls of the timed steps' run() (not the loss meter)
     const int64_t global_batch = per_replica_batch * strategy->num_replicas_in_sync();
     ds::DistributedDataset dist = strategy->distribute(train, global_batch);
 
@@ -308,7 +325,8 @@ int main(int argc, char** argv) {
           t0 = std::chrono::steady_clock::now();
         }
         if (done++ == warmup + steps) break;
-        const float scale = 1.0f / static_cast<float>(batch.global_size());
+        const float scale = 1.0f / static_cast<float>(batch.global_size() * accumulation);
+        const int64_t calls_before = multi_worker ? multi_worker->stats().calls : 0;
         ds::PerReplica<ds::Tensor> step_loss = strategy->run([&](ds::ReplicaContext& ctx) {
           std::vector<ds::Tensor> values;
           for (const ds::Variable& v : params) values.push_back(v.read(ctx));
@@ -339,6 +357,7 @@ int main(int argc, char** argv) {
           sum_and_rows.data<double>()[0] = s.loss_sum;
           return sum_and_rows;
         });
+        if (multi_worker && done > warmup) grad_calls += multi_worker->stats().calls - calls_before;
         meter.add(strategy->reduce(ds::ReduceOp::kSum, step_loss));
       }
     }
@@ -348,12 +367,14 @@ int main(int argc, char** argv) {
     if (chief) {
       std::printf("train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
                   "width=%lld compression=%s zero=%s optimizer=%s steps=%d seconds=%.3f loss=%.4f "
-                  "samples_per_sec=%.0f optimizer_slot_bytes_per_replica=%lld\n",
+                  "samples_per_sec=%.0f optimizer_slot_bytes_per_replica=%lld accumulation=%d "
+                  "gradient_calls_per_update=%.2f\n",
                   strategy->name().c_str(), strategy->cluster().num_workers,
                   strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
                   overlap ? 1 : 0, static_cast<long long>(width), compression.c_str(), zero.c_str(),
                   optimizer.c_str(), steps, seconds, loss, steps * global_batch / seconds,
-                  static_cast<long long>(opt.slot_bytes_per_replica()));
+                  static_cast<long long>(opt.slot_bytes_per_replica()), accumulation,
+                  multi_worker ? double(grad_calls) / (double(steps) / accumulation) : 0.0);
     }
     return 0;
   } catch (const ds::Error& e) {
