@@ -45,39 +45,9 @@
 
 #include <diststrat/diststrat.h>
 
+#include "../../examples/common/loss_meter.h"
+
 namespace ds = diststrat;
-
-namespace {
-// Every worker's training loss: reduce(kSum) of the replicas' {loss sum,
-// rows} covers the global batch under the synchronous strategies and one
-// worker's share under the parameter server, which is added to a PS 0 metric.
-class LossMeter {
- public:
-  explicit LossMeter(ds::Strategy& s) : ps_(dynamic_cast<ds::ParameterServerStrategy*>(&s)) {}
-  void add(const ds::Tensor& loss_sum_and_rows) {
-    const double* v = loss_sum_and_rows.data<double>();
-    if (ps_) {
-      ps_->add_to_metric("train_bench/loss", v[0], v[1]);
-    } else {
-      total_.sum += v[0];
-      total_.count += v[1];
-    }
-  }
-  // The mean loss per example since the previous call (every worker's
-  // additions made before a barrier the caller has passed).
-  double mean_since_last() {
-    const ds::MetricTotals t = ps_ ? ps_->read_metric("train_bench/loss") : total_;
-    const double n = t.count - last_.count;
-    const double mean = n > 0 ? (t.sum - last_.sum) / n : 0.0;
-    last_ = t;
-    return mean;
-  }
-
- private:
-  ds::ParameterServerStrategy* ps_;
-  ds::MetricTotals total_, last_;
-};
-}  // namespace
 
 int main(int argc, char** argv) {
   std::string strategy_name = "multi_worker", data_dir = ds::kFashionMnistDir, timeline;
@@ -312,7 +282,7 @@ int main(int argc, char** argv) {
     const int64_t global_batch = per_replica_batch * strategy->num_replicas_in_sync();
     ds::DistributedDataset dist = strategy->distribute(train, global_batch);
 
-    LossMeter meter(*strategy);
+    diststrat_examples::LossMeter meter(*strategy, "train_bench/loss");
     double loss = 0;
     int64_t done = 0, epoch = 0;
     auto t0 = std::chrono::steady_clock::now();

@@ -16,6 +16,8 @@
 
 #include <diststrat/diststrat.h>
 
+#include "../common/loss_meter.h"
+
 namespace ds = diststrat;
 
 namespace {
@@ -162,43 +164,6 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
       "' (available: mirrored, central_storage, multi_worker, parameter_server)");
 }
 
-// The training loss per example over every worker of the job. Each step
-// adds reduce(kSum) of the replicas' {loss sum, rows}: under the synchronous
-// strategies that covers the whole global batch; under the parameter server
-// reduce() covers this worker's replicas only (its workers never meet), so
-// each worker adds its share to a metric on PS 0 (TensorFlow's coordinator
-// reads its metrics the same way) and reads return every worker's totals.
-class LossMeter {
- public:
-  explicit LossMeter(ds::Strategy& strategy)
-      : ps_(dynamic_cast<ds::ParameterServerStrategy*>(&strategy)) {}
-  void add(const ds::Tensor& loss_sum_and_rows) {
-    const double* v = loss_sum_and_rows.data<double>();
-    if (ps_) {
-      ps_->add_to_metric(kMetric, v[0], v[1]);
-    } else {
-      total_.sum += v[0];
-      total_.count += v[1];
-    }
-  }
-  // Every worker's totals so far (one round trip to PS 0 under the parameter
-  // server: every addition it has received).
-  ds::MetricTotals totals() const { return ps_ ? ps_->read_metric(kMetric) : total_; }
-  // The mean loss per example since the previous call.
-  double mean_since_last() {
-    const ds::MetricTotals t = totals();
-    const double n = t.count - last_.count;
-    const double mean = n > 0 ? (t.sum - last_.sum) / n : 0.0;
-    last_ = t;
-    return mean;
-  }
-
- private:
-  static constexpr const char* kMetric = "fashion_mnist/train_loss";
-  ds::ParameterServerStrategy* ps_;
-  ds::MetricTotals total_, last_;
-};
-
 // One updating line on a terminal, plain periodic lines otherwise.
 class Progress {
  public:
@@ -334,7 +299,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     };
     Progress progress(chief, dist.num_batches() * f.epochs);
-    LossMeter meter(*strategy);
+    diststrat_examples::LossMeter meter(*strategy, "fashion_mnist/train_loss");
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0, steps_this_run = 0;

@@ -28,6 +28,8 @@
 #include <diststrat/diststrat.h>
 #include <diststrat/torch.h>
 
+#include "../common/loss_meter.h"
+
 #include "cnn.h"
 
 namespace ds = diststrat;
@@ -102,40 +104,6 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
       "unknown --strategy '" + f.strategy +
       "' (available: mirrored, central_storage, multi_worker, parameter_server)");
 }
-
-// The training loss per example over every worker of the job: reduce(kSum)
-// of the replicas' {loss sum, rows} covers the global batch under the
-// synchronous strategies; under the parameter server it covers one worker's
-// replicas, so each worker adds its share to a metric on PS 0 (as
-// examples/fashion_mnist does) and reads return every worker's totals.
-class LossMeter {
- public:
-  explicit LossMeter(ds::Strategy& strategy)
-      : ps_(dynamic_cast<ds::ParameterServerStrategy*>(&strategy)) {}
-  void add(const ds::Tensor& loss_sum_and_rows) {
-    const double* v = loss_sum_and_rows.data<double>();
-    if (ps_) {
-      ps_->add_to_metric(kMetric, v[0], v[1]);
-    } else {
-      total_.sum += v[0];
-      total_.count += v[1];
-    }
-  }
-  ds::MetricTotals totals() const { return ps_ ? ps_->read_metric(kMetric) : total_; }
-  // The mean loss per example since the previous call.
-  double mean_since_last() {
-    const ds::MetricTotals t = totals();
-    const double n = t.count - last_.count;
-    const double mean = n > 0 ? (t.sum - last_.sum) / n : 0.0;
-    last_ = t;
-    return mean;
-  }
-
- private:
-  static constexpr const char* kMetric = "torch_fashion_mnist/train_loss";
-  ds::ParameterServerStrategy* ps_;
-  ds::MetricTotals total_, last_;
-};
 
 // Test accuracy of `model` on `test` (rows in chunks, no autograd; leaves
 // the model in eval mode).
@@ -234,7 +202,7 @@ int main(int argc, char** argv) {
     ds::DistributeOptions dopts;
     dopts.seed = f.seed;
     ds::DistributedDataset dist = strategy->distribute(train, f.batch, dopts);
-    LossMeter meter(*strategy);
+    diststrat_examples::LossMeter meter(*strategy, "torch_fashion_mnist/train_loss");
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0;
