@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "core/fnv1a.h"
 #include "core/user_text.h"
 #include "diststrat/error.h"
 #include "diststrat/process_group.h"
@@ -31,24 +32,6 @@
 namespace diststrat {
 
 namespace {
-
-// FNV-1a, 64 bit.
-class Hasher {
- public:
-  void bytes(const void* p, size_t n) {
-    const unsigned char* c = static_cast<const unsigned char*>(p);
-    for (size_t i = 0; i < n; ++i) h_ = (h_ ^ c[i]) * 1099511628211ull;
-  }
-  template <typename T> void value(T v) { bytes(&v, sizeof v); }
-  void text(const std::string& s) {
-    value<uint64_t>(s.size());
-    bytes(s.data(), s.size());
-  }
-  uint64_t get() const { return h_; }
-
- private:
-  uint64_t h_ = 1469598103934665603ull;
-};
 
 // What one rank called broadcast_tensors with, as the ranks exchange it.
 struct CallDescription {
@@ -150,7 +133,7 @@ CallDescription describe(const Communicator& comm, const std::vector<Tensor>& te
     err << "names has " << names.size() << " entries for " << tensors.size()
         << " tensors (give one per tensor, or none)";
   }
-  Hasher h;
+  Fnv1a h;
   h.value(d.root);
   h.value(d.bytes_per_pack);
   h.value<uint64_t>(tensors.size());

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/fnv1a.h"
 #include "core/user_text.h"
 #include "core/work_state.h"
 
@@ -14,14 +15,6 @@ namespace {
 
 using Clock = Timeline::Clock;
 
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 const char* compression_name(Compression c) {
   switch (c) {

@@ -42,19 +42,13 @@
 
 #include "diststrat/torch.h"
 
+#include "core/fnv1a.h"
+#include "intra_op_threads.h"
+
 namespace diststrat::libtorch {
 
 namespace {
 
-// FNV-1a: identical in every process (std::hash need not be).
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 std::string shape_text(const at::Tensor& t) {
   std::ostringstream os;
@@ -169,14 +163,6 @@ struct ActivePass {
 };
 thread_local ActivePass active_pass;
 
-// at::set_num_threads(1) once per thread.
-void single_intra_op_thread() {
-  thread_local bool done = false;
-  if (!done) {
-    at::set_num_threads(1);
-    done = true;
-  }
-}
 
 }  // namespace
 

@@ -9,6 +9,8 @@
 
 #include "diststrat/torch.h"
 
+#include "intra_op_threads.h"
+
 namespace diststrat::libtorch {
 
 struct ParameterServerModel::Replica {
@@ -31,13 +33,6 @@ at::Tensor parameter(torch::nn::Module& m, const std::string& name) {
               "ParameterServerModel: the module has no parameter '" + name + "'");
 }
 
-void single_intra_op_thread() {
-  thread_local bool done = false;
-  if (!done) {
-    at::set_num_threads(1);
-    done = true;
-  }
-}
 
 }  // namespace
 
