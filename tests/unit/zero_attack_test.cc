@@ -4,10 +4,16 @@
 // worker / replica within the deadline, never a hang or wrong numbers.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
 #include <cmath>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -177,4 +183,172 @@ TEST(MixedPrecisionMisuse, BFloat16NaNUnderZeroSkipsTheStepWithLossScaling) {
     for (int i = 0; i < 5; ++i) EXPECT_EQ(a.impl().copies[r].data<float>()[i], 1.0f) << "replica " << r;
   }
   EXPECT_EQ(adam.skipped_steps(), 1);
+}
+
+namespace {
+
+std::string temp_dir() {
+  const char* env = std::getenv("TMPDIR");
+  std::string tmpl = std::string(env && *env ? env : "/tmp") + "/diststrat_zero_attack_XXXXXX";
+  if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp " + tmpl);
+  return tmpl;
+}
+
+// Three Adam steps on 3 sharded replicas of {w: 7, s: 1}, saved to `path`.
+void save_sharded(const std::string& path) {
+  ds::MirroredOptions o;
+  o.devices = ds::testing::cpu_devices(3);
+  o.shard_optimizer_state = true;
+  ds::MirroredStrategy s(o);
+  ds::Variable w = s.create_variable("w", ds::Shape{7}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable b = s.create_variable("s", ds::Shape{1}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Adam adam(s, {});
+  for (int step = 0; step < 3; ++step) {
+    s.run([&](ds::ReplicaContext& ctx) {
+      adam.apply_gradients(ctx, {{filled(w.shape(), 0.5f), w}, {filled(b.shape(), -1), b}});
+    });
+  }
+  ds::Checkpoint(s, {&adam}).save(path);
+}
+
+// Restores `path` into a fresh model (sharded or not, before or after a
+// first step); returns the error, "" if it restored.
+std::string restore(const std::string& path, bool zero, bool step_first) {
+  ds::MirroredOptions o;
+  o.devices = ds::testing::cpu_devices(2);
+  o.shard_optimizer_state = zero;
+  ds::MirroredStrategy s(o);
+  ds::Variable w = s.create_variable("w", ds::Shape{7}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable b = s.create_variable("s", ds::Shape{1}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Adam adam(s, {});
+  auto step = [&] {
+    s.run([&](ds::ReplicaContext& ctx) {
+      adam.apply_gradients(ctx, {{filled(w.shape(), 0.5f), w}, {filled(b.shape(), -1), b}});
+    });
+  };
+  if (step_first) step();
+  try {
+    ds::Checkpoint(s, {&adam}).restore(path);
+  } catch (const ds::Error& e) {
+    return e.what();
+  }
+  step();
+  return "";
+}
+
+}  // namespace
+
+TEST(ZeroCheckpointTampering, ChangedSlotShapeAndTruncationAreRejectedWithAndWithoutSharding) {
+  const std::string dir = temp_dir();
+  const std::string good = dir + "/good.safetensors";
+  save_sharded(good);
+  for (bool zero : {false, true}) {
+    for (bool step_first : {false, true}) {
+      EXPECT_EQ(restore(good, zero, step_first), "") << "zero " << zero << " step_first " << step_first;
+    }
+  }
+  // A slot of w with 6 elements instead of 7 (checksums rewritten: the file
+  // is self-consistent, only its shapes are wrong).
+  ds::SafetensorsFile f = ds::load_safetensors(good);
+  std::vector<std::pair<std::string, ds::Tensor>> tensors;
+  bool changed = false;
+  for (auto& [name, t] : f.tensors) {
+    if (!changed && name.rfind("w/", 0) == 0) {
+      tensors.emplace_back(name, filled(ds::Shape{6}, 0.0f));
+      changed = true;
+    } else {
+      tensors.emplace_back(name, t);
+    }
+  }
+  ASSERT_TRUE(changed);
+  const std::string reshaped = dir + "/reshaped.safetensors";
+  ds::save_safetensors(reshaped, tensors);
+  // The file's bytes cut in half.
+  const std::string truncated = dir + "/truncated.safetensors";
+  {
+    std::FILE* in = std::fopen(good.c_str(), "rb");
+    ASSERT_NE(in, nullptr);
+    std::vector<char> bytes(1 << 16);
+    const size_t n = std::fread(bytes.data(), 1, bytes.size(), in);
+    std::fclose(in);
+    std::FILE* out = std::fopen(truncated.c_str(), "wb");
+    ASSERT_NE(out, nullptr);
+    std::fwrite(bytes.data(), 1, n / 2, out);
+    std::fclose(out);
+  }
+  for (const std::string& bad : {reshaped, truncated}) {
+    for (bool zero : {false, true}) {
+      for (bool step_first : {false, true}) {
+        const std::string e = restore(bad, zero, step_first);
+        EXPECT_NE(e.find(bad), std::string::npos)
+            << bad << " zero " << zero << " step_first " << step_first << ": '" << e << "'";
+      }
+    }
+  }
+  for (const std::string& p : {good, reshaped, truncated}) std::remove(p.c_str());
+  std::remove(dir.c_str());
+}
+
+namespace {
+
+// `steps` Adam steps (global-norm clipping 1.0) on `replicas` Mirrored
+// replicas of `sizes`; replica `poison_replica` puts `poison` into element
+// 0 of variable 0's gradient at step 1 (none if poison_replica < 0).
+// Returns replica 0's values, all variables laid end to end.
+std::vector<float> train_sizes(bool zero, int replicas, const std::vector<int64_t>& sizes, int steps,
+                               int poison_replica = -1, float poison = 0.0f, bool clip = true) {
+  ds::MirroredOptions o;
+  o.devices = ds::testing::cpu_devices(replicas);
+  o.shard_optimizer_state = zero;
+  ds::MirroredStrategy s(o);
+  std::vector<ds::Variable> vars;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    vars.push_back(s.create_variable("v" + std::to_string(k), ds::Shape{sizes[k]}, ds::DType::kFloat32,
+                                     ds::init::Constant{0.01 * static_cast<double>(k % 17)}));
+  }
+  ds::Adam adam(s, {.learning_rate = 0.01f});
+  if (clip) adam.set_clipping({.global_norm = 1.0f});
+  for (int step = 0; step < steps; ++step) {
+    s.run([&](ds::ReplicaContext& ctx) {
+      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+      for (size_t k = 0; k < vars.size(); ++k) {
+        ds::Tensor g = filled(vars[k].shape(), 0.1f * static_cast<float>((k + ctx.replica_id()) % 5) - 0.2f);
+        if (step == 1 && k == 0 && ctx.replica_id() == poison_replica) g.data<float>()[0] = poison;
+        gv.emplace_back(g, vars[k]);
+      }
+      adam.apply_gradients(ctx, gv);
+    });
+  }
+  std::vector<float> out;
+  for (const ds::Variable& v : vars) {
+    const ds::Tensor& c = v.impl().copies[0];
+    out.insert(out.end(), c.data<float>(), c.data<float>() + c.num_elements());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(ZeroMisuse, ManyTinyVariablesMatchUnsharded) {
+  std::vector<int64_t> sizes;
+  for (int k = 0; k < 3000; ++k) sizes.push_back(k % 3);  // 0, 1 or 2 elements
+  const std::vector<float> plain = train_sizes(false, 4, sizes, 3);
+  const std::vector<float> zero = train_sizes(true, 4, sizes, 3);
+  ASSERT_EQ(plain.size(), zero.size());
+  for (size_t i = 0; i < plain.size(); ++i) ASSERT_NEAR(zero[i], plain[i], 1e-6) << "element " << i;
+}
+
+TEST(ZeroMisuse, NonFiniteGradientsWithoutLossScalingGiveTheUnshardedResult) {
+  for (float poison : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    for (bool clip : {false, true}) {
+      SCOPED_TRACE(std::to_string(poison) + (clip ? " with clipping" : " without clipping"));
+      const std::vector<float> plain = train_sizes(false, 3, {5, 1, 4}, 3, 2, poison, clip);
+      const std::vector<float> zero = train_sizes(true, 3, {5, 1, 4}, 3, 2, poison, clip);
+      ASSERT_EQ(plain.size(), zero.size());
+      for (size_t i = 0; i < plain.size(); ++i) {
+        EXPECT_EQ(std::isnan(zero[i]), std::isnan(plain[i])) << "element " << i;
+        if (!std::isnan(plain[i])) EXPECT_NEAR(zero[i], plain[i], 1e-6) << "element " << i;
+      }
+    }
+  }
 }
