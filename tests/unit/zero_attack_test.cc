@@ -352,3 +352,29 @@ TEST(ZeroMisuse, NonFiniteGradientsWithoutLossScalingGiveTheUnshardedResult) {
     }
   }
 }
+
+TEST(ZeroMisuse, AVariableCreatedAfterTheFirstStepIsUnimplementedOnEveryReplica) {
+  ds::MirroredOptions o;
+  o.devices = ds::testing::cpu_devices(3);
+  o.shard_optimizer_state = true;
+  o.communication.timeout = std::chrono::seconds(20);
+  ds::MirroredStrategy s(o);
+  ds::Variable a = s.create_variable("a", ds::Shape{5}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Adam adam(s, {});
+  s.run([&](ds::ReplicaContext& ctx) { adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}}); });
+  ds::Variable late = s.create_variable("late", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  std::vector<std::string> errors(3);
+  EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
+    try {
+      adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}, {filled(late.shape(), 1), late}});
+    } catch (const ds::UnimplementedError& e) {
+      errors[static_cast<size_t>(ctx.local_replica_id())] = e.what();
+      throw;
+    }
+  }),
+               ds::UnimplementedError);
+  for (const std::string& e : errors) EXPECT_NE(e.find("other variables"), std::string::npos) << e;
+  // The optimizer's state is intact: the original variable list still trains.
+  s.run([&](ds::ReplicaContext& ctx) { adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}}); });
+  EXPECT_EQ(adam.iterations().value().data<int64_t>()[0], 2);
+}
