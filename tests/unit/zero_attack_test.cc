@@ -378,3 +378,34 @@ TEST(ZeroMisuse, AVariableCreatedAfterTheFirstStepIsUnimplementedOnEveryReplica)
   s.run([&](ds::ReplicaContext& ctx) { adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}}); });
   EXPECT_EQ(adam.iterations().value().data<int64_t>()[0], 2);
 }
+
+TEST(ZeroMisuse, AVariablePassedTwiceIsAnErrorNotASilentlyDifferentUpdate) {
+  // Laid out twice, the two pieces would get their own slots and the second
+  // would overwrite the first in the all-gather: neither the unsharded
+  // result nor an error. Rejected before any collective, on every replica.
+  ds::MirroredOptions o;
+  o.devices = ds::testing::cpu_devices(2);
+  o.shard_optimizer_state = true;
+  o.communication.timeout = std::chrono::seconds(20);
+  ds::MirroredStrategy s(o);
+  ds::Variable a = s.create_variable("a", ds::Shape{3}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable b = s.create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Adam adam(s, {});
+  std::vector<std::string> errors(2);
+  EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
+    try {
+      adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}, {filled(b.shape(), 1), b}, {filled(a.shape(), 2), a}});
+    } catch (const ds::InvalidArgumentError& e) {
+      errors[static_cast<size_t>(ctx.local_replica_id())] = e.what();
+      throw;
+    }
+  }),
+               ds::InvalidArgumentError);
+  for (const std::string& e : errors) EXPECT_NE(e.find("'a' twice"), std::string::npos) << "'" << e << "'";
+  EXPECT_FALSE(adam.sharded()) << "nothing was laid out";
+  // The right call still works afterwards.
+  s.run([&](ds::ReplicaContext& ctx) {
+    adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}, {filled(b.shape(), 1), b}});
+  });
+  EXPECT_EQ(adam.iterations().value().data<int64_t>()[0], 1);
+}
