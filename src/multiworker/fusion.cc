@@ -120,6 +120,20 @@ std::string describe_mismatch(const std::vector<std::string>& sigs, int64_t call
         os << (groups[g].second.size() == 1 ? " has " : " have ") << shown_line(groups[g].first);
       }
     }
+    if (i == 0) {
+      // A reduce_scatter / all_gather against an all-reduce: ZeRO-1 on some
+      // workers only.
+      bool sharded = false, plain = false;
+      for (const auto& g : groups) {
+        const bool s = g.first.rfind("reduce_scatter, ", 0) == 0 || g.first.rfind("all_gather, ", 0) == 0;
+        sharded = sharded || s;
+        plain = plain || !s;
+      }
+      if (sharded && plain) {
+        os << " (a sharded-optimizer collective against a plain all-reduce: "
+              "MultiWorkerOptions::shard_optimizer_state must be the same on every worker)";
+      }
+    }
     return os.str();
   }
   os << "signatures differ but no differing entry was found";

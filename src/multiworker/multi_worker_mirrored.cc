@@ -6,6 +6,8 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <sstream>
+#include <string>
 
 #include "allreduce/reduce_kernels.h"
 #include "core/collective_check.h"
@@ -512,10 +514,33 @@ void MultiWorkerMirroredStrategy::apply_gradients(
   Impl& m = *impl_;
   const int local = ctx.local_replica_id();
   if (m.options.shard_optimizer_state) {
-    // ZeRO-1 through the fusion engine (Optimizer::apply_sharded).
+    // ZeRO-1 through the fusion engine (Optimizer::apply_sharded). The
+    // flat vector's layout (the variables in creation order, their names and
+    // sizes) is in the collective's name, which the call signature checks:
+    // workers passing other variables of the same total size (or creating
+    // them in another order) fail alike instead of mixing their state.
+    std::vector<const Variable*> layout;
+    for (const auto& gv : grads_and_vars) layout.push_back(&gv.second);
+    std::stable_sort(layout.begin(), layout.end(), [](const Variable* a, const Variable* b) {
+      return a->impl().creation_index < b->impl().creation_index;
+    });
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](const std::string& s) {
+      for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
+      h = (h ^ 0xffu) * 1099511628211ull;
+    };
+    for (const Variable* v : layout) {
+      mix(v->name());
+      mix(std::to_string(v->shape().num_elements()));
+    }
+    std::ostringstream what;
+    what << "sharded gradients of " << layout.size() << " variable(s)";
+    if (!layout.empty()) what << " '" << layout.front()->name() << "'..'" << layout.back()->name() << "'";
+    what << " (layout " << std::hex << h << ")";
+    const std::string scatter_name = what.str();
     ShardedCollectives c;
     c.reduce_scatter = [&](const Tensor& in, Tensor& out) {
-      m.engine->reduce_scatter_async(local, ReduceOp::kSum, in, out, "sharded gradients").wait();
+      m.engine->reduce_scatter_async(local, ReduceOp::kSum, in, out, scatter_name).wait();
     };
     c.all_gather = [&](const Tensor& in, Tensor& out) {
       m.engine->all_gather_async(local, in, out, "sharded variables").wait();

@@ -632,6 +632,14 @@ void Optimizer::apply_sharded(ReplicaContext& ctx,
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return grads_and_vars[a].second.impl().creation_index < grads_and_vars[b].second.impl().creation_index;
   });
+  // A variable passed twice would be laid out twice: two pieces with their
+  // own slots, the second overwriting the first in the all-gather.
+  for (size_t k = 1; k < order.size(); ++k) {
+    const Variable& v = grads_and_vars[order[k]].second;
+    DISTSTRAT_CHECK(v.impl_ptr() != grads_and_vars[order[k - 1]].second.impl_ptr(), kInvalidArgument, where,
+                    ": apply_gradients passed variable '", echo(v.name()),
+                    "' twice; sum its gradients and pass it once");
+  }
   for (size_t i : order) {
     const auto& [g, v] = grads_and_vars[i];
     const Tensor& copy = v.impl().copies.at(static_cast<size_t>(local));

@@ -151,3 +151,46 @@ TEST(ZeroMpi, CheckpointRestoresOnOneWorkerFewerUnshardedAndOneMoreSharded) {
 }
 
 }  // namespace
+
+// Sharded optimizer state on rank 0 only: every rank fails at the first
+// step with an error naming the option, within the timeout's fraction.
+TEST(ZeroMpi, ShardingOnRankZeroOnlyIsAnErrorOnEveryRank) {
+  int size;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    ds::MultiWorkerMirroredStrategy s(options(1, world_rank() == 0));
+    auto vars = zc::create_model(s);
+    auto opt = zc::make_optimizer(s, true);
+    zc::train(s, *opt, vars, 2);
+  } catch (const ds::InvalidArgumentError& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("shard_optimizer_state must be the same on every worker"), std::string::npos)
+      << "rank " << world_rank() << ": '" << error << "'";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+// The last rank trains another variable of the same size in place of one of
+// the model's: the flat vectors have equal lengths, but every rank fails
+// (the layout is in the collective's signature) instead of mixing state.
+TEST(ZeroMpi, AnotherVariableOfTheSameSizeOnTheLastRankIsAnErrorOnEveryRank) {
+  int size;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::string error;
+  try {
+    ds::MultiWorkerMirroredStrategy s(options(1, true));
+    auto vars = zc::create_model(s);
+    ds::Variable other = s.create_variable("zero/other", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+    if (world_rank() == size - 1) vars[1] = other;  // "zero/tiny" has 2 elements too
+    auto opt = zc::make_optimizer(s, true);
+    zc::train(s, *opt, vars, 1);
+  } catch (const ds::InvalidArgumentError& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("sharded gradients of 3 variable(s)"), std::string::npos)
+      << "rank " << world_rank() << ": '" << error << "'";
+}
