@@ -253,6 +253,26 @@ Tensor widen_to_float32(const Tensor& g) {
   }
   return out;
 }
+// A variable passed twice in one call is an error (it would be updated twice,
+// or, sharded, laid out twice), as in every strategy's reduction the
+// gradients of one variable must be summed by the caller.
+void check_each_variable_once(const std::string& where,
+                              const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  std::vector<std::pair<const void*, size_t>> seen;
+  seen.reserve(grads_and_vars.size());
+  for (size_t k = 0; k < grads_and_vars.size(); ++k) {
+    if (grads_and_vars[k].second.defined()) seen.emplace_back(grads_and_vars[k].second.impl_ptr().get(), k);
+  }
+  std::sort(seen.begin(), seen.end());
+  for (size_t k = 1; k < seen.size(); ++k) {
+    if (seen[k].first != seen[k - 1].first) continue;
+    const Variable& v = grads_and_vars[seen[k].second].second;
+    throw_error(ErrorCode::kInvalidArgument,
+                where + ": apply_gradients passed variable '" + echo(v.name()) + "' twice (positions " +
+                    std::to_string(seen[k - 1].second) + " and " + std::to_string(seen[k].second) +
+                    "); sum its gradients and pass it once");
+  }
+}
 }  // namespace
 
 ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
@@ -271,6 +291,7 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
     widened[k].first = widen_to_float32(g);
   }
   const std::vector<std::pair<Tensor, Variable>>& grads_and_vars = widened.empty() ? given : widened;
+  check_each_variable_once(where, grads_and_vars);
   for (size_t k = 0; k < grads_and_vars.size(); ++k) {
     const auto& [g, v] = grads_and_vars[k];
     DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument, where, ": undefined ",
@@ -634,12 +655,7 @@ void Optimizer::apply_sharded(ReplicaContext& ctx,
   });
   // A variable passed twice would be laid out twice: two pieces with their
   // own slots, the second overwriting the first in the all-gather.
-  for (size_t k = 1; k < order.size(); ++k) {
-    const Variable& v = grads_and_vars[order[k]].second;
-    DISTSTRAT_CHECK(v.impl_ptr() != grads_and_vars[order[k - 1]].second.impl_ptr(), kInvalidArgument, where,
-                    ": apply_gradients passed variable '", echo(v.name()),
-                    "' twice; sum its gradients and pass it once");
-  }
+  check_each_variable_once(where, grads_and_vars);
   for (size_t i : order) {
     const auto& [g, v] = grads_and_vars[i];
     const Tensor& copy = v.impl().copies.at(static_cast<size_t>(local));

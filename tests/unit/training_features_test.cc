@@ -953,3 +953,30 @@ TEST(LossScaling, StateIsCheckpointedAndMisuseIsAnError) {
 }
 
 }  // namespace
+
+// The same variable twice in one apply_gradients call is an error on every
+// replica (it was updated twice, silently, by the unsharded path), with or
+// without accumulation, before any communication.
+TEST(ApplyGradientsMisuse, AVariablePassedTwiceIsAnErrorNamingIt) {
+  for (int which = 0; which < 2; ++which) {
+    std::unique_ptr<ds::Strategy> s = which == 0 ? mirrored2() : central2();
+    SCOPED_TRACE(s->name());
+    ds::Variable a = s->create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Constant{1.0});
+    ds::Variable b = s->create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Constant{1.0});
+    ds::SGD opt(*s, {0.5f, 0.0f});
+    std::vector<std::string> errors(2);
+    s->run([&](ds::ReplicaContext& ctx) {
+      ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
+      g.data<float>()[0] = g.data<float>()[1] = 1.0f;
+      try {
+        opt.apply_gradients(ctx, {{g, a}, {g, b}, {g.clone(), a}});
+      } catch (const ds::InvalidArgumentError& e) {
+        errors[ctx.local_replica_id()] = e.what();
+      }
+    });
+    for (const std::string& e : errors) {
+      EXPECT_NE(e.find("passed variable 'a' twice (positions 0 and 2)"), std::string::npos) << "'" << e << "'";
+    }
+    for (const ds::Tensor& c : a.impl().copies) EXPECT_EQ(c.data<float>()[0], 1.0f);
+  }
+}
