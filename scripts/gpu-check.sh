@@ -12,7 +12,10 @@
 #   scripts/gpu-check.sh           # on the GPU machine, with .deps/ carried along
 #   scripts/gpu-check.sh --dry-run # here, without a GPU: every step that needs none
 #                                  # (self-checks, GoogleTest, configure, build), with
-#                                  # the machine's Debian packages hidden from CMake
+#                                  # the machine's Debian packages hidden from CMake;
+#                                  # with Debian's CPU LibTorch, diststrat::torch is
+#                                  # built apart (CPU only, /usr visible) and the
+#                                  # LibTorch tests run
 #
 # Environment: DEPS (default .deps), BUILD (default build-gpu), CUDA_ARCHS
 # (default 90: H100/H200), JOBS (default: all cores), NCCL_ROOT / CUBLAS_ROOT
@@ -189,6 +192,16 @@ configure() {  # torch-prefix (may be empty)
 }
 say "configuring ($(elapsed)s)"
 torch_configure_failed=""
+# A dry run with Debian's LibTorch (under /usr, which the configure above
+# hides: its Caffe2 config needs Debian's glog, gflags and protobuf) builds
+# diststrat::torch in a build of its own without the hiding, CPU only (see
+# "LibTorch, dry run" below); the GPU machine's LibTorch (PyTorch's prefix)
+# goes into the main build.
+debian_torch=""
+if ((dry_run)) && [[ $torch_prefix == /usr/* ]]; then
+  debian_torch=$torch_prefix
+  torch_prefix=""
+fi
 if ! configure "$torch_prefix"; then
   if [[ -n $torch_prefix ]]; then
     # LibTorch must not cost the rest of the check: configure again without it.
@@ -246,6 +259,26 @@ if ((dry_run)); then
     row "LibTorch" "FAILED" "$torch_configure_failed"
   elif ((${#torch_targets[@]})); then
     row "LibTorch tests, torch_fashion_mnist" "skipped" "dry run; built: ${torch_targets[*]}"
+  elif [[ -n $debian_torch ]]; then
+    # Debian's CPU LibTorch: configure, build and run what needs no GPU.
+    tb=$build/torch-dry-run
+    say "LibTorch, dry run: Debian's CPU LibTorch in $tb ($(elapsed)s)"
+    if cmake -S "$root" -B "$tb" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTSTRAT_WITH_TORCH=ON \
+         -DDISTSTRAT_WITH_CUDA=OFF -DDISTSTRAT_WITH_MPI=OFF -DDISTSTRAT_WITH_GLOO=OFF \
+         -DDISTSTRAT_BUILD_BENCHMARKS=OFF -DCMAKE_PREFIX_PATH="$prefix;$debian_torch" \
+         -DEigen3_DIR="$cfg/Eigen3" -Dnlohmann_json_DIR="$cfg/nlohmann_json" -DCLI11_DIR="$cfg/CLI11" \
+         >"$log/configure-torch-dry-run.log" 2>&1 &&
+       cmake --build "$tb" -j "$jobs" --target diststrat_torch diststrat_torch_tests torch_fashion_mnist \
+         >"$log/build-torch-dry-run.log" 2>&1; then
+      timeout 300 "$tb/tests/torch/diststrat_torch_tests" >"$log/torch_tests.log" 2>&1
+      rc=$?
+      tp=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log/torch_tests.log" | grep -oE '[0-9]+$' || echo 0)
+      if ((rc == 0)); then row "LibTorch tests (Debian's CPU LibTorch)" "ok" "$tp passed"
+      else row "LibTorch tests (Debian's CPU LibTorch)" "FAILED" "rc=$rc, see $log/torch_tests.log"; fi
+    else
+      row "LibTorch build (Debian's CPU LibTorch)" "FAILED" "see $log/{configure,build}-torch-dry-run.log"
+    fi
+    row "torch_fashion_mnist --device gpu" "skipped" "dry run"
   else
     row "LibTorch" "skipped: diststrat::torch not built"
   fi
