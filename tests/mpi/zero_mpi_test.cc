@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "../common/zero_cases.h"
+#include "../unit/harness.h"
 #include "../unit/training_util.h"
 #include "diststrat/diststrat.h"
 
@@ -61,25 +62,15 @@ void run_thread_workers(int workers, bool zero,
   ds::CommunicationOptions comm;
   comm.timeout = std::chrono::seconds(60);
   ds::InProcessGroup group(workers, comm);
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
-  std::vector<std::thread> threads;
-  for (int w = 0; w < workers; ++w) {
-    threads.emplace_back([&, w] {
-      try {
+  ds::testing::run_threads(
+      workers,
+      [&](int w) {
         ds::MultiWorkerOptions o = options(1, zero);
         o.communicator = &group.at(w);
         ds::MultiWorkerMirroredStrategy s(o);
         fn(s, w);
-      } catch (...) {
-        errors[static_cast<size_t>(w)] = std::current_exception();
-        group.at(w).abort("worker " + std::to_string(w) + " failed");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+      },
+      [&](int w) { group.at(w).abort("worker " + std::to_string(w) + " failed"); });
 }
 
 TEST(ZeroMpi, MatchesUnshardedAndIsBitIdenticalOnEveryRank) {

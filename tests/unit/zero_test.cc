@@ -19,6 +19,7 @@
 
 #include "../common/zero_cases.h"
 #include "diststrat/diststrat.h"
+#include "harness.h"
 #include "training_util.h"
 
 namespace ds = diststrat;
@@ -58,11 +59,9 @@ void run_workers(int workers, int local, bool zero,
   ds::CommunicationOptions comm;
   comm.timeout = std::chrono::seconds(60);
   ds::InProcessGroup group(workers, comm);
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
-  std::vector<std::thread> threads;
-  for (int w = 0; w < workers; ++w) {
-    threads.emplace_back([&, w] {
-      try {
+  ds::testing::run_threads(
+      workers,
+      [&](int w) {
         ds::MultiWorkerOptions o;
         o.communication = comm;
         o.communicator = &group.at(w);
@@ -70,16 +69,8 @@ void run_workers(int workers, int local, bool zero,
         o.shard_optimizer_state = zero;
         ds::MultiWorkerMirroredStrategy s(o);
         fn(s, w);
-      } catch (...) {
-        errors[static_cast<size_t>(w)] = std::current_exception();
-        group.at(w).abort("worker " + std::to_string(w) + " failed");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+      },
+      [&](int w) { group.at(w).abort("worker " + std::to_string(w) + " failed"); });
 }
 
 // The unsharded reference: MirroredStrategy with `replicas` replicas.
