@@ -27,7 +27,10 @@ if [[ -n "$sanitize" ]]; then
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
   build=${DISTSTRAT_BUILD_DIR:-$root/build-${sanitize//,/-}}
+  # -O1 -g1: line tables are all a sanitizer report needs (file:line in every
+  # frame), and the build takes about half as long as -O2 -g.
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
         -DDISTSTRAT_SANITIZE="$sanitize" ${DISTSTRAT_CMAKE_ARGS:-}
 else
   build=${DISTSTRAT_BUILD_DIR:-$root/build}
