@@ -7,7 +7,6 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
-#include <limits>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -17,85 +16,29 @@
 #include <diststrat/diststrat.h>
 
 #include "../common/loss_meter.h"
+#include "../common/train_flags.h"
+#include "../common/train_position.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-struct Flags {
-  std::string strategy = "mirrored";
-  std::string device = "cpu";
+// The flags both training examples share (examples/common/train_flags.h),
+// and this one's own.
+struct Flags : diststrat_examples::TrainFlags {
   int split_gpus = 1;
-  int replicas = 2;
-  int ps = 1;
-  int max_staleness = -1;
-  int epochs = 3;
-  int64_t batch = 128;
-  float lr = 0.05f;
-  float momentum = 0.9f;
-  uint64_t seed = 1;
-  std::string data = ds::kFashionMnistDir;
-  int64_t limit = 0;
-  std::string timeline;
-  bool replicas_given = false;
-  std::string checkpoint_dir;
-  int64_t checkpoint_every = 0;
-  int max_to_keep = 3;
-  int64_t max_steps = 0;
-  std::string timeout;  // seconds; empty = CommunicationOptions' default
 };
+
+using diststrat_examples::Position;
+using diststrat_examples::position_metadata;
+using diststrat_examples::resume_position;
 
 // The model's layer sizes, stored in checkpoints so that examples/predict can
-// rebuild the model: "784,256,256,10".
-std::string sizes_string(const std::vector<int64_t>& sizes) {
+// rebuild the model: "mlp:784,256,256,10".
+std::string model_string(const std::vector<int64_t>& sizes) {
   std::string out;
   for (int64_t v : sizes) out += (out.empty() ? "" : ",") + std::to_string(v);
-  return out;
-}
-
-// Where training stands: the next batch to run is batch `batch` of `epoch`.
-struct Position {
-  int64_t epoch = 0, batch = 0, step = 0;
-};
-
-ds::CheckpointMetadata position_metadata(const Flags& f, const Position& p,
-                                         const std::vector<int64_t>& sizes) {
-  return {{"epoch", std::to_string(p.epoch)},
-          {"batch", std::to_string(p.batch)},
-          {"step", std::to_string(p.step)},
-          {"global_batch", std::to_string(f.batch)},
-          {"seed", std::to_string(f.seed)},
-          {"limit", std::to_string(f.limit)},
-          {"model", "mlp:" + sizes_string(sizes)}};
-}
-
-// Reads the position back and refuses a checkpoint whose data order differs
-// from this run's (another batch size, seed or subset would not resume exactly).
-// Every number is range-checked (ds::metadata_int): "step=abc" is a DataLoss
-// error naming the file and key, not an exception that ends the process.
-Position resume_position(const Flags& f, const ds::CheckpointMetadata& md, const std::string& dir,
-                         const std::string& path, int64_t num_batches) {
-  auto get = [&](const char* key) -> std::string {
-    auto it = md.find(key);
-    if (it == md.end()) {
-      throw ds::InvalidArgumentError("checkpoint in '" + dir + "' has no '" + key +
-                                     "' metadata: not written by this example");
-    }
-    return it->second;
-  };
-  for (const auto& [key, mine] : {std::pair<const char*, std::string>{"global_batch", std::to_string(f.batch)},
-                                  {"seed", std::to_string(f.seed)},
-                                  {"limit", std::to_string(f.limit)}}) {
-    if (get(key) != mine) {
-      throw ds::InvalidArgumentError("checkpoint in '" + dir + "' was written with --" +
-                                     (std::string(key) == "global_batch" ? "batch" : key) + " " +
-                                     get(key) + ", this run has " + mine +
-                                     ": the data order would differ; use the same flags");
-    }
-  }
-  return {ds::metadata_int(md, "epoch", 0, std::numeric_limits<int>::max(), path),
-          ds::metadata_int(md, "batch", 0, num_batches, path),
-          ds::metadata_int(md, "step", 0, std::numeric_limits<int64_t>::max(), path)};
+  return "mlp:" + out;
 }
 
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
@@ -200,51 +143,11 @@ class Progress {
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Train an MLP on Fashion-MNIST with a diststrat strategy"};
-  app.add_option("--strategy", f.strategy,
-                 "mirrored | central_storage | multi_worker (under mpirun) | parameter_server")
-      ->capture_default_str();
-  app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
-      ->check(CLI::Range(1, 1024))->capture_default_str();
-  app.add_option("--max-staleness", f.max_staleness,
-                 "parameter_server: steps a worker may run ahead of the slowest (-1 = async)")
-      ->capture_default_str();
-  app.add_option("--device", f.device, "where replicas compute: cpu or gpu")
-      ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
+  diststrat_examples::add_strategy_flags(app, f, "where replicas compute: cpu or gpu");
   app.add_option("--split-gpus", f.split_gpus,
                  "logical GPUs per physical GPU (--device gpu; mirrored, central_storage)")
       ->check(CLI::Range(1, 16))->capture_default_str();
-  app.add_option("--replicas", f.replicas,
-                 "replicas (devices) per process (multi_worker, parameter_server default: 1)")
-      ->check(CLI::Range(1, 256))->capture_default_str();
-  app.add_option("--epochs", f.epochs, "passes over the training set")
-      ->check(CLI::Range(1, 1000000))->capture_default_str();
-  app.add_option("--batch", f.batch, "global batch size")->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--lr", f.lr, "learning rate (SGD)")->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--momentum", f.momentum, "SGD momentum")->check(CLI::Range(0.0, 0.999))
-      ->capture_default_str();
-  app.add_option("--seed", f.seed, "initialization and shuffling seed")->capture_default_str();
-  app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
-  app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
-      ->capture_default_str();
-  app.add_option("--timeline", f.timeline,
-                 "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
-  app.add_option("--checkpoint-dir", f.checkpoint_dir,
-                 "save checkpoints here and resume from the latest one on start");
-  app.add_option("--checkpoint-every", f.checkpoint_every,
-                 "steps between checkpoints (0 = only at the end and on SIGTERM)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--max-to-keep", f.max_to_keep, "checkpoints kept")->check(CLI::Range(1, 1000))
-      ->capture_default_str();
-  app.add_option("--max-steps", f.max_steps,
-                 "stop (without saving) once this run's global step reaches N: simulates an "
-                 "interruption (0 = no limit)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--timeout", f.timeout,
-                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
-                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
-      ->check(ds::timeout_seconds_error);
+  diststrat_examples::add_training_flags(app, f);
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
 
@@ -294,7 +197,7 @@ int main(int argc, char** argv) {
       preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
     }
     auto save = [&](const Position& at, const char* why) {
-      const std::string path = manager->save(at.step, position_metadata(f, at, mlp.sizes()));
+      const std::string path = manager->save(at.step, position_metadata(f, at, model_string(mlp.sizes())));
       if (chief) std::printf("%s: saved %s at step %lld\n", why, path.c_str(), static_cast<long long>(at.step));
       std::fflush(stdout);
     };
@@ -327,15 +230,16 @@ int main(int argc, char** argv) {
         ++pos.batch;
         progress.update(epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
         ++steps_this_run;
-        if (!manager) continue;
-        // The position saved is where the next run starts: (epoch, next batch).
-        Position next = pos;
-        if (next.batch == dist.num_batches()) next = {pos.epoch + 1, 0, pos.step};
-        // Collective: every process asks at every step, so all stop at the same one.
-        const bool stop = preemption->should_stop(pos.step);
-        if (stop || (f.checkpoint_every > 0 && pos.step % f.checkpoint_every == 0)) {
-          save(next, stop ? "preempted" : "checkpoint");
-          if (stop) return 0;
+        if (manager) {
+          // The position saved is where the next run starts: (epoch, next batch).
+          Position next = pos;
+          if (next.batch == dist.num_batches()) next = {pos.epoch + 1, 0, pos.step};
+          // Collective: every process asks at every step, so all stop at the same one.
+          const bool stop = preemption->should_stop(pos.step);
+          if (stop || (f.checkpoint_every > 0 && pos.step % f.checkpoint_every == 0)) {
+            save(next, stop ? "preempted" : "checkpoint");
+            if (stop) return 0;
+          }
         }
         if (f.max_steps > 0 && pos.step >= f.max_steps) {
           if (chief) std::printf("stopping at step %lld (--max-steps)\n", static_cast<long long>(pos.step));

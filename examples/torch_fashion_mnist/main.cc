@@ -13,15 +13,23 @@
 // torch::optim::SGD per replica; the parameter server with
 // ParameterServerModel (the module's parameters view the worker's pull
 // cache, backward pushes the gradients, the PS ranks apply a diststrat SGD of
-// the same learning rate and momentum). Flags and the `final:` line are
-// fashion_mnist's (the CPU subset: Debian's
-// LibTorch has no CUDA). Each replica runs its forward/backward on its own
-// thread with one LibTorch intra-op thread (one replica = one core; --threads
-// gives a process of one replica more).
+// the same learning rate and momentum). Flags (examples/common/train_flags.h)
+// and the `final:` line are fashion_mnist's. With --checkpoint-dir (the
+// synchronous strategies) it saves the module's parameters and buffers, the
+// SGD momentum and the step (diststrat::libtorch::TrainingState) and the data
+// position every --checkpoint-every steps, resumes from the latest
+// checkpoint on start (bit-identical to an uninterrupted run), and on SIGTERM
+// stops at a step boundary every process agrees on, saves and exits 0.
+// --device gpu exits 2 with the reason (docs/torch.md): Debian's LibTorch has
+// no CUDA, and diststrat::libtorch does not run CUDA modules yet. Each
+// replica runs its forward/backward on its own thread with one LibTorch
+// intra-op thread (one replica = one core; --threads gives a process of one
+// replica more).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +37,8 @@
 #include <diststrat/torch.h>
 
 #include "../common/loss_meter.h"
+#include "../common/train_flags.h"
+#include "../common/train_position.h"
 
 #include "cnn.h"
 
@@ -38,29 +48,40 @@ using torch_fashion_mnist::CnnImpl;
 
 namespace {
 
-struct Flags {
-  std::string strategy = "mirrored";
-  std::string device = "cpu";
-  int replicas = 2;
-  bool replicas_given = false;
-  int ps = 1;
-  int max_staleness = -1;
-  int epochs = 3;
-  int64_t batch = 128;
-  float lr = 0.05f;
-  float momentum = 0.9f;
-  uint64_t seed = 1;
-  std::string data = ds::kFashionMnistDir;
-  int64_t limit = 0;
-  std::string timeline;
-  std::string timeout;  // seconds; empty = CommunicationOptions' default
+using diststrat_examples::Position;
+
+// The flags both training examples share (examples/common/train_flags.h),
+// and this one's own.
+struct Flags : diststrat_examples::TrainFlags {
   int threads = 1;
 };
 
+// --device gpu: why it cannot run, on one line. Without CUDA (Debian's
+// LibTorch) nothing can; with it, diststrat::libtorch does not run CUDA
+// modules yet (docs/torch.md, "Not supported").
+std::string gpu_refusal(const Flags& f) {
+  if (!torch::cuda::is_available()) {
+    return "this LibTorch has no CUDA or sees no CUDA device (torch::cuda::is_available() is "
+           "false); --device gpu needs a CUDA build of LibTorch and a visible GPU";
+  }
+  if (f.strategy == "parameter_server") {
+    return "not supported by diststrat::libtorch yet: ParameterServerModel's parameters view the "
+           "worker's host pull cache, so a CUDA module's forward would mix devices (docs/torch.md)";
+  }
+  return "not supported by diststrat::libtorch yet: DistributedDataParallel's last bucket carries "
+         "its step flags in host memory, which a GPU replica's all-reduce refuses, and its "
+         "gradient hooks run on autograd's CUDA threads, which have no diststrat GPU scope "
+         "(docs/torch.md)";
+}
+
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
-  if (f.device != "cpu") {
-    throw ds::InvalidArgumentError("--device " + f.device +
-                                   ": this example runs on CPU (Debian's LibTorch has no CUDA)");
+  if (f.strategy == "parameter_server" && !f.checkpoint_dir.empty()) {
+    // The PS variables and the PS's SGD slots would checkpoint (a plain
+    // ds::Checkpoint), but not the batch norms' running statistics, which
+    // each worker keeps: a resumed run would not equal an uninterrupted one.
+    throw ds::InvalidArgumentError(
+        "--checkpoint-dir with --strategy parameter_server: not supported by this example (the "
+        "batch norms' running statistics are each worker's own and would not be restored)");
   }
   if (!f.timeline.empty() && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
@@ -126,42 +147,19 @@ double evaluate(CnnImpl& model, const ds::Dataset& test) {
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Train a LibTorch CNN on Fashion-MNIST with a diststrat strategy"};
-  app.add_option("--strategy", f.strategy,
-                 "mirrored | central_storage | multi_worker (under mpirun) | parameter_server")
-      ->capture_default_str();
-  app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
-      ->check(CLI::Range(1, 1024))->capture_default_str();
-  app.add_option("--max-staleness", f.max_staleness,
-                 "parameter_server: steps a worker may run ahead of the slowest (-1 = async)")
-      ->capture_default_str();
-  app.add_option("--device", f.device, "where replicas compute: cpu (gpu needs a CUDA LibTorch)")
-      ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
-  app.add_option("--replicas", f.replicas,
-                 "replicas (devices) per process (multi_worker, parameter_server default: 1)")
-      ->check(CLI::Range(1, 256))->capture_default_str();
-  app.add_option("--epochs", f.epochs, "passes over the training set")
-      ->check(CLI::Range(1, 1000000))->capture_default_str();
-  app.add_option("--batch", f.batch, "global batch size")->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--lr", f.lr, "learning rate (SGD)")->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--momentum", f.momentum, "SGD momentum")->check(CLI::Range(0.0, 0.999))
-      ->capture_default_str();
-  app.add_option("--seed", f.seed, "initialization and shuffling seed")->capture_default_str();
-  app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
-  app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--timeline", f.timeline,
-                 "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
-  app.add_option("--timeout", f.timeout,
-                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
-                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
-      ->check(ds::timeout_seconds_error);
+  diststrat_examples::add_strategy_flags(app, f,
+                                         "where replicas compute: cpu (gpu needs a CUDA LibTorch)");
+  diststrat_examples::add_training_flags(app, f);
+  app.get_option("--limit")->check(CLI::NonNegativeNumber);
   app.add_option("--threads", f.threads,
                  "LibTorch intra-op threads of a process with one replica (several replicas: 1 each)")
       ->check(CLI::Range(1, 256))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
+  if (f.device == "gpu") {  // before any set-up: every rank of a job says the same and exits
+    std::fprintf(stderr, "torch_fashion_mnist: --device gpu: %s\n", gpu_refusal(f).c_str());
+    return 2;
+  }
 
   try {
     std::unique_ptr<ds::Strategy> strategy = make_strategy(f);
@@ -202,13 +200,56 @@ int main(int argc, char** argv) {
     ds::DistributeOptions dopts;
     dopts.seed = f.seed;
     ds::DistributedDataset dist = strategy->distribute(train, f.batch, dopts);
+
+    // Checkpoints (synchronous strategies): the module's parameters and
+    // buffers, the SGD momentum and the step, mirrored into strategy
+    // variables by TrainingState, plus the data position as metadata.
+    std::unique_ptr<dt::TrainingState> state;
+    std::unique_ptr<ds::Checkpoint> checkpoint;
+    std::unique_ptr<ds::CheckpointManager> manager;
+    std::unique_ptr<ds::PreemptionHandler> preemption;
+    Position pos;
+    if (!f.checkpoint_dir.empty()) {
+      std::vector<torch::optim::Optimizer*> opts;
+      for (const auto& o : optimizers) opts.push_back(o.get());
+      state = std::make_unique<dt::TrainingState>(*ddp, opts);  // collective
+      checkpoint = std::make_unique<ds::Checkpoint>(*strategy);
+      manager = std::make_unique<ds::CheckpointManager>(*checkpoint, f.checkpoint_dir,
+                                                        ds::CheckpointManagerOptions{f.max_to_keep});
+      if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
+        // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
+        const std::string from = manager->restored_path().value_or("?");
+        pos = diststrat_examples::resume_position(f, *md, f.checkpoint_dir, from,
+                                                  dist.num_batches());
+        const int64_t step = state->apply();  // into every local replica's module and optimizer
+        if (step != pos.step) {
+          throw ds::DataLossError("checkpoint '" + from + "': torch/step " + std::to_string(step) +
+                                  " but metadata step " + std::to_string(pos.step));
+        }
+        if (chief) {
+          std::printf("resumed from %s: epoch %lld, batch %lld, step %lld\n",
+                      from.c_str(), static_cast<long long>(pos.epoch + 1),
+                      static_cast<long long>(pos.batch), static_cast<long long>(pos.step));
+        }
+      }
+      preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
+    }
+    auto save = [&](const Position& at, const char* why) {
+      state->capture(at.step);
+      const std::string path =
+          manager->save(at.step, diststrat_examples::position_metadata(f, at, "torch:cnn"));
+      if (chief) std::printf("%s: saved %s at step %lld\n", why, path.c_str(), static_cast<long long>(at.step));
+      std::fflush(stdout);
+    };
     diststrat_examples::LossMeter meter(*strategy, "torch_fashion_mnist/train_loss");
 
     const auto t0 = std::chrono::steady_clock::now();
-    int64_t samples = 0;
-    for (int epoch = 0; epoch < f.epochs; ++epoch) {
+    int64_t samples = 0, steps_this_run = 0;
+    for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
+      const int epoch = static_cast<int>(pos.epoch);
       dist.set_epoch(epoch);
-      for (const ds::DistributedBatch& batch : dist) {
+      while (pos.batch < dist.num_batches()) {
+        const ds::DistributedBatch batch = dist.batch(pos.batch);
         ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
           torch_fashion_mnist::use_intra_op_threads(f.threads);
           CnnImpl& model = *(ps_model ? ps_model->module(ctx) : ddp->module(ctx))->as<CnnImpl>();
@@ -232,14 +273,33 @@ int main(int argc, char** argv) {
         });
         meter.add(strategy->reduce(ds::ReduceOp::kSum, loss));
         samples += batch.global_size();
-      }
-      if (chief) {
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        std::printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch + 1, f.epochs,
-                    meter.mean_since_last(), samples / s);
-        std::fflush(stdout);
+        ++pos.batch;
+        ++pos.step;
+        ++steps_this_run;
+        if (chief && pos.batch == dist.num_batches()) {
+          const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          std::printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch + 1, f.epochs,
+                      meter.mean_since_last(), samples / s);
+          std::fflush(stdout);
+        }
+        if (manager) {
+          // The position saved is where the next run starts: (epoch, next batch).
+          Position next = pos;
+          if (next.batch == dist.num_batches()) next = {pos.epoch + 1, 0, pos.step};
+          // Collective: every process asks at every step, so all stop at the same one.
+          const bool stop = preemption->should_stop(pos.step);
+          if (stop || (f.checkpoint_every > 0 && pos.step % f.checkpoint_every == 0)) {
+            save(next, stop ? "preempted" : "checkpoint");
+            if (stop) return 0;
+          }
+        }
+        if (f.max_steps > 0 && pos.step >= f.max_steps) {
+          if (chief) std::printf("stopping at step %lld (--max-steps)\n", static_cast<long long>(pos.step));
+          return 0;
+        }
       }
     }
+    if (manager && steps_this_run > 0) save(pos, "finished");
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     strategy->barrier("evaluate");  // every worker's updates (and loss additions) are in
@@ -265,7 +325,7 @@ int main(int argc, char** argv) {
       std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s "
                   "train_loss=%.4f\n",
                   strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
-                  samples / seconds, extra.c_str(), train_loss);
+                  seconds > 0 ? samples / seconds : 0.0, extra.c_str(), train_loss);
     }
     return 0;
   } catch (const ds::Error& e) {

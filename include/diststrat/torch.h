@@ -120,7 +120,8 @@ class DistributedDataParallel {
   //     is `module` itself.
   //  4. Registers a post-hook on each parameter's gradient accumulator.
   // Parameters must be dense, contiguous, on the replica's device (CPU, or
-  // the replica's GPU), of a dtype to_diststrat accepts.
+  // the replica's GPU), of a dtype to_diststrat accepts. GPU replicas are not
+  // supported end to end yet (docs/torch.md, "Not supported").
   // ParameterServerStrategy: UnimplementedError (use ParameterServerModel).
   DistributedDataParallel(Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
                           DdpOptions options = {});

@@ -1,0 +1,98 @@
+// The command-line flags that fashion_mnist and torch_fashion_mnist share
+// (one definition, so both accept the same flags with the same defaults,
+// checks and help). Each example derives its Flags from TrainFlags for what
+// is its own (--split-gpus, --threads) and adds those options itself:
+//
+//   Flags f;                              // struct Flags : TrainFlags {...}
+//   CLI::App app{"..."};
+//   add_strategy_flags(app, f, "where replicas compute: cpu or gpu");
+//   ...its own options...
+//   add_training_flags(app, f);
+//   CLI11_PARSE(app, argc, argv);
+//   f.replicas_given = app.count("--replicas") > 0;
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "diststrat/diststrat.h"
+
+namespace diststrat_examples {
+
+struct TrainFlags {
+  std::string strategy = "mirrored";
+  std::string device = "cpu";
+  int replicas = 2;
+  bool replicas_given = false;  // set after parsing: --replicas was on the command line
+  int ps = 1;
+  int max_staleness = -1;
+  int epochs = 3;
+  int64_t batch = 128;
+  float lr = 0.05f;
+  float momentum = 0.9f;
+  uint64_t seed = 1;
+  std::string data = diststrat::kFashionMnistDir;
+  int64_t limit = 0;
+  std::string timeline;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  int max_to_keep = 3;
+  int64_t max_steps = 0;
+  std::string timeout;  // seconds; empty = CommunicationOptions' default
+};
+
+// --strategy, --ps, --max-staleness, --device (`device_help`: what --device
+// does in this example).
+inline void add_strategy_flags(CLI::App& app, TrainFlags& f, const std::string& device_help) {
+  app.add_option("--strategy", f.strategy,
+                 "mirrored | central_storage | multi_worker (under mpirun) | parameter_server")
+      ->capture_default_str();
+  app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
+      ->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--max-staleness", f.max_staleness,
+                 "parameter_server: steps a worker may run ahead of the slowest (-1 = async)")
+      ->capture_default_str();
+  app.add_option("--device", f.device, device_help)
+      ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
+}
+
+// --replicas, the training loop's flags (--epochs ... --limit), --timeline,
+// the checkpoint flags (--checkpoint-dir, --checkpoint-every, --max-to-keep,
+// --max-steps) and --timeout.
+inline void add_training_flags(CLI::App& app, TrainFlags& f) {
+  app.add_option("--replicas", f.replicas,
+                 "replicas (devices) per process (multi_worker, parameter_server default: 1)")
+      ->check(CLI::Range(1, 256))->capture_default_str();
+  app.add_option("--epochs", f.epochs, "passes over the training set")
+      ->check(CLI::Range(1, 1000000))->capture_default_str();
+  app.add_option("--batch", f.batch, "global batch size")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr", f.lr, "learning rate (SGD)")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--momentum", f.momentum, "SGD momentum")->check(CLI::Range(0.0, 0.999))
+      ->capture_default_str();
+  app.add_option("--seed", f.seed, "initialization and shuffling seed")->capture_default_str();
+  app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
+  app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
+      ->capture_default_str();
+  app.add_option("--timeline", f.timeline,
+                 "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
+  app.add_option("--checkpoint-dir", f.checkpoint_dir,
+                 "save checkpoints here and resume from the latest one on start");
+  app.add_option("--checkpoint-every", f.checkpoint_every,
+                 "steps between checkpoints (0 = only at the end and on SIGTERM)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--max-to-keep", f.max_to_keep, "checkpoints kept")->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app.add_option("--max-steps", f.max_steps,
+                 "stop (without saving) once this run's global step reaches N: simulates an "
+                 "interruption (0 = no limit)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--timeout", f.timeout,
+                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+      ->check(diststrat::timeout_seconds_error);
+}
+
+}  // namespace diststrat_examples

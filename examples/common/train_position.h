@@ -1,0 +1,65 @@
+// Where a training example stands, as checkpoint metadata: fashion_mnist and
+// torch_fashion_mnist save it with every checkpoint and resume exactly there
+// (the same batch of the same epoch), refusing a checkpoint whose data order
+// differs from this run's.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "diststrat/diststrat.h"
+#include "train_flags.h"
+
+namespace diststrat_examples {
+
+// The next batch to run is batch `batch` of `epoch`; `step` steps ran before it.
+struct Position {
+  int64_t epoch = 0, batch = 0, step = 0;
+};
+
+// `model` names the model (examples/predict reads "mlp:784,256,256,10").
+inline diststrat::CheckpointMetadata position_metadata(const TrainFlags& f, const Position& p,
+                                                       const std::string& model) {
+  return {{"epoch", std::to_string(p.epoch)},
+          {"batch", std::to_string(p.batch)},
+          {"step", std::to_string(p.step)},
+          {"global_batch", std::to_string(f.batch)},
+          {"seed", std::to_string(f.seed)},
+          {"limit", std::to_string(f.limit)},
+          {"model", model}};
+}
+
+// Reads the position back and refuses a checkpoint whose data order differs
+// from this run's (another batch size, seed or subset would not resume exactly).
+// Every number is range-checked (diststrat::metadata_int): "step=abc" is a
+// DataLoss error naming the file and key, not an exception that ends the process.
+inline Position resume_position(const TrainFlags& f, const diststrat::CheckpointMetadata& md,
+                                const std::string& dir, const std::string& path,
+                                int64_t num_batches) {
+  namespace ds = diststrat;
+  auto get = [&](const char* key) -> std::string {
+    auto it = md.find(key);
+    if (it == md.end()) {
+      throw ds::InvalidArgumentError("checkpoint in '" + dir + "' has no '" + key +
+                                     "' metadata: not written by this example");
+    }
+    return it->second;
+  };
+  for (const auto& [key, mine] : {std::pair<const char*, std::string>{"global_batch", std::to_string(f.batch)},
+                                  {"seed", std::to_string(f.seed)},
+                                  {"limit", std::to_string(f.limit)}}) {
+    if (get(key) != mine) {
+      throw ds::InvalidArgumentError("checkpoint in '" + dir + "' was written with --" +
+                                     (std::string(key) == "global_batch" ? "batch" : key) + " " +
+                                     get(key) + ", this run has " + mine +
+                                     ": the data order would differ; use the same flags");
+    }
+  }
+  return {ds::metadata_int(md, "epoch", 0, std::numeric_limits<int>::max(), path),
+          ds::metadata_int(md, "batch", 0, num_batches, path),
+          ds::metadata_int(md, "step", 0, std::numeric_limits<int64_t>::max(), path)};
+}
+
+}  // namespace diststrat_examples
