@@ -38,7 +38,8 @@
 # hostname, so Open MPI sees K different nodes: ranks on one host share memory
 # (vader), ranks on different hosts talk TCP through the (shaped) veths only
 # (btl tcp,self,vader; btl/oob_tcp_if_include = the cluster subnet).
-# Extra mpirun flags: DSC_MPIRUN_FLAGS. Needs root, ip netns, veth, bridge.
+# Extra mpirun flags: DSC_MPIRUN_FLAGS. tbf's queue bound: DSC_TBF_LATENCY
+# (default 50ms). Needs root, ip netns, veth, bridge.
 set -euo pipefail
 
 prefix=${DSC_PREFIX:-dsc}
@@ -52,6 +53,7 @@ bridge=${prefix}-br
 launcher=${prefix}-l
 launcher_addr=198.18.$net.254
 retries2=${DSC_TCP_RETRIES2:-2}
+tbf_latency=${DSC_TBF_LATENCY:-50ms}
 hosts=""
 rate=""
 
@@ -108,8 +110,8 @@ shape_host() {
   if [[ -n $r && $r != none ]]; then
     local burst=$(( $(rate_bits "$r") / 8 / 1000 ))
     ((burst < 65536)) && burst=65536
-    T ip netns exec "$ns" tc qdisc add dev "$veth_in" root tbf rate "$r" burst "$burst" latency 50ms
-    T tc qdisc add dev "$(veth_root "$k")" root tbf rate "$r" burst "$burst" latency 50ms
+    T ip netns exec "$ns" tc qdisc add dev "$veth_in" root tbf rate "$r" burst "$burst" latency "$tbf_latency"
+    T tc qdisc add dev "$(veth_root "$k")" root tbf rate "$r" burst "$burst" latency "$tbf_latency"
   fi
   echo "${r:-none}" >"$state/rate.$k"
 }

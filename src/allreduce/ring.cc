@@ -14,8 +14,16 @@
 // Pipelining: every chunk is cut into the same number m of segments of about
 // segment_bytes. A segment received in step s is reduced and immediately sent
 // on as step s + 1, so different segments are in different steps at the same
-// time and the links stay busy. Receives are posted one segment ahead into a
-// double-buffered scratch of two segments.
+// time and the links stay busy.
+//
+// Receives are posted early: the all-gather's (straight into the buffer) all
+// at once, the reduce-scatter's into a scratch slot each, all at once while
+// the scratch stays within 64 MiB (else a window of that many bytes). Over
+// MPI's TCP path a large send waits for the receiver's go-ahead (rendezvous),
+// and a go-ahead sent late queues behind the data already streaming the other
+// way: with receives posted one segment ahead, a 64 MiB all-reduce between two
+// hosts on 1 Gbit/s links moved 0.53 of the link rate; with all of them
+// posted, 0.90 (docs/multi_host.md).
 
 #include <algorithm>
 #include <cstring>
@@ -40,6 +48,15 @@ int segments_for(const ChunkLayout& layout, int n, size_t elem, size_t segment_b
   return static_cast<int>(std::max<size_t>(1, (largest + per - 1) / per));
 }
 
+// How many of a reduce-scatter's `total` receives (of up to `slot_bytes`
+// each) are posted ahead: all of them while their scratch stays within
+// kRecvAheadBytes, else as many as fit (at least 2: double buffering).
+constexpr size_t kRecvAheadBytes = size_t{64} << 20;
+int recv_window(int total, size_t slot_bytes) {
+  const size_t fit = std::max<size_t>(2, kRecvAheadBytes / slot_bytes);
+  return static_cast<int>(std::min<size_t>(static_cast<size_t>(total), fit));
+}
+
 }  // namespace
 
 void ring_reduce_scatter(const Peers& peers, const AllReduceArgs& a, const ChunkLayout& layout) {
@@ -53,8 +70,10 @@ void ring_reduce_scatter(const Peers& peers, const AllReduceArgs& a, const Chunk
   const int m = segments_for(layout, n, es, segment_bytes(*a.options));
   size_t max_seg = 0;
   for (int c = 0; c < n; ++c) max_seg = std::max(max_seg, (layout.length(c) + m - 1) / m);
-  std::vector<char> scratch(2 * std::max<size_t>(1, max_seg) * es);
-  char* slot[2] = {scratch.data(), scratch.data() + max_seg * es};
+  const int total = (n - 1) * m;
+  const int window = recv_window(total, std::max<size_t>(1, max_seg) * es);
+  std::vector<char> scratch(window * std::max<size_t>(1, max_seg) * es);
+  auto slot = [&](int k) { return scratch.data() + static_cast<size_t>(k % window) * max_seg * es; };
 
   std::vector<Request> sends;
   sends.reserve(static_cast<size_t>(n) * m);
@@ -66,26 +85,24 @@ void ring_reduce_scatter(const Peers& peers, const AllReduceArgs& a, const Chunk
   // Step 0 sends our own chunk.
   for (int j = 0; j < m; ++j) send_seg(me, j);
 
-  // Receives in (step, segment) order, one posted ahead.
-  const int total = (n - 1) * m;
+  std::vector<Request> recvs(total);
   auto post_recv = [&](int k) {
     const int s = k / m, j = k % m;
     const int chunk = mod(me - s - 1, n);
     size_t lo, hi;
     segment(layout.length(chunk), m, j, &lo, &hi);
-    return peers.recv(left, slot[k & 1], (hi - lo) * es, a.tag);
+    recvs[k] = peers.recv(left, slot(k), (hi - lo) * es, a.tag);
   };
-  Request next = post_recv(0);
+  for (int k = 0; k < window - 1 && k < total; ++k) post_recv(k);
   for (int k = 0; k < total; ++k) {
-    Request cur = std::move(next);
-    cur.wait(a.deadline);
-    if (k + 1 < total) next = post_recv(k + 1);
+    if (k + window - 1 < total) post_recv(k + window - 1);
+    recvs[k].wait(a.deadline);
     const int s = k / m, j = k % m;
     const int chunk = mod(me - s - 1, n);
     size_t lo, hi;
     segment(layout.length(chunk), m, j, &lo, &hi);
     char* dst = a.at(layout.offset(chunk) + lo);
-    a.accumulate(dst, slot[k & 1], hi - lo);
+    a.accumulate(dst, slot(k), hi - lo);
     if (s + 1 < n - 1) {
       send_seg(chunk, j);  // on to the next step
     } else {
@@ -112,9 +129,8 @@ void ring_all_gather(const Peers& peers, void* buf, size_t es, const ChunkLayout
     sends.push_back(peers.send(right, ptr(chunk, lo), (hi - lo) * es, tag));
   };
   for (int j = 0; j < m; ++j) send_seg(owned, j);
-  // Receives go straight into the buffer; post a few ahead.
+  // Receives go straight into the buffer: all of them are posted at once.
   const int total = (n - 1) * m;
-  constexpr int kAhead = 4;
   std::vector<Request> recvs(total);
   auto post = [&](int k) {
     const int s = k / m, j = k % m;
@@ -123,10 +139,9 @@ void ring_all_gather(const Peers& peers, void* buf, size_t es, const ChunkLayout
     segment(layout.length(chunk), m, j, &lo, &hi);
     recvs[k] = peers.recv(left, ptr(chunk, lo), (hi - lo) * es, tag);
   };
-  for (int k = 0; k < std::min(total, kAhead); ++k) post(k);
+  for (int k = 0; k < total; ++k) post(k);
   for (int k = 0; k < total; ++k) {
     recvs[k].wait(deadline);
-    if (k + kAhead < total) post(k + kAhead);
     const int s = k / m, j = k % m;
     if (s + 1 < n - 1) send_seg(mod(owned - s - 1, n), j);
   }
