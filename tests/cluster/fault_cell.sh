@@ -14,7 +14,15 @@
 #   host_dies            multi_worker; every process in host 2's namespace is
 #                        killed mid-training
 #   ps_worker_host_dies  parameter_server (PS = rank 2 on host 2); worker
-#                        host 1 dies
+#                        host 1 dies. mpirun runs with --enable-recovery (a
+#                        lost rank does not end the job): the PS must say
+#                        during the run that worker 1 (rank 1) no longer
+#                        holds the others back, worker 0 must finish every
+#                        step with exact accounting and values for what
+#                        arrived, and the PS's last line must name rank 1.
+#                        Open MPI 4.1's mpirun does not exit by itself once
+#                        a host's daemon is gone (it waits for it): after both
+#                        survivors have reported, the cell stops it.
 #   ps_host_dies         parameter_server; the PS host (host 2) dies
 # The failing kinds pass when mpirun exits non-zero within the deadline +
 # 10 s of the fault (deadline: TIMEOUT_MS, default 2000, for multi_worker;
@@ -50,13 +58,17 @@ strategy=multi_worker steps=1000000 victim=2 blip_s=${DSC_BLIP_S:-0.5}
 case $kind in
   link_down | host_dies) ;;
   link_blip) steps=${DSC_BLIP_STEPS:-1500} ;;
-  ps_worker_host_dies) strategy=parameter_server victim=1 ;;
+  ps_worker_host_dies)
+    strategy=parameter_server victim=1 steps=${DSC_PS_STEPS:-30000}
+    export DSC_MPIRUN_FLAGS="${DSC_MPIRUN_FLAGS:-} --enable-recovery" ;;
   ps_host_dies) strategy=parameter_server victim=2 ;;
   *) echo "unknown kind $kind"; exit 2 ;;
 esac
 host=${DSC_PREFIX}-h$victim
 if [[ $strategy == parameter_server ]]; then deadline_ms=$((3 * timeout_ms)); else deadline_ms=$timeout_ms; fi
 bound_ms=$((deadline_ms + 10000))
+# A lost worker ends nothing: the survivors train on, then report.
+[[ $kind == ps_worker_host_dies ]] && bound_ms=60000
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
 start_ms=$(now_ms)
@@ -94,13 +106,51 @@ esac
 echo "fault '$kind' on $host (rank $victim) $((fault_ms - start_ms)) ms after mpirun started"
 still_running=0
 kill -0 "$job" 2>/dev/null && still_running=1
-wait "$job"
-rc=$?
-end_ms=$(now_ms)
+if [[ $kind == ps_worker_host_dies ]]; then
+  # The survivors' last lines, then mpirun: give it 5 s to end by itself.
+  reported() { grep -cE "^rank (0|2): (OK|FAILED)" "$log"; }
+  for ((i = 0; i < 600 && $(reported) < 2; ++i)); do
+    kill -0 "$job" 2>/dev/null || break
+    sleep 0.1
+  done
+  end_ms=$(now_ms)
+  for ((i = 0; i < 50; ++i)); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$job" 2>/dev/null; then
+    echo "(mpirun still running 5 s after the survivors reported: stopping it)"
+    launcher_pids=$(ip netns pids "${DSC_PREFIX}-l" 2>/dev/null)
+    [[ -n $launcher_pids ]] && kill -KILL $launcher_pids 2>/dev/null
+    # The surviving hosts' daemons wait for mpirun; they are part of the job.
+    for h in 0 2; do timeout 20 "$cluster" kill "${DSC_PREFIX}-h$h"; done
+  fi
+  wait "$job"
+  rc=$?
+else
+  wait "$job"
+  rc=$?
+  end_ms=$(now_ms)
+fi
 cat "$log"
 echo "----"
 fail=0
-if [[ $kind == link_blip ]]; then
+if [[ $kind == ps_worker_host_dies ]]; then
+  if ! grep -qE "worker 1 \(rank 1\) sent nothing for [0-9]+ ms; it no longer holds back the others" "$log"; then
+    echo "FAIL: the PS never said that worker 1 (rank 1) no longer holds the others back"
+    fail=1
+  fi
+  if ! grep -qE "^rank 0: OK .*$steps steps with worker 1 at step [0-9]+ lost; .*values exact" "$log"; then
+    echo "FAIL: worker 0 did not finish its $steps steps with exact accounting (line above)"
+    fail=1
+  fi
+  if ! grep -qE "^rank 2: .*rank 1([^0-9]|$)" "$log"; then
+    echo "FAIL: the PS's last line does not name rank 1"
+    fail=1
+  fi
+  if ((end_ms - fault_ms > bound_ms)); then
+    echo "FAIL: the survivors reported $((end_ms - fault_ms)) ms after the fault (bound ${bound_ms} ms)"
+    fail=1
+  fi
+  naming=$(grep -E "rank $victim([^0-9]|$)" "$log" | head -3)
+elif [[ $kind == link_blip ]]; then
   if ((!still_running)); then
     echo "FAIL: the job ended before the link came back (raise DSC_BLIP_STEPS)"
     fail=1
