@@ -14,8 +14,9 @@
 #          rank-crossing), and the multi-worker strategy's wire compression
 #          (train_bench --compression f16|bf16 vs none: half the bytes).
 #   train  1 Gbit/s links, 2 hosts x 1: train_bench --strategy multi_worker,
-#          overlap on/off x compression none/bf16, MLP width 256 and 2048,
-#          with timelines.
+#          overlap on/off, MLP width x depth 256x2, 1024x2, 512x6, 1024x4
+#          (compression none; bf16 too for the last two), three alternating
+#          rounds, with timelines.
 #   busbw  1 Gbit/s links, 2 hosts x 1: allreduce_bench 64 MiB (ring, mpi)
 #          vs the link rate.
 #   ps     parameter server across hosts: 1 PS host + 2 workers; fashion_mnist
@@ -96,23 +97,30 @@ wire() {
 train() {
   up --hosts 2 --rate 1gbit
   : >"$out/train.log"
-  local tb=$build/benchmarks/train_bench w c o
+  local tb=$build/benchmarks/train_bench cfg w d c o r
   {
-    echo "train_bench --strategy multi_worker, 2 hosts x 1 rank, links 1 Gbit/s, batch 128/replica"
-    echo "| width | compression | overlap | samples/s |"
+    echo "train_bench --strategy multi_worker, 2 hosts x 1 rank, links 1 Gbit/s, batch 128/replica,"
+    echo "three alternating rounds (samples/s)"
+    echo "| width x depth | compression | overlap | no overlap |"
     echo "|---|---|---|---|"
-    for w in 256 2048; do
+    for cfg in 256:2 1024:2 512:6 1024:4; do
+      w=${cfg%:*} d=${cfg#*:}
       for c in none bf16; do
-        for o in overlap no-overlap; do
-          local steps=200
-          ((w > 256)) && steps=40
-          local line
-          line=$(run --ppn 1 -- "$tb" --strategy multi_worker --width "$w" --compression "$c" \
-                   --"$o" --steps "$steps" --warmup 10 \
-                   --timeline "$out/timeline_w${w}_${c}_${o}.json" 2>&1 | tee -a "$out/train.log" |
-                 grep "^train_bench:")
-          echo "| $w | $c | $o | $(echo "$line" | sed -n 's/.*samples_per_sec=\([0-9]*\).*/\1/p') |"
+        [[ $c == bf16 && $cfg != 512:6 && $cfg != 1024:4 ]] && continue
+        local -A got=()
+        for r in 1 2 3; do
+          for o in overlap no-overlap; do
+            local steps=200 line
+            ((w > 256 || d > 2)) && steps=60
+            line=$(run --ppn 1 -- "$tb" --strategy multi_worker --width "$w" --depth "$d" \
+                     --compression "$c" --"$o" --steps "$steps" --warmup 10 \
+                     --timeline "$out/timeline_w${w}_d${d}_${c}_${o}_$r.json" 2>&1 |
+                   tee -a "$out/train.log" | grep "^train_bench:")
+            got[$o]+="$(echo "$line" | sed -n 's/.*samples_per_sec=\([0-9]*\).*/\1/p') "
+          done
         done
+        echo "| $w x $d | $c | ${got[overlap]}| ${got[no-overlap]}|"
+        unset got
       done
     done
   } | tee "$out/train.md"

@@ -1,6 +1,6 @@
 // train_bench: training throughput of the Fashion-MNIST MLP (784-256-256-10;
-// --width W for 784-W-W-10) under a strategy, batch 128 per replica, a fixed
-// number of steps; --compression f16|bf16 casts the multi-worker all-reduces.
+// --width W, --depth D: D hidden layers of W, 784-W-...-W-10) under a
+// strategy, batch 128 per replica, a fixed number of steps; --compression f16|bf16 casts the multi-worker all-reduces.
 //
 //   build/benchmarks/train_bench --strategy mirrored --replicas 1
 //   mpirun -np 1 build/benchmarks/train_bench --strategy multi_worker
@@ -42,12 +42,25 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <diststrat/diststrat.h>
 
 #include "../../examples/common/loss_meter.h"
 
 namespace ds = diststrat;
+
+namespace {
+
+// 784-W-...-W-10 with `depth` hidden layers.
+std::vector<int64_t> layer_sizes(int64_t width, int depth) {
+  std::vector<int64_t> sizes{784};
+  sizes.insert(sizes.end(), static_cast<size_t>(depth), width);
+  sizes.push_back(10);
+  return sizes;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   std::string strategy_name = "multi_worker", data_dir = ds::kFashionMnistDir, timeline;
@@ -57,6 +70,7 @@ int main(int argc, char** argv) {
   float lr = 0.05f;
   bool overlap = true;
   int64_t width = 256;
+  int depth = 2;
   std::string compression = "none";
   std::string zero = "off", optimizer = "sgd";
   int accumulation = 1;
@@ -82,7 +96,12 @@ int main(int argc, char** argv) {
   app.add_option("--batch", per_replica_batch, "batch per replica")->capture_default_str();
   app.add_flag("--overlap,!--no-overlap", overlap, "all-reduce each layer during backward")
       ->capture_default_str();
-  app.add_option("--width", width, "hidden width of the MLP (784-W-W-10)")->capture_default_str();
+  app.add_option("--width", width, "hidden width of the MLP (784-W-W-10)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))->capture_default_str();
+  app.add_option("--depth", depth,
+                 "hidden layers of the MLP (784-W-...-W-10; more of them give the backward pass "
+                 "gradients to overlap with before the input layer's, which comes last)")
+      ->check(CLI::Range(1, 64))->capture_default_str();
   app.add_option("--compression", compression, "multi_worker wire compression: none | f16 | bf16")
       ->check(CLI::IsMember({"none", "f16", "bf16"}))
       ->capture_default_str();
@@ -174,7 +193,7 @@ int main(int argc, char** argv) {
         double seconds = 0;
       };
       const ds::Dataset train = ds::load_mnist_split(data_dir, "train");
-      const ds::nn::Mlp mlp({784, width, width, 10});
+      const ds::nn::Mlp mlp(layer_sizes(width, depth));
       Run runs[2];
       for (int z = 0; z < 2; ++z) {
         Run& r = runs[z];
@@ -221,11 +240,11 @@ int main(int argc, char** argv) {
         const int n = blocks * block;
         for (int z = 0; z < 2; ++z) {
           std::printf("train_bench: strategy=%s zero=%d optimizer=%s workers=%d replicas=%d "
-                      "batch_per_replica=%lld width=%lld steps=%d step_ms=%.3f "
+                      "batch_per_replica=%lld width=%lld depth=%d steps=%d step_ms=%.3f "
                       "optimizer_slot_bytes_per_replica=%lld\n",
                       runs[z].strategy->name().c_str(), z, optimizer.c_str(),
                       runs[z].strategy->cluster().num_workers, runs[z].strategy->num_replicas_in_sync(),
-                      static_cast<long long>(per_replica_batch), static_cast<long long>(width), n,
+                      static_cast<long long>(per_replica_batch), static_cast<long long>(width), depth, n,
                       1e3 * runs[z].seconds / n,
                       static_cast<long long>(runs[z].opt->slot_bytes_per_replica()));
         }
@@ -269,7 +288,7 @@ int main(int argc, char** argv) {
     }
     const bool chief = strategy->cluster().is_chief() || strategy->cluster().world_size == 1;
     const ds::Dataset train = ds::load_mnist_split(data_dir, "train");
-    const ds::nn::Mlp mlp({784, width, width, 10});
+    const ds::nn::Mlp mlp(layer_sizes(width, depth));
     std::vector<ds::Variable> params = mlp.create_variables(*strategy, 1);
     std::unique_ptr<ds::Optimizer> opt_ptr = make_optimizer(*strategy);
     ds::Optimizer& opt = *opt_ptr;
@@ -336,12 +355,12 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (chief) {
       std::printf("train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
-                  "width=%lld compression=%s zero=%s optimizer=%s steps=%d seconds=%.3f loss=%.4f "
+                  "width=%lld depth=%d compression=%s zero=%s optimizer=%s steps=%d seconds=%.3f loss=%.4f "
                   "samples_per_sec=%.0f optimizer_slot_bytes_per_replica=%lld accumulation=%d "
                   "gradient_calls_per_update=%.2f\n",
                   strategy->name().c_str(), strategy->cluster().num_workers,
                   strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
-                  overlap ? 1 : 0, static_cast<long long>(width), compression.c_str(), zero.c_str(),
+                  overlap ? 1 : 0, static_cast<long long>(width), depth, compression.c_str(), zero.c_str(),
                   optimizer.c_str(), steps, seconds, loss, steps * global_batch / seconds,
                   static_cast<long long>(opt.slot_bytes_per_replica()), accumulation,
                   multi_worker ? double(grad_calls) / (double(steps) / accumulation) : 0.0);
