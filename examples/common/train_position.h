@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <string>
 #include <utility>
@@ -60,6 +61,31 @@ inline Position resume_position(const TrainFlags& f, const diststrat::Checkpoint
   return {ds::metadata_int(md, "epoch", 0, std::numeric_limits<int>::max(), path),
           ds::metadata_int(md, "batch", 0, num_batches, path),
           ds::metadata_int(md, "step", 0, std::numeric_limits<int64_t>::max(), path)};
+}
+
+// After step `pos.step` (pos = the next batch to run): with checkpoints
+// (`preemption` non-null), save every --checkpoint-every steps and on SIGTERM
+// (collective: every process asks at every step, so all stop at the same
+// one); then --max-steps. `save(Position next, const char* why)` writes the
+// checkpoint; the position saved is where the next run starts. Returns true
+// when the run must end now.
+template <typename Save>
+bool end_of_step(const TrainFlags& f, const Position& pos, int64_t num_batches, bool chief,
+                 diststrat::PreemptionHandler* preemption, Save&& save) {
+  if (preemption) {
+    Position next = pos;
+    if (next.batch == num_batches) next = {pos.epoch + 1, 0, pos.step};
+    const bool stop = preemption->should_stop(pos.step);
+    if (stop || (f.checkpoint_every > 0 && pos.step % f.checkpoint_every == 0)) {
+      save(next, stop ? "preempted" : "checkpoint");
+      if (stop) return true;
+    }
+  }
+  if (f.max_steps > 0 && pos.step >= f.max_steps) {
+    if (chief) std::printf("stopping at step %lld (--max-steps)\n", static_cast<long long>(pos.step));
+    return true;
+  }
+  return false;
 }
 
 }  // namespace diststrat_examples

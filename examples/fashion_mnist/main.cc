@@ -230,19 +230,7 @@ int main(int argc, char** argv) {
         ++pos.batch;
         progress.update(epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
         ++steps_this_run;
-        if (manager) {
-          // The position saved is where the next run starts: (epoch, next batch).
-          Position next = pos;
-          if (next.batch == dist.num_batches()) next = {pos.epoch + 1, 0, pos.step};
-          // Collective: every process asks at every step, so all stop at the same one.
-          const bool stop = preemption->should_stop(pos.step);
-          if (stop || (f.checkpoint_every > 0 && pos.step % f.checkpoint_every == 0)) {
-            save(next, stop ? "preempted" : "checkpoint");
-            if (stop) return 0;
-          }
-        }
-        if (f.max_steps > 0 && pos.step >= f.max_steps) {
-          if (chief) std::printf("stopping at step %lld (--max-steps)\n", static_cast<long long>(pos.step));
+        if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(), save)) {
           return 0;
         }
       }
