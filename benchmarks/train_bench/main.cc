@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", per_replica_batch, "batch per replica")->capture_default_str();
   app.add_flag("--overlap,!--no-overlap", overlap, "all-reduce each layer during backward")
       ->capture_default_str();
-  app.add_option("--width", width, "hidden width of the MLP (784-W-W-10)")
+  app.add_option("--width", width, "hidden width of the MLP (784-W-...-W-10)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))->capture_default_str();
   app.add_option("--depth", depth,
                  "hidden layers of the MLP (784-W-...-W-10; more of them give the backward pass "

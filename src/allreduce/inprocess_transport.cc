@@ -68,8 +68,28 @@ using GroupState = InProcessTransportGroup::State;
 
 class InProcRequest : public Request::State {
  public:
-  InProcRequest(GroupState* s, std::shared_ptr<GroupState::Done> done, std::string what, int rank)
-      : s_(s), done_(std::move(done)), what_(std::move(what)), rank_(rank) {}
+  // `mailbox`: where the operation waits while unmatched (the receiver's
+  // parked recvs for a recv, the receiver's inbox for a send).
+  InProcRequest(std::shared_ptr<GroupState> s, std::shared_ptr<GroupState::Done> done,
+                std::string what, int rank, bool is_recv, int mailbox)
+      : s_(std::move(s)), done_(std::move(done)), what_(std::move(what)), rank_(rank),
+        is_recv_(is_recv), mailbox_(mailbox) {}
+
+  // Dropped before it completed: cancelled, as an MPI request is. Nothing
+  // touches its buffer afterwards (a cancelled recv leaves the message for a
+  // later recv; a cancelled send is never delivered).
+  ~InProcRequest() override {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    if (done_->complete) return;
+    auto same = [&](const auto& e) { return e.done == done_; };
+    if (is_recv_) {
+      auto& q = s_->parked[mailbox_];
+      q.erase(std::remove_if(q.begin(), q.end(), same), q.end());
+    } else {
+      auto& q = s_->inbox[mailbox_];
+      q.erase(std::remove_if(q.begin(), q.end(), same), q.end());
+    }
+  }
 
   bool test() override {
     std::lock_guard<std::mutex> lock(s_->mu);
@@ -101,15 +121,17 @@ class InProcRequest : public Request::State {
       throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " + what_ + ": " + done_->error);
     }
   }
-  GroupState* s_;
+  std::shared_ptr<GroupState> s_;  // a request may outlive its transport group
   std::shared_ptr<GroupState::Done> done_;
   std::string what_;
   int rank_;
+  bool is_recv_;
+  int mailbox_;
 };
 
 class InProcessTransport : public Transport {
  public:
-  InProcessTransport(GroupState* s, int rank) : s_(s), rank_(rank) {}
+  InProcessTransport(std::shared_ptr<GroupState> s, int rank) : s_(std::move(s)), rank_(rank) {}
   int rank() const override { return rank_; }
   int size() const override { return s_->size; }
   bool shared_address_space() const override { return true; }
@@ -134,7 +156,7 @@ class InProcessTransport : public Transport {
     s_->cv.notify_all();
     return Request(std::make_shared<InProcRequest>(
         s_, done, "send of " + std::to_string(bytes) + " bytes to rank " + std::to_string(peer) +
-                      " (tag " + std::to_string(tag) + ")", rank_));
+                      " (tag " + std::to_string(tag) + ")", rank_, /*is_recv=*/false, peer));
   }
 
   Request recv(int peer, void* data, size_t bytes, int tag) override {
@@ -156,7 +178,7 @@ class InProcessTransport : public Transport {
     s_->cv.notify_all();
     return Request(std::make_shared<InProcRequest>(
         s_, done, "recv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(peer) +
-                      " (tag " + std::to_string(tag) + ")", rank_));
+                      " (tag " + std::to_string(tag) + ")", rank_, /*is_recv=*/true, rank_));
   }
 
   bool probe_any(Envelope* env) override {
@@ -186,15 +208,15 @@ class InProcessTransport : public Transport {
     DISTSTRAT_CHECK(0 <= peer && peer < s_->size && peer != rank_, kInvalidArgument, "rank ",
                     rank_, ": ", what, " to/from rank ", peer, " in a group of ", s_->size);
   }
-  GroupState* s_;
+  std::shared_ptr<GroupState> s_;
   int rank_;
 };
 
 }  // namespace
 
-InProcessTransportGroup::InProcessTransportGroup(int size) : state_(std::make_unique<State>(size)) {
+InProcessTransportGroup::InProcessTransportGroup(int size) : state_(std::make_shared<State>(size)) {
   DISTSTRAT_CHECK_GE(size, 1, "InProcessTransportGroup size");
-  for (int r = 0; r < size; ++r) transports_.push_back(std::make_unique<InProcessTransport>(state_.get(), r));
+  for (int r = 0; r < size; ++r) transports_.push_back(std::make_unique<InProcessTransport>(state_, r));
 }
 InProcessTransportGroup::~InProcessTransportGroup() = default;
 int InProcessTransportGroup::size() const { return state_->size; }

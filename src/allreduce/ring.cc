@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "allreduce/algorithm.h"
@@ -72,8 +73,10 @@ void ring_reduce_scatter(const Peers& peers, const AllReduceArgs& a, const Chunk
   for (int c = 0; c < n; ++c) max_seg = std::max(max_seg, (layout.length(c) + m - 1) / m);
   const int total = (n - 1) * m;
   const int window = recv_window(total, std::max<size_t>(1, max_seg) * es);
-  std::vector<char> scratch(window * std::max<size_t>(1, max_seg) * es);
-  auto slot = [&](int k) { return scratch.data() + static_cast<size_t>(k % window) * max_seg * es; };
+  // Not zero-filled: every byte of a slot is received before it is read (up
+  // to 64 MiB; its pages are touched as the receives land).
+  std::unique_ptr<char[]> scratch(new char[static_cast<size_t>(window) * std::max<size_t>(1, max_seg) * es]);
+  auto slot = [&](int k) { return scratch.get() + static_cast<size_t>(k % window) * max_seg * es; };
 
   std::vector<Request> sends;
   sends.reserve(static_cast<size_t>(n) * m);

@@ -11,6 +11,10 @@
 //  - wait() never blocks past its deadline: it throws DeadlineExceededError
 //    naming this rank, the peer and the tag. After abort() every pending and
 //    future wait throws AbortedError.
+//  - Dropping the last copy of a Request before it completes cancels it: the
+//    transport never touches its buffer afterwards (a cancelled recv leaves
+//    the message for a later recv). Algorithms rely on this when a wait
+//    throws and they unwind, freeing scratch that other receives still name.
 //  - One Transport object per rank; one thread uses it at a time unless the
 //    implementation says otherwise.
 #pragma once
@@ -99,7 +103,7 @@ class InProcessTransportGroup {
   struct State;
 
  private:
-  std::unique_ptr<State> state_;
+  std::shared_ptr<State> state_;  // shared with the requests, which may outlive the group
   std::vector<std::unique_ptr<Transport>> transports_;
 };
 

@@ -59,7 +59,7 @@ case $kind in
   link_down | host_dies) ;;
   link_blip) steps=${DSC_BLIP_STEPS:-1500} ;;
   ps_worker_host_dies)
-    strategy=parameter_server victim=1 steps=${DSC_PS_STEPS:-30000}
+    strategy=parameter_server victim=1 steps=${DSC_PS_STEPS:-30000} driver_flags="--allow-lost-workers 1"
     export DSC_MPIRUN_FLAGS="${DSC_MPIRUN_FLAGS:-} --enable-recovery" ;;
   ps_host_dies) strategy=parameter_server victim=2 ;;
   *) echo "unknown kind $kind"; exit 2 ;;
@@ -73,7 +73,7 @@ now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
 start_ms=$(now_ms)
 timeout -s KILL 120 "$cluster" run --ppn 1 -- "$driver" --strategy "$strategy" --steps "$steps" \
-  --timeout-ms "$timeout_ms" --tag "$tag" >"$log" 2>&1 &
+  --timeout-ms "$timeout_ms" --tag "$tag" ${driver_flags:-} >"$log" 2>&1 &
 job=$!
 
 # Wait for training to be under way (host 0's packet counter climbing).

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <thread>
 
 #include "allreduce/transport.h"
@@ -51,4 +52,35 @@ TEST(InProcessTransport, ProbeAnyDeadlineSizeMismatchAndAbort) {
   g.at(0).abort("rank 0 died");
   EXPECT_THROW(late.wait(ds::Clock::now() + std::chrono::seconds(5)), ds::AbortedError);
   EXPECT_THROW(g.at(1).send(1, &never, 4, 1), ds::InvalidArgumentError);  // to itself
+}
+
+// A Request dropped before it completes is cancelled, as the MPI transport's
+// is: the transport never touches its buffer afterwards (an algorithm that
+// fails a wait unwinds and frees its scratch while other receives are still
+// posted into it). A cancelled recv does not consume the message; a cancelled
+// send is never delivered.
+TEST(InProcessTransport, ADroppedRecvIsCancelledAndNeverWritten) {
+  ds::InProcessTransportGroup g(2);
+  int dropped = 7;
+  { ds::Request r = g.at(1).recv(0, &dropped, sizeof(int), 3); }
+  int value = 42;
+  ds::Request s = g.at(0).send(1, &value, sizeof(int), 3);
+  int got = 0;
+  ds::Request r = g.at(1).recv(0, &got, sizeof(int), 3);
+  r.wait(ds::Clock::now() + std::chrono::seconds(5));
+  s.wait(ds::Clock::now() + std::chrono::seconds(5));
+  EXPECT_EQ(dropped, 7);
+  EXPECT_EQ(got, 42);
+}
+
+TEST(InProcessTransport, ADroppedSendIsCancelledAndNeverRead) {
+  ds::InProcessTransportGroup g(2);
+  {
+    auto gone = std::make_unique<int>(13);
+    ds::Request s = g.at(0).send(1, gone.get(), sizeof(int), 4);
+  }  // the request, then the buffer, are gone before any recv
+  int got = 0;
+  ds::Request r = g.at(1).recv(0, &got, sizeof(int), 4);
+  EXPECT_THROW(r.wait(ds::Clock::now() + std::chrono::milliseconds(50)), ds::DeadlineExceededError);
+  EXPECT_EQ(got, 0);
 }
