@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <functional>
@@ -125,6 +126,7 @@ inline KillStats kill_during_save(const std::string& dir,
                                   uint32_t seed) {
   KillStats st;
   std::mt19937 rng(seed);
+  uint32_t window_us = 30000;  // kill 2 ms + [0, window) after the fork
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
   while (st.kills < max_kills && std::chrono::steady_clock::now() < deadline) {
     const pid_t pid = ::fork();
@@ -139,7 +141,7 @@ inline KillStats kill_during_save(const std::string& dir,
       }
       ::_exit(3);
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(2000 + rng() % 30000));
+    std::this_thread::sleep_for(std::chrono::microseconds(2000 + rng() % window_us));
     ::kill(pid, SIGKILL);
     int status = 0;
     ::waitpid(pid, &status, 0);
@@ -156,7 +158,12 @@ inline KillStats kill_during_save(const std::string& dir,
       st.mid_write += partial;
     }
     std::ifstream latest(dir + "/latest");
-    if (!latest) continue;  // killed before the first save completed
+    if (!latest) {
+      // Killed before the first save completed: a slow build (a sanitizer,
+      // a loaded machine) needs more than the window to set up, so widen it.
+      window_us = std::min<uint32_t>(2 * window_us, 4000000);
+      continue;
+    }
     std::string name;
     std::getline(latest, name);
     const SafetensorsFile f = load_checkpoint(dir + "/" + name);

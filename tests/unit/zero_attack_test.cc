@@ -170,7 +170,7 @@ TEST(MixedPrecisionMisuse, BFloat16NaNUnderZeroSkipsTheStepWithLossScaling) {
   ds::Variable a = s.create_variable("a", ds::Shape{5}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(s, {});
   adam.enable_loss_scaling({8.0f, 1000, 2.0f});
-  std::vector<bool> skipped(3);
+  std::vector<char> skipped(3);  // one byte per replica thread (not vector<bool>'s shared words)
   s.run([&](ds::ReplicaContext& ctx) {
     ds::Tensor g(a.shape(), ds::DType::kBFloat16);
     uint16_t* p = static_cast<uint16_t*>(g.data());
