@@ -29,10 +29,10 @@
 //   root) all throw InvalidArgumentError naming the first odd rank and both
 //   calls, and the group is aborted; with several nodes the hierarchical
 //   all_reduce compares within each node only (the other nodes' ranks fail
-//   at their deadline), and a call that differs only between nodes (with one
-//   rank per host: any difference) is NOT detected: the same byte count with
-//   another dtype or op gives wrong numbers (docs/process_group.md). Names
-//   are not compared (they only label errors).
+//   at their deadline), and a call that differs only between nodes is NOT
+//   detected; with one rank per host no collective compares calls. There
+//   the same byte count with another dtype or op gives wrong numbers
+//   (docs/process_group.md). Names are not compared (they only label errors).
 // - Thread safety: one thread at a time per group (a group is one rank's
 //   Communicator). A call made while another thread's call on the same group
 //   is in flight throws FailedPreconditionError naming both and aborts the
