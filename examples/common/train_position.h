@@ -63,6 +63,13 @@ inline Position resume_position(const TrainFlags& f, const diststrat::Checkpoint
           ds::metadata_int(md, "step", 0, std::numeric_limits<int64_t>::max(), path)};
 }
 
+// The chief's line after a resume from checkpoint `from` (epochs count from 1).
+inline void print_resumed(const std::string& from, const Position& pos) {
+  std::printf("resumed from %s: epoch %lld, batch %lld, step %lld\n", from.c_str(),
+              static_cast<long long>(pos.epoch + 1), static_cast<long long>(pos.batch),
+              static_cast<long long>(pos.step));
+}
+
 // After step `pos.step` (pos = the next batch to run): with checkpoints
 // (`preemption` non-null), save every --checkpoint-every steps and on SIGTERM
 // (collective: every process asks at every step, so all stop at the same

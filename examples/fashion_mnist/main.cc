@@ -32,6 +32,7 @@ struct Flags : diststrat_examples::TrainFlags {
 using diststrat_examples::Position;
 using diststrat_examples::position_metadata;
 using diststrat_examples::resume_position;
+using diststrat_examples::print_resumed;
 
 // The model's layer sizes, stored in checkpoints so that examples/predict can
 // rebuild the model: "mlp:784,256,256,10".
@@ -188,11 +189,7 @@ int main(int argc, char** argv) {
         // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
         const std::string from = manager->restored_path().value_or("?");
         pos = resume_position(f, *md, f.checkpoint_dir, from, dist.num_batches());
-        if (chief) {
-          std::printf("resumed from %s: epoch %lld, batch %lld, step %lld\n",
-                      from.c_str(), static_cast<long long>(pos.epoch + 1),
-                      static_cast<long long>(pos.batch), static_cast<long long>(pos.step));
-        }
+        if (chief) print_resumed(from, pos);
       }
       preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
     }

@@ -226,11 +226,7 @@ int main(int argc, char** argv) {
           throw ds::DataLossError("checkpoint '" + from + "': torch/step " + std::to_string(step) +
                                   " but metadata step " + std::to_string(pos.step));
         }
-        if (chief) {
-          std::printf("resumed from %s: epoch %lld, batch %lld, step %lld\n",
-                      from.c_str(), static_cast<long long>(pos.epoch + 1),
-                      static_cast<long long>(pos.batch), static_cast<long long>(pos.step));
-        }
+        if (chief) diststrat_examples::print_resumed(from, pos);
       }
       preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
     }

@@ -13,10 +13,10 @@ namespace diststrat {
 namespace testing {
 
 // Runs fn(r) for r < n on n threads; when rank r throws, on_error(r) runs
-// (to abort the group so the others fail fast) and the first rank's
-// exception is re-raised after all threads joined.
-inline void run_threads(int n, const std::function<void(int)>& fn,
-                        const std::function<void(int)>& on_error) {
+// (to abort the group so the others fail fast). Returns every rank's
+// exception (null: none) once all threads joined.
+inline std::vector<std::exception_ptr> run_threads_collect(int n, const std::function<void(int)>& fn,
+                                                           const std::function<void(int)>& on_error) {
   std::vector<std::exception_ptr> errors(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
@@ -30,9 +30,20 @@ inline void run_threads(int n, const std::function<void(int)>& fn,
     });
   }
   for (auto& t : threads) t.join();
-  for (auto& e : errors) {
+  return errors;
+}
+
+// Re-raises the first rank's exception, if any.
+inline void rethrow_first(const std::vector<std::exception_ptr>& errors) {
+  for (const auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+}
+
+// run_threads_collect, then the first rank's exception is re-raised.
+inline void run_threads(int n, const std::function<void(int)>& fn,
+                        const std::function<void(int)>& on_error) {
+  rethrow_first(run_threads_collect(n, fn, on_error));
 }
 
 inline void run_ranks(InProcessGroup& group, const std::function<void(Communicator&)>& fn) {

@@ -11,7 +11,6 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
-#include <thread>
 
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
@@ -477,34 +476,17 @@ TEST_P(Clipping, MultiWorkerMatchesSingleDeviceClippingOnEveryWorker) {
     ds::CommunicationOptions comm;
     comm.bytes_per_pack = 4 << 10;  // several packs per step
     comm.timeout = std::chrono::seconds(60);
-    ds::InProcessGroup group(workers, comm);
     std::vector<std::vector<std::vector<double>>> norms(workers);
     std::vector<std::vector<ds::Tensor>> weights(workers);
-    std::vector<std::exception_ptr> errors(workers);
-    std::vector<std::thread> threads;
-    for (int w = 0; w < workers; ++w) {
-      threads.emplace_back([&, w] {
-        try {
-          ds::MultiWorkerOptions o;
-          o.communication = comm;
-          o.communicator = &group.at(w);
-          o.devices = ds::testing::cpu_devices(local);
-          ds::MultiWorkerMirroredStrategy s(o);
+    ds::testing::rethrow_first(ds::testing::run_multi_worker(
+        std::vector<bool>(workers, false), local, comm, [&](ds::MultiWorkerMirroredStrategy& s, int w) {
           std::vector<ds::Variable> vars;
           norms[w] = train_clipped(s, clip_mlp(), clip_data(), kClipBatch, kClipSteps, kClipLr,
                                    kClipMomentum, c, &vars);
           for (auto& v : vars) {
             for (const ds::Tensor& copy : v.impl().copies) weights[w].push_back(copy.clone());
           }
-        } catch (...) {
-          errors[w] = std::current_exception();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (const auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
+        }));
     for (int w = 0; w < workers; ++w) {
       std::vector<ds::Tensor> first_copy;
       for (size_t i = 0; i < weights[w].size(); i += local) first_copy.push_back(weights[w][i]);
@@ -647,21 +629,11 @@ TEST_P(Accumulation, MultiWorkerCommunicatesOncePerUpdate) {
                                                    kAccMomentum);
   auto run = [&](int steps) {
     const int workers = 2;
-    ds::CommunicationOptions comm;
-    comm.timeout = std::chrono::seconds(60);
-    ds::InProcessGroup group(workers, comm);
     std::vector<ds::MultiWorkerStats> before(workers), after(workers);
     std::vector<std::vector<ds::Tensor>> weights(workers);
-    std::vector<std::exception_ptr> errors(workers);
-    std::vector<std::thread> threads;
-    for (int w = 0; w < workers; ++w) {
-      threads.emplace_back([&, w] {
-        try {
-          ds::MultiWorkerOptions o;
-          o.communication = comm;
-          o.communicator = &group.at(w);
-          o.devices = ds::testing::cpu_devices(2);
-          ds::MultiWorkerMirroredStrategy s(o);
+    ds::testing::rethrow_first(ds::testing::run_multi_worker(
+        std::vector<bool>(workers, false), 2, ds::testing::comm_with_timeout(std::chrono::seconds(60)),
+        [&](ds::MultiWorkerMirroredStrategy& s, int w) {
           // 1: the strategy run with k micro-batches; else one step per batch of k x 16.
           std::vector<ds::Variable> vars;
           before[w] = s.stats();
@@ -672,15 +644,7 @@ TEST_P(Accumulation, MultiWorkerCommunicatesOncePerUpdate) {
           }
           after[w] = s.stats();
           for (auto& v : vars) weights[w].push_back(v.impl().copies[0].clone());
-        } catch (...) {
-          errors[w] = std::current_exception();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (const auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
+        }));
     std::vector<int64_t> counts = {after[0].calls - before[0].calls, after[0].packs - before[0].packs,
                                    after[0].bytes - before[0].bytes};
     EXPECT_LE(ds::testing::max_abs_diff(weights[0], ref), 1e-6);
@@ -888,30 +852,10 @@ TEST(LossScaling, HalfAndBFloat16GradientsOfFloat32VariablesAreWidenedAndOverflo
 // agree everywhere, the weights and momentum stay bit-identical.
 TEST(LossScaling, AnInfOnOneReplicaOfOneWorkerSkipsTheStepOnEveryWorker) {
   const int workers = 2;
-  ds::CommunicationOptions comm;
-  comm.timeout = std::chrono::seconds(60);
-  ds::InProcessGroup group(workers, comm);
   std::vector<LsRun> runs(workers);
-  std::vector<std::exception_ptr> errors(workers);
-  std::vector<std::thread> threads;
-  for (int w = 0; w < workers; ++w) {
-    threads.emplace_back([&, w] {
-      try {
-        ds::MultiWorkerOptions o;
-        o.communication = comm;
-        o.communicator = &group.at(w);
-        o.devices = ds::testing::cpu_devices(2);
-        ds::MultiWorkerMirroredStrategy s(o);
-        runs[w] = train_loss_scaled(s, true, 3);
-      } catch (...) {
-        errors[w] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  ds::testing::rethrow_first(ds::testing::run_multi_worker(
+      std::vector<bool>(workers, false), 2, ds::testing::comm_with_timeout(std::chrono::seconds(60)),
+      [&](ds::MultiWorkerMirroredStrategy& s, int w) { runs[w] = train_loss_scaled(s, true, 3); }));
   for (int w = 0; w < workers; ++w) {
     SCOPED_TRACE("worker " + std::to_string(w));
     expect_one_skip(runs[w], 2);

@@ -3,21 +3,57 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <exception>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "diststrat/diststrat.h"
+#include "harness.h"
 
 namespace diststrat {
 namespace testing {
 
 namespace ds = diststrat;
 
+// Communication options with this timeout, the rest default.
+inline ds::CommunicationOptions comm_with_timeout(std::chrono::milliseconds timeout) {
+  ds::CommunicationOptions comm;
+  comm.timeout = timeout;
+  return comm;
+}
+
 // CPU devices 0..n-1.
 inline std::vector<ds::Device> cpu_devices(int n) {
   std::vector<ds::Device> d;
   for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
   return d;
+}
+
+// fn(strategy, w) for every worker w < zero.size(), each on its own thread: a
+// MultiWorkerMirroredStrategy with `local` CPU replicas and `comm` over one
+// InProcessGroup, sharding its optimizer state when zero[w]. A worker that
+// throws aborts its group member so the others fail fast; returns every
+// worker's exception (null: none).
+inline std::vector<std::exception_ptr> run_multi_worker(
+    const std::vector<bool>& zero, int local, const ds::CommunicationOptions& comm,
+    const std::function<void(ds::MultiWorkerMirroredStrategy&, int)>& fn) {
+  const int workers = static_cast<int>(zero.size());
+  ds::InProcessGroup group(workers, comm);
+  return run_threads_collect(
+      workers,
+      [&](int w) {
+        ds::MultiWorkerOptions o;
+        o.communication = comm;
+        o.communicator = &group.at(w);
+        o.devices = cpu_devices(local);
+        o.shard_optimizer_state = zero[static_cast<size_t>(w)];
+        ds::MultiWorkerMirroredStrategy s(o);
+        fn(s, w);
+      },
+      [&](int w) { group.at(w).abort("worker " + std::to_string(w) + " failed"); });
 }
 
 // `steps` plain Adam updates of a copy of `init` with gradient = the value

@@ -15,7 +15,6 @@
 #include <functional>
 #include <limits>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "diststrat/diststrat.h"
@@ -25,34 +24,23 @@ namespace ds = diststrat;
 
 namespace {
 
-// fn(strategy, worker) on `workers` threads over one InProcessGroup, worker w
-// sharding when zero[w]; returns each worker's error message ("" = none).
+// fn(strategy, worker) on one thread per worker (one CPU replica each) over
+// one InProcessGroup, worker w sharding when zero[w]; returns each worker's
+// error message ("" = none).
 std::vector<std::string> run_workers(const std::vector<bool>& zero,
                                      const std::function<void(ds::MultiWorkerMirroredStrategy&, int)>& fn) {
-  const int workers = static_cast<int>(zero.size());
-  ds::CommunicationOptions comm;
-  comm.timeout = std::chrono::seconds(20);
-  ds::InProcessGroup group(workers, comm);
-  std::vector<std::string> errors(static_cast<size_t>(workers));
-  std::vector<std::thread> threads;
-  for (int w = 0; w < workers; ++w) {
-    threads.emplace_back([&, w] {
-      try {
-        ds::MultiWorkerOptions o;
-        o.communication = comm;
-        o.communicator = &group.at(w);
-        o.devices = ds::testing::cpu_devices(1);
-        o.shard_optimizer_state = zero[static_cast<size_t>(w)];
-        ds::MultiWorkerMirroredStrategy s(o);
-        fn(s, w);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(w)] = e.what();
-        group.at(w).abort("worker " + std::to_string(w) + " failed");
-      }
-    });
+  const std::vector<std::exception_ptr> errors =
+      ds::testing::run_multi_worker(zero, 1, ds::testing::comm_with_timeout(std::chrono::seconds(20)), fn);
+  std::vector<std::string> messages(errors.size());
+  for (size_t w = 0; w < errors.size(); ++w) {
+    if (!errors[w]) continue;
+    try {
+      std::rethrow_exception(errors[w]);
+    } catch (const std::exception& e) {
+      messages[w] = e.what();
+    }
   }
-  for (auto& t : threads) t.join();
-  return errors;
+  return messages;
 }
 
 ds::Tensor filled(const ds::Shape& shape, float v) {

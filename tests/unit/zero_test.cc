@@ -56,21 +56,8 @@ ds::MirroredOptions mirrored(int replicas, bool zero) {
 // with `local` CPU replicas over one InProcessGroup; rethrows the first error.
 void run_workers(int workers, int local, bool zero,
                  const std::function<void(ds::MultiWorkerMirroredStrategy&, int)>& fn) {
-  ds::CommunicationOptions comm;
-  comm.timeout = std::chrono::seconds(60);
-  ds::InProcessGroup group(workers, comm);
-  ds::testing::run_threads(
-      workers,
-      [&](int w) {
-        ds::MultiWorkerOptions o;
-        o.communication = comm;
-        o.communicator = &group.at(w);
-        o.devices = ds::testing::cpu_devices(local);
-        o.shard_optimizer_state = zero;
-        ds::MultiWorkerMirroredStrategy s(o);
-        fn(s, w);
-      },
-      [&](int w) { group.at(w).abort("worker " + std::to_string(w) + " failed"); });
+  ds::testing::rethrow_first(ds::testing::run_multi_worker(std::vector<bool>(static_cast<size_t>(workers), zero),
+                                                           local, ds::testing::comm_with_timeout(std::chrono::seconds(60)), fn));
 }
 
 // The unsharded reference: MirroredStrategy with `replicas` replicas.

@@ -157,32 +157,21 @@ void run_parameter_server(const Args& a, std::string& summary, Reporter& report)
                 " at step " + std::to_string(st.worker_steps[w]);
       }
     }
-    if (!s.fault_injection().active() && !lost.empty() && a.allow_lost_workers) {
-      if (st.pushes_sent != a.steps || st.pushes_applied != steps_pushed ||
-          st.pushes_rejected != 0) {
-        throw ds::InternalError("INVARIANT VIOLATED: PS accounting with " + lost +
-                                " lost: this worker sent " + std::to_string(st.pushes_sent) +
-                                " (want " + std::to_string(a.steps) + "), PS applied " +
-                                std::to_string(st.pushes_applied) + " (want " +
-                                std::to_string(steps_pushed) + "), rejected " +
-                                std::to_string(st.pushes_rejected));
-      }
-      expect_values(vars, -kLr * static_cast<float>(steps_pushed));
-      summary = std::to_string(a.steps) + " steps with " + lost + " lost; " + summary +
-                ", values exact";
-    } else if (!s.fault_injection().active()) {
-      // One PS: every step is one push per worker. Nothing lost, nothing
-      // applied twice, nothing rejected.
-      if (st.pushes_sent != a.steps || st.pushes_applied != workers * a.steps ||
-          st.pushes_rejected != 0) {
-        throw ds::InternalError("INVARIANT VIOLATED: PS accounting: this worker sent " +
-                                std::to_string(st.pushes_sent) + " (want " +
+    if (!s.fault_injection().active()) {
+      // One PS: every step is one push per worker. Nothing lost (unless
+      // allowed), nothing applied twice, nothing rejected.
+      const bool lost_allowed = !lost.empty() && a.allow_lost_workers;
+      const int64_t want = lost_allowed ? steps_pushed : workers * a.steps;
+      if (st.pushes_sent != a.steps || st.pushes_applied != want || st.pushes_rejected != 0) {
+        throw ds::InternalError("INVARIANT VIOLATED: PS accounting" +
+                                (lost_allowed ? " with " + lost + " lost" : std::string()) +
+                                ": this worker sent " + std::to_string(st.pushes_sent) + " (want " +
                                 std::to_string(a.steps) + "), PS applied " +
-                                std::to_string(st.pushes_applied) + " (want " +
-                                std::to_string(workers * a.steps) + "), rejected " +
-                                std::to_string(st.pushes_rejected));
+                                std::to_string(st.pushes_applied) + " (want " + std::to_string(want) +
+                                "), rejected " + std::to_string(st.pushes_rejected));
       }
-      expect_values(vars, -kLr * static_cast<float>(workers * a.steps));
+      expect_values(vars, -kLr * static_cast<float>(want));
+      if (lost_allowed) summary = std::to_string(a.steps) + " steps with " + lost + " lost; " + summary;
       summary += ", values exact";
     }
   } catch (const std::exception& e) {
