@@ -11,6 +11,7 @@
 
 #include "allreduce/reduce_kernels.h"
 #include "core/collective_check.h"
+#include "core/fnv1a.h"
 #include "core/env.h"
 #include "core/timeline.h"
 #include "diststrat/optimizer.h"
@@ -524,19 +525,15 @@ void MultiWorkerMirroredStrategy::apply_gradients(
     std::stable_sort(layout.begin(), layout.end(), [](const Variable* a, const Variable* b) {
       return a->impl().creation_index < b->impl().creation_index;
     });
-    uint64_t h = 1469598103934665603ull;
-    auto mix = [&h](const std::string& s) {
-      for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
-      h = (h ^ 0xffu) * 1099511628211ull;
-    };
+    Fnv1a h;
     for (const Variable* v : layout) {
-      mix(v->name());
-      mix(std::to_string(v->shape().num_elements()));
+      h.text(v->name());
+      h.value<int64_t>(v->shape().num_elements());
     }
     std::ostringstream what;
     what << "sharded gradients of " << layout.size() << " variable(s)";
     if (!layout.empty()) what << " '" << layout.front()->name() << "'..'" << layout.back()->name() << "'";
-    what << " (layout " << std::hex << h << ")";
+    what << " (layout " << std::hex << h.get() << ")";
     const std::string scatter_name = what.str();
     ShardedCollectives c;
     c.reduce_scatter = [&](const Tensor& in, Tensor& out) {
