@@ -27,11 +27,9 @@
 //   deadline or abort() the group is unusable: destroy it and make another.
 //   Ranks whose calls differ (kind of collective, count, dtype, reduce op,
 //   root) all throw InvalidArgumentError naming the first odd rank and both
-//   calls, and the group is aborted; with several nodes the hierarchical
-//   all_reduce compares within each node only (the other nodes' ranks fail
-//   at their deadline), and a call that differs only between nodes is NOT
-//   detected; with one rank per host no collective compares calls. There
-//   the same byte count with another dtype or op gives wrong numbers
+//   calls, before any byte moves: on one host, compared in shared memory
+//   (and the group is aborted); across hosts or virtual nodes, by one small
+//   message exchange per call (ceil(log2 size) rounds)
 //   (docs/process_group.md). Names are not compared (they only label errors).
 // - Thread safety: one thread at a time per group (a group is one rank's
 //   Communicator). A call made while another thread's call on the same group

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -109,8 +110,11 @@ void ring_reduce_scatter(const Peers& peers, const AllReduceArgs& a, const Chunk
 void ring_all_gather(const Peers& peers, void* buf, size_t elem, const ChunkLayout& layout,
                      int shift, size_t segment, int tag, Clock::time_point deadline);
 
-// Dissemination barrier.
-void dissemination_barrier(const Peers& peers, int tag, Clock::time_point deadline);
+// Dissemination barrier that also compares one value per member: returns,
+// on every member alike, whether all members passed the same `value` (each
+// round carries the least and greatest value seen so far). ceil(log2 n)
+// rounds of 16-byte messages.
+bool dissemination_agree(const Peers& peers, uint64_t value, int tag, Clock::time_point deadline);
 
 // ---- selection ----
 // The algorithm kAuto picks for an all-reduce of `bytes` over `ranks` ranks on

@@ -1,9 +1,12 @@
 // Helpers shared by the algorithms in this folder, and the dissemination
-// barrier: in round k (k = 1, 2, 4, ...) member i sends an empty message to
-// member i + k and receives one from member i - k (mod n). After ceil(lg n)
+// agreement: in round k (k = 1, 2, 4, ...) member i sends what it has seen to
+// member i + k and receives from member i - k (mod n). After ceil(lg n)
 // rounds every member has heard, directly or transitively, from all others.
 
 #include "allreduce/algorithm.h"
+
+#include <algorithm>
+
 #include "allreduce/reduce_kernels.h"
 
 namespace diststrat {
@@ -63,15 +66,19 @@ size_t segment_bytes(const CommunicationOptions& options) {
   return options.segment_bytes ? options.segment_bytes : size_t{1} << 20;
 }
 
-void dissemination_barrier(const Peers& peers, int tag, Clock::time_point deadline) {
+bool dissemination_agree(const Peers& peers, uint64_t value, int tag, Clock::time_point deadline) {
   const int n = peers.size();
-  char dummy_out = 0, dummy_in = 0;
+  uint64_t seen[2] = {value, value};  // least, greatest
   for (int k = 1; k < n; k <<= 1) {
-    Request r = peers.recv((peers.me - k + n) % n, &dummy_in, 0, tag);
-    Request s = peers.send((peers.me + k) % n, &dummy_out, 0, tag);
+    uint64_t out[2] = {seen[0], seen[1]}, in[2] = {0, 0};
+    Request r = peers.recv((peers.me - k + n) % n, in, sizeof in, tag);
+    Request s = peers.send((peers.me + k) % n, out, sizeof out, tag);
     r.wait(deadline);
     s.wait(deadline);
+    seen[0] = std::min(seen[0], in[0]);
+    seen[1] = std::max(seen[1], in[1]);
   }
+  return seen[0] == seen[1];
 }
 
 }  // namespace algo

@@ -1,12 +1,15 @@
 #include "allreduce/transport_communicator.h"
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cstring>
 #include <set>
 #include <sstream>
 
 #include "allreduce/custom.h"
 #include "allreduce/reduce_kernels.h"
+#include "core/fnv1a.h"
 #include "core/user_text.h"
 
 namespace diststrat {
@@ -59,8 +62,78 @@ TransportCommunicator::TransportCommunicator(Transport& transport, Communication
 }
 
 int TransportCommunicator::next_tag() {
-  const int slot = static_cast<int>(calls_++ % kTagSlots);
+  const int slot = static_cast<int>(tag_blocks_++ % kTagSlots);
   return kTagBase + slot * algo::kTagsPerCall;
+}
+
+namespace {
+
+// A CallKey as fixed-width words, identical in every process and build:
+// kind, count, dtype, op, root, algorithm (-1 where the call has none),
+// segment bytes, node count.
+constexpr int kKeyWords = 8;
+using KeyWords = std::array<int64_t, kKeyWords>;
+constexpr int64_t kBarrierKind = 4;
+
+const char* kind_name(int64_t kind) {
+  static const char* const names[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter",
+                                      "barrier"};
+  return 0 <= kind && kind <= kBarrierKind ? names[kind] : "unknown call";
+}
+
+// "all_reduce of 4 float32 sum (ring)"; also the settings in which it
+// differs from `other` (segment size, node count), so that a mismatch in
+// options alone still says what differs.
+std::string describe_key(const KeyWords& k, const KeyWords& other) {
+  std::ostringstream os;
+  os << kind_name(k[0]);
+  if (k[0] != kBarrierKind) os << " of " << k[1] << " " << dtype_name(static_cast<DType>(k[2]));
+  if (k[3] >= 0) os << " " << reduce_op_name(static_cast<ReduceOp>(k[3]));
+  if (k[4] >= 0) os << " from root " << k[4];
+  if (k[5] >= 0) os << " (" << algorithm_name(static_cast<Algorithm>(k[5])) << ")";
+  if (other[6] != k[6]) os << " with " << k[6] << "-byte segments";
+  if (other[7] != k[7]) os << " over " << k[7] << " node(s)";
+  return os.str();
+}
+
+}  // namespace
+
+void TransportCommunicator::compare_call(const CallKey& key, const std::string& what) {
+  guarded(what, [&] { agree_on_call(key); });
+}
+
+void TransportCommunicator::agree_on_call(const CallKey& key) {
+  KeyWords mine{};
+  mine[0] = static_cast<int64_t>(key.kind);
+  mine[1] = static_cast<int64_t>(key.count);
+  mine[2] = static_cast<int64_t>(key.dtype);
+  mine[3] = key.op ? static_cast<int64_t>(*key.op) : -1;
+  mine[4] = key.root;
+  mine[5] = key.algorithm ? static_cast<int64_t>(*key.algorithm) : -1;
+  mine[6] = static_cast<int64_t>(algo::segment_bytes(options_));
+  mine[7] = num_nodes_;
+  Fnv1a hash;
+  hash.bytes(mine.data(), sizeof mine);
+  const algo::Peers peers = algo::Peers::all(*transport_);
+  if (algo::dissemination_agree(peers, hash.get(), next_tag(), deadline())) return;
+  // Rare path, taken by every rank alike: gather every rank's key to say
+  // what differs.
+  const int n = size();
+  std::vector<KeyWords> all(n);
+  all[rank()] = mine;
+  algo::ChunkLayout layout{[](int c) { return static_cast<size_t>(c) * kKeyWords; },
+                           [](int) { return static_cast<size_t>(kKeyWords); }};
+  algo::ring_all_gather(peers, all.data(), sizeof(int64_t), layout, /*shift=*/0,
+                        /*segment=*/sizeof(KeyWords), next_tag(), deadline());
+  int other = 1;
+  while (other < n && all[other] == all[0]) ++other;
+  if (other == n) {
+    throw DataLossError("ranks agree on the call, yet the comparison of its hashes failed: a "
+                        "comparison message was damaged on its way");
+  }
+  throw InvalidArgumentError("ranks disagree on the call: rank 0 has " +
+                             describe_key(all[0], all[other]) + ", rank " + std::to_string(other) +
+                             " has " + describe_key(all[other], all[0]));
 }
 
 Algorithm TransportCommunicator::resolve(size_t bytes) const {
@@ -102,6 +175,7 @@ void TransportCommunicator::all_reduce(const void* in, void* out, size_t count, 
   guarded(describe_call("all_reduce", count, dtype, &op, name) + " (" +
               algorithm_name(algorithm) + ")",
           [&] {
+            agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm});
             if (in != out && bytes) std::memcpy(out, in, bytes);
             run_algorithm(algorithm, out, count, dtype, op);
           });
@@ -109,11 +183,14 @@ void TransportCommunicator::all_reduce(const void* in, void* out, size_t count, 
 
 void TransportCommunicator::broadcast(void* buf, size_t count, DType dtype, int root,
                                       const std::string& name) {
-  DISTSTRAT_CHECK(0 <= root && root < size(), kInvalidArgument, "rank ", rank(), ": broadcast '",
-                  echo(name), "': root ", root, " is not a rank of a group of ", size());
   guarded(describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
               std::to_string(root),
           [&] {
+            // Compared first, so that a root out of range on some ranks only
+            // is an error on all of them, not a wait until the deadline.
+            agree_on_call({CallKind::kBroadcast, count, dtype, nullptr, root, nullptr});
+            DISTSTRAT_CHECK(0 <= root && root < size(), kInvalidArgument, "root ", root,
+                            " is not a rank of a group of ", size());
             const int tag = next_tag();
             algo::tree_broadcast(algo::Peers::all(*transport_), buf, count * dtype_size(dtype),
                                  root, tag, deadline());
@@ -123,6 +200,7 @@ void TransportCommunicator::broadcast(void* buf, size_t count, DType dtype, int 
 void TransportCommunicator::all_gather(const void* in, void* out, size_t count, DType dtype,
                                        const std::string& name) {
   guarded(describe_call("all_gather", count, dtype, nullptr, name), [&] {
+    agree_on_call({CallKind::kAllGather, count, dtype, nullptr, -1, nullptr});
     const size_t es = dtype_size(dtype), bytes = count * es;
     char* mine = static_cast<char*>(out) + rank() * bytes;
     if (bytes && mine != in) std::memcpy(mine, in, bytes);
@@ -136,6 +214,7 @@ void TransportCommunicator::all_gather(const void* in, void* out, size_t count, 
 void TransportCommunicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype,
                                            ReduceOp op, const std::string& name) {
   guarded(describe_call("reduce_scatter", count, dtype, &op, name), [&] {
+    agree_on_call({CallKind::kReduceScatter, count, dtype, &op, -1, nullptr});
     const int n = size();
     const size_t es = dtype_size(dtype), bytes = count * es;
     std::vector<char> work(static_cast<size_t>(n) * bytes);
@@ -158,10 +237,8 @@ void TransportCommunicator::reduce_scatter(const void* in, void* out, size_t cou
 }
 
 void TransportCommunicator::barrier(const std::string& name) {
-  guarded(std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'"), [&] {
-    const int tag = next_tag();
-    algo::dissemination_barrier(algo::Peers::all(*transport_), tag, deadline());
-  });
+  guarded(std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'"),
+          [&] { agree_on_call({}); });
 }
 
 void TransportCommunicator::abort(const std::string& reason) {

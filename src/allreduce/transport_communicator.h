@@ -6,9 +6,16 @@
 // threads) and MPI point-to-point; MPI's factory adds MPI_Allreduce and the
 // shared-memory path on top (mpi_communicator.h).
 //
-// Tags: collective call k uses tags kTagBase + (k mod kTagSlots) * 8 + [0, 8),
-// all within [16384, 24576); other protocols sharing the transport (the
-// parameter-server service) must use tags below 16384.
+// Every collective first compares what each rank is calling (kind, count,
+// dtype, op, root, algorithm, segment size, node count) in one dissemination
+// exchange of 16-byte messages (ceil(log2 size) rounds): a mismatch is the
+// same InvalidArgumentError on every rank, before any byte of the call moves,
+// instead of wrong numbers or a wait until the deadline.
+//
+// Tags: each comparison and each collective takes the next block of 8 tags,
+// kTagBase + (k mod kTagSlots) * 8 + [0, 8), all within [16384, 24576);
+// other protocols sharing the transport (the parameter-server service) must
+// use tags below 16384.
 #pragma once
 
 #include <memory>
@@ -56,6 +63,26 @@ class TransportCommunicator : public Communicator {
   // after a transport abort build a new communicator.
   void reset() override;
 
+  // What a rank is calling, as the comparison at the top of this file sees it.
+  enum class CallKind { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier };
+  struct CallKey {
+    CallKind kind = CallKind::kBarrier;
+    size_t count = 0;
+    DType dtype = DType::kFloat32;
+    const ReduceOp* op = nullptr;          // reductions only
+    int root = -1;                         // broadcast only
+    const Algorithm* algorithm = nullptr;  // all_reduce only (kAuto resolved)
+  };
+  // The comparison every collective here starts with, for a communicator
+  // built over this one whose own sub-calls do not carry its caller's call
+  // (the hierarchical all-reduce splits count and turns kMean into kSum):
+  // returns when every rank of this communicator passed the same `key`;
+  // otherwise every rank throws InvalidArgumentError prefixed like this
+  // communicator's errors (`what` names the call): "ranks disagree on the
+  // call: rank 0 has ..., rank R has ..." (R the first rank that differs
+  // from rank 0).
+  void compare_call(const CallKey& key, const std::string& what);
+
   // The algorithm all_reduce will run for `bytes` (kAuto resolved).
   Algorithm resolve(size_t bytes) const;
   int num_nodes() const { return num_nodes_; }
@@ -63,10 +90,12 @@ class TransportCommunicator : public Communicator {
   Transport& transport() { return *transport_; }
 
  protected:
+  // compare_call's comparison without its error prefix. Also a barrier.
+  void agree_on_call(const CallKey& key);
   // Runs `fn`, turning any Error it throws into the same code with a message
   // prefixed by this rank, the op, the tensor and the call number.
   template <typename Fn> void guarded(const std::string& what, Fn&& fn) {
-    const long call = calls_;
+    const long call = calls_++;
     if (aborted_) {
       throw AbortedError("rank " + std::to_string(rank()) + ": " + what + " aborted: " +
                          abort_reason_);
@@ -78,7 +107,7 @@ class TransportCommunicator : public Communicator {
                                 std::to_string(call) + "): " + e.message());
     }
   }
-  // Next call's tag block.
+  // Next tag block.
   int next_tag();
   // In-place all-reduce of buf with a point-to-point algorithm.
   void run_algorithm(Algorithm algorithm, void* buf, size_t count, DType dtype, ReduceOp op);
@@ -89,7 +118,8 @@ class TransportCommunicator : public Communicator {
   CommunicationOptions options_;
   std::vector<int> node_of_;
   int num_nodes_ = 1;
-  long calls_ = 0;
+  long calls_ = 0;       // collectives started (error messages' call #)
+  long tag_blocks_ = 0;  // tag blocks handed out
   bool aborted_ = false;
   std::string abort_reason_;
 };

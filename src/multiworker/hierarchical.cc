@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "allreduce/reduce_kernels.h"
+#include "allreduce/transport_communicator.h"
 
 namespace diststrat {
 
@@ -28,12 +29,17 @@ void HierarchicalCommunicator::check_layout() {
   DISTSTRAT_CHECK_EQ(intra_->size() * inter_->size(), flat_->size(),
                      "HierarchicalCommunicator on rank ", flat_->rank(),
                      ": every node must have the same number of ranks (node size x nodes)");
+  compare_ = dynamic_cast<TransportCommunicator*>(flat_);
 }
 
 void HierarchicalCommunicator::all_reduce(const void* in, void* out, size_t count, DType dtype,
                                           ReduceOp op, const std::string& name) {
   const size_t esz = dtype_size(dtype);
   const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  if (compare_) {
+    compare_->compare_call({TransportCommunicator::CallKind::kAllReduce, count, dtype, &op},
+                           describe_call("all_reduce", count, dtype, &op, name) + " (hierarchical)");
+  }
   const int L = intra_->size();
   if (L == 1 || inter_->size() == 1) {
     Communicator& c = L == 1 ? *inter_ : *intra_;

@@ -11,6 +11,10 @@
 // kMean is summed in every stage and divided once by size() at the end.
 // Every node must have the same number of ranks (checked at construction).
 // Broadcast, all-gather, reduce-scatter and barrier use `flat`.
+// The sub-calls carry a block count and kSum, not the caller's call, so when
+// `flat` is a TransportCommunicator (MPI) the all-reduce first compares the
+// caller's count, dtype and op on every rank through it: a mismatch anywhere
+// is the same InvalidArgumentError on every rank, never wrong numbers.
 #pragma once
 
 #include <memory>
@@ -19,6 +23,8 @@
 #include "diststrat/collective.h"
 
 namespace diststrat {
+
+class TransportCommunicator;
 
 class HierarchicalCommunicator : public Communicator {
  public:
@@ -55,6 +61,7 @@ class HierarchicalCommunicator : public Communicator {
   void check_layout();
   std::vector<std::unique_ptr<Communicator>> owned_;
   Communicator* flat_;
+  TransportCommunicator* compare_ = nullptr;  // flat_, when it can compare calls
   Communicator* intra_;
   Communicator* inter_;
   std::vector<char> scratch_;

@@ -274,17 +274,51 @@ TEST(ProcessGroupMpi, AMismatchedBroadcastListIsAnErrorOnEveryRankNamingTheTenso
 }
 
 // Calls that differ across ranks (count, dtype, reduce op, root, kind of
-// collective) through the group: every rank throws, naming the operation, the
-// tensor and the odd rank, within the deadline; no rank returns with numbers
-// from a call that did not match its own.
+// collective; one rank, or a whole node) through the group: every rank
+// throws, naming the operation, the tensor and the first rank that differs,
+// within the deadline; no rank returns with numbers from a call that did not
+// match its own. Also under virtual nodes (ctest
+// mpi_multi_worker_virtual_nodes_tcp) and across hosts (the cluster sweep),
+// where the hierarchical all_reduce's sub-calls alone would not tell.
 TEST(ProcessGroupMpi, MismatchedCallsAreAnErrorOnEveryRankNamingTheCall) {
   const int n = world_size(), me = world_rank(), odd = n - 1;
   const bool is_odd = me == odd;
+  // The second half of the ranks: across (virtual) nodes or hosts, a whole
+  // node that calls differently.
+  const int half = n / 2;
+  const bool upper = me >= half;
   struct Variant {
     const char* what;  // expected in every message
     std::function<void(ds::ProcessGroup&)> call;
+    int differs = -1;  // the first rank that differs from rank 0 (-1: `odd`)
   };
   const std::vector<Variant> variants{
+      // Same block count in the hierarchical all_reduce (7 and 8 over nodes
+      // of 2), same sub-call op (kMean is summed): only the caller's call
+      // tells them apart.
+      {"all_reduce", [&](ds::ProcessGroup& pg) {
+         std::vector<float> g(8, 1.0f);
+         pg.all_reduce(g.data(), g.data(), is_odd ? 7 : 8, ds::DType::kFloat32, ds::ReduceOp::kSum, "w/grad");
+       }},
+      {"all_reduce", [&](ds::ProcessGroup& pg) {
+         std::vector<float> g(4, 1.0f);
+         pg.all_reduce(g.data(), g.data(), 4, ds::DType::kFloat32,
+                       is_odd ? ds::ReduceOp::kMean : ds::ReduceOp::kSum, "w/grad");
+       }},
+      {"all_reduce", [&](ds::ProcessGroup& pg) {
+         std::vector<float> g(4, 1.0f);
+         pg.all_reduce(g.data(), g.data(), 4, ds::DType::kFloat32,
+                       upper ? ds::ReduceOp::kMax : ds::ReduceOp::kSum, "w/grad");
+       }, half},
+      {"all_reduce", [&](ds::ProcessGroup& pg) {
+         std::vector<int32_t> g(4, 1);
+         pg.all_reduce(g.data(), g.data(), 4, upper ? ds::DType::kInt32 : ds::DType::kFloat32,
+                       ds::ReduceOp::kSum, "w/grad");
+       }, half},
+      {"broadcast", [&](ds::ProcessGroup& pg) {
+         std::vector<float> b(4, static_cast<float>(me));
+         pg.broadcast(b.data(), 4, upper ? ds::DType::kInt32 : ds::DType::kFloat32, 0, "w/grad");
+       }, half},
       {"all_reduce", [&](ds::ProcessGroup& pg) {
          std::vector<float> g(5, 1.0f);
          pg.all_reduce(g.data(), g.data(), is_odd ? 5 : 4, ds::DType::kFloat32, ds::ReduceOp::kSum, "w/grad");
@@ -334,10 +368,7 @@ TEST(ProcessGroupMpi, MismatchedCallsAreAnErrorOnEveryRankNamingTheCall) {
        }},
   };
   for (size_t v = 0; v < variants.size(); ++v) {
-    // Across (virtual) nodes the hierarchical all_reduce compares calls
-    // within each node only: the node without the odd rank fails at its
-    // deadline in the cross-node MPI step (docs/process_group.md).
-    if (virtual_nodes() && std::string(variants[v].what) == "all_reduce") continue;
+    const int differs = variants[v].differs >= 0 ? variants[v].differs : odd;
     ds::ProcessGroup pg(group_options(std::chrono::seconds(20)));
     const auto t0 = std::chrono::steady_clock::now();
     try {
@@ -348,7 +379,7 @@ TEST(ProcessGroupMpi, MismatchedCallsAreAnErrorOnEveryRankNamingTheCall) {
       EXPECT_TRUE(has(e.message(), "rank " + std::to_string(me) + ": ")) << e.message();
       EXPECT_TRUE(has(e.message(), variants[v].what)) << e.message();
       EXPECT_TRUE(has(e.message(), "'w/grad'")) << e.message();
-      EXPECT_TRUE(has(e.message(), "rank " + std::to_string(odd) + " has")) << e.message();
+      EXPECT_TRUE(has(e.message(), "rank " + std::to_string(differs) + " has")) << e.message();
     } catch (const ds::AbortedError& e) {
       // A rank that looks later may see the abort of one that looked first.
       EXPECT_TRUE(has(e.message(), "disagree")) << e.message();

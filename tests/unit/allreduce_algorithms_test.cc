@@ -221,6 +221,120 @@ TEST(TransportCommunicator, AbortMakesCallsFailWithAborted) {
   });
 }
 
+// Calls that differ across ranks, the odd one being the last rank: before any
+// byte of the call moves, every rank throws the same InvalidArgumentError
+// naming rank 0's call and the odd rank's; no output is written and the
+// group stays usable. (Without the comparison, same-size mismatches such as
+// the op, the dtype, the root or kMean vs kSum returned wrong numbers on
+// every rank, and the others failed only at the deadline.)
+TEST(TransportCommunicator, MismatchedCallsFailOnEveryRankBeforeAnyByteMoves) {
+  const int n = 4, odd = n - 1;
+  using Call = std::function<void(ds::TransportCommunicator&, bool, std::vector<float>&)>;
+  struct Variant {
+    const char* label;
+    std::string rank0, odd_rank;  // how the message names each call
+    Call call;
+    std::function<void(ds::CommunicationOptions&)> odd_options = {};
+  };
+  auto reduce = [](size_t count, ds::DType dtype, ds::ReduceOp op) {
+    return [=](ds::TransportCommunicator& c, bool, std::vector<float>& b) {
+      c.all_reduce(b.data(), b.data(), count, dtype, op, "w/grad");
+    };
+  };
+  auto by_rank = [](Call normal, Call odd_call) {
+    return [=](ds::TransportCommunicator& c, bool is_odd, std::vector<float>& b) {
+      (is_odd ? odd_call : normal)(c, is_odd, b);
+    };
+  };
+  const ds::DType f32 = ds::DType::kFloat32, i32 = ds::DType::kInt32;
+  const ds::ReduceOp sum = ds::ReduceOp::kSum;
+  std::vector<Variant> variants{
+      {"op", "all_reduce of 4 float32 sum (ring)", "all_reduce of 4 float32 max (ring)",
+       by_rank(reduce(4, f32, sum), reduce(4, f32, ds::ReduceOp::kMax))},
+      {"mean", "all_reduce of 4 float32 sum (ring)", "all_reduce of 4 float32 mean (ring)",
+       by_rank(reduce(4, f32, sum), reduce(4, f32, ds::ReduceOp::kMean))},
+      {"dtype", "all_reduce of 4 float32 sum (ring)", "all_reduce of 4 int32 sum (ring)",
+       by_rank(reduce(4, f32, sum), reduce(4, i32, sum))},
+      {"count", "all_reduce of 4 float32 sum (ring)", "all_reduce of 3 float32 sum (ring)",
+       by_rank(reduce(4, f32, sum), reduce(3, f32, sum))},
+      {"algorithm", "all_reduce of 4 float32 sum (ring)", "all_reduce of 4 float32 sum (tree)",
+       reduce(4, f32, sum), [](ds::CommunicationOptions& o) { o.algorithm = ds::Algorithm::kTree; }},
+      {"segments", "all_reduce of 4 float32 sum (ring) with 1048576-byte segments",
+       "all_reduce of 4 float32 sum (ring) with 64-byte segments", reduce(4, f32, sum),
+       [](ds::CommunicationOptions& o) { o.segment_bytes = 64; }},
+      {"root", "broadcast of 4 float32 from root 0", "broadcast of 4 float32 from root 1",
+       [](ds::TransportCommunicator& c, bool is_odd, std::vector<float>& b) {
+         c.broadcast(b.data(), 4, ds::DType::kFloat32, is_odd ? 1 : 0, "w/grad");
+       }},
+      {"broadcast dtype", "broadcast of 4 float32 from root 0", "broadcast of 4 int32 from root 0",
+       [](ds::TransportCommunicator& c, bool is_odd, std::vector<float>& b) {
+         c.broadcast(b.data(), 4, is_odd ? ds::DType::kInt32 : ds::DType::kFloat32, 0, "w/grad");
+       }},
+      {"kind", "all_gather of 1 float32", "barrier",
+       [n](ds::TransportCommunicator& c, bool is_odd, std::vector<float>& b) {
+         std::vector<float> all(n, -1.f);
+         if (is_odd) return c.barrier("w/grad");
+         c.all_gather(b.data(), all.data(), 1, ds::DType::kFloat32, "w/grad");
+         std::copy(all.begin(), all.begin() + 4, b.begin());
+       }},
+      {"reduce_scatter op", "reduce_scatter of 1 float32 sum", "reduce_scatter of 1 float32 min",
+       [n](ds::TransportCommunicator& c, bool is_odd, std::vector<float>& b) {
+         std::vector<float> in(n, 7.f);
+         c.reduce_scatter(in.data(), b.data(), 1, ds::DType::kFloat32,
+                          is_odd ? ds::ReduceOp::kMin : ds::ReduceOp::kSum, "w/grad");
+       }},
+  };
+  // The op mismatch under every point-to-point algorithm.
+  for (ds::Algorithm a : {ds::Algorithm::kHalvingDoubling, ds::Algorithm::kTree,
+                          ds::Algorithm::kReduceToOne, ds::Algorithm::kHierarchical}) {
+    const std::string name = ds::algorithm_name(a);
+    variants.push_back({"op", "all_reduce of 4 float32 sum (" + name + ")",
+                        "all_reduce of 4 float32 max (" + name + ")",
+                        by_rank(reduce(4, f32, sum), reduce(4, f32, ds::ReduceOp::kMax))});
+    variants.back().odd_options = [a](ds::CommunicationOptions& o) { o.algorithm = a; };
+  }
+  for (size_t v = 0; v < variants.size(); ++v) {
+    const Variant& var = variants[v];
+    // The per-algorithm variants set the algorithm on every rank.
+    const bool everyone = v >= 10;
+    SCOPED_TRACE(std::string(var.label) + " (variant " + std::to_string(v) + ")");
+    ds::InProcessTransportGroup group(n);
+    std::vector<std::string> messages(n);
+    std::vector<std::vector<float>> after(n);
+    ds::testing::run_threads(n, [&](int r) {
+      ds::CommunicationOptions o;
+      o.algorithm = ds::Algorithm::kRing;
+      o.hierarchical_group_size = 2;
+      o.timeout = std::chrono::seconds(20);
+      if (var.odd_options && (r == odd || everyone)) var.odd_options(o);
+      ds::TransportCommunicator comm(group.at(r), o);
+      std::vector<float> b(4, static_cast<float>(r + 1));
+      try {
+        var.call(comm, r == odd, b);
+      } catch (const ds::InvalidArgumentError& e) {
+        messages[r] = e.message();
+      }
+      after[r] = b;
+      // Usable afterwards (the same call on every rank), unless the ranks'
+      // options differ for good.
+      if (var.odd_options && !everyone) return;
+      std::vector<float> ok(4, 1.f);
+      comm.all_reduce(ok.data(), ok.data(), 4, ds::DType::kFloat32, ds::ReduceOp::kSum, "after");
+      EXPECT_EQ(ok[3], static_cast<float>(n));
+    }, [&](int r) { group.at(r).abort("rank " + std::to_string(r) + " failed"); });
+    for (int r = 0; r < n; ++r) {
+      const std::string& m = messages[r];
+      EXPECT_NE(m.find("rank " + std::to_string(r) + ": "), std::string::npos) << m;
+      EXPECT_NE(m.find("'w/grad'"), std::string::npos) << m;
+      EXPECT_NE(m.find("ranks disagree on the call: rank 0 has " + var.rank0 + ", rank " +
+                       std::to_string(odd) + " has " + var.odd_rank),
+                std::string::npos)
+          << m;
+      EXPECT_EQ(after[r], std::vector<float>(4, static_cast<float>(r + 1))) << "rank " << r;
+    }
+  }
+}
+
 // A rank that never joins: the others fail with DeadlineExceeded within the
 // deadline; the rank that waits on it directly names it.
 TEST(TransportDeadline, RankThatNeverJoinsIsNamed) {
