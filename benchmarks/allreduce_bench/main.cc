@@ -9,7 +9,7 @@
 // ratio of `mpi`'s p50 time to this row's (busbw relative to MPI_Allreduce).
 // The machine's memory copy bandwidth is measured once as the physical
 // reference. Baselines run in the same invocation: mpi = MPI_Allreduce
-// (MPI_Iallreduce polled), gloo = Gloo's ring-chunked and halving-doubling
+// (called directly; 16-bit dtypes through the kMpiNative communicator), gloo = Gloo's ring-chunked and halving-doubling
 // over TCP loopback.
 //
 // --collectives all_reduce,reduce_scatter,all_gather adds rows for the
@@ -118,6 +118,42 @@ struct CommRunner : Runner {
   ds::Communicator& comm;
   ds::DType dtype;
   ds::ReduceOp op;
+};
+
+// "mpi": MPI_Allreduce itself, not through diststrat (which would add its
+// call comparison, allreduce/transport_communicator.h), for the dtypes MPI
+// has; float16/bfloat16 go through the kMpiNative communicator (MPI_Iallreduce
+// with diststrat's reduction ops). The communicator also serves the
+// "mpi/<collective>" rows.
+struct RawMpiRunner : CommRunner {
+  using CommRunner::CommRunner;
+  void all_reduce(const void* in, void* out, size_t count) override {
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+    switch (dtype) {
+      case ds::DType::kFloat32: type = MPI_FLOAT; break;
+      case ds::DType::kFloat64: type = MPI_DOUBLE; break;
+      case ds::DType::kInt32: type = MPI_INT32_T; break;
+      case ds::DType::kInt64: type = MPI_INT64_T; break;
+      default: return CommRunner::all_reduce(in, out, count);
+    }
+    MPI_Op mpi_op = MPI_SUM;
+    if (op == ds::ReduceOp::kProduct) mpi_op = MPI_PROD;
+    if (op == ds::ReduceOp::kMin) mpi_op = MPI_MIN;
+    if (op == ds::ReduceOp::kMax) mpi_op = MPI_MAX;
+    const int rc = MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, static_cast<int>(count), type,
+                                 mpi_op, MPI_COMM_WORLD);
+    if (rc != MPI_SUCCESS) throw ds::InternalError("MPI_Allreduce failed");
+    if (op == ds::ReduceOp::kMean) {
+      int n = 1;
+      MPI_Comm_size(MPI_COMM_WORLD, &n);
+      for (size_t i = 0; i < count; ++i) {
+        if (dtype == ds::DType::kFloat32) static_cast<float*>(out)[i] /= static_cast<float>(n);
+        if (dtype == ds::DType::kFloat64) static_cast<double*>(out)[i] /= n;
+        if (dtype == ds::DType::kInt32) static_cast<int32_t*>(out)[i] /= n;
+        if (dtype == ds::DType::kInt64) static_cast<int64_t*>(out)[i] /= n;
+      }
+    }
+  }
 };
 
 // "<algo>_registered" (shm_registered, auto_registered, ...): the algorithm
@@ -867,6 +903,8 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
     comms.push_back(ds::make_mpi_communicator(MPI_COMM_WORLD, o));
     if (registered) {
       owned.push_back(std::make_unique<RegisteredRunner>(*comms.back(), dtype, op, c.max_bytes));
+    } else if (base == "mpi") {
+      owned.push_back(std::make_unique<RawMpiRunner>(*comms.back(), dtype, op));
     } else {
       owned.push_back(std::make_unique<CommRunner>(*comms.back(), dtype, op));
     }
