@@ -6,13 +6,17 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstring>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "allreduce/mpi_util.h"
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/shm_communicator.h"
 #include "allreduce/transport_communicator.h"
+#include "core/fnv1a.h"
 
 namespace diststrat {
 namespace {
@@ -224,10 +228,54 @@ class MpiCommunicator : public TransportCommunicator {
 };
 
 
+// The options that decide which path and algorithm a call takes (and so
+// which messages it sends) must be the same on every rank: ranks whose
+// options differ would meet in different protocols (shared memory against
+// point-to-point) and wait out their deadlines. One allgather at set-up;
+// every rank throws the same InvalidArgumentError naming the field.
+void check_same_options(MPI_Comm comm, const CommunicationOptions& o) {
+  int rank = 0, size = 1;
+  DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &size));
+  static const char* const fields[] = {"algorithm", "custom_algorithm", "segment_bytes",
+                                       "auto_tiny_message_bytes", "auto_small_message_bytes",
+                                       "hierarchical_group_size"};
+  constexpr int kFields = 6;
+  const int64_t mine[kFields] = {static_cast<int64_t>(o.algorithm),
+                                 static_cast<int64_t>(fnv1a(o.custom_algorithm)),
+                                 static_cast<int64_t>(o.segment_bytes),
+                                 static_cast<int64_t>(o.auto_tiny_message_bytes),
+                                 static_cast<int64_t>(o.auto_small_message_bytes),
+                                 static_cast<int64_t>(o.hierarchical_group_size)};
+  std::vector<int64_t> all(static_cast<size_t>(kFields) * size);
+  mpi::allgather(mine, all.data(), kFields, MPI_INT64_T, comm,
+                 "mpi communicator set-up: CommunicationOptions", o.timeout);
+  for (int r = 1; r < size; ++r) {
+    for (int f = 0; f < kFields; ++f) {
+      const int64_t a = all[f], b = all[static_cast<size_t>(r) * kFields + f];
+      if (a == b) continue;
+      auto show = [&](int64_t v) {
+        return f == 0 ? std::string("'") + algorithm_name(static_cast<Algorithm>(v)) + "'"
+                      : std::to_string(v);
+      };
+      const std::string who = "rank " + std::to_string(rank) +
+                              ": mpi communicator set-up: ranks disagree on CommunicationOptions::" +
+                              fields[f] + ": ";
+      if (f == 1) {
+        throw InvalidArgumentError(who + "rank 0 and rank " + std::to_string(r) +
+                                   " name different custom algorithms");
+      }
+      throw InvalidArgumentError(who + "rank 0 has " + show(a) + ", rank " + std::to_string(r) +
+                                 " has " + show(b));
+    }
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm,
                                                     const CommunicationOptions& options) {
+  check_same_options(comm, options);
   std::unique_ptr<Transport> transport = make_mpi_transport(comm, options.timeout);
   Transport& ref = *transport;
   return std::make_unique<MpiCommunicator>(ref, std::move(transport), comm, options,

@@ -73,7 +73,7 @@ namespace {
 // segment bytes, node count.
 constexpr int kKeyWords = 8;
 using KeyWords = std::array<int64_t, kKeyWords>;
-constexpr int64_t kBarrierKind = 4;
+constexpr int64_t kBarrierKind = 4;  // CallKind::kBarrier
 
 const char* kind_name(int64_t kind) {
   static const char* const names[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter",
@@ -97,10 +97,6 @@ std::string describe_key(const KeyWords& k, const KeyWords& other) {
 }
 
 }  // namespace
-
-void TransportCommunicator::compare_call(const CallKey& key, const std::string& what) {
-  guarded(what, [&] { agree_on_call(key); });
-}
 
 void TransportCommunicator::agree_on_call(const CallKey& key) {
   KeyWords mine{};

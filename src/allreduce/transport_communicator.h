@@ -13,9 +13,11 @@
 // instead of wrong numbers or a wait until the deadline.
 //
 // Tags: each comparison and each collective takes the next block of 8 tags,
-// kTagBase + (k mod kTagSlots) * 8 + [0, 8), all within [16384, 24576);
-// other protocols sharing the transport (the parameter-server service) must
-// use tags below 16384.
+// kTagBase + (k mod kTagSlots) * 8 + [0, 8), all within [16384, 24576)
+// (the comparison is also a barrier, so ranks are never more than a call
+// apart and the wrap-around cannot mix calls); other protocols sharing the
+// transport must stay outside that range (the parameter-server service's
+// tags start at 0x5053000).
 #pragma once
 
 #include <memory>
@@ -63,6 +65,13 @@ class TransportCommunicator : public Communicator {
   // after a transport abort build a new communicator.
   void reset() override;
 
+  // The algorithm all_reduce will run for `bytes` (kAuto resolved).
+  Algorithm resolve(size_t bytes) const;
+  int num_nodes() const { return num_nodes_; }
+  const std::vector<int>& node_of() const { return node_of_; }
+  Transport& transport() { return *transport_; }
+
+ protected:
   // What a rank is calling, as the comparison at the top of this file sees it.
   enum class CallKind { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier };
   struct CallKey {
@@ -73,24 +82,10 @@ class TransportCommunicator : public Communicator {
     int root = -1;                         // broadcast only
     const Algorithm* algorithm = nullptr;  // all_reduce only (kAuto resolved)
   };
-  // The comparison every collective here starts with, for a communicator
-  // built over this one whose own sub-calls do not carry its caller's call
-  // (the hierarchical all-reduce splits count and turns kMean into kSum):
-  // returns when every rank of this communicator passed the same `key`;
-  // otherwise every rank throws InvalidArgumentError prefixed like this
-  // communicator's errors (`what` names the call): "ranks disagree on the
-  // call: rank 0 has ..., rank R has ..." (R the first rank that differs
-  // from rank 0).
-  void compare_call(const CallKey& key, const std::string& what);
-
-  // The algorithm all_reduce will run for `bytes` (kAuto resolved).
-  Algorithm resolve(size_t bytes) const;
-  int num_nodes() const { return num_nodes_; }
-  const std::vector<int>& node_of() const { return node_of_; }
-  Transport& transport() { return *transport_; }
-
- protected:
-  // compare_call's comparison without its error prefix. Also a barrier.
+  // The comparison every collective here starts with: returns when every
+  // rank passed the same `key`; otherwise every rank throws
+  // InvalidArgumentError "ranks disagree on the call: rank 0 has ..., rank R
+  // has ..." (R the first rank that differs from rank 0). Also a barrier.
   void agree_on_call(const CallKey& key);
   // Runs `fn`, turning any Error it throws into the same code with a message
   // prefixed by this rank, the op, the tensor and the call number.

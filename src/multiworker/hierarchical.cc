@@ -1,6 +1,9 @@
 #include "multiworker/hierarchical.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport_communicator.h"
@@ -29,17 +32,40 @@ void HierarchicalCommunicator::check_layout() {
   DISTSTRAT_CHECK_EQ(intra_->size() * inter_->size(), flat_->size(),
                      "HierarchicalCommunicator on rank ", flat_->rank(),
                      ": every node must have the same number of ranks (node size x nodes)");
-  compare_ = dynamic_cast<TransportCommunicator*>(flat_);
+}
+
+void HierarchicalCommunicator::compare_call(size_t count, DType dtype, ReduceOp op,
+                                            const std::string& name) {
+  const int n = flat_->size();
+  const int64_t mine[3] = {static_cast<int64_t>(count), static_cast<int64_t>(dtype),
+                           static_cast<int64_t>(op)};
+  std::vector<int64_t> all(3 * static_cast<size_t>(n));
+  const std::string what = "rank " + std::to_string(flat_->rank()) + ": " +
+                           describe_call("all_reduce", count, dtype, &op, name) + " (hierarchical)";
+  try {
+    flat_->all_gather(mine, all.data(), 3, DType::kInt64, name + " (call comparison)");
+  } catch (const Error& e) {
+    // Another kind of call on some rank meets this gather: say which call
+    // this rank was making.
+    throw_error(e.code(), what + ": comparing the call across ranks: " + e.message());
+  }
+  int other = 1;
+  while (other < n && std::equal(all.begin(), all.begin() + 3, all.begin() + 3 * other)) ++other;
+  if (other == n) return;
+  auto call_of = [&](int r) {
+    const int64_t* k = all.data() + 3 * r;
+    const ReduceOp rop = static_cast<ReduceOp>(k[2]);
+    return describe_call("all_reduce", static_cast<size_t>(k[0]), static_cast<DType>(k[1]), &rop, "");
+  };
+  throw InvalidArgumentError(what + ": ranks disagree on the call: rank 0 has " + call_of(0) +
+                             ", rank " + std::to_string(other) + " has " + call_of(other));
 }
 
 void HierarchicalCommunicator::all_reduce(const void* in, void* out, size_t count, DType dtype,
                                           ReduceOp op, const std::string& name) {
+  compare_call(count, dtype, op, name);
   const size_t esz = dtype_size(dtype);
   const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
-  if (compare_) {
-    compare_->compare_call({TransportCommunicator::CallKind::kAllReduce, count, dtype, &op},
-                           describe_call("all_reduce", count, dtype, &op, name) + " (hierarchical)");
-  }
   const int L = intra_->size();
   if (L == 1 || inter_->size() == 1) {
     Communicator& c = L == 1 ? *inter_ : *intra_;

@@ -11,10 +11,11 @@
 // kMean is summed in every stage and divided once by size() at the end.
 // Every node must have the same number of ranks (checked at construction).
 // Broadcast, all-gather, reduce-scatter and barrier use `flat`.
-// The sub-calls carry a block count and kSum, not the caller's call, so when
-// `flat` is a TransportCommunicator (MPI) the all-reduce first compares the
-// caller's count, dtype and op on every rank through it: a mismatch anywhere
-// is the same InvalidArgumentError on every rank, never wrong numbers.
+// The sub-calls carry a block count and kSum, not the caller's call, so the
+// all-reduce first gathers every rank's count, dtype and op over `flat` (one
+// all_gather of 3 int64, through whatever path flat's collectives take): a
+// mismatch anywhere is the same InvalidArgumentError on every rank, never
+// wrong numbers.
 #pragma once
 
 #include <memory>
@@ -23,8 +24,6 @@
 #include "diststrat/collective.h"
 
 namespace diststrat {
-
-class TransportCommunicator;
 
 class HierarchicalCommunicator : public Communicator {
  public:
@@ -59,9 +58,9 @@ class HierarchicalCommunicator : public Communicator {
 
  private:
   void check_layout();
+  void compare_call(size_t count, DType dtype, ReduceOp op, const std::string& name);
   std::vector<std::unique_ptr<Communicator>> owned_;
   Communicator* flat_;
-  TransportCommunicator* compare_ = nullptr;  // flat_, when it can compare calls
   Communicator* intra_;
   Communicator* inter_;
   std::vector<char> scratch_;

@@ -179,6 +179,28 @@ TEST(MpiSharedMemory, StreamingSizeMatchesClosedForm) {
 
 // A rank whose call differs (count) is named on every rank before any rank
 // reads or writes past a peer's buffer, registered or not.
+// Options that decide a call's path differ between ranks: one rank would
+// take shared memory or another algorithm while the others wait for it. The
+// communicator's set-up says so on every rank instead.
+TEST(MpiCommunicatorSetUp, DifferentOptionsAreAnErrorOnEveryRankNamingTheField) {
+  int me = 0, n = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  for (int variant = 0; variant < 2; ++variant) {
+    ds::CommunicationOptions o = options_for(ds::Algorithm::kAuto);
+    if (me == n - 1 && variant == 0) o.algorithm = ds::Algorithm::kRing;
+    if (me == n - 1 && variant == 1) o.segment_bytes = 4096;
+    const std::string field = variant == 0 ? "algorithm: rank 0 has 'auto', rank " : "segment_bytes: rank 0 has 0, rank ";
+    try {
+      auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, o);
+      ADD_FAILURE() << "rank " << me << ": no error";
+    } catch (const ds::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(me) + ": mpi communicator set-up: ranks disagree on CommunicationOptions::" + field + std::to_string(n - 1)), std::string::npos) << e.what();
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
 TEST(MpiSharedMemory, DifferentCountsAreNamedOnEveryRank) {
   auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(ds::Algorithm::kSharedMemory));
   const int me = comm->rank();

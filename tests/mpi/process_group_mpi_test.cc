@@ -319,6 +319,16 @@ TEST(ProcessGroupMpi, MismatchedCallsAreAnErrorOnEveryRankNamingTheCall) {
          std::vector<float> b(4, static_cast<float>(me));
          pg.broadcast(b.data(), 4, upper ? ds::DType::kInt32 : ds::DType::kFloat32, 0, "w/grad");
        }, half},
+      // Another kind of call on one rank: under virtual nodes the
+      // hierarchical all_reduce's comparison meets the others' broadcast.
+      {"w/grad", [&](ds::ProcessGroup& pg) {
+         std::vector<float> b(4, 1.0f);
+         if (is_odd) {
+           pg.all_reduce(b.data(), b.data(), 4, ds::DType::kFloat32, ds::ReduceOp::kSum, "w/grad");
+         } else {
+           pg.broadcast(b.data(), 4, ds::DType::kFloat32, 0, "w/grad");
+         }
+       }},
       {"all_reduce", [&](ds::ProcessGroup& pg) {
          std::vector<float> g(5, 1.0f);
          pg.all_reduce(g.data(), g.data(), is_odd ? 5 : 4, ds::DType::kFloat32, ds::ReduceOp::kSum, "w/grad");

@@ -235,6 +235,7 @@ TEST(TransportCommunicator, MismatchedCallsFailOnEveryRankBeforeAnyByteMoves) {
     std::string rank0, odd_rank;  // how the message names each call
     Call call;
     std::function<void(ds::CommunicationOptions&)> odd_options = {};
+    bool everyone = false;  // odd_options apply to every rank
   };
   auto reduce = [](size_t count, ds::DType dtype, ds::ReduceOp op) {
     return [=](ds::TransportCommunicator& c, bool, std::vector<float>& b) {
@@ -292,11 +293,11 @@ TEST(TransportCommunicator, MismatchedCallsFailOnEveryRankBeforeAnyByteMoves) {
                         "all_reduce of 4 float32 max (" + name + ")",
                         by_rank(reduce(4, f32, sum), reduce(4, f32, ds::ReduceOp::kMax))});
     variants.back().odd_options = [a](ds::CommunicationOptions& o) { o.algorithm = a; };
+    variants.back().everyone = true;
   }
   for (size_t v = 0; v < variants.size(); ++v) {
     const Variant& var = variants[v];
-    // The per-algorithm variants set the algorithm on every rank.
-    const bool everyone = v >= 10;
+    const bool everyone = var.everyone;
     SCOPED_TRACE(std::string(var.label) + " (variant " + std::to_string(v) + ")");
     ds::InProcessTransportGroup group(n);
     std::vector<std::string> messages(n);
