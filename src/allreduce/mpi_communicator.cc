@@ -5,6 +5,7 @@
 #include "allreduce/mpi_communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -217,7 +218,10 @@ class MpiCommunicator : public TransportCommunicator {
                                     std::to_string(options_.timeout.count()) +
                                     " ms: some rank never joined");
       }
-      if (spin >= 256) std::this_thread::yield();
+      // Sleeps rather than yields after the first polls, as the transport's
+      // waits do (mpi_transport.cc): a yielding thread keeps taking CPU
+      // from the compute thread it overlaps with.
+      if (spin >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
 
