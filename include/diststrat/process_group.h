@@ -16,9 +16,12 @@
 //   Several processes without a launcher: UnimplementedError (needs mpirun).
 // - How it moves bytes: inside a host over shared memory (MPI-3 shared
 //   windows); with several hosts (or virtual nodes,
-//   DISTSTRAT_VIRTUAL_NODE_SIZE) and algorithm kAuto or kHierarchical, the
-//   all-reduce is hierarchical (inside the host, across hosts over MPI, back);
-//   any other algorithm reduces flat over all ranks with that algorithm.
+//   DISTSTRAT_VIRTUAL_NODE_SIZE) of more than one rank each, as many on each,
+//   and algorithm kAuto or kHierarchical, the all-reduce is hierarchical
+//   (inside the node, across nodes over MPI, back); otherwise (any other
+//   algorithm, one rank per node, nodes of different sizes) it reduces flat
+//   over all ranks. Virtual nodes on one host change only the grouping: a
+//   flat group there still runs over shared memory.
 //   broadcast / all_gather / reduce_scatter / barrier run over all ranks.
 // - Collectives: those of Communicator (diststrat/collective.h), with its
 //   rules: blocking, in place where noted, every rank issues the same
