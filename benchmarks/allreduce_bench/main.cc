@@ -52,6 +52,7 @@
 #include <mpi.h>
 
 #include "allreduce/mpi_communicator.h"
+#include "allreduce/mpi_util.h"
 #endif
 #if DISTSTRAT_HAVE_GLOO
 #include <gloo/allreduce_halving_doubling.h>
@@ -129,30 +130,11 @@ struct RawMpiRunner : CommRunner {
   using CommRunner::CommRunner;
   void all_reduce(const void* in, void* out, size_t count) override {
     MPI_Datatype type = MPI_DATATYPE_NULL;
-    switch (dtype) {
-      case ds::DType::kFloat32: type = MPI_FLOAT; break;
-      case ds::DType::kFloat64: type = MPI_DOUBLE; break;
-      case ds::DType::kInt32: type = MPI_INT32_T; break;
-      case ds::DType::kInt64: type = MPI_INT64_T; break;
-      default: return CommRunner::all_reduce(in, out, count);
-    }
-    MPI_Op mpi_op = MPI_SUM;
-    if (op == ds::ReduceOp::kProduct) mpi_op = MPI_PROD;
-    if (op == ds::ReduceOp::kMin) mpi_op = MPI_MIN;
-    if (op == ds::ReduceOp::kMax) mpi_op = MPI_MAX;
+    if (!ds::mpi::native_type(dtype, &type)) return CommRunner::all_reduce(in, out, count);
     const int rc = MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, static_cast<int>(count), type,
-                                 mpi_op, MPI_COMM_WORLD);
+                                 ds::mpi::native_op(op), MPI_COMM_WORLD);
     if (rc != MPI_SUCCESS) throw ds::InternalError("MPI_Allreduce failed");
-    if (op == ds::ReduceOp::kMean) {
-      int n = 1;
-      MPI_Comm_size(MPI_COMM_WORLD, &n);
-      for (size_t i = 0; i < count; ++i) {
-        if (dtype == ds::DType::kFloat32) static_cast<float*>(out)[i] /= static_cast<float>(n);
-        if (dtype == ds::DType::kFloat64) static_cast<double*>(out)[i] /= n;
-        if (dtype == ds::DType::kInt32) static_cast<int32_t*>(out)[i] /= n;
-        if (dtype == ds::DType::kInt64) static_cast<int64_t*>(out)[i] /= n;
-      }
-    }
+    if (op == ds::ReduceOp::kMean) ds::kernels::scale_mean(out, count, dtype, comm.size());
   }
 };
 

@@ -44,27 +44,6 @@ std::vector<int> node_map(MPI_Comm comm, std::chrono::milliseconds timeout) {
   return nodes;
 }
 
-bool native_type(DType dtype, MPI_Datatype* t) {
-  switch (dtype) {
-    case DType::kFloat32: *t = MPI_FLOAT; return true;
-    case DType::kFloat64: *t = MPI_DOUBLE; return true;
-    case DType::kInt32: *t = MPI_INT32_T; return true;
-    case DType::kInt64: *t = MPI_INT64_T; return true;
-    default: return false;
-  }
-}
-
-MPI_Op native_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kMean: return MPI_SUM;
-    case ReduceOp::kProduct: return MPI_PROD;
-    case ReduceOp::kMin: return MPI_MIN;
-    case ReduceOp::kMax: return MPI_MAX;
-  }
-  return MPI_SUM;
-}
-
 // MPI has no 16-bit float types: float16/bfloat16 travel as 2-byte opaque
 // elements, reduced by these user ops (accumulating as the kernels do).
 template <DType D, ReduceOp O>
@@ -143,12 +122,12 @@ class MpiCommunicator : public TransportCommunicator {
       // ends the job, or reduces garbage): compare the calls first.
       agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm});
       MPI_Datatype type;
-      MPI_Op mpi_op = native_op(op);
+      MPI_Op mpi_op = mpi::native_op(op);
       if (dtype == DType::kFloat16 || dtype == DType::kBFloat16) {
         type = sixteen_bit_.type;
         mpi_op = sixteen_bit_.op(dtype, op);
       } else {
-        DISTSTRAT_CHECK(native_type(dtype, &type), kUnimplemented,
+        DISTSTRAT_CHECK(mpi::native_type(dtype, &type), kUnimplemented,
                         "MPI_Allreduce has no native type for ", dtype_name(dtype),
                         "; use another algorithm");
       }

@@ -26,6 +26,8 @@
 #include <exception>
 #include <string>
 
+#include "diststrat/collective.h"
+#include "diststrat/dtype.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -104,6 +106,12 @@ void free_comm(MPI_Comm* comm, std::chrono::milliseconds timeout);
 // failed or not.
 void agree(MPI_Comm comm, const std::string& what, std::exception_ptr local_error,
            std::chrono::milliseconds timeout);
+
+// MPI's own datatype for `dtype`: true for float32/float64/int32/int64,
+// false for the 16-bit floats (which MPI does not have).
+bool native_type(DType dtype, MPI_Datatype* t);
+// MPI's op for `op`; kMean is MPI_SUM (divide by the rank count afterwards).
+MPI_Op native_op(ReduceOp op);
 
 }  // namespace mpi
 }  // namespace diststrat
