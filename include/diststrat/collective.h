@@ -148,7 +148,10 @@ class Communicator {
   // throw AbortedError(reason). Thread-safe; non-blocking.
   virtual void abort(const std::string& reason) = 0;
   // Clears an abort once all ranks are idle (no collective in flight), so the
-  // group can be used again. Not thread-safe with collectives.
+  // group can be used again. Across processes every rank calls it and it
+  // returns once all have (blocking, deadline-bounded), so the next call may
+  // follow at once; in one process (InProcessGroup) one rank's call resets the
+  // group. Not thread-safe with collectives.
   virtual void reset() = 0;
 
   // Memory that this communicator reduces without staging copies: inside a

@@ -142,6 +142,10 @@ struct alignas(64) Header {
   char abort_reason[256];
   // This rank's current call, by the parity of its first barrier's number.
   CallRecord calls[2];
+  // reset(): how many resets this rank has entered, and its barrier count
+  // when it entered the last one (written before reset_epoch).
+  alignas(64) std::atomic<uint64_t> reset_epoch{0};
+  uint64_t reset_barriers = 0;
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
@@ -453,13 +457,54 @@ class ShmCommunicator : public Communicator {
     h->aborted.store(1, std::memory_order_release);
   }
 
-  // Clears this rank's abort word. Every rank must call it (with no
-  // collective in flight) before the group is used again.
+  // Clears this rank's abort word and meets every peer in its reset, so that
+  // no rank's next call sees a peer's abort word from before (a stale "aborted
+  // by rank q") or a peer's barrier count or staging buffer rotation left
+  // apart by the failed call (a mismatch, an abort or a deadline can leave
+  // ranks a barrier or chunks apart): all ranks continue from the largest
+  // barrier count any of them reached and from chunk 0. Collective: every
+  // rank calls it, with no collective in flight; DeadlineExceededError
+  // naming the ranks that did not reset within the timeout.
   void reset() override {
-    std::lock_guard<std::mutex> lock(abort_mu_);
-    abort_reason_.clear();
-    headers_[rank_]->aborted.store(0, std::memory_order_release);
-    headers_[rank_]->abort_reason[0] = '\0';
+    Header* mine = headers_[rank_];
+    {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      abort_reason_.clear();
+      mine->abort_reason[0] = '\0';
+      mine->aborted.store(0, std::memory_order_release);
+    }
+    const uint64_t epoch = ++resets_;
+    mine->reset_barriers = barriers_;
+    mine->reset_epoch.store(epoch, std::memory_order_release);
+    const auto deadline = Clock::now() + options_.timeout;
+    uint64_t top = barriers_;
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      for (unsigned spin = 0; headers_[q]->reset_epoch.load(std::memory_order_acquire) < epoch; ++spin) {
+        if (Clock::now() >= deadline) {
+          std::string missing;
+          for (int p = 0; p < size_; ++p) {
+            if (p != rank_ && headers_[p]->reset_epoch.load(std::memory_order_acquire) < epoch)
+              missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+          }
+          failed_ = true;
+          throw DeadlineExceededError("rank " + std::to_string(rank_) + ": reset: rank(s) " +
+                                      missing + " did not call reset() within " +
+                                      std::to_string(options_.timeout.count()) +
+                                      " ms (every rank of the group must reset it)");
+        }
+        if (spin >= 1024) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      top = std::max(top, headers_[q]->reset_barriers);
+    }
+    // Every rank computes the same `top` (the values were written before the
+    // epochs it waited for). A rank behind it moves its counter up; a rank
+    // that already left its reset has not passed `top` yet, since its next
+    // barrier waits for everybody else's.
+    barriers_ = top;
+    mine->arrived.store(top, std::memory_order_release);
+    chunks_ = 0;
+    failed_ = false;
   }
 
  private:
@@ -689,6 +734,7 @@ class ShmCommunicator : public Communicator {
   std::vector<Window> windows_;  // from allocate_buffer
   uint64_t barriers_ = 0;  // barriers this rank has entered
   uint64_t chunks_ = 0;    // chunks processed (buffer parity)
+  uint64_t resets_ = 0;    // reset() calls (the header's reset_epoch)
   std::mutex abort_mu_;
   std::string abort_reason_;  // guarded by abort_mu_
   std::string own_abort_reason() {
