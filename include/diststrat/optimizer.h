@@ -57,6 +57,9 @@ struct LearningRateSchedule {
   // The rate for the update that follows `iterations` completed ones. Pure,
   // thread-safe; iterations < 0 counts as 0.
   float learning_rate(float base, int64_t iterations) const;
+  // "constant", "cosine_decay(decay_steps=..., ...)": every field, floats
+  // exactly (9 significant digits).
+  std::string describe() const;
 };
 
 // An update rule in data form, so a GPU backend can run it as a kernel
@@ -207,6 +210,23 @@ class Optimizer {
   Variable iterations() const { return iterations_; }
   Strategy& strategy() const { return *strategy_; }
 
+  // What every worker must configure alike, as (field, value) text: the
+  // optimizer's name, its hyperparameters(), clipping, loss scaling and
+  // accumulation steps (ZeRO-1 on some workers only is an error of the
+  // strategy's call signature, naming shard_optimizer_state).
+  // Where several processes train (MultiWorkerMirroredStrategy), the first
+  // apply_gradients -- and the first after set_clipping,
+  // set_accumulation_steps or enable_loss_scaling -- compares these across
+  // every replica (one all_gather of a hash per field) and throws the same
+  // InvalidArgumentError on every replica naming the first field that
+  // differs and the replicas on each side, before any gradient moves.
+  std::vector<std::pair<std::string, std::string>> configuration() const;
+  // The optimizer's own hyper-parameters as (field, value) text, floats
+  // exactly (SGD: learning_rate, schedule, momentum, nesterov; Adam:
+  // learning_rate, schedule, beta1, beta2, epsilon). A custom optimizer
+  // overrides it so workers are held to agree on its fields too.
+  virtual std::vector<std::pair<std::string, std::string>> hyperparameters() const { return {}; }
+
   // The rule as data for device kernels; kNone (the default) means the
   // optimizer cannot update variables that live on a GPU.
   virtual UpdateRule device_rule() const { return {}; }
@@ -271,6 +291,11 @@ class Optimizer {
   struct Held;
   struct Accumulator;
   struct Zero;
+  struct Agreement;
+  // optimizer_agreement.cc: the cross-worker comparison of configuration().
+  static std::shared_ptr<Agreement> new_agreement();
+  void configuration_changed();
+  void agree_on_configuration(ReplicaContext& ctx);
   ApplyResult reduce_and_update(ReplicaContext& ctx,
                                 const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
   void apply_clipped(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
@@ -287,6 +312,7 @@ class Optimizer {
   Variable loss_scale_, good_steps_, skipped_steps_;
   std::shared_ptr<Accumulator> accumulator_;  // per local replica sums
   std::shared_ptr<Zero> zero_;                // ZeRO-1 layout and slot blocks
+  std::shared_ptr<Agreement> agreement_;      // configuration agreed per local replica
 };
 
 struct SGDOptions {
@@ -307,6 +333,7 @@ class SGD : public Optimizer {
               int64_t step) const override;
   UpdateRule device_rule() const override;
   float learning_rate(int64_t iterations) const override;
+  std::vector<std::pair<std::string, std::string>> hyperparameters() const override;
   const SGDOptions& options() const { return options_; }
   // The rule and its slots without an SGD object (parameter servers apply
   // it); `step` is 1-based, as in update().
@@ -337,6 +364,7 @@ class Adam : public Optimizer {
               int64_t step) const override;
   UpdateRule device_rule() const override;
   float learning_rate(int64_t iterations) const override;
+  std::vector<std::pair<std::string, std::string>> hyperparameters() const override;
   const AdamOptions& options() const { return options_; }
   // The rule without an Adam object (parameter servers apply it).
   static void apply(const AdamOptions& options, float* var, const float* grad, float* const* slots,

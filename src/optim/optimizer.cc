@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -13,6 +14,13 @@
 namespace diststrat {
 
 namespace {
+// Exact text of a hyper-parameter (9 significant digits round-trip a float).
+std::string describe_float(float v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.9g", static_cast<double>(v));
+  return b;
+}
+
 int optimizer_counter(Strategy& s) {
   int n = 0;
   for (const Variable& v : s.variables()) {
@@ -220,7 +228,8 @@ Optimizer::Optimizer(Strategy& strategy)
     : strategy_(&strategy),
       held_(std::make_shared<Held>()),
       accumulator_(std::make_shared<Accumulator>()),
-      zero_(std::make_shared<Zero>()) {
+      zero_(std::make_shared<Zero>()),
+      agreement_(new_agreement()) {
   // Each optimizer of a strategy gets its own step counter: "optimizer/iterations",
   // then "optimizer_1/iterations", ...
   const int n = optimizer_counter(strategy);
@@ -306,6 +315,7 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
     DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, where, ": variable '",
                     echo(v.name()), "' is not trainable");
   }
+  agree_on_configuration(ctx);
   if (accumulation_steps_ == 1) return reduce_and_update(ctx, grads_and_vars);
   Accumulator::Sums* sums;
   {
@@ -358,6 +368,7 @@ void Optimizer::set_accumulation_steps(int k) {
                     " micro-batches pending");
   }
   accumulation_steps_ = k;
+  configuration_changed();
 }
 
 ApplyResult Optimizer::reduce_and_update(
@@ -445,6 +456,7 @@ void Optimizer::enable_loss_scaling(const LossScaleOptions& o) {
                                            DType::kInt64, init::Zeros{}, opts);
   skipped_steps_ = strategy_->create_variable(prefix + "/skipped_steps", Shape{}, DType::kInt64,
                                               init::Zeros{}, opts);
+  configuration_changed();
 }
 
 float Optimizer::loss_scale(ReplicaContext& ctx) const {
@@ -472,6 +484,7 @@ void Optimizer::set_clipping(const GradientClipping& c) {
   DISTSTRAT_CHECK(set <= 1, kInvalidArgument, name(),
                   ": set at most one of clipping global_norm, norm and value");
   clipping_ = c;
+  configuration_changed();
 }
 
 void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots,
@@ -881,8 +894,9 @@ int64_t Optimizer::slot_bytes_per_replica() const {
 }
 
 SGD::SGD(Strategy& strategy, SGDOptions options) : Optimizer(strategy), options_(options) {
-  DISTSTRAT_CHECK(options.learning_rate > 0, kInvalidArgument, "SGD learning_rate ",
-                  options.learning_rate, " must be positive");
+  DISTSTRAT_CHECK(std::isfinite(options.learning_rate) && options.learning_rate > 0,
+                  kInvalidArgument, "SGD learning_rate ", options.learning_rate,
+                  " must be finite and positive");
   options.schedule.validate("SGD");
   DISTSTRAT_CHECK(options.momentum >= 0 && options.momentum < 1, kInvalidArgument,
                   "SGD momentum ", options.momentum, " must be in [0, 1)");
@@ -898,6 +912,13 @@ std::vector<std::string> SGD::slot_names_for(const SGDOptions& options) {
 void SGD::update(float* var, const float* grad, float* const* slots, size_t count,
                  int64_t step) const {
   apply(options_, var, grad, slots, count, step);
+}
+
+std::vector<std::pair<std::string, std::string>> SGD::hyperparameters() const {
+  return {{"learning_rate", describe_float(options_.learning_rate)},
+          {"schedule", options_.schedule.describe()},
+          {"momentum", describe_float(options_.momentum)},
+          {"nesterov", options_.nesterov ? "true" : "false"}};
 }
 
 float SGD::learning_rate(int64_t iterations) const {
@@ -946,14 +967,30 @@ UpdateRule Adam::device_rule() const {
 }
 
 Adam::Adam(Strategy& strategy, AdamOptions options) : Optimizer(strategy), options_(options) {
-  DISTSTRAT_CHECK(options.learning_rate > 0, kInvalidArgument, "Adam learning_rate ",
-                  options.learning_rate, " must be positive");
+  DISTSTRAT_CHECK(std::isfinite(options.learning_rate) && options.learning_rate > 0,
+                  kInvalidArgument, "Adam learning_rate ", options.learning_rate,
+                  " must be finite and positive");
+  for (const auto& [field, b] : {std::pair<const char*, float>{"beta1", options.beta1},
+                                 {"beta2", options.beta2}}) {
+    DISTSTRAT_CHECK(b >= 0 && b < 1, kInvalidArgument, "Adam ", field, " ", b,
+                    " must be in [0, 1)");
+  }
+  DISTSTRAT_CHECK(std::isfinite(options.epsilon) && options.epsilon > 0, kInvalidArgument,
+                  "Adam epsilon ", options.epsilon, " must be finite and positive");
   options.schedule.validate("Adam");
 }
 
 void Adam::update(float* var, const float* grad, float* const* slots, size_t count,
                   int64_t step) const {
   apply(options_, var, grad, slots, count, step);
+}
+
+std::vector<std::pair<std::string, std::string>> Adam::hyperparameters() const {
+  return {{"learning_rate", describe_float(options_.learning_rate)},
+          {"schedule", options_.schedule.describe()},
+          {"beta1", describe_float(options_.beta1)},
+          {"beta2", describe_float(options_.beta2)},
+          {"epsilon", describe_float(options_.epsilon)}};
 }
 
 float Adam::learning_rate(int64_t iterations) const {
