@@ -75,7 +75,7 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
   app.add_option("--seed", f.seed, "initialization and shuffling seed")->capture_default_str();
   app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
   app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
-      ->capture_default_str();
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--timeline", f.timeline,
                  "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir,

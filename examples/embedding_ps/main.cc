@@ -95,14 +95,22 @@ ds::Tensor pool(const Lookup& l, const ds::Tensor& rows, int64_t n, int64_t k, i
 int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Embedding-table classifier on parameter servers (row-sparse pull/push)"};
-  app.add_option("--ps", f.ps, "PS ranks (the last ranks of the job)")->capture_default_str();
-  app.add_option("--replicas", f.replicas, "CPU replicas per worker")->capture_default_str();
-  app.add_option("--vocab", f.vocab, "rows of the embedding table")->capture_default_str();
-  app.add_option("--dim", f.dim, "embedding width")->capture_default_str();
-  app.add_option("--examples", f.examples, "training examples")->capture_default_str();
-  app.add_option("--batch", f.batch, "global batch size")->capture_default_str();
-  app.add_option("--epochs", f.epochs, "passes over the training set")->capture_default_str();
-  app.add_option("--lr", f.lr, "SGD learning rate")->capture_default_str();
+  app.add_option("--ps", f.ps, "PS ranks (the last ranks of the job)")
+      ->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--replicas", f.replicas, "CPU replicas per worker")
+      ->check(CLI::Range(1, 256))->capture_default_str();
+  app.add_option("--vocab", f.vocab, "rows of the embedding table")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))->capture_default_str();
+  app.add_option("--dim", f.dim, "embedding width")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
+  app.add_option("--examples", f.examples, "training examples")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 32))->capture_default_str();
+  app.add_option("--batch", f.batch, "global batch size")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--epochs", f.epochs, "passes over the training set")
+      ->check(CLI::Range(1, 1000000))->capture_default_str();
+  app.add_option("--lr", f.lr, "SGD learning rate")->check(CLI::PositiveNumber)
+      ->capture_default_str();
   std::string timeout;
   app.add_option("--timeout", timeout,
                  "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "

@@ -70,7 +70,8 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--data", data, "directory with the IDX files")->capture_default_str();
   app.add_option("--split", split, "t10k or train")->capture_default_str();
-  app.add_option("--limit", limit, "classify only the first N images (0 = all)")->capture_default_str();
+  app.add_option("--limit", limit, "classify only the first N images (0 = all)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--model", model,
                  "layer sizes, e.g. 784,256,256,10 (default: the checkpoint's 'model' metadata)");
   app.add_flag("--allow-unverified", unverified,

@@ -262,8 +262,9 @@ class Strategy {
   PlacementLog& placement_log() { return placement_; }
 
  protected:
-  explicit Strategy(LogLevel log_level = LogLevel::kWarning, std::string log_prefix = "")
-      : logger_(log_level, std::move(log_prefix)), fault_(FaultInjection::from_env()) {}
+  // Also warns (once per process) about DISTSTRAT_* variables that nothing
+  // reads, naming the closest known one: a misspelled override is not silent.
+  explicit Strategy(LogLevel log_level = LogLevel::kWarning, std::string log_prefix = "");
 
   virtual void run_replicas(const std::function<void(ReplicaContext&)>& fn) = 0;
   // Allocates the local copies of a new variable and initializes them

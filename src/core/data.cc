@@ -65,10 +65,16 @@ int64_t DistributedDataset::num_batches() const {
   if (!source_) return 0;
   const int64_t rows = source_->total_rows();
   const int64_t b = source_->batch_rows();
-  return source_->options.drop_remainder ? rows / b : (rows + b - 1) / b;
+  // Not (rows + b - 1) / b: a batch near INT64_MAX (a user's --batch) would
+  // overflow it into 0 batches.
+  return rows / b + (!source_->options.drop_remainder && rows % b != 0 ? 1 : 0);
 }
 
 int64_t DistributedDataset::global_batch_size() const { return source_ ? source_->global_batch : 0; }
+int64_t DistributedDataset::num_rows() const { return source_ ? source_->total_rows() : 0; }
+DistributeOptions DistributedDataset::options() const {
+  return source_ ? source_->options : DistributeOptions{};
+}
 
 void DistributedDataset::set_epoch(int64_t epoch) {
   epoch_ = epoch;

@@ -13,8 +13,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace diststrat {
+class Logger;
 namespace env {
 
 // The raw text of `name`; nullopt when unset or empty.
@@ -33,6 +35,22 @@ std::optional<T> parsed(const char* name, Parse parse);
 
 // Throws InvalidArgumentError "NAME='value': <what>".
 [[noreturn]] void fail(const char* name, const std::string& value, const std::string& what);
+
+// The DISTSTRAT_* variables anything in this project reads (env_vars.cc):
+// the library, the scripts, the tests and benchmarks (`reader`).
+struct KnownVariable {
+  const char* name;
+  const char* reader;
+};
+const std::vector<KnownVariable>& known_variables();
+bool is_known(const std::string& name);
+// The known name nearest to `name` (edit distance).
+std::string closest_known(const std::string& name);
+// One line per DISTSTRAT_* variable in the environment that is not known,
+// naming the closest known one; sorted.
+std::vector<std::string> unknown_variable_warnings();
+// Logs those lines as warnings, once per process (every strategy calls it).
+void warn_unknown_variables_once(const Logger& logger);
 
 }  // namespace env
 }  // namespace diststrat

@@ -9,6 +9,7 @@
 
 #include "allreduce/reduce_kernels.h"
 #include "core/collective_check.h"
+#include "core/env.h"
 #include "core/data_source.h"
 #include "core/thread_pool.h"
 #include "core/user_text.h"
@@ -412,6 +413,11 @@ Tensor Strategy::gather_across(const std::vector<Tensor>& local) {
     p += t.nbytes();
   }
   return out;
+}
+
+Strategy::Strategy(LogLevel log_level, std::string log_prefix)
+    : logger_(log_level, std::move(log_prefix)), fault_(FaultInjection::from_env()) {
+  env::warn_unknown_variables_once(logger_);
 }
 
 Tensor Strategy::gather(const PerReplica<Tensor>& values) {

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "core/device_scope.h"
@@ -13,9 +14,15 @@ namespace diststrat {
 Shape::Shape(std::initializer_list<int64_t> dims) : Shape(std::vector<int64_t>(dims)) {}
 
 Shape::Shape(std::vector<int64_t> dims) : dims_(std::move(dims)) {
+  int64_t n = 1;
   for (size_t i = 0; i < dims_.size(); ++i) {
     DISTSTRAT_CHECK(dims_[i] >= 0, kInvalidArgument, "shape ", to_string(), ": dim ", i,
                     " is negative");
+    // The element count must be an int64 (num_elements() multiplies freely).
+    DISTSTRAT_CHECK(n == 0 || dims_[i] <= std::numeric_limits<int64_t>::max() / n,
+                    kInvalidArgument, "shape ", to_string(),
+                    ": the element count overflows int64");
+    n *= dims_[i];
   }
 }
 
@@ -60,8 +67,20 @@ std::shared_ptr<void> allocate_host(size_t bytes) {
 }
 }  // namespace
 
+namespace {
+// A shape whose bytes in `dtype` fit int64 (and so size_t, with room to round).
+void check_byte_size(const Shape& shape, DType dtype) {
+  const int64_t elems = shape.num_elements();
+  const int64_t size = static_cast<int64_t>(dtype_size(dtype));
+  DISTSTRAT_CHECK(size == 0 || elems <= (std::numeric_limits<int64_t>::max() / 2) / size,
+                  kInvalidArgument, "tensor of shape ", shape.to_string(), " in ",
+                  dtype_name(dtype), ": its byte size overflows");
+}
+}  // namespace
+
 Tensor::Tensor(Shape shape, DType dtype, Device device)
     : shape_(std::move(shape)), dtype_(dtype), device_(device) {
+  check_byte_size(shape_, dtype_);
   storage_ = std::make_shared<Storage>();
   storage_->bytes = nbytes();
   // GPU memory comes from the calling thread's scope (a replica of a GPU
@@ -72,6 +91,7 @@ Tensor::Tensor(Shape shape, DType dtype, Device device)
 }
 
 Tensor Tensor::wrap(void* data, Shape shape, DType dtype, Device device) {
+  check_byte_size(shape, dtype);
   Tensor t;
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;

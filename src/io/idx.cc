@@ -217,6 +217,8 @@ IdxArray read_idx(const std::string& path) {
 }
 
 Dataset load_mnist_split(const std::string& dir, const std::string& split, int64_t limit) {
+  DISTSTRAT_CHECK(limit >= 0, kInvalidArgument, "load_mnist_split: limit ", limit,
+                  " must be >= 0 (0 = every row)");
   auto find = [&](const std::string& stem) {
     for (const std::string& p : {dir + "/" + stem + ".gz", dir + "/" + stem}) {
       struct stat st;

@@ -63,9 +63,12 @@ Shape Reader::get_shape() {
   DISTSTRAT_CHECK(rank >= 0 && rank <= kMaxShapeRank, kInvalidArgument, what_, ": malformed shape rank ", rank);
   need(static_cast<size_t>(rank) * sizeof(int64_t));
   std::vector<int64_t> dims(static_cast<size_t>(rank));
+  int64_t elements = 1;
   for (auto& d : dims) {
     d = get<int64_t>();
     DISTSTRAT_CHECK(d >= 0, kInvalidArgument, what_, ": negative dimension ", d);
+    DISTSTRAT_CHECK(!__builtin_mul_overflow(elements, d, &elements), kInvalidArgument, what_,
+                    ": malformed shape (its element count overflows int64)");
   }
   return Shape(dims);
 }
