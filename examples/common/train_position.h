@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -16,51 +17,41 @@
 namespace diststrat_examples {
 
 // The next batch to run is batch `batch` of `epoch`; `step` steps ran before it.
-struct Position {
-  int64_t epoch = 0, batch = 0, step = 0;
-};
+using Position = diststrat::DataPosition;
 
-// `model` names the model (examples/predict reads "mlp:784,256,256,10").
-inline diststrat::CheckpointMetadata position_metadata(const TrainFlags& f, const Position& p,
-                                                       const std::string& model) {
-  return {{"epoch", std::to_string(p.epoch)},
-          {"batch", std::to_string(p.batch)},
-          {"step", std::to_string(p.step)},
-          {"global_batch", std::to_string(f.batch)},
-          {"seed", std::to_string(f.seed)},
-          {"limit", std::to_string(f.limit)},
-          {"model", model}};
+// The library's data position (diststrat/data_position.h) plus the
+// example's own keys: --limit and `model` (examples/predict reads
+// "mlp:784,256,256,10").
+inline diststrat::CheckpointMetadata position_metadata(const TrainFlags& f,
+                                                       const diststrat::DistributedDataset& dist,
+                                                       const Position& p, const std::string& model) {
+  diststrat::CheckpointMetadata md = diststrat::data_position_metadata(dist, p);
+  md["limit"] = std::to_string(f.limit);
+  md["model"] = model;
+  return md;
 }
 
-// Reads the position back and refuses a checkpoint whose data order differs
-// from this run's (another batch size, seed or subset would not resume exactly).
-// Every number is range-checked (diststrat::metadata_int): "step=abc" is a
-// DataLoss error naming the file and key, not an exception that ends the process.
+// Reads the position back (diststrat::restore_data_position: a checkpoint
+// whose data order differs from this run's is refused, and one whose
+// position contradicts itself or `iterations` -- the optimizer's restored step
+// counter, where the loop makes one update per step -- is a DataLoss error
+// naming the file and keys) and refuses one written with another --limit.
 inline Position resume_position(const TrainFlags& f, const diststrat::CheckpointMetadata& md,
                                 const std::string& dir, const std::string& path,
-                                int64_t num_batches) {
+                                const diststrat::DistributedDataset& dist,
+                                std::optional<int64_t> iterations) {
   namespace ds = diststrat;
-  auto get = [&](const char* key) -> std::string {
-    auto it = md.find(key);
-    if (it == md.end()) {
-      throw ds::InvalidArgumentError("checkpoint in '" + dir + "' has no '" + key +
-                                     "' metadata: not written by this example");
-    }
-    return it->second;
-  };
-  for (const auto& [key, mine] : {std::pair<const char*, std::string>{"global_batch", std::to_string(f.batch)},
-                                  {"seed", std::to_string(f.seed)},
-                                  {"limit", std::to_string(f.limit)}}) {
-    if (get(key) != mine) {
-      throw ds::InvalidArgumentError("checkpoint in '" + dir + "' was written with --" +
-                                     (std::string(key) == "global_batch" ? "batch" : key) + " " +
-                                     get(key) + ", this run has " + mine +
-                                     ": the data order would differ; use the same flags");
-    }
+  auto it = md.find("limit");
+  if (it == md.end()) {
+    throw ds::InvalidArgumentError("checkpoint in '" + dir +
+                                   "' has no 'limit' metadata: not written by this example");
   }
-  return {ds::metadata_int(md, "epoch", 0, std::numeric_limits<int>::max(), path),
-          ds::metadata_int(md, "batch", 0, num_batches, path),
-          ds::metadata_int(md, "step", 0, std::numeric_limits<int64_t>::max(), path)};
+  if (it->second != std::to_string(f.limit)) {
+    throw ds::InvalidArgumentError("checkpoint in '" + dir + "' was written with --limit " +
+                                   it->second + ", this run has " + std::to_string(f.limit) +
+                                   ": the data order would differ; use the same flags");
+  }
+  return ds::restore_data_position(dist, md, path, iterations);
 }
 
 // The chief's line after a resume from checkpoint `from` (epochs count from 1).

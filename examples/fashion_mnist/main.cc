@@ -188,13 +188,18 @@ int main(int argc, char** argv) {
       if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
         // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
         const std::string from = manager->restored_path().value_or("?");
-        pos = resume_position(f, *md, f.checkpoint_dir, from, dist.num_batches());
+        // One SGD update per step, except on parameter servers (their
+        // counters count every worker's pushes).
+        std::optional<int64_t> iterations;
+        if (f.strategy != "parameter_server")
+          iterations = opt.iterations().value().data<int64_t>()[0];
+        pos = resume_position(f, *md, f.checkpoint_dir, from, dist, iterations);
         if (chief) print_resumed(from, pos);
       }
       preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
     }
     auto save = [&](const Position& at, const char* why) {
-      const std::string path = manager->save(at.step, position_metadata(f, at, model_string(mlp.sizes())));
+      const std::string path = manager->save(at.step, position_metadata(f, dist, at, model_string(mlp.sizes())));
       if (chief) std::printf("%s: saved %s at step %lld\n", why, path.c_str(), static_cast<long long>(at.step));
       std::fflush(stdout);
     };

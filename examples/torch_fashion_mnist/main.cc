@@ -219,8 +219,8 @@ int main(int argc, char** argv) {
       if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
         // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
         const std::string from = manager->restored_path().value_or("?");
-        pos = diststrat_examples::resume_position(f, *md, f.checkpoint_dir, from,
-                                                  dist.num_batches());
+        pos = diststrat_examples::resume_position(f, *md, f.checkpoint_dir, from, dist,
+                                                  std::nullopt);
         const int64_t step = state->apply();  // into every local replica's module and optimizer
         if (step != pos.step) {
           throw ds::DataLossError("checkpoint '" + from + "': torch/step " + std::to_string(step) +
@@ -233,7 +233,7 @@ int main(int argc, char** argv) {
     auto save = [&](const Position& at, const char* why) {
       state->capture(at.step);
       const std::string path =
-          manager->save(at.step, diststrat_examples::position_metadata(f, at, "torch:cnn"));
+          manager->save(at.step, diststrat_examples::position_metadata(f, dist, at, "torch:cnn"));
       if (chief) std::printf("%s: saved %s at step %lld\n", why, path.c_str(), static_cast<long long>(at.step));
       std::fflush(stdout);
     };

@@ -89,6 +89,10 @@ class DistributedDataset {
 
   int64_t num_batches() const;
   int64_t global_batch_size() const;
+  // Rows the batches are drawn from (this worker's own under
+  // distribute_datasets_from_function), and how they are ordered.
+  int64_t num_rows() const;
+  DistributeOptions options() const;
   void set_epoch(int64_t epoch);
   int64_t epoch() const { return epoch_; }
   // Materializes batch i of the current epoch; InvalidArgumentError unless

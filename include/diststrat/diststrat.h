@@ -7,6 +7,7 @@
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/data.h"
+#include "diststrat/data_position.h"
 #include "diststrat/device.h"
 #include "diststrat/device_manager.h"
 #include "diststrat/dtype.h"
