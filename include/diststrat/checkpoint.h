@@ -327,17 +327,21 @@ std::optional<std::string> latest_checkpoint(const std::string& directory);
 // its shard files "ckpt-<step>.ps-<i>-of-<n>.<save id>.safetensors" (written
 // before the index).
 //
-// Which files are the manager's: every checkpoint it saves carries the
-// reserved metadata "diststrat.manager_step" = <step> (in the index for a
-// sharded one). A "ckpt-<N>.safetensors" is the manager's when its header
-// verifies and carries N there; a shard file when its header's save id, PS
-// and PS count match its name. Pruning deletes only the manager's files:
-// beyond max_to_keep of its checkpoints (the index first), then its shard
-// files that no checkpoint in the directory names (also those of saves that
-// failed before their index was written). Stray files with checkpoint names,
-// renamed copies and other tools' files are never deleted or counted.
-// Checkpoints written before the marker existed are restored through
-// `latest` as ever, but never pruned.
+// Which files are the manager's own (docs/checkpoints.md): a regular file
+// (never a symlink) owned by this process's user, whose verified header
+// carries the reserved "diststrat.manager_step" = <step> (in the index for a
+// sharded one), and which the directory's manifest ("<dir>/manifest", owned
+// by that user) lists with its header CRC: every save adds its file there
+// before `latest` names it. A shard file is the manager's when its header's
+// save id, PS and PS count match its name and it is owned by this user.
+// Pruning deletes only the manager's files: beyond max_to_keep of its
+// checkpoints (the index first), then its shard files that no checkpoint in
+// the directory names. Anything else with a checkpoint's name (another run's
+// genuine checkpoints copied in, another user's forgeries, symlinks, strays,
+// renamed copies, other tools' files) is never deleted, counted or restored
+// by restore_latest, and a warning names each once with why;
+// Checkpoint::restore(path) restores one on purpose. A `latest` naming such
+// a file, or itself a symlink or another user's file, is a damaged pointer.
 //
 // restore_latest:
 //  - `latest` names a checkpoint: that one. If it is corrupt or incomplete
@@ -366,7 +370,11 @@ class CheckpointManager {
   // parents if absent, requires a directory in which a file can be created
   // and removed. Throws FailedPreconditionError (a component is a regular
   // file), PermissionDeniedError (EACCES/EPERM/EROFS) naming the directory.
-  // Removes temporary files that a crash left behind (its own names only).
+  // Refuses (PermissionDeniedError) a directory owned by another user than
+  // this one or root, or writable by others without the sticky bit, and a
+  // manifest that is not this user's. Starts the manifest when there is none
+  // (with the checkpoint `latest` names, carried forward). Removes temporary
+  // files that a crash left behind: its own names, owned by this user only.
   // With options.read_only (a restore-only evaluator): none of this; the
   // directory is only read, and save() throws FailedPreconditionError.
   CheckpointManager(const Checkpoint& checkpoint, std::string directory,
