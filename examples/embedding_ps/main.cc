@@ -17,6 +17,8 @@
 
 #include <diststrat/diststrat.h>
 
+#include "../common/terminate_on_nan.h"
+
 namespace ds = diststrat;
 
 namespace {
@@ -184,6 +186,7 @@ int main(int argc, char** argv) {
           examples += n;
           rows_moved += u;
         }
+        diststrat_examples::terminate_on_nan(loss_sum, examples, steps + 1, "embedding_ps");
         strategy.add_to_metric(metric, loss_sum, examples);
         ++steps;
       }

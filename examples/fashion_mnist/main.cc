@@ -16,6 +16,7 @@
 #include <diststrat/diststrat.h>
 
 #include "../common/loss_meter.h"
+#include "../common/terminate_on_nan.h"
 #include "../common/train_flags.h"
 #include "../common/train_position.h"
 
@@ -227,7 +228,10 @@ int main(int argc, char** argv) {
           sum_and_rows.data<double>()[1] = static_cast<double>(batch.labels(ctx).shape()[0]);
           return sum_and_rows;
         });
-        meter.add(strategy->reduce(ds::ReduceOp::kSum, loss));
+        const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
+        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0], step_loss.data<double>()[1], pos.step + 1,
+                                             "fashion_mnist");
+        meter.add(step_loss);
         samples += batch.global_size();
         ++pos.batch;
         progress.update(epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);

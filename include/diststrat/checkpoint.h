@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,6 +40,9 @@
 namespace diststrat {
 
 class Optimizer;
+namespace ckpt {
+struct DirectoryIdentity;
+}
 
 // User metadata: string keys and values (safetensors' __metadata__ is a
 // string-to-string map). Keys starting with "diststrat." are reserved.
@@ -61,15 +65,29 @@ struct SafetensorsLoadOptions {
   // Refuse files without diststrat checksums (DataLossError). Set false to
   // read files written by other tools; checksums present are always verified.
   bool require_checksums = true;
+  // Accept floating-point tensors (F32, F64, F16, BF16) holding NaN or
+  // +-Inf. false (the default): such a file is a DataLossError naming the
+  // file, each such tensor (up to five), the count and the first bad
+  // element: a checkpoint of a diverged model is as unusable as a corrupt
+  // one. The scan shares the CRC's pass over the bytes.
+  bool allow_non_finite = false;
+};
+
+struct SafetensorsSaveOptions {
+  // Write floating-point tensors holding NaN or +-Inf. false (the default):
+  // DataLossError naming the file and each such tensor, and nothing is
+  // written (the previous file at `path` is untouched).
+  bool allow_non_finite = false;
 };
 
 // Writes `tensors` (host tensors, any supported dtype) and `metadata`
 // atomically to `path`, adding a CRC-32 per tensor and of the header. Names
 // must be unique and non-empty; keys starting with "diststrat." in `metadata`
-// are rejected. Blocking; thread-safe for distinct paths.
+// are rejected; non-finite floats are refused unless allowed (above).
+// Blocking; thread-safe for distinct paths.
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
-                      const CheckpointMetadata& metadata = {});
+                      const CheckpointMetadata& metadata = {}, const SafetensorsSaveOptions& options = {});
 
 // Reads and fully validates a safetensors file: header length and JSON,
 // dtypes, shapes against data_offsets, offsets in bounds, contiguous and
@@ -95,7 +113,10 @@ SafetensorsFile load_checkpoint(const std::string& path, const SafetensorsLoadOp
 
 // Writes `bytes` to `path` atomically: a temporary file beside it
 // ("<path>.tmp.<pid>.<n>"), fsync, rename over `path`, fsync of the directory.
-// On failure the temporary file is removed and `path` is unchanged.
+// On failure the temporary file is removed and `path` is unchanged. A `path`
+// that exists and is neither a regular file nor a symlink (a device such as
+// /dev/full, a FIFO, a socket, a directory) is never replaced:
+// FailedPreconditionError naming it.
 void write_file_atomically(const std::string& path, const void* bytes, size_t size);
 
 // The integer value of user metadata `key` (decimal: an optional '-' and
@@ -123,6 +144,23 @@ struct RestoreOptions {
   // Allow the file to lack optimizer slots and step counters (a model-only
   // file, e.g. exported from PyTorch): those keep their current values.
   bool allow_missing_optimizer_state = false;
+  // Restore a checkpoint whose floating-point tensors (variables, slots,
+  // ZeRO slots, sync-on-read values, parameter-server shards) hold NaN or
+  // +-Inf. false (the default): such a checkpoint is a DataLossError naming
+  // the file and the tensors, and restore_latest (with fall_back_to_valid)
+  // skips it with a warning for the newest checkpoint that is finite.
+  bool allow_non_finite = false;
+};
+
+// Checkpoint::save's options.
+struct SaveOptions {
+  // Write the state even when a floating-point tensor (a variable, an
+  // optimizer slot, a ZeRO-sharded slot, a sync-on-read value) holds NaN or
+  // +-Inf. false (the default): the save is refused, on every process alike,
+  // with a DataLossError naming the file and each such tensor, and nothing
+  // is written. Under ParameterServerStrategy the PS ranks' shard files are
+  // always checked (the option does not reach them yet).
+  bool allow_non_finite = false;
 };
 
 // A checkpoint's contents matched against a model.
@@ -225,9 +263,11 @@ class Checkpoint {
   explicit Checkpoint(Strategy& strategy, std::vector<const Optimizer*> optimizers = {});
 
   // Writes the current state and `metadata` to `path` (see
-  // CheckpointParticipant::write_checkpoint). Cross-replica context, every
-  // process of the job calls it at the same step. Blocking.
-  void save(const std::string& path, const CheckpointMetadata& metadata = {}) const;
+  // CheckpointParticipant::write_checkpoint). Refuses a state holding NaN or
+  // +-Inf (see SaveOptions). Cross-replica context, every process of the job
+  // calls it at the same step. Blocking.
+  void save(const std::string& path, const CheckpointMetadata& metadata = {},
+            const SaveOptions& options = {}) const;
   // Validates `path` against the model completely, then writes every variable
   // and slot. Throws (and changes nothing) on any mismatch. Returns the user
   // metadata. Cross-replica context, collective like save(). Blocking.
@@ -246,7 +286,7 @@ class Checkpoint {
   };
   friend class CheckpointManager;
   // save() without the check for reserved metadata keys.
-  void write(const std::string& path, const CheckpointMetadata& metadata) const;
+  void write(const std::string& path, const CheckpointMetadata& metadata, const SaveOptions& options) const;
   std::vector<Entry> entries() const;
   CheckpointParticipant& participant() const;
 
@@ -265,6 +305,11 @@ struct CheckpointManagerOptions {
   // temporary files, and save() throws FailedPreconditionError. latest() and
   // restore_latest() work as usual (restore_latest never writes).
   bool read_only = false;
+  // save() writes a state holding NaN or +-Inf (SaveOptions::allow_non_finite).
+  // false (the default): such a save throws DataLossError naming the tensor
+  // on every process, and neither `latest` nor the kept checkpoints change
+  // (a diverged run never prunes good checkpoints).
+  bool allow_non_finite = false;
 };
 
 // TensorFlow's tf.train.latest_checkpoint for a CheckpointManager directory:
@@ -282,17 +327,21 @@ std::optional<std::string> latest_checkpoint(const std::string& directory);
 // its shard files "ckpt-<step>.ps-<i>-of-<n>.<save id>.safetensors" (written
 // before the index).
 //
-// Which files are the manager's: every checkpoint it saves carries the
-// reserved metadata "diststrat.manager_step" = <step> (in the index for a
-// sharded one). A "ckpt-<N>.safetensors" is the manager's when its header
-// verifies and carries N there; a shard file when its header's save id, PS
-// and PS count match its name. Pruning deletes only the manager's files:
-// beyond max_to_keep of its checkpoints (the index first), then its shard
-// files that no checkpoint in the directory names (also those of saves that
-// failed before their index was written). Stray files with checkpoint names,
-// renamed copies and other tools' files are never deleted or counted.
-// Checkpoints written before the marker existed are restored through
-// `latest` as ever, but never pruned.
+// Which files are the manager's own (docs/checkpoints.md): a regular file
+// (never a symlink) owned by this process's user, whose verified header
+// carries the reserved "diststrat.manager_step" = <step> (in the index for a
+// sharded one), and which the directory's manifest ("<dir>/manifest", owned
+// by that user) lists with its header CRC: every save adds its file there
+// before `latest` names it. A shard file is the manager's when its header's
+// save id, PS and PS count match its name and it is owned by this user.
+// Pruning deletes only the manager's files: beyond max_to_keep of its
+// checkpoints (the index first), then its shard files that no checkpoint in
+// the directory names. Anything else with a checkpoint's name (another run's
+// genuine checkpoints copied in, another user's forgeries, symlinks, strays,
+// renamed copies, other tools' files) is never deleted, counted or restored
+// by restore_latest, and a warning names each once with why;
+// Checkpoint::restore(path) restores one on purpose. A `latest` naming such
+// a file, or itself a symlink or another user's file, is a damaged pointer.
 //
 // restore_latest:
 //  - `latest` names a checkpoint: that one. If it is corrupt or incomplete
@@ -321,7 +370,11 @@ class CheckpointManager {
   // parents if absent, requires a directory in which a file can be created
   // and removed. Throws FailedPreconditionError (a component is a regular
   // file), PermissionDeniedError (EACCES/EPERM/EROFS) naming the directory.
-  // Removes temporary files that a crash left behind (its own names only).
+  // Refuses (PermissionDeniedError) a directory owned by another user than
+  // this one or root, or writable by others without the sticky bit, and a
+  // manifest that is not this user's. Starts the manifest when there is none
+  // (with the checkpoint `latest` names, carried forward). Removes temporary
+  // files that a crash left behind: its own names, owned by this user only.
   // With options.read_only (a restore-only evaluator): none of this; the
   // directory is only read, and save() throws FailedPreconditionError.
   CheckpointManager(const Checkpoint& checkpoint, std::string directory,
@@ -341,10 +394,16 @@ class CheckpointManager {
   const std::string& directory() const { return directory_; }
 
  private:
+  // The directory's trusted user and manifest (see "Which files are the manager's").
+  ckpt::DirectoryIdentity identity() const;
+  // Warns once per file name about checkpoint-named files that are not ours.
+  void report_ignored(const std::vector<std::pair<std::string, std::string>>& foreign);
+
   const Checkpoint* checkpoint_;
   std::string directory_;
   CheckpointManagerOptions options_;
   std::optional<std::string> restored_path_;
+  std::set<std::string> reported_ignored_;
 };
 
 // ---- Preemption ----------------------------------------------------------------

@@ -49,8 +49,7 @@ void throw_errno(int err, const std::string& what) {
   throw_error(errno_code(err), what + ": " + std::strerror(err));
 }
 
-namespace {
-const char* kind_of(mode_t mode) {
+const char* file_kind(mode_t mode) {
   if (S_ISREG(mode)) return "a regular file";
   if (S_ISDIR(mode)) return "a directory";
   if (S_ISFIFO(mode)) return "a FIFO";
@@ -60,7 +59,6 @@ const char* kind_of(mode_t mode) {
   if (S_ISLNK(mode)) return "a symbolic link";
   return "of an unknown kind";
 }
-}  // namespace
 
 ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what, const ReadOptions& options)
     : what_(what) {
@@ -87,7 +85,7 @@ ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what, con
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd_);
-    throw_error(options.bad_file_code, what + " is " + kind_of(st.st_mode) + ", not a regular file");
+    throw_error(options.bad_file_code, what + " is " + file_kind(st.st_mode) + ", not a regular file");
   }
   size_ = static_cast<uint64_t>(st.st_size);
   if (options.max_bytes > 0 && size_ > options.max_bytes) {
@@ -162,7 +160,7 @@ void ensure_writable_directory(const std::string& dir, const std::string& probe_
   struct stat st;
   if (::stat(dir.c_str(), &st) != 0) throw_errno(errno, what + ": '" + dir + "'");
   if (!S_ISDIR(st.st_mode)) {
-    throw FailedPreconditionError(what + ": '" + dir + "' is " + kind_of(st.st_mode) + ", not a directory");
+    throw FailedPreconditionError(what + ": '" + dir + "' is " + file_kind(st.st_mode) + ", not a directory");
   }
   const std::string probe = dir + "/" + probe_name;
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);

@@ -30,6 +30,10 @@ ErrorCode errno_code(int err);
 // Throws the error of errno_code(err): "<what>: <strerror(err)>".
 [[noreturn]] void throw_errno(int err, const std::string& what);
 
+// "a regular file", "a directory", "a FIFO", "a character device", ... for
+// messages.
+const char* file_kind(mode_t mode);
+
 struct ReadOptions {
   // Refuse a path whose last component is a symlink (kPermissionDenied).
   bool follow_symlinks = true;

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "diststrat/checkpoint.h"
+#include "core/file_util.h"
 #include "core/user_text.h"
 #include "diststrat/error.h"
 
@@ -116,7 +117,10 @@ void Timeline::check_path(const std::string& path, const std::string& source) {
                                 std::to_string(err) + ": " + std::strerror(err) + ")");
   }
   if (::stat(path.c_str(), &st) == 0) {
-    DISTSTRAT_CHECK(!S_ISDIR(st.st_mode), kInvalidArgument, what, " is a directory");
+    // A device (/dev/full, /dev/null), a FIFO or a directory would take or
+    // lose the events without a word (write_file refuses to replace it).
+    DISTSTRAT_CHECK(S_ISREG(st.st_mode), kInvalidArgument, what, " is ", fs::file_kind(st.st_mode),
+                    ", not a regular file; a timeline is written only to a regular file");
   }
 }
 

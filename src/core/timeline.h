@@ -31,11 +31,13 @@ class Timeline {
   std::string events_json() const;
   size_t num_events() const;
   // Writes {"traceEvents": [<events>...]} to `path` (creating or replacing
-  // it); `events` lets a caller merge other ranks' events_json().
+  // it atomically; FailedPreconditionError for a path that is a device, FIFO
+  // or directory); `events` lets a caller merge other ranks' events_json().
   static void write_file(const std::string& path, const std::vector<std::string>& events);
   // Throws unless `path` can be written later: its directory exists
   // (InvalidArgumentError) and is writable (PermissionDeniedError), and it
-  // is not itself a directory. `source` names where the path came from
+  // is absent or a regular file (a directory, a device such as /dev/full, a
+  // FIFO: InvalidArgumentError; write_file would refuse to replace it). `source` names where the path came from
   // (DISTSTRAT_TIMELINE or an option) in the message. Checked when a
   // strategy is made, so a bad path fails at once, not at the end of a job.
   static void check_path(const std::string& path, const std::string& source);

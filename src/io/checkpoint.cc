@@ -22,6 +22,7 @@
 #include "core/user_text.h"
 #include "diststrat/checkpoint.h"
 #include "diststrat/optimizer.h"
+#include "io/checkpoint_identity.h"
 #include "io/checkpoint_internal.h"
 
 namespace diststrat {
@@ -261,6 +262,7 @@ CheckpointContents CheckpointParticipant::read_checkpoint(
   on_chief_then_agree(strategy, "to read checkpoint '" + path + "'", [&] {
     SafetensorsLoadOptions lo;
     lo.require_checksums = options.require_checksums;
+    lo.allow_non_finite = options.allow_non_finite;
     // A single file, or a parameter-server checkpoint reassembled from its shards.
     contents = match_checkpoint(load_checkpoint(path, lo), path, expected, optional);
   });
@@ -368,17 +370,24 @@ std::vector<std::pair<std::string, Tensor>> Checkpoint::state() const {
   return out;
 }
 
-void Checkpoint::save(const std::string& path, const CheckpointMetadata& metadata) const {
+void Checkpoint::save(const std::string& path, const CheckpointMetadata& metadata,
+                      const SaveOptions& options) const {
   for (const auto& [k, v] : metadata) {
     DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "Checkpoint::save '", path,
                     "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
   }
-  write(path, metadata);
+  write(path, metadata, options);
 }
 
-void Checkpoint::write(const std::string& path, const CheckpointMetadata& md) const {
+void Checkpoint::write(const std::string& path, const CheckpointMetadata& metadata,
+                       const SaveOptions& options) const {
   participant().check_checkpoint_supported(*strategy_, "Checkpoint::save '" + path + "'");
   CheckpointParticipant& p = participant();
+  // The file writer (the chief's save_safetensors_reserved) scans every
+  // tensor for NaN/Inf on its CRC pass unless the file says it may hold them;
+  // its refusal reaches every process like any write error.
+  CheckpointMetadata md = metadata;
+  if (options.allow_non_finite) md[ckpt::kNonFiniteKey] = ckpt::kNonFiniteAllowed;
   p.write_checkpoint(*strategy_, path, p.needs_state_to_write() ? state() : std::vector<std::pair<std::string, Tensor>>{}, md);
 }
 
@@ -482,7 +491,8 @@ bool is_own_temp_file(const std::string& name) {
   const std::string n = rest.substr(dot + 1);
   if (!all_digits(n) && n != "probe") return false;
   int64_t step;
-  return base == kLatest || parse_step_file(base, &step) || ckpt::parse_shard_file_name(base).has_value();
+  return base == kLatest || base == ckpt::kManifestFile || parse_step_file(base, &step) ||
+         ckpt::parse_shard_file_name(base).has_value();
 }
 
 // The `latest` pointer as read: absent, naming a checkpoint file, or damaged.
@@ -492,18 +502,44 @@ struct Pointer {
   std::string problem;  // kDamaged
 };
 
-Pointer read_pointer(const std::string& dir) {
+// The header CRC of a verified manager checkpoint at `path`; "" when it is
+// unreadable, unverified or not a manager's.
+std::string header_crc(const std::string& path) {
+  try {
+    const ckpt::SafetensorsHeader h = ckpt::read_safetensors_header(path);
+    auto crc = h.metadata.find(ckpt::kHeaderCrcMetadataKey);
+    if (!h.verified || crc == h.metadata.end() || !h.metadata.count(ckpt::kManagerStepKey)) return "";
+    return crc->second;
+  } catch (const Error&) {
+    return "";
+  }
+}
+
+Pointer read_pointer(const std::string& dir, const ckpt::DirectoryIdentity& id) {
   const std::string path = dir + "/" + kLatest;
   Pointer p;
+  // `latest` itself: a regular file of the directory's user. A symlink, or
+  // one another user planted, is damage: never followed, never believed.
+  const std::string owner = ckpt::ownership_problem(dir, kLatest, id);
+  if (!owner.empty()) {
+    p.state = Pointer::kDamaged;
+    p.problem = "'" + path + "' is " + owner;
+    return p;
+  }
   std::string text;
   try {
     fs::ReadOptions o;
     o.max_bytes = kMaxLatestBytes;  // a FIFO or a huge file is damage, not something to wait on
+    o.follow_symlinks = false;
     text = fs::read_text_file(path, "'" + path + "'", o);
   } catch (const NotFoundError&) {
     return p;
   } catch (const DataLossError& e) {
     p.state = Pointer::kDamaged;
+    p.problem = e.message();
+    return p;
+  } catch (const PermissionDeniedError& e) {
+    p.state = Pointer::kDamaged;  // a symlink swapped in after the check above
     p.problem = e.message();
     return p;
   }
@@ -514,6 +550,16 @@ Pointer read_pointer(const std::string& dir) {
     p.state = Pointer::kDamaged;
     p.problem = "'" + path + "' names '" + echo(name) +
                 "', which is not a checkpoint file";
+    return p;
+  }
+  // What it names: not a link, not another user's file, not a checkpoint
+  // the manifest does not list (damage in a listed one is for the restore
+  // to report).
+  std::string why = ckpt::ownership_problem(dir, name, id);
+  if (why.empty()) why = ckpt::manifest_problem(dir, name, header_crc(dir + "/" + name), id);
+  if (!why.empty()) {
+    p.state = Pointer::kDamaged;
+    p.problem = "'" + path + "' names '" + name + "', which is not this manager's checkpoint: " + why;
     return p;
   }
   p.state = Pointer::kNames;
@@ -528,13 +574,13 @@ struct Scan {
   std::vector<std::pair<std::string, std::string>> foreign;  // (name, why)
 };
 
-Scan scan(const std::string& dir) {
+Scan scan(const std::string& dir, const ckpt::DirectoryIdentity& id) {
   Scan sc;
   for (const std::string& n : list_dir(dir)) {
     int64_t step;
     if (!parse_step_file(n, &step)) continue;
-    std::string why;
-    try {
+    std::string why = ckpt::ownership_problem(dir, n, id);
+    if (why.empty()) try {
       const ckpt::SafetensorsHeader h = ckpt::read_safetensors_header(dir + "/" + n);
       auto it = h.metadata.find(ckpt::kManagerStepKey);
       int64_t st = -1;
@@ -544,6 +590,9 @@ Scan scan(const std::string& dir) {
         why = "not written by a CheckpointManager (no '" + std::string(ckpt::kManagerStepKey) + "')";
       } else if (!ckpt::parse_int(it->second, 0, std::numeric_limits<int64_t>::max(), &st) || st != step) {
         why = "its metadata says step '" + echo(it->second, 24) + "' (a renamed copy?)";
+      } else {
+        auto crc = h.metadata.find(ckpt::kHeaderCrcMetadataKey);
+        why = ckpt::manifest_problem(dir, n, crc == h.metadata.end() ? "" : crc->second, id);
       }
     } catch (const Error& e) {
       why = e.message();
@@ -571,13 +620,27 @@ std::string describe(const std::vector<std::pair<std::string, std::string>>& fil
 std::string damaged_pointer_message(const std::string& dir, const Pointer& p) {
   return "checkpoint directory '" + dir + "': its 'latest' pointer is damaged: " + p.problem;
 }
+
+// The manifest a directory without one starts with: the checkpoint `latest`
+// names, when both are regular files of ours and it is a verified manager
+// checkpoint (a directory from before manifests, or one copied whole). Other
+// checkpoints already there cannot be proven ours: never pruned.
+std::map<std::string, std::string> initial_manifest(const std::string& dir, const ckpt::DirectoryIdentity& id) {
+  std::map<std::string, std::string> listed;
+  const Pointer p = read_pointer(dir, id);
+  if (p.state != Pointer::kNames) return listed;
+  const std::string crc = header_crc(dir + "/" + p.name);
+  if (!crc.empty()) listed[p.name] = crc;
+  return listed;
+}
 }  // namespace
 
 std::optional<std::string> latest_checkpoint(const std::string& directory) {
-  const Pointer p = read_pointer(directory);
+  const ckpt::DirectoryIdentity id = ckpt::reader_identity(directory);
+  const Pointer p = read_pointer(directory, id);
   if (p.state == Pointer::kNames) return directory + "/" + p.name;
   if (p.state == Pointer::kDamaged) throw DataLossError(damaged_pointer_message(directory, p));
-  const Scan sc = scan(directory);
+  const Scan sc = scan(directory, id);
   if (sc.own.empty()) return std::nullopt;
   return directory + "/" + sc.own.back().second;
 }
@@ -597,11 +660,41 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
   on_chief_then_agree(checkpoint.strategy(), "to prepare checkpoint directory '" + directory_ + "'", [&] {
     fs::ensure_writable_directory(directory_, std::string(kLatest) + ".tmp." + std::to_string(::getpid()) + ".probe",
                                   "CheckpointManager");
-    // Temporary files of saves that a crash interrupted (our names only).
-    for (const std::string& n : list_dir(directory_)) {
-      if (is_own_temp_file(n)) ::unlink((directory_ + "/" + n).c_str());
+    // Owned by us or root, not writable by others unless sticky; its
+    // manifest read, or started now (with what `latest` names, carried
+    // forward from a directory without one).
+    ckpt::check_directory_owner(directory_);
+    ckpt::DirectoryIdentity id = ckpt::writer_identity(directory_);
+    if (!id.has_manifest) {
+      ckpt::write_manifest(directory_, initial_manifest(directory_, id));
+      id = ckpt::writer_identity(directory_);
     }
+    // Temporary files of saves that a crash interrupted: our names, and
+    // files we own (never another user's, whatever its name).
+    for (const std::string& n : list_dir(directory_)) {
+      if (!is_own_temp_file(n)) continue;
+      struct stat st {};
+      const std::string p = directory_ + "/" + n;
+      if (::lstat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == id.uid) ::unlink(p.c_str());
+    }
+    report_ignored(scan(directory_, id).foreign);
   });
+}
+
+ckpt::DirectoryIdentity CheckpointManager::identity() const {
+  return options_.read_only ? ckpt::reader_identity(directory_) : ckpt::writer_identity(directory_);
+}
+
+void CheckpointManager::report_ignored(const std::vector<std::pair<std::string, std::string>>& foreign) {
+  std::vector<std::pair<std::string, std::string>> fresh;
+  for (const auto& f : foreign) {
+    if (reported_ignored_.insert(f.first).second) fresh.push_back(f);
+  }
+  if (fresh.empty()) return;
+  checkpoint_->strategy().logger().warning(
+      "checkpoint directory '", directory_, "': ignoring ", fresh.size(),
+      " file(s) with checkpoint names that are not this run's checkpoints (never counted towards max_to_keep, ",
+      "pruned, or restored by restore_latest; Checkpoint::restore(path) restores one on purpose): ", describe(fresh));
 }
 
 std::optional<std::string> CheckpointManager::latest() const { return latest_checkpoint(directory_); }
@@ -618,13 +711,25 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
                     "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
   }
   md[ckpt::kManagerStepKey] = std::to_string(step);  // what marks the file as this manager's
-  checkpoint_->write(path, md);
+  SaveOptions so;
+  so.allow_non_finite = options_.allow_non_finite;
+  checkpoint_->write(path, md, so);
   Strategy& s = checkpoint_->strategy();
   // The checkpoint is complete on disk; only now does `latest` point at it.
   on_chief_then_agree(s, "to update '" + directory_ + "/latest'", [&] {
+    // The manifest lists it before `latest` names it: `latest` never names a
+    // checkpoint this run would not recognize as its own.
+    ckpt::DirectoryIdentity id = identity();
+    const std::string crc = header_crc(path);
+    DISTSTRAT_CHECK(!crc.empty(), kDataLoss, "CheckpointManager::save: checkpoint '", path,
+                    "' just written has no verifiable header");
+    id.listed[name] = crc;
+    id.has_manifest = true;
+    ckpt::write_manifest(directory_, id.listed);
     const std::string text = name + "\n";
     write_file_atomically(directory_ + "/" + kLatest, text.data(), text.size());
-    Scan sc = scan(directory_);
+    Scan sc = scan(directory_, id);
+    report_ignored(sc.foreign);
     if (std::find(sc.own.begin(), sc.own.end(), std::make_pair(step, name)) == sc.own.end()) {
       sc.own.emplace_back(step, name);  // just written: ours even if its header cannot be re-read now
       std::sort(sc.own.begin(), sc.own.end());
@@ -649,8 +754,22 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
     // Our shard files of pruned checkpoints and of saves that never got their index.
     for (const std::string& n : list_dir(directory_)) {
       if (kept_shards.count(n) || !ckpt::parse_shard_file_name(n)) continue;
+      // Another user's file is never ours, whatever its header says.
+      if (!ckpt::ownership_problem(directory_, n, id).empty()) continue;
       if (ckpt::is_own_shard_file(directory_ + "/" + n)) ::unlink((directory_ + "/" + n).c_str());
     }
+    // Pruned (or vanished) checkpoints leave the manifest.
+    bool changed = false;
+    for (auto it = id.listed.begin(); it != id.listed.end();) {
+      struct stat st {};
+      if (::lstat((directory_ + "/" + it->first).c_str(), &st) != 0) {
+        it = id.listed.erase(it);
+        changed = true;
+      } else {
+        ++it;
+      }
+    }
+    if (changed) ckpt::write_manifest(directory_, id.listed);
   });
   return path;
 }
@@ -661,11 +780,13 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
   // The chief decides what to try, newest first; every process tries the same.
   std::string plan;
   on_chief_then_agree(s, "to find the latest checkpoint in '" + directory_ + "'", [&] {
-    const Pointer p = read_pointer(directory_);
+    const ckpt::DirectoryIdentity id = identity();
+    const Pointer p = read_pointer(directory_, id);
     if (p.state == Pointer::kDamaged && !options.fall_back_to_valid) {
       throw DataLossError(damaged_pointer_message(directory_, p));
     }
-    const Scan sc = scan(directory_);
+    const Scan sc = scan(directory_, id);
+    report_ignored(sc.foreign);
     std::vector<std::string> names;
     if (p.state == Pointer::kNames) {
       names.push_back(p.name);
@@ -677,8 +798,8 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
       if (sc.foreign.empty()) return;  // an empty directory: a fresh start
       // Never a silent fresh start over files that look like checkpoints.
       throw FailedPreconditionError(
-          "checkpoint directory '" + directory_ + "' has no 'latest' pointer, and none of its checkpoint files " +
-          "was written by a CheckpointManager: " + describe(sc.foreign) +
+          "checkpoint directory '" + directory_ + "' has no usable 'latest' pointer, and none of its checkpoint " +
+          "files is this manager's (written by its CheckpointManager runs, owned by this user): " + describe(sc.foreign) +
           ". Restore one explicitly (Checkpoint::restore) or move them away to start from scratch");
     } else {
       s.logger().warning("checkpoint directory '", directory_, "': ",

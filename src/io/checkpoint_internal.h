@@ -59,6 +59,14 @@ SafetensorsHeader read_safetensors_header(const std::string& path);
 // manager wrote; nothing else is ever pruned or counted.
 constexpr const char* kManagerStepKey = "diststrat.manager_step";
 
+// Every verified file's header CRC (8 hex digits) in its metadata.
+constexpr const char* kHeaderCrcMetadataKey = "diststrat.header_crc32";
+
+// Reserved metadata: the save was made with allow_non_finite (the value is
+// kNonFiniteAllowed); without it, save_safetensors_reserved refuses NaN/Inf.
+constexpr const char* kNonFiniteKey = "diststrat.non_finite";
+constexpr const char* kNonFiniteAllowed = "allowed";
+
 // Strict decimal integer ("-12", no spaces, no '+', no exponent) within
 // [lo, hi]; false otherwise (never throws).
 bool parse_int(const std::string& text, int64_t lo, int64_t hi, int64_t* out);

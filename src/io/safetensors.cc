@@ -16,6 +16,7 @@
 // breaks the JSON or the offsets, or changes its canonical form and fails the
 // header CRC (whitespace flips change nothing that is read, and pass).
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -33,6 +34,7 @@
 #include "core/file_util.h"
 #include "core/user_text.h"
 #include "io/checkpoint_internal.h"
+#include "io/non_finite.h"
 
 namespace diststrat {
 
@@ -124,6 +126,13 @@ const Tensor* SafetensorsFile::find(const std::string& name) const {
 
 void write_file_atomically(const std::string& path, const void* bytes, size_t size) {
   static std::atomic<uint64_t> counter{0};  // distinct temp names for threads of one process
+  // A device node, FIFO or socket under that name is not ours to replace (as
+  // root, /dev/full would become a regular file and the data look written).
+  struct stat lst {};
+  if (::lstat(path.c_str(), &lst) == 0 && !S_ISREG(lst.st_mode) && !S_ISLNK(lst.st_mode)) {
+    throw FailedPreconditionError("writing '" + path + "': it exists and is " + fs::file_kind(lst.st_mode) +
+                                  ", not a regular file; refusing to replace it");
+  }
   const std::string tmp =
       path + ".tmp." + std::to_string(getpid()) + "." + std::to_string(counter.fetch_add(1));
   auto fail = [&](const std::string& what, int err) {
@@ -166,7 +175,7 @@ void write_file_atomically(const std::string& path, const void* bytes, size_t si
 namespace {
 void save_safetensors_impl(const std::string& path,
                            const std::vector<std::pair<std::string, Tensor>>& tensors,
-                           const CheckpointMetadata& metadata, bool allow_reserved) {
+                           const CheckpointMetadata& metadata, bool allow_reserved, bool allow_non_finite) {
   DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
                   "save_safetensors: big-endian hosts are not supported");
   std::vector<const std::pair<std::string, Tensor>*> sorted;
@@ -195,6 +204,7 @@ void save_safetensors_impl(const std::string& path,
     md[k] = v;
   }
   uint64_t offset = 0;
+  std::vector<std::string> non_finite;  // "'<tensor>' holds ..."
   for (const auto* nt : sorted) {
     const Tensor& t = nt->second;
     json entry;
@@ -202,8 +212,19 @@ void save_safetensors_impl(const std::string& path,
     entry["shape"] = t.shape().dims();
     entry["data_offsets"] = {offset, offset + t.nbytes()};
     header[nt->first] = entry;
-    md[kTensorCrcPrefix + nt->first] = hex32(crc32_of(t.data(), t.nbytes()));
+    // The non-finite scan rides on the CRC's pass over the same bytes.
+    ckpt::NonFinite nf;
+    md[kTensorCrcPrefix + nt->first] = hex32(ckpt::crc32_and_scan(t.data(), t.nbytes(), t.dtype(), !allow_non_finite, &nf));
+    if (nf) non_finite.push_back("tensor '" + echo(nt->first) + "' " + ckpt::describe_non_finite(nf));
     offset += t.nbytes();
+  }
+  if (!non_finite.empty()) {
+    // A diverged model must never replace good checkpoints: nothing is written.
+    std::string msg = "refusing to save '" + path + "': ";
+    const size_t shown = std::min<size_t>(non_finite.size(), 5);
+    for (size_t i = 0; i < shown; ++i) msg += (i ? "; " : "") + non_finite[i];
+    if (non_finite.size() > shown) msg += "; and " + std::to_string(non_finite.size() - shown) + " more tensors";
+    throw DataLossError(msg + ". The training diverged? Nothing was written; allow_non_finite = true saves it anyway");
   }
   md["diststrat.format"] = "1";
   header["__metadata__"] = md;
@@ -227,14 +248,16 @@ void save_safetensors_impl(const std::string& path,
 
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
-                      const CheckpointMetadata& metadata) {
-  save_safetensors_impl(path, tensors, metadata, false);
+                      const CheckpointMetadata& metadata, const SafetensorsSaveOptions& options) {
+  save_safetensors_impl(path, tensors, metadata, false, options.allow_non_finite);
 }
 
 void ckpt::save_safetensors_reserved(const std::string& path,
                                      const std::vector<std::pair<std::string, Tensor>>& tensors,
                                      const CheckpointMetadata& metadata) {
-  save_safetensors_impl(path, tensors, metadata, true);
+  auto allow = metadata.find(ckpt::kNonFiniteKey);
+  save_safetensors_impl(path, tensors, metadata, true,
+                        allow != metadata.end() && allow->second == ckpt::kNonFiniteAllowed);
 }
 
 // ---- reading ------------------------------------------------------------------
@@ -380,25 +403,31 @@ Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std:
 
 // The tensors of a checked layout from its data region (exactly the bytes
 // the header declares), each verified against its checksum.
-SafetensorsFile build_tensors(Layout& layout, const uint8_t* data, const std::string& what) {
+SafetensorsFile build_tensors(Layout& layout, const uint8_t* data, const std::string& what, bool allow_non_finite) {
   auto corrupt = [&](const std::string& msg) -> DataLossError {
     return DataLossError("checkpoint '" + what + "': " + msg);
   };
   SafetensorsFile& out = layout.file;
   const bool has_crcs = layout.has_crcs;
   const std::vector<Entry>& entries = layout.entries;
+  std::vector<std::string> non_finite;
   for (const Entry& e : entries) {
     const uint8_t* p = data + e.begin;
     const size_t nbytes = static_cast<size_t>(e.end - e.begin);
+    ckpt::NonFinite nf;
     if (has_crcs) {
       auto it = out.metadata.find(kTensorCrcPrefix + e.name);
       if (it == out.metadata.end()) throw corrupt("tensor '" + echo(e.name) + "' has no checksum");
-      const std::string got = hex32(crc32_of(p, nbytes));
+      // The non-finite scan rides on the CRC's pass over the same bytes.
+      const std::string got = hex32(ckpt::crc32_and_scan(p, nbytes, e.dtype, !allow_non_finite, &nf));
       if (got != it->second) {
         throw corrupt("tensor '" + echo(e.name) + "': checksum mismatch (stored " + echo(it->second) +
                       ", computed " + got + "): its data is corrupted");
       }
+    } else if (!allow_non_finite && dtype_is_floating(e.dtype)) {
+      ckpt::scan_non_finite(p, nbytes / dtype_size(e.dtype), e.dtype, 0, &nf);
     }
+    if (nf) non_finite.push_back("tensor '" + echo(e.name) + "' " + ckpt::describe_non_finite(nf));
     Tensor t(e.shape, e.dtype);
     if (nbytes) std::memcpy(t.data(), p, nbytes);
     out.tensors.emplace_back(e.name, std::move(t));
@@ -411,6 +440,14 @@ SafetensorsFile build_tensors(Layout& layout, const uint8_t* data, const std::st
                       "' has a checksum but no header entry");
       }
     }
+  }
+  if (!non_finite.empty()) {
+    // Intact bytes (the CRCs match) of a model that had diverged when saved.
+    std::string msg;
+    const size_t shown = std::min<size_t>(non_finite.size(), 5);
+    for (size_t i = 0; i < shown; ++i) msg += (i ? "; " : "") + non_finite[i];
+    if (non_finite.size() > shown) msg += "; and " + std::to_string(non_finite.size() - shown) + " more tensors";
+    throw corrupt(msg + " (saved from a diverged model?); allow_non_finite = true restores it anyway");
   }
   std::sort(out.tensors.begin(), out.tensors.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -430,7 +467,7 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
   }
   const uint64_t n = checked_header_length(bytes, size, what);
   Layout layout = parse_layout(reinterpret_cast<const char*>(bytes + 8), n, size - 8 - n, what, options);
-  return build_tensors(layout, bytes + 8 + n, what);
+  return build_tensors(layout, bytes + 8 + n, what, options.allow_non_finite);
 }
 
 SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadOptions& options) {
@@ -460,7 +497,7 @@ SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadO
                                  " bytes of tensor data do not fit in memory");
   }
   if (data_size > 0) file.read_at(8 + n, data.data(), data.size());
-  return build_tensors(layout, data.data(), path);
+  return build_tensors(layout, data.data(), path, options.allow_non_finite);
 }
 
 ckpt::SafetensorsHeader ckpt::read_safetensors_header(const std::string& path) {

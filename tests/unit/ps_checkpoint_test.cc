@@ -299,8 +299,8 @@ TEST(PsCheckpoint, FailureBetweenShardsAndIndexLeavesThePreviousCheckpoint) {
   ::rmdir((dir + "/ckpt-2.safetensors").c_str());
   manager.save(3, {{"step", "3"}});
   manager.save(4, {{"step", "4"}});
-  // Kept: 2 indexes, their 2 x 2 shard files, `latest`.
-  EXPECT_EQ(list(dir).size(), 7u);
+  // Kept: 2 indexes, their 2 x 2 shard files, `latest`, the manager's manifest.
+  EXPECT_EQ(list(dir).size(), 8u);
   EXPECT_EQ(shard_files(dir).size(), 4u);
   for (const std::string& n : shard_files(dir)) EXPECT_TRUE(n.rfind("ckpt-3.", 0) == 0 || n.rfind("ckpt-4.", 0) == 0) << n;
 }
@@ -350,7 +350,7 @@ TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
       s.barrier("checked");
     }
   });
-  EXPECT_EQ(list(dir).size(), 7u);  // ckpt-3, ckpt-4 with 2 shard files each, latest
+  EXPECT_EQ(list(dir).size(), 8u);  // ckpt-3, ckpt-4 with 2 shard files each, latest, manifest
   run_job(3, [&](ds::ParameterServerStrategy& s, int w) {
     ds::testing::CheckpointedMlp m(s, 77, dir);
     auto md = m.manager.restore_latest();
