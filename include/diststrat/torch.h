@@ -203,6 +203,7 @@ class DistributedDataParallel {
   void on_gradient_ready(int local, size_t param);
   void record_stray(int local, size_t param);
   std::string module_change(const Replica& r) const;
+  void add_back_used(Replica& r, size_t bucket);
   void finish_window(Replica& r, const float* flags);
   void launch_ready_buckets(Replica& r, bool in_hook);
   void launch_bucket(Replica& r, size_t bucket, bool in_hook);

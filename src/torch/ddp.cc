@@ -493,6 +493,20 @@ std::string DistributedDataParallel::module_change(const Replica& r) const {
   return "";
 }
 
+// Bucket b has been reduced: a parameter this replica used gets its old
+// .grad (from before the window) plus the reduced one, in the old tensor
+// (the one the user holds, as autograd's accumulation would).
+void DistributedDataParallel::add_back_used(Replica& r, size_t b) {
+  torch::NoGradGuard no_grad;
+  for (size_t k : buckets_[b]) {
+    if (!r.got_grad[k] || !r.stash[k].defined()) continue;
+    at::Tensor old = std::move(r.stash[k]);
+    r.stash[k] = at::Tensor();
+    old.add_(r.params[k].grad());
+    r.params[k].mutable_grad() = old;
+  }
+}
+
 // After the window's reduction: a parameter that no replica used gets back
 // the .grad it had before the window (undefined unless the user kept one);
 // the others get that old .grad plus the reduced one. `flags` is null when
@@ -725,12 +739,17 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   }
   launch_ready_buckets(r, /*in_hook=*/false);
   std::exception_ptr wait_error;
-  for (Work& w : r.works) {
+  // works[b] is bucket b's (launched in order; the first launch error
+  // stops the rest). The old .grads of parameters this replica used (so not
+  // unused by all) are added back as each bucket completes, while the
+  // fusion engine may still be reducing later ones.
+  for (size_t b = 0; b < r.works.size(); ++b) {
     try {
-      w.wait();
+      r.works[b].wait();
     } catch (...) {
       if (!wait_error) wait_error = std::current_exception();
     }
+    if (!wait_error && !r.launch_error && !r.failed) add_back_used(r, b);
   }
   if (local == 0) ++r.sync_steps;
   const bool reduced = !r.launch_error && !wait_error;
