@@ -76,9 +76,13 @@ struct DdpOptions {
   // false (default): a parameter (requires_grad) that got no gradient in a
   // synchronizing backward() on any replica is InvalidArgumentError on every
   // replica, naming the parameter(s) and how many replicas missed them
-  // (after the step's collectives completed, so no rank hangs). true: such a
-  // gradient counts as zero on that replica (as torch DDP's
-  // find_unused_parameters), and the parameter's grad is defined afterwards.
+  // (after the step's collectives completed, so no rank hangs). true (torch
+  // DDP's find_unused_parameters): used by some replicas only, it counts as
+  // zero on the others and its .grad is defined afterwards on every replica;
+  // used by no replica that ran a pass in the accumulation window (a replica
+  // with zero rows is neutral), its .grad is what it was before the window,
+  // undefined unless the user kept one, so an optimizer skips it as
+  // single-process LibTorch would.
   bool find_unused_parameters = false;
   // true (default): each bucket of gradients is handed to the strategy's
   // all-reduce from the autograd hook the moment its last gradient is
@@ -149,9 +153,19 @@ class DistributedDataParallel {
   // every parameter's .grad holds the gradient of the mean loss over all
   // rows of every replica and of every micro-batch accumulated under
   // no_sync() since the last synchronization (the true global batch, so a
-  // short last batch is weighted right), identical on every replica.
+  // short last batch is weighted right), identical on every replica, plus
+  // the .grad it already had when the window began (not reset since the
+  // last step; summed as single-process accumulation would).
   // A replica with rows == 0 runs no backward (its loss is NaN) and
-  // contributes zero. A replica whose autograd pass throws (a non-scalar
+  // contributes zero. Gradients accumulated into the modules' parameters
+  // outside backward() (a plain loss.backward(), another model's backward
+  // through this one; torch::autograd::grad accumulates none) are never
+  // synchronized: the next synchronizing backward() throws
+  // FailedPreconditionError on every replica (after the step's collectives),
+  // and a second such gradient into one parameter before that throws from
+  // that autograd pass. A module whose parameters were replaced or changed
+  // dtype/device since construction fails the pass (FailedPreconditionError,
+  // handled as a bad loss). A replica whose autograd pass throws (a non-scalar
   // loss, an autograd error) still sends its buckets (zeros) and rethrows;
   // every other replica then throws AbortedError (the step's sum is
   // incomplete) instead of waiting. Blocking (the strategy's deadline bounds
@@ -187,8 +201,13 @@ class DistributedDataParallel {
 
  private:
   void on_gradient_ready(int local, size_t param);
+  void record_stray(int local, size_t param);
+  std::string module_change(const Replica& r) const;
+  void add_back_used(Replica& r, size_t bucket);
+  void finish_window(Replica& r, const float* flags);
   void launch_ready_buckets(Replica& r, bool in_hook);
   void launch_bucket(Replica& r, size_t bucket, bool in_hook);
+  void check_no_stray(ReplicaContext& ctx, Replica& r) const;
   void check_same_step(ReplicaContext& ctx, const Replica& r) const;
 
   Strategy* strategy_;

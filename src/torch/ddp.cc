@@ -16,18 +16,36 @@
 //     is launched: its gradients (rescaled after accumulation) are handed to
 //     ReplicaContext::all_reduce_async(kSum) as one call (one fused pack of
 //     the multi-worker fusion engine), while backward continues.
+//     The first backward() of a window moves each .grad that is already
+//     there (not reset by the user) aside, so the buckets carry only the
+//     window's gradients; it is added back after the reduction (torch DDP
+//     averages identical old values to themselves: old + the global mean).
 //  3. After the autograd pass, the buckets not launched yet are launched in
 //     order: their parameters without a gradient in this pass keep what they
 //     accumulated under no_sync(), or become zeros. The last bucket also
-//     carries one float per parameter, 1 where this replica got no gradient
-//     for it in the whole accumulation window, and one that is 1 where this
-//     replica's autograd pass failed, so every replica learns after the
-//     reduction which parameters some replica missed (an error on every
-//     replica unless find_unused_parameters) and whether the step's sum is
-//     incomplete (AbortedError on the others; the failing replica throws its
-//     own error): no rank waits for a bucket another rank never sends.
+//     carries one float per parameter, 1 where this replica ran an autograd
+//     pass in the accumulation window and got no gradient for it, and the
+//     step flags (kStepFlags): whether this replica's autograd pass failed,
+//     what the step must agree on, whether it ran a pass at all, and whether
+//     gradients were accumulated into its parameters outside ddp.backward.
+//     So every replica learns after the reduction which parameters some
+//     replica missed (an error on every replica unless
+//     find_unused_parameters), which ones no replica used, whether the step's
+//     sum is incomplete (AbortedError on the others; the failing replica
+//     throws its own error) and whether some replica's gradients hold
+//     something that was never synchronized (an error on every replica): no
+//     rank waits for a bucket another rank never sends.
 //  4. Every bucket's Work is waited for; the gradients are then the global
-//     mean, identical on every replica.
+//     mean, identical on every replica. A parameter that no replica used in
+//     the window gets back the .grad it had before the window (undefined
+//     unless the user kept one), as torch DDP leaves it untouched.
+//
+// Gradients that reach a parameter outside ddp.backward (a plain
+// loss.backward(), another DDP's pass) fire the same hooks with no pass of
+// this DDP active on the thread: they are recorded, reported by the next
+// synchronizing backward() on every replica, and a second one into the same
+// parameter before that (a loop that never calls ddp.backward) throws from
+// the hook. torch::autograd::grad runs no AccumulateGrad node, so no hook.
 // Under MultiWorkerMirroredStrategy the all-reduce of a bucket runs on the
 // fusion engine's thread while backward goes on; under Mirrored/CentralStorage
 // it is the in-process all-reduce (it completes in the hook).
@@ -38,6 +56,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 #include "diststrat/torch.h"
@@ -148,8 +167,9 @@ void check_same_module(Strategy& strategy, const std::vector<std::string>& lines
               "their texts agree");
 }
 
-// Floats after the per-parameter "no gradient" flags in the last bucket.
-constexpr size_t kStepFlags = 5;
+// Floats after the per-parameter "no gradient" flags in the last bucket
+// (Replica::unused_flags says which is which).
+constexpr size_t kStepFlags = 8;
 // Counts sent as float32 are exact below 2^24; the sync index goes mod 2^20.
 constexpr int64_t kSyncIndexModulus = int64_t{1} << 20;
 
@@ -181,7 +201,17 @@ struct DistributedDataParallel::Replica {
   // told apart by Strategy::steps_run()).
   int64_t run_seen = -1;
   int64_t sync_index = 0;
-  std::vector<char> got_grad;  // hook fired for the parameter in the window
+  // Every parameter of the module (named_parameters() order, with or
+  // without requires_grad) when DDP was constructed: a replaced layer is
+  // found by identity.
+  std::vector<at::Tensor> module_params;
+  std::vector<char> module_trainable;  // their requires_grad then
+  // Per parameter: a gradient reached it in a pass of this replica's
+  // backward() in the window (the hook fired with a defined .grad).
+  std::vector<char> got_grad;
+  // Per parameter: the .grad it had when the window began (moved aside).
+  std::vector<at::Tensor> stash;
+  bool window_ran_pass = false;  // an autograd pass ran in the window
   // The synchronizing backward in progress.
   bool syncing = false;
   ReplicaContext* ctx = nullptr;
@@ -192,14 +222,25 @@ struct DistributedDataParallel::Replica {
   std::vector<Work> works;
   std::exception_ptr launch_error;
   // float32 [P + kStepFlags], summed over replicas (last bucket): [k] =
-  // replicas without a gradient for parameter k, [P] = replicas whose
-  // backward failed, [P+1] = their window rows, [P+2] = their window
-  // global_rows, [P+3] = their window backward() calls, [P+4] = their
-  // synchronization index in this run(): what they must agree on.
+  // replicas that ran a pass but got no gradient for parameter k, [P] =
+  // replicas whose backward failed, [P+1] = their window rows, [P+2] =
+  // their window global_rows, [P+3] = their window backward() calls,
+  // [P+4] = their synchronization index in this run() (what they must agree
+  // on), [P+5] = replicas that ran an autograd pass in the window, [P+6] =
+  // replicas with gradients from outside ddp.backward, [P+7] = the sum of
+  // those replicas' ids + 1 (names the replica when there is one).
   Tensor unused_flags;
   bool failed = false;  // this replica's autograd pass failed
   // Set by a hook of another replica's parameter during this replica's pass.
   std::string foreign_parameter;
+  // Gradients accumulated into this replica's parameters outside any
+  // backward() of this DDP (any thread may run such a pass: guarded).
+  std::mutex stray_mu;
+  std::vector<char> stray;   // per parameter, since the last synchronization
+  std::string stray_first;   // the first such parameter's name
+  int64_t stray_count = 0;   // parameters in `stray`
+  bool stray_sent = false;   // the current synchronization carries them
+  std::string stray_report;  // what they were, once sent and cleared
   std::atomic<int64_t> launched{0}, in_hook{0}, sync_steps{0};
 };
 
@@ -247,6 +288,17 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
                   "DistributedDataParallel: cannot replicate the module for local replica " +
                       std::to_string(i) +
                       " (make it a torch::nn::Cloneable): " + e.what_without_backtrace());
+    }
+    // Module::clone() re-creates parameters through reset(), trainable:
+    // freeze what the original has frozen, or the replicas would train
+    // different parameter sets.
+    const auto from = module->named_parameters(true);
+    const auto to = copy->named_parameters(true);
+    DISTSTRAT_CHECK_EQ(from.size(), to.size(),
+                       "DistributedDataParallel: parameters of the clone of local replica ", i);
+    for (size_t j = 0; j < from.size(); ++j) {
+      if (to[j].value().requires_grad() != from[j].value().requires_grad())
+        to[j].value().set_requires_grad(from[j].value().requires_grad());
     }
     replicas_.push_back(copy);
   }
@@ -299,7 +351,13 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
     }
     DISTSTRAT_CHECK_EQ(r->params.size(), names_.size(),
                        "DistributedDataParallel: parameters of the clone of local replica ", i);
+    for (const auto& p : replicas_[static_cast<size_t>(i)]->named_parameters(true)) {
+      r->module_params.push_back(p.value());
+      r->module_trainable.push_back(p.value().requires_grad() ? 1 : 0);
+    }
     r->got_grad.assign(names_.size(), 0);
+    r->stash.resize(names_.size());
+    r->stray.assign(names_.size(), 0);
     r->ready.assign(names_.size(), 0);
     for (size_t k = 0; k < r->params.size(); ++k) {
       std::shared_ptr<torch::autograd::Node> acc =
@@ -350,7 +408,11 @@ DdpStats DistributedDataParallel::stats() const {
 }
 
 void DistributedDataParallel::on_gradient_ready(int local, size_t k) {
-  if (active_pass.ddp == this && active_pass.local != local) {
+  if (active_pass.ddp != this) {
+    record_stray(local, k);
+    return;
+  }
+  if (active_pass.local != local) {
     // Replica `active_pass.local` ran replica `local`'s module: leave that
     // replica's step alone (it runs on its own thread), fail this one.
     Replica& caller = *state_[static_cast<size_t>(active_pass.local)];
@@ -360,11 +422,110 @@ void DistributedDataParallel::on_gradient_ready(int local, size_t k) {
     return;
   }
   Replica& r = *state_[static_cast<size_t>(local)];
-  r.got_grad[k] = 1;
+  // As c10d's reducer: a hook that fires with an undefined gradient (the
+  // parameter's outputs got none) leaves the parameter unused. The .grad
+  // from before the window is set aside, so defined means "got one now".
+  if (r.params[k].grad().defined()) r.got_grad[k] = 1;
   if (!r.syncing || r.ready[k]) return;
   r.ready[k] = 1;
   --r.pending[bucket_of_[k]];
   if (options_.overlap) launch_ready_buckets(r, /*in_hook=*/true);
+}
+
+// A gradient accumulated into local replica `local`'s parameter k with no
+// backward() of this DDP running on this thread.
+void DistributedDataParallel::record_stray(int local, size_t k) {
+  Replica& r = *state_[static_cast<size_t>(local)];
+  std::lock_guard<std::mutex> lock(r.stray_mu);
+  if (r.stray[k]) {
+    // The first one was never reported: no synchronizing backward() came
+    // in between (a loop that calls loss.backward() instead). Thrown out of
+    // that loss.backward() on every replica that runs such a loop; no
+    // collective is involved, so nobody waits.
+    throw_error(ErrorCode::kFailedPrecondition,
+                "DistributedDataParallel: parameter '" + names_[k] + "' of local replica " +
+                    std::to_string(local) +
+                    " got a gradient outside ddp.backward again, with no synchronizing "
+                    "ddp.backward in between: such gradients are never synchronized, the "
+                    "replicas drift apart; call ddp.backward(ctx, loss, rows, global_rows) "
+                    "instead of loss.backward() (torch::autograd::grad is fine: it accumulates "
+                    "into no .grad)");
+  }
+  r.stray[k] = 1;
+  if (r.stray_count++ == 0) r.stray_first = names_[k];
+}
+
+// Empty, or what changed in local replica r's module since construction:
+// parameters that DDP has no hook on would never be synchronized.
+std::string DistributedDataParallel::module_change(const Replica& r) const {
+  torch::nn::Module& m = *replicas_[static_cast<size_t>(r.local)];
+  const std::vector<at::Tensor> now = m.parameters(/*recurse=*/true);
+  bool same = now.size() == r.module_params.size();
+  for (size_t j = 0; same && j < now.size(); ++j)
+    same = now[j].unsafeGetTensorImpl() == r.module_params[j].unsafeGetTensorImpl();
+  if (!same) {
+    const auto named = m.named_parameters(/*recurse=*/true);
+    for (size_t j = 0; j < named.size(); ++j) {
+      if (j >= r.module_params.size() ||
+          named[j].value().unsafeGetTensorImpl() != r.module_params[j].unsafeGetTensorImpl()) {
+        return "parameter '" + named[j].key() +
+               "' is not the tensor it had then (a replaced layer or parameter?)";
+      }
+    }
+    return "it has " + std::to_string(named.size()) + " parameters where it had " +
+           std::to_string(r.module_params.size());
+  }
+  for (size_t j = 0; j < now.size(); ++j) {
+    if (!r.module_trainable[j] && now[j].requires_grad()) {
+      // Unfrozen later: no hook, so its gradient would stay local.
+      return "parameter '" + m.named_parameters(/*recurse=*/true)[j].key() +
+             "' requires grad now but did not then (unfrozen?)";
+    }
+  }
+  for (size_t k = 0; k < r.params.size(); ++k) {
+    if (torch::autograd::impl::try_get_grad_accumulator(r.params[k]).get() !=
+        r.accumulators[k].get()) {
+      return "parameter '" + names_[k] +
+             "' has another gradient accumulator (its dtype or device changed, e.g. by "
+             "module->to(...))";
+    }
+  }
+  return "";
+}
+
+// Bucket b has been reduced: a parameter this replica used gets its old
+// .grad (from before the window) plus the reduced one, in the old tensor
+// (the one the user holds, as autograd's accumulation would).
+void DistributedDataParallel::add_back_used(Replica& r, size_t b) {
+  torch::NoGradGuard no_grad;
+  for (size_t k : buckets_[b]) {
+    if (!r.got_grad[k] || !r.stash[k].defined()) continue;
+    at::Tensor old = std::move(r.stash[k]);
+    r.stash[k] = at::Tensor();
+    old.add_(r.params[k].grad());
+    r.params[k].mutable_grad() = old;
+  }
+}
+
+// After the window's reduction: a parameter that no replica used gets back
+// the .grad it had before the window (undefined unless the user kept one);
+// the others get that old .grad plus the reduced one. `flags` is null when
+// the reduction did not complete (then nothing counts as unused).
+void DistributedDataParallel::finish_window(Replica& r, const float* flags) {
+  torch::NoGradGuard no_grad;
+  const size_t P = names_.size();
+  for (size_t k = 0; k < P; ++k) {
+    at::Tensor& p = r.params[k];
+    at::Tensor old = std::move(r.stash[k]);
+    r.stash[k] = at::Tensor();
+    if (flags != nullptr && flags[k] == flags[P + 5]) {
+      p.mutable_grad() = old;
+    } else if (old.defined()) {
+      // old + reduced, into the tensor the user holds (as autograd would).
+      if (p.grad().defined()) old.add_(p.grad());
+      p.mutable_grad() = old;
+    }
+  }
 }
 
 void DistributedDataParallel::launch_ready_buckets(Replica& r, bool in_hook) {
@@ -402,12 +563,20 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
       const size_t P = names_.size();
       r.unused_flags = Tensor(Shape{static_cast<int64_t>(P + kStepFlags)}, DType::kFloat32);
       float* f = r.unused_flags.data<float>();
-      for (size_t k = 0; k < P; ++k) f[k] = r.got_grad[k] ? 0.0f : 1.0f;
+      const bool ran = r.window_ran_pass && !r.failed;  // else neutral
+      for (size_t k = 0; k < P; ++k) f[k] = ran && !r.got_grad[k] ? 1.0f : 0.0f;
       f[P] = r.failed ? 1.0f : 0.0f;
       f[P + 1] = static_cast<float>(r.window_rows);
       f[P + 2] = static_cast<float>(r.window_global_rows);
       f[P + 3] = static_cast<float>(r.window_batches);
       f[P + 4] = static_cast<float>(r.sync_index % kSyncIndexModulus);
+      f[P + 5] = ran ? 1.0f : 0.0f;
+      {
+        std::lock_guard<std::mutex> lock(r.stray_mu);
+        r.stray_sent = r.stray_count > 0;
+      }
+      f[P + 6] = r.stray_sent ? 1.0f : 0.0f;
+      f[P + 7] = r.stray_sent ? static_cast<float>(r.ctx->replica_id() + 1) : 0.0f;
       tensors.push_back(r.unused_flags);
     }
     r.works.push_back(
@@ -443,6 +612,36 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   }
   if (num_local_replicas() > 1) single_intra_op_thread();
   Replica& r = *state_[static_cast<size_t>(local)];
+  // A module changed since construction fails this replica's pass like a
+  // bad loss (its buckets still go).
+  if (!argument_error) {
+    const std::string changed = module_change(r);
+    if (!changed.empty()) {
+      try {
+        throw_error(ErrorCode::kFailedPrecondition,
+                    "DistributedDataParallel::backward (replica " +
+                        std::to_string(ctx.replica_id()) + "): the module of local replica " +
+                        std::to_string(local) +
+                        " changed after DistributedDataParallel was constructed: " + changed +
+                        "; DDP's hooks are on the parameters it had, so these gradients would "
+                        "never be synchronized; construct DistributedDataParallel after the "
+                        "module's last change");
+      } catch (...) {
+        argument_error = std::current_exception();
+      }
+    }
+  }
+  if (r.window_batches == 0) {
+    // The window begins: the .grads already there (kept by the user, or
+    // zeroed by LibTorch's zero_grad()) step aside, so that the buckets
+    // carry this window's gradients only and a hook sees whether this
+    // window produced one.
+    for (size_t k = 0; k < r.params.size(); ++k) {
+      r.stash[k] = r.params[k].grad();
+      if (r.stash[k].defined()) r.params[k].mutable_grad() = at::Tensor();
+    }
+    r.window_ran_pass = false;
+  }
   // A window of one micro-batch (no no_sync before it) seeds backward with
   // rows / global_rows directly, so the hooks need not rescale; otherwise the
   // micro-batches seed `rows` and the synchronizing pass divides the sums by
@@ -490,6 +689,7 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
       r.window_global_rows = 0;
       r.window_rows = 0;
       r.window_batches = 0;
+      r.window_ran_pass = false;
       std::fill(r.got_grad.begin(), r.got_grad.end(), 0);
     }
   } reset{r, sync};
@@ -512,6 +712,7 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
       } active;
       active_pass = {this, local};
       r.foreign_parameter.clear();
+      r.window_ran_pass = true;
       torch::autograd::backward({loss}, {torch::full_like(loss, seed)});
       DISTSTRAT_CHECK(r.foreign_parameter.empty(), kInvalidArgument,
                       "DistributedDataParallel::backward (replica ", ctx.replica_id(),
@@ -521,11 +722,9 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
     } catch (...) {
       backward_error = std::current_exception();
     }
-  } else {
-    // No rows: nothing to differentiate; the replica contributes zeros (its
-    // parameters are not "unused").
-    std::fill(r.got_grad.begin(), r.got_grad.end(), 1);
   }
+  // No rows: nothing to differentiate; the replica contributes zeros and is
+  // neutral on which parameters were used (window_ran_pass stays false).
   if (!sync) {
     if (backward_error) std::rethrow_exception(backward_error);
     return;
@@ -533,27 +732,43 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   // The buckets the hooks did not launch, in order. Even after a failed
   // backward: the other replicas wait for these calls (they get zeros and
   // the failure flag; this replica then throws its own error).
-  if (backward_error) {
-    r.failed = true;
-    std::fill(r.got_grad.begin(), r.got_grad.end(), 1);  // not "unused"
-  }
+  if (backward_error) r.failed = true;  // neutral on "unused" too
   for (size_t b = r.next_bucket; b < buckets_.size(); ++b) {
     for (size_t k : buckets_[b]) r.ready[k] = 1;
     r.pending[b] = 0;
   }
   launch_ready_buckets(r, /*in_hook=*/false);
   std::exception_ptr wait_error;
-  for (Work& w : r.works) {
+  // works[b] is bucket b's (launched in order; the first launch error
+  // stops the rest). The old .grads of parameters this replica used (so not
+  // unused by all) are added back as each bucket completes, while the
+  // fusion engine may still be reducing later ones.
+  for (size_t b = 0; b < r.works.size(); ++b) {
     try {
-      w.wait();
+      r.works[b].wait();
     } catch (...) {
       if (!wait_error) wait_error = std::current_exception();
     }
+    if (!wait_error && !r.launch_error && !r.failed) add_back_used(r, b);
   }
   if (local == 0) ++r.sync_steps;
+  const bool reduced = !r.launch_error && !wait_error;
+  finish_window(r, reduced ? r.unused_flags.data<float>() : nullptr);
+  if (reduced && r.stray_sent) {
+    // Reported below, on every replica: start afresh.
+    std::lock_guard<std::mutex> lock(r.stray_mu);
+    r.stray_report = "parameter '" + r.stray_first + "'" +
+                     (r.stray_count > 1 ? " and " + std::to_string(r.stray_count - 1) + " more"
+                                        : std::string());
+    std::fill(r.stray.begin(), r.stray.end(), 0);
+    r.stray_count = 0;
+  }
   if (backward_error) std::rethrow_exception(backward_error);
   if (r.launch_error) std::rethrow_exception(r.launch_error);
   if (wait_error) std::rethrow_exception(wait_error);
+  // Before the failure check: replicas that drifted apart matter more than
+  // one aborted step.
+  check_no_stray(ctx, r);
   const float failed = r.unused_flags.data<float>()[names_.size()];
   if (failed > 0) {
     throw_error(ErrorCode::kAborted,
@@ -587,6 +802,28 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                       "DdpOptions::find_unused_parameters = true to count them as zero");
     }
   }
+}
+
+// After the reduction of the step flags: no replica may hold gradients that
+// were accumulated outside ddp.backward (they were in the sum, unmatched on
+// the others, or applied by an optimizer step on that replica alone).
+void DistributedDataParallel::check_no_stray(ReplicaContext& ctx, Replica& r) const {
+  const float* f = r.unused_flags.data<float>() + names_.size();
+  const auto count = static_cast<int64_t>(f[6]);
+  if (count == 0) return;
+  std::string where = count == 1 ? "replica " + std::to_string(static_cast<int64_t>(f[7]) - 1)
+                                 : std::to_string(count) + " replicas";
+  if (r.stray_sent) where += " (this one: " + r.stray_report + ")";
+  r.stray_sent = false;
+  throw_error(ErrorCode::kFailedPrecondition,
+              "DistributedDataParallel::backward (replica " + std::to_string(ctx.replica_id()) +
+                  " of " + std::to_string(ctx.num_replicas_in_sync()) +
+                  "): gradients were accumulated outside ddp.backward on " + where +
+                  " since the last synchronization (a plain loss.backward()?); they were never "
+                  "synchronized, so the replicas' gradients, and the parameters of any optimizer "
+                  "step taken with them, differ; call ddp.backward(ctx, loss, rows, global_rows) "
+                  "instead of loss.backward() (torch::autograd::grad is fine; freeze a DDP "
+                  "module that another loss passes through with requires_grad_(false))");
 }
 
 // After the reduction of the step flags: the replicas must have synchronized

@@ -1,8 +1,9 @@
 // diststrat::torch under mpirun (ctest: torch_mpi_np2): DistributedDataParallel
 // over MultiWorkerMirroredStrategy, 2 processes x 1 and x 2 replicas, against
 // single-process LibTorch; a module that differs across ranks and a parameter
-// unused on one rank fail on every rank, naming it; ParameterServerModel with
-// a PS process and a worker process.
+// unused on one rank fail on every rank, naming it; find_unused_parameters
+// with Adam; gradients accumulated outside ddp.backward fail every rank;
+// ParameterServerModel with a PS process and a worker process.
 #include <unistd.h>
 
 #include <chrono>
@@ -138,6 +139,141 @@ TEST(TorchMultiWorkerMpi, BackwardTwiceOnOneRankFailsOnEveryRank) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(8)) << "rank " << rank;
   EXPECT_NE(error.find("the replicas are not in the same step"), std::string::npos)
       << "rank " << rank << ": " << error;
+}
+
+// find_unused_parameters with Adam over a branch unused for the first 10
+// steps: a parameter no rank used keeps an undefined .grad (Adam creates no
+// state for it), so 2 ranks x 1 and x 2 replicas equal single-process Adam.
+TEST(TorchMultiWorkerMpi, AdamWithABranchUnusedAtFirstMatchesSingleProcess) {
+  constexpr int kBranchFrom = 10;
+  const Dataset data = make_data(kGlobalBatch * (kSteps - 1) + 3);
+  auto make_adam = [](torch::nn::Module& m) {
+    return std::make_unique<torch::optim::Adam>(m.parameters(), torch::optim::AdamOptions(0.01));
+  };
+  auto ref = make_net(7, /*extra=*/true, /*use_extra=*/false);
+  {
+    auto opt = make_adam(*ref);
+    at::Tensor x = dt::to_torch(data.features()), y = dt::to_torch(data.labels());
+    for (int s = 0; s < kSteps; ++s) {
+      ref->use_extra_ = s >= kBranchFrom;
+      const int64_t b = s * kGlobalBatch, e = std::min(data.size(), b + kGlobalBatch);
+      opt->zero_grad();
+      torch::nn::functional::cross_entropy(ref->forward(x.slice(0, b, e)), y.slice(0, b, e))
+          .backward();
+      opt->step();
+    }
+  }
+  for (int local_replicas : {1, 2}) {
+    MultiWorkerMirroredStrategy strategy(options(local_replicas));
+    const int rank = strategy.cluster().worker_index;
+    DdpOptions o;
+    o.find_unused_parameters = true;
+    dt::DistributedDataParallel ddp(strategy, make_net(rank == 0 ? 7 : 99, true, false), o);
+    std::vector<std::unique_ptr<torch::optim::Adam>> opts;
+    for (int i = 0; i < local_replicas; ++i) opts.push_back(make_adam(*ddp.module(i)));
+    DistributeOptions d;
+    d.shuffle = false;
+    DistributedDataset dist = strategy.distribute(data, kGlobalBatch, d);
+    for (int s = 0; s < kSteps; ++s) {
+      for (int i = 0; i < local_replicas; ++i)
+        ddp.module(i)->as<NetImpl>()->use_extra_ = s >= kBranchFrom;
+      DistributedBatch batch = dist.batch(s);
+      strategy.run([&](ReplicaContext& ctx) {
+        auto& model = ddp.module(ctx);
+        at::Tensor x = dt::to_torch(batch.features(ctx)), y = dt::to_torch(batch.labels(ctx));
+        auto& opt = *opts[ctx.local_replica_id()];
+        opt.zero_grad();
+        at::Tensor loss;
+        if (x.size(0) > 0)
+          loss = torch::nn::functional::cross_entropy(model->as<NetImpl>()->forward(x), y);
+        ddp.backward(ctx, loss, x.size(0), batch.global_size());
+        opt.step();
+      });
+      EXPECT_EQ(ddp.module(0)->named_parameters()["extra.weight"].grad().defined(),
+                s >= kBranchFrom)
+          << "rank " << rank << ", step " << s;
+    }
+    EXPECT_LE(max_abs_diff(*ref, *ddp.module(0)), 1e-5)
+        << "rank " << rank << ", " << local_replicas << " local replica(s)";
+  }
+}
+
+// Both ranks call loss.backward() instead of ddp.backward(): nothing is
+// synchronized and the ranks drift apart. Every rank fails by its second
+// step (no collective involved, so nobody waits).
+TEST(TorchMultiWorkerMpi, PlainBackwardFailsOnEveryRank) {
+  MultiWorkerOptions mo = options(1);
+  mo.communication.timeout = std::chrono::seconds(10);
+  MultiWorkerMirroredStrategy strategy(mo);
+  const int rank = strategy.cluster().worker_index;
+  const Dataset data = make_data(64);
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  auto opts = make_sgds(ddp);
+  DistributeOptions d;
+  d.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, 16, d);
+  std::string error;
+  int failed_at = -1;
+  for (int s = 0; s < 3 && failed_at < 0; ++s) {
+    try {
+      strategy.run([&](ReplicaContext& ctx) {
+        DistributedBatch b = dist.batch(s);
+        at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
+        opts[0]->zero_grad();
+        torch::nn::functional::cross_entropy(ddp.module(ctx)->as<NetImpl>()->forward(x), y)
+            .backward();
+        opts[0]->step();
+      });
+    } catch (const std::exception& e) {
+      error = e.what();
+      failed_at = s;
+    }
+  }
+  EXPECT_EQ(failed_at, 1) << "rank " << rank << ": " << error;
+  EXPECT_NE(error.find("ddp.backward(ctx, loss, rows, global_rows)"), std::string::npos)
+      << "rank " << rank << ": " << error;
+  strategy.barrier("after plain backward");
+}
+
+// ddp.backward, then an extra loss.backward() on rank 1 only: the next
+// ddp.backward fails on both ranks (the flag travels with the step's
+// reduction), naming rank 1's replica, within the deadline.
+TEST(TorchMultiWorkerMpi, ExtraBackwardOnOneRankFailsTheNextStepOnEveryRank) {
+  MultiWorkerOptions mo = options(1);
+  mo.communication.timeout = std::chrono::seconds(10);
+  MultiWorkerMirroredStrategy strategy(mo);
+  const int rank = strategy.cluster().worker_index;
+  const Dataset data = make_data(64);
+  dt::DistributedDataParallel ddp(strategy, make_net(7));
+  auto opts = make_sgds(ddp);
+  DistributeOptions d;
+  d.shuffle = false;
+  DistributedDataset dist = strategy.distribute(data, 16, d);
+  std::string error;
+  int failed_at = -1;
+  const auto start = std::chrono::steady_clock::now();
+  for (int s = 0; s < 3 && failed_at < 0; ++s) {
+    try {
+      strategy.run([&](ReplicaContext& ctx) {
+        DistributedBatch b = dist.batch(s);
+        auto net = ddp.module(ctx)->as<NetImpl>();
+        at::Tensor x = dt::to_torch(b.features(ctx)), y = dt::to_torch(b.labels(ctx));
+        opts[0]->zero_grad();
+        ddp.backward(ctx, torch::nn::functional::cross_entropy(net->forward(x), y), x.size(0),
+                     b.global_size());
+        if (rank == 1 && s == 0) net->forward(x).pow(2).mean().backward();
+        opts[0]->step();
+      });
+    } catch (const Error& e) {
+      error = e.what();
+      failed_at = s;
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(8)) << "rank " << rank;
+  EXPECT_EQ(failed_at, 1) << "rank " << rank << ": " << error;
+  EXPECT_NE(error.find("outside ddp.backward"), std::string::npos) << "rank " << rank << ": " << error;
+  EXPECT_NE(error.find("on replica 1"), std::string::npos) << "rank " << rank << ": " << error;
+  strategy.barrier("after extra backward");
 }
 
 // TrainingState under multi-worker: the chief writes, every rank restores
