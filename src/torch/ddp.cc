@@ -853,14 +853,22 @@ void DistributedDataParallel::check_same_step(ReplicaContext& ctx, const Replica
                     "no_sync() on all replicas or none");
   }
   if (sum(1) != r.window_global_rows || sum(2) != n * r.window_global_rows) {
+    // Say who passed what and what everyone should pass: the rows of all
+    // replicas add up to sum(1), so that is every replica's global_rows.
+    const int64_t want = sum(1);
+    const std::string others =
+        sum(2) == n * r.window_global_rows
+            ? "every replica passed global_rows " + std::to_string(r.window_global_rows)
+            : "the replicas passed different global_rows (they add up to " +
+                  std::to_string(sum(2)) + ", not " + std::to_string(n) + " x " +
+                  std::to_string(r.window_global_rows) + ")";
     throw_error(ErrorCode::kInvalidArgument,
-                who + "rows over all " + std::to_string(n) + " replicas sum to " +
-                    std::to_string(sum(1)) + " but this replica's global_rows is " +
-                    std::to_string(r.window_global_rows) + " (summed over replicas " +
-                    std::to_string(sum(2)) + ", expected " +
-                    std::to_string(n * r.window_global_rows) +
-                    "); every replica must pass the same global_rows, the sum of all replicas' "
-                    "rows (DistributedBatch::global_size())");
+                who + "this replica passed rows " + std::to_string(r.window_rows) +
+                    " and global_rows " + std::to_string(r.window_global_rows) + "; " + others +
+                    ", but the rows of all " + std::to_string(n) + " replicas add up to " +
+                    std::to_string(want) + ": every replica must pass global_rows " +
+                    std::to_string(want) +
+                    " (the sum of all replicas' rows, DistributedBatch::global_size())");
   }
 }
 

@@ -389,7 +389,9 @@ TEST(TorchDdp, StepsThatDisagreeAcrossReplicasFailOnEveryReplica) {
   const std::vector<Disagreement> cases = {
       {"global_rows differs on one replica", "global_rows",
        [](int r, int64_t, int64_t g) { return r == 1 ? g + 4 : g; }},
-      {"global_rows is not the sum of the rows", "rows over all 2 replicas sum to 8",
+      {"global_rows is not the sum of the rows",
+       "every replica passed global_rows 16, but the rows of all 2 replicas add up to 8: every "
+       "replica must pass global_rows 8",
        [](int, int64_t, int64_t g) { return 2 * g; }},
       {"no_sync on one replica only", "micro-batch", [](int, int64_t, int64_t g) { return g; },
        true},
