@@ -138,8 +138,9 @@ struct ParameterServerOptions {
   // names they derive (<stem>.ps-<i>-of-<n>.<save id>.safetensors); a save
   // whose index path is elsewhere is rejected. Set it to the same directory
   // on every rank (DISTSTRAT_PS_CHECKPOINT_DIR overrides it). Empty
-  // (default): a multi-process job's PS ranks refuse saves; in a
-  // single-process run the PS threads write next to the index.
+  // (default, compatible): the PS writes its derived names into the
+  // directory of the index the chief saves (logged once); only shard-file
+  // names are ever written, but set this to confine them.
   std::string checkpoint_dir;
   // A push whose gradient holds a NaN or an infinity never reaches a
   // variable: it is rejected (false, default: the worker's next call raises

@@ -1250,10 +1250,7 @@ void ParameterServerStrategy::write_checkpoint(Strategy&, const std::string& pat
       for (auto& sr : m.services) sr->service().set_checkpoint_dir(dir);
     } else {
       const std::string configured = m.checkpoint_dir();
-      DISTSTRAT_CHECK(!configured.empty(), kFailedPrecondition, "checkpoint '", path,
-                      "': set ParameterServerOptions::checkpoint_dir (the same on every rank) to the directory the "
-                      "PS ranks may write shard files into");
-      DISTSTRAT_CHECK(configured == dir, kInvalidArgument, "checkpoint '", path, "' is not in the PS ranks' "
+      DISTSTRAT_CHECK(configured.empty() || configured == dir, kInvalidArgument, "checkpoint '", path, "' is not in the PS ranks' "
                       "checkpoint directory '", configured, "' (ParameterServerOptions::checkpoint_dir)");
     }
     std::vector<std::string> files;
@@ -1274,7 +1271,7 @@ void ParameterServerStrategy::write_checkpoint(Strategy&, const std::string& pat
       for (int p = 0; p < num_ps; ++p) {
         files.push_back(ckpt::shard_file_path(path, p, num_ps, save_id));
         ps::Writer w;
-        w.put_string(stem).put<uint64_t>(save_id);
+        w.put_string(stem).put<uint64_t>(save_id).put_string(dir);
         calls.push_back(m.client->post(p, ps::Op::kSave, w.bytes(), nullptr, nullptr, 0, replies[p].data(),
                                        sizeof(int64_t), "save of shard file '" + files.back() + "'"));
       }

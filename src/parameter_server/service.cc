@@ -1107,13 +1107,27 @@ void Service::handle_stop_check(WorkerState& w, Pending& p, Reply& reply) {
 void Service::handle_save(Pending& p, Reply& reply) {
   // The request names a stem only (decode_request: no '/', no ".."); the
   // directory, PS index and count are this PS's own.
-  DISTSTRAT_CHECK(!options_.checkpoint_dir.empty(), kFailedPrecondition, who(),
-                  " has no checkpoint directory (ParameterServerOptions::checkpoint_dir, or "
-                  "DISTSTRAT_PS_CHECKPOINT_DIR on the PS ranks): it writes no file");
+  std::string dir = options_.checkpoint_dir;
+  if (dir.empty()) {
+    // Not configured: the worker's directory, still under a derived name
+    // (so no file but a shard file of this PS is ever replaced).
+    DISTSTRAT_CHECK(!p.request.dir.empty(), kFailedPrecondition, who(),
+                    " has no checkpoint directory (ParameterServerOptions::checkpoint_dir, or "
+                    "DISTSTRAT_PS_CHECKPOINT_DIR on the PS ranks) and the request names none");
+    dir = p.request.dir;
+    if (!warned_dir_) {
+      warned_dir_ = true;
+      logger_.warning(who(), ": no checkpoint directory configured; writing shard files into '", dir,
+                      "', the directory the chief names (set ParameterServerOptions::checkpoint_dir to confine them)");
+    }
+  } else {
+    DISTSTRAT_CHECK(p.request.dir.empty() || p.request.dir == dir, kInvalidArgument, "the request names directory '",
+                    p.request.dir.substr(0, 200), "', this PS writes only into its own '", dir, "'");
+  }
   const uint64_t save_id = p.request.save_id;
   const int32_t ps = options_.ps_index;
   const int32_t num_ps = options_.num_ps;
-  const std::string path = ckpt::shard_file_path(options_.checkpoint_dir + "/" + p.request.stem + ".safetensors",
+  const std::string path = ckpt::shard_file_path(dir + "/" + p.request.stem + ".safetensors",
                                                  ps, num_ps, save_id);
   const std::vector<ShardSnapshot> shards = snapshot_locked();
   // Blocks this loop for the write: the workers are quiesced (a save is

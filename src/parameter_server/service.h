@@ -230,6 +230,7 @@ class Service {
   Transport& t_;
   ServiceOptions options_;
   uint64_t incarnation_ = 0;
+  bool warned_dir_ = false;
   const Logger& logger_;
   std::atomic<bool> stop_{false};
   std::vector<WorkerState> workers_;

@@ -294,6 +294,8 @@ DecodedRequest decode_request(const char* data, size_t size) {
       // under a name it derives (see Service::handle_save).
       q.stem = r.get_string();
       q.save_id = r.get<uint64_t>();
+      q.dir = r.get_string();
+      DISTSTRAT_CHECK(q.dir.find('\0') == std::string::npos, kInvalidArgument, what, ": a directory with a NUL");
       const std::string shown = q.stem.size() > 200 ? q.stem.substr(0, 200) + "..." : q.stem;
       DISTSTRAT_CHECK(valid_file_stem(q.stem), kInvalidArgument, what, ": '", shown,
                       "' is not a checkpoint name (1 to 200 of [A-Za-z0-9._-], not starting with '.')");

@@ -227,6 +227,7 @@ struct DecodedRequest {
   int64_t step = 0;                  // kStopCheck
   bool signalled = false;            // kStopCheck
   std::string stem;                  // kSave: a file-name stem (valid_file_stem); the PS derives the rest
+  std::string dir;                   // kSave: the worker's directory (used only by a PS configured with none)
   uint64_t save_id = 0;              // kSave
   std::string metric_name;           // kMetric: 1..kMaxMetricNameBytes
   double metric_sum = 0;             // kMetric

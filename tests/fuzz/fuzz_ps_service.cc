@@ -329,6 +329,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         static const char* const kNames[] = {"model", "../victim", "/tmp/x", "..", "a/b", ".x", "ckpt-1"};
         if (stem.empty() || (in.byte() & 1)) stem = kNames[in.byte() % 7];
         w.put_string(stem).put<uint64_t>(in.get<uint64_t>());
+        static const char* const kDirs[] = {"", "/tmp", "..", ""};
+        w.put_string(kDirs[in.byte() % 4]);
         h.reply_bytes = 8;
         break;
       }

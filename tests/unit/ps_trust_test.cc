@@ -202,9 +202,9 @@ TEST_F(PsTrustTwoWorkers, AnotherWorkersRuleWaitsForTheChiefsAndMustMatchIt) {
 
 // ---- 9: the PS writes only into its own directory ----------------------------
 
-std::vector<char> save_body(const std::string& stem) {
+std::vector<char> save_body(const std::string& stem, const std::string& dir = "") {
   ps::Writer w;
-  w.put_string(stem).put<uint64_t>(0xabc);
+  w.put_string(stem).put<uint64_t>(0xabc).put_string(dir);
   return w.bytes();
 }
 
@@ -221,6 +221,9 @@ TEST_F(PsTrust, SaveWritesOnlyIntoTheConfiguredDirectoryUnderADerivedName) {
   auto r = peer_.call(header(ps::Op::kSave, seq_++, 0, 8), save_body("model"));
   expect_rejected(r, ds::ErrorCode::kFailedPrecondition, "no checkpoint directory");
   service_->set_checkpoint_dir((root / "ckpt").string());
+  // A directory other than its own is refused.
+  r = peer_.call(header(ps::Op::kSave, seq_++, 0, 8), save_body("model", root.string()));
+  expect_rejected(r, ds::ErrorCode::kInvalidArgument, "writes only into its own");
   // Paths are not names: each is rejected, and nothing outside is touched.
   for (const std::string bad : {victim.string(), std::string("../victim.txt"), std::string(".."),
                                 std::string("a/b"), std::string(".hidden")}) {
