@@ -154,7 +154,7 @@ class Harness {
  private:
   std::string dir_;
   ds::InProcessTransportGroup group_{3};
-  ds::Logger logger_{ds::LogLevel::kFatal};
+  ds::Logger logger_{ds::LogLevel::kError};
   std::vector<std::shared_ptr<Sent>> keep_;  // the transport may read them until the end
   std::vector<ds::Request> sends_;
   std::unique_ptr<ps::Service> service_;

@@ -394,8 +394,8 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
     h = header(ps::Op::kPull, 1, 0, 16);
     h.op = 0;
     add("op 0", message(h, good_pull), "op 0");
-    h.op = 14;
-    add("op 14", message(h, good_pull), "op 14");
+    h.op = 15;
+    add("op 15", message(h, good_pull), "op 15");
   }
   {
     auto metric = [](const std::string& name, double sum, double count) {

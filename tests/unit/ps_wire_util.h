@@ -33,7 +33,7 @@ namespace ps_test {
 constexpr int kWorkerRank = 0, kPsRank = 1;
 constexpr uint64_t kIncarnation = 1000;  // the raw worker's
 
-ps::RequestHeader header(ps::Op op, int64_t seq, int64_t payload_bytes = 0, int64_t reply_bytes = 0) {
+inline ps::RequestHeader header(ps::Op op, int64_t seq, int64_t payload_bytes = 0, int64_t reply_bytes = 0) {
   ps::RequestHeader h;
   h.op = static_cast<uint16_t>(op);
   h.worker = 0;
@@ -45,7 +45,7 @@ ps::RequestHeader header(ps::Op op, int64_t seq, int64_t payload_bytes = 0, int6
 }
 
 // The body of a create of a whole (one-shard) variable.
-std::vector<char> create_body(int64_t id, const std::string& name, const ds::Shape& shape, bool has_value,
+inline std::vector<char> create_body(int64_t id, const std::string& name, const ds::Shape& shape, bool has_value,
                               ds::DType dtype = ds::DType::kFloat32) {
   ps::Writer w;
   w.put<int64_t>(id).put_string(name).put<int32_t>(static_cast<int32_t>(dtype)).put_shape(shape);
@@ -54,7 +54,7 @@ std::vector<char> create_body(int64_t id, const std::string& name, const ds::Sha
   return w.bytes();
 }
 
-ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape = {}, bool sparse = false,
+inline ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape = {}, bool sparse = false,
                 int64_t num_ids = 0) {
   ps::Entry e;
   e.var_id = id;
@@ -66,14 +66,14 @@ ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape = {}, bool 
   return e;
 }
 
-std::vector<char> pull_body(const std::vector<ps::Entry>& entries, int64_t clock = -1) {
+inline std::vector<char> pull_body(const std::vector<ps::Entry>& entries, int64_t clock = -1) {
   ps::Writer w;
   w.put<int64_t>(clock).put<int64_t>(static_cast<int64_t>(entries.size()));
   for (const ps::Entry& e : entries) ps::write_entry(w, e);
   return w.bytes();
 }
 
-std::vector<char> push_body(const std::vector<ps::Entry>& entries, int64_t steps_after = 1) {
+inline std::vector<char> push_body(const std::vector<ps::Entry>& entries, int64_t steps_after = 1) {
   ps::Writer w;
   w.put<int64_t>(steps_after).put<int64_t>(-1);
   w.put<int64_t>(-1).put_string("");
@@ -83,7 +83,7 @@ std::vector<char> push_body(const std::vector<ps::Entry>& entries, int64_t steps
 }
 
 // A kRule: `config` as the update rule of `entries` (replace: the chief's update).
-std::vector<char> rule_body(const ps::OptimizerConfig& config, const std::vector<ps::Entry>& entries,
+inline std::vector<char> rule_body(const ps::OptimizerConfig& config, const std::vector<ps::Entry>& entries,
                             bool replace = false) {
   ps::Writer w;
   w.put<uint8_t>(replace ? 1 : 0);
@@ -95,7 +95,7 @@ std::vector<char> rule_body(const ps::OptimizerConfig& config, const std::vector
 
 inline ps::OptimizerConfig sgd(double lr) { return {"sgd", {lr, 0, 0}}; }
 
-std::vector<char> floats(std::initializer_list<float> v) {
+inline std::vector<char> floats(std::initializer_list<float> v) {
   std::vector<char> out(v.size() * sizeof(float));
   std::memcpy(out.data(), v.begin(), out.size());
   return out;
