@@ -104,7 +104,9 @@ class Harness {
   explicit Harness(const std::string& dir) : dir_(dir) {
     ps::ServiceOptions o;
     o.worker_ranks = {0, 1};
-    o.timeout = milliseconds(30);
+    // Deferred requests fail at this deadline; it must also outlast a slow
+    // (sanitized, shared-core) driver between a reply header and its error text.
+    o.timeout = milliseconds(150);
     o.worker_timeout = std::chrono::seconds(60);
     o.checkpoint_dir = dir_ + "/ckpt";
     o.max_broadcast_bytes = kMaxBroadcast;
