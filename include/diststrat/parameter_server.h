@@ -134,6 +134,22 @@ struct ParameterServerOptions {
   // the silent ones. Silence is counted only while the PS loop runs (a
   // stopped PS process does not blame its workers). 0 = communication.timeout.
   std::chrono::milliseconds worker_timeout{0};
+  // The only directory PS ranks write checkpoint shard files into, under
+  // names they derive (<stem>.ps-<i>-of-<n>.<save id>.safetensors); a save
+  // whose index path is elsewhere is rejected. Set it to the same directory
+  // on every rank (DISTSTRAT_PS_CHECKPOINT_DIR overrides it). Empty
+  // (default, compatible): the PS writes its derived names into the
+  // directory of the index the chief saves (logged once); only shard-file
+  // names are ever written, but set this to confine them.
+  std::string checkpoint_dir;
+  // A push whose gradient holds a NaN or an infinity never reaches a
+  // variable: it is rejected (false, default: the worker's next call raises
+  // InvalidArgumentError naming the variable), or skipped (true: answered
+  // OK, not applied, logged and counted in ParameterServerStats::pushes_nonfinite).
+  bool skip_nonfinite_gradients = false;
+  // The most bytes of broadcasts PS 0 holds at once; a larger broadcast is
+  // rejected before anything is allocated. Default 256 MiB.
+  int64_t max_broadcast_bytes = int64_t{256} << 20;
   LogLevel log_level = LogLevel::kWarning;
 };
 
@@ -142,6 +158,7 @@ struct ParameterServerStats {
   int64_t pushes_sent = 0;     // by this worker (every worker-to-PS push message)
   int64_t pushes_applied = 0;  // by the PS ranks, from all workers
   int64_t pushes_rejected = 0; // by the PS ranks, from all workers
+  int64_t pushes_nonfinite = 0; // skipped for a non-finite gradient (skip_nonfinite_gradients)
   // Staleness of an applied push: updates the PS applied between the pull the
   // gradients were computed from and the push (0 = perfectly fresh).
   double mean_staleness = 0;
@@ -274,6 +291,18 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   void flush();
   // Worker: counters and staleness as the PS ranks saw them (blocking).
   ParameterServerStats stats();
+  // Chief (worker 0) only: makes the PS ranks apply `optimizer`'s
+  // hyper-parameters (learning rate, momentum, betas, schedule) from now on,
+  // to every variable whose update rule is fixed (every variable the chief
+  // has pushed to): Keras's ReduceLROnPlateau under this strategy. The rule
+  // of a variable is fixed by the chief's first push to it and is never
+  // taken from pushes; the optimizer kind and its slots cannot change.
+  // Blocking: returns once every PS rank holding such a variable has
+  // acknowledged (ordered after this worker's earlier pushes). Not
+  // thread-safe with run() of the same worker. Throws FailedPreconditionError
+  // on another worker, InvalidArgumentError for an invalid or different kind
+  // of optimizer.
+  void update_hyperparameters(const Optimizer& optimizer);
   // Blocks until every live worker calls barrier (through PS rank 0).
   void barrier(const std::string& name = "") override;
 

@@ -1,6 +1,8 @@
 #include "parameter_server/client.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 
 namespace diststrat {
 namespace ps {
@@ -8,7 +10,16 @@ namespace ps {
 Client::Client(Transport& transport, std::vector<int> ps_ranks, int worker_index,
                std::chrono::milliseconds timeout)
     : t_(transport), ps_ranks_(std::move(ps_ranks)), worker_index_(worker_index),
-      timeout_(timeout), fifo_(ps_ranks_.size()) {}
+      timeout_(timeout), ps_incarnation_(ps_ranks_.size(), 0), fifo_(ps_ranks_.size()) {
+  static std::atomic<uint64_t> last{0};  // two clients of one process in one microsecond differ too
+  uint64_t t = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                         std::chrono::system_clock::now().time_since_epoch())
+                                         .count());
+  uint64_t prev = last.load();
+  while (!last.compare_exchange_weak(prev, std::max(t, prev + 1))) {
+  }
+  incarnation_ = std::max(t, prev + 1);
+}
 
 Clock::time_point Client::deadline() const {
   // A little past the PS's own deadline, so that its explanation (a
@@ -32,6 +43,8 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
   h.seq = c->seq;
   h.payload_bytes = static_cast<int64_t>(payload_bytes);
   h.reply_bytes = static_cast<int64_t>(reply_bytes);
+  h.incarnation = incarnation_;
+  h.ps_incarnation = ps_incarnation_[ps];
   if (op == Op::kPush && corrupt_next_push_) {
     h.magic = ~kMagic;
     corrupt_next_push_ = false;
@@ -87,6 +100,7 @@ bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
           finish(c, std::make_exception_ptr(InternalError(c.what + ": protocol error: " + bad)));
           return true;
         }
+        if (c.reply.incarnation != 0) ps_incarnation_[c.ps] = c.reply.incarnation;
         if (c.reply.error_bytes > 0) {
           c.error_text.resize(static_cast<size_t>(c.reply.error_bytes));
           c.recv_error = t_.recv(peer, &c.error_text[0], c.error_text.size(), kReplyErrorTag);

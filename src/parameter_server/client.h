@@ -46,6 +46,9 @@ class Client {
   int num_ps() const { return static_cast<int>(ps_ranks_.size()); }
   int ps_rank(int ps) const { return ps_ranks_[ps]; }
   int worker_index() const { return worker_index_; }
+  // This client's incarnation (see wire.h): the system clock's microseconds
+  // when it was made, so a restarted worker's is larger.
+  uint64_t incarnation() const { return incarnation_; }
 
   // Posts one request. `payload` (payload_bytes) must stay valid while
   // payload_owner lives; the reply's payload (reply_bytes exactly) lands in
@@ -86,6 +89,8 @@ class Client {
   int worker_index_;
   std::chrono::milliseconds timeout_;
   int64_t next_seq_ = 1;
+  uint64_t incarnation_ = 0;
+  std::vector<uint64_t> ps_incarnation_;  // per PS, from its replies (0: not heard yet)
   bool corrupt_next_push_ = false;
   bool oversize_next_push_ = false;
   std::vector<std::deque<CallPtr>> fifo_;  // per PS, in posting order

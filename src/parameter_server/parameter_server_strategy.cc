@@ -100,6 +100,7 @@ struct ParameterServerStrategy::Impl {
     bool row_sparse = false;
     std::vector<ShardPlace> shards;
     size_t row_bytes = 0;  // bytes of one row (the whole value for scalars)
+    bool rule_declared = false;  // this worker declared its update rule to the PS ranks (kRule)
   };
   struct StagedPush {
     ps::OptimizerConfig config;
@@ -141,6 +142,10 @@ struct ParameterServerStrategy::Impl {
   int64_t pushes_sent = 0;
   int64_t barrier_count = 0;
   int64_t broadcast_count = 0;
+  // The update rule this worker declared (the first push's optimizer), and
+  // whether a push with another optimizer config was warned about.
+  ps::OptimizerConfig declared_config;
+  bool warned_config = false;
   std::vector<int64_t> versions;  // per PS: version its last dense pull saw
   // The outstanding dense pull: per PS its call, reply buffer and the shards
   // it asked for (variables created later are not in it).
@@ -180,8 +185,22 @@ struct ParameterServerStrategy::Impl {
     index = is_ps ? rank - (world - options.num_ps) : rank;
   }
 
-  ps::ServiceOptions service_options() const {
+  // The checkpoint directory of this process's PS ranks: the options', or
+  // the environment's override.
+  std::string checkpoint_dir() const {
+    const char* env = std::getenv("DISTSTRAT_PS_CHECKPOINT_DIR");
+    std::string dir = env && *env ? env : options.checkpoint_dir;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    return dir;
+  }
+
+  ps::ServiceOptions service_options(int ps_index) const {
     ps::ServiceOptions so;
+    so.ps_index = ps_index;
+    so.num_ps = static_cast<int>(ps_ranks.size());
+    so.checkpoint_dir = checkpoint_dir();
+    so.skip_nonfinite_gradients = options.skip_nonfinite_gradients;
+    so.max_broadcast_bytes = options.max_broadcast_bytes;
     so.worker_ranks = worker_ranks;
     so.max_staleness = options.max_staleness;
     so.timeout = options.communication.timeout;
@@ -192,7 +211,7 @@ struct ParameterServerStrategy::Impl {
   void attach(ParameterServerStrategy* s) {
     owner = s;
     if (is_ps) {
-      services.push_back(std::make_unique<ps::ServiceRunner>(*transport, service_options(), s->logger()));
+      services.push_back(std::make_unique<ps::ServiceRunner>(*transport, service_options(index), s->logger()));
       return;
     }
     std::vector<Device> devices = options.devices.empty() ? std::vector<Device>{Device::cpu(0)} : options.devices;
@@ -314,7 +333,56 @@ struct ParameterServerStrategy::Impl {
 
   // ---- pushes ----------------------------------------------------------------
 
+  // Declares the update rule of the variables this push is the first to
+  // touch (kRule; the PS ranks fix it from the chief's declaration and check
+  // every other worker's against it). Blocks: once per variable.
+  void declare_rules(const StagedPush& s) {
+    if (!declared_config.name.empty() && ps::config_difference(declared_config, s.config) != "" && !warned_config) {
+      warned_config = true;
+      log().warning("worker ", index, ": the optimizer now differs from the update rule it declared (",
+                    ps::config_difference(declared_config, s.config),
+                    "); the PS ranks keep applying the declared rule: change it with "
+                    "ParameterServerStrategy::update_hyperparameters on the chief");
+    }
+    std::vector<const VarInfo*> fresh;
+    for (const auto& d : s.dense) {
+      if (!d.first->rule_declared) fresh.push_back(d.first);
+    }
+    for (const auto& r : s.sparse) {
+      if (!r.info->rule_declared) fresh.push_back(r.info);
+    }
+    if (fresh.empty()) return;
+    std::sort(fresh.begin(), fresh.end());
+    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
+    post_rules(fresh, s.config, false, "declaration of the update rule");
+    for (const VarInfo* vi : fresh) const_cast<VarInfo*>(vi)->rule_declared = true;
+    if (declared_config.name.empty()) declared_config = s.config;
+  }
+
+  // Sends `config` as the rule of `vars` to the PS ranks holding them and
+  // waits for every acknowledgement.
+  void post_rules(const std::vector<const VarInfo*>& vars, const ps::OptimizerConfig& config, bool replace,
+                  const std::string& what) {
+    std::vector<std::vector<ps::Entry>> per_ps(ps_ranks.size());
+    for (const VarInfo* vi : vars) {
+      for (const ShardPlace& sp : vi->shards) per_ps[sp.ps].push_back(entry_of(*vi, sp));
+    }
+    std::vector<ps::Client::CallPtr> calls;
+    for (size_t p = 0; p < per_ps.size(); ++p) {
+      if (per_ps[p].empty()) continue;
+      ps::Writer w;
+      w.put<uint8_t>(replace ? 1 : 0);
+      ps::write_config(w, config);
+      w.put<int64_t>(static_cast<int64_t>(per_ps[p].size()));
+      for (const ps::Entry& e : per_ps[p]) ps::write_entry(w, e);
+      calls.push_back(client->post(static_cast<int>(p), ps::Op::kRule, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
+                                   what));
+    }
+    wait_all(calls);
+  }
+
   void post_push(StagedPush& s) {
+    declare_rules(s);
     const int64_t step = steps++;
     for (size_t p = 0; p < ps_ranks.size(); ++p) {
       std::vector<ps::Entry> entries;
@@ -361,7 +429,6 @@ struct ParameterServerStrategy::Impl {
       const bool has_iter = s.iterations && s.iterations->shards[0].ps == static_cast<int>(p);
       ps::Writer w;
       w.put<int64_t>(steps).put<int64_t>(versions[p]);
-      ps::write_config(w, s.config);
       w.put<int64_t>(has_iter ? s.iterations->id : -1);
       w.put_string(has_iter ? s.iterations->var->name : "");
       w.put<int64_t>(static_cast<int64_t>(entries.size()));
@@ -461,7 +528,7 @@ ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl)
     impl_->attach(this);
     for (int r = 1; r <= impl_->options.num_ps; ++r) {
       impl_->services.push_back(std::make_unique<ps::ServiceRunner>(
-          impl_->own_group->at(r), impl_->service_options(), logger_));
+          impl_->own_group->at(r), impl_->service_options(r - 1), logger_));
     }
     logger_.info("ParameterServerStrategy in one process: ", impl_->options.num_ps, " PS thread(s)");
     return;
@@ -886,8 +953,8 @@ ParameterServerStats ParameterServerStrategy::stats() {
   m.require_worker("stats");
   std::lock_guard<std::mutex> lock(m.mu);
   // Each reply: version, rejected, staleness sum, staleness max, step gap,
-  // worker count, then each worker's steps (all int64).
-  const size_t bytes = (6 + m.worker_ranks.size()) * sizeof(int64_t);
+  // non-finite pushes skipped, worker count, then each worker's steps (all int64).
+  const size_t bytes = (7 + m.worker_ranks.size()) * sizeof(int64_t);
   std::vector<std::vector<char>> replies(m.ps_ranks.size(), std::vector<char>(bytes));
   std::vector<ps::Client::CallPtr> calls;
   for (int p = 0; p < m.client->num_ps(); ++p) {
@@ -906,6 +973,7 @@ ParameterServerStats ParameterServerStrategy::stats() {
     staleness_sum += r.get<int64_t>();
     out.max_staleness = std::max(out.max_staleness, r.get<int64_t>());
     out.max_step_gap = std::max(out.max_step_gap, r.get<int64_t>());
+    out.pushes_nonfinite += r.get<int64_t>();
     const int64_t n = r.get<int64_t>();
     // Checked before it sizes anything: the reply must count our workers.
     DISTSTRAT_CHECK(n == static_cast<int64_t>(m.worker_ranks.size()), kInternal,
@@ -1165,6 +1233,26 @@ void ParameterServerStrategy::write_checkpoint(Strategy&, const std::string& pat
   ckpt::on_chief_then_agree(*this, "to write checkpoint '" + path + "'", [&] {
     const uint64_t save_id = new_save_id();
     const int num_ps = static_cast<int>(m.ps_ranks.size());
+    // The PS ranks write into their own checkpoint directory under names
+    // they derive from the stem (never a path from a request): the index
+    // must be in that directory.
+    const size_t slash = path.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+    std::string stem = path.substr(slash == std::string::npos ? 0 : slash + 1);
+    static const std::string kSuffix = ".safetensors";
+    if (stem.size() > kSuffix.size() && stem.compare(stem.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0) {
+      stem.resize(stem.size() - kSuffix.size());
+    }
+    DISTSTRAT_CHECK(ps::valid_file_stem(stem), kInvalidArgument, "checkpoint '", path, "': the file name '", stem,
+                    "' is not a checkpoint name for the PS ranks (1 to 200 of [A-Za-z0-9._-], not starting with '.')");
+    if (m.own_group) {
+      // One process: its PS threads write where this program saves.
+      for (auto& sr : m.services) sr->service().set_checkpoint_dir(dir);
+    } else {
+      const std::string configured = m.checkpoint_dir();
+      DISTSTRAT_CHECK(configured.empty() || configured == dir, kInvalidArgument, "checkpoint '", path, "' is not in the PS ranks' "
+                      "checkpoint directory '", configured, "' (ParameterServerOptions::checkpoint_dir)");
+    }
     std::vector<std::string> files;
     std::vector<ckpt::IndexVariable> index;
     {
@@ -1183,7 +1271,7 @@ void ParameterServerStrategy::write_checkpoint(Strategy&, const std::string& pat
       for (int p = 0; p < num_ps; ++p) {
         files.push_back(ckpt::shard_file_path(path, p, num_ps, save_id));
         ps::Writer w;
-        w.put_string(files.back()).put<uint64_t>(save_id).put<int32_t>(p).put<int32_t>(num_ps);
+        w.put_string(stem).put<uint64_t>(save_id).put_string(dir);
         calls.push_back(m.client->post(p, ps::Op::kSave, w.bytes(), nullptr, nullptr, 0, replies[p].data(),
                                        sizeof(int64_t), "save of shard file '" + files.back() + "'"));
       }
@@ -1294,6 +1382,23 @@ CheckpointMetadata ParameterServerStrategy::Impl::restore_from(
   return c.metadata;
 }
 
+void ParameterServerStrategy::update_hyperparameters(const Optimizer& optimizer) {
+  Impl& m = *impl_;
+  m.require_worker("update_hyperparameters");
+  DISTSTRAT_CHECK(m.chief(), kFailedPrecondition, "worker ", m.index,
+                  ": update_hyperparameters: only the chief (worker 0) changes the PS ranks' update rules");
+  const ps::OptimizerConfig config = ps::describe_optimizer(optimizer);
+  ps::make_update_rule(config);  // the PS ranks check it too; fail here first
+  std::lock_guard<std::mutex> lock(m.mu);
+  std::vector<const Impl::VarInfo*> vars;
+  for (const auto& vi : m.vars) {
+    if (vi->rule_declared) vars.push_back(vi.get());
+  }
+  if (!vars.empty()) m.post_rules(vars, config, true, "update of the hyper-parameters");
+  m.declared_config = config;
+  m.warned_config = false;
+}
+
 bool ParameterServerStrategy::agree_to_stop(Strategy&, int64_t step, bool signalled) {
   Impl& m = *impl_;
   m.require_worker("PreemptionHandler::should_stop");
@@ -1318,7 +1423,7 @@ void ParameterServerStrategy::broadcast(Tensor& t, int root_worker, const std::s
   std::lock_guard<std::mutex> lock(m.mu);
   const bool root = m.index == root_worker;
   ps::Writer w;
-  w.put<int64_t>(++m.broadcast_count).put<uint8_t>(root ? 1 : 0);
+  w.put<int64_t>(++m.broadcast_count).put<uint8_t>(root ? 1 : 0).put<int64_t>(static_cast<int64_t>(t.nbytes()));
   const std::string what = "broadcast '" + name + "'";
   auto c = root ? m.client->post(0, ps::Op::kBroadcast, w.bytes(), std::make_shared<Tensor>(t), t.data(),
                                  t.nbytes(), nullptr, 0, what)

@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <sstream>
 #include <new>
+#include <random>
 #include <thread>
 
 #include <sys/mman.h>
@@ -117,6 +119,12 @@ void check_value_entry(const char* op, const Entry& e, const ShardInfo& s) {
 
 Service::Service(Transport& transport, ServiceOptions options, const Logger& logger)
     : t_(transport), options_(std::move(options)), logger_(logger) {
+  // Distinct for every start of a PS (a restarted one rejects what was sent
+  // to its predecessor): the time, and randomness for two starts at once.
+  std::random_device rd;
+  incarnation_ = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) ^
+                 (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  if (incarnation_ == 0) incarnation_ = 1;
   const auto now = this->now();
   for (size_t i = 0; i < options_.worker_ranks.size(); ++i) {
     WorkerState w;
@@ -292,7 +300,9 @@ bool Service::receive_new() {
       DISTSTRAT_CHECK(p.request.header.worker == w.index, kInvalidArgument, "the header names worker ",
                       p.request.header.worker);
       std::lock_guard<std::mutex> lock(mu_);
+      check_sequence(w, p.request.header);
       check_on_arrival(w, p.request);
+      if (p.request.op == Op::kBroadcast) w.broadcast_arrived = p.request.count;
     } catch (const Error& e) {
       // Nothing was allocated for it and nothing changes; its payload, if
       // the worker sends one, is dropped when it comes.
@@ -329,6 +339,50 @@ bool Service::receive_new() {
     w.queue.push_back(std::move(p));
   }
   return any;
+}
+
+void Service::check_sequence(WorkerState& w, const RequestHeader& h) {
+  if (h.ps_incarnation != 0 && h.ps_incarnation != incarnation_) {
+    throw FailedPreconditionError("sequence " + std::to_string(h.seq) + " was addressed to PS incarnation " +
+                                  std::to_string(h.ps_incarnation) + ", this PS is incarnation " +
+                                  std::to_string(incarnation_) + " (it restarted): stale, not applied");
+  }
+  DISTSTRAT_CHECK(h.op != static_cast<uint16_t>(Op::kPush) || h.ps_incarnation == incarnation_,
+                  kFailedPrecondition, "a push that does not carry this PS's incarnation (",
+                  incarnation_, ", the push carries ", h.ps_incarnation, "): not applied");
+  if (h.incarnation < w.incarnation) {
+    throw FailedPreconditionError("sequence " + std::to_string(h.seq) + " of worker incarnation " +
+                                  std::to_string(h.incarnation) + ", an earlier one than " +
+                                  std::to_string(w.incarnation) + " (the worker restarted): stale, not applied");
+  }
+  if (h.incarnation > w.incarnation) {
+    if (w.incarnation != 0) {
+      logger_.warning(who(), ": worker ", w.index, " restarted (incarnation ", w.incarnation, " -> ",
+                      h.incarnation, ")");
+    }
+    w.incarnation = h.incarnation;
+    w.last_seq = 0;
+  }
+  DISTSTRAT_CHECK(h.seq > w.last_seq, kInvalidArgument, "sequence number ", h.seq, " was ",
+                  h.seq == w.last_seq ? "already taken (a replay)" : "taken or skipped already (stale)",
+                  "; the last one taken from this worker is ", w.last_seq, ": not applied");
+  w.last_seq = h.seq;
+}
+
+int64_t Service::broadcast_bytes_held() const {
+  int64_t held = 0;
+  for (const auto& [count, bytes] : broadcasts_) held += static_cast<int64_t>(bytes.size());
+  for (const WorkerState& o : workers_) {
+    for (const Pending& p : o.queue) {
+      if (p.request.op == Op::kBroadcast && p.request.root) held += p.request.bytes;
+    }
+  }
+  return held;
+}
+
+void Service::set_checkpoint_dir(const std::string& dir) {
+  std::lock_guard<std::mutex> lock(mu_);
+  options_.checkpoint_dir = dir;
 }
 
 void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) const {
@@ -404,8 +458,53 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       }
       break;
     case Op::kStats:
-      reply = static_cast<int64_t>((6 + workers_.size()) * sizeof(int64_t));
+      reply = static_cast<int64_t>((7 + workers_.size()) * sizeof(int64_t));
       break;
+    case Op::kCreate:
+      // Only the chief defines a variable's value (and so its memory here).
+      DISTSTRAT_CHECK(!q.create.has_value || w.index == 0, kInvalidArgument, "create of '", q.create.name,
+                      "' with an initial value from worker ", w.index, ": only the chief (worker 0) sends one");
+      break;
+    case Op::kRule:
+      DISTSTRAT_CHECK(!q.replace || w.index == 0, kFailedPrecondition, "worker ", w.index,
+                      " changes an update rule: only the chief (worker 0) may (update_hyperparameters)");
+      for (const Entry& e : q.entries) {
+        const ShardInfo s = info(e, "update rule");
+        DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '", e.name,
+                        "': the variable is ", dtype_name(s.dtype), "; optimizers update float32");
+      }
+      break;
+    case Op::kBroadcast: {
+      const std::string b = "broadcast " + std::to_string(q.count);
+      DISTSTRAT_CHECK(q.count == w.broadcast_arrived + 1, kInvalidArgument, b, " from worker ", w.index,
+                      ": its last broadcast was ", w.broadcast_arrived, " (they count up by one)");
+      if (q.root) {
+        DISTSTRAT_CHECK(q.bytes <= options_.max_broadcast_bytes - broadcast_bytes_held(), kResourceExhausted, b,
+                        ": the root (worker ", w.index, ") sends ", q.bytes, " bytes; this PS holds at most ",
+                        options_.max_broadcast_bytes, " broadcast bytes (max_broadcast_bytes), ",
+                        broadcast_bytes_held(), " are held");
+      } else {
+        DISTSTRAT_CHECK(q.bytes <= options_.max_broadcast_bytes, kResourceExhausted, b, ": worker ", w.index,
+                        " expects ", q.bytes, " bytes, more than a broadcast may carry (max_broadcast_bytes ",
+                        options_.max_broadcast_bytes, ")");
+        auto it = broadcasts_.find(q.count);
+        DISTSTRAT_CHECK(it == broadcasts_.end() || static_cast<int64_t>(it->second.size()) == q.bytes,
+                        kInvalidArgument, b, ": worker ", w.index, " expects ", q.bytes, " bytes, the root sent ",
+                        it == broadcasts_.end() ? 0 : it->second.size());
+      }
+      // Against the other side's requests of this broadcast that are queued.
+      for (const WorkerState& o : workers_) {
+        for (const Pending& p : o.queue) {
+          if (&o == &w || p.request.op != Op::kBroadcast || p.request.count != q.count) continue;
+          DISTSTRAT_CHECK(p.request.root != q.root || !q.root, kInvalidArgument, b, ": worker ", w.index,
+                          " and worker ", o.index, " both send as its root");
+          DISTSTRAT_CHECK(p.request.root == q.root || p.request.bytes == q.bytes, kInvalidArgument, b, ": worker ",
+                          w.index, q.root ? " (the root) sends " : " expects ", q.bytes, " bytes, worker ", o.index,
+                          p.request.root ? " (the root) sends " : " expects ", p.request.bytes);
+        }
+      }
+      break;
+    }
     default:
       break;
   }
@@ -521,6 +620,7 @@ void Service::send_reply(int rank, const RequestHeader& request, int status,
   o.header = std::make_shared<ReplyHeader>();
   o.header->seq = request.seq;
   o.header->status = status;
+  o.header->incarnation = incarnation_;
   {
     std::lock_guard<std::mutex> lock(mu_);
     o.header->version = stats_.version;
@@ -624,6 +724,7 @@ Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
     case Op::kReadSlots: handle_read_slots(p, reply); return Outcome::kServed;
     case Op::kRestore: handle_restore(p); return Outcome::kServed;
     case Op::kMetric: handle_metric(p, reply); return Outcome::kServed;
+    case Op::kRule: return handle_rule(w, p);
   }
   throw InvalidArgumentError("unknown op " + std::to_string(p.header.op));
 }
@@ -788,7 +889,6 @@ void Service::handle_push(WorkerState& w, Pending& p) {
   const int64_t pulled_version = q.pulled_version;
   const int64_t iter_var = q.iter_var;
   const std::string& iter_name = q.iter_name;
-  std::unique_ptr<UpdateRule> rule = make_update_rule(q.config);
 
   // Validate the whole push before changing anything.
   struct Item {
@@ -845,6 +945,29 @@ void Service::handle_push(WorkerState& w, Pending& p) {
   }
   DISTSTRAT_CHECK(offset == p.payload.size(), kInvalidArgument, "push: payload has ",
                   p.payload.size(), " bytes, the entries declare ", offset);
+  for (const Item& it : items) {
+    // The rule is the shard's own (kRule), never the push's.
+    DISTSTRAT_CHECK(it.s->rule != nullptr, kFailedPrecondition, "push to '", it.e->name, "' shard ",
+                    it.e->shard_index, ": no update rule was declared for it (the chief declares it before its "
+                    "first push)");
+    // A non-finite gradient never reaches a variable.
+    const int64_t n = it.e->shape.num_elements();
+    for (int64_t k = 0; k < n; ++k) {
+      if (std::isfinite(it.values[k])) continue;
+      if (options_.skip_nonfinite_gradients) {
+        ++stats_.pushes_nonfinite;
+        logger_.warning(who(), ": push from worker ", w.index, " skipped: gradient of '", it.e->name,
+                        "' has ", it.values[k], " at element ", k, " (", stats_.pushes_nonfinite,
+                        " pushes skipped so far)");
+        w.steps = std::max(w.steps, steps_after);  // its step is done, with nothing applied
+        return;
+      }
+      std::ostringstream v;
+      v << it.values[k];
+      throw InvalidArgumentError("push to '" + it.e->name + "': gradient element " + std::to_string(k) + " is " +
+                                 v.str() + " (not finite); nothing of the push was applied");
+    }
+  }
   Shard* iterations = nullptr;
   if (iter_var >= 0) {
     Entry e;
@@ -857,9 +980,10 @@ void Service::handle_push(WorkerState& w, Pending& p) {
   }
 
   // Apply: one step of the rule per shard, over the shard or just its rows.
-  const std::vector<std::string> slot_names = rule->slot_names();
   for (const Item& it : items) {
     Shard& s = *it.s;
+    const UpdateRule* rule = s.rule.get();
+    const std::vector<std::string> slot_names = rule->slot_names();
     std::vector<float*> slots;
     for (const std::string& name : slot_names) {
       auto sl = s.slots.find(name);
@@ -981,10 +1105,30 @@ void Service::handle_stop_check(WorkerState& w, Pending& p, Reply& reply) {
 }
 
 void Service::handle_save(Pending& p, Reply& reply) {
-  const std::string& path = p.request.path;
+  // The request names a stem only (decode_request: no '/', no ".."); the
+  // directory, PS index and count are this PS's own.
+  std::string dir = options_.checkpoint_dir;
+  if (dir.empty()) {
+    // Not configured: the worker's directory, still under a derived name
+    // (so no file but a shard file of this PS is ever replaced).
+    DISTSTRAT_CHECK(!p.request.dir.empty(), kFailedPrecondition, who(),
+                    " has no checkpoint directory (ParameterServerOptions::checkpoint_dir, or "
+                    "DISTSTRAT_PS_CHECKPOINT_DIR on the PS ranks) and the request names none");
+    dir = p.request.dir;
+    if (!warned_dir_) {
+      warned_dir_ = true;
+      logger_.warning(who(), ": no checkpoint directory configured; writing shard files into '", dir,
+                      "', the directory the chief names (set ParameterServerOptions::checkpoint_dir to confine them)");
+    }
+  } else {
+    DISTSTRAT_CHECK(p.request.dir.empty() || p.request.dir == dir, kInvalidArgument, "the request names directory '",
+                    p.request.dir.substr(0, 200), "', this PS writes only into its own '", dir, "'");
+  }
   const uint64_t save_id = p.request.save_id;
-  const int32_t ps = p.request.ps;
-  const int32_t num_ps = p.request.num_ps;
+  const int32_t ps = options_.ps_index;
+  const int32_t num_ps = options_.num_ps;
+  const std::string path = ckpt::shard_file_path(dir + "/" + p.request.stem + ".safetensors",
+                                                 ps, num_ps, save_id);
   const std::vector<ShardSnapshot> shards = snapshot_locked();
   // Blocks this loop for the write: the workers are quiesced (a save is
   // collective), and the snapshot is the state after every push before it.
@@ -992,6 +1136,52 @@ void Service::handle_save(Pending& p, Reply& reply) {
   Writer wr;
   wr.put<int64_t>(static_cast<int64_t>(shards.size()));
   reply.payload = std::move(wr.bytes());
+}
+
+Service::Outcome Service::handle_rule(WorkerState& w, Pending& p) {
+  const DecodedRequest& q = p.request;
+  std::shared_ptr<const UpdateRule> rule = make_update_rule(q.config);  // validates every parameter
+  // Validate every shard before changing any.
+  std::vector<Shard*> shards;
+  for (const Entry& e : q.entries) {
+    Shard& s = find_shard(e, "update rule");
+    DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '", e.name,
+                    "': the variable is ", dtype_name(s.dtype), "; optimizers update float32");
+    if (q.replace) {
+      DISTSTRAT_CHECK(s.rule != nullptr, kFailedPrecondition, "update of the rule of '", e.name,
+                      "': none was declared yet");
+      DISTSTRAT_CHECK(q.config.name == s.config.name && rule->slot_names() == s.rule->slot_names(),
+                      kInvalidArgument, "update of the rule of '", e.name, "': optimizer '", q.config.name,
+                      "' with its slots cannot replace '", s.config.name,
+                      "' (update_hyperparameters changes hyper-parameters, not the optimizer)");
+    } else if (s.rule) {
+      const std::string diff = config_difference(s.declared, q.config);
+      DISTSTRAT_CHECK(diff.empty(), kInvalidArgument, "the optimizer of worker ", w.index, " for '", e.name,
+                      "' differs from the update rule the chief fixed: ", diff);
+    } else if (w.index != 0) {
+      // The chief fixes the rule; another worker's declaration waits for it.
+      if (Clock::now() - p.arrived > options_.timeout) {
+        throw DeadlineExceededError("update rule of '" + e.name + "': worker " + std::to_string(w.index) +
+                                    " waited past the deadline for the chief (worker 0) to declare it");
+      }
+      return Outcome::kDeferred;
+    }
+    shards.push_back(&s);
+  }
+  for (Shard* s : shards) {
+    if (q.replace) {
+      s->rule = rule;
+      s->config = q.config;
+    } else if (!s->rule) {
+      s->rule = rule;
+      s->declared = s->config = q.config;
+    }
+  }
+  if (q.replace) {
+    logger_.info(who(), ": the chief updated the rule of ", shards.size(), " shard(s): ",
+                 config_difference(shards.empty() ? q.config : shards.front()->declared, q.config));
+  }
+  return Outcome::kServed;
 }
 
 void Service::handle_read_slots(Pending& p, Reply& reply) {
@@ -1088,7 +1278,7 @@ void Service::handle_metric(Pending& p, Reply& reply) {
 void Service::handle_stats(Reply& reply) {
   Writer wr;
   wr.put(stats_.version).put(stats_.pushes_rejected).put(stats_.staleness_sum);
-  wr.put(stats_.staleness_max).put(stats_.max_step_gap);
+  wr.put(stats_.staleness_max).put(stats_.max_step_gap).put(stats_.pushes_nonfinite);
   wr.put<int64_t>(static_cast<int64_t>(workers_.size()));
   for (const WorkerState& w : workers_) wr.put(w.steps);
   reply.payload = std::move(wr.bytes());

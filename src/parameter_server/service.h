@@ -13,6 +13,23 @@
 // and changes nothing; it is checked before its payload is allocated, and a
 // payload that does not arrive within the deadline fails its request.
 //
+// The PS trusts no worker further than its own checks (see wire.h for the
+// sequence numbers and incarnations that make each request served at most
+// once, in order):
+//  - each variable's update rule is declared by a kRule request and fixed by
+//    the chief's (worker 0's) declaration; another worker's declaration must
+//    match it field by field, and only the chief may replace it
+//    (update_hyperparameters). Pushes carry gradients, never the rule; a
+//    schedule is evaluated from the shard's own step counter;
+//  - a push with a non-finite gradient is rejected (or, with
+//    skip_nonfinite_gradients, answered OK but not applied, and counted):
+//    it never reaches a variable;
+//  - a save names only a file stem: the PS writes into its own configured
+//    checkpoint directory, under a name it derives;
+//  - a broadcast declares its size, which is checked against
+//    max_broadcast_bytes (and the root's against the receivers') before
+//    anything is allocated; only the chief sends a create with a value.
+//
 // Silence and waits are measured in the loop's running time: a gap between
 // two polls longer than kMaxPollGap (the PS process was stopped, or its
 // host starved it) counts as kMaxPollGap, so a PS that was not running does
@@ -32,6 +49,7 @@
 #include "allreduce/transport.h"
 #include "diststrat/logging.h"
 #include "diststrat/parameter_server.h"
+#include "parameter_server/update_rule.h"
 #include "parameter_server/wire.h"
 
 namespace diststrat {
@@ -46,6 +64,19 @@ struct ServiceOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // A worker silent this long is treated as gone (see ParameterServerOptions).
   std::chrono::milliseconds worker_timeout{std::chrono::seconds(300)};
+  // This PS's index among the PS ranks and their number (they name its
+  // checkpoint shard files).
+  int ps_index = 0;
+  int num_ps = 1;
+  // The only directory the PS writes checkpoint shards into (empty: saves
+  // are refused until set_checkpoint_dir is called in this process).
+  std::string checkpoint_dir;
+  // A push with a NaN or infinite gradient: rejected (false), or answered OK,
+  // not applied and counted in ServiceStats::pushes_nonfinite (true).
+  bool skip_nonfinite_gradients = false;
+  // The most broadcast bytes PS 0 holds at once (deposited, or announced by
+  // a root whose payload is on its way); a larger broadcast is rejected.
+  int64_t max_broadcast_bytes = int64_t{256} << 20;
   // Test seam: the clock the loop reads to measure silence (empty: the
   // steady clock). A test makes it jump to stand for a PS that was stopped.
   std::function<Clock::time_point()> clock;
@@ -54,6 +85,7 @@ struct ServiceOptions {
 struct ServiceStats {
   int64_t version = 0;  // pushes applied
   int64_t pushes_rejected = 0;
+  int64_t pushes_nonfinite = 0;  // skipped for a non-finite gradient (skip_nonfinite_gradients)
   int64_t staleness_sum = 0;
   int64_t staleness_max = 0;
   int64_t max_step_gap = 0;
@@ -79,6 +111,12 @@ class Service {
   void restore(const std::vector<ShardSnapshot>& shards);
   // Worker indices declared gone (silent past the timeout).
   std::vector<int> gone_workers() const;
+  // The directory checkpoint shards go to (a call in this process, never a
+  // request: a single-process strategy sets it to its save's directory).
+  // Thread-safe.
+  void set_checkpoint_dir(const std::string& dir);
+  // This Service's incarnation (sent in every reply).
+  uint64_t incarnation() const { return incarnation_; }
 
  private:
   struct Shard {
@@ -90,6 +128,11 @@ class Service {
     std::map<std::string, Tensor> slots;
     int64_t step = 0;
     bool initialized = false;
+    // The update rule (kRule): fixed by the chief's declaration; `declared`
+    // is what the chief declared first (every other declaration must match
+    // it), `config` what is applied now (update_hyperparameters may change it).
+    std::shared_ptr<const UpdateRule> rule;
+    OptimizerConfig declared, config;
   };
   struct Pending {
     RequestHeader header;
@@ -108,6 +151,9 @@ class Service {
     int64_t broadcast_count = 0;  // broadcasts it has completed
     int64_t checked_step = -1;    // the last step it asked kStopCheck about
     int64_t push_reached = -1;    // lockstep: last step whose push reached its queue's head
+    uint64_t incarnation = 0;     // of the worker's requests taken so far (0: none)
+    int64_t last_seq = 0;         // the last sequence number taken from that incarnation
+    int64_t broadcast_arrived = 0;  // the last broadcast count it sent
     bool done = false;
     bool gone = false;
     Clock::time_point last_heard;
@@ -134,6 +180,11 @@ class Service {
   // worker's queued creates declare), before its payload is allocated;
   // throws like the handlers do. Caller holds mu_.
   void check_on_arrival(const WorkerState& w, const DecodedRequest& q) const;
+  // Takes the request's sequence number and incarnations (at most once, in
+  // order); throws naming the worker otherwise. Caller holds mu_.
+  void check_sequence(WorkerState& w, const RequestHeader& h);
+  // Broadcast bytes held and announced (deposits, roots' queued payloads).
+  int64_t broadcast_bytes_held() const;
   // Receives and drops a message nobody expects.
   void discard(const Envelope& env);
   // Receives one payload message (a part) of worker `w`'s latest request.
@@ -158,6 +209,7 @@ class Service {
   Outcome handle_broadcast(WorkerState& w, Pending& p, Reply& reply);
   void handle_stop_check(WorkerState& w, Pending& p, Reply& reply);
   void handle_save(Pending& p, Reply& reply);
+  Outcome handle_rule(WorkerState& w, Pending& p);
   void handle_read_slots(Pending& p, Reply& reply);
   void handle_restore(Pending& p);
   void handle_metric(Pending& p, Reply& reply);
@@ -177,6 +229,8 @@ class Service {
 
   Transport& t_;
   ServiceOptions options_;
+  uint64_t incarnation_ = 0;
+  bool warned_dir_ = false;
   const Logger& logger_;
   std::atomic<bool> stop_{false};
   std::vector<WorkerState> workers_;

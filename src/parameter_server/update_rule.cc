@@ -1,6 +1,9 @@
 #include "parameter_server/update_rule.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <sstream>
 
 namespace diststrat {
 namespace ps {
@@ -115,7 +118,64 @@ class AdamRule : public UpdateRule {
 };
 }  // namespace
 
+namespace {
+// Names of the parameters of `c`, in order (the optimizer's, then the schedule's).
+std::string param_name(const OptimizerConfig& c, size_t i) {
+  static const char* const kSgd[] = {"learning_rate", "momentum", "nesterov"};
+  static const char* const kAdam[] = {"learning_rate", "beta1", "beta2", "epsilon"};
+  static const char* const kSchedule[] = {"schedule.kind",  "schedule.warmup_steps", "schedule.warmup_initial",
+                                          "schedule.decay_steps", "schedule.alpha",  "schedule.decay_rate",
+                                          "schedule.staircase",  "schedule.boundary_count"};
+  const size_t own = c.name == "sgd" ? 3 : c.name == "adam" ? 4 : 0;
+  if (i < own) return c.name == "sgd" ? kSgd[i] : kAdam[i];
+  if (i - own < kScheduleFixed) return kSchedule[i - own];
+  return "schedule.boundaries/values[" + std::to_string(i - own - kScheduleFixed) + "]";
+}
+}  // namespace
+
+std::string config_difference(const OptimizerConfig& fixed, const OptimizerConfig& other) {
+  if (fixed.name != other.name) return "optimizer '" + other.name + "', fixed '" + fixed.name + "'";
+  const size_t n = std::min(fixed.params.size(), other.params.size());
+  for (size_t i = 0; i < n; ++i) {
+    // Bitwise: a NaN never equals the fixed value.
+    if (std::memcmp(&fixed.params[i], &other.params[i], sizeof(double)) != 0) {
+      std::ostringstream o;
+      o << param_name(other, i) << " " << other.params[i] << ", fixed " << fixed.params[i];
+      return o.str();
+    }
+  }
+  if (fixed.params.size() != other.params.size()) {
+    return std::to_string(other.params.size()) + " parameters, fixed " + std::to_string(fixed.params.size()) +
+           " (" + param_name(other, n) + ")";
+  }
+  return "";
+}
+
 std::unique_ptr<UpdateRule> make_update_rule(const OptimizerConfig& c) {
+  for (size_t i = 0; i < c.params.size(); ++i) {
+    DISTSTRAT_CHECK(std::isfinite(c.params[i]), kInvalidArgument, "optimizer '", c.name, "': ",
+                    param_name(c, i), " is ", c.params[i]);
+  }
+  const size_t own = c.name == "sgd" ? 3 : c.name == "adam" ? 4 : 0;
+  DISTSTRAT_CHECK(own == 0 || c.params.size() >= own, kInvalidArgument, "optimizer '", c.name, "': ",
+                  c.params.size(), " parameters, it has ", own);
+  if (own) {
+    // Float ranges: a rate that does not fit a float would be inf on the shards.
+    const double lr = c.params[0];
+    DISTSTRAT_CHECK(lr > 0 && lr <= 1e6, kInvalidArgument, "optimizer '", c.name, "': learning_rate ", lr,
+                    " is not in (0, 1e6]");
+  }
+  if (c.name == "sgd") {
+    DISTSTRAT_CHECK(c.params[1] >= 0 && c.params[1] < 1 && (c.params[2] == 0 || c.params[2] == 1),
+                    kInvalidArgument, "optimizer 'sgd': momentum ", c.params[1], " (in [0, 1)), nesterov ",
+                    c.params[2]);
+  }
+  if (c.name == "adam") {
+    DISTSTRAT_CHECK(c.params[1] >= 0 && c.params[1] < 1 && c.params[2] >= 0 && c.params[2] < 1 &&
+                        c.params[3] > 0 && c.params[3] <= 1,
+                    kInvalidArgument, "optimizer 'adam': beta1 ", c.params[1], ", beta2 ", c.params[2],
+                    " (in [0, 1)), epsilon ", c.params[3], " (in (0, 1])");
+  }
   if (c.name == "sgd") {
     SGDOptions o;
     o.schedule = get_schedule(c, 3);

@@ -27,8 +27,14 @@ class UpdateRule {
   virtual void update(float* var, const float* grad, float* const* slots, size_t count,
                       int64_t step) const = 0;
 };
-// Throws InvalidArgumentError for an unknown name or a wrong parameter count.
+// Throws InvalidArgumentError for an unknown name, a wrong parameter count
+// or a parameter out of its range (every one finite; learning rate > 0;
+// momentum and betas in [0, 1); epsilon > 0): a rule arrives from a worker.
 std::unique_ptr<UpdateRule> make_update_rule(const OptimizerConfig& config);
+
+// The first difference of `other` from `fixed`, naming the field
+// ("learning_rate 0.1, fixed 0.05"), or "" when they are the same rule.
+std::string config_difference(const OptimizerConfig& fixed, const OptimizerConfig& other);
 
 }  // namespace ps
 }  // namespace diststrat

@@ -24,12 +24,13 @@ const char* op_name(Op op) {
     case Op::kReadSlots: return "slot read";
     case Op::kRestore: return "checkpoint restore";
     case Op::kMetric: return "metric";
+    case Op::kRule: return "update rule";
   }
   return "unknown op";
 }
 
 bool valid_op(uint16_t op) {
-  return op >= static_cast<uint16_t>(Op::kCreate) && op <= static_cast<uint16_t>(Op::kMetric);
+  return op >= static_cast<uint16_t>(Op::kCreate) && op <= static_cast<uint16_t>(Op::kRule);
 }
 
 Writer& Writer::put_string(const std::string& s) {
@@ -187,6 +188,16 @@ void decode_create(Reader& r, DecodedRequest& q) {
 
 }  // namespace
 
+bool valid_file_stem(const std::string& s) {
+  if (s.empty() || s.size() > 200 || s[0] == '.') return false;
+  for (char c : s) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                    c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
 DecodedRequest decode_request(const char* data, size_t size) {
   DecodedRequest q;
   DISTSTRAT_CHECK(size >= sizeof(RequestHeader), kInvalidArgument, "malformed request of ", size, " bytes");
@@ -198,6 +209,8 @@ DecodedRequest decode_request(const char* data, size_t size) {
   DISTSTRAT_CHECK(valid_op(h.op), kInvalidArgument, "malformed request header (op ", h.op, ")");
   q.op = static_cast<Op>(h.op);
   const std::string what = op_name(q.op);
+  DISTSTRAT_CHECK(h.seq >= 1, kInvalidArgument, what, ": sequence number ", h.seq, " (they start at 1)");
+  DISTSTRAT_CHECK(h.incarnation != 0, kInvalidArgument, what, ": no worker incarnation");
   DISTSTRAT_CHECK(h.payload_bytes >= 0 && h.payload_bytes <= kMaxMessageBytes, kInvalidArgument, what,
                   ": the header claims a payload of ", h.payload_bytes, " bytes (at most ", kMaxMessageBytes, ")");
   DISTSTRAT_CHECK(h.reply_bytes >= 0 && h.reply_bytes <= kMaxMessageBytes, kInvalidArgument, what,
@@ -225,7 +238,6 @@ DecodedRequest decode_request(const char* data, size_t size) {
     case Op::kPush: {
       q.steps_after = r.get<int64_t>();
       q.pulled_version = r.get<int64_t>();
-      q.config = read_config(r);
       q.iter_var = r.get<int64_t>();
       q.iter_name = r.get_string();
       DISTSTRAT_CHECK(q.steps_after >= 0 && q.pulled_version >= -1 && q.iter_var >= -1, kInvalidArgument, what,
@@ -265,29 +277,34 @@ DecodedRequest decode_request(const char* data, size_t size) {
       if (q.op == Op::kDone) reply = 0;
       break;
     case Op::kBroadcast:
+      // Root and receivers declare the size; the PS checks it against its
+      // limit and the other side's before it allocates anything.
       q.count = r.get<int64_t>();
       q.root = r.get_bool("root");
-      if (q.root) {
-        payload = h.payload_bytes;  // the root's bytes, whatever their size
-        reply = 0;
-      }
+      q.bytes = r.get<int64_t>();
+      DISTSTRAT_CHECK(q.count >= 1 && q.bytes >= 0 && q.bytes <= kMaxMessageBytes, kInvalidArgument, what, " ",
+                      q.count, ": ", q.bytes, " bytes");
+      payload = q.root ? q.bytes : 0;
+      reply = q.root ? 0 : q.bytes;
       break;
     case Op::kStopCheck:
       q.step = r.get<int64_t>();
       q.signalled = r.get_bool("signalled");
       reply = sizeof(int64_t);
       break;
-    case Op::kSave:
-      q.path = r.get_string();
+    case Op::kSave: {
+      // A stem, not a path: the PS writes into its own checkpoint directory
+      // under a name it derives (see Service::handle_save).
+      q.stem = r.get_string();
       q.save_id = r.get<uint64_t>();
-      q.ps = r.get<int32_t>();
-      q.num_ps = r.get<int32_t>();
-      DISTSTRAT_CHECK(!q.path.empty() && q.path.find('\0') == std::string::npos, kInvalidArgument, what,
-                      ": bad path");
-      DISTSTRAT_CHECK(q.num_ps >= 1 && q.ps >= 0 && q.ps < q.num_ps, kInvalidArgument, what, ": PS ", q.ps, " of ",
-                      q.num_ps);
+      q.dir = r.get_string();
+      DISTSTRAT_CHECK(q.dir.find('\0') == std::string::npos, kInvalidArgument, what, ": a directory with a NUL");
+      const std::string shown = q.stem.size() > 200 ? q.stem.substr(0, 200) + "..." : q.stem;
+      DISTSTRAT_CHECK(valid_file_stem(q.stem), kInvalidArgument, what, ": '", shown,
+                      "' is not a checkpoint name (1 to 200 of [A-Za-z0-9._-], not starting with '.')");
       reply = sizeof(int64_t);
       break;
+    }
     case Op::kReadSlots: {
       const int64_t n = read_count(r, kMinEntryBytes + 8);
       for (int64_t i = 0; i < n; ++i) {
@@ -336,14 +353,19 @@ DecodedRequest decode_request(const char* data, size_t size) {
                       " '", shown, "': a reply of ", h.reply_bytes, " bytes asked (0 or 16)");
       break;
     }
+    case Op::kRule: {
+      q.replace = r.get_bool("replace");
+      q.config = read_config(r);
+      const int64_t n = read_count(r, kMinEntryBytes);
+      DISTSTRAT_CHECK(n >= 1, kInvalidArgument, what, ": no shards");
+      for (int64_t i = 0; i < n; ++i) q.entries.push_back(read_entry(r));
+      reply = 0;
+      break;
+    }
   }
   DISTSTRAT_CHECK(r.at_end(), kInvalidArgument, what, ": ", r.remaining(), " bytes after the last field");
   DISTSTRAT_CHECK(h.payload_bytes == payload, kInvalidArgument, what, ": the header claims a payload of ",
                   h.payload_bytes, " bytes, the request declares ", payload);
-  if (q.op == Op::kBroadcast && !q.root) {
-    DISTSTRAT_CHECK(h.payload_bytes == 0, kInvalidArgument, what, ": a payload of ", h.payload_bytes,
-                    " bytes from a receiver");
-  }
   DISTSTRAT_CHECK(reply < 0 || h.reply_bytes == reply, kInvalidArgument, what, ": the header expects a reply of ",
                   h.reply_bytes, " bytes, the request's is ", reply);
   return q;

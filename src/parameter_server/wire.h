@@ -12,6 +12,17 @@
 // computes. Messages of one (sender, receiver, tag) keep their order, so
 // neither side needs request ids to match replies; seq is checked anyway.
 //
+// Each worker's requests to one PS carry strictly increasing sequence
+// numbers within the worker's incarnation (an id the worker's Client draws
+// when it starts: a later start draws a larger one), and, once the worker
+// has heard from that PS, the PS's incarnation (drawn when the Service
+// starts, sent in every reply). The PS serves a request at most once and in
+// order: a sequence number at or below the last one it took from that
+// worker's incarnation, an earlier incarnation of the worker, or a request
+// addressed to another incarnation of this PS (sent before it restarted) is
+// rejected with an error naming the worker. A push must carry the PS's
+// incarnation (the worker heard from the PS when its creates were answered).
+//
 // Both ends run on the same kind of host (byte order and struct layout are
 // the sender's); fields are fixed-width.
 //
@@ -40,7 +51,7 @@ constexpr int kRequestPayloadTag = 0x5053001;
 constexpr int kReplyTag = 0x5053002;
 constexpr int kReplyErrorTag = 0x5053003;
 constexpr int kReplyPayloadTag = 0x5053004;
-constexpr uint32_t kMagic = 0x50534d31;  // "PSM1"
+constexpr uint32_t kMagic = 0x50534d32;  // "PSM2" (PSM1 had no incarnations)
 
 enum class Op : uint16_t {
   kCreate = 1,   // declare a shard (the chief also sends its initial value)
@@ -57,6 +68,7 @@ enum class Op : uint16_t {
   kReadSlots = 11, // read optimizer slots of shards
   kRestore = 12,   // overwrite shards' values, slots and step counters
   kMetric = 13,    // PS 0: add (sum, count) to a job-wide metric; reply its totals if asked
+  kRule = 14,      // declare (or, from the chief, replace) the update rule of shards
 };
 const char* op_name(Op op);
 // Whether `op` (as it travels, uint16) is one of the ops above.
@@ -77,9 +89,11 @@ struct RequestHeader {
   uint16_t reserved = 0;
   int32_t worker = 0;
   int32_t reserved2 = 0;
-  int64_t seq = 0;
+  int64_t seq = 0;  // >= 1, strictly increasing per (worker incarnation, PS)
   int64_t payload_bytes = 0;
-  int64_t reply_bytes = 0;  // the reply payload the worker expects
+  int64_t reply_bytes = 0;     // the reply payload the worker expects
+  uint64_t incarnation = 0;    // the worker's (non-zero)
+  uint64_t ps_incarnation = 0; // the PS's, as its replies told it (0: not heard yet)
 };
 
 struct ReplyHeader {
@@ -89,6 +103,7 @@ struct ReplyHeader {
   int64_t version = 0;  // pushes this PS had applied when it answered
   int64_t payload_bytes = 0;
   int64_t error_bytes = 0;
+  uint64_t incarnation = 0;  // the PS's
 };
 
 // Appends fixed-width fields to a byte vector.
@@ -165,7 +180,8 @@ int64_t checked_mul(int64_t a, int64_t b, const std::string& what);
 int64_t checked_add(int64_t a, int64_t b, const std::string& what);
 int64_t checked_bytes(const Shape& shape, int64_t elem_bytes, const std::string& what);
 
-// The rule of a push as data (see update_rule.h).
+// An update rule as data (see update_rule.h): declared per shard (kRule),
+// fixed by the chief's declaration, never carried by pushes.
 struct OptimizerConfig {
   std::string name;            // "sgd", "adam"
   std::vector<double> params;  // the options, in a fixed order per name
@@ -198,26 +214,33 @@ struct DecodedRequest {
   int64_t clock = -1;                // kPull: the worker's step (-1: no staleness check)
   int64_t steps_after = 0;           // kPush: the worker's pushed steps after this one
   int64_t pulled_version = -1;       // kPush: the version its gradients were computed from
-  OptimizerConfig config;            // kPush
+  OptimizerConfig config;            // kRule
+  bool replace = false;              // kRule: the chief replaces a fixed rule (update_hyperparameters)
   int64_t iter_var = -1;             // kPush: the step counter to bump (-1: none)
   std::string iter_name;             // kPush
-  std::vector<Entry> entries;        // kPull, kPush, kAssign, kReadSlots, kRestore
+  std::vector<Entry> entries;        // kPull, kPush, kAssign, kReadSlots, kRestore, kRule
   std::vector<std::string> slot_of;  // kReadSlots: the slot of each entry
   std::vector<RestoreSpec> restore;  // kRestore: beside each entry
   int64_t count = 0;                 // kBarrier, kBroadcast
   bool root = false;                 // kBroadcast
+  int64_t bytes = 0;                 // kBroadcast: the root's payload = each receiver's reply
   int64_t step = 0;                  // kStopCheck
   bool signalled = false;            // kStopCheck
-  std::string path;                  // kSave
+  std::string stem;                  // kSave: a file-name stem (valid_file_stem); the PS derives the rest
+  std::string dir;                   // kSave: the worker's directory (used only by a PS configured with none)
   uint64_t save_id = 0;              // kSave
-  int32_t ps = 0, num_ps = 0;        // kSave
   std::string metric_name;           // kMetric: 1..kMaxMetricNameBytes
   double metric_sum = 0;             // kMetric
   double metric_count = 0;           // kMetric: finite, >= 0
 };
 
+// Whether `s` may name a checkpoint file's stem: 1..200 characters of
+// [A-Za-z0-9._-], not starting with '.' (so no directory, no "..").
+bool valid_file_stem(const std::string& s);
+
 // Decodes one control message (RequestHeader + the op's fields). Checks,
-// without any state of the PS: size, magic, op, payload_bytes and
+// without any state of the PS: size, magic, op, seq >= 1, a non-zero
+// worker incarnation, payload_bytes and
 // reply_bytes in [0, kMaxMessageBytes], every field as read_entry and the
 // op's own ranges (entry counts <= kMaxEntries, create rows within the
 // shape), no bytes left over, and payload_bytes equal to the bytes the

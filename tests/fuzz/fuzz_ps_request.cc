@@ -44,6 +44,7 @@ void check_request(const ps::DecodedRequest& q) {
   check(h.magic == ps::kMagic && ps::valid_op(h.op) && static_cast<uint16_t>(q.op) == h.op);
   check(h.payload_bytes >= 0 && h.payload_bytes <= ps::kMaxMessageBytes);
   check(h.reply_bytes >= 0 && h.reply_bytes <= ps::kMaxMessageBytes);
+  check(h.seq >= 1 && h.incarnation != 0);
   check(static_cast<int64_t>(q.entries.size()) <= ps::kMaxEntries);
   i128 payload = 0;
   for (size_t i = 0; i < q.entries.size(); ++i) {
@@ -69,6 +70,7 @@ void check_request(const ps::DecodedRequest& q) {
         break;
       }
       case ps::Op::kReadSlots: check(!e.sparse && q.slot_of.size() == q.entries.size()); break;
+      case ps::Op::kRule: break;  // names shards, no payload
       default: check(false);  // no other op has entries
     }
   }
@@ -87,20 +89,25 @@ void check_request(const ps::DecodedRequest& q) {
       break;
     }
     case ps::Op::kBroadcast:
-      if (q.root) {
-        payload = h.payload_bytes;
-        check(h.reply_bytes == 0);
-      }
+      // Both sides declare the size; it bounds the payload or the reply.
+      check(q.count >= 1 && q.bytes >= 0 && q.bytes <= ps::kMaxMessageBytes);
+      payload = q.root ? q.bytes : 0;
+      check(h.reply_bytes == (q.root ? 0 : q.bytes));
       break;
     case ps::Op::kStopCheck:
     case ps::Op::kSave:
       check(h.reply_bytes == 8);
-      if (q.op == ps::Op::kSave) check(!q.path.empty() && q.num_ps >= 1 && q.ps >= 0 && q.ps < q.num_ps);
+      if (q.op == ps::Op::kSave) {
+        // A stem, never a path.
+        check(ps::valid_file_stem(q.stem) && q.stem.find('/') == std::string::npos && q.stem[0] != '.');
+      }
       break;
     case ps::Op::kPush:
       check(q.steps_after >= 0 && q.pulled_version >= -1 && q.iter_var >= -1);
-      check(q.config.params.size() <= 64);
       check(h.reply_bytes == 0);
+      break;
+    case ps::Op::kRule:
+      check(!q.entries.empty() && q.config.params.size() <= 64 + 2000 && h.reply_bytes == 0);
       break;
     case ps::Op::kAssign:
     case ps::Op::kRestore:

@@ -495,12 +495,15 @@ TEST(ParameterServerSparse, GatherAndPushOnlyTheRowsOverShards) {
 // A raw worker (rank 1) that speaks the protocol directly, to send what the
 // strategy's own checks would never let through.
 struct RawWorker {
-  explicit RawWorker(ds::Transport& t) : client(t, {2}, 1, std::chrono::seconds(10)) {}
-  void push(const ds::ps::Entry& e, const std::vector<char>& payload, const std::string& optimizer = "sgd") {
+  explicit RawWorker(ds::Transport& t) : client(t, {2}, 1, std::chrono::seconds(10)) {
+    // A stats request first, as a worker's creates come first: the PS's
+    // reply tells its incarnation, which a push must carry.
+    std::vector<char> reply((7 + 2) * 8);
+    client.wait(client.post(0, ds::ps::Op::kStats, {}, nullptr, nullptr, 0, reply.data(), reply.size(), "stats"));
+  }
+  void push(const ds::ps::Entry& e, const std::vector<char>& payload) {
     ds::ps::Writer w;
     w.put<int64_t>(1).put<int64_t>(-1);
-    ds::ps::write_config(w, {optimizer, optimizer == "sgd" ? std::vector<double>{0.1, 0, 0}
-                                                            : std::vector<double>{}});
     w.put<int64_t>(-1).put_string("");
     w.put<int64_t>(1);
     ds::ps::write_entry(w, e);
@@ -508,6 +511,15 @@ struct RawWorker {
     auto call = client.post(0, ds::ps::Op::kPush, w.bytes(), owner, owner->data(), owner->size(),
                             nullptr, 0, "raw push");
     client.wait(call);
+  }
+  // Declares `optimizer` as the update rule of `e`'s shard.
+  void rule(const ds::ps::Entry& e, const std::string& optimizer) {
+    ds::ps::Writer w;
+    w.put<uint8_t>(0);
+    ds::ps::write_config(w, {optimizer, {}});
+    w.put<int64_t>(1);
+    ds::ps::write_entry(w, e);
+    client.wait(client.post(0, ds::ps::Op::kRule, w.bytes(), nullptr, nullptr, 0, nullptr, 0, "raw rule"));
   }
   ds::ps::Client client;
 };
@@ -553,7 +565,7 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
                  ds::ErrorCode::kInvalidArgument, "push to 'w': gradient dtype float64");
     expect_error([&] { raw.push(entry(7, "nope", ds::Shape{4}), f4); }, ds::ErrorCode::kNotFound,
                  "unknown variable 'nope'");
-    expect_error([&] { raw.push(entry(0, "w", ds::Shape{4}), f4, "rmsprop"); },
+    expect_error([&] { raw.rule(entry(0, "w", ds::Shape{4}), "rmsprop"); },
                  ds::ErrorCode::kInvalidArgument, "unknown optimizer 'rmsprop'");
     {
       ds::ps::Entry e = entry(1, "emb", ds::Shape{1, 2});
@@ -595,7 +607,7 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
         },
         ds::ErrorCode::kInvalidArgument, "does not match variable 'w'");
     const ds::ParameterServerStats st = s->stats();
-    EXPECT_EQ(st.pushes_rejected, 6);
+    EXPECT_EQ(st.pushes_rejected, 5);  // the unknown optimizer is a rule declaration now, not a push
     EXPECT_EQ(st.pushes_applied, 1);
     // The raw worker leaves too, so the PS can finish.
     auto done = raw.client.post(0, ds::ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0, "done");

@@ -26,203 +26,14 @@
 #include "parameter_server/service.h"
 #include "parameter_server/update_rule.h"
 #include "parameter_server/wire.h"
+#include "ps_wire_util.h"
 
 namespace ds = diststrat;
 namespace ps = diststrat::ps;
 using std::chrono::milliseconds;
+using namespace ps_test;
 
 namespace {
-
-constexpr int kWorkerRank = 0, kPsRank = 1;
-
-ps::RequestHeader header(ps::Op op, int64_t seq, int64_t payload_bytes = 0, int64_t reply_bytes = 0) {
-  ps::RequestHeader h;
-  h.op = static_cast<uint16_t>(op);
-  h.worker = 0;
-  h.seq = seq;
-  h.payload_bytes = payload_bytes;
-  h.reply_bytes = reply_bytes;
-  return h;
-}
-
-// The body of a create of a whole (one-shard) variable.
-std::vector<char> create_body(int64_t id, const std::string& name, const ds::Shape& shape, bool has_value,
-                              ds::DType dtype = ds::DType::kFloat32) {
-  ps::Writer w;
-  w.put<int64_t>(id).put_string(name).put<int32_t>(static_cast<int32_t>(dtype)).put_shape(shape);
-  w.put<int64_t>(0).put<int64_t>(1).put<int64_t>(0).put<int64_t>(shape.rank() ? shape[0] : 1);
-  w.put<uint8_t>(has_value ? 1 : 0);
-  return w.bytes();
-}
-
-ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape = {}, bool sparse = false,
-                int64_t num_ids = 0) {
-  ps::Entry e;
-  e.var_id = id;
-  e.name = name;
-  e.dtype = static_cast<int32_t>(ds::DType::kFloat32);
-  e.shape = std::move(shape);
-  e.sparse = sparse ? 1 : 0;
-  e.num_ids = num_ids;
-  return e;
-}
-
-std::vector<char> pull_body(const std::vector<ps::Entry>& entries, int64_t clock = -1) {
-  ps::Writer w;
-  w.put<int64_t>(clock).put<int64_t>(static_cast<int64_t>(entries.size()));
-  for (const ps::Entry& e : entries) ps::write_entry(w, e);
-  return w.bytes();
-}
-
-std::vector<char> push_body(const std::vector<ps::Entry>& entries) {
-  ps::Writer w;
-  w.put<int64_t>(1).put<int64_t>(-1);
-  ps::write_config(w, {"sgd", {0.5, 0, 0}});
-  w.put<int64_t>(-1).put_string("");
-  w.put<int64_t>(static_cast<int64_t>(entries.size()));
-  for (const ps::Entry& e : entries) ps::write_entry(w, e);
-  return w.bytes();
-}
-
-std::vector<char> floats(std::initializer_list<float> v) {
-  std::vector<char> out(v.size() * sizeof(float));
-  std::memcpy(out.data(), v.begin(), out.size());
-  return out;
-}
-
-// A worker that speaks raw bytes to the PS, so it can send what the strategy
-// and the Client would never let through. Every buffer it hands the transport
-// lives as long as the peer (the in-process transport keeps pointers).
-class RawPeer {
- public:
-  RawPeer(ds::Transport& t, int peer) : t_(t), peer_(peer) {}
-  struct Reply {
-    ps::ReplyHeader header;
-    std::string error;
-    std::vector<char> payload;
-  };
-  // Sends `h` + `body` as the control message, then `payload` unless null.
-  void send(const ps::RequestHeader& h, const std::vector<char>& body, const std::vector<char>* payload = nullptr) {
-    auto control = std::make_shared<std::vector<char>>(sizeof h + body.size());
-    std::memcpy(control->data(), &h, sizeof h);
-    if (!body.empty()) std::memcpy(control->data() + sizeof h, body.data(), body.size());
-    keep_.push_back(control);
-    sends_.push_back(t_.send(peer_, control->data(), control->size(), ps::kRequestTag));
-    if (payload) {
-      auto p = std::make_shared<std::vector<char>>(*payload);
-      keep_.push_back(p);
-      sends_.push_back(t_.send(peer_, p->data(), p->size(), ps::kRequestPayloadTag));
-    }
-  }
-  // Sends one more payload message (a part).
-  void send_payload(const std::vector<char>& payload) {
-    auto p = std::make_shared<std::vector<char>>(payload);
-    keep_.push_back(p);
-    sends_.push_back(t_.send(peer_, p->data(), p->size(), ps::kRequestPayloadTag));
-  }
-  // Receives the next reply (header, error text, payload of the size the
-  // header announces); throws DeadlineExceededError when none comes `within`.
-  Reply reply(milliseconds within) {
-    auto r = std::make_shared<Reply>();
-    replies_.push_back(r);
-    const auto deadline = ds::Clock::now() + within;
-    t_.recv(peer_, &r->header, sizeof r->header, ps::kReplyTag).wait(deadline);
-    if (r->header.error_bytes > 0) {
-      EXPECT_LE(r->header.error_bytes, 1 << 20);
-      r->error.resize(static_cast<size_t>(std::min<int64_t>(r->header.error_bytes, 1 << 20)));
-      t_.recv(peer_, &r->error[0], r->error.size(), ps::kReplyErrorTag).wait(deadline);
-    }
-    if (r->header.payload_bytes > 0) {
-      EXPECT_LE(r->header.payload_bytes, 1 << 26);
-      r->payload.resize(static_cast<size_t>(std::min<int64_t>(r->header.payload_bytes, 1 << 26)));
-      t_.recv(peer_, r->payload.data(), r->payload.size(), ps::kReplyPayloadTag).wait(deadline);
-    }
-    return *r;
-  }
-  Reply call(const ps::RequestHeader& h, const std::vector<char>& body, const std::vector<char>* payload = nullptr,
-             milliseconds within = milliseconds(5000)) {
-    send(h, body, payload);
-    return reply(within);
-  }
-
- private:
-  ds::Transport& t_;
-  int peer_;
-  std::vector<std::shared_ptr<std::vector<char>>> keep_;
-  std::vector<ds::Request> sends_;
-  std::vector<std::shared_ptr<Reply>> replies_;
-};
-
-// Rank 1 runs a PS Service for one worker (rank 0) on its own thread; the
-// log lines are kept.
-class PsWire : public ::testing::Test {
- protected:
-  void start(ps::ServiceOptions o = {}) {
-    if (o.worker_ranks.empty()) o.worker_ranks = {kWorkerRank};
-    if (o.timeout == std::chrono::seconds(300)) o.timeout = milliseconds(1000);
-    logger_.set_sink([this](ds::LogLevel, const std::string& line) {
-      std::lock_guard<std::mutex> lock(log_mu_);
-      log_ += line + "\n";
-    });
-    service_ = std::make_unique<ps::Service>(group_.at(kPsRank), o, logger_);
-    thread_ = std::thread([this] {
-      try {
-        service_->run();
-      } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> lock(log_mu_);
-        log_ += std::string("run() threw: ") + e.what() + "\n";
-      }
-      returned_ = true;
-    });
-  }
-  void TearDown() override {
-    if (service_) service_->stop();
-    if (thread_.joinable()) thread_.join();
-  }
-  std::string log() {
-    std::lock_guard<std::mutex> lock(log_mu_);
-    return log_;
-  }
-  // Creates "w" (id 0, 4 floats 1..4) and "emb" (id 1, 10 x 2 floats, row r = r).
-  void create_variables() {
-    const std::vector<char> w = floats({1, 2, 3, 4});
-    auto r = peer_.call(header(ps::Op::kCreate, seq_++, 16), create_body(0, "w", ds::Shape{4}, true), &w);
-    ASSERT_EQ(r.header.status, -1) << r.error;
-    std::vector<char> emb(10 * 2 * sizeof(float));
-    for (int i = 0; i < 20; ++i) {
-      const float v = static_cast<float>(i / 2);
-      std::memcpy(emb.data() + i * sizeof(float), &v, sizeof v);
-    }
-    r = peer_.call(header(ps::Op::kCreate, seq_++, static_cast<int64_t>(emb.size())),
-                   create_body(1, "emb", ds::Shape{10, 2}, true), &emb);
-    ASSERT_EQ(r.header.status, -1) << r.error;
-  }
-  // The PS still answers a good pull of "w" with its value.
-  void expect_serves(const std::vector<float>& want = {1, 2, 3, 4}) {
-    auto r = peer_.call(header(ps::Op::kPull, seq_++, 0, 16), pull_body({entry(0, "w")}));
-    ASSERT_EQ(r.header.status, -1) << r.error;
-    ASSERT_EQ(r.payload.size(), 16u);
-    std::vector<float> got(4);
-    std::memcpy(got.data(), r.payload.data(), 16);
-    EXPECT_EQ(got, want);
-  }
-  // `r` is an error reply of `code` whose text contains `text` and names the worker.
-  static void expect_rejected(const RawPeer::Reply& r, ds::ErrorCode code, const std::string& text) {
-    EXPECT_EQ(r.header.status, static_cast<int>(code)) << r.error;
-    EXPECT_NE(r.error.find(text), std::string::npos) << r.error;
-    EXPECT_NE(r.error.find("worker 0"), std::string::npos) << r.error;
-  }
-
-  ds::InProcessTransportGroup group_{2};
-  RawPeer peer_{group_.at(kWorkerRank), kPsRank};  // before the service: outlives its thread
-  ds::Logger logger_{ds::LogLevel::kWarning};
-  std::mutex log_mu_;
-  std::string log_;
-  std::unique_ptr<ps::Service> service_;
-  std::thread thread_;
-  std::atomic<bool> returned_{false};
-  int64_t seq_ = 1;
-};
 
 // Issue 14.7: a row-sparse pull entry claiming 2^61 ids (num_ids * 8
 // overflows to 0, matching an empty payload) segfaulted the PS.
@@ -545,7 +356,6 @@ TEST(PsRequestDecoder, DecodesWhatTheWorkersSend) {
   {
     const auto q = decode(message(header(ps::Op::kPush, 3, 16 + 8 + 8),
                                   push_body({entry(0, "w", ds::Shape{4}), entry(1, "emb", ds::Shape{1, 2}, true, 1)})));
-    EXPECT_EQ(q.config.name, "sgd");
     EXPECT_EQ(q.steps_after, 1);
     ASSERT_EQ(q.entries.size(), 2u);
   }
@@ -553,6 +363,12 @@ TEST(PsRequestDecoder, DecodesWhatTheWorkersSend) {
     ps::Writer w;
     w.put<int64_t>(5).put<uint8_t>(1);
     EXPECT_TRUE(decode(message(header(ps::Op::kStopCheck, 4, 0, 8), w.bytes())).signalled);
+  }
+  {
+    const auto q = decode(message(header(ps::Op::kRule, 6), rule_body(sgd(0.1), {entry(0, "w")})));
+    EXPECT_EQ(q.config.name, "sgd");
+    EXPECT_FALSE(q.replace);
+    ASSERT_EQ(q.entries.size(), 1u);
   }
   EXPECT_EQ(decode(message(header(ps::Op::kDone, 5), {})).op, ps::Op::kDone);
 }
@@ -578,8 +394,8 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
     h = header(ps::Op::kPull, 1, 0, 16);
     h.op = 0;
     add("op 0", message(h, good_pull), "op 0");
-    h.op = 14;
-    add("op 14", message(h, good_pull), "op 14");
+    h.op = 15;
+    add("op 15", message(h, good_pull), "op 15");
   }
   {
     auto metric = [](const std::string& name, double sum, double count) {
@@ -685,10 +501,10 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
   }
   {
     ps::Writer w;
-    w.put<int64_t>(1).put<uint8_t>(2);
+    w.put<int64_t>(1).put<uint8_t>(2).put<int64_t>(0);
     add("flag that is not 0 or 1", message(header(ps::Op::kBroadcast, 1), w.bytes()), "root is 2");
     ps::Writer w2;
-    w2.put<int64_t>(1).put<uint8_t>(0);
+    w2.put<int64_t>(1).put<uint8_t>(0).put<int64_t>(8);
     add("payload from a broadcast receiver", message(header(ps::Op::kBroadcast, 1, 8, 8), w2.bytes()),
         "the header claims a payload of 8 bytes");
     ps::Writer w3;
