@@ -31,6 +31,7 @@ const KnownVariable kKnown[] = {
     {"DISTSTRAT_VIRTUAL_NODE_SIZE", "library"},
     {"DISTSTRAT_GPU_LEASE", "library"},
     {"DISTSTRAT_GPU_LEASE_DIR", "library"},
+    {"DISTSTRAT_PS_CHECKPOINT_DIR", "library"},
     // Read by scripts/ (build and test drivers).
     {"DISTSTRAT_CMAKE_ARGS", "scripts"},
     {"DISTSTRAT_BUILD_DIR", "scripts"},

@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/env.h"
 #include "diststrat/config.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
@@ -188,8 +189,7 @@ struct ParameterServerStrategy::Impl {
   // The checkpoint directory of this process's PS ranks: the options', or
   // the environment's override.
   std::string checkpoint_dir() const {
-    const char* env = std::getenv("DISTSTRAT_PS_CHECKPOINT_DIR");
-    std::string dir = env && *env ? env : options.checkpoint_dir;
+    std::string dir = env::text("DISTSTRAT_PS_CHECKPOINT_DIR").value_or(options.checkpoint_dir);
     while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
     return dir;
   }
@@ -1314,6 +1314,7 @@ CheckpointMetadata ParameterServerStrategy::Impl::restore_from(
   // first write to a PS.
   SafetensorsLoadOptions lo;
   lo.require_checksums = options.require_checksums;
+  lo.allow_non_finite = options.allow_non_finite;
   const ckpt::LoadedCheckpoint lc = ckpt::load_any(path, lo);
   const CheckpointContents c = match_checkpoint(lc.file, path, expected, optional);
   std::map<std::string, const Tensor*> by_name;

@@ -12,6 +12,7 @@
 
 #include <sys/mman.h>
 
+#include "io/checkpoint_identity.h"
 #include "io/checkpoint_internal.h"
 #include "parameter_server/update_rule.h"
 
@@ -1114,12 +1115,21 @@ void Service::handle_save(Pending& p, Reply& reply) {
     DISTSTRAT_CHECK(!p.request.dir.empty(), kFailedPrecondition, who(),
                     " has no checkpoint directory (ParameterServerOptions::checkpoint_dir, or "
                     "DISTSTRAT_PS_CHECKPOINT_DIR on the PS ranks) and the request names none");
-    dir = p.request.dir;
-    if (!warned_dir_) {
-      warned_dir_ = true;
-      logger_.warning(who(), ": no checkpoint directory configured; writing shard files into '", dir,
-                      "', the directory the chief names (set ParameterServerOptions::checkpoint_dir to confine them)");
+    // The first save's directory becomes this PS's own (a directory this
+    // user or root owns, not writable by others unless sticky: the checkpoint
+    // manager's rules); a later request naming another is rejected, so a
+    // crafted request cannot move the writes elsewhere once the job saved.
+    if (adopted_dir_.empty()) {
+      ckpt::check_directory_owner(p.request.dir);
+      adopted_dir_ = p.request.dir;
+      logger_.warning(who(), ": no checkpoint directory configured; writing shard files into '", adopted_dir_,
+                      "', the directory the first save named, and only there (set "
+                      "ParameterServerOptions::checkpoint_dir to fix it in advance)");
     }
+    DISTSTRAT_CHECK(p.request.dir == adopted_dir_, kInvalidArgument, "the request names directory '",
+                    p.request.dir.substr(0, 200), "', this PS writes only into '", adopted_dir_,
+                    "', the directory of this job's first save");
+    dir = adopted_dir_;
   } else {
     DISTSTRAT_CHECK(p.request.dir.empty() || p.request.dir == dir, kInvalidArgument, "the request names directory '",
                     p.request.dir.substr(0, 200), "', this PS writes only into its own '", dir, "'");

@@ -230,7 +230,9 @@ class Service {
   Transport& t_;
   ServiceOptions options_;
   uint64_t incarnation_ = 0;
-  bool warned_dir_ = false;
+  // Without a configured checkpoint directory: the one the first save named,
+  // the only one later saves may name.
+  std::string adopted_dir_;
   const Logger& logger_;
   std::atomic<bool> stop_{false};
   std::vector<WorkerState> workers_;
