@@ -91,6 +91,13 @@ void Timeline::write_file(const std::string& path, const std::vector<std::string
     first = false;
   }
   text += "\n]}\n";
+  // A FIFO (or device) at the path would take the events and drop them, or be
+  // replaced by the rename: a timeline goes only to a regular file.
+  struct stat lst {};
+  if (::lstat(path.c_str(), &lst) == 0 && !S_ISREG(lst.st_mode) && !S_ISLNK(lst.st_mode)) {
+    throw FailedPreconditionError("writing timeline '" + echo(path) + "': it exists and is " +
+                                  fs::file_kind(lst.st_mode) + ", not a regular file");
+  }
   // Atomic, with a fresh O_EXCL temporary (never a planted "<path>.tmp"
   // followed through a symlink) and errno mapped to the right code
   // (EACCES: kPermissionDenied, ENOENT: kNotFound, ENOSPC: kResourceExhausted).

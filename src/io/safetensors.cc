@@ -126,10 +126,13 @@ const Tensor* SafetensorsFile::find(const std::string& name) const {
 
 void write_file_atomically(const std::string& path, const void* bytes, size_t size) {
   static std::atomic<uint64_t> counter{0};  // distinct temp names for threads of one process
-  // A device node, FIFO or socket under that name is not ours to replace (as
-  // root, /dev/full would become a regular file and the data look written).
+  // A device node, socket or directory under that name is not ours to
+  // replace (as root, /dev/full would become a regular file and the data look
+  // written). A FIFO or symlink is: the rename replaces the entry only, which
+  // is how a damaged `latest` (a FIFO planted there) is repaired.
   struct stat lst {};
-  if (::lstat(path.c_str(), &lst) == 0 && !S_ISREG(lst.st_mode) && !S_ISLNK(lst.st_mode)) {
+  if (::lstat(path.c_str(), &lst) == 0 && !S_ISREG(lst.st_mode) && !S_ISLNK(lst.st_mode) &&
+      !S_ISFIFO(lst.st_mode)) {
     throw FailedPreconditionError("writing '" + path + "': it exists and is " + fs::file_kind(lst.st_mode) +
                                   ", not a regular file; refusing to replace it");
   }

@@ -87,6 +87,11 @@ for kv in step=abc epoch=1e20 batch=-1; do
   d="$work/meta_${kv%%=*}"
   cp -r "$work/c" "$d"
   set_metadata "$d/ckpt-3.safetensors" "${kv%%=*}" "${kv#*=}"
+  # The manager's manifest lists ckpt-3 with its old header CRC, so with it the
+  # edited file is "not this run's" and restore falls back to ckpt-2 (the
+  # ownership tests cover that). Without a manifest (a directory from before
+  # manifests) `latest`'s checkpoint is taken as the run's: the metadata check.
+  rm -f "$d/manifest"
   bounded 120 "$d.log" "$train" "${flags[@]}" --checkpoint-dir "$d"
   [[ $rc -eq 1 ]] && grep -q "kDataLoss" "$d.log" && grep -q "$d/ckpt-3.safetensors" "$d.log" &&
     grep -q "metadata '${kv%%=*}'" "$d.log" || fail "metadata $kv: rc $rc"

@@ -95,7 +95,8 @@ TEST(EnvVars, AHostileNameIsEchoedSafely) {
 
 // Every DISTSTRAT_* variable something in the tree reads is in the table
 // (src/core/env_vars.cc): the library (env::text/flag/integer/seconds/parsed
-// and getenv), scripts (${DISTSTRAT_X...} / $DISTSTRAT_X) and tests.
+// and getenv), scripts (a dollar sign, with or without a brace, before the
+// name) and tests.
 TEST(EnvVars, EveryVariableReadInTheTreeIsKnown) {
   const std::string root = DISTSTRAT_SOURCE_DIR;
   const std::regex code_reads(
