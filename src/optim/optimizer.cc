@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -14,13 +13,6 @@
 namespace diststrat {
 
 namespace {
-// Exact text of a hyper-parameter (9 significant digits round-trip a float).
-std::string describe_float(float v) {
-  char b[32];
-  std::snprintf(b, sizeof b, "%.9g", static_cast<double>(v));
-  return b;
-}
-
 int optimizer_counter(Strategy& s) {
   int n = 0;
   for (const Variable& v : s.variables()) {
@@ -914,13 +906,6 @@ void SGD::update(float* var, const float* grad, float* const* slots, size_t coun
   apply(options_, var, grad, slots, count, step);
 }
 
-std::vector<std::pair<std::string, std::string>> SGD::hyperparameters() const {
-  return {{"learning_rate", describe_float(options_.learning_rate)},
-          {"schedule", options_.schedule.describe()},
-          {"momentum", describe_float(options_.momentum)},
-          {"nesterov", options_.nesterov ? "true" : "false"}};
-}
-
 float SGD::learning_rate(int64_t iterations) const {
   return options_.schedule.learning_rate(options_.learning_rate, iterations);
 }
@@ -983,14 +968,6 @@ Adam::Adam(Strategy& strategy, AdamOptions options) : Optimizer(strategy), optio
 void Adam::update(float* var, const float* grad, float* const* slots, size_t count,
                   int64_t step) const {
   apply(options_, var, grad, slots, count, step);
-}
-
-std::vector<std::pair<std::string, std::string>> Adam::hyperparameters() const {
-  return {{"learning_rate", describe_float(options_.learning_rate)},
-          {"schedule", options_.schedule.describe()},
-          {"beta1", describe_float(options_.beta1)},
-          {"beta2", describe_float(options_.beta2)},
-          {"epsilon", describe_float(options_.epsilon)}};
 }
 
 float Adam::learning_rate(int64_t iterations) const {

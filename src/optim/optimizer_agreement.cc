@@ -32,6 +32,7 @@ namespace {
 // optimizer (fields past the last slot fold into it).
 constexpr int64_t kSlots = 16;
 
+// Exact text of a hyper-parameter (9 significant digits round-trip a float).
 std::string float_text(double v) {
   char b[64];
   std::snprintf(b, sizeof b, "%.9g", v);
@@ -62,6 +63,21 @@ std::string LearningRateSchedule::describe() const {
              ", staircase=" + (staircase ? "true" : "false") + ")";
   }
   return "unknown";
+}
+
+std::vector<std::pair<std::string, std::string>> SGD::hyperparameters() const {
+  return {{"learning_rate", float_text(options_.learning_rate)},
+          {"schedule", options_.schedule.describe()},
+          {"momentum", float_text(options_.momentum)},
+          {"nesterov", options_.nesterov ? "true" : "false"}};
+}
+
+std::vector<std::pair<std::string, std::string>> Adam::hyperparameters() const {
+  return {{"learning_rate", float_text(options_.learning_rate)},
+          {"schedule", options_.schedule.describe()},
+          {"beta1", float_text(options_.beta1)},
+          {"beta2", float_text(options_.beta2)},
+          {"epsilon", float_text(options_.epsilon)}};
 }
 
 std::vector<std::pair<std::string, std::string>> Optimizer::configuration() const {
