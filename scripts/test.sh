@@ -29,13 +29,23 @@ if [[ -n "$sanitize" ]]; then
   build=${DISTSTRAT_BUILD_DIR:-$root/build-${sanitize//,/-}}
   # -O1 -g1: line tables are all a sanitizer report needs (file:line in every
   # frame), and the build takes about half as long as -O2 -g.
+  # Test programs at -Og: sanitizer instrumentation makes the compile slow
+  # (UBSan most), and the tests' own code needs no optimization.
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+        -DDISTSTRAT_TEST_COMPILE_OPTIONS=-Og \
         -DDISTSTRAT_SANITIZE="$sanitize" ${DISTSTRAT_CMAKE_ARGS:-}
 else
   build=${DISTSTRAT_BUILD_DIR:-$root/build}
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release ${DISTSTRAT_CMAKE_ARGS:-}
+  # The library, examples and benchmarks at Release's -O3; test programs at -O1.
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTSTRAT_TEST_COMPILE_OPTIONS=-O1 \
+        ${DISTSTRAT_CMAKE_ARGS:-}
 fi
 cmake --build "$build"
 cd "$build"
-ctest --output-on-failure --timeout 900 "${ctest_args[@]}"
+# As many tests at once as there are cores (unless -j is given): tests that
+# need several (mpirun jobs) say so (PROCESSORS) and run alone on a small
+# machine; the namespace-cluster cells share one lock.
+jobs=(-j"$(nproc)")
+for a in "${ctest_args[@]}"; do [[ $a == -j* ]] && jobs=(); done
+ctest --output-on-failure --timeout 900 "${jobs[@]}" "${ctest_args[@]}"

@@ -69,13 +69,16 @@
 // duplicate and the barrier are non-blocking MPI calls polled against it;
 // MPI_Comm_split_type and MPI_Win_allocate_shared (no non-blocking form) run
 // under a watchdog (allreduce/mpi_util.h). The destructor frees the windows
-// only after every rank has voted to (MPI_Win_free is collective); a rank
+// only after every rank has voted to (MPI_Win_free is collective; a peer
+// whose process is running extends that wait, see all_agree_to_release); a rank
 // that failed, or whose communicator is destroyed while an exception
 // propagates, raises its abort word instead and returns at once: its peers
 // fail their next barrier with AbortedError naming it within microseconds,
 // and nothing delays its own error on the way to the caller's catch.
 
 #include "allreduce/shm_communicator.h"
+
+#include "core/process_liveness.h"
 
 #include <algorithm>
 #include <atomic>
@@ -146,6 +149,8 @@ struct alignas(64) Header {
   // when it entered the last one (written before reset_epoch).
   alignas(64) std::atomic<uint64_t> reset_epoch{0};
   uint64_t reset_barriers = 0;
+  // The rank's process, so that a peer can tell it is alive (the release vote).
+  ProcessStamp process;
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
@@ -204,6 +209,7 @@ class ShmCommunicator : public Communicator {
     std::vector<char*> parts;
     win_ = allocate_shared_window(kHeader + kBuffers * chunk_, &parts);
     new (parts[rank_]) Header();
+    reinterpret_cast<Header*>(parts[rank_])->process = this_process();
     headers_.resize(size_);
     bufs_.resize(size_);
     for (int r = 0; r < size_; ++r) {
@@ -598,12 +604,22 @@ class ShmCommunicator : public Communicator {
     const bool mine = !failed_;
     headers_[rank_]->release.store(mine ? 1 : 2, std::memory_order_release);
     if (!mine) return false;
-    const auto deadline = Clock::now() + options_.timeout;
+    // The deadline bounds a peer's silence, not its work: a peer whose
+    // process is running (it may be evaluating or saving before it destroys
+    // its communicator) extends the wait; one stopped or gone for the
+    // deadline counts as gone.
     for (int q = 0; q < size_; ++q) {
+      Clock::time_point last_running = Clock::now(), next_look = last_running;
       for (unsigned spin = 0;; ++spin) {
         const uint32_t v = headers_[q]->release.load(std::memory_order_acquire);
         if (v == 1) break;
-        if (v == 2 || Clock::now() >= deadline) return false;
+        if (v == 2) return false;
+        const auto now = Clock::now();
+        if (now >= next_look) {
+          if (process_running(headers_[q]->process)) last_running = now;
+          next_look = now + std::chrono::milliseconds(50);
+        }
+        if (now - last_running >= options_.timeout) return false;
         if ((spin & 63) == 0) progress();
         if (spin >= 1024) std::this_thread::sleep_for(std::chrono::microseconds(50));
       }

@@ -10,6 +10,7 @@
 
 #include "diststrat/collective.h"
 #include "diststrat/error.h"
+#include "multiworker/exit_rendezvous.h"
 
 namespace diststrat {
 namespace mpi {
@@ -43,16 +44,29 @@ void finalize_at_exit() {
   MPI_Finalized(&finalized);
   if (finalized) return;
   // MPI_Finalize meets every rank of the job: with one stuck or gone it never
-  // returns. Past the deadline this process ends with status 1 without it
-  // (the launcher then ends the job, stuck ranks included). After a failure
-  // of this process's MPI state the peers may be waiting for it in a
-  // collective they will only leave at their own deadline: end soon instead,
-  // so that the launcher ends them (and the job) within seconds.
+  // returns. The ranks first meet at the exit (exit_rendezvous.h): a peer
+  // still working extends the wait with its heartbeats, one silent for the
+  // deadline ends this process with status 1 without MPI_Finalize (the
+  // launcher then ends the job, stuck ranks included). After a failure of
+  // this process's MPI state the peers may be waiting for it in a
+  // collective they will only leave at their own deadline: end soon instead
+  // (kFailedFinalizeGrace in all), so that the launcher ends them (and the
+  // job) within seconds.
   int64_t ms = finalize_deadline_ms.load();
   if (ms <= 0) ms = default_timeout_ms();
   const bool failed = mpi::failed();
-  if (failed) ms = std::min<int64_t>(ms, kFailedFinalizeGrace.count());
   const int rank = mpi::world_rank();
+  if (exit_rendezvous_running()) {
+    std::string why;
+    const auto bound = failed ? kFailedFinalizeGrace : std::chrono::milliseconds(0);  // 0: none
+    if (!meet_at_exit(std::chrono::milliseconds(ms), bound, &why)) {
+      std::fprintf(stderr, "diststrat: rank %d: %s%s; exiting with status 1 without MPI_Finalize\n", rank,
+                   why.c_str(), failed ? " (this rank failed and its peers may be waiting for it)" : "");
+      std::fflush(stderr);
+      std::_Exit(1);
+    }
+  }
+  if (failed) ms = std::min<int64_t>(ms, kFailedFinalizeGrace.count());
   std::thread([ms, failed, rank] {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     std::fprintf(stderr,
@@ -94,6 +108,7 @@ void ensure_initialized(std::chrono::milliseconds timeout) {
     });
     DISTSTRAT_MPI_CHECK(rc);
     std::atexit(finalize_at_exit);
+    start_exit_rendezvous(timeout);
   } else {
     MPI_Query_thread(&provided);
   }

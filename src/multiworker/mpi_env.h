@@ -25,14 +25,17 @@ void ensure_initialized(std::chrono::milliseconds timeout);
 // The same with CommunicationOptions' default timeout (DISTSTRAT_TIMEOUT or
 // 300 s).
 void ensure_initialized();
-// Bounds the MPI_Finalize that ensure_initialized registered at exit by
-// `deadline` (the longest one given wins; none given: the default timeout):
-// past it the process exits with status 1 without finalizing, so a rank that
-// is stuck or gone cannot hang the others' exit. When this process's MPI
-// state failed (mpi::mark_failed: a communicator failed, timed out, or was
-// torn down during an exception) its peers may never arrive, and the exit
-// waits at most kFailedFinalizeGrace, so that a failing rank ends soon and
-// the launcher ends the job. Thread-safe.
+// Bounds the exit that ensure_initialized registered (the meeting of the
+// ranks, exit_rendezvous.h, then MPI_Finalize) by `deadline` of silence (the
+// longest one given wins; none given: the default timeout): a peer still
+// working extends the wait with its heartbeats, however long it works; one
+// that sends nothing for the deadline makes this process exit with status 1
+// without finalizing, so a rank that is stuck or gone cannot hang the
+// others' exit and a healthy job never fails for ending unevenly. When this
+// process's MPI state failed (mpi::mark_failed: a communicator failed,
+// timed out, or was torn down during an exception) its peers may never
+// arrive, and the meeting waits at most kFailedFinalizeGrace, so that a
+// failing rank ends soon and the launcher ends the job. Thread-safe.
 void bound_finalize(std::chrono::milliseconds deadline);
 constexpr std::chrono::milliseconds kFailedFinalizeGrace{3000};
 // Rank, size and node grouping of `comm` (MPI_Comm_split_type SHARED, under

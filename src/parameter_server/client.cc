@@ -10,7 +10,8 @@ namespace ps {
 Client::Client(Transport& transport, std::vector<int> ps_ranks, int worker_index,
                std::chrono::milliseconds timeout)
     : t_(transport), ps_ranks_(std::move(ps_ranks)), worker_index_(worker_index),
-      timeout_(timeout), ps_incarnation_(ps_ranks_.size(), 0), fifo_(ps_ranks_.size()) {
+      timeout_(timeout), ps_incarnation_(ps_ranks_.size(), 0), fifo_(ps_ranks_.size()),
+      broken_(ps_ranks_.size()) {
   static std::atomic<uint64_t> last{0};  // two clients of one process in one microsecond differ too
   uint64_t t = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                          std::chrono::system_clock::now().time_since_epoch())
@@ -34,6 +35,7 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
   auto c = std::make_shared<Call>();
   c->ps = ps;
   c->seq = next_seq_++;
+  last_post_ = Clock::now();
   c->what = "worker " + std::to_string(worker_index_) + " (rank " + std::to_string(t_.rank()) +
             "): " + std::move(what) + " (" + op_name(op) + " to PS rank " +
             std::to_string(ps_ranks_[ps]) + ")";
@@ -59,6 +61,12 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
   c->payload_owner = std::move(payload_owner);
   c->reply_dst = reply_dst;
   c->reply_bytes = reply_bytes;
+  if (!broken_[ps].empty()) {
+    // Nothing is sent to a PS the transport already failed with.
+    finish(*c, unreachable(*c));
+    fifo_[ps].push_back(c);
+    return c;
+  }
   const int peer = ps_ranks_[ps];
   // The reply's recvs are posted now, so replies match calls in posting
   // order and the payload can arrive while the program computes.
@@ -70,8 +78,18 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
   return c;
 }
 
+std::exception_ptr Client::unreachable(const Call& c) const {
+  return std::make_exception_ptr(UnavailableError(c.what + " not completed: PS rank " +
+                                                  std::to_string(ps_ranks_[c.ps]) + " is unreachable (" +
+                                                  broken_[c.ps] + ")"));
+}
+
 bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
   const int peer = ps_ranks_[c.ps];
+  if (c.stage != Call::Stage::kDone && !broken_[c.ps].empty()) {
+    finish(c, unreachable(c));
+    return true;
+  }
   while (c.stage != Call::Stage::kDone) {
     Request& r = c.stage == Call::Stage::kHeader  ? c.recv_header
                  : c.stage == Call::Stage::kError ? c.recv_error
@@ -82,9 +100,10 @@ bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
       } else if (!r.test()) {
         return false;
       }
-    } catch (const Error&) {
+    } catch (const Error& e) {
       // The transport failed (deadline, abort): this call and the stream
       // behind it cannot be completed.
+      broken_[c.ps] = e.message();
       finish(c, std::current_exception());
       return true;
     }
@@ -188,9 +207,10 @@ Client::~Client() {
   }
 }
 
-void Client::wait(const CallPtr& call) {
+void Client::wait(const CallPtr& call) { wait(call, deadline()); }
+
+void Client::wait(const CallPtr& call, Clock::time_point d) {
   auto& q = fifo_[call->ps];
-  const auto d = deadline();
   while (!q.empty()) {
     CallPtr front = q.front();
     advance(*front, true, d);

@@ -57,8 +57,9 @@ class Client {
                const void* payload, size_t payload_bytes, void* reply_dst, size_t reply_bytes,
                std::string what);
   // Completes `call` (and every call posted before it to the same PS);
-  // rethrows its error.
+  // rethrows its error. The wait is bounded by the timeout, or by `deadline`.
   void wait(const CallPtr& call);
+  void wait(const CallPtr& call, Clock::time_point deadline);
   // Marks `call` as fire-and-forget: its error is kept and raised by
   // throw_deferred().
   void detach(const CallPtr& call) { call->detached = true; }
@@ -71,6 +72,14 @@ class Client {
   // Returns (once) the first error of a detached call, or null.
   std::exception_ptr take_deferred();
   bool has_outstanding() const;
+  // When the last request was posted (construction, before the first).
+  Clock::time_point last_post() const { return last_post_; }
+  // Why PS `ps` is unreachable ("" while it is not): the transport failed
+  // under one of its calls (a deadline, an abort), so the stream of
+  // requests and replies with it cannot go on. Every outstanding and later
+  // call to it fails at once with UnavailableError naming that first
+  // failure: a failed PS costs one deadline, not one per call.
+  const std::string& broken(int ps) const { return broken_[ps]; }
   // Fault injection: the next push's header goes out with its magic
   // damaged, as a corrupted message would (the PS must reject it).
   void corrupt_next_push() { corrupt_next_push_ = true; }
@@ -82,6 +91,8 @@ class Client {
   // Advances `c`; blocks up to `deadline` when `block`. True once done.
   bool advance(Call& c, bool block, Clock::time_point deadline);
   void finish(Call& c, std::exception_ptr error);
+  // UnavailableError for `c`: its PS is broken().
+  std::exception_ptr unreachable(const Call& c) const;
   Clock::time_point deadline() const;
 
   Transport& t_;
@@ -94,6 +105,8 @@ class Client {
   bool corrupt_next_push_ = false;
   bool oversize_next_push_ = false;
   std::vector<std::deque<CallPtr>> fifo_;  // per PS, in posting order
+  std::vector<std::string> broken_;        // per PS, see broken()
+  Clock::time_point last_post_ = Clock::now();
   std::vector<std::exception_ptr> deferred_;
   // Sends of failed calls that had not completed: the transport may still
   // read their control block and payload (the PS consumes even a request it

@@ -28,6 +28,21 @@
 
 namespace diststrat {
 
+namespace {
+// How long a worker that failed (or lost a PS) waits for the other PS ranks
+// to take its kAbort / kDone: they are answering, or they are gone too.
+constexpr std::chrono::milliseconds kShutdownGrace{3000};
+
+// mpi::mark_failed() when this process runs under an MPI launcher.
+void mark_mpi_failed_if_launched() {
+#if DISTSTRAT_HAVE_MPI
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized && mpi::launched_under_mpi()) mpi::mark_failed();
+#endif
+}
+}  // namespace
+
 namespace ps {
 
 ServiceRunner::ServiceRunner(Transport& transport, ServiceOptions options, const Logger& logger)
@@ -59,6 +74,8 @@ void ServiceRunner::join() {
     cv_.wait(lock, [&] { return finished_; });
     if (error_) std::rethrow_exception(error_);
   }
+  const std::string failure = service_.failure();
+  if (!failure.empty()) throw AbortedError("parameter server: " + failure);
   const std::vector<int> gone = service_.gone_workers();
   if (!gone.empty()) {
     // Name each silent worker with the step it was in (its pushed step count).
@@ -163,6 +180,21 @@ struct ParameterServerStrategy::Impl {
   // Where a worker's time went (logged at info level on shutdown).
   int64_t runs = 0;
   double pull_wait_s = 0, replicas_s = 0, push_post_s = 0;
+  // std::uncaught_exceptions() when the strategy was made: more at
+  // destruction = it is torn down by an exception (this worker failed).
+  int uncaught_at_construction = std::uncaught_exceptions();
+
+  // Marks this process's MPI state failed (mpi::mark_failed), so that its
+  // exit does not wait a full deadline for peers that may never come.
+  void mark_failed() const {
+    if (owned_transport) mark_mpi_failed_if_launched();
+  }
+  // The worker's end: drains, then tells every PS it is done, or, when it
+  // failed, that it failed (kAbort), so that the PS fails the other workers'
+  // requests at once naming it. After a failure nothing waits a second full
+  // deadline: an unreachable PS is skipped, the others get
+  // kShutdownGrace, and the exit waits at most mpi::kFailedFinalizeGrace.
+  void shutdown(bool unwinding, const Logger& logger);
 
   int num_workers() const { return static_cast<int>(worker_ranks.size()); }
   // Checkpoints (parameter_server_strategy.cc, "checkpoints"); callers hold mu
@@ -222,21 +254,42 @@ struct ParameterServerStrategy::Impl {
     versions.assign(ps_ranks.size(), -1);
     pull_buffers.resize(ps_ranks.size());
     pull_plan.resize(ps_ranks.size());
-    // In-process transports move bytes without being polled.
-    if (!transport->shared_address_space()) progress = std::thread([this] { progress_loop(); });
+    progress = std::thread([this] { progress_loop(); });
   }
 
+  // The worker's background thread: completes outstanding transfers while
+  // the program computes (a transport may move bytes only while someone
+  // calls into it; in-process transports need no polling), and sends each
+  // PS a heartbeat (kAlive) when this worker has sent it nothing for a
+  // quarter of the worker timeout, so that a worker busy outside the
+  // strategy (evaluating, saving) for longer than the timeout is not taken
+  // for gone: the PS's timeout bounds silence, not work.
   void progress_loop() {
+    const bool poll_transport = !transport->shared_address_space();
+    const std::chrono::milliseconds silence =
+        options.worker_timeout.count() > 0 ? options.worker_timeout : options.communication.timeout;
+    const auto beat = std::max<std::chrono::milliseconds>(silence / 4, std::chrono::milliseconds(1));
     std::unique_lock<std::mutex> lock(mu);
     while (!progress_stop) {
-      if (!client->has_outstanding()) {
-        progress_cv.wait(lock, [&] { return progress_stop || client->has_outstanding(); });
+      if (poll_transport && client->has_outstanding()) {
+        client->poll();
+        lock.unlock();
+        std::this_thread::sleep_for(std::chrono::microseconds(30));
+        lock.lock();
         continue;
       }
-      client->poll();
-      lock.unlock();
-      std::this_thread::sleep_for(std::chrono::microseconds(30));
-      lock.lock();
+      if (Clock::now() - client->last_post() >= beat) {
+        for (int p = 0; p < client->num_ps(); ++p) {
+          if (!client->broken(p).empty()) continue;
+          // Fire and forget: an error (the job is ending) is raised by the
+          // worker's next call.
+          client->detach(client->post(p, ps::Op::kAlive, {}, nullptr, nullptr, 0, nullptr, 0, "heartbeat"));
+        }
+        continue;
+      }
+      progress_cv.wait_until(lock, client->last_post() + beat, [&] {
+        return progress_stop || (poll_transport && client->has_outstanding());
+      });
     }
   }
 
@@ -514,7 +567,7 @@ Service& local_service(ParameterServerStrategy& strategy) {
 }
 }  // namespace ps
 
-ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl)
+ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl) try
     : Strategy(impl->options.log_level,
                impl->is_ps ? "[ps " + std::to_string(impl->index) + "]"
                            : "[worker " + std::to_string(impl->index) + "]"),
@@ -536,6 +589,12 @@ ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl)
   impl_->attach(this);
   logger_.info("ParameterServerStrategy: rank ", impl_->rank, " of ", impl_->world, " is ",
                impl_->is_ps ? "PS " : "worker ", impl_->index);
+} catch (...) {
+  // Set-up failed on this rank after the job's transport was made (a junk
+  // environment variable, devices): its peers will not hear from it again,
+  // so its exit must not wait a deadline for them (mpi_env.h); the
+  // launcher then ends the job.
+  mark_mpi_failed_if_launched();
 }
 
 namespace {
@@ -559,7 +618,24 @@ ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedClus
   return o;
 }
 
+std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl_checked(const ParameterServerOptions& options);
+
 std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServerOptions& options) {
+  // What the Strategy base reads from the environment is checked before MPI
+  // meets the other ranks, so that a junk value ends this rank before it
+  // joins the job (the launcher then ends the job at once).
+  Logger(options.log_level);
+  FaultInjection::from_env();
+  try {
+    return make_job_impl_checked(options);
+  } catch (...) {
+    // Failed after MPI met the other ranks: see the constructor's handler.
+    mark_mpi_failed_if_launched();
+    throw;
+  }
+}
+
+std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl_checked(const ParameterServerOptions& options) {
   // Set-up is bounded by the job's own deadline, as the multi-worker strategy's is.
   const ResolvedCluster cluster = resolve_cluster(options.cluster, options.communication.timeout);
   auto impl = std::make_unique<ParameterServerStrategy::Impl>();
@@ -602,25 +678,7 @@ ParameterServerStrategy::~ParameterServerStrategy() {
                  " ms posting pushes");
   }
   impl_->stop_progress();
-  if (!impl_->is_ps && impl_->client) {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    try {
-      impl_->client->drain();
-      impl_->client->throw_deferred();
-    } catch (const std::exception& e) {
-      logger_.error("outstanding parameter-server requests failed at shutdown: ", e.what());
-    }
-    try {
-      std::vector<ps::Client::CallPtr> calls;
-      for (int p = 0; p < impl_->client->num_ps(); ++p) {
-        calls.push_back(impl_->client->post(p, ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0,
-                                            "shutdown"));
-      }
-      impl_->wait_all(calls);
-    } catch (const std::exception& e) {
-      logger_.error("shutdown: ", e.what());
-    }
-  }
+  impl_->shutdown(std::uncaught_exceptions() > impl_->uncaught_at_construction, logger_);
   // In-process PS threads end once every worker is done; a PS rank's own
   // loop is stopped if the program did not join() it.
   for (auto& s : impl_->services) {
@@ -633,6 +691,50 @@ ParameterServerStrategy::~ParameterServerStrategy() {
     }
   }
   impl_->services.clear();
+}
+
+void ParameterServerStrategy::Impl::shutdown(bool unwinding, const Logger& logger) {
+  if (is_ps || !client) return;
+  std::lock_guard<std::mutex> lock(mu);
+  bool failed = unwinding;
+  std::string first_error;
+  try {
+    client->drain();
+    client->throw_deferred();
+  } catch (const std::exception& e) {
+    logger.error("outstanding parameter-server requests failed at shutdown: ", e.what());
+    first_error = e.what();
+  }
+  for (int p = 0; p < client->num_ps(); ++p) failed = failed || !client->broken(p).empty();
+  const std::string reason =
+      "rank " + std::to_string(rank) + " left during an exception" +
+      (first_error.empty() ? std::string(" (its own error is in its output)") : ": " + first_error);
+  const auto until = Clock::now() + std::min<std::chrono::milliseconds>(options.communication.timeout,
+                                                                         kShutdownGrace);
+  std::vector<ps::Client::CallPtr> calls;
+  for (int p = 0; p < client->num_ps(); ++p) {
+    if (!client->broken(p).empty()) continue;  // nothing reaches it; it learns by its own deadline
+    if (unwinding) {
+      ps::Writer w;
+      w.put_string(reason);
+      calls.push_back(client->post(p, ps::Op::kAbort, w.bytes(), nullptr, nullptr, 0, nullptr, 0, "abort"));
+    } else {
+      calls.push_back(client->post(p, ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0, "shutdown"));
+    }
+  }
+  for (auto& c : calls) {
+    try {
+      if (failed) {
+        client->wait(c, until);
+      } else {
+        client->wait(c);
+      }
+    } catch (const std::exception& e) {
+      logger.error("shutdown: ", e.what());
+      failed = true;
+    }
+  }
+  if (failed) mark_failed();
 }
 
 int ParameterServerStrategy::num_local_replicas() const {
@@ -665,7 +767,13 @@ bool ParameterServerStrategy::is_ps() const { return impl_->is_ps; }
 void ParameterServerStrategy::join() {
   DISTSTRAT_CHECK(impl_->is_ps, kFailedPrecondition, "ParameterServerStrategy::join on worker ",
                   impl_->index, ": only PS ranks join");
-  impl_->services.at(0)->join();
+  try {
+    impl_->services.at(0)->join();
+  } catch (...) {
+    // A worker failed or went silent: it may never meet this rank at exit.
+    impl_->mark_failed();
+    throw;
+  }
 }
 
 void ParameterServerStrategy::place_variable(Variable::Impl& var, const Initializer& init) {

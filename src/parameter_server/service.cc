@@ -12,6 +12,7 @@
 
 #include <sys/mman.h>
 
+#include "core/user_text.h"
 #include "io/checkpoint_identity.h"
 #include "io/checkpoint_internal.h"
 #include "parameter_server/update_rule.h"
@@ -694,6 +695,22 @@ int Service::slowest_other(int except) const {
   return slowest;
 }
 
+void Service::handle_abort(WorkerState& w, const Pending& p) {
+  w.done = true;
+  const std::string worker = "worker " + std::to_string(w.index) + " (rank " + std::to_string(w.rank) + ")";
+  if (!failure_.empty()) {
+    logger_.warning(who(), ": ", worker, " left after the failure: ", echo(p.request.reason, 2000));
+    return;
+  }
+  failure_ = worker + " failed: " + echo(p.request.reason, 2000);
+  logger_.error(who(), ": ", failure_, "; the other workers' requests fail from now on");
+}
+
+std::string Service::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
 Service::Shard& Service::find_shard(const Entry& e, const std::string& what) {
   auto it = shards_.find({e.var_id, e.shard_index});
   if (it == shards_.end()) {
@@ -708,6 +725,11 @@ Service::Shard& Service::find_shard(const Entry& e, const std::string& what) {
 Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
   // p.request was decoded and checked on arrival (receive_new); the
   // handlers check again what the shards or the payload decide.
+  if (!failure_.empty() && p.request.op != Op::kDone && p.request.op != Op::kAbort) {
+    // A worker failed: the job is ending, so every other worker's request
+    // (a deferred one too, retried here) fails at once, naming it.
+    throw AbortedError("the job is ending: " + failure_);
+  }
   switch (p.request.op) {
     case Op::kCreate: return handle_create(w, p);
     case Op::kPull: return handle_pull(w, p, reply);
@@ -719,6 +741,8 @@ Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
     case Op::kBarrier: return handle_barrier(w, p);
     case Op::kStats: handle_stats(reply); return Outcome::kServed;
     case Op::kDone: w.done = true; return Outcome::kServed;
+    case Op::kAbort: handle_abort(w, p); return Outcome::kServed;
+    case Op::kAlive: return Outcome::kServed;  // its arrival was what counted (receive_new)
     case Op::kBroadcast: return handle_broadcast(w, p, reply);
     case Op::kStopCheck: handle_stop_check(w, p, reply); return Outcome::kServed;
     case Op::kSave: handle_save(p, reply); return Outcome::kServed;

@@ -111,6 +111,11 @@ class Service {
   void restore(const std::vector<ShardSnapshot>& shards);
   // Worker indices declared gone (silent past the timeout).
   std::vector<int> gone_workers() const;
+  // "worker W (rank R) failed: <its reason>" once a worker left with kAbort
+  // (the first one); empty otherwise. From then on every other worker's
+  // request is answered with AbortedError naming it, and run() ends when
+  // every worker has left. Thread-safe.
+  std::string failure() const;
   // The directory checkpoint shards go to (a call in this process, never a
   // request: a single-process strategy sets it to its save's directory).
   // Thread-safe.
@@ -213,6 +218,7 @@ class Service {
   void handle_read_slots(Pending& p, Reply& reply);
   void handle_restore(Pending& p);
   void handle_metric(Pending& p, Reply& reply);
+  void handle_abort(WorkerState& w, const Pending& p);
   std::vector<ShardSnapshot> snapshot_locked() const;
 
   Shard& find_shard(const Entry& e, const std::string& what);
@@ -251,6 +257,8 @@ class Service {
   std::map<int64_t, std::vector<char>> broadcasts_;
   // Preemption: the step every worker stops at (-1: none yet).
   int64_t stop_at_ = -1;
+  // The first worker failure (kAbort), see failure().
+  std::string failure_;
   // Job-wide metrics (PS 0): name -> (sum, count) over every worker's additions.
   std::map<std::string, std::pair<double, double>> metrics_;
 };

@@ -25,12 +25,14 @@ const char* op_name(Op op) {
     case Op::kRestore: return "checkpoint restore";
     case Op::kMetric: return "metric";
     case Op::kRule: return "update rule";
+    case Op::kAbort: return "abort";
+    case Op::kAlive: return "heartbeat";
   }
   return "unknown op";
 }
 
 bool valid_op(uint16_t op) {
-  return op >= static_cast<uint16_t>(Op::kCreate) && op <= static_cast<uint16_t>(Op::kRule);
+  return op >= static_cast<uint16_t>(Op::kCreate) && op <= static_cast<uint16_t>(Op::kAlive);
 }
 
 Writer& Writer::put_string(const std::string& s) {
@@ -274,7 +276,13 @@ DecodedRequest decode_request(const char* data, size_t size) {
       break;
     case Op::kStats:
     case Op::kDone:
-      if (q.op == Op::kDone) reply = 0;
+    case Op::kAlive:
+      if (q.op != Op::kStats) reply = 0;
+      break;
+    case Op::kAbort:
+      q.reason = r.get_string();
+      DISTSTRAT_CHECK(!q.reason.empty(), kInvalidArgument, what, ": no reason");
+      reply = 0;
       break;
     case Op::kBroadcast:
       // Root and receivers declare the size; the PS checks it against its

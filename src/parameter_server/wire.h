@@ -69,6 +69,8 @@ enum class Op : uint16_t {
   kRestore = 12,   // overwrite shards' values, slots and step counters
   kMetric = 13,    // PS 0: add (sum, count) to a job-wide metric; reply its totals if asked
   kRule = 14,      // declare (or, from the chief, replace) the update rule of shards
+  kAbort = 15,     // the worker leaves because it failed: the PS fails the others' requests
+  kAlive = 16,     // a heartbeat from a worker that has sent nothing for a while (changes nothing)
 };
 const char* op_name(Op op);
 // Whether `op` (as it travels, uint16) is one of the ops above.
@@ -232,6 +234,7 @@ struct DecodedRequest {
   std::string metric_name;           // kMetric: 1..kMaxMetricNameBytes
   double metric_sum = 0;             // kMetric
   double metric_count = 0;           // kMetric: finite, >= 0
+  std::string reason;                // kAbort: why the worker failed (1..kMaxStringBytes)
 };
 
 // Whether `s` may name a checkpoint file's stem: 1..200 characters of

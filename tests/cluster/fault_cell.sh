@@ -24,6 +24,8 @@
 #                        a host's daemon is gone (it waits for it): after both
 #                        survivors have reported, the cell stops it.
 #   ps_host_dies         parameter_server; the PS host (host 2) dies
+#   ps_link_down         parameter_server; the PS host's cable is pulled
+#                        mid-training and stays out
 # The failing kinds pass when mpirun exits non-zero within the deadline +
 # 10 s of the fault (deadline: TIMEOUT_MS, default 2000, for multi_worker;
 # 3 x TIMEOUT_MS for parameter_server, the workers' own wait), some line of
@@ -61,7 +63,7 @@ case $kind in
   ps_worker_host_dies)
     strategy=parameter_server victim=1 steps=${DSC_PS_STEPS:-30000} driver_flags="--allow-lost-workers 1"
     export DSC_MPIRUN_FLAGS="${DSC_MPIRUN_FLAGS:-} --enable-recovery" ;;
-  ps_host_dies) strategy=parameter_server victim=2 ;;
+  ps_host_dies | ps_link_down) strategy=parameter_server victim=2 ;;
   *) echo "unknown kind $kind"; exit 2 ;;
 esac
 host=${DSC_PREFIX}-h$victim
@@ -96,7 +98,7 @@ fi
 
 fault_ms=$(now_ms)
 case $kind in
-  link_down) timeout 20 "$cluster" link "$host" down ;;
+  link_down | ps_link_down) timeout 20 "$cluster" link "$host" down ;;
   link_blip)
     timeout 20 "$cluster" link "$host" down
     sleep "$blip_s"

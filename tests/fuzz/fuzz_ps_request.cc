@@ -112,7 +112,12 @@ void check_request(const ps::DecodedRequest& q) {
     case ps::Op::kAssign:
     case ps::Op::kRestore:
     case ps::Op::kBarrier:
-    case ps::Op::kDone: check(h.reply_bytes == 0); break;
+    case ps::Op::kDone:
+    case ps::Op::kAlive: check(h.reply_bytes == 0); break;
+    case ps::Op::kAbort:
+      check(!q.reason.empty() && q.reason.size() <= static_cast<size_t>(ps::kMaxStringBytes));
+      check(h.reply_bytes == 0);
+      break;
     default: break;
   }
   check(payload == h.payload_bytes);

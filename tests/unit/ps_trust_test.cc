@@ -200,6 +200,41 @@ TEST_F(PsTrustTwoWorkers, AnotherWorkersRuleWaitsForTheChiefsAndMustMatchIt) {
   EXPECT_NE(r.error.find("learning_rate 0.2, fixed 0.1"), std::string::npos) << r.error;
 }
 
+// ---- 23.11: a worker that fails tells the PS, which fails the others ---------
+
+// Worker 1 waits in a barrier for worker 0; worker 0 fails (kAbort, as the
+// strategy sends it while an exception unwinds). Worker 1's waiting barrier,
+// and every later request of it, fails at once naming worker 0 and its
+// reason; the PS's loop ends when both have left, and failure() names worker
+// 0. (Before: worker 0 said done, the barrier waited out the deadline, and
+// the PS blamed worker 1 for its silence.)
+TEST_F(PsTrustTwoWorkers, AFailedWorkerAbortsTheOthersRequestsNamingItself) {
+  ps::Writer b;
+  b.put<int64_t>(1);
+  other_.send(hdr(1, ps::Op::kBarrier), b.bytes());
+  std::this_thread::sleep_for(milliseconds(100));
+  ps::Writer why;
+  why.put_string("rank 0 left during an exception: no training data\n(second line)");
+  const auto t0 = ds::Clock::now();
+  auto r = chief_.call(hdr(0, ps::Op::kAbort), why.bytes());
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  r = other_.reply(milliseconds(1000));
+  EXPECT_LT(ds::Clock::now() - t0, milliseconds(1000));  // not the 2 s deadline
+  EXPECT_EQ(r.header.status, static_cast<int>(ds::ErrorCode::kAborted)) << r.error;
+  EXPECT_NE(r.error.find("barrier from worker 1: the job is ending: worker 0 (rank 0) failed: rank 0 left "
+                         "during an exception: no training data\\n(second line)"),
+            std::string::npos)
+      << r.error;
+  r = other_.call(hdr(1, ps::Op::kPull, 0, 0), pull_body({}));
+  EXPECT_EQ(r.header.status, static_cast<int>(ds::ErrorCode::kAborted)) << r.error;
+  EXPECT_EQ(service_->failure(), "worker 0 (rank 0) failed: rank 0 left during an exception: no training "
+                                 "data\\n(second line)");
+  r = other_.call(hdr(1, ps::Op::kDone), {});
+  EXPECT_EQ(r.header.status, -1) << r.error;
+  thread_.join();  // the loop ends by itself: both workers left
+  thread_ = std::thread([] {});
+}
+
 // ---- 9: the PS writes only into its own directory ----------------------------
 
 std::vector<char> save_body(const std::string& stem, const std::string& dir = "") {

@@ -394,8 +394,8 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
     h = header(ps::Op::kPull, 1, 0, 16);
     h.op = 0;
     add("op 0", message(h, good_pull), "op 0");
-    h.op = 15;
-    add("op 15", message(h, good_pull), "op 15");
+    h.op = 17;  // one past the last op (kAlive)
+    add("op 17", message(h, good_pull), "op 17");
   }
   {
     auto metric = [](const std::string& name, double sum, double count) {
@@ -518,6 +518,14 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
     ps::write_entry(w, entry(0, "w", ds::Shape{4}));
     w.put<uint8_t>(1).put<int64_t>(-1).put<int64_t>(65);
     add("restore with 65 slots", message(header(ps::Op::kRestore, 1, 16), w.bytes()), "65 slots");
+  }
+  {
+    ps::Writer w;
+    w.put_string("");
+    add("abort without a reason", message(header(ps::Op::kAbort, 1), w.bytes()), "abort: no reason");
+    ps::Writer w2;
+    w2.put_string("x");
+    add("abort with a reply", message(header(ps::Op::kAbort, 1, 0, 8), w2.bytes()), "reply");
   }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

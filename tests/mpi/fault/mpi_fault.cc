@@ -25,7 +25,9 @@
 // value is -lr * workers * steps; where a worker was lost from outside (the
 // PS declared it gone, the others went on), the same with the steps each
 // worker did push. Any violation fails the rank.
+#include <csignal>
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -46,7 +48,16 @@ struct Args {
   int64_t steps = 8;
   int timeout_ms = 2000;
   bool allow_lost_workers = false;  // --allow-lost-workers 1: a worker lost from outside is expected
+  // --linger R:MS: rank R works MS longer than the others after training,
+  // its strategy alive (as a chief evaluating); --stop-at-exit R: rank R
+  // stops itself (SIGSTOP) once it has reported, before its exit.
+  int linger_rank = -1, linger_ms = 0, stop_rank = -1;
 };
+
+// The rank's extra work of --linger.
+void linger(const Args& a, int rank) {
+  if (rank == a.linger_rank) std::this_thread::sleep_for(std::chrono::milliseconds(a.linger_ms));
+}
 
 constexpr float kLr = 1.0f / 1024;
 
@@ -114,6 +125,7 @@ void run_multi_worker(const Args& a, std::string& summary, Reporter& report) {
       expect_values(vars, -kLr * static_cast<float>(s.num_replicas_in_sync() * a.steps));
     }
     summary = std::to_string(a.steps) + " steps, values exact";
+    linger(a, report.rank);
   } catch (const std::exception& e) {
     report.failed(e);
     throw;
@@ -174,6 +186,7 @@ void run_parameter_server(const Args& a, std::string& summary, Reporter& report)
       if (lost_allowed) summary = std::to_string(a.steps) + " steps with " + lost + " lost; " + summary;
       summary += ", values exact";
     }
+    linger(a, report.rank);
   } catch (const std::exception& e) {
     report.failed(e);
     throw;
@@ -194,6 +207,11 @@ int main(int argc, char** argv) {
       a.timeout_ms = std::stoi(v);
     else if (k == "--allow-lost-workers")
       a.allow_lost_workers = v == "1";
+    else if (k == "--linger" && v.find(':') != std::string::npos) {
+      a.linger_rank = std::stoi(v.substr(0, v.find(':')));
+      a.linger_ms = std::stoi(v.substr(v.find(':') + 1));
+    } else if (k == "--stop-at-exit")
+      a.stop_rank = std::stoi(v);
     else if (k == "--tag")
       continue;
     else {
@@ -217,6 +235,7 @@ int main(int argc, char** argv) {
     }
     std::printf("rank %d: OK after %.2f s: %s\n", report.rank, report.secs(), summary.c_str());
     std::fflush(stdout);
+    if (report.rank == a.stop_rank) ::raise(SIGSTOP);
     return 0;
   } catch (const std::exception& e) {
     report.failed(e);
