@@ -3,6 +3,7 @@
 // behind the push). The PS side is service.cc; the wire protocol wire.h.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -175,6 +176,7 @@ struct ParameterServerStrategy::Impl {
   // Drives outstanding transfers while the program computes (a transport
   // may move bytes only while someone calls into it).
   std::thread progress;
+  std::atomic<bool> in_step{false};  // the replicas are running a step (no heartbeats)
   std::condition_variable progress_cv;
   bool progress_stop = false;
   // Where a worker's time went (logged at info level on shutdown).
@@ -263,7 +265,9 @@ struct ParameterServerStrategy::Impl {
   // PS a heartbeat (kAlive) when this worker has sent it nothing for a
   // quarter of the worker timeout, so that a worker busy outside the
   // strategy (evaluating, saving) for longer than the timeout is not taken
-  // for gone: the PS's timeout bounds silence, not work.
+  // for gone: the PS's timeout bounds silence, not work. Not while the
+  // replicas run a step: a step stuck for the timeout (a hung device) is
+  // silence, as the multi-worker strategy's deadline bounds a step.
   void progress_loop() {
     const bool poll_transport = !transport->shared_address_space();
     const std::chrono::milliseconds silence =
@@ -278,7 +282,8 @@ struct ParameterServerStrategy::Impl {
         lock.lock();
         continue;
       }
-      if (Clock::now() - client->last_post() >= beat) {
+      const auto now = Clock::now(), due = client->last_post() + beat;
+      if (!in_step.load() && now >= due) {
         for (int p = 0; p < client->num_ps(); ++p) {
           if (!client->broken(p).empty()) continue;
           // Fire and forget: an error (the job is ending) is raised by the
@@ -287,7 +292,8 @@ struct ParameterServerStrategy::Impl {
         }
         continue;
       }
-      progress_cv.wait_until(lock, client->last_post() + beat, [&] {
+      // (In a step, with a heartbeat due: look again a beat later.)
+      progress_cv.wait_until(lock, now >= due ? now + beat : due, [&] {
         return progress_stop || (poll_transport && client->has_outstanding());
       });
     }
@@ -878,8 +884,11 @@ void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaConte
   }
   const auto t1 = Clock::now();
   try {
+    m.in_step = true;
     m.replicas->run(fn);
+    m.in_step = false;
   } catch (...) {
+    m.in_step = false;
     std::lock_guard<std::mutex> lock(m.staged_mu);
     m.staged.clear();
     throw;

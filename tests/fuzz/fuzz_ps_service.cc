@@ -248,6 +248,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::set<std::tuple<int, uint64_t, int64_t>> taken;  // (worker, incarnation, seq) answered OK
   int64_t seq[2] = {1, 1};
   int64_t accepted_pushes = 0;
+  bool aborted = false;  // worker 1 failed (kAbort served)
   const uint64_t incarnation[2] = {100, 200};
   for (int n = 0; n < 24 && !in.empty(); ++n) {
     const uint8_t cmd = in.byte();
@@ -367,9 +368,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (in.byte() & 1) h.incarnation = in.get<uint64_t>();
         break;
       }
-      case 9: {  // barrier, stats, preemption check, done
-        const uint8_t k = in.byte() % 3;
-        if (k == 0) {
+      case 9: {  // barrier, stats, preemption check, heartbeat, abort
+        const uint8_t k = in.byte() % 5;
+        if (k == 3 || (k == 4 && (worker != 1 || aborted))) {
+          h.op = static_cast<uint16_t>(ps::Op::kAlive);
+        } else if (k == 4) {
+          // Worker 1 fails (once: the loop ends when both workers have left).
+          h.op = static_cast<uint16_t>(ps::Op::kAbort);
+          w.put_string(in.byte() & 1 ? "rank 1 left during an exception" : "");
+        } else if (k == 0) {
           h.op = static_cast<uint16_t>(ps::Op::kBarrier);
           w.put<int64_t>(in.byte() % 3);
         } else if (k == 1) {
@@ -401,6 +408,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const ps::Op op = static_cast<ps::Op>(h.op);
     if (ok) {
       check(taken.insert({worker, h.incarnation, h.seq}).second);  // served once
+      // After a worker failed, nothing but leaving is served.
+      if (aborted) check(op == ps::Op::kDone || op == ps::Op::kAbort);
+      if (op == ps::Op::kAbort) {
+        aborted = true;
+        check(hs.service().failure().find("worker 1 (rank 1) failed: ") == 0);
+      }
       if (op == ps::Op::kPush) {
         ++accepted_pushes;
         check(!s.nonfinite_push);  // a non-finite gradient is never accepted
