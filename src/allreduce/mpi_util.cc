@@ -40,6 +40,27 @@ int world_rank() {
 void mark_failed() { process_failed.store(true); }
 bool failed() { return process_failed.load(); }
 
+namespace {
+std::atomic<bool> process_exiting{false};
+std::mutex at_exit_mu;
+std::vector<int>* peers_at_exit = new std::vector<int>;  // never freed: read at exit
+}  // namespace
+
+void note_exiting() { process_exiting.store(true); }
+bool exiting() { return process_exiting.load(); }
+
+void note_peer_at_exit(int world_rank) {
+  std::lock_guard<std::mutex> lock(at_exit_mu);
+  if (std::find(peers_at_exit->begin(), peers_at_exit->end(), world_rank) == peers_at_exit->end()) {
+    peers_at_exit->push_back(world_rank);
+  }
+}
+
+bool peer_at_exit(int world_rank) {
+  std::lock_guard<std::mutex> lock(at_exit_mu);
+  return std::find(peers_at_exit->begin(), peers_at_exit->end(), world_rank) != peers_at_exit->end();
+}
+
 struct Watchdog::State {
   std::mutex mu;
   std::condition_variable cv;

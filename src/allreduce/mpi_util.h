@@ -55,6 +55,17 @@ int world_rank();
 void mark_failed();
 bool failed();
 
+// The exit meeting (multiworker/exit_rendezvous.h) records here that this
+// process has reached its exit, and which peers (world ranks) have reached
+// theirs: a peer at its exit will not come back, so a wait for it (the
+// shared-memory tear-down vote) ends, and this process stops telling
+// anyone it is working (the parameter-server worker's heartbeats).
+// Process-wide; thread-safe.
+void note_exiting();
+bool exiting();
+void note_peer_at_exit(int world_rank);
+bool peer_at_exit(int world_rank);
+
 // Ends the process (std::_Exit(1), after printing "diststrat: <what> did not
 // return within T ms ...") unless it is destroyed within `timeout`. Guards
 // one blocking MPI call that has no non-blocking form. Not copyable.

@@ -149,8 +149,13 @@ struct alignas(64) Header {
   // when it entered the last one (written before reset_epoch).
   alignas(64) std::atomic<uint64_t> reset_epoch{0};
   uint64_t reset_barriers = 0;
-  // The rank's process, so that a peer can tell it is alive (the release vote).
+  // The rank's process and world rank, so that a peer can tell it is alive
+  // or at its exit (the release vote).
   ProcessStamp process;
+  int32_t world_rank = -1;
+  // The rank whose failure this rank's abort passes on (itself for its own),
+  // written before `aborted` is set; see abort().
+  int32_t abort_origin = -1;
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
@@ -210,6 +215,7 @@ class ShmCommunicator : public Communicator {
     win_ = allocate_shared_window(kHeader + kBuffers * chunk_, &parts);
     new (parts[rank_]) Header();
     reinterpret_cast<Header*>(parts[rank_])->process = this_process();
+    reinterpret_cast<Header*>(parts[rank_])->world_rank = mpi::world_rank();
     headers_.resize(size_);
     bufs_.resize(size_);
     for (int r = 0; r < size_; ++r) {
@@ -450,6 +456,10 @@ class ShmCommunicator : public Communicator {
 
   // Thread-safe (abort may come from any thread while a collective runs):
   // abort_mu_ guards abort_reason_ and this rank's header reason.
+  // A rank that aborts because a peer's abort failed its call passes that
+  // peer's failure on (its origin and reason), not its own leaving: a third
+  // rank that sees this rank's abort word first still names the rank that
+  // failed.
   void abort(const std::string& reason) override {
     failed_ = true;
     mpi::mark_failed();
@@ -457,9 +467,12 @@ class ShmCommunicator : public Communicator {
     abort_reason_ = reason;
     Header* h = headers_[rank_];
     if (h->aborted.load(std::memory_order_relaxed)) return;  // the first reason stays
-    const size_t n = std::min(reason.size(), sizeof(h->abort_reason) - 1);
-    std::memcpy(h->abort_reason, reason.data(), n);
+    const bool passed_on = observed_origin_ >= 0 && observed_origin_ != rank_;
+    const std::string& text = passed_on ? observed_reason_ : reason;
+    const size_t n = std::min(text.size(), sizeof(h->abort_reason) - 1);
+    std::memcpy(h->abort_reason, text.data(), n);
     h->abort_reason[n] = '\0';
+    h->abort_origin = passed_on ? observed_origin_ : rank_;
     h->aborted.store(1, std::memory_order_release);
   }
 
@@ -476,7 +489,10 @@ class ShmCommunicator : public Communicator {
     {
       std::lock_guard<std::mutex> lock(abort_mu_);
       abort_reason_.clear();
+      observed_origin_ = -1;
+      observed_reason_.clear();
       mine->abort_reason[0] = '\0';
+      mine->abort_origin = -1;
       mine->aborted.store(0, std::memory_order_release);
     }
     const uint64_t epoch = ++resets_;
@@ -616,6 +632,8 @@ class ShmCommunicator : public Communicator {
         if (v == 2) return false;
         const auto now = Clock::now();
         if (now >= next_look) {
+          // A peer at its exit (std::exit with its strategy alive) never votes.
+          if (mpi::peer_at_exit(headers_[q]->world_rank)) return false;
           if (process_running(headers_[q]->process)) last_running = now;
           next_look = now + std::chrono::milliseconds(50);
         }
@@ -706,12 +724,18 @@ class ShmCommunicator : public Communicator {
         if (c_->headers_[q]->aborted.load(std::memory_order_acquire)) {
           c_->failed_ = true;
           const Header* h = c_->headers_[q];
+          if (q == c_->rank_) {
+            throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ + " aborted by rank " +
+                               std::to_string(q) + ": " + c_->own_abort_reason());
+          }
+          // The rank whose failure it is (q itself, or the one q passes on).
+          const int origin = h->abort_origin >= 0 && h->abort_origin < c_->size_ ? h->abort_origin : q;
           const std::string reason(h->abort_reason,
                                    strnlen(h->abort_reason, sizeof(h->abort_reason)));
+          c_->observe_abort(origin, reason);
           throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ +
-                             " aborted by rank " + std::to_string(q) +
-                             (q == c_->rank_ ? ": " + c_->own_abort_reason()
-                                             : reason.empty() ? std::string() : ": " + reason));
+                             " aborted by rank " + std::to_string(origin) +
+                             (reason.empty() ? std::string() : ": " + reason));
         }
       }
     }
@@ -753,6 +777,16 @@ class ShmCommunicator : public Communicator {
   uint64_t resets_ = 0;    // reset() calls (the header's reset_epoch)
   std::mutex abort_mu_;
   std::string abort_reason_;  // guarded by abort_mu_
+  // The first peer failure this rank saw (origin rank, reason), passed on by
+  // abort(); guarded by abort_mu_.
+  int observed_origin_ = -1;
+  std::string observed_reason_;
+  void observe_abort(int origin, const std::string& reason) {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (observed_origin_ >= 0) return;
+    observed_origin_ = origin;
+    observed_reason_ = reason;
+  }
   std::string own_abort_reason() {
     std::lock_guard<std::mutex> lock(abort_mu_);
     return abort_reason_;

@@ -60,7 +60,10 @@ void receive_all(State& s) {
     // The message is there (probed), so this receive returns at once.
     MPI_Recv(&v, 1, MPI_INT, st.MPI_SOURCE, st.MPI_TAG, s.comm, MPI_STATUS_IGNORE);
     if (st.MPI_SOURCE < 0 || st.MPI_SOURCE >= s.size) continue;
-    if (st.MPI_TAG == kArrivedTag) s.waiting[st.MPI_SOURCE] = 1;
+    if (st.MPI_TAG == kArrivedTag) {
+      s.waiting[st.MPI_SOURCE] = 1;
+      note_peer_at_exit(st.MPI_SOURCE);  // (the comm is MPI_COMM_WORLD's duplicate)
+    }
     std::lock_guard<std::mutex> lock(s.mu);
     s.heard[st.MPI_SOURCE] = Clock::now();
     if (st.MPI_TAG == kArrivedTag) s.arrived[st.MPI_SOURCE] = 1;
@@ -123,6 +126,7 @@ bool meet_at_exit(std::chrono::milliseconds silence, std::chrono::milliseconds b
   State& s = *state;
   silence = std::max(silence, kMinSilence);
   const auto start = Clock::now();
+  note_exiting();
   s.arrive.store(true);
   bool met = false;
   for (;;) {

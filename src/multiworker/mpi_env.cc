@@ -61,7 +61,8 @@ void finalize_at_exit() {
     const auto bound = failed ? kFailedFinalizeGrace : std::chrono::milliseconds(0);  // 0: none
     if (!meet_at_exit(std::chrono::milliseconds(ms), bound, &why)) {
       std::fprintf(stderr, "diststrat: rank %d: %s%s; exiting with status 1 without MPI_Finalize\n", rank,
-                   why.c_str(), failed ? " (this rank failed and its peers may be waiting for it)" : "");
+                   why.c_str(),
+                   failed ? " (after a failure in this rank's communication the exit waits at most 3 s)" : "");
       std::fflush(stderr);
       std::_Exit(1);
     }
@@ -102,8 +103,17 @@ void ensure_initialized(std::chrono::milliseconds timeout) {
   int provided = 0;
   if (!initialized) {
     int rc = MPI_SUCCESS;
-    // MPI_Init meets the other ranks (Open MPI exchanges addresses there).
-    mpi::bounded_call("MPI_Init_thread", timeout, [&] {
+    // MPI_Init meets the other ranks (Open MPI exchanges addresses there), so
+    // it waits for the launcher to have started every one of them: on a
+    // loaded host that can take seconds, which is start-up, not a stuck rank
+    // (at least kMinInitTimeout). After it the ranks are in step.
+    const char* launcher_rank = nullptr;
+    for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
+      if (!launcher_rank) launcher_rank = std::getenv(v);
+    }
+    const std::string who =
+        launcher_rank ? "rank " + std::string(launcher_rank).substr(0, 12) + " (the launcher's): " : std::string();
+    mpi::bounded_call(who + "MPI_Init_thread", std::max(timeout, kMinInitTimeout), [&] {
       rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     });
     DISTSTRAT_MPI_CHECK(rc);
@@ -114,7 +124,8 @@ void ensure_initialized(std::chrono::milliseconds timeout) {
   }
   DISTSTRAT_CHECK(provided >= MPI_THREAD_SERIALIZED, kUnavailable,
                   "MPI provides thread level ", provided,
-                  "; the multi-worker strategy needs at least MPI_THREAD_SERIALIZED");
+                  "; diststrat's multi-process strategies and process groups need at least MPI_THREAD_SERIALIZED "
+                  "(MPI_Init_thread with MPI_THREAD_MULTIPLE if they are used from several threads)");
 }
 
 Placement placement(MPI_Comm comm, std::chrono::milliseconds timeout) {

@@ -20,8 +20,11 @@ bool launched_under_mpi();
 // Initializes MPI with MPI_THREAD_MULTIPLE if nobody has yet (and finalizes
 // it at exit); throws UnavailableError when the library gives less than
 // MPI_THREAD_SERIALIZED. MPI_Init_thread meets every rank of the job: it runs
-// under a Watchdog of `timeout`. Thread-safe.
+// under a Watchdog of `timeout` (at least kMinInitTimeout). Thread-safe.
 void ensure_initialized(std::chrono::milliseconds timeout);
+// MPI_Init_thread waits at least this long (it meets ranks the launcher may
+// still be starting).
+constexpr std::chrono::milliseconds kMinInitTimeout{30000};
 // The same with CommunicationOptions' default timeout (DISTSTRAT_TIMEOUT or
 // 300 s).
 void ensure_initialized();

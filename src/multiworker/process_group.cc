@@ -7,6 +7,7 @@
 
 #include "core/user_text.h"
 #include "diststrat/config.h"
+#include "diststrat/logging.h"
 #include "multiworker/hierarchical.h"
 #if DISTSTRAT_HAVE_MPI
 #include "allreduce/mpi_communicator.h"
@@ -192,6 +193,9 @@ ProcessGroup::ProcessGroup(ProcessGroupOptions options) : impl_(std::make_unique
   DISTSTRAT_CHECK(timeout.count() > 0, kInvalidArgument,
                   "ProcessGroup: options.communication.timeout must be > 0 ms, got ",
                   timeout.count(), " ms");
+  // Every DISTSTRAT_* value that does not parse is a start-up error, as for
+  // the strategies (whose logger reads it): a group has no logger of its own.
+  Logger(LogLevel::kWarning);
   Impl& m = *impl_;
   // Set-up is collective: a rank that fails it makes every rank fail, naming
   // it, within the deadline (as for MultiWorkerMirroredStrategy).

@@ -34,6 +34,16 @@ namespace {
 // to take its kAbort / kDone: they are answering, or they are gone too.
 constexpr std::chrono::milliseconds kShutdownGrace{3000};
 
+// Whether this process has reached its exit (std::exit, or main returned
+// with the strategy alive): it is no longer working for the job.
+bool process_exiting() {
+#if DISTSTRAT_HAVE_MPI
+  return mpi::exiting();
+#else
+  return false;
+#endif
+}
+
 // mpi::mark_failed() when this process runs under an MPI launcher.
 void mark_mpi_failed_if_launched() {
 #if DISTSTRAT_HAVE_MPI
@@ -65,6 +75,13 @@ ServiceRunner::ServiceRunner(Transport& transport, ServiceOptions options, const
 ServiceRunner::~ServiceRunner() {
   service_.stop();
   if (thread_.joinable()) thread_.join();
+}
+
+void ServiceRunner::fail(const std::string& reason, std::chrono::milliseconds grace) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (finished_) return;  // every worker has left: nobody to tell
+  service_.fail(reason);
+  cv_.wait_for(lock, grace, [&] { return finished_; });
 }
 
 void ServiceRunner::join() {
@@ -267,7 +284,9 @@ struct ParameterServerStrategy::Impl {
   // strategy (evaluating, saving) for longer than the timeout is not taken
   // for gone: the PS's timeout bounds silence, not work. Not while the
   // replicas run a step: a step stuck for the timeout (a hung device) is
-  // silence, as the multi-worker strategy's deadline bounds a step.
+  // silence, as the multi-worker strategy's deadline bounds a step; nor once
+  // the process is at its exit with the strategy alive (std::exit): it will
+  // not shut down, and the PS must take it for gone.
   void progress_loop() {
     const bool poll_transport = !transport->shared_address_space();
     const std::chrono::milliseconds silence =
@@ -283,7 +302,7 @@ struct ParameterServerStrategy::Impl {
         continue;
       }
       const auto now = Clock::now(), due = client->last_post() + beat;
-      if (!in_step.load() && now >= due) {
+      if (!in_step.load() && !process_exiting() && now >= due) {
         for (int p = 0; p < client->num_ps(); ++p) {
           if (!client->broken(p).empty()) continue;
           // Fire and forget: an error (the job is ending) is raised by the
@@ -684,7 +703,18 @@ ParameterServerStrategy::~ParameterServerStrategy() {
                  " ms posting pushes");
   }
   impl_->stop_progress();
-  impl_->shutdown(std::uncaught_exceptions() > impl_->uncaught_at_construction, logger_);
+  const bool unwinding = std::uncaught_exceptions() > impl_->uncaught_at_construction;
+  impl_->shutdown(unwinding, logger_);
+  if (impl_->is_ps && unwinding) {
+    // This PS rank failed (in the program's code, before or instead of
+    // join()): its workers learn it at their next request, not at their
+    // deadline; they leave (kAbort) and the loop ends, or the grace passes.
+    for (auto& s : impl_->services) {
+      s->fail("it left during an exception (its own error is in its output)",
+              std::min<std::chrono::milliseconds>(impl_->options.communication.timeout, kShutdownGrace));
+    }
+    impl_->mark_failed();
+  }
   // In-process PS threads end once every worker is done; a PS rank's own
   // loop is stopped if the program did not join() it.
   for (auto& s : impl_->services) {

@@ -706,6 +706,13 @@ void Service::handle_abort(WorkerState& w, const Pending& p) {
   logger_.error(who(), ": ", failure_, "; the other workers' requests fail from now on");
 }
 
+void Service::fail(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failure_.empty()) return;
+  failure_ = who() + " failed: " + reason;
+  logger_.error(failure_, "; every worker's request fails from now on");
+}
+
 std::string Service::failure() const {
   std::lock_guard<std::mutex> lock(mu_);
   return failure_;

@@ -112,10 +112,13 @@ class Service {
   // Worker indices declared gone (silent past the timeout).
   std::vector<int> gone_workers() const;
   // "worker W (rank R) failed: <its reason>" once a worker left with kAbort
-  // (the first one); empty otherwise. From then on every other worker's
-  // request is answered with AbortedError naming it, and run() ends when
-  // every worker has left. Thread-safe.
+  // (the first one), or what fail() was given; empty otherwise. From then on
+  // every other worker's request is answered with AbortedError naming it,
+  // and run() ends when every worker has left. Thread-safe.
   std::string failure() const;
+  // The same for a failure of this PS itself ("PS rank P failed: ...").
+  // Thread-safe.
+  void fail(const std::string& reason);
   // The directory checkpoint shards go to (a call in this process, never a
   // request: a single-process strategy sets it to its save's directory).
   // Thread-safe.

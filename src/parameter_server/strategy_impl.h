@@ -23,6 +23,11 @@ class ServiceRunner {
   ~ServiceRunner();
   // Blocks until the loop has ended; rethrows its failure.
   void join();
+  // This PS rank failed (its strategy is torn down by an exception): every
+  // worker's request fails from now on naming it (Service::fail), so that
+  // the workers fail at once instead of at their deadline; waits up to
+  // `grace` for them to leave.
+  void fail(const std::string& reason, std::chrono::milliseconds grace);
   Service& service() { return service_; }
 
  private:

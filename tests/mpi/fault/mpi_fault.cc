@@ -52,11 +52,21 @@ struct Args {
   // its strategy alive (as a chief evaluating); --stop-at-exit R: rank R
   // stops itself (SIGSTOP) once it has reported, before its exit.
   int linger_rank = -1, linger_ms = 0, stop_rank = -1;
+  // --exit-in-strategy R: rank R calls std::exit(0) after training with its
+  // strategy alive (never destroyed); --ps-throws 1: the PS rank throws
+  // instead of join()ing (the program failed there).
+  int exit_rank = -1;
+  bool ps_throws = false;
 };
 
-// The rank's extra work of --linger.
+// The rank's extra work of --linger, and its exit of --exit-in-strategy.
 void linger(const Args& a, int rank) {
   if (rank == a.linger_rank) std::this_thread::sleep_for(std::chrono::milliseconds(a.linger_ms));
+  if (rank == a.exit_rank) {
+    std::printf("rank %d: calls std::exit(0) with its strategy alive\n", rank);
+    std::fflush(stdout);
+    std::exit(0);
+  }
 }
 
 constexpr float kLr = 1.0f / 1024;
@@ -142,6 +152,7 @@ void run_parameter_server(const Args& a, std::string& summary, Reporter& report)
   report.rank = s.cluster().rank;
   try {
     if (s.is_ps()) {
+      if (a.ps_throws) throw ds::InternalError("the PS rank's program failed before join()");
       s.join();  // every worker done; DeadlineExceeded naming silent ones
       summary = "PS served every worker";
       return;
@@ -212,6 +223,10 @@ int main(int argc, char** argv) {
       a.linger_ms = std::stoi(v.substr(v.find(':') + 1));
     } else if (k == "--stop-at-exit")
       a.stop_rank = std::stoi(v);
+    else if (k == "--exit-in-strategy")
+      a.exit_rank = std::stoi(v);
+    else if (k == "--ps-throws")
+      a.ps_throws = v == "1";
     else if (k == "--tag")
       continue;
     else {
