@@ -164,8 +164,19 @@ bool meet_at_exit(std::chrono::milliseconds silence, std::chrono::milliseconds b
     }
   }
   s.stop.store(true);
-  s.listener.join();
-  if (met) {
+  if (!met) {
+    // The caller ends the process. The listener may be inside an MPI call
+    // that does not return (a send to a peer whose host is unreachable can
+    // block in the transport's connect): it is not waited for.
+    s.listener.detach();
+    return false;
+  }
+  {
+    // Every peer is here, so the listener's calls complete; bounded all the same.
+    Watchdog dog("exit meeting: stopping the listener thread", silence);
+    s.listener.join();
+  }
+  {
     // Every peer has received what this rank sent (each had to take its
     // arrival); the sends complete at once, or are given up.
     const auto until = Clock::now() + std::chrono::seconds(1);

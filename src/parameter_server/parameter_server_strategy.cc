@@ -303,15 +303,19 @@ struct ParameterServerStrategy::Impl {
       }
       const auto now = Clock::now(), due = client->last_post() + beat;
       if (!in_step.load() && !process_exiting() && now >= due) {
+        bool posted = false;
         for (int p = 0; p < client->num_ps(); ++p) {
           if (!client->broken(p).empty()) continue;
           // Fire and forget: an error (the job is ending) is raised by the
           // worker's next call.
           client->detach(client->post(p, ps::Op::kAlive, {}, nullptr, nullptr, 0, nullptr, 0, "heartbeat"));
+          posted = true;
         }
-        continue;
+        if (posted) continue;
       }
-      // (In a step, with a heartbeat due: look again a beat later.)
+      // In a step, exiting, or no PS reachable, with a heartbeat due: look
+      // again a beat later (the lock is released while waiting; the
+      // destructor needs it to stop this thread).
       progress_cv.wait_until(lock, now >= due ? now + beat : due, [&] {
         return progress_stop || (poll_transport && client->has_outstanding());
       });
