@@ -59,6 +59,10 @@ macro(diststrat_resolve_backends)
         set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
       endif()
       enable_language(CUDA)
+      # What the library's kernels are built for, set on the targets
+      # (diststrat_link_backends): a later find_package(Torch) changes the
+      # directory-wide CMAKE_CUDA_ARCHITECTURES (see diststrat_resolve_torch).
+      set(DISTSTRAT_CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
       find_package(CUDAToolkit QUIET)
       if(CUDAToolkit_FOUND)
         set(_found TRUE)
@@ -160,7 +164,8 @@ function(diststrat_link_backends target)
   endif()
   if(DISTSTRAT_HAVE_CUDA)
     target_link_libraries(${target} PRIVATE CUDA::cudart)
-    set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
+    set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF
+                                               CUDA_ARCHITECTURES "${DISTSTRAT_CUDA_ARCHITECTURES}")
   endif()
   if(DISTSTRAT_HAVE_CUBLAS)
     target_link_libraries(${target} PRIVATE ${DISTSTRAT_CUBLAS_TARGET})
@@ -186,10 +191,27 @@ endfunction()
 
 # LibTorch (Debian's libtorch-dev: TorchConfig.cmake), for diststrat::torch.
 # Torch_DIR points at another LibTorch.
+# A CUDA LibTorch's CMake (Caffe2/public/cuda.cmake) sets
+# CMAKE_CUDA_ARCHITECTURES to OFF and appends its own -gencode list and nvcc
+# options to CMAKE_CUDA_FLAGS in the caller's scope, which is the top level
+# here: the library's kernels would be built for PyTorch's architectures
+# (whatever TORCH_CUDA_ARCH_LIST or its detection gave), not for
+# CMAKE_CUDA_ARCHITECTURES. The lookup keeps every CUDA setting as it was.
+set(_DISTSTRAT_CUDA_SETTINGS CMAKE_CUDA_ARCHITECTURES CMAKE_CUDA_FLAGS CMAKE_CUDA_FLAGS_DEBUG
+    CMAKE_CUDA_FLAGS_RELEASE CMAKE_CUDA_FLAGS_RELWITHDEBINFO CMAKE_CUDA_FLAGS_MINSIZEREL)
 macro(diststrat_resolve_torch)
   set(_found FALSE)
   if(NOT DISTSTRAT_WITH_TORCH STREQUAL "OFF")
+    foreach(_v IN LISTS _DISTSTRAT_CUDA_SETTINGS)
+      set(_diststrat_saved_${_v} "${${_v}}")
+    endforeach()
     find_package(Torch CONFIG QUIET)
+    foreach(_v IN LISTS _DISTSTRAT_CUDA_SETTINGS)
+      if(NOT "${${_v}}" STREQUAL "${_diststrat_saved_${_v}}")
+        message(STATUS "LibTorch's CMake changed ${_v} to '${${_v}}': kept '${_diststrat_saved_${_v}}'")
+        set(${_v} "${_diststrat_saved_${_v}}")
+      endif()
+    endforeach()
     if(Torch_FOUND AND TARGET torch)
       set(_found TRUE)
       message(STATUS "LibTorch: ${Torch_DIR} (${Torch_VERSION})")
@@ -208,6 +230,9 @@ function(diststrat_print_summary)
     string(REPEAT " " ${_n} _pad)
     message(STATUS "  with ${dep}${_pad}: ${_DISTSTRAT_WHY_${dep}}")
   endforeach()
+  if(DISTSTRAT_HAVE_CUDA)
+    message(STATUS "  CUDA kernels   : architectures ${DISTSTRAT_CUDA_ARCHITECTURES}, CMAKE_CUDA_FLAGS '${CMAKE_CUDA_FLAGS}'")
+  endif()
   if(DISTSTRAT_SANITIZE)
     message(STATUS "  sanitizers     : ${DISTSTRAT_SANITIZE}")
   endif()

@@ -1,94 +1,152 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with a GPU, nvcc, CMake and ninja, with NCCL and
 # cuBLAS inside PyTorch's Python packages (nvidia/nccl, nvidia/cu13) or the
-# CUDA toolkit, and no apt, network or MPI. One call: checks its tools and
-# inputs, configures and builds the CUDA backend, the GPU tests, the GPU
-# benchmark, the examples and (once it exists) diststrat::torch against the
-# machine's own LibTorch; runs the GPU tests, gpu_bench, the LibTorch tests,
-# fashion_mnist and train_bench on the GPU (MirroredStrategy on 2 and 4
-# logical GPUs, CentralStorageStrategy), and prints a table last.
+# CUDA toolkit, and no apt, network or MPI. One call, in stages, each of which
+# marks only its own rows when it fails while the others still run:
+#   0. self-checks (tools, inputs), GoogleTest from .deps, configure (with the
+#      machine's LibTorch when there is one; without it when that fails);
+#   1. build the library, the GPU tests and gpu_bench; say which architectures
+#      nvcc got; run the GPU tests and gpu_bench (bars checked);
+#   2. build and run fashion_mnist and train_bench on logical GPUs, against a
+#      CPU run of the same example (accuracy bar);
+#   3. build and run diststrat::torch's tests and torch_fashion_mnist on CUDA.
+# The builds of stages 2 and 3 run in the background (nice 19) while stage 1's
+# programs run. Every row is printed when it completes, the table again last.
 #
-#   scripts/gpu-deps.sh            # once, on a machine with the Debian packages: fills .deps/
-#   scripts/gpu-check.sh           # on the GPU machine, with .deps/ carried along
-#   scripts/gpu-check.sh --dry-run # here, without a GPU: every step that needs none
-#                                  # (self-checks, GoogleTest, configure, build), with
-#                                  # the machine's Debian packages hidden from CMake;
-#                                  # with Debian's CPU LibTorch, diststrat::torch is
-#                                  # built apart (CPU only, /usr visible) and the
-#                                  # LibTorch tests run
+#   scripts/gpu-deps.sh              # once, on a machine with the Debian packages: fills .deps/
+#   scripts/gpu-check.sh --budget 540   # on the GPU machine, with .deps/ carried along
+#   scripts/gpu-check.sh --dry-run   # here, without a GPU: every step that needs none
+#                                    # (self-checks, GoogleTest, configure, builds, the
+#                                    # test binary's skips, the CUDA flags under a
+#                                    # LibTorch's CMake), with the machine's Debian
+#                                    # packages hidden from CMake; with Debian's CPU
+#                                    # LibTorch, diststrat::torch is built apart (CPU
+#                                    # only, /usr visible) and its tests run
+#   --budget S       total seconds for the whole call (default 540; none in a dry
+#                    run): each step's timeout is cut to what is left, a step that
+#                    does not fit is "skipped (time)"
+#   --torch2 DIR     a LibTorch 2.x's headers (DIR/include, DIR/share/cmake, e.g. the
+#                    torch/ folder of `pip download --no-deps torch==2.11.0`, unpacked
+#                    outside the repository): diststrat::torch's sources are compiled
+#                    against them (scripts/torch-syntax-check.sh); also TORCH2_ROOT
 #
 # Environment: DEPS (default .deps), BUILD (default build-gpu), CUDA_ARCHS
 # (default 90: H100/H200), JOBS (default: all cores), NCCL_ROOT / CUBLAS_ROOT
-# (override the lookup), TORCH_PREFIX (LibTorch's CMake prefix).
-# Exit status: 0 when every step that ran passed (and, without --dry-run,
-# every GPU test ran and passed), 1 otherwise.
+# (override the lookup), TORCH_PREFIX (LibTorch's CMake prefix), OUT (when set,
+# the logs and the table are written under it: the device tool brings it back).
+# Exit status: 0 when every step that ran passed and every bar held (and,
+# without --dry-run, every GPU test ran and passed), 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 t_start=$(date +%s)
 dry_run=0
-for a in "$@"; do
-  case $a in
+budget=""
+torch2=${TORCH2_ROOT:-}
+while (($#)); do
+  case $1 in
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
-    *) echo "gpu-check: unknown argument '$a' (see --help)"; exit 2 ;;
+    --budget) budget=${2:-}; shift ;;
+    --budget=*) budget=${1#--budget=} ;;
+    --torch2) torch2=${2:-}; shift ;;
+    --torch2=*) torch2=${1#--torch2=} ;;
+    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+    *) echo "gpu-check: unknown argument '$1' (see --help)"; exit 2 ;;
   esac
+  shift
 done
+if [[ -z $budget ]]; then ((dry_run)) && budget=0 || budget=540; fi
+[[ $budget =~ ^[0-9]+$ ]] || { echo "gpu-check: --budget '$budget' is not a number of seconds"; exit 2; }
 deps=$(realpath -m "${DEPS:-.deps}")
 build=$(realpath -m "${BUILD:-build-gpu}")
 archs=${CUDA_ARCHS:-90}
 jobs=${JOBS:-$(nproc)}
-log=$build/gpu-check-logs
+if [[ -n ${OUT:-} ]]; then
+  log=$(realpath -m "$OUT")/gpu-check-logs
+  table_file=$(realpath -m "$OUT")/gpu-check-table.txt
+else
+  log=$build/gpu-check-logs
+  table_file=$log/table.txt
+fi
 mkdir -p "$log"
+: >"$table_file"
 
 say() { echo "gpu-check: $*"; }
 elapsed() { echo $(( $(date +%s) - t_start )); }
+# Seconds left of the budget (a large number without one).
+left() { if ((budget == 0)); then echo 999999; else echo $(( t_start + budget - $(date +%s) )); fi; }
+clock() { if ((budget == 0)); then echo "$(elapsed)s"; else echo "$(elapsed)s of ${budget}s"; fi; }
 
-# The table, printed last: one row per step.
+# The table: one row per step, printed as it completes and again last.
 rows=()
 failed_steps=0
 row() {  # name status [detail]
-  rows+=("$(printf '%-46s %s' "$1" "$2${3:+ ($3)}")")
+  local r
+  r=$(printf '%-50s %s' "$1" "$2${3:+ ($3)}")
+  rows+=("$r")
+  echo "gpu-check: | $r    [$(clock)]"
+  echo "$r" >>"$table_file"
   [[ $2 == FAILED* ]] && failed_steps=$((failed_steps + 1))
   return 0
 }
 print_table() {
   echo
-  echo "================ diststrat GPU check$( ((dry_run)) && echo ' --dry-run') ($(elapsed)s) ================"
+  echo "================ diststrat GPU check$( ((dry_run)) && echo ' --dry-run') ($(clock)) ================"
   for r in "${rows[@]}"; do echo "$r"; done
   echo "logs: $log"
+  { echo "# diststrat GPU check$( ((dry_run)) && echo ' --dry-run'), $(clock)"; printf '%s\n' "${rows[@]}"; } >"$table_file"
 }
+finished=0
 finish() {
+  finished=1
   print_table
   ((failed_steps == 0)) && exit 0
   exit 1
 }
 die() { say "FAILED: $*"; row "${step:-self-checks}" "FAILED" "$*"; finish; }
+lease_dir=""
+bg_pid=""
+on_exit() {
+  [[ -n $bg_pid ]] && kill -- "-$bg_pid" 2>/dev/null
+  [[ -n $lease_dir ]] && rm -rf "$lease_dir"
+  return 0
+}
+trap on_exit EXIT
+trap 'say "interrupted ($(clock))"; row "gpu-check" "FAILED" "interrupted at $(clock)"; finish' TERM INT
 
-# torch_fashion_mnist --device gpu (the example's binary). It exits 2 with one
-# line naming why it cannot run: "this LibTorch has no CUDA ..." (a CPU-only
-# LibTorch such as Debian's, or no GPU visible to it) or "not supported by
-# diststrat::libtorch yet: ..." (docs/torch.md). Both are a skip with that
-# reason, not a failure; any other outcome but success is.
-torch_gpu_row() {
-  local label="torch_fashion_mnist --device gpu" logf=$log/torch_fashion_mnist.log reason rc
-  timeout 120 "$1" --device gpu --epochs 1 --data "$deps/fashion-mnist" >"$logf" 2>&1
-  rc=$?
-  reason=$(grep -m1 -e '--device gpu: ' "$logf" | sed 's/^.*--device gpu: //')
-  if ((rc == 0)); then
-    row "$label" "ok" "$(grep -m1 -oE 'test_accuracy=[0-9.]+' "$logf")"
-  elif ((rc == 2)) && [[ $reason == "this LibTorch has no CUDA"* ]]; then
-    row "$label" "skipped" "LibTorch without CUDA: $reason"
-  elif ((rc == 2)) && [[ $reason == "not supported by diststrat::libtorch yet"* ]]; then
-    row "$label" "skipped" "$reason"
-  else
-    tail -5 "$logf" | sed 's/^/gpu-check:   /'
-    row "$label" "FAILED" "rc=$rc, see $logf"
-  fi
+# Runs "$@" with a timeout of min(want, what is left - margin); returns 125
+# without running it when less than `need` seconds are left.
+limited() {  # want need command...
+  local want=$1 need=$2 l t
+  shift 2
+  l=$(( $(left) - 5 ))
+  ((l < need)) && return 125
+  t=$(( want < l ? want : l ))
+  timeout "$t" "$@"
 }
 
-# ---- self-checks: every tool and input is where it must be -----------------------
+# Per-suite counts of a GoogleTest log (passed / failed / skipped), as rows
+# under a heading row: each GPU test suite is listed, so a new one shows here.
+suite_rows() {  # logfile
+  awk '
+    /^\[       OK \] /     { split($4, a, "."); s = a[1]; ok[s]++; seen[s] = 1 }
+    /^\[  FAILED  \] .* ms\)$/ { split($4, a, "."); s = a[1]; bad[s]++; seen[s] = 1 }
+    /^\[  SKIPPED \] .* ms\)$/ { split($4, a, "."); s = a[1]; skip[s]++; seen[s] = 1 }
+    END { for (s in seen) printf "%s %d %d %d\n", s, ok[s], bad[s], skip[s] }' "$1" | sort |
+  while read -r s p f k; do
+    if ((f > 0)); then row "  $s" "FAILED" "$p passed, $f failed, $k skipped"
+    else row "  $s" "ok" "$p passed, $k skipped"; fi
+  done
+}
+gtest_count() {  # logfile PASSED|FAILED|SKIPPED
+  local n
+  n=$(grep -oE "^\[  $2 *\] [0-9]+ test" "$1" | grep -oE '[0-9]+' | head -1)
+  echo "${n:-0}"
+}
+
+# ---- 0. self-checks: every tool and input is where it must be ---------------------------
 step="self-checks"
+say "budget: $( ((budget == 0)) && echo none || echo "${budget}s")"
 nvcc=$(command -v nvcc || true)
 [[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
 [[ -n $nvcc ]] || die "nvcc not found (PATH or /usr/local/cuda/bin)"
@@ -161,16 +219,19 @@ say "LibTorch: ${torch_prefix:-none found}"
 zlib_lib=$(ldconfig -p 2>/dev/null | awk '/libz\.so\.1 .*x86-64/ {print $NF; exit}')
 [[ -n $zlib_lib ]] || zlib_lib=$deps/zlib/libz.so.1
 row "self-checks" "ok" "NCCL: $nccl_from, cuBLAS: $cublas_from"
+# The wheels' libraries must resolve from the first build on: GoogleTest's
+# test discovery runs test binaries at build time.
+export LD_LIBRARY_PATH="$nccl_root/lib${cublas_root:+:$cublas_root/lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 # ---- GoogleTest from source, and CMake configs for the header-only deps -----------
 step="GoogleTest (from .deps)"
 prefix=$build/_deps/prefix
 if [[ ! -e $prefix/lib/cmake/GTest/GTestConfig.cmake && ! -e $prefix/lib64/cmake/GTest/GTestConfig.cmake ]]; then
-  say "building GoogleTest ($(elapsed)s)"
+  say "building GoogleTest ($(clock))"
   cmake -S "$deps/googletest" -B "$build/_deps/gtest" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_INSTALL_PREFIX="$prefix" -DBUILD_GMOCK=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON \
       >"$log/gtest.log" 2>&1 &&
-    cmake --build "$build/_deps/gtest" -j "$jobs" --target install >>"$log/gtest.log" 2>&1 ||
+    limited 200 30 cmake --build "$build/_deps/gtest" -j "$jobs" --target install >>"$log/gtest.log" 2>&1 ||
     { tail -20 "$log/gtest.log"; die "GoogleTest build, see $log/gtest.log"; }
 fi
 row "$step" "ok"
@@ -192,14 +253,15 @@ header_only_package Eigen3 Eigen3::Eigen "$deps/eigen3" 3.4.0
 header_only_package nlohmann_json nlohmann_json::nlohmann_json "$deps" 3.11.2
 header_only_package CLI11 CLI11::CLI11 "$deps" 2.3.2
 
-# ---- configure and build ---------------------------------------------------------
+# ---- configure -----------------------------------------------------------------------
 # Debian's packages under /usr are hidden from find_package, so a dry run here
 # finds only what the GPU machine has or .deps carries.
 step="configure"
-configure() {  # torch-prefix (may be empty)
-  local torch_mode=OFF
-  [[ -n $1 ]] && torch_mode=AUTO
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+configure() {  # build-dir torch-prefix (may be empty) extra-cmake-args...
+  local dir=$1 tp=$2 torch_mode=OFF
+  shift 2
+  [[ -n $tp ]] && torch_mode=AUTO
+  cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$archs" \
       -DCMAKE_CUDA_RUNTIME_LIBRARY=Shared \
       -DDISTSTRAT_WITH_CUDA=ON -DDISTSTRAT_WITH_CUBLAS=ON -DDISTSTRAT_WITH_NCCL=ON \
@@ -208,11 +270,10 @@ configure() {  # torch-prefix (may be empty)
       -DDISTSTRAT_BUILD_EXAMPLES=ON -DDISTSTRAT_BUILD_BENCHMARKS=OFF -DDISTSTRAT_BUILD_TESTS=ON \
       -DNCCL_ROOT="$nccl_root" ${cublas_root:+-DCUBLAS_ROOT="$cublas_root"} \
       -DEigen3_DIR="$cfg/Eigen3" -Dnlohmann_json_DIR="$cfg/nlohmann_json" -DCLI11_DIR="$cfg/CLI11" \
-      -DCMAKE_PREFIX_PATH="$prefix${1:+;$1}" -DCMAKE_IGNORE_PREFIX_PATH=/usr \
-      -DZLIB_INCLUDE_DIR="$deps/zlib" -DZLIB_LIBRARY="$zlib_lib" \
-      >"$log/configure.log" 2>&1
+      -DCMAKE_PREFIX_PATH="$prefix${tp:+;$tp}" -DCMAKE_IGNORE_PREFIX_PATH=/usr \
+      -DZLIB_INCLUDE_DIR="$deps/zlib" -DZLIB_LIBRARY="$zlib_lib" "$@"
 }
-say "configuring ($(elapsed)s)"
+say "configuring ($(clock))"
 torch_configure_failed=""
 # A dry run with Debian's LibTorch (under /usr, which the configure above
 # hides: its Caffe2 config needs Debian's glog, gflags and protobuf) builds
@@ -224,7 +285,7 @@ if ((dry_run)) && [[ $torch_prefix == /usr/* ]]; then
   debian_torch=$torch_prefix
   torch_prefix=""
 fi
-if ! configure "$torch_prefix"; then
+if ! configure "$build" "$torch_prefix" >"$log/configure.log" 2>&1; then
   if [[ -n $torch_prefix ]]; then
     # LibTorch must not cost the rest of the check: configure again without it.
     cp "$log/configure.log" "$log/configure-with-torch.log"
@@ -232,17 +293,17 @@ if ! configure "$torch_prefix"; then
     say "configure with LibTorch failed; configuring without it"
     torch_configure_failed="configure with LibTorch failed, see $log/configure-with-torch.log"
     rm -f "$build/CMakeCache.txt"
-    configure "" || { tail -30 "$log/configure.log"; die "configure, see $log/configure.log"; }
+    configure "$build" "" >"$log/configure.log" 2>&1 ||
+      { tail -30 "$log/configure.log"; die "configure, see $log/configure.log"; }
   else
     tail -30 "$log/configure.log"
     die "configure, see $log/configure.log"
   fi
 fi
-grep -E "with (CUDA|CUBLAS|NCCL|TORCH)|^-- (NCCL|cuBLAS):" "$log/configure.log" | sed 's/^-- */gpu-check: /'
+grep -E "with (CUDA|CUBLAS|NCCL|TORCH)|CUDA kernels|LibTorch|^-- (NCCL|cuBLAS):" "$log/configure.log" | sed 's/^-- */gpu-check: /'
 grep -q "with NCCL *: yes" "$log/configure.log" || die "configured without NCCL"
-row "$step" "ok" "sm_$archs"
+row "$step" "ok" "CUDA_ARCHS=$archs"
 
-# diststrat::torch and its tests/example, where the tree has them.
 targets=$(cmake --build "$build" --target help 2>/dev/null | sed -n 's/^\([A-Za-z0-9_.+-]*\): .*/\1/p')
 has_target() { grep -qx "$1" <<<"$targets"; }
 torch_targets=()
@@ -250,166 +311,356 @@ if has_target diststrat_torch; then
   torch_targets=(diststrat_torch)
   for t in diststrat_torch_tests torch_fashion_mnist; do has_target "$t" && torch_targets+=("$t"); done
 fi
-step="build"
-build_targets=(diststrat_gpu_tests gpu_bench fashion_mnist train_bench "${torch_targets[@]}")
-say "building ${build_targets[*]} ($(elapsed)s)"
-cmake --build "$build" -j "$jobs" --target "${build_targets[@]}" >"$log/build.log" 2>&1 ||
-  { grep -E "error|Error" "$log/build.log" | head -30; die "build, see $log/build.log"; }
-row "$step" "ok" "$(elapsed)s so far"
-# The libraries must resolve before anything runs (the wheels' through LD_LIBRARY_PATH).
-export LD_LIBRARY_PATH="$nccl_root/lib${cublas_root:+:$cublas_root/lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-step="libraries resolve"
-missing=$(ldd "$build/tests/gpu/diststrat_gpu_tests" 2>&1 | grep "not found" || true)
-[[ -z $missing ]] || die "unresolved libraries: $(echo $missing)"
-ldd "$build/tests/gpu/diststrat_gpu_tests" | grep -E "libnccl|libcublas\.|libcudart" | sed 's/^\s*/gpu-check:   /'
-n_cudart=$(ldd "$build/tests/gpu/diststrat_gpu_tests" | grep -c "libcudart")
-row "$step" "ok" "$n_cudart cudart"
 
-if ((dry_run)); then
-  # The binaries load and run here too: the GPU tests skip (no GPU), the
-  # GPU-less error tests pass.
-  export DISTSTRAT_GPU_LEASE_DIR=$build/leases
-  timeout 120 "$build/tests/gpu/diststrat_gpu_tests" >"$log/tests.log" 2>&1
-  rc=$?
-  dp=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log/tests.log" | grep -oE '[0-9]+$' || echo 0)
-  ds=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$log/tests.log" | grep -oE '[0-9]+$' || echo 0)
-  if ((rc == 0)); then row "GPU test binary runs (no GPU here)" "ok" "$dp passed, $ds skipped"
-  else row "GPU test binary runs (no GPU here)" "FAILED" "rc=$rc, see $log/tests.log"; fi
-  row "GPU tests" "skipped" "dry run"
-  row "gpu_bench" "skipped" "dry run"
-  if [[ -n $torch_configure_failed ]]; then
-    row "LibTorch" "FAILED" "$torch_configure_failed"
-  elif ((${#torch_targets[@]})); then
-    row "LibTorch tests, torch_fashion_mnist" "skipped" "dry run; built: ${torch_targets[*]}"
-  elif [[ -n $debian_torch ]]; then
-    # Debian's CPU LibTorch: configure, build and run what needs no GPU.
-    tb=$build/torch-dry-run
-    say "LibTorch, dry run: Debian's CPU LibTorch in $tb ($(elapsed)s)"
-    if cmake -S "$root" -B "$tb" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTSTRAT_WITH_TORCH=ON \
-         -DDISTSTRAT_WITH_CUDA=OFF -DDISTSTRAT_WITH_MPI=OFF -DDISTSTRAT_WITH_GLOO=OFF \
-         -DDISTSTRAT_BUILD_BENCHMARKS=OFF -DCMAKE_PREFIX_PATH="$prefix;$debian_torch" \
-         -DEigen3_DIR="$cfg/Eigen3" -Dnlohmann_json_DIR="$cfg/nlohmann_json" -DCLI11_DIR="$cfg/CLI11" \
-         >"$log/configure-torch-dry-run.log" 2>&1 &&
-       cmake --build "$tb" -j "$jobs" --target diststrat_torch diststrat_torch_tests torch_fashion_mnist \
-         >"$log/build-torch-dry-run.log" 2>&1; then
-      timeout 300 "$tb/tests/torch/diststrat_torch_tests" >"$log/torch_tests.log" 2>&1
-      rc=$?
-      tp=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log/torch_tests.log" | grep -oE '[0-9]+$' || echo 0)
-      if ((rc == 0)); then row "LibTorch tests (Debian's CPU LibTorch)" "ok" "$tp passed"
-      else row "LibTorch tests (Debian's CPU LibTorch)" "FAILED" "rc=$rc, see $log/torch_tests.log"; fi
-    else
-      row "LibTorch build (Debian's CPU LibTorch)" "FAILED" "see $log/{configure,build}-torch-dry-run.log"
-    fi
-    if [[ -x $tb/examples/torch_fashion_mnist ]]; then torch_gpu_row "$tb/examples/torch_fashion_mnist"
-    else row "torch_fashion_mnist --device gpu" "FAILED" "not built in $tb"; fi
-  else
-    row "LibTorch" "skipped: diststrat::torch not built"
-  fi
-  row "fashion_mnist / train_bench on GPUs" "skipped" "dry run"
-  finish
+# What nvcc was given for the kernels: the architectures must be CUDA_ARCHS
+# whatever a LibTorch's CMake set (it sets CMAKE_CUDA_ARCHITECTURES OFF and
+# adds its own -gencode list in the caller's scope).
+arch_flags() {  # build-dir
+  ninja -C "$1" -t commands diststrat 2>/dev/null | grep -m1 -E 'kernels\.cu(\.o)?( |$)' |
+    grep -oE -- '(--generate-code|-gencode)[= ][^ ]+|-arch[= ][^ ]+' | tr '\n' ' ' | sed 's/ $//'
+}
+arch_row() {  # label build-dir
+  local got
+  got=$(arch_flags "$2")
+  if [[ -z $got ]]; then row "$1" "FAILED" "no architecture flags on kernels.cu's command"
+  elif grep -q "sm_$archs" <<<"$got" && ! grep -qE "sm_[0-9]+" <<<"$(sed "s/sm_$archs//g" <<<"$got")"; then
+    row "$1" "ok" "$got"
+  else row "$1" "FAILED" "$got; wanted sm_$archs only"; fi
+}
+arch_row "CUDA kernels built for sm_$archs" "$build"
+# GoogleTest's discovery must not run a test binary at build time (it needs
+# the wheels' libraries): DISCOVERY_MODE PRE_TEST.
+if ninja -C "$build" -t commands diststrat_gpu_tests 2>/dev/null | grep -q GoogleTestAddTests; then
+  row "GPU test discovery at test time" "FAILED" "the build runs diststrat_gpu_tests (POST_BUILD discovery)"
+else
+  row "GPU test discovery at test time" "ok" "the build runs no test binary"
 fi
 
-# ---- run-time environment ------------------------------------------------------------
-export DISTSTRAT_GPU_LEASE_DIR=$build/leases
+# ---- 1. the library, the GPU tests and gpu_bench -------------------------------------
+step="build 1: library, GPU tests, gpu_bench"
+say "building diststrat_gpu_tests gpu_bench ($(clock))"
+limited 400 60 cmake --build "$build" -j "$jobs" --target diststrat_gpu_tests gpu_bench >"$log/build-1.log" 2>&1
+rc=$?
+stage1_ok=0
+if ((rc == 0)); then
+  stage1_ok=1
+  row "$step" "ok"
+elif ((rc == 125 || rc == 124)); then
+  row "$step" "skipped (time)" "rc=$rc"
+else
+  grep -E "error|Error" "$log/build-1.log" | head -30
+  row "$step" "FAILED" "see $log/build-1.log"
+fi
+if command -v cuobjdump >/dev/null || [[ -x $cuda_root/bin/cuobjdump ]]; then
+  lib=$(find "$build" -maxdepth 1 -name 'libdiststrat.so*' -type f | head -1)
+  if ((stage1_ok)) && [[ -n $lib ]]; then
+    elf=$("$cuda_root/bin/cuobjdump" --list-elf "$lib" 2>/dev/null | grep -oE 'sm_[0-9a-z]+' | sort -u | tr '\n' ' ')
+    say "machine code in $(basename "$lib"): ${elf:-none}"
+  fi
+fi
+
+# The later stages' builds run in the background, at nice 19, while stage 1's
+# programs run (ninja is never run twice at once on one build folder).
+status2=$log/build-2.status
+status3=$log/build-3.status
+rm -f "$status2" "$status3"
+start_background_builds() {
+  (
+    set +e
+    nice -n 19 cmake --build "$build" -j "$jobs" --target fashion_mnist train_bench >"$log/build-2.log" 2>&1
+    echo $? >"$status2"
+    if ((${#torch_targets[@]})); then
+      nice -n 19 cmake --build "$build" -j "$jobs" --target "${torch_targets[@]}" >"$log/build-3.log" 2>&1
+      echo $? >"$status3"
+    fi
+  ) &
+  bg_pid=$!
+}
+# Waits (within the budget) for a background build's status; prints its rc,
+# 124 when the budget ran out first.
+wait_build() {  # status-file
+  while [[ ! -e $1 ]]; do
+    (( $(left) < 15 )) && { echo 124; return; }
+    sleep 2
+  done
+  cat "$1"
+}
+set -m  # the background builds get their own process group (killed on exit)
+start_background_builds
+set +m
+
+lease_dir=$(mktemp -d /tmp/diststrat-gpu-leases.XXXXXX)
+export DISTSTRAT_GPU_LEASE_DIR=$lease_dir
 # Single node: NCCL must not need a usable network interface (a VM may have
 # none but lo), and its warnings are worth seeing.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
-# ---- GPU tests --------------------------------------------------------------------
-say "running the GPU tests ($(elapsed)s)"
-timeout 240 "$build/tests/gpu/diststrat_gpu_tests" >"$log/tests.log" 2>&1
-tests_rc=$?
-passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log/tests.log" | grep -oE '[0-9]+$' || echo 0)
-failed=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$log/tests.log" | grep -oE '[0-9]+' || echo 0)
-skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$log/tests.log" | grep -oE '[0-9]+$' || echo 0)
-grep -E '^\[  (FAILED|SKIPPED) \] [A-Z]' "$log/tests.log" | grep -v ' ms)$' | sed 's/^/gpu-check: /'
-if [[ $tests_rc -ne 0 && $failed == 0 ]]; then
-  failed="crash(rc=$tests_rc)"; tail -20 "$log/tests.log"
-fi
-# Only the multi-GPU NCCL test may skip (one GPU); any other skip means the
-# CUDA runtime could not use the GPU (driver too old for this nvcc, ...).
-unexpected_skips=$(grep -E '^\[  SKIPPED \] [A-Z]' "$log/tests.log" | grep -v ' ms)$' |
-  grep -vc 'AllGpusWithNcclWhenThereAreSeveral')
-if (( unexpected_skips > 0 )); then
-  say "GPU tests were skipped; the reason:"
-  grep -m1 -A1 'Skipped$' "$log/tests.log" | tail -1 | sed 's/^/gpu-check:   /'
-fi
-if [[ $tests_rc -eq 0 && $failed == 0 && $passed -gt 0 && $unexpected_skips == 0 ]]; then
-  row "GPU tests passed / failed / skipped" "ok" "$passed / $failed / $skipped"
-else
-  row "GPU tests passed / failed / skipped" "FAILED" "$passed / $failed / $skipped, rc=$tests_rc"
-fi
-
-# ---- GPU benchmark ----------------------------------------------------------------
-say "running the GPU benchmark ($(elapsed)s)"
-quick=""
-(( $(elapsed) > 240 )) && quick=--quick   # keep the whole check under 8 minutes
-timeout 150 "$build/benchmarks/gpu_bench" $quick >"$log/bench.log" 2>&1
-bench_rc=$?
-grep -v '^result ' "$log/bench.log"
-r() { grep -oE "^result $1=[^ ]+" "$log/bench.log" | cut -d= -f2; }
-if [[ $bench_rc -eq 0 ]]; then
-  row "gpu_bench" "ok" "NCCL $(r nccl_version) at run time"
-  bench_rows=(
-    "$(printf '%-46s %s ms, %s samples/s' "  MLP step on GPU (batch 512)" "$(r mlp_gpu_step_ms)" "$(r mlp_gpu_samples_per_s)")"
-    "$(printf '%-46s %s ms (GPU %sx faster; bar >= 10x)' "  MLP step on 1 CPU core" "$(r mlp_cpu_step_ms)" "$(r mlp_speedup)")"
-    "$(printf '%-46s %s GB/s algbw; D2D copy %s GB/s' "  logical-GPU all-reduce 256 MiB (2 on 1 GPU)" "$(r logical_allreduce_256MiB_algbw_GBs)" "$(r d2d_copy_256MiB_GBs)")"
-    "$(printf '%-46s %s (bar >= 0.7)' "    memory traffic vs copy bandwidth" "$(r logical_allreduce_traffic_vs_copy)")"
-    "$(printf '%-46s %s GB/s' "  NCCL 1-GPU all-reduce 256 MiB algbw" "$(r nccl_1gpu_256MiB_algbw_GBs)")"
-  )
-  rows+=("${bench_rows[@]}")
-else
-  row "gpu_bench" "FAILED" "rc=$bench_rc, see $log/bench.log"
-fi
-
-# ---- LibTorch -----------------------------------------------------------------------
-if [[ -n $torch_configure_failed ]]; then
-  row "LibTorch" "FAILED" "$torch_configure_failed"
-elif ((${#torch_targets[@]} == 0)); then
-  row "LibTorch" "skipped: diststrat::torch not built"
-else
-  say "running the LibTorch tests ($(elapsed)s)"
-  torch_tests=$(find "$build" -type f -name diststrat_torch_tests -perm -u+x | head -1)
-  if [[ -n $torch_tests ]]; then
-    timeout 180 "$torch_tests" >"$log/torch_tests.log" 2>&1
-    rc=$?
-    tp=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log/torch_tests.log" | grep -oE '[0-9]+$' || echo 0)
-    if ((rc == 0)); then row "LibTorch tests" "ok" "$tp passed"; else row "LibTorch tests" "FAILED" "rc=$rc, see $log/torch_tests.log"; fi
+step="libraries resolve"
+gpu_tests=$build/tests/gpu/diststrat_gpu_tests
+if ((stage1_ok)); then
+  missing=$(ldd "$gpu_tests" 2>&1 | grep "not found" || true)
+  if [[ -n $missing ]]; then
+    row "$step" "FAILED" "unresolved: $(echo $missing)"
+    stage1_ok=0
   else
-    row "LibTorch tests" "FAILED" "diststrat_torch_tests not built"
-  fi
-  torch_example=$(find "$build" -type f -name torch_fashion_mnist -perm -u+x | head -1)
-  if [[ -n $torch_example ]]; then
-    torch_gpu_row "$torch_example"
+    ldd "$gpu_tests" | grep -E "libnccl|libcublas\.|libcudart" | sed 's/^\s*/gpu-check:   /'
+    row "$step" "ok" "$(ldd "$gpu_tests" | grep -c "libcudart") cudart"
   fi
 fi
 
-# ---- the examples on the GPU ---------------------------------------------------------
-run_case() {  # label logfile timeout command...
-  local label=$1 logf=$log/$2 t=$3
-  shift 3
-  say "$label ($(elapsed)s)"
-  timeout "$t" "$@" >"$logf" 2>&1
-  local rc=$?
-  if ((rc == 0)); then
-    row "$label" "ok" "$(grep -E '^(final|train_bench):' "$logf" | grep -oE '(test_accuracy|samples_per_sec)=[0-9.]+' | tr '\n' ' ' | sed 's/ $//')"
+# ---- GPU tests ----
+if ((!stage1_ok)); then
+  row "GPU tests" "FAILED" "not built (stage 1)"
+  row "gpu_bench" "FAILED" "not built (stage 1)"
+else
+  say "running the GPU tests ($(clock))"
+  limited 240 30 "$gpu_tests" >"$log/tests.log" 2>&1
+  tests_rc=$?
+  if ((tests_rc == 125)); then
+    row "GPU tests" "skipped (time)"
+  else
+    passed=$(gtest_count "$log/tests.log" PASSED)
+    failed=$(gtest_count "$log/tests.log" FAILED)
+    skipped=$(gtest_count "$log/tests.log" SKIPPED)
+    if ((dry_run)); then
+      # No GPU here: every GPU test skips, the GPU-less error tests pass.
+      if ((tests_rc == 0)); then row "GPU test binary runs (no GPU here)" "ok" "$passed passed, $skipped skipped"
+      else row "GPU test binary runs (no GPU here)" "FAILED" "rc=$tests_rc, see $log/tests.log"; fi
+    else
+      grep -E '^\[  (FAILED|SKIPPED) \] [A-Z]' "$log/tests.log" | grep -v ' ms)$' | sed 's/^/gpu-check: /'
+      # Only the multi-GPU tests may skip (one GPU); any other skip means the
+      # CUDA runtime could not use the GPU (driver too old for this nvcc, ...).
+      unexpected_skips=$(grep -E '^\[  SKIPPED \] [A-Z]' "$log/tests.log" | grep -v ' ms)$' |
+        grep -vcE 'WhenThereAreSeveral|SeveralGpus|TwoGpus')
+      if ((unexpected_skips > 0)); then
+        say "GPU tests were skipped; the reason:"
+        grep -m1 -A1 'Skipped$' "$log/tests.log" | tail -1 | sed 's/^/gpu-check:   /'
+      fi
+      if ((tests_rc == 124)); then
+        row "GPU tests passed / failed / skipped" "FAILED" "timed out at $(clock): $passed / $failed / $skipped so far"
+      elif ((tests_rc == 0 && failed == 0 && passed > 0 && unexpected_skips == 0)); then
+        row "GPU tests passed / failed / skipped" "ok" "$passed / $failed / $skipped"
+      else
+        row "GPU tests passed / failed / skipped" "FAILED" "$passed / $failed / $skipped, rc=$tests_rc"
+      fi
+    fi
+    suite_rows "$log/tests.log"
+  fi
+
+  # ---- GPU benchmark, and its bars ----
+  if ((dry_run)); then
+    row "gpu_bench" "skipped" "dry run (built)"
+  else
+    say "running the GPU benchmark ($(clock))"
+    quick=""
+    (( $(left) < 300 )) && quick=--quick
+    limited 150 40 "$build/benchmarks/gpu_bench" $quick >"$log/bench.log" 2>&1
+    bench_rc=$?
+    grep -v '^result ' "$log/bench.log"
+    r() { grep -oE "^result $1=[^ ]+" "$log/bench.log" | cut -d= -f2; }
+    bar() {  # label value op threshold detail
+      local verdict
+      if [[ -z $2 ]]; then row "$1" "FAILED" "no value"; return; fi
+      if awk -v v="$2" -v t="$4" -v op="$3" 'BEGIN { exit !((op == ">=") ? v >= t : v <= t) }'; then
+        verdict=ok; else verdict=FAILED; fi
+      row "$1" "$verdict" "$5"
+    }
+    if ((bench_rc == 125)); then
+      row "gpu_bench" "skipped (time)"
+    elif ((bench_rc == 0)); then
+      row "gpu_bench" "ok" "NCCL $(r nccl_version) at run time$quick"
+      row "  MLP step on GPU (batch 512)" "info" "$(r mlp_gpu_step_ms) ms, $(r mlp_gpu_samples_per_s) samples/s"
+      row "  MLP step, library on 1 CPU core" "info" "$(r mlp_cpu_step_ms) ms (GPU $(r mlp_speedup)x)"
+      bar "  bar: GPU MLP step >= 10x a -march=native core" "$(r mlp_speedup_native)" ">=" 10 \
+        "$(r mlp_native_step_ms) ms on the core: GPU $(r mlp_speedup_native)x"
+      row "  logical-GPU all-reduce 256 MiB (2 on 1 GPU)" "info" \
+        "$(r logical_allreduce_256MiB_algbw_GBs) GB/s algbw; D2D copy $(r d2d_copy_256MiB_GBs) GB/s"
+      bar "  bar: all-reduce traffic >= 0.7 of D2D copy" "$(r logical_allreduce_traffic_vs_copy)" ">=" 0.7 \
+        "$(r logical_allreduce_traffic_vs_copy) of the copy's bandwidth"
+      row "  NCCL, 1 rank, 256 MiB (a local copy)" "info" "$(r nccl_1gpu_256MiB_algbw_GBs) GB/s: no collective with one GPU"
+    else
+      row "gpu_bench" "FAILED" "rc=$bench_rc, see $log/bench.log"
+    fi
+  fi
+fi
+
+# ---- 2. the examples on logical GPUs, against a CPU run ------------------------------
+# A run's "final:" line: test_accuracy and samples_per_sec.
+final_of() { grep -E '^(final|train_bench):' "$1" | grep -oE "$2=[0-9.]+" | tail -1 | cut -d= -f2; }
+cpu_accuracy=""
+run_case() {  # label logfile want-seconds bar(accuracy|none) command...
+  local label=$1 logf=$log/$2 want=$3 bar=$4 rc acc sps
+  shift 4
+  say "$label ($(clock))"
+  limited "$want" 20 "$@" >"$logf" 2>&1
+  rc=$?
+  if ((rc == 125)); then row "$label" "skipped (time)"; return; fi
+  if ((rc != 0)); then
+    tail -5 "$logf" | sed 's/^/gpu-check:   /'
+    row "$label" "FAILED" "rc=$rc$( ((rc == 124)) && echo ' (timed out)'), see $logf"
+    return
+  fi
+  acc=$(final_of "$logf" test_accuracy)
+  sps=$(final_of "$logf" samples_per_sec)
+  if [[ $bar == accuracy && -n $cpu_accuracy ]]; then
+    if [[ -n $acc ]] && awk -v a="$acc" -v c="$cpu_accuracy" 'BEGIN { exit !(a >= c - 0.01) }'; then
+      row "$label" "ok" "test_accuracy=$acc >= CPU $cpu_accuracy - 0.01; samples_per_sec=$sps"
+    else
+      row "$label" "FAILED" "test_accuracy=${acc:-none} < CPU $cpu_accuracy - 0.01"
+    fi
+  else
+    row "$label" "ok" "${acc:+test_accuracy=$acc }${sps:+samples_per_sec=$sps}"
+  fi
+}
+if ((!stage1_ok)); then
+  row "build 2: fashion_mnist, train_bench" "FAILED" "stage 1 did not build"
+else
+  rc=$(wait_build "$status2")
+  if ((rc == 124)); then row "build 2: fashion_mnist, train_bench" "skipped (time)"
+  elif ((rc != 0)); then
+    grep -E "error|Error" "$log/build-2.log" | head -20
+    row "build 2: fashion_mnist, train_bench" "FAILED" "see $log/build-2.log"
+  else
+    row "build 2: fashion_mnist, train_bench" "ok"
+    if ((dry_run)); then
+      row "fashion_mnist / train_bench on GPUs" "skipped" "dry run (built)"
+    else
+      fm=("$build/examples/fashion_mnist" --epochs 1 --data "$deps/fashion-mnist")
+      tb=("$build/benchmarks/train_bench" --device gpu --steps 100 --warmup 10 --data "$deps/fashion-mnist")
+      run_case "fashion_mnist mirrored, 2 replicas on the CPU" "fm_cpu.log" 60 none \
+        "${fm[@]}" --device cpu --strategy mirrored --replicas 2
+      cpu_accuracy=$(final_of "$log/fm_cpu.log" test_accuracy)
+      for n in 2 4; do
+        run_case "fashion_mnist mirrored, $n logical GPUs" "fm_mirrored_$n.log" 60 accuracy \
+          "${fm[@]}" --device gpu --strategy mirrored --replicas $n --split-gpus $n
+        run_case "train_bench mirrored, $n logical GPUs" "tb_mirrored_$n.log" 60 none \
+          "${tb[@]}" --strategy mirrored --replicas $n --split-gpus $n
+      done
+      run_case "fashion_mnist central_storage, 2 logical GPUs" "fm_central.log" 60 accuracy \
+        "${fm[@]}" --device gpu --strategy central_storage --replicas 2 --split-gpus 2
+      run_case "train_bench central_storage, 2 logical GPUs" "tb_central.log" 60 none \
+        "${tb[@]}" --strategy central_storage --replicas 2 --split-gpus 2
+    fi
+  fi
+fi
+
+# ---- 3. LibTorch ------------------------------------------------------------------------
+# torch_fashion_mnist --device gpu. It exits 2 with one line naming why it
+# cannot run: "this LibTorch has no CUDA ..." (a CPU-only LibTorch such as
+# Debian's, or no GPU visible to it) or "not supported by diststrat::libtorch
+# yet: ..." (docs/torch.md). Both are a skip with that reason, not a failure;
+# any other outcome but success is. Its accuracy is held to the CPU run's.
+torch_gpu_row() {  # binary
+  local label="torch_fashion_mnist --device gpu" logf=$log/torch_fashion_mnist.log reason rc acc
+  local cpu_acc=""
+  if ((!dry_run)); then
+    limited 90 20 "$1" --device cpu --epochs 1 --data "$deps/fashion-mnist" >"$log/torch_fashion_mnist_cpu.log" 2>&1 &&
+      cpu_acc=$(final_of "$log/torch_fashion_mnist_cpu.log" test_accuracy)
+  fi
+  limited 120 20 "$1" --device gpu --epochs 1 --data "$deps/fashion-mnist" >"$logf" 2>&1
+  rc=$?
+  reason=$(grep -m1 -e '--device gpu: ' "$logf" | sed 's/^.*--device gpu: //')
+  acc=$(final_of "$logf" test_accuracy)
+  if ((rc == 125)); then
+    row "$label" "skipped (time)"
+  elif ((rc == 0)); then
+    if [[ -n $cpu_acc ]] && ! awk -v a="${acc:-0}" -v c="$cpu_acc" 'BEGIN { exit !(a >= c - 0.01) }'; then
+      row "$label" "FAILED" "test_accuracy=${acc:-none} < CPU $cpu_acc - 0.01"
+    else
+      row "$label" "ok" "test_accuracy=$acc${cpu_acc:+ >= CPU $cpu_acc - 0.01}"
+    fi
+  elif ((rc == 2)) && [[ $reason == "this LibTorch has no CUDA"* ]]; then
+    row "$label" "skipped" "LibTorch without CUDA: $reason"
+  elif ((rc == 2)) && [[ $reason == "not supported by diststrat::libtorch yet"* ]]; then
+    row "$label" "skipped" "$reason"
   else
     tail -5 "$logf" | sed 's/^/gpu-check:   /'
     row "$label" "FAILED" "rc=$rc, see $logf"
   fi
 }
-fm=("$build/examples/fashion_mnist" --device gpu --epochs 1 --data "$deps/fashion-mnist")
-tb=("$build/benchmarks/train_bench" --device gpu --steps 100 --warmup 10 --data "$deps/fashion-mnist")
-for n in 2 4; do
-  run_case "fashion_mnist mirrored, $n logical GPUs" "fm_mirrored_$n.log" 120 \
-    "${fm[@]}" --strategy mirrored --replicas $n --split-gpus $n
-  run_case "train_bench mirrored, $n logical GPUs" "tb_mirrored_$n.log" 120 \
-    "${tb[@]}" --strategy mirrored --replicas $n --split-gpus $n
-done
-run_case "fashion_mnist central_storage, 2 logical GPUs" "fm_central.log" 120 \
-  "${fm[@]}" --strategy central_storage --replicas 2 --split-gpus 2
-run_case "train_bench central_storage, 2 logical GPUs" "tb_central.log" 120 \
-  "${tb[@]}" --strategy central_storage --replicas 2 --split-gpus 2
+torch_tests_row() {  # binary label
+  local rc
+  say "running the LibTorch tests ($(clock))"
+  limited 180 30 "$1" >"$log/torch_tests.log" 2>&1
+  rc=$?
+  if ((rc == 125)); then row "$2" "skipped (time)"; return; fi
+  if ((rc == 0)); then row "$2" "ok" "$(gtest_count "$log/torch_tests.log" PASSED) passed, $(gtest_count "$log/torch_tests.log" SKIPPED) skipped"
+  else row "$2" "FAILED" "rc=$rc, see $log/torch_tests.log"; fi
+  suite_rows "$log/torch_tests.log"
+}
+
+# The sources against a LibTorch 2.x's headers (the GPU machine's version),
+# whatever LibTorch this machine has.
+if [[ -z $torch2 ]]; then
+  row "LibTorch 2.x syntax check" "skipped" "no LibTorch 2.x headers given (--torch2 DIR)"
+elif [[ ! -e $torch2/include/torch/version.h ]]; then
+  row "LibTorch 2.x syntax check" "FAILED" "$torch2/include/torch/version.h missing"
+else
+  say "LibTorch 2.x syntax check against $torch2 ($(clock))"
+  limited 600 30 "$root/scripts/torch-syntax-check.sh" "$torch2" >"$log/torch2-syntax.log" 2>&1
+  rc=$?
+  summary=$(grep -m1 '^torch-syntax-check: .* ok against' "$log/torch2-syntax.log" || tail -1 "$log/torch2-syntax.log")
+  if ((rc == 125)); then row "LibTorch 2.x syntax check" "skipped (time)"
+  elif ((rc == 0)); then row "LibTorch 2.x syntax check" "ok" "${summary#torch-syntax-check: }"
+  else
+    grep -E 'FAILED|error' "$log/torch2-syntax.log" | head -10 | sed 's/^/gpu-check:   /'
+    row "LibTorch 2.x syntax check" "FAILED" "see $log/torch2-syntax.log"
+  fi
+fi
+
+if ((dry_run)); then
+  # A CUDA LibTorch's CMake in the same configure must not change what the
+  # kernels are built for: a stand-in TorchConfig.cmake that does to the
+  # caller's scope what PyTorch's does (tests/gpu/cuda_torch_config/).
+  say "CUDA flags under a CUDA LibTorch's CMake ($(clock))"
+  if configure "$build/cuda-torch-flags" "$root/tests/gpu/cuda_torch_config" \
+       -DDISTSTRAT_WITH_TORCH=ON -DDISTSTRAT_BUILD_TESTS=OFF -DDISTSTRAT_BUILD_EXAMPLES=OFF \
+       >"$log/configure-cuda-torch-flags.log" 2>&1; then
+    arch_row "CUDA kernels under a CUDA LibTorch's CMake" "$build/cuda-torch-flags"
+  else
+    row "CUDA kernels under a CUDA LibTorch's CMake" "FAILED" "configure, see $log/configure-cuda-torch-flags.log"
+  fi
+fi
+
+if [[ -n $torch_configure_failed ]]; then
+  row "LibTorch" "FAILED" "$torch_configure_failed"
+elif ((${#torch_targets[@]})); then
+  if ((!stage1_ok)); then
+    row "build 3: diststrat::torch" "FAILED" "stage 1 did not build"
+  else
+    rc=$(wait_build "$status3")
+    if ((rc == 124)); then row "build 3: diststrat::torch" "skipped (time)"
+    elif ((rc != 0)); then
+      grep -E "error|Error" "$log/build-3.log" | head -20
+      row "build 3: diststrat::torch" "FAILED" "see $log/build-3.log"
+    else
+      row "build 3: diststrat::torch" "ok" "${torch_targets[*]}"
+      tt=$build/tests/torch/diststrat_torch_tests
+      if [[ -x $tt ]]; then torch_tests_row "$tt" "LibTorch tests (this machine's LibTorch)"
+      else row "LibTorch tests" "FAILED" "diststrat_torch_tests not built"; fi
+      te=$build/examples/torch_fashion_mnist
+      [[ -x $te ]] && torch_gpu_row "$te"
+    fi
+  fi
+elif [[ -n $debian_torch ]]; then
+  # Dry run with Debian's CPU LibTorch: configure, build and run what needs no GPU.
+  tb=$build/torch-dry-run
+  say "LibTorch, dry run: Debian's CPU LibTorch in $tb ($(clock))"
+  if cmake -S "$root" -B "$tb" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDISTSTRAT_WITH_TORCH=ON \
+       -DDISTSTRAT_WITH_CUDA=OFF -DDISTSTRAT_WITH_MPI=OFF -DDISTSTRAT_WITH_GLOO=OFF \
+       -DDISTSTRAT_BUILD_BENCHMARKS=OFF -DCMAKE_PREFIX_PATH="$prefix;$debian_torch" \
+       -DEigen3_DIR="$cfg/Eigen3" -Dnlohmann_json_DIR="$cfg/nlohmann_json" -DCLI11_DIR="$cfg/CLI11" \
+       >"$log/configure-torch-dry-run.log" 2>&1 &&
+     limited 3600 60 cmake --build "$tb" -j "$jobs" --target diststrat_torch diststrat_torch_tests torch_fashion_mnist \
+       >"$log/build-torch-dry-run.log" 2>&1; then
+    torch_tests_row "$tb/tests/torch/diststrat_torch_tests" "LibTorch tests (Debian's CPU LibTorch)"
+    torch_gpu_row "$tb/examples/torch_fashion_mnist"
+  else
+    row "LibTorch build (Debian's CPU LibTorch)" "FAILED" "see $log/{configure,build}-torch-dry-run.log"
+  fi
+else
+  row "LibTorch" "skipped" "no LibTorch on this machine"
+fi
 
 finish

@@ -17,11 +17,16 @@
 #                        /usr/share/datasets/fashion-mnist (for the example runs)
 # MPI, Gloo and Google Benchmark are not needed (the GPU build turns them off).
 # About 24 MiB. Pass .deps in the device tool's `carry` list.
+# gpu-check.sh --torch2 DIR compiles diststrat::torch against a LibTorch 2.x's
+# headers: unpack them outside the repository (never into .deps: CI and the
+# device carry do not need 60 MiB of headers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.deps
 data=${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
-rm -rf "$out"
+# Only what this script fills: .deps/python (scripts/setup.sh's pip packages)
+# and anything else there stays.
+for d in eigen3 googletest nlohmann CLI dlpack zlib fashion-mnist; do rm -rf "${out:?}/$d"; done
 mkdir -p "$out/zlib" "$out/fashion-mnist"
 cp -r /usr/include/eigen3 "$out/eigen3"
 cp -r /usr/src/googletest "$out/googletest"
