@@ -3,17 +3,23 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
+#include <set>
 #include <thread>
+#include <vector>
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include "allreduce/reduce_kernels.h"
+#include "gpu/cuda_backend.h"
 #include "gpu/cuda_check.h"
 #include "core/device_manager_impl.h"
 #include "core/device_scope.h"
@@ -605,4 +611,118 @@ TEST(GpuNccl, SingleRankCommunicatorsFromTheLocalAndMultiProcessFactories) {
   local.clear();
   mp.reset();
   b.destroy_stream(0, stream);
+}
+
+// ---- waits with a deadline, stream identities (issue 24 item 8) --------------------
+
+namespace {
+// Holds a stream in a host function until `go` is set: a stand-in for a
+// hung kernel that a test can still end.
+void hold_stream(void* stream, std::atomic<bool>* go) {
+  ASSERT_EQ(cudaLaunchHostFunc(
+                ds::gpu::stream_or_legacy(stream),
+                [](void* p) {
+                  auto* g = static_cast<std::atomic<bool>*>(p);
+                  while (!g->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                },
+                go),
+            cudaSuccess);
+}
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+// CUDA hands a destroyed stream's handle to later streams; the identities
+// the caching allocator compares never repeat.
+TEST(GpuRuntime, StreamIdentitiesAreNeverReusedAlthoughHandlesAre) {
+  SKIP_WITHOUT_GPU();
+  std::unique_ptr<ds::GpuBackend> b = ds::make_default_gpu_backend();
+  EXPECT_EQ(b->stream_id(0, nullptr), 0u);
+  void* first = b->create_stream(0);
+  const uint64_t id0 = b->stream_id(0, first);
+  EXPECT_NE(id0, 0u);
+  EXPECT_NE(id0, ds::GpuBackend::kUnknownStream);
+  b->destroy_stream(0, first);
+  EXPECT_EQ(b->stream_id(0, first), ds::GpuBackend::kUnknownStream);
+  std::set<uint64_t> ids{id0};
+  std::vector<void*> made;
+  bool reused = false;
+  for (int i = 0; i < 8 && !reused; ++i) {
+    made.push_back(b->create_stream(0));
+    EXPECT_TRUE(ids.insert(b->stream_id(0, made.back())).second);
+    reused = made.back() == first;
+  }
+  std::printf("CUDA %s a destroyed stream's handle\n", reused ? "reused" : "did not reuse");
+  for (void* s : made) b->destroy_stream(0, s);
+}
+
+// wait_event and synchronize end at their deadline on a stream that does not
+// progress, naming the work; both complete once it does.
+TEST(GpuRuntime, EventAndStreamWaitsEndAtTheirDeadlineNamingTheWork) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  void* s = b.create_stream(0);
+  std::atomic<bool> go{false};
+  hold_stream(s, &go);
+  void* ev = b.create_event(0);
+  b.record_event(0, ev, s);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    ds::gpu::wait_event(ev, ds::DeadlineClock::now() + std::chrono::milliseconds(100),
+                        "rank 0 test copy 'w'");
+    ADD_FAILURE() << "wait_event returned on a held stream";
+  } catch (const ds::DeadlineExceededError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 test copy 'w'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(b.synchronize(0, s, ds::DeadlineClock::now() + std::chrono::milliseconds(100),
+                             "held stream"),
+               ds::DeadlineExceededError);
+  EXPECT_LT(seconds_since(t0), 5.0);
+  go = true;
+  ds::gpu::wait_event(ev, ds::DeadlineClock::now() + std::chrono::seconds(30), "released");
+  b.synchronize(0, s, ds::DeadlineClock::now() + std::chrono::seconds(30), "released");
+  b.destroy_event(0, ev);
+  b.destroy_stream(0, s);
+}
+
+// cublasDestroy and cudaFreeHost wait for the whole device without a
+// deadline: a backend whose device does not drain leaks its cuBLAS handles
+// and pinned staging buffers (with a message) instead of blocking in its
+// destructor, and a destroyed stream's handle waits for a drained device.
+TEST(GpuRuntime, TheBackendDestructorDoesNotBlockOnADeviceThatDoesNotDrain) {
+  SKIP_WITHOUT_GPU();
+  const char* old = std::getenv("DISTSTRAT_TIMEOUT");
+  const std::string saved = old ? old : "";
+  setenv("DISTSTRAT_TIMEOUT", "0.2", 1);  // read by the backend's constructor
+  std::unique_ptr<ds::GpuBackend> b = ds::make_default_gpu_backend();
+  if (old) setenv("DISTSTRAT_TIMEOUT", saved.c_str(), 1); else unsetenv("DISTSTRAT_TIMEOUT");
+  const int64_t n = 8;
+  void* mem = b->raw_malloc(0, 4 * n * n * sizeof(float));
+  ASSERT_NE(mem, nullptr);
+  float* x = static_cast<float*>(mem);
+  void* gone = b->create_stream(0);  // its cuBLAS handle is retired, then destroyed
+  void* s = b->create_stream(0);
+  b->memset_async(0, mem, 0, 4 * n * n * sizeof(float), nullptr);  // ordered with both streams
+  b->dense_forward(0, gone, x, x + n * n, x + 2 * n * n, x + 3 * n * n, n, n, n);
+  b->dense_forward(0, s, x, x + n * n, x + 2 * n * n, x + 3 * n * n, n, n, n);  // a cuBLAS handle
+  std::vector<float> host(static_cast<size_t>(n * n));
+  b->copy_to_host(0, host.data(), x + 3 * n * n, host.size() * sizeof(float), s,
+                  ds::DeadlineClock::now() + std::chrono::seconds(30), "staged");  // pinned stages
+  b->synchronize_device(0, ds::DeadlineClock::now() + std::chrono::seconds(30), "drain");
+  b->destroy_stream(0, gone);
+  b->synchronize_device(0, ds::DeadlineClock::now() + std::chrono::seconds(30), "retired handle");
+  std::atomic<bool> go{false};
+  hold_stream(s, &go);
+  const auto t0 = std::chrono::steady_clock::now();
+  b.reset();  // waits 0.2 s, then leaks rather than blocks
+  const double took = seconds_since(t0);
+  go = true;
+  EXPECT_LT(took, 5.0) << "the backend's destructor blocked on a device that did not drain";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(s)), cudaSuccess);
+  cudaStreamDestroy(static_cast<cudaStream_t>(s));
+  cudaFree(mem);
 }

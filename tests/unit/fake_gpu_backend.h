@@ -8,7 +8,11 @@
 //    missing wait reads stale memory and fails the test. Host sources of
 //    copies are read at the call (as CUDA stages pageable memory);
 //  - streams: hold(ordinal, stream) keeps a stream's work from running until
-//    release(); the default (null) stream is ordered with the created streams
+//    release(); a destroyed stream's handle goes to the next stream created
+//    (CUDA reuses handle values too), so code that keys anything by the raw
+//    handle mixes the two streams up (Options::reuse_stream_handles); inside,
+//    work is keyed by the stream's identity (stream_id), never by the handle;
+//    the default (null) stream is ordered with the created streams
 //    as CUDA's legacy default stream is with blocking streams, or, with
 //    Options::default_stream_orders_with_streams = false, independent (a
 //    per-thread-default-stream or non-blocking-stream build);
@@ -62,6 +66,9 @@ class FakeGpuBackend : public ds::GpuBackend {
   struct Options {
     // CUDA's legacy default stream semantics (what the CUDA backend uses).
     bool default_stream_orders_with_streams = true;
+    // create_stream hands out the handle of the most recently destroyed
+    // stream, as cudaStreamCreate may.
+    bool reuse_stream_handles = true;
   };
 
   // `devices` fake GPUs of `capacity` bytes each.
@@ -93,13 +100,27 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
 
   // ---- test controls ----
+  // release(ordinal, stream) releases the stream that was held under that
+  // handle, even when the handle names a newer stream by now.
   void hold(int ordinal, void* stream) {
     std::lock_guard<std::mutex> lock(mu_);
-    held_.insert({ordinal, stream});
+    const uint64_t id = id_locked(stream);
+    held_.insert({ordinal, id});
+    held_by_handle_[{ordinal, stream}] = id;
   }
   void release(int ordinal, void* stream) {
     std::lock_guard<std::mutex> lock(mu_);
-    held_.erase({ordinal, stream});
+    auto it = held_by_handle_.find({ordinal, stream});
+    if (it != held_by_handle_.end()) {
+      held_.erase({ordinal, it->second});
+      held_by_handle_.erase(it);
+    }
+    run_pending_locked();
+    cv_.notify_all();
+  }
+  // Runs the queued work that nothing holds back now, as a GPU would unasked.
+  void run_ready() {
+    std::lock_guard<std::mutex> lock(mu_);
     run_pending_locked();
     cv_.notify_all();
   }
@@ -159,13 +180,23 @@ class FakeGpuBackend : public ds::GpuBackend {
   void* create_stream(int ordinal) override {
     set_device(ordinal, "cudaSetDevice(ordinal)");
     std::lock_guard<std::mutex> lock(mu_);
-    void* s = reinterpret_cast<void*>(static_cast<uintptr_t>(0x5000 + ++next_stream_));
+    void* s = nullptr;
+    if (options_.reuse_stream_handles && !free_handles_.empty()) {
+      s = free_handles_.back();
+      free_handles_.pop_back();
+      ++stream_handles_reused;
+    } else {
+      s = reinterpret_cast<void*>(static_cast<uintptr_t>(0x5000 + ++next_stream_));
+    }
     stream_device_[s] = ordinal;
+    stream_ids_[s] = ++next_stream_id_;
     return s;
   }
   void destroy_stream(int ordinal, void* stream) override {
     std::lock_guard<std::mutex> lock(mu_);
-    stream_device_.erase(stream);  // queued work still runs, as with cudaStreamDestroy
+    // Queued work still runs (under the old identity), as with cudaStreamDestroy.
+    if (stream_device_.erase(stream)) free_handles_.push_back(stream);
+    stream_ids_.erase(stream);
     ++streams_destroyed;
   }
 
@@ -197,9 +228,10 @@ class FakeGpuBackend : public ds::GpuBackend {
     begin_call(ordinal, stream, "cudaStreamSynchronize");
     ++syncs;
     std::unique_lock<std::mutex> lock(mu_);
-    auto it = last_seq_.find({ordinal, stream});
+    const uint64_t id = id_locked(stream);
+    auto it = last_seq_.find({ordinal, id});
     const long target = it == last_seq_.end() ? -1 : it->second;
-    wait_locked(lock, ordinal, [&](const Op& op) { return op.stream == stream && op.seq <= target; },
+    wait_locked(lock, ordinal, [&](const Op& op) { return op.stream == id && op.seq <= target; },
                 deadline, what);
   }
   void synchronize_device(int ordinal, ds::DeadlineClock::time_point deadline,
@@ -216,6 +248,13 @@ class FakeGpuBackend : public ds::GpuBackend {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = stream_device_.find(stream);
     return it != stream_device_.end() && it->second == ordinal;
+  }
+  uint64_t stream_id(int ordinal, void* stream) override {
+    if (!stream) return 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stream_device_.find(stream);
+    if (it == stream_device_.end() || it->second != ordinal) return kUnknownStream;
+    return stream_ids_.at(stream);
   }
 
   void* create_event(int ordinal) override {
@@ -370,7 +409,7 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
 
   std::atomic<int> mallocs{0}, frees{0}, syncs{0}, device_syncs{0}, updates{0}, adam_updates{0},
-      streams_destroyed{0}, copies_to_host{0}, events_recorded{0};
+      streams_destroyed{0}, copies_to_host{0}, events_recorded{0}, stream_handles_reused{0};
   std::atomic<int> nccl_groups{0}, shared_groups{0};
   std::atomic<int> frees_with_pending_work{0}, bad_frees{0}, aborts_during_calls{0};
 
@@ -388,9 +427,16 @@ class FakeGpuBackend : public ds::GpuBackend {
   struct Op {
     long seq;
     int device;
-    void* stream;
+    uint64_t stream;  // the stream's identity (0: the default stream)
     std::function<void()> fn;
   };
+  // The identity of the live stream `stream` names (0 for null; a value no
+  // stream has for a handle that names none).
+  uint64_t id_locked(void* stream) const {
+    if (!stream) return 0;
+    auto it = stream_ids_.find(stream);
+    return it == stream_ids_.end() ? ~uint64_t{0} : it->second;
+  }
 
   static void* tag(void* p) {
     return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | kDeviceTag);
@@ -442,18 +488,19 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
   long enqueue_locked(int ordinal, void* stream, std::function<void()> fn) {
     const long seq = next_seq_++;
-    pending_.push_back(Op{seq, ordinal, stream, std::move(fn)});
-    last_seq_[{ordinal, stream}] = seq;
+    const uint64_t id = id_locked(stream);
+    pending_.push_back(Op{seq, ordinal, id, std::move(fn)});
+    last_seq_[{ordinal, id}] = seq;
     return seq;
   }
   // Runs, in enqueue order, every queued op whose stream is not held and that
   // nothing earlier it must follow is still queued.
   void run_pending_locked() {
-    std::set<std::pair<int, void*>> blocked;
+    std::set<std::pair<int, uint64_t>> blocked;
     std::set<int> busy, legacy_busy;  // devices with a queued op / queued default-stream op
     for (auto it = pending_.begin(); it != pending_.end();) {
-      const std::pair<int, void*> key{it->device, it->stream};
-      const bool legacy = it->stream == nullptr;
+      const std::pair<int, uint64_t> key{it->device, it->stream};
+      const bool legacy = it->stream == 0;
       bool wait = held_.count(key) || blocked.count(key);
       if (!wait && options_.default_stream_orders_with_streams) {
         wait = legacy ? busy.count(it->device) > 0 : legacy_busy.count(it->device) > 0;
@@ -587,11 +634,15 @@ class FakeGpuBackend : public ds::GpuBackend {
   std::condition_variable cv_;
   std::vector<size_t> used_;
   std::map<void*, std::pair<int, size_t>> sizes_;  // untagged -> (ordinal, bytes)
-  std::map<void*, int> stream_device_;
+  std::map<void*, int> stream_device_;  // live streams
+  std::map<void*, uint64_t> stream_ids_;  // live streams' identities
+  std::vector<void*> free_handles_;       // of destroyed streams, for reuse
+  uint64_t next_stream_id_ = 0;
   std::map<void*, long> events_;  // -> seq of the mark (-1: never recorded)
   std::deque<Op> pending_;
-  std::map<std::pair<int, void*>, long> last_seq_;
-  std::set<std::pair<int, void*>> held_;
+  std::map<std::pair<int, uint64_t>, long> last_seq_;
+  std::set<std::pair<int, uint64_t>> held_;
+  std::map<std::pair<int, void*>, uint64_t> held_by_handle_;
   std::string device_error_;
   long next_seq_ = 0;
   long next_stream_ = 0;
