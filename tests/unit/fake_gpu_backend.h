@@ -55,6 +55,7 @@
 #include "diststrat/gpu_lease.h"
 #include "diststrat/nn.h"
 #include "gpu/call_gate.h"
+#include "gpu/device_reduce.h"
 #include "../common/temp_dir.h"
 
 namespace diststrat_test {
@@ -400,12 +401,13 @@ class FakeGpuBackend : public ds::GpuBackend {
       const std::vector<int>& ordinals, const std::vector<void*>& streams,
       const ds::CommunicationOptions& options) override {
     ++nccl_groups;
-    return group(ordinals, streams, options);
+    return group(ordinals, streams, options, /*nccl=*/true);
   }
   std::vector<std::unique_ptr<ds::Communicator>> shared_device_group(
       const ds::SharedDeviceGroupSpec& spec, const ds::CommunicationOptions& options) override {
     ++shared_groups;
-    return group(std::vector<int>(spec.streams.size(), spec.ordinal), spec.streams, options);
+    return group(std::vector<int>(spec.streams.size(), spec.ordinal), spec.streams, options,
+                 /*nccl=*/false);
   }
 
   std::atomic<int> mallocs{0}, frees{0}, syncs{0}, device_syncs{0}, updates{0}, adam_updates{0},
@@ -558,15 +560,22 @@ class FakeGpuBackend : public ds::GpuBackend {
   class Forward : public ds::Communicator {
    public:
     Forward(FakeGpuBackend* b, std::shared_ptr<ds::InProcessGroup> g,
-            std::shared_ptr<CommState> st, int r, int ordinal, void* stream)
+            std::shared_ptr<CommState> st, int r, int ordinal, void* stream, bool nccl)
         : b_(b), g_(std::move(g)), st_(std::move(st)), c_(&g_->at(r)), rank_(r),
-          ordinal_(ordinal), stream_(stream) {}
+          ordinal_(ordinal), stream_(stream), nccl_(nccl) {}
     int rank() const override { return c_->rank(); }
     int size() const override { return c_->size(); }
     const ds::CommunicationOptions& options() const override { return c_->options(); }
+    // Reductions decide dtype and op as the real device collectives do
+    // (device_reduce.h): refusals first, then NCCL's plan (integer kMean is a
+    // sum and the library's division) or the shared-device kernel's.
     void all_reduce(const void* in, void* out, size_t n, ds::DType d, ds::ReduceOp op,
                     const std::string& name) override {
-      call(name, [&] { c_->all_reduce(untag(in), untag(out), n, d, op, name); });
+      const ds::gpu::DeviceReducePlan plan = plan_for(d, op, "all_reduce", name);
+      call(name, [&] {
+        c_->all_reduce(untag(in), untag(out), n, d, plan.collective_op, name);
+        if (plan.divide_after) ds::kernels::scale_mean(untag(out), n, d, size());
+      });
     }
     void broadcast(void* buf, size_t n, ds::DType d, int root, const std::string& name) override {
       call(name, [&] { c_->broadcast(untag(buf), n, d, root, name); });
@@ -577,7 +586,11 @@ class FakeGpuBackend : public ds::GpuBackend {
     }
     void reduce_scatter(const void* in, void* out, size_t n, ds::DType d, ds::ReduceOp op,
                         const std::string& name) override {
-      call(name, [&] { c_->reduce_scatter(untag(in), untag(out), n, d, op, name); });
+      const ds::gpu::DeviceReducePlan plan = plan_for(d, op, "reduce_scatter", name);
+      call(name, [&] {
+        c_->reduce_scatter(untag(in), untag(out), n, d, plan.collective_op, name);
+        if (plan.divide_after) ds::kernels::scale_mean(untag(out), n, d, size());
+      });
     }
     void barrier(const std::string& name) override { c_->barrier(name); }
     void abort(const std::string& reason) override {
@@ -592,6 +605,16 @@ class FakeGpuBackend : public ds::GpuBackend {
     }
 
    private:
+    ds::gpu::DeviceReducePlan plan_for(ds::DType d, ds::ReduceOp op, const char* kind,
+                                   const std::string& name) const {
+      const std::string what = "rank " + std::to_string(rank_) + (nccl_ ? " fake NCCL " : " ") +
+                               kind + " '" + name + "'";
+      if (nccl_) return ds::gpu::plan_nccl_reduce(d, op, what);
+      ds::gpu::check_device_reduce(d, op, what);
+      ds::gpu::DeviceReducePlan kernel;  // the kernel reduces every op itself
+      kernel.collective_op = op;
+      return kernel;
+    }
     // The "NCCL call" (enqueue) through the gate, then the wait for the peers.
     template <typename F> void call(const std::string& name, F&& run) {
       b_->synchronize(ordinal_, stream_,
@@ -610,10 +633,11 @@ class FakeGpuBackend : public ds::GpuBackend {
     int rank_;
     int ordinal_;
     void* stream_;
+    bool nccl_;  // NCCL's plan; else the shared-device kernel's
   };
   std::vector<std::unique_ptr<ds::Communicator>> group(const std::vector<int>& ordinals,
                                                        const std::vector<void*>& streams,
-                                                       ds::CommunicationOptions o) {
+                                                       ds::CommunicationOptions o, bool nccl) {
     const int n = static_cast<int>(ordinals.size());
     // Stands in for NCCL / the device kernel, whatever algorithm names them.
     o.algorithm = ds::Algorithm::kAuto;
@@ -622,7 +646,7 @@ class FakeGpuBackend : public ds::GpuBackend {
     std::vector<std::unique_ptr<ds::Communicator>> out;
     for (int r = 0; r < n; ++r) {
       out.push_back(std::make_unique<Forward>(this, g, st, r, ordinals[static_cast<size_t>(r)],
-                                              streams[static_cast<size_t>(r)]));
+                                              streams[static_cast<size_t>(r)], nccl));
     }
     return out;
   }
