@@ -187,7 +187,7 @@ class CudaBackend : public GpuBackend {
   ~CudaBackend() override {
     std::set<int> ordinals;
     for (const auto& [key, handle] : blas_) ordinals.insert(std::get<0>(key));
-    for (const auto& [o, handle] : retired_blas_) ordinals.insert(o);
+    for (const RetiredBlas& r : retired_blas_) ordinals.insert(r.ordinal);
     for (const Stage& st : stages_) ordinals.insert(st.ordinal);
     for (int o : ordinals) {
       const cudaError_t set = cudaSetDevice(o);
@@ -203,8 +203,10 @@ class CudaBackend : public GpuBackend {
       for (auto& [key, handle] : blas_) {
         if (std::get<0>(key) == o) cublasDestroy(handle);
       }
-      for (auto& [ord, handle] : retired_blas_) {
-        if (ord == o) cublasDestroy(handle);
+      for (const RetiredBlas& r : retired_blas_) {
+        if (r.ordinal != o) continue;
+        cublasDestroy(r.handle);
+        if (r.mark) cudaEventDestroy(r.mark);
       }
       for (Stage& st : stages_) {
         if (st.ordinal != o) continue;
@@ -281,14 +283,22 @@ class CudaBackend : public GpuBackend {
 
   void destroy_stream(int ordinal, void* stream) override {
     if (!stream) return;
+    cudaSetDevice(ordinal);
     {
       std::lock_guard<std::mutex> lock(mu_);
       // cublasDestroy synchronizes the device without a deadline: the
-      // stream's handles are retired, and destroyed after the next completed
-      // synchronize_device of this device (or with the backend).
+      // stream's handles are retired, with an event marking the stream's
+      // last work, and destroyed once the device is seen idle or after its
+      // next completed synchronize_device (or with the backend).
       for (auto it = blas_.begin(); it != blas_.end();) {
         if (std::get<0>(it->first) == ordinal && std::get<1>(it->first) == stream) {
-          retired_blas_.emplace_back(ordinal, it->second);
+          cudaEvent_t mark = nullptr;
+          if (cudaEventCreateWithFlags(&mark, cudaEventDisableTiming) != cudaSuccess ||
+              cudaEventRecord(mark, as_stream(stream)) != cudaSuccess) {
+            if (mark) cudaEventDestroy(mark);
+            mark = nullptr;  // then only a completed device wait releases the handle
+          }
+          retired_blas_.push_back({ordinal, it->second, mark});
           it = blas_.erase(it);
         } else {
           ++it;
@@ -296,9 +306,11 @@ class CudaBackend : public GpuBackend {
       }
       streams_.erase({ordinal, as_stream(stream)});
     }
-    cudaSetDevice(ordinal);
     cudaStreamDestroy(as_stream(stream));  // returns at once; queued work still completes
     clear_last_error();                    // cleanup: failures are deliberately ignored
+    // Usually the replicas drained before their streams go: then the handles
+    // go at once instead of piling up until the next device wait.
+    destroy_retired_blas(ordinal, /*only_if_idle=*/true);
   }
 
   void memcpy_async(int ordinal, void* dst, const void* src, size_t bytes, void* stream) override {
@@ -376,23 +388,9 @@ class CudaBackend : public GpuBackend {
     }
     DISTSTRAT_CUDA_CHECK(st);
     wait_device(ordinal, deadline, what);
-    // The device just drained: destroy the retired cuBLAS handles now, while
-    // cublasDestroy's implicit device synchronization has (next to) nothing
-    // left to wait for.
-    std::vector<cublasHandle_t> retired;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = retired_blas_.begin(); it != retired_blas_.end();) {
-        if (it->first == ordinal) {
-          retired.push_back(it->second);
-          it = retired_blas_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    }
-    for (cublasHandle_t h : retired) cublasDestroy(h);
-    if (!retired.empty()) clear_last_error();  // cleanup: failures are deliberately ignored
+    // The device just drained: cublasDestroy's implicit device
+    // synchronization has (next to) nothing left to wait for.
+    destroy_retired_blas(ordinal, /*only_if_idle=*/false);
   }
 
   bool stream_alive(int ordinal, void* stream) override {
@@ -532,6 +530,47 @@ class CudaBackend : public GpuBackend {
     for (cudaStream_t s : streams) wait_stream(s, deadline, what);
   }
 
+  // Destroys the retired cuBLAS handles of `ordinal` (made current by the
+  // caller): after a completed device wait, or, with `only_if_idle`, when
+  // every stream of the device reports idle right now (cudaStreamQuery never
+  // blocks). Work another thread enqueues after that look only delays
+  // cublasDestroy by that work's own duration.
+  void destroy_retired_blas(int ordinal, bool only_if_idle) {
+    std::vector<RetiredBlas> retired;
+    std::vector<cudaStream_t> streams{cudaStreamLegacy};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, id] : streams_) {
+        if (key.first == ordinal) streams.push_back(key.second);
+      }
+      for (auto it = retired_blas_.begin(); it != retired_blas_.end();) {
+        if (it->ordinal == ordinal) {
+          retired.push_back(*it);
+          it = retired_blas_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (retired.empty()) return;
+    bool idle = true;
+    if (only_if_idle) {
+      // The live streams, and the destroyed ones through their marks.
+      for (cudaStream_t s : streams) idle = idle && cudaStreamQuery(s) == cudaSuccess;
+      for (const RetiredBlas& r : retired) idle = idle && r.mark && cudaEventQuery(r.mark) == cudaSuccess;
+    }
+    if (idle) {
+      for (const RetiredBlas& r : retired) {
+        cublasDestroy(r.handle);
+        if (r.mark) cudaEventDestroy(r.mark);
+      }
+    } else {
+      std::lock_guard<std::mutex> lock(mu_);
+      retired_blas_.insert(retired_blas_.end(), retired.begin(), retired.end());
+    }
+    clear_last_error();  // cleanup (and the queries): failures are deliberately ignored
+  }
+
   void check_ordinal(int ordinal) const {
     DISTSTRAT_CHECK(ordinal >= 0 && ordinal < count_, kNotFound, "GPU ordinal ", ordinal,
                     " does not exist (", count_, " visible)");
@@ -609,8 +648,15 @@ class CudaBackend : public GpuBackend {
   std::chrono::milliseconds teardown_timeout_{std::chrono::seconds(300)};
   std::mutex mu_;
   std::map<BlasKey, cublasHandle_t> blas_;
-  // Of destroyed streams: destroyed after the device's next completed wait.
-  std::vector<std::pair<int, cublasHandle_t>> retired_blas_;
+  // Of destroyed streams: destroyed once the device is seen idle (`mark`,
+  // recorded as the stream went, done; null: unknown) or after a completed
+  // device wait.
+  struct RetiredBlas {
+    int ordinal = 0;
+    cublasHandle_t handle = nullptr;
+    cudaEvent_t mark = nullptr;
+  };
+  std::vector<RetiredBlas> retired_blas_;
   // Streams create_stream made -> their identity (stream_id), never reused
   // although CUDA reuses the handles.
   std::map<std::pair<int, cudaStream_t>, uint64_t> streams_;
