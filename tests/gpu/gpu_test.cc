@@ -584,36 +584,6 @@ TEST(GpuCollectives, SharedDeviceBroadcastAllGatherReduceScatter) {
   for (void* st : streams) b.destroy_stream(0, st);
 }
 
-TEST(GpuNccl, SingleRankCommunicatorsFromTheLocalAndMultiProcessFactories) {
-  SKIP_WITHOUT_GPU();
-  auto dm = manager();
-  ds::GpuBackend& b = dm->impl().require_backend("test");
-  ds::ScopedExec scoped(scope_for(*dm, ds::Device::gpu(0)));
-  void* stream = b.create_stream(0);
-  ds::CommunicationOptions co;
-  co.timeout = std::chrono::milliseconds(30000);
-  std::vector<std::unique_ptr<ds::Communicator>> local;
-  try {
-    local = b.nccl_local_group({0}, {stream}, co);
-  } catch (const ds::UnimplementedError& e) {
-    b.destroy_stream(0, stream);
-    GTEST_SKIP() << "built without NCCL: " << e.what();
-  }
-  ds::Tensor h = random_host({4096}, 9);
-  ds::Tensor t = to_device(h, ds::Device::gpu(0));
-  local[0]->all_reduce(t.data(), t.data(), 4096, ds::DType::kFloat32, ds::ReduceOp::kSum, "t");
-  expect_close(to_host(t), h, 0, "1-rank all_reduce");
-  local[0]->barrier("b");
-  const std::string id = b.nccl_unique_id();
-  auto mp = b.nccl_communicator(id, 0, 1, 0, stream, co);
-  mp->all_reduce(t.data(), t.data(), 4096, ds::DType::kFloat32, ds::ReduceOp::kMax, "t");
-  expect_close(to_host(t), h, 0, "multi-process factory, 1 rank");
-  EXPECT_THROW(b.nccl_communicator("short", 0, 1, 0, stream, co), ds::InvalidArgumentError);
-  local.clear();
-  mp.reset();
-  b.destroy_stream(0, stream);
-}
-
 // ---- waits with a deadline, stream identities (issue 24 item 8) --------------------
 
 namespace {
@@ -791,3 +761,33 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, GpuCollectiveSweep,
                          [](const ::testing::TestParamInfo<ds::DType>& info) {
                            return std::string(ds::dtype_name(info.param));
                          });
+
+TEST(GpuNccl, SingleRankCommunicatorsFromTheLocalAndMultiProcessFactories) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::ScopedExec scoped(scope_for(*dm, ds::Device::gpu(0)));
+  void* stream = b.create_stream(0);
+  ds::CommunicationOptions co;
+  co.timeout = std::chrono::milliseconds(30000);
+  std::vector<std::unique_ptr<ds::Communicator>> local;
+  try {
+    local = b.nccl_local_group({0}, {stream}, co);
+  } catch (const ds::UnimplementedError& e) {
+    b.destroy_stream(0, stream);
+    GTEST_SKIP() << "built without NCCL: " << e.what();
+  }
+  ds::Tensor h = random_host({4096}, 9);
+  ds::Tensor t = to_device(h, ds::Device::gpu(0));
+  local[0]->all_reduce(t.data(), t.data(), 4096, ds::DType::kFloat32, ds::ReduceOp::kSum, "t");
+  expect_close(to_host(t), h, 0, "1-rank all_reduce");
+  local[0]->barrier("b");
+  const std::string id = b.nccl_unique_id();
+  auto mp = b.nccl_communicator(id, 0, 1, 0, stream, co);
+  mp->all_reduce(t.data(), t.data(), 4096, ds::DType::kFloat32, ds::ReduceOp::kMax, "t");
+  expect_close(to_host(t), h, 0, "multi-process factory, 1 rank");
+  EXPECT_THROW(b.nccl_communicator("short", 0, 1, 0, stream, co), ds::InvalidArgumentError);
+  local.clear();
+  mp.reset();
+  b.destroy_stream(0, stream);
+}
