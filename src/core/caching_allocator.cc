@@ -9,6 +9,9 @@ namespace diststrat {
 
 namespace {
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+// Whether two uses are on one stream, so stream order alone protects the
+// second: the same identity, and one the backend knows.
+bool same_stream(uint64_t a, uint64_t b) { return a == b && a != GpuBackend::kUnknownStream; }
 }  // namespace
 
 CachingAllocator::CachingAllocator(std::shared_ptr<GpuBackend> backend, int ordinal, size_t limit,
@@ -54,7 +57,7 @@ bool CachingAllocator::add_chunk_locked(size_t bytes) {
   if (!base) return false;
   ++stats_.num_backend_allocs;
   chunks_[base] = bytes;
-  blocks_[base] = Block{bytes, true, base, nullptr, nullptr};
+  blocks_[base] = Block{bytes, true, base, nullptr, nullptr, 0};
   free_.insert({bytes, base});
   stats_.reserved_bytes += bytes;
   return true;
@@ -74,15 +77,15 @@ bool CachingAllocator::ready_locked(Block& b) {
 
 // Best fit: the smallest free block that holds `bytes` and that `stream` may
 // use now; the rest is split off and keeps the block's stream and event.
-void* CachingAllocator::take_locked(size_t bytes, void* stream) {
+void* CachingAllocator::take_locked(size_t bytes, void* stream, uint64_t stream_id) {
   for (auto it = free_.lower_bound({bytes, nullptr}); it != free_.end(); ++it) {
     char* p = it->second;
     Block& b = blocks_[p];
-    if (b.stream != stream && !ready_locked(b)) continue;
+    if (!same_stream(b.stream_id, stream_id) && !ready_locked(b)) continue;
     free_.erase(it);
     if (b.size - bytes >= kAlignment) {
       char* rest = p + bytes;
-      blocks_[rest] = Block{b.size - bytes, true, b.chunk, b.stream, b.event};
+      blocks_[rest] = Block{b.size - bytes, true, b.chunk, b.stream, b.event, b.stream_id};
       free_.insert({b.size - bytes, rest});
       b.size = bytes;
       b.event = nullptr;  // moved to the rest; this block is used in `stream` order
@@ -91,6 +94,7 @@ void* CachingAllocator::take_locked(size_t bytes, void* stream) {
     }
     b.free = false;
     b.stream = stream;
+    b.stream_id = stream_id;
     stats_.in_use_bytes += b.size;
     stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
     ++stats_.num_allocs;
@@ -100,26 +104,27 @@ void* CachingAllocator::take_locked(size_t bytes, void* stream) {
 }
 
 // A new chunk: at least kMinChunk, within the limit.
-void* CachingAllocator::grow_locked(size_t bytes, void* stream) {
+void* CachingAllocator::grow_locked(size_t bytes, void* stream, uint64_t stream_id) {
   size_t chunk = round_up(bytes, kMinChunk);
   if (limit_) {
     if (stats_.reserved_bytes + bytes > limit_) return nullptr;
     chunk = std::min(chunk, limit_ - stats_.reserved_bytes);
   }
   if (!add_chunk_locked(chunk)) return nullptr;
-  return take_locked(bytes, stream);
+  return take_locked(bytes, stream, stream_id);
 }
 
 void* CachingAllocator::allocate(size_t bytes, void* stream) {
   if (bytes == 0) return nullptr;
   const size_t need = round_up(bytes, kAlignment);
+  const uint64_t id = backend_->stream_id(ordinal_, stream);
   std::unique_lock<std::mutex> lock(mu_);
-  if (void* p = take_locked(need, stream)) return p;
+  if (void* p = take_locked(need, stream, id)) return p;
   if (growth_) {
-    if (void* p = grow_locked(need, stream)) return p;
+    if (void* p = grow_locked(need, stream, id)) return p;
     if (release_free_chunks(lock) > 0) {
-      if (void* p = take_locked(need, stream)) return p;
-      if (void* p = grow_locked(need, stream)) return p;
+      if (void* p = take_locked(need, stream, id)) return p;
+      if (void* p = grow_locked(need, stream, id)) return p;
     }
   }
   size_t cached = 0;
@@ -145,8 +150,14 @@ void CachingAllocator::deallocate(void* ptr) {
   stats_.in_use_bytes -= b.size;
   // A tensor may outlive its stream (a replica's result kept after the
   // strategy): the default stream, which is ordered with every blocking
-  // stream, then marks the point after the work the stream queued.
-  if (b.stream && !backend_->stream_alive(ordinal_, b.stream)) b.stream = nullptr;
+  // stream, then marks the point after the work the stream queued. "Gone"
+  // by identity: the handle may name a newer stream by now, whose order
+  // says nothing about the old one's work. (stream_id never throws.)
+  if (b.stream && (b.stream_id == GpuBackend::kUnknownStream ||
+                   backend_->stream_id(ordinal_, b.stream) != b.stream_id)) {
+    b.stream = nullptr;
+    b.stream_id = 0;
+  }
   // The mark after the work queued on the block's stream so far.
   try {
     void* ev = nullptr;
@@ -173,7 +184,7 @@ void CachingAllocator::deallocate(void* ptr) {
   // neighbour whose event has completed.
   auto mergeable = [&](Block& n) {
     if (!n.free || n.chunk != b.chunk) return false;
-    if (n.stream == b.stream) {
+    if (same_stream(n.stream_id, b.stream_id)) {
       release_event_locked(n);
       return true;
     }
@@ -195,6 +206,7 @@ void CachingAllocator::deallocate(void* ptr) {
       free_.erase({prev->second.size, prev->first});
       prev->second.size += b.size;
       prev->second.stream = b.stream;
+      prev->second.stream_id = b.stream_id;
       prev->second.event = b.event;
       blocks_.erase(it);
       it = prev;

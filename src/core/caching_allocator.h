@@ -21,6 +21,12 @@
 // mode of the build. A tensor used on a stream other than its allocation
 // stream must have that use ordered before its free by the caller (the
 // legacy default stream is ordered with every blocking stream).
+// "The same stream" means the same GpuBackend::stream_id, never the same
+// handle value: CUDA gives a destroyed stream's handle to the next stream
+// created, and that stream must not inherit the old one's blocks without
+// the wait. A block whose stream is gone when it is freed is marked on the
+// default stream; a handle the backend did not create never counts as the
+// same stream (its blocks are reused only after their event).
 //
 // Chunks go back to the backend (cudaFree, which waits for the whole device
 // without a deadline) only after synchronize_device returned within
@@ -75,10 +81,11 @@ class CachingAllocator {
     char* chunk = nullptr;   // base of the chunk the block belongs to
     void* stream = nullptr;  // the stream it was allocated for
     void* event = nullptr;   // recorded on `stream` when freed; null once known complete
+    uint64_t stream_id = 0;  // `stream`'s identity (GpuBackend::stream_id) at allocation
   };
   bool add_chunk_locked(size_t bytes);
-  void* take_locked(size_t bytes, void* stream);
-  void* grow_locked(size_t bytes, void* stream);
+  void* take_locked(size_t bytes, void* stream, uint64_t stream_id);
+  void* grow_locked(size_t bytes, void* stream, uint64_t stream_id);
   // Whether another stream may use free block `b` now (its event completed).
   bool ready_locked(Block& b);
   void release_event_locked(Block& b);

@@ -90,6 +90,15 @@ class GpuBackend {
   // Whether `stream` (made by create_stream on `ordinal`) still exists; null
   // (the default stream) always does. Tensors may outlive their stream.
   virtual bool stream_alive(int ordinal, void* stream) = 0;
+  // The identity of the stream `stream` names now: 0 for null (the default
+  // stream); for a live stream create_stream made on `ordinal`, a number
+  // > 0 that no other stream of this backend ever gets, even one that later
+  // receives the same handle value (CUDA reuses a destroyed stream's
+  // handle); kUnknownStream for any other handle (destroyed, foreign, or of
+  // another device). Compare identities, never handles, to tell whether two
+  // uses are on one stream. Thread-safe; never blocks.
+  static constexpr uint64_t kUnknownStream = ~uint64_t{0};
+  virtual uint64_t stream_id(int ordinal, void* stream) = 0;
   virtual void* create_event(int ordinal) = 0;
   virtual void record_event(int ordinal, void* event, void* stream) = 0;
   virtual bool event_done(int ordinal, void* event) = 0;

@@ -46,18 +46,16 @@ void check_cublas(int status, const char* call, const char* file, int line) {
   throw InternalError(msg);
 }
 
-namespace {
-// Set by a host function enqueued behind the awaited work (cudaLaunchHostFunc
-// runs it on a driver thread once everything before it on the stream is done).
-// Co-owned by the waiter and the callback, so a waiter that gives up at its
-// deadline leaves the callback something valid to write.
-struct HostSignal {
+struct HostSignalWait::State {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
 };
+
+namespace {
+// Runs on a driver thread once everything before it on the stream is done.
 void CUDART_CB signal_host(void* arg) {
-  auto* owner = static_cast<std::shared_ptr<HostSignal>*>(arg);
+  auto* owner = static_cast<std::shared_ptr<HostSignalWait::State>*>(arg);
   {
     std::lock_guard<std::mutex> lock((*owner)->mu);
     (*owner)->done = true;
@@ -67,6 +65,22 @@ void CUDART_CB signal_host(void* arg) {
 }
 }  // namespace
 
+HostSignalWait::HostSignalWait(void* stream, const std::string& what)
+    : state_(std::make_shared<State>()) {
+  auto* arg = new std::shared_ptr<State>(state_);
+  const cudaError_t st = cudaLaunchHostFunc(stream_or_legacy(stream), signal_host, arg);
+  if (st != cudaSuccess) {
+    delete arg;
+    throw_cuda_error(st, ("cudaLaunchHostFunc while waiting for " + what).c_str(), __FILE__,
+                     __LINE__);
+  }
+}
+
+bool HostSignalWait::wait_until(DeadlineClock::time_point until) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  return state_->cv.wait_until(lock, until, [&] { return state_->done; });
+}
+
 void wait_stream(void* stream, DeadlineClock::time_point deadline, const std::string& what) {
   const cudaStream_t s = stream_or_legacy(stream);
   const auto fail = [&](cudaError_t st) {
@@ -75,52 +89,69 @@ void wait_stream(void* stream, DeadlineClock::time_point deadline, const std::st
   cudaError_t st = cudaStreamQuery(s);
   if (st == cudaSuccess) return;
   if (st != cudaErrorNotReady) fail(st);
-  // Sleep on a condition variable until the host function behind the work
-  // fires; wake every few ms to look for a failed stream (whose host function
-  // may never run) and for the deadline.
-  auto signal = std::make_shared<HostSignal>();
-  auto* arg = new std::shared_ptr<HostSignal>(signal);
-  st = cudaLaunchHostFunc(s, signal_host, arg);
-  if (st != cudaSuccess) {
-    delete arg;
-    throw_cuda_error(st, ("cudaLaunchHostFunc while waiting for " + what).c_str(), __FILE__, __LINE__);
-  }
-  std::unique_lock<std::mutex> lock(signal->mu);
+  // Sleep until the host function behind the work fires; wake every few ms
+  // to look for a failed stream (whose host function may never run) and for
+  // the deadline.
+  HostSignalWait signal(stream, what);
   for (;;) {
-    const auto wake = std::min(deadline, DeadlineClock::now() + std::chrono::milliseconds(5));
-    if (signal->cv.wait_until(lock, wake, [&] { return signal->done; })) break;
-    lock.unlock();
+    if (signal.wait_until(std::min(deadline, DeadlineClock::now() + kSignalPoll))) break;
     st = cudaStreamQuery(s);
     if (st == cudaSuccess) return;  // the host function is about to run, or already ran
     if (st != cudaErrorNotReady) fail(st);
     if (DeadlineClock::now() >= deadline) {
       throw DeadlineExceededError(what + ": the GPU work did not finish before the deadline");
     }
-    lock.lock();
   }
-  lock.unlock();
   // Everything before the host function ran; it may still have failed.
   st = cudaStreamQuery(s);
   if (st != cudaSuccess && st != cudaErrorNotReady) fail(st);
 }
 
+namespace {
+// One non-blocking stream per device that only waits for events: a host
+// function behind cudaStreamWaitEvent on it signals an event's completion
+// without holding up the stream the event was recorded on (a copy pipeline
+// keeps enqueueing there). Never destroyed: it lives as long as the process's
+// CUDA context, as the runtime's own streams do.
+cudaStream_t event_waiter_stream(int device) {
+  static std::mutex mu;
+  static std::map<int, cudaStream_t>* streams = new std::map<int, cudaStream_t>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams->find(device);
+  if (it != streams->end()) return it->second;
+  cudaStream_t s = nullptr;
+  DISTSTRAT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  (*streams)[device] = s;
+  return s;
+}
+}  // namespace
+
 void wait_event(void* event, DeadlineClock::time_point deadline, const std::string& what) {
   const cudaEvent_t e = static_cast<cudaEvent_t>(event);
-  for (int spins = 0;; ++spins) {
-    const cudaError_t st = cudaEventQuery(e);
+  const auto fail = [&](cudaError_t st) {
+    throw_cuda_error(st, ("cudaEventQuery while waiting for " + what).c_str(), __FILE__, __LINE__);
+  };
+  cudaError_t st = cudaEventQuery(e);
+  if (st == cudaSuccess) return;
+  if (st != cudaErrorNotReady) fail(st);
+  int device = 0;
+  DISTSTRAT_CUDA_CHECK(cudaGetDevice(&device));
+  const cudaStream_t waiter = event_waiter_stream(device);
+  DISTSTRAT_CUDA_CHECK(cudaStreamWaitEvent(waiter, e, 0));
+  HostSignalWait signal(waiter, what);
+  for (;;) {
+    // The event itself is looked at every few ms too: a host function queued
+    // behind an earlier wait that never completes would never run.
+    if (signal.wait_until(std::min(deadline, DeadlineClock::now() + kSignalPoll))) break;
+    st = cudaEventQuery(e);
     if (st == cudaSuccess) return;
-    if (st != cudaErrorNotReady) {
-      throw_cuda_error(st, ("cudaEventQuery while waiting for " + what).c_str(), __FILE__, __LINE__);
-    }
+    if (st != cudaErrorNotReady) fail(st);
     if (DeadlineClock::now() >= deadline) {
       throw DeadlineExceededError(what + ": the GPU work did not finish before the deadline");
     }
-    if (spins < 100) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
   }
+  st = cudaEventQuery(e);
+  if (st != cudaSuccess && st != cudaErrorNotReady) fail(st);
 }
 
 namespace {
@@ -140,15 +171,48 @@ class CudaBackend : public GpuBackend {
       reason_ = std::string(cudaGetErrorName(st)) + ": " + cudaGetErrorString(st);
       clear_last_error();
     }
-  }
-  ~CudaBackend() override {
-    for (auto& [key, handle] : blas_) {
-      cudaSetDevice(std::get<0>(key));
-      cublasDestroy(handle);
+    try {
+      teardown_timeout_ = timeout_from_env().value_or(teardown_timeout_);
+    } catch (const Error&) {
+      // A bad DISTSTRAT_TIMEOUT is reported where a strategy reads it; the
+      // backend keeps the default.
     }
-    for (Stage& st : stages_) {
-      cudaFreeHost(st.buf);
-      cudaEventDestroy(st.done);
+  }
+  // cublasDestroy and cudaFreeHost synchronize the whole device, without a
+  // deadline: each device's handles and pinned buffers are released only
+  // after a completed wait for its streams (synchronize_device, bounded by
+  // DISTSTRAT_TIMEOUT or 300 s). Past it they are leaked with a message
+  // rather than blocking in a destructor. At process exit (the runtime
+  // unloading) nothing runs any more and nothing is released.
+  ~CudaBackend() override {
+    std::set<int> ordinals;
+    for (const auto& [key, handle] : blas_) ordinals.insert(std::get<0>(key));
+    for (const RetiredBlas& r : retired_blas_) ordinals.insert(r.ordinal);
+    for (const Stage& st : stages_) ordinals.insert(st.ordinal);
+    for (int o : ordinals) {
+      const cudaError_t set = cudaSetDevice(o);
+      if (set == cudaErrorCudartUnloading) break;
+      try {
+        wait_device(o, DeadlineClock::now() + teardown_timeout_,
+                    detail::str_cat("GPU ", o, ": draining the device before releasing its cuBLAS "
+                                    "handles and pinned staging buffers"));
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "diststrat: %s; leaking them rather than block\n", e.what());
+        continue;
+      }
+      for (auto& [key, handle] : blas_) {
+        if (std::get<0>(key) == o) cublasDestroy(handle);
+      }
+      for (const RetiredBlas& r : retired_blas_) {
+        if (r.ordinal != o) continue;
+        cublasDestroy(r.handle);
+        if (r.mark) cudaEventDestroy(r.mark);
+      }
+      for (Stage& st : stages_) {
+        if (st.ordinal != o) continue;
+        if (st.buf) cudaFreeHost(st.buf);
+        if (st.done) cudaEventDestroy(st.done);
+      }
     }
     clear_last_error();
   }
@@ -213,18 +277,28 @@ class CudaBackend : public GpuBackend {
     // outside a replica) stays ordered with it.
     DISTSTRAT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamDefault));
     std::lock_guard<std::mutex> lock(mu_);
-    streams_.insert({ordinal, s});
+    streams_[{ordinal, s}] = ++last_stream_id_;
     return s;
   }
 
   void destroy_stream(int ordinal, void* stream) override {
     if (!stream) return;
+    cudaSetDevice(ordinal);
     {
       std::lock_guard<std::mutex> lock(mu_);
+      // cublasDestroy synchronizes the device without a deadline: the
+      // stream's handles are retired, with an event marking the stream's
+      // last work, and destroyed once the device is seen idle or after its
+      // next completed synchronize_device (or with the backend).
       for (auto it = blas_.begin(); it != blas_.end();) {
         if (std::get<0>(it->first) == ordinal && std::get<1>(it->first) == stream) {
-          cudaSetDevice(ordinal);
-          cublasDestroy(it->second);
+          cudaEvent_t mark = nullptr;
+          if (cudaEventCreateWithFlags(&mark, cudaEventDisableTiming) != cudaSuccess ||
+              cudaEventRecord(mark, as_stream(stream)) != cudaSuccess) {
+            if (mark) cudaEventDestroy(mark);
+            mark = nullptr;  // then only a completed device wait releases the handle
+          }
+          retired_blas_.push_back({ordinal, it->second, mark});
           it = blas_.erase(it);
         } else {
           ++it;
@@ -232,9 +306,11 @@ class CudaBackend : public GpuBackend {
       }
       streams_.erase({ordinal, as_stream(stream)});
     }
-    cudaSetDevice(ordinal);
     cudaStreamDestroy(as_stream(stream));  // returns at once; queued work still completes
     clear_last_error();                    // cleanup: failures are deliberately ignored
+    // Usually the replicas drained before their streams go: then the handles
+    // go at once instead of piling up until the next device wait.
+    destroy_retired_blas(ordinal, /*only_if_idle=*/true);
   }
 
   void memcpy_async(int ordinal, void* dst, const void* src, size_t bytes, void* stream) override {
@@ -311,20 +387,22 @@ class CudaBackend : public GpuBackend {
       return;
     }
     DISTSTRAT_CUDA_CHECK(st);
-    std::vector<cudaStream_t> streams{cudaStreamLegacy};
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [o, s] : streams_) {
-        if (o == ordinal) streams.push_back(s);
-      }
-    }
-    for (cudaStream_t s : streams) wait_stream(s, deadline, what);
+    wait_device(ordinal, deadline, what);
+    // The device just drained: cublasDestroy's implicit device
+    // synchronization has (next to) nothing left to wait for.
+    destroy_retired_blas(ordinal, /*only_if_idle=*/false);
   }
 
   bool stream_alive(int ordinal, void* stream) override {
     if (!stream) return true;
     std::lock_guard<std::mutex> lock(mu_);
     return streams_.count({ordinal, as_stream(stream)}) > 0;
+  }
+  uint64_t stream_id(int ordinal, void* stream) override {
+    if (!stream) return 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = streams_.find({ordinal, as_stream(stream)});
+    return it == streams_.end() ? kUnknownStream : it->second;
   }
 
   void* create_event(int ordinal) override {
@@ -438,6 +516,61 @@ class CudaBackend : public GpuBackend {
 #endif
 
  private:
+  // Returns when the work enqueued so far on every stream of the device (the
+  // legacy default stream and those create_stream made) is done; the caller
+  // made `ordinal` current.
+  void wait_device(int ordinal, DeadlineClock::time_point deadline, const std::string& what) {
+    std::vector<cudaStream_t> streams{cudaStreamLegacy};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, id] : streams_) {
+        if (key.first == ordinal) streams.push_back(key.second);
+      }
+    }
+    for (cudaStream_t s : streams) wait_stream(s, deadline, what);
+  }
+
+  // Destroys the retired cuBLAS handles of `ordinal` (made current by the
+  // caller): after a completed device wait, or, with `only_if_idle`, when
+  // every stream of the device reports idle right now (cudaStreamQuery never
+  // blocks). Work another thread enqueues after that look only delays
+  // cublasDestroy by that work's own duration.
+  void destroy_retired_blas(int ordinal, bool only_if_idle) {
+    std::vector<RetiredBlas> retired;
+    std::vector<cudaStream_t> streams{cudaStreamLegacy};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, id] : streams_) {
+        if (key.first == ordinal) streams.push_back(key.second);
+      }
+      for (auto it = retired_blas_.begin(); it != retired_blas_.end();) {
+        if (it->ordinal == ordinal) {
+          retired.push_back(*it);
+          it = retired_blas_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (retired.empty()) return;
+    bool idle = true;
+    if (only_if_idle) {
+      // The live streams, and the destroyed ones through their marks.
+      for (cudaStream_t s : streams) idle = idle && cudaStreamQuery(s) == cudaSuccess;
+      for (const RetiredBlas& r : retired) idle = idle && r.mark && cudaEventQuery(r.mark) == cudaSuccess;
+    }
+    if (idle) {
+      for (const RetiredBlas& r : retired) {
+        cublasDestroy(r.handle);
+        if (r.mark) cudaEventDestroy(r.mark);
+      }
+    } else {
+      std::lock_guard<std::mutex> lock(mu_);
+      retired_blas_.insert(retired_blas_.end(), retired.begin(), retired.end());
+    }
+    clear_last_error();  // cleanup (and the queries): failures are deliberately ignored
+  }
+
   void check_ordinal(int ordinal) const {
     DISTSTRAT_CHECK(ordinal >= 0 && ordinal < count_, kNotFound, "GPU ordinal ", ordinal,
                     " does not exist (", count_, " visible)");
@@ -480,10 +613,22 @@ class CudaBackend : public GpuBackend {
     while (out.size() < 2) {
       Stage st;
       st.ordinal = ordinal;
-      DISTSTRAT_CUDA_CHECK(cudaMallocHost(&st.buf, kStageBytes));
+      const cudaError_t m = cudaMallocHost(&st.buf, kStageBytes);
+      if (m != cudaSuccess) {
+        if (!out.empty()) return_stages(out);
+        DISTSTRAT_CUDA_CHECK(m);
+      }
       const cudaError_t e = cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming);
       if (e != cudaSuccess) {
-        cudaFreeHost(st.buf);
+        // Not cudaFreeHost here (a device-wide wait without a deadline): the
+        // buffer stays with the backend, unused, and goes with it after the
+        // destructor's deadlined wait.
+        st.done = nullptr;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          stages_.push_back(st);
+        }
+        if (!out.empty()) return_stages(out);
         DISTSTRAT_CUDA_CHECK(e);
       }
       std::lock_guard<std::mutex> lock(mu_);
@@ -500,9 +645,22 @@ class CudaBackend : public GpuBackend {
   using BlasKey = std::tuple<int, void*, std::thread::id>;
   int count_ = 0;
   std::string reason_;
+  std::chrono::milliseconds teardown_timeout_{std::chrono::seconds(300)};
   std::mutex mu_;
   std::map<BlasKey, cublasHandle_t> blas_;
-  std::set<std::pair<int, cudaStream_t>> streams_;  // created here, per ordinal
+  // Of destroyed streams: destroyed once the device is seen idle (`mark`,
+  // recorded as the stream went, done; null: unknown) or after a completed
+  // device wait.
+  struct RetiredBlas {
+    int ordinal = 0;
+    cublasHandle_t handle = nullptr;
+    cudaEvent_t mark = nullptr;
+  };
+  std::vector<RetiredBlas> retired_blas_;
+  // Streams create_stream made -> their identity (stream_id), never reused
+  // although CUDA reuses the handles.
+  std::map<std::pair<int, cudaStream_t>, uint64_t> streams_;
+  uint64_t last_stream_id_ = 0;
   std::deque<Stage> stages_;                        // stable addresses
   std::vector<Stage*> free_stages_;
 };

@@ -4,7 +4,9 @@
 // collectives.
 #pragma once
 
+#include <chrono>
 #include <memory>
+#include <string>
 
 #include "core/gpu_backend.h"
 
@@ -20,8 +22,32 @@ namespace gpu {
 // `what` past `deadline`, or the CUDA error the work raised. Never a blind
 // cudaStreamSynchronize.
 void wait_stream(void* stream, DeadlineClock::time_point deadline, const std::string& what);
-// Polls a recorded cudaEvent_t until it completes (same errors).
+// Returns when a recorded cudaEvent_t (of the current device) completed:
+// sleeps on a condition variable that a host function signals, enqueued on a
+// private non-blocking stream of the device behind a wait for the event (so
+// the stream the event was recorded on is not held up), looking at the event
+// every few ms for a failure. Same errors as wait_stream.
 void wait_event(void* event, DeadlineClock::time_point deadline, const std::string& what);
+
+// A host function enqueued on `stream` (null: the legacy default stream)
+// behind the work enqueued so far (cudaLaunchHostFunc); wait_until sleeps on
+// a condition variable until it ran. Its state is shared with the callback,
+// so a waiter that gives up leaves the callback something valid to write.
+// The constructor throws InternalError naming `what` when the host function
+// cannot be enqueued. Not a wait by itself: callers loop over wait_until with
+// their deadline and look for failures (a failed stream never runs it).
+class HostSignalWait {
+ public:
+  HostSignalWait(void* stream, const std::string& what);
+  // True once the host function ran; false when `until` came first.
+  bool wait_until(DeadlineClock::time_point until);
+  struct State;  // shared with the host function (cuda_backend.cc)
+
+ private:
+  std::shared_ptr<State> state_;
+};
+// How often a signal wait wakes to look for failures and the deadline.
+constexpr std::chrono::milliseconds kSignalPoll{5};
 }  // namespace gpu
 
 }  // namespace diststrat

@@ -9,9 +9,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "diststrat/error.h"
 #include "gpu/cuda_check.h"
+#include "gpu/device_reduce.h"
 #include "gpu/kernels.h"
 
 namespace diststrat {
@@ -55,11 +57,30 @@ template <> __device__ __forceinline__ __nv_bfloat16 store_acc<__nv_bfloat16, fl
   return __float2bfloat16(v);
 }
 
+// Integer sums and products wrap modulo 2^bits (collective.h), computed in
+// the unsigned type: signed overflow is undefined, on the device too.
+template <typename A> __device__ __forceinline__ A wrap_add(A a, A b) {
+  if constexpr (std::is_integral<A>::value) {
+    using U = typename std::make_unsigned<A>::type;
+    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+template <typename A> __device__ __forceinline__ A wrap_mul(A a, A b) {
+  if constexpr (std::is_integral<A>::value) {
+    using U = typename std::make_unsigned<A>::type;
+    return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+  } else {
+    return a * b;
+  }
+}
+
 template <typename A> __device__ __forceinline__ A combine(A a, A b, ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kMean: return a + b;
-    case ReduceOp::kProduct: return a * b;
+    case ReduceOp::kMean: return wrap_add(a, b);
+    case ReduceOp::kProduct: return wrap_mul(a, b);
     case ReduceOp::kMin: return b < a ? b : a;
     case ReduceOp::kMax: return b > a ? b : a;
   }
@@ -233,6 +254,8 @@ void launch_reduce(void* const* outs, int n_out, const void* const* ins, int n_i
                       n_out <= kMaxReduceBuffers,
                   kInvalidArgument, "GPU reduce of ", n_in, " inputs into ", n_out,
                   " outputs: each must be in [1, ", kMaxReduceBuffers, "]");
+  // The kernel's switch would reduce an unknown op as nothing at all.
+  check_device_reduce(dtype, op, "GPU reduce");
   if (count == 0) return;
   Buffers b{};
   b.n_in = n_in;

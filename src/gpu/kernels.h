@@ -19,6 +19,9 @@ constexpr int kMaxReduceBuffers = 16;
 // For every i < count and every output o: outs[o][i] = op over k of ins[k][i]
 // (divided by mean_divisor for kMean). f16/bf16 accumulate in f32. An output
 // may alias an input exactly. n_in, n_out in [1, kMaxReduceBuffers].
+// Integer kSum/kProduct wrap modulo 2^bits and integer kMean truncates the
+// wrapped sum toward zero, as the host kernels do; a dtype or op outside the
+// enums is InvalidArgumentError (device_reduce.h).
 void launch_reduce(void* const* outs, int n_out, const void* const* ins, int n_in, size_t count,
                    DType dtype, ReduceOp op, int mean_divisor, void* stream);
 

@@ -14,6 +14,8 @@
 #include "gpu/cuda_backend.h"
 #include "gpu/call_gate.h"
 #include "gpu/cuda_check.h"
+#include "gpu/device_reduce.h"
+#include "gpu/kernels.h"
 
 namespace diststrat {
 namespace gpu {
@@ -43,6 +45,7 @@ ncclDataType_t nccl_type(DType d) {
   throw InvalidArgumentError(std::string("NCCL: unsupported dtype ") + dtype_name(d));
 }
 
+// Only for ops plan_nccl_reduce let through (kMean: floating dtypes).
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum: return ncclSum;
@@ -51,7 +54,8 @@ ncclRedOp_t nccl_op(ReduceOp op) {
     case ReduceOp::kMax: return ncclMax;
     case ReduceOp::kProduct: return ncclProd;
   }
-  return ncclSum;
+  throw InvalidArgumentError(detail::str_cat("NCCL: reduce op value ", static_cast<int>(op),
+                                             " is not a ReduceOp"));
 }
 
 ncclUniqueId to_id(const std::string& bytes) {
@@ -184,28 +188,38 @@ class NcclCommunicator : public Communicator {
   int size() const override { return size_; }
   const CommunicationOptions& options() const override { return options_; }
 
+  // Reductions follow plan_nccl_reduce (device_reduce.h): integer kMean is
+  // ncclSum and then the library's division on the same stream.
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                   const std::string& name) override {
-    issue("all_reduce", name, [&](ncclComm_t c) {
-      return ncclAllReduce(in, out, count, nccl_type(dtype), nccl_op(op), c, stream());
-    });
+    const DeviceReducePlan plan = plan_nccl_reduce(dtype, op, label("all_reduce", name));
+    const ncclDataType_t type = nccl_type(dtype);
+    const ncclRedOp_t nop = nccl_op(plan.collective_op);
+    issue("all_reduce", name, dtype, [&](ncclComm_t c) {
+      return ncclAllReduce(in, out, count, type, nop, c, stream());
+    }, divide_after(plan, out, count, dtype));
   }
   void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
-    issue("broadcast", name, [&](ncclComm_t c) {
-      return ncclBroadcast(buf, buf, count, nccl_type(dtype), root, c, stream());
+    const ncclDataType_t type = nccl_type(dtype);
+    issue("broadcast", name, dtype, [&](ncclComm_t c) {
+      return ncclBroadcast(buf, buf, count, type, root, c, stream());
     });
   }
   void all_gather(const void* in, void* out, size_t count, DType dtype,
                   const std::string& name) override {
-    issue("all_gather", name, [&](ncclComm_t c) {
-      return ncclAllGather(in, out, count, nccl_type(dtype), c, stream());
+    const ncclDataType_t type = nccl_type(dtype);
+    issue("all_gather", name, dtype, [&](ncclComm_t c) {
+      return ncclAllGather(in, out, count, type, c, stream());
     });
   }
   void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                       const std::string& name) override {
-    issue("reduce_scatter", name, [&](ncclComm_t c) {
-      return ncclReduceScatter(in, out, count, nccl_type(dtype), nccl_op(op), c, stream());
-    });
+    const DeviceReducePlan plan = plan_nccl_reduce(dtype, op, label("reduce_scatter", name));
+    const ncclDataType_t type = nccl_type(dtype);
+    const ncclRedOp_t nop = nccl_op(plan.collective_op);
+    issue("reduce_scatter", name, dtype, [&](ncclComm_t c) {
+      return ncclReduceScatter(in, out, count, type, nop, c, stream());
+    }, divide_after(plan, out, count, dtype));
   }
   void barrier(const std::string& name) override {
     if (!scratch_) {
@@ -229,54 +243,91 @@ class NcclCommunicator : public Communicator {
 
  private:
   cudaStream_t stream() const { return stream_or_legacy(stream_); }
+  std::string label(const char* kind, const std::string& name) const {
+    return detail::str_cat("rank ", rank_, " NCCL ", kind, " '", name, "'");
+  }
+  // The division of an integer kMean, enqueued behind the sum (null when the
+  // plan has none).
+  std::function<void()> divide_after(const DeviceReducePlan& plan, void* out, size_t count,
+                                     DType dtype) const {
+    if (!plan.divide_after) return nullptr;
+    return [this, out, count, dtype] {
+      void* outs[1] = {out};
+      const void* ins[1] = {out};
+      launch_reduce(outs, 1, ins, 1, count, dtype, ReduceOp::kMean, size_, stream_);
+    };
+  }
 
   // Enqueues one NCCL collective and waits for it: first until NCCL has
-  // enqueued it (non-blocking communicators may answer ncclInProgress), then
-  // until the stream has run it, watching the communicator's async error and
-  // the deadline throughout.
-  template <typename Call> void issue(const char* kind, const std::string& name, Call&& call) {
-    const std::string what = detail::str_cat("rank ", rank_, " NCCL ", kind, " '", name, "'");
+  // enqueued it (non-blocking communicators may answer ncclInProgress, and
+  // nothing else may be called until that finished), then until the stream
+  // has run it, sleeping on a condition variable that a host function behind
+  // the collective signals and waking every few ms to look at the
+  // communicator's async error (a peer's failure leaves the stream stuck) and
+  // the deadline. `post` (may be null) enqueues work behind the collective
+  // on the same stream before the wait.
+  template <typename Call>
+  void issue(const char* kind, const std::string& name, DType dtype, Call&& call,
+             const std::function<void()>& post = nullptr) {
+    const std::string what = label(kind, name) + " (" + dtype_name(dtype) + ")";
     const auto deadline = Clock::now() + options_.timeout;
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal_));
     // Enqueue through the gate: an abort cannot run while this thread is
     // inside the NCCL call.
+    bool in_progress = false;
     const ncclComm_t c = group_->gate.enter(what, [&] {
       ncclComm_t comm = group_->comms[static_cast<size_t>(index_)];
       const ncclResult_t r = call(comm);
-      if (r != ncclSuccess && r != ncclInProgress) check_nccl(r, kind, __FILE__, __LINE__);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        check_nccl(r, (what + ": " + kind).c_str(), __FILE__, __LINE__);
+      }
+      in_progress = r == ncclInProgress;
       return comm;
     });
-    int spins = 0;
-    for (;;) {
+    // One look at the communicator (through the gate): true when its work is
+    // through NCCL's enqueue; throws (after aborting the group) when NCCL
+    // reported an error, AbortedError after an abort.
+    const auto enqueued = [&]() -> bool {
       std::string nccl_error;
-      const bool done = group_->gate.enter(what, [&] {
+      const bool ok = group_->gate.enter(what, [&] {
         ncclResult_t st = ncclSuccess;
         DISTSTRAT_NCCL_CHECK(ncclCommGetAsyncError(c, &st));
-        if (st != ncclSuccess && st != ncclInProgress) {
-          nccl_error = ncclGetErrorString(st);
-        } else if (st == ncclSuccess) {
-          const cudaError_t q = cudaStreamQuery(stream());
-          if (q == cudaSuccess) return true;
-          if (q != cudaErrorNotReady) throw_cuda_error(q, "cudaStreamQuery", __FILE__, __LINE__);
-        }
-        return false;
+        if (st != ncclSuccess && st != ncclInProgress) nccl_error = ncclGetErrorString(st);
+        return st == ncclSuccess;
       });
-      if (done) return;
       if (!nccl_error.empty()) {
         group_->abort_all(what + " failed: " + nccl_error);
         throw InternalError(what + ": NCCL reported " + nccl_error + " (communicator aborted)");
       }
-      if (Clock::now() >= deadline) {
-        group_->abort_all(what + " timed out");
-        throw DeadlineExceededError(what + ": not complete after " +
-                                    std::to_string(options_.timeout.count()) +
-                                    " ms; a peer never joined (communicator aborted)");
+      return ok;
+    };
+    const auto past_deadline = [&] {
+      if (Clock::now() < deadline) return;
+      group_->abort_all(what + " timed out");
+      throw DeadlineExceededError(what + ": not complete after " +
+                                  std::to_string(options_.timeout.count()) +
+                                  " ms; a peer never joined (communicator aborted)");
+    };
+    // NCCL finishes a non-blocking enqueue on its own threads, in
+    // microseconds: a short poll.
+    while (in_progress && !enqueued()) {
+      past_deadline();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    if (post) post();
+    HostSignalWait signal(stream_, what);
+    for (;;) {
+      const bool ran = signal.wait_until(std::min(deadline, Clock::now() + kSignalPoll));
+      // Every wake (the last one too) looks at the communicator: an abort or
+      // a peer's failure may have cut the collective short.
+      enqueued();
+      const cudaError_t q = cudaStreamQuery(stream());
+      if (q != cudaSuccess && q != cudaErrorNotReady) {
+        throw_cuda_error(q, ("cudaStreamQuery while waiting for " + what).c_str(), __FILE__,
+                         __LINE__);
       }
-      if (++spins < 200) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
+      if (ran || q == cudaSuccess) return;
+      past_deadline();
     }
   }
 

@@ -9,6 +9,7 @@
 
 #include "gpu/cuda_backend.h"
 #include "gpu/cuda_check.h"
+#include "gpu/device_reduce.h"
 #include "gpu/kernels.h"
 
 namespace diststrat {
@@ -85,8 +86,11 @@ class SharedDeviceCommunicator : public Communicator {
   int size() const override { return shared_->n; }
   const CommunicationOptions& options() const override { return options_; }
 
+  // Every dtype and op (device_reduce.h); an unknown one is refused before
+  // the rendezvous, on every rank alike.
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                   const std::string& name) override {
+    check_device_reduce(dtype, op, detail::str_cat("rank ", rank_, " all_reduce '", name, "'"));
     Arrival a{in, out, count, dtype, static_cast<int>(op), -1, "all_reduce", name};
     run(a, [&](const std::vector<Arrival>& all) {
       const int n = shared_->n;
@@ -134,6 +138,8 @@ class SharedDeviceCommunicator : public Communicator {
 
   void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                       const std::string& name) override {
+    check_device_reduce(dtype, op,
+                        detail::str_cat("rank ", rank_, " reduce_scatter '", name, "'"));
     Arrival a{in, out, count, dtype, static_cast<int>(op), -1, "reduce_scatter", name};
     run(a, [&](const std::vector<Arrival>& all) {
       const int n = shared_->n;

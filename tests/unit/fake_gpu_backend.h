@@ -8,7 +8,11 @@
 //    missing wait reads stale memory and fails the test. Host sources of
 //    copies are read at the call (as CUDA stages pageable memory);
 //  - streams: hold(ordinal, stream) keeps a stream's work from running until
-//    release(); the default (null) stream is ordered with the created streams
+//    release(); a destroyed stream's handle goes to the next stream created
+//    (CUDA reuses handle values too), so code that keys anything by the raw
+//    handle mixes the two streams up (Options::reuse_stream_handles); inside,
+//    work is keyed by the stream's identity (stream_id), never by the handle;
+//    the default (null) stream is ordered with the created streams
 //    as CUDA's legacy default stream is with blocking streams, or, with
 //    Options::default_stream_orders_with_streams = false, independent (a
 //    per-thread-default-stream or non-blocking-stream build);
@@ -51,6 +55,7 @@
 #include "diststrat/gpu_lease.h"
 #include "diststrat/nn.h"
 #include "gpu/call_gate.h"
+#include "gpu/device_reduce.h"
 #include "../common/temp_dir.h"
 
 namespace diststrat_test {
@@ -62,6 +67,9 @@ class FakeGpuBackend : public ds::GpuBackend {
   struct Options {
     // CUDA's legacy default stream semantics (what the CUDA backend uses).
     bool default_stream_orders_with_streams = true;
+    // create_stream hands out the handle of the most recently destroyed
+    // stream, as cudaStreamCreate may.
+    bool reuse_stream_handles = true;
   };
 
   // `devices` fake GPUs of `capacity` bytes each.
@@ -93,13 +101,27 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
 
   // ---- test controls ----
+  // release(ordinal, stream) releases the stream that was held under that
+  // handle, even when the handle names a newer stream by now.
   void hold(int ordinal, void* stream) {
     std::lock_guard<std::mutex> lock(mu_);
-    held_.insert({ordinal, stream});
+    const uint64_t id = id_locked(stream);
+    held_.insert({ordinal, id});
+    held_by_handle_[{ordinal, stream}] = id;
   }
   void release(int ordinal, void* stream) {
     std::lock_guard<std::mutex> lock(mu_);
-    held_.erase({ordinal, stream});
+    auto it = held_by_handle_.find({ordinal, stream});
+    if (it != held_by_handle_.end()) {
+      held_.erase({ordinal, it->second});
+      held_by_handle_.erase(it);
+    }
+    run_pending_locked();
+    cv_.notify_all();
+  }
+  // Runs the queued work that nothing holds back now, as a GPU would unasked.
+  void run_ready() {
+    std::lock_guard<std::mutex> lock(mu_);
     run_pending_locked();
     cv_.notify_all();
   }
@@ -159,13 +181,23 @@ class FakeGpuBackend : public ds::GpuBackend {
   void* create_stream(int ordinal) override {
     set_device(ordinal, "cudaSetDevice(ordinal)");
     std::lock_guard<std::mutex> lock(mu_);
-    void* s = reinterpret_cast<void*>(static_cast<uintptr_t>(0x5000 + ++next_stream_));
+    void* s = nullptr;
+    if (options_.reuse_stream_handles && !free_handles_.empty()) {
+      s = free_handles_.back();
+      free_handles_.pop_back();
+      ++stream_handles_reused;
+    } else {
+      s = reinterpret_cast<void*>(static_cast<uintptr_t>(0x5000 + ++next_stream_));
+    }
     stream_device_[s] = ordinal;
+    stream_ids_[s] = ++next_stream_id_;
     return s;
   }
   void destroy_stream(int ordinal, void* stream) override {
     std::lock_guard<std::mutex> lock(mu_);
-    stream_device_.erase(stream);  // queued work still runs, as with cudaStreamDestroy
+    // Queued work still runs (under the old identity), as with cudaStreamDestroy.
+    if (stream_device_.erase(stream)) free_handles_.push_back(stream);
+    stream_ids_.erase(stream);
     ++streams_destroyed;
   }
 
@@ -197,9 +229,10 @@ class FakeGpuBackend : public ds::GpuBackend {
     begin_call(ordinal, stream, "cudaStreamSynchronize");
     ++syncs;
     std::unique_lock<std::mutex> lock(mu_);
-    auto it = last_seq_.find({ordinal, stream});
+    const uint64_t id = id_locked(stream);
+    auto it = last_seq_.find({ordinal, id});
     const long target = it == last_seq_.end() ? -1 : it->second;
-    wait_locked(lock, ordinal, [&](const Op& op) { return op.stream == stream && op.seq <= target; },
+    wait_locked(lock, ordinal, [&](const Op& op) { return op.stream == id && op.seq <= target; },
                 deadline, what);
   }
   void synchronize_device(int ordinal, ds::DeadlineClock::time_point deadline,
@@ -216,6 +249,13 @@ class FakeGpuBackend : public ds::GpuBackend {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = stream_device_.find(stream);
     return it != stream_device_.end() && it->second == ordinal;
+  }
+  uint64_t stream_id(int ordinal, void* stream) override {
+    if (!stream) return 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stream_device_.find(stream);
+    if (it == stream_device_.end() || it->second != ordinal) return kUnknownStream;
+    return stream_ids_.at(stream);
   }
 
   void* create_event(int ordinal) override {
@@ -361,16 +401,17 @@ class FakeGpuBackend : public ds::GpuBackend {
       const std::vector<int>& ordinals, const std::vector<void*>& streams,
       const ds::CommunicationOptions& options) override {
     ++nccl_groups;
-    return group(ordinals, streams, options);
+    return group(ordinals, streams, options, /*nccl=*/true);
   }
   std::vector<std::unique_ptr<ds::Communicator>> shared_device_group(
       const ds::SharedDeviceGroupSpec& spec, const ds::CommunicationOptions& options) override {
     ++shared_groups;
-    return group(std::vector<int>(spec.streams.size(), spec.ordinal), spec.streams, options);
+    return group(std::vector<int>(spec.streams.size(), spec.ordinal), spec.streams, options,
+                 /*nccl=*/false);
   }
 
   std::atomic<int> mallocs{0}, frees{0}, syncs{0}, device_syncs{0}, updates{0}, adam_updates{0},
-      streams_destroyed{0}, copies_to_host{0}, events_recorded{0};
+      streams_destroyed{0}, copies_to_host{0}, events_recorded{0}, stream_handles_reused{0};
   std::atomic<int> nccl_groups{0}, shared_groups{0};
   std::atomic<int> frees_with_pending_work{0}, bad_frees{0}, aborts_during_calls{0};
 
@@ -388,9 +429,16 @@ class FakeGpuBackend : public ds::GpuBackend {
   struct Op {
     long seq;
     int device;
-    void* stream;
+    uint64_t stream;  // the stream's identity (0: the default stream)
     std::function<void()> fn;
   };
+  // The identity of the live stream `stream` names (0 for null; a value no
+  // stream has for a handle that names none).
+  uint64_t id_locked(void* stream) const {
+    if (!stream) return 0;
+    auto it = stream_ids_.find(stream);
+    return it == stream_ids_.end() ? ~uint64_t{0} : it->second;
+  }
 
   static void* tag(void* p) {
     return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | kDeviceTag);
@@ -442,18 +490,19 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
   long enqueue_locked(int ordinal, void* stream, std::function<void()> fn) {
     const long seq = next_seq_++;
-    pending_.push_back(Op{seq, ordinal, stream, std::move(fn)});
-    last_seq_[{ordinal, stream}] = seq;
+    const uint64_t id = id_locked(stream);
+    pending_.push_back(Op{seq, ordinal, id, std::move(fn)});
+    last_seq_[{ordinal, id}] = seq;
     return seq;
   }
   // Runs, in enqueue order, every queued op whose stream is not held and that
   // nothing earlier it must follow is still queued.
   void run_pending_locked() {
-    std::set<std::pair<int, void*>> blocked;
+    std::set<std::pair<int, uint64_t>> blocked;
     std::set<int> busy, legacy_busy;  // devices with a queued op / queued default-stream op
     for (auto it = pending_.begin(); it != pending_.end();) {
-      const std::pair<int, void*> key{it->device, it->stream};
-      const bool legacy = it->stream == nullptr;
+      const std::pair<int, uint64_t> key{it->device, it->stream};
+      const bool legacy = it->stream == 0;
       bool wait = held_.count(key) || blocked.count(key);
       if (!wait && options_.default_stream_orders_with_streams) {
         wait = legacy ? busy.count(it->device) > 0 : legacy_busy.count(it->device) > 0;
@@ -511,15 +560,22 @@ class FakeGpuBackend : public ds::GpuBackend {
   class Forward : public ds::Communicator {
    public:
     Forward(FakeGpuBackend* b, std::shared_ptr<ds::InProcessGroup> g,
-            std::shared_ptr<CommState> st, int r, int ordinal, void* stream)
+            std::shared_ptr<CommState> st, int r, int ordinal, void* stream, bool nccl)
         : b_(b), g_(std::move(g)), st_(std::move(st)), c_(&g_->at(r)), rank_(r),
-          ordinal_(ordinal), stream_(stream) {}
+          ordinal_(ordinal), stream_(stream), nccl_(nccl) {}
     int rank() const override { return c_->rank(); }
     int size() const override { return c_->size(); }
     const ds::CommunicationOptions& options() const override { return c_->options(); }
+    // Reductions decide dtype and op as the real device collectives do
+    // (device_reduce.h): refusals first, then NCCL's plan (integer kMean is a
+    // sum and the library's division) or the shared-device kernel's.
     void all_reduce(const void* in, void* out, size_t n, ds::DType d, ds::ReduceOp op,
                     const std::string& name) override {
-      call(name, [&] { c_->all_reduce(untag(in), untag(out), n, d, op, name); });
+      const ds::gpu::DeviceReducePlan plan = plan_for(d, op, "all_reduce", name);
+      call(name, [&] {
+        c_->all_reduce(untag(in), untag(out), n, d, plan.collective_op, name);
+        if (plan.divide_after) ds::kernels::scale_mean(untag(out), n, d, size());
+      });
     }
     void broadcast(void* buf, size_t n, ds::DType d, int root, const std::string& name) override {
       call(name, [&] { c_->broadcast(untag(buf), n, d, root, name); });
@@ -530,7 +586,11 @@ class FakeGpuBackend : public ds::GpuBackend {
     }
     void reduce_scatter(const void* in, void* out, size_t n, ds::DType d, ds::ReduceOp op,
                         const std::string& name) override {
-      call(name, [&] { c_->reduce_scatter(untag(in), untag(out), n, d, op, name); });
+      const ds::gpu::DeviceReducePlan plan = plan_for(d, op, "reduce_scatter", name);
+      call(name, [&] {
+        c_->reduce_scatter(untag(in), untag(out), n, d, plan.collective_op, name);
+        if (plan.divide_after) ds::kernels::scale_mean(untag(out), n, d, size());
+      });
     }
     void barrier(const std::string& name) override { c_->barrier(name); }
     void abort(const std::string& reason) override {
@@ -545,6 +605,16 @@ class FakeGpuBackend : public ds::GpuBackend {
     }
 
    private:
+    ds::gpu::DeviceReducePlan plan_for(ds::DType d, ds::ReduceOp op, const char* kind,
+                                   const std::string& name) const {
+      const std::string what = "rank " + std::to_string(rank_) + (nccl_ ? " fake NCCL " : " ") +
+                               kind + " '" + name + "'";
+      if (nccl_) return ds::gpu::plan_nccl_reduce(d, op, what);
+      ds::gpu::check_device_reduce(d, op, what);
+      ds::gpu::DeviceReducePlan kernel;  // the kernel reduces every op itself
+      kernel.collective_op = op;
+      return kernel;
+    }
     // The "NCCL call" (enqueue) through the gate, then the wait for the peers.
     template <typename F> void call(const std::string& name, F&& run) {
       b_->synchronize(ordinal_, stream_,
@@ -563,10 +633,11 @@ class FakeGpuBackend : public ds::GpuBackend {
     int rank_;
     int ordinal_;
     void* stream_;
+    bool nccl_;  // NCCL's plan; else the shared-device kernel's
   };
   std::vector<std::unique_ptr<ds::Communicator>> group(const std::vector<int>& ordinals,
                                                        const std::vector<void*>& streams,
-                                                       ds::CommunicationOptions o) {
+                                                       ds::CommunicationOptions o, bool nccl) {
     const int n = static_cast<int>(ordinals.size());
     // Stands in for NCCL / the device kernel, whatever algorithm names them.
     o.algorithm = ds::Algorithm::kAuto;
@@ -575,7 +646,7 @@ class FakeGpuBackend : public ds::GpuBackend {
     std::vector<std::unique_ptr<ds::Communicator>> out;
     for (int r = 0; r < n; ++r) {
       out.push_back(std::make_unique<Forward>(this, g, st, r, ordinals[static_cast<size_t>(r)],
-                                              streams[static_cast<size_t>(r)]));
+                                              streams[static_cast<size_t>(r)], nccl));
     }
     return out;
   }
@@ -587,11 +658,15 @@ class FakeGpuBackend : public ds::GpuBackend {
   std::condition_variable cv_;
   std::vector<size_t> used_;
   std::map<void*, std::pair<int, size_t>> sizes_;  // untagged -> (ordinal, bytes)
-  std::map<void*, int> stream_device_;
+  std::map<void*, int> stream_device_;  // live streams
+  std::map<void*, uint64_t> stream_ids_;  // live streams' identities
+  std::vector<void*> free_handles_;       // of destroyed streams, for reuse
+  uint64_t next_stream_id_ = 0;
   std::map<void*, long> events_;  // -> seq of the mark (-1: never recorded)
   std::deque<Op> pending_;
-  std::map<std::pair<int, void*>, long> last_seq_;
-  std::set<std::pair<int, void*>> held_;
+  std::map<std::pair<int, uint64_t>, long> last_seq_;
+  std::set<std::pair<int, uint64_t>> held_;
+  std::map<std::pair<int, void*>, uint64_t> held_by_handle_;
   std::string device_error_;
   long next_seq_ = 0;
   long next_stream_ = 0;
