@@ -302,6 +302,10 @@ class Optimizer {
                      int64_t step, float scale) const;
   void update_now(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
                   int64_t step) const;
+  // device_training.cc: a step's held updates of GPU variables, transformed
+  // (unscaled, checked, clipped) by one launch each and applied.
+  struct DeviceStep;
+  void flush_on_device(DeviceStep& step) const;
 
   Strategy* strategy_;
   Variable iterations_;

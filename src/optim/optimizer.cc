@@ -9,6 +9,8 @@
 
 #include "core/device_scope.h"
 #include "core/user_text.h"
+#include "optim/device_training.h"
+#include "optim/optimizer_state.h"
 
 namespace diststrat {
 
@@ -124,36 +126,6 @@ float LearningRateSchedule::learning_rate(float base, int64_t iterations) const 
   }
   return base;
 }
-
-// Updates of one apply_gradients call held back, per calling thread (a
-// replica's thread, or local replica 0's during a merge_call), until the last
-// one arrives and the global norm is known.
-struct Optimizer::Held {
-  struct Update {
-    Tensor var, grad;
-    std::vector<Tensor> slots;
-    int64_t step;
-  };
-  struct Batch {
-    size_t expected = 0;
-    std::vector<Update> updates;
-    bool flushed = false;
-    double norm = std::numeric_limits<double>::quiet_NaN();
-    // Loss scaling: this replica's copies of the state, and the decision.
-    Tensor scale, good, skipped_count;
-    float scale_value = 1.0f;
-    bool skipped = false;
-    // ZeRO-1: this replica holds a block of the gradients; sums one double
-    // over every replica (set by apply_sharded).
-    std::function<double(double)> sum_across;
-  };
-  std::mutex mu;
-  std::map<std::thread::id, Batch> batches;
-  // The norm of the latest flush: what a replica reports whose updates ran
-  // on another thread (CentralStorage's replicas other than 0).
-  double last_norm = std::numeric_limits<double>::quiet_NaN();
-  bool last_skipped = false;
-};
 
 // Each local replica's gradient sums of the micro-batches so far.
 struct Optimizer::Accumulator {
@@ -317,11 +289,8 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
   auto& acc = sums->grads_and_vars;
   if (sums->count == 0) {
     acc.clear();
-    for (const auto& [g, v] : grads_and_vars) {
-      DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, name(), ": gradient accumulation of ",
-                      g.debug_string(), " for '", echo(v.name()), "': host gradients only");
-      acc.emplace_back(g.clone(), v);
-    }
+    for (const auto& [g, v] : grads_and_vars) acc.emplace_back(g.device().is_cpu() ? g.clone() : Tensor(), v);
+    accumulate_on_device(acc, grads_and_vars, /*first=*/true);
   } else {
     DISTSTRAT_CHECK(acc.size() == grads_and_vars.size(), kInvalidArgument,
                     "apply_gradients: replica ", ctx.replica_id(), " passed ", grads_and_vars.size(),
@@ -333,12 +302,16 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
                       "apply_gradients: replica ", ctx.replica_id(), " passed variable '", echo(v.name()),
                       "' at position ", k, " of micro-batch ", sums->count + 1, " where the first had '",
                       echo(acc[k].second.name()), "'");
-      DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, name(), ": gradient accumulation of ",
-                      g.debug_string(), " for '", echo(v.name()), "': host gradients only");
+      DISTSTRAT_CHECK(g.device() == acc[k].first.device(), kInvalidArgument, "apply_gradients: replica ",
+                      ctx.replica_id(), " passed gradient ", g.debug_string(), " of '", echo(v.name()),
+                      "' in micro-batch ", sums->count + 1, " where the first was on ",
+                      acc[k].first.device().to_string());
+      if (g.device().is_gpu()) continue;  // below, one launch for all
       float* dst = acc[k].first.data<float>();
       const float* src = g.data<float>();
       for (int64_t i = 0, n = g.num_elements(); i < n; ++i) dst[i] += src[i];
     }
+    accumulate_on_device(acc, grads_and_vars, /*first=*/false);
   }
   ApplyResult result;
   if (++sums->count < accumulation_steps_) {
@@ -374,17 +347,24 @@ ApplyResult Optimizer::reduce_and_update(
                   "apply_gradients: loss scaling under ParameterServerStrategy (each push is "
                   "applied on its own by the parameter servers; workers cannot agree to skip a step)");
   ApplyResult result;
-  if (clipping_.global_norm <= 0 && !loss_scaling()) {
+  // This replica's copy of a variable (CentralStorage: the one host copy).
+  const auto local_copy = [&](const Variable& v) -> const Tensor& {
+    const std::vector<Tensor>& copies = v.impl().copies;
+    return copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
+  };
+  // Device variables hold every clipped step (the transform is one launch
+  // over the step's gradients, device_training.cc).
+  bool device_vars = false;
+  for (const auto& gv : grads_and_vars) device_vars = device_vars || local_copy(gv.second).device().is_gpu();
+  if (clipping_.global_norm <= 0 && !loss_scaling() && !(clipping && device_vars)) {
     ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
     return result;
   }
   const std::thread::id me = std::this_thread::get_id();
-  // This replica's copy of a state variable (CentralStorage: the one host copy).
-  const auto local_copy = [&](const Variable& v) {
-    const std::vector<Tensor>& copies = v.impl().copies;
-    const Tensor& t = copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
-    DISTSTRAT_CHECK(t.device().is_cpu(), kUnimplemented, name(), ": loss scaling with '", echo(v.name()),
-                    "' on ", t.device().to_string(), ": host variables only");
+  const auto host_copy = [&](const Variable& v) {
+    const Tensor& t = local_copy(v);
+    DISTSTRAT_CHECK(t.device().is_cpu(), kInternal, name(), ": loss-scaling counter '", echo(v.name()),
+                    "' on ", t.device().to_string(), " (integer variables live in host memory)");
     return t;
   };
   {
@@ -393,10 +373,12 @@ ApplyResult Optimizer::reduce_and_update(
     b = Held::Batch{};
     b.expected = grads_and_vars.size();
     if (loss_scaling()) {
+      // A GPU replica's scale is device memory: the flush reads it with the
+      // step's sums (one read per step), and writes the next one there.
       b.scale = local_copy(loss_scale_);
-      b.good = local_copy(good_steps_);
-      b.skipped_count = local_copy(skipped_steps_);
-      b.scale_value = b.scale.data<float>()[0];
+      b.good = host_copy(good_steps_);
+      b.skipped_count = host_copy(skipped_steps_);
+      if (b.scale.device().is_cpu()) b.scale_value = b.scale.data<float>()[0];
       result.loss_scale = b.scale_value;
     }
   }
@@ -415,11 +397,12 @@ ApplyResult Optimizer::reduce_and_update(
     held_->batches.erase(it);
     result.global_norm = mine.flushed ? mine.norm : held_->last_norm;
     result.skipped = mine.flushed ? mine.skipped : held_->last_skipped;
+    if (mine.flushed && loss_scaling()) result.loss_scale = mine.scale_value;
   }
   const std::vector<Tensor>& iter_copies = iterations_.impl().copies;
   if (result.skipped && (iter_copies.size() > 1 || ctx.local_replica_id() == 0)) {
     // The strategy counted the step; a skipped step is not one.
-    local_copy(iterations_).data<int64_t>()[0] -= 1;
+    host_copy(iterations_).data<int64_t>()[0] -= 1;
   }
   DISTSTRAT_CHECK(mine.updates.empty(), kInternal, "apply_gradients: strategy '",
                   ctx.strategy().name(), "' updated ", mine.updates.size(), " of ",
@@ -455,8 +438,11 @@ float Optimizer::loss_scale(ReplicaContext& ctx) const {
   if (!loss_scaling()) return 1.0f;
   const std::vector<Tensor>& copies = loss_scale_.impl().copies;
   const Tensor& t = copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
-  DISTSTRAT_CHECK(t.device().is_cpu(), kUnimplemented, name(), ": loss scale on ",
-                  t.device().to_string(), ": host variables only");
+  if (t.device().is_gpu()) {
+    Tensor host(Shape{}, DType::kFloat32);
+    host.copy_from(t);  // after the replica's queued work (the last step's update of it)
+    return host.data<float>()[0];
+  }
   return t.data<float>()[0];
 }
 
@@ -486,29 +472,42 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
     update_now(var, grad, slots, step);
     return;
   }
-  DISTSTRAT_CHECK(grad.device().is_cpu() && grad.dtype() == DType::kFloat32, kUnimplemented,
-                  name(), ": gradient clipping or loss scaling of ", grad.debug_string(),
-                  ": they run on float32 host gradients only");
-  if (clipping_.global_norm <= 0 && !loss_scaling()) {
+  // Device gradients: the step's updates are held and transformed together
+  // (device_training.cc), one launch per step instead of one per tensor.
+  const bool on_device = grad.device().is_gpu();
+  DISTSTRAT_CHECK(grad.dtype() == DType::kFloat32, kUnimplemented, name(),
+                  ": gradient clipping or loss scaling of ", grad.debug_string(),
+                  ": they run on float32 gradients only");
+  const bool whole_step = clipping_.global_norm > 0 || loss_scaling();
+  if (!whole_step && !on_device) {
     apply_clipped(var, grad, slots, step, 1.0f);
     return;
   }
+  Held::Update update{var, grad, {}, step};
+  for (Tensor* t : slots) update.slots.push_back(*t);
   std::vector<Held::Update> ready;
-  Held::Batch* batch;  // this thread's; only this thread touches its fields
+  Held::Batch* batch = nullptr;  // this thread's; only this thread touches its fields
   {
     std::lock_guard<std::mutex> lock(held_->mu);
     auto it = held_->batches.find(std::this_thread::get_id());
-    DISTSTRAT_CHECK(it != held_->batches.end(), kFailedPrecondition, name(),
+    DISTSTRAT_CHECK(it != held_->batches.end() || !whole_step, kFailedPrecondition, name(),
                     ": clip_by_global_norm / loss scaling: update of ", var.debug_string(),
                     " outside apply_gradients (they need every gradient of the step)");
-    Held::Batch& b = it->second;
-    Held::Update u{var, grad, {}, step};
-    for (Tensor* t : slots) u.slots.push_back(*t);
-    b.updates.push_back(std::move(u));
-    if (b.updates.size() < b.expected) return;
-    ready = std::move(b.updates);
-    b.updates.clear();
-    batch = &b;
+    if (it != held_->batches.end()) {
+      Held::Batch& b = it->second;
+      b.updates.push_back(std::move(update));
+      if (b.updates.size() < b.expected) return;
+      ready = std::move(b.updates);
+      b.updates.clear();
+      batch = &b;
+    } else {
+      ready.push_back(std::move(update));  // per-tensor clipping of a lone device update
+    }
+  }
+  if (ready.front().grad.device().is_gpu()) {
+    DeviceStep device_step{ready, batch};
+    flush_on_device(device_step);
+    return;
   }
   bool skip = false;
   if (loss_scaling()) {
@@ -525,32 +524,16 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
       h.grad = g;
     }
   }
-  double norm = std::numeric_limits<double>::quiet_NaN();
-  if (batch->sum_across) {
-    // ZeRO-1: each replica holds a block of every gradient, so the norm and
-    // the non-finite decision are sums over the replicas: one scalar (the
-    // squared norm of this block, infinite when loss scaling found a
-    // non-finite element here; without clipping, a 0/1 flag).
-    const bool by_norm = clipping_.global_norm > 0;
-    double local = skip ? 1.0 : 0.0;
-    if (by_norm) {
-      local = 0;
-      for (const Held::Update& h : ready) local += sum_of_squares(h.grad);
-      if (skip) local = std::numeric_limits<double>::infinity();
-    }
-    const double total = batch->sum_across(local);
-    if (by_norm) {
-      if (loss_scaling()) skip = !std::isfinite(total);
-      if (!skip) norm = std::sqrt(total);
-    } else {
-      skip = total > 0;
-    }
-  } else if (clipping_.global_norm > 0 && !skip) {
-    // In call order, so every replica sums in the same order: the same norm.
-    norm = 0;
-    for (const Held::Update& h : ready) norm += sum_of_squares(h.grad);
-    norm = std::sqrt(norm);
-  }
+  const optim_detail::StepDecision d = optim_detail::decide_step(
+      loss_scaling(), clipping_.global_norm > 0, skip,
+      [&] {
+        double sum = 0;
+        for (const Held::Update& h : ready) sum += sum_of_squares(h.grad);
+        return sum;
+      },
+      batch->sum_across);
+  skip = d.skip;
+  const double norm = d.norm;
   {
     std::lock_guard<std::mutex> lock(held_->mu);
     batch->flushed = true;
@@ -561,18 +544,10 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
   }
   if (loss_scaling()) {
     float& scale = batch->scale.data<float>()[0];
-    int64_t& good = batch->good.data<int64_t>()[0];
-    if (skip) {
-      scale = std::max(1.0f, scale / loss_scale_options_.multiplier);
-      good = 0;
-      ++batch->skipped_count.data<int64_t>()[0];
-      return;
-    }
-    if (++good >= loss_scale_options_.growth_interval) {
-      const float grown = scale * loss_scale_options_.multiplier;
-      if (std::isfinite(grown)) scale = grown;
-      good = 0;
-    }
+    scale = optim_detail::next_loss_scale(loss_scale_options_, scale, skip,
+                                          batch->good.data<int64_t>()[0],
+                                          batch->skipped_count.data<int64_t>()[0]);
+    if (skip) return;
   }
   float scale = 1.0f;
   if (clipping_.global_norm > 0) {

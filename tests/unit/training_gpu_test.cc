@@ -1,0 +1,265 @@
+// The optimizer's training features on GPU variables (issue 24 item 10), on
+// the fake GPU backend: gradient clipping (global norm, per-tensor norm,
+// value), dynamic loss scaling with a step skipped on inf, gradient
+// accumulation, and their combination, under MirroredStrategy with two fake
+// GPUs against the same training on two CPU replicas. The fake runs the
+// device kernels with the host path's arithmetic and summation order, so the
+// runs agree bit for bit; each step's transform is a fixed number of list
+// launches (not one per tensor) and at most one device -> host read.
+// Compiles to nothing in a tree without the fake backend.
+#if __has_include("fake_gpu_backend.h")
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "../common/temp_dir.h"
+#include "../common/zero_cases.h"
+#include "diststrat/device_manager.h"
+#include "diststrat/diststrat.h"
+#include "fake_gpu_backend.h"
+
+namespace ds = diststrat;
+namespace zc = ds::zero_cases;
+using diststrat_test::FakeGpuBackend;
+using diststrat_test::LeaseDir;
+
+namespace {
+
+struct Config {
+  ds::GradientClipping clip;
+  bool loss_scale = false;
+  int accumulate = 1;
+  bool adam = false;
+  int steps = 6;      // updates
+  int64_t poison = -1;  // loss scaling: the micro-batch whose gradient on replica 1 gets an inf
+  bool zero = false;  // ZeRO-1
+};
+
+struct TrainRun {
+  std::vector<ds::Tensor> weights;
+  std::vector<double> norms;  // ApplyResult::global_norm of replica 0, per micro-batch
+  std::vector<bool> skipped, applied;
+  std::vector<float> scales;
+  int64_t iterations = 0, skipped_steps = 0;
+  float final_scale = 0;
+  int launches = 0;  // the fake's training-feature list launches
+  int updates = 0;   // its update kernels
+};
+
+// A fresh fake-GPU MirroredStrategy (2 GPUs) or a CPU one (2 replicas).
+struct TrainSetup {
+  explicit TrainSetup(bool gpu, bool zero = false) {
+    ds::MirroredOptions o;
+    o.shard_optimizer_state = zero;
+    o.communication.timeout = std::chrono::seconds(60);
+    if (gpu) {
+      auto backend = std::make_unique<FakeGpuBackend>(2);
+      fake = backend.get();
+      ds::GpuOptions g;
+      g.lease = dir.options();
+      o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+      o.device_manager = std::make_shared<ds::DeviceManager>(g, std::move(backend));
+    } else {
+      o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+    }
+    strategy = std::make_unique<ds::MirroredStrategy>(o);
+  }
+  ~TrainSetup() { strategy.reset(); }  // releases the leases before the directory goes
+  LeaseDir dir;
+  FakeGpuBackend* fake = nullptr;
+  std::unique_ptr<ds::MirroredStrategy> strategy;
+};
+
+// Host gradient for the replica from the host value of its copy (read back
+// from the device on GPUs), put where the replica computes.
+ds::Tensor gradient(ds::ReplicaContext& ctx, const ds::Variable& v, size_t k, int64_t m, float scale,
+                    bool poison) {
+  ds::Tensor w(v.shape(), ds::DType::kFloat32);
+  w.copy_from(v.read(ctx));
+  ds::Tensor g = zc::replica_grad(w, k, m, ctx.replica_id(), ctx.num_replicas_in_sync());
+  float* p = g.data<float>();
+  for (int64_t i = 0; i < g.num_elements(); ++i) p[i] *= scale;
+  if (poison && k == 0) p[0] = INFINITY;
+  ds::Tensor out(v.shape(), ds::DType::kFloat32, ctx.device());
+  out.copy_from(g);
+  return out;
+}
+
+TrainRun train(TrainSetup& s, const Config& c, const std::function<void(ds::Optimizer&)>& after = nullptr) {
+  ds::Strategy& strategy = *s.strategy;
+  auto vars = zc::create_model(strategy);
+  auto opt = zc::make_optimizer(strategy, c.adam);
+  opt->set_clipping(c.clip);
+  if (c.loss_scale) opt->enable_loss_scaling({1024.0f, 2, 2.0f});
+  opt->set_accumulation_steps(c.accumulate);
+  TrainRun run;
+  std::mutex mu;
+  for (int64_t m = 0; m < int64_t(c.steps) * c.accumulate; ++m) {
+    strategy.run([&](ds::ReplicaContext& ctx) {
+      const float scale = opt->loss_scale(ctx);
+      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+      for (size_t k = 0; k < vars.size(); ++k) {
+        gv.emplace_back(gradient(ctx, vars[k], k, m, scale, m == c.poison && ctx.replica_id() == 1),
+                        vars[k]);
+      }
+      const ds::ApplyResult r = opt->apply_gradients(ctx, gv);
+      if (ctx.replica_id() != 0) return;
+      std::lock_guard<std::mutex> lock(mu);
+      run.norms.push_back(r.global_norm);
+      run.skipped.push_back(r.skipped);
+      run.applied.push_back(r.applied);
+      run.scales.push_back(r.loss_scale);
+    });
+  }
+  for (const ds::Variable& v : vars) {
+    run.weights.push_back(v.value());
+    // Both replicas' copies (from the device), bit-identical.
+    ds::Tensor other(v.shape(), ds::DType::kFloat32);
+    strategy.run([&](ds::ReplicaContext& ctx) {
+      if (ctx.replica_id() == 1) other.copy_from(v.read(ctx));
+    });
+    EXPECT_EQ(0, std::memcmp(other.data(), run.weights.back().data(), other.nbytes())) << v.name();
+  }
+  run.iterations = opt->iterations().value().data<int64_t>()[0];
+  run.skipped_steps = opt->skipped_steps();
+  if (c.loss_scale) run.final_scale = strategy.variable("optimizer/loss_scale").value().data<float>()[0];
+  if (after) after(*opt);
+  if (s.fake) {
+    run.launches = s.fake->training_launches.load();
+    run.updates = s.fake->updates.load();
+  }
+  return run;
+}
+
+void expect_same(const TrainRun& gpu, const TrainRun& cpu) {
+  ASSERT_EQ(gpu.weights.size(), cpu.weights.size());
+  for (size_t k = 0; k < cpu.weights.size(); ++k) {
+    EXPECT_EQ(0, std::memcmp(gpu.weights[k].data(), cpu.weights[k].data(), cpu.weights[k].nbytes()))
+        << "variable " << k << " differs by " << zc::max_diff({gpu.weights[k]}, {cpu.weights[k]});
+  }
+  ASSERT_EQ(gpu.norms.size(), cpu.norms.size());
+  for (size_t i = 0; i < cpu.norms.size(); ++i) {
+    if (std::isnan(cpu.norms[i])) {
+      EXPECT_TRUE(std::isnan(gpu.norms[i])) << "micro-batch " << i;
+    } else {
+      EXPECT_EQ(gpu.norms[i], cpu.norms[i]) << "micro-batch " << i;
+    }
+  }
+  EXPECT_EQ(gpu.skipped, cpu.skipped);
+  EXPECT_EQ(gpu.applied, cpu.applied);
+  EXPECT_EQ(gpu.scales, cpu.scales);
+  EXPECT_EQ(gpu.iterations, cpu.iterations);
+  EXPECT_EQ(gpu.skipped_steps, cpu.skipped_steps);
+  EXPECT_EQ(gpu.final_scale, cpu.final_scale);
+}
+
+TrainRun run_on(bool gpu, const Config& c) {
+  TrainSetup s(gpu, c.zero);
+  return train(s, c);
+}
+
+}  // namespace
+
+TEST(TrainingOnFakeGpus, ClippingByGlobalNormNormAndValueMatchesCpuBitForBit) {
+  struct Case {
+    const char* name;
+    ds::GradientClipping clip;
+    int launches_per_step;  // per replica: sums + transform, or the transform alone
+  };
+  const Case cases[] = {{"global_norm", {0.2f, 0, 0}, 2}, {"norm", {0, 0.05f, 0}, 2},
+                        {"value", {0, 0, 0.01f}, 1}};
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    Config c;
+    c.clip = k.clip;
+    const TrainRun cpu = run_on(false, c);
+    const TrainRun gpu = run_on(true, c);
+    expect_same(gpu, cpu);
+    EXPECT_EQ(gpu.launches, c.steps * 2 * k.launches_per_step);  // not one per tensor
+    EXPECT_EQ(gpu.updates, c.steps * 2 * 3);
+    if (k.clip.global_norm > 0) {
+      for (double n : gpu.norms) EXPECT_GT(n, 0.2) << "the test must really clip";
+    }
+  }
+}
+
+TEST(TrainingOnFakeGpus, LossScalingSkipsTheStepWithAnInfOnEveryReplicaLikeTheCpu) {
+  for (bool adam : {false, true}) {
+    SCOPED_TRACE(adam ? "adam" : "sgd momentum");
+    Config c;
+    c.loss_scale = true;
+    c.adam = adam;
+    c.poison = 3;
+    const TrainRun cpu = run_on(false, c);
+    const TrainRun gpu = run_on(true, c);
+    expect_same(gpu, cpu);
+    ASSERT_EQ(gpu.skipped.size(), 6u);
+    EXPECT_TRUE(gpu.skipped[3]);
+    EXPECT_EQ(gpu.skipped_steps, 1);
+    EXPECT_EQ(gpu.iterations, 5);
+    // 1024, 1024, 2048 (grown), 2048 (skipped), 1024, 1024; 2048 at the end.
+    EXPECT_EQ(gpu.scales, (std::vector<float>{1024, 1024, 2048, 2048, 1024, 1024}));
+    EXPECT_EQ(gpu.final_scale, 2048.0f);
+    // Per replica and step: the sums, then the unscaling (not on the skipped step).
+    EXPECT_EQ(gpu.launches, 2 * (2 * 6 - 1));
+    EXPECT_EQ(gpu.updates, 2 * 5 * 3);
+  }
+}
+
+TEST(TrainingOnFakeGpus, AccumulationOverKMicroBatchesMatchesCpuWithOneLaunchEach) {
+  Config c;
+  c.accumulate = 3;
+  c.steps = 4;
+  const TrainRun cpu = run_on(false, c);
+  const TrainRun gpu = run_on(true, c);
+  expect_same(gpu, cpu);
+  ASSERT_EQ(gpu.applied.size(), 12u);
+  for (size_t i = 0; i < gpu.applied.size(); ++i) EXPECT_EQ(gpu.applied[i], i % 3 == 2) << i;
+  EXPECT_EQ(gpu.iterations, 4);
+  EXPECT_EQ(gpu.launches, 2 * 12);  // one accumulate launch per replica and micro-batch
+  EXPECT_EQ(gpu.updates, 2 * 4 * 3);
+}
+
+TEST(TrainingOnFakeGpus, LossScalingGlobalNormAndAccumulationTogetherMatchCpu) {
+  Config c;
+  c.adam = true;
+  c.loss_scale = true;
+  c.clip.global_norm = 0.3f;
+  c.accumulate = 2;
+  c.steps = 5;
+  c.poison = 5;  // the second micro-batch of update 2: the inf reaches the sums
+  const TrainRun cpu = run_on(false, c);
+  const TrainRun gpu = run_on(true, c);
+  expect_same(gpu, cpu);
+  EXPECT_TRUE(gpu.skipped[5]);
+  EXPECT_EQ(gpu.skipped_steps, 1);
+  EXPECT_EQ(gpu.iterations, 4);
+}
+
+// The loss scale lives in device memory on GPU replicas: a checkpoint saves
+// the current value and a restore on fresh GPUs continues with it.
+TEST(TrainingOnFakeGpus, LossScaleStateOnTheDeviceIsCheckpointed) {
+  const diststrat_test::TempDir tmp("diststrat-train-gpu-");
+  const std::string path = tmp / "ls.safetensors";
+  Config c;
+  c.loss_scale = true;
+  c.poison = 3;
+  c.steps = 5;
+  TrainSetup a(true);
+  const TrainRun ran = train(a, c, [&](ds::Optimizer& opt) { ds::Checkpoint(*a.strategy, {&opt}).save(path); });
+  TrainSetup b(true);
+  auto vars = zc::create_model(*b.strategy);
+  auto opt = zc::make_optimizer(*b.strategy, false);
+  opt->enable_loss_scaling({1024.0f, 2, 2.0f});
+  ds::Checkpoint(*b.strategy, {opt.get()}).restore(path);
+  EXPECT_EQ(opt->skipped_steps(), 1);
+  b.strategy->run([&](ds::ReplicaContext& ctx) { EXPECT_EQ(opt->loss_scale(ctx), ran.final_scale); });
+  EXPECT_TRUE(opt->iterations().value().data<int64_t>()[0] == ran.iterations);
+}
+
+#endif  // __has_include("fake_gpu_backend.h")
