@@ -146,48 +146,6 @@ double sum_of_squares(const Tensor& g) {
 }
 }  // namespace
 
-// ZeRO-1 state: the flat layout of the sharded variables and, per local
-// replica, its block's slots and the step's staging buffers.
-struct Optimizer::Zero {
-  struct Local {
-    int64_t begin = 0, end = 0;  // this replica's block [begin, end) of the flat vector
-    std::vector<std::vector<Tensor>> slots;  // [variable][slot]: its piece of the block
-    Tensor flat;      // R * B: this replica's gradients laid end to end (zero tail)
-    Tensor grads;     // B: the reduced gradients of the block
-    Tensor values;    // B: the block of the variables, updated here
-    Tensor gathered;  // R * B: every replica's updated block
-  };
-  mutable std::mutex mu;  // guards planning; afterwards each replica touches only its Local
-  bool planned = false;
-  std::vector<Variable> vars;    // creation order
-  std::vector<int64_t> offsets;  // of each variable in the flat vector
-  int64_t total = 0;             // N
-  int64_t block = 1;             // B = ceil(N / R), at least 1
-  int replicas = 1;              // R
-  std::vector<std::string> slot_names;
-  std::vector<Local> locals;
-
-  int64_t size(size_t k) const { return vars[k].shape().num_elements(); }
-  // Variable k's piece of a block: flat range [lo, hi), possibly empty.
-  std::pair<int64_t, int64_t> piece(size_t k, const Local& l) const {
-    const int64_t lo = std::min(std::max(offsets[k], l.begin), l.end);
-    const int64_t hi = std::max(lo, std::min(offsets[k] + size(k), l.end));
-    return {lo, hi};
-  }
-  int find(const Variable::Impl* v) const {
-    for (size_t k = 0; k < vars.size(); ++k) {
-      if (&vars[k].impl() == v) return static_cast<int>(k);
-    }
-    return -1;
-  }
-  int find_slot(const std::string& s) const {
-    for (size_t i = 0; i < slot_names.size(); ++i) {
-      if (slot_names[i] == s) return static_cast<int>(i);
-    }
-    return -1;
-  }
-};
-
 Optimizer::Optimizer(Strategy& strategy)
     : strategy_(&strategy),
       held_(std::make_shared<Held>()),
@@ -226,6 +184,9 @@ Tensor widen_to_float32(const Tensor& g) {
   }
   return out;
 }
+}  // namespace
+
+namespace optim_detail {
 // A variable passed twice in one call is an error (it would be updated twice,
 // or, sharded, laid out twice), as in every strategy's reduction the
 // gradients of one variable must be summed by the caller.
@@ -246,7 +207,7 @@ void check_each_variable_once(const std::string& where,
                     "); sum its gradients and pass it once");
   }
 }
-}  // namespace
+}  // namespace optim_detail
 
 ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
                                        const std::vector<std::pair<Tensor, Variable>>& given) {
@@ -264,7 +225,7 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
     widened[k].first = widen_to_float32(g);
   }
   const std::vector<std::pair<Tensor, Variable>>& grads_and_vars = widened.empty() ? given : widened;
-  check_each_variable_once(where, grads_and_vars);
+  optim_detail::check_each_variable_once(where, grads_and_vars);
   for (size_t k = 0; k < grads_and_vars.size(); ++k) {
     const auto& [g, v] = grads_and_vars[k];
     DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument, where, ": undefined ",
@@ -613,251 +574,6 @@ void Optimizer::update_now(Tensor& var, const Tensor& grad, const std::vector<Te
   }
   update(var.data<float>(), grad.data<float>(), slot_ptrs.data(),
          static_cast<size_t>(var.num_elements()), step);
-}
-
-// ---- ZeRO-1 -------------------------------------------------------------------
-
-void Optimizer::apply_sharded(ReplicaContext& ctx,
-                              const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
-                              const ShardedCollectives& collectives) {
-  const int local = ctx.local_replica_id();
-  const std::string where = name() + ": sharded optimizer state (ZeRO-1), replica " +
-                            std::to_string(ctx.replica_id());
-  DISTSTRAT_CHECK(clipping_.norm <= 0, kUnimplemented, where,
-                  ": per-tensor clip_by_norm (each replica holds a piece of each gradient); use "
-                  "clip_by_global_norm or clip_by_value");
-  // Creation order: the same on every replica and worker whatever order the
-  // caller passed.
-  std::vector<size_t> order(grads_and_vars.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return grads_and_vars[a].second.impl().creation_index < grads_and_vars[b].second.impl().creation_index;
-  });
-  // A variable passed twice would be laid out twice: two pieces with their
-  // own slots, the second overwriting the first in the all-gather.
-  check_each_variable_once(where, grads_and_vars);
-  for (size_t i : order) {
-    const auto& [g, v] = grads_and_vars[i];
-    const Tensor& copy = v.impl().copies.at(static_cast<size_t>(local));
-    DISTSTRAT_CHECK(g.device().is_cpu() && copy.device().is_cpu(), kUnimplemented, where,
-                    ": variable '", echo(v.name()), "' or its gradient is not in host memory (",
-                    g.debug_string(), "); sharded optimizer state runs on CPU replicas only");
-  }
-  Zero& z = *zero_;
-  {
-    std::lock_guard<std::mutex> lock(z.mu);
-    if (!z.planned) {
-      // The first local replica to arrive lays the state out for all of them.
-      for (size_t i : order) z.vars.push_back(grads_and_vars[i].second);
-      for (size_t k = 0; k < z.vars.size(); ++k) {
-        z.offsets.push_back(z.total);
-        z.total += z.size(k);
-      }
-      z.replicas = ctx.num_replicas_in_sync();
-      z.block = std::max<int64_t>(1, (z.total + z.replicas - 1) / z.replicas);
-      z.slot_names = slot_names();
-      const int first = ctx.replica_id() - local;
-      const int num_local = strategy_->num_local_replicas();
-      const int64_t R = z.replicas, B = z.block;
-      z.locals.resize(static_cast<size_t>(num_local));
-      for (int l = 0; l < num_local; ++l) {
-        Zero::Local& L = z.locals[static_cast<size_t>(l)];
-        const int64_t g = first + l;
-        L.begin = std::min(z.total, g * B);
-        L.end = std::min(z.total, (g + 1) * B);
-        L.flat = Tensor(Shape{R * B}, DType::kFloat32);
-        L.gathered = Tensor(Shape{R * B}, DType::kFloat32);
-        L.grads = Tensor(Shape{B}, DType::kFloat32);
-        L.values = Tensor(Shape{B}, DType::kFloat32);
-        L.slots.resize(z.vars.size());
-        for (size_t k = 0; k < z.vars.size(); ++k) {
-          const auto [lo, hi] = z.piece(k, L);
-          Variable::Impl& var = z.vars[k].impl();
-          std::lock_guard<std::mutex> slots_lock(var.slots_mu);
-          for (const std::string& s : z.slot_names) {
-            Tensor t(Shape{hi - lo}, DType::kFloat32);  // zero-filled
-            auto full = var.slots.find(s);
-            if (full != var.slots.end() && static_cast<size_t>(l) < full->second.size() && hi > lo) {
-              // Full slots (restored from a checkpoint before the first step): keep the block.
-              const Tensor& src = full->second[static_cast<size_t>(l)];
-              DISTSTRAT_CHECK(src.device().is_cpu(), kUnimplemented, where, ": slot '", s, "' of '",
-                              echo(var.name), "' is not in host memory");
-              std::memcpy(t.data(), src.data<float>() + (lo - z.offsets[k]),
-                          static_cast<size_t>(hi - lo) * sizeof(float));
-            }
-            L.slots[k].push_back(t);
-          }
-        }
-      }
-      // The full copies are not needed any more: the blocks hold the state.
-      for (Variable& v : z.vars) {
-        Variable::Impl& var = v.impl();
-        std::lock_guard<std::mutex> slots_lock(var.slots_mu);
-        for (const std::string& s : z.slot_names) var.slots.erase(s);
-      }
-      z.planned = true;
-    }
-    DISTSTRAT_CHECK(z.replicas == ctx.num_replicas_in_sync(), kInternal, where,
-                    ": replicas in sync changed");
-    bool same = z.vars.size() == order.size();
-    for (size_t k = 0; same && k < order.size(); ++k) {
-      same = z.vars[k].impl_ptr() == grads_and_vars[order[k]].second.impl_ptr();
-    }
-    DISTSTRAT_CHECK(same, kUnimplemented, where, ": apply_gradients with other variables (",
-                    order.size(), ") than this optimizer's first call (", z.vars.size(),
-                    "); sharded state needs the same variables in every call (use one optimizer "
-                    "per set of variables)");
-  }
-  Zero::Local& L = z.locals[static_cast<size_t>(local)];
-  // Gradients laid end to end; the padding after N stays zero.
-  float* flat = L.flat.data<float>();
-  for (size_t k = 0; k < order.size(); ++k) {
-    const Tensor& g = grads_and_vars[order[k]].first;
-    if (z.size(k)) std::memcpy(flat + z.offsets[k], g.data(), static_cast<size_t>(z.size(k)) * sizeof(float));
-  }
-  collectives.reduce_scatter(L.flat, L.grads);
-  float* values = L.values.data<float>();
-  float* grads = L.grads.data<float>();
-  for (size_t k = 0; k < z.vars.size(); ++k) {
-    const auto [lo, hi] = z.piece(k, L);
-    if (hi > lo) {
-      std::memcpy(values + (lo - L.begin),
-                  z.vars[k].impl().copies[static_cast<size_t>(local)].data<float>() + (lo - z.offsets[k]),
-                  static_cast<size_t>(hi - lo) * sizeof(float));
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(held_->mu);
-    auto it = held_->batches.find(std::this_thread::get_id());
-    if (it != held_->batches.end()) it->second.sum_across = collectives.sum;
-  }
-  Tensor iterations = iterations_.read(ctx);
-  const int64_t step = iterations.data<int64_t>()[0] + 1;
-  for (size_t k = 0; k < z.vars.size(); ++k) {
-    const auto [lo, hi] = z.piece(k, L);
-    const Shape piece{hi - lo};
-    Tensor var = Tensor::wrap(values + (lo - L.begin), piece, DType::kFloat32);
-    const Tensor grad = Tensor::wrap(grads + (lo - L.begin), piece, DType::kFloat32);
-    std::vector<Tensor*> slots;
-    for (Tensor& t : L.slots[k]) slots.push_back(&t);
-    update_tensor(var, grad, slots, step);
-  }
-  collectives.all_gather(L.values, L.gathered);
-  const float* all = L.gathered.data<float>();
-  for (size_t k = 0; k < z.vars.size(); ++k) {
-    if (!z.size(k)) continue;
-    std::memcpy(z.vars[k].impl().copies[static_cast<size_t>(local)].data(), all + z.offsets[k],
-                static_cast<size_t>(z.size(k)) * sizeof(float));
-  }
-  iterations.data<int64_t>()[0] = step;
-}
-
-bool Optimizer::sharded() const {
-  std::lock_guard<std::mutex> lock(zero_->mu);
-  return zero_->planned;
-}
-
-bool Optimizer::sharded_slot(const Variable::Impl& var, const std::string& slot_name) const {
-  std::lock_guard<std::mutex> lock(zero_->mu);
-  return zero_->planned && zero_->find(&var) >= 0 && zero_->find_slot(slot_name) >= 0;
-}
-
-std::vector<Tensor> Optimizer::gather_sharded_slots(
-    const std::vector<std::pair<const Variable::Impl*, std::string>>& slots) const {
-  const Zero& z = *zero_;
-  std::vector<Tensor> out(slots.size());
-  if (slots.empty()) return out;
-  std::vector<int> var_index, slot_index;
-  for (const auto& [v, s] : slots) {
-    var_index.push_back(z.find(v));
-    slot_index.push_back(z.find_slot(s));
-    DISTSTRAT_CHECK(var_index.back() >= 0 && slot_index.back() >= 0, kInvalidArgument, name(),
-                    ": slot '", echo(s), "' of '", echo(v->name), "' is not sharded by this optimizer");
-  }
-  // One gather per slot name: every replica's block of it, in replica
-  // order, is the slot of all variables laid end to end.
-  std::vector<Tensor> full(z.slot_names.size());
-  strategy_->run([&](ReplicaContext& ctx) {
-    const Zero::Local& L = z.locals[static_cast<size_t>(ctx.local_replica_id())];
-    for (size_t si = 0; si < z.slot_names.size(); ++si) {
-      if (std::find(slot_index.begin(), slot_index.end(), static_cast<int>(si)) == slot_index.end()) continue;
-      Tensor mine(Shape{L.end - L.begin}, DType::kFloat32);
-      float* dst = mine.data<float>();
-      for (size_t k = 0; k < z.vars.size(); ++k) {
-        const auto [lo, hi] = z.piece(k, L);
-        if (hi > lo) std::memcpy(dst + (lo - L.begin), L.slots[k][si].data(), static_cast<size_t>(hi - lo) * sizeof(float));
-      }
-      Tensor gathered = ctx.all_gather(mine, name() + " sharded slot '" + z.slot_names[si] + "'");
-      if (ctx.local_replica_id() == 0) full[si] = gathered;
-    }
-  });
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const size_t k = static_cast<size_t>(var_index[i]);
-    const Tensor& f = full[static_cast<size_t>(slot_index[i])];
-    DISTSTRAT_CHECK(f.num_elements() == z.total, kInternal, name(), ": gathered slot has ",
-                    f.num_elements(), " elements, expected ", z.total);
-    Tensor t(z.vars[k].shape(), DType::kFloat32);
-    if (z.size(k)) std::memcpy(t.data(), f.data<float>() + z.offsets[k], t.nbytes());
-    out[i] = t;
-  }
-  return out;
-}
-
-void Optimizer::assign_sharded_slots(
-    const std::vector<std::pair<const Variable::Impl*, std::string>>& slots,
-    const std::vector<Tensor>& values) const {
-  DISTSTRAT_CHECK_EQ(slots.size(), values.size(), "assign_sharded_slots");
-  Zero& z = *zero_;
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const int k = z.find(slots[i].first);
-    const int si = z.find_slot(slots[i].second);
-    DISTSTRAT_CHECK(k >= 0 && si >= 0, kInvalidArgument, name(), ": slot '", echo(slots[i].second),
-                    "' of '", echo(slots[i].first->name), "' is not sharded by this optimizer");
-    const Tensor& v = values[i];
-    DISTSTRAT_CHECK(v.dtype() == DType::kFloat32 && v.num_elements() == z.size(static_cast<size_t>(k)),
-                    kInvalidArgument, name(), ": value ", v.debug_string(), " for slot '",
-                    echo(slots[i].second), "' of '", echo(slots[i].first->name), "'");
-    for (Zero::Local& L : z.locals) {
-      const auto [lo, hi] = z.piece(static_cast<size_t>(k), L);
-      if (hi > lo) {
-        std::memcpy(L.slots[static_cast<size_t>(k)][static_cast<size_t>(si)].data(),
-                    v.data<float>() + (lo - z.offsets[static_cast<size_t>(k)]),
-                    static_cast<size_t>(hi - lo) * sizeof(float));
-      }
-    }
-  }
-}
-
-int64_t Optimizer::slot_bytes_per_replica() const {
-  const Zero& z = *zero_;
-  std::vector<int64_t> per(static_cast<size_t>(std::max(1, strategy_->num_local_replicas())), 0);
-  std::lock_guard<std::mutex> lock(z.mu);
-  const std::vector<std::string> names = slot_names();
-  for (const Variable& v : strategy_->variables()) {
-    if (!v.options().trainable || v.dtype() != DType::kFloat32) continue;
-    if (z.planned && z.find(&v.impl()) >= 0) continue;  // counted below
-    Variable::Impl& impl = v.impl();
-    std::lock_guard<std::mutex> slots_lock(impl.slots_mu);
-    for (const std::string& s : names) {
-      auto it = impl.slots.find(s);
-      if (it == impl.slots.end()) continue;
-      for (size_t l = 0; l < it->second.size() && l < per.size(); ++l) {
-        per[l] += static_cast<int64_t>(it->second[l].nbytes());
-      }
-      // A single host copy (central storage) is every replica's.
-      if (it->second.size() == 1) {
-        for (size_t l = 1; l < per.size(); ++l) per[l] += static_cast<int64_t>(it->second[0].nbytes());
-      }
-    }
-  }
-  if (z.planned) {
-    for (size_t l = 0; l < z.locals.size() && l < per.size(); ++l) {
-      for (const auto& slots : z.locals[l].slots) {
-        for (const Tensor& t : slots) per[l] += static_cast<int64_t>(t.nbytes());
-      }
-    }
-  }
-  return *std::max_element(per.begin(), per.end());
 }
 
 SGD::SGD(Strategy& strategy, SGDOptions options) : Optimizer(strategy), options_(options) {

@@ -1,7 +1,8 @@
 // Internal state of Optimizer shared by its translation units (optimizer.cc,
-// device_training.cc): the updates of one apply_gradients call held back
-// until the last one arrives (global-norm clipping, loss scaling), and the
-// loss-scale bookkeeping both the host and the device paths apply.
+// device_training.cc, zero_sharding.cc): the updates of one apply_gradients
+// call held back until the last one arrives (global-norm clipping, loss
+// scaling), the ZeRO-1 layout, and the decisions both the host and the
+// device paths apply.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +11,8 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -49,6 +52,53 @@ struct Optimizer::Held {
   bool last_skipped = false;
 };
 
+// ZeRO-1 state: the flat layout of the sharded variables and, per local
+// replica, its block's slots and the step's staging buffers.
+struct Optimizer::Zero {
+  struct Local {
+    int64_t begin = 0, end = 0;  // this replica's block [begin, end) of the flat vector
+    // The buffers and slot blocks below live where the replica's copies do
+    // (host memory, or its GPU), allocated by the replica on its first call.
+    bool ready = false;
+    Device device;
+    std::vector<std::vector<Tensor>> slots;  // [variable][slot]: its piece of the block
+    Tensor flat;      // R * B: this replica's gradients laid end to end (zero tail)
+    Tensor grads;     // B: the reduced gradients of the block
+    Tensor values;    // B: the block of the variables, updated here
+    Tensor gathered;  // R * B: every replica's updated block
+  };
+  mutable std::mutex mu;  // guards planning; afterwards each replica touches only its Local
+  bool planned = false;
+  int prepared = 0;  // local replicas whose Local is ready (the last frees the full slots)
+  std::vector<Variable> vars;    // creation order
+  std::vector<int64_t> offsets;  // of each variable in the flat vector
+  int64_t total = 0;             // N
+  int64_t block = 1;             // B = ceil(N / R), at least 1
+  int replicas = 1;              // R
+  std::vector<std::string> slot_names;
+  std::vector<Local> locals;
+
+  int64_t size(size_t k) const { return vars[k].shape().num_elements(); }
+  // Variable k's piece of a block: flat range [lo, hi), possibly empty.
+  std::pair<int64_t, int64_t> piece(size_t k, const Local& l) const {
+    const int64_t lo = std::min(std::max(offsets[k], l.begin), l.end);
+    const int64_t hi = std::max(lo, std::min(offsets[k] + size(k), l.end));
+    return {lo, hi};
+  }
+  int find(const Variable::Impl* v) const {
+    for (size_t k = 0; k < vars.size(); ++k) {
+      if (&vars[k].impl() == v) return static_cast<int>(k);
+    }
+    return -1;
+  }
+  int find_slot(const std::string& s) const {
+    for (size_t i = 0; i < slot_names.size(); ++i) {
+      if (slot_names[i] == s) return static_cast<int>(i);
+    }
+    return -1;
+  }
+};
+
 // The held updates of one step on GPU variables (all on one device) and
 // their batch (null for a lone update clipped per tensor or by value).
 struct Optimizer::DeviceStep {
@@ -57,6 +107,10 @@ struct Optimizer::DeviceStep {
 };
 
 namespace optim_detail {
+
+// A variable passed twice in one call is an error naming it (optimizer.cc).
+void check_each_variable_once(const std::string& where,
+                              const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
 
 // Dynamic loss scaling after a step's decision: the next scale (a skipped
 // step divides by the multiplier, never below 1; growth_interval finite steps

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "../common/temp_dir.h"
 #include "../common/zero_cases.h"
@@ -49,6 +50,7 @@ struct TrainRun {
   float final_scale = 0;
   int launches = 0;  // the fake's training-feature list launches
   int updates = 0;   // its update kernels
+  int64_t slot_bytes = 0;
 };
 
 // A fresh fake-GPU MirroredStrategy (2 GPUs) or a CPU one (2 replicas).
@@ -90,16 +92,22 @@ ds::Tensor gradient(ds::ReplicaContext& ctx, const ds::Variable& v, size_t k, in
   return out;
 }
 
-TrainRun train(TrainSetup& s, const Config& c, const std::function<void(ds::Optimizer&)>& after = nullptr) {
+// `before` runs once the model and optimizer exist (a restore), `after`
+// once training is done (a save). The gradients continue from the restored
+// step counter.
+TrainRun train(TrainSetup& s, const Config& c, const std::function<void(ds::Optimizer&)>& after = nullptr,
+               const std::function<void(ds::Optimizer&)>& before = nullptr) {
   ds::Strategy& strategy = *s.strategy;
   auto vars = zc::create_model(strategy);
   auto opt = zc::make_optimizer(strategy, c.adam);
   opt->set_clipping(c.clip);
   if (c.loss_scale) opt->enable_loss_scaling({1024.0f, 2, 2.0f});
   opt->set_accumulation_steps(c.accumulate);
+  if (before) before(*opt);
   TrainRun run;
   std::mutex mu;
-  for (int64_t m = 0; m < int64_t(c.steps) * c.accumulate; ++m) {
+  const int64_t first = opt->iterations().value().data<int64_t>()[0] * c.accumulate;
+  for (int64_t m = first; m < first + int64_t(c.steps) * c.accumulate; ++m) {
     strategy.run([&](ds::ReplicaContext& ctx) {
       const float scale = opt->loss_scale(ctx);
       std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
@@ -126,6 +134,7 @@ TrainRun train(TrainSetup& s, const Config& c, const std::function<void(ds::Opti
     EXPECT_EQ(0, std::memcmp(other.data(), run.weights.back().data(), other.nbytes())) << v.name();
   }
   run.iterations = opt->iterations().value().data<int64_t>()[0];
+  run.slot_bytes = opt->slot_bytes_per_replica();
   run.skipped_steps = opt->skipped_steps();
   if (c.loss_scale) run.final_scale = strategy.variable("optimizer/loss_scale").value().data<float>()[0];
   if (after) after(*opt);
@@ -260,6 +269,166 @@ TEST(TrainingOnFakeGpus, LossScaleStateOnTheDeviceIsCheckpointed) {
   EXPECT_EQ(opt->skipped_steps(), 1);
   b.strategy->run([&](ds::ReplicaContext& ctx) { EXPECT_EQ(opt->loss_scale(ctx), ran.final_scale); });
   EXPECT_TRUE(opt->iterations().value().data<int64_t>()[0] == ran.iterations);
+}
+
+// ---- ZeRO-1 with device variables ----------------------------------------------
+
+// The sharded state (gradient block, variable block, slot blocks) lives on
+// each replica's GPU; the reduce-scatter and all-gather run on the device
+// buffers. Equal to ZeRO-1 on CPU replicas bit for bit, with half the slots
+// per replica, also under global-norm clipping and loss scaling with a
+// skipped step (their one scalar reduced across the replicas).
+TEST(TrainingOnFakeGpus, ZeroOneWithDeviceVariablesMatchesCpuZeroOne) {
+  for (int variant = 0; variant < 3; ++variant) {
+    Config c;
+    c.zero = true;
+    c.adam = variant == 1;
+    if (variant == 2) {
+      c.clip.global_norm = 0.2f;
+      c.loss_scale = true;
+      c.poison = 2;
+    }
+    SCOPED_TRACE(variant == 0 ? "sgd momentum" : variant == 1 ? "adam" : "clipping + loss scaling");
+    const TrainRun cpu = run_on(false, c);
+    const TrainRun gpu = run_on(true, c);
+    expect_same(gpu, cpu);
+    EXPECT_EQ(gpu.slot_bytes, cpu.slot_bytes);
+    EXPECT_EQ(gpu.slot_bytes, (zc::kModelElements + 1) / 2 * 4 * (c.adam ? 2 : 1));
+    EXPECT_EQ(gpu.updates, 6 * 2 * 3 - (variant == 2 ? 2 * 3 : 0));  // each replica updates its block
+    if (variant == 2) {
+      EXPECT_TRUE(gpu.skipped[2]);
+      for (size_t i = 0; i < gpu.norms.size(); ++i) {
+        if (i != 2) EXPECT_GT(gpu.norms[i], 0.2);
+      }
+    }
+  }
+}
+
+// Checkpoints of sharded device state: saved (the blocks gathered from the
+// GPUs), restored before the first step (full slots cut into device blocks)
+// and after it (written into the replicas' blocks), training continues as
+// one uninterrupted CPU ZeRO-1 run.
+TEST(TrainingOnFakeGpus, ZeroOneDeviceStateCheckpointsAndContinuesExactly) {
+  const diststrat_test::TempDir tmp("diststrat-train-gpu-zero-");
+  const std::string path = tmp / "zero.safetensors";
+  for (bool adam : {false, true}) {
+    SCOPED_TRACE(adam ? "adam" : "sgd momentum");
+    Config c;
+    c.zero = true;
+    c.adam = adam;
+    c.steps = 3;
+    TrainSetup a(true, true);
+    train(a, c, [&](ds::Optimizer& opt) { ds::Checkpoint(*a.strategy, {&opt}).save(path); });
+    TrainSetup b(true, true);  // restored before its first step
+    const TrainRun resumed = train(b, c, nullptr, [&](ds::Optimizer& opt) {
+      ds::Checkpoint(*b.strategy, {&opt}).restore(path);
+    });
+    Config one = c;
+    one.steps = 1;
+    TrainSetup d(true, true);  // one step of its own first: the blocks exist
+    TrainRun overwritten;
+    {
+      auto vars = zc::create_model(*d.strategy);
+      auto opt = zc::make_optimizer(*d.strategy, adam);
+      // Lay the state out with a step, then restore over it.
+      d.strategy->run([&](ds::ReplicaContext& ctx) {
+        std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+        for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(gradient(ctx, vars[k], k, 99, 1.0f, false), vars[k]);
+        opt->apply_gradients(ctx, gv);
+      });
+      ASSERT_TRUE(opt->sharded());
+      ds::Checkpoint(*d.strategy, {opt.get()}).restore(path);
+      for (int64_t m = 3; m < 6; ++m) {
+        d.strategy->run([&](ds::ReplicaContext& ctx) {
+          std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+          for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(gradient(ctx, vars[k], k, m, 1.0f, false), vars[k]);
+          opt->apply_gradients(ctx, gv);
+        });
+      }
+      for (const ds::Variable& v : vars) overwritten.weights.push_back(v.value());
+    }
+    Config six = c;
+    six.steps = 6;
+    const TrainRun straight = run_on(false, six);
+    ASSERT_EQ(resumed.weights.size(), straight.weights.size());
+    for (size_t k = 0; k < straight.weights.size(); ++k) {
+      EXPECT_EQ(0, std::memcmp(resumed.weights[k].data(), straight.weights[k].data(), straight.weights[k].nbytes()))
+          << "restored before the first step, variable " << k;
+      EXPECT_EQ(0, std::memcmp(overwritten.weights[k].data(), straight.weights[k].data(),
+                               straight.weights[k].nbytes()))
+          << "restored over laid-out blocks, variable " << k;
+    }
+  }
+}
+
+// MultiWorkerMirroredStrategy, 2 workers (threads over one InProcessGroup) of
+// 2 fake GPUs each, ZeRO-1 with global-norm clipping and loss scaling: the
+// fusion engine's reduce-scatter / all-gather are staged through the host
+// (as the workers' all-reduce is); equal to the same on CPU replicas.
+namespace {
+std::vector<ds::Tensor> multi_worker_zero(bool gpus) {
+  const int workers = 2;
+  ds::CommunicationOptions comm;
+  comm.timeout = std::chrono::seconds(60);
+  ds::InProcessGroup flat(workers, comm);
+  std::vector<std::vector<ds::Tensor>> out(workers);
+  std::vector<std::exception_ptr> errors(workers);
+  std::vector<std::unique_ptr<LeaseDir>> dirs;
+  for (int w = 0; w < workers; ++w) dirs.push_back(std::make_unique<LeaseDir>());
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      try {
+        ds::MultiWorkerOptions o;
+        o.communication = comm;
+        o.communicator = &flat.at(w);
+        o.shard_optimizer_state = true;
+        if (gpus) {
+          o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+          ds::GpuOptions g;
+          g.lease = dirs[static_cast<size_t>(w)]->options();
+          o.device_manager = std::make_shared<ds::DeviceManager>(g, std::make_unique<FakeGpuBackend>(2));
+        } else {
+          o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+        }
+        ds::MultiWorkerMirroredStrategy s(o);
+        auto vars = zc::create_model(s);
+        auto opt = zc::make_optimizer(s, true);
+        opt->set_clipping({0.2f, 0, 0});
+        opt->enable_loss_scaling({1024.0f, 2, 2.0f});
+        for (int64_t m = 0; m < 5; ++m) {
+          s.run([&](ds::ReplicaContext& ctx) {
+            const float scale = opt->loss_scale(ctx);
+            std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+            for (size_t k = 0; k < vars.size(); ++k) {
+              gv.emplace_back(gradient(ctx, vars[k], k, m, scale, m == 2 && ctx.replica_id() == 3), vars[k]);
+            }
+            const ds::ApplyResult r = opt->apply_gradients(ctx, gv);
+            EXPECT_EQ(r.skipped, m == 2);
+          });
+        }
+        for (const ds::Variable& v : vars) out[static_cast<size_t>(w)].push_back(v.value());
+      } catch (...) {
+        errors[static_cast<size_t>(w)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  EXPECT_EQ(zc::max_diff(out[0], out[1]), 0.0);
+  return out[0];
+}
+}  // namespace
+
+TEST(TrainingOnFakeGpus, MultiWorkerZeroOneWithDeviceVariablesMatchesCpu) {
+  const auto cpu = multi_worker_zero(false);
+  const auto gpu = multi_worker_zero(true);
+  ASSERT_EQ(cpu.size(), gpu.size());
+  for (size_t k = 0; k < cpu.size(); ++k) {
+    EXPECT_EQ(0, std::memcmp(gpu[k].data(), cpu[k].data(), cpu[k].nbytes())) << "variable " << k;
+  }
 }
 
 #endif  // __has_include("fake_gpu_backend.h")
