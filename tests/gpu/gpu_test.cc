@@ -708,6 +708,7 @@ struct TfConfig {
   int accumulate = 1;
   bool adam = false;
   int64_t poison = -1;  // micro-batch whose gradient on replica 1 gets an inf
+  bool zero = false;    // ZeRO-1 (sharded slots on the GPUs)
 };
 struct TfRun {
   std::vector<ds::Tensor> weights;
@@ -718,6 +719,7 @@ struct TfRun {
 // replicas or two logical GPUs of GPU 0.
 TfRun tf_train(bool gpu, const TfConfig& c) {
   ds::MirroredOptions o;
+  o.shard_optimizer_state = c.zero;
   if (gpu) {
     o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
     o.device_manager = two_logical_gpus();
@@ -765,13 +767,15 @@ TfRun tf_train(bool gpu, const TfConfig& c) {
 }
 }  // namespace
 
-TEST(GpuTraining, ClippingLossScalingAndAccumulationOnGpuVariablesTrainLikeTheCpu) {
+// Two logical GPUs of GPU 0 (the shared-device reduction, ZeRO-1's
+// reduce-scatter / all-gather included) against two CPU replicas.
+TEST(GpuTraining, ClippingLossScalingAccumulationAndZeroOnGpuVariablesTrainLikeTheCpu) {
   SKIP_WITHOUT_GPU();
   struct Case {
     const char* name;
     TfConfig c;
   };
-  std::vector<Case> cases(6);
+  std::vector<Case> cases(8);
   cases[0].name = "clip_by_global_norm";
   cases[0].c.clip.global_norm = 0.2f;
   cases[1].name = "clip_by_norm";
@@ -789,6 +793,13 @@ TEST(GpuTraining, ClippingLossScalingAndAccumulationOnGpuVariablesTrainLikeTheCp
   cases[5].c.loss_scale = true;
   cases[5].c.accumulate = 2;
   cases[5].c.poison = 5;
+  cases[6].name = "ZeRO-1, sgd momentum";
+  cases[6].c.zero = true;
+  cases[7].name = "ZeRO-1, adam, loss scaling, global norm, inf";
+  cases[7].c = cases[5].c;
+  cases[7].c.accumulate = 1;
+  cases[7].c.poison = 2;
+  cases[7].c.zero = true;
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
     const TfRun want = tf_train(false, k.c);

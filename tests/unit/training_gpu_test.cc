@@ -362,11 +362,12 @@ TEST(TrainingOnFakeGpus, ZeroOneDeviceStateCheckpointsAndContinuesExactly) {
 }
 
 // MultiWorkerMirroredStrategy, 2 workers (threads over one InProcessGroup) of
-// 2 fake GPUs each, ZeRO-1 with global-norm clipping and loss scaling: the
-// fusion engine's reduce-scatter / all-gather are staged through the host
-// (as the workers' all-reduce is); equal to the same on CPU replicas.
+// 2 fake GPUs each, Adam with global-norm clipping and loss scaling (an inf
+// on global replica 3 skips step 2 everywhere), with and without ZeRO-1 (the
+// fusion engine's reduce-scatter / all-gather staged through the host, as the
+// workers' all-reduce is): equal to the same on CPU replicas.
 namespace {
-std::vector<ds::Tensor> multi_worker_zero(bool gpus) {
+std::vector<ds::Tensor> multi_worker_run(bool gpus, bool zero) {
   const int workers = 2;
   ds::CommunicationOptions comm;
   comm.timeout = std::chrono::seconds(60);
@@ -382,7 +383,7 @@ std::vector<ds::Tensor> multi_worker_zero(bool gpus) {
         ds::MultiWorkerOptions o;
         o.communication = comm;
         o.communicator = &flat.at(w);
-        o.shard_optimizer_state = true;
+        o.shard_optimizer_state = zero;
         if (gpus) {
           o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
           ds::GpuOptions g;
@@ -422,12 +423,15 @@ std::vector<ds::Tensor> multi_worker_zero(bool gpus) {
 }
 }  // namespace
 
-TEST(TrainingOnFakeGpus, MultiWorkerZeroOneWithDeviceVariablesMatchesCpu) {
-  const auto cpu = multi_worker_zero(false);
-  const auto gpu = multi_worker_zero(true);
-  ASSERT_EQ(cpu.size(), gpu.size());
-  for (size_t k = 0; k < cpu.size(); ++k) {
-    EXPECT_EQ(0, std::memcmp(gpu[k].data(), cpu[k].data(), cpu[k].nbytes())) << "variable " << k;
+TEST(TrainingOnFakeGpus, MultiWorkerClippingLossScalingAndZeroOneMatchCpu) {
+  for (bool zero : {false, true}) {
+    SCOPED_TRACE(zero ? "ZeRO-1" : "not sharded");
+    const auto cpu = multi_worker_run(false, zero);
+    const auto gpu = multi_worker_run(true, zero);
+    ASSERT_EQ(cpu.size(), gpu.size());
+    for (size_t k = 0; k < cpu.size(); ++k) {
+      EXPECT_EQ(0, std::memcmp(gpu[k].data(), cpu[k].data(), cpu[k].nbytes())) << "variable " << k;
+    }
   }
 }
 
