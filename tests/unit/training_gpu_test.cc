@@ -435,4 +435,48 @@ TEST(TrainingOnFakeGpus, MultiWorkerClippingLossScalingAndZeroOneMatchCpu) {
   }
 }
 
+// Gradient accumulation on GPU workers of ParameterServerStrategy: the sums
+// are kept on the workers' GPUs and pushed once per update, as the CPU
+// workers' are.
+namespace {
+std::vector<ds::Tensor> ps_accumulated(bool gpus) {
+  LeaseDir dir;
+  ds::ParameterServerOptions o;
+  o.num_ps = 1;
+  o.max_staleness = 0;
+  o.communication.timeout = std::chrono::seconds(60);
+  if (gpus) {
+    o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+    ds::GpuOptions g;
+    g.lease = dir.options();
+    o.device_manager = std::make_shared<ds::DeviceManager>(g, std::make_unique<FakeGpuBackend>(2));
+  } else {
+    o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+  }
+  std::vector<ds::Tensor> out;
+  {
+    ds::ParameterServerStrategy s(o);
+    auto vars = zc::create_model(s);
+    auto opt = zc::make_optimizer(s, false);
+    opt->set_accumulation_steps(2);
+    for (int64_t m = 0; m < 6; ++m) {
+      s.run([&](ds::ReplicaContext& ctx) {
+        std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+        for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(gradient(ctx, vars[k], k, m, 1.0f, false), vars[k]);
+        EXPECT_EQ(opt->apply_gradients(ctx, gv).applied, m % 2 == 1);
+      });
+    }
+    s.flush();
+    for (const ds::Variable& v : vars) out.push_back(v.value());
+  }
+  return out;
+}
+}  // namespace
+
+TEST(TrainingOnFakeGpus, ParameterServerWorkersAccumulateOnTheirGpus) {
+  const auto cpu = ps_accumulated(false);
+  const auto gpu = ps_accumulated(true);
+  EXPECT_LE(zc::max_diff(gpu, cpu), 1e-6);
+}
+
 #endif  // __has_include("fake_gpu_backend.h")
