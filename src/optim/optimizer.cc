@@ -263,7 +263,9 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
                       "apply_gradients: replica ", ctx.replica_id(), " passed variable '", echo(v.name()),
                       "' at position ", k, " of micro-batch ", sums->count + 1, " where the first had '",
                       echo(acc[k].second.name()), "'");
-      DISTSTRAT_CHECK(g.device() == acc[k].first.device(), kInvalidArgument, "apply_gradients: replica ",
+      const Device& first_device = acc[k].first.device();
+      DISTSTRAT_CHECK(g.device().is_cpu() ? first_device.is_cpu() : g.device() == first_device,
+                      kInvalidArgument, "apply_gradients: replica ",
                       ctx.replica_id(), " passed gradient ", g.debug_string(), " of '", echo(v.name()),
                       "' in micro-batch ", sums->count + 1, " where the first was on ",
                       acc[k].first.device().to_string());

@@ -479,4 +479,26 @@ TEST(TrainingOnFakeGpus, ParameterServerWorkersAccumulateOnTheirGpus) {
   EXPECT_LE(zc::max_diff(gpu, cpu), 1e-6);
 }
 
+// A micro-batch whose gradient is on another device than the first's sums is
+// an error naming the variable, not a silent host read of device memory.
+TEST(TrainingOnFakeGpus, AccumulationWithAGradientMovedToTheHostIsAnError) {
+  TrainSetup s(true);
+  ds::Variable w = s.strategy->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::SGD opt(*s.strategy, {0.1f, 0.0f});
+  opt.set_accumulation_steps(2);
+  s.strategy->run([&](ds::ReplicaContext& ctx) {
+    opt.apply_gradients(ctx, {{ds::Tensor(ds::Shape{4}, ds::DType::kFloat32, ctx.device()), w}});
+  });
+  try {
+    s.strategy->run([&](ds::ReplicaContext& ctx) {
+      opt.apply_gradients(ctx, {{ds::Tensor(ds::Shape{4}, ds::DType::kFloat32), w}});
+    });
+    FAIL() << "no error";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("'w' in micro-batch 2 where the first was on /device:GPU:"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 #endif  // __has_include("fake_gpu_backend.h")
