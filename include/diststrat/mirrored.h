@@ -35,7 +35,8 @@ struct MirroredOptions {
   bool log_device_placement = false;
   // ZeRO-1: shard optimizer slots over the replicas (reduce-scatter the
   // gradients, each replica updates its block, all-gather the variables;
-  // see Optimizer::apply_sharded and docs/training.md). CPU replicas only.
+  // see Optimizer::apply_sharded and docs/training.md). CPU or GPU
+  // replicas (on GPUs the blocks live in device memory).
   bool shard_optimizer_state = false;
 };
 

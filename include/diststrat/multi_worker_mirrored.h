@@ -96,8 +96,10 @@ struct MultiWorkerOptions {
   // replica updates its block of the variables with its block of the slots
   // (~1/R of the slot memory, Optimizer::slot_bytes_per_replica), and the
   // blocks are all-gathered. Checkpoints hold the full state (the same file
-  // as without). CPU replicas, the same local replica count on every worker
-  // (else UnimplementedError at construction). See docs/training.md.
+  // as without). CPU or GPU replicas (GPU blocks live in device memory; the
+  // engine's collectives stage them through the host), the same local
+  // replica count on every worker (else UnimplementedError at
+  // construction). See docs/training.md.
   bool shard_optimizer_state = false;
 };
 

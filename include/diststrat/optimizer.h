@@ -85,7 +85,8 @@ struct UpdateRule {
 //  norm         clip_by_norm, per tensor: g * norm / max(|g|, norm).
 //  value        clip_by_value: each element into [-value, value].
 // The user's gradient tensors are not modified (the clipped values go to a
-// copy). Host (CPU) gradients only: a GPU gradient is UnimplementedError.
+// copy). GPU variables are clipped on their device: a few list launches per
+// step and at most one small device -> host read (the global norm).
 // ParameterServerStrategy: UnimplementedError (the parameter servers apply
 // each worker's push on its own; there is no global gradient to clip).
 struct GradientClipping {
@@ -184,10 +185,13 @@ class Optimizer {
   // create_variable: outside run, collective on every worker. Throws
   // InvalidArgumentError for bad options, FailedPreconditionError if called
   // twice. ParameterServerStrategy: UnimplementedError at apply_gradients.
-  // Host (CPU) variables and gradients only.
+  // On GPU replicas the scale is a device variable and the non-finite check
+  // runs on the device (one small read per step).
   void enable_loss_scaling(const LossScaleOptions& options = {});
   bool loss_scaling() const { return loss_scale_.defined(); }
   // The current scale as this replica holds it (1 without loss scaling).
+  // A GPU replica's copy is read back after its queued work (blocking, 4
+  // bytes, bounded by the communication timeout).
   float loss_scale(ReplicaContext& ctx) const;
   // Steps skipped for non-finite gradients so far (0 without loss scaling).
   int64_t skipped_steps() const;
@@ -199,8 +203,8 @@ class Optimizer {
   // examples of all k micro-batches, a short last one included). The sums
   // are not checkpointed: save between updates. Throws InvalidArgumentError
   // for k < 1 and FailedPreconditionError while micro-batches are pending.
-  // Not thread-safe: call it outside Strategy::run. Host gradients only (a
-  // GPU gradient under k > 1 is UnimplementedError).
+  // Not thread-safe: call it outside Strategy::run. GPU gradients are summed
+  // on their device (one launch per micro-batch).
   void set_accumulation_steps(int k);
   int accumulation_steps() const { return accumulation_steps_; }
 
@@ -259,11 +263,14 @@ class Optimizer {
   // bit-identical. Global-norm clipping sums the blocks' squared norms with
   // one scalar reduction; loss scaling reduces the non-finite decision the
   // same way (they share the one scalar). Every call of this optimizer must
-  // pass the same variables (UnimplementedError otherwise), float32 host
-  // tensors only (GPU: UnimplementedError); per-tensor clip_by_norm is
+  // pass the same variables (UnimplementedError otherwise); float32, each
+  // replica's variables and gradients in one place (host memory, or its GPU:
+  // its buffers and slot blocks are then allocated there and the
+  // collectives get device buffers); per-tensor clip_by_norm is
   // UnimplementedError (each replica sees only a piece of a tensor).
   // Slots that exist in full when the first sharded call comes (restored
-  // from a checkpoint) are cut into the blocks and the full copies freed.
+  // from a checkpoint) are cut into the blocks and the full copies freed
+  // once every local replica has taken its block.
   void apply_sharded(ReplicaContext& ctx, const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
                      const ShardedCollectives& collectives);
   // True once apply_sharded has laid out this optimizer's state.
@@ -302,6 +309,10 @@ class Optimizer {
                      int64_t step, float scale) const;
   void update_now(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
                   int64_t step) const;
+  // device_training.cc: a step's held updates of GPU variables, transformed
+  // (unscaled, checked, clipped) by one launch each and applied.
+  struct DeviceStep;
+  void flush_on_device(DeviceStep& step) const;
 
   Strategy* strategy_;
   Variable iterations_;

@@ -150,6 +150,42 @@ class GpuBackend {
   // buffers instead (same address space).
   virtual std::vector<std::unique_ptr<Communicator>> shared_device_group(
       const SharedDeviceGroupSpec& spec, const CommunicationOptions& options);
+
+  // ==== Training features on device gradients ================================
+  // Gradient clipping, loss scaling and gradient accumulation of the
+  // optimizer (src/optim/device_training.cc) on GPU variables; CUDA:
+  // src/gpu/optim_kernels.cu. Each call only enqueues on `stream` (a launch
+  // per up to 48 tensors, no host round trip); the lists are host arrays of
+  // `n` float32 device tensors (pointer, element count) that are read during
+  // the call only. `loss_scale` (device, nullable): the tensors are first
+  // multiplied by 1.0f / *loss_scale in float, as the host path unscales.
+  // Defaults: UnimplementedError.
+  // Device doubles of scratch that sum_of_squares needs per tensor.
+  static constexpr size_t kSumOfSquaresScratch = 64;
+  // sums[i] = sum over j of double(x) * x, x = in[i][j] (unscaled), summed in
+  // an order fixed by counts[i] alone, so devices holding equal values get
+  // equal sums; non-finite iff an element is (a float squared cannot
+  // overflow a double). sums: n device doubles; scratch: n *
+  // kSumOfSquaresScratch device doubles.
+  virtual void sum_of_squares(int ordinal, void* stream, const float* const* in,
+                              const size_t* counts, int n, const float* loss_scale, double* sums,
+                              double* scratch);
+  // out[i][j] = clip(x * f), x = in[i][j] (unscaled), f = clip_norm > 0 ?
+  // float(clip_norm / max(sqrt(sums[i]), clip_norm)) (NaN when sums[i] is not
+  // finite; sums: device, from sum_of_squares with the same loss_scale) :
+  // scale; the product only when f != 1; clip into [-clip_value, clip_value]
+  // when clip_value > 0. out may alias in.
+  virtual void scale_and_clip(int ordinal, void* stream, const float* const* in,
+                              float* const* out, const size_t* counts, int n,
+                              const float* loss_scale, float scale, const double* sums,
+                              float clip_norm, float clip_value);
+  // acc[i][j] = in[i][j] when `first`, else acc[i][j] + in[i][j] (float).
+  virtual void accumulate(int ordinal, void* stream, float* const* acc, const float* const* in,
+                          const size_t* counts, int n, bool first);
+  // dst[0 .. count) = value (the value travels in the launch: no host memory
+  // stays referenced).
+  virtual void fill(int ordinal, void* stream, float* dst, size_t count, float value);
+  // ==== end of the training-feature block ====================================
 };
 
 // The backend this build registers: CUDA when compiled with it, else none.

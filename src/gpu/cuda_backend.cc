@@ -19,6 +19,7 @@
 #include "diststrat/error.h"
 #include "gpu/cuda_check.h"
 #include "gpu/kernels.h"
+#include "gpu/optim_kernels.h"
 #include "gpu/shared_device_group.h"
 #if DISTSTRAT_HAVE_NCCL
 #include "gpu/nccl_communicator.h"
@@ -663,6 +664,31 @@ class CudaBackend : public GpuBackend {
   uint64_t last_stream_id_ = 0;
   std::deque<Stage> stages_;                        // stable addresses
   std::vector<Stage*> free_stages_;
+
+ public:
+  // ==== Training features on device gradients (optim_kernels.cu) ====
+  void sum_of_squares(int ordinal, void* stream, const float* const* in, const size_t* counts,
+                      int n, const float* loss_scale, double* sums, double* scratch) override {
+    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    launch_sum_of_squares(in, counts, n, loss_scale, sums, scratch, stream);
+  }
+  void scale_and_clip(int ordinal, void* stream, const float* const* in, float* const* out,
+                      const size_t* counts, int n, const float* loss_scale, float scale,
+                      const double* sums, float clip_norm, float clip_value) override {
+    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    launch_scale_and_clip(in, out, counts, n, loss_scale, scale, sums, clip_norm, clip_value,
+                          stream);
+  }
+  void accumulate(int ordinal, void* stream, float* const* acc, const float* const* in,
+                  const size_t* counts, int n, bool first) override {
+    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    launch_accumulate(acc, in, counts, n, first, stream);
+  }
+  void fill(int ordinal, void* stream, float* dst, size_t count, float value) override {
+    DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+    launch_fill(dst, count, value, stream);
+  }
+  // ==== end of the training-feature block ====
 };
 
 }  // namespace

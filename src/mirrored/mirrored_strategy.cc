@@ -66,7 +66,10 @@ void MirroredStrategy::apply_gradients(ReplicaContext& ctx, Optimizer& optimizer
     // all-gather (Optimizer::apply_sharded).
     auto* local_ctx = dynamic_cast<LocalReplicaContext*>(&ctx);
     DISTSTRAT_CHECK(local_ctx != nullptr, kInternal, "MirroredStrategy: foreign replica context");
-    Communicator& comm = local_ctx->local_comm();
+    // GPU replicas: the device communicator (NCCL or the shared-device
+    // kernel) on the replicas' device buffers.
+    Communicator* device_comm = local_ctx->device_comm();
+    Communicator& comm = device_comm ? *device_comm : local_ctx->local_comm();
     ShardedCollectives c;
     c.reduce_scatter = [&](const Tensor& in, Tensor& out) {
       comm.reduce_scatter(in.data(), out.data(), static_cast<size_t>(out.num_elements()),
@@ -77,8 +80,19 @@ void MirroredStrategy::apply_gradients(ReplicaContext& ctx, Optimizer& optimizer
                       "sharded variables");
     };
     c.sum = [&](double v) {
-      comm.all_reduce(&v, &v, 1, DType::kFloat64, ReduceOp::kSum, "sharded gradient norm");
-      return v;
+      if (!device_comm) {
+        comm.all_reduce(&v, &v, 1, DType::kFloat64, ReduceOp::kSum, "sharded gradient norm");
+        return v;
+      }
+      // A device communicator reduces device memory only.
+      Tensor host(Shape{1}, DType::kFloat64);
+      host.data<double>()[0] = v;
+      Tensor dev(Shape{1}, DType::kFloat64, ctx.device());
+      dev.copy_from(host);
+      comm.all_reduce(dev.data(), dev.data(), 1, DType::kFloat64, ReduceOp::kSum,
+                      "sharded gradient norm");
+      host.copy_from(dev);
+      return host.data<double>()[0];
     };
     optimizer.apply_sharded(ctx, grads_and_vars, c);
     return;

@@ -536,17 +536,37 @@ void MultiWorkerMirroredStrategy::apply_gradients(
     what << " (layout " << std::hex << h.get() << ")";
     const std::string scatter_name = what.str();
     ShardedCollectives c;
+    // The engine reduces host memory: GPU replicas' buffers are staged
+    // through the host, as their all-reduce is.
+    const auto staged = [&](const Tensor& in, Tensor& out, const std::function<void(const Tensor&, Tensor&)>& op) {
+      if (in.device().is_cpu() && out.device().is_cpu()) {
+        op(in, out);
+        return;
+      }
+      Tensor host_in(in.shape(), in.dtype()), host_out(out.shape(), out.dtype());
+      host_in.copy_from(in);
+      op(host_in, host_out);
+      out.copy_from(host_out);
+    };
     c.reduce_scatter = [&](const Tensor& in, Tensor& out) {
-      m.engine->reduce_scatter_async(local, ReduceOp::kSum, in, out, scatter_name).wait();
+      staged(in, out, [&](const Tensor& i, Tensor& o) {
+        m.engine->reduce_scatter_async(local, ReduceOp::kSum, i, o, scatter_name).wait();
+      });
     };
     c.all_gather = [&](const Tensor& in, Tensor& out) {
-      m.engine->all_gather_async(local, in, out, "sharded variables").wait();
+      staged(in, out, [&](const Tensor& i, Tensor& o) {
+        m.engine->all_gather_async(local, i, o, "sharded variables").wait();
+      });
     };
     c.sum = [&](double v) {
-      std::vector<Tensor> t{Tensor(Shape{1}, DType::kFloat64)};
-      t[0].data<double>()[0] = v;
+      Tensor host(Shape{1}, DType::kFloat64);
+      host.data<double>()[0] = v;
+      // The replica's all-reduce takes tensors on its device.
+      std::vector<Tensor> t{ctx.device().is_gpu() ? Tensor(Shape{1}, DType::kFloat64, ctx.device()) : host};
+      if (ctx.device().is_gpu()) t[0].copy_from(host);
       ctx.all_reduce(ReduceOp::kSum, t, {"sharded gradient norm"});
-      return t[0].data<double>()[0];
+      if (ctx.device().is_gpu()) host.copy_from(t[0]);
+      return host.data<double>()[0];
     };
     optimizer.apply_sharded(ctx, grads_and_vars, c);
     return;

@@ -9,6 +9,8 @@
 
 #include "core/device_scope.h"
 #include "core/user_text.h"
+#include "optim/device_training.h"
+#include "optim/optimizer_state.h"
 
 namespace diststrat {
 
@@ -125,36 +127,6 @@ float LearningRateSchedule::learning_rate(float base, int64_t iterations) const 
   return base;
 }
 
-// Updates of one apply_gradients call held back, per calling thread (a
-// replica's thread, or local replica 0's during a merge_call), until the last
-// one arrives and the global norm is known.
-struct Optimizer::Held {
-  struct Update {
-    Tensor var, grad;
-    std::vector<Tensor> slots;
-    int64_t step;
-  };
-  struct Batch {
-    size_t expected = 0;
-    std::vector<Update> updates;
-    bool flushed = false;
-    double norm = std::numeric_limits<double>::quiet_NaN();
-    // Loss scaling: this replica's copies of the state, and the decision.
-    Tensor scale, good, skipped_count;
-    float scale_value = 1.0f;
-    bool skipped = false;
-    // ZeRO-1: this replica holds a block of the gradients; sums one double
-    // over every replica (set by apply_sharded).
-    std::function<double(double)> sum_across;
-  };
-  std::mutex mu;
-  std::map<std::thread::id, Batch> batches;
-  // The norm of the latest flush: what a replica reports whose updates ran
-  // on another thread (CentralStorage's replicas other than 0).
-  double last_norm = std::numeric_limits<double>::quiet_NaN();
-  bool last_skipped = false;
-};
-
 // Each local replica's gradient sums of the micro-batches so far.
 struct Optimizer::Accumulator {
   struct Sums {
@@ -173,48 +145,6 @@ double sum_of_squares(const Tensor& g) {
   return s;
 }
 }  // namespace
-
-// ZeRO-1 state: the flat layout of the sharded variables and, per local
-// replica, its block's slots and the step's staging buffers.
-struct Optimizer::Zero {
-  struct Local {
-    int64_t begin = 0, end = 0;  // this replica's block [begin, end) of the flat vector
-    std::vector<std::vector<Tensor>> slots;  // [variable][slot]: its piece of the block
-    Tensor flat;      // R * B: this replica's gradients laid end to end (zero tail)
-    Tensor grads;     // B: the reduced gradients of the block
-    Tensor values;    // B: the block of the variables, updated here
-    Tensor gathered;  // R * B: every replica's updated block
-  };
-  mutable std::mutex mu;  // guards planning; afterwards each replica touches only its Local
-  bool planned = false;
-  std::vector<Variable> vars;    // creation order
-  std::vector<int64_t> offsets;  // of each variable in the flat vector
-  int64_t total = 0;             // N
-  int64_t block = 1;             // B = ceil(N / R), at least 1
-  int replicas = 1;              // R
-  std::vector<std::string> slot_names;
-  std::vector<Local> locals;
-
-  int64_t size(size_t k) const { return vars[k].shape().num_elements(); }
-  // Variable k's piece of a block: flat range [lo, hi), possibly empty.
-  std::pair<int64_t, int64_t> piece(size_t k, const Local& l) const {
-    const int64_t lo = std::min(std::max(offsets[k], l.begin), l.end);
-    const int64_t hi = std::max(lo, std::min(offsets[k] + size(k), l.end));
-    return {lo, hi};
-  }
-  int find(const Variable::Impl* v) const {
-    for (size_t k = 0; k < vars.size(); ++k) {
-      if (&vars[k].impl() == v) return static_cast<int>(k);
-    }
-    return -1;
-  }
-  int find_slot(const std::string& s) const {
-    for (size_t i = 0; i < slot_names.size(); ++i) {
-      if (slot_names[i] == s) return static_cast<int>(i);
-    }
-    return -1;
-  }
-};
 
 Optimizer::Optimizer(Strategy& strategy)
     : strategy_(&strategy),
@@ -254,6 +184,9 @@ Tensor widen_to_float32(const Tensor& g) {
   }
   return out;
 }
+}  // namespace
+
+namespace optim_detail {
 // A variable passed twice in one call is an error (it would be updated twice,
 // or, sharded, laid out twice), as in every strategy's reduction the
 // gradients of one variable must be summed by the caller.
@@ -274,7 +207,7 @@ void check_each_variable_once(const std::string& where,
                     "); sum its gradients and pass it once");
   }
 }
-}  // namespace
+}  // namespace optim_detail
 
 ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
                                        const std::vector<std::pair<Tensor, Variable>>& given) {
@@ -292,7 +225,7 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
     widened[k].first = widen_to_float32(g);
   }
   const std::vector<std::pair<Tensor, Variable>>& grads_and_vars = widened.empty() ? given : widened;
-  check_each_variable_once(where, grads_and_vars);
+  optim_detail::check_each_variable_once(where, grads_and_vars);
   for (size_t k = 0; k < grads_and_vars.size(); ++k) {
     const auto& [g, v] = grads_and_vars[k];
     DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument, where, ": undefined ",
@@ -317,11 +250,8 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
   auto& acc = sums->grads_and_vars;
   if (sums->count == 0) {
     acc.clear();
-    for (const auto& [g, v] : grads_and_vars) {
-      DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, name(), ": gradient accumulation of ",
-                      g.debug_string(), " for '", echo(v.name()), "': host gradients only");
-      acc.emplace_back(g.clone(), v);
-    }
+    for (const auto& [g, v] : grads_and_vars) acc.emplace_back(g.device().is_cpu() ? g.clone() : Tensor(), v);
+    accumulate_on_device(acc, grads_and_vars, /*first=*/true);
   } else {
     DISTSTRAT_CHECK(acc.size() == grads_and_vars.size(), kInvalidArgument,
                     "apply_gradients: replica ", ctx.replica_id(), " passed ", grads_and_vars.size(),
@@ -333,12 +263,18 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
                       "apply_gradients: replica ", ctx.replica_id(), " passed variable '", echo(v.name()),
                       "' at position ", k, " of micro-batch ", sums->count + 1, " where the first had '",
                       echo(acc[k].second.name()), "'");
-      DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, name(), ": gradient accumulation of ",
-                      g.debug_string(), " for '", echo(v.name()), "': host gradients only");
+      const Device& first_device = acc[k].first.device();
+      DISTSTRAT_CHECK(g.device().is_cpu() ? first_device.is_cpu() : g.device() == first_device,
+                      kInvalidArgument, "apply_gradients: replica ",
+                      ctx.replica_id(), " passed gradient ", g.debug_string(), " of '", echo(v.name()),
+                      "' in micro-batch ", sums->count + 1, " where the first was on ",
+                      acc[k].first.device().to_string());
+      if (g.device().is_gpu()) continue;  // below, one launch for all
       float* dst = acc[k].first.data<float>();
       const float* src = g.data<float>();
       for (int64_t i = 0, n = g.num_elements(); i < n; ++i) dst[i] += src[i];
     }
+    accumulate_on_device(acc, grads_and_vars, /*first=*/false);
   }
   ApplyResult result;
   if (++sums->count < accumulation_steps_) {
@@ -374,17 +310,24 @@ ApplyResult Optimizer::reduce_and_update(
                   "apply_gradients: loss scaling under ParameterServerStrategy (each push is "
                   "applied on its own by the parameter servers; workers cannot agree to skip a step)");
   ApplyResult result;
-  if (clipping_.global_norm <= 0 && !loss_scaling()) {
+  // This replica's copy of a variable (CentralStorage: the one host copy).
+  const auto local_copy = [&](const Variable& v) -> const Tensor& {
+    const std::vector<Tensor>& copies = v.impl().copies;
+    return copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
+  };
+  // Device variables hold every clipped step (the transform is one launch
+  // over the step's gradients, device_training.cc).
+  bool device_vars = false;
+  for (const auto& gv : grads_and_vars) device_vars = device_vars || local_copy(gv.second).device().is_gpu();
+  if (clipping_.global_norm <= 0 && !loss_scaling() && !(clipping && device_vars)) {
     ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
     return result;
   }
   const std::thread::id me = std::this_thread::get_id();
-  // This replica's copy of a state variable (CentralStorage: the one host copy).
-  const auto local_copy = [&](const Variable& v) {
-    const std::vector<Tensor>& copies = v.impl().copies;
-    const Tensor& t = copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
-    DISTSTRAT_CHECK(t.device().is_cpu(), kUnimplemented, name(), ": loss scaling with '", echo(v.name()),
-                    "' on ", t.device().to_string(), ": host variables only");
+  const auto host_copy = [&](const Variable& v) {
+    const Tensor& t = local_copy(v);
+    DISTSTRAT_CHECK(t.device().is_cpu(), kInternal, name(), ": loss-scaling counter '", echo(v.name()),
+                    "' on ", t.device().to_string(), " (integer variables live in host memory)");
     return t;
   };
   {
@@ -393,10 +336,12 @@ ApplyResult Optimizer::reduce_and_update(
     b = Held::Batch{};
     b.expected = grads_and_vars.size();
     if (loss_scaling()) {
+      // A GPU replica's scale is device memory: the flush reads it with the
+      // step's sums (one read per step), and writes the next one there.
       b.scale = local_copy(loss_scale_);
-      b.good = local_copy(good_steps_);
-      b.skipped_count = local_copy(skipped_steps_);
-      b.scale_value = b.scale.data<float>()[0];
+      b.good = host_copy(good_steps_);
+      b.skipped_count = host_copy(skipped_steps_);
+      if (b.scale.device().is_cpu()) b.scale_value = b.scale.data<float>()[0];
       result.loss_scale = b.scale_value;
     }
   }
@@ -415,11 +360,12 @@ ApplyResult Optimizer::reduce_and_update(
     held_->batches.erase(it);
     result.global_norm = mine.flushed ? mine.norm : held_->last_norm;
     result.skipped = mine.flushed ? mine.skipped : held_->last_skipped;
+    if (mine.flushed && loss_scaling()) result.loss_scale = mine.scale_value;
   }
   const std::vector<Tensor>& iter_copies = iterations_.impl().copies;
   if (result.skipped && (iter_copies.size() > 1 || ctx.local_replica_id() == 0)) {
     // The strategy counted the step; a skipped step is not one.
-    local_copy(iterations_).data<int64_t>()[0] -= 1;
+    host_copy(iterations_).data<int64_t>()[0] -= 1;
   }
   DISTSTRAT_CHECK(mine.updates.empty(), kInternal, "apply_gradients: strategy '",
                   ctx.strategy().name(), "' updated ", mine.updates.size(), " of ",
@@ -455,8 +401,11 @@ float Optimizer::loss_scale(ReplicaContext& ctx) const {
   if (!loss_scaling()) return 1.0f;
   const std::vector<Tensor>& copies = loss_scale_.impl().copies;
   const Tensor& t = copies[copies.size() == 1 ? 0 : static_cast<size_t>(ctx.local_replica_id())];
-  DISTSTRAT_CHECK(t.device().is_cpu(), kUnimplemented, name(), ": loss scale on ",
-                  t.device().to_string(), ": host variables only");
+  if (t.device().is_gpu()) {
+    Tensor host(Shape{}, DType::kFloat32);
+    host.copy_from(t);  // after the replica's queued work (the last step's update of it)
+    return host.data<float>()[0];
+  }
   return t.data<float>()[0];
 }
 
@@ -486,29 +435,42 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
     update_now(var, grad, slots, step);
     return;
   }
-  DISTSTRAT_CHECK(grad.device().is_cpu() && grad.dtype() == DType::kFloat32, kUnimplemented,
-                  name(), ": gradient clipping or loss scaling of ", grad.debug_string(),
-                  ": they run on float32 host gradients only");
-  if (clipping_.global_norm <= 0 && !loss_scaling()) {
+  // Device gradients: the step's updates are held and transformed together
+  // (device_training.cc), one launch per step instead of one per tensor.
+  const bool on_device = grad.device().is_gpu();
+  DISTSTRAT_CHECK(grad.dtype() == DType::kFloat32, kUnimplemented, name(),
+                  ": gradient clipping or loss scaling of ", grad.debug_string(),
+                  ": they run on float32 gradients only");
+  const bool whole_step = clipping_.global_norm > 0 || loss_scaling();
+  if (!whole_step && !on_device) {
     apply_clipped(var, grad, slots, step, 1.0f);
     return;
   }
+  Held::Update update{var, grad, {}, step};
+  for (Tensor* t : slots) update.slots.push_back(*t);
   std::vector<Held::Update> ready;
-  Held::Batch* batch;  // this thread's; only this thread touches its fields
+  Held::Batch* batch = nullptr;  // this thread's; only this thread touches its fields
   {
     std::lock_guard<std::mutex> lock(held_->mu);
     auto it = held_->batches.find(std::this_thread::get_id());
-    DISTSTRAT_CHECK(it != held_->batches.end(), kFailedPrecondition, name(),
+    DISTSTRAT_CHECK(it != held_->batches.end() || !whole_step, kFailedPrecondition, name(),
                     ": clip_by_global_norm / loss scaling: update of ", var.debug_string(),
                     " outside apply_gradients (they need every gradient of the step)");
-    Held::Batch& b = it->second;
-    Held::Update u{var, grad, {}, step};
-    for (Tensor* t : slots) u.slots.push_back(*t);
-    b.updates.push_back(std::move(u));
-    if (b.updates.size() < b.expected) return;
-    ready = std::move(b.updates);
-    b.updates.clear();
-    batch = &b;
+    if (it != held_->batches.end()) {
+      Held::Batch& b = it->second;
+      b.updates.push_back(std::move(update));
+      if (b.updates.size() < b.expected) return;
+      ready = std::move(b.updates);
+      b.updates.clear();
+      batch = &b;
+    } else {
+      ready.push_back(std::move(update));  // per-tensor clipping of a lone device update
+    }
+  }
+  if (ready.front().grad.device().is_gpu()) {
+    DeviceStep device_step{ready, batch};
+    flush_on_device(device_step);
+    return;
   }
   bool skip = false;
   if (loss_scaling()) {
@@ -525,32 +487,16 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
       h.grad = g;
     }
   }
-  double norm = std::numeric_limits<double>::quiet_NaN();
-  if (batch->sum_across) {
-    // ZeRO-1: each replica holds a block of every gradient, so the norm and
-    // the non-finite decision are sums over the replicas: one scalar (the
-    // squared norm of this block, infinite when loss scaling found a
-    // non-finite element here; without clipping, a 0/1 flag).
-    const bool by_norm = clipping_.global_norm > 0;
-    double local = skip ? 1.0 : 0.0;
-    if (by_norm) {
-      local = 0;
-      for (const Held::Update& h : ready) local += sum_of_squares(h.grad);
-      if (skip) local = std::numeric_limits<double>::infinity();
-    }
-    const double total = batch->sum_across(local);
-    if (by_norm) {
-      if (loss_scaling()) skip = !std::isfinite(total);
-      if (!skip) norm = std::sqrt(total);
-    } else {
-      skip = total > 0;
-    }
-  } else if (clipping_.global_norm > 0 && !skip) {
-    // In call order, so every replica sums in the same order: the same norm.
-    norm = 0;
-    for (const Held::Update& h : ready) norm += sum_of_squares(h.grad);
-    norm = std::sqrt(norm);
-  }
+  const optim_detail::StepDecision d = optim_detail::decide_step(
+      loss_scaling(), clipping_.global_norm > 0, skip,
+      [&] {
+        double sum = 0;
+        for (const Held::Update& h : ready) sum += sum_of_squares(h.grad);
+        return sum;
+      },
+      batch->sum_across);
+  skip = d.skip;
+  const double norm = d.norm;
   {
     std::lock_guard<std::mutex> lock(held_->mu);
     batch->flushed = true;
@@ -561,18 +507,10 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
   }
   if (loss_scaling()) {
     float& scale = batch->scale.data<float>()[0];
-    int64_t& good = batch->good.data<int64_t>()[0];
-    if (skip) {
-      scale = std::max(1.0f, scale / loss_scale_options_.multiplier);
-      good = 0;
-      ++batch->skipped_count.data<int64_t>()[0];
-      return;
-    }
-    if (++good >= loss_scale_options_.growth_interval) {
-      const float grown = scale * loss_scale_options_.multiplier;
-      if (std::isfinite(grown)) scale = grown;
-      good = 0;
-    }
+    scale = optim_detail::next_loss_scale(loss_scale_options_, scale, skip,
+                                          batch->good.data<int64_t>()[0],
+                                          batch->skipped_count.data<int64_t>()[0]);
+    if (skip) return;
   }
   float scale = 1.0f;
   if (clipping_.global_norm > 0) {
@@ -638,251 +576,6 @@ void Optimizer::update_now(Tensor& var, const Tensor& grad, const std::vector<Te
   }
   update(var.data<float>(), grad.data<float>(), slot_ptrs.data(),
          static_cast<size_t>(var.num_elements()), step);
-}
-
-// ---- ZeRO-1 -------------------------------------------------------------------
-
-void Optimizer::apply_sharded(ReplicaContext& ctx,
-                              const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
-                              const ShardedCollectives& collectives) {
-  const int local = ctx.local_replica_id();
-  const std::string where = name() + ": sharded optimizer state (ZeRO-1), replica " +
-                            std::to_string(ctx.replica_id());
-  DISTSTRAT_CHECK(clipping_.norm <= 0, kUnimplemented, where,
-                  ": per-tensor clip_by_norm (each replica holds a piece of each gradient); use "
-                  "clip_by_global_norm or clip_by_value");
-  // Creation order: the same on every replica and worker whatever order the
-  // caller passed.
-  std::vector<size_t> order(grads_and_vars.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return grads_and_vars[a].second.impl().creation_index < grads_and_vars[b].second.impl().creation_index;
-  });
-  // A variable passed twice would be laid out twice: two pieces with their
-  // own slots, the second overwriting the first in the all-gather.
-  check_each_variable_once(where, grads_and_vars);
-  for (size_t i : order) {
-    const auto& [g, v] = grads_and_vars[i];
-    const Tensor& copy = v.impl().copies.at(static_cast<size_t>(local));
-    DISTSTRAT_CHECK(g.device().is_cpu() && copy.device().is_cpu(), kUnimplemented, where,
-                    ": variable '", echo(v.name()), "' or its gradient is not in host memory (",
-                    g.debug_string(), "); sharded optimizer state runs on CPU replicas only");
-  }
-  Zero& z = *zero_;
-  {
-    std::lock_guard<std::mutex> lock(z.mu);
-    if (!z.planned) {
-      // The first local replica to arrive lays the state out for all of them.
-      for (size_t i : order) z.vars.push_back(grads_and_vars[i].second);
-      for (size_t k = 0; k < z.vars.size(); ++k) {
-        z.offsets.push_back(z.total);
-        z.total += z.size(k);
-      }
-      z.replicas = ctx.num_replicas_in_sync();
-      z.block = std::max<int64_t>(1, (z.total + z.replicas - 1) / z.replicas);
-      z.slot_names = slot_names();
-      const int first = ctx.replica_id() - local;
-      const int num_local = strategy_->num_local_replicas();
-      const int64_t R = z.replicas, B = z.block;
-      z.locals.resize(static_cast<size_t>(num_local));
-      for (int l = 0; l < num_local; ++l) {
-        Zero::Local& L = z.locals[static_cast<size_t>(l)];
-        const int64_t g = first + l;
-        L.begin = std::min(z.total, g * B);
-        L.end = std::min(z.total, (g + 1) * B);
-        L.flat = Tensor(Shape{R * B}, DType::kFloat32);
-        L.gathered = Tensor(Shape{R * B}, DType::kFloat32);
-        L.grads = Tensor(Shape{B}, DType::kFloat32);
-        L.values = Tensor(Shape{B}, DType::kFloat32);
-        L.slots.resize(z.vars.size());
-        for (size_t k = 0; k < z.vars.size(); ++k) {
-          const auto [lo, hi] = z.piece(k, L);
-          Variable::Impl& var = z.vars[k].impl();
-          std::lock_guard<std::mutex> slots_lock(var.slots_mu);
-          for (const std::string& s : z.slot_names) {
-            Tensor t(Shape{hi - lo}, DType::kFloat32);  // zero-filled
-            auto full = var.slots.find(s);
-            if (full != var.slots.end() && static_cast<size_t>(l) < full->second.size() && hi > lo) {
-              // Full slots (restored from a checkpoint before the first step): keep the block.
-              const Tensor& src = full->second[static_cast<size_t>(l)];
-              DISTSTRAT_CHECK(src.device().is_cpu(), kUnimplemented, where, ": slot '", s, "' of '",
-                              echo(var.name), "' is not in host memory");
-              std::memcpy(t.data(), src.data<float>() + (lo - z.offsets[k]),
-                          static_cast<size_t>(hi - lo) * sizeof(float));
-            }
-            L.slots[k].push_back(t);
-          }
-        }
-      }
-      // The full copies are not needed any more: the blocks hold the state.
-      for (Variable& v : z.vars) {
-        Variable::Impl& var = v.impl();
-        std::lock_guard<std::mutex> slots_lock(var.slots_mu);
-        for (const std::string& s : z.slot_names) var.slots.erase(s);
-      }
-      z.planned = true;
-    }
-    DISTSTRAT_CHECK(z.replicas == ctx.num_replicas_in_sync(), kInternal, where,
-                    ": replicas in sync changed");
-    bool same = z.vars.size() == order.size();
-    for (size_t k = 0; same && k < order.size(); ++k) {
-      same = z.vars[k].impl_ptr() == grads_and_vars[order[k]].second.impl_ptr();
-    }
-    DISTSTRAT_CHECK(same, kUnimplemented, where, ": apply_gradients with other variables (",
-                    order.size(), ") than this optimizer's first call (", z.vars.size(),
-                    "); sharded state needs the same variables in every call (use one optimizer "
-                    "per set of variables)");
-  }
-  Zero::Local& L = z.locals[static_cast<size_t>(local)];
-  // Gradients laid end to end; the padding after N stays zero.
-  float* flat = L.flat.data<float>();
-  for (size_t k = 0; k < order.size(); ++k) {
-    const Tensor& g = grads_and_vars[order[k]].first;
-    if (z.size(k)) std::memcpy(flat + z.offsets[k], g.data(), static_cast<size_t>(z.size(k)) * sizeof(float));
-  }
-  collectives.reduce_scatter(L.flat, L.grads);
-  float* values = L.values.data<float>();
-  float* grads = L.grads.data<float>();
-  for (size_t k = 0; k < z.vars.size(); ++k) {
-    const auto [lo, hi] = z.piece(k, L);
-    if (hi > lo) {
-      std::memcpy(values + (lo - L.begin),
-                  z.vars[k].impl().copies[static_cast<size_t>(local)].data<float>() + (lo - z.offsets[k]),
-                  static_cast<size_t>(hi - lo) * sizeof(float));
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(held_->mu);
-    auto it = held_->batches.find(std::this_thread::get_id());
-    if (it != held_->batches.end()) it->second.sum_across = collectives.sum;
-  }
-  Tensor iterations = iterations_.read(ctx);
-  const int64_t step = iterations.data<int64_t>()[0] + 1;
-  for (size_t k = 0; k < z.vars.size(); ++k) {
-    const auto [lo, hi] = z.piece(k, L);
-    const Shape piece{hi - lo};
-    Tensor var = Tensor::wrap(values + (lo - L.begin), piece, DType::kFloat32);
-    const Tensor grad = Tensor::wrap(grads + (lo - L.begin), piece, DType::kFloat32);
-    std::vector<Tensor*> slots;
-    for (Tensor& t : L.slots[k]) slots.push_back(&t);
-    update_tensor(var, grad, slots, step);
-  }
-  collectives.all_gather(L.values, L.gathered);
-  const float* all = L.gathered.data<float>();
-  for (size_t k = 0; k < z.vars.size(); ++k) {
-    if (!z.size(k)) continue;
-    std::memcpy(z.vars[k].impl().copies[static_cast<size_t>(local)].data(), all + z.offsets[k],
-                static_cast<size_t>(z.size(k)) * sizeof(float));
-  }
-  iterations.data<int64_t>()[0] = step;
-}
-
-bool Optimizer::sharded() const {
-  std::lock_guard<std::mutex> lock(zero_->mu);
-  return zero_->planned;
-}
-
-bool Optimizer::sharded_slot(const Variable::Impl& var, const std::string& slot_name) const {
-  std::lock_guard<std::mutex> lock(zero_->mu);
-  return zero_->planned && zero_->find(&var) >= 0 && zero_->find_slot(slot_name) >= 0;
-}
-
-std::vector<Tensor> Optimizer::gather_sharded_slots(
-    const std::vector<std::pair<const Variable::Impl*, std::string>>& slots) const {
-  const Zero& z = *zero_;
-  std::vector<Tensor> out(slots.size());
-  if (slots.empty()) return out;
-  std::vector<int> var_index, slot_index;
-  for (const auto& [v, s] : slots) {
-    var_index.push_back(z.find(v));
-    slot_index.push_back(z.find_slot(s));
-    DISTSTRAT_CHECK(var_index.back() >= 0 && slot_index.back() >= 0, kInvalidArgument, name(),
-                    ": slot '", echo(s), "' of '", echo(v->name), "' is not sharded by this optimizer");
-  }
-  // One gather per slot name: every replica's block of it, in replica
-  // order, is the slot of all variables laid end to end.
-  std::vector<Tensor> full(z.slot_names.size());
-  strategy_->run([&](ReplicaContext& ctx) {
-    const Zero::Local& L = z.locals[static_cast<size_t>(ctx.local_replica_id())];
-    for (size_t si = 0; si < z.slot_names.size(); ++si) {
-      if (std::find(slot_index.begin(), slot_index.end(), static_cast<int>(si)) == slot_index.end()) continue;
-      Tensor mine(Shape{L.end - L.begin}, DType::kFloat32);
-      float* dst = mine.data<float>();
-      for (size_t k = 0; k < z.vars.size(); ++k) {
-        const auto [lo, hi] = z.piece(k, L);
-        if (hi > lo) std::memcpy(dst + (lo - L.begin), L.slots[k][si].data(), static_cast<size_t>(hi - lo) * sizeof(float));
-      }
-      Tensor gathered = ctx.all_gather(mine, name() + " sharded slot '" + z.slot_names[si] + "'");
-      if (ctx.local_replica_id() == 0) full[si] = gathered;
-    }
-  });
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const size_t k = static_cast<size_t>(var_index[i]);
-    const Tensor& f = full[static_cast<size_t>(slot_index[i])];
-    DISTSTRAT_CHECK(f.num_elements() == z.total, kInternal, name(), ": gathered slot has ",
-                    f.num_elements(), " elements, expected ", z.total);
-    Tensor t(z.vars[k].shape(), DType::kFloat32);
-    if (z.size(k)) std::memcpy(t.data(), f.data<float>() + z.offsets[k], t.nbytes());
-    out[i] = t;
-  }
-  return out;
-}
-
-void Optimizer::assign_sharded_slots(
-    const std::vector<std::pair<const Variable::Impl*, std::string>>& slots,
-    const std::vector<Tensor>& values) const {
-  DISTSTRAT_CHECK_EQ(slots.size(), values.size(), "assign_sharded_slots");
-  Zero& z = *zero_;
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const int k = z.find(slots[i].first);
-    const int si = z.find_slot(slots[i].second);
-    DISTSTRAT_CHECK(k >= 0 && si >= 0, kInvalidArgument, name(), ": slot '", echo(slots[i].second),
-                    "' of '", echo(slots[i].first->name), "' is not sharded by this optimizer");
-    const Tensor& v = values[i];
-    DISTSTRAT_CHECK(v.dtype() == DType::kFloat32 && v.num_elements() == z.size(static_cast<size_t>(k)),
-                    kInvalidArgument, name(), ": value ", v.debug_string(), " for slot '",
-                    echo(slots[i].second), "' of '", echo(slots[i].first->name), "'");
-    for (Zero::Local& L : z.locals) {
-      const auto [lo, hi] = z.piece(static_cast<size_t>(k), L);
-      if (hi > lo) {
-        std::memcpy(L.slots[static_cast<size_t>(k)][static_cast<size_t>(si)].data(),
-                    v.data<float>() + (lo - z.offsets[static_cast<size_t>(k)]),
-                    static_cast<size_t>(hi - lo) * sizeof(float));
-      }
-    }
-  }
-}
-
-int64_t Optimizer::slot_bytes_per_replica() const {
-  const Zero& z = *zero_;
-  std::vector<int64_t> per(static_cast<size_t>(std::max(1, strategy_->num_local_replicas())), 0);
-  std::lock_guard<std::mutex> lock(z.mu);
-  const std::vector<std::string> names = slot_names();
-  for (const Variable& v : strategy_->variables()) {
-    if (!v.options().trainable || v.dtype() != DType::kFloat32) continue;
-    if (z.planned && z.find(&v.impl()) >= 0) continue;  // counted below
-    Variable::Impl& impl = v.impl();
-    std::lock_guard<std::mutex> slots_lock(impl.slots_mu);
-    for (const std::string& s : names) {
-      auto it = impl.slots.find(s);
-      if (it == impl.slots.end()) continue;
-      for (size_t l = 0; l < it->second.size() && l < per.size(); ++l) {
-        per[l] += static_cast<int64_t>(it->second[l].nbytes());
-      }
-      // A single host copy (central storage) is every replica's.
-      if (it->second.size() == 1) {
-        for (size_t l = 1; l < per.size(); ++l) per[l] += static_cast<int64_t>(it->second[0].nbytes());
-      }
-    }
-  }
-  if (z.planned) {
-    for (size_t l = 0; l < z.locals.size() && l < per.size(); ++l) {
-      for (const auto& slots : z.locals[l].slots) {
-        for (const Tensor& t : slots) per[l] += static_cast<int64_t>(t.nbytes());
-      }
-    }
-  }
-  return *std::max_element(per.begin(), per.end());
 }
 
 SGD::SGD(Strategy& strategy, SGDOptions options) : Optimizer(strategy), options_(options) {

@@ -26,6 +26,7 @@
 #include "core/device_scope.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/device_manager.h"
+#include "../common/zero_cases.h"
 
 namespace ds = diststrat;
 
@@ -791,3 +792,206 @@ TEST(GpuNccl, SingleRankCommunicatorsFromTheLocalAndMultiProcessFactories) {
   mp.reset();
   b.destroy_stream(0, stream);
 }
+
+// ==== Training features on GPU variables (optimizer: clipping, loss scaling,
+// accumulation; src/optim/device_training.cc, src/gpu/optim_kernels.cu) ====
+
+// The list kernels against the host arithmetic: 50 tensors (two launches of
+// up to 48) of sizes 0 to 2^18 + 5, unscaled by a device loss scale.
+TEST(GpuTraining, ListKernelsMatchTheHostArithmeticAndSumsAreDeterministic) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  const ds::Device d = ds::Device::gpu(0);
+  ds::ScopedExec scoped(scope_for(*dm, d));
+  ds::GpuBackend& b = dm->impl().require_backend("test");
+  const int n = 50;
+  std::vector<ds::Tensor> host, dev;
+  std::vector<const float*> in;
+  std::vector<size_t> counts;
+  for (int i = 0; i < n; ++i) {
+    const int64_t count = i == 0 ? 0 : i == 1 ? (1 << 18) + 5 : 1 + (i * 977) % 5000;
+    host.push_back(random_host({count}, static_cast<uint64_t>(i + 1), 8.0));
+    dev.push_back(to_device(host.back(), d));
+    in.push_back(dev.back().data<float>());
+    counts.push_back(static_cast<size_t>(count));
+  }
+  const float scale_value = 64.0f;
+  ds::Tensor scale_host(ds::Shape{1}, ds::DType::kFloat32);
+  scale_host.data<float>()[0] = scale_value;
+  const ds::Tensor scale = to_device(scale_host, d);
+  ds::Tensor work(ds::Shape{n + n * int64_t(ds::GpuBackend::kSumOfSquaresScratch)}, ds::DType::kFloat64, d);
+  double* sums = work.data<double>();
+  b.sum_of_squares(0, nullptr, in.data(), counts.data(), n, scale.data<float>(), sums, sums + n);
+  std::vector<double> got(n), again(n);
+  b.copy_to_host(0, got.data(), sums, n * sizeof(double), nullptr,
+                 ds::DeadlineClock::now() + std::chrono::seconds(30), "sums");
+  const float inv = 1.0f / scale_value;
+  for (int i = 0; i < n; ++i) {
+    double want = 0;
+    for (size_t j = 0; j < counts[i]; ++j) {
+      const float x = host[i].data<float>()[j] * inv;
+      want += double(x) * x;
+    }
+    EXPECT_NEAR(got[i], want, 1e-12 * want) << "tensor " << i;
+  }
+  b.sum_of_squares(0, nullptr, in.data(), counts.data(), n, scale.data<float>(), sums, sums + n);
+  b.copy_to_host(0, again.data(), sums, n * sizeof(double), nullptr,
+                 ds::DeadlineClock::now() + std::chrono::seconds(30), "sums again");
+  EXPECT_EQ(0, std::memcmp(got.data(), again.data(), n * sizeof(double))) << "not deterministic";
+
+  // Per-tensor norm clipping and value clipping, into other buffers.
+  std::vector<ds::Tensor> out_dev;
+  std::vector<float*> out;
+  for (int i = 0; i < n; ++i) {
+    out_dev.emplace_back(host[i].shape(), ds::DType::kFloat32, d);
+    out.push_back(out_dev.back().data<float>());
+  }
+  for (int mode = 0; mode < 2; ++mode) {
+    const float clip_norm = mode == 0 ? 0.5f : 0.0f, clip_value = mode == 1 ? 0.01f : 0.0f;
+    b.scale_and_clip(0, nullptr, in.data(), out.data(), counts.data(), n, scale.data<float>(), 1.0f,
+                     sums, clip_norm, clip_value);
+    for (int i = 0; i < n; ++i) {
+      const ds::Tensor o = to_host(out_dev[i]);
+      float f = 1.0f;
+      if (clip_norm > 0) {
+        const double norm = std::sqrt(got[i]);
+        f = static_cast<float>(clip_norm / std::max<double>(norm, clip_norm));
+      }
+      for (size_t j = 0; j < counts[i]; ++j) {
+        float x = host[i].data<float>()[j] * inv;
+        if (f != 1.0f) x *= f;
+        if (clip_value > 0) x = std::min(clip_value, std::max(-clip_value, x));
+        ASSERT_NEAR(o.data<float>()[j], x, 1e-6f * std::fabs(x)) << "mode " << mode << " tensor " << i;
+      }
+    }
+  }
+  // An inf anywhere makes its sum non-finite.
+  ds::Tensor bad = host[7].clone();
+  bad.data<float>()[3] = INFINITY;
+  dev[7].copy_from(bad);
+  b.sum_of_squares(0, nullptr, in.data(), counts.data(), n, nullptr, sums, sums + n);
+  b.copy_to_host(0, got.data(), sums, n * sizeof(double), nullptr,
+                 ds::DeadlineClock::now() + std::chrono::seconds(30), "sums with inf");
+  EXPECT_FALSE(std::isfinite(got[7]));
+  EXPECT_TRUE(std::isfinite(got[8]));
+  // Accumulation: acc = in, then acc += in, bit for bit.
+  b.accumulate(0, nullptr, out.data(), in.data(), counts.data(), n, true);
+  b.accumulate(0, nullptr, out.data(), in.data(), counts.data(), n, false);
+  for (int i = 2; i < n; ++i) {
+    const ds::Tensor o = to_host(out_dev[i]);
+    const ds::Tensor h = i == 7 ? bad : host[i];
+    for (size_t j = 0; j < counts[i]; ++j) {
+      ASSERT_EQ(o.data<float>()[j], h.data<float>()[j] + h.data<float>()[j]) << "tensor " << i;
+    }
+  }
+}
+
+namespace {
+struct TfConfig {
+  ds::GradientClipping clip;
+  bool loss_scale = false;
+  int accumulate = 1;
+  bool adam = false;
+  int64_t poison = -1;  // micro-batch whose gradient on replica 1 gets an inf
+  bool zero = false;    // ZeRO-1 (sharded slots on the GPUs)
+};
+struct TfRun {
+  std::vector<ds::Tensor> weights;
+  std::vector<bool> skipped;
+  float final_scale = 0;
+};
+// The ZeRO test model (tests/common/zero_cases.h) for 6 updates on two CPU
+// replicas or two logical GPUs of GPU 0.
+TfRun tf_train(bool gpu, const TfConfig& c) {
+  ds::MirroredOptions o;
+  o.shard_optimizer_state = c.zero;
+  if (gpu) {
+    o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+    o.device_manager = two_logical_gpus();
+  } else {
+    o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+  }
+  ds::MirroredStrategy s(o);
+  auto vars = ds::zero_cases::create_model(s);
+  auto opt = ds::zero_cases::make_optimizer(s, c.adam);
+  opt->set_clipping(c.clip);
+  if (c.loss_scale) opt->enable_loss_scaling({1024.0f, 2, 2.0f});
+  opt->set_accumulation_steps(c.accumulate);
+  TfRun run;
+  for (int64_t m = 0; m < 6 * c.accumulate; ++m) {
+    bool skipped = false;
+    s.run([&](ds::ReplicaContext& ctx) {
+      const float scale = opt->loss_scale(ctx);
+      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+      for (size_t k = 0; k < vars.size(); ++k) {
+        ds::Tensor w = to_host(vars[k].read(ctx));
+        ds::Tensor g = ds::zero_cases::replica_grad(w, k, m, ctx.replica_id(), 2);
+        for (int64_t i = 0; i < g.num_elements(); ++i) g.data<float>()[i] *= scale;
+        if (m == c.poison && ctx.replica_id() == 1 && k == 0) g.data<float>()[0] = INFINITY;
+        ds::Tensor placed(g.shape(), ds::DType::kFloat32, ctx.device());
+        placed.copy_from(g);
+        gv.emplace_back(placed, vars[k]);
+      }
+      const ds::ApplyResult r = opt->apply_gradients(ctx, gv);
+      if (ctx.replica_id() == 0) skipped = r.skipped;
+    });
+    run.skipped.push_back(skipped);
+  }
+  for (auto& v : vars) run.weights.push_back(v.value());
+  // The replicas' copies stay bit-identical (the norms are computed alike).
+  std::vector<ds::Tensor> second(vars.size());
+  s.run([&](ds::ReplicaContext& ctx) {
+    if (ctx.replica_id() != 1) return;
+    for (size_t k = 0; k < vars.size(); ++k) second[k] = to_host(vars[k].read(ctx));
+  });
+  for (size_t k = 0; k < vars.size(); ++k) {
+    EXPECT_EQ(0, std::memcmp(second[k].data(), run.weights[k].data(), second[k].nbytes())) << vars[k].name();
+  }
+  if (c.loss_scale) run.final_scale = s.variable("optimizer/loss_scale").value().data<float>()[0];
+  return run;
+}
+}  // namespace
+
+// Two logical GPUs of GPU 0 (the shared-device reduction, ZeRO-1's
+// reduce-scatter / all-gather included) against two CPU replicas.
+TEST(GpuTraining, ClippingLossScalingAccumulationAndZeroOnGpuVariablesTrainLikeTheCpu) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    const char* name;
+    TfConfig c;
+  };
+  std::vector<Case> cases(8);
+  cases[0].name = "clip_by_global_norm";
+  cases[0].c.clip.global_norm = 0.2f;
+  cases[1].name = "clip_by_norm";
+  cases[1].c.clip.norm = 0.05f;
+  cases[2].name = "clip_by_value";
+  cases[2].c.clip.value = 0.01f;
+  cases[3].name = "loss scaling, inf at step 3";
+  cases[3].c.loss_scale = true;
+  cases[3].c.poison = 3;
+  cases[4].name = "accumulation over 3";
+  cases[4].c.accumulate = 3;
+  cases[5].name = "adam, loss scaling, global norm, accumulation over 2, inf";
+  cases[5].c = cases[0].c;
+  cases[5].c.adam = true;
+  cases[5].c.loss_scale = true;
+  cases[5].c.accumulate = 2;
+  cases[5].c.poison = 5;
+  cases[6].name = "ZeRO-1, sgd momentum";
+  cases[6].c.zero = true;
+  cases[7].name = "ZeRO-1, adam, loss scaling, global norm, inf";
+  cases[7].c = cases[5].c;
+  cases[7].c.accumulate = 1;
+  cases[7].c.poison = 2;
+  cases[7].c.zero = true;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    const TfRun want = tf_train(false, k.c);
+    const TfRun got = tf_train(true, k.c);
+    EXPECT_EQ(got.skipped, want.skipped);
+    EXPECT_EQ(got.final_scale, want.final_scale);
+    for (size_t i = 0; i < want.weights.size(); ++i) expect_close(got.weights[i], want.weights[i], 1e-5, k.name);
+  }
+}
+// ==== end of the training-feature tests ====

@@ -34,6 +34,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -670,6 +671,88 @@ class FakeGpuBackend : public ds::GpuBackend {
   std::string device_error_;
   long next_seq_ = 0;
   long next_stream_ = 0;
+
+ public:
+  // ==== Training features on device gradients ====
+  // As optim_kernels.cu, with the host path's arithmetic and summation order
+  // (so fake-GPU training equals CPU training bit for bit); run in enqueue
+  // order like every kernel here. The lists are copied at the call.
+  void sum_of_squares(int ordinal, void* stream, const float* const* in, const size_t* counts,
+                      int n, const float* loss_scale, double* sums,
+                      double* scratch) override {
+    ++training_launches;
+    std::vector<const float*> ins;
+    for (int i = 0; i < n; ++i) ins.push_back(h(in[i]));
+    std::vector<size_t> sizes(counts, counts + n);
+    const float* ls = loss_scale ? h(loss_scale) : nullptr;
+    double* out = h(sums);
+    launch(ordinal, stream, "sum_of_squares", [=] {
+      const float inv = ls ? 1.0f / *ls : 1.0f;
+      for (size_t i = 0; i < ins.size(); ++i) {
+        double s = 0;
+        for (size_t j = 0; j < sizes[i]; ++j) {
+          const float x = ls ? ins[i][j] * inv : ins[i][j];
+          s += double(x) * x;
+        }
+        out[i] = s;
+      }
+    });
+  }
+  void scale_and_clip(int ordinal, void* stream, const float* const* in, float* const* out_d,
+                      const size_t* counts, int n, const float* loss_scale, float scale,
+                      const double* sums, float clip_norm, float clip_value) override {
+    ++training_launches;
+    std::vector<const float*> ins;
+    std::vector<float*> outs;
+    for (int i = 0; i < n; ++i) {
+      ins.push_back(h(in[i]));
+      outs.push_back(h(out_d[i]));
+    }
+    std::vector<size_t> sizes(counts, counts + n);
+    const float* ls = loss_scale ? h(loss_scale) : nullptr;
+    const double* norms = sums ? h(sums) : nullptr;
+    launch(ordinal, stream, "scale_and_clip", [=] {
+      const float inv = ls ? 1.0f / *ls : 1.0f;
+      for (size_t i = 0; i < ins.size(); ++i) {
+        float f = scale;
+        if (clip_norm > 0) {
+          const double norm = std::sqrt(norms[i]);
+          f = std::isfinite(norm) ? static_cast<float>(clip_norm / std::max<double>(norm, clip_norm))
+                                  : std::nanf("");
+        }
+        for (size_t j = 0; j < sizes[i]; ++j) {
+          float x = ls ? ins[i][j] * inv : ins[i][j];
+          if (f != 1.0f) x *= f;
+          if (clip_value > 0) x = x < -clip_value ? -clip_value : (x > clip_value ? clip_value : x);
+          outs[i][j] = x;
+        }
+      }
+    });
+  }
+  void accumulate(int ordinal, void* stream, float* const* acc_d, const float* const* in,
+                  const size_t* counts, int n, bool first) override {
+    ++training_launches;
+    std::vector<const float*> ins;
+    std::vector<float*> accs;
+    for (int i = 0; i < n; ++i) {
+      ins.push_back(h(in[i]));
+      accs.push_back(h(acc_d[i]));
+    }
+    std::vector<size_t> sizes(counts, counts + n);
+    launch(ordinal, stream, "accumulate", [=] {
+      for (size_t i = 0; i < ins.size(); ++i) {
+        for (size_t j = 0; j < sizes[i]; ++j) accs[i][j] = first ? ins[i][j] : accs[i][j] + ins[i][j];
+      }
+    });
+  }
+  void fill(int ordinal, void* stream, float* dst_d, size_t count, float value) override {
+    float* dst = h(dst_d);
+    launch(ordinal, stream, "fill", [=] { std::fill(dst, dst + count, value); });
+  }
+  // Launches of the three list kernels above (sum_of_squares, scale_and_clip,
+  // accumulate): a test counts them per step.
+  std::atomic<int> training_launches{0};
+  // ==== end of the training-feature block ====
 };
 
 // A fresh lock directory per test.
