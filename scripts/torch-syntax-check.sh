@@ -158,7 +158,8 @@ check_one() {
   local tu=$1 log
   log="$tmp/$(echo "$tu" | tr '/' '_').log"
   local extra=(-Wall -Wextra -Wno-unused-parameter)
-  [[ $tu == tests/* ]] && extra=(-DGTEST_HAS_PTHREAD=1 "-DDISTSTRAT_SOURCE_DIR=\"$root\"")
+  # The torch tests' targets add tests/ (the fake GPU backend) to the include path.
+  [[ $tu == tests/* ]] && extra=(-I"$root/tests" -DGTEST_HAS_PTHREAD=1 "-DDISTSTRAT_SOURCE_DIR=\"$root\"")
   local t0=$SECONDS rc=0
   "$cxx" -std="$std" "${flags[@]}" "${extra[@]}" "$tu" >"$log" 2>&1 || rc=$?
   # -H lists headers as lines of dots and a path; a LibTorch header from
@@ -166,8 +167,12 @@ check_one() {
   local stray
   stray=$(grep -E '^\.+ /' "$log" | sed 's/^\.* //' |
     grep -E '/(torch|ATen|c10|caffe2)/' | grep -v -F "$tinc/" | grep -v -F "$root/" | head -3)
+  # Whether the TU compiled the CUDA paths (src/torch/torch_compat.h includes
+  # c10/cuda only in a CUDA LibTorch with the CUDA headers at hand).
+  local cuda=""
+  grep -qE '^\.+ .*/c10/cuda/CUDAStream\.h$' "$log" && cuda=", CUDA paths"
   if [[ $rc -eq 0 && -z "$stray" ]]; then
-    echo "ok      $tu ($((SECONDS - t0)) s)"
+    echo "ok      $tu ($((SECONDS - t0)) s$cuda)"
   elif [[ $rc -eq 0 ]]; then
     echo "FAILED  $tu: LibTorch headers from outside $torch_root: $(echo "$stray" | tr '\n' ' ')"
   else
