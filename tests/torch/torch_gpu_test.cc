@@ -180,5 +180,27 @@ TEST(TorchGpu, CheckpointSavedFromGpuRestoresOnCpuBitEqual) {
   std::filesystem::remove_all(dir);
 }
 
+// DLPack conversions of CUDA tensors inside a replica of a split GPU: the
+// CUDA ordinal (0 for both replicas) maps to the replica's logical GPU, no
+// copy either way.
+TEST(TorchGpu, ConvertCudaTensorsToTheReplicasLogicalGpu) {
+  SKIP_WITHOUT_CUDA();
+  MirroredOptions o;
+  o.devices = {Device::gpu(0), Device::gpu(1)};
+  o.device_manager = split_gpu0(2);
+  MirroredStrategy strategy(o);
+  strategy.run([&](ReplicaContext& ctx) {
+    const at::Tensor t = torch::arange(6, torch::TensorOptions().dtype(torch::kFloat32).device(
+                                              torch::Device(torch::kCUDA, 0)));
+    const Tensor d = dt::to_diststrat(t);
+    EXPECT_EQ(d.device(), ctx.device());
+    const at::Tensor back = dt::to_torch(d);
+    EXPECT_TRUE(back.is_cuda());
+    EXPECT_EQ(back.device().index(), 0);
+    EXPECT_EQ(back.data_ptr(), t.data_ptr());
+    EXPECT_TRUE(torch::equal(back, t));
+  });
+}
+
 }  // namespace
 }  // namespace diststrat::testing
