@@ -177,7 +177,7 @@ check_one() {
     echo "FAILED  $tu: LibTorch headers from outside $torch_root: $(echo "$stray" | tr '\n' ' ')"
   else
     echo "FAILED  $tu ($((SECONDS - t0)) s):"
-    grep -v -E '^\.+ |^Multiple include guards|^/.*\.h$' "$log" | grep -E 'error:|required from here' |
+    grep -v -E '^\.+ |^Multiple include guards|^/.*\.h$' "$log" | grep -E ': (fatal )?error: |required from here' |
       head -8 | sed 's/^/          /'
   fi
 }

@@ -139,9 +139,12 @@ class DistributedDataParallel {
   //     must be a torch::nn::Cloneable) once per further replica; module(0)
   //     is `module` itself.
   //  4. Registers a post-hook on each parameter's gradient accumulator.
-  // Parameters must be dense, contiguous, on the replica's device (CPU, or
-  // the replica's GPU), of a dtype to_diststrat accepts. GPU replicas are not
-  // supported end to end yet (docs/torch.md, "Not supported").
+  // Parameters must be dense, contiguous, of a dtype to_diststrat accepts.
+  // GPU replicas (a CUDA LibTorch): `module` is moved onto replica 0's
+  // torch_device() in place and cloned onto the others'; the all-reduce is
+  // launched after each CUDA autograd pass, ordered with torch's current
+  // stream (docs/torch.md, "CUDA modules"). A LibTorch without CUDA:
+  // UnimplementedError naming the replicas' devices.
   // ParameterServerStrategy: UnimplementedError (use ParameterServerModel).
   DistributedDataParallel(Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
                           DdpOptions options = {});
