@@ -20,8 +20,10 @@
 // position every --checkpoint-every steps, resumes from the latest
 // checkpoint on start (bit-identical to an uninterrupted run), and on SIGTERM
 // stops at a step boundary every process agrees on, saves and exits 0.
-// --device gpu exits 2 with the reason (docs/torch.md): Debian's LibTorch has
-// no CUDA, and diststrat::libtorch does not run CUDA modules yet. Each
+// --device gpu (mirrored: --replicas GPUs, or with --logical-gpus as many
+// logical GPUs of GPU 0; multi_worker: one GPU per process) trains the CNN
+// on CUDA; it exits 2 with the reason where LibTorch has no CUDA (Debian's)
+// and for central_storage / parameter_server (docs/torch.md). Each
 // replica runs its forward/backward on its own thread with one LibTorch
 // intra-op thread (one replica = one core; --threads gives a process of one
 // replica more).
@@ -55,11 +57,11 @@ using diststrat_examples::Position;
 // and this one's own.
 struct Flags : diststrat_examples::TrainFlags {
   int threads = 1;
+  bool logical_gpus = false;
 };
 
-// --device gpu: why it cannot run, on one line. Without CUDA (Debian's
-// LibTorch) nothing can; with it, diststrat::libtorch does not run CUDA
-// modules yet (docs/torch.md, "Not supported").
+// --device gpu: why it cannot run, on one line, or "" when it can. Without
+// CUDA (Debian's LibTorch) nothing can.
 std::string gpu_refusal(const Flags& f) {
   if (!torch::cuda::is_available()) {
     return "this LibTorch has no CUDA or sees no CUDA device (torch::cuda::is_available() is "
@@ -69,10 +71,11 @@ std::string gpu_refusal(const Flags& f) {
     return "not supported by diststrat::libtorch yet: ParameterServerModel's parameters view the "
            "worker's host pull cache, so a CUDA module's forward would mix devices (docs/torch.md)";
   }
-  return "not supported by diststrat::libtorch yet: DistributedDataParallel's last bucket carries "
-         "its step flags in host memory, which a GPU replica's all-reduce refuses, and its "
-         "gradient hooks run on autograd's CUDA threads, which have no diststrat GPU scope "
-         "(docs/torch.md)";
+  if (f.strategy == "central_storage") {
+    return "not supported by diststrat::libtorch yet: CUDA modules train under --strategy "
+           "mirrored or multi_worker; central_storage is untested with them (docs/torch.md)";
+  }
+  return "";
 }
 
 std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
@@ -87,14 +90,26 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   if (!f.timeline.empty() && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
   }
+  const bool gpu = f.device == "gpu";
   std::vector<ds::Device> devices;
-  for (int i = 0; i < f.replicas; ++i) devices.push_back(ds::Device::cpu(i));
+  for (int i = 0; i < f.replicas; ++i)
+    devices.push_back(gpu ? ds::Device::gpu(i) : ds::Device::cpu(i));
   ds::CommunicationOptions comm;
   if (!f.timeout.empty()) comm.timeout = ds::parse_timeout_seconds(f.timeout);
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;
     o.devices = devices;
     o.communication = comm;
+    if (gpu) {
+      // --logical-gpus: the --replicas GPUs are logical GPUs of GPU 0 (a
+      // one-GPU machine), 1 GiB each.
+      o.device_manager = std::make_shared<ds::DeviceManager>();
+      if (f.logical_gpus && f.replicas > 1) {
+        o.device_manager->set_logical_device_configuration(
+            0, std::vector<ds::LogicalDeviceConfiguration>(static_cast<size_t>(f.replicas),
+                                                           {size_t{1} << 30}));
+      }
+    }
     return std::make_unique<ds::MirroredStrategy>(o);
   }
   if (f.strategy == "central_storage") {
@@ -110,6 +125,10 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
   if (f.strategy == "multi_worker") {
     ds::MultiWorkerOptions o;
     o.devices = per_process;
+    if (gpu) {  // this process's own GPU(s) of the host's, by its local rank
+      o.device_manager = std::make_shared<ds::DeviceManager>(
+          ds::gpu_options_for_local_process(static_cast<int>(per_process.size())));
+    }
     o.timeline_path = f.timeline;
     o.communication.timeout = comm.timeout;
     return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
@@ -132,8 +151,9 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
 double evaluate(CnnImpl& model, const ds::Dataset& test) {
   torch::NoGradGuard no_grad;
   model.eval();  // the batch norms' running statistics
-  const at::Tensor x = dt::to_torch(test.features());
-  const at::Tensor y = dt::to_torch(test.labels());
+  const torch::Device device = model.parameters().front().device();  // a GPU replica's module
+  const at::Tensor x = dt::to_torch(test.features()).to(device);
+  const at::Tensor y = dt::to_torch(test.labels()).to(device);
   int64_t correct = 0;
   for (int64_t begin = 0; begin < x.size(0); begin += 1000) {
     const int64_t n = std::min<int64_t>(1000, x.size(0) - begin);
@@ -155,11 +175,17 @@ int main(int argc, char** argv) {
   app.add_option("--threads", f.threads,
                  "LibTorch intra-op threads of a process with one replica (several replicas: 1 each)")
       ->check(CLI::Range(1, 256))->capture_default_str();
+  app.add_flag("--logical-gpus", f.logical_gpus,
+               "--device gpu --strategy mirrored: the --replicas GPUs are logical GPUs of GPU 0 "
+               "(1 GiB each), for a machine with one GPU");
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
   if (f.device == "gpu") {  // before any set-up: every rank of a job says the same and exits
-    std::fprintf(stderr, "torch_fashion_mnist: --device gpu: %s\n", gpu_refusal(f).c_str());
-    return 2;
+    const std::string refusal = gpu_refusal(f);
+    if (!refusal.empty()) {
+      std::fprintf(stderr, "torch_fashion_mnist: --device gpu: %s\n", refusal.c_str());
+      return 2;
+    }
   }
 
   try {

@@ -40,6 +40,7 @@
 
 #include <torch/torch.h>
 
+#include "diststrat/device_manager.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "diststrat/optimizer.h"
 #include "diststrat/parameter_server.h"
@@ -69,6 +70,21 @@ Tensor to_diststrat(const at::Tensor& t);
 // CUDA tensors of the matching ordinal. An undefined Tensor gives an
 // undefined at::Tensor. Does not block; thread-safe.
 at::Tensor to_torch(const Tensor& t);
+
+// The torch::Device of diststrat device `device`: CPU -> torch::kCPU; a GPU
+// is a logical index of `manager` (several logical GPUs may share one
+// physical GPU), so it becomes torch::kCUDA with that logical GPU's physical
+// CUDA ordinal (DeviceManager::list_logical_devices()). Split GPUs map
+// several logical GPUs to one CUDA device: torch itself knows only physical
+// devices. manager == nullptr: the logical index is taken as the ordinal
+// (one logical GPU per visible GPU, the default configuration). A GPU the
+// manager does not have is NotFoundError naming the ones it has. Thread-safe;
+// initializes `manager` (takes its GPU leases) if nothing did before.
+torch::Device torch_device(const Device& device, DeviceManager* manager);
+
+// The DeviceManager of `strategy` (Mirrored, MultiWorkerMirrored or
+// CentralStorage with GPU devices), or nullptr (CPU strategies and others).
+DeviceManager* device_manager_of(Strategy& strategy);
 
 // ---- DistributedDataParallel --------------------------------------------------
 
@@ -123,9 +139,12 @@ class DistributedDataParallel {
   //     must be a torch::nn::Cloneable) once per further replica; module(0)
   //     is `module` itself.
   //  4. Registers a post-hook on each parameter's gradient accumulator.
-  // Parameters must be dense, contiguous, on the replica's device (CPU, or
-  // the replica's GPU), of a dtype to_diststrat accepts. GPU replicas are not
-  // supported end to end yet (docs/torch.md, "Not supported").
+  // Parameters must be dense, contiguous, of a dtype to_diststrat accepts.
+  // GPU replicas (a CUDA LibTorch): `module` is moved onto replica 0's
+  // torch_device() in place and cloned onto the others'; the all-reduce is
+  // launched after each CUDA autograd pass, ordered with torch's current
+  // stream (docs/torch.md, "CUDA modules"). A LibTorch without CUDA:
+  // UnimplementedError naming the replicas' devices.
   // ParameterServerStrategy: UnimplementedError (use ParameterServerModel).
   DistributedDataParallel(Strategy& strategy, std::shared_ptr<torch::nn::Module> module,
                           DdpOptions options = {});

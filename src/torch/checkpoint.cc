@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "diststrat/torch.h"
+#include "torch_compat.h"
 
 namespace diststrat::libtorch {
 
@@ -15,7 +16,8 @@ namespace {
 
 enum class OptKind { kNone, kSgd, kAdam, kAdamW };
 
-std::string key_of(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+// Optimizer::state()'s key for `p` (text in LibTorch 1.x, an address in 2.x).
+compat::OptimizerStateKey key_of(const at::Tensor& p) { return compat::optimizer_state_key(p); }
 
 std::vector<at::Tensor> trainable(torch::nn::Module& m) {
   std::vector<at::Tensor> out;
@@ -136,7 +138,9 @@ TrainingState::TrainingState(DistributedDataParallel& ddp,
     slot->kind = k;
     slot->name = name;
     slot->param = param;
-    const at::Tensor src = like.detach().contiguous();
+    // Through host memory: a CUDA module's tensors are copied to the host
+    // here and in capture(), and back onto each parameter's device in apply().
+    const at::Tensor src = like.detach().to(torch::kCPU).contiguous();
     const bool copy = k == Slot::kParameter || k == Slot::kBuffer;
     slot->var = strategy.create_variable(
         prefix + var_name, Shape(std::vector<int64_t>(src.sizes().begin(), src.sizes().end())),
@@ -229,7 +233,7 @@ void TrainingState::capture(int64_t step) {
       Tensor zeros(s->var.shape(), s->var.dtype());
       s->var.assign(zeros);
     } else {
-      s->var.assign(to_diststrat(value.contiguous()));
+      s->var.assign(to_diststrat(value.to(torch::kCPU).contiguous()));
     }
   }
   defined_.assign(defined);
@@ -261,7 +265,7 @@ int64_t TrainingState::apply() {
         continue;
       }
       if (!defined.data<int64_t>()[s.param]) continue;
-      const std::string key = key_of(params[s.param]);
+      const compat::OptimizerStateKey key = key_of(params[s.param]);
       auto& state = opt->state();
       if (!state.count(key)) {
         if (kind == OptKind::kSgd) state[key] = std::make_unique<torch::optim::SGDParamState>();
@@ -269,7 +273,9 @@ int64_t TrainingState::apply() {
         if (kind == OptKind::kAdamW) state[key] = std::make_unique<torch::optim::AdamWParamState>();
       }
       auto& st = *state.at(key);
-      const at::Tensor v = to_torch(values[i]).clone();  // the optimizer owns its state
+      // The optimizer owns its state, on its parameter's device.
+      const at::Tensor v = to_torch(values[i]).to(params[s.param].device(), /*non_blocking=*/false,
+                                                   /*copy=*/true);
       auto set = [&](auto& typed) {
         using T = std::decay_t<decltype(typed)>;
         if constexpr (std::is_same_v<T, torch::optim::SGDParamState>) {

@@ -6,7 +6,11 @@
 // header needed).
 #include <ATen/DLConvertor.h>
 
+#include <sstream>
+
+#include "diststrat/central_storage.h"
 #include "diststrat/config.h"
+#include "diststrat/mirrored.h"
 #include "diststrat/torch.h"
 
 namespace diststrat::libtorch {
@@ -108,6 +112,32 @@ Tensor to_diststrat(const at::Tensor& t) {
   const at::Tensor keep = t;
   return Tensor::adopt(std::shared_ptr<void>(t.data_ptr(), [keep](void*) {}), Shape(dims), dtype,
                        Device::cpu(0));
+}
+
+torch::Device torch_device(const Device& device, DeviceManager* manager) {
+  if (device.is_cpu()) return torch::Device(torch::kCPU);
+  DISTSTRAT_CHECK(device.is_gpu(), kInvalidArgument, "torch_device: ", device.to_string(),
+                  " is neither a CPU nor a GPU");
+  DISTSTRAT_CHECK(device.index >= 0, kInvalidArgument, "torch_device: ", device.to_string(),
+                  " has a negative index");
+  if (manager == nullptr) return torch::Device(torch::kCUDA, static_cast<int16_t>(device.index));
+  std::ostringstream all;
+  for (const LogicalDeviceInfo& l : manager->list_logical_devices()) {
+    if (l.device == device) return torch::Device(torch::kCUDA, static_cast<int16_t>(l.physical_ordinal));
+    all << (all.tellp() > 0 ? ", " : "") << l.device.to_string() << " = CUDA " << l.physical_ordinal;
+  }
+  throw_error(ErrorCode::kNotFound, "torch_device: " + device.to_string() +
+                                        " is not a logical GPU of the DeviceManager (it has " +
+                                        (all.tellp() > 0 ? all.str() : std::string("none")) + ")");
+}
+
+DeviceManager* device_manager_of(Strategy& strategy) {
+  // The strategies that own a DeviceManager; no virtual in Strategy for it.
+  if (auto* m = dynamic_cast<MirroredStrategy*>(&strategy)) return m->device_manager().get();
+  if (auto* m = dynamic_cast<MultiWorkerMirroredStrategy*>(&strategy))
+    return m->device_manager().get();
+  if (auto* m = dynamic_cast<CentralStorageStrategy*>(&strategy)) return m->device_manager().get();
+  return nullptr;
 }
 
 at::Tensor to_torch(const Tensor& t) {

@@ -63,6 +63,7 @@
 
 #include "core/fnv1a.h"
 #include "intra_op_threads.h"
+#include "torch_compat.h"
 
 namespace diststrat::libtorch {
 
@@ -188,6 +189,17 @@ thread_local ActivePass active_pass;
 
 struct DistributedDataParallel::Replica {
   int local = 0;
+  // The replica's torch device: its module's parameters live there.
+  torch::Device device{torch::kCPU};
+  bool cuda = false;
+  // This replica's backward() is inside its autograd pass. A CUDA pass runs
+  // the gradient hooks on autograd's thread of that device, not on the
+  // caller's (ActivePass is not set there): this tells them apart from
+  // gradients that reach the parameters outside ddp.backward.
+  std::atomic<bool> in_pass{false};
+  // A CUDA replica's step flags, on its device (an all-reduce takes the
+  // tensors of one device); read back into unused_flags after the waits.
+  at::Tensor flags_device;
   std::vector<at::Tensor> params;  // requires_grad, in names_ order
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
@@ -264,30 +276,60 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   {
     torch::NoGradGuard no_grad;
     if (cluster.num_workers > 1) {
-      for (auto& p : module->named_parameters(true)) {
-        Tensor t = to_diststrat(p.value());
-        strategy.broadcast(t, 0, "ddp/parameter/" + p.key());
-      }
-      for (auto& b : module->named_buffers(true)) {
-        Tensor t = to_diststrat(b.value());
-        strategy.broadcast(t, 0, "ddp/buffer/" + b.key());
-      }
+      // Through host memory for a module already on a GPU (cross-replica
+      // context has no replica stream to order a device broadcast with).
+      auto broadcast = [&](const at::Tensor& v, const std::string& name) {
+        at::Tensor host = v.to(torch::kCPU).contiguous();
+        Tensor t = to_diststrat(host);
+        strategy.broadcast(t, 0, name);
+        if (!host.is_same(v)) const_cast<at::Tensor&>(v).copy_(host);
+      };
+      for (auto& p : module->named_parameters(true)) broadcast(p.value(), "ddp/parameter/" + p.key());
+      for (auto& b : module->named_buffers(true)) broadcast(b.value(), "ddp/buffer/" + b.key());
     }
   }
 
-  // 3. One module per local replica.
+  // 3. One module per local replica. A GPU replica's device is a logical
+  // GPU of the strategy's DeviceManager; torch knows the physical CUDA
+  // ordinal (two logical GPUs of one split GPU are both cuda:0).
+  DeviceManager* manager = device_manager_of(strategy);
+  std::vector<torch::Device> devices;
+  for (int i = 0; i < local; ++i)
+    devices.push_back(torch_device(strategy.devices()[static_cast<size_t>(i)], manager));
+  bool any_cuda = false;
+  std::string where;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    any_cuda = any_cuda || devices[i].is_cuda();
+    where += (i ? ", " : "") + devices[i].str() + " (" + strategy.devices()[i].to_string() + ")";
+  }
+  DISTSTRAT_CHECK(!any_cuda || torch::cuda::is_available(), kUnimplemented,
+                  "DistributedDataParallel: the local replicas are on ", where,
+                  ", but this LibTorch (", compat::version(),
+                  ") has no CUDA or sees no CUDA device (torch::cuda::is_available() is false)");
+  if (devices[0].is_cuda()) {
+    // Replica 0 trains `module` itself, on its GPU: moved there in place
+    // (Module::to keeps the parameter objects), before any hook exists.
+    try {
+      module->to(devices[0]);
+    } catch (const c10::Error& e) {
+      throw_error(ErrorCode::kInvalidArgument,
+                  "DistributedDataParallel: cannot move the module onto " + devices[0].str() +
+                      " for local replica 0: " + e.what_without_backtrace());
+    }
+  }
   replicas_.push_back(module);
   for (int i = 1; i < local; ++i) {
     const Device& d = strategy.devices()[static_cast<size_t>(i)];
+    const torch::Device target = devices[static_cast<size_t>(i)];
     std::shared_ptr<torch::nn::Module> copy;
     try {
-      copy = d.is_gpu() ? module->clone(torch::Device(torch::kCUDA, static_cast<int16_t>(d.index)))
-                        : module->clone();
+      copy = d.is_gpu() ? module->clone(target) : module->clone();
     } catch (const c10::Error& e) {
       throw_error(ErrorCode::kInvalidArgument,
                   "DistributedDataParallel: cannot replicate the module for local replica " +
-                      std::to_string(i) +
-                      " (make it a torch::nn::Cloneable): " + e.what_without_backtrace());
+                      std::to_string(i) + " onto " + target.str() + " (" + d.to_string() +
+                      "; make it a torch::nn::Cloneable, and a CUDA LibTorch for a GPU): " +
+                      e.what_without_backtrace());
     }
     // Module::clone() re-creates parameters through reset(), trainable:
     // freeze what the original has frozen, or the replicas would train
@@ -346,6 +388,8 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   for (int i = 0; i < local; ++i) {
     auto r = std::make_unique<Replica>();
     r->local = i;
+    r->device = devices[static_cast<size_t>(i)];
+    r->cuda = r->device.is_cuda();
     for (const auto& p : replicas_[static_cast<size_t>(i)]->named_parameters(true)) {
       if (p.value().requires_grad()) r->params.push_back(p.value());
     }
@@ -409,6 +453,19 @@ DdpStats DistributedDataParallel::stats() const {
 
 void DistributedDataParallel::on_gradient_ready(int local, size_t k) {
   if (active_pass.ddp != this) {
+    Replica& own = *state_[static_cast<size_t>(local)];
+    if (own.cuda && own.in_pass.load()) {
+      // Replica `local`'s CUDA pass, on autograd's device thread (its
+      // backward() waits for it): mark only. The buckets launch after the
+      // pass, on the replica's thread, where its device scope and stream
+      // are (no overlap of communication with a CUDA backward).
+      if (own.params[k].grad().defined()) own.got_grad[k] = 1;
+      if (own.syncing && !own.ready[k]) {
+        own.ready[k] = 1;
+        --own.pending[bucket_of_[k]];
+      }
+      return;
+    }
     record_stray(local, k);
     return;
   }
@@ -577,8 +634,16 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
       }
       f[P + 6] = r.stray_sent ? 1.0f : 0.0f;
       f[P + 7] = r.stray_sent ? static_cast<float>(r.ctx->replica_id() + 1) : 0.0f;
-      tensors.push_back(r.unused_flags);
+      if (r.cuda) {
+        torch::NoGradGuard no_grad;
+        r.flags_device = to_torch(r.unused_flags).to(r.device, /*non_blocking=*/false, /*copy=*/true);
+        tensors.push_back(to_diststrat(r.flags_device));
+      } else {
+        tensors.push_back(r.unused_flags);
+      }
     }
+    // The library's stream reads the gradients after torch's wrote them.
+    if (r.cuda) compat::order_streams(r.device, r.ctx->stream(), compat::StreamOrder::kTorchThenLibrary);
     r.works.push_back(
         r.ctx->all_reduce_async(ReduceOp::kSum, std::move(tensors), std::move(names)));
     ++r.launched;
@@ -707,10 +772,15 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                       loss.defined() ? shape_text(loss) : std::string("an undefined tensor"));
       // The loss is a mean over this replica's rows (see `seed` above).
       struct Active {
+        Replica& r;
         ActivePass saved = active_pass;
-        ~Active() { active_pass = saved; }
-      } active;
+        ~Active() {
+          active_pass = saved;
+          r.in_pass = false;
+        }
+      } active{r};
       active_pass = {this, local};
+      r.in_pass = true;
       r.foreign_parameter.clear();
       r.window_ran_pass = true;
       torch::autograd::backward({loss}, {torch::full_like(loss, seed)});
@@ -746,10 +816,17 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   for (size_t b = 0; b < r.works.size(); ++b) {
     try {
       r.works[b].wait();
+      // torch's stream reads the reduced gradients after the library wrote them.
+      if (r.cuda) compat::order_streams(r.device, ctx.stream(), compat::StreamOrder::kLibraryThenTorch);
     } catch (...) {
       if (!wait_error) wait_error = std::current_exception();
     }
     if (!wait_error && !r.launch_error && !r.failed) add_back_used(r, b);
+  }
+  if (r.cuda && !r.launch_error && !wait_error && r.flags_device.defined() &&
+      r.works.size() == buckets_.size()) {
+    torch::NoGradGuard no_grad;
+    r.unused_flags = to_diststrat(r.flags_device.to(torch::kCPU));  // waits for torch's stream
   }
   if (local == 0) ++r.sync_steps;
   const bool reduced = !r.launch_error && !wait_error;

@@ -300,7 +300,7 @@ TEST(TorchMultiWorkerMpi, TrainingStateRestoresOnEveryRank) {
       saved_params.push_back(p.detach().clone());
       saved_momentum.push_back(
           static_cast<torch::optim::SGDParamState&>(
-              *opts[0]->state().at(c10::guts::to_string(p.unsafeGetTensorImpl())))
+              *opts[0]->state().at(compat::optimizer_state_key(p)))
               .momentum_buffer()
               .clone());
     }
@@ -318,7 +318,7 @@ TEST(TorchMultiWorkerMpi, TrainingStateRestoresOnEveryRank) {
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_TRUE(torch::equal(params[i], saved_params[i])) << "parameter " << i;
     auto& st = static_cast<torch::optim::SGDParamState&>(
-        *opts[0]->state().at(c10::guts::to_string(params[i].unsafeGetTensorImpl())));
+        *opts[0]->state().at(compat::optimizer_state_key(params[i])));
     EXPECT_TRUE(torch::equal(st.momentum_buffer(), saved_momentum[i])) << "momentum " << i;
   }
   fresh.barrier("checkpoint read");

@@ -719,9 +719,9 @@ TEST(TorchCheckpoint, ResumeIsBitIdenticalAndPythonGetsTheSameLogits) {
     auto pa = a.module(r)->parameters(), pb = ddp.module(r)->parameters();
     for (size_t i = 0; i < pa.size(); ++i) {
       auto& sa = static_cast<torch::optim::SGDParamState&>(
-          *a_opts[r]->state().at(c10::guts::to_string(pa[i].unsafeGetTensorImpl())));
+          *a_opts[r]->state().at(compat::optimizer_state_key(pa[i])));
       auto& sb = static_cast<torch::optim::SGDParamState&>(
-          *opts[r]->state().at(c10::guts::to_string(pb[i].unsafeGetTensorImpl())));
+          *opts[r]->state().at(compat::optimizer_state_key(pb[i])));
       EXPECT_TRUE(torch::equal(sa.momentum_buffer(), sb.momentum_buffer())) << "parameter " << i;
     }
   }

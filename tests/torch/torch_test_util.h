@@ -14,10 +14,12 @@
 
 #include "diststrat/diststrat.h"
 #include "diststrat/torch.h"
+#include "torch/torch_compat.h"  // src/: LibTorch 1.x/2.x differences
 
 namespace diststrat::testing {
 
 namespace dt = diststrat::libtorch;
+namespace compat = diststrat::libtorch::compat;
 using dt::DdpOptions;
 using dt::DdpStats;
 
