@@ -315,7 +315,7 @@ has_target() { grep -qx "$1" <<<"$targets"; }
 torch_targets=()
 if has_target diststrat_torch; then
   torch_targets=(diststrat_torch)
-  for t in diststrat_torch_tests torch_fashion_mnist; do has_target "$t" && torch_targets+=("$t"); done
+  for t in diststrat_torch_tests diststrat_torch_gpu_tests torch_fashion_mnist; do has_target "$t" && torch_targets+=("$t"); done
 fi
 
 # What nvcc was given for the kernels: the architectures must be CUDA_ARCHS
@@ -559,11 +559,13 @@ fi
 torch_gpu_row() {  # binary
   local label="torch_fashion_mnist --device gpu" logf=$log/torch_fashion_mnist.log reason rc acc
   local cpu_acc=""
+  # Two DDP replicas on two logical GPUs of GPU 0, against the same on the CPU.
+  local common=(--strategy mirrored --replicas 2 --epochs 1 --data "$deps/fashion-mnist")
   if ((!dry_run)); then
-    limited 90 20 "$1" --device cpu --epochs 1 --data "$deps/fashion-mnist" >"$log/torch_fashion_mnist_cpu.log" 2>&1 &&
+    limited 90 20 "$1" --device cpu "${common[@]}" >"$log/torch_fashion_mnist_cpu.log" 2>&1 &&
       cpu_acc=$(final_of "$log/torch_fashion_mnist_cpu.log" test_accuracy)
   fi
-  limited 120 20 "$1" --device gpu --epochs 1 --data "$deps/fashion-mnist" >"$logf" 2>&1
+  limited 120 20 "$1" --device gpu --logical-gpus "${common[@]}" >"$logf" 2>&1
   rc=$?
   reason=$(grep -m1 -e '--device gpu: ' "$logf" | sed 's/^.*--device gpu: //')
   acc=$(final_of "$logf" test_accuracy)
@@ -584,15 +586,26 @@ torch_gpu_row() {  # binary
     row "$label" "FAILED" "rc=$rc, see $logf"
   fi
 }
-torch_tests_row() {  # binary label
-  local rc
-  say "running the LibTorch tests ($(clock))"
-  limited 180 30 "$1" >"$log/torch_tests.log" 2>&1
+torch_tests_row() {  # binary label logfile
+  local rc lf=$log/$3
+  say "running $(basename "$1") ($(clock))"
+  limited 180 30 "$1" >"$lf" 2>&1
   rc=$?
   if ((rc == 125)); then row "$2" "skipped (time)"; return; fi
-  if ((rc == 0)); then row "$2" "ok" "$(gtest_count "$log/torch_tests.log" PASSED) passed, $(gtest_count "$log/torch_tests.log" SKIPPED) skipped"
-  else row "$2" "FAILED" "rc=$rc, see $log/torch_tests.log"; fi
-  suite_rows "$log/torch_tests.log"
+  if ((rc == 0)); then row "$2" "ok" "$(gtest_count "$lf" PASSED) passed, $(gtest_count "$lf" SKIPPED) skipped"
+  else row "$2" "FAILED" "rc=$rc, see $lf"; fi
+  suite_rows "$lf"
+}
+# Both LibTorch test binaries of build folder $1: the CPU ones, then the
+# CUDA-module ones (label gpu: they skip, with the reason, on a LibTorch
+# without CUDA).
+torch_test_rows() {  # build-dir which-libtorch
+  local d=$1/tests/torch
+  if [[ -x $d/diststrat_torch_tests ]]; then torch_tests_row "$d/diststrat_torch_tests" "LibTorch tests ($2)" torch_tests.log
+  else row "LibTorch tests ($2)" "FAILED" "diststrat_torch_tests not built"; fi
+  if [[ -x $d/diststrat_torch_gpu_tests ]]; then
+    torch_tests_row "$d/diststrat_torch_gpu_tests" "LibTorch CUDA-module tests ($2)" torch_gpu_tests.log
+  else row "LibTorch CUDA-module tests ($2)" "FAILED" "diststrat_torch_gpu_tests not built"; fi
 }
 
 # The sources against a LibTorch 2.x's headers (the GPU machine's version),
@@ -603,7 +616,7 @@ elif [[ ! -e $torch2/include/torch/version.h ]]; then
   row "LibTorch 2.x syntax check" "FAILED" "$torch2/include/torch/version.h missing"
 else
   say "LibTorch 2.x syntax check against $torch2 ($(clock))"
-  limited 600 30 "$root/scripts/torch-syntax-check.sh" "$torch2" >"$log/torch2-syntax.log" 2>&1
+  JOBS=$jobs limited 900 30 "$root/scripts/torch-syntax-check.sh" "$torch2" >"$log/torch2-syntax.log" 2>&1
   rc=$?
   summary=$(grep -m1 '^torch-syntax-check: .* ok against' "$log/torch2-syntax.log" || tail -1 "$log/torch2-syntax.log")
   if ((rc == 125)); then row "LibTorch 2.x syntax check" "skipped (time)"
@@ -640,9 +653,7 @@ elif ((${#torch_targets[@]})); then
     row "build 3: diststrat::torch" "FAILED" "see $log/build-3.log"
   else
     row "build 3: diststrat::torch" "ok" "${torch_targets[*]}"
-    tt=$build/tests/torch/diststrat_torch_tests
-    if [[ -x $tt ]]; then torch_tests_row "$tt" "LibTorch tests (this machine's LibTorch)"
-    else row "LibTorch tests" "FAILED" "diststrat_torch_tests not built"; fi
+    torch_test_rows "$build" "this machine's LibTorch"
     te=$build/examples/torch_fashion_mnist
     [[ -x $te ]] && torch_gpu_row "$te"
   fi
@@ -657,12 +668,13 @@ elif [[ -n $debian_torch ]]; then
        -DDISTSTRAT_BUILD_BENCHMARKS=OFF -DCMAKE_PREFIX_PATH="$prefix;$debian_torch" \
        -DEigen3_DIR="$cfg/Eigen3" -Dnlohmann_json_DIR="$cfg/nlohmann_json" -DCLI11_DIR="$cfg/CLI11" \
        >"$log/configure-torch-dry-run.log" 2>&1 &&
-     { limited 3600 60 cmake --build "$tb" -j "$jobs" --target diststrat_torch diststrat_torch_tests torch_fashion_mnist \
+     { limited 3600 60 cmake --build "$tb" -j "$jobs" --target diststrat_torch diststrat_torch_tests \
+           diststrat_torch_gpu_tests torch_fashion_mnist \
          >"$log/build-torch-dry-run.log" 2>&1; rc=$?; ((rc == 0 || rc == 124 || rc == 125)); }; then
     if ((rc != 0)); then
       row "LibTorch build (Debian's CPU LibTorch)" "skipped (time)"
     else
-      torch_tests_row "$tb/tests/torch/diststrat_torch_tests" "LibTorch tests (Debian's CPU LibTorch)"
+      torch_test_rows "$tb" "Debian's CPU LibTorch"
       torch_gpu_row "$tb/examples/torch_fashion_mnist"
     fi
   else

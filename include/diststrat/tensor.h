@@ -92,8 +92,9 @@ class Tensor {
   // the storage, so the memory stays valid until the consumer calls its
   // deleter (exactly once; from any thread), even after every Tensor is gone.
   // Memory this tensor merely wraps (Tensor::wrap) stays the caller's to keep
-  // alive. GPU: device_type kDLCUDA with the CUDA ordinal (through the calling
-  // thread's DeviceManager when it has one, else the device index); the
+  // alive. GPU: device_type kDLCUDA with the CUDA ordinal (the one the memory
+  // was allocated on, else through the calling thread's DeviceManager when it
+  // has one, else the device index); the
   // consumer orders its work after the replica's stream itself. Throws
   // FailedPreconditionError for an undefined tensor. Thread-safe.
   DLManagedTensor* to_dlpack() const;
@@ -139,6 +140,8 @@ class Tensor {
  private:
   struct Storage;
   void check_dtype(DType expected) const;
+  // The CUDA ordinal of GPU memory this library allocated, -1 otherwise.
+  int storage_cuda_ordinal() const;
   const void* data_ptr() const;
 
   std::shared_ptr<Storage> storage_;

@@ -290,8 +290,11 @@ DLManagedTensor* Tensor::to_dlpack() const {
   if (device_.is_cpu()) {
     t.device = DLDevice{kDLCPU, 0};
   } else {
+    // Memory allocated here knows its ordinal: outside a replica the device's
+    // index is a logical GPU's, not a CUDA ordinal, on a split GPU.
     const ExecScope* s = current_exec_scope();
-    const int ordinal = s && s->devices ? s->devices->impl().ordinal_of(device_) : device_.index;
+    int ordinal = storage_cuda_ordinal();
+    if (ordinal < 0) ordinal = s && s->devices ? s->devices->impl().ordinal_of(device_) : device_.index;
     t.device = DLDevice{kDLCUDA, ordinal};
   }
   t.ndim = static_cast<int>(e->shape.size());

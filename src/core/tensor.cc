@@ -5,6 +5,7 @@
 #include <limits>
 #include <sstream>
 
+#include "core/device_manager_impl.h"
 #include "core/device_scope.h"
 
 namespace diststrat {
@@ -51,6 +52,9 @@ struct Tensor::Storage {
   void* ptr = nullptr;
   size_t bytes = 0;
   std::shared_ptr<void> owner;  // null for wrapped user memory
+  // The CUDA ordinal of GPU memory allocated here (its device's index is a
+  // logical GPU's, which on a split GPU is not an ordinal); -1 otherwise.
+  int cuda_ordinal = -1;
 };
 
 namespace {
@@ -88,7 +92,10 @@ Tensor::Tensor(Shape shape, DType dtype, Device device)
   storage_->owner = device.is_cpu() ? allocate_host(storage_->bytes)
                                     : allocate_device_memory(device, storage_->bytes);
   storage_->ptr = storage_->owner.get();
+  if (device.is_gpu()) storage_->cuda_ordinal = current_exec_scope()->devices->impl().ordinal_of(device);
 }
+
+int Tensor::storage_cuda_ordinal() const { return storage_ ? storage_->cuda_ordinal : -1; }
 
 Tensor Tensor::wrap(void* data, Shape shape, DType dtype, Device device) {
   check_byte_size(shape, dtype);

@@ -638,6 +638,28 @@ TEST(DLPack, CudaOrdinalsAreTranslatedThroughTheThreadsDeviceManager) {
   EXPECT_EQ(deletes, 3);
 }
 
+// A tensor made inside a replica on the second half of a split GPU keeps its
+// CUDA ordinal when exported outside any scope (its logical index, 1, is not
+// a CUDA device of this process).
+TEST(DLPack, ExportOutsideAReplicaNamesTheCudaOrdinalNotTheLogicalIndex) {
+  LeaseDir dir;
+  ds::DeviceManager dm(gpu_options(dir), std::make_unique<FakeGpuBackend>(1));
+  dm.set_logical_device_configuration(0, {{8u << 20}, {8u << 20}});  // GPU:0, GPU:1 on CUDA 0
+  ds::Tensor t;
+  {
+    ds::ExecScope sc;
+    sc.devices = &dm;
+    sc.device = ds::Device::gpu(1);
+    ds::ScopedExec scoped(sc);
+    t = ds::Tensor(ds::Shape{4}, ds::DType::kFloat32, ds::Device::gpu(1));
+  }
+  DLManagedTensor* e = t.to_dlpack();
+  EXPECT_EQ(e->dl_tensor.device.device_type, kDLCUDA);
+  EXPECT_EQ(e->dl_tensor.device.device_id, 0);
+  e->deleter(e);
+  t = ds::Tensor();
+}
+
 // A CUDA producer's buffers all-reduced by a MirroredStrategy on fake GPUs.
 TEST(DLPack, CudaTensorsAllReduceUnderMirroredStrategyOnFakeGpus) {
   LeaseDir dir;
