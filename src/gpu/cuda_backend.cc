@@ -299,6 +299,12 @@ class CudaBackend : public GpuBackend {
             if (mark) cudaEventDestroy(mark);
             mark = nullptr;  // then only a completed device wait releases the handle
           }
+          // The handle outlives its stream: point it at the legacy default
+          // stream before the stream goes, so that cublasDestroy (later)
+          // never touches a destroyed stream, whose handle value CUDA may
+          // already have given to a new stream. No work is enqueued on it
+          // any more; the mark above covers the work it enqueued.
+          cublasSetStream(it->second, cudaStreamLegacy);
           retired_blas_.push_back({ordinal, it->second, mark});
           it = blas_.erase(it);
         } else {
