@@ -612,8 +612,8 @@ torch_test_rows() {  # build-dir which-libtorch
 # whatever LibTorch this machine has.
 if [[ -z $torch2 ]]; then
   row "LibTorch 2.x syntax check" "skipped" "no LibTorch 2.x headers given (--torch2 DIR)"
-elif [[ ! -e $torch2/include/torch/version.h ]]; then
-  row "LibTorch 2.x syntax check" "FAILED" "$torch2/include/torch/version.h missing"
+elif [[ ! -d $torch2/include/torch || ! -d $torch2/share/cmake ]]; then
+  row "LibTorch 2.x syntax check" "FAILED" "$torch2 has no include/torch and share/cmake"
 else
   say "LibTorch 2.x syntax check against $torch2 ($(clock))"
   JOBS=$jobs limited 900 30 "$root/scripts/torch-syntax-check.sh" "$torch2" >"$log/torch2-syntax.log" 2>&1
