@@ -134,15 +134,16 @@ limited() {  # want need command...
 # Per-suite counts of a GoogleTest log (passed / failed / skipped), as rows
 # under a heading row: each GPU test suite is listed, so a new one shows here.
 suite_rows() {  # logfile
-  awk '
-    /^\[       OK \] /     { split($4, a, "."); s = a[1]; ok[s]++; seen[s] = 1 }
-    /^\[  FAILED  \] .* ms\)$/ { split($4, a, "."); s = a[1]; bad[s]++; seen[s] = 1 }
-    /^\[  SKIPPED \] .* ms\)$/ { split($4, a, "."); s = a[1]; skip[s]++; seen[s] = 1 }
-    END { for (s in seen) printf "%s %d %d %d\n", s, ok[s], bad[s], skip[s] }' "$1" | sort |
+  local s p f k
+  # (Not a pipeline into the loop: row must run in this shell to keep its rows.)
   while read -r s p f k; do
     if ((f > 0)); then row "  $s" "FAILED" "$p passed, $f failed, $k skipped"
     else row "  $s" "ok" "$p passed, $k skipped"; fi
-  done
+  done < <(awk '
+    /^\[       OK \] /     { split($4, a, "."); s = a[1]; ok[s]++; seen[s] = 1 }
+    /^\[  FAILED  \] .* ms\)$/ { split($4, a, "."); s = a[1]; bad[s]++; seen[s] = 1 }
+    /^\[  SKIPPED \] .* ms\)$/ { split($4, a, "."); s = a[1]; skip[s]++; seen[s] = 1 }
+    END { for (s in seen) printf "%s %d %d %d\n", s, ok[s], bad[s], skip[s] }' "$1" | sort)
 }
 gtest_count() {  # logfile PASSED|FAILED|SKIPPED
   local n
