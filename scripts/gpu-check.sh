@@ -522,14 +522,20 @@ run_case() {  # label logfile want-seconds bar(accuracy|none) command...
     row "$label" "ok" "${acc:+test_accuracy=$acc }${sps:+samples_per_sec=$sps}"
   fi
 }
-# (Stages 2 and 3 need the library, not the GPU tests: they run whatever stage 1 gave.)
-rc=$(wait_build "$status2")
-if ((rc == 124)); then row "build 2: fashion_mnist, train_bench" "skipped (time)"
-elif ((rc != 0)); then
-  grep -E "error|Error" "$log/build-2.log" | head -20
-  row "build 2: fashion_mnist, train_bench" "FAILED" "see $log/build-2.log"
-else
-  row "build 2: fashion_mnist, train_bench" "ok"
+# The row of a background build (stages 2 and 3 need the library, not the GPU
+# tests: they run whatever stage 1 gave); succeeds when it built.
+background_build_row() {  # label status-file log-file [detail]
+  local rc
+  rc=$(wait_build "$2")
+  if ((rc == 124)); then row "$1" "skipped (time)"; return 1; fi
+  if ((rc != 0)); then
+    grep -E "error|Error" "$3" | head -20
+    row "$1" "FAILED" "see $3"
+    return 1
+  fi
+  row "$1" "ok" "${4:-}"
+}
+if background_build_row "build 2: fashion_mnist, train_bench" "$status2" "$log/build-2.log"; then
   if ((dry_run)); then
     row "fashion_mnist / train_bench on GPUs" "skipped" "dry run: built"
   else
@@ -647,13 +653,7 @@ fi
 if [[ -n $torch_configure_failed ]]; then
   row "LibTorch" "FAILED" "$torch_configure_failed"
 elif ((${#torch_targets[@]})); then
-  rc=$(wait_build "$status3")
-  if ((rc == 124)); then row "build 3: diststrat::torch" "skipped (time)"
-  elif ((rc != 0)); then
-    grep -E "error|Error" "$log/build-3.log" | head -20
-    row "build 3: diststrat::torch" "FAILED" "see $log/build-3.log"
-  else
-    row "build 3: diststrat::torch" "ok" "${torch_targets[*]}"
+  if background_build_row "build 3: diststrat::torch" "$status3" "$log/build-3.log" "${torch_targets[*]}"; then
     torch_test_rows "$build" "this machine's LibTorch"
     te=$build/examples/torch_fashion_mnist
     [[ -x $te ]] && torch_gpu_row "$te"
