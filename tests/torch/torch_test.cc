@@ -168,6 +168,31 @@ TEST(TorchDdp, BucketsLaunchFromTheHooksInBackpropOrder) {
   }
 }
 
+// The in-process multi-worker test below builds its workers' nets on their
+// threads (seeds 7 and 99 at once). make_net must give the weights of its
+// seed whatever other thread seeds LibTorch's one default generator.
+TEST(TorchTestUtil, NetsBuiltOnConcurrentThreadsHaveTheirSeedsWeights) {
+  const std::vector<uint64_t> seeds = {7, 99};
+  std::vector<std::shared_ptr<NetImpl>> expected;
+  for (uint64_t seed : seeds) expected.push_back(make_net(seed));
+  constexpr int kThreads = 4, kRounds = 200;
+  std::vector<int> wrong(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const size_t which = t % seeds.size();
+      for (int i = 0; i < kRounds; ++i) {
+        if (max_abs_diff(*expected[which], *make_net(seeds[which])) != 0) ++wrong[t];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(wrong[t], 0) << "thread " << t << " (seed " << seeds[t % seeds.size()] << "): "
+                           << wrong[t] << " of " << kRounds << " nets had other weights";
+  }
+}
+
 // Two workers as threads of this process (InProcessGroup), 2 replicas each.
 TEST(TorchDdp, MultiWorkerInProcessTwoByTwoMatchesSingleProcess) {
   InProcessGroup group(2);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -46,13 +47,25 @@ struct NetImpl : torch::nn::Cloneable<NetImpl> {
   at::Tensor scale;
 };
 
+// LibTorch's default generator is one per process: seeding it and drawing
+// from it are two steps, so two threads building nets at once would take
+// each other's numbers (a worker thread's net seeded 7 drew from seed 99).
+// Every seeded draw in these helpers holds this lock.
+inline std::mutex& default_generator_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// The same weights for the same seed, from any thread.
 inline std::shared_ptr<NetImpl> make_net(uint64_t seed, bool extra = false, bool use_extra = true) {
+  std::lock_guard<std::mutex> lock(default_generator_mutex());
   torch::manual_seed(seed);
   return std::make_shared<NetImpl>(extra, use_extra);
 }
 
 // Rows of features [n, 8] and labels [n] in 0..3, the same in every process.
 inline Dataset make_data(int64_t n) {
+  std::lock_guard<std::mutex> lock(default_generator_mutex());
   torch::manual_seed(1234);
   at::Tensor x = torch::randn({n, 8});
   at::Tensor y = torch::randint(0, 4, {n}, torch::kLong);
