@@ -181,6 +181,19 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
                                     const std::vector<std::pair<std::string, Tensor>>& expected,
                                     const std::vector<std::string>& optional = {});
 
+// One shard of a variable as a parameter-server rank holds it: what its
+// shard file stores (ParameterServerStrategy::local_shards).
+struct ShardSnapshot {
+  std::string variable;  // variable name
+  int64_t shard_index = 0;
+  int64_t num_shards = 1;
+  int64_t row_offset = 0;  // first row of the variable this shard holds
+  Shape full_shape;        // the whole variable's shape
+  Tensor value;            // the shard's rows (a copy)
+  std::map<std::string, Tensor> slots;  // optimizer slots (copies)
+  int64_t step = 0;        // updates applied to this shard (Adam's t)
+};
+
 // How a strategy takes part in saving and restoring. Strategies in which every
 // process holds the whole state (mirrored, multi-worker, central storage) need
 // not implement it: the default below covers them (variables through

@@ -187,18 +187,6 @@ struct SparseGradient {
   Tensor values;
 };
 
-// One shard as a PS rank holds it, for checkpoints.
-struct ShardSnapshot {
-  std::string variable;  // variable name
-  int64_t shard_index = 0;
-  int64_t num_shards = 1;
-  int64_t row_offset = 0;  // first row of the variable this shard holds
-  Shape full_shape;        // the whole variable's shape
-  Tensor value;            // the shard's rows (a copy)
-  std::map<std::string, Tensor> slots;  // optimizer slots (copies)
-  int64_t step = 0;        // updates applied to this shard (Adam's t)
-};
-
 // Checkpoints (Checkpoint / CheckpointManager / PreemptionHandler, called by
 // every worker at the same step; PS ranks only join()): a save quiesces the
 // job (each worker flushes its pushes, then all meet at a barrier), every PS

@@ -55,7 +55,7 @@ int world_rank();
 void mark_failed();
 bool failed();
 
-// The exit meeting (multiworker/exit_rendezvous.h) records here that this
+// The exit meeting (runtime/exit_rendezvous.h) records here that this
 // process has reached its exit, and which peers (world ranks) have reached
 // theirs: a peer at its exit will not come back, so a wait for it (the
 // shared-memory tear-down vote) ends, and this process stops telling

@@ -16,7 +16,7 @@
 #include "allreduce/reduce_kernels.h"
 #include "core/user_text.h"
 #include "diststrat/optimizer.h"
-#include "mirrored/local_replicas.h"
+#include "runtime/local_replicas.h"
 
 namespace diststrat {
 

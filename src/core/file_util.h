@@ -83,4 +83,11 @@ std::string read_text_file(const std::string& path, const std::string& what, con
 void ensure_writable_directory(const std::string& dir, const std::string& probe_name, const std::string& what);
 
 }  // namespace fs
+
+// Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync
+// of the directory); the public declaration and its contract are in
+// diststrat/checkpoint.h. Here so that the core's own files (the timeline)
+// write durably without including the checkpoint room.
+void write_file_atomically(const std::string& path, const void* bytes, size_t size);
+
 }  // namespace diststrat

@@ -23,9 +23,10 @@
 
 #include "diststrat/collective.h"
 #include "diststrat/dtype.h"
-#include "diststrat/optimizer.h"
 
 namespace diststrat {
+
+struct UpdateRule;  // diststrat/optimizer.h: the optimizer rule as data
 
 using DeadlineClock = std::chrono::steady_clock;
 

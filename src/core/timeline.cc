@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <cstring>
 
-#include "diststrat/checkpoint.h"
 #include "core/file_util.h"
 #include "core/user_text.h"
 #include "diststrat/error.h"

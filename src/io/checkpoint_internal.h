@@ -23,7 +23,6 @@
 #include <vector>
 
 #include "diststrat/checkpoint.h"
-#include "diststrat/parameter_server.h"
 
 namespace diststrat {
 namespace ckpt {
@@ -58,6 +57,10 @@ SafetensorsHeader read_safetensors_header(const std::string& path);
 // "ckpt-<N>.safetensors" whose verified header carries N here is one the
 // manager wrote; nothing else is ever pruned or counted.
 constexpr const char* kManagerStepKey = "diststrat.manager_step";
+
+// Metadata keys under this prefix are the library's own: users' metadata may
+// not use it (save refuses), restore hands them back without them.
+constexpr const char* kReservedPrefix = "diststrat.";
 
 // Every verified file's header CRC (8 hex digits) in its metadata.
 constexpr const char* kHeaderCrcMetadataKey = "diststrat.header_crc32";

@@ -4,7 +4,7 @@
 #include "core/env.h"
 #include "core/user_text.h"
 #include "diststrat/optimizer.h"
-#include "mirrored/local_replicas.h"
+#include "runtime/local_replicas.h"
 
 namespace diststrat {
 

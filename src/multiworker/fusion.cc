@@ -7,7 +7,7 @@
 #include "allreduce/reduce_kernels.h"
 #include "core/fnv1a.h"
 #include "core/user_text.h"
-#include "core/work_state.h"
+#include "runtime/work_state.h"
 
 namespace diststrat {
 

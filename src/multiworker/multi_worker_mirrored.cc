@@ -10,15 +10,15 @@
 #include <string>
 
 #include "allreduce/reduce_kernels.h"
-#include "core/collective_check.h"
+#include "runtime/collective_check.h"
 #include "core/fnv1a.h"
 #include "core/env.h"
 #include "core/timeline.h"
 #include "diststrat/optimizer.h"
-#include "mirrored/local_replicas.h"
+#include "runtime/local_replicas.h"
 #include "multiworker/fusion.h"
-#include "multiworker/hierarchical.h"
-#include "multiworker/process_group.h"
+#include "allreduce/hierarchical_communicator.h"
+#include "runtime/process_group.h"
 
 namespace diststrat {
 

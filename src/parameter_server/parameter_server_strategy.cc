@@ -17,14 +17,14 @@
 #include "diststrat/config.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
-#include "mirrored/local_replicas.h"
-#include "multiworker/process_group.h"
+#include "runtime/local_replicas.h"
+#include "runtime/process_group.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/update_rule.h"
 #if DISTSTRAT_HAVE_MPI
 #include "allreduce/mpi_communicator.h"
-#include "multiworker/mpi_env.h"
+#include "runtime/mpi_env.h"
 #endif
 
 namespace diststrat {

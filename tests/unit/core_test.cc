@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "core/thread_pool.h"
-#include "core/work_state.h"
+#include "runtime/work_state.h"
 #include "diststrat/diststrat.h"
 
 namespace ds = diststrat;

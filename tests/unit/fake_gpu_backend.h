@@ -55,6 +55,7 @@
 #include "diststrat/collective.h"
 #include "diststrat/gpu_lease.h"
 #include "diststrat/nn.h"
+#include "diststrat/optimizer.h"
 #include "gpu/call_gate.h"
 #include "gpu/device_reduce.h"
 #include "../common/temp_dir.h"

@@ -1,4 +1,4 @@
-#include "multiworker/exit_rendezvous.h"
+#include "runtime/exit_rendezvous.h"
 
 #include <mpi.h>
 

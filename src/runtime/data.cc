@@ -5,7 +5,7 @@
 #include <numeric>
 #include <random>
 
-#include "core/data_source.h"
+#include "runtime/data_source.h"
 #include "diststrat/strategy.h"
 
 namespace diststrat {

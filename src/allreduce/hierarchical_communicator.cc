@@ -1,4 +1,4 @@
-#include "multiworker/hierarchical.h"
+#include "allreduce/hierarchical_communicator.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,11 +1,11 @@
-#include "mirrored/local_replicas.h"
+#include "runtime/local_replicas.h"
 
 #include <algorithm>
 #include <cstring>
 #include <set>
 
 #include "allreduce/inprocess.h"
-#include "core/collective_check.h"
+#include "runtime/collective_check.h"
 #include "core/device_manager_impl.h"
 #include "core/user_text.h"
 

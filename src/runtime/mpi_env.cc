@@ -1,4 +1,4 @@
-#include "multiworker/mpi_env.h"
+#include "runtime/mpi_env.h"
 
 #include <algorithm>
 #include <atomic>
@@ -10,7 +10,7 @@
 
 #include "diststrat/collective.h"
 #include "diststrat/error.h"
-#include "multiworker/exit_rendezvous.h"
+#include "runtime/exit_rendezvous.h"
 
 namespace diststrat {
 namespace mpi {

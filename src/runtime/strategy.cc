@@ -8,12 +8,12 @@
 #include <thread>
 
 #include "allreduce/reduce_kernels.h"
-#include "core/collective_check.h"
+#include "runtime/collective_check.h"
 #include "core/env.h"
-#include "core/data_source.h"
+#include "runtime/data_source.h"
 #include "core/thread_pool.h"
 #include "core/user_text.h"
-#include "core/work_state.h"
+#include "runtime/work_state.h"
 
 namespace diststrat {
 

@@ -8,9 +8,9 @@
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/error.h"
-#include "multiworker/process_group.h"
+#include "runtime/process_group.h"
 #if DISTSTRAT_HAVE_MPI
-#include "multiworker/mpi_env.h"
+#include "runtime/mpi_env.h"
 #endif
 
 namespace diststrat {

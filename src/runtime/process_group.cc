@@ -1,4 +1,4 @@
-#include "multiworker/process_group.h"
+#include "runtime/process_group.h"
 
 #include <exception>
 #include <mutex>
@@ -8,10 +8,10 @@
 #include "core/user_text.h"
 #include "diststrat/config.h"
 #include "diststrat/logging.h"
-#include "multiworker/hierarchical.h"
+#include "allreduce/hierarchical_communicator.h"
 #if DISTSTRAT_HAVE_MPI
 #include "allreduce/mpi_communicator.h"
-#include "multiworker/mpi_env.h"
+#include "runtime/mpi_env.h"
 #endif
 
 namespace diststrat {
