@@ -42,7 +42,7 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr const char* kReservedPrefix = "diststrat.";
+using ckpt::kReservedPrefix;
 constexpr const char* kTensorCrcPrefix = "diststrat.crc32/";
 constexpr const char* kHeaderCrcKey = "diststrat.header_crc32";
 // The reference implementation's limit: a larger header is an attack or a corrupt length.
@@ -123,57 +123,6 @@ const Tensor* SafetensorsFile::find(const std::string& name) const {
 }
 
 // ---- writing ------------------------------------------------------------------
-
-void write_file_atomically(const std::string& path, const void* bytes, size_t size) {
-  static std::atomic<uint64_t> counter{0};  // distinct temp names for threads of one process
-  // A device node, socket or directory under that name is not ours to
-  // replace (as root, /dev/full would become a regular file and the data look
-  // written). A FIFO or symlink is: the rename replaces the entry only, which
-  // is how a damaged `latest` (a FIFO planted there) is repaired.
-  struct stat lst {};
-  if (::lstat(path.c_str(), &lst) == 0 && !S_ISREG(lst.st_mode) && !S_ISLNK(lst.st_mode) &&
-      !S_ISFIFO(lst.st_mode)) {
-    throw FailedPreconditionError("writing '" + path + "': it exists and is " + fs::file_kind(lst.st_mode) +
-                                  ", not a regular file; refusing to replace it");
-  }
-  const std::string tmp =
-      path + ".tmp." + std::to_string(getpid()) + "." + std::to_string(counter.fetch_add(1));
-  auto fail = [&](const std::string& what, int err) {
-    ::unlink(tmp.c_str());
-    // ENOENT: kNotFound, EACCES/EPERM/EROFS: kPermissionDenied, ENOTDIR:
-    // kFailedPrecondition, ENOSPC/EDQUOT: kResourceExhausted, EIO...: kUnavailable.
-    fs::throw_errno(err, "writing '" + path + "': " + what);
-  };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (fd < 0) fail("open of temporary file '" + tmp + "'", errno);
-  const char* p = static_cast<const char*>(bytes);
-  size_t left = size;
-  while (left > 0) {
-    const ssize_t n = ::write(fd, p, left);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      fail("write", err);
-    }
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail("fsync", err);
-  }
-  if (::close(fd) != 0) fail("close", errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", errno);
-  // The rename is durable only once the directory entry is.
-  const std::string dir = ckpt::directory_of(path);
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-}
 
 namespace {
 void save_safetensors_impl(const std::string& path,
