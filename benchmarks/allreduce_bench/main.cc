@@ -68,8 +68,9 @@ using BenchClock = std::chrono::steady_clock;
 namespace {
 
 struct Config {
-  std::vector<std::string> algos{"ring", "halving_doubling", "tree", "reduce_to_one",
-                                 "hierarchical", "shm", "auto", "mpi", "gloo"};
+  std::vector<std::string> algos{
+      "ring", "halving_doubling", "tree", "reduce_to_one", "hierarchical", "shm", "auto", "mpi",
+      "gloo"};
   int inproc = 0;
   size_t min_bytes = 8, max_bytes = 256u << 20;
   double step_factor = 2;
@@ -146,7 +147,8 @@ struct RawMpiRunner : CommRunner {
 // The algorithm of an "<algo>_registered" name, or "" for any other name.
 std::string registered_base(const std::string& name) {
   static const std::string suffix = "_registered";
-  if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+  if (name.size() <= suffix.size() ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
     return "";
   }
   return name.substr(0, name.size() - suffix.size());
@@ -154,7 +156,9 @@ std::string registered_base(const std::string& name) {
 
 struct RegisteredRunner : CommRunner {
   RegisteredRunner(ds::Communicator& c, ds::DType d, ds::ReduceOp o, size_t max_bytes)
-      : CommRunner(c, d, o), in_(c.allocate_buffer(max_bytes)), out_(c.allocate_buffer(max_bytes)),
+      : CommRunner(c, d, o),
+        in_(c.allocate_buffer(max_bytes)),
+        out_(c.allocate_buffer(max_bytes)),
         max_bytes_(max_bytes) {}
   std::pair<void*, void*> buffers(size_t bytes) override {
     if (bytes > max_bytes_) throw ds::InternalError("RegisteredRunner: buffer too small");
@@ -173,7 +177,9 @@ struct RegisteredRunner : CommRunner {
 // staging buffers: staged and published, then collected by the peer).
 struct MemcpyRunner : Runner {
   explicit MemcpyRunner(ds::DType d) : es(ds::dtype_size(d)) {}
-  void all_reduce(const void* in, void* out, size_t count) override { std::memcpy(out, in, count * es); }
+  void all_reduce(const void* in, void* out, size_t count) override {
+    std::memcpy(out, in, count * es);
+  }
   size_t es;
 };
 
@@ -187,10 +193,14 @@ double reduced(int n, size_t i, ds::ReduceOp op, ds::DType dtype) {
   double acc = contribution(0, i, op);
   for (int r = 1; r < n; ++r) {
     const double v = contribution(r, i, op);
-    if (op == ds::ReduceOp::kProduct) acc *= v;
-    else if (op == ds::ReduceOp::kMin) acc = std::min(acc, v);
-    else if (op == ds::ReduceOp::kMax) acc = std::max(acc, v);
-    else acc += v;
+    if (op == ds::ReduceOp::kProduct)
+      acc *= v;
+    else if (op == ds::ReduceOp::kMin)
+      acc = std::min(acc, v);
+    else if (op == ds::ReduceOp::kMax)
+      acc = std::max(acc, v);
+    else
+      acc += v;
   }
   if (op == ds::ReduceOp::kMean) {
     const bool integer = dtype == ds::DType::kInt32 || dtype == ds::DType::kInt64;
@@ -200,22 +210,40 @@ double reduced(int n, size_t i, ds::ReduceOp op, ds::DType dtype) {
 }
 void put(void* p, ds::DType d, size_t i, double v) {
   switch (d) {
-    case ds::DType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case ds::DType::kFloat64: static_cast<double*>(p)[i] = v; break;
-    case ds::DType::kFloat16: static_cast<ds::Half*>(p)[i] = ds::Half(static_cast<float>(v)); break;
-    case ds::DType::kBFloat16: static_cast<ds::BFloat16*>(p)[i] = ds::BFloat16(static_cast<float>(v)); break;
-    case ds::DType::kInt32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-    case ds::DType::kInt64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
+    case ds::DType::kFloat32:
+      static_cast<float*>(p)[i] = static_cast<float>(v);
+      break;
+    case ds::DType::kFloat64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case ds::DType::kFloat16:
+      static_cast<ds::Half*>(p)[i] = ds::Half(static_cast<float>(v));
+      break;
+    case ds::DType::kBFloat16:
+      static_cast<ds::BFloat16*>(p)[i] = ds::BFloat16(static_cast<float>(v));
+      break;
+    case ds::DType::kInt32:
+      static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+      break;
+    case ds::DType::kInt64:
+      static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v);
+      break;
   }
 }
 double get(const void* p, ds::DType d, size_t i) {
   switch (d) {
-    case ds::DType::kFloat32: return static_cast<const float*>(p)[i];
-    case ds::DType::kFloat64: return static_cast<const double*>(p)[i];
-    case ds::DType::kFloat16: return static_cast<float>(static_cast<const ds::Half*>(p)[i]);
-    case ds::DType::kBFloat16: return static_cast<float>(static_cast<const ds::BFloat16*>(p)[i]);
-    case ds::DType::kInt32: return static_cast<const int32_t*>(p)[i];
-    case ds::DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+    case ds::DType::kFloat32:
+      return static_cast<const float*>(p)[i];
+    case ds::DType::kFloat64:
+      return static_cast<const double*>(p)[i];
+    case ds::DType::kFloat16:
+      return static_cast<float>(static_cast<const ds::Half*>(p)[i]);
+    case ds::DType::kBFloat16:
+      return static_cast<float>(static_cast<const ds::BFloat16*>(p)[i]);
+    case ds::DType::kInt32:
+      return static_cast<const int32_t*>(p)[i];
+    case ds::DType::kInt64:
+      return static_cast<double>(static_cast<const int64_t*>(p)[i]);
   }
   return NAN;
 }
@@ -280,14 +308,15 @@ double concurrent_copy_bandwidth(int threads, bool streaming = false) {
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(std::ceil(q * v.size())) - (q > 0 ? 1 : 0));
+  const size_t k =
+      std::min(v.size() - 1, static_cast<size_t>(std::ceil(q * v.size())) - (q > 0 ? 1 : 0));
   return v[k];
 }
 
 std::vector<size_t> sizes(const Config& c) {
   std::vector<size_t> out;
-  for (double b = static_cast<double>(c.min_bytes); b <= static_cast<double>(c.max_bytes) * 1.0000001;
-       b *= c.step_factor) {
+  for (double b = static_cast<double>(c.min_bytes);
+       b <= static_cast<double>(c.max_bytes) * 1.0000001; b *= c.step_factor) {
     out.push_back(static_cast<size_t>(b));
     if (c.step_factor <= 1) break;
   }
@@ -296,9 +325,12 @@ std::vector<size_t> sizes(const Config& c) {
 
 std::string human(size_t bytes) {
   char buf[32];
-  if (bytes >= (1u << 20) && bytes % (1u << 20) == 0) std::snprintf(buf, sizeof buf, "%zuM", bytes >> 20);
-  else if (bytes >= 1024 && bytes % 1024 == 0) std::snprintf(buf, sizeof buf, "%zuK", bytes >> 10);
-  else std::snprintf(buf, sizeof buf, "%zu", bytes);
+  if (bytes >= (1u << 20) && bytes % (1u << 20) == 0)
+    std::snprintf(buf, sizeof buf, "%zuM", bytes >> 20);
+  else if (bytes >= 1024 && bytes % 1024 == 0)
+    std::snprintf(buf, sizeof buf, "%zuK", bytes >> 10);
+  else
+    std::snprintf(buf, sizeof buf, "%zu", bytes);
   return buf;
 }
 
@@ -396,7 +428,9 @@ std::vector<Row> run_sweep(World& w, const Config& c, ds::DType dtype, ds::Reduc
           std::memset(out, 0, count * es);
           run();
           bool ok = true;
-          const double rel = dtype == ds::DType::kBFloat16 ? 1e-2 : dtype == ds::DType::kFloat16 ? 2e-3 : 1e-6;
+          const double rel = dtype == ds::DType::kBFloat16  ? 1e-2
+                             : dtype == ds::DType::kFloat16 ? 2e-3
+                                                            : 1e-6;
           for (size_t i = 0; i < (scatter ? block : block * p) && ok; ++i) {
             // reduce_scatter: element rank * block + i of the reduction;
             // all_gather: rank i / block's element i % block.
@@ -413,7 +447,8 @@ std::vector<Row> run_sweep(World& w, const Config& c, ds::DType dtype, ds::Reduc
   for (Row& r : rows) {
     // Against the mpi row of the same collective ("mpi", "mpi/reduce_scatter").
     const size_t slash = r.algo.find('/');
-    const std::string mpi = "mpi" + (slash == std::string::npos ? std::string() : r.algo.substr(slash));
+    const std::string mpi =
+        "mpi" + (slash == std::string::npos ? std::string() : r.algo.substr(slash));
     for (const Row& m : rows) {
       if (m.algo == mpi && m.bytes == r.bytes) r.vs_mpi = m.p50_us / r.p50_us;
     }
@@ -466,16 +501,18 @@ void print(const std::string& format, const Config& c, const std::vector<Row>& r
   const char* dt = ds::dtype_name(dtype);
   const char* on = ds::reduce_op_name(op);
   if (format == "json") {
-    std::fprintf(f, "{\"mode\":\"%s\",\"ranks\":%d,\"copy_bandwidth_gbps\":%.3f,\"rows\":[", mode.c_str(),
-                ranks, copy_bw);
+    std::fprintf(f, "{\"mode\":\"%s\",\"ranks\":%d,\"copy_bandwidth_gbps\":%.3f,\"rows\":[",
+                 mode.c_str(), ranks, copy_bw);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      std::fprintf(f, "%s{\"algo\":\"%s\",\"bytes\":%zu,\"count\":%zu,\"dtype\":\"%s\",\"op\":\"%s\","
-                  "\"p50_us\":%.3f,\"p99_us\":%.3f,\"algbw_gbps\":%.4f,\"busbw_gbps\":%.4f,"
-                  "\"vs_mpi\":%s,\"check\":\"%s\"}",
-                  i ? "," : "", r.algo.c_str(), r.bytes, r.count, dt, on, r.p50_us, r.p99_us,
-                  r.algbw, r.busbw, std::isnan(r.vs_mpi) ? "null" : std::to_string(r.vs_mpi).c_str(),
-                  r.check.c_str());
+      std::fprintf(f,
+                   "%s{\"algo\":\"%s\",\"bytes\":%zu,\"count\":%zu,\"dtype\":\"%s\",\"op\":\"%s\","
+                   "\"p50_us\":%.3f,\"p99_us\":%.3f,\"algbw_gbps\":%.4f,\"busbw_gbps\":%.4f,"
+                   "\"vs_mpi\":%s,\"check\":\"%s\"}",
+                   i ? "," : "", r.algo.c_str(), r.bytes, r.count, dt, on, r.p50_us, r.p99_us,
+                   r.algbw, r.busbw,
+                   std::isnan(r.vs_mpi) ? "null" : std::to_string(r.vs_mpi).c_str(),
+                   r.check.c_str());
     }
     std::fprintf(f, "]}\n");
     return;
@@ -483,25 +520,26 @@ void print(const std::string& format, const Config& c, const std::vector<Row>& r
   if (format == "csv") {
     std::fprintf(f, "algo,bytes,count,dtype,op,p50_us,p99_us,algbw_gbps,busbw_gbps,vs_mpi,check\n");
     for (const Row& r : rows) {
-      std::fprintf(f, "%s,%zu,%zu,%s,%s,%.3f,%.3f,%.4f,%.4f,%s,%s\n", r.algo.c_str(), r.bytes, r.count,
-                  dt, on, r.p50_us, r.p99_us, r.algbw, r.busbw,
-                  std::isnan(r.vs_mpi) ? "" : std::to_string(r.vs_mpi).c_str(), r.check.c_str());
+      std::fprintf(f, "%s,%zu,%zu,%s,%s,%.3f,%.3f,%.4f,%.4f,%s,%s\n", r.algo.c_str(), r.bytes,
+                   r.count, dt, on, r.p50_us, r.p99_us, r.algbw, r.busbw,
+                   std::isnan(r.vs_mpi) ? "" : std::to_string(r.vs_mpi).c_str(), r.check.c_str());
     }
     return;
   }
   std::fprintf(f, "# allreduce_bench: %s, %d ranks, dtype %s, op %s, %d iterations (+%d warmup)\n",
-              mode.c_str(), ranks, dt, on, c.iters, c.warmup);
-  std::fprintf(f, "# memory copy bandwidth: %.2f GB/s (single-thread memcpy of 256 MiB, best of 5)\n",
-              copy_bw);
+               mode.c_str(), ranks, dt, on, c.iters, c.warmup);
+  std::fprintf(f,
+               "# memory copy bandwidth: %.2f GB/s (single-thread memcpy of 256 MiB, best of 5)\n",
+               copy_bw);
   std::fprintf(f, "# busbw = algbw * 2(p-1)/p; vs_mpi = MPI_Allreduce p50 time / this p50 time\n");
-  std::fprintf(f, "%-26s %10s %11s %9s %7s %10s %10s %9s %9s %7s %5s\n", "algo", "size", "count", "dtype",
-              "op", "p50(us)", "p99(us)", "algbw", "busbw", "vs_mpi", "check");
+  std::fprintf(f, "%-26s %10s %11s %9s %7s %10s %10s %9s %9s %7s %5s\n", "algo", "size", "count",
+               "dtype", "op", "p50(us)", "p99(us)", "algbw", "busbw", "vs_mpi", "check");
   for (const Row& r : rows) {
     char ratio[16] = "-";
     if (!std::isnan(r.vs_mpi)) std::snprintf(ratio, sizeof ratio, "%.2f", r.vs_mpi);
     std::fprintf(f, "%-26s %10s %11zu %9s %7s %10.1f %10.1f %9.3f %9.3f %7s %5s\n", r.algo.c_str(),
-                human(r.bytes).c_str(), r.count, dt, on, r.p50_us, r.p99_us, r.algbw, r.busbw,
-                ratio, r.check.c_str());
+                 human(r.bytes).c_str(), r.count, dt, on, r.p50_us, r.p99_us, r.algbw, r.busbw,
+                 ratio, r.check.c_str());
   }
 }
 
@@ -532,8 +570,10 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
         if (r.bytes >= (16u << 20)) worst_big = std::min(worst_big, r.vs_mpi);
       }
       if (std::isfinite(worst)) {
-        std::printf("# %s vs MPI_Allreduce: min ratio %.2f over 4K..max (bar >= 1.0), min %.2f at >= 16M (bar >= 2.0)\n",
-                    ours, worst, worst_big);
+        std::printf(
+            "# %s vs MPI_Allreduce: min ratio %.2f over 4K..max (bar >= 1.0), min %.2f at >= 16M "
+            "(bar >= 2.0)\n",
+            ours, worst, worst_big);
       }
     }
     // Per size >= 1M: our fastest row against Gloo's faster algorithm.
@@ -541,7 +581,8 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
     std::string per_size;
     std::vector<size_t> seen;
     for (const Row& r : rows) {
-      if (r.bytes < (1u << 20) || std::find(seen.begin(), seen.end(), r.bytes) != seen.end()) continue;
+      if (r.bytes < (1u << 20) || std::find(seen.begin(), seen.end(), r.bytes) != seen.end())
+        continue;
       const Row* g1 = find("gloo_ring_chunked", r.bytes);
       const Row* g2 = find("gloo_halving_doubling", r.bytes);
       if (!g1 && !g2) continue;
@@ -550,8 +591,7 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
       const Row* obest = nullptr;
       for (const Row& o : rows)
         if (o.bytes == r.bytes && o.algo.rfind("gloo", 0) != 0 && o.algo != "mpi" &&
-            o.algo != "memcpy" &&
-            (!obest || o.busbw > obest->busbw))
+            o.algo != "memcpy" && (!obest || o.busbw > obest->busbw))
           obest = &o;
       if (!obest) continue;
       if (g1) gbest = std::max(gbest, g1->busbw);
@@ -563,19 +603,21 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
       per_size += buf;
     }
     if (std::isfinite(worst_gloo))
-      std::printf("# best of ours vs Gloo's best at >= 1M: min ratio %.2f (bar >= 3.0); per size: %s\n",
-                  worst_gloo, per_size.c_str());
+      std::printf(
+          "# best of ours vs Gloo's best at >= 1M: min ratio %.2f (bar >= 3.0); per size: %s\n",
+          worst_gloo, per_size.c_str());
     // Times in memcpys of n bytes per rank (see MemcpyRunner): registered
     // paths move 1 memcpy's worth of bytes per rank, the staged path 2.
     bool explained = false;
     for (const Row& m : rows) {
       if (m.algo != "memcpy" || m.bytes < (16u << 20) || ranks != 2) continue;
       if (!explained) {
-        std::printf("# in memcpys (every rank copying n bytes at once, the memcpy row): a 2-rank "
-                    "all-reduce on registered buffers moves 1 memcpy's worth of bytes per rank, the "
-                    "staged path on ordinary buffers 2 (each half once more through the staging "
-                    "buffers); where n outgrows the caches a memcpy also pays for the write-allocate "
-                    "reads, the staging copies (in cache) do not\n");
+        std::printf(
+            "# in memcpys (every rank copying n bytes at once, the memcpy row): a 2-rank "
+            "all-reduce on registered buffers moves 1 memcpy's worth of bytes per rank, the "
+            "staged path on ordinary buffers 2 (each half once more through the staging "
+            "buffers); where n outgrows the caches a memcpy also pays for the write-allocate "
+            "reads, the staging copies (in cache) do not\n");
         explained = true;
       }
       std::string line;
@@ -588,8 +630,11 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
       }
       const Row* mpi = find("mpi", m.bytes);
       char need[64] = "";
-      if (mpi) std::snprintf(need, sizeof need, "; 2x MPI_Allreduce needs <= %.2f", mpi->p50_us / m.p50_us / 2);
-      std::printf("#   %s: memcpy %.0f us%s%s\n", human(m.bytes).c_str(), m.p50_us, line.c_str(), need);
+      if (mpi)
+        std::snprintf(need, sizeof need, "; 2x MPI_Allreduce needs <= %.2f",
+                      mpi->p50_us / m.p50_us / 2);
+      std::printf("#   %s: memcpy %.0f us%s%s\n", human(m.bytes).c_str(), m.p50_us, line.c_str(),
+                  need);
     }
   } else if (ranks == 2) {
     for (const Row& r : rows) {
@@ -601,24 +646,27 @@ void print_bars(const std::vector<Row>& rows, double copy_bw, int ranks, const s
         // cores copy at once (measured now), so algbw <= two / 2.
         const double two = concurrent_copy_bandwidth(2);
         const double ceiling = two / 2;
-        std::printf("# in-process %s, 2 ranks, 64M: algbw %.2f GB/s = %.2f of the ceiling %.2f GB/s "
-                    "(bar >= 0.7).\n",
-                    r.algo.c_str(), r.algbw, r.algbw / ceiling, ceiling);
-        std::printf("# ceiling: a 2-rank all-reduce of n bytes moves two memcpys of n bytes (reads "
-                    "2n, writes 2n); two memcpys running at once on this machine move %.2f GB/s "
-                    "together (measured: 2 threads x 64 MiB, best of 5), so algbw <= %.2f / 2 = "
-                    "%.2f GB/s. For reference, one thread alone copies %.2f GB/s (%s reaches %.2f "
-                    "of that).\n",
-                    two, two, ceiling, copy_bw, r.algo.c_str(), r.algbw / copy_bw);
+        std::printf(
+            "# in-process %s, 2 ranks, 64M: algbw %.2f GB/s = %.2f of the ceiling %.2f GB/s "
+            "(bar >= 0.7).\n",
+            r.algo.c_str(), r.algbw, r.algbw / ceiling, ceiling);
+        std::printf(
+            "# ceiling: a 2-rank all-reduce of n bytes moves two memcpys of n bytes (reads "
+            "2n, writes 2n); two memcpys running at once on this machine move %.2f GB/s "
+            "together (measured: 2 threads x 64 MiB, best of 5), so algbw <= %.2f / 2 = "
+            "%.2f GB/s. For reference, one thread alone copies %.2f GB/s (%s reaches %.2f "
+            "of that).\n",
+            two, two, ceiling, copy_bw, r.algo.c_str(), r.algbw / copy_bw);
         // memcpy reads each destination line before writing it (write-allocate);
         // at this size the all-reduce writes its outputs with streaming stores,
         // which do not. The same ceiling from two streaming copies:
         const double two_streaming = concurrent_copy_bandwidth(2, true);
-        std::printf("# with streaming copies instead of memcpy (no write-allocate reads, as %s "
-                    "writes its outputs at this size) two copies move %.2f GB/s together: ceiling "
-                    "%.2f GB/s, %s reaches %.2f of it.\n",
-                    r.algo.c_str(), two_streaming, two_streaming / 2, r.algo.c_str(),
-                    r.algbw / (two_streaming / 2));
+        std::printf(
+            "# with streaming copies instead of memcpy (no write-allocate reads, as %s "
+            "writes its outputs at this size) two copies move %.2f GB/s together: ceiling "
+            "%.2f GB/s, %s reaches %.2f of it.\n",
+            r.algo.c_str(), two_streaming, two_streaming / 2, r.algo.c_str(),
+            r.algbw / (two_streaming / 2));
       }
     }
   }
@@ -719,7 +767,8 @@ int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
           runners_owned.push_back(std::make_unique<CommRunner>(*comm, dtype, op));
           runners.emplace_back(a, runners_owned.back().get());
         }
-        auto rows = c.fusion ? run_fusion(w, c, dtype, op, runners) : run_sweep(w, c, dtype, op, runners);
+        auto rows =
+            c.fusion ? run_fusion(w, c, dtype, op, runners) : run_sweep(w, c, dtype, op, runners);
         if (r == 0) result = rows;
       } catch (const std::exception& e) {
         errors[r] = e.what();
@@ -769,7 +818,8 @@ class MpiWorld : public World {
 // Gloo's algorithms over TCP loopback; they reduce in place on buffers bound
 // at construction, so prepare() builds them per size and all_reduce copies
 // the input in first (as an out-of-place MPI_Allreduce would).
-template <typename T> class GlooRunner : public Runner {
+template <typename T>
+class GlooRunner : public Runner {
  public:
   GlooRunner(std::shared_ptr<gloo::rendezvous::Context> ctx, bool halving_doubling, ds::ReduceOp op)
       : ctx_(std::move(ctx)), hd_(halving_doubling), op_(op) {}
@@ -780,9 +830,11 @@ template <typename T> class GlooRunner : public Runner {
     if (op_ == ds::ReduceOp::kMax) fn = gloo::ReductionFunction<T>::max;
     std::vector<T*> ptrs{static_cast<T*>(out)};
     if (hd_) {
-      algo_ = std::make_unique<gloo::AllreduceHalvingDoubling<T>>(ctx_, ptrs, static_cast<int>(count), fn);
+      algo_ = std::make_unique<gloo::AllreduceHalvingDoubling<T>>(ctx_, ptrs,
+                                                                  static_cast<int>(count), fn);
     } else {
-      algo_ = std::make_unique<gloo::AllreduceRingChunked<T>>(ctx_, ptrs, static_cast<int>(count), fn);
+      algo_ =
+          std::make_unique<gloo::AllreduceRingChunked<T>>(ctx_, ptrs, static_cast<int>(count), fn);
     }
   }
   void all_reduce(const void* in, void* out, size_t count) override {
@@ -819,7 +871,8 @@ std::shared_ptr<gloo::rendezvous::Context> gloo_context(int rank, int size) {
   }
   MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
   if (dir[0] == '\0') {
-    throw ds::InternalError("rank " + std::to_string(rank) + ": rank 0 could not make the Gloo file store");
+    throw ds::InternalError("rank " + std::to_string(rank) +
+                            ": rank 0 could not make the Gloo file store");
   }
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   try {
@@ -873,13 +926,15 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
     }
     const bool registered = !registered_base(a).empty();
     const std::string base = registered ? registered_base(a) : a;
-    if (registered && base == "mpi") throw ds::InvalidArgumentError("mpi_registered: MPI_Allreduce has no registered buffers");
+    if (registered && base == "mpi")
+      throw ds::InvalidArgumentError("mpi_registered: MPI_Allreduce has no registered buffers");
     ds::CommunicationOptions o;
     o.algorithm = base == "mpi" ? ds::Algorithm::kMpiNative : ds::parse_algorithm(base);
     o.segment_bytes = c.segment_bytes;
     o.timeout = timeout_of(c);
     if (base == "direct") {
-      if (w.rank() == 0) std::fprintf(stderr, "# 'direct' is in-process only (--inproc); skipped\n");
+      if (w.rank() == 0)
+        std::fprintf(stderr, "# 'direct' is in-process only (--inproc); skipped\n");
       continue;
     }
     comms.push_back(ds::make_mpi_communicator(MPI_COMM_WORLD, o));
@@ -925,12 +980,14 @@ int main(int argc, char** argv) {
   app.add_option("--iters", c.iters, "timed iterations per row");
   app.add_option("--warmup", c.warmup, "untimed iterations per row");
   app.add_flag("--check", c.check, "verify every row's result against closed-form values");
-  app.add_option("--format", c.format, "table|csv|json")->check(CLI::IsMember({"table", "csv", "json"}));
+  app.add_option("--format", c.format, "table|csv|json")
+      ->check(CLI::IsMember({"table", "csv", "json"}));
   app.add_flag("--fusion", c.fusion, "K tensors of S bytes: one call each vs PackedAllReduce");
   app.add_option("--fusion-tensors", c.fusion_tensors, "K for --fusion");
   app.add_option("--fusion-bytes", c.fusion_bytes, "S for --fusion");
   app.add_option("--csv-out", c.csv_out, "also write the rows as CSV to this file");
-  app.add_option("--segment-bytes", c.segment_bytes, "CommunicationOptions::segment_bytes (0 = default)");
+  app.add_option("--segment-bytes", c.segment_bytes,
+                 "CommunicationOptions::segment_bytes (0 = default)");
   app.add_option("--timeout", c.timeout,
                  "seconds any collective waits for peers, fractional allowed (default: "
                  "$DISTSTRAT_TIMEOUT, else 300)")

@@ -72,7 +72,9 @@ Timing time_fused(size_t bytes_per_pack, const std::vector<int64_t>& sizes,
   std::vector<std::string> names;
   for (size_t k = 0; k < ts.size(); ++k) names.push_back("t" + std::to_string(k));
   return time_p50([&] {
-    s.run([&](ds::ReplicaContext& ctx) { ctx.all_reduce_async(ds::ReduceOp::kSum, ts, names).wait(); });
+    s.run([&](ds::ReplicaContext& ctx) {
+      ctx.all_reduce_async(ds::ReduceOp::kSum, ts, names).wait();
+    });
   });
 }
 
@@ -120,10 +122,12 @@ int main(int argc, char** argv) {
     auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, co);
     std::vector<float> big(total, 1.0f), small(total, 1.0f);
     const Timing one_tensor = time_p50([&] {
-      comm->all_reduce(big.data(), big.data(), total, ds::DType::kFloat32, ds::ReduceOp::kSum, "one");
+      comm->all_reduce(big.data(), big.data(), total, ds::DType::kFloat32, ds::ReduceOp::kSum,
+                       "one");
     });
     const Timing mpi_one = time_p50([&] {
-      MPI_Allreduce(MPI_IN_PLACE, big.data(), static_cast<int>(total), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      MPI_Allreduce(MPI_IN_PLACE, big.data(), static_cast<int>(total), MPI_FLOAT, MPI_SUM,
+                    MPI_COMM_WORLD);
     });
     const Timing mpi_separate = time_p50([&] {
       for (int k = 0; k < tensors; ++k) {
@@ -132,27 +136,32 @@ int main(int argc, char** argv) {
       }
     });
     if (rank == 0) {
-      std::printf("# fusion_bench: %d ranks, %d x %zu B f32 (%.2f MiB), bytes_per_pack %zu, p50 of %d\n",
-                  size, tensors, tensor_bytes, total * 4 / 1048576.0, bytes_per_pack, iters);
+      std::printf(
+          "# fusion_bench: %d ranks, %d x %zu B f32 (%.2f MiB), bytes_per_pack %zu, p50 of %d\n",
+          size, tensors, tensor_bytes, total * 4 / 1048576.0, bytes_per_pack, iters);
       std::printf("%-14s %12s %12s\n", "path", "p50_us", "min_us");
-      const std::pair<const char*, Timing> rows[] = {
-          {"fused", fused}, {"one_tensor", one_tensor}, {"mpi_one", mpi_one}, {"mpi_separate", mpi_separate}};
+      const std::pair<const char*, Timing> rows[] = {{"fused", fused},
+                                                     {"one_tensor", one_tensor},
+                                                     {"mpi_one", mpi_one},
+                                                     {"mpi_separate", mpi_separate}};
       for (const auto& [name, t] : rows) std::printf("%-14s %12.1f %12.1f\n", name, t.p50, t.min);
-      std::printf("bar fused/one_tensor = %.2f p50, %.2f min (want <= 1.3)\n", fused.p50 / one_tensor.p50,
-                  fused.min / one_tensor.min);
+      std::printf("bar fused/one_tensor = %.2f p50, %.2f min (want <= 1.3)\n",
+                  fused.p50 / one_tensor.p50, fused.min / one_tensor.min);
       std::printf("bar mpi_separate/fused = %.2f p50, %.2f min (want >= 2.5)\n",
                   mpi_separate.p50 / fused.p50, mpi_separate.min / fused.min);
     }
     if (sweep) {
       // The MLP 784-256-256-10's gradients in backprop order.
       const std::vector<int64_t> mlp = {10, 2560, 256, 65536, 256, 200704};
-      if (rank == 0) std::printf("# bytes_per_pack sweep: p50_us / min_us\n%-14s %22s %22s\n",
-                                 "bytes_per_pack", "K x S", "mlp grads");
+      if (rank == 0)
+        std::printf("# bytes_per_pack sweep: p50_us / min_us\n%-14s %22s %22s\n", "bytes_per_pack",
+                    "K x S", "mlp grads");
       for (size_t bpp : {size_t{16} << 10, size_t{64} << 10, size_t{256} << 10, size_t{1} << 20,
                          size_t{4} << 20, size_t{16} << 20, size_t{0}}) {
         const Timing a = time_fused(bpp, sizes, timeout);
         const Timing b = time_fused(bpp, mlp, timeout);
-        if (rank == 0) std::printf("%-14zu %11.1f / %8.1f %11.1f / %8.1f\n", bpp, a.p50, a.min, b.p50, b.min);
+        if (rank == 0)
+          std::printf("%-14zu %11.1f / %8.1f %11.1f / %8.1f\n", bpp, a.p50, a.min, b.p50, b.min);
       }
     }
   } catch (const ds::Error& e) {

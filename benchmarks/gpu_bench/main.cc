@@ -198,7 +198,8 @@ int main(int argc, char** argv) {
                 static_cast<long long>(batch));
     std::printf("  %-12s %10s %14s\n", "device", "step ms", "samples/s");
     std::printf("  %-12s %10.3f %14.0f\n", "GPU", gpu_s * 1e3, batch / gpu_s);
-    std::printf("  %-12s %10.3f %14.0f   (the library, baseline x86-64)\n", "CPU 1 core", cpu_s * 1e3, batch / cpu_s);
+    std::printf("  %-12s %10.3f %14.0f   (the library, baseline x86-64)\n", "CPU 1 core",
+                cpu_s * 1e3, batch / cpu_s);
     std::printf("  %-12s %10.3f %14.0f   (Eigen, -march=native; weights sum %.3f)\n", "CPU native",
                 native_s * 1e3, batch / native_s, checksum);
     std::printf("  speedup GPU/CPU: %.1fx (library), %.1fx (-march=native core)\n\n", cpu_s / gpu_s,
@@ -206,15 +207,16 @@ int main(int argc, char** argv) {
 
     // 2. Logical-GPU all-reduce vs copy.
     const int n = 2;
-    std::vector<size_t> sizes = quick ? std::vector<size_t>{16u << 20, 256u << 20}
-                                      : std::vector<size_t>{1u << 20, 16u << 20, 64u << 20, 256u << 20};
+    std::vector<size_t> sizes =
+        quick ? std::vector<size_t>{16u << 20, 256u << 20}
+              : std::vector<size_t>{1u << 20, 16u << 20, 64u << 20, 256u << 20};
     const auto rows = logical_allreduce(n, sizes, quick ? 10 : 20);
     std::printf("All-reduce (max, f32, in place) over %d logical GPUs of GPU 0 vs D2D copy\n", n);
-    std::printf("  %10s %10s %11s %10s %11s %13s %16s\n", "bytes", "copy ms", "copy GB/s",
-                "ar ms", "ar algbw", "ar traffic", "traffic vs copy");
+    std::printf("  %10s %10s %11s %10s %11s %13s %16s\n", "bytes", "copy ms", "copy GB/s", "ar ms",
+                "ar algbw", "ar traffic", "traffic vs copy");
     double ratio_256 = 0, algbw_256 = 0, copy_256 = 0;
     for (const ArRow& r : rows) {
-      const double copy_gbs = r.bytes / r.copy_s / 1e9;   // bytes copied per second
+      const double copy_gbs = r.bytes / r.copy_s / 1e9;  // bytes copied per second
       const double algbw = r.bytes / r.ar_s / 1e9;
       const double traffic = 2.0 * n * r.bytes / r.ar_s / 1e9;  // bytes read + written
       const double copy_traffic = 2.0 * r.bytes / r.copy_s / 1e9;
@@ -234,8 +236,10 @@ int main(int argc, char** argv) {
     const double nccl_s = nccl_single_gpu(256u << 20, quick ? 10 : 20, &nccl_skip);
     const double nccl_gbs = nccl_s > 0 ? (256u << 20) / nccl_s / 1e9 : 0;
     if (nccl_s > 0) {
-      std::printf("NCCL all-reduce, 1 rank on GPU 0, 256 MiB f32 out of place: %.3f ms, algbw %.1f GB/s\n\n",
-                  nccl_s * 1e3, nccl_gbs);
+      std::printf(
+          "NCCL all-reduce, 1 rank on GPU 0, 256 MiB f32 out of place: %.3f ms, algbw %.1f "
+          "GB/s\n\n",
+          nccl_s * 1e3, nccl_gbs);
     } else {
       std::printf("NCCL all-reduce: skipped (%s)\n\n", nccl_skip.c_str());
     }

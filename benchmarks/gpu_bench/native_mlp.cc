@@ -17,7 +17,8 @@ using Row = Eigen::Matrix<float, 1, Eigen::Dynamic>;
 struct Layer {
   Mat w, vw;
   Row b, vb;
-  Layer(int in, int out, std::mt19937& rng) : w(in, out), vw(Mat::Zero(in, out)), b(Row::Zero(out)), vb(Row::Zero(out)) {
+  Layer(int in, int out, std::mt19937& rng)
+      : w(in, out), vw(Mat::Zero(in, out)), b(Row::Zero(out)), vb(Row::Zero(out)) {
     std::normal_distribution<float> d(0.0f, std::sqrt(2.0f / in));
     for (Eigen::Index i = 0; i < w.size(); ++i) w.data()[i] = d(rng);
   }

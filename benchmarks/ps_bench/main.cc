@@ -79,7 +79,11 @@ int sparse(int64_t rows, int64_t dim, double fraction, int reps, const std::stri
     {
       ds::ps::Writer w;
       w.put<int64_t>(0).put_string("table").put<int32_t>(static_cast<int32_t>(ds::DType::kFloat32));
-      w.put_shape(ds::Shape{rows, dim}).put<int64_t>(0).put<int64_t>(1).put<int64_t>(0).put<int64_t>(rows);
+      w.put_shape(ds::Shape{rows, dim})
+          .put<int64_t>(0)
+          .put<int64_t>(1)
+          .put<int64_t>(0)
+          .put<int64_t>(rows);
       w.put<uint8_t>(1);
       auto value = std::make_shared<ds::Tensor>(ds::Shape{rows, dim}, ds::DType::kFloat32);
       auto c = client.post(0, ds::ps::Op::kCreate, w.bytes(), value, value->data(), value->nbytes(),
@@ -111,8 +115,8 @@ int sparse(int64_t rows, int64_t dim, double fraction, int reps, const std::stri
     ps2->join();
   }
   std::printf("sparse: table=%lldx%lld f32 (%.0f MB) rows_pushed=%lld (%.1f%%)\n",
-              static_cast<long long>(rows), static_cast<long long>(dim),
-              rows * dim * 4 / 1e6, static_cast<long long>(touched), 100.0 * fraction);
+              static_cast<long long>(rows), static_cast<long long>(dim), rows * dim * 4 / 1e6,
+              static_cast<long long>(touched), 100.0 * fraction);
   std::printf("sparse: dense_push_ms=%.2f row_sparse_push_ms=%.2f ratio=%.4f (bar <= 0.05)\n",
               dense_s * 1e3, sparse_s * 1e3, sparse_s / dense_s);
   return 0;

@@ -27,11 +27,13 @@ Result run_diststrat_ddp(const Config& config, const Data& data, const DdpMode& 
   *rank = strategy.cluster().worker_index;
   *world = strategy.cluster().num_workers;
 
-  torch::manual_seed(static_cast<uint64_t>(config.seed));  // as the c10d loop (DDP broadcasts anyway)
+  torch::manual_seed(
+      static_cast<uint64_t>(config.seed));  // as the c10d loop (DDP broadcasts anyway)
   auto net = std::make_shared<torch_fashion_mnist::CnnImpl>();
   dt::DdpOptions ddp_options;
   ddp_options.overlap = mode.overlap;
-  if (mode.bytes_per_bucket >= 0) ddp_options.bytes_per_bucket = static_cast<size_t>(mode.bytes_per_bucket);
+  if (mode.bytes_per_bucket >= 0)
+    ddp_options.bytes_per_bucket = static_cast<size_t>(mode.bytes_per_bucket);
   dt::DistributedDataParallel ddp(strategy, net, ddp_options);
   torch::optim::SGD optimizer(ddp.module(0)->parameters(),
                               torch::optim::SGDOptions(config.lr).momentum(config.momentum));
@@ -62,7 +64,8 @@ Result run_diststrat_ddp(const Config& config, const Data& data, const DdpMode& 
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // The mean over every process's batches (outside the timed steps).
   ds::PerReplica<double> mine = strategy.run([&](ds::ReplicaContext&) { return loss_sum; });
-  r.mean_loss = strategy.reduce(ds::ReduceOp::kSum, mine) / (static_cast<double>(config.steps) * *world);
+  r.mean_loss =
+      strategy.reduce(ds::ReduceOp::kSum, mine) / (static_cast<double>(config.steps) * *world);
   return r;
 }
 

@@ -10,8 +10,8 @@
 namespace torch_bench {
 
 struct DdpMode {
-  bool overlap = true;                   // DdpOptions::overlap
-  int64_t bytes_per_bucket = -1;         // DdpOptions::bytes_per_bucket; -1 = its default
+  bool overlap = true;            // DdpOptions::overlap
+  int64_t bytes_per_bucket = -1;  // DdpOptions::bytes_per_bucket; -1 = its default
 };
 
 // Trains Config::warmup + Config::steps steps with one replica per process

@@ -65,29 +65,41 @@ int main(int argc, char** argv) {
   int rank = -1, world = -1;
   int64_t rows = 16384;
   CLI::App app{"Training throughput of the LibTorch Fashion-MNIST CNN: diststrat DDP vs c10d Gloo"};
-  app.add_option("--mode", mode, "ddp (diststrat::libtorch::DistributedDataParallel) | c10d (ProcessGroupGloo)")
-      ->check(CLI::IsMember({"ddp", "c10d"}))->capture_default_str();
+  app.add_option("--mode", mode,
+                 "ddp (diststrat::libtorch::DistributedDataParallel) | c10d (ProcessGroupGloo)")
+      ->check(CLI::IsMember({"ddp", "c10d"}))
+      ->capture_default_str();
   app.add_flag("--overlap,!--no-overlap", ddp.overlap,
                "ddp: all-reduce buckets from the autograd hooks, during backward")
       ->capture_default_str();
   app.add_option("--bytes-per-bucket", ddp.bytes_per_bucket,
                  "ddp: DdpOptions::bytes_per_bucket (0 = one bucket, -1 = DdpOptions' default)")
-      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 40))->capture_default_str();
-  app.add_option("--steps", config.steps, "timed steps")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--warmup", config.warmup, "untimed steps first")->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 40))
       ->capture_default_str();
-  app.add_option("--batch", config.batch, "rows per process and step")->check(CLI::PositiveNumber)
+  app.add_option("--steps", config.steps, "timed steps")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--lr", config.lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--warmup", config.warmup, "untimed steps first")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--batch", config.batch, "rows per process and step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr", config.lr, "SGD learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--seed", config.seed, "initial weights")->capture_default_str();
   app.add_option("--threads", config.threads, "LibTorch intra-op threads per process")
-      ->check(CLI::Range(1, 256))->capture_default_str();
-  app.add_option("--rows", rows, "training rows used (cyclically)")->check(CLI::PositiveNumber)
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  app.add_option("--rows", rows, "training rows used (cyclically)")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
   app.add_option("--rank", rank, "c10d without mpirun: this process's rank");
   app.add_option("--world-size", world, "c10d without mpirun: number of processes");
-  app.add_option("--store", store, "c10d: the FileStore path (one new path, shared by every process)");
+  app.add_option("--store", store,
+                 "c10d: the FileStore path (one new path, shared by every process)");
   app.add_option("--timeout", timeout, "seconds any wait for a peer may take (default 300)")
       ->check(ds::timeout_seconds_error);
   CLI11_PARSE(app, argc, argv);
@@ -110,8 +122,8 @@ int main(int argc, char** argv) {
       if (rank < 0) rank = env_int("OMPI_COMM_WORLD_RANK", 0);
       if (world < 0) world = env_int("OMPI_COMM_WORLD_SIZE", 1);
       if (rank >= world) {
-        throw ds::InvalidArgumentError("--rank " + std::to_string(rank) + " is not below --world-size " +
-                                       std::to_string(world));
+        throw ds::InvalidArgumentError("--rank " + std::to_string(rank) +
+                                       " is not below --world-size " + std::to_string(world));
       }
       if (store.empty()) {
         const char* job = std::getenv("OMPI_MCA_ess_base_jobid");
@@ -133,11 +145,12 @@ int main(int argc, char** argv) {
       label = ddp.overlap ? "ddp_overlap" : "ddp_no_overlap";
     }
     if (rank == 0) {
-      std::printf("torch_bench: mode=%s processes=%d batch_per_process=%lld steps=%d threads=%d "
-                  "seconds=%.3f loss=%.4f samples_per_sec=%.0f\n",
-                  label.c_str(), world, static_cast<long long>(config.batch), config.steps, config.threads,
-                  r.seconds, r.mean_loss,
-                  static_cast<double>(config.steps) * config.batch * world / r.seconds);
+      std::printf(
+          "torch_bench: mode=%s processes=%d batch_per_process=%lld steps=%d threads=%d "
+          "seconds=%.3f loss=%.4f samples_per_sec=%.0f\n",
+          label.c_str(), world, static_cast<long long>(config.batch), config.steps, config.threads,
+          r.seconds, r.mean_loss,
+          static_cast<double>(config.steps) * config.batch * world / r.seconds);
     }
     return 0;
   } catch (const ds::Error& e) {

@@ -82,9 +82,11 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "where replicas compute: cpu or gpu")
       ->check(CLI::IsMember({"cpu", "gpu"}))
       ->capture_default_str();
-  app.add_option("--ps", num_ps, "parameter_server: PS ranks (the last ranks)")->capture_default_str();
-  app.add_option("--max-staleness", max_staleness,
-                 "parameter_server: steps a worker may run ahead of the slowest (-1 = async, 0 = lockstep)")
+  app.add_option("--ps", num_ps, "parameter_server: PS ranks (the last ranks)")
+      ->capture_default_str();
+  app.add_option(
+         "--max-staleness", max_staleness,
+         "parameter_server: steps a worker may run ahead of the slowest (-1 = async, 0 = lockstep)")
       ->capture_default_str();
   app.add_option("--replicas", replicas, "local devices per process")->capture_default_str();
   app.add_option("--split-gpus", split_gpus,
@@ -97,15 +99,18 @@ int main(int argc, char** argv) {
   app.add_flag("--overlap,!--no-overlap", overlap, "all-reduce each layer during backward")
       ->capture_default_str();
   app.add_option("--width", width, "hidden width of the MLP (784-W-...-W-10)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))->capture_default_str();
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+      ->capture_default_str();
   app.add_option("--depth", depth,
                  "hidden layers of the MLP (784-W-...-W-10; more of them give the backward pass "
                  "gradients to overlap with before the input layer's, which comes last)")
-      ->check(CLI::Range(1, 64))->capture_default_str();
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   app.add_option("--compression", compression, "multi_worker wire compression: none | f16 | bf16")
       ->check(CLI::IsMember({"none", "f16", "bf16"}))
       ->capture_default_str();
-  app.add_option("--zero", zero, "ZeRO-1 sharded optimizer state: off | on | compare (mirrored, multi_worker)")
+  app.add_option("--zero", zero,
+                 "ZeRO-1 sharded optimizer state: off | on | compare (mirrored, multi_worker)")
       ->check(CLI::IsMember({"off", "on", "compare"}))
       ->capture_default_str();
   app.add_option("--optimizer", optimizer, "sgd | adam")
@@ -135,8 +140,9 @@ int main(int argc, char** argv) {
     // Multi-process strategies on GPUs: each process of the host uses (and
     // leases) its own `replicas` GPUs.
     const std::shared_ptr<ds::DeviceManager> process_gpus =
-        device == "gpu" ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(replicas))
-                        : nullptr;
+        device == "gpu"
+            ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(replicas))
+            : nullptr;
     ds::CommunicationOptions comm;
     if (!timeout.empty()) comm.timeout = ds::parse_timeout_seconds(timeout);
     // One-process strategies: each GPU split into `split_gpus` logical GPUs
@@ -200,7 +206,8 @@ int main(int argc, char** argv) {
         r.strategy = make_strategy(z == 1);
         r.params = mlp.create_variables(*r.strategy, 1);
         r.opt = make_optimizer(*r.strategy);
-        r.dist = r.strategy->distribute(train, per_replica_batch * r.strategy->num_replicas_in_sync());
+        r.dist =
+            r.strategy->distribute(train, per_replica_batch * r.strategy->num_replicas_in_sync());
       }
       const auto step = [&](Run& r) {
         const ds::DistributedBatch batch = r.dist.batch(r.next++ % r.dist.num_batches());
@@ -228,32 +235,36 @@ int main(int argc, char** argv) {
           const auto start = std::chrono::steady_clock::now();
           for (int i = 0; i < block; ++i) step(r);
           r.strategy->barrier("block end");
-          const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          const double sec =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           r.seconds += sec;
           t[(b + z) % 2] = sec;
         }
         ratios.push_back(t[1] / t[0]);
       }
       std::sort(ratios.begin(), ratios.end());
-      const bool chief = runs[0].strategy->cluster().is_chief() || runs[0].strategy->cluster().world_size == 1;
+      const bool chief =
+          runs[0].strategy->cluster().is_chief() || runs[0].strategy->cluster().world_size == 1;
       if (chief) {
         const int n = blocks * block;
         for (int z = 0; z < 2; ++z) {
-          std::printf("train_bench: strategy=%s zero=%d optimizer=%s workers=%d replicas=%d "
-                      "batch_per_replica=%lld width=%lld depth=%d steps=%d step_ms=%.3f "
-                      "optimizer_slot_bytes_per_replica=%lld\n",
-                      runs[z].strategy->name().c_str(), z, optimizer.c_str(),
-                      runs[z].strategy->cluster().num_workers, runs[z].strategy->num_replicas_in_sync(),
-                      static_cast<long long>(per_replica_batch), static_cast<long long>(width), depth, n,
-                      1e3 * runs[z].seconds / n,
-                      static_cast<long long>(runs[z].opt->slot_bytes_per_replica()));
+          std::printf(
+              "train_bench: strategy=%s zero=%d optimizer=%s workers=%d replicas=%d "
+              "batch_per_replica=%lld width=%lld depth=%d steps=%d step_ms=%.3f "
+              "optimizer_slot_bytes_per_replica=%lld\n",
+              runs[z].strategy->name().c_str(), z, optimizer.c_str(),
+              runs[z].strategy->cluster().num_workers, runs[z].strategy->num_replicas_in_sync(),
+              static_cast<long long>(per_replica_batch), static_cast<long long>(width), depth, n,
+              1e3 * runs[z].seconds / n,
+              static_cast<long long>(runs[z].opt->slot_bytes_per_replica()));
         }
-        std::printf("train_bench: zero/plain step time %.3f (blocks of %d: min %.3f median %.3f max %.3f), "
-                    "slot bytes %.3f\n",
-                    runs[1].seconds / runs[0].seconds, block, ratios.front(), ratios[ratios.size() / 2],
-                    ratios.back(),
-                    double(runs[1].opt->slot_bytes_per_replica()) /
-                        double(std::max<int64_t>(1, runs[0].opt->slot_bytes_per_replica())));
+        std::printf(
+            "train_bench: zero/plain step time %.3f (blocks of %d: min %.3f median %.3f max %.3f), "
+            "slot bytes %.3f\n",
+            runs[1].seconds / runs[0].seconds, block, ratios.front(), ratios[ratios.size() / 2],
+            ratios.back(),
+            double(runs[1].opt->slot_bytes_per_replica()) /
+                double(std::max<int64_t>(1, runs[0].opt->slot_bytes_per_replica())));
       }
       return 0;
     }
@@ -352,18 +363,20 @@ int main(int argc, char** argv) {
     }
     strategy->barrier("timing end");
     loss = meter.mean_since_last();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (chief) {
-      std::printf("train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
-                  "width=%lld depth=%d compression=%s zero=%s optimizer=%s steps=%d seconds=%.3f loss=%.4f "
-                  "samples_per_sec=%.0f optimizer_slot_bytes_per_replica=%lld accumulation=%d "
-                  "gradient_calls_per_update=%.2f\n",
-                  strategy->name().c_str(), strategy->cluster().num_workers,
-                  strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
-                  overlap ? 1 : 0, static_cast<long long>(width), depth, compression.c_str(), zero.c_str(),
-                  optimizer.c_str(), steps, seconds, loss, steps * global_batch / seconds,
-                  static_cast<long long>(opt.slot_bytes_per_replica()), accumulation,
-                  multi_worker ? double(grad_calls) / (double(steps) / accumulation) : 0.0);
+      std::printf(
+          "train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
+          "width=%lld depth=%d compression=%s zero=%s optimizer=%s steps=%d seconds=%.3f loss=%.4f "
+          "samples_per_sec=%.0f optimizer_slot_bytes_per_replica=%lld accumulation=%d "
+          "gradient_calls_per_update=%.2f\n",
+          strategy->name().c_str(), strategy->cluster().num_workers,
+          strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
+          overlap ? 1 : 0, static_cast<long long>(width), depth, compression.c_str(), zero.c_str(),
+          optimizer.c_str(), steps, seconds, loss, steps * global_batch / seconds,
+          static_cast<long long>(opt.slot_bytes_per_replica()), accumulation,
+          multi_worker ? double(grad_calls) / (double(steps) / accumulation) : 0.0);
     }
     return 0;
   } catch (const ds::Error& e) {

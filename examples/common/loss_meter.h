@@ -15,7 +15,8 @@ namespace diststrat_examples {
 class LossMeter {
  public:
   LossMeter(diststrat::Strategy& strategy, std::string metric)
-      : ps_(dynamic_cast<diststrat::ParameterServerStrategy*>(&strategy)), metric_(std::move(metric)) {}
+      : ps_(dynamic_cast<diststrat::ParameterServerStrategy*>(&strategy)),
+        metric_(std::move(metric)) {}
   void add(const diststrat::Tensor& loss_sum_and_rows) {
     const double* v = loss_sum_and_rows.data<double>();
     if (ps_) {

@@ -16,13 +16,15 @@
 namespace diststrat_examples {
 
 // `loss_sum` and `rows`: the step's loss summed over `rows` examples.
-inline void terminate_on_nan(double loss_sum, double rows, int64_t step, const std::string& example) {
+inline void terminate_on_nan(double loss_sum, double rows, int64_t step,
+                             const std::string& example) {
   if (std::isfinite(loss_sum)) return;
   char buf[64];
   std::snprintf(buf, sizeof buf, "%g", rows > 0 ? loss_sum / rows : loss_sum);
-  throw diststrat::AbortedError(example + ": the training loss of step " + std::to_string(step) + " is " + buf +
-                                " (not finite): the training diverged, stopping (like Keras's TerminateOnNaN). "
-                                "Lower the learning rate or resume from an earlier checkpoint");
+  throw diststrat::AbortedError(
+      example + ": the training loss of step " + std::to_string(step) + " is " + buf +
+      " (not finite): the training diverged, stopping (like Keras's TerminateOnNaN). "
+      "Lower the learning rate or resume from an earlier checkpoint");
 }
 
 }  // namespace diststrat_examples

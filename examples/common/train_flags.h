@@ -49,12 +49,14 @@ inline void add_strategy_flags(CLI::App& app, TrainFlags& f, const std::string& 
                  "mirrored | central_storage | multi_worker (under mpirun) | parameter_server")
       ->capture_default_str();
   app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
-      ->check(CLI::Range(1, 1024))->capture_default_str();
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   app.add_option("--max-staleness", f.max_staleness,
                  "parameter_server: steps a worker may run ahead of the slowest (-1 = async)")
       ->capture_default_str();
   app.add_option("--device", f.device, device_help)
-      ->check(CLI::IsMember({"cpu", "gpu"}))->capture_default_str();
+      ->check(CLI::IsMember({"cpu", "gpu"}))
+      ->capture_default_str();
 }
 
 // --replicas, the training loop's flags (--epochs ... --limit), --timeline,
@@ -63,35 +65,45 @@ inline void add_strategy_flags(CLI::App& app, TrainFlags& f, const std::string& 
 inline void add_training_flags(CLI::App& app, TrainFlags& f) {
   app.add_option("--replicas", f.replicas,
                  "replicas (devices) per process (multi_worker, parameter_server default: 1)")
-      ->check(CLI::Range(1, 256))->capture_default_str();
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")
-      ->check(CLI::Range(1, 1000000))->capture_default_str();
-  app.add_option("--batch", f.batch, "global batch size")->check(CLI::PositiveNumber)
+      ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
-  app.add_option("--lr", f.lr, "learning rate (SGD)")->check(CLI::PositiveNumber)
+  app.add_option("--batch", f.batch, "global batch size")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--momentum", f.momentum, "SGD momentum")->check(CLI::Range(0.0, 0.999))
+  app.add_option("--lr", f.lr, "learning rate (SGD)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--momentum", f.momentum, "SGD momentum")
+      ->check(CLI::Range(0.0, 0.999))
       ->capture_default_str();
   app.add_option("--seed", f.seed, "initialization and shuffling seed")->capture_default_str();
   app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
   app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--timeline", f.timeline,
                  "write a Chrome trace (Perfetto) of the communication to FILE (multi_worker)");
   app.add_option("--checkpoint-dir", f.checkpoint_dir,
                  "save checkpoints here and resume from the latest one on start");
   app.add_option("--checkpoint-every", f.checkpoint_every,
                  "steps between checkpoints (0 = only at the end and on SIGTERM)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--max-to-keep", f.max_to_keep, "checkpoints kept")->check(CLI::Range(1, 1000))
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--max-to-keep", f.max_to_keep, "checkpoints kept")
+      ->check(CLI::Range(1, 1000))
       ->capture_default_str();
   app.add_option("--max-steps", f.max_steps,
                  "stop (without saving) once this run's global step reaches N: simulates an "
                  "interruption (0 = no limit)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--timeout", f.timeout,
-                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
-                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option(
+         "--timeout", f.timeout,
+         "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+         "(default: $DISTSTRAT_TIMEOUT, else 300)")
       ->check(diststrat::timeout_seconds_error);
 }
 

@@ -24,7 +24,8 @@ using Position = diststrat::DataPosition;
 // "mlp:784,256,256,10").
 inline diststrat::CheckpointMetadata position_metadata(const TrainFlags& f,
                                                        const diststrat::DistributedDataset& dist,
-                                                       const Position& p, const std::string& model) {
+                                                       const Position& p,
+                                                       const std::string& model) {
   diststrat::CheckpointMetadata md = diststrat::data_position_metadata(dist, p);
   md["limit"] = std::to_string(f.limit);
   md["model"] = model;
@@ -80,7 +81,8 @@ bool end_of_step(const TrainFlags& f, const Position& pos, int64_t num_batches, 
     }
   }
   if (f.max_steps > 0 && pos.step >= f.max_steps) {
-    if (chief) std::printf("stopping at step %lld (--max-steps)\n", static_cast<long long>(pos.step));
+    if (chief)
+      std::printf("stopping at step %lld (--max-steps)\n", static_cast<long long>(pos.step));
     return true;
   }
   return false;

@@ -59,8 +59,8 @@ ds::Dataset make_data(const Flags& f, int64_t n, uint64_t seed) {
 }
 
 struct Lookup {
-  ds::Tensor unique_ids;              // int64 [u]
-  std::vector<int64_t> slot;          // per (example, k): row in unique_ids
+  ds::Tensor unique_ids;      // int64 [u]
+  std::vector<int64_t> slot;  // per (example, k): row in unique_ids
 };
 
 Lookup unique_ids(const ds::Tensor& ids) {
@@ -98,25 +98,34 @@ int main(int argc, char** argv) {
   Flags f;
   CLI::App app{"Embedding-table classifier on parameter servers (row-sparse pull/push)"};
   app.add_option("--ps", f.ps, "PS ranks (the last ranks of the job)")
-      ->check(CLI::Range(1, 1024))->capture_default_str();
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   app.add_option("--replicas", f.replicas, "CPU replicas per worker")
-      ->check(CLI::Range(1, 256))->capture_default_str();
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
   app.add_option("--vocab", f.vocab, "rows of the embedding table")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))->capture_default_str();
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->capture_default_str();
   app.add_option("--dim", f.dim, "embedding width")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
   app.add_option("--examples", f.examples, "training examples")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 32))->capture_default_str();
-  app.add_option("--batch", f.batch, "global batch size")->check(CLI::PositiveNumber)
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 32))
+      ->capture_default_str();
+  app.add_option("--batch", f.batch, "global batch size")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--epochs", f.epochs, "passes over the training set")
-      ->check(CLI::Range(1, 1000000))->capture_default_str();
-  app.add_option("--lr", f.lr, "SGD learning rate")->check(CLI::PositiveNumber)
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("--lr", f.lr, "SGD learning rate")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   std::string timeout;
-  app.add_option("--timeout", timeout,
-                 "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
-                 "(default: $DISTSTRAT_TIMEOUT, else 300)")
+  app.add_option(
+         "--timeout", timeout,
+         "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
+         "(default: $DISTSTRAT_TIMEOUT, else 300)")
       ->check(ds::timeout_seconds_error);
   CLI11_PARSE(app, argc, argv);
 
@@ -134,10 +143,13 @@ int main(int argc, char** argv) {
     }
     const bool chief = strategy.cluster().is_chief();
     ds::Variable table = strategy.create_row_sparse_variable(
-        "embedding", ds::Shape{f.vocab, f.dim}, ds::DType::kFloat32, ds::init::RandomNormal{0.0, 0.1, f.seed});
-    ds::Variable w = strategy.create_variable("dense/kernel", ds::Shape{f.dim, 2}, ds::DType::kFloat32,
-                                              ds::init::GlorotUniform{f.seed + 1});
-    ds::Variable b = strategy.create_variable("dense/bias", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+        "embedding", ds::Shape{f.vocab, f.dim}, ds::DType::kFloat32,
+        ds::init::RandomNormal{0.0, 0.1, f.seed});
+    ds::Variable w =
+        strategy.create_variable("dense/kernel", ds::Shape{f.dim, 2}, ds::DType::kFloat32,
+                                 ds::init::GlorotUniform{f.seed + 1});
+    ds::Variable b = strategy.create_variable("dense/bias", ds::Shape{2}, ds::DType::kFloat32,
+                                              ds::init::Zeros{});
     ds::SGD sgd(strategy, {f.lr});
 
     const ds::Dataset train = make_data(f, f.examples, 7);
@@ -161,11 +173,14 @@ int main(int argc, char** argv) {
           const Lookup l = unique_ids(ids);
           const ds::Tensor rows = strategy.gather_rows(table, l.unique_ids);
           const ds::Tensor h = pool(l, rows, n, f.ids_per_example, f.dim);
-          ds::Tensor logits(ds::Shape{n, 2}, ds::DType::kFloat32), dlogits(ds::Shape{n, 2}, ds::DType::kFloat32);
+          ds::Tensor logits(ds::Shape{n, 2}, ds::DType::kFloat32),
+              dlogits(ds::Shape{n, 2}, ds::DType::kFloat32);
           ds::nn::dense_forward(h, w.read(ctx), b.read(ctx), logits);
-          const double l_sum = ds::nn::softmax_cross_entropy(logits, batch.labels(ctx), dlogits, scale);
+          const double l_sum =
+              ds::nn::softmax_cross_entropy(logits, batch.labels(ctx), dlogits, scale);
           ds::Tensor dh(ds::Shape{n, f.dim}, ds::DType::kFloat32);
-          ds::Tensor dw(ds::Shape{f.dim, 2}, ds::DType::kFloat32), db(ds::Shape{2}, ds::DType::kFloat32);
+          ds::Tensor dw(ds::Shape{f.dim, 2}, ds::DType::kFloat32),
+              db(ds::Shape{2}, ds::DType::kFloat32);
           ds::nn::dense_backward(h, w.read(ctx), dlogits, &dh, dw, db);
           // Each id's row receives dh / k from every example that uses it.
           ds::Tensor drows(rows.shape(), ds::DType::kFloat32);
@@ -194,11 +209,12 @@ int main(int argc, char** argv) {
         // Workers run at their own pace: this is every example any worker had
         // finished in this epoch when the chief finished it.
         const ds::MetricTotals t = strategy.read_metric(metric);
-        std::printf("epoch %d  mean loss %.4f (over %.0f examples of every worker)\n", epoch + 1, t.mean(),
-                    t.count);
+        std::printf("epoch %d  mean loss %.4f (over %.0f examples of every worker)\n", epoch + 1,
+                    t.mean(), t.count);
       }
     }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     strategy.barrier("evaluate");
     // Evaluate: pull the rows the test set uses, once.
     const Lookup l = unique_ids(test.features());
@@ -206,17 +222,19 @@ int main(int argc, char** argv) {
     const ds::Tensor h = pool(l, rows, test.size(), f.ids_per_example, f.dim);
     ds::Tensor logits(ds::Shape{test.size(), 2}, ds::DType::kFloat32);
     ds::nn::dense_forward(h, w.value(), b.value(), logits);
-    const double accuracy = static_cast<double>(ds::nn::count_correct(logits, test.labels())) / test.size();
+    const double accuracy =
+        static_cast<double>(ds::nn::count_correct(logits, test.labels())) / test.size();
     const ds::ParameterServerStats st = strategy.stats();
     if (chief) {
       const double rows_per_step = static_cast<double>(rows_moved) / std::max<int64_t>(steps, 1);
-      std::printf("final: strategy=parameter_server workers=%d test_accuracy=%.4f steps=%lld "
-                  "rows_per_step=%.0f (%.2f%% of %lld) seconds=%.1f mean_staleness=%.2f "
-                  "max_staleness=%lld pushes_applied=%lld\n",
-                  strategy.cluster().num_workers, accuracy, static_cast<long long>(steps),
-                  rows_per_step, 100.0 * rows_per_step / static_cast<double>(f.vocab),
-                  static_cast<long long>(f.vocab), seconds, st.mean_staleness,
-                  static_cast<long long>(st.max_staleness), static_cast<long long>(st.pushes_applied));
+      std::printf(
+          "final: strategy=parameter_server workers=%d test_accuracy=%.4f steps=%lld "
+          "rows_per_step=%.0f (%.2f%% of %lld) seconds=%.1f mean_staleness=%.2f "
+          "max_staleness=%lld pushes_applied=%lld\n",
+          strategy.cluster().num_workers, accuracy, static_cast<long long>(steps), rows_per_step,
+          100.0 * rows_per_step / static_cast<double>(f.vocab), static_cast<long long>(f.vocab),
+          seconds, st.mean_staleness, static_cast<long long>(st.max_staleness),
+          static_cast<long long>(st.pushes_applied));
     }
     strategy.barrier("done");
     return 0;

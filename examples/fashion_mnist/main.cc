@@ -32,8 +32,8 @@ struct Flags : diststrat_examples::TrainFlags {
 
 using diststrat_examples::Position;
 using diststrat_examples::position_metadata;
-using diststrat_examples::resume_position;
 using diststrat_examples::print_resumed;
+using diststrat_examples::resume_position;
 
 // The model's layer sizes, stored in checkpoints so that examples/predict can
 // rebuild the model: "mlp:784,256,256,10".
@@ -113,8 +113,11 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
 class Progress {
  public:
   Progress(bool enabled, int64_t total_steps)
-      : enabled_(enabled), tty_(isatty(fileno(stdout))), total_(total_steps),
-        start_(std::chrono::steady_clock::now()), last_(start_) {}
+      : enabled_(enabled),
+        tty_(isatty(fileno(stdout))),
+        total_(total_steps),
+        start_(std::chrono::steady_clock::now()),
+        last_(start_) {}
 
   // `loss` is asked only when a line is printed.
   void update(int epoch, int64_t step, const std::function<double()>& loss, int64_t samples) {
@@ -148,7 +151,8 @@ int main(int argc, char** argv) {
   diststrat_examples::add_strategy_flags(app, f, "where replicas compute: cpu or gpu");
   app.add_option("--split-gpus", f.split_gpus,
                  "logical GPUs per physical GPU (--device gpu; mirrored, central_storage)")
-      ->check(CLI::Range(1, 16))->capture_default_str();
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
   diststrat_examples::add_training_flags(app, f);
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
@@ -160,7 +164,8 @@ int main(int argc, char** argv) {
       // With checkpoints, SIGTERM here does not end the PS: PS 0 tells the
       // workers, which agree on a step, save and exit; then join() returns.
       std::unique_ptr<ds::PreemptionHandler> preemption;
-      if (!f.checkpoint_dir.empty()) preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
+      if (!f.checkpoint_dir.empty())
+        preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
       ps->join();
       return 0;
     }
@@ -184,8 +189,8 @@ int main(int argc, char** argv) {
     std::unique_ptr<ds::PreemptionHandler> preemption;
     Position pos;
     if (!f.checkpoint_dir.empty()) {
-      manager = std::make_unique<ds::CheckpointManager>(checkpoint, f.checkpoint_dir,
-                                                        ds::CheckpointManagerOptions{f.max_to_keep});
+      manager = std::make_unique<ds::CheckpointManager>(
+          checkpoint, f.checkpoint_dir, ds::CheckpointManagerOptions{f.max_to_keep});
       if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
         // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
         const std::string from = manager->restored_path().value_or("?");
@@ -200,8 +205,11 @@ int main(int argc, char** argv) {
       preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
     }
     auto save = [&](const Position& at, const char* why) {
-      const std::string path = manager->save(at.step, position_metadata(f, dist, at, model_string(mlp.sizes())));
-      if (chief) std::printf("%s: saved %s at step %lld\n", why, path.c_str(), static_cast<long long>(at.step));
+      const std::string path =
+          manager->save(at.step, position_metadata(f, dist, at, model_string(mlp.sizes())));
+      if (chief)
+        std::printf("%s: saved %s at step %lld\n", why, path.c_str(),
+                    static_cast<long long>(at.step));
       std::fflush(stdout);
     };
     Progress progress(chief, dist.num_batches() * f.epochs);
@@ -229,14 +237,17 @@ int main(int argc, char** argv) {
           return sum_and_rows;
         });
         const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
-        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0], step_loss.data<double>()[1], pos.step + 1,
+        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
+                                             step_loss.data<double>()[1], pos.step + 1,
                                              "fashion_mnist");
         meter.add(step_loss);
         samples += batch.global_size();
         ++pos.batch;
-        progress.update(epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
+        progress.update(
+            epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
         ++steps_this_run;
-        if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(), save)) {
+        if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(),
+                                            save)) {
           return 0;
         }
       }
@@ -268,9 +279,10 @@ int main(int argc, char** argv) {
       char loss[48];
       std::snprintf(loss, sizeof(loss), " train_loss=%.4f", train_loss);
       extra += loss;
-      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s\n",
-                  strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
-                  samples / seconds, extra.c_str());
+      std::printf(
+          "final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s\n",
+          strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
+          samples / seconds, extra.c_str());
     }
     return 0;
   } catch (const ds::Error& e) {

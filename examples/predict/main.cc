@@ -23,15 +23,17 @@ namespace ds = diststrat;
 
 namespace {
 
-const char* const kFashionClasses[10] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-                                         "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
+const char* const kFashionClasses[10] = {"T-shirt/top", "Trouser",   "Pullover", "Dress",
+                                         "Coat",        "Sandal",    "Shirt",    "Sneaker",
+                                         "Bag",         "Ankle boot"};
 
 // A directory means "its latest checkpoint" (the CheckpointManager layout):
 // ds::latest_checkpoint reads `latest` safely (a FIFO there is an error, not
 // a hang) and finds the newest checkpoint when `latest` was deleted.
 std::string resolve(const std::string& path) {
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0) throw ds::NotFoundError("checkpoint '" + path + "' does not exist");
+  if (::stat(path.c_str(), &st) != 0)
+    throw ds::NotFoundError("checkpoint '" + path + "' does not exist");
   if (!S_ISDIR(st.st_mode)) return path;
   const std::optional<std::string> latest = ds::latest_checkpoint(path);
   if (!latest) throw ds::NotFoundError("checkpoint directory '" + path + "' holds no checkpoint");
@@ -41,7 +43,8 @@ std::string resolve(const std::string& path) {
 // "784,256,10": every size a whole number in [1, 2^20], nothing else. A
 // list from the checkpoint's metadata that is not is kDataLoss (the file is
 // damaged), one from --model kInvalidArgument.
-std::vector<int64_t> parse_sizes(const std::string& text, const std::string& what, ds::ErrorCode code) {
+std::vector<int64_t> parse_sizes(const std::string& text, const std::string& what,
+                                 ds::ErrorCode code) {
   std::vector<int64_t> sizes;
   std::stringstream ss(text);
   std::string item;
@@ -55,7 +58,8 @@ std::vector<int64_t> parse_sizes(const std::string& text, const std::string& wha
     }
     sizes.push_back(v);
   }
-  if (sizes.size() < 2) ds::throw_error(code, what + ": '" + text.substr(0, 200) + "' needs at least two sizes");
+  if (sizes.size() < 2)
+    ds::throw_error(code, what + ": '" + text.substr(0, 200) + "' needs at least two sizes");
   return sizes;
 }
 
@@ -66,16 +70,19 @@ int main(int argc, char** argv) {
   int64_t limit = 0;
   bool unverified = false;
   CLI::App app{"Classify IDX images with a diststrat checkpoint (CPU)"};
-  app.add_option("--checkpoint", checkpoint, "a .safetensors file, or a checkpoint directory (uses 'latest')")
+  app.add_option("--checkpoint", checkpoint,
+                 "a .safetensors file, or a checkpoint directory (uses 'latest')")
       ->required();
   app.add_option("--data", data, "directory with the IDX files")->capture_default_str();
   app.add_option("--split", split, "t10k or train")->capture_default_str();
   app.add_option("--limit", limit, "classify only the first N images (0 = all)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--model", model,
                  "layer sizes, e.g. 784,256,256,10 (default: the checkpoint's 'model' metadata)");
-  app.add_flag("--allow-unverified", unverified,
-               "accept files without diststrat checksums (exported by PyTorch / Python safetensors)");
+  app.add_flag(
+      "--allow-unverified", unverified,
+      "accept files without diststrat checksums (exported by PyTorch / Python safetensors)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -87,10 +94,12 @@ int main(int argc, char** argv) {
     if (model.empty()) {
       auto it = file.metadata.find("model");
       if (it == file.metadata.end() || it->second.rfind("mlp:", 0) != 0) {
-        throw ds::InvalidArgumentError("checkpoint '" + path +
-                                       "' has no 'model' metadata (\"mlp:784,256,256,10\"): pass --model");
+        throw ds::InvalidArgumentError(
+            "checkpoint '" + path +
+            "' has no 'model' metadata (\"mlp:784,256,256,10\"): pass --model");
       }
-      sizes = parse_sizes(it->second.substr(4), "checkpoint '" + path + "': metadata 'model'", ds::ErrorCode::kDataLoss);
+      sizes = parse_sizes(it->second.substr(4), "checkpoint '" + path + "': metadata 'model'",
+                          ds::ErrorCode::kDataLoss);
     } else {
       sizes = parse_sizes(model, "--model", ds::ErrorCode::kInvalidArgument);
     }
@@ -101,11 +110,12 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < mlp.num_params(); ++i) {
       const std::string name = mlp.param_name(i);
       const ds::Tensor* t = file.find(name);
-      if (!t) throw ds::InvalidArgumentError("checkpoint '" + path + "' has no tensor '" + name + "'");
+      if (!t)
+        throw ds::InvalidArgumentError("checkpoint '" + path + "' has no tensor '" + name + "'");
       if (t->dtype() != ds::DType::kFloat32 || t->shape() != mlp.param_shape(i)) {
-        throw ds::InvalidArgumentError("checkpoint '" + path + "': tensor '" + name + "' is " +
-                                       ds::dtype_name(t->dtype()) + t->shape().to_string() +
-                                       ", the model needs float32" + mlp.param_shape(i).to_string());
+        throw ds::InvalidArgumentError(
+            "checkpoint '" + path + "': tensor '" + name + "' is " + ds::dtype_name(t->dtype()) +
+            t->shape().to_string() + ", the model needs float32" + mlp.param_shape(i).to_string());
       }
       params.push_back(*t);
     }
@@ -113,7 +123,8 @@ int main(int argc, char** argv) {
     const ds::Dataset images = ds::load_mnist_split(data, split, limit);
     if (images.features().shape()[1] != mlp.sizes().front()) {
       throw ds::InvalidArgumentError("images have " + std::to_string(images.features().shape()[1]) +
-                                     " pixels, the model takes " + std::to_string(mlp.sizes().front()));
+                                     " pixels, the model takes " +
+                                     std::to_string(mlp.sizes().front()));
     }
     const ds::Tensor logits = mlp.predict(params, images.features());
     const int64_t n = images.size(), k = mlp.sizes().back();
@@ -126,8 +137,9 @@ int main(int argc, char** argv) {
         if (l[i * k + j] > l[i * k + best]) best = j;
       }
       if (y[i] < 0 || y[i] >= k) {
-        throw ds::InvalidArgumentError("label " + std::to_string(y[i]) + " of image " + std::to_string(i) +
-                                       " is outside the model's " + std::to_string(k) + " classes");
+        throw ds::InvalidArgumentError("label " + std::to_string(y[i]) + " of image " +
+                                       std::to_string(i) + " is outside the model's " +
+                                       std::to_string(k) + " classes");
       }
       ++truth[y[i]];
       ++predicted[best];
@@ -138,7 +150,8 @@ int main(int argc, char** argv) {
 
     std::printf("checkpoint: %s (step %s)\n", path.c_str(),
                 file.metadata.count("step") ? file.metadata.at("step").c_str() : "?");
-    std::printf("%-3s %-12s %8s %10s %8s %9s\n", "id", "class", "images", "predicted", "correct", "recall");
+    std::printf("%-3s %-12s %8s %10s %8s %9s\n", "id", "class", "images", "predicted", "correct",
+                "recall");
     for (int64_t c = 0; c < k; ++c) {
       std::printf("%-3lld %-12s %8lld %10lld %8lld %9.4f\n", static_cast<long long>(c),
                   k == 10 ? kFashionClasses[c] : "-", static_cast<long long>(truth[c]),

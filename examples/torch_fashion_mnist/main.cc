@@ -172,9 +172,11 @@ int main(int argc, char** argv) {
                                          "where replicas compute: cpu (gpu needs a CUDA LibTorch)");
   diststrat_examples::add_training_flags(app, f);
   app.get_option("--limit")->check(CLI::NonNegativeNumber);
-  app.add_option("--threads", f.threads,
-                 "LibTorch intra-op threads of a process with one replica (several replicas: 1 each)")
-      ->check(CLI::Range(1, 256))->capture_default_str();
+  app.add_option(
+         "--threads", f.threads,
+         "LibTorch intra-op threads of a process with one replica (several replicas: 1 each)")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
   app.add_flag("--logical-gpus", f.logical_gpus,
                "--device gpu --strategy mirrored: the --replicas GPUs are logical GPUs of GPU 0 "
                "(1 GiB each), for a machine with one GPU");
@@ -241,13 +243,13 @@ int main(int argc, char** argv) {
       for (const auto& o : optimizers) opts.push_back(o.get());
       state = std::make_unique<dt::TrainingState>(*ddp, opts);  // collective
       checkpoint = std::make_unique<ds::Checkpoint>(*strategy);
-      manager = std::make_unique<ds::CheckpointManager>(*checkpoint, f.checkpoint_dir,
-                                                        ds::CheckpointManagerOptions{f.max_to_keep});
+      manager = std::make_unique<ds::CheckpointManager>(
+          *checkpoint, f.checkpoint_dir, ds::CheckpointManagerOptions{f.max_to_keep});
       if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
         // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
         const std::string from = manager->restored_path().value_or("?");
-        pos = diststrat_examples::resume_position(f, *md, f.checkpoint_dir, from, dist,
-                                                  std::nullopt);
+        pos =
+            diststrat_examples::resume_position(f, *md, f.checkpoint_dir, from, dist, std::nullopt);
         const int64_t step = state->apply();  // into every local replica's module and optimizer
         if (step != pos.step) {
           throw ds::DataLossError("checkpoint '" + from + "': torch/step " + std::to_string(step) +
@@ -261,7 +263,9 @@ int main(int argc, char** argv) {
       state->capture(at.step);
       const std::string path =
           manager->save(at.step, diststrat_examples::position_metadata(f, dist, at, "torch:cnn"));
-      if (chief) std::printf("%s: saved %s at step %lld\n", why, path.c_str(), static_cast<long long>(at.step));
+      if (chief)
+        std::printf("%s: saved %s at step %lld\n", why, path.c_str(),
+                    static_cast<long long>(at.step));
       std::fflush(stdout);
     };
     diststrat_examples::LossMeter meter(*strategy, "torch_fashion_mnist/train_loss");
@@ -286,7 +290,8 @@ int main(int argc, char** argv) {
           if (ps_model) {
             ps_model->backward(ctx, l, x.size(0), batch.global_size());  // pushes the gradients
           } else {
-            ddp->backward(ctx, l, x.size(0), batch.global_size());  // grads: the global batch's mean
+            ddp->backward(ctx, l, x.size(0),
+                          batch.global_size());  // grads: the global batch's mean
             opt->step();
           }
           ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
@@ -295,7 +300,8 @@ int main(int argc, char** argv) {
           return sum_and_rows;
         });
         const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
-        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0], step_loss.data<double>()[1], pos.step + 1,
+        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
+                                             step_loss.data<double>()[1], pos.step + 1,
                                              "torch_fashion_mnist");
         meter.add(step_loss);
         samples += batch.global_size();
@@ -303,12 +309,14 @@ int main(int argc, char** argv) {
         ++pos.step;
         ++steps_this_run;
         if (chief && pos.batch == dist.num_batches()) {
-          const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          const double s =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           std::printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch + 1, f.epochs,
                       meter.mean_since_last(), samples / s);
           std::fflush(stdout);
         }
-        if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(), save)) {
+        if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(),
+                                            save)) {
           return 0;
         }
       }
@@ -336,10 +344,11 @@ int main(int argc, char** argv) {
     if (chief) {
       // Synchronous strategies: every replica holds the same weights, module 0 stands for all.
       const double accuracy = evaluate(model, test);
-      std::printf("final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s "
-                  "train_loss=%.4f\n",
-                  strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
-                  seconds > 0 ? samples / seconds : 0.0, extra.c_str(), train_loss);
+      std::printf(
+          "final: strategy=%s replicas=%d epochs=%d test_accuracy=%.4f samples_per_sec=%.0f%s "
+          "train_loss=%.4f\n",
+          strategy->name().c_str(), strategy->num_replicas_in_sync(), f.epochs, accuracy,
+          seconds > 0 ? samples / seconds : 0.0, extra.c_str(), train_loss);
     }
     return 0;
   } catch (const ds::Error& e) {

@@ -87,7 +87,8 @@ struct SafetensorsSaveOptions {
 // Blocking; thread-safe for distinct paths.
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
-                      const CheckpointMetadata& metadata = {}, const SafetensorsSaveOptions& options = {});
+                      const CheckpointMetadata& metadata = {},
+                      const SafetensorsSaveOptions& options = {});
 
 // Reads and fully validates a safetensors file: header length and JSON,
 // dtypes, shapes against data_offsets, offsets in bounds, contiguous and
@@ -95,7 +96,8 @@ void save_safetensors(const std::string& path,
 // Throws NotFoundError, DataLossError or UnimplementedError (a dtype we do
 // not support, e.g. U8) naming the file and tensor. Never crashes on bad
 // input. Blocking; thread-safe.
-SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadOptions& options = {});
+SafetensorsFile load_safetensors(const std::string& path,
+                                 const SafetensorsLoadOptions& options = {});
 // The same from bytes in memory; `what` names the source in errors.
 SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::string& what,
                                   const SafetensorsLoadOptions& options = {});
@@ -109,7 +111,8 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
 // once, rows covering each variable exactly); a missing shard file is a
 // NotFoundError, any disagreement a DataLossError naming the file and tensor.
 // `metadata` is the index's. Blocking; thread-safe.
-SafetensorsFile load_checkpoint(const std::string& path, const SafetensorsLoadOptions& options = {});
+SafetensorsFile load_checkpoint(const std::string& path,
+                                const SafetensorsLoadOptions& options = {});
 
 // Writes `bytes` to `path` atomically: a temporary file beside it
 // ("<path>.tmp.<pid>.<n>"), fsync, rename over `path`, fsync of the directory.
@@ -187,11 +190,11 @@ struct ShardSnapshot {
   std::string variable;  // variable name
   int64_t shard_index = 0;
   int64_t num_shards = 1;
-  int64_t row_offset = 0;  // first row of the variable this shard holds
-  Shape full_shape;        // the whole variable's shape
-  Tensor value;            // the shard's rows (a copy)
+  int64_t row_offset = 0;               // first row of the variable this shard holds
+  Shape full_shape;                     // the whole variable's shape
+  Tensor value;                         // the shard's rows (a copy)
   std::map<std::string, Tensor> slots;  // optimizer slots (copies)
-  int64_t step = 0;        // updates applied to this shard (Adam's t)
+  int64_t step = 0;                     // updates applied to this shard (Adam's t)
 };
 
 // How a strategy takes part in saving and restoring. Strategies in which every
@@ -299,7 +302,8 @@ class Checkpoint {
   };
   friend class CheckpointManager;
   // save() without the check for reserved metadata keys.
-  void write(const std::string& path, const CheckpointMetadata& metadata, const SaveOptions& options) const;
+  void write(const std::string& path, const CheckpointMetadata& metadata,
+             const SaveOptions& options) const;
   std::vector<Entry> entries() const;
   CheckpointParticipant& participant() const;
 

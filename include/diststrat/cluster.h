@@ -99,9 +99,9 @@ struct ClusterConfig {
 
 struct ResolvedCluster {
   ClusterSource source = ClusterSource::kSingleProcess;
-  ClusterSpec spec;        // always filled (the MPI source makes a worker job)
-  ClusterInfo info;        // task type/index, rank, sizes, worker index
-  Placement placement;     // node grouping (after virtual grouping)
+  ClusterSpec spec;     // always filled (the MPI source makes a worker job)
+  ClusterInfo info;     // task type/index, rank, sizes, worker index
+  Placement placement;  // node grouping (after virtual grouping)
 };
 
 // Resolves from `config`, TF_CONFIG, or the MPI launcher (initializing MPI if

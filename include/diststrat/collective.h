@@ -166,10 +166,12 @@ class Communicator {
   virtual std::shared_ptr<void> allocate_buffer(size_t bytes);
 
   // Typed wrappers.
-  template <typename T> void all_reduce(T* data, size_t count, ReduceOp op, const std::string& name = "") {
+  template <typename T>
+  void all_reduce(T* data, size_t count, ReduceOp op, const std::string& name = "") {
     all_reduce(data, data, count, dtype_of<T>(), op, name);
   }
-  template <typename T> void broadcast(T* data, size_t count, int root, const std::string& name = "") {
+  template <typename T>
+  void broadcast(T* data, size_t count, int root, const std::string& name = "") {
     broadcast(data, count, dtype_of<T>(), root, name);
   }
   // Tensor wrappers (in place).

@@ -44,9 +44,9 @@ struct DistributeOptions {
 // TensorFlow's tf.distribute.InputContext: what an input function needs to
 // know to produce its share of the data.
 struct InputContext {
-  int num_input_pipelines = 1;    // one per worker process
-  int input_pipeline_id = 0;      // this worker's index
-  int num_replicas_in_sync = 1;   // across all workers
+  int num_input_pipelines = 1;   // one per worker process
+  int input_pipeline_id = 0;     // this worker's index
+  int num_replicas_in_sync = 1;  // across all workers
   int64_t global_batch_size = 0;
   int64_t per_replica_batch_size() const;
 };
@@ -103,7 +103,10 @@ class DistributedDataset {
    public:
     iterator(const DistributedDataset* ds, int64_t i) : ds_(ds), i_(i) {}
     DistributedBatch operator*() const { return ds_->batch(i_); }
-    iterator& operator++() { ++i_; return *this; }
+    iterator& operator++() {
+      ++i_;
+      return *this;
+    }
     bool operator!=(const iterator& o) const { return i_ != o.i_; }
 
    private:

@@ -27,9 +27,7 @@ struct Device {
 
   bool operator==(const Device& o) const { return type == o.type && index == o.index; }
   bool operator!=(const Device& o) const { return !(*this == o); }
-  bool operator<(const Device& o) const {
-    return type != o.type ? type < o.type : index < o.index;
-  }
+  bool operator<(const Device& o) const { return type != o.type ? type < o.type : index < o.index; }
 };
 
 }  // namespace diststrat

@@ -63,24 +63,24 @@ struct GpuOptions {
 };
 
 struct PhysicalDeviceInfo {
-  int ordinal = 0;                // CUDA ordinal in this process
-  std::string name;               // "NVIDIA H200"
-  std::string uuid;               // "GPU-8f3a..." (empty when unknown)
-  std::string lease_id;           // id of the host-wide lease of this GPU
+  int ordinal = 0;       // CUDA ordinal in this process
+  std::string name;      // "NVIDIA H200"
+  std::string uuid;      // "GPU-8f3a..." (empty when unknown)
+  std::string lease_id;  // id of the host-wide lease of this GPU
   size_t total_memory_bytes = 0;
-  size_t free_memory_bytes = 0;   // at the time of the call
-  int compute_capability = 0;     // 90 for sm_90
+  size_t free_memory_bytes = 0;  // at the time of the call
+  int compute_capability = 0;    // 90 for sm_90
 };
 
 struct LogicalDeviceInfo {
-  Device device;                  // Device::gpu(logical index)
+  Device device;  // Device::gpu(logical index)
   int physical_ordinal = 0;
   size_t memory_limit_bytes = 0;  // 0 = none
 };
 
 // One logical device's allocator figures.
 struct MemoryStats {
-  size_t in_use_bytes = 0;        // held by live tensors (rounded sizes)
+  size_t in_use_bytes = 0;  // held by live tensors (rounded sizes)
   size_t peak_in_use_bytes = 0;
   size_t reserved_bytes = 0;      // taken from CUDA (in use + cached)
   size_t limit_bytes = 0;         // 0 = none

@@ -39,9 +39,9 @@ class Error : public std::runtime_error {
 };
 
 // One subclass per code so that callers can catch the one they handle.
-#define DISTSTRAT_DEFINE_ERROR(Name, Code) \
-  class Name : public Error {              \
-   public:                                 \
+#define DISTSTRAT_DEFINE_ERROR(Name, Code)                             \
+  class Name : public Error {                                          \
+   public:                                                             \
     explicit Name(const std::string& m) : Error(ErrorCode::Code, m) {} \
   };
 DISTSTRAT_DEFINE_ERROR(InvalidArgumentError, kInvalidArgument)
@@ -74,17 +74,16 @@ std::string str_cat(const Args&... args) {
 // Precondition checks that record the expression and both values:
 //   DISTSTRAT_CHECK_EQ(a.size(), b.size(), "all_reduce 'w'") throws
 //   InvalidArgumentError("all_reduce 'w': a.size() == b.size() failed: 3 vs 4").
-#define DISTSTRAT_CHECK_OP_(code, op, a, b, ...)                                   \
-  do {                                                                              \
-    const auto& ds_a_ = (a);                                                        \
-    const auto& ds_b_ = (b);                                                        \
-    if (!(ds_a_ op ds_b_)) {                                                        \
-      ::diststrat::throw_error(::diststrat::ErrorCode::code,                        \
-                               ::diststrat::detail::str_cat(__VA_ARGS__, ": ", #a,  \
-                                                            " " #op " ", #b,        \
-                                                            " failed: ", ds_a_,     \
-                                                            " vs ", ds_b_));        \
-    }                                                                               \
+#define DISTSTRAT_CHECK_OP_(code, op, a, b, ...)                                                   \
+  do {                                                                                             \
+    const auto& ds_a_ = (a);                                                                       \
+    const auto& ds_b_ = (b);                                                                       \
+    if (!(ds_a_ op ds_b_)) {                                                                       \
+      ::diststrat::throw_error(                                                                    \
+          ::diststrat::ErrorCode::code,                                                            \
+          ::diststrat::detail::str_cat(__VA_ARGS__, ": ", #a, " " #op " ", #b, " failed: ", ds_a_, \
+                                       " vs ", ds_b_));                                            \
+    }                                                                                              \
   } while (0)
 #define DISTSTRAT_CHECK_EQ(a, b, ...) DISTSTRAT_CHECK_OP_(kInvalidArgument, ==, a, b, __VA_ARGS__)
 #define DISTSTRAT_CHECK_NE(a, b, ...) DISTSTRAT_CHECK_OP_(kInvalidArgument, !=, a, b, __VA_ARGS__)
@@ -93,10 +92,10 @@ std::string str_cat(const Args&... args) {
 #define DISTSTRAT_CHECK_GE(a, b, ...) DISTSTRAT_CHECK_OP_(kInvalidArgument, >=, a, b, __VA_ARGS__)
 #define DISTSTRAT_CHECK_GT(a, b, ...) DISTSTRAT_CHECK_OP_(kInvalidArgument, >, a, b, __VA_ARGS__)
 // Boolean form: DISTSTRAT_CHECK(cond, ErrorCode, message parts...).
-#define DISTSTRAT_CHECK(cond, code, ...)                                               \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
-      ::diststrat::throw_error(::diststrat::ErrorCode::code,                           \
-                               ::diststrat::detail::str_cat(__VA_ARGS__));             \
-    }                                                                                  \
+#define DISTSTRAT_CHECK(cond, code, ...)                                   \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      ::diststrat::throw_error(::diststrat::ErrorCode::code,               \
+                               ::diststrat::detail::str_cat(__VA_ARGS__)); \
+    }                                                                      \
   } while (0)

@@ -33,13 +33,26 @@ class Logger {
   void set_sink(Sink sink);
 
   void log(LogLevel level, const std::string& message) const;
-  template <typename... Args> void debug(const Args&... a) const { emit(LogLevel::kDebug, a...); }
-  template <typename... Args> void info(const Args&... a) const { emit(LogLevel::kInfo, a...); }
-  template <typename... Args> void warning(const Args&... a) const { emit(LogLevel::kWarning, a...); }
-  template <typename... Args> void error(const Args&... a) const { emit(LogLevel::kError, a...); }
+  template <typename... Args>
+  void debug(const Args&... a) const {
+    emit(LogLevel::kDebug, a...);
+  }
+  template <typename... Args>
+  void info(const Args&... a) const {
+    emit(LogLevel::kInfo, a...);
+  }
+  template <typename... Args>
+  void warning(const Args&... a) const {
+    emit(LogLevel::kWarning, a...);
+  }
+  template <typename... Args>
+  void error(const Args&... a) const {
+    emit(LogLevel::kError, a...);
+  }
 
  private:
-  template <typename... Args> void emit(LogLevel level, const Args&... a) const {
+  template <typename... Args>
+  void emit(LogLevel level, const Args&... a) const {
     if (enabled(level)) log(level, detail::str_cat(a...));
   }
   LogLevel level_;

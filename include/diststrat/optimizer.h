@@ -68,8 +68,8 @@ struct UpdateRule {
   enum class Kind { kNone, kSgd, kAdam };
   Kind kind = Kind::kNone;
   float learning_rate = 0.0f;  // update_tensor puts this step's scheduled rate here
-  float momentum = 0.0f;  // SGD
-  bool nesterov = false;  // SGD
+  float momentum = 0.0f;       // SGD
+  bool nesterov = false;       // SGD
   float beta1 = 0.0f, beta2 = 0.0f, epsilon = 0.0f;  // Adam
 };
 
@@ -247,7 +247,8 @@ class Optimizer {
   // clipping by global norm or loss scaling, the calls of one apply_gradients
   // on one thread are held until the last, then checked, clipped together
   // and applied in order (or all dropped for a skipped step).
-  void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots, int64_t step) const;
+  void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots,
+                     int64_t step) const;
 
   // ZeRO-1, called by a strategy's apply_gradients in place of its
   // all-reduce and per-copy updates when the strategy shards optimizer state
@@ -271,7 +272,8 @@ class Optimizer {
   // Slots that exist in full when the first sharded call comes (restored
   // from a checkpoint) are cut into the blocks and the full copies freed
   // once every local replica has taken its block.
-  void apply_sharded(ReplicaContext& ctx, const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+  void apply_sharded(ReplicaContext& ctx,
+                     const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
                      const ShardedCollectives& collectives);
   // True once apply_sharded has laid out this optimizer's state.
   bool sharded() const;

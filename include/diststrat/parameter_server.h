@@ -155,10 +155,10 @@ struct ParameterServerOptions {
 
 // What the PS ranks observed (summed over PS ranks for the counts).
 struct ParameterServerStats {
-  int64_t pushes_sent = 0;     // by this worker (every worker-to-PS push message)
-  int64_t pushes_applied = 0;  // by the PS ranks, from all workers
-  int64_t pushes_rejected = 0; // by the PS ranks, from all workers
-  int64_t pushes_nonfinite = 0; // skipped for a non-finite gradient (skip_nonfinite_gradients)
+  int64_t pushes_sent = 0;       // by this worker (every worker-to-PS push message)
+  int64_t pushes_applied = 0;    // by the PS ranks, from all workers
+  int64_t pushes_rejected = 0;   // by the PS ranks, from all workers
+  int64_t pushes_nonfinite = 0;  // skipped for a non-finite gradient (skip_nonfinite_gradients)
   // Staleness of an applied push: updates the PS applied between the pull the
   // gradients were computed from and the push (0 = perfectly fresh).
   double mean_staleness = 0;

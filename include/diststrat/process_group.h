@@ -103,7 +103,8 @@ class ProcessGroup final : public Communicator {
   // Communicator's collectives (diststrat/collective.h), over every process.
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                   const std::string& name = "") override;
-  void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name = "") override;
+  void broadcast(void* buf, size_t count, DType dtype, int root,
+                 const std::string& name = "") override;
   void all_gather(const void* in, void* out, size_t count, DType dtype,
                   const std::string& name = "") override;
   void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,

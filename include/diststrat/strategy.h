@@ -35,7 +35,8 @@ class Optimizer;
 class Strategy;
 
 // One value per local replica, indexed by local replica id.
-template <typename T> class PerReplica {
+template <typename T>
+class PerReplica {
  public:
   PerReplica() = default;
   explicit PerReplica(std::vector<T> values) : values_(std::move(values)) {}
@@ -70,9 +71,9 @@ class Work {
 struct ClusterInfo {
   std::string task_type = "worker";  // "chief", "worker", "ps", "evaluator"
   int task_index = 0;
-  int rank = 0;        // process rank in the job
-  int world_size = 1;  // processes in the job
-  int num_workers = 1; // processes that run replicas
+  int rank = 0;         // process rank in the job
+  int world_size = 1;   // processes in the job
+  int num_workers = 1;  // processes that run replicas
   int worker_index = 0;
   bool is_chief() const { return worker_index == 0 && task_type != "ps"; }
 };
@@ -116,7 +117,8 @@ class ReplicaContext {
   // Runs fn once, in cross-replica context, while every local replica waits;
   // every replica gets fn's result (or its exception). All local replicas
   // must call it.
-  template <typename F> auto merge_call(F&& fn) -> std::invoke_result_t<F, Strategy&> {
+  template <typename F>
+  auto merge_call(F&& fn) -> std::invoke_result_t<F, Strategy&> {
     using R = std::invoke_result_t<F, Strategy&>;
     if constexpr (std::is_void_v<R>) {
       merge_call_impl([&](Strategy& s) -> std::shared_ptr<void> {
@@ -169,15 +171,15 @@ class Strategy {
   // throw AbortedError) and run() rethrows the first replica's exception.
   // Errors thrown out of run() are prefixed with "step S: " (S as in
   // steps_run()), so a failure names the step where it happened.
-  template <typename F> auto run(F&& fn) {
+  template <typename F>
+  auto run(F&& fn) {
     using R = std::invoke_result_t<F, ReplicaContext&>;
     if constexpr (std::is_void_v<R>) {
       run_step([&](ReplicaContext& ctx) { fn(ctx); });
     } else {
       std::vector<std::unique_ptr<R>> out(num_local_replicas());
-      run_step([&](ReplicaContext& ctx) {
-        out[ctx.local_replica_id()] = std::make_unique<R>(fn(ctx));
-      });
+      run_step(
+          [&](ReplicaContext& ctx) { out[ctx.local_replica_id()] = std::make_unique<R>(fn(ctx)); });
       std::vector<R> values;
       values.reserve(out.size());
       for (auto& v : out) values.push_back(std::move(*v));

@@ -110,11 +110,13 @@ class Tensor {
   void* data();
   const void* data() const;
   // Typed access; throws InvalidArgumentError if T does not match dtype().
-  template <typename T> T* data() {
+  template <typename T>
+  T* data() {
     check_dtype(dtype_of<T>());
     return static_cast<T*>(data());
   }
-  template <typename T> const T* data() const {
+  template <typename T>
+  const T* data() const {
     check_dtype(dtype_of<T>());
     return static_cast<const T*>(data());
   }

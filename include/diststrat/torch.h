@@ -232,9 +232,9 @@ class DistributedDataParallel {
   Strategy* strategy_;
   DdpOptions options_;
   std::vector<std::shared_ptr<torch::nn::Module>> replicas_;
-  std::vector<std::string> names_;           // parameters with requires_grad
-  std::vector<std::vector<size_t>> buckets_;  // parameter indices, launch order
-  std::vector<size_t> bucket_of_;             // parameter index -> bucket
+  std::vector<std::string> names_;                      // parameters with requires_grad
+  std::vector<std::vector<size_t>> buckets_;            // parameter indices, launch order
+  std::vector<size_t> bucket_of_;                       // parameter index -> bucket
   std::vector<std::vector<std::string>> bucket_names_;  // per bucket, as all-reduced
   std::vector<std::unique_ptr<Replica>> state_;
 };

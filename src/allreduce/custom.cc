@@ -13,8 +13,8 @@ void AlgorithmRegistry::add(const std::string& name, CustomAllReduce fn) {
   DISTSTRAT_CHECK(!name.empty(), kInvalidArgument, "AlgorithmRegistry::add: empty name");
   DISTSTRAT_CHECK(static_cast<bool>(fn), kInvalidArgument, "AlgorithmRegistry::add('", name,
                   "'): empty function");
-  DISTSTRAT_CHECK(algorithms_.count(name) == 0, kInvalidArgument, "AlgorithmRegistry::add: '",
-                  name, "' is already registered");
+  DISTSTRAT_CHECK(algorithms_.count(name) == 0, kInvalidArgument, "AlgorithmRegistry::add: '", name,
+                  "' is already registered");
   algorithms_.emplace(name, std::move(fn));
 }
 

@@ -34,8 +34,8 @@ void hierarchical_all_reduce(const Peers& peers, const AllReduceArgs& a,
     if (node == node_of[peers.me]) {
       leaders.me = static_cast<int>(leaders.ranks.size()) - 1;
       for (int m : members) local.ranks.push_back(peers.ranks[m]);
-      local.me = static_cast<int>(std::find(members.begin(), members.end(), peers.me) -
-                                  members.begin());
+      local.me =
+          static_cast<int>(std::find(members.begin(), members.end(), peers.me) - members.begin());
     }
   }
   const bool leader = local.me == 0;

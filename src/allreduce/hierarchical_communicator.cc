@@ -55,7 +55,8 @@ void HierarchicalCommunicator::compare_call(size_t count, DType dtype, ReduceOp 
   auto call_of = [&](int r) {
     const int64_t* k = all.data() + 3 * r;
     const ReduceOp rop = static_cast<ReduceOp>(k[2]);
-    return describe_call("all_reduce", static_cast<size_t>(k[0]), static_cast<DType>(k[1]), &rop, "");
+    return describe_call("all_reduce", static_cast<size_t>(k[0]), static_cast<DType>(k[1]), &rop,
+                         "");
   };
   throw InvalidArgumentError(what + ": ranks disagree on the call: rank 0 has " + call_of(0) +
                              ", rank " + std::to_string(other) + " has " + call_of(other));

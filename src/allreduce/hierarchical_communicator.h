@@ -38,7 +38,8 @@ class HierarchicalCommunicator : public Communicator {
 
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                   const std::string& name = "") override;
-  void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name = "") override {
+  void broadcast(void* buf, size_t count, DType dtype, int root,
+                 const std::string& name = "") override {
     flat_->broadcast(buf, count, dtype, root, name);
   }
   void all_gather(const void* in, void* out, size_t count, DType dtype,

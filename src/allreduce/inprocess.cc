@@ -55,11 +55,16 @@ enum class Kind { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier }
 
 const char* kind_name(Kind k) {
   switch (k) {
-    case Kind::kAllReduce: return "all_reduce";
-    case Kind::kBroadcast: return "broadcast";
-    case Kind::kAllGather: return "all_gather";
-    case Kind::kReduceScatter: return "reduce_scatter";
-    case Kind::kBarrier: return "barrier";
+    case Kind::kAllReduce:
+      return "all_reduce";
+    case Kind::kBroadcast:
+      return "broadcast";
+    case Kind::kAllGather:
+      return "all_gather";
+    case Kind::kReduceScatter:
+      return "reduce_scatter";
+    case Kind::kBarrier:
+      return "barrier";
   }
   return "?";
 }
@@ -80,7 +85,8 @@ std::string describe(const Descriptor& d) {
   os << kind_name(d.kind);
   if (d.kind != Kind::kBarrier) {
     os << " of " << d.count << " " << dtype_name(d.dtype);
-    if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter) os << " " << reduce_op_name(d.op);
+    if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter)
+      os << " " << reduce_op_name(d.op);
     if (d.kind == Kind::kBroadcast) os << " from root " << d.root;
   }
   if (!d.name.empty()) os << " '" << echo(d.name) << "'";
@@ -113,8 +119,8 @@ void check_in_process_algorithm(const CommunicationOptions& o, const std::string
   if (a == Algorithm::kAuto || a == Algorithm::kDirect || point_to_point(a)) {
     if (a == Algorithm::kCustom) {
       DISTSTRAT_CHECK(o.algorithm_registry && o.algorithm_registry->find(o.custom_algorithm),
-                      kInvalidArgument, who, ": custom all-reduce algorithm '", echo(o.custom_algorithm),
-                      "' is not in options.algorithm_registry");
+                      kInvalidArgument, who, ": custom all-reduce algorithm '",
+                      echo(o.custom_algorithm), "' is not in options.algorithm_registry");
     }
     return;
   }
@@ -144,13 +150,13 @@ struct InProcessGroup::State {
 
   const int size;
   const CommunicationOptions options;
-  std::unique_ptr<InProcessTransportGroup> transports;       // point-to-point algorithms only
+  std::unique_ptr<InProcessTransportGroup> transports;  // point-to-point algorithms only
   std::vector<std::unique_ptr<TransportCommunicator>> p2p_comms;
 
   std::mutex mu;
   std::condition_variable cv;
-  long gen = 0;      // completed barriers
-  int arrived = 0;   // ranks waiting in the current barrier
+  long gen = 0;                   // completed barriers
+  int arrived = 0;                // ranks waiting in the current barrier
   std::vector<long> arrived_gen;  // per rank: the barrier generation it last entered
   bool aborted = false;
   std::string abort_reason;
@@ -331,9 +337,9 @@ class InProcessCommunicator : public Communicator {
     for (int r = 1; r < s_->size; ++r) {
       if (!compatible(slots[0], slots[r])) {
         throw InvalidArgumentError("rank " + std::to_string(rank_) + ": mismatched collective #" +
-                                   std::to_string(call) + ": rank 0 called " +
-                                   describe(slots[0]) + " but rank " + std::to_string(r) +
-                                   " called " + describe(slots[r]));
+                                   std::to_string(call) + ": rank 0 called " + describe(slots[0]) +
+                                   " but rank " + std::to_string(r) + " called " +
+                                   describe(slots[r]));
       }
     }
     return call;
@@ -349,7 +355,8 @@ InProcessGroup::InProcessGroup(int size, CommunicationOptions options) {
   DISTSTRAT_CHECK_GE(size, 1, "InProcessGroup size");
   check_in_process_algorithm(options, "InProcessGroup");
   state_ = std::make_unique<State>(size, std::move(options));
-  for (int r = 0; r < size; ++r) comms_.push_back(std::make_unique<InProcessCommunicator>(state_.get(), r));
+  for (int r = 0; r < size; ++r)
+    comms_.push_back(std::make_unique<InProcessCommunicator>(state_.get(), r));
 }
 
 InProcessGroup::~InProcessGroup() = default;

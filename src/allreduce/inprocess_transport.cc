@@ -41,8 +41,8 @@ struct InProcessTransportGroup::State {
   const int size;
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<std::deque<Message>> inbox;   // per receiver: sends not yet received
-  std::vector<std::deque<Parked>> parked;   // per receiver: recvs not yet matched
+  std::vector<std::deque<Message>> inbox;  // per receiver: sends not yet received
+  std::vector<std::deque<Parked>> parked;  // per receiver: recvs not yet matched
   bool aborted = false;
   std::string abort_reason;
 
@@ -72,8 +72,12 @@ class InProcRequest : public Request::State {
   // parked recvs for a recv, the receiver's inbox for a send).
   InProcRequest(std::shared_ptr<GroupState> s, std::shared_ptr<GroupState::Done> done,
                 std::string what, int rank, bool is_recv, int mailbox)
-      : s_(std::move(s)), done_(std::move(done)), what_(std::move(what)), rank_(rank),
-        is_recv_(is_recv), mailbox_(mailbox) {}
+      : s_(std::move(s)),
+        done_(std::move(done)),
+        what_(std::move(what)),
+        rank_(rank),
+        is_recv_(is_recv),
+        mailbox_(mailbox) {}
 
   // Dropped before it completed: cancelled, as an MPI request is. Nothing
   // touches its buffer afterwards (a cancelled recv leaves the message for a
@@ -118,7 +122,8 @@ class InProcRequest : public Request::State {
  private:
   void check() {
     if (!done_->error.empty()) {
-      throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " + what_ + ": " + done_->error);
+      throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " + what_ + ": " +
+                                 done_->error);
     }
   }
   std::shared_ptr<GroupState> s_;  // a request may outlive its transport group
@@ -154,9 +159,11 @@ class InProcessTransport : public Transport {
       }
     }
     s_->cv.notify_all();
-    return Request(std::make_shared<InProcRequest>(
-        s_, done, "send of " + std::to_string(bytes) + " bytes to rank " + std::to_string(peer) +
-                      " (tag " + std::to_string(tag) + ")", rank_, /*is_recv=*/false, peer));
+    return Request(std::make_shared<InProcRequest>(s_, done,
+                                                   "send of " + std::to_string(bytes) +
+                                                       " bytes to rank " + std::to_string(peer) +
+                                                       " (tag " + std::to_string(tag) + ")",
+                                                   rank_, /*is_recv=*/false, peer));
   }
 
   Request recv(int peer, void* data, size_t bytes, int tag) override {
@@ -176,14 +183,17 @@ class InProcessTransport : public Transport {
       }
     }
     s_->cv.notify_all();
-    return Request(std::make_shared<InProcRequest>(
-        s_, done, "recv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(peer) +
-                      " (tag " + std::to_string(tag) + ")", rank_, /*is_recv=*/true, rank_));
+    return Request(std::make_shared<InProcRequest>(s_, done,
+                                                   "recv of " + std::to_string(bytes) +
+                                                       " bytes from rank " + std::to_string(peer) +
+                                                       " (tag " + std::to_string(tag) + ")",
+                                                   rank_, /*is_recv=*/true, rank_));
   }
 
   bool probe_any(Envelope* env) override {
     std::lock_guard<std::mutex> lock(s_->mu);
-    if (s_->aborted) throw AbortedError("rank " + std::to_string(rank_) + ": probe aborted: " + s_->abort_reason);
+    if (s_->aborted)
+      throw AbortedError("rank " + std::to_string(rank_) + ": probe aborted: " + s_->abort_reason);
     const auto& inbox = s_->inbox[rank_];
     if (inbox.empty()) return false;
     env->source = inbox.front().source;
@@ -205,8 +215,8 @@ class InProcessTransport : public Transport {
 
  private:
   void check_peer(int peer, const char* what) const {
-    DISTSTRAT_CHECK(0 <= peer && peer < s_->size && peer != rank_, kInvalidArgument, "rank ",
-                    rank_, ": ", what, " to/from rank ", peer, " in a group of ", s_->size);
+    DISTSTRAT_CHECK(0 <= peer && peer < s_->size && peer != rank_, kInvalidArgument, "rank ", rank_,
+                    ": ", what, " to/from rank ", peer, " in a group of ", s_->size);
   }
   std::shared_ptr<GroupState> s_;
   int rank_;
@@ -216,7 +226,8 @@ class InProcessTransport : public Transport {
 
 InProcessTransportGroup::InProcessTransportGroup(int size) : state_(std::make_shared<State>(size)) {
   DISTSTRAT_CHECK_GE(size, 1, "InProcessTransportGroup size");
-  for (int r = 0; r < size; ++r) transports_.push_back(std::make_unique<InProcessTransport>(state_, r));
+  for (int r = 0; r < size; ++r)
+    transports_.push_back(std::make_unique<InProcessTransport>(state_, r));
 }
 InProcessTransportGroup::~InProcessTransportGroup() = default;
 int InProcessTransportGroup::size() const { return state_->size; }

@@ -69,7 +69,8 @@ struct SixteenBitOps {
       for (MPI_Op& op : row) MPI_Op_free(&op);
     MPI_Type_free(&type);
   }
-  template <DType D> static void create(MPI_Op* row) {
+  template <DType D>
+  static void create(MPI_Op* row) {
     DISTSTRAT_MPI_CHECK(MPI_Op_create(&reduce_16bit<D, ReduceOp::kSum>, 1, &row[0]));
     DISTSTRAT_MPI_CHECK(MPI_Op_create(&reduce_16bit<D, ReduceOp::kProduct>, 1, &row[1]));
     DISTSTRAT_MPI_CHECK(MPI_Op_create(&reduce_16bit<D, ReduceOp::kMin>, 1, &row[2]));
@@ -78,10 +79,14 @@ struct SixteenBitOps {
   MPI_Op op(DType dtype, ReduceOp op) const {
     const int d = dtype == DType::kFloat16 ? 0 : 1;
     switch (op) {
-      case ReduceOp::kProduct: return ops[d][1];
-      case ReduceOp::kMin: return ops[d][2];
-      case ReduceOp::kMax: return ops[d][3];
-      default: return ops[d][0];  // kSum, kMean (divided afterwards)
+      case ReduceOp::kProduct:
+        return ops[d][1];
+      case ReduceOp::kMin:
+        return ops[d][2];
+      case ReduceOp::kMax:
+        return ops[d][3];
+      default:
+        return ops[d][0];  // kSum, kMean (divided afterwards)
     }
   }
 };
@@ -96,7 +101,8 @@ class MpiCommunicator : public TransportCommunicator {
     DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(native_, MPI_ERRORS_RETURN));
     // Shared memory needs every rank on one host (whatever grouping
     // hierarchical_group_size imposes on the point-to-point algorithms).
-    const bool one_host = std::all_of(hosts.begin(), hosts.end(), [&](int h) { return h == hosts[0]; });
+    const bool one_host =
+        std::all_of(hosts.begin(), hosts.end(), [&](int h) { return h == hosts[0]; });
     if (one_host && size() > 1) shm_ = make_shm_communicator(comm, options);
     if (options.algorithm == Algorithm::kSharedMemory) {
       DISTSTRAT_CHECK(shm_ != nullptr, kFailedPrecondition, "rank ", rank(),
@@ -134,8 +140,8 @@ class MpiCommunicator : public TransportCommunicator {
       DISTSTRAT_CHECK_LE(count, static_cast<size_t>(INT_MAX), "MPI_Allreduce element count");
       MPI_Request req;
       const void* src = in == out ? MPI_IN_PLACE : in;
-      DISTSTRAT_MPI_CHECK(MPI_Iallreduce(src, out, static_cast<int>(count), type, mpi_op,
-                                         native_, &req));
+      DISTSTRAT_MPI_CHECK(
+          MPI_Iallreduce(src, out, static_cast<int>(count), type, mpi_op, native_, &req));
       wait_native(&req);
       if (op == ReduceOp::kMean) kernels::scale_mean(out, count, dtype, size());
     });
@@ -210,7 +216,6 @@ class MpiCommunicator : public TransportCommunicator {
   std::unique_ptr<Communicator> shm_;
 };
 
-
 // The options that decide which path and algorithm a call takes (and so
 // which messages it sends) must be the same on every rank: ranks whose
 // options differ would meet in different protocols (shared memory against
@@ -220,8 +225,11 @@ void check_same_options(MPI_Comm comm, const CommunicationOptions& o) {
   int rank = 0, size = 1;
   DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &size));
-  static const char* const fields[] = {"algorithm", "custom_algorithm", "segment_bytes",
-                                       "auto_tiny_message_bytes", "auto_small_message_bytes",
+  static const char* const fields[] = {"algorithm",
+                                       "custom_algorithm",
+                                       "segment_bytes",
+                                       "auto_tiny_message_bytes",
+                                       "auto_small_message_bytes",
                                        "hierarchical_group_size"};
   constexpr int kFields = 6;
   const int64_t mine[kFields] = {static_cast<int64_t>(o.algorithm),
@@ -241,9 +249,9 @@ void check_same_options(MPI_Comm comm, const CommunicationOptions& o) {
         return f == 0 ? std::string("'") + algorithm_name(static_cast<Algorithm>(v)) + "'"
                       : std::to_string(v);
       };
-      const std::string who = "rank " + std::to_string(rank) +
-                              ": mpi communicator set-up: ranks disagree on CommunicationOptions::" +
-                              fields[f] + ": ";
+      const std::string who =
+          "rank " + std::to_string(rank) +
+          ": mpi communicator set-up: ranks disagree on CommunicationOptions::" + fields[f] + ": ";
       if (f == 1) {
         throw InvalidArgumentError(who + "rank 0 and rank " + std::to_string(r) +
                                    " name different custom algorithms");

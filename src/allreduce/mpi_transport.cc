@@ -41,7 +41,11 @@ class MpiRequest : public Request::State {
  public:
   MpiRequest(bool is_recv, size_t bytes, int rank, int peer, int tag,
              std::shared_ptr<AbortState> abort)
-      : is_recv_(is_recv), bytes_(bytes), rank_(rank), peer_(peer), tag_(tag),
+      : is_recv_(is_recv),
+        bytes_(bytes),
+        rank_(rank),
+        peer_(peer),
+        tag_(tag),
         abort_(std::move(abort)) {}
 
   ~MpiRequest() override { cancel(); }
@@ -55,7 +59,8 @@ class MpiRequest : public Request::State {
     int flag = 0;
     statuses_.resize(reqs.size());
     const int rc = MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, statuses_.data());
-    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) check_mpi(rc, "MPI_Testall", __FILE__, __LINE__);
+    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS)
+      check_mpi(rc, "MPI_Testall", __FILE__, __LINE__);
     if (!flag && rc == MPI_SUCCESS) return false;
     done_ = true;
     for (size_t i = 0; i < statuses_.size(); ++i) {
@@ -65,8 +70,8 @@ class MpiRequest : public Request::State {
         MPI_Error_string(statuses_[i].MPI_ERROR, text, &len);
         int cls = 0;
         MPI_Error_class(statuses_[i].MPI_ERROR, &cls);
-        const std::string msg = "rank " + std::to_string(rank_) + ": " + describe() + ": " +
-                                std::string(text, len);
+        const std::string msg =
+            "rank " + std::to_string(rank_) + ": " + describe() + ": " + std::string(text, len);
         if (cls == MPI_ERR_TRUNCATE) throw InvalidArgumentError(msg + " (the message is longer)");
         throw InternalError(msg);
       }
@@ -75,10 +80,9 @@ class MpiRequest : public Request::State {
         MPI_Get_count(&statuses_[i], MPI_BYTE, &got);
         if (got != part_bytes[i]) {
           throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " + describe() +
-                                     ": the message from rank " + std::to_string(peer_) +
-                                     " has " + std::to_string(got) + " bytes in part " +
-                                     std::to_string(i) + " but the recv expects " +
-                                     std::to_string(part_bytes[i]));
+                                     ": the message from rank " + std::to_string(peer_) + " has " +
+                                     std::to_string(got) + " bytes in part " + std::to_string(i) +
+                                     " but the recv expects " + std::to_string(part_bytes[i]));
         }
       }
     }
@@ -102,8 +106,8 @@ class MpiRequest : public Request::State {
 
   std::string describe() const override {
     return std::string(is_recv_ ? "recv of " : "send of ") + std::to_string(bytes_) +
-           (is_recv_ ? " bytes from rank " : " bytes to rank ") + std::to_string(peer_) +
-           " (tag " + std::to_string(tag_) + ")";
+           (is_recv_ ? " bytes from rank " : " bytes to rank ") + std::to_string(peer_) + " (tag " +
+           std::to_string(tag_) + ")";
   }
 
  private:
@@ -111,8 +115,8 @@ class MpiRequest : public Request::State {
     if (!abort_->aborted.load(std::memory_order_acquire)) return;
     cancel();
     std::lock_guard<std::mutex> lock(abort_->mu);
-    throw AbortedError("rank " + std::to_string(rank_) + ": " + describe() + " aborted: " +
-                       abort_->reason);
+    throw AbortedError("rank " + std::to_string(rank_) + ": " + describe() +
+                       " aborted: " + abort_->reason);
   }
   void cancel() {
     if (done_) return;
@@ -194,7 +198,8 @@ class MpiTransport : public Transport {
   }
 
  private:
-  template <typename Post> void post(MpiRequest* req, void* data, size_t bytes, Post&& fn) {
+  template <typename Post>
+  void post(MpiRequest* req, void* data, size_t bytes, Post&& fn) {
     char* p = static_cast<char*>(data);
     size_t left = bytes;
     do {

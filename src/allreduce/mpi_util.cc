@@ -58,7 +58,8 @@ void note_peer_at_exit(int world_rank) {
 
 bool peer_at_exit(int world_rank) {
   std::lock_guard<std::mutex> lock(at_exit_mu);
-  return std::find(peers_at_exit->begin(), peers_at_exit->end(), world_rank) != peers_at_exit->end();
+  return std::find(peers_at_exit->begin(), peers_at_exit->end(), world_rank) !=
+         peers_at_exit->end();
 }
 
 struct Watchdog::State {
@@ -219,21 +220,34 @@ void agree(MPI_Comm comm, const std::string& what, std::exception_ptr local_erro
 
 bool native_type(DType dtype, MPI_Datatype* t) {
   switch (dtype) {
-    case DType::kFloat32: *t = MPI_FLOAT; return true;
-    case DType::kFloat64: *t = MPI_DOUBLE; return true;
-    case DType::kInt32: *t = MPI_INT32_T; return true;
-    case DType::kInt64: *t = MPI_INT64_T; return true;
-    default: return false;
+    case DType::kFloat32:
+      *t = MPI_FLOAT;
+      return true;
+    case DType::kFloat64:
+      *t = MPI_DOUBLE;
+      return true;
+    case DType::kInt32:
+      *t = MPI_INT32_T;
+      return true;
+    case DType::kInt64:
+      *t = MPI_INT64_T;
+      return true;
+    default:
+      return false;
   }
 }
 
 MPI_Op native_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kMean: return MPI_SUM;
-    case ReduceOp::kProduct: return MPI_PROD;
-    case ReduceOp::kMin: return MPI_MIN;
-    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kMean:
+      return MPI_SUM;
+    case ReduceOp::kProduct:
+      return MPI_PROD;
+    case ReduceOp::kMin:
+      return MPI_MIN;
+    case ReduceOp::kMax:
+      return MPI_MAX;
   }
   return MPI_SUM;
 }

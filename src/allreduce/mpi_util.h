@@ -37,8 +37,8 @@ inline void check_mpi(int rc, const char* call, const char* file, int line) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
-  throw InternalError(std::string(call) + " failed: " + std::string(text, len) + " (" + file +
-                      ":" + std::to_string(line) + ")");
+  throw InternalError(std::string(call) + " failed: " + std::string(text, len) + " (" + file + ":" +
+                      std::to_string(line) + ")");
 }
 
 namespace mpi {

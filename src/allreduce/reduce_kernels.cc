@@ -31,13 +31,23 @@ namespace {
 enum class Isa { kBase, kAvx2, kAvx512 };
 
 // How an element type is accumulated: 16-bit floats in f32, others natively.
-template <typename T> struct Acc { using type = T; };
-template <> struct Acc<Half> { using type = float; };
-template <> struct Acc<BFloat16> { using type = float; };
+template <typename T>
+struct Acc {
+  using type = T;
+};
+template <>
+struct Acc<Half> {
+  using type = float;
+};
+template <>
+struct Acc<BFloat16> {
+  using type = float;
+};
 
 // Integer sums and products wrap modulo 2^bits (as MPI's and NCCL's do),
 // computed in the unsigned type: signed overflow would be undefined.
-template <typename A> A wrap_add(A a, A b) {
+template <typename A>
+A wrap_add(A a, A b) {
   if constexpr (std::is_integral_v<A>) {
     using U = std::make_unsigned_t<A>;
     return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
@@ -45,7 +55,8 @@ template <typename A> A wrap_add(A a, A b) {
     return a + b;
   }
 }
-template <typename A> A wrap_mul(A a, A b) {
+template <typename A>
+A wrap_mul(A a, A b) {
   if constexpr (std::is_integral_v<A>) {
     using U = std::make_unsigned_t<A>;
     return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
@@ -54,16 +65,28 @@ template <typename A> A wrap_mul(A a, A b) {
   }
 }
 struct SumOp {
-  template <typename A> A operator()(A a, A b) const { return wrap_add(a, b); }
+  template <typename A>
+  A operator()(A a, A b) const {
+    return wrap_add(a, b);
+  }
 };
 struct ProdOp {
-  template <typename A> A operator()(A a, A b) const { return wrap_mul(a, b); }
+  template <typename A>
+  A operator()(A a, A b) const {
+    return wrap_mul(a, b);
+  }
 };
 struct MinOp {
-  template <typename A> A operator()(A a, A b) const { return b < a ? b : a; }
+  template <typename A>
+  A operator()(A a, A b) const {
+    return b < a ? b : a;
+  }
 };
 struct MaxOp {
-  template <typename A> A operator()(A a, A b) const { return a < b ? b : a; }
+  template <typename A>
+  A operator()(A a, A b) const {
+    return a < b ? b : a;
+  }
 };
 
 constexpr size_t kBlock = 1024;
@@ -73,7 +96,8 @@ constexpr size_t kBlock = 1024;
 // ---- loading a block of sources into the accumulator and storing it back.
 // Native types: plain copies. bf16: the top half of an f32 (bit operations
 // the compiler vectorises). f16: F16C where the ISA has it, else scalar.
-template <Isa I, typename T> struct Convert {
+template <Isa I, typename T>
+struct Convert {
   static DS_INLINE void load(T* __restrict acc, const T* __restrict s, size_t n) {
     for (size_t j = 0; j < n; ++j) acc[j] = s[j];
   }
@@ -83,7 +107,8 @@ template <Isa I, typename T> struct Convert {
   }
 };
 
-template <Isa I> struct Convert<I, BFloat16> {
+template <Isa I>
+struct Convert<I, BFloat16> {
   static DS_INLINE float to_f32(uint16_t b) {
     const uint32_t u = static_cast<uint32_t>(b) << 16;
     float f;
@@ -110,7 +135,8 @@ template <Isa I> struct Convert<I, BFloat16> {
   }
 };
 
-template <> struct Convert<Isa::kBase, Half> {
+template <>
+struct Convert<Isa::kBase, Half> {
   static DS_INLINE void load(float* acc, const Half* s, size_t n) {
     for (size_t j = 0; j < n; ++j) acc[j] = Half::to_float(s[j].bits);
   }
@@ -124,7 +150,7 @@ template <> struct Convert<Isa::kBase, Half> {
 // Out of line (called once per block) so the callers need no F16C target.
 struct F16c {
   __attribute__((target("avx2,f16c"), noinline)) static void load(float* acc, const Half* s,
-                                                                   size_t n) {
+                                                                  size_t n) {
     size_t j = 0;
     for (; j + 8 <= n; j += 8) {
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + j));
@@ -133,7 +159,7 @@ struct F16c {
     for (; j < n; ++j) acc[j] = Half::to_float(s[j].bits);
   }
   __attribute__((target("avx2,f16c"), noinline)) static void store(Half* d, const float* acc,
-                                                                    size_t n) {
+                                                                   size_t n) {
     size_t j = 0;
     for (; j + 8 <= n; j += 8) {
       const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(acc + j), _MM_FROUND_TO_NEAREST_INT);
@@ -142,14 +168,15 @@ struct F16c {
     for (; j < n; ++j) d[j].bits = Half::from_float(acc[j]);
   }
 };
-template <> struct Convert<Isa::kAvx2, Half> : F16c {};
-template <> struct Convert<Isa::kAvx512, Half> : F16c {};
+template <>
+struct Convert<Isa::kAvx2, Half> : F16c {};
+template <>
+struct Convert<Isa::kAvx512, Half> : F16c {};
 #endif
 
 // ---- the kernel: dst = op(srcs...) [/ divisor], one pass over every source.
 template <Isa I, typename T, typename Op>
-DS_INLINE void reduce_body(T* dst, const T* const* srcs, int n, size_t count, Op op,
-                           int divisor) {
+DS_INLINE void reduce_body(T* dst, const T* const* srcs, int n, size_t count, Op op, int divisor) {
   using A = typename Acc<T>::type;
   alignas(64) A acc[kBlock];
   alignas(64) A tmp[kBlock];
@@ -185,8 +212,8 @@ __attribute__((target("avx2,fma,f16c"))) void reduce_avx2(T* dst, const T* const
   reduce_body<Isa::kAvx2, T, Op>(dst, srcs, n, count, op, divisor);
 }
 template <typename T, typename Op>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void
-reduce_avx512(T* dst, const T* const* srcs, int n, size_t count, Op op, int divisor) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void reduce_avx512(
+    T* dst, const T* const* srcs, int n, size_t count, Op op, int divisor) {
   reduce_body<Isa::kAvx512, T, Op>(dst, srcs, n, count, op, divisor);
 }
 #endif
@@ -220,25 +247,37 @@ Isa isa() {
   return detected;
 }
 
-template <typename Fn> void dispatch_dtype(DType dtype, Fn&& fn) {
+template <typename Fn>
+void dispatch_dtype(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::kFloat32: return fn(float{});
-    case DType::kFloat64: return fn(double{});
-    case DType::kFloat16: return fn(Half{});
-    case DType::kBFloat16: return fn(BFloat16{});
-    case DType::kInt32: return fn(int32_t{});
-    case DType::kInt64: return fn(int64_t{});
+    case DType::kFloat32:
+      return fn(float{});
+    case DType::kFloat64:
+      return fn(double{});
+    case DType::kFloat16:
+      return fn(Half{});
+    case DType::kBFloat16:
+      return fn(BFloat16{});
+    case DType::kInt32:
+      return fn(int32_t{});
+    case DType::kInt64:
+      return fn(int64_t{});
   }
   throw InvalidArgumentError("reduction of unknown dtype");
 }
 
-template <typename Fn> void dispatch_op(ReduceOp op, Fn&& fn) {
+template <typename Fn>
+void dispatch_op(ReduceOp op, Fn&& fn) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kMean: return fn(SumOp{});
-    case ReduceOp::kProduct: return fn(ProdOp{});
-    case ReduceOp::kMin: return fn(MinOp{});
-    case ReduceOp::kMax: return fn(MaxOp{});
+    case ReduceOp::kMean:
+      return fn(SumOp{});
+    case ReduceOp::kProduct:
+      return fn(ProdOp{});
+    case ReduceOp::kMin:
+      return fn(MinOp{});
+    case ReduceOp::kMax:
+      return fn(MaxOp{});
   }
   throw InvalidArgumentError("unknown reduce op");
 }
@@ -304,9 +343,12 @@ void copy_streaming(void* dst, const void* src, size_t bytes) {
 
 const char* isa_name() {
   switch (isa()) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kBase: return "baseline";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kBase:
+      return "baseline";
   }
   return "?";
 }

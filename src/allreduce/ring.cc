@@ -75,7 +75,8 @@ void ring_reduce_scatter(const Peers& peers, const AllReduceArgs& a, const Chunk
   const int window = recv_window(total, std::max<size_t>(1, max_seg) * es);
   // Not zero-filled: every byte of a slot is received before it is read (up
   // to 64 MiB; its pages are touched as the receives land).
-  std::unique_ptr<char[]> scratch(new char[static_cast<size_t>(window) * std::max<size_t>(1, max_seg) * es]);
+  std::unique_ptr<char[]> scratch(
+      new char[static_cast<size_t>(window) * std::max<size_t>(1, max_seg) * es]);
   auto slot = [&](int k) { return scratch.get() + static_cast<size_t>(k % window) * max_seg * es; };
 
   std::vector<Request> sends;
@@ -115,8 +116,8 @@ void ring_reduce_scatter(const Peers& peers, const AllReduceArgs& a, const Chunk
   wait_all(sends, a.deadline);
 }
 
-void ring_all_gather(const Peers& peers, void* buf, size_t es, const ChunkLayout& layout,
-                     int shift, size_t segment_bytes_, int tag, Clock::time_point deadline) {
+void ring_all_gather(const Peers& peers, void* buf, size_t es, const ChunkLayout& layout, int shift,
+                     size_t segment_bytes_, int tag, Clock::time_point deadline) {
   const int n = peers.size(), me = peers.me;
   if (n == 1) return;
   const int right = mod(me + 1, n), left = mod(me - 1, n);
@@ -154,20 +155,19 @@ void ring_all_gather(const Peers& peers, void* buf, size_t es, const ChunkLayout
 void ring_all_reduce(const Peers& peers, const AllReduceArgs& a) {
   const int n = peers.size();
   const size_t count = a.count;
-  ChunkLayout layout{
-      [count, n](int c) {
-        size_t lo, hi;
-        slice_of(count, n, c, &lo, &hi);
-        return lo;
-      },
-      [count, n](int c) {
-        size_t lo, hi;
-        slice_of(count, n, c, &lo, &hi);
-        return hi - lo;
-      }};
+  ChunkLayout layout{[count, n](int c) {
+                       size_t lo, hi;
+                       slice_of(count, n, c, &lo, &hi);
+                       return lo;
+                     },
+                     [count, n](int c) {
+                       size_t lo, hi;
+                       slice_of(count, n, c, &lo, &hi);
+                       return hi - lo;
+                     }};
   ring_reduce_scatter(peers, a, layout);
-  ring_all_gather(peers, a.buf, a.elem(), layout, /*shift=*/1, segment_bytes(*a.options),
-                  a.tag + 1, a.deadline);
+  ring_all_gather(peers, a.buf, a.elem(), layout, /*shift=*/1, segment_bytes(*a.options), a.tag + 1,
+                  a.deadline);
 }
 
 }  // namespace algo

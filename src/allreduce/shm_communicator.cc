@@ -98,8 +98,8 @@
 namespace diststrat {
 namespace {
 
-constexpr size_t kHeader = 1024;             // keeps the buffers cache-line (and page-ish) aligned
-constexpr size_t kSmallBytes = 16 << 10;     // all-reduce chunks up to this skip slicing
+constexpr size_t kHeader = 1024;          // keeps the buffers cache-line (and page-ish) aligned
+constexpr size_t kSmallBytes = 16 << 10;  // all-reduce chunks up to this skip slicing
 // Staging buffer size: small enough that the buffers stay in the caches,
 // large enough that the barrier per chunk is amortised. Measured with
 // allreduce_bench --algos shm,mpi --segment-bytes on the 2-core development
@@ -172,16 +172,18 @@ CallRecord record(CallKind kind, size_t count, DType dtype, const ReduceOp* op, 
 
 // "5 x float32 in all_gather", "4 x float32 from root 1 in broadcast", "a barrier".
 std::string describe_record(const CallRecord& r) {
-  static const char* const kNames[] = {"?", "all_reduce", "broadcast", "all_gather", "reduce_scatter",
-                                       "barrier"};
+  static const char* const kNames[] = {"?",          "all_reduce",     "broadcast",
+                                       "all_gather", "reduce_scatter", "barrier"};
   const char* kind = r.kind < 6 ? kNames[r.kind] : "?";
   if (r.kind == static_cast<uint32_t>(CallKind::kBarrier)) return "a barrier";
   const bool known = r.dtype >= 0 && r.dtype <= static_cast<int32_t>(DType::kInt64);
-  std::string s = std::to_string(r.count) + " x " + (known ? dtype_name(static_cast<DType>(r.dtype)) : "?");
+  std::string s =
+      std::to_string(r.count) + " x " + (known ? dtype_name(static_cast<DType>(r.dtype)) : "?");
   if (r.op >= 0 && r.op <= static_cast<int32_t>(ReduceOp::kProduct)) {
     s += std::string(" ") + reduce_op_name(static_cast<ReduceOp>(r.op));
   }
-  if (r.kind == static_cast<uint32_t>(CallKind::kBroadcast)) s += " from root " + std::to_string(r.root);
+  if (r.kind == static_cast<uint32_t>(CallKind::kBroadcast))
+    s += " from root " + std::to_string(r.root);
   return s + " in " + kind;
 }
 
@@ -206,8 +208,9 @@ class ShmCommunicator : public Communicator {
       mpi::free_comm(&comm_, t);
       throw FailedPreconditionError("rank " + std::to_string(rank_) +
                                     ": the shared-memory communicator needs every rank on one "
-                                    "node, but only " + std::to_string(local_size) + " of " +
-                                    std::to_string(size_) + " share this one");
+                                    "node, but only " +
+                                    std::to_string(local_size) + " of " + std::to_string(size_) +
+                                    " share this one");
     }
     chunk_ = options.segment_bytes ? options.segment_bytes : kDefaultChunk;
     chunk_ = std::max<size_t>(64, chunk_ / 64 * 64);
@@ -377,9 +380,11 @@ class ShmCommunicator : public Communicator {
     }
   }
 
-  void broadcast(void* data, size_t count, DType dtype, int root, const std::string& name) override {
-    Call call(this, describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
-                        std::to_string(root) + " (shm)",
+  void broadcast(void* data, size_t count, DType dtype, int root,
+                 const std::string& name) override {
+    Call call(this,
+              describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
+                  std::to_string(root) + " (shm)",
               record(CallKind::kBroadcast, count, dtype, nullptr, root));
     const size_t bytes = count * dtype_size(dtype);
     if (root < 0 || root >= size_ || bytes == 0) {
@@ -436,7 +441,8 @@ class ShmCommunicator : public Communicator {
       const size_t len = std::min(per, count - base);
       const int b = static_cast<int>(chunks_++ % kBuffers);
       for (int q = 0; q < size_; ++q) {
-        if (q != rank_) std::memcpy(buf(rank_, b) + q * len * es, src + (q * count + base) * es, len * es);
+        if (q != rank_)
+          std::memcpy(buf(rank_, b) + q * len * es, src + (q * count + base) * es, len * es);
       }
       call.barrier();
       for (int q = 0; q < size_; ++q) srcs[q] = buf(q, b) + rank_ * len * es;
@@ -448,7 +454,8 @@ class ShmCommunicator : public Communicator {
   }
 
   void barrier(const std::string& name) override {
-    Call call(this, std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'") + " (shm)",
+    Call call(this,
+              std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'") + " (shm)",
               record(CallKind::kBarrier, 0, DType::kFloat32, nullptr, -1));
     ++chunks_;  // keeps the buffer parity rule simple: a barrier is an empty chunk
     call.barrier();
@@ -502,7 +509,8 @@ class ShmCommunicator : public Communicator {
     uint64_t top = barriers_;
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
-      for (unsigned spin = 0; headers_[q]->reset_epoch.load(std::memory_order_acquire) < epoch; ++spin) {
+      for (unsigned spin = 0; headers_[q]->reset_epoch.load(std::memory_order_acquire) < epoch;
+           ++spin) {
         if (Clock::now() >= deadline) {
           std::string missing;
           for (int p = 0; p < size_; ++p) {
@@ -668,7 +676,8 @@ class ShmCommunicator : public Communicator {
   class Call {
    public:
     // Publishes `rec` for the comparison after the first barrier.
-    Call(ShmCommunicator* c, std::string what, const CallRecord& rec) : c_(c), what_(std::move(what)) {
+    Call(ShmCommunicator* c, std::string what, const CallRecord& rec)
+        : c_(c), what_(std::move(what)) {
       deadline_ = Clock::now() + c_->options_.timeout;
       check_abort();
       slot_ = static_cast<int>((c_->barriers_ + 1) % 2);
@@ -713,8 +722,9 @@ class ShmCommunicator : public Communicator {
         const CallRecord& other = c_->headers_[q]->calls[slot_];
         if (other == first) continue;
         const std::string msg = "rank " + std::to_string(c_->rank_) + ": " + what_ +
-                                ": ranks disagree on the call: rank 0 has " + describe_record(first) +
-                                ", rank " + std::to_string(q) + " has " + describe_record(other);
+                                ": ranks disagree on the call: rank 0 has " +
+                                describe_record(first) + ", rank " + std::to_string(q) + " has " +
+                                describe_record(other);
         c_->abort(msg);
         throw InvalidArgumentError(msg);
       }
@@ -725,11 +735,13 @@ class ShmCommunicator : public Communicator {
           c_->failed_ = true;
           const Header* h = c_->headers_[q];
           if (q == c_->rank_) {
-            throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ + " aborted by rank " +
-                               std::to_string(q) + ": " + c_->own_abort_reason());
+            throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ +
+                               " aborted by rank " + std::to_string(q) + ": " +
+                               c_->own_abort_reason());
           }
           // The rank whose failure it is (q itself, or the one q passes on).
-          const int origin = h->abort_origin >= 0 && h->abort_origin < c_->size_ ? h->abort_origin : q;
+          const int origin =
+              h->abort_origin >= 0 && h->abort_origin < c_->size_ ? h->abort_origin : q;
           const std::string reason(h->abort_reason,
                                    strnlen(h->abort_reason, sizeof(h->abort_reason)));
           c_->observe_abort(origin, reason);
@@ -772,9 +784,9 @@ class ShmCommunicator : public Communicator {
     std::vector<char*> bases;  // every rank's part, mapped here
   };
   std::vector<Window> windows_;  // from allocate_buffer
-  uint64_t barriers_ = 0;  // barriers this rank has entered
-  uint64_t chunks_ = 0;    // chunks processed (buffer parity)
-  uint64_t resets_ = 0;    // reset() calls (the header's reset_epoch)
+  uint64_t barriers_ = 0;        // barriers this rank has entered
+  uint64_t chunks_ = 0;          // chunks processed (buffer parity)
+  uint64_t resets_ = 0;          // reset() calls (the header's reset_epoch)
   std::mutex abort_mu_;
   std::string abort_reason_;  // guarded by abort_mu_
   // The first peer failure this rank saw (origin rank, reason), passed on by

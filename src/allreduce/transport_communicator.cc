@@ -27,7 +27,9 @@ TransportCommunicator::TransportCommunicator(Transport& transport, Communication
                                              std::vector<int> node_of,
                                              std::unique_ptr<Transport> owned,
                                              const std::vector<Algorithm>& also_runs)
-    : owned_(std::move(owned)), transport_(&transport), options_(std::move(options)),
+    : owned_(std::move(owned)),
+      transport_(&transport),
+      options_(std::move(options)),
       node_of_(std::move(node_of)) {
   switch (options_.algorithm) {
     case Algorithm::kAuto:
@@ -39,11 +41,12 @@ TransportCommunicator::TransportCommunicator(Transport& transport, Communication
     case Algorithm::kCustom:
       break;
     default:
-      DISTSTRAT_CHECK(std::find(also_runs.begin(), also_runs.end(), options_.algorithm) != also_runs.end(),
-                      kInvalidArgument, "rank ", rank(), ": TransportCommunicator: algorithm '",
-                      algorithm_name(options_.algorithm),
-                      "' is not available over this transport (point-to-point messages); use "
-                      "auto, ring, halving_doubling, tree, reduce_to_one, hierarchical or custom");
+      DISTSTRAT_CHECK(
+          std::find(also_runs.begin(), also_runs.end(), options_.algorithm) != also_runs.end(),
+          kInvalidArgument, "rank ", rank(), ": TransportCommunicator: algorithm '",
+          algorithm_name(options_.algorithm),
+          "' is not available over this transport (point-to-point messages); use "
+          "auto, ring, halving_doubling, tree, reduce_to_one, hierarchical or custom");
   }
   const int n = transport_->size();
   if (node_of_.empty() || options_.hierarchical_group_size > 0) {
@@ -54,10 +57,10 @@ TransportCommunicator::TransportCommunicator(Transport& transport, Communication
   DISTSTRAT_CHECK_EQ(static_cast<int>(node_of_.size()), n, "TransportCommunicator node map");
   num_nodes_ = static_cast<int>(std::set<int>(node_of_.begin(), node_of_.end()).size());
   if (options_.algorithm == Algorithm::kCustom) {
-    DISTSTRAT_CHECK(options_.algorithm_registry &&
-                        options_.algorithm_registry->find(options_.custom_algorithm),
-                    kInvalidArgument, "rank ", rank(), ": custom all-reduce algorithm '",
-                    echo(options_.custom_algorithm), "' is not in options.algorithm_registry");
+    DISTSTRAT_CHECK(
+        options_.algorithm_registry && options_.algorithm_registry->find(options_.custom_algorithm),
+        kInvalidArgument, "rank ", rank(), ": custom all-reduce algorithm '",
+        echo(options_.custom_algorithm), "' is not in options.algorithm_registry");
   }
 }
 
@@ -124,8 +127,9 @@ void TransportCommunicator::agree_on_call(const CallKey& key) {
   int other = 1;
   while (other < n && all[other] == all[0]) ++other;
   if (other == n) {
-    throw DataLossError("ranks agree on the call, yet the comparison of its hashes failed: a "
-                        "comparison message was damaged on its way");
+    throw DataLossError(
+        "ranks agree on the call, yet the comparison of its hashes failed: a "
+        "comparison message was damaged on its way");
   }
   throw InvalidArgumentError("ranks disagree on the call: rank 0 has " +
                              describe_key(all[0], all[other]) + ", rank " + std::to_string(other) +
@@ -137,8 +141,8 @@ Algorithm TransportCommunicator::resolve(size_t bytes) const {
   return algo::choose_auto(options_, bytes, size(), num_nodes_);
 }
 
-void TransportCommunicator::run_algorithm(Algorithm algorithm, void* buf, size_t count,
-                                          DType dtype, ReduceOp op) {
+void TransportCommunicator::run_algorithm(Algorithm algorithm, void* buf, size_t count, DType dtype,
+                                          ReduceOp op) {
   algo::AllReduceArgs a;
   a.buf = buf;
   a.count = count;
@@ -150,14 +154,19 @@ void TransportCommunicator::run_algorithm(Algorithm algorithm, void* buf, size_t
   a.tag = next_tag();
   const algo::Peers peers = algo::Peers::all(*transport_);
   switch (algorithm) {
-    case Algorithm::kRing: return algo::ring_all_reduce(peers, a);
-    case Algorithm::kHalvingDoubling: return algo::halving_doubling_all_reduce(peers, a);
-    case Algorithm::kTree: return algo::tree_all_reduce(peers, a);
-    case Algorithm::kReduceToOne: return algo::reduce_to_one_all_reduce(peers, a);
-    case Algorithm::kHierarchical: return algo::hierarchical_all_reduce(peers, a, node_of_);
+    case Algorithm::kRing:
+      return algo::ring_all_reduce(peers, a);
+    case Algorithm::kHalvingDoubling:
+      return algo::halving_doubling_all_reduce(peers, a);
+    case Algorithm::kTree:
+      return algo::tree_all_reduce(peers, a);
+    case Algorithm::kReduceToOne:
+      return algo::reduce_to_one_all_reduce(peers, a);
+    case Algorithm::kHierarchical:
+      return algo::hierarchical_all_reduce(peers, a, node_of_);
     case Algorithm::kCustom:
-      return algo::run_custom(*options_.algorithm_registry->find(options_.custom_algorithm),
-                              peers, a);
+      return algo::run_custom(*options_.algorithm_registry->find(options_.custom_algorithm), peers,
+                              a);
     default:
       throw UnimplementedError(std::string("algorithm '") + algorithm_name(algorithm) +
                                "' is not available over this transport");
@@ -168,13 +177,13 @@ void TransportCommunicator::all_reduce(const void* in, void* out, size_t count, 
                                        ReduceOp op, const std::string& name) {
   const size_t bytes = count * dtype_size(dtype);
   const Algorithm algorithm = resolve(bytes);
-  guarded(describe_call("all_reduce", count, dtype, &op, name) + " (" +
-              algorithm_name(algorithm) + ")",
-          [&] {
-            agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm});
-            if (in != out && bytes) std::memcpy(out, in, bytes);
-            run_algorithm(algorithm, out, count, dtype, op);
-          });
+  guarded(
+      describe_call("all_reduce", count, dtype, &op, name) + " (" + algorithm_name(algorithm) + ")",
+      [&] {
+        agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm});
+        if (in != out && bytes) std::memcpy(out, in, bytes);
+        run_algorithm(algorithm, out, count, dtype, op);
+      });
 }
 
 void TransportCommunicator::broadcast(void* buf, size_t count, DType dtype, int root,

@@ -89,11 +89,12 @@ class TransportCommunicator : public Communicator {
   void agree_on_call(const CallKey& key);
   // Runs `fn`, turning any Error it throws into the same code with a message
   // prefixed by this rank, the op, the tensor and the call number.
-  template <typename Fn> void guarded(const std::string& what, Fn&& fn) {
+  template <typename Fn>
+  void guarded(const std::string& what, Fn&& fn) {
     const long call = calls_++;
     if (aborted_) {
-      throw AbortedError("rank " + std::to_string(rank()) + ": " + what + " aborted: " +
-                         abort_reason_);
+      throw AbortedError("rank " + std::to_string(rank()) + ": " + what +
+                         " aborted: " + abort_reason_);
     }
     try {
       fn();

@@ -94,7 +94,8 @@ void CentralStorageStrategy::assign_variable(Variable::Impl& var, const Tensor& 
   impl_->replicas.for_each_copy(var.copies, [&](Tensor& c) { c.copy_from(value); });
 }
 
-Tensor CentralStorageStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
+Tensor CentralStorageStrategy::reduce_tensors_across(ReduceOp op,
+                                                     const std::vector<Tensor>& local) {
   return Strategy::reduce_tensors_across(op, impl_->replicas.to_host(local));
 }
 
@@ -134,8 +135,8 @@ void CentralStorageStrategy::apply_gradients(
       for (size_t k = 0; k < n; ++k) {
         DISTSTRAT_CHECK(pending[r][k].second.impl_ptr() == grads_and_vars[k].second.impl_ptr(),
                         kInvalidArgument, "CentralStorageStrategy::apply_gradients: replica ", r,
-                        " passed variable '", echo(pending[r][k].second.name()), "' at position ", k,
-                        " where replica 0 passed '", echo(grads_and_vars[k].second.name()), "'");
+                        " passed variable '", echo(pending[r][k].second.name()), "' at position ",
+                        k, " where replica 0 passed '", echo(grads_and_vars[k].second.name()), "'");
       }
     }
     Tensor iterations = optimizer.iterations().impl().copies[0];

@@ -17,8 +17,12 @@ bool same_stream(uint64_t a, uint64_t b) { return a == b && a != GpuBackend::kUn
 CachingAllocator::CachingAllocator(std::shared_ptr<GpuBackend> backend, int ordinal, size_t limit,
                                    bool growth, std::string name,
                                    std::chrono::milliseconds wait_timeout)
-    : backend_(std::move(backend)), ordinal_(ordinal), limit_(limit), growth_(growth),
-      name_(std::move(name)), wait_timeout_(wait_timeout) {
+    : backend_(std::move(backend)),
+      ordinal_(ordinal),
+      limit_(limit),
+      growth_(growth),
+      name_(std::move(name)),
+      wait_timeout_(wait_timeout) {
   stats_.limit_bytes = limit_;
   if (!growth_) {
     size_t bytes = limit_;
@@ -129,11 +133,11 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
   }
   size_t cached = 0;
   for (const auto& f : free_) cached += f.first;
-  throw ResourceExhaustedError(detail::str_cat(
-      name_, ": out of memory allocating ", bytes, " bytes (limit ",
-      limit_ ? std::to_string(limit_) + " bytes" : std::string("none"), ", in use ",
-      stats_.in_use_bytes, ", cached free ", cached, " in pieces, reserved ",
-      stats_.reserved_bytes, ", growth ", growth_ ? "on" : "off", ")"));
+  throw ResourceExhaustedError(
+      detail::str_cat(name_, ": out of memory allocating ", bytes, " bytes (limit ",
+                      limit_ ? std::to_string(limit_) + " bytes" : std::string("none"), ", in use ",
+                      stats_.in_use_bytes, ", cached free ", cached, " in pieces, reserved ",
+                      stats_.reserved_bytes, ", growth ", growth_ ? "on" : "off", ")"));
 }
 
 void CachingAllocator::deallocate(void* ptr) {

@@ -52,8 +52,8 @@ namespace diststrat {
 
 class CachingAllocator {
  public:
-  static constexpr size_t kAlignment = 256;       // what cudaMalloc guarantees
-  static constexpr size_t kMinChunk = 2u << 20;   // growth granularity
+  static constexpr size_t kAlignment = 256;      // what cudaMalloc guarantees
+  static constexpr size_t kMinChunk = 2u << 20;  // growth granularity
 
   // `limit` 0 = none. Reserves up front when !growth (may throw).
   CachingAllocator(std::shared_ptr<GpuBackend> backend, int ordinal, size_t limit, bool growth,
@@ -100,10 +100,10 @@ class CachingAllocator {
   std::string name_;
   std::chrono::milliseconds wait_timeout_;
   mutable std::mutex mu_;
-  std::map<char*, Block> blocks_;              // by address
-  std::set<std::pair<size_t, char*>> free_;    // free blocks by (size, address)
-  std::map<char*, size_t> chunks_;             // base -> size
-  std::vector<void*> idle_events_;             // for reuse
+  std::map<char*, Block> blocks_;            // by address
+  std::set<std::pair<size_t, char*>> free_;  // free blocks by (size, address)
+  std::map<char*, size_t> chunks_;           // base -> size
+  std::vector<void*> idle_events_;           // for reuse
   MemoryStats stats_;
 };
 

@@ -85,17 +85,17 @@ void DeviceManager::Impl::initialize_locked() {
   if (take) {
     const auto visible_env = parse_visible_devices(std::getenv("CUDA_VISIBLE_DEVICES"));
     for (int o : ordinals) {
-      taken.push_back(GpuLease::acquire(gpu_lease_id(o, backend->info(o).uuid, visible_env),
-                                        options.lease));
+      taken.push_back(
+          GpuLease::acquire(gpu_lease_id(o, backend->info(o).uuid, visible_env), options.lease));
     }
   }
   std::vector<Logical> made;
   for (int o : ordinals) {
     auto it = options.logical_devices.find(o);
     std::vector<LogicalDeviceConfiguration> cfg =
-        it != options.logical_devices.end() ? it->second
-                                            : std::vector<LogicalDeviceConfiguration>{
-                                                  {options.memory_limit_bytes}};
+        it != options.logical_devices.end()
+            ? it->second
+            : std::vector<LogicalDeviceConfiguration>{{options.memory_limit_bytes}};
     for (const auto& c : cfg) {
       Logical l;
       l.info.device = Device::gpu(static_cast<int>(made.size()));
@@ -114,10 +114,10 @@ void DeviceManager::Impl::initialize_locked() {
 
 const DeviceManager::Impl::Logical& DeviceManager::Impl::logical_locked(const Device& device) {
   initialize_locked();
-  DISTSTRAT_CHECK(device.is_gpu() && device.index >= 0 &&
-                      static_cast<size_t>(device.index) < logical.size(),
-                  kNotFound, "device ", device.to_string(), " does not exist: ", logical.size(),
-                  " logical GPU(s) configured", backend ? "" : " (this build has no GPU support)");
+  DISTSTRAT_CHECK(
+      device.is_gpu() && device.index >= 0 && static_cast<size_t>(device.index) < logical.size(),
+      kNotFound, "device ", device.to_string(), " does not exist: ", logical.size(),
+      " logical GPU(s) configured", backend ? "" : " (this build has no GPU support)");
   return logical[static_cast<size_t>(device.index)];
 }
 
@@ -133,7 +133,7 @@ int DeviceManager::Impl::ordinal_of(const Device& device) {
 }
 
 std::shared_ptr<void> DeviceManager::Impl::allocate_raw(const Device& device, size_t bytes,
-                                                         void* stream) {
+                                                        void* stream) {
   std::shared_ptr<CachingAllocator> alloc;
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -259,8 +259,8 @@ void DeviceManager::empty_cache(const Device& device) {
 }
 
 GpuOptions gpu_options_for_local_process(int per_process, int local_rank) {
-  DISTSTRAT_CHECK(per_process >= 1, kInvalidArgument, "gpu_options_for_local_process: ",
-                  per_process, " GPUs per process");
+  DISTSTRAT_CHECK(per_process >= 1, kInvalidArgument,
+                  "gpu_options_for_local_process: ", per_process, " GPUs per process");
   if (local_rank < 0) {
     local_rank = 0;
     for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {

@@ -42,21 +42,36 @@ constexpr int kMaxDims = 64;
 
 const char* device_type_name(int type) {
   switch (type) {
-    case kDLCPU: return "kDLCPU";
-    case kDLCUDA: return "kDLCUDA";
-    case kDLCUDAHost: return "kDLCUDAHost";
-    case kDLOpenCL: return "kDLOpenCL";
-    case kDLVulkan: return "kDLVulkan";
-    case kDLMetal: return "kDLMetal";
-    case kDLVPI: return "kDLVPI";
-    case kDLROCM: return "kDLROCM";
-    case kDLROCMHost: return "kDLROCMHost";
-    case kDLExtDev: return "kDLExtDev";
-    case kDLCUDAManaged: return "kDLCUDAManaged";
-    case 14: return "kDLOneAPI";  // DLPack >= 0.7
-    case 15: return "kDLWebGPU";
-    case 16: return "kDLHexagon";
-    default: return "unknown";
+    case kDLCPU:
+      return "kDLCPU";
+    case kDLCUDA:
+      return "kDLCUDA";
+    case kDLCUDAHost:
+      return "kDLCUDAHost";
+    case kDLOpenCL:
+      return "kDLOpenCL";
+    case kDLVulkan:
+      return "kDLVulkan";
+    case kDLMetal:
+      return "kDLMetal";
+    case kDLVPI:
+      return "kDLVPI";
+    case kDLROCM:
+      return "kDLROCM";
+    case kDLROCMHost:
+      return "kDLROCMHost";
+    case kDLExtDev:
+      return "kDLExtDev";
+    case kDLCUDAManaged:
+      return "kDLCUDAManaged";
+    case 14:
+      return "kDLOneAPI";  // DLPack >= 0.7
+    case 15:
+      return "kDLWebGPU";
+    case 16:
+      return "kDLHexagon";
+    default:
+      return "unknown";
   }
 }
 
@@ -64,14 +79,29 @@ const char* device_type_name(int type) {
 std::string describe(const DLDataType& t) {
   const char* name = nullptr;
   switch (t.code) {
-    case kDLInt: name = "int"; break;
-    case kDLUInt: name = "uint"; break;
-    case kDLFloat: name = "float"; break;
-    case kDLOpaqueHandle: name = "opaque"; break;
-    case kDLBfloat: name = "bfloat"; break;
-    case kDLComplex: name = "complex"; break;
-    case 6: name = "bool"; break;  // kDLBool, DLPack >= 0.8
-    default: break;
+    case kDLInt:
+      name = "int";
+      break;
+    case kDLUInt:
+      name = "uint";
+      break;
+    case kDLFloat:
+      name = "float";
+      break;
+    case kDLOpaqueHandle:
+      name = "opaque";
+      break;
+    case kDLBfloat:
+      name = "bfloat";
+      break;
+    case kDLComplex:
+      name = "complex";
+      break;
+    case 6:
+      name = "bool";
+      break;  // kDLBool, DLPack >= 0.8
+    default:
+      break;
   }
   std::ostringstream os;
   if (name) {
@@ -92,9 +122,8 @@ DType dtype_from_dl(const DLDataType& t) {
   if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
   if (t.code == kDLInt && t.bits == 32) return DType::kInt32;
   if (t.code == kDLInt && t.bits == 64) return DType::kInt64;
-  throw InvalidArgumentError("Tensor::from_dlpack: unsupported dtype " + describe(t) +
-                             " (code " + std::to_string(t.code) + ", bits " +
-                             std::to_string(t.bits) +
+  throw InvalidArgumentError("Tensor::from_dlpack: unsupported dtype " + describe(t) + " (code " +
+                             std::to_string(t.code) + ", bits " + std::to_string(t.bits) +
                              "); supported: float32, float64, float16, bfloat16, int32, int64");
 }
 
@@ -105,10 +134,16 @@ DLDataType dtype_to_dl(DType d) {
   switch (d) {
     case DType::kFloat32:
     case DType::kFloat64:
-    case DType::kFloat16: t.code = kDLFloat; break;
-    case DType::kBFloat16: t.code = kDLBfloat; break;
+    case DType::kFloat16:
+      t.code = kDLFloat;
+      break;
+    case DType::kBFloat16:
+      t.code = kDLBfloat;
+      break;
     case DType::kInt32:
-    case DType::kInt64: t.code = kDLInt; break;
+    case DType::kInt64:
+      t.code = kDLInt;
+      break;
   }
   return t;
 }
@@ -138,10 +173,9 @@ Device gpu_of_ordinal(int ordinal) {
                   ordinal, " is not a GPU of this thread's DeviceManager (",
                   all.str().empty() ? "none" : all.str(), ")");
   if (matches.size() > 1) {
-    throw InvalidArgumentError(
-        "Tensor::from_dlpack: kDLCUDA device_id " + std::to_string(ordinal) +
-        " is split into several logical GPUs (" + all.str() +
-        "); name the one to use with Tensor::from_dlpack(managed, device)");
+    throw InvalidArgumentError("Tensor::from_dlpack: kDLCUDA device_id " + std::to_string(ordinal) +
+                               " is split into several logical GPUs (" + all.str() +
+                               "); name the one to use with Tensor::from_dlpack(managed, device)");
   }
   return matches[0];
 }
@@ -154,14 +188,14 @@ Device device_from_dl(const DLDevice& dev, const Device* wanted) {
   std::memcpy(&raw, &dev.device_type, sizeof raw);
   const int type = static_cast<int>(raw);
   if (type == kDLCPU || type == kDLCUDAHost) {  // pinned host memory is host memory
-    DISTSTRAT_CHECK(!wanted || wanted->is_cpu(), kInvalidArgument, "Tensor::from_dlpack: ",
-                    device_type_name(type), " memory onto ", wanted->to_string(),
-                    " (host memory needs a CPU device)");
+    DISTSTRAT_CHECK(!wanted || wanted->is_cpu(), kInvalidArgument,
+                    "Tensor::from_dlpack: ", device_type_name(type), " memory onto ",
+                    wanted->to_string(), " (host memory needs a CPU device)");
     return wanted ? *wanted : Device::cpu(0);
   }
   if (type == kDLCUDA) {
-    DISTSTRAT_CHECK(dev.device_id >= 0, kInvalidArgument,
-                    "Tensor::from_dlpack: kDLCUDA device_id ", dev.device_id, " is negative");
+    DISTSTRAT_CHECK(dev.device_id >= 0, kInvalidArgument, "Tensor::from_dlpack: kDLCUDA device_id ",
+                    dev.device_id, " is negative");
     if (!wanted) return gpu_of_ordinal(dev.device_id);
     DISTSTRAT_CHECK(wanted->is_gpu(), kInvalidArgument, "Tensor::from_dlpack: kDLCUDA memory (",
                     "device_id ", dev.device_id, ") onto ", wanted->to_string(),
@@ -169,8 +203,8 @@ Device device_from_dl(const DLDevice& dev, const Device* wanted) {
     const ExecScope* s = current_exec_scope();
     if (s && s->devices) {
       const int ordinal = s->devices->impl().ordinal_of(*wanted);
-      DISTSTRAT_CHECK(ordinal == dev.device_id, kInvalidArgument, "Tensor::from_dlpack: ",
-                      wanted->to_string(), " is CUDA ordinal ", ordinal,
+      DISTSTRAT_CHECK(ordinal == dev.device_id, kInvalidArgument,
+                      "Tensor::from_dlpack: ", wanted->to_string(), " is CUDA ordinal ", ordinal,
                       ", the memory is on kDLCUDA device_id ", dev.device_id);
     }
     return *wanted;
@@ -201,8 +235,8 @@ Tensor import(DLManagedTensor* managed, const Device* wanted) {
   DISTSTRAT_CHECK(managed != nullptr, kInvalidArgument,
                   "Tensor::from_dlpack: null DLManagedTensor");
   const DLTensor& t = managed->dl_tensor;
-  DISTSTRAT_CHECK(t.ndim >= 0 && t.ndim <= kMaxDims, kInvalidArgument,
-                  "Tensor::from_dlpack: ndim ", t.ndim, " is outside [0, ", kMaxDims, "]");
+  DISTSTRAT_CHECK(t.ndim >= 0 && t.ndim <= kMaxDims, kInvalidArgument, "Tensor::from_dlpack: ndim ",
+                  t.ndim, " is outside [0, ", kMaxDims, "]");
   DISTSTRAT_CHECK(t.ndim == 0 || t.shape != nullptr, kInvalidArgument,
                   "Tensor::from_dlpack: shape is NULL with ndim ", t.ndim);
   const DType dtype = dtype_from_dl(t.dtype);
@@ -230,8 +264,8 @@ Tensor import(DLManagedTensor* managed, const Device* wanted) {
     int64_t expected = 1;
     for (int i = t.ndim - 1; i >= 0; --i) {
       DISTSTRAT_CHECK(dims[i] == 1 || t.strides[i] == expected, kInvalidArgument,
-                      "Tensor::from_dlpack: not contiguous: dim ", i, " has stride ",
-                      t.strides[i], " where compact row-major needs ", expected, " (shape ",
+                      "Tensor::from_dlpack: not contiguous: dim ", i, " has stride ", t.strides[i],
+                      " where compact row-major needs ", expected, " (shape ",
                       join(t.shape, t.ndim), ", strides ", join(t.strides, t.ndim),
                       "); make it contiguous first (torch: .contiguous())");
       expected *= dims[i];
@@ -247,8 +281,8 @@ Tensor import(DLManagedTensor* managed, const Device* wanted) {
     const uintptr_t max = std::numeric_limits<uintptr_t>::max();
     DISTSTRAT_CHECK(t.byte_offset <= max - base &&
                         static_cast<uint64_t>(nbytes) <= max - (base + t.byte_offset),
-                    kInvalidArgument, "Tensor::from_dlpack: byte_offset ", t.byte_offset,
-                    " + ", nbytes, " bytes overflows the address space");
+                    kInvalidArgument, "Tensor::from_dlpack: byte_offset ", t.byte_offset, " + ",
+                    nbytes, " bytes overflows the address space");
     const uintptr_t addr = base + static_cast<uintptr_t>(t.byte_offset);
     DISTSTRAT_CHECK(addr % static_cast<uintptr_t>(elem) == 0, kInvalidArgument,
                     "Tensor::from_dlpack: data ", t.data, " + byte_offset ", t.byte_offset,
@@ -294,7 +328,8 @@ DLManagedTensor* Tensor::to_dlpack() const {
     // index is a logical GPU's, not a CUDA ordinal, on a split GPU.
     const ExecScope* s = current_exec_scope();
     int ordinal = storage_cuda_ordinal();
-    if (ordinal < 0) ordinal = s && s->devices ? s->devices->impl().ordinal_of(device_) : device_.index;
+    if (ordinal < 0)
+      ordinal = s && s->devices ? s->devices->impl().ordinal_of(device_) : device_.index;
     t.device = DLDevice{kDLCUDA, ordinal};
   }
   t.ndim = static_cast<int>(e->shape.size());

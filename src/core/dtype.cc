@@ -9,36 +9,54 @@ namespace diststrat {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat64: return 8;
-    case DType::kFloat16: return 2;
-    case DType::kBFloat16: return 2;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat64:
+      return 8;
+    case DType::kFloat16:
+      return 2;
+    case DType::kBFloat16:
+      return 2;
+    case DType::kInt32:
+      return 4;
+    case DType::kInt64:
+      return 8;
   }
   throw InvalidArgumentError("unknown dtype " + std::to_string(static_cast<int>(dtype)));
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
   }
   return "unknown";
 }
 
 const char* dtype_safetensors_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "F32";
-    case DType::kFloat64: return "F64";
-    case DType::kFloat16: return "F16";
-    case DType::kBFloat16: return "BF16";
-    case DType::kInt32: return "I32";
-    case DType::kInt64: return "I64";
+    case DType::kFloat32:
+      return "F32";
+    case DType::kFloat64:
+      return "F64";
+    case DType::kFloat16:
+      return "F16";
+    case DType::kBFloat16:
+      return "BF16";
+    case DType::kInt32:
+      return "I32";
+    case DType::kInt64:
+      return "I64";
   }
   return "unknown";
 }
@@ -56,9 +74,7 @@ DType dtype_from_name(const std::string& name) {
                              "' (expected float32, float64, float16, bfloat16, int32 or int64)");
 }
 
-bool dtype_is_floating(DType dtype) {
-  return dtype != DType::kInt32 && dtype != DType::kInt64;
-}
+bool dtype_is_floating(DType dtype) { return dtype != DType::kInt32 && dtype != DType::kInt64; }
 
 uint16_t Half::from_float(float f) {
   uint32_t x;

@@ -93,8 +93,8 @@ std::vector<std::string> unknown_variable_warnings() {
     const char* eq = std::strchr(entry, '=');
     const std::string name = eq ? std::string(entry, eq) : std::string(entry);
     if (is_known(name)) continue;
-    out.push_back("unknown environment variable " + echo(name) +
-                  " is ignored (did you mean " + closest_known(name) +
+    out.push_back("unknown environment variable " + echo(name) + " is ignored (did you mean " +
+                  closest_known(name) +
                   "? the known DISTSTRAT_* variables are listed in docs/troubleshooting.md)");
   }
   std::sort(out.begin(), out.end());

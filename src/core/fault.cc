@@ -12,12 +12,18 @@ namespace diststrat {
 
 const char* fault_kind_name(FaultKind kind) {
   switch (kind) {
-    case FaultKind::kNone: return "none";
-    case FaultKind::kThrow: return "throw";
-    case FaultKind::kExit: return "exit";
-    case FaultKind::kStall: return "stall";
-    case FaultKind::kCorrupt: return "corrupt";
-    case FaultKind::kOversize: return "oversize";
+    case FaultKind::kNone:
+      return "none";
+    case FaultKind::kThrow:
+      return "throw";
+    case FaultKind::kExit:
+      return "exit";
+    case FaultKind::kStall:
+      return "stall";
+    case FaultKind::kCorrupt:
+      return "corrupt";
+    case FaultKind::kOversize:
+      return "oversize";
   }
   return "?";
 }
@@ -38,8 +44,9 @@ FaultInjection FaultInjection::parse(const std::string& text) {
                       FaultKind::kOversize}) {
     if (kind == fault_kind_name(k)) f.kind = k;
   }
-  DISTSTRAT_CHECK(f.active(), kInvalidArgument, "fault injection '", echo(text), "': unknown kind '",
-                  echo(text.substr(0, a)), "' (throw, exit, stall, corrupt, oversize; any case)");
+  DISTSTRAT_CHECK(f.active(), kInvalidArgument, "fault injection '", echo(text),
+                  "': unknown kind '", echo(text.substr(0, a)),
+                  "' (throw, exit, stall, corrupt, oversize; any case)");
   // Digits only: stoi/stoll would skip leading spaces and accept a sign.
   const auto digits = [](const std::string& x) {
     return !x.empty() && x.size() <= 18 &&

@@ -62,7 +62,8 @@ const char* file_kind(mode_t mode) {
   return "of an unknown kind";
 }
 
-ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what, const ReadOptions& options)
+ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what,
+                           const ReadOptions& options)
     : what_(what) {
   int flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
   if (!options.follow_symlinks) flags |= O_NOFOLLOW;
@@ -76,7 +77,8 @@ ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what, con
     }
     if (err == ENOENT) throw NotFoundError(what + " does not exist");
     // Following symlinks, ELOOP is a loop (or a chain over 40 deep): a damaged file, like a FIFO.
-    if (err == ELOOP) throw_error(options.bad_file_code, what + " is a symbolic link loop: " + std::strerror(err));
+    if (err == ELOOP)
+      throw_error(options.bad_file_code, what + " is a symbolic link loop: " + std::strerror(err));
     throw_errno(err, what + ": open failed");
   }
   struct stat st;
@@ -87,7 +89,8 @@ ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what, con
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd_);
-    throw_error(options.bad_file_code, what + " is " + file_kind(st.st_mode) + ", not a regular file");
+    throw_error(options.bad_file_code,
+                what + " is " + file_kind(st.st_mode) + ", not a regular file");
   }
   size_ = static_cast<uint64_t>(st.st_size);
   if (options.max_bytes > 0 && size_ > options.max_bytes) {
@@ -114,8 +117,9 @@ void ReadOnlyFile::read_at(uint64_t offset, void* buf, size_t n) const {
       if (errno == EINTR) continue;
       throw_errno(errno, what_ + ": read failed");
     }
-    if (got == 0) throw DataLossError(what_ + ": truncated while being read (it shrank below " +
-                                      std::to_string(offset + n) + " bytes)");
+    if (got == 0)
+      throw DataLossError(what_ + ": truncated while being read (it shrank below " +
+                          std::to_string(offset + n) + " bytes)");
     p += got;
     offset += static_cast<uint64_t>(got);
     n -= static_cast<size_t>(got);
@@ -127,22 +131,26 @@ std::vector<uint8_t> ReadOnlyFile::read_all() const {
   try {
     out.resize(static_cast<size_t>(size_));
   } catch (const std::bad_alloc&) {
-    throw ResourceExhaustedError(what_ + ": its " + std::to_string(size_) + " bytes do not fit in memory");
+    throw ResourceExhaustedError(what_ + ": its " + std::to_string(size_) +
+                                 " bytes do not fit in memory");
   }
   if (size_ > 0) read_at(0, out.data(), out.size());
   return out;
 }
 
-std::vector<uint8_t> read_file(const std::string& path, const std::string& what, const ReadOptions& options) {
+std::vector<uint8_t> read_file(const std::string& path, const std::string& what,
+                               const ReadOptions& options) {
   return ReadOnlyFile(path, what, options).read_all();
 }
 
-std::string read_text_file(const std::string& path, const std::string& what, const ReadOptions& options) {
+std::string read_text_file(const std::string& path, const std::string& what,
+                           const ReadOptions& options) {
   const std::vector<uint8_t> b = read_file(path, what, options);
   return std::string(b.begin(), b.end());
 }
 
-void ensure_writable_directory(const std::string& dir, const std::string& probe_name, const std::string& what) {
+void ensure_writable_directory(const std::string& dir, const std::string& probe_name,
+                               const std::string& what) {
   DISTSTRAT_CHECK(!dir.empty(), kInvalidArgument, what, ": empty directory name");
   // mkdir -p: every prefix that ends a component, then the whole path.
   for (size_t i = 1; i <= dir.size(); ++i) {
@@ -152,27 +160,31 @@ void ensure_writable_directory(const std::string& dir, const std::string& probe_
     if (::mkdir(partial.c_str(), 0755) == 0 || errno == EEXIST) continue;
     const int err = errno;
     struct stat st;
-    if (::stat(partial.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;  // raced, or EACCES on an existing one
+    if (::stat(partial.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+      continue;  // raced, or EACCES on an existing one
     if (err == ENOTDIR) {
-      throw FailedPreconditionError(what + ": cannot create directory '" + dir + "': a component of '" +
-                                    partial + "' is not a directory");
+      throw FailedPreconditionError(what + ": cannot create directory '" + dir +
+                                    "': a component of '" + partial + "' is not a directory");
     }
     throw_errno(err, what + ": cannot create directory '" + partial + "'");
   }
   struct stat st;
   if (::stat(dir.c_str(), &st) != 0) throw_errno(errno, what + ": '" + dir + "'");
   if (!S_ISDIR(st.st_mode)) {
-    throw FailedPreconditionError(what + ": '" + dir + "' is " + file_kind(st.st_mode) + ", not a directory");
+    throw FailedPreconditionError(what + ": '" + dir + "' is " + file_kind(st.st_mode) +
+                                  ", not a directory");
   }
   const std::string probe = dir + "/" + probe_name;
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) {
     const int err = errno;
-    throw_errno(err, what + ": directory '" + dir + "' is not writable (creating '" + probe_name + "' failed)");
+    throw_errno(err, what + ": directory '" + dir + "' is not writable (creating '" + probe_name +
+                         "' failed)");
   }
   ::close(fd);
   if (::unlink(probe.c_str()) != 0) {
-    throw_errno(errno, what + ": directory '" + dir + "': cannot remove the probe file '" + probe_name + "'");
+    throw_errno(errno, what + ": directory '" + dir + "': cannot remove the probe file '" +
+                           probe_name + "'");
   }
 }
 
@@ -188,7 +200,8 @@ void write_file_atomically(const std::string& path, const void* bytes, size_t si
   struct stat lst {};
   if (::lstat(path.c_str(), &lst) == 0 && !S_ISREG(lst.st_mode) && !S_ISLNK(lst.st_mode) &&
       !S_ISFIFO(lst.st_mode)) {
-    throw FailedPreconditionError("writing '" + path + "': it exists and is " + fs::file_kind(lst.st_mode) +
+    throw FailedPreconditionError("writing '" + path + "': it exists and is " +
+                                  fs::file_kind(lst.st_mode) +
                                   ", not a regular file; refusing to replace it");
   }
   const std::string tmp =
@@ -223,7 +236,8 @@ void write_file_atomically(const std::string& path, const void* bytes, size_t si
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", errno);
   // The rename is durable only once the directory entry is.
   const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const std::string dir =
+      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);

@@ -71,8 +71,10 @@ class ReadOnlyFile {
 };
 
 // The whole regular file at `path`, read safely (see ReadOnlyFile).
-std::vector<uint8_t> read_file(const std::string& path, const std::string& what, const ReadOptions& options = {});
-std::string read_text_file(const std::string& path, const std::string& what, const ReadOptions& options = {});
+std::vector<uint8_t> read_file(const std::string& path, const std::string& what,
+                               const ReadOptions& options = {});
+std::string read_text_file(const std::string& path, const std::string& what,
+                           const ReadOptions& options = {});
 
 // Creates `dir` and its missing parents (mode 0755), then checks that it is a
 // directory (a symlink to one is fine) in which this process can create and
@@ -80,7 +82,8 @@ std::string read_text_file(const std::string& path, const std::string& what, con
 // Throws FailedPreconditionError when a component is not a directory,
 // PermissionDeniedError when it cannot be created or written, else the
 // errno_code; every message names `what` and the path.
-void ensure_writable_directory(const std::string& dir, const std::string& probe_name, const std::string& what);
+void ensure_writable_directory(const std::string& dir, const std::string& probe_name,
+                               const std::string& what);
 
 }  // namespace fs
 

@@ -14,7 +14,10 @@ class Fnv1a {
     const unsigned char* c = static_cast<const unsigned char*>(p);
     for (size_t i = 0; i < n; ++i) h_ = (h_ ^ c[i]) * 1099511628211ull;
   }
-  template <typename T> void value(T v) { bytes(&v, sizeof v); }
+  template <typename T>
+  void value(T v) {
+    bytes(&v, sizeof v);
+  }
   // Length-prefixed, so that ("ab", "c") and ("a", "bc") differ.
   void text(const std::string& s) {
     value<uint64_t>(s.size());

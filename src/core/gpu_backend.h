@@ -115,8 +115,8 @@ class GpuBackend {
                               int64_t in, int64_t out);
   // y = max(x, 0) / dx = dy where y > 0
   virtual void relu_forward(int ordinal, void* stream, const float* x, float* y, int64_t count);
-  virtual void relu_backward(int ordinal, void* stream, const float* y, const float* dy,
-                             float* dx, int64_t count);
+  virtual void relu_backward(int ordinal, void* stream, const float* y, const float* dy, float* dx,
+                             int64_t count);
   // Per row: loss[i], dlogits = (softmax − onehot)·scale, correct[i] = argmax == label,
   // bad[0] = 1 + first row index whose label is out of range (0 if none).
   virtual void softmax_cross_entropy(int ordinal, void* stream, const float* logits,
@@ -176,10 +176,9 @@ class GpuBackend {
   // finite; sums: device, from sum_of_squares with the same loss_scale) :
   // scale; the product only when f != 1; clip into [-clip_value, clip_value]
   // when clip_value > 0. out may alias in.
-  virtual void scale_and_clip(int ordinal, void* stream, const float* const* in,
-                              float* const* out, const size_t* counts, int n,
-                              const float* loss_scale, float scale, const double* sums,
-                              float clip_norm, float clip_value);
+  virtual void scale_and_clip(int ordinal, void* stream, const float* const* in, float* const* out,
+                              const size_t* counts, int n, const float* loss_scale, float scale,
+                              const double* sums, float clip_norm, float clip_value);
   // acc[i][j] = in[i][j] when `first`, else acc[i][j] + in[i][j] (float).
   virtual void accumulate(int ordinal, void* stream, float* const* acc, const float* const* in,
                           const size_t* counts, int n, bool first);

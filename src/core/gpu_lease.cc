@@ -107,8 +107,8 @@ std::string host_name() {
 // The record is "key=value" lines.
 std::string format_holder(const LeaseHolder& h) {
   std::ostringstream os;
-  os << "pid=" << h.pid << "\nuser=" << h.user << "\ncommand=" << h.command
-     << "\nsince=" << h.since << "\nhost=" << h.host << "\n";
+  os << "pid=" << h.pid << "\nuser=" << h.user << "\ncommand=" << h.command << "\nsince=" << h.since
+     << "\nhost=" << h.host << "\n";
   return os.str();
 }
 
@@ -126,11 +126,16 @@ LeaseHolder parse_holder(const std::string& text) {
     for (char& c : v) {
       if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
     }
-    if (k == "pid") h.pid = std::atoi(v.c_str());
-    else if (k == "user") h.user = v;
-    else if (k == "command") h.command = v;
-    else if (k == "since") h.since = v;
-    else if (k == "host") h.host = v;
+    if (k == "pid")
+      h.pid = std::atoi(v.c_str());
+    else if (k == "user")
+      h.user = v;
+    else if (k == "command")
+      h.command = v;
+    else if (k == "since")
+      h.since = v;
+    else if (k == "host")
+      h.host = v;
   }
   return h;
 }
@@ -199,7 +204,8 @@ bool same_file(const struct stat& a, const struct stat& b) {
 
 // Whether `name` in the directory still names the file open as `fd`.
 bool names_file(int dir_fd, const std::string& name, int fd) {
-  struct stat by_name {}, by_fd {};
+  struct stat by_name {
+  }, by_fd{};
   return ::fstatat(dir_fd, name.c_str(), &by_name, AT_SYMLINK_NOFOLLOW) == 0 &&
          ::fstat(fd, &by_fd) == 0 && same_file(by_name, by_fd);
 }
@@ -296,7 +302,8 @@ int open_lease_dir(const std::string& dir, bool create) {
   Fd cur(::dup(fd.get()));
   for (int depth = 0; depth < 256 && cur.get() >= 0; ++depth) {
     Fd up(::openat(cur.get(), "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    struct stat cst {}, ust {};
+    struct stat cst {
+    }, ust{};
     if (up.get() < 0 || ::fstat(cur.get(), &cst) != 0 || ::fstat(up.get(), &ust) != 0) break;
     if (same_file(cst, ust)) break;  // "/"
     above += "/..";
@@ -354,8 +361,8 @@ Attempt try_take(int dir_fd, const std::string& name, const std::string& path) {
   }
   const int create_err = errno;
   if (create_err == EACCES || create_err == EPERM) {
-    throw PermissionDeniedError("GPU lease " + path + ": cannot create it: " +
-                                std::strerror(create_err));
+    throw PermissionDeniedError("GPU lease " + path +
+                                ": cannot create it: " + std::strerror(create_err));
   }
   if (create_err != EEXIST) fs::throw_errno(create_err, "GPU lease " + path + ": open failed");
 
@@ -372,10 +379,10 @@ Attempt try_take(int dir_fd, const std::string& name, const std::string& path) {
                                   "links. Its owner or root must remove it");
     }
     if (err == EACCES) {
-      throw PermissionDeniedError(
-          "GPU lease " + path + " (owned by " + owner_text(lst.st_uid) + ", mode " +
-          mode_text(lst.st_mode) + ") cannot be read, so it is no lock file a holder made (they "
-          "are 0644); its owner or root must remove it");
+      throw PermissionDeniedError("GPU lease " + path + " (owned by " + owner_text(lst.st_uid) +
+                                  ", mode " + mode_text(lst.st_mode) +
+                                  ") cannot be read, so it is no lock file a holder made (they "
+                                  "are 0644); its owner or root must remove it");
     }
     fs::throw_errno(err, "GPU lease " + path + ": open failed");
   }
@@ -408,8 +415,8 @@ Attempt try_take(int dir_fd, const std::string& name, const std::string& path) {
   Fd w(::openat(dir_fd, name.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
   if (w.get() < 0 && errno != ENOENT) {
     throw PermissionDeniedError("GPU lease " + path + " (yours, mode " + mode_text(st.st_mode) +
-                                ", no one holds it) cannot be opened for writing: " +
-                                errno_text() + "; remove it");
+                                ", no one holds it) cannot be opened for writing: " + errno_text() +
+                                "; remove it");
   }
   struct stat wst {};
   if (w.get() < 0 || ::fstat(w.get(), &wst) != 0 || !same_file(st, wst)) return a;
@@ -504,7 +511,8 @@ GpuLease GpuLease::acquire(const std::string& gpu_id, const LeaseOptions& option
       if (!options.wait) {
         throw ResourceExhaustedError("GPU " + gpu_id + " is leased by " + a.holder.to_string() +
                                      "; wait for it (LeaseOptions::wait), pick another GPU, or "
-                                     "see diststrat-smi (lock file " + path + ")");
+                                     "see diststrat-smi (lock file " +
+                                     path + ")");
       }
     }
     if (options.wait && now >= deadline) {
@@ -588,8 +596,7 @@ std::vector<std::pair<std::string, LeaseHolder>> list_leases(const LeaseOptions&
     if (auto h = probe(dir_fd.get(), name)) out.emplace_back(id, *h);
   }
   ::closedir(d);
-  std::sort(out.begin(), out.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   return out;
 }
 

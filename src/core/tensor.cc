@@ -20,9 +20,8 @@ Shape::Shape(std::vector<int64_t> dims) : dims_(std::move(dims)) {
     DISTSTRAT_CHECK(dims_[i] >= 0, kInvalidArgument, "shape ", to_string(), ": dim ", i,
                     " is negative");
     // The element count must be an int64 (num_elements() multiplies freely).
-    DISTSTRAT_CHECK(n == 0 || dims_[i] <= std::numeric_limits<int64_t>::max() / n,
-                    kInvalidArgument, "shape ", to_string(),
-                    ": the element count overflows int64");
+    DISTSTRAT_CHECK(n == 0 || dims_[i] <= std::numeric_limits<int64_t>::max() / n, kInvalidArgument,
+                    "shape ", to_string(), ": the element count overflows int64");
     n *= dims_[i];
   }
 }
@@ -92,7 +91,8 @@ Tensor::Tensor(Shape shape, DType dtype, Device device)
   storage_->owner = device.is_cpu() ? allocate_host(storage_->bytes)
                                     : allocate_device_memory(device, storage_->bytes);
   storage_->ptr = storage_->owner.get();
-  if (device.is_gpu()) storage_->cuda_ordinal = current_exec_scope()->devices->impl().ordinal_of(device);
+  if (device.is_gpu())
+    storage_->cuda_ordinal = current_exec_scope()->devices->impl().ordinal_of(device);
 }
 
 int Tensor::storage_cuda_ordinal() const { return storage_ ? storage_->cuda_ordinal : -1; }
@@ -132,8 +132,8 @@ const void* Tensor::data() const {
 }
 
 void Tensor::check_dtype(DType expected) const {
-  DISTSTRAT_CHECK(dtype_ == expected, kInvalidArgument, "tensor ", debug_string(),
-                  " accessed as ", dtype_name(expected));
+  DISTSTRAT_CHECK(dtype_ == expected, kInvalidArgument, "tensor ", debug_string(), " accessed as ",
+                  dtype_name(expected));
 }
 
 Tensor Tensor::clone() const {
@@ -185,8 +185,8 @@ Tensor Tensor::reshape(Shape shape) const {
 
 Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
   DISTSTRAT_CHECK(shape_.rank() >= 1, kInvalidArgument, "slice_rows of scalar ", debug_string());
-  DISTSTRAT_CHECK(0 <= begin && begin <= end && end <= shape_[0], kInvalidArgument,
-                  "slice_rows [", begin, ", ", end, ") of ", debug_string());
+  DISTSTRAT_CHECK(0 <= begin && begin <= end && end <= shape_[0], kInvalidArgument, "slice_rows [",
+                  begin, ", ", end, ") of ", debug_string());
   std::vector<int64_t> dims = shape_.dims();
   const int64_t row_elems = dims[0] ? num_elements() / dims[0] : 0;
   int64_t row_bytes = row_elems * static_cast<int64_t>(dtype_size(dtype_));

@@ -16,9 +16,9 @@ namespace diststrat {
 namespace {
 // Microseconds on the system clock, so that processes on one host line up.
 double micros(Timeline::Clock::time_point t) {
-  const auto sys = std::chrono::system_clock::now() +
-                   std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                       t - Timeline::Clock::now());
+  const auto sys =
+      std::chrono::system_clock::now() +
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(t - Timeline::Clock::now());
   return std::chrono::duration<double, std::micro>(sys.time_since_epoch()).count();
 }
 
@@ -40,9 +40,10 @@ Timeline::Timeline(int pid) : pid_(pid) {}
 
 void Timeline::name_thread(int tid, const std::string& name) {
   char buf[512];
-  std::snprintf(buf, sizeof buf,
-                "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}",
-                pid_, tid, escape(name).c_str());
+  std::snprintf(
+      buf, sizeof buf,
+      "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}",
+      pid_, tid, escape(name).c_str());
   std::lock_guard<std::mutex> lock(mu_);
   if (events_.empty()) {
     events_.push_back("{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" + std::to_string(pid_) +
@@ -55,7 +56,8 @@ void Timeline::complete(const std::string& name, const char* category, int tid,
                         Clock::time_point begin, Clock::time_point end, const std::string& args) {
   if (!enabled_) return;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d",
+  std::snprintf(buf, sizeof buf,
+                "\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d",
                 category, micros(begin),
                 std::chrono::duration<double, std::micro>(end - begin).count(), pid_, tid);
   std::string e = "{\"name\":\"" + escape(name) + buf;
@@ -108,7 +110,9 @@ void Timeline::check_path(const std::string& path, const std::string& source) {
   const size_t slash = path.rfind('/');
   DISTSTRAT_CHECK(slash != path.size() - 1 || path.empty(), kInvalidArgument, what,
                   ": a timeline file path must name a file, not a directory");
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0               ? "/"
+                                                     : path.substr(0, slash);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) {
     const int err = errno;
@@ -119,8 +123,9 @@ void Timeline::check_path(const std::string& path, const std::string& source) {
                   "' is not a directory");
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     const int err = errno;
-    throw PermissionDeniedError(what + ": its directory '" + echo(dir) + "' is not writable (errno " +
-                                std::to_string(err) + ": " + std::strerror(err) + ")");
+    throw PermissionDeniedError(what + ": its directory '" + echo(dir) +
+                                "' is not writable (errno " + std::to_string(err) + ": " +
+                                std::strerror(err) + ")");
   }
   if (::stat(path.c_str(), &st) == 0) {
     // A device (/dev/full, /dev/null), a FIFO or a directory would take or

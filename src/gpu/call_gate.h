@@ -21,14 +21,16 @@ class CallGate {
  public:
   // Runs `call` (one NCCL call) unless the gate was aborted; then throws
   // AbortedError naming `what` and the abort's reason.
-  template <typename Call> auto enter(const std::string& what, Call&& call) {
+  template <typename Call>
+  auto enter(const std::string& what, Call&& call) {
     std::shared_lock<std::shared_mutex> lock(mu_);
     if (aborted_) throw AbortedError(what + ": " + reason_);
     return call();
   }
   // Runs `do_abort` once no call is inside; false (and nothing run) when the
   // gate was already aborted.
-  template <typename Abort> bool abort(const std::string& why, Abort&& do_abort) {
+  template <typename Abort>
+  bool abort(const std::string& why, Abort&& do_abort) {
     std::unique_lock<std::shared_mutex> lock(mu_);
     if (aborted_) return false;
     aborted_ = true;
@@ -38,7 +40,8 @@ class CallGate {
   }
   // After an abort: runs `recreate` with no call inside and opens the gate
   // again (a throwing `recreate` leaves it aborted). No-op when not aborted.
-  template <typename Recreate> void reset(Recreate&& recreate) {
+  template <typename Recreate>
+  void reset(Recreate&& recreate) {
     std::unique_lock<std::shared_mutex> lock(mu_);
     if (!aborted_) return;
     recreate();

@@ -30,8 +30,9 @@ namespace gpu {
 
 void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line) {
   clear_last_error();  // reported here: the next launch check must not see it again
-  const std::string msg = detail::str_cat("CUDA call ", call, " failed: ", cudaGetErrorString(status),
-                                          " (", cudaGetErrorName(status), ") at ", file, ":", line);
+  const std::string msg =
+      detail::str_cat("CUDA call ", call, " failed: ", cudaGetErrorString(status), " (",
+                      cudaGetErrorName(status), ") at ", file, ":", line);
   if (status == cudaErrorMemoryAllocation) throw ResourceExhaustedError(msg);
   throw InternalError(msg);
 }
@@ -40,9 +41,9 @@ void check_cublas(int status, const char* call, const char* file, int line) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
   clear_last_error();  // a failed cuBLAS call may leave a runtime error behind
   const cublasStatus_t s = static_cast<cublasStatus_t>(status);
-  const std::string msg = detail::str_cat("cuBLAS call ", call, " failed: ",
-                                          cublasGetStatusString(s), " (", cublasGetStatusName(s),
-                                          ") at ", file, ":", line);
+  const std::string msg =
+      detail::str_cat("cuBLAS call ", call, " failed: ", cublasGetStatusString(s), " (",
+                      cublasGetStatusName(s), ") at ", file, ":", line);
   if (s == CUBLAS_STATUS_ALLOC_FAILED) throw ResourceExhaustedError(msg);
   throw InternalError(msg);
 }
@@ -195,7 +196,8 @@ class CudaBackend : public GpuBackend {
       if (set == cudaErrorCudartUnloading) break;
       try {
         wait_device(o, DeadlineClock::now() + teardown_timeout_,
-                    detail::str_cat("GPU ", o, ": draining the device before releasing its cuBLAS "
+                    detail::str_cat("GPU ", o,
+                                    ": draining the device before releasing its cuBLAS "
                                     "handles and pinned staging buffers"));
       } catch (const std::exception& e) {
         std::fprintf(stderr, "diststrat: %s; leaking them rather than block\n", e.what());
@@ -365,7 +367,8 @@ class CudaBackend : public GpuBackend {
     for (size_t off = 0; off < bytes; off += kStageBytes, b ^= 1) {
       drain(b);  // the buffer's previous chunk is copied out before reuse
       const size_t len = std::min(kStageBytes, bytes - off);
-      DISTSTRAT_CUDA_CHECK(cudaMemcpyAsync(stage[b]->buf, in + off, len, cudaMemcpyDeviceToHost, s));
+      DISTSTRAT_CUDA_CHECK(
+          cudaMemcpyAsync(stage[b]->buf, in + off, len, cudaMemcpyDeviceToHost, s));
       DISTSTRAT_CUDA_CHECK(cudaEventRecord(stage[b]->done, s));
       pending_off[b] = off;
       pending_len[b] = len;
@@ -485,9 +488,9 @@ class CudaBackend : public GpuBackend {
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
     launch_relu_backward(y, dy, dx, count, stream);
   }
-  void softmax_cross_entropy(int ordinal, void* stream, const float* logits,
-                             const int32_t* labels, float* dlogits, float* loss, int32_t* correct,
-                             int32_t* bad, int64_t n, int64_t k, float scale) override {
+  void softmax_cross_entropy(int ordinal, void* stream, const float* logits, const int32_t* labels,
+                             float* dlogits, float* loss, int32_t* correct, int32_t* bad, int64_t n,
+                             int64_t k, float scale) override {
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
     launch_softmax_xent(logits, labels, dlogits, loss, correct, bad, n, k, scale, stream);
   }
@@ -564,7 +567,8 @@ class CudaBackend : public GpuBackend {
     if (only_if_idle) {
       // The live streams, and the destroyed ones through their marks.
       for (cudaStream_t s : streams) idle = idle && cudaStreamQuery(s) == cudaSuccess;
-      for (const RetiredBlas& r : retired) idle = idle && r.mark && cudaEventQuery(r.mark) == cudaSuccess;
+      for (const RetiredBlas& r : retired)
+        idle = idle && r.mark && cudaEventQuery(r.mark) == cudaSuccess;
     }
     if (idle) {
       for (const RetiredBlas& r : retired) {
@@ -668,7 +672,7 @@ class CudaBackend : public GpuBackend {
   // although CUDA reuses the handles.
   std::map<std::pair<int, cudaStream_t>, uint64_t> streams_;
   uint64_t last_stream_id_ = 0;
-  std::deque<Stage> stages_;                        // stable addresses
+  std::deque<Stage> stages_;  // stable addresses
   std::vector<Stage*> free_stages_;
 
  public:

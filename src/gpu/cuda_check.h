@@ -12,7 +12,8 @@ namespace gpu {
 
 // Clears the calling thread's last CUDA error before throwing, so the next
 // kernel launch check (cudaGetLastError) does not report this failure again.
-[[noreturn]] void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line);
+[[noreturn]] void throw_cuda_error(cudaError_t status, const char* call, const char* file,
+                                   int line);
 inline void check_cuda(cudaError_t status, const char* call, const char* file, int line) {
   if (status != cudaSuccess) throw_cuda_error(status, call, file, line);
 }

@@ -41,7 +41,8 @@ inline bool known_dtype(DType dtype) {
     case DType::kFloat16:
     case DType::kBFloat16:
     case DType::kInt32:
-    case DType::kInt64: return true;
+    case DType::kInt64:
+      return true;
   }
   return false;
 }
@@ -52,7 +53,8 @@ inline bool known_op(ReduceOp op) {
     case ReduceOp::kMean:
     case ReduceOp::kMin:
     case ReduceOp::kMax:
-    case ReduceOp::kProduct: return true;
+    case ReduceOp::kProduct:
+      return true;
   }
   return false;
 }

@@ -38,28 +38,48 @@ void check_launch(const char* kernel) {
 // ---- reduction ----------------------------------------------------------------
 
 // Element type -> accumulator type and conversions.
-template <typename T> struct Acc { using type = T; };
-template <> struct Acc<__half> { using type = float; };
-template <> struct Acc<__nv_bfloat16> { using type = float; };
+template <typename T>
+struct Acc {
+  using type = T;
+};
+template <>
+struct Acc<__half> {
+  using type = float;
+};
+template <>
+struct Acc<__nv_bfloat16> {
+  using type = float;
+};
 
-template <typename T> __device__ __forceinline__ typename Acc<T>::type load_acc(T v) { return v; }
-template <> __device__ __forceinline__ float load_acc<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float load_acc<__nv_bfloat16>(__nv_bfloat16 v) {
+template <typename T>
+__device__ __forceinline__ typename Acc<T>::type load_acc(T v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float load_acc<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float load_acc<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
-template <typename T, typename A> __device__ __forceinline__ T store_acc(A v) {
+template <typename T, typename A>
+__device__ __forceinline__ T store_acc(A v) {
   return static_cast<T>(v);
 }
-template <> __device__ __forceinline__ __half store_acc<__half, float>(float v) {
+template <>
+__device__ __forceinline__ __half store_acc<__half, float>(float v) {
   return __float2half(v);
 }
-template <> __device__ __forceinline__ __nv_bfloat16 store_acc<__nv_bfloat16, float>(float v) {
+template <>
+__device__ __forceinline__ __nv_bfloat16 store_acc<__nv_bfloat16, float>(float v) {
   return __float2bfloat16(v);
 }
 
 // Integer sums and products wrap modulo 2^bits (collective.h), computed in
 // the unsigned type: signed overflow is undefined, on the device too.
-template <typename A> __device__ __forceinline__ A wrap_add(A a, A b) {
+template <typename A>
+__device__ __forceinline__ A wrap_add(A a, A b) {
   if constexpr (std::is_integral<A>::value) {
     using U = typename std::make_unsigned<A>::type;
     return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
@@ -67,7 +87,8 @@ template <typename A> __device__ __forceinline__ A wrap_add(A a, A b) {
     return a + b;
   }
 }
-template <typename A> __device__ __forceinline__ A wrap_mul(A a, A b) {
+template <typename A>
+__device__ __forceinline__ A wrap_mul(A a, A b) {
   if constexpr (std::is_integral<A>::value) {
     using U = typename std::make_unsigned<A>::type;
     return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
@@ -76,13 +97,18 @@ template <typename A> __device__ __forceinline__ A wrap_mul(A a, A b) {
   }
 }
 
-template <typename A> __device__ __forceinline__ A combine(A a, A b, ReduceOp op) {
+template <typename A>
+__device__ __forceinline__ A combine(A a, A b, ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kMean: return wrap_add(a, b);
-    case ReduceOp::kProduct: return wrap_mul(a, b);
-    case ReduceOp::kMin: return b < a ? b : a;
-    case ReduceOp::kMax: return b > a ? b : a;
+    case ReduceOp::kMean:
+      return wrap_add(a, b);
+    case ReduceOp::kProduct:
+      return wrap_mul(a, b);
+    case ReduceOp::kMin:
+      return b < a ? b : a;
+    case ReduceOp::kMax:
+      return b > a ? b : a;
   }
   return a;
 }
@@ -99,7 +125,8 @@ template <typename T>
 __device__ __forceinline__ void reduce_one(const Buffers& b, size_t i, ReduceOp op, int divisor) {
   using A = typename Acc<T>::type;
   A acc = load_acc<T>(static_cast<const T*>(b.in[0])[i]);
-  for (int k = 1; k < b.n_in; ++k) acc = combine<A>(acc, load_acc<T>(static_cast<const T*>(b.in[k])[i]), op);
+  for (int k = 1; k < b.n_in; ++k)
+    acc = combine<A>(acc, load_acc<T>(static_cast<const T*>(b.in[k])[i]), op);
   if (op == ReduceOp::kMean) acc = acc / static_cast<A>(divisor);
   const T v = store_acc<T, A>(acc);
   for (int o = 0; o < b.n_out; ++o) static_cast<T*>(b.out[o])[i] = v;
@@ -115,7 +142,9 @@ __global__ void reduce_kernel(Buffers b, size_t count, ReduceOp op, int divisor,
   size_t done = 0;
   if (vec_ok && kVec > 1) {
     using A = typename Acc<T>::type;
-    struct alignas(16) Pack { T v[kVec]; };
+    struct alignas(16) Pack {
+      T v[kVec];
+    };
     const size_t groups = count / kVec;
     for (size_t g = tid; g < groups; g += stride) {
       A acc[kVec];
@@ -250,10 +279,10 @@ __global__ void adam_kernel(float* var, const float* g, float* m, float* v, size
 
 void launch_reduce(void* const* outs, int n_out, const void* const* ins, int n_in, size_t count,
                    DType dtype, ReduceOp op, int mean_divisor, void* stream) {
-  DISTSTRAT_CHECK(n_in >= 1 && n_in <= kMaxReduceBuffers && n_out >= 1 &&
-                      n_out <= kMaxReduceBuffers,
-                  kInvalidArgument, "GPU reduce of ", n_in, " inputs into ", n_out,
-                  " outputs: each must be in [1, ", kMaxReduceBuffers, "]");
+  DISTSTRAT_CHECK(
+      n_in >= 1 && n_in <= kMaxReduceBuffers && n_out >= 1 && n_out <= kMaxReduceBuffers,
+      kInvalidArgument, "GPU reduce of ", n_in, " inputs into ", n_out,
+      " outputs: each must be in [1, ", kMaxReduceBuffers, "]");
   // The kernel's switch would reduce an unknown op as nothing at all.
   check_device_reduce(dtype, op, "GPU reduce");
   if (count == 0) return;
@@ -264,12 +293,18 @@ void launch_reduce(void* const* outs, int n_out, const void* const* ins, int n_i
   for (int o = 0; o < n_out; ++o) b.out[o] = outs[o];
   const int divisor = mean_divisor > 0 ? mean_divisor : 1;
   switch (dtype) {
-    case DType::kFloat32: return launch_reduce_typed<float>(b, count, op, divisor, stream);
-    case DType::kFloat64: return launch_reduce_typed<double>(b, count, op, divisor, stream);
-    case DType::kFloat16: return launch_reduce_typed<__half>(b, count, op, divisor, stream);
-    case DType::kBFloat16: return launch_reduce_typed<__nv_bfloat16>(b, count, op, divisor, stream);
-    case DType::kInt32: return launch_reduce_typed<int32_t>(b, count, op, divisor, stream);
-    case DType::kInt64: return launch_reduce_typed<int64_t>(b, count, op, divisor, stream);
+    case DType::kFloat32:
+      return launch_reduce_typed<float>(b, count, op, divisor, stream);
+    case DType::kFloat64:
+      return launch_reduce_typed<double>(b, count, op, divisor, stream);
+    case DType::kFloat16:
+      return launch_reduce_typed<__half>(b, count, op, divisor, stream);
+    case DType::kBFloat16:
+      return launch_reduce_typed<__nv_bfloat16>(b, count, op, divisor, stream);
+    case DType::kInt32:
+      return launch_reduce_typed<int32_t>(b, count, op, divisor, stream);
+    case DType::kInt64:
+      return launch_reduce_typed<int64_t>(b, count, op, divisor, stream);
   }
   throw InvalidArgumentError(std::string("GPU reduce: unsupported dtype ") + dtype_name(dtype));
 }
@@ -323,16 +358,16 @@ void launch_update(const UpdateRule& rule, float* var, const float* grad, float*
     case UpdateRule::Kind::kAdam: {
       // Same bias-corrected step size as the host rule (Optimizer::update).
       const double t = static_cast<double>(step);
-      const float alpha = static_cast<float>(rule.learning_rate *
-                                             std::sqrt(1.0 - std::pow(rule.beta2, t)) /
-                                             (1.0 - std::pow(rule.beta1, t)));
-      adam_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(var, grad, slots[0], slots[1], count,
-                                                              rule.beta1, rule.beta2,
-                                                              rule.epsilon, alpha);
+      const float alpha =
+          static_cast<float>(rule.learning_rate * std::sqrt(1.0 - std::pow(rule.beta2, t)) /
+                             (1.0 - std::pow(rule.beta1, t)));
+      adam_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(
+          var, grad, slots[0], slots[1], count, rule.beta1, rule.beta2, rule.epsilon, alpha);
       check_launch("adam_kernel");
       return;
     }
-    case UpdateRule::Kind::kNone: break;
+    case UpdateRule::Kind::kNone:
+      break;
   }
   throw UnimplementedError("GPU update: the optimizer has no device rule");
 }

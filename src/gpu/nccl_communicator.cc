@@ -25,7 +25,8 @@ void check_nccl(int status, const char* call, const char* file, int line) {
   if (r == ncclSuccess || r == ncclInProgress) return;
   std::string msg = detail::str_cat("NCCL call ", call, " failed: ", ncclGetErrorString(r), " at ",
                                     file, ":", line);
-  if (const char* last = ncclGetLastError(nullptr); last && *last) msg += std::string(" (") + last + ")";
+  if (const char* last = ncclGetLastError(nullptr); last && *last)
+    msg += std::string(" (") + last + ")";
   throw InternalError(msg);
 }
 
@@ -35,12 +36,18 @@ using Clock = DeadlineClock;
 
 ncclDataType_t nccl_type(DType d) {
   switch (d) {
-    case DType::kFloat32: return ncclFloat32;
-    case DType::kFloat64: return ncclFloat64;
-    case DType::kFloat16: return ncclFloat16;
-    case DType::kBFloat16: return ncclBfloat16;
-    case DType::kInt32: return ncclInt32;
-    case DType::kInt64: return ncclInt64;
+    case DType::kFloat32:
+      return ncclFloat32;
+    case DType::kFloat64:
+      return ncclFloat64;
+    case DType::kFloat16:
+      return ncclFloat16;
+    case DType::kBFloat16:
+      return ncclBfloat16;
+    case DType::kInt32:
+      return ncclInt32;
+    case DType::kInt64:
+      return ncclInt64;
   }
   throw InvalidArgumentError(std::string("NCCL: unsupported dtype ") + dtype_name(d));
 }
@@ -48,19 +55,24 @@ ncclDataType_t nccl_type(DType d) {
 // Only for ops plan_nccl_reduce let through (kMean: floating dtypes).
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kMean: return ncclAvg;
-    case ReduceOp::kMin: return ncclMin;
-    case ReduceOp::kMax: return ncclMax;
-    case ReduceOp::kProduct: return ncclProd;
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kMean:
+      return ncclAvg;
+    case ReduceOp::kMin:
+      return ncclMin;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kProduct:
+      return ncclProd;
   }
-  throw InvalidArgumentError(detail::str_cat("NCCL: reduce op value ", static_cast<int>(op),
-                                             " is not a ReduceOp"));
+  throw InvalidArgumentError(
+      detail::str_cat("NCCL: reduce op value ", static_cast<int>(op), " is not a ReduceOp"));
 }
 
 ncclUniqueId to_id(const std::string& bytes) {
-  DISTSTRAT_CHECK(bytes.size() == sizeof(ncclUniqueId), kInvalidArgument,
-                  "NCCL unique id of ", bytes.size(), " bytes, expected ", sizeof(ncclUniqueId));
+  DISTSTRAT_CHECK(bytes.size() == sizeof(ncclUniqueId), kInvalidArgument, "NCCL unique id of ",
+                  bytes.size(), " bytes, expected ", sizeof(ncclUniqueId));
   ncclUniqueId id;
   std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
   return id;
@@ -135,9 +147,10 @@ void wait_init(const std::vector<ncclComm_t>& comms, Clock::time_point deadline,
       if (st == ncclSuccess) break;
       DISTSTRAT_NCCL_CHECK(st);
       if (Clock::now() >= deadline) {
-        throw DeadlineExceededError(detail::str_cat(
-            what, ": rank ", i, "'s NCCL communicator was not ready before the deadline (did "
-            "every rank join with the same unique id?)"));
+        throw DeadlineExceededError(
+            detail::str_cat(what, ": rank ", i,
+                            "'s NCCL communicator was not ready before the deadline (did "
+                            "every rank join with the same unique id?)"));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
@@ -171,8 +184,13 @@ class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(std::shared_ptr<Group> group, int index, int rank, int size, int ordinal,
                    void* stream, CommunicationOptions options)
-      : group_(std::move(group)), index_(index), rank_(rank), size_(size), ordinal_(ordinal),
-        stream_(stream), options_(options) {}
+      : group_(std::move(group)),
+        index_(index),
+        rank_(rank),
+        size_(size),
+        ordinal_(ordinal),
+        stream_(stream),
+        options_(options) {}
 
   ~NcclCommunicator() override {
     if (scratch_) {
@@ -195,31 +213,31 @@ class NcclCommunicator : public Communicator {
     const DeviceReducePlan plan = plan_nccl_reduce(dtype, op, label("all_reduce", name));
     const ncclDataType_t type = nccl_type(dtype);
     const ncclRedOp_t nop = nccl_op(plan.collective_op);
-    issue("all_reduce", name, dtype, [&](ncclComm_t c) {
-      return ncclAllReduce(in, out, count, type, nop, c, stream());
-    }, divide_after(plan, out, count, dtype));
+    issue(
+        "all_reduce", name, dtype,
+        [&](ncclComm_t c) { return ncclAllReduce(in, out, count, type, nop, c, stream()); },
+        divide_after(plan, out, count, dtype));
   }
   void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
     const ncclDataType_t type = nccl_type(dtype);
-    issue("broadcast", name, dtype, [&](ncclComm_t c) {
-      return ncclBroadcast(buf, buf, count, type, root, c, stream());
-    });
+    issue("broadcast", name, dtype,
+          [&](ncclComm_t c) { return ncclBroadcast(buf, buf, count, type, root, c, stream()); });
   }
   void all_gather(const void* in, void* out, size_t count, DType dtype,
                   const std::string& name) override {
     const ncclDataType_t type = nccl_type(dtype);
-    issue("all_gather", name, dtype, [&](ncclComm_t c) {
-      return ncclAllGather(in, out, count, type, c, stream());
-    });
+    issue("all_gather", name, dtype,
+          [&](ncclComm_t c) { return ncclAllGather(in, out, count, type, c, stream()); });
   }
   void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                       const std::string& name) override {
     const DeviceReducePlan plan = plan_nccl_reduce(dtype, op, label("reduce_scatter", name));
     const ncclDataType_t type = nccl_type(dtype);
     const ncclRedOp_t nop = nccl_op(plan.collective_op);
-    issue("reduce_scatter", name, dtype, [&](ncclComm_t c) {
-      return ncclReduceScatter(in, out, count, type, nop, c, stream());
-    }, divide_after(plan, out, count, dtype));
+    issue(
+        "reduce_scatter", name, dtype,
+        [&](ncclComm_t c) { return ncclReduceScatter(in, out, count, type, nop, c, stream()); },
+        divide_after(plan, out, count, dtype));
   }
   void barrier(const std::string& name) override {
     if (!scratch_) {
@@ -233,8 +251,8 @@ class NcclCommunicator : public Communicator {
 
   void reset() override {
     group_->gate.reset([&] {
-      DISTSTRAT_CHECK(group_->create != nullptr, kFailedPrecondition,
-                      "NCCL communicator of rank ", rank_,
+      DISTSTRAT_CHECK(group_->create != nullptr, kFailedPrecondition, "NCCL communicator of rank ",
+                      rank_,
                       " was aborted; a multi-process communicator cannot be reset: create a new "
                       "one with a fresh unique id on every rank");
       group_->comms = group_->create();
@@ -375,8 +393,8 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_local_group(
   group->create = create;
   std::vector<std::unique_ptr<Communicator>> out;
   for (int r = 0; r < n; ++r) {
-    out.push_back(std::make_unique<NcclCommunicator>(group, r, r, n, ordinals[r], streams[r],
-                                                     options));
+    out.push_back(
+        std::make_unique<NcclCommunicator>(group, r, r, n, ordinals[r], streams[r], options));
   }
   return out;
 }

@@ -25,7 +25,7 @@ struct Arrival {
   void* out = nullptr;
   size_t count = 0;
   DType dtype = DType::kFloat32;
-  int op = -1;      // ReduceOp, or -1 where none
+  int op = -1;  // ReduceOp, or -1 where none
   int root = -1;
   std::string kind;  // "all_reduce", ...
   std::string name;
@@ -129,8 +129,8 @@ class SharedDeviceCommunicator : public Communicator {
       for (int k = 0; k < shared_->n; ++k) {
         char* dst = static_cast<char*>(out) + k * bytes;
         if (bytes && dst != all[k].in) {
-          DISTSTRAT_CUDA_CHECK(cudaMemcpyAsync(dst, all[k].in, bytes, cudaMemcpyDeviceToDevice,
-                                               as_stream()));
+          DISTSTRAT_CUDA_CHECK(
+              cudaMemcpyAsync(dst, all[k].in, bytes, cudaMemcpyDeviceToDevice, as_stream()));
         }
       }
     });
@@ -138,8 +138,7 @@ class SharedDeviceCommunicator : public Communicator {
 
   void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                       const std::string& name) override {
-    check_device_reduce(dtype, op,
-                        detail::str_cat("rank ", rank_, " reduce_scatter '", name, "'"));
+    check_device_reduce(dtype, op, detail::str_cat("rank ", rank_, " reduce_scatter '", name, "'"));
     Arrival a{in, out, count, dtype, static_cast<int>(op), -1, "reduce_scatter", name};
     run(a, [&](const std::vector<Arrival>& all) {
       const int n = shared_->n;
@@ -177,7 +176,8 @@ class SharedDeviceCommunicator : public Communicator {
   Clock::time_point deadline() const { return Clock::now() + options_.timeout; }
 
   // The four steps of the header comment; `body` enqueues this rank's part.
-  template <typename Body> void run(const Arrival& mine, Body&& body) {
+  template <typename Body>
+  void run(const Arrival& mine, Body&& body) {
     const std::string what = detail::str_cat(mine.kind, " '", mine.name, "'");
     const auto until = deadline();
     DISTSTRAT_CUDA_CHECK(cudaSetDevice(shared_->ordinal));
@@ -186,8 +186,8 @@ class SharedDeviceCommunicator : public Communicator {
       // copy (if out of place) is ordered on the replica's stream.
       const size_t bytes = mine.count * dtype_size(mine.dtype);
       if (bytes && mine.kind != "broadcast" && mine.out != mine.in) {
-        DISTSTRAT_CUDA_CHECK(cudaMemcpyAsync(mine.out, mine.in, bytes, cudaMemcpyDeviceToDevice,
-                                             as_stream()));
+        DISTSTRAT_CUDA_CHECK(
+            cudaMemcpyAsync(mine.out, mine.in, bytes, cudaMemcpyDeviceToDevice, as_stream()));
       }
       return;
     }
@@ -209,10 +209,10 @@ class SharedDeviceCommunicator : public Communicator {
         abort(detail::str_cat(what, ": rank ", k, " called ", o.kind, " '", o.name, "' with ",
                               o.count, " x ", dtype_name(o.dtype), " while rank ", rank_,
                               " called it with ", mine.count, " x ", dtype_name(mine.dtype)));
-        throw InvalidArgumentError(detail::str_cat(
-            "rank ", rank_, " ", what, " (", mine.count, " x ", dtype_name(mine.dtype),
-            ") does not match rank ", k, "'s ", o.kind, " '", o.name, "' (", o.count, " x ",
-            dtype_name(o.dtype), ")"));
+        throw InvalidArgumentError(
+            detail::str_cat("rank ", rank_, " ", what, " (", mine.count, " x ",
+                            dtype_name(mine.dtype), ") does not match rank ", k, "'s ", o.kind,
+                            " '", o.name, "' (", o.count, " x ", dtype_name(o.dtype), ")"));
       }
       if (k != rank_) DISTSTRAT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(), shared_->ready[k], 0));
     }
@@ -232,9 +232,8 @@ class SharedDeviceCommunicator : public Communicator {
 std::vector<std::unique_ptr<Communicator>> make_shared_device_group(
     const SharedDeviceGroupSpec& spec, const CommunicationOptions& options) {
   const int n = static_cast<int>(spec.streams.size());
-  DISTSTRAT_CHECK(n >= 1 && n <= kMaxReduceBuffers, kInvalidArgument,
-                  "shared-device group of ", n, " logical GPUs: must be in [1, ",
-                  kMaxReduceBuffers, "]");
+  DISTSTRAT_CHECK(n >= 1 && n <= kMaxReduceBuffers, kInvalidArgument, "shared-device group of ", n,
+                  " logical GPUs: must be in [1, ", kMaxReduceBuffers, "]");
   auto shared = std::shared_ptr<Shared>(new Shared(n, spec.ordinal), [](Shared* s) {
     cudaSetDevice(s->ordinal);
     for (cudaEvent_t e : s->ready) {

@@ -78,9 +78,8 @@ void on_chief_then_agree(Strategy& s, const std::string& what, const std::functi
   if (local) std::rethrow_exception(local);
   if (code >= 0 && is_writer(s)) throw_error(static_cast<ErrorCode>(code), message);
   if (code >= 0) {
-    throw_error(static_cast<ErrorCode>(code),
-                "rank " + std::to_string(s.cluster().rank) + ": the chief failed " + what + ": " +
-                    message);
+    throw_error(static_cast<ErrorCode>(code), "rank " + std::to_string(s.cluster().rank) +
+                                                  ": the chief failed " + what + ": " + message);
   }
 }
 
@@ -99,8 +98,8 @@ CheckpointMetadata decode_metadata(const std::string& s) {
     int64_t n = 0;
     if (colon == std::string::npos ||
         !parse_int(s.substr(i, colon - i), 0, static_cast<int64_t>(s.size() - colon - 1), &n)) {
-      throw DataLossError("checkpoint metadata broadcast by the chief is malformed at byte " + std::to_string(i) +
-                          " of " + std::to_string(s.size()));
+      throw DataLossError("checkpoint metadata broadcast by the chief is malformed at byte " +
+                          std::to_string(i) + " of " + std::to_string(s.size()));
     }
     std::string out = s.substr(colon + 1, static_cast<size_t>(n));
     i = colon + 1 + static_cast<size_t>(n);
@@ -123,7 +122,8 @@ bool parse_int(const std::string& text, int64_t lo, int64_t hi, int64_t* out) {
     if (text[i] < '0' || text[i] > '9') return false;
     v = v * 10 + static_cast<uint64_t>(text[i] - '0');  // 19 digits cannot wrap a uint64
   }
-  const uint64_t max_magnitude = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) + (negative ? 1 : 0);
+  const uint64_t max_magnitude =
+      static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) + (negative ? 1 : 0);
   if (v > max_magnitude) return false;
   const int64_t x = negative ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v);
   if (x < lo || x > hi) return false;
@@ -139,20 +139,22 @@ using ckpt::decode_metadata;
 using ckpt::encode_metadata;
 using ckpt::is_multi_process;
 using ckpt::is_writer;
-using ckpt::on_chief_then_agree;
 using ckpt::kReservedPrefix;
+using ckpt::on_chief_then_agree;
 
 int64_t metadata_int(const CheckpointMetadata& md, const std::string& key, int64_t min, int64_t max,
                      const std::string& source) {
   // Inverted bounds are the caller's mistake, not the file's.
-  DISTSTRAT_CHECK(min <= max, kInvalidArgument, "metadata_int('", echo(key), "', checkpoint '", source,
-                  "'): min ", min, " is greater than max ", max);
+  DISTSTRAT_CHECK(min <= max, kInvalidArgument, "metadata_int('", echo(key), "', checkpoint '",
+                  source, "'): min ", min, " is greater than max ", max);
   auto it = md.find(key);
-  DISTSTRAT_CHECK(it != md.end(), kInvalidArgument, "checkpoint '", source, "' has no metadata '", echo(key), "'");
+  DISTSTRAT_CHECK(it != md.end(), kInvalidArgument, "checkpoint '", source, "' has no metadata '",
+                  echo(key), "'");
   int64_t v = 0;
   if (!ckpt::parse_int(it->second, min, max, &v)) {
-    throw DataLossError("checkpoint '" + source + "': metadata '" + echo(key) + "' is '" + echo(it->second, 64) +
-                        "', not an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+    throw DataLossError("checkpoint '" + source + "': metadata '" + echo(key) + "' is '" +
+                        echo(it->second, 64) + "', not an integer in [" + std::to_string(min) +
+                        ", " + std::to_string(max) + "]");
   }
   return v;
 }
@@ -186,15 +188,16 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
   }
   for (const auto& [name, t] : file.tensors) {
     if (!expected_names.count(name)) {
-      problems.push_back("tensor '" + echo(name) + "' (" + dtype_name(t.dtype()) + t.shape().to_string() +
-                         ") is not in the model");
+      problems.push_back("tensor '" + echo(name) + "' (" + dtype_name(t.dtype()) +
+                         t.shape().to_string() + ") is not in the model");
     }
   }
   if (!problems.empty()) {
     std::string msg = "checkpoint '" + path + "' does not match the model: ";
     const size_t shown = std::min<size_t>(problems.size(), 5);
     for (size_t i = 0; i < shown; ++i) msg += (i ? "; " : "") + problems[i];
-    if (problems.size() > shown) msg += "; and " + std::to_string(problems.size() - shown) + " more";
+    if (problems.size() > shown)
+      msg += "; and " + std::to_string(problems.size() - shown) + " more";
     throw InvalidArgumentError(msg);
   }
   for (const auto& [k, v] : file.metadata) {
@@ -211,7 +214,8 @@ bool CheckpointParticipant::needs_state_to_write() const { return true; }
 
 bool CheckpointParticipant::agree_to_stop(Strategy& strategy, int64_t, bool signalled) {
   // A max-reduction over every replica: 1 anywhere means everyone stops here.
-  std::vector<double> local(static_cast<size_t>(strategy.num_local_replicas()), signalled ? 1.0 : 0.0);
+  std::vector<double> local(static_cast<size_t>(strategy.num_local_replicas()),
+                            signalled ? 1.0 : 0.0);
   return strategy.reduce(ReduceOp::kMax, PerReplica<double>(local)) > 0.5;
 }
 
@@ -244,9 +248,9 @@ void CheckpointParticipant::assign_slots(Strategy& strategy, const std::vector<S
   });
 }
 
-void CheckpointParticipant::write_checkpoint(Strategy& strategy, const std::string& path,
-                                             const std::vector<std::pair<std::string, Tensor>>& state,
-                                             const CheckpointMetadata& metadata) {
+void CheckpointParticipant::write_checkpoint(
+    Strategy& strategy, const std::string& path,
+    const std::vector<std::pair<std::string, Tensor>>& state, const CheckpointMetadata& metadata) {
   on_chief_then_agree(strategy, "to write checkpoint '" + path + "'",
                       [&] { ckpt::save_safetensors_reserved(path, state, metadata); });
 }
@@ -269,7 +273,8 @@ CheckpointContents CheckpointParticipant::read_checkpoint(
   for (const auto& nt : contents.tensors) present.insert(nt.first);
   CheckpointContents out;
   for (const auto& [name, want] : expected) {
-    const bool here = broadcast_int(strategy, present.count(name) ? 1 : 0, "checkpoint '" + name + "' present");
+    const bool here =
+        broadcast_int(strategy, present.count(name) ? 1 : 0, "checkpoint '" + name + "' present");
     if (!here) continue;
     Tensor t(want.shape(), want.dtype());
     if (is_writer(strategy)) {
@@ -280,7 +285,8 @@ CheckpointContents CheckpointParticipant::read_checkpoint(
     strategy.broadcast(t, 0, "checkpoint '" + name + "'");
     out.tensors.emplace_back(name, t);
   }
-  out.metadata = decode_metadata(broadcast_string(strategy, encode_metadata(contents.metadata), "checkpoint metadata"));
+  out.metadata = decode_metadata(
+      broadcast_string(strategy, encode_metadata(contents.metadata), "checkpoint metadata"));
   return out;
 }
 
@@ -304,7 +310,8 @@ std::vector<Checkpoint::Entry> Checkpoint::entries() const {
   std::set<std::string> iteration_vars;
   for (const Optimizer* o : optimizers_) {
     for (const std::string& s : o->slot_names()) {
-      if (std::find(slot_names.begin(), slot_names.end(), s) == slot_names.end()) slot_names.push_back(s);
+      if (std::find(slot_names.begin(), slot_names.end(), s) == slot_names.end())
+        slot_names.push_back(s);
     }
     iteration_vars.insert(o->iterations().name());
   }
@@ -318,8 +325,8 @@ std::vector<Checkpoint::Entry> Checkpoint::entries() const {
   for (const Variable& v : strategy_->variables()) {
     // Step counters of optimizers are optimizer state; other variables are the model.
     const bool is_counter = iteration_vars.count(v.name()) > 0 ||
-                            (v.name().rfind("optimizer", 0) == 0 &&
-                             v.name().size() > 11 && v.name().substr(v.name().size() - 11) == "/iterations");
+                            (v.name().rfind("optimizer", 0) == 0 && v.name().size() > 11 &&
+                             v.name().substr(v.name().size() - 11) == "/iterations");
     add({v.name(), v, "", is_counter});
     if (!v.options().trainable || v.dtype() != DType::kFloat32) continue;
     for (const std::string& s : slot_names) add({v.name() + "/" + s, v, s, true});
@@ -343,11 +350,13 @@ std::vector<std::pair<std::string, Tensor>> Checkpoint::state() const {
   // the file is the same as without sharding.
   std::vector<CheckpointParticipant::SlotRef> plain;
   std::vector<std::string> plain_names;
-  std::vector<std::vector<std::pair<const Variable::Impl*, std::string>>> sharded(optimizers_.size());
+  std::vector<std::vector<std::pair<const Variable::Impl*, std::string>>> sharded(
+      optimizers_.size());
   std::vector<std::vector<std::string>> sharded_names(optimizers_.size());
   for (size_t k = 0; k < slots.size(); ++k) {
     size_t o = 0;
-    while (o < optimizers_.size() && !optimizers_[o]->sharded_slot(*slots[k].var, slots[k].slot)) ++o;
+    while (o < optimizers_.size() && !optimizers_[o]->sharded_slot(*slots[k].var, slots[k].slot))
+      ++o;
     if (o < optimizers_.size()) {
       sharded[o].emplace_back(slots[k].var, slots[k].slot);
       sharded_names[o].push_back(slot_names[k]);
@@ -385,10 +394,13 @@ void Checkpoint::write(const std::string& path, const CheckpointMetadata& metada
   // its refusal reaches every process like any write error.
   CheckpointMetadata md = metadata;
   if (options.allow_non_finite) md[ckpt::kNonFiniteKey] = ckpt::kNonFiniteAllowed;
-  p.write_checkpoint(*strategy_, path, p.needs_state_to_write() ? state() : std::vector<std::pair<std::string, Tensor>>{}, md);
+  p.write_checkpoint(
+      *strategy_, path,
+      p.needs_state_to_write() ? state() : std::vector<std::pair<std::string, Tensor>>{}, md);
 }
 
-CheckpointMetadata Checkpoint::restore(const std::string& path, const RestoreOptions& options) const {
+CheckpointMetadata Checkpoint::restore(const std::string& path,
+                                       const RestoreOptions& options) const {
   participant().check_checkpoint_supported(*strategy_, "Checkpoint::restore '" + path + "'");
   const std::vector<Entry> es = entries();
   std::vector<std::pair<std::string, Tensor>> expected;

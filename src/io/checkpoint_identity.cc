@@ -55,11 +55,12 @@ DirectoryIdentity read_manifest(const std::string& dir, uid_t uid) {
     fs::throw_errno(errno, "checkpoint directory '" + dir + "': manifest '" + path + "'");
   }
   if (!S_ISREG(st.st_mode) || st.st_uid != uid) {
-    throw PermissionDeniedError("checkpoint directory '" + dir + "': its manifest '" + path + "' is " +
-                                fs::file_kind(st.st_mode) + " owned by " + owner_text(st.st_uid) +
-                                ", not a regular file of " + owner_text(uid) +
-                                ": another user wrote into this directory, so its checkpoints cannot be told "
-                                "apart from forgeries; use a directory only you can write");
+    throw PermissionDeniedError(
+        "checkpoint directory '" + dir + "': its manifest '" + path + "' is " +
+        fs::file_kind(st.st_mode) + " owned by " + owner_text(st.st_uid) +
+        ", not a regular file of " + owner_text(uid) +
+        ": another user wrote into this directory, so its checkpoints cannot be told "
+        "apart from forgeries; use a directory only you can write");
   }
   fs::ReadOptions o;
   o.follow_symlinks = false;
@@ -68,14 +69,17 @@ DirectoryIdentity read_manifest(const std::string& dir, uid_t uid) {
   std::istringstream in(text);
   std::string line;
   auto damaged = [&](const std::string& why) {
-    return DataLossError("checkpoint directory '" + dir + "': its manifest '" + path + "' is damaged (" + why +
-                         "). Remove it: the next save starts a new one (the checkpoints already there are then "
-                         "not this run's: never pruned, restored only by name)");
+    return DataLossError(
+        "checkpoint directory '" + dir + "': its manifest '" + path + "' is damaged (" + why +
+        "). Remove it: the next save starts a new one (the checkpoints already there are then "
+        "not this run's: never pruned, restored only by name)");
   };
-  if (!std::getline(in, line) || line != kManifestHeader) throw damaged("first line '" + echo(line, 64) + "'");
+  if (!std::getline(in, line) || line != kManifestHeader)
+    throw damaged("first line '" + echo(line, 64) + "'");
   while (std::getline(in, line)) {
     const size_t sp = line.find(' ');
-    if (sp == std::string::npos || !is_hex8(line.substr(sp + 1)) || line.find('/') != std::string::npos) {
+    if (sp == std::string::npos || !is_hex8(line.substr(sp + 1)) ||
+        line.find('/') != std::string::npos) {
       throw damaged("line '" + echo(line, 80) + "'");
     }
     id.listed[line.substr(0, sp)] = line.substr(sp + 1);
@@ -86,25 +90,31 @@ DirectoryIdentity read_manifest(const std::string& dir, uid_t uid) {
 
 }  // namespace
 
-std::string owner_text(uid_t uid) { return "user " + user_name(uid) + " (uid " + std::to_string(uid) + ")"; }
+std::string owner_text(uid_t uid) {
+  return "user " + user_name(uid) + " (uid " + std::to_string(uid) + ")";
+}
 
 void check_directory_owner(const std::string& dir) {
   const uid_t me = ::geteuid();
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) fs::throw_errno(errno, "checkpoint directory '" + dir + "'");
   if (st.st_uid != 0 && st.st_uid != me) {
-    throw PermissionDeniedError("checkpoint directory '" + dir + "' is owned by " + owner_text(st.st_uid) +
-                                ", not by " + owner_text(me) + " or root: its owner could replace or remove "
+    throw PermissionDeniedError("checkpoint directory '" + dir + "' is owned by " +
+                                owner_text(st.st_uid) + ", not by " + owner_text(me) +
+                                " or root: its owner could replace or remove "
                                 "this job's checkpoints; use a directory you own");
   }
   if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
-    throw PermissionDeniedError("checkpoint directory '" + dir + "' (mode " + mode_text(st.st_mode) +
-                                ") is writable by other users but not sticky, so they could remove or replace "
-                                "this job's checkpoints; chmod +t it (like /tmp) or use a directory only you can write");
+    throw PermissionDeniedError(
+        "checkpoint directory '" + dir + "' (mode " + mode_text(st.st_mode) +
+        ") is writable by other users but not sticky, so they could remove or replace "
+        "this job's checkpoints; chmod +t it (like /tmp) or use a directory only you can write");
   }
 }
 
-DirectoryIdentity writer_identity(const std::string& dir) { return read_manifest(dir, ::geteuid()); }
+DirectoryIdentity writer_identity(const std::string& dir) {
+  return read_manifest(dir, ::geteuid());
+}
 
 void write_manifest(const std::string& dir, const std::map<std::string, std::string>& listed) {
   std::string text = std::string(kManifestHeader) + "\n";
@@ -119,7 +129,8 @@ DirectoryIdentity reader_identity(const std::string& dir) {
   if (::stat(dir.c_str(), &dst) != 0) return id;
   struct stat st {};
   const std::string path = dir + "/" + kManifestFile;
-  if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && (st.st_uid == id.uid || st.st_uid == dst.st_uid)) {
+  if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+      (st.st_uid == id.uid || st.st_uid == dst.st_uid)) {
     try {
       return read_manifest(dir, st.st_uid);
     } catch (const Error&) {
@@ -132,7 +143,8 @@ DirectoryIdentity reader_identity(const std::string& dir) {
   return id;
 }
 
-std::string ownership_problem(const std::string& dir, const std::string& name, const DirectoryIdentity& id) {
+std::string ownership_problem(const std::string& dir, const std::string& name,
+                              const DirectoryIdentity& id) {
   const std::string path = dir + "/" + name;
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return "";
@@ -140,7 +152,8 @@ std::string ownership_problem(const std::string& dir, const std::string& name, c
     char target[4096];
     const ssize_t n = ::readlink(path.c_str(), target, sizeof target - 1);
     const std::string to = n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string("?");
-    return "a symbolic link (to '" + echo(to, 200) + "'); checkpoints are not followed through links";
+    return "a symbolic link (to '" + echo(to, 200) +
+           "'); checkpoints are not followed through links";
   }
   if (S_ISREG(st.st_mode) && st.st_uid != id.uid) {
     return "owned by " + owner_text(st.st_uid) + ", not by " + owner_text(id.uid) +
@@ -149,8 +162,8 @@ std::string ownership_problem(const std::string& dir, const std::string& name, c
   return "";
 }
 
-std::string manifest_problem(const std::string& dir, const std::string& name, const std::string& crc,
-                             const DirectoryIdentity& id) {
+std::string manifest_problem(const std::string& dir, const std::string& name,
+                             const std::string& crc, const DirectoryIdentity& id) {
   if (!id.has_manifest) return "";
   auto it = id.listed.find(name);
   if (it == id.listed.end()) {
@@ -158,8 +171,8 @@ std::string manifest_problem(const std::string& dir, const std::string& name, co
            "'): another run's checkpoint, copied in?";
   }
   if (!crc.empty() && it->second != crc) {
-    return "not the file this run saved under that name (header CRC " + crc + ", the manifest lists " + it->second +
-           "): another run's checkpoint, copied over it?";
+    return "not the file this run saved under that name (header CRC " + crc +
+           ", the manifest lists " + it->second + "): another run's checkpoint, copied over it?";
   }
   return "";
 }

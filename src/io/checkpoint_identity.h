@@ -65,12 +65,13 @@ DirectoryIdentity reader_identity(const std::string& dir);
 // Why the file `dir/name` is not one `id`'s user may have written: a
 // symlink, owned by someone else; empty when it is a regular file owned by
 // id.uid, or absent, or of another kind (the reader reports that).
-std::string ownership_problem(const std::string& dir, const std::string& name, const DirectoryIdentity& id);
+std::string ownership_problem(const std::string& dir, const std::string& name,
+                              const DirectoryIdentity& id);
 
 // Why the checkpoint `name` with header CRC `crc` (empty: unreadable) is not
 // listed by `id`'s manifest; empty when it is, or when there is no manifest.
-std::string manifest_problem(const std::string& dir, const std::string& name, const std::string& crc,
-                             const DirectoryIdentity& id);
+std::string manifest_problem(const std::string& dir, const std::string& name,
+                             const std::string& crc, const DirectoryIdentity& id);
 
 }  // namespace ckpt
 }  // namespace diststrat

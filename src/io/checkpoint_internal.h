@@ -107,8 +107,10 @@ struct IndexVariable {
   std::vector<IndexShard> shards;
 };
 // Writes the index atomically (after every shard file is durable).
-void write_index(const std::string& path, uint64_t save_id, const std::vector<std::string>& shard_files,
-                 const std::vector<IndexVariable>& variables, const CheckpointMetadata& user_metadata);
+void write_index(const std::string& path, uint64_t save_id,
+                 const std::vector<std::string>& shard_files,
+                 const std::vector<IndexVariable>& variables,
+                 const CheckpointMetadata& user_metadata);
 
 // A checkpoint read whole: for a sharded one the reassembled tensors in
 // checkpoint names ("<var>", "<var>/<slot>") and each shard's step counter.

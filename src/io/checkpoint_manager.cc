@@ -26,8 +26,8 @@ using ckpt::decode_metadata;
 using ckpt::encode_metadata;
 using ckpt::is_multi_process;
 using ckpt::is_writer;
-using ckpt::on_chief_then_agree;
 using ckpt::kReservedPrefix;
+using ckpt::on_chief_then_agree;
 
 // ---- CheckpointManager ---------------------------------------------------------
 //
@@ -101,7 +101,8 @@ std::string header_crc(const std::string& path) {
   try {
     const ckpt::SafetensorsHeader h = ckpt::read_safetensors_header(path);
     auto crc = h.metadata.find(ckpt::kHeaderCrcMetadataKey);
-    if (!h.verified || crc == h.metadata.end() || !h.metadata.count(ckpt::kManagerStepKey)) return "";
+    if (!h.verified || crc == h.metadata.end() || !h.metadata.count(ckpt::kManagerStepKey))
+      return "";
     return crc->second;
   } catch (const Error&) {
     return "";
@@ -141,8 +142,7 @@ Pointer read_pointer(const std::string& dir, const ckpt::DirectoryIdentity& id) 
   int64_t step;
   if (!parse_step_file(name, &step)) {
     p.state = Pointer::kDamaged;
-    p.problem = "'" + path + "' names '" + echo(name) +
-                "', which is not a checkpoint file";
+    p.problem = "'" + path + "' names '" + echo(name) + "', which is not a checkpoint file";
     return p;
   }
   // What it names: not a link, not another user's file, not a checkpoint
@@ -152,7 +152,8 @@ Pointer read_pointer(const std::string& dir, const ckpt::DirectoryIdentity& id) 
   if (why.empty()) why = ckpt::manifest_problem(dir, name, header_crc(dir + "/" + name), id);
   if (!why.empty()) {
     p.state = Pointer::kDamaged;
-    p.problem = "'" + path + "' names '" + name + "', which is not this manager's checkpoint: " + why;
+    p.problem =
+        "'" + path + "' names '" + name + "', which is not this manager's checkpoint: " + why;
     return p;
   }
   p.state = Pointer::kNames;
@@ -174,23 +175,26 @@ Scan scan(const std::string& dir, const ckpt::DirectoryIdentity& id) {
     if (!parse_step_file(n, &step)) continue;
     std::string why = ckpt::ownership_problem(dir, n, id);
     if (why.empty()) try {
-      const ckpt::SafetensorsHeader h = ckpt::read_safetensors_header(dir + "/" + n);
-      auto it = h.metadata.find(ckpt::kManagerStepKey);
-      int64_t st = -1;
-      if (!h.verified) {
-        why = "no diststrat checksums";
-      } else if (it == h.metadata.end()) {
-        why = "not written by a CheckpointManager (no '" + std::string(ckpt::kManagerStepKey) + "')";
-      } else if (!ckpt::parse_int(it->second, 0, std::numeric_limits<int64_t>::max(), &st) || st != step) {
-        why = "its metadata says step '" + echo(it->second, 24) + "' (a renamed copy?)";
-      } else {
-        auto crc = h.metadata.find(ckpt::kHeaderCrcMetadataKey);
-        why = ckpt::manifest_problem(dir, n, crc == h.metadata.end() ? "" : crc->second, id);
+        const ckpt::SafetensorsHeader h = ckpt::read_safetensors_header(dir + "/" + n);
+        auto it = h.metadata.find(ckpt::kManagerStepKey);
+        int64_t st = -1;
+        if (!h.verified) {
+          why = "no diststrat checksums";
+        } else if (it == h.metadata.end()) {
+          why = "not written by a CheckpointManager (no '" + std::string(ckpt::kManagerStepKey) +
+                "')";
+        } else if (!ckpt::parse_int(it->second, 0, std::numeric_limits<int64_t>::max(), &st) ||
+                   st != step) {
+          why = "its metadata says step '" + echo(it->second, 24) + "' (a renamed copy?)";
+        } else {
+          auto crc = h.metadata.find(ckpt::kHeaderCrcMetadataKey);
+          why = ckpt::manifest_problem(dir, n, crc == h.metadata.end() ? "" : crc->second, id);
+        }
+      } catch (const Error& e) {
+        why = e.message();
       }
-    } catch (const Error& e) {
-      why = e.message();
-    }
-    if (why.empty() && n != "ckpt-" + std::to_string(step) + ".safetensors") why = "not the name a save gives it";
+    if (why.empty() && n != "ckpt-" + std::to_string(step) + ".safetensors")
+      why = "not the name a save gives it";
     if (why.empty()) {
       sc.own.emplace_back(step, n);
     } else {
@@ -205,7 +209,8 @@ Scan scan(const std::string& dir, const ckpt::DirectoryIdentity& id) {
 std::string describe(const std::vector<std::pair<std::string, std::string>>& files) {
   std::string out;
   const size_t shown = std::min<size_t>(files.size(), 5);
-  for (size_t i = 0; i < shown; ++i) out += (i ? "; " : "") + files[i].first + " (" + files[i].second + ")";
+  for (size_t i = 0; i < shown; ++i)
+    out += (i ? "; " : "") + files[i].first + " (" + files[i].second + ")";
   if (files.size() > shown) out += "; and " + std::to_string(files.size() - shown) + " more";
   return out;
 }
@@ -218,7 +223,8 @@ std::string damaged_pointer_message(const std::string& dir, const Pointer& p) {
 // names, when both are regular files of ours and it is a verified manager
 // checkpoint (a directory from before manifests, or one copied whole). Other
 // checkpoints already there cannot be proven ours: never pruned.
-std::map<std::string, std::string> initial_manifest(const std::string& dir, const ckpt::DirectoryIdentity& id) {
+std::map<std::string, std::string> initial_manifest(const std::string& dir,
+                                                    const ckpt::DirectoryIdentity& id) {
   std::map<std::string, std::string> listed;
   const Pointer p = read_pointer(dir, id);
   if (p.state != Pointer::kNames) return listed;
@@ -250,35 +256,39 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
   if (options_.read_only) return;
   // The directory is usable now, not 50 steps later: created if absent, a
   // directory, writable. Every process learns the chief's outcome.
-  on_chief_then_agree(checkpoint.strategy(), "to prepare checkpoint directory '" + directory_ + "'", [&] {
-    fs::ensure_writable_directory(directory_, std::string(kLatest) + ".tmp." + std::to_string(::getpid()) + ".probe",
-                                  "CheckpointManager");
-    // Owned by us or root, not writable by others unless sticky; its
-    // manifest read, or started now (with what `latest` names, carried
-    // forward from a directory without one).
-    ckpt::check_directory_owner(directory_);
-    ckpt::DirectoryIdentity id = ckpt::writer_identity(directory_);
-    if (!id.has_manifest) {
-      ckpt::write_manifest(directory_, initial_manifest(directory_, id));
-      id = ckpt::writer_identity(directory_);
-    }
-    // Temporary files of saves that a crash interrupted: our names, and
-    // files we own (never another user's, whatever its name).
-    for (const std::string& n : list_dir(directory_)) {
-      if (!is_own_temp_file(n)) continue;
-      struct stat st {};
-      const std::string p = directory_ + "/" + n;
-      if (::lstat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == id.uid) ::unlink(p.c_str());
-    }
-    report_ignored(scan(directory_, id).foreign);
-  });
+  on_chief_then_agree(
+      checkpoint.strategy(), "to prepare checkpoint directory '" + directory_ + "'", [&] {
+        fs::ensure_writable_directory(
+            directory_, std::string(kLatest) + ".tmp." + std::to_string(::getpid()) + ".probe",
+            "CheckpointManager");
+        // Owned by us or root, not writable by others unless sticky; its
+        // manifest read, or started now (with what `latest` names, carried
+        // forward from a directory without one).
+        ckpt::check_directory_owner(directory_);
+        ckpt::DirectoryIdentity id = ckpt::writer_identity(directory_);
+        if (!id.has_manifest) {
+          ckpt::write_manifest(directory_, initial_manifest(directory_, id));
+          id = ckpt::writer_identity(directory_);
+        }
+        // Temporary files of saves that a crash interrupted: our names, and
+        // files we own (never another user's, whatever its name).
+        for (const std::string& n : list_dir(directory_)) {
+          if (!is_own_temp_file(n)) continue;
+          struct stat st {};
+          const std::string p = directory_ + "/" + n;
+          if (::lstat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == id.uid)
+            ::unlink(p.c_str());
+        }
+        report_ignored(scan(directory_, id).foreign);
+      });
 }
 
 ckpt::DirectoryIdentity CheckpointManager::identity() const {
   return options_.read_only ? ckpt::reader_identity(directory_) : ckpt::writer_identity(directory_);
 }
 
-void CheckpointManager::report_ignored(const std::vector<std::pair<std::string, std::string>>& foreign) {
+void CheckpointManager::report_ignored(
+    const std::vector<std::pair<std::string, std::string>>& foreign) {
   std::vector<std::pair<std::string, std::string>> fresh;
   for (const auto& f : foreign) {
     if (reported_ignored_.insert(f.first).second) fresh.push_back(f);
@@ -286,22 +296,26 @@ void CheckpointManager::report_ignored(const std::vector<std::pair<std::string, 
   if (fresh.empty()) return;
   checkpoint_->strategy().logger().warning(
       "checkpoint directory '", directory_, "': ignoring ", fresh.size(),
-      " file(s) with checkpoint names that are not this run's checkpoints (never counted towards max_to_keep, ",
-      "pruned, or restored by restore_latest; Checkpoint::restore(path) restores one on purpose): ", describe(fresh));
+      " file(s) with checkpoint names that are not this run's checkpoints (never counted towards "
+      "max_to_keep, ",
+      "pruned, or restored by restore_latest; Checkpoint::restore(path) restores one on purpose): ",
+      describe(fresh));
 }
 
-std::optional<std::string> CheckpointManager::latest() const { return latest_checkpoint(directory_); }
+std::optional<std::string> CheckpointManager::latest() const {
+  return latest_checkpoint(directory_);
+}
 
 std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& metadata) {
-  DISTSTRAT_CHECK(!options_.read_only, kFailedPrecondition, "CheckpointManager::save(", step, ") into '",
-                  directory_, "': the manager was made with read_only = true");
+  DISTSTRAT_CHECK(!options_.read_only, kFailedPrecondition, "CheckpointManager::save(", step,
+                  ") into '", directory_, "': the manager was made with read_only = true");
   DISTSTRAT_CHECK(step >= 0, kInvalidArgument, "CheckpointManager::save: negative step ", step);
   const std::string name = "ckpt-" + std::to_string(step) + ".safetensors";
   const std::string path = directory_ + "/" + name;
   CheckpointMetadata md = metadata;
   for (const auto& [k, v] : md) {
-    DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "CheckpointManager::save '", path,
-                    "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
+    DISTSTRAT_CHECK(k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "CheckpointManager::save '",
+                    path, "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
   }
   md[ckpt::kManagerStepKey] = std::to_string(step);  // what marks the file as this manager's
   SaveOptions so;
@@ -324,7 +338,8 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
     Scan sc = scan(directory_, id);
     report_ignored(sc.foreign);
     if (std::find(sc.own.begin(), sc.own.end(), std::make_pair(step, name)) == sc.own.end()) {
-      sc.own.emplace_back(step, name);  // just written: ours even if its header cannot be re-read now
+      sc.own.emplace_back(step,
+                          name);  // just written: ours even if its header cannot be re-read now
       std::sort(sc.own.begin(), sc.own.end());
     }
     const size_t keep = static_cast<size_t>(options_.max_to_keep);
@@ -335,7 +350,8 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
         // The index first: a crash in between leaves orphans, never an index without shards.
         ::unlink(p.c_str());
       } else {
-        for (const std::string& f : ckpt::shard_files_of(p)) kept_shards.insert(ckpt::file_name_of(f));
+        for (const std::string& f : ckpt::shard_files_of(p))
+          kept_shards.insert(ckpt::file_name_of(f));
       }
     }
     // Files that are not ours keep whatever shard files they name.
@@ -385,19 +401,24 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
       names.push_back(p.name);
     } else if (sc.own.empty()) {
       if (p.state == Pointer::kDamaged) {
-        throw DataLossError(damaged_pointer_message(directory_, p) + "; and no checkpoint of this manager to fall back to" +
-                            (sc.foreign.empty() ? std::string() : " (found: " + describe(sc.foreign) + ")"));
+        throw DataLossError(
+            damaged_pointer_message(directory_, p) +
+            "; and no checkpoint of this manager to fall back to" +
+            (sc.foreign.empty() ? std::string() : " (found: " + describe(sc.foreign) + ")"));
       }
       if (sc.foreign.empty()) return;  // an empty directory: a fresh start
       // Never a silent fresh start over files that look like checkpoints.
       throw FailedPreconditionError(
-          "checkpoint directory '" + directory_ + "' has no usable 'latest' pointer, and none of its checkpoint " +
-          "files is this manager's (written by its CheckpointManager runs, owned by this user): " + describe(sc.foreign) +
+          "checkpoint directory '" + directory_ +
+          "' has no usable 'latest' pointer, and none of its checkpoint " +
+          "files is this manager's (written by its CheckpointManager runs, owned by this user): " +
+          describe(sc.foreign) +
           ". Restore one explicitly (Checkpoint::restore) or move them away to start from scratch");
     } else {
       s.logger().warning("checkpoint directory '", directory_, "': ",
-                         p.state == Pointer::kAbsent ? "'" + directory_ + "/latest' is missing"
-                                                     : "its 'latest' pointer is damaged (" + p.problem + ")",
+                         p.state == Pointer::kAbsent
+                             ? "'" + directory_ + "/latest' is missing"
+                             : "its 'latest' pointer is damaged (" + p.problem + ")",
                          "; restoring the newest checkpoint this manager wrote, '", directory_, "/",
                          sc.own.back().second, "'");
     }
@@ -420,7 +441,8 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
         }
       }
     }
-    std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
     for (const auto& o : order) names.push_back(o.second);
     if (!options.fall_back_to_valid) names.resize(1);
     for (const std::string& n : names) plan += (plan.empty() ? "" : "\n") + n;
@@ -444,8 +466,9 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
   ErrorCode first_code = ErrorCode::kDataLoss;
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (!skip_why[i].empty()) {
-      const std::string msg = "checkpoint '" + candidates[i] + "' is skipped (" + skip_why[i] +
-                              "): it cannot be verified as this manager's, so it is neither tried nor pruned";
+      const std::string msg =
+          "checkpoint '" + candidates[i] + "' is skipped (" + skip_why[i] +
+          "): it cannot be verified as this manager's, so it is neither tried nor pruned";
       failures += (failures.empty() ? "" : "; ") + msg;
       if (writer && i + 1 < candidates.size()) {
         s.logger().warning(msg, "; falling back to '", candidates[i + 1], "'");
@@ -469,7 +492,8 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
       }
     }
   }
-  throw_error(first_code, "checkpoint directory '" + directory_ + "': no checkpoint could be restored: " + failures);
+  throw_error(first_code, "checkpoint directory '" + directory_ +
+                              "': no checkpoint could be restored: " + failures);
 }
 
 }  // namespace diststrat

@@ -52,7 +52,8 @@ DataPosition restore_data_position(const DistributedDataset& data, const Checkpo
   }
   for (const char* key : {"epoch", "batch", "step"}) {
     if (md.find(key) == md.end())
-      throw DataLossError(where + " has no '" + key + "' metadata: the data position is incomplete");
+      throw DataLossError(where + " has no '" + key +
+                          "' metadata: the data position is incomplete");
   }
   const int64_t batches = data.num_batches();
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
@@ -61,20 +62,21 @@ DataPosition restore_data_position(const DistributedDataset& data, const Checkpo
   p.batch = metadata_int(md, "batch", 0, batches, path);
   p.step = metadata_int(md, "step", 0, kMax, path);
   // step == epoch * batches + batch, computed without overflow.
-  const bool consistent = batches == 0 ? p.step == p.batch
-                          : p.epoch <= (kMax - p.batch) / batches &&
-                                p.step == p.epoch * batches + p.batch;
+  const bool consistent =
+      batches == 0 ? p.step == p.batch
+                   : p.epoch <= (kMax - p.batch) / batches && p.step == p.epoch * batches + p.batch;
   if (!consistent) {
     throw DataLossError(where + ": its data position contradicts itself: epoch " +
-                        std::to_string(p.epoch) + ", batch " + std::to_string(p.batch) + " and step " +
-                        std::to_string(p.step) + " (with " + std::to_string(batches) +
-                        " batches per epoch, step must be epoch * " + std::to_string(batches) +
-                        " + batch); keys 'epoch', 'batch', 'step'");
+                        std::to_string(p.epoch) + ", batch " + std::to_string(p.batch) +
+                        " and step " + std::to_string(p.step) + " (with " +
+                        std::to_string(batches) + " batches per epoch, step must be epoch * " +
+                        std::to_string(batches) + " + batch); keys 'epoch', 'batch', 'step'");
   }
   if (iterations && *iterations != p.step) {
     throw DataLossError(where + ": its data position says step " + std::to_string(p.step) +
                         " but the optimizer's restored step counter is " +
-                        std::to_string(*iterations) + "; keys 'step' and the optimizer's iterations");
+                        std::to_string(*iterations) +
+                        "; keys 'step' and the optimizer's iterations");
   }
   return p;
 }

@@ -39,8 +39,8 @@ uint64_t parse_dims(const uint8_t* b, size_t header, std::vector<int64_t>* dims,
                     const std::string& what) {
   uint64_t total = 1;
   for (size_t p = 4; p < header; p += 4) {
-    const uint32_t dim = (uint32_t(b[p]) << 24) | (uint32_t(b[p + 1]) << 16) |
-                         (uint32_t(b[p + 2]) << 8) | b[p + 3];
+    const uint32_t dim =
+        (uint32_t(b[p]) << 24) | (uint32_t(b[p + 1]) << 16) | (uint32_t(b[p + 2]) << 8) | b[p + 3];
     dims->push_back(dim);
     total *= dim;
     DISTSTRAT_CHECK(total <= kMaxElements, kDataLoss, what, ": IDX dims claim ", total,
@@ -133,8 +133,8 @@ class GzipReader {
       if (rc == Z_STREAM_END) {
         member_done_ = true;
       } else if (rc != Z_OK && !(rc == Z_BUF_ERROR && z_.avail_in == 0)) {
-        throw DataLossError("'" + path_ + "' is corrupt: " + (z_.msg ? z_.msg : "zlib error " +
-                                                                          std::to_string(rc)));
+        throw DataLossError("'" + path_ + "' is corrupt: " +
+                            (z_.msg ? z_.msg : "zlib error " + std::to_string(rc)));
       }
     }
     return n - z_.avail_out;
@@ -163,8 +163,8 @@ IdxArray read_stream(Read&& read, const std::string& what, std::optional<uint64_
   IdxArray a;
   const uint64_t total = parse_dims(head, header, &a.dims, what);
   if (known_size) {
-    DISTSTRAT_CHECK(*known_size >= header && *known_size - header == total, kDataLoss, what, ": IDX payload is ",
-                    *known_size - header, " bytes but the dims say ", total);
+    DISTSTRAT_CHECK(*known_size >= header && *known_size - header == total, kDataLoss, what,
+                    ": IDX payload is ", *known_size - header, " bytes but the dims say ", total);
   }
   // Grown as the bytes arrive (chunks from 64 KiB, doubling up to 16 MiB): the
   // claim alone allocates next to nothing.
@@ -209,8 +209,7 @@ IdxArray read_idx(const std::string& path) {
   const bool gzip = ::pread(fd, magic, 2, 0) == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
   if (gzip) {
     GzipReader gz(fd, path);
-    return read_stream([&](uint8_t* dst, size_t n) { return gz.read(dst, n); }, what,
-                       std::nullopt);
+    return read_stream([&](uint8_t* dst, size_t n) { return gz.read(dst, n); }, what, std::nullopt);
   }
   return read_stream([&](uint8_t* dst, size_t n) { return read_some(fd, dst, n, path); }, what,
                      static_cast<uint64_t>(st.st_size));

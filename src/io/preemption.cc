@@ -23,7 +23,9 @@ namespace {
 // a volatile sig_atomic_t made a data race (found by TSan).
 std::atomic<int> g_preemption_signalled{0};
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
-extern "C" void on_preemption_signal(int) { g_preemption_signalled.store(1, std::memory_order_relaxed); }
+extern "C" void on_preemption_signal(int) {
+  g_preemption_signalled.store(1, std::memory_order_relaxed);
+}
 }  // namespace
 
 struct PreemptionHandler::SavedHandlers {
@@ -31,7 +33,9 @@ struct PreemptionHandler::SavedHandlers {
 };
 
 PreemptionHandler::PreemptionHandler(Strategy& strategy, PreemptionOptions options)
-    : strategy_(&strategy), options_(std::move(options)), saved_(std::make_unique<SavedHandlers>()) {
+    : strategy_(&strategy),
+      options_(std::move(options)),
+      saved_(std::make_unique<SavedHandlers>()) {
   DISTSTRAT_CHECK(options_.check_every >= 1, kInvalidArgument, "PreemptionHandler: check_every ",
                   options_.check_every, " must be at least 1");
   // Before this, the signal's default action would have ended the process.
@@ -57,7 +61,9 @@ bool PreemptionHandler::signalled() const { return g_preemption_signalled != 0; 
 
 void PreemptionHandler::raise_for_testing() { g_preemption_signalled = 1; }
 
-bool ckpt::preemption_signalled() { return g_preemption_signalled.load(std::memory_order_relaxed) != 0; }
+bool ckpt::preemption_signalled() {
+  return g_preemption_signalled.load(std::memory_order_relaxed) != 0;
+}
 
 bool PreemptionHandler::should_stop(int64_t step) {
   if (step % options_.check_every != 0) return false;

@@ -82,9 +82,9 @@ std::optional<DType> parse_dtype(const std::string& s) {
   return std::nullopt;
 }
 bool known_unsupported_dtype(const std::string& s) {
-  static const char* const kOthers[] = {"BOOL", "U8",  "I8",  "U16", "I16",     "U32",
-                                        "U64",  "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E2M3",
-                                        "F6_E3M2", "C64"};
+  static const char* const kOthers[] = {"BOOL", "U8",      "I8",      "U16",     "I16",
+                                        "U32",  "U64",     "F8_E5M2", "F8_E4M3", "F8_E8M0",
+                                        "F4",   "F6_E2M3", "F6_E3M2", "C64"};
   for (const char* o : kOthers) {
     if (s == o) return true;
   }
@@ -103,10 +103,12 @@ CheckpointMetadata metadata_of(const json& header, const std::string& what) {
   CheckpointMetadata out;
   auto it = header.find("__metadata__");
   if (it == header.end()) return out;
-  if (!it->is_object()) throw DataLossError("checkpoint '" + what + "': __metadata__ is not an object");
+  if (!it->is_object())
+    throw DataLossError("checkpoint '" + what + "': __metadata__ is not an object");
   for (auto m = it->begin(); m != it->end(); ++m) {
     if (!m.value().is_string()) {
-      throw DataLossError("checkpoint '" + what + "': __metadata__ value of '" + echo(m.key()) + "' is not a string");
+      throw DataLossError("checkpoint '" + what + "': __metadata__ value of '" + echo(m.key()) +
+                          "' is not a string");
     }
     out[m.key()] = m.value().get<std::string>();
   }
@@ -127,7 +129,8 @@ const Tensor* SafetensorsFile::find(const std::string& name) const {
 namespace {
 void save_safetensors_impl(const std::string& path,
                            const std::vector<std::pair<std::string, Tensor>>& tensors,
-                           const CheckpointMetadata& metadata, bool allow_reserved, bool allow_non_finite) {
+                           const CheckpointMetadata& metadata, bool allow_reserved,
+                           bool allow_non_finite) {
   DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
                   "save_safetensors: big-endian hosts are not supported");
   std::vector<const std::pair<std::string, Tensor>*> sorted;
@@ -144,15 +147,15 @@ void save_safetensors_impl(const std::string& path,
   std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->first < b->first; });
   for (size_t i = 1; i < sorted.size(); ++i) {
     DISTSTRAT_CHECK(sorted[i]->first != sorted[i - 1]->first, kInvalidArgument,
-                    "save_safetensors '", path, "': tensor '", sorted[i]->first,
-                    "' appears twice");
+                    "save_safetensors '", path, "': tensor '", sorted[i]->first, "' appears twice");
   }
 
   json header = json::object();
   json md = json::object();
   for (const auto& [k, v] : metadata) {
-    DISTSTRAT_CHECK(allow_reserved || k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument, "save_safetensors '", path,
-                    "': metadata key '", k, "' uses the reserved prefix 'diststrat.'");
+    DISTSTRAT_CHECK(allow_reserved || k.rfind(kReservedPrefix, 0) != 0, kInvalidArgument,
+                    "save_safetensors '", path, "': metadata key '", k,
+                    "' uses the reserved prefix 'diststrat.'");
     md[k] = v;
   }
   uint64_t offset = 0;
@@ -166,8 +169,10 @@ void save_safetensors_impl(const std::string& path,
     header[nt->first] = entry;
     // The non-finite scan rides on the CRC's pass over the same bytes.
     ckpt::NonFinite nf;
-    md[kTensorCrcPrefix + nt->first] = hex32(ckpt::crc32_and_scan(t.data(), t.nbytes(), t.dtype(), !allow_non_finite, &nf));
-    if (nf) non_finite.push_back("tensor '" + echo(nt->first) + "' " + ckpt::describe_non_finite(nf));
+    md[kTensorCrcPrefix + nt->first] =
+        hex32(ckpt::crc32_and_scan(t.data(), t.nbytes(), t.dtype(), !allow_non_finite, &nf));
+    if (nf)
+      non_finite.push_back("tensor '" + echo(nt->first) + "' " + ckpt::describe_non_finite(nf));
     offset += t.nbytes();
   }
   if (!non_finite.empty()) {
@@ -175,8 +180,11 @@ void save_safetensors_impl(const std::string& path,
     std::string msg = "refusing to save '" + path + "': ";
     const size_t shown = std::min<size_t>(non_finite.size(), 5);
     for (size_t i = 0; i < shown; ++i) msg += (i ? "; " : "") + non_finite[i];
-    if (non_finite.size() > shown) msg += "; and " + std::to_string(non_finite.size() - shown) + " more tensors";
-    throw DataLossError(msg + ". The training diverged? Nothing was written; allow_non_finite = true saves it anyway");
+    if (non_finite.size() > shown)
+      msg += "; and " + std::to_string(non_finite.size() - shown) + " more tensors";
+    throw DataLossError(
+        msg +
+        ". The training diverged? Nothing was written; allow_non_finite = true saves it anyway");
   }
   md["diststrat.format"] = "1";
   header["__metadata__"] = md;
@@ -235,14 +243,17 @@ struct Layout {
 // The 8-byte header length N of a `size`-byte file, checked: N > 0 (a file
 // of zeros is damage), within the 100 MiB limit, within the file.
 uint64_t checked_header_length(const uint8_t len[8], uint64_t size, const std::string& what) {
-  auto corrupt = [&](const std::string& msg) { return DataLossError("checkpoint '" + what + "': " + msg); };
+  auto corrupt = [&](const std::string& msg) {
+    return DataLossError("checkpoint '" + what + "': " + msg);
+  };
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
   if (n == 0) throw corrupt("header length 0 (an empty or zeroed file?)");
-  if (n > kMaxHeaderBytes) throw corrupt("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  if (n > kMaxHeaderBytes)
+    throw corrupt("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
   if (n > size - 8) {
-    throw corrupt("truncated: header length " + std::to_string(n) + " but only " + std::to_string(size - 8) +
-                  " bytes follow");
+    throw corrupt("truncated: header length " + std::to_string(n) + " but only " +
+                  std::to_string(size - 8) + " bytes follow");
   }
   return n;
 }
@@ -269,8 +280,11 @@ Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std:
     if (it.key() == "__metadata__") continue;
     const std::string& name = it.key();
     const json& e = it.value();
-    auto bad = [&](const std::string& msg) { return corrupt("tensor '" + echo(name) + "': " + msg); };
-    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets")) {
+    auto bad = [&](const std::string& msg) {
+      return corrupt("tensor '" + echo(name) + "': " + msg);
+    };
+    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") ||
+        !e.contains("data_offsets")) {
       throw bad("entry needs dtype, shape and data_offsets");
     }
     if (!e["dtype"].is_string()) throw bad("dtype is not a string");
@@ -278,8 +292,9 @@ Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std:
     const std::optional<DType> dtype = parse_dtype(dt);
     if (!dtype) {
       if (known_unsupported_dtype(dt)) {
-        throw UnimplementedError("checkpoint '" + what + "': tensor '" + echo(name) + "' has dtype " + echo(dt) +
-                                 ", which diststrat does not support (F32, F64, F16, BF16, I32, I64)");
+        throw UnimplementedError(
+            "checkpoint '" + what + "': tensor '" + echo(name) + "' has dtype " + echo(dt) +
+            ", which diststrat does not support (F32, F64, F16, BF16, I32, I64)");
       }
       throw bad("unknown dtype '" + echo(dt) + "'");
     }
@@ -290,9 +305,11 @@ Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std:
     uint64_t elements = 1;
     bool overflow = false;
     for (const json& d : shape) {
-      if (!d.is_number_unsigned()) throw bad("shape " + echo(shape.dump()) + " has a non-natural dim");
+      if (!d.is_number_unsigned())
+        throw bad("shape " + echo(shape.dump()) + " has a non-natural dim");
       const uint64_t v = d.get<uint64_t>();
-      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) throw bad("dim too large");
+      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        throw bad("dim too large");
       if (v != 0 && elements > std::numeric_limits<uint64_t>::max() / v) overflow = true;
       elements *= v;
       dims.push_back(static_cast<int64_t>(v));
@@ -303,7 +320,9 @@ Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std:
       throw bad("data_offsets is not a pair of naturals");
     }
     const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-    if (begin > end) throw bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] run backwards");
+    if (begin > end)
+      throw bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                "] run backwards");
     if (end > data_size) {
       throw bad("data_offsets end " + std::to_string(end) + " lies beyond the " +
                 std::to_string(data_size) + "-byte data region (truncated file?)");
@@ -325,29 +344,32 @@ Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std:
   uint64_t expected = 0;
   for (const Entry* e : by_offset) {
     if (e->begin != expected) {
-      throw corrupt("tensor '" + echo(e->name) + "': data_offsets begin " + std::to_string(e->begin) +
+      throw corrupt("tensor '" + echo(e->name) + "': data_offsets begin " +
+                    std::to_string(e->begin) +
                     (e->begin < expected ? " overlaps the previous tensor" : " leaves a gap") +
                     " (expected " + std::to_string(expected) + ")");
     }
     expected = e->end;
   }
   if (expected != data_size) {  // each end lies within data_size: the rest is a tail
-    throw corrupt("the tensors cover " + std::to_string(expected) + " bytes but the data region has " +
-                  std::to_string(data_size) + ": " + std::to_string(data_size - expected) +
+    throw corrupt("the tensors cover " + std::to_string(expected) +
+                  " bytes but the data region has " + std::to_string(data_size) + ": " +
+                  std::to_string(data_size - expected) +
                   " trailing bytes (an extended or foreign file?)");
   }
 
   out.has_crcs = out.file.metadata.count(kHeaderCrcKey) > 0;
   if (options.require_checksums && !out.has_crcs) {
-    throw corrupt("has no diststrat checksums (written by another tool, or its header was damaged); "
-                  "load it with require_checksums = false to accept it unverified");
+    throw corrupt(
+        "has no diststrat checksums (written by another tool, or its header was damaged); "
+        "load it with require_checksums = false to accept it unverified");
   }
   if (out.has_crcs) {
     const std::string canon = canonical_header(header);
     const std::string got = hex32(crc32_of(canon.data(), canon.size()));
     if (got != out.file.metadata[kHeaderCrcKey]) {
-      throw corrupt("header checksum mismatch (stored " + echo(out.file.metadata[kHeaderCrcKey]) + ", computed " +
-                    got + "): the header was modified");
+      throw corrupt("header checksum mismatch (stored " + echo(out.file.metadata[kHeaderCrcKey]) +
+                    ", computed " + got + "): the header was modified");
     }
   }
   return out;
@@ -355,7 +377,8 @@ Layout parse_layout(const char* text, uint64_t n, uint64_t data_size, const std:
 
 // The tensors of a checked layout from its data region (exactly the bytes
 // the header declares), each verified against its checksum.
-SafetensorsFile build_tensors(Layout& layout, const uint8_t* data, const std::string& what, bool allow_non_finite) {
+SafetensorsFile build_tensors(Layout& layout, const uint8_t* data, const std::string& what,
+                              bool allow_non_finite) {
   auto corrupt = [&](const std::string& msg) -> DataLossError {
     return DataLossError("checkpoint '" + what + "': " + msg);
   };
@@ -371,10 +394,11 @@ SafetensorsFile build_tensors(Layout& layout, const uint8_t* data, const std::st
       auto it = out.metadata.find(kTensorCrcPrefix + e.name);
       if (it == out.metadata.end()) throw corrupt("tensor '" + echo(e.name) + "' has no checksum");
       // The non-finite scan rides on the CRC's pass over the same bytes.
-      const std::string got = hex32(ckpt::crc32_and_scan(p, nbytes, e.dtype, !allow_non_finite, &nf));
+      const std::string got =
+          hex32(ckpt::crc32_and_scan(p, nbytes, e.dtype, !allow_non_finite, &nf));
       if (got != it->second) {
-        throw corrupt("tensor '" + echo(e.name) + "': checksum mismatch (stored " + echo(it->second) +
-                      ", computed " + got + "): its data is corrupted");
+        throw corrupt("tensor '" + echo(e.name) + "': checksum mismatch (stored " +
+                      echo(it->second) + ", computed " + got + "): its data is corrupted");
       }
     } else if (!allow_non_finite && dtype_is_floating(e.dtype)) {
       ckpt::scan_non_finite(p, nbytes / dtype_size(e.dtype), e.dtype, 0, &nf);
@@ -398,8 +422,10 @@ SafetensorsFile build_tensors(Layout& layout, const uint8_t* data, const std::st
     std::string msg;
     const size_t shown = std::min<size_t>(non_finite.size(), 5);
     for (size_t i = 0; i < shown; ++i) msg += (i ? "; " : "") + non_finite[i];
-    if (non_finite.size() > shown) msg += "; and " + std::to_string(non_finite.size() - shown) + " more tensors";
-    throw corrupt(msg + " (saved from a diverged model?); allow_non_finite = true restores it anyway");
+    if (non_finite.size() > shown)
+      msg += "; and " + std::to_string(non_finite.size() - shown) + " more tensors";
+    throw corrupt(msg +
+                  " (saved from a diverged model?); allow_non_finite = true restores it anyway");
   }
   std::sort(out.tensors.begin(), out.tensors.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -418,7 +444,8 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size, const std::
                         " bytes, shorter than the 8-byte header length");
   }
   const uint64_t n = checked_header_length(bytes, size, what);
-  Layout layout = parse_layout(reinterpret_cast<const char*>(bytes + 8), n, size - 8 - n, what, options);
+  Layout layout =
+      parse_layout(reinterpret_cast<const char*>(bytes + 8), n, size - 8 - n, what, options);
   return build_tensors(layout, bytes + 8 + n, what, options.allow_non_finite);
 }
 
@@ -454,7 +481,9 @@ SafetensorsFile load_safetensors(const std::string& path, const SafetensorsLoadO
 
 ckpt::SafetensorsHeader ckpt::read_safetensors_header(const std::string& path) {
   const fs::ReadOnlyFile file(path, "checkpoint '" + path + "'");
-  auto corrupt = [&](const std::string& msg) { return DataLossError("checkpoint '" + path + "': " + msg); };
+  auto corrupt = [&](const std::string& msg) {
+    return DataLossError("checkpoint '" + path + "': " + msg);
+  };
   uint8_t len[8];
   if (file.size() < 8) throw corrupt("truncated: " + std::to_string(file.size()) + " bytes");
   file.read_at(0, len, 8);
@@ -473,7 +502,8 @@ ckpt::SafetensorsHeader ckpt::read_safetensors_header(const std::string& path) {
   auto crc = out.metadata.find(kHeaderCrcKey);
   if (crc != out.metadata.end()) {
     const std::string canon = canonical_header(header);
-    if (hex32(crc32_of(canon.data(), canon.size())) != crc->second) throw corrupt("header checksum mismatch");
+    if (hex32(crc32_of(canon.data(), canon.size())) != crc->second)
+      throw corrupt("header checksum mismatch");
     out.verified = true;
   }
   return out;

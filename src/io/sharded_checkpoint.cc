@@ -26,26 +26,32 @@ std::string hex64(uint64_t v) {
   return buf;
 }
 
-std::string value_name(const std::string& var, int64_t shard) { return var + "/shard-" + std::to_string(shard); }
+std::string value_name(const std::string& var, int64_t shard) {
+  return var + "/shard-" + std::to_string(shard);
+}
 
 // Reads a required JSON field; a missing or mistyped one is a DataLossError
 // naming the file.
-template <typename T> T field(const json& j, const char* key, const std::string& file) {
+template <typename T>
+T field(const json& j, const char* key, const std::string& file) {
   try {
     return j.at(key).get<T>();
   } catch (const json::exception& e) {
-    throw DataLossError("checkpoint file '" + file + "': malformed parameter-server metadata (field '" +
-                        key + "': " + echo(e.what()) + ")");
+    throw DataLossError("checkpoint file '" + file +
+                        "': malformed parameter-server metadata (field '" + key +
+                        "': " + echo(e.what()) + ")");
   }
 }
 
 json parse_json(const std::string& text, const std::string& file, const char* key) {
   try {
     json j = json::parse(text);
-    if (!j.is_object()) throw DataLossError("checkpoint file '" + file + "': '" + key + "' is not a JSON object");
+    if (!j.is_object())
+      throw DataLossError("checkpoint file '" + file + "': '" + key + "' is not a JSON object");
     return j;
   } catch (const json::exception& e) {
-    throw DataLossError("checkpoint file '" + file + "': '" + key + "' is not valid JSON: " + echo(e.what()));
+    throw DataLossError("checkpoint file '" + file + "': '" + key +
+                        "' is not valid JSON: " + echo(e.what()));
   }
 }
 
@@ -67,8 +73,9 @@ int64_t int_field(const json& j, const char* key, const std::string& file, int64
     x = v->get<int64_t>();
   }
   if (!ok || x < lo || x > hi) {
-    throw DataLossError("checkpoint file '" + file + "': malformed parameter-server metadata (field '" + key +
-                        "' is " + (v ? echo(v->dump()) : std::string("missing")) + ", not an integer in [" +
+    throw DataLossError("checkpoint file '" + file +
+                        "': malformed parameter-server metadata (field '" + key + "' is " +
+                        (v ? echo(v->dump()) : std::string("missing")) + ", not an integer in [" +
                         std::to_string(lo) + ", " + std::to_string(hi) + "])");
   }
   return x;
@@ -80,8 +87,9 @@ constexpr int64_t kMaxPs = 1 << 20;
 // (in bytes of `dtype`) without overflow.
 Shape shape_of(const json& j, const char* key, const std::string& file, DType dtype) {
   auto bad = [&](const std::string& why) {
-    return DataLossError("checkpoint file '" + file + "': malformed parameter-server metadata (field '" + key +
-                         "': " + why + ")");
+    return DataLossError("checkpoint file '" + file +
+                         "': malformed parameter-server metadata (field '" + key + "': " + why +
+                         ")");
   };
   if (!j.contains(key) || !j[key].is_array()) throw bad("not an array");
   std::vector<int64_t> dims;
@@ -130,10 +138,12 @@ std::string file_name_of(const std::string& path) {
 std::string shard_file_path(const std::string& index_path, int ps, int num_ps, uint64_t save_id) {
   static const std::string suffix = ".safetensors";
   std::string stem = index_path;
-  if (stem.size() > suffix.size() && stem.compare(stem.size() - suffix.size(), suffix.size(), suffix) == 0) {
+  if (stem.size() > suffix.size() &&
+      stem.compare(stem.size() - suffix.size(), suffix.size(), suffix) == 0) {
     stem.resize(stem.size() - suffix.size());
   }
-  return stem + ".ps-" + std::to_string(ps) + "-of-" + std::to_string(num_ps) + "." + hex64(save_id) + suffix;
+  return stem + ".ps-" + std::to_string(ps) + "-of-" + std::to_string(num_ps) + "." +
+         hex64(save_id) + suffix;
 }
 
 void write_shard_file(const std::string& path, uint64_t save_id, int ps, int num_ps,
@@ -169,8 +179,10 @@ void write_shard_file(const std::string& path, uint64_t save_id, int ps, int num
   save_safetensors_reserved(path, tensors, {{kShardKey, meta.dump()}});
 }
 
-void write_index(const std::string& path, uint64_t save_id, const std::vector<std::string>& shard_files,
-                 const std::vector<IndexVariable>& variables, const CheckpointMetadata& user_metadata) {
+void write_index(const std::string& path, uint64_t save_id,
+                 const std::vector<std::string>& shard_files,
+                 const std::vector<IndexVariable>& variables,
+                 const CheckpointMetadata& user_metadata) {
   json meta;
   meta["format"] = 1;
   meta["save_id"] = hex64(save_id);
@@ -185,7 +197,8 @@ void write_index(const std::string& path, uint64_t save_id, const std::vector<st
     j["shape"] = v.shape.dims();
     json shards = json::array();
     for (const IndexShard& s : v.shards) {
-      shards.push_back({{"index", s.index}, {"ps", s.ps}, {"row_offset", s.row_offset}, {"rows", s.rows}});
+      shards.push_back(
+          {{"index", s.index}, {"ps", s.ps}, {"row_offset", s.row_offset}, {"rows", s.rows}});
     }
     j["shards"] = shards;
     vars.push_back(j);
@@ -209,11 +222,13 @@ std::optional<ShardFileName> parse_shard_file_name(const std::string& name) {
   const std::string stem = body.substr(0, ps_at), rest = body.substr(ps_at + 4);
   const size_t of = rest.find("-of-"), dot = rest.find('.');
   if (of == std::string::npos || dot == std::string::npos || dot < of) return std::nullopt;
-  const std::string ps = rest.substr(0, of), num = rest.substr(of + 4, dot - of - 4), hex = rest.substr(dot + 1);
+  const std::string ps = rest.substr(0, of), num = rest.substr(of + 4, dot - of - 4),
+                    hex = rest.substr(dot + 1);
   int64_t step = 0, p = 0, n = 0;
-  if (stem.size() <= 5 || !parse_int(stem.substr(5), 0, kMaxInt, &step) || stem != "ckpt-" + std::to_string(step) ||
-      !parse_int(ps, 0, kMaxPs, &p) || !parse_int(num, 1, kMaxPs, &n) || p >= n ||
-      std::to_string(p) != ps || std::to_string(n) != num || hex.size() != 16 ||
+  if (stem.size() <= 5 || !parse_int(stem.substr(5), 0, kMaxInt, &step) ||
+      stem != "ckpt-" + std::to_string(step) || !parse_int(ps, 0, kMaxPs, &p) ||
+      !parse_int(num, 1, kMaxPs, &n) || p >= n || std::to_string(p) != ps ||
+      std::to_string(n) != num || hex.size() != 16 ||
       hex.find_first_not_of("0123456789abcdef") != std::string::npos) {
     return std::nullopt;
   }
@@ -221,7 +236,8 @@ std::optional<ShardFileName> parse_shard_file_name(const std::string& name) {
   out.index_name = stem + suffix;
   out.ps = static_cast<int>(p);
   out.num_ps = static_cast<int>(n);
-  for (char c : hex) out.save_id = (out.save_id << 4) | static_cast<uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
+  for (char c : hex)
+    out.save_id = (out.save_id << 4) | static_cast<uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
   return out;
 }
 
@@ -234,7 +250,8 @@ bool is_own_shard_file(const std::string& path) {
     if (!h.verified || it == h.metadata.end()) return false;
     const json j = parse_json(it->second, path, kShardKey);
     return field<std::string>(j, "save_id", path) == hex64(parsed->save_id) &&
-           int_field(j, "ps", path, 0, kMaxPs) == parsed->ps && int_field(j, "num_ps", path, 1, kMaxPs) == parsed->num_ps;
+           int_field(j, "ps", path, 0, kMaxPs) == parsed->ps &&
+           int_field(j, "num_ps", path, 1, kMaxPs) == parsed->num_ps;
   } catch (const Error&) {
     return false;
   }
@@ -249,7 +266,8 @@ std::vector<std::string> shard_files_of(const std::string& index_path) {
     if (it == h.metadata.end()) return out;
     const json j = parse_json(it->second, index_path, kIndexKey);
     for (const std::string& name : field<std::vector<std::string>>(j, "files", index_path)) {
-      if (!name.empty() && name.find('/') == std::string::npos) out.push_back(directory_of(index_path) + "/" + name);
+      if (!name.empty() && name.find('/') == std::string::npos)
+        out.push_back(directory_of(index_path) + "/" + name);
     }
   } catch (const Error&) {
     out.clear();
@@ -267,11 +285,12 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
   }
   out.sharded = true;
   auto lost = [&](const std::string& file, const std::string& msg) -> DataLossError {
-    return DataLossError("parameter-server checkpoint '" + path + "': " +
-                         (file.empty() ? "" : "shard file '" + file + "': ") +
+    return DataLossError("parameter-server checkpoint '" + path +
+                         "': " + (file.empty() ? "" : "shard file '" + file + "': ") +
                          echo(msg, 4 * kMaxEchoedChars));  // names and ids from the file, escaped
   };
-  if (!index.tensors.empty()) throw lost("", "the index holds tensors ('" + index.tensors[0].first + "')");
+  if (!index.tensors.empty())
+    throw lost("", "the index holds tensors ('" + index.tensors[0].first + "')");
   const json ij = parse_json(idx_it->second, path, kIndexKey);
   if (int_field(ij, "format", path, 0, kMaxInt) != 1) throw lost("", "unknown index format");
   const std::string save_id = field<std::string>(ij, "save_id", path);
@@ -289,27 +308,30 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
   std::vector<SafetensorsFile> shard_files(files.size());
   std::map<std::pair<std::string, int64_t>, Saved> saved;
   for (size_t i = 0; i < files.size(); ++i) {
-    if (files[i].empty() || files[i].find('/') != std::string::npos) throw lost("", "bad shard file name '" + files[i] + "'");
+    if (files[i].empty() || files[i].find('/') != std::string::npos)
+      throw lost("", "bad shard file name '" + files[i] + "'");
     const std::string fp = directory_of(path) + "/" + files[i];
     SafetensorsFile& sf = shard_files[i];
     try {
       sf = load_safetensors(fp, options);
     } catch (const NotFoundError& e) {
-      throw NotFoundError("parameter-server checkpoint '" + path + "': shard file of PS " + std::to_string(i) +
-                          " is missing: " + e.message());
+      throw NotFoundError("parameter-server checkpoint '" + path + "': shard file of PS " +
+                          std::to_string(i) + " is missing: " + e.message());
     }
     auto it = sf.metadata.find(kShardKey);
-    if (it == sf.metadata.end()) throw lost(fp, "not a parameter-server shard file (no '" + std::string(kShardKey) + "')");
+    if (it == sf.metadata.end())
+      throw lost(fp, "not a parameter-server shard file (no '" + std::string(kShardKey) + "')");
     const json sj = parse_json(it->second, fp, kShardKey);
     if (field<std::string>(sj, "save_id", fp) != save_id) {
       throw lost(fp, "written by another save (save id " + field<std::string>(sj, "save_id", fp) +
                          ", the index has " + save_id + ")");
     }
-    const int64_t file_ps = int_field(sj, "ps", fp, 0, kMaxPs), file_num_ps = int_field(sj, "num_ps", fp, 1, kMaxPs);
+    const int64_t file_ps = int_field(sj, "ps", fp, 0, kMaxPs),
+                  file_num_ps = int_field(sj, "num_ps", fp, 1, kMaxPs);
     if (file_ps != static_cast<int64_t>(i) || file_num_ps != static_cast<int64_t>(files.size())) {
-      throw lost(fp, "holds PS " + std::to_string(file_ps) + " of " +
-                         std::to_string(file_num_ps) + ", the index lists it as PS " +
-                         std::to_string(i) + " of " + std::to_string(files.size()));
+      throw lost(fp, "holds PS " + std::to_string(file_ps) + " of " + std::to_string(file_num_ps) +
+                         ", the index lists it as PS " + std::to_string(i) + " of " +
+                         std::to_string(files.size()));
     }
     if (!sj.contains("shards") || !sj["shards"].is_array()) throw lost(fp, "no shard list");
     std::set<std::string> named;
@@ -324,11 +346,15 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       rec.step = int_field(s, "step", fp, 0, kMaxInt);
       const std::string vname = field<std::string>(s, "value", fp);
       rec.value = sf.find(vname);
-      if (!rec.value) throw lost(fp, "tensor '" + vname + "' (shard " + std::to_string(k) + " of '" + var + "') is missing");
+      if (!rec.value)
+        throw lost(fp, "tensor '" + vname + "' (shard " + std::to_string(k) + " of '" + var +
+                           "') is missing");
       named.insert(vname);
       for (const auto& [slot, tname] : field<std::map<std::string, std::string>>(s, "slots", fp)) {
         const Tensor* t = sf.find(tname);
-        if (!t) throw lost(fp, "tensor '" + tname + "' (slot '" + slot + "' of '" + var + "') is missing");
+        if (!t)
+          throw lost(fp,
+                     "tensor '" + tname + "' (slot '" + slot + "' of '" + var + "') is missing");
         rec.slots[slot] = t;
         named.insert(tname);
       }
@@ -337,7 +363,8 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       }
     }
     for (const auto& [name, t] : sf.tensors) {
-      if (!named.count(name)) throw lost(fp, "tensor '" + name + "' is not described by the file's shard list");
+      if (!named.count(name))
+        throw lost(fp, "tensor '" + name + "' is not described by the file's shard list");
     }
   }
 
@@ -348,7 +375,8 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
     const std::string name = field<std::string>(v, "name", path);
     const std::string dtype_text = field<std::string>(v, "dtype", path);
     std::optional<DType> dtype;
-    for (DType d : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kInt32, DType::kInt64}) {
+    for (DType d : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
+                    DType::kInt32, DType::kInt64}) {
       if (dtype_text == dtype_name(d)) dtype = d;
     }
     if (!dtype) throw lost("", "variable '" + name + "' has unknown dtype '" + dtype_text + "'");
@@ -365,23 +393,31 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
     for (const json& s : v["shards"]) {
       const int64_t k = int_field(s, "index", path, 0, kMaxInt);
       const int ps = static_cast<int>(int_field(s, "ps", path, 0, kMaxPs));
-      const int64_t off = int_field(s, "row_offset", path, 0, kMaxInt), n = int_field(s, "rows", path, 0, kMaxInt);
+      const int64_t off = int_field(s, "row_offset", path, 0, kMaxInt),
+                    n = int_field(s, "rows", path, 0, kMaxInt);
       auto it = saved.find({name, k});
-      if (ps < 0 || static_cast<size_t>(ps) >= files.size()) throw lost("", "shard " + std::to_string(k) + " of '" + name + "' on PS " + std::to_string(ps) + ", which has no file");
+      if (ps < 0 || static_cast<size_t>(ps) >= files.size())
+        throw lost("", "shard " + std::to_string(k) + " of '" + name + "' on PS " +
+                           std::to_string(ps) + ", which has no file");
       const std::string fp = directory_of(path) + "/" + files[static_cast<size_t>(ps)];
       if (it == saved.end() || it->second.ps != ps) {
-        throw lost(fp, "shard " + std::to_string(k) + " of '" + name + "' (tensor '" + value_name(name, k) +
-                           "') is not in it, but the index places it there");
+        throw lost(fp, "shard " + std::to_string(k) + " of '" + name + "' (tensor '" +
+                           value_name(name, k) + "') is not in it, but the index places it there");
       }
       Saved& rec = it->second;
       rec.used = true;
       const Shape want = shape.rank() ? rows_shape(shape, n) : shape;
-      if (rec.row_offset != off || rec.rows != n || rec.value->dtype() != *dtype || rec.value->shape() != want) {
+      if (rec.row_offset != off || rec.rows != n || rec.value->dtype() != *dtype ||
+          rec.value->shape() != want) {
         throw lost(fp, "tensor '" + value_name(name, k) + "' is " + dtype_name(rec.value->dtype()) +
-                           rec.value->shape().to_string() + " at row " + std::to_string(rec.row_offset) +
-                           ", the index says " + dtype_name(*dtype) + want.to_string() + " at row " + std::to_string(off));
+                           rec.value->shape().to_string() + " at row " +
+                           std::to_string(rec.row_offset) + ", the index says " +
+                           dtype_name(*dtype) + want.to_string() + " at row " +
+                           std::to_string(off));
       }
-      if (off > rows || n > rows - off) throw lost("", "shard " + std::to_string(k) + " of '" + name + "' has rows outside " + shape.to_string());
+      if (off > rows || n > rows - off)
+        throw lost("", "shard " + std::to_string(k) + " of '" + name + "' has rows outside " +
+                           shape.to_string());
       covered.emplace_back(off, n);
       steps.push_back({{off, n}, rec.step});
       parts.push_back(&rec);
@@ -389,20 +425,28 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
     std::sort(covered.begin(), covered.end());
     int64_t next = 0;
     for (const auto& [off, n] : covered) {
-      if (off != next) throw lost("", "the shards of '" + name + "' do not cover its rows exactly (gap or overlap at row " + std::to_string(next) + ")");
+      if (off != next)
+        throw lost("", "the shards of '" + name +
+                           "' do not cover its rows exactly (gap or overlap at row " +
+                           std::to_string(next) + ")");
       next = off + n;
     }
-    if (next != rows) throw lost("", "the shards of '" + name + "' cover " + std::to_string(next) + " of its " + std::to_string(rows) + " rows");
+    if (next != rows)
+      throw lost("", "the shards of '" + name + "' cover " + std::to_string(next) + " of its " +
+                         std::to_string(rows) + " rows");
     // Only now, with the shards' real rows covering the shape exactly, is
     // the whole variable allocated (a lying shape cannot make us allocate).
     Tensor full(shape, *dtype);
     for (const Saved* p : parts) {
-      if (p->rows && rb) std::memcpy(static_cast<char*>(full.data()) + p->row_offset * rb, p->value->data(), static_cast<size_t>(p->rows) * rb);
+      if (p->rows && rb)
+        std::memcpy(static_cast<char*>(full.data()) + p->row_offset * rb, p->value->data(),
+                    static_cast<size_t>(p->rows) * rb);
     }
     // Slots: a shard that never received a push has none yet (the PS creates
     // them as zeros on the first push), so its rows are zeros.
     std::set<std::string> slot_names;
-    for (const Saved* p : parts) for (const auto& sl : p->slots) slot_names.insert(sl.first);
+    for (const Saved* p : parts)
+      for (const auto& sl : p->slots) slot_names.insert(sl.first);
     for (const std::string& slot : slot_names) {
       Tensor t(shape, DType::kFloat32);
       const size_t srb = shape.rank() ? row_bytes_of(shape, DType::kFloat32) : sizeof(float);
@@ -410,17 +454,21 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
         auto sl = p->slots.find(slot);
         if (sl == p->slots.end()) {
           if (p->step != 0) {
-            throw lost(p->file, "shard at row " + std::to_string(p->row_offset) + " of '" + name + "' has " +
-                                    std::to_string(p->step) + " updates but no slot '" + slot + "'");
+            throw lost(p->file, "shard at row " + std::to_string(p->row_offset) + " of '" + name +
+                                    "' has " + std::to_string(p->step) + " updates but no slot '" +
+                                    slot + "'");
           }
           continue;
         }
         const Shape want = shape.rank() ? rows_shape(shape, p->rows) : shape;
         if (sl->second->dtype() != DType::kFloat32 || sl->second->shape() != want) {
-          throw lost(p->file, "slot tensor of '" + name + "/" + slot + "' is " + sl->second->debug_string() +
-                                  ", expected float32" + want.to_string());
+          throw lost(p->file, "slot tensor of '" + name + "/" + slot + "' is " +
+                                  sl->second->debug_string() + ", expected float32" +
+                                  want.to_string());
         }
-        if (p->rows && srb) std::memcpy(static_cast<char*>(t.data()) + p->row_offset * srb, sl->second->data(), static_cast<size_t>(p->rows) * srb);
+        if (p->rows && srb)
+          std::memcpy(static_cast<char*>(t.data()) + p->row_offset * srb, sl->second->data(),
+                      static_cast<size_t>(p->rows) * srb);
       }
       tensors.emplace_back(name + "/" + slot, t);
     }
@@ -428,16 +476,21 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
     out.steps[name] = steps;
   }
   for (const auto& [key, rec] : saved) {
-    if (!rec.used) throw lost(rec.file, "holds shard " + std::to_string(key.second) + " of '" + key.first + "', which the index does not list");
+    if (!rec.used)
+      throw lost(rec.file, "holds shard " + std::to_string(key.second) + " of '" + key.first +
+                               "', which the index does not list");
   }
-  std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(tensors.begin(), tensors.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
   for (size_t i = 1; i < tensors.size(); ++i) {
-    if (tensors[i].first == tensors[i - 1].first) throw lost("", "tensor '" + tensors[i].first + "' appears twice");
+    if (tensors[i].first == tensors[i - 1].first)
+      throw lost("", "tensor '" + tensors[i].first + "' appears twice");
   }
   out.file.tensors = std::move(tensors);
   out.file.metadata = index.metadata;
   out.file.verified = index.verified;
-  for (const SafetensorsFile& sf : shard_files) out.file.verified = out.file.verified && sf.verified;
+  for (const SafetensorsFile& sf : shard_files)
+    out.file.verified = out.file.verified && sf.verified;
   return out;
 }
 

@@ -59,8 +59,9 @@ void MirroredStrategy::place_variable(Variable::Impl& var, const Initializer& in
   impl_->replicas.place_copies(var, initial);
 }
 
-void MirroredStrategy::apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
-                                       const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+void MirroredStrategy::apply_gradients(
+    ReplicaContext& ctx, Optimizer& optimizer,
+    const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
   if (impl_->shard_optimizer_state) {
     // ZeRO-1 over the in-process group: reduce-scatter, update the block,
     // all-gather (Optimizer::apply_sharded).
@@ -76,8 +77,8 @@ void MirroredStrategy::apply_gradients(ReplicaContext& ctx, Optimizer& optimizer
                           DType::kFloat32, ReduceOp::kSum, "sharded gradients");
     };
     c.all_gather = [&](const Tensor& in, Tensor& out) {
-      comm.all_gather(in.data(), out.data(), static_cast<size_t>(in.num_elements()), DType::kFloat32,
-                      "sharded variables");
+      comm.all_gather(in.data(), out.data(), static_cast<size_t>(in.num_elements()),
+                      DType::kFloat32, "sharded variables");
     };
     c.sum = [&](double v) {
       if (!device_comm) {

@@ -15,23 +15,29 @@ namespace {
 
 using Clock = Timeline::Clock;
 
-
 const char* compression_name(Compression c) {
   switch (c) {
-    case Compression::kNone: return "none";
-    case Compression::kFloat16: return "float16";
-    case Compression::kBFloat16: return "bfloat16";
+    case Compression::kNone:
+      return "none";
+    case Compression::kFloat16:
+      return "float16";
+    case Compression::kBFloat16:
+      return "bfloat16";
   }
   return "?";
 }
 
 // The collective in a call's signature header; all_reduce has none, so its
 // signatures are as before.
-template <typename K> std::string kind_prefix(K kind) {
+template <typename K>
+std::string kind_prefix(K kind) {
   switch (static_cast<int>(kind)) {
-    case 1: return "reduce_scatter, ";
-    case 2: return "all_gather, ";
-    default: return "";
+    case 1:
+      return "reduce_scatter, ";
+    case 2:
+      return "all_gather, ";
+    default:
+      return "";
   }
 }
 
@@ -48,7 +54,8 @@ std::string name_at(const std::vector<std::string>& names, size_t i) {
 std::string first_tensors(const std::vector<std::string>& names, size_t num) {
   constexpr size_t kShown = 3;
   std::string out;
-  for (size_t i = 0; i < num && i < kShown; ++i) out += (i ? ", '" : "'") + echo(name_at(names, i)) + "'";
+  for (size_t i = 0; i < num && i < kShown; ++i)
+    out += (i ? ", '" : "'") + echo(name_at(names, i)) + "'";
   if (num > kShown) out += " and " + std::to_string(num - kShown) + " more";
   return num ? out : "no tensors";
 }
@@ -125,7 +132,8 @@ std::string describe_mismatch(const std::vector<std::string>& sigs, int64_t call
       // workers only.
       bool sharded = false, plain = false;
       for (const auto& g : groups) {
-        const bool s = g.first.rfind("reduce_scatter, ", 0) == 0 || g.first.rfind("all_gather, ", 0) == 0;
+        const bool s =
+            g.first.rfind("reduce_scatter, ", 0) == 0 || g.first.rfind("all_gather, ", 0) == 0;
         sharded = sharded || s;
         plain = plain || !s;
       }
@@ -399,9 +407,9 @@ void FusionEngine::execute(Call& call) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!broken_.empty()) {
-        throw AbortedError("rank " + std::to_string(rank_) + ": " + call.what +
-                           ": the multi-worker collectives are unusable after an earlier failure: " +
-                           broken_);
+        throw AbortedError(
+            "rank " + std::to_string(rank_) + ": " + call.what +
+            ": the multi-worker collectives are unusable after an earlier failure: " + broken_);
       }
     }
     if (call.is_task) {
@@ -450,7 +458,8 @@ std::string FusionEngine::signature(const Call& call) const {
   const Part& p = call.parts[0];
   std::ostringstream os;
   os << kind_prefix(p.kind) << signature_header(p.op);
-  for (size_t i = 0; i < p.tensors.size(); ++i) os << tensor_line(name_at(p.names, i), p.tensors[i]) << "\n";
+  for (size_t i = 0; i < p.tensors.size(); ++i)
+    os << tensor_line(name_at(p.names, i), p.tensors[i]) << "\n";
   return os.str();
 }
 
@@ -497,9 +506,10 @@ void FusionEngine::check_signatures(const Call& call) {
   // Named after the user's tensors: a peer that never comes makes this the
   // collective that times out.
   const Part& p0 = call.parts[0];
-  const std::string label = "signature of fused all_reduce call #" + std::to_string(index) + " of " +
-                            (call.local_mismatch.empty() ? first_tensors(p0.names, p0.tensors.size())
-                                                         : std::string("mismatched local tensors"));
+  const std::string label =
+      "signature of fused all_reduce call #" + std::to_string(index) + " of " +
+      (call.local_mismatch.empty() ? first_tensors(p0.names, p0.tensors.size())
+                                   : std::string("mismatched local tensors"));
   const int64_t honest = static_cast<int64_t>(signature_hash(call));
   int64_t mine = honest;
   if (corrupt_next_signature_.exchange(false)) mine ^= static_cast<int64_t>(0x5a5a5a5a5a5a5a5aull);
@@ -529,10 +539,12 @@ void FusionEngine::check_signatures(const Call& call) {
     for (int r = 0; r < n; ++r) {
       if (all[r] != honest) bad.push_back(r);
     }
-    throw DataLossError("rank " + std::to_string(rank_) + ": " + label + ": corrupted pack signature from " +
-                        rank_list(bad) + " (its hash does not match the call every rank enqueued)");
+    throw DataLossError("rank " + std::to_string(rank_) + ": " + label +
+                        ": corrupted pack signature from " + rank_list(bad) +
+                        " (its hash does not match the call every rank enqueued)");
   }
-  throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " + describe_mismatch(sigs, index));
+  throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " +
+                             describe_mismatch(sigs, index));
 }
 
 void FusionEngine::ensure(Buffer& buf, size_t bytes) {
@@ -544,7 +556,8 @@ void FusionEngine::ensure(Buffer& buf, size_t bytes) {
   // would never come; grown in powers of two, so that few windows are made.
   size_t grown = 4096;
   while (grown < bytes) grown *= 2;
-  if (cross_.size() > 1) cross_.barrier("allocate fusion buffer of " + std::to_string(grown) + " bytes");
+  if (cross_.size() > 1)
+    cross_.barrier("allocate fusion buffer of " + std::to_string(grown) + " bytes");
   buf.memory = cross_.allocate_buffer(grown);
   buf.bytes = grown;
   std::lock_guard<std::mutex> lock(mu_);
@@ -603,11 +616,10 @@ void FusionEngine::execute_all_reduce(Call& call) {
     const std::string name = "fused all_reduce #" + std::to_string(index) + " pack " +
                              std::to_string(pk + 1) + "/" + std::to_string(packs.size()) + " [" +
                              echo(name_at(p0.names, i)) +
-                             (j - i > 1 ? " .. " + echo(name_at(p0.names, j - 1)) : "") +
-                             "]";
-    const std::string args = "\"call\": " + std::to_string(index) + ", \"pack\": " +
-                             std::to_string(pk) + ", \"tensors\": " + std::to_string(j - i) +
-                             ", \"bytes\": " + std::to_string(bytes);
+                             (j - i > 1 ? " .. " + echo(name_at(p0.names, j - 1)) : "") + "]";
+    const std::string args =
+        "\"call\": " + std::to_string(index) + ", \"pack\": " + std::to_string(pk) +
+        ", \"tensors\": " + std::to_string(j - i) + ", \"bytes\": " + std::to_string(bytes);
 
     // memcpy-in: reduce the local replicas' tensors into the pack buffer.
     const auto t_in = Clock::now();
@@ -642,7 +654,8 @@ void FusionEngine::execute_all_reduce(Call& call) {
     // reduce: across processes, compressed on the wire for f32.
     if (cross_.size() > 1) {
       if (dtype == DType::kFloat32 && options_.compression != Compression::kNone) {
-        const DType wire = options_.compression == Compression::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+        const DType wire =
+            options_.compression == Compression::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
         ensure(wire_, count * dtype_size(wire));
         kernels::cast(data, DType::kFloat32, wire_.data(), wire, count);
         cross_.all_reduce(wire_.data(), wire_.data(), count, wire, sum_op, name);
@@ -686,16 +699,18 @@ void FusionEngine::execute_sharded(Call& call) {
   const DType dtype = p0.tensors[0].dtype();
   const size_t esz = dtype_size(dtype);
   // B: the elements of one replica's block.
-  const size_t block = static_cast<size_t>(scatter ? p0.out.num_elements() : p0.tensors[0].num_elements());
+  const size_t block =
+      static_cast<size_t>(scatter ? p0.out.num_elements() : p0.tensors[0].num_elements());
   const size_t rank_block = block * static_cast<size_t>(l_count);  // this rank's replicas' blocks
   for (int l = 0; l < l_count; ++l) {
     const Part& p = call.parts[static_cast<size_t>(l)];
-    DISTSTRAT_CHECK(p.out.num_elements() == p0.out.num_elements() && p.out.dtype() == dtype, kInvalidArgument,
-                    "rank ", rank_, ": ", call.what, " '", echo(name_at(p0.names, 0)), "': local replica ", l,
-                    " passed output ", p.out.debug_string(), ", local replica 0 ", p0.out.debug_string());
+    DISTSTRAT_CHECK(p.out.num_elements() == p0.out.num_elements() && p.out.dtype() == dtype,
+                    kInvalidArgument, "rank ", rank_, ": ", call.what, " '",
+                    echo(name_at(p0.names, 0)), "': local replica ", l, " passed output ",
+                    p.out.debug_string(), ", local replica 0 ", p0.out.debug_string());
   }
-  const std::string name = "fused " + call.what + " #" + std::to_string(index) + " [" +
-                           echo(name_at(p0.names, 0)) + "]";
+  const std::string name =
+      "fused " + call.what + " #" + std::to_string(index) + " [" + echo(name_at(p0.names, 0)) + "]";
   const ReduceOp sum_op = p0.op == ReduceOp::kMean ? ReduceOp::kSum : p0.op;
   const size_t total = rank_block * static_cast<size_t>(w);
   if (scatter) {
@@ -705,7 +720,8 @@ void FusionEngine::execute_sharded(Call& call) {
     if (l_count > 1) {
       ensure(buffer_, total * esz);
       std::vector<const void*> srcs(static_cast<size_t>(l_count));
-      for (int l = 0; l < l_count; ++l) srcs[static_cast<size_t>(l)] = call.parts[static_cast<size_t>(l)].tensors[0].data();
+      for (int l = 0; l < l_count; ++l)
+        srcs[static_cast<size_t>(l)] = call.parts[static_cast<size_t>(l)].tensors[0].data();
       if (total) kernels::reduce(buffer_.data(), srcs.data(), l_count, total, dtype, sum_op, 1);
       in = buffer_.data();
     }

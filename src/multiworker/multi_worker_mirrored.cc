@@ -31,7 +31,8 @@ constexpr int kStepLane = 1000;
 
 class MultiWorkerReplicaContext : public ReplicaContext {
  public:
-  MultiWorkerReplicaContext(MultiWorkerMirroredStrategy::Impl* impl, int local) : impl_(impl), local_(local) {}
+  MultiWorkerReplicaContext(MultiWorkerMirroredStrategy::Impl* impl, int local)
+      : impl_(impl), local_(local) {}
 
   int replica_id() const override;
   int local_replica_id() const override { return local_; }
@@ -133,7 +134,8 @@ struct MultiWorkerMirroredStrategy::Impl {
             int64_t len = static_cast<int64_t>(mine.size());
             std::vector<int64_t> lens(n);
             c.all_gather(&len, lens.data(), 1, DType::kInt64, "timeline/lengths");
-            const size_t words = static_cast<size_t>(*std::max_element(lens.begin(), lens.end()) + 7) / 8;
+            const size_t words =
+                static_cast<size_t>(*std::max_element(lens.begin(), lens.end()) + 7) / 8;
             std::vector<int64_t> padded(words, 0), gathered(words * n);
             std::memcpy(padded.data(), mine.data(), mine.size());
             c.all_gather(padded.data(), gathered.data(), words, DType::kInt64, "timeline/events");
@@ -152,9 +154,13 @@ namespace {
 
 int MultiWorkerReplicaContext::replica_id() const { return impl_->first_local + local_; }
 int MultiWorkerReplicaContext::num_replicas_in_sync() const { return impl_->total_replicas; }
-const Device& MultiWorkerReplicaContext::device() const { return impl_->replicas->devices()[local_]; }
+const Device& MultiWorkerReplicaContext::device() const {
+  return impl_->replicas->devices()[local_];
+}
 Strategy& MultiWorkerReplicaContext::strategy() const { return *impl_->self; }
-LocalReplicaContext& MultiWorkerReplicaContext::inner() const { return impl_->replicas->context(local_); }
+LocalReplicaContext& MultiWorkerReplicaContext::inner() const {
+  return impl_->replicas->context(local_);
+}
 
 Work MultiWorkerReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
                                                  std::vector<std::string> names) {
@@ -165,7 +171,8 @@ Work MultiWorkerReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor
   }
   const bool on_gpu = std::any_of(tensors.begin(), tensors.end(),
                                   [](const Tensor& t) { return t.device().is_gpu(); });
-  if (!on_gpu) return impl_->engine->all_reduce_async(local_, op, std::move(tensors), std::move(names));
+  if (!on_gpu)
+    return impl_->engine->all_reduce_async(local_, op, std::move(tensors), std::move(names));
   // GPU tensors: staged through host memory (copies on this replica's
   // stream), reduced by the fusion engine like host tensors, copied back.
   // Completes before returning, so no overlap with later device work.
@@ -192,7 +199,9 @@ Tensor MultiWorkerReplicaContext::all_gather(const Tensor& t, const std::string&
 }
 
 void MultiWorkerReplicaContext::barrier(const std::string& name) {
-  merge_call([&](Strategy&) { impl_->engine->run([&](Communicator& c) { c.barrier(name); }, "barrier '" + name + "'"); });
+  merge_call([&](Strategy&) {
+    impl_->engine->run([&](Communicator& c) { c.barrier(name); }, "barrier '" + name + "'");
+  });
 }
 
 std::shared_ptr<void> MultiWorkerReplicaContext::merge_call_impl(
@@ -236,8 +245,8 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
       p.node = options.cross_node_communicator->rank();
       p.num_nodes = options.cross_node_communicator->size();
       if (allow_hier && p.num_nodes > 1 && p.local_size > 1) {
-        m.comms.cross = std::make_unique<HierarchicalCommunicator>(
-            c, options.node_communicator, options.cross_node_communicator);
+        m.comms.cross = std::make_unique<HierarchicalCommunicator>(c, options.node_communicator,
+                                                                   options.cross_node_communicator);
         m.comms.hierarchical = true;
       }
     } else {
@@ -302,23 +311,26 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     // Every rank has the counts, so every rank throws alike.
     for (int r = 0; r < n; ++r) {
       DISTSTRAT_CHECK(counts[r] == mine, kUnimplemented, "rank ", m.cross->rank(),
-                      ": MultiWorkerMirroredStrategy shard_optimizer_state (ZeRO-1) with ",
-                      mine, " local replicas here and ", counts[r], " on worker ", r,
+                      ": MultiWorkerMirroredStrategy shard_optimizer_state (ZeRO-1) with ", mine,
+                      " local replicas here and ", counts[r], " on worker ", r,
                       "; every worker needs the same number of local replicas");
     }
   }
   m.options = options;
   m.replicas = std::make_unique<LocalReplicas>(this, options.devices, options.communication,
                                                options.device_manager);
-  m.engine = std::make_unique<FusionEngine>(*m.cross, static_cast<int>(options.devices.size()),
-                                            m.total_replicas, options.communication, m.timeline.get());
+  m.engine =
+      std::make_unique<FusionEngine>(*m.cross, static_cast<int>(options.devices.size()),
+                                     m.total_replicas, options.communication, m.timeline.get());
   for (size_t l = 0; l < options.devices.size(); ++l) {
-    m.contexts.push_back(std::make_unique<MultiWorkerReplicaContext>(impl_.get(), static_cast<int>(l)));
+    m.contexts.push_back(
+        std::make_unique<MultiWorkerReplicaContext>(impl_.get(), static_cast<int>(l)));
   }
-  logger_.info("MultiWorkerMirroredStrategy: worker ", m.cross->rank(), " of ", n, " (cluster from ",
-               cluster_source_name(m.cluster.source), "), ", options.devices.size(),
-               " local replica(s), ", m.total_replicas, " in sync, node ", m.cluster.placement.node,
-               " of ", m.cluster.placement.num_nodes, m.comms.hierarchical ? ", hierarchical" : "");
+  logger_.info("MultiWorkerMirroredStrategy: worker ", m.cross->rank(), " of ", n,
+               " (cluster from ", cluster_source_name(m.cluster.source), "), ",
+               options.devices.size(), " local replica(s), ", m.total_replicas, " in sync, node ",
+               m.cluster.placement.node, " of ", m.cluster.placement.num_nodes,
+               m.comms.hierarchical ? ", hierarchical" : "");
 }
 
 namespace {
@@ -362,13 +374,16 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
       write_own_timeline(logger_, *impl_->timeline, path);
     }
   } else if (impl_->timeline) {
-    write_own_timeline(logger_, *impl_->timeline, impl_->timeline_path + ".rank" + std::to_string(impl_->rank()));
+    write_own_timeline(logger_, *impl_->timeline,
+                       impl_->timeline_path + ".rank" + std::to_string(impl_->rank()));
   }
   impl_->engine.reset();  // joins the communication thread before the communicators go
 }
 
 int MultiWorkerMirroredStrategy::num_replicas_in_sync() const { return impl_->total_replicas; }
-const std::vector<Device>& MultiWorkerMirroredStrategy::devices() const { return impl_->replicas->devices(); }
+const std::vector<Device>& MultiWorkerMirroredStrategy::devices() const {
+  return impl_->replicas->devices();
+}
 int MultiWorkerMirroredStrategy::first_local_replica() const { return impl_->first_local; }
 const Placement& MultiWorkerMirroredStrategy::placement() const { return impl_->cluster.placement; }
 bool MultiWorkerMirroredStrategy::hierarchical() const { return impl_->comms.hierarchical; }
@@ -462,8 +477,8 @@ void MultiWorkerMirroredStrategy::broadcast(Tensor& t, int root_worker, const st
   Tensor host = t.device().is_gpu() ? m.replicas->to_host(t) : t;
   m.engine->run(
       [&](Communicator& c) {
-        c.broadcast(host.data(), static_cast<size_t>(host.num_elements()), host.dtype(), root_worker,
-                    name);
+        c.broadcast(host.data(), static_cast<size_t>(host.num_elements()), host.dtype(),
+                    root_worker, name);
       },
       "broadcast '" + name + "'");
   if (t.device().is_gpu()) {
@@ -484,24 +499,31 @@ double MultiWorkerMirroredStrategy::reduce_across(ReduceOp op, const std::vector
   double acc = 0;
   kernels::reduce(&acc, srcs.data(), static_cast<int>(srcs.size()), 1, DType::kFloat64, sum_op, 1);
   if (impl_->cross->size() > 1) {
-    impl_->engine->run([&](Communicator& c) { c.all_reduce(&acc, &acc, 1, DType::kFloat64, sum_op, "strategy.reduce"); },
-                       "strategy.reduce");
+    impl_->engine->run(
+        [&](Communicator& c) {
+          c.all_reduce(&acc, &acc, 1, DType::kFloat64, sum_op, "strategy.reduce");
+        },
+        "strategy.reduce");
   }
   if (op == ReduceOp::kMean) acc /= num_replicas_in_sync();
   return acc;
 }
 
-Tensor MultiWorkerMirroredStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
+Tensor MultiWorkerMirroredStrategy::reduce_tensors_across(ReduceOp op,
+                                                          const std::vector<Tensor>& local) {
   DISTSTRAT_CHECK(!local.empty(), kInvalidArgument, "reduce of no tensors");
   const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
   Tensor out = Strategy::reduce_tensors_across(sum_op, impl_->replicas->to_host(local));
   const size_t count = static_cast<size_t>(out.num_elements());
   if (impl_->cross->size() > 1) {
     impl_->engine->run(
-        [&](Communicator& c) { c.all_reduce(out.data(), out.data(), count, out.dtype(), sum_op, "strategy.reduce"); },
+        [&](Communicator& c) {
+          c.all_reduce(out.data(), out.data(), count, out.dtype(), sum_op, "strategy.reduce");
+        },
         "strategy.reduce");
   }
-  if (op == ReduceOp::kMean) kernels::scale_mean(out.data(), count, out.dtype(), num_replicas_in_sync());
+  if (op == ReduceOp::kMean)
+    kernels::scale_mean(out.data(), count, out.dtype(), num_replicas_in_sync());
   return out;
 }
 
@@ -532,13 +554,15 @@ void MultiWorkerMirroredStrategy::apply_gradients(
     }
     std::ostringstream what;
     what << "sharded gradients of " << layout.size() << " variable(s)";
-    if (!layout.empty()) what << " '" << layout.front()->name() << "'..'" << layout.back()->name() << "'";
+    if (!layout.empty())
+      what << " '" << layout.front()->name() << "'..'" << layout.back()->name() << "'";
     what << " (layout " << std::hex << h.get() << ")";
     const std::string scatter_name = what.str();
     ShardedCollectives c;
     // The engine reduces host memory: GPU replicas' buffers are staged
     // through the host, as their all-reduce is.
-    const auto staged = [&](const Tensor& in, Tensor& out, const std::function<void(const Tensor&, Tensor&)>& op) {
+    const auto staged = [&](const Tensor& in, Tensor& out,
+                            const std::function<void(const Tensor&, Tensor&)>& op) {
       if (in.device().is_cpu() && out.device().is_cpu()) {
         op(in, out);
         return;
@@ -562,7 +586,8 @@ void MultiWorkerMirroredStrategy::apply_gradients(
       Tensor host(Shape{1}, DType::kFloat64);
       host.data<double>()[0] = v;
       // The replica's all-reduce takes tensors on its device.
-      std::vector<Tensor> t{ctx.device().is_gpu() ? Tensor(Shape{1}, DType::kFloat64, ctx.device()) : host};
+      std::vector<Tensor> t{ctx.device().is_gpu() ? Tensor(Shape{1}, DType::kFloat64, ctx.device())
+                                                  : host};
       if (ctx.device().is_gpu()) t[0].copy_from(host);
       ctx.all_reduce(ReduceOp::kSum, t, {"sharded gradient norm"});
       if (ctx.device().is_gpu()) host.copy_from(t[0]);
@@ -576,7 +601,8 @@ void MultiWorkerMirroredStrategy::apply_gradients(
   std::vector<size_t> order(grads_and_vars.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return grads_and_vars[a].second.impl().creation_index > grads_and_vars[b].second.impl().creation_index;
+    return grads_and_vars[a].second.impl().creation_index >
+           grads_and_vars[b].second.impl().creation_index;
   });
   std::vector<Tensor> grads;
   std::vector<std::string> names;

@@ -53,10 +53,9 @@ GpuXent gpu_xent(const Tensor& logits, const Tensor& labels, Tensor& dlogits, fl
   // one device -> host copy (one wait) brings all three back.
   Tensor packed(Shape{2 * n + 1}, DType::kInt32, d);
   int32_t* base = packed.data<int32_t>();
-  e.backend->softmax_cross_entropy(e.ordinal, e.stream, logits.data<float>(),
-                                   labels.data<int32_t>(), dlogits.data<float>(),
-                                   reinterpret_cast<float*>(base), base + n, base + 2 * n, n, k,
-                                   scale);
+  e.backend->softmax_cross_entropy(
+      e.ordinal, e.stream, logits.data<float>(), labels.data<int32_t>(), dlogits.data<float>(),
+      reinterpret_cast<float*>(base), base + n, base + 2 * n, n, k, scale);
   std::vector<int32_t> host(static_cast<size_t>(2 * n + 1));
   Tensor::wrap(host.data(), Shape{2 * n + 1}, DType::kInt32).copy_from(packed);
   GpuXent out;
@@ -80,14 +79,13 @@ void dense_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y)
   check_on(b, "b", "dense_forward", dev);
   DISTSTRAT_CHECK_EQ(x.shape()[1], w.shape()[0], "dense_forward: x cols vs w rows");
   DISTSTRAT_CHECK(y.shape() == Shape({x.shape()[0], w.shape()[1]}), kInvalidArgument,
-                  "dense_forward: y is ", y.shape().to_string(), ", expected [", x.shape()[0],
-                  ", ", w.shape()[1], "]");
+                  "dense_forward: y is ", y.shape().to_string(), ", expected [", x.shape()[0], ", ",
+                  w.shape()[1], "]");
   DISTSTRAT_CHECK_EQ(b.num_elements(), w.shape()[1], "dense_forward: bias size vs w cols");
   if (on_gpu(dev, "dense_forward")) {
     const GpuExec e = gpu_exec(dev, "dense_forward");
-    e.backend->dense_forward(e.ordinal, e.stream, x.data<float>(), w.data<float>(),
-                             b.data<float>(), y.data<float>(), x.shape()[0], w.shape()[0],
-                             w.shape()[1]);
+    e.backend->dense_forward(e.ordinal, e.stream, x.data<float>(), w.data<float>(), b.data<float>(),
+                             y.data<float>(), x.shape()[0], w.shape()[0], w.shape()[1]);
     return;
   }
   if (x.shape()[0] == 0) return;
@@ -111,9 +109,8 @@ void dense_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* 
   if (on_gpu(dev, "dense_backward")) {
     const GpuExec e = gpu_exec(dev, "dense_backward");
     e.backend->dense_backward(e.ordinal, e.stream, x.data<float>(), w.data<float>(),
-                              dy.data<float>(), dx ? dx->data<float>() : nullptr,
-                              dw.data<float>(), db.data<float>(), x.shape()[0], w.shape()[0],
-                              w.shape()[1]);
+                              dy.data<float>(), dx ? dx->data<float>() : nullptr, dw.data<float>(),
+                              db.data<float>(), x.shape()[0], w.shape()[0], w.shape()[1]);
     return;
   }
   if (x.shape()[0] == 0) {
@@ -193,8 +190,8 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor&
   float* d = dlogits.data<float>();
   double loss = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    DISTSTRAT_CHECK(y[i] >= 0 && y[i] < k, kInvalidArgument, "softmax_cross_entropy: label ",
-                    y[i], " of row ", i, " is outside [0, ", k, ")");
+    DISTSTRAT_CHECK(y[i] >= 0 && y[i] < k, kInvalidArgument, "softmax_cross_entropy: label ", y[i],
+                    " of row ", i, " is outside [0, ", k, ")");
     const float* zi = z + i * k;
     float* di = d + i * k;
     float m = zi[0];

@@ -5,7 +5,8 @@ namespace diststrat {
 namespace nn {
 
 Mlp::Mlp(std::vector<int64_t> sizes) : sizes_(std::move(sizes)) {
-  DISTSTRAT_CHECK(sizes_.size() >= 2, kInvalidArgument, "Mlp needs at least input and output sizes");
+  DISTSTRAT_CHECK(sizes_.size() >= 2, kInvalidArgument,
+                  "Mlp needs at least input and output sizes");
   for (int64_t s : sizes_) DISTSTRAT_CHECK(s > 0, kInvalidArgument, "Mlp layer size ", s);
 }
 
@@ -21,8 +22,8 @@ Shape Mlp::param_shape(size_t i) const {
 std::vector<Variable> Mlp::create_variables(Strategy& strategy, uint64_t seed) const {
   std::vector<Variable> vars;
   for (size_t i = 0; i < num_params(); ++i) {
-    Initializer init = i % 2 == 0 ? Initializer(init::GlorotUniform{seed + i / 2})
-                                  : Initializer(init::Zeros{});
+    Initializer init =
+        i % 2 == 0 ? Initializer(init::GlorotUniform{seed + i / 2}) : Initializer(init::Zeros{});
     vars.push_back(strategy.create_variable(param_name(i), param_shape(i), DType::kFloat32, init));
   }
   return vars;

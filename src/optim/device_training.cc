@@ -69,7 +69,8 @@ void accumulate_on_device(std::vector<std::pair<Tensor, Variable>>& acc,
   std::vector<Device> devices;
   for (const auto& gv : grads) {
     const Device& d = gv.first.device();
-    if (d.is_gpu() && std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+    if (d.is_gpu() && std::find(devices.begin(), devices.end(), d) == devices.end())
+      devices.push_back(d);
   }
   for (const Device& device : devices) {
     std::vector<size_t> idx;
@@ -151,7 +152,8 @@ void Optimizer::flush_on_device(DeviceStep& step) const {
                             e.deadline(),
                             name() + ": the step's gradient norms on " + device.to_string());
     bool nonfinite = false;
-    for (int i = 0; i < n; ++i) nonfinite = nonfinite || !std::isfinite(host[static_cast<size_t>(i)]);
+    for (int i = 0; i < n; ++i)
+      nonfinite = nonfinite || !std::isfinite(host[static_cast<size_t>(i)]);
     if (scaling) std::memcpy(&batch->scale_value, &host[static_cast<size_t>(n)], sizeof(float));
     d = optim_detail::decide_step(
         scaling, by_norm, nonfinite,
@@ -176,7 +178,8 @@ void Optimizer::flush_on_device(DeviceStep& step) const {
                                                batch->good.data<int64_t>()[0],
                                                batch->skipped_count.data<int64_t>()[0]);
     if (d.skip) {
-      if (next_scale != batch->scale_value) e.backend->fill(e.ordinal, e.stream, loss_scale, 1, next_scale);
+      if (next_scale != batch->scale_value)
+        e.backend->fill(e.ordinal, e.stream, loss_scale, 1, next_scale);
       return;
     }
   }

@@ -18,14 +18,15 @@ namespace {
 int optimizer_counter(Strategy& s) {
   int n = 0;
   for (const Variable& v : s.variables()) {
-    if (v.name().rfind("optimizer", 0) == 0 && v.name().find("/iterations") != std::string::npos) ++n;
+    if (v.name().rfind("optimizer", 0) == 0 && v.name().find("/iterations") != std::string::npos)
+      ++n;
   }
   return n;
 }
 }  // namespace
 
 LearningRateSchedule LearningRateSchedule::piecewise_constant(std::vector<int64_t> boundaries,
-                                                             std::vector<float> values) {
+                                                              std::vector<float> values) {
   LearningRateSchedule s;
   s.kind = Kind::kPiecewiseConstant;
   s.boundaries = std::move(boundaries);
@@ -35,7 +36,7 @@ LearningRateSchedule LearningRateSchedule::piecewise_constant(std::vector<int64_
 }
 
 LearningRateSchedule LearningRateSchedule::cosine_decay(int64_t decay_steps, int64_t warmup_steps,
-                                                       float alpha, float warmup_initial) {
+                                                        float alpha, float warmup_initial) {
   LearningRateSchedule s;
   s.kind = Kind::kCosineDecay;
   s.decay_steps = decay_steps;
@@ -47,7 +48,7 @@ LearningRateSchedule LearningRateSchedule::cosine_decay(int64_t decay_steps, int
 }
 
 LearningRateSchedule LearningRateSchedule::exponential_decay(int64_t decay_steps, float decay_rate,
-                                                            bool staircase) {
+                                                             bool staircase) {
   LearningRateSchedule s;
   s.kind = Kind::kExponentialDecay;
   s.decay_steps = decay_steps;
@@ -83,9 +84,8 @@ void LearningRateSchedule::validate(const std::string& owner) const {
                       warmup_steps, " must be >= 0");
       DISTSTRAT_CHECK(alpha >= 0 && alpha <= 1, kInvalidArgument, owner, ": cosine alpha ", alpha,
                       " must be in [0, 1]");
-      DISTSTRAT_CHECK(std::isfinite(warmup_initial) && warmup_initial >= 0, kInvalidArgument,
-                      owner, ": cosine warmup_initial ", warmup_initial,
-                      " must be finite and >= 0");
+      DISTSTRAT_CHECK(std::isfinite(warmup_initial) && warmup_initial >= 0, kInvalidArgument, owner,
+                      ": cosine warmup_initial ", warmup_initial, " must be finite and >= 0");
       return;
     case Kind::kExponentialDecay:
       DISTSTRAT_CHECK(decay_steps > 0, kInvalidArgument, owner, ": exponential decay_steps ",
@@ -158,8 +158,8 @@ Optimizer::Optimizer(Strategy& strategy)
   const std::string prefix = n == 0 ? "optimizer" : "optimizer_" + std::to_string(n);
   VariableOptions opts;
   opts.trainable = false;
-  iterations_ = strategy.create_variable(prefix + "/iterations", Shape{}, DType::kInt64,
-                                         init::Zeros{}, opts);
+  iterations_ =
+      strategy.create_variable(prefix + "/iterations", Shape{}, DType::kInt64, init::Zeros{}, opts);
 }
 
 namespace {
@@ -195,16 +195,17 @@ void check_each_variable_once(const std::string& where,
   std::vector<std::pair<const void*, size_t>> seen;
   seen.reserve(grads_and_vars.size());
   for (size_t k = 0; k < grads_and_vars.size(); ++k) {
-    if (grads_and_vars[k].second.defined()) seen.emplace_back(grads_and_vars[k].second.impl_ptr().get(), k);
+    if (grads_and_vars[k].second.defined())
+      seen.emplace_back(grads_and_vars[k].second.impl_ptr().get(), k);
   }
   std::sort(seen.begin(), seen.end());
   for (size_t k = 1; k < seen.size(); ++k) {
     if (seen[k].first != seen[k - 1].first) continue;
     const Variable& v = grads_and_vars[seen[k].second].second;
     throw_error(ErrorCode::kInvalidArgument,
-                where + ": apply_gradients passed variable '" + echo(v.name()) + "' twice (positions " +
-                    std::to_string(seen[k - 1].second) + " and " + std::to_string(seen[k].second) +
-                    "); sum its gradients and pass it once");
+                where + ": apply_gradients passed variable '" + echo(v.name()) +
+                    "' twice (positions " + std::to_string(seen[k - 1].second) + " and " +
+                    std::to_string(seen[k].second) + "); sum its gradients and pass it once");
   }
 }
 }  // namespace optim_detail
@@ -217,28 +218,31 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
   std::vector<std::pair<Tensor, Variable>> widened;
   for (size_t k = 0; k < given.size(); ++k) {
     const auto& [g, v] = given[k];
-    if (!g.defined() || !v.defined() || !is_low_precision_gradient(g, v) || g.shape() != v.shape()) continue;
+    if (!g.defined() || !v.defined() || !is_low_precision_gradient(g, v) || g.shape() != v.shape())
+      continue;
     DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, where, ": gradient ", g.debug_string(),
                     " of float32 variable '", echo(v.name()),
                     "': mixed-precision gradients must be in host memory (cast on the device)");
     if (widened.empty()) widened = given;
     widened[k].first = widen_to_float32(g);
   }
-  const std::vector<std::pair<Tensor, Variable>>& grads_and_vars = widened.empty() ? given : widened;
+  const std::vector<std::pair<Tensor, Variable>>& grads_and_vars =
+      widened.empty() ? given : widened;
   optim_detail::check_each_variable_once(where, grads_and_vars);
   for (size_t k = 0; k < grads_and_vars.size(); ++k) {
     const auto& [g, v] = grads_and_vars[k];
-    DISTSTRAT_CHECK(v.defined() && g.defined(), kInvalidArgument, where, ": undefined ",
-                    v.defined() ? "gradient for variable '" + echo(v.name()) + "'" : std::string("variable"),
-                    " at position ", k);
+    DISTSTRAT_CHECK(
+        v.defined() && g.defined(), kInvalidArgument, where, ": undefined ",
+        v.defined() ? "gradient for variable '" + echo(v.name()) + "'" : std::string("variable"),
+        " at position ", k);
     DISTSTRAT_CHECK(g.shape() == v.shape() && g.dtype() == v.dtype(), kInvalidArgument, where,
                     ": gradient ", g.debug_string(), " does not match variable '", echo(v.name()),
                     "' ", dtype_name(v.dtype()), v.shape().to_string(),
                     " (gradients are float32, or float16/bfloat16 for a float32 variable)");
     DISTSTRAT_CHECK(v.dtype() == DType::kFloat32, kUnimplemented, where, ": variable '",
                     echo(v.name()), "' is ", dtype_name(v.dtype()), "; optimizers update float32");
-    DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, where, ": variable '",
-                    echo(v.name()), "' is not trainable");
+    DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, where, ": variable '", echo(v.name()),
+                    "' is not trainable");
   }
   agree_on_configuration(ctx);
   if (accumulation_steps_ == 1) return reduce_and_update(ctx, grads_and_vars);
@@ -250,23 +254,24 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
   auto& acc = sums->grads_and_vars;
   if (sums->count == 0) {
     acc.clear();
-    for (const auto& [g, v] : grads_and_vars) acc.emplace_back(g.device().is_cpu() ? g.clone() : Tensor(), v);
+    for (const auto& [g, v] : grads_and_vars)
+      acc.emplace_back(g.device().is_cpu() ? g.clone() : Tensor(), v);
     accumulate_on_device(acc, grads_and_vars, /*first=*/true);
   } else {
     DISTSTRAT_CHECK(acc.size() == grads_and_vars.size(), kInvalidArgument,
-                    "apply_gradients: replica ", ctx.replica_id(), " passed ", grads_and_vars.size(),
-                    " gradients in micro-batch ", sums->count + 1, " of ", accumulation_steps_,
-                    ", the first had ", acc.size());
+                    "apply_gradients: replica ", ctx.replica_id(), " passed ",
+                    grads_and_vars.size(), " gradients in micro-batch ", sums->count + 1, " of ",
+                    accumulation_steps_, ", the first had ", acc.size());
     for (size_t k = 0; k < acc.size(); ++k) {
       const auto& [g, v] = grads_and_vars[k];
       DISTSTRAT_CHECK(v.impl_ptr() == acc[k].second.impl_ptr(), kInvalidArgument,
-                      "apply_gradients: replica ", ctx.replica_id(), " passed variable '", echo(v.name()),
-                      "' at position ", k, " of micro-batch ", sums->count + 1, " where the first had '",
-                      echo(acc[k].second.name()), "'");
+                      "apply_gradients: replica ", ctx.replica_id(), " passed variable '",
+                      echo(v.name()), "' at position ", k, " of micro-batch ", sums->count + 1,
+                      " where the first had '", echo(acc[k].second.name()), "'");
       const Device& first_device = acc[k].first.device();
       DISTSTRAT_CHECK(g.device().is_cpu() ? first_device.is_cpu() : g.device() == first_device,
-                      kInvalidArgument, "apply_gradients: replica ",
-                      ctx.replica_id(), " passed gradient ", g.debug_string(), " of '", echo(v.name()),
+                      kInvalidArgument, "apply_gradients: replica ", ctx.replica_id(),
+                      " passed gradient ", g.debug_string(), " of '", echo(v.name()),
                       "' in micro-batch ", sums->count + 1, " where the first was on ",
                       acc[k].first.device().to_string());
       if (g.device().is_gpu()) continue;  // below, one launch for all
@@ -306,9 +311,10 @@ ApplyResult Optimizer::reduce_and_update(
                   "apply_gradients: gradient clipping under ParameterServerStrategy (the parameter "
                   "servers apply each worker's push on its own; there is no global gradient to "
                   "clip); clip in the training loop instead");
-  DISTSTRAT_CHECK(!loss_scaling() || ctx.strategy().name() != "parameter_server", kUnimplemented,
-                  "apply_gradients: loss scaling under ParameterServerStrategy (each push is "
-                  "applied on its own by the parameter servers; workers cannot agree to skip a step)");
+  DISTSTRAT_CHECK(
+      !loss_scaling() || ctx.strategy().name() != "parameter_server", kUnimplemented,
+      "apply_gradients: loss scaling under ParameterServerStrategy (each push is "
+      "applied on its own by the parameter servers; workers cannot agree to skip a step)");
   ApplyResult result;
   // This replica's copy of a variable (CentralStorage: the one host copy).
   const auto local_copy = [&](const Variable& v) -> const Tensor& {
@@ -318,7 +324,8 @@ ApplyResult Optimizer::reduce_and_update(
   // Device variables hold every clipped step (the transform is one launch
   // over the step's gradients, device_training.cc).
   bool device_vars = false;
-  for (const auto& gv : grads_and_vars) device_vars = device_vars || local_copy(gv.second).device().is_gpu();
+  for (const auto& gv : grads_and_vars)
+    device_vars = device_vars || local_copy(gv.second).device().is_gpu();
   if (clipping_.global_norm <= 0 && !loss_scaling() && !(clipping && device_vars)) {
     ctx.strategy().apply_gradients(ctx, *this, grads_and_vars);
     return result;
@@ -326,8 +333,9 @@ ApplyResult Optimizer::reduce_and_update(
   const std::thread::id me = std::this_thread::get_id();
   const auto host_copy = [&](const Variable& v) {
     const Tensor& t = local_copy(v);
-    DISTSTRAT_CHECK(t.device().is_cpu(), kInternal, name(), ": loss-scaling counter '", echo(v.name()),
-                    "' on ", t.device().to_string(), " (integer variables live in host memory)");
+    DISTSTRAT_CHECK(t.device().is_cpu(), kInternal, name(), ": loss-scaling counter '",
+                    echo(v.name()), "' on ", t.device().to_string(),
+                    " (integer variables live in host memory)");
     return t;
   };
   {
@@ -417,9 +425,10 @@ int64_t Optimizer::skipped_steps() const {
 void Optimizer::set_clipping(const GradientClipping& c) {
   int set = 0;
   for (const auto& [field, v] : {std::pair<const char*, float>{"global_norm", c.global_norm},
-                                 {"norm", c.norm}, {"value", c.value}}) {
-    DISTSTRAT_CHECK(std::isfinite(v) && v >= 0, kInvalidArgument, name(),
-                    ": gradient clipping ", field, " ", v, " must be finite and >= 0");
+                                 {"norm", c.norm},
+                                 {"value", c.value}}) {
+    DISTSTRAT_CHECK(std::isfinite(v) && v >= 0, kInvalidArgument, name(), ": gradient clipping ",
+                    field, " ", v, " must be finite and >= 0");
     set += v > 0;
   }
   DISTSTRAT_CHECK(set <= 1, kInvalidArgument, name(),
@@ -529,8 +538,9 @@ void Optimizer::apply_clipped(Tensor& var, const Tensor& grad, const std::vector
                               int64_t step, float scale) const {
   if (clipping_.norm > 0) {
     const double n = std::sqrt(sum_of_squares(grad));
-    scale = std::isfinite(n) ? static_cast<float>(clipping_.norm / std::max<double>(n, clipping_.norm))
-                             : std::numeric_limits<float>::quiet_NaN();
+    scale = std::isfinite(n)
+                ? static_cast<float>(clipping_.norm / std::max<double>(n, clipping_.norm))
+                : std::numeric_limits<float>::quiet_NaN();
   }
   if (scale == 1.0f && clipping_.value <= 0) {
     update_now(var, grad, slots, step);
@@ -554,14 +564,14 @@ void Optimizer::update_now(Tensor& var, const Tensor& grad, const std::vector<Te
   std::vector<float*> slot_ptrs;
   for (Tensor* s : slots) {
     DISTSTRAT_CHECK(s->device() == var.device() || (s->device().is_cpu() && var.device().is_cpu()),
-                    kInvalidArgument, name(), ": slot ",
-                    s->debug_string(), " is not on the variable's device");
+                    kInvalidArgument, name(), ": slot ", s->debug_string(),
+                    " is not on the variable's device");
     slot_ptrs.push_back(s->data<float>());
   }
-  DISTSTRAT_CHECK(grad.device() == var.device() || (grad.device().is_cpu() && var.device().is_cpu()),
-                  kInvalidArgument, name(), ": gradient ",
-                  grad.debug_string(), " is not on the variable's device ",
-                  var.device().to_string());
+  DISTSTRAT_CHECK(
+      grad.device() == var.device() || (grad.device().is_cpu() && var.device().is_cpu()),
+      kInvalidArgument, name(), ": gradient ", grad.debug_string(),
+      " is not on the variable's device ", var.device().to_string());
   record_op_placement("optimizer_update", var.device());
   if (var.device().is_gpu()) {
     UpdateRule rule = device_rule();
@@ -583,8 +593,8 @@ SGD::SGD(Strategy& strategy, SGDOptions options) : Optimizer(strategy), options_
                   kInvalidArgument, "SGD learning_rate ", options.learning_rate,
                   " must be finite and positive");
   options.schedule.validate("SGD");
-  DISTSTRAT_CHECK(options.momentum >= 0 && options.momentum < 1, kInvalidArgument,
-                  "SGD momentum ", options.momentum, " must be in [0, 1)");
+  DISTSTRAT_CHECK(options.momentum >= 0 && options.momentum < 1, kInvalidArgument, "SGD momentum ",
+                  options.momentum, " must be in [0, 1)");
 }
 
 std::vector<std::string> SGD::slot_names() const { return slot_names_for(options_); }
@@ -648,8 +658,8 @@ Adam::Adam(Strategy& strategy, AdamOptions options) : Optimizer(strategy), optio
   DISTSTRAT_CHECK(std::isfinite(options.learning_rate) && options.learning_rate > 0,
                   kInvalidArgument, "Adam learning_rate ", options.learning_rate,
                   " must be finite and positive");
-  for (const auto& [field, b] : {std::pair<const char*, float>{"beta1", options.beta1},
-                                 {"beta2", options.beta2}}) {
+  for (const auto& [field, b] :
+       {std::pair<const char*, float>{"beta1", options.beta1}, {"beta2", options.beta2}}) {
     DISTSTRAT_CHECK(b >= 0 && b < 1, kInvalidArgument, "Adam ", field, " ", b,
                     " must be in [0, 1)");
   }
@@ -672,8 +682,8 @@ void Adam::apply(const AdamOptions& options, float* var, const float* grad, floa
   const float b1 = options.beta1, b2 = options.beta2;
   const double t = static_cast<double>(step);
   const float lr = options.schedule.learning_rate(options.learning_rate, step - 1);
-  const float alpha = static_cast<float>(lr * std::sqrt(1.0 - std::pow(b2, t)) /
-                                         (1.0 - std::pow(b1, t)));
+  const float alpha =
+      static_cast<float>(lr * std::sqrt(1.0 - std::pow(b2, t)) / (1.0 - std::pow(b1, t)));
   float* m = slots[0];
   float* v = slots[1];
   for (size_t i = 0; i < count; ++i) {

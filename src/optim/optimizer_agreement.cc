@@ -99,8 +99,8 @@ std::vector<std::pair<std::string, std::string>> Optimizer::configuration() cons
 
 struct Optimizer::Agreement {
   std::mutex mu;
-  int64_t version = 0;               // bumped by every configuration change
-  std::vector<int64_t> checked;      // per local replica: the version last agreed on
+  int64_t version = 0;           // bumped by every configuration change
+  std::vector<int64_t> checked;  // per local replica: the version last agreed on
 };
 
 std::shared_ptr<Optimizer::Agreement> Optimizer::new_agreement() {
@@ -132,14 +132,14 @@ void Optimizer::agree_on_configuration(ReplicaContext& ctx) {
     slot.text(fields[i].second);
   }
   for (int64_t i = 0; i < kSlots; ++i)
-    mine.data<int64_t>()[i] = i < static_cast<int64_t>(fields.size()) ? static_cast<int64_t>(h[i].get()) : 0;
+    mine.data<int64_t>()[i] =
+        i < static_cast<int64_t>(fields.size()) ? static_cast<int64_t>(h[i].get()) : 0;
   const Tensor all = ctx.all_gather(mine, "optimizer/configuration");
   const int64_t replicas = all.shape()[0];
   const int64_t* v = all.data<int64_t>();
   for (int64_t i = 0; i < kSlots; ++i) {
     std::vector<int64_t> same, other;
-    for (int64_t r = 0; r < replicas; ++r)
-      (v[r * kSlots + i] == v[i] ? same : other).push_back(r);
+    for (int64_t r = 0; r < replicas; ++r) (v[r * kSlots + i] == v[i] ? same : other).push_back(r);
     if (other.empty()) continue;
     auto list = [](const std::vector<int64_t>& rs) {
       std::string s;
@@ -149,8 +149,9 @@ void Optimizer::agree_on_configuration(ReplicaContext& ctx) {
     };
     const bool named = i < static_cast<int64_t>(fields.size());
     const std::string field = !named ? "field " + std::to_string(i)
-                              : i == kSlots - 1 ? "one of the fields from '" + fields[i].first + "' on"
-                                                : "'" + fields[i].first + "'";
+                              : i == kSlots - 1
+                                  ? "one of the fields from '" + fields[i].first + "' on"
+                                  : "'" + fields[i].first + "'";
     throw_error(ErrorCode::kInvalidArgument,
                 "apply_gradients on replica " + std::to_string(ctx.replica_id()) +
                     ": the optimizer's configuration differs across workers: " + field +

@@ -36,8 +36,8 @@ void Optimizer::apply_sharded(ReplicaContext& ctx,
                               const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
                               const ShardedCollectives& collectives) {
   const int local = ctx.local_replica_id();
-  const std::string where = name() + ": sharded optimizer state (ZeRO-1), replica " +
-                            std::to_string(ctx.replica_id());
+  const std::string where =
+      name() + ": sharded optimizer state (ZeRO-1), replica " + std::to_string(ctx.replica_id());
   DISTSTRAT_CHECK(clipping_.norm <= 0, kUnimplemented, where,
                   ": per-tensor clip_by_norm (each replica holds a piece of each gradient); use "
                   "clip_by_global_norm or clip_by_value");
@@ -46,7 +46,8 @@ void Optimizer::apply_sharded(ReplicaContext& ctx,
   std::vector<size_t> order(grads_and_vars.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return grads_and_vars[a].second.impl().creation_index < grads_and_vars[b].second.impl().creation_index;
+    return grads_and_vars[a].second.impl().creation_index <
+           grads_and_vars[b].second.impl().creation_index;
   });
   // A variable passed twice would be laid out twice: two pieces with their
   // own slots, the second overwriting the first in the all-gather.
@@ -118,7 +119,8 @@ void Optimizer::apply_sharded(ReplicaContext& ctx,
       for (const std::string& s : z.slot_names) {
         Tensor t(Shape{hi - lo}, DType::kFloat32, home);  // zero-filled
         auto full = var.slots.find(s);
-        if (full != var.slots.end() && static_cast<size_t>(local) < full->second.size() && hi > lo) {
+        if (full != var.slots.end() && static_cast<size_t>(local) < full->second.size() &&
+            hi > lo) {
           // Full slots (restored from a checkpoint before the first step): keep the block.
           const Tensor& src = full->second[static_cast<size_t>(local)];
           DISTSTRAT_CHECK(same_place(src.device(), home), kUnimplemented, where, ": slot '", s,
@@ -193,7 +195,8 @@ std::vector<Tensor> Optimizer::gather_sharded_slots(
     var_index.push_back(z.find(v));
     slot_index.push_back(z.find_slot(s));
     DISTSTRAT_CHECK(var_index.back() >= 0 && slot_index.back() >= 0, kInvalidArgument, name(),
-                    ": slot '", echo(s), "' of '", echo(v->name), "' is not sharded by this optimizer");
+                    ": slot '", echo(s), "' of '", echo(v->name),
+                    "' is not sharded by this optimizer");
   }
   // One gather per slot name: every replica's block of it, in replica
   // order, is the slot of all variables laid end to end.
@@ -203,7 +206,8 @@ std::vector<Tensor> Optimizer::gather_sharded_slots(
     DISTSTRAT_CHECK(L.ready, kFailedPrecondition, name(), ": sharded slots of local replica ",
                     ctx.local_replica_id(), " were never laid out (no step ran there)");
     for (size_t si = 0; si < z.slot_names.size(); ++si) {
-      if (std::find(slot_index.begin(), slot_index.end(), static_cast<int>(si)) == slot_index.end()) continue;
+      if (std::find(slot_index.begin(), slot_index.end(), static_cast<int>(si)) == slot_index.end())
+        continue;
       Tensor mine(Shape{L.end - L.begin}, DType::kFloat32, L.device);
       for (size_t k = 0; k < z.vars.size(); ++k) {
         const auto [lo, hi] = z.piece(k, L);
@@ -256,8 +260,9 @@ void Optimizer::assign_sharded_slots(
       const auto [lo, hi] = z.piece(static_cast<size_t>(k), L);
       if (hi <= lo) continue;
       Tensor& block = L.slots[static_cast<size_t>(k)][static_cast<size_t>(si)];
-      const Tensor src = Tensor::wrap(const_cast<float*>(values[i].data<float>()) + (lo - z.offsets[static_cast<size_t>(k)]),
-                                      Shape{hi - lo}, DType::kFloat32);
+      const Tensor src = Tensor::wrap(
+          const_cast<float*>(values[i].data<float>()) + (lo - z.offsets[static_cast<size_t>(k)]),
+          Shape{hi - lo}, DType::kFloat32);
       block.copy_from(src);
     }
   };
@@ -293,7 +298,8 @@ int64_t Optimizer::slot_bytes_per_replica() const {
       }
       // A single host copy (central storage) is every replica's.
       if (it->second.size() == 1) {
-        for (size_t l = 1; l < per.size(); ++l) per[l] += static_cast<int64_t>(it->second[0].nbytes());
+        for (size_t l = 1; l < per.size(); ++l)
+          per[l] += static_cast<int64_t>(it->second[0].nbytes());
       }
     }
   }

@@ -9,8 +9,12 @@ namespace ps {
 
 Client::Client(Transport& transport, std::vector<int> ps_ranks, int worker_index,
                std::chrono::milliseconds timeout)
-    : t_(transport), ps_ranks_(std::move(ps_ranks)), worker_index_(worker_index),
-      timeout_(timeout), ps_incarnation_(ps_ranks_.size(), 0), fifo_(ps_ranks_.size()),
+    : t_(transport),
+      ps_ranks_(std::move(ps_ranks)),
+      worker_index_(worker_index),
+      timeout_(timeout),
+      ps_incarnation_(ps_ranks_.size(), 0),
+      fifo_(ps_ranks_.size()),
       broken_(ps_ranks_.size()) {
   static std::atomic<uint64_t> last{0};  // two clients of one process in one microsecond differ too
   uint64_t t = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
@@ -80,8 +84,8 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
 
 std::exception_ptr Client::unreachable(const Call& c) const {
   return std::make_exception_ptr(UnavailableError(c.what + " not completed: PS rank " +
-                                                  std::to_string(ps_ranks_[c.ps]) + " is unreachable (" +
-                                                  broken_[c.ps] + ")"));
+                                                  std::to_string(ps_ranks_[c.ps]) +
+                                                  " is unreachable (" + broken_[c.ps] + ")"));
 }
 
 bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
@@ -113,7 +117,8 @@ bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
         // text's size (it sizes an allocation), the status, the payload.
         std::string bad = check_reply(c.reply, static_cast<int64_t>(c.reply_bytes));
         if (bad.empty() && c.reply.seq != c.seq && c.reply.seq != -1) {
-          bad = "reply for request " + std::to_string(c.reply.seq) + " while expecting " + std::to_string(c.seq);
+          bad = "reply for request " + std::to_string(c.reply.seq) + " while expecting " +
+                std::to_string(c.seq);
         }
         if (!bad.empty()) {
           finish(c, std::make_exception_ptr(InternalError(c.what + ": protocol error: " + bad)));
@@ -149,7 +154,8 @@ bool Client::advance(Call& c, bool block, Clock::time_point deadline) {
         finish(c, c.pending_error);
         break;
       }
-      case Call::Stage::kDone: break;
+      case Call::Stage::kDone:
+        break;
     }
   }
   return true;
@@ -182,7 +188,8 @@ void Client::finish(Call& c, std::exception_ptr error) {
   if (!send_done(c.send_control) || !send_done(c.send_payload)) {
     // An error before the PS took our messages (e.g. it rejected a damaged
     // header): the transport may still read them, so they outlive the call.
-    orphans_.push_back({c.send_control, c.send_payload, std::move(c.control), std::move(c.payload_owner)});
+    orphans_.push_back(
+        {c.send_control, c.send_payload, std::move(c.control), std::move(c.payload_owner)});
   }
   c.payload_owner.reset();
   if (error && c.detached) deferred_.push_back(error);
@@ -190,14 +197,17 @@ void Client::finish(Call& c, std::exception_ptr error) {
 
 void Client::release_sent_orphans() {
   orphans_.erase(std::remove_if(orphans_.begin(), orphans_.end(),
-                                [](Orphan& o) { return send_done(o.send_control) && send_done(o.send_payload); }),
+                                [](Orphan& o) {
+                                  return send_done(o.send_control) && send_done(o.send_payload);
+                                }),
                  orphans_.end());
 }
 
 Client::~Client() {
   // A live PS consumes what it was sent, rejected or not; give it a moment
   // (bounded: a PS that is gone never will, and then nothing reads it).
-  const auto until = Clock::now() + std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(1));
+  const auto until =
+      Clock::now() + std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(1));
   for (Orphan& o : orphans_) {
     try {
       o.send_control.wait(until);

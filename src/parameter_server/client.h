@@ -53,9 +53,9 @@ class Client {
   // Posts one request. `payload` (payload_bytes) must stay valid while
   // payload_owner lives; the reply's payload (reply_bytes exactly) lands in
   // reply_dst.
-  CallPtr post(int ps, Op op, const std::vector<char>& body, std::shared_ptr<const void> payload_owner,
-               const void* payload, size_t payload_bytes, void* reply_dst, size_t reply_bytes,
-               std::string what);
+  CallPtr post(int ps, Op op, const std::vector<char>& body,
+               std::shared_ptr<const void> payload_owner, const void* payload, size_t payload_bytes,
+               void* reply_dst, size_t reply_bytes, std::string what);
   // Completes `call` (and every call posted before it to the same PS);
   // rethrows its error. The wait is bounded by the timeout, or by `deadline`.
   void wait(const CallPtr& call);

@@ -116,7 +116,7 @@ namespace ps {
 // One kRestore item: a shard's value (optional), slots and step (-1 = keep).
 struct RestoreItem {
   Entry entry;
-  const char* value = nullptr;  // the shard's rows, or null
+  const char* value = nullptr;                             // the shard's rows, or null
   std::vector<std::pair<std::string, const char*>> slots;  // the shard's rows of each slot
   int64_t step = -1;
   size_t value_bytes = 0, slot_bytes = 0;
@@ -135,7 +135,7 @@ struct ParameterServerStrategy::Impl {
     Variable::Impl* var = nullptr;
     bool row_sparse = false;
     std::vector<ShardPlace> shards;
-    size_t row_bytes = 0;  // bytes of one row (the whole value for scalars)
+    size_t row_bytes = 0;        // bytes of one row (the whole value for scalars)
     bool rule_declared = false;  // this worker declared its update rule to the PS ranks (kRule)
   };
   struct StagedPush {
@@ -218,9 +218,12 @@ struct ParameterServerStrategy::Impl {
   int num_workers() const { return static_cast<int>(worker_ranks.size()); }
   // Checkpoints (parameter_server_strategy.cc, "checkpoints"); callers hold mu
   // for post_restore, restore_from takes it.
-  void post_restore(const std::vector<std::vector<ps::RestoreItem>>& per_ps, const std::string& what);
-  CheckpointMetadata restore_from(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& expected,
-                                  const std::vector<std::string>& optional, const RestoreOptions& options);
+  void post_restore(const std::vector<std::vector<ps::RestoreItem>>& per_ps,
+                    const std::string& what);
+  CheckpointMetadata restore_from(const std::string& path,
+                                  const std::vector<std::pair<std::string, Tensor>>& expected,
+                                  const std::vector<std::string>& optional,
+                                  const RestoreOptions& options);
   bool chief() const { return !is_ps && index == 0; }
   Logger& log() { return owner->logger(); }
 
@@ -230,9 +233,11 @@ struct ParameterServerStrategy::Impl {
     world = t.size();
     DISTSTRAT_CHECK(options.num_ps >= 1, kInvalidArgument, "ParameterServerStrategy: num_ps ",
                     options.num_ps, " must be at least 1");
-    DISTSTRAT_CHECK(options.num_ps < world, kInvalidArgument, "ParameterServerStrategy: ",
-                    options.num_ps, " PS rank(s) leave no worker in a job of ", world, " rank(s)");
-    for (int r = 0; r < world; ++r) (r >= world - options.num_ps ? ps_ranks : worker_ranks).push_back(r);
+    DISTSTRAT_CHECK(options.num_ps < world, kInvalidArgument,
+                    "ParameterServerStrategy: ", options.num_ps,
+                    " PS rank(s) leave no worker in a job of ", world, " rank(s)");
+    for (int r = 0; r < world; ++r)
+      (r >= world - options.num_ps ? ps_ranks : worker_ranks).push_back(r);
     is_ps = rank >= world - options.num_ps;
     index = is_ps ? rank - (world - options.num_ps) : rank;
   }
@@ -262,14 +267,17 @@ struct ParameterServerStrategy::Impl {
   void attach(ParameterServerStrategy* s) {
     owner = s;
     if (is_ps) {
-      services.push_back(std::make_unique<ps::ServiceRunner>(*transport, service_options(index), s->logger()));
+      services.push_back(
+          std::make_unique<ps::ServiceRunner>(*transport, service_options(index), s->logger()));
       return;
     }
-    std::vector<Device> devices = options.devices.empty() ? std::vector<Device>{Device::cpu(0)} : options.devices;
+    std::vector<Device> devices =
+        options.devices.empty() ? std::vector<Device>{Device::cpu(0)} : options.devices;
     std::shared_ptr<DeviceManager> gpus = options.device_manager;
     resolve_replica_devices(devices, gpus, "ParameterServerStrategy");
     replicas = std::make_unique<LocalReplicas>(s, devices, options.communication, gpus);
-    client = std::make_unique<ps::Client>(*transport, ps_ranks, index, options.communication.timeout);
+    client =
+        std::make_unique<ps::Client>(*transport, ps_ranks, index, options.communication.timeout);
     versions.assign(ps_ranks.size(), -1);
     pull_buffers.resize(ps_ranks.size());
     pull_plan.resize(ps_ranks.size());
@@ -291,7 +299,8 @@ struct ParameterServerStrategy::Impl {
     const bool poll_transport = !transport->shared_address_space();
     const std::chrono::milliseconds silence =
         options.worker_timeout.count() > 0 ? options.worker_timeout : options.communication.timeout;
-    const auto beat = std::max<std::chrono::milliseconds>(silence / 4, std::chrono::milliseconds(1));
+    const auto beat =
+        std::max<std::chrono::milliseconds>(silence / 4, std::chrono::milliseconds(1));
     std::unique_lock<std::mutex> lock(mu);
     while (!progress_stop) {
       if (poll_transport && client->has_outstanding()) {
@@ -308,7 +317,8 @@ struct ParameterServerStrategy::Impl {
           if (!client->broken(p).empty()) continue;
           // Fire and forget: an error (the job is ending) is raised by the
           // worker's next call.
-          client->detach(client->post(p, ps::Op::kAlive, {}, nullptr, nullptr, 0, nullptr, 0, "heartbeat"));
+          client->detach(
+              client->post(p, ps::Op::kAlive, {}, nullptr, nullptr, 0, nullptr, 0, "heartbeat"));
           posted = true;
         }
         if (posted) continue;
@@ -380,8 +390,8 @@ struct ParameterServerStrategy::Impl {
       bodies[p].put<int64_t>(steps).put<int64_t>(static_cast<int64_t>(entries[p].size()));
       for (const ps::Entry& e : entries[p]) ps::write_entry(bodies[p], e);
       pull_buffers[p].resize(bytes[p]);
-      pull_calls.push_back(client->post(static_cast<int>(p), ps::Op::kPull, bodies[p].bytes(), nullptr,
-                                        nullptr, 0, pull_buffers[p].data(), bytes[p],
+      pull_calls.push_back(client->post(static_cast<int>(p), ps::Op::kPull, bodies[p].bytes(),
+                                        nullptr, nullptr, 0, pull_buffers[p].data(), bytes[p],
                                         "pull for step " + std::to_string(steps)));
     }
   }
@@ -394,7 +404,9 @@ struct ParameterServerStrategy::Impl {
       const char* src = pull_buffers[p].data();
       for (const auto& [vi, sp] : pull_plan[p]) {
         const size_t n = static_cast<size_t>(sp.rows) * vi->row_bytes;
-        if (n) std::memcpy(static_cast<char*>(vi->var->copies[0].data()) + sp.offset * vi->row_bytes, src, n);
+        if (n)
+          std::memcpy(static_cast<char*>(vi->var->copies[0].data()) + sp.offset * vi->row_bytes,
+                      src, n);
         src += n;
       }
     }
@@ -419,9 +431,11 @@ struct ParameterServerStrategy::Impl {
   // touch (kRule; the PS ranks fix it from the chief's declaration and check
   // every other worker's against it). Blocks: once per variable.
   void declare_rules(const StagedPush& s) {
-    if (!declared_config.name.empty() && ps::config_difference(declared_config, s.config) != "" && !warned_config) {
+    if (!declared_config.name.empty() && ps::config_difference(declared_config, s.config) != "" &&
+        !warned_config) {
       warned_config = true;
-      log().warning("worker ", index, ": the optimizer now differs from the update rule it declared (",
+      log().warning("worker ", index,
+                    ": the optimizer now differs from the update rule it declared (",
                     ps::config_difference(declared_config, s.config),
                     "); the PS ranks keep applying the declared rule: change it with "
                     "ParameterServerStrategy::update_hyperparameters on the chief");
@@ -443,8 +457,8 @@ struct ParameterServerStrategy::Impl {
 
   // Sends `config` as the rule of `vars` to the PS ranks holding them and
   // waits for every acknowledgement.
-  void post_rules(const std::vector<const VarInfo*>& vars, const ps::OptimizerConfig& config, bool replace,
-                  const std::string& what) {
+  void post_rules(const std::vector<const VarInfo*>& vars, const ps::OptimizerConfig& config,
+                  bool replace, const std::string& what) {
     std::vector<std::vector<ps::Entry>> per_ps(ps_ranks.size());
     for (const VarInfo* vi : vars) {
       for (const ShardPlace& sp : vi->shards) per_ps[sp.ps].push_back(entry_of(*vi, sp));
@@ -457,8 +471,8 @@ struct ParameterServerStrategy::Impl {
       ps::write_config(w, config);
       w.put<int64_t>(static_cast<int64_t>(per_ps[p].size()));
       for (const ps::Entry& e : per_ps[p]) ps::write_entry(w, e);
-      calls.push_back(client->post(static_cast<int>(p), ps::Op::kRule, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
-                                   what));
+      calls.push_back(client->post(static_cast<int>(p), ps::Op::kRule, w.bytes(), nullptr, nullptr,
+                                   0, nullptr, 0, what));
     }
     wait_all(calls);
   }
@@ -597,14 +611,15 @@ Service& local_service(ParameterServerStrategy& strategy) {
 }  // namespace ps
 
 ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl) try
-    : Strategy(impl->options.log_level,
-               impl->is_ps ? "[ps " + std::to_string(impl->index) + "]"
-                           : "[worker " + std::to_string(impl->index) + "]"),
+    : Strategy(impl->options.log_level, impl->is_ps
+                                            ? "[ps " + std::to_string(impl->index) + "]"
+                                            : "[worker " + std::to_string(impl->index) + "]"),
       impl_(std::move(impl)) {
   if (!impl_->transport) {
     // One process: it is worker 0 and the PS ranks are threads of it.
-    DISTSTRAT_CHECK(impl_->options.num_ps >= 1, kInvalidArgument, "ParameterServerStrategy: num_ps ",
-                    impl_->options.num_ps, " must be at least 1");
+    DISTSTRAT_CHECK(impl_->options.num_ps >= 1, kInvalidArgument,
+                    "ParameterServerStrategy: num_ps ", impl_->options.num_ps,
+                    " must be at least 1");
     impl_->own_group = std::make_unique<InProcessTransportGroup>(impl_->options.num_ps + 1);
     impl_->init_layout(impl_->own_group->at(0));
     impl_->attach(this);
@@ -612,7 +627,8 @@ ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl) try
       impl_->services.push_back(std::make_unique<ps::ServiceRunner>(
           impl_->own_group->at(r), impl_->service_options(r - 1), logger_));
     }
-    logger_.info("ParameterServerStrategy in one process: ", impl_->options.num_ps, " PS thread(s)");
+    logger_.info("ParameterServerStrategy in one process: ", impl_->options.num_ps,
+                 " PS thread(s)");
     return;
   }
   impl_->attach(this);
@@ -628,7 +644,8 @@ ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl) try
 
 namespace {
 // The job's transport (the MPI backend seam), or null for a one-process run.
-std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster, std::chrono::milliseconds timeout) {
+std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster,
+                                         std::chrono::milliseconds timeout) {
   if (cluster.info.world_size <= 1) return nullptr;
 #if DISTSTRAT_HAVE_MPI
   if (mpi::launched_under_mpi()) {
@@ -637,8 +654,10 @@ std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster, std::ch
   }
 #endif
   throw UnimplementedError("ParameterServerStrategy: a cluster of " +
-                           std::to_string(cluster.info.world_size) + " processes needs MPI (launch "
-                           "with mpirun)" + (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have"));
+                           std::to_string(cluster.info.world_size) +
+                           " processes needs MPI (launch "
+                           "with mpirun)" +
+                           (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have"));
 }
 
 ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedCluster& cluster) {
@@ -647,9 +666,11 @@ ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedClus
   return o;
 }
 
-std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl_checked(const ParameterServerOptions& options);
+std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl_checked(
+    const ParameterServerOptions& options);
 
-std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServerOptions& options) {
+std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(
+    const ParameterServerOptions& options) {
   // What the Strategy base reads from the environment is checked before MPI
   // meets the other ranks, so that a junk value ends this rank before it
   // joins the job (the launcher then ends the job at once).
@@ -664,7 +685,8 @@ std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl(const ParameterServ
   }
 }
 
-std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl_checked(const ParameterServerOptions& options) {
+std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl_checked(
+    const ParameterServerOptions& options) {
   // Set-up is bounded by the job's own deadline, as the multi-worker strategy's is.
   const ResolvedCluster cluster = resolve_cluster(options.cluster, options.communication.timeout);
   auto impl = std::make_unique<ParameterServerStrategy::Impl>();
@@ -678,16 +700,16 @@ std::unique_ptr<ParameterServerStrategy::Impl> make_job_impl_checked(const Param
   if (impl->owned_transport) {
     impl->init_layout(*impl->owned_transport);
     const std::string want = impl->is_ps ? "ps" : "worker";
-    const bool agrees = cluster.info.task_type == want ||
-                        (want == "worker" && cluster.info.task_type == "chief");
+    const bool agrees =
+        cluster.info.task_type == want || (want == "worker" && cluster.info.task_type == "chief");
     DISTSTRAT_CHECK(cluster.spec.num_tasks("ps") == 0 || agrees, kInvalidArgument,
                     "ParameterServerStrategy: rank ", impl->rank, " is task '",
                     cluster.info.task_type, "' in the cluster but a ", want,
                     " by rank order (chief, worker, ps)");
     // cluster() reports the task the spec names (TF_CONFIG's chief is
     // "chief:0", its worker:0 is "worker:0" though it is worker index 1).
-    const bool named = cluster.source == ClusterSource::kExplicit ||
-                       cluster.source == ClusterSource::kTfConfig;
+    const bool named =
+        cluster.source == ClusterSource::kExplicit || cluster.source == ClusterSource::kTfConfig;
     if (named && agrees) {
       impl->task_type = cluster.info.task_type;
       impl->task_index = cluster.info.task_index;
@@ -715,7 +737,8 @@ ParameterServerStrategy::~ParameterServerStrategy() {
     // deadline; they leave (kAbort) and the loop ends, or the grace passes.
     for (auto& s : impl_->services) {
       s->fail("it left during an exception (its own error is in its output)",
-              std::min<std::chrono::milliseconds>(impl_->options.communication.timeout, kShutdownGrace));
+              std::min<std::chrono::milliseconds>(impl_->options.communication.timeout,
+                                                  kShutdownGrace));
     }
     impl_->mark_failed();
   }
@@ -749,17 +772,19 @@ void ParameterServerStrategy::Impl::shutdown(bool unwinding, const Logger& logge
   const std::string reason =
       "rank " + std::to_string(rank) + " left during an exception" +
       (first_error.empty() ? std::string(" (its own error is in its output)") : ": " + first_error);
-  const auto until = Clock::now() + std::min<std::chrono::milliseconds>(options.communication.timeout,
-                                                                         kShutdownGrace);
+  const auto until = Clock::now() + std::min<std::chrono::milliseconds>(
+                                        options.communication.timeout, kShutdownGrace);
   std::vector<ps::Client::CallPtr> calls;
   for (int p = 0; p < client->num_ps(); ++p) {
     if (!client->broken(p).empty()) continue;  // nothing reaches it; it learns by its own deadline
     if (unwinding) {
       ps::Writer w;
       w.put_string(reason);
-      calls.push_back(client->post(p, ps::Op::kAbort, w.bytes(), nullptr, nullptr, 0, nullptr, 0, "abort"));
+      calls.push_back(
+          client->post(p, ps::Op::kAbort, w.bytes(), nullptr, nullptr, 0, nullptr, 0, "abort"));
     } else {
-      calls.push_back(client->post(p, ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0, "shutdown"));
+      calls.push_back(
+          client->post(p, ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0, "shutdown"));
     }
   }
   for (auto& c : calls) {
@@ -827,13 +852,15 @@ void ParameterServerStrategy::place_variable(Variable::Impl& var, const Initiali
   DISTSTRAT_CHECK(!vi->row_sparse || var.shape.rank() >= 1, kInvalidArgument,
                   "row-sparse variable '", var.name, "' needs at least one dimension");
   const int64_t rows = var.shape.rank() == 0 ? 1 : var.shape[0];
-  vi->row_bytes = dtype_size(var.dtype) * static_cast<size_t>(rows ? var.shape.num_elements() / rows : 0);
+  vi->row_bytes =
+      dtype_size(var.dtype) * static_cast<size_t>(rows ? var.shape.num_elements() / rows : 0);
   if (var.shape.rank() == 0) vi->row_bytes = dtype_size(var.dtype);
   int64_t n = 1;
   if (var.shape.rank() >= 1 && m.options.partitioner) {
     n = m.options.partitioner(var.shape, var.dtype);
-    DISTSTRAT_CHECK(n >= 1 && n <= std::max<int64_t>(1, rows), kInvalidArgument, "partitioner split '",
-                    var.name, "' ", var.shape.to_string(), " into ", n, " shards");
+    DISTSTRAT_CHECK(n >= 1 && n <= std::max<int64_t>(1, rows), kInvalidArgument,
+                    "partitioner split '", var.name, "' ", var.shape.to_string(), " into ", n,
+                    " shards");
   }
   for (const auto& [offset, count] : shard_rows(rows, n)) {
     Impl::ShardPlace sp;
@@ -862,9 +889,10 @@ void ParameterServerStrategy::place_variable(Variable::Impl& var, const Initiali
     w.put_shape(var.shape).put<int64_t>(sp.index).put<int64_t>(n).put<int64_t>(sp.offset);
     w.put<int64_t>(sp.rows).put<uint8_t>(m.chief() ? 1 : 0);
     const size_t bytes = m.chief() ? static_cast<size_t>(sp.rows) * vi->row_bytes : 0;
-    const char* data = m.chief() ? static_cast<const char*>(value.data()) + sp.offset * vi->row_bytes : nullptr;
-    calls.push_back(m.client->post(sp.ps, ps::Op::kCreate, w.bytes(), owner, data, bytes, nullptr, 0,
-                                   "create of '" + var.name + "'"));
+    const char* data =
+        m.chief() ? static_cast<const char*>(value.data()) + sp.offset * vi->row_bytes : nullptr;
+    calls.push_back(m.client->post(sp.ps, ps::Op::kCreate, w.bytes(), owner, data, bytes, nullptr,
+                                   0, "create of '" + var.name + "'"));
   }
   m.wait_all(calls);
   m.info_of[&var] = vi.get();
@@ -974,13 +1002,15 @@ void ParameterServerStrategy::apply_gradients(
     DISTSTRAT_CHECK(vi.row_sparse, kInvalidArgument, "apply_gradients: variable '",
                     s.variable.name(), "' is not row-sparse: pass a dense gradient");
     DISTSTRAT_CHECK(s.values.defined() && s.values.dtype() == DType::kFloat32, kInvalidArgument,
-                    "apply_gradients: row gradient of '", s.variable.name(), "' must be float32, got ",
+                    "apply_gradients: row gradient of '", s.variable.name(),
+                    "' must be float32, got ",
                     s.values.defined() ? s.values.debug_string() : "an undefined tensor");
     std::vector<int64_t> want = s.variable.shape().dims();
     want[0] = s.ids.defined() && s.ids.shape().rank() == 1 ? s.ids.shape()[0] : -1;
-    DISTSTRAT_CHECK(s.values.shape().dims() == want, kInvalidArgument, "apply_gradients: row gradient ",
-                    s.values.debug_string(), " of '", s.variable.name(), "' does not match ",
-                    want[0], " ids of rows ", s.variable.shape().to_string());
+    DISTSTRAT_CHECK(s.values.shape().dims() == want, kInvalidArgument,
+                    "apply_gradients: row gradient ", s.values.debug_string(), " of '",
+                    s.variable.name(), "' does not match ", want[0], " ids of rows ",
+                    s.variable.shape().to_string());
   }
   // Inside the worker, replicas are synchronous: dense gradients are summed
   // over the local replicas, row gradients concatenated.
@@ -989,7 +1019,7 @@ void ParameterServerStrategy::apply_gradients(
     for (Tensor& g : grads) g = g.clone();
     ctx.all_reduce(ReduceOp::kSum, grads, names);  // on the GPUs for GPU replicas
   }
-  for (Tensor& g : grads) stage_to_host(g);  // pushed from host memory
+  for (Tensor& g : grads) stage_to_host(g);     // pushed from host memory
   std::vector<std::pair<Tensor, Tensor>> rows;  // (ids, values) per sparse gradient
   for (const SparseGradient& s : sparse) {
     if (local_many) {
@@ -1015,7 +1045,8 @@ void ParameterServerStrategy::apply_gradients(
       // Sum duplicate ids so each row is updated once.
       std::unordered_map<int64_t, size_t> first;
       Impl::StagedPush::Rows r{&vi, {}, {}};
-      const int64_t re = rows[k].second.shape().num_elements() / std::max<int64_t>(1, rows[k].second.shape()[0]);
+      const int64_t re =
+          rows[k].second.shape().num_elements() / std::max<int64_t>(1, rows[k].second.shape()[0]);
       std::vector<float> acc;
       const float* src = rows[k].second.data<float>();
       for (size_t i = 0; i < ids.size(); ++i) {
@@ -1085,7 +1116,8 @@ Tensor ParameterServerStrategy::gather_rows(const Variable& var, const Tensor& i
   char* dst = static_cast<char*>(out.data());
   for (Part& part : parts) {
     for (size_t k = 0; k < part.positions.size(); ++k) {
-      std::memcpy(dst + part.positions[k] * vi.row_bytes, part.buffer.data() + k * vi.row_bytes, vi.row_bytes);
+      std::memcpy(dst + part.positions[k] * vi.row_bytes, part.buffer.data() + k * vi.row_bytes,
+                  vi.row_bytes);
     }
   }
   return out;
@@ -1128,13 +1160,15 @@ ParameterServerStats ParameterServerStrategy::stats() {
     const int64_t n = r.get<int64_t>();
     // Checked before it sizes anything: the reply must count our workers.
     DISTSTRAT_CHECK(n == static_cast<int64_t>(m.worker_ranks.size()), kInternal,
-                    "stats reply: protocol error: ", n, " workers, this job has ", m.worker_ranks.size());
+                    "stats reply: protocol error: ", n, " workers, this job has ",
+                    m.worker_ranks.size());
     out.worker_steps.resize(static_cast<size_t>(n), 0);
     for (int64_t i = 0; i < n; ++i) {
       out.worker_steps[i] = std::max(out.worker_steps[i], r.get<int64_t>());
     }
   }
-  out.mean_staleness = out.pushes_applied ? static_cast<double>(staleness_sum) / out.pushes_applied : 0.0;
+  out.mean_staleness =
+      out.pushes_applied ? static_cast<double>(staleness_sum) / out.pushes_applied : 0.0;
   return out;
 }
 
@@ -1150,16 +1184,19 @@ void ParameterServerStrategy::barrier(const std::string& name) {
 }
 
 std::vector<ShardSnapshot> ParameterServerStrategy::local_shards() const {
-  DISTSTRAT_CHECK(impl_->is_ps, kFailedPrecondition, "local_shards on a worker: PS ranks hold the shards");
+  DISTSTRAT_CHECK(impl_->is_ps, kFailedPrecondition,
+                  "local_shards on a worker: PS ranks hold the shards");
   return impl_->services.at(0)->service().snapshot();
 }
 
 void ParameterServerStrategy::restore_local_shards(const std::vector<ShardSnapshot>& shards) {
-  DISTSTRAT_CHECK(impl_->is_ps, kFailedPrecondition, "restore_local_shards on a worker: PS ranks hold the shards");
+  DISTSTRAT_CHECK(impl_->is_ps, kFailedPrecondition,
+                  "restore_local_shards on a worker: PS ranks hold the shards");
   impl_->services.at(0)->service().restore(shards);
 }
 
-Tensor ParameterServerStrategy::read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const {
+Tensor ParameterServerStrategy::read_variable(const Variable::Impl& var,
+                                              const ReplicaContext& ctx) const {
   const Impl::VarInfo& vi = impl_->info(var);
   DISTSTRAT_CHECK(!vi.row_sparse, kFailedPrecondition, "read of row-sparse variable '", var.name,
                   "': it is not pulled whole; use gather_rows");
@@ -1189,10 +1226,10 @@ void ParameterServerStrategy::assign_variable(Variable::Impl& var, const Tensor&
     ps::Writer w;
     w.put<int64_t>(1);
     ps::write_entry(w, e);
-    calls.push_back(m.client->post(sp.ps, ps::Op::kAssign, w.bytes(), owner,
-                                   static_cast<const char*>(owner->data()) + sp.offset * vi.row_bytes,
-                                   static_cast<size_t>(sp.rows) * vi.row_bytes, nullptr, 0,
-                                   "assign to '" + var.name + "'"));
+    calls.push_back(m.client->post(
+        sp.ps, ps::Op::kAssign, w.bytes(), owner,
+        static_cast<const char*>(owner->data()) + sp.offset * vi.row_bytes,
+        static_cast<size_t>(sp.rows) * vi.row_bytes, nullptr, 0, "assign to '" + var.name + "'"));
   }
   m.wait_all(calls);
   if (!vi.row_sparse) var.copies[0].copy_from(value);
@@ -1205,7 +1242,8 @@ void ParameterServerStrategy::update(Variable& var, const std::function<void(Ten
   var.assign(v);
 }
 
-Tensor ParameterServerStrategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) {
+Tensor ParameterServerStrategy::reduce_tensors_across(ReduceOp op,
+                                                      const std::vector<Tensor>& local) {
   impl_->require_worker("reduce");
   // As reduce_across: this worker's replicas, so kMean divides by their
   // number (the base class divides by every worker's replicas).
@@ -1272,14 +1310,16 @@ uint64_t new_save_id() {
 }  // namespace
 
 void ParameterServerStrategy::check_checkpoint_supported(Strategy&, const std::string& what) {
-  DISTSTRAT_CHECK(!impl_->is_ps, kFailedPrecondition, "rank ", impl_->rank, " (ps ", impl_->index, "): ", what,
-                  ": the workers save and restore checkpoints (every worker calls it); a PS rank only "
-                  "serves (join()) and writes its shards when the chief asks");
+  DISTSTRAT_CHECK(
+      !impl_->is_ps, kFailedPrecondition, "rank ", impl_->rank, " (ps ", impl_->index, "): ", what,
+      ": the workers save and restore checkpoints (every worker calls it); a PS rank only "
+      "serves (join()) and writes its shards when the chief asks");
 }
 
 bool ParameterServerStrategy::needs_state_to_write() const { return false; }
 
-std::vector<Tensor> ParameterServerStrategy::read_slots(Strategy&, const std::vector<SlotRef>& slots) {
+std::vector<Tensor> ParameterServerStrategy::read_slots(Strategy&,
+                                                        const std::vector<SlotRef>& slots) {
   Impl& m = *impl_;
   m.require_worker("read_slots");
   std::lock_guard<std::mutex> lock(m.mu);
@@ -1294,8 +1334,9 @@ std::vector<Tensor> ParameterServerStrategy::read_slots(Strategy&, const std::ve
   std::vector<size_t> bytes(m.ps_ranks.size(), 0);
   for (const SlotRef& ref : slots) {
     const Impl::VarInfo& vi = m.info(*ref.var);
-    DISTSTRAT_CHECK(vi.var->dtype == DType::kFloat32, kInvalidArgument, "read_slots: variable '", vi.var->name,
-                    "' is ", dtype_name(vi.var->dtype), "; only float32 variables have slots");
+    DISTSTRAT_CHECK(vi.var->dtype == DType::kFloat32, kInvalidArgument, "read_slots: variable '",
+                    vi.var->name, "' is ", dtype_name(vi.var->dtype),
+                    "; only float32 variables have slots");
     out.emplace_back(vi.var->shape, DType::kFloat32);
     for (const Impl::ShardPlace& sp : vi.shards) {
       ps::write_entry(bodies[sp.ps], Impl::entry_of(vi, sp));
@@ -1314,8 +1355,9 @@ std::vector<Tensor> ParameterServerStrategy::read_slots(Strategy&, const std::ve
     w.put<int64_t>(counts[p]);
     w.bytes().insert(w.bytes().end(), bodies[p].bytes().begin(), bodies[p].bytes().end());
     replies[p].resize(bytes[p]);
-    calls.push_back(m.client->post(static_cast<int>(p), ps::Op::kReadSlots, w.bytes(), nullptr, nullptr, 0,
-                                   replies[p].data(), bytes[p], "read of optimizer slots"));
+    calls.push_back(m.client->post(static_cast<int>(p), ps::Op::kReadSlots, w.bytes(), nullptr,
+                                   nullptr, 0, replies[p].data(), bytes[p],
+                                   "read of optimizer slots"));
   }
   m.wait_all(calls);
   for (size_t p = 0; p < m.ps_ranks.size(); ++p) {
@@ -1337,13 +1379,15 @@ void ParameterServerStrategy::assign_slots(Strategy&, const std::vector<SlotRef>
   std::vector<std::vector<ps::RestoreItem>> per_ps(m.ps_ranks.size());
   for (size_t k = 0; k < slots.size(); ++k) {
     const Impl::VarInfo& vi = m.info(*slots[k].var);
-    DISTSTRAT_CHECK(values[k].dtype() == DType::kFloat32 && values[k].shape() == vi.var->shape, kInvalidArgument,
-                    "assign_slots: slot '", slots[k].slot, "' of '", vi.var->name, "' from ", values[k].debug_string());
+    DISTSTRAT_CHECK(values[k].dtype() == DType::kFloat32 && values[k].shape() == vi.var->shape,
+                    kInvalidArgument, "assign_slots: slot '", slots[k].slot, "' of '", vi.var->name,
+                    "' from ", values[k].debug_string());
     for (const Impl::ShardPlace& sp : vi.shards) {
       ps::RestoreItem it;
       it.entry = Impl::entry_of(vi, sp);
       it.entry.shape = Impl::shard_shape(vi, sp);
-      it.slots.emplace_back(slots[k].slot, static_cast<const char*>(values[k].data()) + sp.offset * vi.row_bytes);
+      it.slots.emplace_back(slots[k].slot,
+                            static_cast<const char*>(values[k].data()) + sp.offset * vi.row_bytes);
       it.slot_bytes = static_cast<size_t>(sp.rows) * vi.row_bytes;
       per_ps[sp.ps].push_back(std::move(it));
     }
@@ -1351,8 +1395,8 @@ void ParameterServerStrategy::assign_slots(Strategy&, const std::vector<SlotRef>
   m.post_restore(per_ps, "restore of optimizer slots");
 }
 
-void ParameterServerStrategy::Impl::post_restore(const std::vector<std::vector<ps::RestoreItem>>& per_ps,
-                                                 const std::string& what) {
+void ParameterServerStrategy::Impl::post_restore(
+    const std::vector<std::vector<ps::RestoreItem>>& per_ps, const std::string& what) {
   std::vector<ps::Client::CallPtr> calls;
   for (size_t p = 0; p < per_ps.size(); ++p) {
     if (per_ps[p].empty()) continue;
@@ -1361,13 +1405,16 @@ void ParameterServerStrategy::Impl::post_restore(const std::vector<std::vector<p
     auto payload = std::make_shared<std::vector<char>>();
     for (const ps::RestoreItem& it : per_ps[p]) {
       ps::write_entry(w, it.entry);
-      w.put<uint8_t>(it.value ? 1 : 0).put<int64_t>(it.step).put<int64_t>(static_cast<int64_t>(it.slots.size()));
+      w.put<uint8_t>(it.value ? 1 : 0)
+          .put<int64_t>(it.step)
+          .put<int64_t>(static_cast<int64_t>(it.slots.size()));
       for (const auto& sl : it.slots) w.put_string(sl.first);
       if (it.value) payload->insert(payload->end(), it.value, it.value + it.value_bytes);
-      for (const auto& sl : it.slots) payload->insert(payload->end(), sl.second, sl.second + it.slot_bytes);
+      for (const auto& sl : it.slots)
+        payload->insert(payload->end(), sl.second, sl.second + it.slot_bytes);
     }
-    calls.push_back(client->post(static_cast<int>(p), ps::Op::kRestore, w.bytes(), payload, payload->data(),
-                                 payload->size(), nullptr, 0, what));
+    calls.push_back(client->post(static_cast<int>(p), ps::Op::kRestore, w.bytes(), payload,
+                                 payload->data(), payload->size(), nullptr, 0, what));
   }
   wait_all(calls);
   discard_dense_pull();  // the next run pulls what was just written
@@ -1388,21 +1435,29 @@ void ParameterServerStrategy::write_checkpoint(Strategy&, const std::string& pat
     // they derive from the stem (never a path from a request): the index
     // must be in that directory.
     const size_t slash = path.find_last_of('/');
-    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+    const std::string dir = slash == std::string::npos ? "."
+                            : slash == 0               ? "/"
+                                                       : path.substr(0, slash);
     std::string stem = path.substr(slash == std::string::npos ? 0 : slash + 1);
     static const std::string kSuffix = ".safetensors";
-    if (stem.size() > kSuffix.size() && stem.compare(stem.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0) {
+    if (stem.size() > kSuffix.size() &&
+        stem.compare(stem.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0) {
       stem.resize(stem.size() - kSuffix.size());
     }
-    DISTSTRAT_CHECK(ps::valid_file_stem(stem), kInvalidArgument, "checkpoint '", path, "': the file name '", stem,
-                    "' is not a checkpoint name for the PS ranks (1 to 200 of [A-Za-z0-9._-], not starting with '.')");
+    DISTSTRAT_CHECK(ps::valid_file_stem(stem), kInvalidArgument, "checkpoint '", path,
+                    "': the file name '", stem,
+                    "' is not a checkpoint name for the PS ranks (1 to 200 of [A-Za-z0-9._-], not "
+                    "starting with '.')");
     if (m.own_group) {
       // One process: its PS threads write where this program saves.
       for (auto& sr : m.services) sr->service().set_checkpoint_dir(dir);
     } else {
       const std::string configured = m.checkpoint_dir();
-      DISTSTRAT_CHECK(configured.empty() || configured == dir, kInvalidArgument, "checkpoint '", path, "' is not in the PS ranks' "
-                      "checkpoint directory '", configured, "' (ParameterServerOptions::checkpoint_dir)");
+      DISTSTRAT_CHECK(configured.empty() || configured == dir, kInvalidArgument, "checkpoint '",
+                      path,
+                      "' is not in the PS ranks' "
+                      "checkpoint directory '",
+                      configured, "' (ParameterServerOptions::checkpoint_dir)");
     }
     std::vector<std::string> files;
     std::vector<ckpt::IndexVariable> index;
@@ -1423,15 +1478,17 @@ void ParameterServerStrategy::write_checkpoint(Strategy&, const std::string& pat
         files.push_back(ckpt::shard_file_path(path, p, num_ps, save_id));
         ps::Writer w;
         w.put_string(stem).put<uint64_t>(save_id).put_string(dir);
-        calls.push_back(m.client->post(p, ps::Op::kSave, w.bytes(), nullptr, nullptr, 0, replies[p].data(),
-                                       sizeof(int64_t), "save of shard file '" + files.back() + "'"));
+        calls.push_back(m.client->post(p, ps::Op::kSave, w.bytes(), nullptr, nullptr, 0,
+                                       replies[p].data(), sizeof(int64_t),
+                                       "save of shard file '" + files.back() + "'"));
       }
       m.wait_all(calls);  // every shard file is durable (or the error names the PS and file)
       for (int p = 0; p < num_ps; ++p) {
         int64_t n;
         std::memcpy(&n, replies[p].data(), sizeof n);
-        DISTSTRAT_CHECK(n == expect[p], kInternal, "checkpoint '", path, "': PS rank ", m.ps_ranks[p], " saved ", n,
-                        " shards to '", files[p], "', the chief placed ", expect[p], " there");
+        DISTSTRAT_CHECK(n == expect[p], kInternal, "checkpoint '", path, "': PS rank ",
+                        m.ps_ranks[p], " saved ", n, " shards to '", files[p],
+                        "', the chief placed ", expect[p], " there");
       }
     }
     // Last: the index. A crash before this leaves the previous checkpoint the loadable one.
@@ -1447,8 +1504,9 @@ CheckpointContents ParameterServerStrategy::read_checkpoint(
   flush();
   barrier("checkpoint restore '" + path + "'");
   CheckpointContents out;
-  ckpt::on_chief_then_agree(*this, "to restore checkpoint '" + path + "'",
-                            [&] { out.metadata = m.restore_from(path, expected, optional, options); });
+  ckpt::on_chief_then_agree(*this, "to restore checkpoint '" + path + "'", [&] {
+    out.metadata = m.restore_from(path, expected, optional, options);
+  });
   if (ckpt::is_multi_process(*this)) {
     out.metadata = ckpt::decode_metadata(
         ckpt::broadcast_string(*this, ckpt::encode_metadata(out.metadata), "checkpoint metadata"));
@@ -1476,7 +1534,8 @@ CheckpointMetadata ParameterServerStrategy::Impl::restore_from(
   if (!lc.sharded) {
     for (const auto& [name, t] : c.tensors) {
       const std::string suffix = "/iterations";
-      if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+      if (name.size() > suffix.size() &&
+          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
           t.dtype() == DType::kInt64 && t.num_elements() == 1) {
         fallback_step = std::max(fallback_step, t.data<int64_t>()[0]);
       }
@@ -1491,7 +1550,9 @@ CheckpointMetadata ParameterServerStrategy::Impl::restore_from(
     if (var_names.count(name)) continue;
     std::string owner;
     for (const std::string& v : var_names) {
-      if (name.size() > v.size() + 1 && name.compare(0, v.size() + 1, v + "/") == 0 && v.size() > owner.size()) owner = v;
+      if (name.size() > v.size() + 1 && name.compare(0, v.size() + 1, v + "/") == 0 &&
+          v.size() > owner.size())
+        owner = v;
     }
     DISTSTRAT_CHECK(!owner.empty(), kInvalidArgument, "checkpoint '", path, "': tensor '", name,
                     "' is neither a variable nor a slot of one");
@@ -1513,7 +1574,8 @@ CheckpointMetadata ParameterServerStrategy::Impl::restore_from(
         item.value_bytes = bytes;
       }
       for (const auto& [slot, t] : slots) {
-        item.slots.emplace_back(slot, static_cast<const char*>(t->data()) + sp.offset * vi->row_bytes);
+        item.slots.emplace_back(slot,
+                                static_cast<const char*>(t->data()) + sp.offset * vi->row_bytes);
       }
       item.slot_bytes = bytes;
       // A re-split shard takes the largest step of the saved shards it
@@ -1522,8 +1584,9 @@ CheckpointMetadata ParameterServerStrategy::Impl::restore_from(
       if (steps != lc.steps.end()) {
         item.step = 0;
         for (const auto& [rows, step] : steps->second) {
-          const bool overlaps = sp.rows == 0 || rows.second == 0 ||
-                                (rows.first < sp.offset + sp.rows && sp.offset < rows.first + rows.second);
+          const bool overlaps =
+              sp.rows == 0 || rows.second == 0 ||
+              (rows.first < sp.offset + sp.rows && sp.offset < rows.first + rows.second);
           if (overlaps) item.step = std::max(item.step, step);
         }
       }
@@ -1537,8 +1600,9 @@ CheckpointMetadata ParameterServerStrategy::Impl::restore_from(
 void ParameterServerStrategy::update_hyperparameters(const Optimizer& optimizer) {
   Impl& m = *impl_;
   m.require_worker("update_hyperparameters");
-  DISTSTRAT_CHECK(m.chief(), kFailedPrecondition, "worker ", m.index,
-                  ": update_hyperparameters: only the chief (worker 0) changes the PS ranks' update rules");
+  DISTSTRAT_CHECK(
+      m.chief(), kFailedPrecondition, "worker ", m.index,
+      ": update_hyperparameters: only the chief (worker 0) changes the PS ranks' update rules");
   const ps::OptimizerConfig config = ps::describe_optimizer(optimizer);
   ps::make_update_rule(config);  // the PS ranks check it too; fail here first
   std::lock_guard<std::mutex> lock(m.mu);
@@ -1568,18 +1632,21 @@ void ParameterServerStrategy::broadcast(Tensor& t, int root_worker, const std::s
   Impl& m = *impl_;
   m.require_worker("broadcast");
   if (m.num_workers() == 1) return;
-  DISTSTRAT_CHECK(root_worker >= 0 && root_worker < m.num_workers(), kInvalidArgument, "broadcast '", name,
-                  "': root worker ", root_worker, " of ", m.num_workers());
+  DISTSTRAT_CHECK(root_worker >= 0 && root_worker < m.num_workers(), kInvalidArgument,
+                  "broadcast '", name, "': root worker ", root_worker, " of ", m.num_workers());
   DISTSTRAT_CHECK(t.defined() && t.device().is_cpu(), kInvalidArgument, "broadcast '", name,
                   "': a host tensor is needed");
   std::lock_guard<std::mutex> lock(m.mu);
   const bool root = m.index == root_worker;
   ps::Writer w;
-  w.put<int64_t>(++m.broadcast_count).put<uint8_t>(root ? 1 : 0).put<int64_t>(static_cast<int64_t>(t.nbytes()));
+  w.put<int64_t>(++m.broadcast_count)
+      .put<uint8_t>(root ? 1 : 0)
+      .put<int64_t>(static_cast<int64_t>(t.nbytes()));
   const std::string what = "broadcast '" + name + "'";
-  auto c = root ? m.client->post(0, ps::Op::kBroadcast, w.bytes(), std::make_shared<Tensor>(t), t.data(),
-                                 t.nbytes(), nullptr, 0, what)
-                : m.client->post(0, ps::Op::kBroadcast, w.bytes(), nullptr, nullptr, 0, t.data(), t.nbytes(), what);
+  auto c = root ? m.client->post(0, ps::Op::kBroadcast, w.bytes(), std::make_shared<Tensor>(t),
+                                 t.data(), t.nbytes(), nullptr, 0, what)
+                : m.client->post(0, ps::Op::kBroadcast, w.bytes(), nullptr, nullptr, 0, t.data(),
+                                 t.nbytes(), what);
   m.client->wait(c);
 }
 

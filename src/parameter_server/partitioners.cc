@@ -23,7 +23,8 @@ int64_t MinSize::operator()(const Shape& shape, DType dtype) const {
   DISTSTRAT_CHECK_GE(max_shards, 1, "MinSize partitioner: max_shards");
   if (shape.rank() == 0) return 1;
   const double total = static_cast<double>(shape.num_elements()) * dtype_size(dtype);
-  const int64_t wanted = static_cast<int64_t>(std::ceil(total / static_cast<double>(min_shard_bytes)));
+  const int64_t wanted =
+      static_cast<int64_t>(std::ceil(total / static_cast<double>(min_shard_bytes)));
   return std::max<int64_t>(1, std::min({rows_of(shape), max_shards, wanted}));
 }
 
@@ -34,8 +35,8 @@ int64_t MaxSize::operator()(const Shape& shape, DType dtype) const {
   // Bytes of one row; how many whole rows fit in a shard (at least one).
   const double row_bytes =
       static_cast<double>(shape.num_elements() / shape[0]) * static_cast<double>(dtype_size(dtype));
-  const int64_t rows_per_shard =
-      std::max<int64_t>(1, static_cast<int64_t>(std::floor(max_shard_bytes / std::max(row_bytes, 1.0))));
+  const int64_t rows_per_shard = std::max<int64_t>(
+      1, static_cast<int64_t>(std::floor(max_shard_bytes / std::max(row_bytes, 1.0))));
   int64_t n = (shape[0] + rows_per_shard - 1) / rows_per_shard;
   if (max_shards > 0) n = std::min(n, max_shards);
   return std::max<int64_t>(1, n);

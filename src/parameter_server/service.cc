@@ -114,7 +114,8 @@ void check_value_entry(const char* op, const Entry& e, const ShardInfo& s) {
   DISTSTRAT_CHECK(!e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.shape,
                   kInvalidArgument, op, " '", e.name, "' shard ", e.shard_index, ": value ",
                   valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
-                  e.shape.to_string(), " does not match ", dtype_name(s.dtype), s.shape.to_string());
+                  e.shape.to_string(), " does not match ", dtype_name(s.dtype),
+                  s.shape.to_string());
 }
 
 }  // namespace
@@ -124,8 +125,9 @@ Service::Service(Transport& transport, ServiceOptions options, const Logger& log
   // Distinct for every start of a PS (a restarted one rejects what was sent
   // to its predecessor): the time, and randomness for two starts at once.
   std::random_device rd;
-  incarnation_ = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) ^
-                 (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  incarnation_ =
+      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) ^
+      (static_cast<uint64_t>(rd()) << 32) ^ rd();
   if (incarnation_ == 0) incarnation_ = 1;
   const auto now = this->now();
   for (size_t i = 0; i < options_.worker_ranks.size(); ++i) {
@@ -144,8 +146,8 @@ Service::~Service() = default;
 std::string Service::who() const { return "PS rank " + std::to_string(t_.rank()); }
 
 std::string Service::from(const WorkerState& w, uint16_t op) const {
-  return who() + ": " + (valid_op(op) ? op_name(static_cast<Op>(op)) : "request") + " from worker " +
-         std::to_string(w.index);
+  return who() + ": " + (valid_op(op) ? op_name(static_cast<Op>(op)) : "request") +
+         " from worker " + std::to_string(w.index);
 }
 
 void Service::tick() {
@@ -223,16 +225,16 @@ void Service::receive_payload(WorkerState& w, const Envelope& env) {
     // The payload of a request rejected on arrival (or more than a request
     // declared): the worker's stream goes on after it.
     discard(env);
-    logger_.warning(who(), ": dropped a payload message of ", env.bytes, " bytes from worker ", w.index,
-                    " (rank ", w.rank, ") that no accepted request declared");
+    logger_.warning(who(), ": dropped a payload message of ", env.bytes, " bytes from worker ",
+                    w.index, " (rank ", w.rank, ") that no accepted request declared");
     return;
   }
   const size_t left = p->payload.size() - p->received;
   if (env.bytes == 0 || env.bytes > left) {
     discard(env);
     p->error = "its payload message of " + std::to_string(env.bytes) + " bytes does not fit the " +
-               std::to_string(left) + " bytes still expected of the " + std::to_string(p->payload.size()) +
-               " it declared";
+               std::to_string(left) + " bytes still expected of the " +
+               std::to_string(p->payload.size()) + " it declared";
     p->payload_ready = true;
     return;
   }
@@ -278,7 +280,8 @@ bool Service::receive_new() {
       // A new request while the last one still waits for payload: the
       // worker sent less than it declared.
       Pending& last = w.queue.back();
-      last.error = "only " + std::to_string(last.received) + " of the " + std::to_string(last.payload.size()) +
+      last.error = "only " + std::to_string(last.received) + " of the " +
+                   std::to_string(last.payload.size()) +
                    " payload bytes it declared arrived before the worker's next request";
       last.payload_ready = true;
     }
@@ -287,8 +290,9 @@ bool Service::receive_new() {
     if (env.bytes > kMaxControlBytes) {
       discard(env);
       send_reply(w.rank, unknown, static_cast<int>(ErrorCode::kInvalidArgument), {},
-                 who() + ": request from worker " + std::to_string(w.index) + " (rank " + std::to_string(w.rank) +
-                     ") of " + std::to_string(env.bytes) + " bytes (at most " + std::to_string(kMaxControlBytes) + ")");
+                 who() + ": request from worker " + std::to_string(w.index) + " (rank " +
+                     std::to_string(w.rank) + ") of " + std::to_string(env.bytes) +
+                     " bytes (at most " + std::to_string(kMaxControlBytes) + ")");
       continue;
     }
     std::vector<char> control(env.bytes);
@@ -296,11 +300,12 @@ bool Service::receive_new() {
     r.wait(Clock::now() + options_.timeout);
     Pending p;
     p.arrived = Clock::now();
-    if (control.size() >= sizeof(RequestHeader)) std::memcpy(&p.header, control.data(), sizeof(RequestHeader));
+    if (control.size() >= sizeof(RequestHeader))
+      std::memcpy(&p.header, control.data(), sizeof(RequestHeader));
     try {
       p.request = decode_request(control.data(), control.size());
-      DISTSTRAT_CHECK(p.request.header.worker == w.index, kInvalidArgument, "the header names worker ",
-                      p.request.header.worker);
+      DISTSTRAT_CHECK(p.request.header.worker == w.index, kInvalidArgument,
+                      "the header names worker ", p.request.header.worker);
       std::lock_guard<std::mutex> lock(mu_);
       check_sequence(w, p.request.header);
       check_on_arrival(w, p.request);
@@ -311,15 +316,16 @@ bool Service::receive_new() {
       RequestHeader h = control.size() >= sizeof(RequestHeader) ? p.header : unknown;
       // Pad the reply only for a reply size that could be real (the
       // worker's recv is posted for it); ZeroBytes costs no memory.
-      if (h.magic != kMagic || h.reply_bytes < 0 || h.reply_bytes > kMaxMessageBytes) h.reply_bytes = 0;
+      if (h.magic != kMagic || h.reply_bytes < 0 || h.reply_bytes > kMaxMessageBytes)
+        h.reply_bytes = 0;
       if (p.request.op == Op::kPush || h.op == static_cast<uint16_t>(Op::kPush)) {
         std::lock_guard<std::mutex> lock(mu_);
         ++stats_.pushes_rejected;
       }
       const std::string what = control.size() >= sizeof(RequestHeader)
                                    ? from(w, p.header.op)
-                                   : who() + ": request from worker " + std::to_string(w.index) + " (rank " +
-                                         std::to_string(w.rank) + ")";
+                                   : who() + ": request from worker " + std::to_string(w.index) +
+                                         " (rank " + std::to_string(w.rank) + ")";
       logger_.warning(what, " rejected: ", e.message());
       send_reply(w.rank, h, static_cast<int>(e.code()), {}, what + ": " + e.message());
       continue;
@@ -345,9 +351,10 @@ bool Service::receive_new() {
 
 void Service::check_sequence(WorkerState& w, const RequestHeader& h) {
   if (h.ps_incarnation != 0 && h.ps_incarnation != incarnation_) {
-    throw FailedPreconditionError("sequence " + std::to_string(h.seq) + " was addressed to PS incarnation " +
-                                  std::to_string(h.ps_incarnation) + ", this PS is incarnation " +
-                                  std::to_string(incarnation_) + " (it restarted): stale, not applied");
+    throw FailedPreconditionError(
+        "sequence " + std::to_string(h.seq) + " was addressed to PS incarnation " +
+        std::to_string(h.ps_incarnation) + ", this PS is incarnation " +
+        std::to_string(incarnation_) + " (it restarted): stale, not applied");
   }
   DISTSTRAT_CHECK(h.op != static_cast<uint16_t>(Op::kPush) || h.ps_incarnation == incarnation_,
                   kFailedPrecondition, "a push that does not carry this PS's incarnation (",
@@ -355,19 +362,21 @@ void Service::check_sequence(WorkerState& w, const RequestHeader& h) {
   if (h.incarnation < w.incarnation) {
     throw FailedPreconditionError("sequence " + std::to_string(h.seq) + " of worker incarnation " +
                                   std::to_string(h.incarnation) + ", an earlier one than " +
-                                  std::to_string(w.incarnation) + " (the worker restarted): stale, not applied");
+                                  std::to_string(w.incarnation) +
+                                  " (the worker restarted): stale, not applied");
   }
   if (h.incarnation > w.incarnation) {
     if (w.incarnation != 0) {
-      logger_.warning(who(), ": worker ", w.index, " restarted (incarnation ", w.incarnation, " -> ",
-                      h.incarnation, ")");
+      logger_.warning(who(), ": worker ", w.index, " restarted (incarnation ", w.incarnation,
+                      " -> ", h.incarnation, ")");
     }
     w.incarnation = h.incarnation;
     w.last_seq = 0;
   }
-  DISTSTRAT_CHECK(h.seq > w.last_seq, kInvalidArgument, "sequence number ", h.seq, " was ",
-                  h.seq == w.last_seq ? "already taken (a replay)" : "taken or skipped already (stale)",
-                  "; the last one taken from this worker is ", w.last_seq, ": not applied");
+  DISTSTRAT_CHECK(
+      h.seq > w.last_seq, kInvalidArgument, "sequence number ", h.seq, " was ",
+      h.seq == w.last_seq ? "already taken (a replay)" : "taken or skipped already (stale)",
+      "; the last one taken from this worker is ", w.last_seq, ": not applied");
   w.last_seq = h.seq;
 }
 
@@ -407,16 +416,17 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
         }
       }
       if (!spec) {
-        throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " + std::to_string(e.var_id) +
-                            ", shard " + std::to_string(e.shard_index) + ") on this PS");
+        throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " +
+                            std::to_string(e.var_id) + ", shard " + std::to_string(e.shard_index) +
+                            ") on this PS");
       }
       s.name = spec->name;
       s.dtype = static_cast<DType>(spec->dtype);
       s.shape = spec->shard_shape;
       s.full_rows = spec->full_shape.rank() ? spec->full_shape[0] : 0;
     }
-    DISTSTRAT_CHECK(s.name == e.name, kInvalidArgument, what, ": variable id ", e.var_id, " is '", s.name,
-                    "' here, not '", e.name, "'");
+    DISTSTRAT_CHECK(s.name == e.name, kInvalidArgument, what, ": variable id ", e.var_id, " is '",
+                    s.name, "' here, not '", e.name, "'");
     return s;
   };
   const std::string what = op_name(q.op);
@@ -427,9 +437,11 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       for (const Entry& e : q.entries) {
         const ShardInfo s = info(e, "pull");
         if (e.sparse) {
-          DISTSTRAT_CHECK(s.shape.rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name, "'");
-          reply = checked_add(reply, checked_mul(e.num_ids, row_bytes_of(s, "pull"), "pull of '" + e.name + "'"),
-                              "pull");
+          DISTSTRAT_CHECK(s.shape.rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name,
+                          "'");
+          reply = checked_add(
+              reply, checked_mul(e.num_ids, row_bytes_of(s, "pull"), "pull of '" + e.name + "'"),
+              "pull");
         } else {
           reply = checked_add(reply, shard_bytes(s, "pull"), "pull");
         }
@@ -446,7 +458,8 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       for (const Entry& e : q.entries) {
         const ShardInfo s = info(e, "slot read");
         DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
-                        "': the variable is ", dtype_name(s.dtype), ", only float32 variables have slots");
+                        "': the variable is ", dtype_name(s.dtype),
+                        ", only float32 variables have slots");
         reply = checked_add(reply, checked_bytes(s.shape, sizeof(float), "slot read"), "slot read");
       }
       break;
@@ -455,8 +468,9 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
         const Entry& e = q.entries[i];
         const ShardInfo s = info(e, "restore");
         check_value_entry("restore of", e, s);
-        DISTSTRAT_CHECK(q.restore[i].slots.empty() || s.dtype == DType::kFloat32, kInvalidArgument, "restore of '",
-                        e.name, "': slots for a ", dtype_name(s.dtype), " variable");
+        DISTSTRAT_CHECK(q.restore[i].slots.empty() || s.dtype == DType::kFloat32, kInvalidArgument,
+                        "restore of '", e.name, "': slots for a ", dtype_name(s.dtype),
+                        " variable");
       }
       break;
     case Op::kStats:
@@ -464,12 +478,14 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       break;
     case Op::kCreate:
       // Only the chief defines a variable's value (and so its memory here).
-      DISTSTRAT_CHECK(!q.create.has_value || w.index == 0, kInvalidArgument, "create of '", q.create.name,
-                      "' with an initial value from worker ", w.index, ": only the chief (worker 0) sends one");
+      DISTSTRAT_CHECK(!q.create.has_value || w.index == 0, kInvalidArgument, "create of '",
+                      q.create.name, "' with an initial value from worker ", w.index,
+                      ": only the chief (worker 0) sends one");
       break;
     case Op::kRule:
-      DISTSTRAT_CHECK(!q.replace || w.index == 0, kFailedPrecondition, "worker ", w.index,
-                      " changes an update rule: only the chief (worker 0) may (update_hyperparameters)");
+      DISTSTRAT_CHECK(
+          !q.replace || w.index == 0, kFailedPrecondition, "worker ", w.index,
+          " changes an update rule: only the chief (worker 0) may (update_hyperparameters)");
       for (const Entry& e : q.entries) {
         const ShardInfo s = info(e, "update rule");
         DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '", e.name,
@@ -478,30 +494,35 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       break;
     case Op::kBroadcast: {
       const std::string b = "broadcast " + std::to_string(q.count);
-      DISTSTRAT_CHECK(q.count == w.broadcast_arrived + 1, kInvalidArgument, b, " from worker ", w.index,
-                      ": its last broadcast was ", w.broadcast_arrived, " (they count up by one)");
+      DISTSTRAT_CHECK(q.count == w.broadcast_arrived + 1, kInvalidArgument, b, " from worker ",
+                      w.index, ": its last broadcast was ", w.broadcast_arrived,
+                      " (they count up by one)");
       if (q.root) {
-        DISTSTRAT_CHECK(q.bytes <= options_.max_broadcast_bytes - broadcast_bytes_held(), kResourceExhausted, b,
-                        ": the root (worker ", w.index, ") sends ", q.bytes, " bytes; this PS holds at most ",
-                        options_.max_broadcast_bytes, " broadcast bytes (max_broadcast_bytes), ",
-                        broadcast_bytes_held(), " are held");
+        DISTSTRAT_CHECK(q.bytes <= options_.max_broadcast_bytes - broadcast_bytes_held(),
+                        kResourceExhausted, b, ": the root (worker ", w.index, ") sends ", q.bytes,
+                        " bytes; this PS holds at most ", options_.max_broadcast_bytes,
+                        " broadcast bytes (max_broadcast_bytes), ", broadcast_bytes_held(),
+                        " are held");
       } else {
-        DISTSTRAT_CHECK(q.bytes <= options_.max_broadcast_bytes, kResourceExhausted, b, ": worker ", w.index,
-                        " expects ", q.bytes, " bytes, more than a broadcast may carry (max_broadcast_bytes ",
+        DISTSTRAT_CHECK(q.bytes <= options_.max_broadcast_bytes, kResourceExhausted, b, ": worker ",
+                        w.index, " expects ", q.bytes,
+                        " bytes, more than a broadcast may carry (max_broadcast_bytes ",
                         options_.max_broadcast_bytes, ")");
         auto it = broadcasts_.find(q.count);
-        DISTSTRAT_CHECK(it == broadcasts_.end() || static_cast<int64_t>(it->second.size()) == q.bytes,
-                        kInvalidArgument, b, ": worker ", w.index, " expects ", q.bytes, " bytes, the root sent ",
-                        it == broadcasts_.end() ? 0 : it->second.size());
+        DISTSTRAT_CHECK(
+            it == broadcasts_.end() || static_cast<int64_t>(it->second.size()) == q.bytes,
+            kInvalidArgument, b, ": worker ", w.index, " expects ", q.bytes,
+            " bytes, the root sent ", it == broadcasts_.end() ? 0 : it->second.size());
       }
       // Against the other side's requests of this broadcast that are queued.
       for (const WorkerState& o : workers_) {
         for (const Pending& p : o.queue) {
           if (&o == &w || p.request.op != Op::kBroadcast || p.request.count != q.count) continue;
-          DISTSTRAT_CHECK(p.request.root != q.root || !q.root, kInvalidArgument, b, ": worker ", w.index,
-                          " and worker ", o.index, " both send as its root");
-          DISTSTRAT_CHECK(p.request.root == q.root || p.request.bytes == q.bytes, kInvalidArgument, b, ": worker ",
-                          w.index, q.root ? " (the root) sends " : " expects ", q.bytes, " bytes, worker ", o.index,
+          DISTSTRAT_CHECK(p.request.root != q.root || !q.root, kInvalidArgument, b, ": worker ",
+                          w.index, " and worker ", o.index, " both send as its root");
+          DISTSTRAT_CHECK(p.request.root == q.root || p.request.bytes == q.bytes, kInvalidArgument,
+                          b, ": worker ", w.index, q.root ? " (the root) sends " : " expects ",
+                          q.bytes, " bytes, worker ", o.index,
                           p.request.root ? " (the root) sends " : " expects ", p.request.bytes);
         }
       }
@@ -511,7 +532,8 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       break;
   }
   DISTSTRAT_CHECK(reply < 0 || q.header.reply_bytes == reply, kInvalidArgument, what,
-                  ": the header expects a reply of ", q.header.reply_bytes, " bytes, the request's is ", reply);
+                  ": the header expects a reply of ", q.header.reply_bytes,
+                  " bytes, the request's is ", reply);
 }
 
 bool Service::process_queues() {
@@ -529,7 +551,8 @@ bool Service::process_queues() {
           std::lock_guard<std::mutex> lock(mu_);
           ++stats_.pushes_rejected;
         }
-        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kInvalidArgument), {}, what + ": " + p.error);
+        send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kInvalidArgument), {},
+                   what + ": " + p.error);
         w.queue.pop_front();
         any = true;
         continue;
@@ -542,8 +565,9 @@ bool Service::process_queues() {
         // request instead of holding its queue forever.
         tick();  // (a stop of this process just before is no wait of the request)
         if (Clock::now() - p.arrived <= options_.timeout) break;
-        logger_.error(what, ": its payload of ", p.header.payload_bytes, " bytes did not arrive from rank ",
-                      w.rank, " within ", options_.timeout.count(), " ms");
+        logger_.error(what, ": its payload of ", p.header.payload_bytes,
+                      " bytes did not arrive from rank ", w.rank, " within ",
+                      options_.timeout.count(), " ms");
         send_reply(w.rank, p.header, static_cast<int>(ErrorCode::kDeadlineExceeded), {},
                    what + ": its payload of " + std::to_string(p.header.payload_bytes) +
                        " bytes did not arrive from rank " + std::to_string(w.rank) + " within " +
@@ -591,15 +615,17 @@ bool Service::process_queues() {
 void Service::send_reply(int rank, const RequestHeader& request, int status,
                          std::vector<char> payload, std::string error) {
   // Callers pass a reply_bytes that was checked (or 0 when it cannot be).
-  const size_t expected =
-      static_cast<size_t>(std::min<int64_t>(kMaxMessageBytes, std::max<int64_t>(0, request.reply_bytes)));
+  const size_t expected = static_cast<size_t>(
+      std::min<int64_t>(kMaxMessageBytes, std::max<int64_t>(0, request.reply_bytes)));
   if (status == -1 && payload.size() != expected) {
     status = static_cast<int>(ErrorCode::kInternal);
-    error = who() + ": a reply of " + std::to_string(payload.size()) + " bytes where the request expects " +
-            std::to_string(expected);
+    error = who() + ": a reply of " + std::to_string(payload.size()) +
+            " bytes where the request expects " + std::to_string(expected);
   }
-  if (status != -1 && error.empty()) error = who() + ": " + error_code_name(static_cast<ErrorCode>(status));
-  if (error.size() > static_cast<size_t>(kMaxStringBytes)) error.resize(static_cast<size_t>(kMaxStringBytes));
+  if (status != -1 && error.empty())
+    error = who() + ": " + error_code_name(static_cast<ErrorCode>(status));
+  if (error.size() > static_cast<size_t>(kMaxStringBytes))
+    error.resize(static_cast<size_t>(kMaxStringBytes));
   std::shared_ptr<const void> pad;
   size_t pad_bytes = 0;
   if (status != -1) {
@@ -636,7 +662,8 @@ void Service::send_reply(int rank, const RequestHeader& request, int status,
   }
   if (pad) {
     o.payload = pad;
-    o.requests.push_back(t_.send(rank, static_cast<const ZeroBytes*>(pad.get())->data(), pad_bytes, kReplyPayloadTag));
+    o.requests.push_back(t_.send(rank, static_cast<const ZeroBytes*>(pad.get())->data(), pad_bytes,
+                                 kReplyPayloadTag));
   } else if (!payload.empty()) {
     auto bytes = std::make_shared<std::vector<char>>(std::move(payload));
     o.payload = bytes;
@@ -659,8 +686,9 @@ void Service::reap_outgoing() {
         // The worker never takes it (gone, or it never posted the recv):
         // a send has a deadline too, or the loop could never finish.
         auto w = worker_of_rank_.find(it->rank);
-        logger_.error(who(), ": a reply to worker ", w == worker_of_rank_.end() ? -1 : w->second, " (rank ",
-                      it->rank, ") was not taken within ", options_.timeout.count(), " ms; given up");
+        logger_.error(who(), ": a reply to worker ", w == worker_of_rank_.end() ? -1 : w->second,
+                      " (rank ", it->rank, ") was not taken within ", options_.timeout.count(),
+                      " ms; given up");
         it->requests.clear();  // cancels them
         abandoned_.push_back(std::move(*it));
         done = true;
@@ -697,7 +725,8 @@ int Service::slowest_other(int except) const {
 
 void Service::handle_abort(WorkerState& w, const Pending& p) {
   w.done = true;
-  const std::string worker = "worker " + std::to_string(w.index) + " (rank " + std::to_string(w.rank) + ")";
+  const std::string worker =
+      "worker " + std::to_string(w.index) + " (rank " + std::to_string(w.rank) + ")";
   if (!failure_.empty()) {
     logger_.warning(who(), ": ", worker, " left after the failure: ", echo(p.request.reason, 2000));
     return;
@@ -721,8 +750,9 @@ std::string Service::failure() const {
 Service::Shard& Service::find_shard(const Entry& e, const std::string& what) {
   auto it = shards_.find({e.var_id, e.shard_index});
   if (it == shards_.end()) {
-    throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " + std::to_string(e.var_id) +
-                        ", shard " + std::to_string(e.shard_index) + ") on this PS");
+    throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " +
+                        std::to_string(e.var_id) + ", shard " + std::to_string(e.shard_index) +
+                        ") on this PS");
   }
   DISTSTRAT_CHECK(it->second.name == e.name, kInvalidArgument, what, ": variable id ", e.var_id,
                   " is '", it->second.name, "' here, not '", e.name, "'");
@@ -738,25 +768,49 @@ Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
     throw AbortedError("the job is ending: " + failure_);
   }
   switch (p.request.op) {
-    case Op::kCreate: return handle_create(w, p);
-    case Op::kPull: return handle_pull(w, p, reply);
+    case Op::kCreate:
+      return handle_create(w, p);
+    case Op::kPull:
+      return handle_pull(w, p, reply);
     case Op::kPush:
       if (lockstep_holds(w, p)) return Outcome::kDeferred;
       handle_push(w, p);
       return Outcome::kServed;
-    case Op::kAssign: handle_assign(w, p); return Outcome::kServed;
-    case Op::kBarrier: return handle_barrier(w, p);
-    case Op::kStats: handle_stats(reply); return Outcome::kServed;
-    case Op::kDone: w.done = true; return Outcome::kServed;
-    case Op::kAbort: handle_abort(w, p); return Outcome::kServed;
-    case Op::kAlive: return Outcome::kServed;  // its arrival was what counted (receive_new)
-    case Op::kBroadcast: return handle_broadcast(w, p, reply);
-    case Op::kStopCheck: handle_stop_check(w, p, reply); return Outcome::kServed;
-    case Op::kSave: handle_save(p, reply); return Outcome::kServed;
-    case Op::kReadSlots: handle_read_slots(p, reply); return Outcome::kServed;
-    case Op::kRestore: handle_restore(p); return Outcome::kServed;
-    case Op::kMetric: handle_metric(p, reply); return Outcome::kServed;
-    case Op::kRule: return handle_rule(w, p);
+    case Op::kAssign:
+      handle_assign(w, p);
+      return Outcome::kServed;
+    case Op::kBarrier:
+      return handle_barrier(w, p);
+    case Op::kStats:
+      handle_stats(reply);
+      return Outcome::kServed;
+    case Op::kDone:
+      w.done = true;
+      return Outcome::kServed;
+    case Op::kAbort:
+      handle_abort(w, p);
+      return Outcome::kServed;
+    case Op::kAlive:
+      return Outcome::kServed;  // its arrival was what counted (receive_new)
+    case Op::kBroadcast:
+      return handle_broadcast(w, p, reply);
+    case Op::kStopCheck:
+      handle_stop_check(w, p, reply);
+      return Outcome::kServed;
+    case Op::kSave:
+      handle_save(p, reply);
+      return Outcome::kServed;
+    case Op::kReadSlots:
+      handle_read_slots(p, reply);
+      return Outcome::kServed;
+    case Op::kRestore:
+      handle_restore(p);
+      return Outcome::kServed;
+    case Op::kMetric:
+      handle_metric(p, reply);
+      return Outcome::kServed;
+    case Op::kRule:
+      return handle_rule(w, p);
   }
   throw InvalidArgumentError("unknown op " + std::to_string(p.header.op));
 }
@@ -774,10 +828,10 @@ bool Service::lockstep_holds(WorkerState& w, const Pending& p) {
   for (const WorkerState& o : workers_) {
     if (&o == &w || o.done || o.gone || o.push_reached >= step) continue;
     if (Clock::now() - p.arrived > options_.timeout) {
-      throw DeadlineExceededError("lockstep push of step " + std::to_string(step) + " from worker " +
-                                  std::to_string(w.index) + " waited past the deadline for worker " +
-                                  std::to_string(o.index) + " (at step " + std::to_string(o.steps) +
-                                  ", max_staleness 0)");
+      throw DeadlineExceededError(
+          "lockstep push of step " + std::to_string(step) + " from worker " +
+          std::to_string(w.index) + " waited past the deadline for worker " +
+          std::to_string(o.index) + " (at step " + std::to_string(o.steps) + ", max_staleness 0)");
     }
     return true;
   }
@@ -799,8 +853,8 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
   const bool has_value = c.has_value;
   const Shape shard_shape = c.shard_shape;
   const size_t bytes = static_cast<size_t>(shard_shape.num_elements()) * dtype_size(spec.dtype);
-  DISTSTRAT_CHECK(!has_value || p.payload.size() == bytes, kInvalidArgument, "variable '", spec.name,
-                  "' shard ", shard_index, ": initial value has ", p.payload.size(),
+  DISTSTRAT_CHECK(!has_value || p.payload.size() == bytes, kInvalidArgument, "variable '",
+                  spec.name, "' shard ", shard_index, ": initial value has ", p.payload.size(),
                   " bytes, expected ", bytes);
 
   auto it = shards_.find({var_id, shard_index});
@@ -828,11 +882,11 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
                         have.full_shape == spec.full_shape && have.num_shards == spec.num_shards &&
                         have.row_offset == spec.row_offset && have.rows == spec.rows,
                     kInvalidArgument, "variable id ", var_id, " shard ", shard_index, " is '",
-                    have.name, "' ", dtype_name(have.dtype), have.full_shape.to_string(),
-                    " (rows ", have.row_offset, "+", have.rows, " of ", have.num_shards,
+                    have.name, "' ", dtype_name(have.dtype), have.full_shape.to_string(), " (rows ",
+                    have.row_offset, "+", have.rows, " of ", have.num_shards,
                     " shards) here, but worker ", w.index, " declares '", spec.name, "' ",
-                    dtype_name(spec.dtype), spec.full_shape.to_string(), " (rows ",
-                    spec.row_offset, "+", spec.rows, " of ", spec.num_shards,
+                    dtype_name(spec.dtype), spec.full_shape.to_string(), " (rows ", spec.row_offset,
+                    "+", spec.rows, " of ", spec.num_shards,
                     " shards): workers must create the same variables in the same order");
   }
   Shard& shard = it->second;
@@ -842,7 +896,8 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
   }
   if (!shard.initialized) {
     if (Clock::now() - p.arrived > options_.timeout) {
-      throw DeadlineExceededError("variable '" + name + "': the chief (worker 0) never sent its "
+      throw DeadlineExceededError("variable '" + name +
+                                  "': the chief (worker 0) never sent its "
                                   "initial value");
     }
     return Outcome::kDeferred;
@@ -867,23 +922,27 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) 
   }
   const std::vector<Entry>& entries = p.request.entries;
   std::vector<Shard*> shards;
-  int64_t ids_bytes = 0, out_bytes = 0;  // overflow-checked (the decoder and the arrival check agree)
+  int64_t ids_bytes = 0,
+          out_bytes = 0;  // overflow-checked (the decoder and the arrival check agree)
   for (const Entry& e : entries) {
     Shard& s = find_shard(e, "pull");
     shards.push_back(&s);
     const int64_t row_bytes = checked_mul(row_elems(s.value.shape()), dtype_size(s.dtype), "pull");
     if (e.sparse) {
-      DISTSTRAT_CHECK(s.value.shape().rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name, "'");
-      ids_bytes = checked_add(ids_bytes, checked_mul(e.num_ids, int64_t{sizeof(int64_t)}, "pull"), "pull");
+      DISTSTRAT_CHECK(s.value.shape().rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name,
+                      "'");
+      ids_bytes =
+          checked_add(ids_bytes, checked_mul(e.num_ids, int64_t{sizeof(int64_t)}, "pull"), "pull");
       out_bytes = checked_add(out_bytes, checked_mul(e.num_ids, row_bytes, "pull"), "pull");
     } else {
       out_bytes = checked_add(out_bytes, static_cast<int64_t>(s.value.nbytes()), "pull");
     }
   }
-  DISTSTRAT_CHECK(static_cast<int64_t>(p.payload.size()) == ids_bytes, kInvalidArgument, "pull: payload has ",
-                  p.payload.size(), " bytes of row ids, the entries declare ", ids_bytes);
-  DISTSTRAT_CHECK(out_bytes == p.header.reply_bytes, kInvalidArgument, "pull: the reply is ", out_bytes,
-                  " bytes, the request expects ", p.header.reply_bytes);
+  DISTSTRAT_CHECK(static_cast<int64_t>(p.payload.size()) == ids_bytes, kInvalidArgument,
+                  "pull: payload has ", p.payload.size(), " bytes of row ids, the entries declare ",
+                  ids_bytes);
+  DISTSTRAT_CHECK(out_bytes == p.header.reply_bytes, kInvalidArgument, "pull: the reply is ",
+                  out_bytes, " bytes, the request expects ", p.header.reply_bytes);
   // Validate every id before producing anything.
   const int64_t* ids = reinterpret_cast<const int64_t*>(p.payload.data());
   for (size_t i = 0, k = 0; i < entries.size(); ++i) {
@@ -891,9 +950,9 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) 
     const Shard& s = *shards[i];
     for (int64_t j = 0; j < entries[i].num_ids; ++j, ++k) {
       DISTSTRAT_CHECK(ids[k] >= s.row_offset && ids[k] < s.row_offset + s.rows, kInvalidArgument,
-                      "pull of '", s.name, "': row id ", ids[k], " is out of range [",
-                      s.row_offset, ", ", s.row_offset + s.rows, ") of shard ",
-                      entries[i].shard_index, " (the variable has ", s.full_shape[0], " rows)");
+                      "pull of '", s.name, "': row id ", ids[k], " is out of range [", s.row_offset,
+                      ", ", s.row_offset + s.rows, ") of shard ", entries[i].shard_index,
+                      " (the variable has ", s.full_shape[0], " rows)");
     }
   }
   reply.payload.resize(static_cast<size_t>(out_bytes));
@@ -946,9 +1005,9 @@ void Service::handle_push(WorkerState& w, Pending& p) {
       std::vector<int64_t> want = s.value.shape().dims();
       DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", e.name, "'");
       want[0] = e.num_ids;
-      DISTSTRAT_CHECK(e.num_ids >= 0 && e.shape == Shape(want), kInvalidArgument, "push to '", e.name,
-                      "' shard ", e.shard_index, ": row gradient ", e.shape.to_string(), " for ",
-                      e.num_ids, " ids does not match the rows ", Shape(want).to_string());
+      DISTSTRAT_CHECK(e.num_ids >= 0 && e.shape == Shape(want), kInvalidArgument, "push to '",
+                      e.name, "' shard ", e.shard_index, ": row gradient ", e.shape.to_string(),
+                      " for ", e.num_ids, " ids does not match the rows ", Shape(want).to_string());
       const size_t id_bytes = static_cast<size_t>(e.num_ids) * sizeof(int64_t);
       DISTSTRAT_CHECK(offset + id_bytes <= p.payload.size(), kInvalidArgument, "push to '", e.name,
                       "': payload too short for its row ids");
@@ -980,7 +1039,8 @@ void Service::handle_push(WorkerState& w, Pending& p) {
   for (const Item& it : items) {
     // The rule is the shard's own (kRule), never the push's.
     DISTSTRAT_CHECK(it.s->rule != nullptr, kFailedPrecondition, "push to '", it.e->name, "' shard ",
-                    it.e->shard_index, ": no update rule was declared for it (the chief declares it before its "
+                    it.e->shard_index,
+                    ": no update rule was declared for it (the chief declares it before its "
                     "first push)");
     // A non-finite gradient never reaches a variable.
     const int64_t n = it.e->shape.num_elements();
@@ -988,16 +1048,17 @@ void Service::handle_push(WorkerState& w, Pending& p) {
       if (std::isfinite(it.values[k])) continue;
       if (options_.skip_nonfinite_gradients) {
         ++stats_.pushes_nonfinite;
-        logger_.warning(who(), ": push from worker ", w.index, " skipped: gradient of '", it.e->name,
-                        "' has ", it.values[k], " at element ", k, " (", stats_.pushes_nonfinite,
-                        " pushes skipped so far)");
+        logger_.warning(who(), ": push from worker ", w.index, " skipped: gradient of '",
+                        it.e->name, "' has ", it.values[k], " at element ", k, " (",
+                        stats_.pushes_nonfinite, " pushes skipped so far)");
         w.steps = std::max(w.steps, steps_after);  // its step is done, with nothing applied
         return;
       }
       std::ostringstream v;
       v << it.values[k];
-      throw InvalidArgumentError("push to '" + it.e->name + "': gradient element " + std::to_string(k) + " is " +
-                                 v.str() + " (not finite); nothing of the push was applied");
+      throw InvalidArgumentError("push to '" + it.e->name + "': gradient element " +
+                                 std::to_string(k) + " is " + v.str() +
+                                 " (not finite); nothing of the push was applied");
     }
   }
   Shard* iterations = nullptr;
@@ -1019,7 +1080,8 @@ void Service::handle_push(WorkerState& w, Pending& p) {
     std::vector<float*> slots;
     for (const std::string& name : slot_names) {
       auto sl = s.slots.find(name);
-      if (sl == s.slots.end()) sl = s.slots.emplace(name, Tensor(s.value.shape(), DType::kFloat32)).first;
+      if (sl == s.slots.end())
+        sl = s.slots.emplace(name, Tensor(s.value.shape(), DType::kFloat32)).first;
       slots.push_back(sl->second.data<float>());
     }
     const int64_t step = ++s.step;
@@ -1033,7 +1095,8 @@ void Service::handle_push(WorkerState& w, Pending& p) {
     for (int64_t j = 0; j < it.e->num_ids; ++j) {
       const int64_t row = it.ids[j] - s.row_offset;
       for (size_t k = 0; k < slots.size(); ++k) row_slots[k] = slots[k] + row * re;
-      rule->update(var + row * re, it.values + j * re, row_slots.data(), static_cast<size_t>(re), step);
+      rule->update(var + row * re, it.values + j * re, row_slots.data(), static_cast<size_t>(re),
+                   step);
     }
   }
   if (iterations) ++iterations->value.data<int64_t>()[0];
@@ -1056,10 +1119,11 @@ void Service::handle_assign(WorkerState&, Pending& p) {
   size_t offset = 0;
   for (const Entry& e : p.request.entries) {
     Shard& s = find_shard(e, "assign");
-    DISTSTRAT_CHECK(!e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
-                    kInvalidArgument, "assign to '", e.name, "' shard ", e.shard_index, ": value ",
-                    valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
-                    e.shape.to_string(), " does not match ", s.value.debug_string());
+    DISTSTRAT_CHECK(
+        !e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
+        kInvalidArgument, "assign to '", e.name, "' shard ", e.shard_index, ": value ",
+        valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
+        e.shape.to_string(), " does not match ", s.value.debug_string());
     items.emplace_back(&s, offset);
     offset += s.value.nbytes();
   }
@@ -1097,13 +1161,14 @@ Service::Outcome Service::handle_broadcast(WorkerState& w, Pending& p, Reply& re
     if (it == broadcasts_.end()) {
       if (Clock::now() - p.arrived > options_.timeout) {
         throw DeadlineExceededError("broadcast " + std::to_string(count) + ": worker " +
-                                    std::to_string(w.index) + " waited past the deadline for the root");
+                                    std::to_string(w.index) +
+                                    " waited past the deadline for the root");
       }
       return Outcome::kDeferred;
     }
-    DISTSTRAT_CHECK(static_cast<int64_t>(it->second.size()) == p.header.reply_bytes, kInvalidArgument,
-                    "broadcast ", count, ": the root sent ", it->second.size(), " bytes, worker ", w.index,
-                    " expects ", p.header.reply_bytes);
+    DISTSTRAT_CHECK(static_cast<int64_t>(it->second.size()) == p.header.reply_bytes,
+                    kInvalidArgument, "broadcast ", count, ": the root sent ", it->second.size(),
+                    " bytes, worker ", w.index, " expects ", p.header.reply_bytes);
     reply.payload = it->second;
   }
   w.broadcast_count = std::max(w.broadcast_count, count);
@@ -1128,7 +1193,8 @@ void Service::handle_stop_check(WorkerState& w, Pending& p, Reply& reply) {
     for (const WorkerState& o : workers_) {
       if (&o != &w && !o.done && !o.gone) stop_at_ = std::max(stop_at_, o.checked_step + 1);
     }
-    logger_.warning(who(), ": preemption (", signalled ? "worker " + std::to_string(w.index) : "this process",
+    logger_.warning(who(), ": preemption (",
+                    signalled ? "worker " + std::to_string(w.index) : "this process",
                     " signalled): every worker stops at step ", stop_at_);
   }
   Writer wr;
@@ -1153,23 +1219,26 @@ void Service::handle_save(Pending& p, Reply& reply) {
     if (adopted_dir_.empty()) {
       ckpt::check_directory_owner(p.request.dir);
       adopted_dir_ = p.request.dir;
-      logger_.warning(who(), ": no checkpoint directory configured; writing shard files into '", adopted_dir_,
+      logger_.warning(who(), ": no checkpoint directory configured; writing shard files into '",
+                      adopted_dir_,
                       "', the directory the first save named, and only there (set "
                       "ParameterServerOptions::checkpoint_dir to fix it in advance)");
     }
-    DISTSTRAT_CHECK(p.request.dir == adopted_dir_, kInvalidArgument, "the request names directory '",
-                    p.request.dir.substr(0, 200), "', this PS writes only into '", adopted_dir_,
+    DISTSTRAT_CHECK(p.request.dir == adopted_dir_, kInvalidArgument,
+                    "the request names directory '", p.request.dir.substr(0, 200),
+                    "', this PS writes only into '", adopted_dir_,
                     "', the directory of this job's first save");
     dir = adopted_dir_;
   } else {
-    DISTSTRAT_CHECK(p.request.dir.empty() || p.request.dir == dir, kInvalidArgument, "the request names directory '",
-                    p.request.dir.substr(0, 200), "', this PS writes only into its own '", dir, "'");
+    DISTSTRAT_CHECK(p.request.dir.empty() || p.request.dir == dir, kInvalidArgument,
+                    "the request names directory '", p.request.dir.substr(0, 200),
+                    "', this PS writes only into its own '", dir, "'");
   }
   const uint64_t save_id = p.request.save_id;
   const int32_t ps = options_.ps_index;
   const int32_t num_ps = options_.num_ps;
-  const std::string path = ckpt::shard_file_path(dir + "/" + p.request.stem + ".safetensors",
-                                                 ps, num_ps, save_id);
+  const std::string path =
+      ckpt::shard_file_path(dir + "/" + p.request.stem + ".safetensors", ps, num_ps, save_id);
   const std::vector<ShardSnapshot> shards = snapshot_locked();
   // Blocks this loop for the write: the workers are quiesced (a save is
   // collective), and the snapshot is the state after every push before it.
@@ -1192,18 +1261,19 @@ Service::Outcome Service::handle_rule(WorkerState& w, Pending& p) {
       DISTSTRAT_CHECK(s.rule != nullptr, kFailedPrecondition, "update of the rule of '", e.name,
                       "': none was declared yet");
       DISTSTRAT_CHECK(q.config.name == s.config.name && rule->slot_names() == s.rule->slot_names(),
-                      kInvalidArgument, "update of the rule of '", e.name, "': optimizer '", q.config.name,
-                      "' with its slots cannot replace '", s.config.name,
+                      kInvalidArgument, "update of the rule of '", e.name, "': optimizer '",
+                      q.config.name, "' with its slots cannot replace '", s.config.name,
                       "' (update_hyperparameters changes hyper-parameters, not the optimizer)");
     } else if (s.rule) {
       const std::string diff = config_difference(s.declared, q.config);
-      DISTSTRAT_CHECK(diff.empty(), kInvalidArgument, "the optimizer of worker ", w.index, " for '", e.name,
-                      "' differs from the update rule the chief fixed: ", diff);
+      DISTSTRAT_CHECK(diff.empty(), kInvalidArgument, "the optimizer of worker ", w.index, " for '",
+                      e.name, "' differs from the update rule the chief fixed: ", diff);
     } else if (w.index != 0) {
       // The chief fixes the rule; another worker's declaration waits for it.
       if (Clock::now() - p.arrived > options_.timeout) {
-        throw DeadlineExceededError("update rule of '" + e.name + "': worker " + std::to_string(w.index) +
-                                    " waited past the deadline for the chief (worker 0) to declare it");
+        throw DeadlineExceededError(
+            "update rule of '" + e.name + "': worker " + std::to_string(w.index) +
+            " waited past the deadline for the chief (worker 0) to declare it");
       }
       return Outcome::kDeferred;
     }
@@ -1233,12 +1303,14 @@ void Service::handle_read_slots(Pending& p, Reply& reply) {
     const std::string& slot = p.request.slot_of[i];
     const Shard& s = find_shard(e, "slot read");
     DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
-                    "': the variable is ", dtype_name(s.dtype), ", only float32 variables have slots");
+                    "': the variable is ", dtype_name(s.dtype),
+                    ", only float32 variables have slots");
     items.emplace_back(&s, slot);
     bytes += static_cast<size_t>(s.value.num_elements()) * sizeof(float);
   }
-  DISTSTRAT_CHECK(static_cast<int64_t>(bytes) == p.header.reply_bytes, kInvalidArgument, "slot read: the reply is ",
-                  bytes, " bytes, the request expects ", p.header.reply_bytes);
+  DISTSTRAT_CHECK(static_cast<int64_t>(bytes) == p.header.reply_bytes, kInvalidArgument,
+                  "slot read: the reply is ", bytes, " bytes, the request expects ",
+                  p.header.reply_bytes);
   reply.payload.assign(bytes, 0);  // a slot not created yet (no push) is zeros
   char* out = reply.payload.data();
   for (const auto& [s, slot] : items) {
@@ -1266,17 +1338,18 @@ void Service::handle_restore(Pending& p) {
     Shard* shard = &find_shard(e, "restore");
     Item it{shard, spec.has_value, spec.step, spec.slots, offset};
     const Shard& s = *it.s;
-    DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(), kInvalidArgument,
-                    "restore of '", e.name, "' shard ", e.shard_index, ": value ",
+    DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
+                    kInvalidArgument, "restore of '", e.name, "' shard ", e.shard_index, ": value ",
                     valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
                     e.shape.to_string(), " does not match ", s.value.debug_string());
-    DISTSTRAT_CHECK(it.slots.empty() || s.dtype == DType::kFloat32, kInvalidArgument, "restore of '", e.name,
-                    "': slots for a ", dtype_name(s.dtype), " variable");
-    offset += (it.has_value ? s.value.nbytes() : 0) + it.slots.size() * static_cast<size_t>(s.value.num_elements()) * sizeof(float);
+    DISTSTRAT_CHECK(it.slots.empty() || s.dtype == DType::kFloat32, kInvalidArgument,
+                    "restore of '", e.name, "': slots for a ", dtype_name(s.dtype), " variable");
+    offset += (it.has_value ? s.value.nbytes() : 0) +
+              it.slots.size() * static_cast<size_t>(s.value.num_elements()) * sizeof(float);
     items.push_back(std::move(it));
   }
-  DISTSTRAT_CHECK(offset == p.payload.size(), kInvalidArgument, "restore: payload has ", p.payload.size(),
-                  " bytes, the entries declare ", offset);
+  DISTSTRAT_CHECK(offset == p.payload.size(), kInvalidArgument, "restore: payload has ",
+                  p.payload.size(), " bytes, the entries declare ", offset);
   for (Item& it : items) {
     Shard& s = *it.s;
     const char* src = p.payload.data() + it.offset;
@@ -1304,8 +1377,8 @@ void Service::handle_metric(Pending& p, Reply& reply) {
   const std::string shown = name.size() > 200 ? name.substr(0, 200) + "..." : name;
   auto it = metrics_.find(name);
   if (it == metrics_.end()) {
-    DISTSTRAT_CHECK(metrics_.size() < kMaxMetrics, kInvalidArgument, "metric '", shown, "': already ",
-                    kMaxMetrics, " metrics on ", who());
+    DISTSTRAT_CHECK(metrics_.size() < kMaxMetrics, kInvalidArgument, "metric '", shown,
+                    "': already ", kMaxMetrics, " metrics on ", who());
     it = metrics_.emplace(name, std::make_pair(0.0, 0.0)).first;
   }
   it->second.first += sum;

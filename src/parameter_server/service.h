@@ -156,11 +156,11 @@ class Service {
     int index = 0;
     int64_t steps = 0;  // pushes applied from it
     int64_t barrier_count = 0;
-    int64_t broadcast_count = 0;  // broadcasts it has completed
-    int64_t checked_step = -1;    // the last step it asked kStopCheck about
-    int64_t push_reached = -1;    // lockstep: last step whose push reached its queue's head
-    uint64_t incarnation = 0;     // of the worker's requests taken so far (0: none)
-    int64_t last_seq = 0;         // the last sequence number taken from that incarnation
+    int64_t broadcast_count = 0;    // broadcasts it has completed
+    int64_t checked_step = -1;      // the last step it asked kStopCheck about
+    int64_t push_reached = -1;      // lockstep: last step whose push reached its queue's head
+    uint64_t incarnation = 0;       // of the worker's requests taken so far (0: none)
+    int64_t last_seq = 0;           // the last sequence number taken from that incarnation
     int64_t broadcast_arrived = 0;  // the last broadcast count it sent
     bool done = false;
     bool gone = false;

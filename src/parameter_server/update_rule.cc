@@ -36,8 +36,9 @@ LearningRateSchedule get_schedule(const OptimizerConfig& c, size_t at) {
   };
   LearningRateSchedule s;
   const int64_t kind = as_int(q[0], "kind");
-  DISTSTRAT_CHECK(kind >= 0 && kind <= static_cast<int64_t>(LearningRateSchedule::Kind::kExponentialDecay),
-                  kInvalidArgument, "optimizer '", c.name, "': unknown schedule kind ", kind);
+  DISTSTRAT_CHECK(
+      kind >= 0 && kind <= static_cast<int64_t>(LearningRateSchedule::Kind::kExponentialDecay),
+      kInvalidArgument, "optimizer '", c.name, "': unknown schedule kind ", kind);
   s.kind = static_cast<LearningRateSchedule::Kind>(kind);
   s.warmup_steps = as_int(q[1], "warmup_steps");
   s.warmup_initial = static_cast<float>(q[2]);
@@ -51,8 +52,10 @@ LearningRateSchedule get_schedule(const OptimizerConfig& c, size_t at) {
                       rest - size_t(nb) <= size_t(kMaxBoundaries) + 1,
                   kInvalidArgument, "optimizer '", c.name, "': schedule with ", nb,
                   " boundaries does not fit its ", c.params.size(), " parameters");
-  for (int64_t i = 0; i < nb; ++i) s.boundaries.push_back(as_int(q[kScheduleFixed + i], "boundary"));
-  for (size_t i = size_t(nb); i < rest; ++i) s.values.push_back(static_cast<float>(q[kScheduleFixed + i]));
+  for (int64_t i = 0; i < nb; ++i)
+    s.boundaries.push_back(as_int(q[kScheduleFixed + i], "boundary"));
+  for (size_t i = size_t(nb); i < rest; ++i)
+    s.values.push_back(static_cast<float>(q[kScheduleFixed + i]));
   s.validate("optimizer '" + c.name + "' from a worker");
   return s;
 }
@@ -84,8 +87,8 @@ OptimizerConfig read_config(Reader& r) {
   OptimizerConfig c;
   c.name = r.get_string();
   const int64_t n = r.get<int64_t>();
-  DISTSTRAT_CHECK(n >= 0 && n <= 64 + 2 * kMaxBoundaries, kInvalidArgument, "optimizer '", c.name, "': ", n,
-                  " parameters");
+  DISTSTRAT_CHECK(n >= 0 && n <= 64 + 2 * kMaxBoundaries, kInvalidArgument, "optimizer '", c.name,
+                  "': ", n, " parameters");
   for (int64_t i = 0; i < n; ++i) c.params.push_back(r.get<double>());
   return c;
 }
@@ -123,9 +126,10 @@ namespace {
 std::string param_name(const OptimizerConfig& c, size_t i) {
   static const char* const kSgd[] = {"learning_rate", "momentum", "nesterov"};
   static const char* const kAdam[] = {"learning_rate", "beta1", "beta2", "epsilon"};
-  static const char* const kSchedule[] = {"schedule.kind",  "schedule.warmup_steps", "schedule.warmup_initial",
-                                          "schedule.decay_steps", "schedule.alpha",  "schedule.decay_rate",
-                                          "schedule.staircase",  "schedule.boundary_count"};
+  static const char* const kSchedule[] = {"schedule.kind",           "schedule.warmup_steps",
+                                          "schedule.warmup_initial", "schedule.decay_steps",
+                                          "schedule.alpha",          "schedule.decay_rate",
+                                          "schedule.staircase",      "schedule.boundary_count"};
   const size_t own = c.name == "sgd" ? 3 : c.name == "adam" ? 4 : 0;
   if (i < own) return c.name == "sgd" ? kSgd[i] : kAdam[i];
   if (i - own < kScheduleFixed) return kSchedule[i - own];
@@ -145,36 +149,36 @@ std::string config_difference(const OptimizerConfig& fixed, const OptimizerConfi
     }
   }
   if (fixed.params.size() != other.params.size()) {
-    return std::to_string(other.params.size()) + " parameters, fixed " + std::to_string(fixed.params.size()) +
-           " (" + param_name(other, n) + ")";
+    return std::to_string(other.params.size()) + " parameters, fixed " +
+           std::to_string(fixed.params.size()) + " (" + param_name(other, n) + ")";
   }
   return "";
 }
 
 std::unique_ptr<UpdateRule> make_update_rule(const OptimizerConfig& c) {
   for (size_t i = 0; i < c.params.size(); ++i) {
-    DISTSTRAT_CHECK(std::isfinite(c.params[i]), kInvalidArgument, "optimizer '", c.name, "': ",
-                    param_name(c, i), " is ", c.params[i]);
+    DISTSTRAT_CHECK(std::isfinite(c.params[i]), kInvalidArgument, "optimizer '", c.name,
+                    "': ", param_name(c, i), " is ", c.params[i]);
   }
   const size_t own = c.name == "sgd" ? 3 : c.name == "adam" ? 4 : 0;
-  DISTSTRAT_CHECK(own == 0 || c.params.size() >= own, kInvalidArgument, "optimizer '", c.name, "': ",
-                  c.params.size(), " parameters, it has ", own);
+  DISTSTRAT_CHECK(own == 0 || c.params.size() >= own, kInvalidArgument, "optimizer '", c.name,
+                  "': ", c.params.size(), " parameters, it has ", own);
   if (own) {
     // Float ranges: a rate that does not fit a float would be inf on the shards.
     const double lr = c.params[0];
-    DISTSTRAT_CHECK(lr > 0 && lr <= 1e6, kInvalidArgument, "optimizer '", c.name, "': learning_rate ", lr,
-                    " is not in (0, 1e6]");
+    DISTSTRAT_CHECK(lr > 0 && lr <= 1e6, kInvalidArgument, "optimizer '", c.name,
+                    "': learning_rate ", lr, " is not in (0, 1e6]");
   }
   if (c.name == "sgd") {
     DISTSTRAT_CHECK(c.params[1] >= 0 && c.params[1] < 1 && (c.params[2] == 0 || c.params[2] == 1),
-                    kInvalidArgument, "optimizer 'sgd': momentum ", c.params[1], " (in [0, 1)), nesterov ",
-                    c.params[2]);
+                    kInvalidArgument, "optimizer 'sgd': momentum ", c.params[1],
+                    " (in [0, 1)), nesterov ", c.params[2]);
   }
   if (c.name == "adam") {
     DISTSTRAT_CHECK(c.params[1] >= 0 && c.params[1] < 1 && c.params[2] >= 0 && c.params[2] < 1 &&
                         c.params[3] > 0 && c.params[3] <= 1,
-                    kInvalidArgument, "optimizer 'adam': beta1 ", c.params[1], ", beta2 ", c.params[2],
-                    " (in [0, 1)), epsilon ", c.params[3], " (in (0, 1])");
+                    kInvalidArgument, "optimizer 'adam': beta1 ", c.params[1], ", beta2 ",
+                    c.params[2], " (in [0, 1)), epsilon ", c.params[3], " (in (0, 1])");
   }
   if (c.name == "sgd") {
     SGDOptions o;

@@ -11,22 +11,38 @@ namespace ps {
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::kCreate: return "create";
-    case Op::kPull: return "pull";
-    case Op::kPush: return "push";
-    case Op::kAssign: return "assign";
-    case Op::kBarrier: return "barrier";
-    case Op::kStats: return "stats";
-    case Op::kDone: return "done";
-    case Op::kBroadcast: return "broadcast";
-    case Op::kStopCheck: return "preemption check";
-    case Op::kSave: return "checkpoint save";
-    case Op::kReadSlots: return "slot read";
-    case Op::kRestore: return "checkpoint restore";
-    case Op::kMetric: return "metric";
-    case Op::kRule: return "update rule";
-    case Op::kAbort: return "abort";
-    case Op::kAlive: return "heartbeat";
+    case Op::kCreate:
+      return "create";
+    case Op::kPull:
+      return "pull";
+    case Op::kPush:
+      return "push";
+    case Op::kAssign:
+      return "assign";
+    case Op::kBarrier:
+      return "barrier";
+    case Op::kStats:
+      return "stats";
+    case Op::kDone:
+      return "done";
+    case Op::kBroadcast:
+      return "broadcast";
+    case Op::kStopCheck:
+      return "preemption check";
+    case Op::kSave:
+      return "checkpoint save";
+    case Op::kReadSlots:
+      return "slot read";
+    case Op::kRestore:
+      return "checkpoint restore";
+    case Op::kMetric:
+      return "metric";
+    case Op::kRule:
+      return "update rule";
+    case Op::kAbort:
+      return "abort";
+    case Op::kAlive:
+      return "heartbeat";
   }
   return "unknown op";
 }
@@ -54,7 +70,8 @@ void Reader::need(size_t n) const {
 
 std::string Reader::get_string() {
   const int64_t n = get<int64_t>();
-  DISTSTRAT_CHECK(n >= 0 && n <= kMaxStringBytes, kInvalidArgument, what_, ": malformed string length ", n);
+  DISTSTRAT_CHECK(n >= 0 && n <= kMaxStringBytes, kInvalidArgument, what_,
+                  ": malformed string length ", n);
   need(static_cast<size_t>(n));
   std::string s(p_, static_cast<size_t>(n));
   p_ += n;
@@ -63,7 +80,8 @@ std::string Reader::get_string() {
 
 Shape Reader::get_shape() {
   const int64_t rank = get<int64_t>();
-  DISTSTRAT_CHECK(rank >= 0 && rank <= kMaxShapeRank, kInvalidArgument, what_, ": malformed shape rank ", rank);
+  DISTSTRAT_CHECK(rank >= 0 && rank <= kMaxShapeRank, kInvalidArgument, what_,
+                  ": malformed shape rank ", rank);
   need(static_cast<size_t>(rank) * sizeof(int64_t));
   std::vector<int64_t> dims(static_cast<size_t>(rank));
   int64_t elements = 1;
@@ -78,23 +96,24 @@ Shape Reader::get_shape() {
 
 bool Reader::get_bool(const char* field) {
   const uint8_t v = get<uint8_t>();
-  DISTSTRAT_CHECK(v <= 1, kInvalidArgument, what_, ": ", field, " is ", static_cast<int>(v), ", not 0 or 1");
+  DISTSTRAT_CHECK(v <= 1, kInvalidArgument, what_, ": ", field, " is ", static_cast<int>(v),
+                  ", not 0 or 1");
   return v != 0;
 }
 
 int64_t checked_mul(int64_t a, int64_t b, const std::string& what) {
   int64_t r = 0;
   DISTSTRAT_CHECK(a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &r) && r <= kMaxMessageBytes,
-                  kInvalidArgument, what, ": ", a, " x ", b, " bytes is more than a message may carry (",
-                  kMaxMessageBytes, ")");
+                  kInvalidArgument, what, ": ", a, " x ", b,
+                  " bytes is more than a message may carry (", kMaxMessageBytes, ")");
   return r;
 }
 
 int64_t checked_add(int64_t a, int64_t b, const std::string& what) {
   int64_t r = 0;
   DISTSTRAT_CHECK(a >= 0 && b >= 0 && !__builtin_add_overflow(a, b, &r) && r <= kMaxMessageBytes,
-                  kInvalidArgument, what, ": ", a, " + ", b, " bytes is more than a message may carry (",
-                  kMaxMessageBytes, ")");
+                  kInvalidArgument, what, ": ", a, " + ", b,
+                  " bytes is more than a message may carry (", kMaxMessageBytes, ")");
   return r;
 }
 
@@ -126,12 +145,13 @@ Entry read_entry(Reader& r) {
   e.sparse = r.get<uint8_t>();
   e.num_ids = r.get<int64_t>();
   const std::string what = r.what() + " of '" + e.name + "'";
-  DISTSTRAT_CHECK(e.var_id >= 0 && e.shard_index >= 0, kInvalidArgument, what, ": variable id ", e.var_id,
-                  ", shard ", e.shard_index);
+  DISTSTRAT_CHECK(e.var_id >= 0 && e.shard_index >= 0, kInvalidArgument, what, ": variable id ",
+                  e.var_id, ", shard ", e.shard_index);
   DISTSTRAT_CHECK(valid_dtype(e.dtype), kInvalidArgument, what, ": bad dtype ", e.dtype);
-  DISTSTRAT_CHECK(e.sparse <= 1, kInvalidArgument, what, ": sparse flag ", static_cast<int>(e.sparse));
-  DISTSTRAT_CHECK(e.num_ids >= 0 && (e.sparse || e.num_ids == 0), kInvalidArgument, what, ": ", e.num_ids,
-                  " ids for a ", e.sparse ? "row" : "whole-shard", " entry");
+  DISTSTRAT_CHECK(e.sparse <= 1, kInvalidArgument, what, ": sparse flag ",
+                  static_cast<int>(e.sparse));
+  DISTSTRAT_CHECK(e.num_ids >= 0 && (e.sparse || e.num_ids == 0), kInvalidArgument, what, ": ",
+                  e.num_ids, " ids for a ", e.sparse ? "row" : "whole-shard", " entry");
   checked_bytes(e.shape, dtype_size(static_cast<DType>(e.dtype)), what);
   return e;
 }
@@ -146,14 +166,15 @@ int64_t read_count(Reader& r, size_t min_item_bytes) {
   DISTSTRAT_CHECK(n >= 0 && n <= kMaxEntries, kInvalidArgument, r.what(), ": ", n, " entries");
   // Each entry takes bytes of the message: a count the message cannot hold
   // is a lie (and must not size an allocation).
-  DISTSTRAT_CHECK(static_cast<size_t>(n) <= r.remaining() / min_item_bytes, kInvalidArgument, r.what(), ": ", n,
-                  " entries in ", r.remaining(), " bytes");
+  DISTSTRAT_CHECK(static_cast<size_t>(n) <= r.remaining() / min_item_bytes, kInvalidArgument,
+                  r.what(), ": ", n, " entries in ", r.remaining(), " bytes");
   return n;
 }
 
 // The row ids a row entry carries in the payload.
 int64_t id_bytes(const Entry& e, const std::string& what) {
-  return e.sparse ? checked_mul(e.num_ids, int64_t{sizeof(int64_t)}, what + ": " + std::to_string(e.num_ids) + " ids")
+  return e.sparse ? checked_mul(e.num_ids, int64_t{sizeof(int64_t)},
+                                what + ": " + std::to_string(e.num_ids) + " ids")
                   : 0;
 }
 
@@ -175,13 +196,14 @@ void decode_create(Reader& r, DecodedRequest& q) {
   c.row_offset = r.get<int64_t>();
   c.rows = r.get<int64_t>();
   c.has_value = r.get_bool("has_value");
-  DISTSTRAT_CHECK(c.num_shards >= 1 && c.shard_index >= 0 && c.shard_index < c.num_shards, kInvalidArgument,
-                  what, ": shard ", c.shard_index, " of ", c.num_shards);
+  DISTSTRAT_CHECK(c.num_shards >= 1 && c.shard_index >= 0 && c.shard_index < c.num_shards,
+                  kInvalidArgument, what, ": shard ", c.shard_index, " of ", c.num_shards);
   std::vector<int64_t> dims = c.full_shape.dims();
   if (!dims.empty()) {
-    DISTSTRAT_CHECK(c.row_offset >= 0 && c.rows >= 0 && c.row_offset <= dims[0] && c.rows <= dims[0] - c.row_offset,
-                    kInvalidArgument, what, " shard ", c.shard_index, ": rows ", c.row_offset, " + ", c.rows,
-                    " outside ", c.full_shape.to_string());
+    DISTSTRAT_CHECK(c.row_offset >= 0 && c.rows >= 0 && c.row_offset <= dims[0] &&
+                        c.rows <= dims[0] - c.row_offset,
+                    kInvalidArgument, what, " shard ", c.shard_index, ": rows ", c.row_offset,
+                    " + ", c.rows, " outside ", c.full_shape.to_string());
     dims[0] = c.rows;
   }
   c.shard_shape = Shape(dims);
@@ -193,8 +215,8 @@ void decode_create(Reader& r, DecodedRequest& q) {
 bool valid_file_stem(const std::string& s) {
   if (s.empty() || s.size() > 200 || s[0] == '.') return false;
   for (char c : s) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                    c == '_' || c == '-';
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
     if (!ok) return false;
   }
   return true;
@@ -202,29 +224,36 @@ bool valid_file_stem(const std::string& s) {
 
 DecodedRequest decode_request(const char* data, size_t size) {
   DecodedRequest q;
-  DISTSTRAT_CHECK(size >= sizeof(RequestHeader), kInvalidArgument, "malformed request of ", size, " bytes");
-  DISTSTRAT_CHECK(size <= kMaxControlBytes, kInvalidArgument, "request of ", size, " bytes (at most ",
-                  kMaxControlBytes, ")");
+  DISTSTRAT_CHECK(size >= sizeof(RequestHeader), kInvalidArgument, "malformed request of ", size,
+                  " bytes");
+  DISTSTRAT_CHECK(size <= kMaxControlBytes, kInvalidArgument, "request of ", size,
+                  " bytes (at most ", kMaxControlBytes, ")");
   std::memcpy(&q.header, data, sizeof(RequestHeader));
   const RequestHeader& h = q.header;
-  DISTSTRAT_CHECK(h.magic == kMagic, kInvalidArgument, "malformed request header (magic ", h.magic, ")");
+  DISTSTRAT_CHECK(h.magic == kMagic, kInvalidArgument, "malformed request header (magic ", h.magic,
+                  ")");
   DISTSTRAT_CHECK(valid_op(h.op), kInvalidArgument, "malformed request header (op ", h.op, ")");
   q.op = static_cast<Op>(h.op);
   const std::string what = op_name(q.op);
-  DISTSTRAT_CHECK(h.seq >= 1, kInvalidArgument, what, ": sequence number ", h.seq, " (they start at 1)");
+  DISTSTRAT_CHECK(h.seq >= 1, kInvalidArgument, what, ": sequence number ", h.seq,
+                  " (they start at 1)");
   DISTSTRAT_CHECK(h.incarnation != 0, kInvalidArgument, what, ": no worker incarnation");
-  DISTSTRAT_CHECK(h.payload_bytes >= 0 && h.payload_bytes <= kMaxMessageBytes, kInvalidArgument, what,
-                  ": the header claims a payload of ", h.payload_bytes, " bytes (at most ", kMaxMessageBytes, ")");
+  DISTSTRAT_CHECK(h.payload_bytes >= 0 && h.payload_bytes <= kMaxMessageBytes, kInvalidArgument,
+                  what, ": the header claims a payload of ", h.payload_bytes, " bytes (at most ",
+                  kMaxMessageBytes, ")");
   DISTSTRAT_CHECK(h.reply_bytes >= 0 && h.reply_bytes <= kMaxMessageBytes, kInvalidArgument, what,
-                  ": the header expects a reply of ", h.reply_bytes, " bytes (at most ", kMaxMessageBytes, ")");
+                  ": the header expects a reply of ", h.reply_bytes, " bytes (at most ",
+                  kMaxMessageBytes, ")");
   Reader r(data + sizeof(RequestHeader), size - sizeof(RequestHeader), what);
-  int64_t payload = 0;      // what the fields declare
-  int64_t reply = -1;       // what the fields fix (-1: the PS computes it)
+  int64_t payload = 0;  // what the fields declare
+  int64_t reply = -1;   // what the fields fix (-1: the PS computes it)
   switch (q.op) {
     case Op::kCreate:
       decode_create(r, q);
-      payload = q.create.has_value ? checked_bytes(q.create.shard_shape, dtype_size(static_cast<DType>(q.create.dtype)), what)
-                                   : 0;
+      payload = q.create.has_value
+                    ? checked_bytes(q.create.shard_shape,
+                                    dtype_size(static_cast<DType>(q.create.dtype)), what)
+                    : 0;
       reply = 0;
       break;
     case Op::kPull: {
@@ -242,8 +271,9 @@ DecodedRequest decode_request(const char* data, size_t size) {
       q.pulled_version = r.get<int64_t>();
       q.iter_var = r.get<int64_t>();
       q.iter_name = r.get_string();
-      DISTSTRAT_CHECK(q.steps_after >= 0 && q.pulled_version >= -1 && q.iter_var >= -1, kInvalidArgument, what,
-                      ": step ", q.steps_after, ", version ", q.pulled_version, ", step counter ", q.iter_var);
+      DISTSTRAT_CHECK(q.steps_after >= 0 && q.pulled_version >= -1 && q.iter_var >= -1,
+                      kInvalidArgument, what, ": step ", q.steps_after, ", version ",
+                      q.pulled_version, ", step counter ", q.iter_var);
       const int64_t n = read_count(r, kMinEntryBytes);
       for (int64_t i = 0; i < n; ++i) {
         q.entries.push_back(read_entry(r));
@@ -290,8 +320,8 @@ DecodedRequest decode_request(const char* data, size_t size) {
       q.count = r.get<int64_t>();
       q.root = r.get_bool("root");
       q.bytes = r.get<int64_t>();
-      DISTSTRAT_CHECK(q.count >= 1 && q.bytes >= 0 && q.bytes <= kMaxMessageBytes, kInvalidArgument, what, " ",
-                      q.count, ": ", q.bytes, " bytes");
+      DISTSTRAT_CHECK(q.count >= 1 && q.bytes >= 0 && q.bytes <= kMaxMessageBytes, kInvalidArgument,
+                      what, " ", q.count, ": ", q.bytes, " bytes");
       payload = q.root ? q.bytes : 0;
       reply = q.root ? 0 : q.bytes;
       break;
@@ -306,10 +336,12 @@ DecodedRequest decode_request(const char* data, size_t size) {
       q.stem = r.get_string();
       q.save_id = r.get<uint64_t>();
       q.dir = r.get_string();
-      DISTSTRAT_CHECK(q.dir.find('\0') == std::string::npos, kInvalidArgument, what, ": a directory with a NUL");
+      DISTSTRAT_CHECK(q.dir.find('\0') == std::string::npos, kInvalidArgument, what,
+                      ": a directory with a NUL");
       const std::string shown = q.stem.size() > 200 ? q.stem.substr(0, 200) + "..." : q.stem;
-      DISTSTRAT_CHECK(valid_file_stem(q.stem), kInvalidArgument, what, ": '", shown,
-                      "' is not a checkpoint name (1 to 200 of [A-Za-z0-9._-], not starting with '.')");
+      DISTSTRAT_CHECK(
+          valid_file_stem(q.stem), kInvalidArgument, what, ": '", shown,
+          "' is not a checkpoint name (1 to 200 of [A-Za-z0-9._-], not starting with '.')");
       reply = sizeof(int64_t);
       break;
     }
@@ -318,8 +350,8 @@ DecodedRequest decode_request(const char* data, size_t size) {
       for (int64_t i = 0; i < n; ++i) {
         q.entries.push_back(read_entry(r));
         q.slot_of.push_back(r.get_string());
-        DISTSTRAT_CHECK(!q.entries.back().sparse, kInvalidArgument, what, " of '", q.entries.back().name,
-                        "': a row entry");
+        DISTSTRAT_CHECK(!q.entries.back().sparse, kInvalidArgument, what, " of '",
+                        q.entries.back().name, "': a row entry");
       }
       break;
     }
@@ -334,8 +366,8 @@ DecodedRequest decode_request(const char* data, size_t size) {
         s.has_value = r.get_bool("has_value");
         s.step = r.get<int64_t>();
         const int64_t nslots = r.get<int64_t>();
-        DISTSTRAT_CHECK(s.step >= -1 && nslots >= 0 && nslots <= kMaxSlots, kInvalidArgument, ew, ": step ", s.step,
-                        ", ", nslots, " slots");
+        DISTSTRAT_CHECK(s.step >= -1 && nslots >= 0 && nslots <= kMaxSlots, kInvalidArgument, ew,
+                        ": step ", s.step, ", ", nslots, " slots");
         for (int64_t k = 0; k < nslots; ++k) s.slots.push_back(r.get_string());
         if (s.has_value) payload = checked_add(payload, value_bytes(e, ew), what);
         if (nslots) {
@@ -353,12 +385,14 @@ DecodedRequest decode_request(const char* data, size_t size) {
       q.metric_count = r.get<double>();
       const std::string& name = q.metric_name;
       const std::string shown = name.size() > 200 ? name.substr(0, 200) + "..." : name;
-      DISTSTRAT_CHECK(!name.empty() && name.size() <= kMaxMetricNameBytes, kInvalidArgument, what, " '", shown,
-                      "': a name of ", name.size(), " characters (1 to ", kMaxMetricNameBytes, ")");
-      DISTSTRAT_CHECK(std::isfinite(q.metric_count) && q.metric_count >= 0, kInvalidArgument, what, " '", shown,
-                      "': count ", q.metric_count, " is not a finite number >= 0");
-      DISTSTRAT_CHECK(h.reply_bytes == 0 || h.reply_bytes == 2 * int64_t{sizeof(double)}, kInvalidArgument, what,
-                      " '", shown, "': a reply of ", h.reply_bytes, " bytes asked (0 or 16)");
+      DISTSTRAT_CHECK(!name.empty() && name.size() <= kMaxMetricNameBytes, kInvalidArgument, what,
+                      " '", shown, "': a name of ", name.size(), " characters (1 to ",
+                      kMaxMetricNameBytes, ")");
+      DISTSTRAT_CHECK(std::isfinite(q.metric_count) && q.metric_count >= 0, kInvalidArgument, what,
+                      " '", shown, "': count ", q.metric_count, " is not a finite number >= 0");
+      DISTSTRAT_CHECK(h.reply_bytes == 0 || h.reply_bytes == 2 * int64_t{sizeof(double)},
+                      kInvalidArgument, what, " '", shown, "': a reply of ", h.reply_bytes,
+                      " bytes asked (0 or 16)");
       break;
     }
     case Op::kRule: {
@@ -371,11 +405,14 @@ DecodedRequest decode_request(const char* data, size_t size) {
       break;
     }
   }
-  DISTSTRAT_CHECK(r.at_end(), kInvalidArgument, what, ": ", r.remaining(), " bytes after the last field");
-  DISTSTRAT_CHECK(h.payload_bytes == payload, kInvalidArgument, what, ": the header claims a payload of ",
-                  h.payload_bytes, " bytes, the request declares ", payload);
-  DISTSTRAT_CHECK(reply < 0 || h.reply_bytes == reply, kInvalidArgument, what, ": the header expects a reply of ",
-                  h.reply_bytes, " bytes, the request's is ", reply);
+  DISTSTRAT_CHECK(r.at_end(), kInvalidArgument, what, ": ", r.remaining(),
+                  " bytes after the last field");
+  DISTSTRAT_CHECK(h.payload_bytes == payload, kInvalidArgument, what,
+                  ": the header claims a payload of ", h.payload_bytes,
+                  " bytes, the request declares ", payload);
+  DISTSTRAT_CHECK(reply < 0 || h.reply_bytes == reply, kInvalidArgument, what,
+                  ": the header expects a reply of ", h.reply_bytes, " bytes, the request's is ",
+                  reply);
   return q;
 }
 
@@ -393,7 +430,8 @@ std::string check_reply(const ReplyHeader& h, int64_t reply_bytes) {
   }
   if (h.version < 0) return "reply with version " + std::to_string(h.version);
   if (h.payload_bytes != reply_bytes) {
-    return "the reply carries " + std::to_string(h.payload_bytes) + " bytes, expected " + std::to_string(reply_bytes);
+    return "the reply carries " + std::to_string(h.payload_bytes) + " bytes, expected " +
+           std::to_string(reply_bytes);
   }
   return "";
 }

@@ -62,15 +62,15 @@ enum class Op : uint16_t {
   kStats = 6,    // counters
   kDone = 7,     // the worker leaves
   // Checkpoints and agreement among workers (PS 0 meets the workers):
-  kBroadcast = 8,  // the root deposits bytes; the others' requests wait for them
-  kStopCheck = 9,  // preemption: has any worker (or this PS process) been signalled?
-  kSave = 10,      // write this PS's shard file (value, slots, step of every shard)
-  kReadSlots = 11, // read optimizer slots of shards
-  kRestore = 12,   // overwrite shards' values, slots and step counters
-  kMetric = 13,    // PS 0: add (sum, count) to a job-wide metric; reply its totals if asked
-  kRule = 14,      // declare (or, from the chief, replace) the update rule of shards
-  kAbort = 15,     // the worker leaves because it failed: the PS fails the others' requests
-  kAlive = 16,     // a heartbeat from a worker that has sent nothing for a while (changes nothing)
+  kBroadcast = 8,   // the root deposits bytes; the others' requests wait for them
+  kStopCheck = 9,   // preemption: has any worker (or this PS process) been signalled?
+  kSave = 10,       // write this PS's shard file (value, slots, step of every shard)
+  kReadSlots = 11,  // read optimizer slots of shards
+  kRestore = 12,    // overwrite shards' values, slots and step counters
+  kMetric = 13,     // PS 0: add (sum, count) to a job-wide metric; reply its totals if asked
+  kRule = 14,       // declare (or, from the chief, replace) the update rule of shards
+  kAbort = 15,      // the worker leaves because it failed: the PS fails the others' requests
+  kAlive = 16,      // a heartbeat from a worker that has sent nothing for a while (changes nothing)
 };
 const char* op_name(Op op);
 // Whether `op` (as it travels, uint16) is one of the ops above.
@@ -93,9 +93,9 @@ struct RequestHeader {
   int32_t reserved2 = 0;
   int64_t seq = 0;  // >= 1, strictly increasing per (worker incarnation, PS)
   int64_t payload_bytes = 0;
-  int64_t reply_bytes = 0;     // the reply payload the worker expects
-  uint64_t incarnation = 0;    // the worker's (non-zero)
-  uint64_t ps_incarnation = 0; // the PS's, as its replies told it (0: not heard yet)
+  int64_t reply_bytes = 0;      // the reply payload the worker expects
+  uint64_t incarnation = 0;     // the worker's (non-zero)
+  uint64_t ps_incarnation = 0;  // the PS's, as its replies told it (0: not heard yet)
 };
 
 struct ReplyHeader {
@@ -112,7 +112,8 @@ struct ReplyHeader {
 class Writer {
  public:
   Writer() { bytes_.reserve(256); }
-  template <typename T> Writer& put(const T& v) {
+  template <typename T>
+  Writer& put(const T& v) {
     const char* p = reinterpret_cast<const char*>(&v);
     bytes_.insert(bytes_.end(), p, p + sizeof(T));
     return *this;
@@ -132,7 +133,8 @@ class Reader {
  public:
   Reader(const char* data, size_t size, std::string what)
       : p_(data), end_(data + size), what_(std::move(what)) {}
-  template <typename T> T get() {
+  template <typename T>
+  T get() {
     need(sizeof(T));
     T v;
     std::memcpy(&v, p_, sizeof(T));
@@ -166,7 +168,7 @@ struct Entry {
   int64_t shard_index = 0;
   std::string name;  // the variable's name, for error messages
   int32_t dtype = 0;
-  Shape shape;       // of the data this entry carries (push/assign), or rows x ... (sparse)
+  Shape shape;  // of the data this entry carries (push/assign), or rows x ... (sparse)
   uint8_t sparse = 0;
   int64_t num_ids = 0;  // sparse: row ids (global, int64) precede the values in the payload
 };
@@ -212,15 +214,15 @@ struct RestoreSpec {
 struct DecodedRequest {
   RequestHeader header;
   Op op = Op::kDone;
-  CreateSpec create;                 // kCreate
-  int64_t clock = -1;                // kPull: the worker's step (-1: no staleness check)
-  int64_t steps_after = 0;           // kPush: the worker's pushed steps after this one
-  int64_t pulled_version = -1;       // kPush: the version its gradients were computed from
-  OptimizerConfig config;            // kRule
-  bool replace = false;              // kRule: the chief replaces a fixed rule (update_hyperparameters)
-  int64_t iter_var = -1;             // kPush: the step counter to bump (-1: none)
-  std::string iter_name;             // kPush
-  std::vector<Entry> entries;        // kPull, kPush, kAssign, kReadSlots, kRestore, kRule
+  CreateSpec create;            // kCreate
+  int64_t clock = -1;           // kPull: the worker's step (-1: no staleness check)
+  int64_t steps_after = 0;      // kPush: the worker's pushed steps after this one
+  int64_t pulled_version = -1;  // kPush: the version its gradients were computed from
+  OptimizerConfig config;       // kRule
+  bool replace = false;         // kRule: the chief replaces a fixed rule (update_hyperparameters)
+  int64_t iter_var = -1;        // kPush: the step counter to bump (-1: none)
+  std::string iter_name;        // kPush
+  std::vector<Entry> entries;   // kPull, kPush, kAssign, kReadSlots, kRestore, kRule
   std::vector<std::string> slot_of;  // kReadSlots: the slot of each entry
   std::vector<RestoreSpec> restore;  // kRestore: beside each entry
   int64_t count = 0;                 // kBarrier, kBroadcast
@@ -228,13 +230,13 @@ struct DecodedRequest {
   int64_t bytes = 0;                 // kBroadcast: the root's payload = each receiver's reply
   int64_t step = 0;                  // kStopCheck
   bool signalled = false;            // kStopCheck
-  std::string stem;                  // kSave: a file-name stem (valid_file_stem); the PS derives the rest
-  std::string dir;                   // kSave: the worker's directory (used only by a PS configured with none)
-  uint64_t save_id = 0;              // kSave
-  std::string metric_name;           // kMetric: 1..kMaxMetricNameBytes
-  double metric_sum = 0;             // kMetric
-  double metric_count = 0;           // kMetric: finite, >= 0
-  std::string reason;                // kAbort: why the worker failed (1..kMaxStringBytes)
+  std::string stem;      // kSave: a file-name stem (valid_file_stem); the PS derives the rest
+  std::string dir;       // kSave: the worker's directory (used only by a PS configured with none)
+  uint64_t save_id = 0;  // kSave
+  std::string metric_name;  // kMetric: 1..kMaxMetricNameBytes
+  double metric_sum = 0;    // kMetric
+  double metric_count = 0;  // kMetric: finite, >= 0
+  std::string reason;       // kAbort: why the worker failed (1..kMaxStringBytes)
 };
 
 // Whether `s` may name a checkpoint file's stem: 1..200 characters of

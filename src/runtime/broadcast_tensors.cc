@@ -43,7 +43,8 @@ struct CallDescription {
 
 class Writer {
  public:
-  template <typename T> void value(T v) {
+  template <typename T>
+  void value(T v) {
     const size_t at = out_.size();
     out_.resize(at + sizeof v);
     std::memcpy(&out_[at], &v, sizeof v);
@@ -63,7 +64,8 @@ class Writer {
 class Reader {
  public:
   Reader(const char* p, size_t size) : p_(p), left_(size) {}
-  template <typename T> bool value(T* v) {
+  template <typename T>
+  bool value(T* v) {
     if (left_ < sizeof *v) return false;
     std::memcpy(v, p_, sizeof *v);
     p_ += sizeof *v;

@@ -49,7 +49,8 @@ void ClusterSpec::validate() const {
     if (tasks.empty()) continue;
     ++present;
     if ((job == "chief" || job == "evaluator") && tasks.size() > 1) {
-      bad("job '" + echo(job) + "' has " + std::to_string(tasks.size()) + " tasks; at most one is allowed");
+      bad("job '" + echo(job) + "' has " + std::to_string(tasks.size()) +
+          " tasks; at most one is allowed");
     }
     for (size_t i = 0; i < tasks.size(); ++i) {
       const std::string& a = tasks[i];
@@ -83,12 +84,14 @@ ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
     j = json::parse(text);
   } catch (const json::exception& e) {
     // parse_error, and out_of_range for numbers that overflow (found by fuzz_tf_config).
-    throw InvalidArgumentError("TF_CONFIG is not valid JSON: " + echo(e.what(), 2 * kMaxEchoedChars));
+    throw InvalidArgumentError("TF_CONFIG is not valid JSON: " +
+                               echo(e.what(), 2 * kMaxEchoedChars));
   }
   if (!j.is_object()) bad("TF_CONFIG must be a JSON object, got " + std::string(j.type_name()));
   for (const auto& [key, value] : j.items()) {
     if (key != "cluster" && key != "task" && key != "environment" && key != "rpc_layer") {
-      bad("TF_CONFIG has an unknown key '" + echo(key) + "' (cluster, task, environment, rpc_layer)");
+      bad("TF_CONFIG has an unknown key '" + echo(key) +
+          "' (cluster, task, environment, rpc_layer)");
     }
   }
   if (!j.contains("cluster")) bad("TF_CONFIG has no 'cluster'");
@@ -97,7 +100,8 @@ ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
   if (!c.is_object()) bad("'cluster' must be an object of job -> [addresses]");
   ClusterSpec spec;
   for (const auto& [job, tasks] : c.items()) {
-    if (!kKnownJobs.count(job)) bad("unknown job '" + echo(job) + "' (jobs are chief, worker, ps, evaluator)");
+    if (!kKnownJobs.count(job))
+      bad("unknown job '" + echo(job) + "' (jobs are chief, worker, ps, evaluator)");
     if (!tasks.is_array()) bad("job '" + echo(job) + "' must be a list of \"host:port\" strings");
     std::vector<std::string> addrs;
     for (const json& a : tasks) {
@@ -117,7 +121,8 @@ ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
   if (!t["type"].is_string()) bad("task 'type' must be a string, got " + echo(t["type"].dump()));
   spec.task_type = t["type"].get<std::string>();
   if (!t.contains("index")) bad("'task' has no 'index'");
-  if (!t["index"].is_number_integer()) bad("task 'index' must be an integer, got " + echo(t["index"].dump()));
+  if (!t["index"].is_number_integer())
+    bad("task 'index' must be an integer, got " + echo(t["index"].dump()));
   const int64_t index = t["index"].get<int64_t>();
   if (index < 0 || index > 1'000'000) bad("task index " + std::to_string(index) + " out of range");
   spec.task_index = static_cast<int>(index);
@@ -169,9 +174,9 @@ std::vector<std::string> ClusterSpec::roles() const {
 
 const std::string& ClusterSpec::address() const {
   auto it = jobs.find(task_type);
-  DISTSTRAT_CHECK(it != jobs.end() && task_index >= 0 &&
-                      task_index < static_cast<int>(it->second.size()),
-                  kInvalidArgument, "cluster spec: no task ", echo(task_type), "[", task_index, "]");
+  DISTSTRAT_CHECK(
+      it != jobs.end() && task_index >= 0 && task_index < static_cast<int>(it->second.size()),
+      kInvalidArgument, "cluster spec: no task ", echo(task_type), "[", task_index, "]");
   return it->second[task_index];
 }
 
@@ -204,10 +209,14 @@ Placement virtual_nodes(const Placement& real, int ranks_per_node) {
 
 const char* cluster_source_name(ClusterSource s) {
   switch (s) {
-    case ClusterSource::kExplicit: return "explicit";
-    case ClusterSource::kTfConfig: return "TF_CONFIG";
-    case ClusterSource::kMpi: return "mpi";
-    case ClusterSource::kSingleProcess: return "single-process";
+    case ClusterSource::kExplicit:
+      return "explicit";
+    case ClusterSource::kTfConfig:
+      return "TF_CONFIG";
+    case ClusterSource::kMpi:
+      return "mpi";
+    case ClusterSource::kSingleProcess:
+      return "single-process";
   }
   return "?";
 }

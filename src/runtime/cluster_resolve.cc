@@ -20,7 +20,8 @@ namespace {
 ClusterSpec workers_only(int rank, int size) {
   ClusterSpec spec;
   auto& w = spec.jobs["worker"];
-  for (int r = 0; r < size; ++r) w.push_back("rank" + std::to_string(r) + ":" + std::to_string(r + 1));
+  for (int r = 0; r < size; ++r)
+    w.push_back("rank" + std::to_string(r) + ":" + std::to_string(r + 1));
   spec.task_type = "worker";
   spec.task_index = rank;
   return spec;

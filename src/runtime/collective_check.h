@@ -15,7 +15,7 @@ namespace diststrat {
 // the replica's own GPU on a GPU replica (`host_ok`: host memory as well,
 // for collectives that stage through the host).
 void check_replica_tensors(const ReplicaContext& ctx, const char* op,
-                           const std::vector<Tensor>& tensors, const std::vector<std::string>& names,
-                           bool host_ok = false);
+                           const std::vector<Tensor>& tensors,
+                           const std::vector<std::string>& names, bool host_ok = false);
 
 }  // namespace diststrat

@@ -17,7 +17,8 @@ Dataset::Dataset(Tensor features, Tensor labels)
   DISTSTRAT_CHECK(features_.shape().rank() >= 1 && labels_.shape().rank() >= 1, kInvalidArgument,
                   "Dataset: features ", features_.debug_string(), " and labels ",
                   labels_.debug_string(), " need a row dimension");
-  DISTSTRAT_CHECK_EQ(features_.shape()[0], labels_.shape()[0], "Dataset rows of features vs labels");
+  DISTSTRAT_CHECK_EQ(features_.shape()[0], labels_.shape()[0],
+                     "Dataset rows of features vs labels");
 }
 
 Dataset Dataset::slice(int64_t begin, int64_t end) const {
@@ -26,9 +27,8 @@ Dataset Dataset::slice(int64_t begin, int64_t end) const {
 
 int64_t InputContext::per_replica_batch_size() const {
   DISTSTRAT_CHECK(num_replicas_in_sync > 0, kInvalidArgument, "InputContext without replicas");
-  DISTSTRAT_CHECK(global_batch_size % num_replicas_in_sync == 0, kInvalidArgument,
-                  "global batch ", global_batch_size, " is not divisible by ",
-                  num_replicas_in_sync, " replicas");
+  DISTSTRAT_CHECK(global_batch_size % num_replicas_in_sync == 0, kInvalidArgument, "global batch ",
+                  global_batch_size, " is not divisible by ", num_replicas_in_sync, " replicas");
   return global_batch_size / num_replicas_in_sync;
 }
 
@@ -57,7 +57,8 @@ const Tensor& DistributedBatch::labels(const ReplicaContext& ctx) const {
   return on_device(labels_, device_labels_, ctx, "DistributedBatch::labels");
 }
 
-DistributedDataset::DistributedDataset(std::shared_ptr<Source> source) : source_(std::move(source)) {
+DistributedDataset::DistributedDataset(std::shared_ptr<Source> source)
+    : source_(std::move(source)) {
   reshuffle();
 }
 
@@ -70,7 +71,9 @@ int64_t DistributedDataset::num_batches() const {
   return rows / b + (!source_->options.drop_remainder && rows % b != 0 ? 1 : 0);
 }
 
-int64_t DistributedDataset::global_batch_size() const { return source_ ? source_->global_batch : 0; }
+int64_t DistributedDataset::global_batch_size() const {
+  return source_ ? source_->global_batch : 0;
+}
 int64_t DistributedDataset::num_rows() const { return source_ ? source_->total_rows() : 0; }
 DistributeOptions DistributedDataset::options() const {
   return source_ ? source_->options : DistributeOptions{};

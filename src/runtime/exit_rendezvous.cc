@@ -122,7 +122,8 @@ bool start_exit_rendezvous(std::chrono::milliseconds timeout) {
 
 bool exit_rendezvous_running() { return state != nullptr; }
 
-bool meet_at_exit(std::chrono::milliseconds silence, std::chrono::milliseconds bound, std::string* why) {
+bool meet_at_exit(std::chrono::milliseconds silence, std::chrono::milliseconds bound,
+                  std::string* why) {
   State& s = *state;
   silence = std::max(silence, kMinSilence);
   const auto start = Clock::now();
@@ -153,7 +154,8 @@ bool meet_at_exit(std::chrono::milliseconds silence, std::chrono::milliseconds b
     }
     if (silent >= 0) {
       *why = "rank " + std::to_string(silent) + " sent nothing for " + ms_text(silent_for) +
-             " while this rank waited for it at the exit (it is stopped, gone, or its host is unreachable)";
+             " while this rank waited for it at the exit (it is stopped, gone, or its host is "
+             "unreachable)";
       break;
     }
     if (bound.count() > 0 && now - start > bound) {

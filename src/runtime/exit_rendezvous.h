@@ -40,7 +40,8 @@ bool exit_rendezvous_running();
 // (true), or some peer not yet arrived was silent for `silence` (at least
 // kMinSilence), or `bound` (0: none) passed in all (false; `why` says which
 // rank and what). Stops the listener either way. Called once, by the exit handler.
-bool meet_at_exit(std::chrono::milliseconds silence, std::chrono::milliseconds bound, std::string* why);
+bool meet_at_exit(std::chrono::milliseconds silence, std::chrono::milliseconds bound,
+                  std::string* why);
 
 }  // namespace mpi
 }  // namespace diststrat

@@ -26,7 +26,8 @@ void resolve_replica_devices(std::vector<Device>& devices, std::shared_ptr<Devic
   if (devices.empty()) {
     if (!manager) manager = std::make_shared<DeviceManager>();
     if (!manager->list_physical_devices().empty()) {
-      for (const LogicalDeviceInfo& l : manager->list_logical_devices()) devices.push_back(l.device);
+      for (const LogicalDeviceInfo& l : manager->list_logical_devices())
+        devices.push_back(l.device);
     }
     if (devices.empty()) devices = {Device::cpu(0)};
   }
@@ -70,14 +71,16 @@ namespace {
 // the group runs its own default. GPU replicas all-reduce on the device
 // communicator (checked in LocalReplicas). CPU replicas: the group runs the
 // algorithm, or refuses it by name.
-CommunicationOptions local_group_options(const Strategy& strategy, const std::vector<Device>& devices,
+CommunicationOptions local_group_options(const Strategy& strategy,
+                                         const std::vector<Device>& devices,
                                          CommunicationOptions o) {
   const std::string who = strategy_display_name(strategy);
   if (strategy.name() == "multi_worker") {
     o.algorithm = Algorithm::kAuto;
     return o;
   }
-  const bool gpu = std::any_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_gpu(); });
+  const bool gpu =
+      std::any_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_gpu(); });
   if (gpu) {
     o.algorithm = Algorithm::kAuto;  // LocalReplicas checks the device communicator's
     return o;
@@ -126,12 +129,12 @@ LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
     : core_(std::make_shared<LocalReplicasCore>(strategy, std::move(devices), options)),
       pool_(core_->size()) {
   LocalReplicasCore& c = *core_;
-  const bool any_gpu = std::any_of(c.devices.begin(), c.devices.end(),
-                                   [](const Device& d) { return d.is_gpu(); });
+  const bool any_gpu =
+      std::any_of(c.devices.begin(), c.devices.end(), [](const Device& d) { return d.is_gpu(); });
   if (any_gpu) {
     for (const Device& d : c.devices) {
-      DISTSTRAT_CHECK(d.is_gpu(), kInvalidArgument, strategy->name(), ": device ",
-                      d.to_string(), " mixed with GPU devices; use only GPUs or only CPUs");
+      DISTSTRAT_CHECK(d.is_gpu(), kInvalidArgument, strategy->name(), ": device ", d.to_string(),
+                      " mixed with GPU devices; use only GPUs or only CPUs");
     }
     DISTSTRAT_CHECK(gpus != nullptr, kInvalidArgument, strategy->name(),
                     ": GPU devices need a DeviceManager");
@@ -147,11 +150,11 @@ LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
     if (strategy->name() != "multi_worker") {
       // The device communicator runs one algorithm: NCCL across physical
       // GPUs, the device kernel (direct) for logical GPUs of one GPU.
-      DISTSTRAT_CHECK(a == Algorithm::kAuto || a == (shared ? Algorithm::kDirect : Algorithm::kNccl),
-                      kInvalidArgument, strategy_display_name(*strategy), " on GPU replicas (",
-                      shared ? "logical GPUs of one GPU" : "several GPUs", "): algorithm '",
-                      algorithm_name(a), "' is not available; use 'auto' or '",
-                      shared ? "direct" : "nccl", "'");
+      DISTSTRAT_CHECK(
+          a == Algorithm::kAuto || a == (shared ? Algorithm::kDirect : Algorithm::kNccl),
+          kInvalidArgument, strategy_display_name(*strategy), " on GPU replicas (",
+          shared ? "logical GPUs of one GPU" : "several GPUs", "): algorithm '", algorithm_name(a),
+          "' is not available; use 'auto' or '", shared ? "direct" : "nccl", "'");
     }
     if (shared) {
       // Logical GPUs of one physical GPU (or a single GPU): device-side reduction.
@@ -222,26 +225,29 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
   if (core_->num_in_sync != in_sync) core_->num_in_sync = in_sync;
   // The task owns everything it refers to (the core and a copy of fn), so a
   // replica abandoned inside it never sees them freed.
-  ThreadPool::Result result = pool_.run_all([core = core_, fn](int i) {
-    ScopedExec scoped(core->scope(i, /*with_stream=*/true));
-    try {
-      fn(*core->contexts[static_cast<size_t>(i)]);
-      if (core->gpus) {
-        // The step's device work is complete when run() returns.
-        const Device& d = core->devices[static_cast<size_t>(i)];
-        const GpuExec e = gpu_exec(d, "replica step");
-        e.synchronize("replica " + std::to_string(i) + "'s step on " + d.to_string());
-      }
-    } catch (const AbortedError&) {
-      throw;  // caused by another replica's failure
-    } catch (const std::exception& e) {
-      core->abort_all(i, "replica " + std::to_string(i) + " failed: " + e.what());
-      throw;
-    } catch (...) {
-      core->abort_all(i, "replica " + std::to_string(i) + " failed with a non-standard exception");
-      throw;
-    }
-  }, options().timeout);
+  ThreadPool::Result result = pool_.run_all(
+      [core = core_, fn](int i) {
+        ScopedExec scoped(core->scope(i, /*with_stream=*/true));
+        try {
+          fn(*core->contexts[static_cast<size_t>(i)]);
+          if (core->gpus) {
+            // The step's device work is complete when run() returns.
+            const Device& d = core->devices[static_cast<size_t>(i)];
+            const GpuExec e = gpu_exec(d, "replica step");
+            e.synchronize("replica " + std::to_string(i) + "'s step on " + d.to_string());
+          }
+        } catch (const AbortedError&) {
+          throw;  // caused by another replica's failure
+        } catch (const std::exception& e) {
+          core->abort_all(i, "replica " + std::to_string(i) + " failed: " + e.what());
+          throw;
+        } catch (...) {
+          core->abort_all(i,
+                          "replica " + std::to_string(i) + " failed with a non-standard exception");
+          throw;
+        }
+      },
+      options().timeout);
   std::exception_ptr first, first_abort;
   for (auto& e : result.errors) {
     if (!e) continue;
@@ -316,9 +322,10 @@ void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
   const PlacementLog& placement = owner_->strategy->placement_log();
   if (placement.enabled()) {
     for (size_t i = 0; i < tensors.size(); ++i) {
-      placement.record("collective all_reduce",
-                       i < names.size() && !names[i].empty() ? names[i] : "tensor#" + std::to_string(i),
-                       device());
+      placement.record(
+          "collective all_reduce",
+          i < names.size() && !names[i].empty() ? names[i] : "tensor#" + std::to_string(i),
+          device());
     }
   }
   if (Communicator* dc = device_comm()) {

@@ -77,8 +77,8 @@ struct LocalReplicasCore {
   std::vector<Device> devices;
   CommunicationOptions options;
   InProcessGroup group;
-  std::shared_ptr<DeviceManager> gpus;           // null on CPU
-  std::vector<void*> streams;                    // per replica (GPU)
+  std::shared_ptr<DeviceManager> gpus;  // null on CPU
+  std::vector<void*> streams;           // per replica (GPU)
   std::vector<std::unique_ptr<Communicator>> device_comms;
   std::vector<std::unique_ptr<LocalReplicaContext>> contexts;
   // merge_call hand-off from local replica 0 to the others. Replica 0

@@ -60,9 +60,11 @@ void finalize_at_exit() {
     std::string why;
     const auto bound = failed ? kFailedFinalizeGrace : std::chrono::milliseconds(0);  // 0: none
     if (!meet_at_exit(std::chrono::milliseconds(ms), bound, &why)) {
-      std::fprintf(stderr, "diststrat: rank %d: %s%s; exiting with status 1 without MPI_Finalize\n", rank,
-                   why.c_str(),
-                   failed ? " (after a failure in this rank's communication the exit waits at most 3 s)" : "");
+      std::fprintf(
+          stderr, "diststrat: rank %d: %s%s; exiting with status 1 without MPI_Finalize\n", rank,
+          why.c_str(),
+          failed ? " (after a failure in this rank's communication the exit waits at most 3 s)"
+                 : "");
       std::fflush(stderr);
       std::_Exit(1);
     }
@@ -112,7 +114,8 @@ void ensure_initialized(std::chrono::milliseconds timeout) {
       if (!launcher_rank) launcher_rank = std::getenv(v);
     }
     const std::string who =
-        launcher_rank ? "rank " + std::string(launcher_rank).substr(0, 12) + " (the launcher's): " : std::string();
+        launcher_rank ? "rank " + std::string(launcher_rank).substr(0, 12) + " (the launcher's): "
+                      : std::string();
     mpi::bounded_call(who + "MPI_Init_thread", std::max(timeout, kMinInitTimeout), [&] {
       rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     });
@@ -122,10 +125,11 @@ void ensure_initialized(std::chrono::milliseconds timeout) {
   } else {
     MPI_Query_thread(&provided);
   }
-  DISTSTRAT_CHECK(provided >= MPI_THREAD_SERIALIZED, kUnavailable,
-                  "MPI provides thread level ", provided,
-                  "; diststrat's multi-process strategies and process groups need at least MPI_THREAD_SERIALIZED "
-                  "(MPI_Init_thread with MPI_THREAD_MULTIPLE if they are used from several threads)");
+  DISTSTRAT_CHECK(
+      provided >= MPI_THREAD_SERIALIZED, kUnavailable, "MPI provides thread level ", provided,
+      "; diststrat's multi-process strategies and process groups need at least "
+      "MPI_THREAD_SERIALIZED "
+      "(MPI_Init_thread with MPI_THREAD_MULTIPLE if they are used from several threads)");
 }
 
 Placement placement(MPI_Comm comm, std::chrono::milliseconds timeout) {

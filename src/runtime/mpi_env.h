@@ -48,4 +48,3 @@ Placement placement(MPI_Comm comm, std::chrono::milliseconds timeout);
 
 }  // namespace mpi
 }  // namespace diststrat
-

@@ -24,7 +24,8 @@ class SoloCommunicator : public Communicator {
   int rank() const override { return 0; }
   int size() const override { return 1; }
   const CommunicationOptions& options() const override { return c().options(); }
-  void all_reduce(const void* in, void* out, size_t n, DType t, ReduceOp op, const std::string& name) override {
+  void all_reduce(const void* in, void* out, size_t n, DType t, ReduceOp op,
+                  const std::string& name) override {
     c().all_reduce(in, out, n, t, op, name);
   }
   void broadcast(void* buf, size_t n, DType t, int root, const std::string& name) override {
@@ -83,7 +84,8 @@ ProcessCommunicators make_mpi_process_communicators(const Placement& p,
     int rc[2] = {MPI_SUCCESS, MPI_SUCCESS};
     mpi::bounded_call("make_process_communicators: MPI_Comm_split", t, [&] {
       rc[0] = MPI_Comm_split(MPI_COMM_WORLD, p.node, p.rank, &node_comm);
-      if (rc[0] == MPI_SUCCESS) rc[1] = MPI_Comm_split(MPI_COMM_WORLD, p.local_rank, p.rank, &cross_comm);
+      if (rc[0] == MPI_SUCCESS)
+        rc[1] = MPI_Comm_split(MPI_COMM_WORLD, p.local_rank, p.rank, &cross_comm);
     });
     DISTSTRAT_MPI_CHECK(rc[0]);
     DISTSTRAT_MPI_CHECK(rc[1]);
@@ -150,8 +152,8 @@ struct ProcessGroup::Impl {
   // would mix the two calls' bytes (and barriers) on this rank. It fails
   // instead, and aborts the group so that every rank fails loudly.
   std::mutex mu;
-  bool busy = false;       // under mu
-  std::string in_flight;   // under mu: "barrier 'x'"
+  bool busy = false;      // under mu
+  std::string in_flight;  // under mu: "barrier 'x'"
   class Use {
    public:
     Use(Impl& m, std::string what) : m_(m) {
@@ -166,8 +168,8 @@ struct ProcessGroup::Impl {
         other = m_.in_flight;
       }
       const std::string who = "rank " + std::to_string(m_.comm().rank());
-      m_.comm().abort(who + " used the group from two threads at once (" + what + " during " + other +
-                      "); the group is aborted");
+      m_.comm().abort(who + " used the group from two threads at once (" + what + " during " +
+                      other + "); the group is aborted");
       throw FailedPreconditionError(who + ": ProcessGroup " + what + " was called while " + other +
                                     " is in flight on another thread: a group serves one thread at "
                                     "a time (make one group per thread); the group is aborted");
@@ -211,9 +213,11 @@ ProcessGroup::ProcessGroup(ProcessGroupOptions options) : impl_(std::make_unique
   }
   agree_on_setup("ProcessGroup set-up", error, timeout);
   const Algorithm algo = options.communication.algorithm;
-  m.comms = make_process_communicators(m.cluster, options.communication,
-                                       algo == Algorithm::kAuto || algo == Algorithm::kHierarchical);
-  DISTSTRAT_CHECK_EQ(m.comm().rank(), m.cluster.info.rank, "ProcessGroup: communicator rank vs process rank");
+  m.comms =
+      make_process_communicators(m.cluster, options.communication,
+                                 algo == Algorithm::kAuto || algo == Algorithm::kHierarchical);
+  DISTSTRAT_CHECK_EQ(m.comm().rank(), m.cluster.info.rank,
+                     "ProcessGroup: communicator rank vs process rank");
 }
 
 ProcessGroup::~ProcessGroup() {
@@ -238,7 +242,8 @@ void ProcessGroup::all_reduce(const void* in, void* out, size_t count, DType dty
   Impl::Use use(*impl_, Impl::call("all_reduce", name));
   impl_->comm().all_reduce(in, out, count, dtype, op, name);
 }
-void ProcessGroup::broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) {
+void ProcessGroup::broadcast(void* buf, size_t count, DType dtype, int root,
+                             const std::string& name) {
   Impl::Use use(*impl_, Impl::call("broadcast", name));
   impl_->comm().broadcast(buf, count, dtype, root, name);
 }

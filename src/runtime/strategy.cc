@@ -44,14 +44,13 @@ Work Work::completed(std::exception_ptr error) {
 // ---- ReplicaContext --------------------------------------------------------
 
 void check_replica_tensors(const ReplicaContext& ctx, const char* op,
-                           const std::vector<Tensor>& tensors, const std::vector<std::string>& names,
-                           bool host_ok) {
+                           const std::vector<Tensor>& tensors,
+                           const std::vector<std::string>& names, bool host_ok) {
   const Device& mine = ctx.device();
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    const std::string label = i < names.size() && !names[i].empty()
-                                  ? "'" + echo(names[i]) + "'"
-                                  : "#" + std::to_string(i);
+    const std::string label = i < names.size() && !names[i].empty() ? "'" + echo(names[i]) + "'"
+                                                                    : "#" + std::to_string(i);
     DISTSTRAT_CHECK(t.defined(), kInvalidArgument, "replica ", ctx.replica_id(), ": ", op,
                     ": tensor ", label, " is an undefined tensor");
     const Device& d = t.device();
@@ -88,7 +87,8 @@ void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
   DISTSTRAT_CHECK(!fault_.active() || fault_.rank < num_replicas_in_sync(), kInvalidArgument,
                   "fault injection ", fault_kind_name(fault_.kind), ":", fault_.rank, ":",
                   fault_.step, " (DISTSTRAT_FAULT or set_fault_injection): rank ", fault_.rank,
-                  " is not a replica of this job (replica ids 0..", num_replicas_in_sync() - 1, ")");
+                  " is not a replica of this job (replica ids 0..", num_replicas_in_sync() - 1,
+                  ")");
   const int64_t step = step_++;
   const std::string where = "step " + std::to_string(step) + ": ";
   try {
@@ -108,7 +108,8 @@ void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
 
 void Strategy::inject_fault(ReplicaContext& ctx, int64_t step) {
   if (!fault_.fires(ctx.replica_id(), step)) return;
-  const std::string who = "rank " + std::to_string(fault_.rank) + " at step " + std::to_string(step);
+  const std::string who =
+      "rank " + std::to_string(fault_.rank) + " at step " + std::to_string(step);
   logger().error("injected fault: " + std::string(fault_kind_name(fault_.kind)) + " on " + who);
   switch (fault_.kind) {
     case FaultKind::kThrow:
@@ -139,7 +140,6 @@ void Strategy::inject_corruption(ReplicaContext& ctx, int64_t step) {
                  {"fault/corrupt(rank " + std::to_string(ctx.replica_id()) + ", step " +
                   std::to_string(step) + ")"});
 }
-
 
 Variable Strategy::create_variable(const std::string& name, const Shape& shape, DType dtype,
                                    const Initializer& init, const VariableOptions& options) {
@@ -180,7 +180,8 @@ Variable Strategy::variable(const std::string& name) const {
   for (const Variable& v : variables_) {
     if (v.name() == name) return v;
   }
-  throw NotFoundError("no variable named '" + echo(name) + "' in this " + this->name() + " strategy");
+  throw NotFoundError("no variable named '" + echo(name) + "' in this " + this->name() +
+                      " strategy");
 }
 
 namespace {
@@ -212,10 +213,18 @@ double Strategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
   for (size_t i = 1; i < local.size(); ++i) {
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kMean: acc += local[i]; break;
-      case ReduceOp::kProduct: acc *= local[i]; break;
-      case ReduceOp::kMin: acc = std::min(acc, local[i]); break;
-      case ReduceOp::kMax: acc = std::max(acc, local[i]); break;
+      case ReduceOp::kMean:
+        acc += local[i];
+        break;
+      case ReduceOp::kProduct:
+        acc *= local[i];
+        break;
+      case ReduceOp::kMin:
+        acc = std::min(acc, local[i]);
+        break;
+      case ReduceOp::kMax:
+        acc = std::max(acc, local[i]);
+        break;
     }
   }
   if (op == ReduceOp::kMean) acc /= num_replicas_in_sync();
@@ -238,8 +247,8 @@ Tensor Strategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& l
   std::vector<const void*> srcs;
   for (const Tensor& t : local) {
     DISTSTRAT_CHECK(t.shape() == local[0].shape() && t.dtype() == local[0].dtype(),
-                    kInvalidArgument, "reduce: replica tensors differ: ", t.debug_string(),
-                    " vs ", local[0].debug_string());
+                    kInvalidArgument, "reduce: replica tensors differ: ", t.debug_string(), " vs ",
+                    local[0].debug_string());
     srcs.push_back(t.data());
   }
   Tensor out(local[0].shape(), local[0].dtype());
@@ -306,10 +315,10 @@ int64_t Strategy::reduce(ReduceOp op, const PerReplica<int64_t>& values) {
     // The mean of int64 values is an int64; / truncates toward zero.
     return static_cast<int64_t>(total / num_replicas_in_sync());
   }
-  DISTSTRAT_CHECK(total >= std::numeric_limits<int64_t>::min() &&
-                      total <= std::numeric_limits<int64_t>::max(),
-                  kInvalidArgument, what, " over ", num_replicas_in_sync(),
-                  " replicas: the int64 sum overflows (use kMean, or reduce doubles)");
+  DISTSTRAT_CHECK(
+      total >= std::numeric_limits<int64_t>::min() && total <= std::numeric_limits<int64_t>::max(),
+      kInvalidArgument, what, " over ", num_replicas_in_sync(),
+      " replicas: the int64 sum overflows (use kMean, or reduce doubles)");
   return static_cast<int64_t>(total);
 }
 
@@ -329,8 +338,10 @@ Tensor reduce_along(const Tensor& t, int axis, ReduceOp op) {
   Tensor out{Shape(out_dims), t.dtype()};
   if (len == 0) {
     // Only a sum or a product has a value over no elements.
-    if (op == ReduceOp::kProduct) init::Constant{1.0}(out);
-    else out.zero();
+    if (op == ReduceOp::kProduct)
+      init::Constant{1.0}(out);
+    else
+      out.zero();
     return out;
   }
   const size_t es = dtype_size(t.dtype());
@@ -399,7 +410,8 @@ Tensor Strategy::gather_across(const std::vector<Tensor>& local) {
   int64_t rows = 0;
   for (const Tensor& t : local) {
     std::vector<int64_t> d = t.shape().dims();
-    DISTSTRAT_CHECK(d.size() == dims.size() && std::equal(d.begin() + 1, d.end(), dims.begin() + 1) &&
+    DISTSTRAT_CHECK(d.size() == dims.size() &&
+                        std::equal(d.begin() + 1, d.end(), dims.begin() + 1) &&
                         t.dtype() == local[0].dtype(),
                     kInvalidArgument, "gather: ", t.debug_string(), " does not stack with ",
                     local[0].debug_string());
@@ -477,7 +489,8 @@ void Strategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
 Tensor Strategy::read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const {
   if (var.copies.size() == 1) return var.copies[0];
   const size_t i = static_cast<size_t>(ctx.local_replica_id());
-  DISTSTRAT_CHECK_LT(i, var.copies.size(), "read of variable '" + echo(var.name) + "': local replica");
+  DISTSTRAT_CHECK_LT(i, var.copies.size(),
+                     "read of variable '" + echo(var.name) + "': local replica");
   return var.copies[i];
 }
 
@@ -512,8 +525,8 @@ Tensor Strategy::on_read_value(const Variable::Impl& var) {
 void Strategy::on_read_assign(Variable& var, const Tensor& value) {
   const Variable::Impl& v = var.impl();
   DISTSTRAT_CHECK(value.shape() == v.shape && value.dtype() == v.dtype, kInvalidArgument,
-                  "assign to variable '", echo(v.name), "' ", dtype_name(v.dtype), v.shape.to_string(),
-                  " from ", value.debug_string());
+                  "assign to variable '", echo(v.name), "' ", dtype_name(v.dtype),
+                  v.shape.to_string(), " from ", value.debug_string());
   if (v.options.aggregation != VariableAggregation::kSum) {
     // The mean of equal copies, and the first copy, are the value itself.
     assign_variable(var.impl(), value);

@@ -33,7 +33,8 @@ Tensor Variable::read(const ReplicaContext& ctx) const {
 
 Tensor Variable::value() const {
   Strategy& s = owner_of(impl());
-  if (impl().options.synchronization == VariableSynchronization::kOnRead) return s.on_read_value(impl());
+  if (impl().options.synchronization == VariableSynchronization::kOnRead)
+    return s.on_read_value(impl());
   return s.variable_value(impl());
 }
 
@@ -60,7 +61,8 @@ std::vector<Tensor>& Variable::Impl::slot(const std::string& slot_name) {
 
 namespace init {
 namespace {
-template <typename Fn> void fill(Tensor& t, Fn&& next) {
+template <typename Fn>
+void fill(Tensor& t, Fn&& next) {
   const int64_t n = t.num_elements();
   switch (t.dtype()) {
     case DType::kFloat32: {

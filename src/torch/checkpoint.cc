@@ -275,7 +275,7 @@ int64_t TrainingState::apply() {
       auto& st = *state.at(key);
       // The optimizer owns its state, on its parameter's device.
       const at::Tensor v = to_torch(values[i]).to(params[s.param].device(), /*non_blocking=*/false,
-                                                   /*copy=*/true);
+                                                  /*copy=*/true);
       auto set = [&](auto& typed) {
         using T = std::decay_t<decltype(typed)>;
         if constexpr (std::is_same_v<T, torch::optim::SGDParamState>) {

@@ -123,8 +123,10 @@ torch::Device torch_device(const Device& device, DeviceManager* manager) {
   if (manager == nullptr) return torch::Device(torch::kCUDA, static_cast<int16_t>(device.index));
   std::ostringstream all;
   for (const LogicalDeviceInfo& l : manager->list_logical_devices()) {
-    if (l.device == device) return torch::Device(torch::kCUDA, static_cast<int16_t>(l.physical_ordinal));
-    all << (all.tellp() > 0 ? ", " : "") << l.device.to_string() << " = CUDA " << l.physical_ordinal;
+    if (l.device == device)
+      return torch::Device(torch::kCUDA, static_cast<int16_t>(l.physical_ordinal));
+    all << (all.tellp() > 0 ? ", " : "") << l.device.to_string() << " = CUDA "
+        << l.physical_ordinal;
   }
   throw_error(ErrorCode::kNotFound, "torch_device: " + device.to_string() +
                                         " is not a logical GPU of the DeviceManager (it has " +

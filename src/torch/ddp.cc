@@ -69,7 +69,6 @@ namespace diststrat::libtorch {
 
 namespace {
 
-
 std::string shape_text(const at::Tensor& t) {
   std::ostringstream os;
   os << t.scalar_type() << t.sizes();
@@ -184,7 +183,6 @@ struct ActivePass {
 };
 thread_local ActivePass active_pass;
 
-
 }  // namespace
 
 struct DistributedDataParallel::Replica {
@@ -284,7 +282,8 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
         strategy.broadcast(t, 0, name);
         if (!host.is_same(v)) const_cast<at::Tensor&>(v).copy_(host);
       };
-      for (auto& p : module->named_parameters(true)) broadcast(p.value(), "ddp/parameter/" + p.key());
+      for (auto& p : module->named_parameters(true))
+        broadcast(p.value(), "ddp/parameter/" + p.key());
       for (auto& b : module->named_buffers(true)) broadcast(b.value(), "ddp/buffer/" + b.key());
     }
   }
@@ -636,14 +635,16 @@ void DistributedDataParallel::launch_bucket(Replica& r, size_t b, bool in_hook) 
       f[P + 7] = r.stray_sent ? static_cast<float>(r.ctx->replica_id() + 1) : 0.0f;
       if (r.cuda) {
         torch::NoGradGuard no_grad;
-        r.flags_device = to_torch(r.unused_flags).to(r.device, /*non_blocking=*/false, /*copy=*/true);
+        r.flags_device =
+            to_torch(r.unused_flags).to(r.device, /*non_blocking=*/false, /*copy=*/true);
         tensors.push_back(to_diststrat(r.flags_device));
       } else {
         tensors.push_back(r.unused_flags);
       }
     }
     // The library's stream reads the gradients after torch's wrote them.
-    if (r.cuda) compat::order_streams(r.device, r.ctx->stream(), compat::StreamOrder::kTorchThenLibrary);
+    if (r.cuda)
+      compat::order_streams(r.device, r.ctx->stream(), compat::StreamOrder::kTorchThenLibrary);
     r.works.push_back(
         r.ctx->all_reduce_async(ReduceOp::kSum, std::move(tensors), std::move(names)));
     ++r.launched;
@@ -817,7 +818,8 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
     try {
       r.works[b].wait();
       // torch's stream reads the reduced gradients after the library wrote them.
-      if (r.cuda) compat::order_streams(r.device, ctx.stream(), compat::StreamOrder::kLibraryThenTorch);
+      if (r.cuda)
+        compat::order_streams(r.device, ctx.stream(), compat::StreamOrder::kLibraryThenTorch);
     } catch (...) {
       if (!wait_error) wait_error = std::current_exception();
     }
@@ -834,9 +836,9 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
   if (reduced && r.stray_sent) {
     // Reported below, on every replica: start afresh.
     std::lock_guard<std::mutex> lock(r.stray_mu);
-    r.stray_report = "parameter '" + r.stray_first + "'" +
-                     (r.stray_count > 1 ? " and " + std::to_string(r.stray_count - 1) + " more"
-                                        : std::string());
+    r.stray_report =
+        "parameter '" + r.stray_first + "'" +
+        (r.stray_count > 1 ? " and " + std::to_string(r.stray_count - 1) + " more" : std::string());
     std::fill(r.stray.begin(), r.stray.end(), 0);
     r.stray_count = 0;
   }

@@ -33,7 +33,6 @@ at::Tensor parameter(torch::nn::Module& m, const std::string& name) {
               "ParameterServerModel: the module has no parameter '" + name + "'");
 }
 
-
 }  // namespace
 
 ParameterServerModel::ParameterServerModel(ParameterServerStrategy& strategy,

@@ -49,8 +49,7 @@ inline std::string version() {
 // parameter's TensorImpl address as text (c10::guts::to_string, removed in
 // 2.2) up to 2.0 and is the address itself (void*) since; deduced from the
 // map, not from the version number, so a third spelling fails to compile here.
-using OptimizerStateMap =
-    std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+using OptimizerStateMap = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 using OptimizerStateKey = typename OptimizerStateMap::key_type;
 
 // The key of parameter `p` in Optimizer::state(): the one the optimizer's
@@ -113,9 +112,8 @@ inline void order_streams(const torch::Device& device, void* library_stream, Str
 #else
   (void)library_stream;
   (void)order;
-  throw_error(ErrorCode::kUnimplemented,
-              "a CUDA tensor on " + device.str() + " in a LibTorch " + version() +
-                  " built without CUDA");
+  throw_error(ErrorCode::kUnimplemented, "a CUDA tensor on " + device.str() + " in a LibTorch " +
+                                             version() + " built without CUDA");
 #endif
 }
 

@@ -31,10 +31,18 @@ inline double expected(int n, size_t i, ReduceOp op, DType dtype) {
     const double v = contribution(r, i, op);
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kMean: acc += v; break;
-      case ReduceOp::kProduct: acc *= v; break;
-      case ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ReduceOp::kMax: acc = std::max(acc, v); break;
+      case ReduceOp::kMean:
+        acc += v;
+        break;
+      case ReduceOp::kProduct:
+        acc *= v;
+        break;
+      case ReduceOp::kMin:
+        acc = std::min(acc, v);
+        break;
+      case ReduceOp::kMax:
+        acc = std::max(acc, v);
+        break;
     }
   }
   if (op == ReduceOp::kMean) {
@@ -50,7 +58,8 @@ inline double expected(int n, size_t i, ReduceOp op, DType dtype) {
 // Rank r's input buffer of `count` elements.
 inline std::vector<char> make_input(int rank, size_t count, DType dtype, ReduceOp op) {
   std::vector<char> buf(count * dtype_size(dtype) + 1);
-  for (size_t i = 0; i < count; ++i) testing::set_elem(buf.data(), dtype, i, contribution(rank, i, op));
+  for (size_t i = 0; i < count; ++i)
+    testing::set_elem(buf.data(), dtype, i, contribution(rank, i, op));
   return buf;
 }
 
@@ -62,8 +71,8 @@ inline ::testing::AssertionResult check_reduced(const void* buf, size_t count, D
     const double want = expected(n, first + i, op, dtype), got = testing::get_elem(buf, dtype, i);
     if (!(std::abs(got - want) <= testing::tolerance(dtype, want))) {
       return ::testing::AssertionFailure()
-             << "element " << first + i << " of " << dtype_name(dtype) << " "
-             << reduce_op_name(op) << " over " << n << " ranks: got " << got << ", want " << want;
+             << "element " << first + i << " of " << dtype_name(dtype) << " " << reduce_op_name(op)
+             << " over " << n << " ranks: got " << got << ", want " << want;
     }
   }
   return ::testing::AssertionSuccess();

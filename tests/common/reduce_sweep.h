@@ -28,8 +28,8 @@ namespace reduce_sweep {
 namespace ds = diststrat;
 
 inline const std::vector<ds::DType> kDtypes{ds::DType::kFloat32, ds::DType::kFloat64,
-                                           ds::DType::kFloat16, ds::DType::kBFloat16,
-                                           ds::DType::kInt32,   ds::DType::kInt64};
+                                            ds::DType::kFloat16, ds::DType::kBFloat16,
+                                            ds::DType::kInt32,   ds::DType::kInt64};
 inline const std::vector<ds::ReduceOp> kOps{ds::ReduceOp::kSum, ds::ReduceOp::kMean,
                                             ds::ReduceOp::kMin, ds::ReduceOp::kMax,
                                             ds::ReduceOp::kProduct};
@@ -38,15 +38,19 @@ constexpr size_t kCount = 13;  // per rank (reduce_scatter: per block)
 // Rank r's element i as a double (floats: multiples of 1/4, exact in every
 // float dtype) or an int64 (ints: negatives, so kMean's truncation shows;
 // element 0 overflows kSum and element 1 kProduct, so the wrap shows).
-inline double float_value(int r, size_t i) { return (static_cast<double>(i % 11) - 5) * 0.25 * (r + 1) + 0.5; }
-template <typename I> inline I int_value(int r, size_t i) {
+inline double float_value(int r, size_t i) {
+  return (static_cast<double>(i % 11) - 5) * 0.25 * (r + 1) + 0.5;
+}
+template <typename I>
+inline I int_value(int r, size_t i) {
   if (i == 0) return static_cast<I>((I{1} << (sizeof(I) * 8 - 2)) + r);        // sum wraps
   if (i == 1) return static_cast<I>((sizeof(I) == 4 ? 100000 : 3000000) + r);  // product wraps
   return static_cast<I>((static_cast<int64_t>(i % 7) - 3) * (r + 1) - r);
 }
 
 // Exact result over `n` ranks of element i (collective.h semantics).
-template <typename I> inline I int_expected(ds::ReduceOp op, int n, size_t i) {
+template <typename I>
+inline I int_expected(ds::ReduceOp op, int n, size_t i) {
   using U = std::make_unsigned_t<I>;
   U acc = static_cast<U>(int_value<I>(0, i));
   I best = int_value<I>(0, i);
@@ -70,10 +74,18 @@ inline double float_expected(ds::ReduceOp op, int n, size_t i) {
     const double v = float_value(r, i);
     switch (op) {
       case ds::ReduceOp::kSum:
-      case ds::ReduceOp::kMean: acc += v; break;
-      case ds::ReduceOp::kProduct: acc *= v; break;
-      case ds::ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ds::ReduceOp::kMax: acc = std::max(acc, v); break;
+      case ds::ReduceOp::kMean:
+        acc += v;
+        break;
+      case ds::ReduceOp::kProduct:
+        acc *= v;
+        break;
+      case ds::ReduceOp::kMin:
+        acc = std::min(acc, v);
+        break;
+      case ds::ReduceOp::kMax:
+        acc = std::max(acc, v);
+        break;
     }
   }
   return op == ds::ReduceOp::kMean ? acc / n : acc;
@@ -86,12 +98,24 @@ inline std::vector<char> host_values(ds::DType d, int r, size_t first, size_t co
     const size_t i = first + k;
     void* p = out.data() + k * ds::dtype_size(d);
     switch (d) {
-      case ds::DType::kFloat32: *static_cast<float*>(p) = static_cast<float>(float_value(r, i)); break;
-      case ds::DType::kFloat64: *static_cast<double*>(p) = float_value(r, i); break;
-      case ds::DType::kFloat16: *static_cast<ds::Half*>(p) = ds::Half(static_cast<float>(float_value(r, i))); break;
-      case ds::DType::kBFloat16: *static_cast<ds::BFloat16*>(p) = ds::BFloat16(static_cast<float>(float_value(r, i))); break;
-      case ds::DType::kInt32: *static_cast<int32_t*>(p) = int_value<int32_t>(r, i); break;
-      case ds::DType::kInt64: *static_cast<int64_t*>(p) = int_value<int64_t>(r, i); break;
+      case ds::DType::kFloat32:
+        *static_cast<float*>(p) = static_cast<float>(float_value(r, i));
+        break;
+      case ds::DType::kFloat64:
+        *static_cast<double*>(p) = float_value(r, i);
+        break;
+      case ds::DType::kFloat16:
+        *static_cast<ds::Half*>(p) = ds::Half(static_cast<float>(float_value(r, i)));
+        break;
+      case ds::DType::kBFloat16:
+        *static_cast<ds::BFloat16*>(p) = ds::BFloat16(static_cast<float>(float_value(r, i)));
+        break;
+      case ds::DType::kInt32:
+        *static_cast<int32_t*>(p) = int_value<int32_t>(r, i);
+        break;
+      case ds::DType::kInt64:
+        *static_cast<int64_t*>(p) = int_value<int64_t>(r, i);
+        break;
     }
   }
   return out;
@@ -99,8 +123,8 @@ inline std::vector<char> host_values(ds::DType d, int r, size_t first, size_t co
 
 // "" when `got` (count elements from element offset `first`) is the exact
 // result (f16/bf16/f32/f64 within a few units in the last place).
-inline std::string check(ds::DType d, ds::ReduceOp op, int n, size_t first, const std::vector<char>& got,
-                  size_t count) {
+inline std::string check(ds::DType d, ds::ReduceOp op, int n, size_t first,
+                         const std::vector<char>& got, size_t count) {
   for (size_t k = 0; k < count; ++k) {
     const size_t i = first + k;
     const void* p = got.data() + k * ds::dtype_size(d);
@@ -117,11 +141,24 @@ inline std::string check(ds::DType d, ds::ReduceOp op, int n, size_t first, cons
     } else {
       double gv = 0, tol = 0;
       switch (d) {
-        case ds::DType::kFloat32: gv = *static_cast<const float*>(p); tol = 1e-6; break;
-        case ds::DType::kFloat64: gv = *static_cast<const double*>(p); tol = 1e-12; break;
-        case ds::DType::kFloat16: gv = static_cast<float>(*static_cast<const ds::Half*>(p)); tol = 2e-3; break;
-        case ds::DType::kBFloat16: gv = static_cast<float>(*static_cast<const ds::BFloat16*>(p)); tol = 1.6e-2; break;
-        default: break;
+        case ds::DType::kFloat32:
+          gv = *static_cast<const float*>(p);
+          tol = 1e-6;
+          break;
+        case ds::DType::kFloat64:
+          gv = *static_cast<const double*>(p);
+          tol = 1e-12;
+          break;
+        case ds::DType::kFloat16:
+          gv = static_cast<float>(*static_cast<const ds::Half*>(p));
+          tol = 2e-3;
+          break;
+        case ds::DType::kBFloat16:
+          gv = static_cast<float>(*static_cast<const ds::BFloat16*>(p));
+          tol = 1.6e-2;
+          break;
+        default:
+          break;
       }
       const double wv = float_expected(op, n, i);
       ok = std::fabs(gv - wv) <= tol * (1 + std::fabs(wv));
@@ -191,8 +228,8 @@ inline std::vector<std::string> sweep(ds::GpuBackend& b,
 
 // A dtype or op outside the enums is refused on every rank before anything
 // runs, naming the rank, the collective and the tensor.
-inline void expect_refusals(ds::GpuBackend& b, std::vector<std::unique_ptr<ds::Communicator>>& comms,
-                     int ordinal) {
+inline void expect_refusals(ds::GpuBackend& b,
+                            std::vector<std::unique_ptr<ds::Communicator>>& comms, int ordinal) {
   void* buf = b.raw_malloc(ordinal, 64 * sizeof(double));
   for (size_t r = 0; r < comms.size(); ++r) {
     ds::Communicator& c = *comms[r];

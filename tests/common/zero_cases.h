@@ -20,23 +20,27 @@ namespace zero_cases {
 namespace ds = diststrat;
 
 inline std::vector<ds::Variable> create_model(ds::Strategy& s) {
-  return {s.create_variable("zero/prime", ds::Shape{13}, ds::DType::kFloat32, ds::init::GlorotUniform{3}),
-          s.create_variable("zero/tiny", ds::Shape{2}, ds::DType::kFloat32, ds::init::Constant{0.25}),
-          s.create_variable("zero/matrix", ds::Shape{7, 5}, ds::DType::kFloat32,
-                            ds::init::RandomNormal{0.0, 0.5, 11})};
+  return {
+      s.create_variable("zero/prime", ds::Shape{13}, ds::DType::kFloat32,
+                        ds::init::GlorotUniform{3}),
+      s.create_variable("zero/tiny", ds::Shape{2}, ds::DType::kFloat32, ds::init::Constant{0.25}),
+      s.create_variable("zero/matrix", ds::Shape{7, 5}, ds::DType::kFloat32,
+                        ds::init::RandomNormal{0.0, 0.5, 11})};
 }
 
 // Replica `replica` of `replicas`' gradient of variable `k` at `step` (the
 // update's 0-based index): weights (r + 1) / (R (R + 1) / 2) of f(w, step),
 // f_i = 0.5 (w_i - t_i) + 0.05 sin(0.7 step + 1.3 i + k): the replicas' sum
 // is f whatever R. Nonlinear in the step so the slots matter.
-inline ds::Tensor replica_grad(const ds::Tensor& w, size_t k, int64_t step, int replica, int replicas) {
+inline ds::Tensor replica_grad(const ds::Tensor& w, size_t k, int64_t step, int replica,
+                               int replicas) {
   ds::Tensor g(w.shape(), ds::DType::kFloat32);
   const double share = 2.0 * (replica + 1) / (double(replicas) * (replicas + 1));
   const float* pw = w.data<float>();
   float* pg = g.data<float>();
   for (int64_t i = 0; i < w.num_elements(); ++i) {
-    const double f = 0.5 * (pw[i] - (0.1 * i - 0.3)) + 0.05 * std::sin(0.7 * step + 1.3 * i + double(k));
+    const double f =
+        0.5 * (pw[i] - (0.1 * i - 0.3)) + 0.05 * std::sin(0.7 * step + 1.3 * i + double(k));
     pg[i] = static_cast<float>(f * share);
   }
   return g;
@@ -64,8 +68,8 @@ struct StepLog {
 // `poison`: at that update, global replica `poison_replica` puts an inf into
 // its gradient (loss-scaling tests). Gradients are passed in reverse
 // creation order (apply_gradients must not depend on the order given).
-inline StepLog train(ds::Strategy& s, ds::Optimizer& opt, const std::vector<ds::Variable>& vars, int steps,
-                     int64_t poison = -1, int poison_replica = 0) {
+inline StepLog train(ds::Strategy& s, ds::Optimizer& opt, const std::vector<ds::Variable>& vars,
+                     int steps, int64_t poison = -1, int poison_replica = 0) {
   StepLog log;
   const int64_t first = opt.iterations().value().data<int64_t>()[0];
   for (int n = 0; n < steps; ++n) {
@@ -74,7 +78,8 @@ inline StepLog train(ds::Strategy& s, ds::Optimizer& opt, const std::vector<ds::
     s.run([&](ds::ReplicaContext& ctx) {
       std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
       for (size_t k = vars.size(); k-- > 0;) {
-        ds::Tensor g = replica_grad(vars[k].read(ctx), k, step, ctx.replica_id(), ctx.num_replicas_in_sync());
+        ds::Tensor g =
+            replica_grad(vars[k].read(ctx), k, step, ctx.replica_id(), ctx.num_replicas_in_sync());
         if (opt.loss_scaling()) {
           float* p = g.data<float>();
           for (int64_t i = 0; i < g.num_elements(); ++i) p[i] *= opt.loss_scale(ctx);

@@ -20,7 +20,9 @@ int main() {
   params[0].data<float>()[1] = 5.0f;
   ds::broadcast_tensors(pg, params, 0, {"w"});
   pg.all_reduce(params[0], ds::ReduceOp::kSum, "w");
-  const bool ok = sums[0] == 3.0f && sums[1] == 3.0f && pg.size() == 1 && params[0].data<float>()[1] == 5.0f;
-  std::printf("consumer: diststrat %s, sum=%g %s\n", DISTSTRAT_VERSION, sums[0], ok ? "ok" : "WRONG");
+  const bool ok =
+      sums[0] == 3.0f && sums[1] == 3.0f && pg.size() == 1 && params[0].data<float>()[1] == 5.0f;
+  std::printf("consumer: diststrat %s, sum=%g %s\n", DISTSTRAT_VERSION, sums[0],
+              ok ? "ok" : "WRONG");
   return ok ? 0 : 1;
 }

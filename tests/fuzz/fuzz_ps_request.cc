@@ -35,7 +35,8 @@ i128 elements(const diststrat::Shape& s) {
 
 i128 bytes_of(const ps::Entry& e) {
   check(e.dtype >= 0 && e.dtype <= static_cast<int32_t>(diststrat::DType::kInt64));
-  return elements(e.shape) * static_cast<i128>(diststrat::dtype_size(static_cast<diststrat::DType>(e.dtype)));
+  return elements(e.shape) *
+         static_cast<i128>(diststrat::dtype_size(static_cast<diststrat::DType>(e.dtype)));
 }
 
 // The invariants of a request decode_request accepted.
@@ -56,33 +57,45 @@ void check_request(const ps::DecodedRequest& q) {
     check(bytes_of(e) <= ps::kMaxMessageBytes);
     const i128 ids = e.sparse ? i128{e.num_ids} * 8 : 0;
     switch (q.op) {
-      case ps::Op::kPull: payload += ids; break;
+      case ps::Op::kPull:
+        payload += ids;
+        break;
       case ps::Op::kPush:
         if (e.sparse) check(e.shape.rank() >= 1 && e.shape[0] == e.num_ids);
         payload += ids + bytes_of(e);
         break;
-      case ps::Op::kAssign: check(!e.sparse); payload += bytes_of(e); break;
+      case ps::Op::kAssign:
+        check(!e.sparse);
+        payload += bytes_of(e);
+        break;
       case ps::Op::kRestore: {
         check(!e.sparse && q.restore.size() == q.entries.size());
         const ps::RestoreSpec& r = q.restore[i];
         check(r.step >= -1 && r.slots.size() <= static_cast<size_t>(ps::kMaxSlots));
-        payload += (r.has_value ? bytes_of(e) : 0) + elements(e.shape) * 4 * static_cast<i128>(r.slots.size());
+        payload += (r.has_value ? bytes_of(e) : 0) +
+                   elements(e.shape) * 4 * static_cast<i128>(r.slots.size());
         break;
       }
-      case ps::Op::kReadSlots: check(!e.sparse && q.slot_of.size() == q.entries.size()); break;
-      case ps::Op::kRule: break;  // names shards, no payload
-      default: check(false);  // no other op has entries
+      case ps::Op::kReadSlots:
+        check(!e.sparse && q.slot_of.size() == q.entries.size());
+        break;
+      case ps::Op::kRule:
+        break;  // names shards, no payload
+      default:
+        check(false);  // no other op has entries
     }
   }
   switch (q.op) {
     case ps::Op::kCreate: {
       const ps::CreateSpec& c = q.create;
-      check(c.var_id >= 0 && c.num_shards >= 1 && c.shard_index >= 0 && c.shard_index < c.num_shards);
+      check(c.var_id >= 0 && c.num_shards >= 1 && c.shard_index >= 0 &&
+            c.shard_index < c.num_shards);
       if (c.full_shape.rank() >= 1) {
         check(c.row_offset >= 0 && c.rows >= 0 && i128{c.row_offset} + c.rows <= c.full_shape[0]);
         check(c.shard_shape.rank() == c.full_shape.rank() && c.shard_shape[0] == c.rows);
       }
-      const i128 value = elements(c.shard_shape) * diststrat::dtype_size(static_cast<diststrat::DType>(c.dtype));
+      const i128 value =
+          elements(c.shard_shape) * diststrat::dtype_size(static_cast<diststrat::DType>(c.dtype));
       check(value <= ps::kMaxMessageBytes);
       payload = c.has_value ? value : 0;
       check(h.reply_bytes == 0);
@@ -99,7 +112,8 @@ void check_request(const ps::DecodedRequest& q) {
       check(h.reply_bytes == 8);
       if (q.op == ps::Op::kSave) {
         // A stem, never a path.
-        check(ps::valid_file_stem(q.stem) && q.stem.find('/') == std::string::npos && q.stem[0] != '.');
+        check(ps::valid_file_stem(q.stem) && q.stem.find('/') == std::string::npos &&
+              q.stem[0] != '.');
       }
       break;
     case ps::Op::kPush:
@@ -113,12 +127,15 @@ void check_request(const ps::DecodedRequest& q) {
     case ps::Op::kRestore:
     case ps::Op::kBarrier:
     case ps::Op::kDone:
-    case ps::Op::kAlive: check(h.reply_bytes == 0); break;
+    case ps::Op::kAlive:
+      check(h.reply_bytes == 0);
+      break;
     case ps::Op::kAbort:
       check(!q.reason.empty() && q.reason.size() <= static_cast<size_t>(ps::kMaxStringBytes));
       check(h.reply_bytes == 0);
       break;
-    default: break;
+    default:
+      break;
   }
   check(payload == h.payload_bytes);
 }

@@ -58,7 +58,8 @@ class Input {
   Input(const uint8_t* d, size_t n) : d_(d), n_(n) {}
   bool empty() const { return i_ >= n_; }
   uint8_t byte() { return i_ < n_ ? d_[i_++] : 0; }
-  template <typename T> T get() {
+  template <typename T>
+  T get() {
     T v{};
     uint8_t b[sizeof(T)] = {};
     for (auto& x : b) x = byte();
@@ -73,9 +74,20 @@ class Input {
   }
   // A size worth trying: small, at a boundary, or huge.
   int64_t size() {
-    static const int64_t kInteresting[] = {0, 4, 8, 16, 24, 40, kMaxBroadcast, kMaxBroadcast + 1,
-                                           int64_t{1} << 20, int64_t{2} << 30, int64_t{1} << 40,
-                                           (int64_t{1} << 40) + 1, -1, INT64_MAX};
+    static const int64_t kInteresting[] = {0,
+                                           4,
+                                           8,
+                                           16,
+                                           24,
+                                           40,
+                                           kMaxBroadcast,
+                                           kMaxBroadcast + 1,
+                                           int64_t{1} << 20,
+                                           int64_t{2} << 30,
+                                           int64_t{1} << 40,
+                                           (int64_t{1} << 40) + 1,
+                                           -1,
+                                           INT64_MAX};
     const uint8_t k = byte();
     if (k < 128) return k % 64;
     return kInteresting[k % (sizeof kInteresting / sizeof kInteresting[0])];
@@ -130,7 +142,8 @@ class Harness {
     Sent& m = *keep_.back();
     ds::Transport& t = group_.at(m.worker);
     sends_.push_back(t.send(kPs, m.control.data(), m.control.size(), ps::kRequestTag));
-    if (!m.payload.empty()) sends_.push_back(t.send(kPs, m.payload.data(), m.payload.size(), ps::kRequestPayloadTag));
+    if (!m.payload.empty())
+      sends_.push_back(t.send(kPs, m.payload.data(), m.payload.size(), ps::kRequestPayloadTag));
     const auto deadline = ds::Clock::now() + std::chrono::seconds(10);  // a hang is a finding
     auto h = std::make_shared<ps::ReplyHeader>();
     t.recv(kPs, h.get(), sizeof *h, ps::kReplyTag).wait(deadline);
@@ -140,7 +153,8 @@ class Harness {
       t.recv(kPs, &text[0], text.size(), ps::kReplyErrorTag).wait(deadline);
     }
     // Replies are exactly what the request expects (the driver keeps that small).
-    check(h->payload_bytes == std::max<int64_t>(0, std::min<int64_t>(m.h.reply_bytes, ps::kMaxMessageBytes)) ||
+    check(h->payload_bytes ==
+              std::max<int64_t>(0, std::min<int64_t>(m.h.reply_bytes, ps::kMaxMessageBytes)) ||
           h->payload_bytes == 0);
     if (h->payload_bytes > 0) {
       std::vector<char> p(static_cast<size_t>(h->payload_bytes));
@@ -210,7 +224,8 @@ std::vector<float> floats_of(const ps::Service& s) {
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 std::string scratch_dir() {
@@ -223,8 +238,8 @@ std::string scratch_dir() {
   return dir;
 }
 
-void write_entry(ps::Writer& w, int64_t id, const std::string& name, const ds::Shape& shape, bool sparse,
-                 int64_t ids) {
+void write_entry(ps::Writer& w, int64_t id, const std::string& name, const ds::Shape& shape,
+                 bool sparse, int64_t ids) {
   ps::Entry e;
   e.var_id = id;
   e.name = name;
@@ -268,7 +283,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         h.op = static_cast<uint16_t>(ps::Op::kCreate);
         const bool value = worker == 0 || (in.byte() & 1);
         w.put<int64_t>(vid).put_string(v.name).put<int32_t>(0).put_shape(v.shape);
-        w.put<int64_t>(0).put<int64_t>(1).put<int64_t>(0).put<int64_t>(v.shape.rank() ? v.shape[0] : 1);
+        w.put<int64_t>(0).put<int64_t>(1).put<int64_t>(0).put<int64_t>(v.shape.rank() ? v.shape[0]
+                                                                                      : 1);
         w.put<uint8_t>(value ? 1 : 0);
         if (value) {
           for (int64_t k = 0; k < v.shape.num_elements(); ++k) {
@@ -285,7 +301,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         ps::OptimizerConfig c;
         c.name = (in.byte() & 1) ? "sgd" : "adam";
         const size_t np = (c.name == "sgd" ? 3 : 4) + (in.byte() % 8 == 0 ? in.byte() % 12 : 0);
-        for (size_t k = 0; k < np; ++k) c.params.push_back(in.byte() < 200 ? in.byte() / 256.0 : in.get<double>());
+        for (size_t k = 0; k < np; ++k)
+          c.params.push_back(in.byte() < 200 ? in.byte() / 256.0 : in.get<double>());
         ps::write_config(w, c);
         w.put<int64_t>(1);
         write_entry(w, vid, v.name, {}, false, 0);
@@ -311,8 +328,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         write_entry(w, vid, v.name, g, sparse, ids);
         for (int64_t k = 0; k < g.num_elements(); ++k) {
           const uint8_t b = in.byte();
-          const float f = b == 255 ? NAN : b == 254 ? INFINITY : b == 253 ? -INFINITY
-                        : b == 252 ? in.get<float>() : static_cast<float>(b) / 16.0f;
+          const float f = b == 255   ? NAN
+                          : b == 254 ? INFINITY
+                          : b == 253 ? -INFINITY
+                          : b == 252 ? in.get<float>()
+                                     : static_cast<float>(b) / 16.0f;
           s.nonfinite_push |= !std::isfinite(f);
           const char* p = reinterpret_cast<const char*>(&f);
           payload.insert(payload.end(), p, p + 4);
@@ -329,7 +349,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case 5: {  // a save naming any "stem": paths, "..", NULs
         h.op = static_cast<uint16_t>(ps::Op::kSave);
         std::string stem = in.str(24);
-        static const char* const kNames[] = {"model", "../victim", "/tmp/x", "..", "a/b", ".x", "ckpt-1"};
+        static const char* const kNames[] = {"model", "../victim", "/tmp/x", "..",
+                                             "a/b",   ".x",        "ckpt-1"};
         if (stem.empty() || (in.byte() & 1)) stem = kNames[in.byte() % 7];
         w.put_string(stem).put<uint64_t>(in.get<uint64_t>());
         static const char* const kDirs[] = {"", "/tmp", "..", ""};
@@ -390,13 +411,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
     }
-    if (h.op != static_cast<uint16_t>(ps::Op::kBroadcast)) h.payload_bytes = static_cast<int64_t>(payload.size());
+    if (h.op != static_cast<uint16_t>(ps::Op::kBroadcast))
+      h.payload_bytes = static_cast<int64_t>(payload.size());
     // The PS incarnation as a Client stamps it, or (rarely) none or a wrong one.
     const uint8_t pi = in.byte();
     h.ps_incarnation = pi < 240 ? hs.ps_incarnation_ : pi < 248 ? 0 : hs.ps_incarnation_ + 1;
     s.control.resize(sizeof h + w.bytes().size());
     std::memcpy(s.control.data(), &h, sizeof h);
-    if (!w.bytes().empty()) std::memcpy(s.control.data() + sizeof h, w.bytes().data(), w.bytes().size());
+    if (!w.bytes().empty())
+      std::memcpy(s.control.data() + sizeof h, w.bytes().data(), w.bytes().size());
     s.payload = payload;
 
     const std::vector<float> before = floats_of(hs.service());
@@ -418,10 +441,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         ++accepted_pushes;
         check(!s.nonfinite_push);  // a non-finite gradient is never accepted
       }
-      if (op == ps::Op::kBroadcast) check(h.payload_bytes <= kMaxBroadcast && h.reply_bytes <= kMaxBroadcast);
+      if (op == ps::Op::kBroadcast)
+        check(h.payload_bytes <= kMaxBroadcast && h.reply_bytes <= kMaxBroadcast);
     }
-    if (op == ps::Op::kPush && s.nonfinite_push) check(same_bits(before, after) && version_after == version_before);
-    if (op == ps::Op::kPull || op == ps::Op::kSave || op == ps::Op::kBroadcast) check(same_bits(before, after));
+    if (op == ps::Op::kPush && s.nonfinite_push)
+      check(same_bits(before, after) && version_after == version_before);
+    if (op == ps::Op::kPull || op == ps::Op::kSave || op == ps::Op::kBroadcast)
+      check(same_bits(before, after));
     check(version_after <= accepted_pushes);
     sent.push_back(std::make_shared<Sent>(s));
     // Nothing but the checkpoint directory, and only derived names in it.
@@ -429,7 +455,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     list_files(dir, "", files);
     for (const std::string& f : files) {
       if (f == "ckpt") continue;
-      check(f.compare(0, 5, "ckpt/") == 0 && f.find('/', 5) == std::string::npos && derived_name(f.substr(5)));
+      check(f.compare(0, 5, "ckpt/") == 0 && f.find('/', 5) == std::string::npos &&
+            derived_name(f.substr(5)));
     }
   }
   return 0;

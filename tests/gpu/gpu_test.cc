@@ -43,9 +43,9 @@ std::string no_gpu_reason() {
   return "";
 }
 
-#define SKIP_WITHOUT_GPU()                                        \
-  do {                                                            \
-    const std::string why = no_gpu_reason();                      \
+#define SKIP_WITHOUT_GPU()                                         \
+  do {                                                             \
+    const std::string why = no_gpu_reason();                       \
     if (!why.empty()) GTEST_SKIP() << "GPU test skipped: " << why; \
   } while (0)
 
@@ -97,7 +97,9 @@ TEST(GpuErrors, BackendFailuresBecomeDiststratErrorsWithCallStringFileAndLine) {
     FAIL();
   } catch (const ds::ResourceExhaustedError& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("CUDA call cudaErrorMemoryAllocation failed: out of memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("CUDA call cudaErrorMemoryAllocation failed: out of memory"),
+              std::string::npos)
+        << m;
     EXPECT_NE(m.find("gpu_test.cc:"), std::string::npos) << m;
   }
   try {
@@ -110,7 +112,8 @@ TEST(GpuErrors, BackendFailuresBecomeDiststratErrorsWithCallStringFileAndLine) {
     DISTSTRAT_CUBLAS_CHECK(CUBLAS_STATUS_ALLOC_FAILED);
     FAIL();
   } catch (const ds::ResourceExhaustedError& e) {
-    EXPECT_NE(std::string(e.what()).find("CUBLAS_STATUS_ALLOC_FAILED"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CUBLAS_STATUS_ALLOC_FAILED"), std::string::npos)
+        << e.what();
   }
   EXPECT_NO_THROW(DISTSTRAT_CUBLAS_CHECK(CUBLAS_STATUS_SUCCESS));
 #if DISTSTRAT_TEST_NCCL
@@ -235,7 +238,8 @@ TEST(GpuKernels, ReduceMatchesTheHostKernelsForEveryDtypeAndOp) {
   ds::GpuBackend& b = dm->impl().require_backend("test");
   for (ds::DType dt : {ds::DType::kFloat32, ds::DType::kFloat16, ds::DType::kBFloat16,
                        ds::DType::kFloat64, ds::DType::kInt32, ds::DType::kInt64}) {
-    for (int64_t count : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{(1 << 20) + 3}}) {
+    for (int64_t count :
+         {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{(1 << 20) + 3}}) {
       const int n = 3;
       std::vector<ds::Tensor> host, dev;
       std::vector<const void*> hp, dp;
@@ -262,14 +266,21 @@ TEST(GpuKernels, ReduceMatchesTheHostKernelsForEveryDtypeAndOp) {
         // Compared through f32: f16/bf16 results may differ by one rounding.
         auto as_f32 = [&](const ds::Tensor& t, int64_t i) -> float {
           switch (dt) {
-            case ds::DType::kFloat32: return t.data<float>()[i];
-            case ds::DType::kFloat64: return static_cast<float>(t.data<double>()[i]);
-            case ds::DType::kFloat16: return static_cast<float>(t.data<ds::Half>()[i]);
-            case ds::DType::kBFloat16: return static_cast<float>(t.data<ds::BFloat16>()[i]);
-            default: return 0.0f;
+            case ds::DType::kFloat32:
+              return t.data<float>()[i];
+            case ds::DType::kFloat64:
+              return static_cast<float>(t.data<double>()[i]);
+            case ds::DType::kFloat16:
+              return static_cast<float>(t.data<ds::Half>()[i]);
+            case ds::DType::kBFloat16:
+              return static_cast<float>(t.data<ds::BFloat16>()[i]);
+            default:
+              return 0.0f;
           }
         };
-        const double tol = dt == ds::DType::kBFloat16 ? 1e-2 : dt == ds::DType::kFloat16 ? 2e-3 : 1e-5;
+        const double tol = dt == ds::DType::kBFloat16  ? 1e-2
+                           : dt == ds::DType::kFloat16 ? 2e-3
+                                                       : 1e-5;
         for (int64_t i = 0; i < count; ++i) {
           const double c = as_f32(want, i);
           ASSERT_NEAR(as_f32(got, i), c, tol * (1 + std::fabs(c))) << what << " [" << i << "]";
@@ -302,7 +313,8 @@ TEST(GpuLayers, DenseReluSoftmaxForwardAndBackwardMatchTheCpu) {
   // GPU.
   ds::Tensor gx = to_device(x, d), gw = to_device(w, d), gb = to_device(b, d),
              gl = to_device(labels, d);
-  ds::Tensor gy(ds::Shape{n, out}, ds::DType::kFloat32, d), gdy(ds::Shape{n, out}, ds::DType::kFloat32, d);
+  ds::Tensor gy(ds::Shape{n, out}, ds::DType::kFloat32, d),
+      gdy(ds::Shape{n, out}, ds::DType::kFloat32, d);
   ds::nn::dense_forward(gx, gw, gb, gy);
   ds::nn::relu_forward(gy, gy);
   EXPECT_NEAR(ds::nn::softmax_cross_entropy(gy, gl, gdy, 1.0f / n), loss, 1e-4 * (1 + loss));
@@ -329,8 +341,10 @@ std::vector<ds::Tensor> train(ds::MirroredOptions o, bool adam, int steps) {
   ds::nn::Mlp mlp({784, 64, 10});
   auto vars = mlp.create_variables(s, 3);
   std::unique_ptr<ds::Optimizer> opt;
-  if (adam) opt = std::make_unique<ds::Adam>(s, ds::AdamOptions{0.01f});
-  else opt = std::make_unique<ds::SGD>(s, ds::SGDOptions{0.05f, 0.9f, true});
+  if (adam)
+    opt = std::make_unique<ds::Adam>(s, ds::AdamOptions{0.01f});
+  else
+    opt = std::make_unique<ds::SGD>(s, ds::SGDOptions{0.05f, 0.9f, true});
   ds::Tensor x = random_host({128, 784}, 5), y(ds::Shape{128}, ds::DType::kInt32);
   for (int i = 0; i < 128; ++i) y.data<int32_t>()[i] = (i * 7) % 10;
   auto dist = s.distribute(ds::Dataset(x, y), 32);
@@ -377,14 +391,16 @@ TEST(GpuMirrored, OneGpuAndTwoLogicalGpusTrainLikeTheCpu) {
     g2.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
     g2.device_manager = dm;
     const auto got2 = train(g2, adam, 8);
-    for (size_t i = 0; i < got2.size(); ++i) expect_close(got2[i], want2[i], 2e-3, "2 logical GPUs");
+    for (size_t i = 0; i < got2.size(); ++i)
+      expect_close(got2[i], want2[i], 2e-3, "2 logical GPUs");
   }
 }
 
 // The other strategies on two logical GPUs of GPU 0 against the same
 // strategy on two CPU devices (SGD with momentum).
 namespace {
-std::vector<ds::Tensor> train_under(ds::Strategy& s, int steps, const std::function<void()>& sync = nullptr) {
+std::vector<ds::Tensor> train_under(ds::Strategy& s, int steps,
+                                    const std::function<void()>& sync = nullptr) {
   ds::nn::Mlp mlp({784, 64, 10});
   auto vars = mlp.create_variables(s, 3);
   ds::SGD opt(s, ds::SGDOptions{0.05f, 0.9f});
@@ -396,7 +412,8 @@ std::vector<ds::Tensor> train_under(ds::Strategy& s, int steps, const std::funct
     s.run([&](ds::ReplicaContext& ctx) {
       std::vector<ds::Tensor> p;
       for (auto& v : vars) p.push_back(v.read(ctx));
-      auto st = mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx), 1.0f / batch.global_size());
+      auto st = mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx),
+                                     1.0f / batch.global_size());
       std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
       for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
       opt.apply_gradients(ctx, gv);
@@ -456,7 +473,8 @@ TEST(GpuStrategies, CentralStorageMultiWorkerAndPsWorkersTrainLikeTheCpu) {
     o.device_manager = two_logical_gpus();
     ds::ParameterServerStrategy g(o);
     const auto got = train_under(g, 8, [&] { g.flush(); });
-    for (size_t i = 0; i < got.size(); ++i) expect_close(got[i], want[i], 2e-3, "parameter server worker");
+    for (size_t i = 0; i < got.size(); ++i)
+      expect_close(got[i], want[i], 2e-3, "parameter server worker");
   }
 }
 
@@ -495,14 +513,16 @@ TEST(GpuCollectives, SharedDeviceAllReduceAndErrorsThroughMirrored) {
   for (int64_t count : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{(1 << 20) + 5}}) {
     s.run([&](ds::ReplicaContext& ctx) {
       ds::Tensor h(ds::Shape{count}, ds::DType::kFloat32);
-      for (int64_t i = 0; i < count; ++i) h.data<float>()[i] = static_cast<float>(ctx.replica_id() + 1) * (i % 5);
+      for (int64_t i = 0; i < count; ++i)
+        h.data<float>()[i] = static_cast<float>(ctx.replica_id() + 1) * (i % 5);
       ds::Tensor t(h.shape(), h.dtype(), ctx.device());
       t.copy_from(h);
       std::vector<ds::Tensor> v{t};
       ctx.all_reduce(ds::ReduceOp::kMean, v, {"t"});
       h.copy_from(v[0]);
       for (int64_t i = 0; i < count; i += std::max<int64_t>(1, count / 97)) {
-        ASSERT_FLOAT_EQ(h.data<float>()[i], 2.0f * (i % 5)) << "count " << count << " [" << i << "]";
+        ASSERT_FLOAT_EQ(h.data<float>()[i], 2.0f * (i % 5))
+            << "count " << count << " [" << i << "]";
       }
       ds::Tensor g = ctx.all_gather(t.reshape(ds::Shape{count, 1}), "g");
       EXPECT_EQ(g.shape()[0], 3 * count);
@@ -513,14 +533,16 @@ TEST(GpuCollectives, SharedDeviceAllReduceAndErrorsThroughMirrored) {
     ds::Tensor t(ds::Shape{ctx.replica_id() == 1 ? 5 : 4}, ds::DType::kFloat32, ctx.device());
     std::vector<ds::Tensor> v{t};
     ctx.all_reduce(ds::ReduceOp::kSum, v, {"mismatch"});
-  }), ds::Error);
+  }),
+               ds::Error);
   // A replica that never joins: the others hit the deadline.
   EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
     if (ctx.replica_id() == 2) return;
     ds::Tensor t(ds::Shape{4}, ds::DType::kFloat32, ctx.device());
     std::vector<ds::Tensor> v{t};
     ctx.all_reduce(ds::ReduceOp::kSum, v, {"lonely"});
-  }), ds::DeadlineExceededError);
+  }),
+               ds::DeadlineExceededError);
   // The group works again afterwards.
   s.run([&](ds::ReplicaContext& ctx) {
     ds::Tensor t(ds::Shape{4}, ds::DType::kFloat32, ctx.device());
@@ -551,7 +573,8 @@ TEST(GpuCollectives, SharedDeviceBroadcastAllGatherReduceScatter) {
         sc.stream = streams[r];
         ds::ScopedExec scoped(sc);
         ds::Tensor h(ds::Shape{n * count}, ds::DType::kFloat32);
-        for (int64_t i = 0; i < n * count; ++i) h.data<float>()[i] = static_cast<float>(r * 100000 + i);
+        for (int64_t i = 0; i < n * count; ++i)
+          h.data<float>()[i] = static_cast<float>(r * 100000 + i);
         ds::Tensor in = to_device(h, ds::Device::gpu(0));
         ds::Tensor out(ds::Shape{n * count}, ds::DType::kFloat32, ds::Device::gpu(0));
         ds::Communicator& c = *comms[r];
@@ -564,11 +587,13 @@ TEST(GpuCollectives, SharedDeviceBroadcastAllGatherReduceScatter) {
         c.all_gather(in.data(), out.data(), count, ds::DType::kFloat32, "ag");
         got = to_host(out);
         for (int k = 0; k < n; ++k) {
-          if (got.data<float>()[k * count + 5] != static_cast<float>(k * 100000 + 5)) throw std::runtime_error("all_gather");
+          if (got.data<float>()[k * count + 5] != static_cast<float>(k * 100000 + 5))
+            throw std::runtime_error("all_gather");
         }
         // reduce_scatter: block r of the sum over ranks
         ds::Tensor rs(ds::Shape{count}, ds::DType::kFloat32, ds::Device::gpu(0));
-        c.reduce_scatter(in.data(), rs.data(), count, ds::DType::kFloat32, ds::ReduceOp::kSum, "rs");
+        c.reduce_scatter(in.data(), rs.data(), count, ds::DType::kFloat32, ds::ReduceOp::kSum,
+                         "rs");
         got = to_host(rs);
         const float want = static_cast<float>((0 + 1 + 2) * 100000 + n * (r * count + 9));
         if (got.data<float>()[9] != want) throw std::runtime_error("reduce_scatter");
@@ -649,9 +674,9 @@ TEST(GpuRuntime, EventAndStreamWaitsEndAtTheirDeadlineNamingTheWork) {
   } catch (const ds::DeadlineExceededError& e) {
     EXPECT_NE(std::string(e.what()).find("rank 0 test copy 'w'"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(b.synchronize(0, s, ds::DeadlineClock::now() + std::chrono::milliseconds(100),
-                             "held stream"),
-               ds::DeadlineExceededError);
+  EXPECT_THROW(
+      b.synchronize(0, s, ds::DeadlineClock::now() + std::chrono::milliseconds(100), "held stream"),
+      ds::DeadlineExceededError);
   EXPECT_LT(seconds_since(t0), 5.0);
   go = true;
   ds::gpu::wait_event(ev, ds::DeadlineClock::now() + std::chrono::seconds(30), "released");
@@ -670,7 +695,10 @@ TEST(GpuRuntime, TheBackendDestructorDoesNotBlockOnADeviceThatDoesNotDrain) {
   const std::string saved = old ? old : "";
   setenv("DISTSTRAT_TIMEOUT", "0.2", 1);  // read by the backend's constructor
   std::unique_ptr<ds::GpuBackend> b = ds::make_default_gpu_backend();
-  if (old) setenv("DISTSTRAT_TIMEOUT", saved.c_str(), 1); else unsetenv("DISTSTRAT_TIMEOUT");
+  if (old)
+    setenv("DISTSTRAT_TIMEOUT", saved.c_str(), 1);
+  else
+    unsetenv("DISTSTRAT_TIMEOUT");
   const int64_t n = 8;
   void* mem = b->raw_malloc(0, 4 * n * n * sizeof(float));
   ASSERT_NE(mem, nullptr);
@@ -819,7 +847,8 @@ TEST(GpuTraining, ListKernelsMatchTheHostArithmeticAndSumsAreDeterministic) {
   ds::Tensor scale_host(ds::Shape{1}, ds::DType::kFloat32);
   scale_host.data<float>()[0] = scale_value;
   const ds::Tensor scale = to_device(scale_host, d);
-  ds::Tensor work(ds::Shape{n + n * int64_t(ds::GpuBackend::kSumOfSquaresScratch)}, ds::DType::kFloat64, d);
+  ds::Tensor work(ds::Shape{n + n * int64_t(ds::GpuBackend::kSumOfSquaresScratch)},
+                  ds::DType::kFloat64, d);
   double* sums = work.data<double>();
   b.sum_of_squares(0, nullptr, in.data(), counts.data(), n, scale.data<float>(), sums, sums + n);
   std::vector<double> got(n), again(n);
@@ -861,7 +890,8 @@ TEST(GpuTraining, ListKernelsMatchTheHostArithmeticAndSumsAreDeterministic) {
         float x = host[i].data<float>()[j] * inv;
         if (f != 1.0f) x *= f;
         if (clip_value > 0) x = std::min(clip_value, std::max(-clip_value, x));
-        ASSERT_NEAR(o.data<float>()[j], x, 1e-6f * std::fabs(x)) << "mode " << mode << " tensor " << i;
+        ASSERT_NEAR(o.data<float>()[j], x, 1e-6f * std::fabs(x))
+            << "mode " << mode << " tensor " << i;
       }
     }
   }
@@ -945,7 +975,8 @@ TfRun tf_train(bool gpu, const TfConfig& c) {
     for (size_t k = 0; k < vars.size(); ++k) second[k] = to_host(vars[k].read(ctx));
   });
   for (size_t k = 0; k < vars.size(); ++k) {
-    EXPECT_EQ(0, std::memcmp(second[k].data(), run.weights[k].data(), second[k].nbytes())) << vars[k].name();
+    EXPECT_EQ(0, std::memcmp(second[k].data(), run.weights[k].data(), second[k].nbytes()))
+        << vars[k].name();
   }
   if (c.loss_scale) run.final_scale = s.variable("optimizer/loss_scale").value().data<float>()[0];
   return run;
@@ -991,7 +1022,8 @@ TEST(GpuTraining, ClippingLossScalingAccumulationAndZeroOnGpuVariablesTrainLikeT
     const TfRun got = tf_train(true, k.c);
     EXPECT_EQ(got.skipped, want.skipped);
     EXPECT_EQ(got.final_scale, want.final_scale);
-    for (size_t i = 0; i < want.weights.size(); ++i) expect_close(got.weights[i], want.weights[i], 1e-5, k.name);
+    for (size_t i = 0; i < want.weights.size(); ++i)
+      expect_close(got.weights[i], want.weights[i], 1e-5, k.name);
   }
 }
 // ==== end of the training-feature tests ====

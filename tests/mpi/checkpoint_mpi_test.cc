@@ -19,8 +19,11 @@ namespace {
 
 struct MwTrainee {
   explicit MwTrainee(uint64_t seed)
-      : strategy(opts()), mlp({6, 5, 3}), params(mlp.create_variables(strategy, seed)),
-        opt(strategy, {0.1f, 0.9f}), ckpt(strategy, {&opt}) {}
+      : strategy(opts()),
+        mlp({6, 5, 3}),
+        params(mlp.create_variables(strategy, seed)),
+        opt(strategy, {0.1f, 0.9f}),
+        ckpt(strategy, {&opt}) {}
   static ds::MultiWorkerOptions opts() {
     ds::MultiWorkerOptions o;
     o.devices = {ds::Device::cpu(0)};
@@ -28,7 +31,8 @@ struct MwTrainee {
     return o;
   }
   void train(int steps, uint64_t seed) {
-    ds::testing::mlp_train(strategy, mlp, params, opt, 4 * strategy.num_replicas_in_sync(), steps, seed);
+    ds::testing::mlp_train(strategy, mlp, params, opt, 4 * strategy.num_replicas_in_sync(), steps,
+                           seed);
   }
   ds::MultiWorkerMirroredStrategy strategy;
   ds::nn::Mlp mlp;
@@ -96,15 +100,17 @@ TEST(CheckpointMpi, MultiWorkerSyncOnReadCountersSurviveFiveSaveRestoreCycles) {
   s.run([&](ds::ReplicaContext& ctx) {
     for (ds::Variable& v : vars) {
       ds::Tensor t = v.read(ctx);
-      if (t.dtype() == ds::DType::kFloat32) t.data<float>()[0] += 5.0f + float(ctx.replica_id());
-      else t.data<int64_t>()[0] += 5 + ctx.replica_id();
+      if (t.dtype() == ds::DType::kFloat32)
+        t.data<float>()[0] += 5.0f + float(ctx.replica_id());
+      else
+        t.data<int64_t>()[0] += 5 + ctx.replica_id();
     }
   });
   std::vector<double> before;
   for (ds::Variable& v : vars) before.push_back(scalar(v.value()));
   EXPECT_EQ(before[0], 5.0 * n + n * (n - 1) / 2.0);  // sum
-  EXPECT_EQ(before[2], 5.0 + (n - 1) / 2.0);           // mean
-  EXPECT_EQ(before[4], 5.0);                           // replica 0's
+  EXPECT_EQ(before[2], 5.0 + (n - 1) / 2.0);          // mean
+  EXPECT_EQ(before[4], 5.0);                          // replica 0's
   ds::Checkpoint ckpt(s);
   for (int cycle = 0; cycle < 5; ++cycle) {
     const std::string path = std::string(dir) + "/c" + std::to_string(cycle) + ".safetensors";
@@ -117,8 +123,10 @@ TEST(CheckpointMpi, MultiWorkerSyncOnReadCountersSurviveFiveSaveRestoreCycles) {
   }
   for (ds::Variable& v : vars) {
     ds::Tensor ten(ds::Shape{}, v.dtype());
-    if (v.dtype() == ds::DType::kFloat32) ten.data<float>()[0] = 10.0f;
-    else ten.data<int64_t>()[0] = 10;
+    if (v.dtype() == ds::DType::kFloat32)
+      ten.data<float>()[0] = 10.0f;
+    else
+      ten.data<int64_t>()[0] = 10;
     v.assign(ten);
     EXPECT_EQ(scalar(v.value()), 10.0) << "rank " << rank << " '" << v.name() << "': assign(10)";
   }

@@ -98,7 +98,8 @@ INSTANTIATE_TEST_SUITE_P(
 class MpiRegisteredBuffers : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MpiRegisteredBuffers, MatchClosedFormWhetherAllOrSomeRanksRegister) {
-  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(GetParam().algorithm, GetParam().segment));
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD,
+                                        options_for(GetParam().algorithm, GetParam().segment));
   const int n = comm->size(), me = comm->rank();
   const size_t max_bytes = (1 << 20) * 8 + 64;
   auto in_buf = comm->allocate_buffer(max_bytes);
@@ -107,7 +108,8 @@ TEST_P(MpiRegisteredBuffers, MatchClosedFormWhetherAllOrSomeRanksRegister) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(in_buf.get()) % 64, 0u);
   enum Mode { kAll, kOnlyRank0, kAllInPlace, kAllAtOffset };
   for (Mode mode : {kAll, kOnlyRank0, kAllInPlace, kAllAtOffset}) {
-    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{5000}, size_t{1} << 20}) {
+    for (size_t count :
+         {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{5000}, size_t{1} << 20}) {
       for (ds::DType dtype : tc::all_dtypes()) {
         for (ds::ReduceOp op : tc::all_ops()) {
           const bool big = count > 5000;  // the large size: two dtypes and ops suffice
@@ -131,7 +133,8 @@ TEST_P(MpiRegisteredBuffers, MatchClosedFormWhetherAllOrSomeRanksRegister) {
               << "mode " << mode << " count " << count << " " << ds::dtype_name(dtype) << " "
               << ds::reduce_op_name(op);
           if (mode != kAllInPlace) {
-            ASSERT_EQ(std::memcmp(in, expected_in.data(), expected_in.size()), 0) << "input modified";
+            ASSERT_EQ(std::memcmp(in, expected_in.data(), expected_in.size()), 0)
+                << "input modified";
           }
         }
       }
@@ -148,7 +151,8 @@ void streaming_size_matches_closed_form(ds::Algorithm algorithm) {
   const size_t bytes = count * sizeof(float);
   auto in_buf = comm->allocate_buffer(bytes + 64);
   auto out_buf = comm->allocate_buffer(bytes + 64);
-  const std::vector<char> expected_in = tc::make_input(me, count, ds::DType::kFloat32, ds::ReduceOp::kSum);
+  const std::vector<char> expected_in =
+      tc::make_input(me, count, ds::DType::kFloat32, ds::ReduceOp::kSum);
   std::vector<char> heap_in(bytes), heap_out(bytes + 64);
   for (bool registered : {true, false}) {
     for (int placement : {0, 1, 2}) {  // out of place, in place, out at +4 bytes
@@ -166,7 +170,6 @@ void streaming_size_matches_closed_form(ds::Algorithm algorithm) {
     }
   }
 }
-
 
 // (Default segments: the 256-byte ones of the sweep above would make this
 // size 131072 staged chunks.)
@@ -190,12 +193,18 @@ TEST(MpiCommunicatorSetUp, DifferentOptionsAreAnErrorOnEveryRankNamingTheField) 
     ds::CommunicationOptions o = options_for(ds::Algorithm::kAuto);
     if (me == n - 1 && variant == 0) o.algorithm = ds::Algorithm::kRing;
     if (me == n - 1 && variant == 1) o.segment_bytes = 4096;
-    const std::string field = variant == 0 ? "algorithm: rank 0 has 'auto', rank " : "segment_bytes: rank 0 has 0, rank ";
+    const std::string field =
+        variant == 0 ? "algorithm: rank 0 has 'auto', rank " : "segment_bytes: rank 0 has 0, rank ";
     try {
       auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, o);
       ADD_FAILURE() << "rank " << me << ": no error";
     } catch (const ds::InvalidArgumentError& e) {
-      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(me) + ": mpi communicator set-up: ranks disagree on CommunicationOptions::" + field + std::to_string(n - 1)), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(
+                    "rank " + std::to_string(me) +
+                    ": mpi communicator set-up: ranks disagree on CommunicationOptions::" + field +
+                    std::to_string(n - 1)),
+                std::string::npos)
+          << e.what();
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }
@@ -224,7 +233,8 @@ TEST(MpiSharedMemory, DifferentCountsAreNamedOnEveryRank) {
     MPI_Barrier(MPI_COMM_WORLD);
     // Usable again once every rank reset it.
     std::vector<float> ok(70000, 1.0f);
-    comm->all_reduce(ok.data(), ok.data(), ok.size(), ds::DType::kFloat32, ds::ReduceOp::kSum, "after");
+    comm->all_reduce(ok.data(), ok.data(), ok.size(), ds::DType::kFloat32, ds::ReduceOp::kSum,
+                     "after");
     EXPECT_EQ(ok[123], static_cast<float>(comm->size()));
   }
 }
@@ -232,7 +242,8 @@ TEST(MpiSharedMemory, DifferentCountsAreNamedOnEveryRank) {
 INSTANTIATE_TEST_SUITE_P(Communicators, MpiRegisteredBuffers,
                          ::testing::Values(Case{ds::Algorithm::kSharedMemory, 0},
                                            Case{ds::Algorithm::kSharedMemory, 256},
-                                           Case{ds::Algorithm::kAuto, 0}, Case{ds::Algorithm::kRing, 0}),
+                                           Case{ds::Algorithm::kAuto, 0},
+                                           Case{ds::Algorithm::kRing, 0}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return std::string(ds::algorithm_name(info.param.algorithm)) +
                                   (info.param.segment ? "_small_segments" : "");
@@ -243,13 +254,14 @@ INSTANTIATE_TEST_SUITE_P(Communicators, MpiRegisteredBuffers,
 class MpiCollectives : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MpiCollectives, BroadcastGatherScatterBarrier) {
-  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(GetParam().algorithm,
-                                                                    GetParam().segment));
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD,
+                                        options_for(GetParam().algorithm, GetParam().segment));
   const int n = comm->size(), me = comm->rank();
   for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{100000}}) {
     for (int root = 0; root < n; ++root) {
       std::vector<int32_t> b(count);
-      for (size_t i = 0; i < count; ++i) b[i] = me == root ? static_cast<int32_t>(i * 3 + root) : -1;
+      for (size_t i = 0; i < count; ++i)
+        b[i] = me == root ? static_cast<int32_t>(i * 3 + root) : -1;
       comm->broadcast(b.data(), count, ds::DType::kInt32, root, "b");
       for (size_t i = 0; i < count; ++i) ASSERT_EQ(b[i], static_cast<int32_t>(i * 3 + root)) << i;
     }
@@ -287,21 +299,21 @@ INSTANTIATE_TEST_SUITE_P(Transports, MpiCollectives,
 // A user-registered algorithm runs over MPI too.
 TEST(MpiCustomAlgorithm, RegisteredAlgorithmRuns) {
   auto registry = std::make_shared<ds::AlgorithmRegistry>();
-  registry->add("gather_to_zero", [](ds::PeerChannel& ch, void* data, size_t count,
-                                     ds::DType dtype, ds::ReduceOp) {
-    const size_t bytes = count * ds::dtype_size(dtype);
-    if (ch.rank() == 0) {
-      std::vector<char> tmp(bytes);
-      for (int r = 1; r < ch.size(); ++r) {
-        ch.recv(r, tmp.data(), bytes);
-        ch.reduce_into(data, tmp.data(), count);
-      }
-      for (int r = 1; r < ch.size(); ++r) ch.send(r, data, bytes);
-    } else {
-      ch.send(0, data, bytes);
-      ch.recv(0, data, bytes);
-    }
-  });
+  registry->add("gather_to_zero",
+                [](ds::PeerChannel& ch, void* data, size_t count, ds::DType dtype, ds::ReduceOp) {
+                  const size_t bytes = count * ds::dtype_size(dtype);
+                  if (ch.rank() == 0) {
+                    std::vector<char> tmp(bytes);
+                    for (int r = 1; r < ch.size(); ++r) {
+                      ch.recv(r, tmp.data(), bytes);
+                      ch.reduce_into(data, tmp.data(), count);
+                    }
+                    for (int r = 1; r < ch.size(); ++r) ch.send(r, data, bytes);
+                  } else {
+                    ch.send(0, data, bytes);
+                    ch.recv(0, data, bytes);
+                  }
+                });
   ds::CommunicationOptions o = options_for(ds::Algorithm::kCustom);
   o.custom_algorithm = "gather_to_zero";
   o.algorithm_registry = registry;
@@ -330,10 +342,12 @@ TEST_P(MpiDeadline, MissingRankIsNamed) {
       const std::string msg = e.message();
       EXPECT_NE(msg.find("rank " + std::to_string(me) + ":"), std::string::npos) << msg;
       EXPECT_NE(msg.find("'grad'"), std::string::npos) << msg;
-      const bool names_missing = msg.find("rank " + std::to_string(missing) + " ") != std::string::npos;
+      const bool names_missing =
+          msg.find("rank " + std::to_string(missing) + " ") != std::string::npos;
       if (GetParam() == ds::Algorithm::kSharedMemory || n == 2) EXPECT_TRUE(names_missing) << msg;
     }
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_LT(waited, 5.0);
   }
   // Everyone (the missing rank after the others gave up) meets again here.

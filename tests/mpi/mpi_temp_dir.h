@@ -20,7 +20,7 @@ namespace diststrat_test {
 inline std::string job_temp_dir(const std::string& prefix) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  std::string text;  // the path, or rank 0's error
+  std::string text;        // the path, or rank 0's error
   int header[2] = {1, 0};  // {made, text size}
   if (rank == 0) {
     try {
@@ -35,7 +35,8 @@ inline std::string job_temp_dir(const std::string& prefix) {
   text.resize(static_cast<size_t>(header[1]));
   MPI_Bcast(&text[0], header[1], MPI_CHAR, 0, MPI_COMM_WORLD);
   if (header[0] == 0) {
-    throw std::runtime_error("rank " + std::to_string(rank) + ": rank 0 could not make the job's directory: " + text);
+    throw std::runtime_error("rank " + std::to_string(rank) +
+                             ": rank 0 could not make the job's directory: " + text);
   }
   return text;
 }

@@ -30,7 +30,8 @@ int world_rank() {
   return r;
 }
 
-ds::MultiWorkerOptions options(int local, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+ds::MultiWorkerOptions options(int local,
+                               std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   ds::MultiWorkerOptions o;
   for (int i = 0; i < local; ++i) o.devices.push_back(ds::Device::cpu(i));
   o.communication.timeout = timeout;
@@ -53,7 +54,8 @@ TEST_P(MultiWorkerMpiEquivalence, SameWeightsAsSingleDeviceAfter20Steps) {
   ds::MultiWorkerMirroredStrategy s(options(local));
   ASSERT_EQ(s.num_replicas_in_sync(), world_size() * local);
   ASSERT_EQ(s.cluster().worker_index, world_rank());
-  if (virtual_nodes() && world_size() % std::atoi(std::getenv("DISTSTRAT_VIRTUAL_NODE_SIZE")) == 0 &&
+  if (virtual_nodes() &&
+      world_size() % std::atoi(std::getenv("DISTSTRAT_VIRTUAL_NODE_SIZE")) == 0 &&
       world_size() > std::atoi(std::getenv("DISTSTRAT_VIRTUAL_NODE_SIZE"))) {
     EXPECT_TRUE(s.hierarchical());
     EXPECT_GT(s.placement().num_nodes, 1);
@@ -75,7 +77,8 @@ INSTANTIATE_TEST_SUITE_P(LocalDevices, MultiWorkerMpiEquivalence, ::testing::Val
 
 TEST(MultiWorkerMpi, FusionOddSizesMixedDtypesEveryPackSize) {
   const std::vector<int64_t> sizes = {1, 7, 0, 1000, 3, 4097, 17, 1, 64, 255, 2, 9};
-  const ds::DType dtypes[] = {ds::DType::kFloat32, ds::DType::kFloat64, ds::DType::kInt32, ds::DType::kInt64};
+  const ds::DType dtypes[] = {ds::DType::kFloat32, ds::DType::kFloat64, ds::DType::kInt32,
+                              ds::DType::kInt64};
   for (size_t bpp : {size_t{0}, size_t{12}, size_t{1} << 30}) {
     ds::MultiWorkerOptions o = options(2);
     o.communication.bytes_per_pack = bpp;
@@ -126,7 +129,8 @@ TEST(MultiWorkerMpi, MismatchIsAnErrorOnEveryRankNamingTheTensor) {
       ADD_FAILURE() << what << ": no error";
     } catch (const ds::InvalidArgumentError& e) {
       EXPECT_NE(e.message().find(expected[v]), std::string::npos) << e.message();
-      EXPECT_NE(e.message().find("rank " + std::to_string(odd_rank)), std::string::npos) << e.message();
+      EXPECT_NE(e.message().find("rank " + std::to_string(odd_rank)), std::string::npos)
+          << e.message();
     }
   }
   // Still in step afterwards.
@@ -179,11 +183,13 @@ TEST(MultiWorkerMpi, ClusterFromTheLauncherAndFromTfConfig) {
 
   // TF_CONFIG with a chief: rank 0 is the chief, the others worker[rank - 1].
   std::string workers;
-  for (int w = 1; w < n; ++w) workers += std::string(w > 1 ? "," : "") + "\"w" + std::to_string(w) + ":1\"";
+  for (int w = 1; w < n; ++w)
+    workers += std::string(w > 1 ? "," : "") + "\"w" + std::to_string(w) + ":1\"";
   const std::string type = me == 0 ? "chief" : "worker";
   const int index = me == 0 ? 0 : me - 1;
-  const std::string tf = R"({"cluster":{"chief":["c:1"],"worker":[)" + workers + R"(]},"task":{"type":")" +
-                         type + R"(","index":)" + std::to_string(index) + "}}";
+  const std::string tf = R"({"cluster":{"chief":["c:1"],"worker":[)" + workers +
+                         R"(]},"task":{"type":")" + type + R"(","index":)" + std::to_string(index) +
+                         "}}";
   setenv("TF_CONFIG", tf.c_str(), 1);
   r = ds::resolve_cluster({});
   EXPECT_EQ(r.source, ds::ClusterSource::kTfConfig);
@@ -208,8 +214,9 @@ TEST(MultiWorkerMpi, ClusterFromTheLauncherAndFromTfConfig) {
     EXPECT_NE(e.message().find("MPI rank " + std::to_string(me)), std::string::npos) << e.message();
   } catch (const ds::AbortedError& e) {
     EXPECT_EQ(me, 0);
-    EXPECT_NE(e.message().find("rank 0: resolve_cluster aborted: rank 1 failed: [kInvalidArgument]"),
-              std::string::npos)
+    EXPECT_NE(
+        e.message().find("rank 0: resolve_cluster aborted: rank 1 failed: [kInvalidArgument]"),
+        std::string::npos)
         << e.message();
   }
   // The same through the strategy's constructor: every rank fails together.
@@ -235,15 +242,18 @@ TEST(MultiWorkerMpi, ZZ_ARankThatStopsIsDeadlineExceeded) {
         ADD_FAILURE() << "no error";
       } catch (const ds::DeadlineExceededError& e) {
         std::fprintf(stderr, "[rank %d] %s\n", world_rank(), e.what());
-        EXPECT_NE(e.message().find("rank " + std::to_string(stopper) + " did not arrive"), std::string::npos)
+        EXPECT_NE(e.message().find("rank " + std::to_string(stopper) + " did not arrive"),
+                  std::string::npos)
             << e.message();
         EXPECT_NE(e.message().find("fused all_reduce call #0"), std::string::npos) << e.message();
       } catch (const ds::AbortedError& e) {
         std::fprintf(stderr, "[rank %d] %s\n", world_rank(), e.what());
-        EXPECT_NE(e.message().find("rank " + std::to_string(stopper) + " did not arrive"), std::string::npos)
+        EXPECT_NE(e.message().find("rank " + std::to_string(stopper) + " did not arrive"),
+                  std::string::npos)
             << e.message();
       }
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       EXPECT_LT(secs, 1.0 + 3.0) << "deadline was 1 s";
       EXPECT_THROW(s.barrier("after"), ds::AbortedError);
     }

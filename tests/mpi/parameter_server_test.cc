@@ -39,8 +39,8 @@ TEST(MpiParameterServer, EveryWorkersPushesAreAppliedOnce) {
     } else {
       EXPECT_EQ(s.cluster().num_workers, workers);
       EXPECT_EQ(s.num_replicas_in_sync(), workers);
-      ds::Variable w = s.create_variable("w", ds::Shape{1000}, ds::DType::kFloat32,
-                                         ds::init::Constant{1.0});
+      ds::Variable w =
+          s.create_variable("w", ds::Shape{1000}, ds::DType::kFloat32, ds::init::Constant{1.0});
       ds::Variable emb = s.create_row_sparse_variable("emb", ds::Shape{64, 4}, ds::DType::kFloat32,
                                                       ds::init::Zeros{});
       ds::SGD sgd(s, {0.01f});
@@ -108,7 +108,8 @@ TEST(MpiParameterServer, LockstepEqualsSynchronousSgdInEveryRun) {
     ds::Variable w = s.create_variable("w", ds::Shape{LeastSquares::kDim}, ds::DType::kFloat32,
                                        ds::init::Constant{LeastSquares::kInit});
     ds::SGD sgd(s, {lr});
-    const int lo = LeastSquares::first_row(rank, workers), hi = LeastSquares::first_row(rank + 1, workers);
+    const int lo = LeastSquares::first_row(rank, workers),
+              hi = LeastSquares::first_row(rank + 1, workers);
     for (int t = 0; t < steps; ++t) {
       pause();
       s.run([&](ds::ReplicaContext& ctx) {
@@ -122,7 +123,8 @@ TEST(MpiParameterServer, LockstepEqualsSynchronousSgdInEveryRun) {
     s.barrier("trained");
     const ds::Tensor v = w.value();
     double diff = 0;
-    for (int j = 0; j < LeastSquares::kDim; ++j) diff = std::max(diff, std::fabs(double(v.data<float>()[j]) - ref[j]));
+    for (int j = 0; j < LeastSquares::kDim; ++j)
+      diff = std::max(diff, std::fabs(double(v.data<float>()[j]) - ref[j]));
     worst = std::max(worst, diff);
     if (diff <= 1e-5) ++equal;
     s.barrier("read");
@@ -144,7 +146,8 @@ TEST(MpiParameterServer, ClusterReportsTheTasksOfTfConfig) {
   std::string jobs = "\"chief\": [\"localhost:7000\"], \"ps\": [\"localhost:7999\"]";
   if (workers > 0) {
     jobs += ", \"worker\": [";
-    for (int i = 0; i < workers; ++i) jobs += std::string(i ? ", " : "") + "\"localhost:" + std::to_string(7001 + i) + "\"";
+    for (int i = 0; i < workers; ++i)
+      jobs += std::string(i ? ", " : "") + "\"localhost:" + std::to_string(7001 + i) + "\"";
     jobs += "]";
   }
   std::string type = "worker";

@@ -48,7 +48,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-ds::ProcessGroupOptions group_options(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+ds::ProcessGroupOptions group_options(
+    std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   ds::ProcessGroupOptions o;
   o.communication.timeout = timeout;
   return o;
@@ -56,8 +57,9 @@ ds::ProcessGroupOptions group_options(std::chrono::milliseconds timeout = std::c
 
 // A parameter list whose values depend on the rank (so a broadcast shows).
 std::vector<ds::Tensor> params_of(int rank) {
-  std::vector<ds::Tensor> ts{ds::Tensor({3, 4}, ds::DType::kFloat32), ds::Tensor({4}, ds::DType::kFloat32),
-                             ds::Tensor({}, ds::DType::kInt64), ds::Tensor({1000}, ds::DType::kFloat64)};
+  std::vector<ds::Tensor> ts{
+      ds::Tensor({3, 4}, ds::DType::kFloat32), ds::Tensor({4}, ds::DType::kFloat32),
+      ds::Tensor({}, ds::DType::kInt64), ds::Tensor({1000}, ds::DType::kFloat64)};
   for (int i = 0; i < 12; ++i) ts[0].data<float>()[i] = rank * 100.0f + i;
   for (int i = 0; i < 4; ++i) ts[1].data<float>()[i] = -rank - 0.5f * i;
   ts[2].data<int64_t>()[0] = 7 + rank;
@@ -95,7 +97,8 @@ void exercise(ds::ProcessGroup& pg) {
     std::vector<char> in = tc::make_input(me, count * n, ds::DType::kFloat64, ds::ReduceOp::kSum);
     std::vector<double> out(count);
     pg.reduce_scatter(in.data(), out.data(), count, ds::DType::kFloat64, ds::ReduceOp::kSum, "rs");
-    ASSERT_TRUE(tc::check_reduced(out.data(), count, ds::DType::kFloat64, ds::ReduceOp::kSum, n, me * count));
+    ASSERT_TRUE(tc::check_reduced(out.data(), count, ds::DType::kFloat64, ds::ReduceOp::kSum, n,
+                                  me * count));
     pg.barrier("b");
   }
   // The Tensor wrapper, in place.
@@ -146,10 +149,11 @@ TEST(ProcessGroupMpi, VirtualNodesMakeTheAllReduceHierarchical) {
 TEST(ProcessGroupMpi, FromTfConfig) {
   const int n = world_size(), me = world_rank();
   std::string workers;
-  for (int w = 1; w < n; ++w) workers += std::string(w > 1 ? "," : "") + "\"w" + std::to_string(w) + ":1\"";
-  const std::string tf = R"({"cluster":{"chief":["c:1"],"worker":[)" + workers + R"(]},"task":{"type":")" +
-                         (me == 0 ? "chief" : "worker") + R"(","index":)" + std::to_string(me == 0 ? 0 : me - 1) +
-                         "}}";
+  for (int w = 1; w < n; ++w)
+    workers += std::string(w > 1 ? "," : "") + "\"w" + std::to_string(w) + ":1\"";
+  const std::string tf = R"({"cluster":{"chief":["c:1"],"worker":[)" + workers +
+                         R"(]},"task":{"type":")" + (me == 0 ? "chief" : "worker") +
+                         R"(","index":)" + std::to_string(me == 0 ? 0 : me - 1) + "}}";
   setenv("TF_CONFIG", tf.c_str(), 1);
   {
     ds::ProcessGroup pg(group_options());
@@ -161,7 +165,9 @@ TEST(ProcessGroupMpi, FromTfConfig) {
   }
   // A TF_CONFIG that disagrees with rank 1's MPI rank: every rank's
   // constructor throws, rank 0 naming rank 1.
-  if (me == 1) setenv("TF_CONFIG", R"({"cluster":{"worker":["a:1","b:1"]},"task":{"type":"worker","index":0}})", 1);
+  if (me == 1)
+    setenv("TF_CONFIG",
+           R"({"cluster":{"worker":["a:1","b:1"]},"task":{"type":"worker","index":0}})", 1);
   const auto t0 = std::chrono::steady_clock::now();
   try {
     ds::ProcessGroup pg(group_options(std::chrono::seconds(20)));
@@ -246,7 +252,8 @@ TEST(ProcessGroupMpi, AMismatchedBroadcastListIsAnErrorOnEveryRankNamingTheTenso
   const std::vector<std::string> expected{
       "rank " + std::to_string(odd) + " has 5 tensors, root 0 has 4: rank " + std::to_string(odd) +
           "'s tensor #4 'extra/w' float32[6] is extra",
-      "rank " + std::to_string(odd) + " has #1 'fc/bias' float32[5], root 0 has #1 'fc/bias' float32[4]"};
+      "rank " + std::to_string(odd) +
+          " has #1 'fc/bias' float32[5], root 0 has #1 'fc/bias' float32[4]"};
   for (int variant = 0; variant < 2; ++variant) {
     std::vector<ds::Tensor> ts = params_of(me);
     std::vector<std::string> names = kParamNames;
@@ -261,7 +268,8 @@ TEST(ProcessGroupMpi, AMismatchedBroadcastListIsAnErrorOnEveryRankNamingTheTenso
       ADD_FAILURE() << "rank " << me << ": no error";
     } catch (const ds::InvalidArgumentError& e) {
       if (me == 0) std::fprintf(stderr, "[rank 0] %s\n", e.what());
-      EXPECT_TRUE(has(e.message(), "rank " + std::to_string(me) + ": broadcast_tensors: ")) << e.message();
+      EXPECT_TRUE(has(e.message(), "rank " + std::to_string(me) + ": broadcast_tensors: "))
+          << e.message();
       EXPECT_TRUE(has(e.message(), expected[variant])) << e.message();
     }
     EXPECT_LT(seconds_since(t0), 5.0);
@@ -296,32 +304,42 @@ TEST(ProcessGroupMpi, MismatchedCallsAreAnErrorOnEveryRankNamingTheCall) {
       // Same block count in the hierarchical all_reduce (7 and 8 over nodes
       // of 2), same sub-call op (kMean is summed): only the caller's call
       // tells them apart.
-      {"all_reduce", [&](ds::ProcessGroup& pg) {
+      {"all_reduce",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> g(8, 1.0f);
-         pg.all_reduce(g.data(), g.data(), is_odd ? 7 : 8, ds::DType::kFloat32, ds::ReduceOp::kSum, "w/grad");
+         pg.all_reduce(g.data(), g.data(), is_odd ? 7 : 8, ds::DType::kFloat32, ds::ReduceOp::kSum,
+                       "w/grad");
        }},
-      {"all_reduce", [&](ds::ProcessGroup& pg) {
+      {"all_reduce",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> g(4, 1.0f);
          pg.all_reduce(g.data(), g.data(), 4, ds::DType::kFloat32,
                        is_odd ? ds::ReduceOp::kMean : ds::ReduceOp::kSum, "w/grad");
        }},
-      {"all_reduce", [&](ds::ProcessGroup& pg) {
+      {"all_reduce",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> g(4, 1.0f);
          pg.all_reduce(g.data(), g.data(), 4, ds::DType::kFloat32,
                        upper ? ds::ReduceOp::kMax : ds::ReduceOp::kSum, "w/grad");
-       }, half},
-      {"all_reduce", [&](ds::ProcessGroup& pg) {
+       },
+       half},
+      {"all_reduce",
+       [&](ds::ProcessGroup& pg) {
          std::vector<int32_t> g(4, 1);
          pg.all_reduce(g.data(), g.data(), 4, upper ? ds::DType::kInt32 : ds::DType::kFloat32,
                        ds::ReduceOp::kSum, "w/grad");
-       }, half},
-      {"broadcast", [&](ds::ProcessGroup& pg) {
+       },
+       half},
+      {"broadcast",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> b(4, static_cast<float>(me));
          pg.broadcast(b.data(), 4, upper ? ds::DType::kInt32 : ds::DType::kFloat32, 0, "w/grad");
-       }, half},
+       },
+       half},
       // Another kind of call on one rank: under virtual nodes the
       // hierarchical all_reduce's comparison meets the others' broadcast.
-      {"w/grad", [&](ds::ProcessGroup& pg) {
+      {"w/grad",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> b(4, 1.0f);
          if (is_odd) {
            pg.all_reduce(b.data(), b.data(), 4, ds::DType::kFloat32, ds::ReduceOp::kSum, "w/grad");
@@ -329,46 +347,58 @@ TEST(ProcessGroupMpi, MismatchedCallsAreAnErrorOnEveryRankNamingTheCall) {
            pg.broadcast(b.data(), 4, ds::DType::kFloat32, 0, "w/grad");
          }
        }},
-      {"all_reduce", [&](ds::ProcessGroup& pg) {
+      {"all_reduce",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> g(5, 1.0f);
-         pg.all_reduce(g.data(), g.data(), is_odd ? 5 : 4, ds::DType::kFloat32, ds::ReduceOp::kSum, "w/grad");
+         pg.all_reduce(g.data(), g.data(), is_odd ? 5 : 4, ds::DType::kFloat32, ds::ReduceOp::kSum,
+                       "w/grad");
        }},
-      {"all_reduce", [&](ds::ProcessGroup& pg) {
+      {"all_reduce",
+       [&](ds::ProcessGroup& pg) {
          std::vector<int32_t> g(4, 1);
          pg.all_reduce(g.data(), g.data(), 4, is_odd ? ds::DType::kInt32 : ds::DType::kFloat32,
                        ds::ReduceOp::kSum, "w/grad");
        }},
-      {"all_reduce", [&](ds::ProcessGroup& pg) {
+      {"all_reduce",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> g(4, 1.0f);
          pg.all_reduce(g.data(), g.data(), 4, ds::DType::kFloat32,
                        is_odd ? ds::ReduceOp::kMax : ds::ReduceOp::kSum, "w/grad");
        }},
-      {"all_reduce", [&](ds::ProcessGroup& pg) {
+      {"all_reduce",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> g(4, 1.0f);
-         pg.all_reduce(g.data(), g.data(), is_odd ? 0 : 4, ds::DType::kFloat32, ds::ReduceOp::kSum, "w/grad");
+         pg.all_reduce(g.data(), g.data(), is_odd ? 0 : 4, ds::DType::kFloat32, ds::ReduceOp::kSum,
+                       "w/grad");
        }},
-      {"all_gather", [&](ds::ProcessGroup& pg) {
+      {"all_gather",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> in(5, 1.0f), out(5 * n);
          pg.all_gather(in.data(), out.data(), is_odd ? 5 : 4, ds::DType::kFloat32, "w/grad");
        }},
-      {"reduce_scatter", [&](ds::ProcessGroup& pg) {
+      {"reduce_scatter",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> in(4 * n, 1.0f), out(4);
          pg.reduce_scatter(in.data(), out.data(), 4, ds::DType::kFloat32,
                            is_odd ? ds::ReduceOp::kMin : ds::ReduceOp::kSum, "w/grad");
        }},
-      {"broadcast", [&](ds::ProcessGroup& pg) {
+      {"broadcast",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> b(4, static_cast<float>(me));
          pg.broadcast(b.data(), 4, ds::DType::kFloat32, is_odd ? odd : 0, "w/grad");
        }},
-      {"broadcast", [&](ds::ProcessGroup& pg) {
+      {"broadcast",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> b(5, static_cast<float>(me));
          pg.broadcast(b.data(), is_odd ? 5 : 4, ds::DType::kFloat32, 0, "w/grad");
        }},
-      {"broadcast", [&](ds::ProcessGroup& pg) {  // a root out of range on one rank only
+      {"broadcast",
+       [&](ds::ProcessGroup& pg) {  // a root out of range on one rank only
          std::vector<float> b(4, static_cast<float>(me));
          pg.broadcast(b.data(), 4, ds::DType::kFloat32, is_odd ? n : 0, "w/grad");
        }},
-      {"w/grad", [&](ds::ProcessGroup& pg) {
+      {"w/grad",
+       [&](ds::ProcessGroup& pg) {
          std::vector<float> in(4, 1.0f), out(4 * n);
          if (is_odd) {
            pg.barrier("w/grad");
@@ -480,7 +510,8 @@ TEST(ProcessGroupMpi, ASecondThreadInTheSameGroupIsAnErrorNotWrongNumbers) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     std::vector<float> g(10, 1.0f);
     try {
-      pg.all_reduce(g.data(), g.data(), g.size(), ds::DType::kFloat32, ds::ReduceOp::kSum, "second");
+      pg.all_reduce(g.data(), g.data(), g.size(), ds::DType::kFloat32, ds::ReduceOp::kSum,
+                    "second");
       ADD_FAILURE() << "the second thread's all_reduce returned";
     } catch (const ds::FailedPreconditionError& e) {
       std::fprintf(stderr, "[rank 0] %s\n", e.what());
@@ -545,7 +576,8 @@ TEST(ProcessGroupMpi, ZZ_ARankThatStopsIsDeadlineExceeded) {
       } catch (const ds::DeadlineExceededError& e) {
         std::fprintf(stderr, "[rank %d] %s\n", me, e.what());
         EXPECT_TRUE(has(e.message(), "rank " + std::to_string(stopper) + " did not arrive") ||
-                    has(e.message(), "ranks " + std::to_string(stopper - 1) + ", " + std::to_string(stopper)) ||
+                    has(e.message(),
+                        "ranks " + std::to_string(stopper - 1) + ", " + std::to_string(stopper)) ||
                     has(e.message(), "peer " + std::to_string(stopper)))
             << e.message();
         EXPECT_TRUE(has(e.message(), "broadcast_tensors/signatures")) << e.message();

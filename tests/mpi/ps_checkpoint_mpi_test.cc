@@ -17,7 +17,6 @@ namespace ds = diststrat;
 
 namespace {
 
-
 ds::ParameterServerOptions ps_options(int num_ps, int shards) {
   ds::ParameterServerOptions o;
   o.num_ps = num_ps;

@@ -40,7 +40,8 @@ TEST(TrainingFeaturesMpi, GlobalNormIsTheSingleDeviceNormOnEveryRank) {
   auto st = mlp.forward_backward(params, data.features(), data.labels(), 1.0f / batch);
   double sq = 0;
   for (const ds::Tensor& g : st.grads) {
-    for (int64_t k = 0; k < g.num_elements(); ++k) sq += double(g.data<float>()[k]) * g.data<float>()[k];
+    for (int64_t k = 0; k < g.num_elements(); ++k)
+      sq += double(g.data<float>()[k]) * g.data<float>()[k];
   }
   const double want = std::sqrt(sq);
 
@@ -80,7 +81,8 @@ TEST(TrainingFeaturesMpi, GlobalNormIsTheSingleDeviceNormOnEveryRank) {
 // scales agree, the weights stay bit-identical to rank 0's.
 TEST(TrainingFeaturesMpi, AnInfOnOneRankSkipsTheStepEverywhere) {
   ds::MultiWorkerMirroredStrategy s(two_local());
-  ds::Variable w = s.create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable w =
+      s.create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::SGD opt(s, {0.1f, 0.9f});
   ds::LossScaleOptions lo;
   lo.initial_scale = 4.0f;

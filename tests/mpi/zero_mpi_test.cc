@@ -175,7 +175,8 @@ TEST(ZeroMpi, AnotherVariableOfTheSameSizeOnTheLastRankIsAnErrorOnEveryRank) {
   try {
     ds::MultiWorkerMirroredStrategy s(options(1, true));
     auto vars = zc::create_model(s);
-    ds::Variable other = s.create_variable("zero/other", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+    ds::Variable other =
+        s.create_variable("zero/other", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
     if (world_rank() == size - 1) vars[1] = other;  // "zero/tiny" has 2 elements too
     auto opt = zc::make_optimizer(s, true);
     zc::train(s, *opt, vars, 1);

@@ -101,7 +101,8 @@ void sync_step(ds::ReplicaContext& ctx, ds::SGD& opt, const std::vector<ds::Vari
   ds::Tensor mine(ds::Shape{1}, ds::DType::kInt64);
   std::memcpy(mine.data(), &h, sizeof h);
   const ds::Tensor all = ctx.all_gather(mine, "soak/hash");
-  if (all.num_elements() != R) violation("hash gather returned " + std::to_string(all.num_elements()));
+  if (all.num_elements() != R)
+    violation("hash gather returned " + std::to_string(all.num_elements()));
   for (int r = 0; r < R; ++r) {
     if (all.data<int64_t>()[r] != all.data<int64_t>()[0]) {
       violation("step " + std::to_string(step) + ": replica " + std::to_string(r) +
@@ -128,7 +129,8 @@ void soak_sync(ds::Strategy& s, const Args& a, uint64_t seed) {
               std::to_string(checked.load()) + " replica-steps checked");
   }
   std::printf("  %s: %lld replica-steps checked, %lld replicas in sync\n", s.name().c_str(),
-              static_cast<long long>(checked.load()), static_cast<long long>(s.num_replicas_in_sync()));
+              static_cast<long long>(checked.load()),
+              static_cast<long long>(s.num_replicas_in_sync()));
 }
 
 std::vector<ds::Device> two_cpus() { return {ds::Device::cpu(0), ds::Device::cpu(1)}; }
@@ -169,34 +171,39 @@ void soak_parameter_server(const Args& a) {
   std::mt19937_64 rng(a.seed);
   std::vector<int64_t> sizes;
   for (int k = 0; k < 3; ++k) sizes.push_back(1 + static_cast<int64_t>(rng() % 3000));
-  run_threads(W, [&](int w) {
-    auto s = ds::ps::make_strategy(group.at(w), o);
-    std::vector<ds::Variable> vars;
-    for (size_t k = 0; k < sizes.size(); ++k) {
-      vars.push_back(s->create_variable("v" + std::to_string(k), ds::Shape{sizes[k]},
-                                        ds::DType::kFloat32, ds::init::Zeros{}));
-    }
-    ds::SGD sgd(*s, {lr});
-    for (int64_t step = 0; step < a.steps; ++step) {
-      s->run(
-          [&](ds::ReplicaContext& ctx) { ds::testing::apply_gradient_of_ones(ctx, sgd, vars); });
-    }
-    s->flush();
-    sent[w] = s->stats().pushes_sent;
-    s->barrier("soak/done");  // every worker's pushes are applied
-    if (w == 0) {
-      const float want = -lr * static_cast<float>(W * a.steps);
-      for (const ds::Variable& v : vars) {
-        const ds::Tensor t = v.value();
-        for (int64_t i = 0; i < t.num_elements(); ++i) {
-          if (t.data<float>()[i] != want) {
-            violation(v.name() + "[" + std::to_string(i) + "] = " + std::to_string(t.data<float>()[i]) +
-                      ", want " + std::to_string(want) + " (a push lost or applied twice)");
+  run_threads(
+      W,
+      [&](int w) {
+        auto s = ds::ps::make_strategy(group.at(w), o);
+        std::vector<ds::Variable> vars;
+        for (size_t k = 0; k < sizes.size(); ++k) {
+          vars.push_back(s->create_variable("v" + std::to_string(k), ds::Shape{sizes[k]},
+                                            ds::DType::kFloat32, ds::init::Zeros{}));
+        }
+        ds::SGD sgd(*s, {lr});
+        for (int64_t step = 0; step < a.steps; ++step) {
+          s->run([&](ds::ReplicaContext& ctx) {
+            ds::testing::apply_gradient_of_ones(ctx, sgd, vars);
+          });
+        }
+        s->flush();
+        sent[w] = s->stats().pushes_sent;
+        s->barrier("soak/done");  // every worker's pushes are applied
+        if (w == 0) {
+          const float want = -lr * static_cast<float>(W * a.steps);
+          for (const ds::Variable& v : vars) {
+            const ds::Tensor t = v.value();
+            for (int64_t i = 0; i < t.num_elements(); ++i) {
+              if (t.data<float>()[i] != want) {
+                violation(v.name() + "[" + std::to_string(i) +
+                          "] = " + std::to_string(t.data<float>()[i]) + ", want " +
+                          std::to_string(want) + " (a push lost or applied twice)");
+              }
+            }
           }
         }
-      }
-    }
-  }, [&](int) {});
+      },
+      [&](int) {});
   ps->join();
   const ds::ps::ServiceStats st = ds::ps::local_service(*ps).stats();
   int64_t total_sent = 0;
@@ -216,10 +223,14 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--steps") a.steps = std::stoll(v);
-    else if (k == "--strategy") a.strategy = v;
-    else if (k == "--ps-workers") a.ps_workers = std::stoi(v);
-    else if (k == "--seed") a.seed = std::stoull(v);
+    if (k == "--steps")
+      a.steps = std::stoll(v);
+    else if (k == "--strategy")
+      a.strategy = v;
+    else if (k == "--ps-workers")
+      a.ps_workers = std::stoi(v);
+    else if (k == "--seed")
+      a.seed = std::stoull(v);
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;

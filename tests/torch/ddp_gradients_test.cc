@@ -134,7 +134,8 @@ TEST(TorchDdpUnused, GradIsUndefinedOnlyWhenNoReplicaUsedTheParameter) {
   EXPECT_TRUE(grad_of(*ddp.module(0), "fc1.weight").defined());
 
   // Used by replica 0 only: replica 1 counts as zero; defined and equal.
-  one_step(strategy, ddp, dist, 1, [](int r) { return r == 0; }, clear);
+  one_step(
+      strategy, ddp, dist, 1, [](int r) { return r == 0; }, clear);
   ASSERT_TRUE(grads(0).defined() && grads(1).defined());
   EXPECT_TRUE(torch::equal(grads(0), grads(1)));
   EXPECT_GT(grads(0).abs().sum().item<double>(), 0);
@@ -157,14 +158,15 @@ TEST(TorchDdpUnused, GradIsUndefinedOnlyWhenNoReplicaUsedTheParameter) {
 
   // A .grad from before the window and used: old + the window's global mean
   // (torch DDP averages identical old values to themselves), not n x old.
-  one_step(strategy, ddp, dist, 4, [](int) { return true; }, clear);
+  one_step(
+      strategy, ddp, dist, 4, [](int) { return true; }, clear);
   const at::Tensor fresh = grads(0).clone();
   const at::Tensor fresh_fc1 = grad_of(*ddp.module(0), "fc1.weight").clone();
   one_step(strategy, ddp, dist, 4, [](int) { return true; });  // no zero_grad
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(torch::allclose(grads(r), fresh + fresh, 1e-6, 1e-7)) << "replica " << r;
-    EXPECT_TRUE(torch::allclose(grad_of(*ddp.module(r), "fc1.weight"), fresh_fc1 + fresh_fc1,
-                                1e-6, 1e-7))
+    EXPECT_TRUE(
+        torch::allclose(grad_of(*ddp.module(r), "fc1.weight"), fresh_fc1 + fresh_fc1, 1e-6, 1e-7))
         << "replica " << r;
   }
 
@@ -302,8 +304,7 @@ TEST(TorchDdpOutside, ExtraBackwardOnOneReplicaFailsTheNextStepOnEveryReplica) {
         EXPECT_NE(errors[r].find("outside ddp.backward"), std::string::npos)
             << "replica " << r << ": " << errors[r];
         EXPECT_NE(errors[r].find("on replica 1"), std::string::npos) << errors[r];
-        EXPECT_NE(errors[r].find("ddp.backward(ctx, loss, rows, global_rows)"),
-                  std::string::npos)
+        EXPECT_NE(errors[r].find("ddp.backward(ctx, loss, rows, global_rows)"), std::string::npos)
             << errors[r];
       } else {
         EXPECT_EQ(errors[r], "") << "step " << s << ", replica " << r;
@@ -386,8 +387,8 @@ TEST(TorchDdpModuleChanged, ReplacedLayerFailsTheStepOnEveryReplica) {
   }
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r].find("'fc1.weight'"), std::string::npos)
-        << "replica " << r << ": " << errors[r] << " (replicas equal: "
-        << bit_identical(*ddp.module(0), *ddp.module(1)) << ")";
+        << "replica " << r << ": " << errors[r]
+        << " (replicas equal: " << bit_identical(*ddp.module(0), *ddp.module(1)) << ")";
     EXPECT_NE(errors[r].find("changed after"), std::string::npos) << errors[r];
   }
 }

@@ -14,12 +14,12 @@
 namespace diststrat::testing {
 namespace {
 
-#define SKIP_WITHOUT_CUDA()                                                             \
-  do {                                                                                  \
-    if (!torch::cuda::is_available())                                                   \
-      GTEST_SKIP() << "this LibTorch (" << compat::version()                            \
+#define SKIP_WITHOUT_CUDA()                                                                \
+  do {                                                                                     \
+    if (!torch::cuda::is_available())                                                      \
+      GTEST_SKIP() << "this LibTorch (" << compat::version()                               \
                    << ") has no CUDA or sees no CUDA device (torch::cuda::is_available() " \
-                      "is false)";                                                      \
+                      "is false)";                                                         \
   } while (0)
 
 constexpr int64_t kGlobalBatch = 16;
@@ -42,7 +42,8 @@ void train_reference_cuda(NetImpl& net, const Dataset& data, int steps) {
   for (int s = 0; s < steps; ++s) {
     const int64_t begin = s * kGlobalBatch, end = std::min(data.size(), begin + kGlobalBatch);
     opt->zero_grad();
-    torch::nn::functional::cross_entropy(net.forward(x.slice(0, begin, end)), y.slice(0, begin, end))
+    torch::nn::functional::cross_entropy(net.forward(x.slice(0, begin, end)),
+                                         y.slice(0, begin, end))
         .backward();
     opt->step();
   }
@@ -132,9 +133,9 @@ TEST(TorchGpu, NoSyncAccumulationEqualsOneLargerBatch) {
 // the device), saved, and restored into a CPU job: bit-equal.
 TEST(TorchGpu, CheckpointSavedFromGpuRestoresOnCpuBitEqual) {
   SKIP_WITHOUT_CUDA();
-  const std::string dir =
-      (std::filesystem::temp_directory_path() / ("diststrat_torch_gpu_" + std::to_string(::getpid())))
-          .string();
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("diststrat_torch_gpu_" + std::to_string(::getpid())))
+                              .string();
   const Dataset data = make_data(kGlobalBatch * 4);
   std::vector<at::Tensor> params, momentum;
   {
@@ -190,8 +191,8 @@ TEST(TorchGpu, ConvertCudaTensorsToTheReplicasLogicalGpu) {
   o.device_manager = split_gpu0(2);
   MirroredStrategy strategy(o);
   strategy.run([&](ReplicaContext& ctx) {
-    const at::Tensor t = torch::arange(6, torch::TensorOptions().dtype(torch::kFloat32).device(
-                                              torch::Device(torch::kCUDA, 0)));
+    const at::Tensor t = torch::arange(
+        6, torch::TensorOptions().dtype(torch::kFloat32).device(torch::Device(torch::kCUDA, 0)));
     const Tensor d = dt::to_diststrat(t);
     EXPECT_EQ(d.device(), ctx.device());
     const at::Tensor back = dt::to_torch(d);

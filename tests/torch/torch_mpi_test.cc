@@ -271,7 +271,8 @@ TEST(TorchMultiWorkerMpi, ExtraBackwardOnOneRankFailsTheNextStepOnEveryRank) {
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(8)) << "rank " << rank;
   EXPECT_EQ(failed_at, 1) << "rank " << rank << ": " << error;
-  EXPECT_NE(error.find("outside ddp.backward"), std::string::npos) << "rank " << rank << ": " << error;
+  EXPECT_NE(error.find("outside ddp.backward"), std::string::npos)
+      << "rank " << rank << ": " << error;
   EXPECT_NE(error.find("on replica 1"), std::string::npos) << "rank " << rank << ": " << error;
   strategy.barrier("after extra backward");
 }
@@ -298,11 +299,10 @@ TEST(TorchMultiWorkerMpi, TrainingStateRestoresOnEveryRank) {
     manager.save(3);
     for (const at::Tensor& p : ddp.module(0)->parameters()) {
       saved_params.push_back(p.detach().clone());
-      saved_momentum.push_back(
-          static_cast<torch::optim::SGDParamState&>(
-              *opts[0]->state().at(compat::optimizer_state_key(p)))
-              .momentum_buffer()
-              .clone());
+      saved_momentum.push_back(static_cast<torch::optim::SGDParamState&>(
+                                   *opts[0]->state().at(compat::optimizer_state_key(p)))
+                                   .momentum_buffer()
+                                   .clone());
     }
   }
   MultiWorkerMirroredStrategy fresh(options(1));

@@ -188,8 +188,8 @@ TEST(TorchTestUtil, NetsBuiltOnConcurrentThreadsHaveTheirSeedsWeights) {
   }
   for (auto& th : threads) th.join();
   for (int t = 0; t < kThreads; ++t) {
-    EXPECT_EQ(wrong[t], 0) << "thread " << t << " (seed " << seeds[t % seeds.size()] << "): "
-                           << wrong[t] << " of " << kRounds << " nets had other weights";
+    EXPECT_EQ(wrong[t], 0) << "thread " << t << " (seed " << seeds[t % seeds.size()]
+                           << "): " << wrong[t] << " of " << kRounds << " nets had other weights";
   }
 }
 

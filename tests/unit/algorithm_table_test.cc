@@ -29,9 +29,9 @@ namespace {
 
 const auto cpus = ds::testing::cpu_devices;
 
-const std::vector<A> kAll = {A::kAuto,         A::kDirect, A::kRing,      A::kHalvingDoubling,
-                             A::kTree,         A::kReduceToOne, A::kHierarchical, A::kNccl,
-                             A::kMpiNative,    A::kCustom, A::kSharedMemory};
+const std::vector<A> kAll = {A::kAuto,      A::kDirect,      A::kRing,         A::kHalvingDoubling,
+                             A::kTree,      A::kReduceToOne, A::kHierarchical, A::kNccl,
+                             A::kMpiNative, A::kCustom,      A::kSharedMemory};
 
 // A custom all-reduce that counts its calls: everyone sends to rank 0, rank 0
 // reduces and sends the result back.
@@ -60,8 +60,8 @@ std::shared_ptr<ds::AlgorithmRegistry> counting_registry(std::atomic<int>* calls
 // (in float32) on every rank/replica and returns the number of ranks whose
 // result was exact, or throws what construction or the call threw.
 struct Subject {
-  const char* name;       // what the error must name
-  std::set<A> accepted;   // what it must honour
+  const char* name;      // what the error must name
+  std::set<A> accepted;  // what it must honour
   std::function<int(const ds::CommunicationOptions&)> run;
 };
 
@@ -84,8 +84,8 @@ int run_strategy(ds::Strategy& s) {
   return ok.load();
 }
 
-const std::set<A> kInProcess = {A::kAuto,         A::kDirect,      A::kRing,   A::kHalvingDoubling,
-                                A::kTree,         A::kReduceToOne, A::kHierarchical, A::kCustom};
+const std::set<A> kInProcess = {A::kAuto, A::kDirect,      A::kRing,         A::kHalvingDoubling,
+                                A::kTree, A::kReduceToOne, A::kHierarchical, A::kCustom};
 
 std::vector<Subject> subjects() {
   std::vector<Subject> out;
@@ -164,33 +164,35 @@ std::vector<Subject> subjects() {
   // GPU replicas (fake GPUs in host memory): the device communicator runs
   // NCCL across GPUs, the device kernel (direct) on logical GPUs of one GPU.
   for (bool shared : {false, true}) {
-    out.push_back({"MirroredStrategy on GPU replicas",
-                   {A::kAuto, shared ? A::kDirect : A::kNccl},
-                   [shared](const ds::CommunicationOptions& o) {
-                     diststrat_test::LeaseDir dir;
-                     ds::GpuOptions go;
-                     go.lease = dir.options();
-                     auto dm = std::make_shared<ds::DeviceManager>(
-                         go, std::make_unique<diststrat_test::FakeGpuBackend>(shared ? 1 : 3));
-                     if (shared) dm->set_logical_device_configuration(0, {{8u << 20}, {8u << 20}, {8u << 20}});
-                     ds::MirroredOptions mo;
-                     mo.devices = {ds::Device::gpu(0), ds::Device::gpu(1), ds::Device::gpu(2)};
-                     mo.device_manager = dm;
-                     mo.communication = o;
-                     ds::MirroredStrategy s(mo);
-                     std::atomic<int> ok{0};
-                     s.run([&](ds::ReplicaContext& ctx) {
-                       float host[2] = {float(ctx.replica_id() + 1), float(2 * (ctx.replica_id() + 1))};
-                       ds::Tensor t(ds::Shape{2}, ds::DType::kFloat32, ctx.device());
-                       t.copy_from(ds::Tensor::wrap(host, ds::Shape{2}, ds::DType::kFloat32));
-                       std::vector<ds::Tensor> v{t};
-                       ctx.all_reduce(ds::ReduceOp::kSum, v, {"table/x"});
-                       ds::Tensor back(ds::Shape{2}, ds::DType::kFloat32);
-                       back.copy_from(v[0]);
-                       if (exact(back.data<float>(), 3)) ok.fetch_add(1);
-                     });
-                     return ok.load();
-                   }});
+    out.push_back(
+        {"MirroredStrategy on GPU replicas",
+         {A::kAuto, shared ? A::kDirect : A::kNccl},
+         [shared](const ds::CommunicationOptions& o) {
+           diststrat_test::LeaseDir dir;
+           ds::GpuOptions go;
+           go.lease = dir.options();
+           auto dm = std::make_shared<ds::DeviceManager>(
+               go, std::make_unique<diststrat_test::FakeGpuBackend>(shared ? 1 : 3));
+           if (shared)
+             dm->set_logical_device_configuration(0, {{8u << 20}, {8u << 20}, {8u << 20}});
+           ds::MirroredOptions mo;
+           mo.devices = {ds::Device::gpu(0), ds::Device::gpu(1), ds::Device::gpu(2)};
+           mo.device_manager = dm;
+           mo.communication = o;
+           ds::MirroredStrategy s(mo);
+           std::atomic<int> ok{0};
+           s.run([&](ds::ReplicaContext& ctx) {
+             float host[2] = {float(ctx.replica_id() + 1), float(2 * (ctx.replica_id() + 1))};
+             ds::Tensor t(ds::Shape{2}, ds::DType::kFloat32, ctx.device());
+             t.copy_from(ds::Tensor::wrap(host, ds::Shape{2}, ds::DType::kFloat32));
+             std::vector<ds::Tensor> v{t};
+             ctx.all_reduce(ds::ReduceOp::kSum, v, {"table/x"});
+             ds::Tensor back(ds::Shape{2}, ds::DType::kFloat32);
+             back.copy_from(v[0]);
+             if (exact(back.data<float>(), 3)) ok.fetch_add(1);
+           });
+           return ok.load();
+         }});
   }
   return out;
 }
@@ -200,7 +202,8 @@ std::vector<Subject> subjects() {
 TEST(AlgorithmTable, EveryAlgorithmIsHonouredOrRejectedByName) {
   int subject_index = 0;
   for (const Subject& subject : subjects()) {
-    const std::string label = std::string(subject.name) + " (#" + std::to_string(subject_index++) + ")";
+    const std::string label =
+        std::string(subject.name) + " (#" + std::to_string(subject_index++) + ")";
     for (A a : kAll) {
       std::atomic<int> calls{0};
       ds::CommunicationOptions o;
@@ -219,7 +222,8 @@ TEST(AlgorithmTable, EveryAlgorithmIsHonouredOrRejectedByName) {
           continue;
         }
         EXPECT_EQ(ok, 3) << what << ": wrong sums";
-        if (a == A::kCustom) EXPECT_GT(calls.load(), 0) << what << ": the custom algorithm was never called";
+        if (a == A::kCustom)
+          EXPECT_GT(calls.load(), 0) << what << ": the custom algorithm was never called";
       } else {
         try {
           subject.run(o);
@@ -250,7 +254,8 @@ TEST(AlgorithmTable, MultiWorkerRefusesAnAlgorithmItsCommunicatorDoesNotRun) {
     ADD_FAILURE() << "accepted";
   } catch (const ds::InvalidArgumentError& e) {
     EXPECT_NE(std::string(e.what()).find("'ring'"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("MultiWorkerMirroredStrategy"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("MultiWorkerMirroredStrategy"), std::string::npos)
+        << e.what();
   }
   mo.communication.algorithm = A::kAuto;  // defers to the communicator
   EXPECT_NO_THROW(ds::MultiWorkerMirroredStrategy{mo});

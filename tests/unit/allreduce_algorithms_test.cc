@@ -97,13 +97,13 @@ const AlgoCase kAlgos[] = {
     {"auto", ds::Algorithm::kAuto, 0, 0},
 };
 
-INSTANTIATE_TEST_SUITE_P(
-    Algorithms, TransportAllReduce,
-    ::testing::Combine(::testing::ValuesIn(kAlgos), ::testing::Values(1, 2, 3, 4, 5, 7)),
-    [](const ::testing::TestParamInfo<std::tuple<AlgoCase, int>>& info) {
-      return std::string(std::get<0>(info.param).label) + "_" +
-             std::to_string(std::get<1>(info.param)) + "_ranks";
-    });
+INSTANTIATE_TEST_SUITE_P(Algorithms, TransportAllReduce,
+                         ::testing::Combine(::testing::ValuesIn(kAlgos),
+                                            ::testing::Values(1, 2, 3, 4, 5, 7)),
+                         [](const ::testing::TestParamInfo<std::tuple<AlgoCase, int>>& info) {
+                           return std::string(std::get<0>(info.param).label) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "_ranks";
+                         });
 
 // broadcast / all_gather / reduce_scatter / barrier over the transport.
 class TransportCollectives : public ::testing::TestWithParam<std::tuple<size_t, int>> {};
@@ -171,9 +171,9 @@ TEST(CustomAlgorithm, RegisteredAlgorithmRunsAndUnknownNameIsRejected) {
       pass.swap(got);
     }
   });
-  EXPECT_THROW(registry->add("naive_ring", [](ds::PeerChannel&, void*, size_t, ds::DType,
-                                              ds::ReduceOp) {}),
-               ds::InvalidArgumentError);
+  EXPECT_THROW(
+      registry->add("naive_ring", [](ds::PeerChannel&, void*, size_t, ds::DType, ds::ReduceOp) {}),
+      ds::InvalidArgumentError);
   ds::CommunicationOptions o;
   o.algorithm = ds::Algorithm::kCustom;
   o.custom_algorithm = "naive_ring";
@@ -259,7 +259,8 @@ TEST(TransportCommunicator, MismatchedCallsFailOnEveryRankBeforeAnyByteMoves) {
       {"count", "all_reduce of 4 float32 sum (ring)", "all_reduce of 3 float32 sum (ring)",
        by_rank(reduce(4, f32, sum), reduce(3, f32, sum))},
       {"algorithm", "all_reduce of 4 float32 sum (ring)", "all_reduce of 4 float32 sum (tree)",
-       reduce(4, f32, sum), [](ds::CommunicationOptions& o) { o.algorithm = ds::Algorithm::kTree; }},
+       reduce(4, f32, sum),
+       [](ds::CommunicationOptions& o) { o.algorithm = ds::Algorithm::kTree; }},
       {"segments", "all_reduce of 4 float32 sum (ring) with 1048576-byte segments",
        "all_reduce of 4 float32 sum (ring) with 64-byte segments", reduce(4, f32, sum),
        [](ds::CommunicationOptions& o) { o.segment_bytes = 64; }},
@@ -302,27 +303,31 @@ TEST(TransportCommunicator, MismatchedCallsFailOnEveryRankBeforeAnyByteMoves) {
     ds::InProcessTransportGroup group(n);
     std::vector<std::string> messages(n);
     std::vector<std::vector<float>> after(n);
-    ds::testing::run_threads(n, [&](int r) {
-      ds::CommunicationOptions o;
-      o.algorithm = ds::Algorithm::kRing;
-      o.hierarchical_group_size = 2;
-      o.timeout = std::chrono::seconds(20);
-      if (var.odd_options && (r == odd || everyone)) var.odd_options(o);
-      ds::TransportCommunicator comm(group.at(r), o);
-      std::vector<float> b(4, static_cast<float>(r + 1));
-      try {
-        var.call(comm, r == odd, b);
-      } catch (const ds::InvalidArgumentError& e) {
-        messages[r] = e.message();
-      }
-      after[r] = b;
-      // Usable afterwards (the same call on every rank), unless the ranks'
-      // options differ for good.
-      if (var.odd_options && !everyone) return;
-      std::vector<float> ok(4, 1.f);
-      comm.all_reduce(ok.data(), ok.data(), 4, ds::DType::kFloat32, ds::ReduceOp::kSum, "after");
-      EXPECT_EQ(ok[3], static_cast<float>(n));
-    }, [&](int r) { group.at(r).abort("rank " + std::to_string(r) + " failed"); });
+    ds::testing::run_threads(
+        n,
+        [&](int r) {
+          ds::CommunicationOptions o;
+          o.algorithm = ds::Algorithm::kRing;
+          o.hierarchical_group_size = 2;
+          o.timeout = std::chrono::seconds(20);
+          if (var.odd_options && (r == odd || everyone)) var.odd_options(o);
+          ds::TransportCommunicator comm(group.at(r), o);
+          std::vector<float> b(4, static_cast<float>(r + 1));
+          try {
+            var.call(comm, r == odd, b);
+          } catch (const ds::InvalidArgumentError& e) {
+            messages[r] = e.message();
+          }
+          after[r] = b;
+          // Usable afterwards (the same call on every rank), unless the ranks'
+          // options differ for good.
+          if (var.odd_options && !everyone) return;
+          std::vector<float> ok(4, 1.f);
+          comm.all_reduce(ok.data(), ok.data(), 4, ds::DType::kFloat32, ds::ReduceOp::kSum,
+                          "after");
+          EXPECT_EQ(ok[3], static_cast<float>(n));
+        },
+        [&](int r) { group.at(r).abort("rank " + std::to_string(r) + " failed"); });
     for (int r = 0; r < n; ++r) {
       const std::string& m = messages[r];
       EXPECT_NE(m.find("rank " + std::to_string(r) + ": "), std::string::npos) << m;

@@ -82,8 +82,8 @@ TEST(CentralStorage, OneAllocationPerVariableWhateverTheReplicaCount) {
   ds::MirroredStrategy mirrored(cpus(4));
   auto grow = [&](ds::Strategy& s) {
     const size_t before = heap_in_use();
-    ds::Variable v = s.create_variable("big", ds::Shape{rows, cols}, ds::DType::kFloat32,
-                                       ds::init::Zeros{});
+    ds::Variable v =
+        s.create_variable("big", ds::Shape{rows, cols}, ds::DType::kFloat32, ds::init::Zeros{});
     return static_cast<double>(heap_in_use() - before);
   };
   const double central_bytes = grow(central);
@@ -96,8 +96,8 @@ TEST(CentralStorage, OneAllocationPerVariableWhateverTheReplicaCount) {
 
 TEST(CentralStorage, AdamSlotsAndStepLiveOnceAndMatchSingleDevice) {
   ds::CentralStorageStrategy strategy(cpus(3));
-  ds::Variable w = strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32,
-                                            ds::init::Constant{1.0});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(strategy, {0.1f});
   for (int s = 1; s <= 5; ++s) {
     strategy.run([&](ds::ReplicaContext& ctx) {
@@ -117,8 +117,10 @@ TEST(CentralStorage, AdamSlotsAndStepLiveOnceAndMatchSingleDevice) {
 
 TEST(CentralStorage, MismatchedVariablesAcrossReplicasIsAClearError) {
   ds::CentralStorageStrategy strategy(cpus(2));
-  ds::Variable a = strategy.create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
-  ds::Variable b = strategy.create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable a =
+      strategy.create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable b =
+      strategy.create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGD sgd(strategy, {0.1f});
   try {
     strategy.run([&](ds::ReplicaContext& ctx) {

@@ -29,12 +29,13 @@ struct FakeGpuMirrored {
     g.lease.lock_dir = lock_dir.path();
     ds::MirroredOptions o;
     o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-    o.device_manager = std::make_shared<ds::DeviceManager>(
-        g, std::make_unique<diststrat_test::FakeGpuBackend>(2));
+    o.device_manager =
+        std::make_shared<ds::DeviceManager>(g, std::make_unique<diststrat_test::FakeGpuBackend>(2));
     strategy = std::make_unique<ds::MirroredStrategy>(o);
     vars = mlp.create_variables(*strategy, seed);
     opt = std::make_unique<ds::SGD>(*strategy, ds::SGDOptions{0.05f, 0.9f});
-    ckpt = std::make_unique<ds::Checkpoint>(*strategy, std::vector<const ds::Optimizer*>{opt.get()});
+    ckpt =
+        std::make_unique<ds::Checkpoint>(*strategy, std::vector<const ds::Optimizer*>{opt.get()});
   }
   ~FakeGpuMirrored() {
     ckpt.reset();
@@ -78,7 +79,8 @@ TEST(CheckpointOnFakeGpus, RoundTripOfDeviceVariablesAndSlotsContinuesIdenticall
   EXPECT_EQ(b.ckpt->restore(path).at("step"), "3");
   const auto sa = a.ckpt->state(), sb = b.ckpt->state();
   ASSERT_EQ(sa.size(), sb.size());
-  for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(same(sa[i].second, sb[i].second)) << sa[i].first;
+  for (size_t i = 0; i < sa.size(); ++i)
+    EXPECT_TRUE(same(sa[i].second, sb[i].second)) << sa[i].first;
   a.train(2, data);
   b.train(2, data);
   for (size_t i = 0; i < a.vars.size(); ++i) {

@@ -45,13 +45,18 @@ bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0;
 std::string ckpt_path(const std::string& dir, int64_t step) {
   return dir + "/ckpt-" + std::to_string(step) + ".safetensors";
 }
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
 
 // A small model under a one-replica MirroredStrategy whose warnings are kept.
 struct Small {
   explicit Small(uint64_t seed = 3)
-      : strategy(std::vector<ds::Device>{ds::Device::cpu(0)}), mlp({4, 3}),
-        params(mlp.create_variables(strategy, seed)), opt(strategy, {0.1f, 0.0f}), ckpt(strategy, {&opt}) {
+      : strategy(std::vector<ds::Device>{ds::Device::cpu(0)}),
+        mlp({4, 3}),
+        params(mlp.create_variables(strategy, seed)),
+        opt(strategy, {0.1f, 0.0f}),
+        ckpt(strategy, {&opt}) {
     strategy.logger().set_sink([this](ds::LogLevel level, const std::string& m) {
       if (level >= ds::LogLevel::kWarning) warnings += m + "\n";
     });
@@ -66,7 +71,8 @@ struct Small {
 };
 
 // Saves steps `first`, first+step, ..., `last` through a manager keeping `keep`.
-void save_steps(Small& m, const std::string& dir, int64_t first, int64_t last, int64_t step, int keep = 3) {
+void save_steps(Small& m, const std::string& dir, int64_t first, int64_t last, int64_t step,
+                int keep = 3) {
   ds::CheckpointManager manager(m.ckpt, dir, {keep});
   for (int64_t s = first; s <= last; s += step) {
     m.train(static_cast<uint64_t>(s));
@@ -101,7 +107,8 @@ void expect_error(Fn&& fn, std::vector<std::string> parts, const std::string& la
     ADD_FAILURE() << label << ": no error";
   } catch (const E& e) {
     for (const std::string& p : parts) {
-      EXPECT_TRUE(contains(e.what(), p)) << label << ": '" << e.what() << "' does not mention '" << p << "'";
+      EXPECT_TRUE(contains(e.what(), p))
+          << label << ": '" << e.what() << "' does not mention '" << p << "'";
     }
   } catch (const std::exception& e) {
     ADD_FAILURE() << label << ": wrong exception: " << e.what();
@@ -118,14 +125,16 @@ TEST(CheckpointManagerRobustness, StrayFilesAreNeitherPrunedNorCounted) {
   // A file that only looks like a checkpoint, and a real safetensors file
   // written by someone else, both "newer" than anything the manager writes.
   write_bytes(ckpt_path(dir, 888888), {'n', 'o', 't', ' ', 'm', 'i', 'n', 'e'});
-  ds::save_safetensors(ckpt_path(dir, 999999), {{"x", ds::Tensor(ds::Shape{2}, ds::DType::kFloat32)}},
+  ds::save_safetensors(ckpt_path(dir, 999999),
+                       {{"x", ds::Tensor(ds::Shape{2}, ds::DType::kFloat32)}},
                        {{"step", "999999"}});
   // A shard-like name and a temp-like name that no save of ours produced.
   const std::string stray_shard = dir + "/ckpt-7.ps-0-of-1.00000000000000ff.safetensors";
   write_bytes(stray_shard, {1, 2, 3});
   const std::string stray_tmp = dir + "/ckpt-notes.tmp.txt";
   write_bytes(stray_tmp, {'x'});
-  const auto stray888 = read_bytes(ckpt_path(dir, 888888)), stray999 = read_bytes(ckpt_path(dir, 999999));
+  const auto stray888 = read_bytes(ckpt_path(dir, 888888)),
+             stray999 = read_bytes(ckpt_path(dir, 999999));
 
   save_steps(m, dir, 100, 400, 50, /*keep=*/3);
   for (int64_t s : {300, 350, 400}) EXPECT_TRUE(exists(ckpt_path(dir, s))) << s;
@@ -216,18 +225,21 @@ TEST(CheckpointManagerRobustness, EveryCheckpointCorruptIsDataLossNamingEach) {
   Small b(9);
   const auto before = b.ckpt.state();
   ds::CheckpointManager mb(b.ckpt, dir, {3});
-  expect_error<ds::DataLossError>([&] { mb.restore_latest(); }, {"ckpt-2.safetensors"}, "all corrupt");
+  expect_error<ds::DataLossError>([&] { mb.restore_latest(); }, {"ckpt-2.safetensors"},
+                                  "all corrupt");
   const auto after = b.ckpt.state();
   for (size_t i = 0; i < before.size(); ++i) {
-    EXPECT_EQ(0, std::memcmp(before[i].second.data(), after[i].second.data(), before[i].second.nbytes()));
+    EXPECT_EQ(
+        0, std::memcmp(before[i].second.data(), after[i].second.data(), before[i].second.nbytes()));
   }
 }
 
 // ---- 13.10: numbers read from files -------------------------------------------
 
 TEST(CheckpointRobustness, MalformedBroadcastMetadataIsADiststratError) {
-  for (const std::string& bad : {std::string("zz"), std::string("5:ab"), std::string("99999999999999999999:x"),
-                                 std::string("3:key"), std::string(":")}) {
+  for (const std::string& bad :
+       {std::string("zz"), std::string("5:ab"), std::string("99999999999999999999:x"),
+        std::string("3:key"), std::string(":")}) {
     EXPECT_THROW(ds::ckpt::decode_metadata(bad), ds::Error) << bad;
   }
   const ds::CheckpointMetadata md{{"epoch", "3"}, {"", "x:y"}};
@@ -246,7 +258,8 @@ TEST(CheckpointRobustness, ShardedIndexNumbersOutOfRangeAreDataLoss) {
   const uint64_t id = 0x1234;
   const std::string shard = ds::ckpt::shard_file_path(index, 0, 1, id);
   ds::ckpt::write_shard_file(shard, id, 0, 1, {snap});
-  ds::ckpt::write_index(index, id, {shard}, {{"w", ds::DType::kFloat32, ds::Shape{2, 3}, {{0, 0, 0, 2}}}}, {});
+  ds::ckpt::write_index(index, id, {shard},
+                        {{"w", ds::DType::kFloat32, ds::Shape{2, 3}, {{0, 0, 0, 2}}}}, {});
   ASSERT_NO_THROW(ds::load_checkpoint(index));
   const ds::SafetensorsFile f = ds::load_safetensors(index);
   using nlohmann::json;
@@ -259,11 +272,14 @@ TEST(CheckpointRobustness, ShardedIndexNumbersOutOfRangeAreDataLoss) {
   rewrite([](json& j) { j["variables"][0]["shards"][0]["ps"] = uint64_t{1} << 32; });
   expect_error<ds::DataLossError>([&] { ds::load_checkpoint(index); }, {index, "'ps'"}, "ps 2^32");
   rewrite([](json& j) { j["variables"][0]["shards"][0]["rows"] = uint64_t{1} << 63; });
-  expect_error<ds::DataLossError>([&] { ds::load_checkpoint(index); }, {index, "'rows'"}, "rows 2^63");
+  expect_error<ds::DataLossError>([&] { ds::load_checkpoint(index); }, {index, "'rows'"},
+                                  "rows 2^63");
   rewrite([](json& j) { j["variables"][0]["shape"] = {int64_t{1} << 40, int64_t{1} << 40}; });
-  expect_error<ds::DataLossError>([&] { ds::load_checkpoint(index); }, {index}, "shape 2^80 elements");
+  expect_error<ds::DataLossError>([&] { ds::load_checkpoint(index); }, {index},
+                                  "shape 2^80 elements");
   rewrite([](json& j) { j["format"] = 1.5; });
-  expect_error<ds::DataLossError>([&] { ds::load_checkpoint(index); }, {index, "'format'"}, "format 1.5");
+  expect_error<ds::DataLossError>([&] { ds::load_checkpoint(index); }, {index, "'format'"},
+                                  "format 1.5");
 }
 
 // ---- 13.11: the directory is checked when the manager is made ------------------
@@ -272,10 +288,12 @@ TEST(CheckpointManagerRobustness, ARegularFileAsDirectoryFailsAtConstruction) {
   const std::string dir = temp_dir(kTempPrefix);
   write_bytes(dir + "/file", {'x'});
   Small m;
-  expect_error<ds::FailedPreconditionError>([&] { ds::CheckpointManager bad(m.ckpt, dir + "/file"); },
-                                            {dir + "/file", "not a directory"}, "regular file");
-  expect_error<ds::FailedPreconditionError>([&] { ds::CheckpointManager bad(m.ckpt, dir + "/file/sub"); },
-                                            {dir + "/file"}, "below a regular file");
+  expect_error<ds::FailedPreconditionError>(
+      [&] { ds::CheckpointManager bad(m.ckpt, dir + "/file"); }, {dir + "/file", "not a directory"},
+      "regular file");
+  expect_error<ds::FailedPreconditionError>(
+      [&] { ds::CheckpointManager bad(m.ckpt, dir + "/file/sub"); }, {dir + "/file"},
+      "below a regular file");
 }
 
 // As another user (root drops to nobody in a child; others use a 0555 dir).
@@ -312,8 +330,9 @@ TEST(CheckpointManagerRobustness, AnUnwritableDirectoryIsPermissionDeniedAtConst
         return out;
       },
       30);
-  EXPECT_EQ(rc, 0) << "digits per directory: 2 = constructed, 3 = message lacks the path, 4 = other code; "
-                      "5/6 = write_file_atomically not PermissionDenied";
+  EXPECT_EQ(rc, 0)
+      << "digits per directory: 2 = constructed, 3 = message lacks the path, 4 = other code; "
+         "5/6 = write_file_atomically not PermissionDenied";
 }
 
 // ---- 14.5: FIFOs and other non-regular files never block ----------------------
@@ -397,7 +416,8 @@ TEST(CheckpointManagerRobustness, ADirectoryAsLatestIsNamedAndFallenBackFrom) {
   ASSERT_EQ(::mkdir((dir + "/latest").c_str(), 0755), 0);
   Small b(9);
   ds::CheckpointManager mb(b.ckpt, dir, {3});
-  expect_error<ds::DataLossError>([&] { mb.latest(); }, {dir + "/latest", "a directory"}, "directory latest");
+  expect_error<ds::DataLossError>([&] { mb.latest(); }, {dir + "/latest", "a directory"},
+                                  "directory latest");
   EXPECT_EQ(mb.restore_latest().value().at("step"), "1");
   EXPECT_EQ(mb.restored_path().value(), ckpt_path(dir, 1));
 }
@@ -416,17 +436,20 @@ TEST(CheckpointManagerRobustness, WithoutFallbackACorruptNewestIsRefused) {
   ds::CheckpointManager mb(b.ckpt, dir, {3});
   ds::RestoreOptions strict;
   strict.fall_back_to_valid = false;
-  expect_error<ds::DataLossError>([&] { mb.restore_latest(strict); }, {ckpt_path(dir, 2), "checksum mismatch"},
+  expect_error<ds::DataLossError>([&] { mb.restore_latest(strict); },
+                                  {ckpt_path(dir, 2), "checksum mismatch"},
                                   "strict, corrupt newest");
   EXPECT_FALSE(mb.restored_path().has_value());
   const auto after = b.ckpt.state();
   for (size_t i = 0; i < before.size(); ++i) {
-    EXPECT_EQ(0, std::memcmp(before[i].second.data(), after[i].second.data(), before[i].second.nbytes()));
+    EXPECT_EQ(
+        0, std::memcmp(before[i].second.data(), after[i].second.data(), before[i].second.nbytes()));
   }
   EXPECT_EQ(b.warnings, "");
   // A damaged pointer likewise.
   write_bytes(dir + "/latest", {'x', '\n'});
-  expect_error<ds::DataLossError>([&] { mb.restore_latest(strict); }, {dir, "'x'"}, "strict, damaged latest");
+  expect_error<ds::DataLossError>([&] { mb.restore_latest(strict); }, {dir, "'x'"},
+                                  "strict, damaged latest");
   // The default falls back to ckpt-1.
   EXPECT_EQ(mb.restore_latest().value().at("step"), "1");
   EXPECT_EQ(mb.restored_path().value(), ckpt_path(dir, 1));
@@ -447,9 +470,14 @@ TEST(CheckpointManagerRobustness, AModelMismatchIsNotFallenBackFrom) {
 }
 
 TEST(CheckpointRobustness, MetadataIntParsesStrictlyWithinRange) {
-  const ds::CheckpointMetadata md{{"step", "42"},  {"neg", "-7"},   {"abc", "abc"},
-                                  {"exp", "1e20"}, {"big", "99999999999999999999"},
-                                  {"space", " 5"}, {"plus", "+5"},  {"empty", ""},
+  const ds::CheckpointMetadata md{{"step", "42"},
+                                  {"neg", "-7"},
+                                  {"abc", "abc"},
+                                  {"exp", "1e20"},
+                                  {"big", "99999999999999999999"},
+                                  {"space", " 5"},
+                                  {"plus", "+5"},
+                                  {"empty", ""},
                                   {"min", "-9223372036854775808"}};
   EXPECT_EQ(ds::metadata_int(md, "step", 0, 100, "f"), 42);
   EXPECT_EQ(ds::metadata_int(md, "neg", -10, 0, "f"), -7);
@@ -457,13 +485,16 @@ TEST(CheckpointRobustness, MetadataIntParsesStrictlyWithinRange) {
             std::numeric_limits<int64_t>::min());
   for (const char* key : {"abc", "exp", "big", "space", "plus", "empty"}) {
     expect_error<ds::DataLossError>(
-        [&] { ds::metadata_int(md, key, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), "/c/f"); },
+        [&] {
+          ds::metadata_int(md, key, std::numeric_limits<int64_t>::min(),
+                           std::numeric_limits<int64_t>::max(), "/c/f");
+        },
         {"/c/f", std::string("'") + key + "'"}, key);
   }
-  expect_error<ds::DataLossError>([&] { ds::metadata_int(md, "step", 0, 41, "/c/f"); }, {"'step'", "[0, 41]"},
-                                  "out of range");
-  expect_error<ds::InvalidArgumentError>([&] { ds::metadata_int(md, "epoch", 0, 1, "/c/f"); }, {"/c/f", "'epoch'"},
-                                         "absent");
+  expect_error<ds::DataLossError>([&] { ds::metadata_int(md, "step", 0, 41, "/c/f"); },
+                                  {"'step'", "[0, 41]"}, "out of range");
+  expect_error<ds::InvalidArgumentError>([&] { ds::metadata_int(md, "epoch", 0, 1, "/c/f"); },
+                                         {"/c/f", "'epoch'"}, "absent");
 }
 
 // ---- the same defect classes elsewhere -----------------------------------------
@@ -563,7 +594,9 @@ TEST(CheckpointManagerRobustness, AHugeSparseJunkFileAsTheNewestIsFallenBackFrom
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ASSERT_EQ(::unlink(ckpt_path(dir, 2).c_str()), 0);
-  ASSERT_EQ(::truncate((write_bytes(ckpt_path(dir, 2), {}), ckpt_path(dir, 2)).c_str(), int64_t{64} << 30), 0);
+  ASSERT_EQ(::truncate((write_bytes(ckpt_path(dir, 2), {}), ckpt_path(dir, 2)).c_str(),
+                       int64_t{64} << 30),
+            0);
   expect_error<ds::DataLossError>([&] { ds::load_safetensors(ckpt_path(dir, 2)); },
                                   {"ckpt-2.safetensors", "header length 0"}, "zeros");
   Small b(9);
@@ -607,7 +640,8 @@ TEST(CheckpointRobustness, TrailingBytesAreDataLossWithoutReadingThem) {
         return 0;
       },
       30);
-  EXPECT_EQ(rc, 0) << "2 = loaded, 3 = message, 4 = other code, 5 = the extension was read into memory";
+  EXPECT_EQ(rc, 0)
+      << "2 = loaded, 3 = message, 4 = other code, 5 = the extension was read into memory";
 }
 
 // A checkpoint with a damaged header (not verifiable as the manager's) that
@@ -636,8 +670,9 @@ TEST(CheckpointManagerRobustness, ACheckpointWithADamagedHeaderSkippedInFallback
   write_bytes(ckpt_path(dir, 0), z);
   Small c(9);
   ds::CheckpointManager mc(c.ckpt, dir, {3});
-  expect_error<ds::DataLossError>([&] { mc.restore_latest(); },
-                                  {"ckpt-2.safetensors", "ckpt-1.safetensors", "ckpt-0.safetensors"}, "all corrupt");
+  expect_error<ds::DataLossError>(
+      [&] { mc.restore_latest(); },
+      {"ckpt-2.safetensors", "ckpt-1.safetensors", "ckpt-0.safetensors"}, "all corrupt");
   EXPECT_TRUE(exists(ckpt_path(dir, 1)));  // not pruned, not deleted
 }
 
@@ -648,7 +683,8 @@ TEST(CheckpointManagerRobustness, ASymlinkLoopAsLatestIsADamagedPointer) {
   save_steps(a, dir, 1, 2, 1);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
   ASSERT_EQ(::symlink("latest", (dir + "/latest").c_str()), 0);
-  expect_error<ds::DataLossError>([&] { ds::latest_checkpoint(dir); }, {dir + "/latest"}, "latest_checkpoint");
+  expect_error<ds::DataLossError>([&] { ds::latest_checkpoint(dir); }, {dir + "/latest"},
+                                  "latest_checkpoint");
   Small b(9);
   ds::CheckpointManager mb(b.ckpt, dir, {3});
   const auto md = mb.restore_latest();

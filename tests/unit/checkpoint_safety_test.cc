@@ -38,7 +38,9 @@ bool exists(const std::string& path) {
 std::string ckpt_path(const std::string& dir, int64_t step) {
   return dir + "/ckpt-" + std::to_string(step) + ".safetensors";
 }
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
 void copy_file(const std::string& from, const std::string& to) {
   std::ifstream in(from, std::ios::binary);
   std::ofstream out(to, std::ios::binary);
@@ -48,8 +50,11 @@ void copy_file(const std::string& from, const std::string& to) {
 // A small model (SGD with momentum: one slot per weight) whose warnings are kept.
 struct Small {
   explicit Small(uint64_t seed = 3)
-      : strategy(std::vector<ds::Device>{ds::Device::cpu(0)}), mlp({4, 3}),
-        params(mlp.create_variables(strategy, seed)), opt(strategy, {0.1f, 0.9f}), ckpt(strategy, {&opt}) {
+      : strategy(std::vector<ds::Device>{ds::Device::cpu(0)}),
+        mlp({4, 3}),
+        params(mlp.create_variables(strategy, seed)),
+        opt(strategy, {0.1f, 0.9f}),
+        ckpt(strategy, {&opt}) {
     strategy.logger().set_sink([this](ds::LogLevel level, const std::string& m) {
       if (level >= ds::LogLevel::kWarning) warnings += m + "\n";
     });
@@ -69,7 +74,8 @@ struct Small {
   std::string warnings;
 };
 
-void save_steps(Small& m, const std::string& dir, int64_t first, int64_t last, int64_t step, int keep = 3) {
+void save_steps(Small& m, const std::string& dir, int64_t first, int64_t last, int64_t step,
+                int keep = 3) {
   ds::CheckpointManager manager(m.ckpt, dir, {keep});
   for (int64_t s = first; s <= last; s += step) {
     m.train(static_cast<uint64_t>(s));
@@ -84,7 +90,8 @@ void expect_error(Fn&& fn, std::vector<std::string> parts, const std::string& la
     ADD_FAILURE() << label << ": no error";
   } catch (const E& e) {
     for (const std::string& p : parts) {
-      EXPECT_TRUE(contains(e.what(), p)) << label << ": '" << e.what() << "' does not mention '" << p << "'";
+      EXPECT_TRUE(contains(e.what(), p))
+          << label << ": '" << e.what() << "' does not mention '" << p << "'";
     }
   } catch (const std::exception& e) {
     ADD_FAILURE() << label << ": wrong exception: " << e.what();
@@ -106,14 +113,18 @@ TEST(CheckpointNonFinite, ASaveOfANaNModelIsRefusedAndTheGoodCheckpointsStay) {
     manager.save(s, {{"step", std::to_string(s)}});
   }
   a.poison(std::numeric_limits<float>::quiet_NaN());
-  expect_error<ds::DataLossError>([&] { manager.save(4, {{"step", "4"}}); },
-                                  {ckpt_path(dir, 4), "'" + a.params[0].name() + "'", "NaN", "allow_non_finite"},
-                                  "save of a NaN weight");
+  expect_error<ds::DataLossError>(
+      [&] {
+        manager.save(4, {{"step", "4"}});
+      },
+      {ckpt_path(dir, 4), "'" + a.params[0].name() + "'", "NaN", "allow_non_finite"},
+      "save of a NaN weight");
   EXPECT_FALSE(exists(ckpt_path(dir, 4)));
   for (int s = 1; s <= 3; ++s) EXPECT_TRUE(exists(ckpt_path(dir, s))) << s;  // nothing pruned
   EXPECT_EQ(ds::latest_checkpoint(dir).value(), ckpt_path(dir, 3));
   // Checkpoint::save refuses too; with the option it writes.
-  expect_error<ds::DataLossError>([&] { a.ckpt.save(dir + "/x.safetensors"); }, {"NaN"}, "Checkpoint::save");
+  expect_error<ds::DataLossError>([&] { a.ckpt.save(dir + "/x.safetensors"); }, {"NaN"},
+                                  "Checkpoint::save");
   ds::SaveOptions allow;
   allow.allow_non_finite = true;
   a.ckpt.save(dir + "/x.safetensors", {}, allow);
@@ -128,7 +139,8 @@ TEST(CheckpointNonFinite, AnInfiniteOptimizerSlotIsRefusedNamingIt) {
   ASSERT_FALSE(momentum.empty());
   momentum[0].data<float>()[0] = -std::numeric_limits<float>::infinity();
   ds::CheckpointManager manager(a.ckpt, dir, {3});
-  expect_error<ds::DataLossError>([&] { manager.save(1); }, {"'" + a.params[1].name() + "/momentum'", "-Inf"},
+  expect_error<ds::DataLossError>([&] { manager.save(1); },
+                                  {"'" + a.params[1].name() + "/momentum'", "-Inf"},
                                   "save of an infinite slot");
   EXPECT_FALSE(exists(ckpt_path(dir, 1)));
 }
@@ -143,10 +155,14 @@ TEST(CheckpointNonFinite, EveryFloatDtypeIsCheckedOnSaveAndLoad) {
     const char* kind;
   };
   const Case cases[] = {
-      {ds::DType::kFloat32, 0x7fc00000u, "NaN"},           {ds::DType::kFloat32, 0xff800000u, "-Inf"},
-      {ds::DType::kFloat64, 0x7ff0000000000000ull, "+Inf"}, {ds::DType::kFloat64, 0xfff8000000000001ull, "NaN"},
-      {ds::DType::kFloat16, 0x7c00u, "+Inf"},               {ds::DType::kFloat16, 0x7e00u, "NaN"},
-      {ds::DType::kBFloat16, 0xff80u, "-Inf"},              {ds::DType::kBFloat16, 0x7fc1u, "NaN"},
+      {ds::DType::kFloat32, 0x7fc00000u, "NaN"},
+      {ds::DType::kFloat32, 0xff800000u, "-Inf"},
+      {ds::DType::kFloat64, 0x7ff0000000000000ull, "+Inf"},
+      {ds::DType::kFloat64, 0xfff8000000000001ull, "NaN"},
+      {ds::DType::kFloat16, 0x7c00u, "+Inf"},
+      {ds::DType::kFloat16, 0x7e00u, "NaN"},
+      {ds::DType::kBFloat16, 0xff80u, "-Inf"},
+      {ds::DType::kBFloat16, 0x7fc1u, "NaN"},
   };
   for (const Case& c : cases) {
     const std::string label = std::string(ds::dtype_name(c.dtype)) + " " + c.kind;
@@ -154,17 +170,22 @@ TEST(CheckpointNonFinite, EveryFloatDtypeIsCheckedOnSaveAndLoad) {
     ds::Tensor t(ds::Shape{n}, c.dtype);
     std::memset(t.data(), 0, t.nbytes());
     const int64_t at = n - 3;
-    std::memcpy(static_cast<char*>(t.data()) + at * ds::dtype_size(c.dtype), &c.bits, ds::dtype_size(c.dtype));
+    std::memcpy(static_cast<char*>(t.data()) + at * ds::dtype_size(c.dtype), &c.bits,
+                ds::dtype_size(c.dtype));
     ds::Tensor ints(ds::Shape{3}, ds::DType::kInt32);
     std::memset(ints.data(), 0xff, ints.nbytes());
     const std::string path = dir + "/t.safetensors";
-    expect_error<ds::DataLossError>([&] { ds::save_safetensors(path, {{"w", t}, {"i", ints}}); },
-                                    {path, "'w'", c.kind, "element " + std::to_string(at)}, label + " save");
+    expect_error<ds::DataLossError>(
+        [&] {
+          ds::save_safetensors(path, {{"w", t}, {"i", ints}});
+        },
+        {path, "'w'", c.kind, "element " + std::to_string(at)}, label + " save");
     EXPECT_FALSE(exists(path)) << label;
     ds::SafetensorsSaveOptions so;
     so.allow_non_finite = true;
     ds::save_safetensors(path, {{"w", t}, {"i", ints}}, {}, so);
-    expect_error<ds::DataLossError>([&] { ds::load_safetensors(path); }, {path, "'w'", c.kind}, label + " load");
+    expect_error<ds::DataLossError>([&] { ds::load_safetensors(path); }, {path, "'w'", c.kind},
+                                    label + " load");
     ds::SafetensorsLoadOptions lo;
     lo.allow_non_finite = true;
     EXPECT_EQ(ds::load_safetensors(path, lo).tensors.size(), 2u) << label;
@@ -189,8 +210,10 @@ TEST(CheckpointNonFinite, RestoreRefusesANaNCheckpointUnlessAllowed) {
   Small b(9);
   const ds::Tensor before = b.params[0].value();
   expect_error<ds::DataLossError>([&] { b.ckpt.restore(ckpt_path(dir, 7)); },
-                                  {ckpt_path(dir, 7), "'" + a.params[0].name() + "'", "NaN"}, "restore");
-  EXPECT_EQ(std::memcmp(before.data(), b.params[0].value().data(), before.nbytes()), 0);  // unchanged
+                                  {ckpt_path(dir, 7), "'" + a.params[0].name() + "'", "NaN"},
+                                  "restore");
+  EXPECT_EQ(std::memcmp(before.data(), b.params[0].value().data(), before.nbytes()),
+            0);  // unchanged
   ds::RestoreOptions ro;
   ro.allow_non_finite = true;
   EXPECT_EQ(b.ckpt.restore(ckpt_path(dir, 7), ro).at("step"), "7");
@@ -211,10 +234,12 @@ TEST(CheckpointNonFinite, RestoreLatestFallsBackToTheNewestFiniteCheckpointWithA
   ASSERT_TRUE(md.has_value());
   EXPECT_EQ(md->at("step"), "2");
   EXPECT_EQ(mb.restored_path().value(), ckpt_path(dir, 2));
-  EXPECT_TRUE(contains(b.warnings, ckpt_path(dir, 3)) && contains(b.warnings, "+Inf")) << b.warnings;
+  EXPECT_TRUE(contains(b.warnings, ckpt_path(dir, 3)) && contains(b.warnings, "+Inf"))
+      << b.warnings;
   ds::RestoreOptions strict;
   strict.fall_back_to_valid = false;
-  expect_error<ds::DataLossError>([&] { mb.restore_latest(strict); }, {ckpt_path(dir, 3), "+Inf"}, "no fallback");
+  expect_error<ds::DataLossError>([&] { mb.restore_latest(strict); }, {ckpt_path(dir, 3), "+Inf"},
+                                  "no fallback");
 }
 
 // ---- item 15: the manager's own checkpoints ------------------------------------
@@ -233,7 +258,8 @@ TEST(CheckpointOwnership, AnotherRunsGenuineCheckpointsCopiedInAreIgnored) {
   for (int s : {560, 630, 700}) copy_file(ckpt_path(theirs, s), ckpt_path(mine, s));
   Small b(9);
   ds::CheckpointManager mb(b.ckpt, mine, {3});
-  EXPECT_TRUE(contains(b.warnings, "ckpt-700.safetensors") && contains(b.warnings, "not among this run's saves"))
+  EXPECT_TRUE(contains(b.warnings, "ckpt-700.safetensors") &&
+              contains(b.warnings, "not among this run's saves"))
       << b.warnings;
   ASSERT_EQ(mb.restore_latest().value().at("step"), "450");
   b.train(460);
@@ -265,7 +291,8 @@ TEST(CheckpointOwnership, AnotherRunsFileCopiedOverOursIsNotPruned) {
   copy_file(ckpt_path(theirs, 1), ckpt_path(mine, 1));
   save_steps(a, mine, 4, 4, 1);
   EXPECT_TRUE(exists(ckpt_path(mine, 1)));  // theirs now: left alone
-  EXPECT_TRUE(exists(ckpt_path(mine, 2)) && exists(ckpt_path(mine, 3)) && exists(ckpt_path(mine, 4)));
+  EXPECT_TRUE(exists(ckpt_path(mine, 2)) && exists(ckpt_path(mine, 3)) &&
+              exists(ckpt_path(mine, 4)));
   EXPECT_TRUE(contains(a.warnings, "not the file this run saved under that name")) << a.warnings;
 }
 
@@ -278,8 +305,9 @@ TEST(CheckpointOwnership, AnotherUsersForgedCheckpointsAreIgnored) {
   Small a;
   save_steps(a, dir, 1, 3, 1);
   for (int s : {999990, 999991, 999992}) {
-    ds::ckpt::save_safetensors_reserved(ckpt_path(dir, s), a.ckpt.state(),
-                                        {{"step", std::to_string(s)}, {ds::ckpt::kManagerStepKey, std::to_string(s)}});
+    ds::ckpt::save_safetensors_reserved(
+        ckpt_path(dir, s), a.ckpt.state(),
+        {{"step", std::to_string(s)}, {ds::ckpt::kManagerStepKey, std::to_string(s)}});
     ASSERT_EQ(::chown(ckpt_path(dir, s).c_str(), kOtherUid, kOtherUid), 0);
   }
   save_steps(a, dir, 4, 5, 1);
@@ -313,7 +341,8 @@ TEST(CheckpointOwnership, TheConstructorRemovesOnlyItsOwnTemporaryFiles) {
   if (!is_root()) GTEST_SKIP() << "needs root to create files of another uid";
   const std::string dir = temp_dir(kTempPrefix);
   ASSERT_EQ(::chmod(dir.c_str(), 01777), 0);
-  const std::string theirs = dir + "/ckpt-70.safetensors.tmp.1.0", ours = dir + "/ckpt-71.safetensors.tmp.1.0";
+  const std::string theirs = dir + "/ckpt-70.safetensors.tmp.1.0",
+                    ours = dir + "/ckpt-71.safetensors.tmp.1.0";
   std::ofstream(theirs) << "x";
   std::ofstream(ours) << "x";
   ASSERT_EQ(::chown(theirs.c_str(), kOtherUid, kOtherUid), 0);
@@ -330,10 +359,11 @@ TEST(CheckpointOwnership, LatestNamingASymlinkOutsideTheDirectoryIsNotFollowed) 
   Small a;
   save_steps(a, dir, 1, 2, 1);
   a.ckpt.save(outside + "/elsewhere.safetensors", {{"step", "900"}});
-  ASSERT_EQ(::symlink((outside + "/elsewhere.safetensors").c_str(), ckpt_path(dir, 900).c_str()), 0);
+  ASSERT_EQ(::symlink((outside + "/elsewhere.safetensors").c_str(), ckpt_path(dir, 900).c_str()),
+            0);
   std::ofstream(dir + "/latest") << "ckpt-900.safetensors\n";
-  expect_error<ds::DataLossError>([&] { ds::latest_checkpoint(dir); }, {"symbolic link", "elsewhere"},
-                                  "latest_checkpoint");
+  expect_error<ds::DataLossError>([&] { ds::latest_checkpoint(dir); },
+                                  {"symbolic link", "elsewhere"}, "latest_checkpoint");
   Small b(9);
   ds::CheckpointManager mb(b.ckpt, dir, {3});
   EXPECT_EQ(mb.restore_latest().value().at("step"), "2");
@@ -342,7 +372,8 @@ TEST(CheckpointOwnership, LatestNamingASymlinkOutsideTheDirectoryIsNotFollowed) 
   std::ofstream(outside + "/latest") << "ckpt-1.safetensors\n";
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
   ASSERT_EQ(::symlink((outside + "/latest").c_str(), (dir + "/latest").c_str()), 0);
-  expect_error<ds::DataLossError>([&] { ds::latest_checkpoint(dir); }, {"symbolic link"}, "latest as a symlink");
+  expect_error<ds::DataLossError>([&] { ds::latest_checkpoint(dir); }, {"symbolic link"},
+                                  "latest as a symlink");
 }
 
 TEST(CheckpointOwnership, ADirectoryOtherUsersControlIsRefused) {
@@ -370,13 +401,15 @@ TEST(TimelineFile, ADeviceOrFifoPathIsRefusedNotSilentlyLost) {
   const std::string dir = temp_dir(kTempPrefix);
   const std::string fifo = dir + "/timeline.json";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
-  expect_error<ds::InvalidArgumentError>([&] { ds::Timeline::check_path(fifo, "DISTSTRAT_TIMELINE"); },
-                                         {"DISTSTRAT_TIMELINE", "FIFO", "regular file"}, "check_path");
-  expect_error<ds::FailedPreconditionError>([&] { ds::Timeline::write_file(fifo, {"{}"}); }, {fifo, "FIFO"},
-                                            "write_file");
+  expect_error<ds::InvalidArgumentError>(
+      [&] { ds::Timeline::check_path(fifo, "DISTSTRAT_TIMELINE"); },
+      {"DISTSTRAT_TIMELINE", "FIFO", "regular file"}, "check_path");
+  expect_error<ds::FailedPreconditionError>([&] { ds::Timeline::write_file(fifo, {"{}"}); },
+                                            {fifo, "FIFO"}, "write_file");
   struct stat st {};
   ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
   EXPECT_TRUE(S_ISFIFO(st.st_mode));  // not replaced by a regular file
-  expect_error<ds::InvalidArgumentError>([&] { ds::Timeline::check_path("/dev/full", "DISTSTRAT_TIMELINE"); },
-                                         {"/dev/full", "character device"}, "/dev/full");
+  expect_error<ds::InvalidArgumentError>(
+      [&] { ds::Timeline::check_path("/dev/full", "DISTSTRAT_TIMELINE"); },
+      {"/dev/full", "character device"}, "/dev/full");
 }

@@ -19,14 +19,20 @@ namespace ds = diststrat;
 namespace {
 
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] = "diststrat_ckpt_strat_";  // removed at exit (tests/common/temp_dir.h)
+constexpr char kTempPrefix[] =
+    "diststrat_ckpt_strat_";  // removed at exit (tests/common/temp_dir.h)
 
 // A model under any strategy: an MLP, SGD with momentum, its checkpoint.
 struct Trainee {
   Trainee(std::unique_ptr<ds::Strategy> s, uint64_t seed)
-      : strategy(std::move(s)), mlp({6, 5, 3}), params(mlp.create_variables(*strategy, seed)),
-        opt(*strategy, {0.1f, 0.9f}), ckpt(*strategy, {&opt}) {}
-  void train(int steps, uint64_t seed) { ds::testing::mlp_train(*strategy, mlp, params, opt, 8, steps, seed); }
+      : strategy(std::move(s)),
+        mlp({6, 5, 3}),
+        params(mlp.create_variables(*strategy, seed)),
+        opt(*strategy, {0.1f, 0.9f}),
+        ckpt(*strategy, {&opt}) {}
+  void train(int steps, uint64_t seed) {
+    ds::testing::mlp_train(*strategy, mlp, params, opt, 8, steps, seed);
+  }
   std::unique_ptr<ds::Strategy> strategy;
   ds::nn::Mlp mlp;
   std::vector<ds::Variable> params;
@@ -34,7 +40,9 @@ struct Trainee {
   ds::Checkpoint ckpt;
 };
 
-void expect_same_state(const Trainee& a, const Trainee& b) { ds::testing::expect_same_state(a.ckpt, b.ckpt); }
+void expect_same_state(const Trainee& a, const Trainee& b) {
+  ds::testing::expect_same_state(a.ckpt, b.ckpt);
+}
 
 // Train, save, restore into a differently initialised model: the same state
 // (weights, slots, step counter), and training continues identically.

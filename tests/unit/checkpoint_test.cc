@@ -143,9 +143,9 @@ TEST(Safetensors, EveryTruncationAndEveryFlippedByteIsDataLoss) {
       auto is_ws = [](uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
       if (is_ws(good[i]) && is_ws(bad[i])) continue;
       ++flips;
-      expect_error<ds::DataLossError>([&] { ds::parse_safetensors(bad.data(), bad.size(), "flip"); },
-                                      {"checkpoint 'flip'"},
-                                      "byte " + std::to_string(i) + " ^ " + std::to_string(mask));
+      expect_error<ds::DataLossError>(
+          [&] { ds::parse_safetensors(bad.data(), bad.size(), "flip"); }, {"checkpoint 'flip'"},
+          "byte " + std::to_string(i) + " ^ " + std::to_string(mask));
     }
   }
   EXPECT_GT(flips, 3 * 100);
@@ -222,7 +222,8 @@ TEST(Safetensors, LyingHeadersTable) {
   // A well-formed foreign file (no checksums) needs require_checksums = false.
   const std::vector<uint8_t> foreign = file({{"a", t("F32", {1}, 0, 4)}}, 4);
   EXPECT_THROW(ds::parse_safetensors(foreign.data(), foreign.size(), "foreign"), ds::DataLossError);
-  EXPECT_FALSE(ds::parse_safetensors(foreign.data(), foreign.size(), "foreign", unchecked).verified);
+  EXPECT_FALSE(
+      ds::parse_safetensors(foreign.data(), foreign.size(), "foreign", unchecked).verified);
 }
 
 // ---- a model under MirroredStrategy ---------------------------------------------
@@ -231,14 +232,19 @@ namespace {
 
 struct Model {
   explicit Model(std::vector<int64_t> sizes = {6, 5, 3}, int replicas = 2, uint64_t seed = 3)
-      : strategy(devices(replicas)), mlp(sizes), params(mlp.create_variables(strategy, seed)),
-        opt(strategy, {0.1f, 0.9f}), ckpt(strategy, {&opt}) {}
+      : strategy(devices(replicas)),
+        mlp(sizes),
+        params(mlp.create_variables(strategy, seed)),
+        opt(strategy, {0.1f, 0.9f}),
+        ckpt(strategy, {&opt}) {}
   static std::vector<ds::Device> devices(int n) {
     std::vector<ds::Device> d;
     for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
     return d;
   }
-  void train(int steps, uint64_t seed) { ds::testing::mlp_train(strategy, mlp, params, opt, 8, steps, seed); }
+  void train(int steps, uint64_t seed) {
+    ds::testing::mlp_train(strategy, mlp, params, opt, 8, steps, seed);
+  }
   ds::MirroredStrategy strategy;
   ds::nn::Mlp mlp;
   std::vector<ds::Variable> params;
@@ -246,7 +252,9 @@ struct Model {
   ds::Checkpoint ckpt;
 };
 
-void expect_same_state(const Model& a, const Model& b) { ds::testing::expect_same_state(a.ckpt, b.ckpt); }
+void expect_same_state(const Model& a, const Model& b) {
+  ds::testing::expect_same_state(a.ckpt, b.ckpt);
+}
 
 }  // namespace
 
@@ -295,17 +303,20 @@ TEST(Checkpoint, ModelMismatchIsInvalidArgumentAndChangesNothing) {
   const auto before = wide.ckpt.state();
   expect_error<ds::InvalidArgumentError>(
       [&] { wide.ckpt.restore(dir + "/small.safetensors"); },
-      {dir + "/small.safetensors", "'dense0/kernel' is float32[6, 5] in the file but float32[6, 7]"},
+      {dir + "/small.safetensors",
+       "'dense0/kernel' is float32[6, 5] in the file but float32[6, 7]"},
       "wider model");
   const auto after = wide.ckpt.state();
-  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(same_bytes(before[i].second, after[i].second));
+  for (size_t i = 0; i < before.size(); ++i)
+    EXPECT_TRUE(same_bytes(before[i].second, after[i].second));
 
   Model deeper(std::vector<int64_t>{6, 5, 4, 3});
   expect_error<ds::InvalidArgumentError>([&] { deeper.ckpt.restore(dir + "/small.safetensors"); },
                                          {"'dense2/kernel'", "missing"}, "deeper model");
   Model shallower(std::vector<int64_t>{6, 5});
-  expect_error<ds::InvalidArgumentError>([&] { shallower.ckpt.restore(dir + "/small.safetensors"); },
-                                         {"'dense1/kernel'", "not in the model"}, "shallower model");
+  expect_error<ds::InvalidArgumentError>(
+      [&] { shallower.ckpt.restore(dir + "/small.safetensors"); },
+      {"'dense1/kernel'", "not in the model"}, "shallower model");
 
   // A model-only file (e.g. exported by PyTorch): refused unless optimizer state may be missing.
   std::vector<std::pair<std::string, ds::Tensor>> weights;
@@ -335,7 +346,8 @@ TEST(Checkpoint, CorruptFileRestoreChangesNothing) {
   const auto before = b.ckpt.state();
   EXPECT_THROW(b.ckpt.restore(path), ds::DataLossError);
   const auto after = b.ckpt.state();
-  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(same_bytes(before[i].second, after[i].second));
+  for (size_t i = 0; i < before.size(); ++i)
+    EXPECT_TRUE(same_bytes(before[i].second, after[i].second));
 }
 
 TEST(CheckpointManager, KeepsTheLastKAndPointsLatestAtTheNewest) {
@@ -368,7 +380,8 @@ TEST(CheckpointManager, KillDuringSaveAlwaysLeavesALoadableLatest) {
       temp_dir(kTempPrefix),
       [](const std::string& dir, int64_t first_step) {
         ds::MirroredStrategy s(std::vector<ds::Device>{ds::Device::cpu(0)});
-        ds::Variable big = s.create_variable("big", {256, 256}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::Variable big =
+            s.create_variable("big", {256, 256}, ds::DType::kFloat32, ds::init::Zeros{});
         ds::Variable small = s.create_variable("small", {3}, ds::DType::kInt64, ds::init::Zeros{});
         ds::testing::save_step_valued_forever(s, {big, small}, dir, first_step);
       },
@@ -404,11 +417,12 @@ TEST(Safetensors, InteropWithPythonSafetensors) {
   // make relative to the build directory).
   const std::string deps = std::string(DISTSTRAT_SOURCE_DIR) + "/.deps/python";
   // Debian's interpreter (numpy from apt) when there is one, else the first on PATH.
-  const std::string py =
-      "PYTHONPATH=" + deps + (access("/usr/bin/python3", X_OK) == 0 ? " /usr/bin/python3" : " python3");
+  const std::string py = "PYTHONPATH=" + deps +
+                         (access("/usr/bin/python3", X_OK) == 0 ? " /usr/bin/python3" : " python3");
   if (std::system((py + " -c 'import numpy, safetensors.numpy' 2>/dev/null").c_str()) != 0) {
     GTEST_SKIP() << "python3 with numpy and safetensors is not available (scripts/setup.sh "
-                    "installs them into " << deps << ")";
+                    "installs them into "
+                 << deps << ")";
   }
   const std::string dir = temp_dir(kTempPrefix);
   ds::save_safetensors(dir + "/ours.safetensors", sample_tensors(), {{"epoch", "7"}});
@@ -471,7 +485,9 @@ namespace {
 class FakeWorker : public ds::MirroredStrategy {
  public:
   FakeWorker(int index, ds::Communicator& comm)
-      : ds::MirroredStrategy(std::vector<ds::Device>{ds::Device::cpu(0)}), index_(index), comm_(comm) {}
+      : ds::MirroredStrategy(std::vector<ds::Device>{ds::Device::cpu(0)}),
+        index_(index),
+        comm_(comm) {}
   ds::ClusterInfo cluster() const override {
     ds::ClusterInfo c;
     c.rank = c.worker_index = c.task_index = index_;
@@ -480,7 +496,9 @@ class FakeWorker : public ds::MirroredStrategy {
     return c;
   }
   int num_replicas_in_sync() const override { return 2; }
-  void broadcast(ds::Tensor& t, int root, const std::string& name) override { comm_.broadcast(t, root, name); }
+  void broadcast(ds::Tensor& t, int root, const std::string& name) override {
+    comm_.broadcast(t, root, name);
+  }
 
  protected:
   double reduce_across(ds::ReduceOp op, const std::vector<double>& local) override {
@@ -651,7 +669,8 @@ TEST(Checkpoint, AdamMomentsAndStepRoundTripAndTrainingContinuesIdentically) {
     step(*b, opt_b, 2.0f);
   }
   EXPECT_TRUE(same_bytes(a->variable("w").value(), b->variable("w").value()));
-  EXPECT_TRUE(same_bytes(a->variable("w").impl().slot("v")[1], b->variable("w").impl().slot("v")[1]));
+  EXPECT_TRUE(
+      same_bytes(a->variable("w").impl().slot("v")[1], b->variable("w").impl().slot("v")[1]));
 }
 
 // Random multi-byte damage: every outcome is either a diststrat::Error or a
@@ -670,10 +689,18 @@ TEST(Safetensors, RandomDamageIsAnErrorOrHarmless) {
     for (int e = 0; e < edits; ++e) {
       const size_t at = rng() % bad.size();
       switch (rng() % 4) {
-        case 0: bad[at] = static_cast<uint8_t>(rng()); break;                       // overwrite
-        case 1: bad.erase(bad.begin() + static_cast<long>(at)); break;               // delete
-        case 2: bad.insert(bad.begin() + static_cast<long>(at), static_cast<uint8_t>(rng())); break;
-        case 3: bad.resize(at); break;                                               // truncate
+        case 0:
+          bad[at] = static_cast<uint8_t>(rng());
+          break;  // overwrite
+        case 1:
+          bad.erase(bad.begin() + static_cast<long>(at));
+          break;  // delete
+        case 2:
+          bad.insert(bad.begin() + static_cast<long>(at), static_cast<uint8_t>(rng()));
+          break;
+        case 3:
+          bad.resize(at);
+          break;  // truncate
       }
       if (bad.empty()) break;
     }
@@ -682,7 +709,8 @@ TEST(Safetensors, RandomDamageIsAnErrorOrHarmless) {
       ASSERT_EQ(f.tensors.size(), original.tensors.size()) << "iteration " << it;
       for (size_t i = 0; i < f.tensors.size(); ++i) {
         ASSERT_EQ(f.tensors[i].first, original.tensors[i].first) << "iteration " << it;
-        ASSERT_TRUE(same_bytes(f.tensors[i].second, original.tensors[i].second)) << "iteration " << it;
+        ASSERT_TRUE(same_bytes(f.tensors[i].second, original.tensors[i].second))
+            << "iteration " << it;
       }
       ASSERT_EQ(f.metadata, original.metadata) << "iteration " << it;
       ++harmless;

@@ -44,7 +44,8 @@ inline void mlp_train(Strategy& strategy, const nn::Mlp& mlp, const std::vector<
                       Optimizer& opt, int64_t rows, int steps, uint64_t seed) {
   Tensor x(Shape{rows, mlp.sizes().front()}, DType::kFloat32), y(Shape{rows}, DType::kInt32);
   init::RandomNormal{0.0, 1.0, seed}(x);
-  for (int64_t i = 0; i < rows; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % mlp.sizes().back());
+  for (int64_t i = 0; i < rows; ++i)
+    y.data<int32_t>()[i] = static_cast<int32_t>(i % mlp.sizes().back());
   DistributedDataset dist = strategy.distribute(Dataset(x, y), rows, {false, 0, false});
   for (int s = 0; s < steps; ++s) {
     for (const DistributedBatch& b : dist) mlp_step(strategy, mlp, vars, opt, b);
@@ -83,7 +84,10 @@ inline void expect_state_is_file(const Checkpoint& c, const std::string& path) {
 // that keeps 2.
 struct CheckpointedMlp {
   CheckpointedMlp(Strategy& s, uint64_t seed, const std::string& dir)
-      : vars(mlp.create_variables(s, seed)), adam(s, {0.01f}), ckpt(s, {&adam}), manager(ckpt, dir, {2}) {}
+      : vars(mlp.create_variables(s, seed)),
+        adam(s, {0.01f}),
+        ckpt(s, {&adam}),
+        manager(ckpt, dir, {2}) {}
   nn::Mlp mlp{{6, 7, 3}};
   std::vector<Variable> vars;
   Adam adam;
@@ -122,8 +126,8 @@ struct KillStats {
 
 inline KillStats kill_during_save(const std::string& dir,
                                   const std::function<void(const std::string&, int64_t)>& save_loop,
-                                  const std::vector<std::string>& tensors, int max_kills, int seconds,
-                                  uint32_t seed) {
+                                  const std::vector<std::string>& tensors, int max_kills,
+                                  int seconds, uint32_t seed) {
   KillStats st;
   std::mt19937 rng(seed);
   uint32_t window_us = 30000;  // kill 2 ms + [0, window) after the fork
@@ -179,7 +183,8 @@ inline KillStats kill_during_save(const std::string& dir,
       }
       const int64_t last = v->num_elements() - 1;
       auto at = [&](int64_t i) {
-        return v->dtype() == DType::kInt64 ? static_cast<double>(v->data<int64_t>()[i]) : v->data<float>()[i];
+        return v->dtype() == DType::kInt64 ? static_cast<double>(v->data<int64_t>()[i])
+                                           : v->data<float>()[i];
       };
       EXPECT_EQ(at(0), static_cast<double>(step)) << t;
       EXPECT_EQ(at(last), static_cast<double>(step)) << t;

@@ -21,7 +21,7 @@ struct ChildResult {
   bool timed_out = false;  // killed after the limit
   int exit_code = -1;      // the function's return value (98: it threw)
   int term_signal = 0;
-  long max_rss_kib = 0;    // the child's peak resident memory
+  long max_rss_kib = 0;  // the child's peak resident memory
 };
 
 inline ChildResult run_in_child(const std::function<int()>& fn,

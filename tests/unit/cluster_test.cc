@@ -19,16 +19,20 @@ TEST(TfConfig, ValidConfigsResolveRanksAndRoles) {
   const Valid cases[] = {
       // chief + workers + ps: ranks in chief, worker, ps order; chief is worker 0.
       {R"({"cluster":{"chief":["c:1"],"worker":["w0:1","w1:1"],"ps":["p0:1"]},
-           "task":{"type":"chief","index":0}})", "chief", 0, 0, 4, 3, 0, true},
+           "task":{"type":"chief","index":0}})",
+       "chief", 0, 0, 4, 3, 0, true},
       {R"({"cluster":{"chief":["c:1"],"worker":["w0:1","w1:1"],"ps":["p0:1"]},
-           "task":{"type":"worker","index":1}})", "worker", 1, 2, 4, 3, 2, false},
+           "task":{"type":"worker","index":1}})",
+       "worker", 1, 2, 4, 3, 2, false},
       {R"({"cluster":{"chief":["c:1"],"worker":["w0:1","w1:1"],"ps":["p0:1"]},
-           "task":{"type":"ps","index":0}})", "ps", 0, 3, 4, 3, -1, false},
+           "task":{"type":"ps","index":0}})",
+       "ps", 0, 3, 4, 3, -1, false},
       // no chief job: worker 0 is the chief.
       {R"({"cluster":{"worker":["10.0.0.1:2222","10.0.0.2:2222"]},"task":{"type":"worker","index":0}})",
        "worker", 0, 0, 2, 2, 0, true},
       {R"({"cluster":{"worker":["a:1","b:1","c:1"]},"task":{"type":"worker","index":2},
-           "environment":"cloud","rpc_layer":"grpc"})", "worker", 2, 2, 3, 3, 2, false},
+           "environment":"cloud","rpc_layer":"grpc"})",
+       "worker", 2, 2, 3, 3, 2, false},
       // the evaluator runs outside the training ranks.
       {R"({"cluster":{"worker":["a:1"],"evaluator":["e:1"]},"task":{"type":"evaluator","index":0}})",
        "evaluator", 0, -1, 1, 1, -1, false},
@@ -68,28 +72,39 @@ TEST(TfConfig, EveryMalformedConfigIsAnInvalidArgumentNamingTheProblem) {
       {R"({"task":{"type":"worker","index":0}})", "no 'cluster'"},
       {R"({"cluster":{"worker":["a:1"]}})", "no 'task'"},
       {R"({"cluster":["a:1"],"task":{"type":"worker","index":0}})", "'cluster' must be an object"},
-      {R"({"cluster":{"trainer":["a:1"]},"task":{"type":"trainer","index":0}})", "unknown job 'trainer'"},
+      {R"({"cluster":{"trainer":["a:1"]},"task":{"type":"trainer","index":0}})",
+       "unknown job 'trainer'"},
       {R"({"cluster":{"worker":"a:1"},"task":{"type":"worker","index":0}})", "must be a list"},
       {R"({"cluster":{"worker":[7]},"task":{"type":"worker","index":0}})", "non-string address 7"},
-      {R"({"cluster":{"worker":["nohostport"]},"task":{"type":"worker","index":0}})", "is not host:port"},
-      {R"({"cluster":{"worker":["a:99999"]},"task":{"type":"worker","index":0}})", "is not host:port"},
-      {R"({"cluster":{"worker":["a:1","a:1"]},"task":{"type":"worker","index":0}})", "duplicate address 'a:1'"},
-      {R"({"cluster":{"chief":["a:1"],"ps":["a:1"]},"task":{"type":"ps","index":0}})", "duplicate address 'a:1'"},
+      {R"({"cluster":{"worker":["nohostport"]},"task":{"type":"worker","index":0}})",
+       "is not host:port"},
+      {R"({"cluster":{"worker":["a:99999"]},"task":{"type":"worker","index":0}})",
+       "is not host:port"},
+      {R"({"cluster":{"worker":["a:1","a:1"]},"task":{"type":"worker","index":0}})",
+       "duplicate address 'a:1'"},
+      {R"({"cluster":{"chief":["a:1"],"ps":["a:1"]},"task":{"type":"ps","index":0}})",
+       "duplicate address 'a:1'"},
       {R"({"cluster":{"chief":["a:1","b:1"]},"task":{"type":"chief","index":0}})", "at most one"},
       {R"({"cluster":{"ps":["a:1"]},"task":{"type":"ps","index":0}})", "no chief and no worker"},
       {R"({"cluster":{},"task":{"type":"worker","index":0}})", "no tasks"},
       {R"({"cluster":{"worker":["a:1"]},"task":{"type":"ps","index":0}})", "'ps' has no tasks"},
       {R"({"cluster":{"worker":["a:1"]},"task":{"type":"boss","index":0}})", "task type 'boss'"},
-      {R"({"cluster":{"worker":["a:1","b:1"]},"task":{"type":"worker","index":2}})", "index 2 out of range"},
-      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":-1}})", "index -1 out of range"},
-      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":"0"}})", "must be an integer"},
-      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":0.5}})", "must be an integer"},
+      {R"({"cluster":{"worker":["a:1","b:1"]},"task":{"type":"worker","index":2}})",
+       "index 2 out of range"},
+      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":-1}})",
+       "index -1 out of range"},
+      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":"0"}})",
+       "must be an integer"},
+      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":0.5}})",
+       "must be an integer"},
       {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker"}})", "no 'index'"},
       {R"({"cluster":{"worker":["a:1"]},"task":{"index":0}})", "no 'type'"},
       {R"({"cluster":{"worker":["a:1"]},"task":{"type":3,"index":0}})", "'type' must be a string"},
       {R"({"cluster":{"worker":["a:1"]},"task":"worker"})", "'task' must be an object"},
-      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":0,"rank":3}})", "unknown key 'rank'"},
-      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":0},"extra":1})", "unknown key 'extra'"},
+      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":0,"rank":3}})",
+       "unknown key 'rank'"},
+      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":0},"extra":1})",
+       "unknown key 'extra'"},
   };
   for (const Malformed& c : cases) {
     SCOPED_TRACE(c.json);
@@ -130,7 +145,8 @@ TEST(Cluster, ExplicitSpecAndTfConfigEnvResolve) {
   cfg.spec.task_index = 5;
   EXPECT_THROW(ds::resolve_cluster(cfg), ds::InvalidArgumentError);
 
-  setenv("TF_CONFIG", R"({"cluster":{"chief":["c:1"],"worker":["w:1"]},"task":{"type":"chief","index":0}})", 1);
+  setenv("TF_CONFIG",
+         R"({"cluster":{"chief":["c:1"],"worker":["w:1"]},"task":{"type":"chief","index":0}})", 1);
   r = ds::resolve_cluster({});
   unsetenv("TF_CONFIG");
   EXPECT_EQ(r.source, ds::ClusterSource::kTfConfig);

@@ -17,11 +17,12 @@ using Config = ds::testing::StrategyConfig;
 namespace {
 
 const std::vector<Config> kConfigs = {
-    {"mirrored", 1, 2},     {"central_storage", 1, 2}, {"multi_worker", 2, 1},
+    {"mirrored", 1, 2},     {"central_storage", 1, 2},  {"multi_worker", 2, 1},
     {"multi_worker", 2, 2}, {"parameter_server", 1, 2},
 };
 
-template <typename F> std::string error_of(F&& f) {
+template <typename F>
+std::string error_of(F&& f) {
   try {
     f();
   } catch (const ds::Error& e) {
@@ -43,15 +44,18 @@ TEST(CollectiveValidation, TensorsClaimingAGpuAreRejectedOnCpuReplicas) {
       const std::string where = c.label();
       s.run([&](ds::ReplicaContext& ctx) {
         float buf[2] = {1, 2};
-        ds::Tensor fake = ds::Tensor::wrap(buf, ds::Shape{2}, ds::DType::kFloat32, ds::Device::gpu(3));
+        ds::Tensor fake =
+            ds::Tensor::wrap(buf, ds::Shape{2}, ds::DType::kFloat32, ds::Device::gpu(3));
         std::vector<ds::Tensor> v{fake};
         const std::string e = error_of([&] { ctx.all_reduce(ds::ReduceOp::kSum, v, {"grad/w"}); });
         EXPECT_TRUE(has(e, "all_reduce") && has(e, "grad/w") && has(e, "/device:GPU:3") &&
                     has(e, ctx.device().to_string()))
             << where << ": " << e;
         const std::string g = error_of([&] { ctx.all_gather(fake, "rows"); });
-        EXPECT_TRUE(has(g, "all_gather") && has(g, "rows") && has(g, "/device:GPU:3")) << where << ": " << g;
-        const std::string a = error_of([&] { ctx.all_reduce_async(ds::ReduceOp::kSum, {fake}, {"async"}).wait(); });
+        EXPECT_TRUE(has(g, "all_gather") && has(g, "rows") && has(g, "/device:GPU:3"))
+            << where << ": " << g;
+        const std::string a =
+            error_of([&] { ctx.all_reduce_async(ds::ReduceOp::kSum, {fake}, {"async"}).wait(); });
         EXPECT_TRUE(has(a, "async") && has(a, "/device:GPU:3")) << where << ": " << a;
         // buf was not touched by a host reduction.
         EXPECT_EQ(buf[0], 1.0f) << where;
@@ -72,7 +76,9 @@ TEST(CollectiveValidation, Int64SumOverflowIsAnErrorAndMeanIsExact) {
       EXPECT_EQ(s.reduce(ds::ReduceOp::kMean, big), kMax) << where;
       ds::PerReplica<int64_t> small = s.run([&](ds::ReplicaContext&) { return kMin; });
       EXPECT_EQ(s.reduce(ds::ReduceOp::kMean, small), kMin) << where;
-      EXPECT_TRUE(has(error_of([&] { s.reduce(ds::ReduceOp::kSum, small); }), "int64 sum overflows")) << where;
+      EXPECT_TRUE(
+          has(error_of([&] { s.reduce(ds::ReduceOp::kSum, small); }), "int64 sum overflows"))
+          << where;
       // Mixed signs: no overflow, truncation toward zero.
       ds::PerReplica<int64_t> mixed =
           s.run([&](ds::ReplicaContext& ctx) { return ctx.replica_id() == 0 ? kMax : -kMax + 1; });
@@ -95,10 +101,12 @@ TEST(CollectiveValidation, Int64ProductOverflowIsAnErrorAndExactOtherwise) {
       if (n < 2) return;
       ds::PerReplica<int64_t> big = s.run([&](ds::ReplicaContext&) { return int64_t(1) << 40; });
       const std::string e = error_of([&] { s.reduce(ds::ReduceOp::kProduct, big); });
-      EXPECT_TRUE(has(e, "int64 product overflows") && has(e, "reduce product")) << where << ": " << e;
+      EXPECT_TRUE(has(e, "int64 product overflows") && has(e, "reduce product"))
+          << where << ": " << e;
       // 3 * (-2)^(n-1) fits and keeps its sign.
-      ds::PerReplica<int64_t> small =
-          s.run([&](ds::ReplicaContext& ctx) { return ctx.replica_id() == 0 ? int64_t(3) : int64_t(-2); });
+      ds::PerReplica<int64_t> small = s.run([&](ds::ReplicaContext& ctx) {
+        return ctx.replica_id() == 0 ? int64_t(3) : int64_t(-2);
+      });
       int64_t want = 3;
       for (int64_t r = 1; r < n; ++r) want *= -2;
       EXPECT_EQ(s.reduce(ds::ReduceOp::kProduct, small), want) << where;
@@ -116,12 +124,15 @@ TEST(CollectiveValidation, PerReplicaOfTheWrongSizeIsRejected) {
   ds::Tensor t(ds::Shape{2}, ds::DType::kFloat32);
   t.zero();
   const ds::PerReplica<ds::Tensor> one_tensor({t});
-  for (const std::string& e : {error_of([&] { s.reduce(ds::ReduceOp::kSum, one_tensor); }),
-                               error_of([&] { s.reduce(ds::ReduceOp::kSum, one_tensor, 0); }),
-                               error_of([&] { s.gather(one_tensor); }),
-                               error_of([&] { s.reduce(ds::ReduceOp::kSum, ds::PerReplica<int64_t>({int64_t(5)})); }),
-                               error_of([&] { s.reduce(ds::ReduceOp::kSum, ds::PerReplica<double>({5.0})); }),
-                               error_of([&] { s.reduce(ds::ReduceOp::kSum, ds::PerReplica<float>({5.0f, 1.f, 2.f})); })}) {
+  for (const std::string& e :
+       {error_of([&] { s.reduce(ds::ReduceOp::kSum, one_tensor); }),
+        error_of([&] { s.reduce(ds::ReduceOp::kSum, one_tensor, 0); }),
+        error_of([&] { s.gather(one_tensor); }),
+        error_of([&] { s.reduce(ds::ReduceOp::kSum, ds::PerReplica<int64_t>({int64_t(5)})); }),
+        error_of([&] { s.reduce(ds::ReduceOp::kSum, ds::PerReplica<double>({5.0})); }),
+        error_of([&] {
+          s.reduce(ds::ReduceOp::kSum, ds::PerReplica<float>({5.0f, 1.f, 2.f}));
+        })}) {
     EXPECT_TRUE(has(e, "values") && has(e, "local replicas") && has(e, "2")) << e;
     EXPECT_TRUE(has(e, "1 value") || has(e, "3 values")) << e;
   }
@@ -139,6 +150,8 @@ TEST(CollectiveValidation, UndefinedAndMixedValuesAreNamed) {
                                error_of([&] { s.gather(undefined); })}) {
     EXPECT_TRUE(has(e, "replica 1") && has(e, "undefined tensor")) << e;
   }
-  const std::string mixed = error_of([&] { s.reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>({f, i}), 0); });
+  const std::string mixed = error_of([&] {
+    s.reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>({f, i}), 0);
+  });
   EXPECT_TRUE(has(mixed, "reduce") && !has(mixed, "gather:")) << mixed;
 }

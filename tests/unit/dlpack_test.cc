@@ -60,7 +60,7 @@ struct Spec {
   DLDevice device{kDLCPU, 0};
   DLDataType dtype{kDLFloat, 32, 1};
   std::vector<int64_t> shape;
-  std::optional<std::vector<int64_t>> strides;
+  std::optional<std::vector<int64_t> > strides;
   uint64_t byte_offset = 0;
 };
 
@@ -404,8 +404,7 @@ TEST(DLPack, DevicesAreMappedOrNamed) {
   EXPECT_NE(reject({kDLCUDA, -1}).find("device_id -1 is negative"), std::string::npos);
   const ds::Device gpu = ds::Device::gpu(0), cpu = ds::Device::cpu(0);
   EXPECT_NE(reject({kDLCPU, 0}, &gpu).find("host memory needs a CPU device"), std::string::npos);
-  EXPECT_NE(reject({kDLCUDA, 0}, &cpu).find("device memory needs a GPU device"),
-            std::string::npos);
+  EXPECT_NE(reject({kDLCUDA, 0}, &cpu).find("device memory needs a GPU device"), std::string::npos);
   EXPECT_EQ(deletes, 9);
 }
 
@@ -431,12 +430,14 @@ TEST(DLPack, AbsurdShapesAreRejected) {
             std::string::npos);
   EXPECT_NE(reject([](DLTensor& t) { t.shape[1] = -3; }).find("dim 1 is negative"),
             std::string::npos);
-  EXPECT_NE(reject([](DLTensor& t) { t.shape[0] = t.shape[1] = int64_t{1} << 40; })
-                .find("more bytes than an int64 holds"),
+  EXPECT_NE(reject([](DLTensor& t) {
+              t.shape[0] = t.shape[1] = int64_t{1} << 40;
+            }).find("more bytes than an int64 holds"),
             std::string::npos);
   // 2^31 * 2^31 elements fit an int64, their bytes (x4) do not.
-  EXPECT_NE(reject([](DLTensor& t) { t.shape[0] = t.shape[1] = int64_t{1} << 31; })
-                .find("more bytes than an int64 holds"),
+  EXPECT_NE(reject([](DLTensor& t) {
+              t.shape[0] = t.shape[1] = int64_t{1} << 31;
+            }).find("more bytes than an int64 holds"),
             std::string::npos);
   EXPECT_NE(reject([](DLTensor& t) { t.data = nullptr; }).find("data is NULL for 4 elements"),
             std::string::npos);
@@ -447,8 +448,8 @@ TEST(DLPack, AbsurdShapesAreRejected) {
 // replicas' DLPack buffers in place, and the sums land in the producers' memory.
 TEST(DLPack, ImportedTensorsAllReduceInPlaceUnderMirroredStrategy) {
   ds::MirroredStrategy strategy({ds::Device::cpu(0), ds::Device::cpu(1)});
-  std::vector<std::vector<float>> grads = {{1, 2, 3, 4, 5, 6}, {10, 20, 30, 40, 50, 60}};
-  std::vector<std::vector<int64_t>> counts = {{1, 2}, {100, 200}};
+  std::vector<std::vector<float> > grads = {{1, 2, 3, 4, 5, 6}, {10, 20, 30, 40, 50, 60}};
+  std::vector<std::vector<int64_t> > counts = {{1, 2}, {100, 200}};
   int deletes = 0;
   std::vector<DLManagedTensor*> managed;
   for (int r = 0; r < 2; ++r) {
@@ -463,9 +464,8 @@ TEST(DLPack, ImportedTensorsAllReduceInPlaceUnderMirroredStrategy) {
   }
   strategy.run([&](ds::ReplicaContext& ctx) {
     const size_t r = static_cast<size_t>(ctx.local_replica_id());
-    std::vector<ds::Tensor> tensors = {
-        ds::Tensor::from_dlpack(managed[2 * r], ctx.device()),
-        ds::Tensor::from_dlpack(managed[2 * r + 1], ctx.device())};
+    std::vector<ds::Tensor> tensors = {ds::Tensor::from_dlpack(managed[2 * r], ctx.device()),
+                                       ds::Tensor::from_dlpack(managed[2 * r + 1], ctx.device())};
     ctx.all_reduce(ds::ReduceOp::kSum, tensors, {"grad", "count"});
   });
   EXPECT_EQ(deletes, 4);  // the replicas' tensors are gone
@@ -480,7 +480,7 @@ TEST(DLPack, ImportedTensorsAllReduceInPlaceUnderMirroredStrategy) {
 // of reducing device memory on the host.
 TEST(DLPack, CudaTensorsAreRejectedByCpuReplicaCollectives) {
   ds::MirroredStrategy strategy({ds::Device::cpu(0), ds::Device::cpu(1)});
-  std::vector<std::vector<float>> bufs = {{1, 2}, {3, 4}};
+  std::vector<std::vector<float> > bufs = {{1, 2}, {3, 4}};
   int deletes = 0;
   std::vector<ds::Tensor> imported;
   for (int r = 0; r < 2; ++r) {
@@ -510,7 +510,7 @@ TEST(DLPack, CudaTensorsAreRejectedByCpuReplicaCollectives) {
 // The same through a bare in-process communicator (no strategy).
 TEST(DLPack, ImportedTensorsAllReduceOverAnInProcessCommunicator) {
   ds::InProcessGroup group(2);
-  std::vector<std::vector<double>> buf = {{1, 2, 3}, {4, 5, 6}};
+  std::vector<std::vector<double> > buf = {{1, 2, 3}, {4, 5, 6}};
   int deletes[2] = {0, 0};
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r) {
@@ -519,8 +519,8 @@ TEST(DLPack, ImportedTensorsAllReduceOverAnInProcessCommunicator) {
       s.dtype = {kDLFloat, 64, 1};
       s.shape = {3};
       ds::Tensor t = ds::Tensor::from_dlpack(make(buf[r].data(), nullptr, s, &deletes[r]));
-      group.at(r).all_reduce(t.data(), t.data(), static_cast<size_t>(t.num_elements()),
-                             t.dtype(), ds::ReduceOp::kMean, "dlpack");
+      group.at(r).all_reduce(t.data(), t.data(), static_cast<size_t>(t.num_elements()), t.dtype(),
+                             ds::ReduceOp::kMean, "dlpack");
     });
   }
   for (auto& t : ranks) t.join();
@@ -554,8 +554,8 @@ DLManagedTensor* make_cuda(ds::DeviceManager& dm, const ds::Device& device, int 
     sc.device = device;
     sc.devices = &dm;
     ds::ScopedExec scoped(sc);
-    dev->copy_from(ds::Tensor::wrap(const_cast<float*>(values.data()), dev->shape(),
-                                    ds::DType::kFloat32));
+    dev->copy_from(
+        ds::Tensor::wrap(const_cast<float*>(values.data()), dev->shape(), ds::DType::kFloat32));
   }
   if (keep) *keep = dev;
   Spec s;
@@ -631,8 +631,7 @@ TEST(DLPack, CudaOrdinalsAreTranslatedThroughTheThreadsDeviceManager) {
     const std::string why = rejection(again);
     EXPECT_NE(why.find("split into several logical GPUs"), std::string::npos) << why;
     const ds::Device wrong = ds::Device::gpu(2);
-    EXPECT_NE(rejection(again, &wrong).find("/device:GPU:2 is CUDA ordinal 1"),
-              std::string::npos);
+    EXPECT_NE(rejection(again, &wrong).find("/device:GPU:2 is CUDA ordinal 1"), std::string::npos);
     EXPECT_EQ(ds::Tensor::from_dlpack(again, ds::Device::gpu(0)).device(), ds::Device::gpu(0));
   }
   EXPECT_EQ(deletes, 3);
@@ -670,7 +669,7 @@ TEST(DLPack, CudaTensorsAllReduceUnderMirroredStrategyOnFakeGpus) {
   o.device_manager = std::make_shared<ds::DeviceManager>(gpu_options(dir), std::move(backend));
   ds::MirroredStrategy strategy(o);
   int deletes = 0;
-  std::vector<std::shared_ptr<ds::Tensor>> keep(2);  // read after the import released them
+  std::vector<std::shared_ptr<ds::Tensor> > keep(2);  // read after the import released them
   std::vector<DLManagedTensor*> managed = {
       make_cuda(*o.device_manager, ds::Device::gpu(0), 0, {1, 2, 3}, &deletes, &keep[0]),
       make_cuda(*o.device_manager, ds::Device::gpu(1), 1, {10, 20, 30}, &deletes, &keep[1])};

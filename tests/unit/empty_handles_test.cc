@@ -46,7 +46,8 @@ TEST(EmptyHandles, UndefinedVariableAndHandMadeImplThrowFailedPrecondition) {
   EXPECT_THROW(v.name(), ds::FailedPreconditionError);
   EXPECT_THROW(v.shape(), ds::FailedPreconditionError);
   EXPECT_THROW(v.value(), ds::FailedPreconditionError);
-  EXPECT_THROW(v.assign(ds::Tensor(ds::Shape{1}, ds::DType::kFloat32)), ds::FailedPreconditionError);
+  EXPECT_THROW(v.assign(ds::Tensor(ds::Shape{1}, ds::DType::kFloat32)),
+               ds::FailedPreconditionError);
   ds::Variable null_impl{std::shared_ptr<ds::Variable::Impl>()};
   EXPECT_THROW(null_impl.value(), ds::FailedPreconditionError);
   // An Impl made by hand belongs to no strategy.
@@ -59,7 +60,8 @@ TEST(EmptyHandles, UndefinedVariableAndHandMadeImplThrowFailedPrecondition) {
   } catch (const ds::FailedPreconditionError& e) {
     EXPECT_NE(std::string(e.what()).find("orphan"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(orphan.assign(ds::Tensor(ds::Shape{}, ds::DType::kFloat32)), ds::FailedPreconditionError);
+  EXPECT_THROW(orphan.assign(ds::Tensor(ds::Shape{}, ds::DType::kFloat32)),
+               ds::FailedPreconditionError);
   ds::MirroredStrategy s(ds::testing::cpu_devices(1));
   EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) { (void)orphan.read(ctx); }),
                ds::FailedPreconditionError);
@@ -75,7 +77,8 @@ TEST(EmptyHandles, UndefinedTensorThrowsOnEveryDataAccess) {
   EXPECT_THROW(t.slice_rows(0, 0), ds::InvalidArgumentError);
   ds::Tensor other;
   EXPECT_THROW(t.copy_from(other), ds::FailedPreconditionError);
-  EXPECT_THROW(ds::Tensor::wrap(nullptr, ds::Shape{4}, ds::DType::kFloat32), ds::InvalidArgumentError);
+  EXPECT_THROW(ds::Tensor::wrap(nullptr, ds::Shape{4}, ds::DType::kFloat32),
+               ds::InvalidArgumentError);
   EXPECT_THROW(ds::Tensor::adopt(nullptr, ds::Shape{4}, ds::DType::kFloat32, ds::Device::cpu()),
                ds::InvalidArgumentError);
 }
@@ -92,8 +95,10 @@ TEST(EmptyHandles, DefaultWorkAndPerReplicaAreUsable) {
   EXPECT_TRUE(none.begin() == none.end());
   ds::MirroredStrategy s(ds::testing::cpu_devices(2));
   EXPECT_THROW(s.reduce(ds::ReduceOp::kSum, none), ds::InvalidArgumentError);
-  EXPECT_THROW(s.reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>()), ds::InvalidArgumentError);
-  EXPECT_THROW(s.reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>({ds::Tensor(), ds::Tensor()})),
-               ds::Error);
+  EXPECT_THROW(s.reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>()),
+               ds::InvalidArgumentError);
+  EXPECT_THROW(
+      s.reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>({ds::Tensor(), ds::Tensor()})),
+      ds::Error);
   EXPECT_THROW(s.gather(ds::PerReplica<ds::Tensor>({ds::Tensor(), ds::Tensor()})), ds::Error);
 }

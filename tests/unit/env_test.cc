@@ -85,7 +85,8 @@ TEST(Env, TimeoutIsADecimalNumberOfAtLeastOneMillisecond) {
     } catch (const ds::InvalidArgumentError& e) {
       what = e.message();
     }
-    EXPECT_NE(what.find(std::string("'") + bad + "'"), std::string::npos) << "'" << bad << "': " << what;
+    EXPECT_NE(what.find(std::string("'") + bad + "'"), std::string::npos)
+        << "'" << bad << "': " << what;
   }
   try {
     ds::parse_timeout_seconds("0.0004");
@@ -123,14 +124,18 @@ TEST(Env, DiststratTimeoutSetsTheDefaultCommunicationTimeout) {
     ds::InProcessGroup group(1, ds::CommunicationOptions{});
     EXPECT_EQ(group.at(0).options().timeout, milliseconds(2500));
   }
-  expect_rejected("DISTSTRAT_TIMEOUT", "soon", [] { ds::CommunicationOptions o; (void)o; });
+  expect_rejected("DISTSTRAT_TIMEOUT", "soon", [] {
+    ds::CommunicationOptions o;
+    (void)o;
+  });
   expect_rejected("DISTSTRAT_TIMEOUT", "0", [] { ds::MirroredStrategy s(one_cpu()); });
 }
 
 TEST(Env, JunkValuesOfEveryVariableAreAStartupError) {
   // Before: "maybe" turned placement logging on, "2" or "yes!" for the lease
   // switch meant "on", a bad log level did not say which variable it came from.
-  expect_rejected("DISTSTRAT_LOG_DEVICE_PLACEMENT", "maybe", [] { ds::MirroredStrategy s(one_cpu()); });
+  expect_rejected("DISTSTRAT_LOG_DEVICE_PLACEMENT", "maybe",
+                  [] { ds::MirroredStrategy s(one_cpu()); });
   expect_rejected("DISTSTRAT_LOG_DEVICE_PLACEMENT", "maybe", [] { ds::PlacementLog log(false); });
   expect_rejected("DISTSTRAT_LOG_LEVEL", "loud", [] { ds::Logger log(ds::LogLevel::kInfo); });
   expect_rejected("DISTSTRAT_FAULT", "throw:1", [] { ds::MirroredStrategy s(one_cpu()); });

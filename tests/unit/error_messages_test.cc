@@ -67,7 +67,8 @@ TEST(ErrorMessages, MultiWorkerDeadlineNamesTheUsersTensorsNotTheSignatureExchan
 
 TEST(ErrorMessages, ApplyGradientsShapeErrorNamesTheReplica) {
   ds::MirroredStrategy s(ds::testing::cpu_devices(3));
-  ds::Variable w = s.create_variable("dense/kernel", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable w =
+      s.create_variable("dense/kernel", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGD opt(s);
   const std::string msg = message_of([&] {
     s.run([&](ds::ReplicaContext& ctx) {
@@ -82,12 +83,15 @@ TEST(ErrorMessages, ApplyGradientsShapeErrorNamesTheReplica) {
 
 TEST(ErrorMessages, TfConfigAddressErrorsSayWhatIsWrongWithThePort) {
   auto config = [](const std::string& address) {
-    return R"({"cluster": {"worker": [")" + address + R"("]}, "task": {"type": "worker", "index": 0}})";
+    return R"({"cluster": {"worker": [")" + address +
+           R"("]}, "task": {"type": "worker", "index": 0}})";
   };
-  const std::string not_number = message_of([&] { ds::ClusterSpec::from_tf_config(config("host1:port")); });
+  const std::string not_number =
+      message_of([&] { ds::ClusterSpec::from_tf_config(config("host1:port")); });
   EXPECT_NE(not_number.find("'host1:port'"), std::string::npos) << not_number;
   EXPECT_NE(not_number.find("port 'port' is not a number"), std::string::npos) << not_number;
-  const std::string range = message_of([&] { ds::ClusterSpec::from_tf_config(config("host1:70000")); });
+  const std::string range =
+      message_of([&] { ds::ClusterSpec::from_tf_config(config("host1:70000")); });
   EXPECT_NE(range.find("port 70000 is out of range"), std::string::npos) << range;
   const std::string no_port = message_of([&] { ds::ClusterSpec::from_tf_config(config("host1")); });
   EXPECT_NE(no_port.find("has no ':port'"), std::string::npos) << no_port;
@@ -100,25 +104,29 @@ TEST(ErrorMessages, UserStringsAreEchoedAtMost200Characters) {
   ds::MirroredStrategy s(ds::testing::cpu_devices(2));
   s.create_variable(long_name, ds::Shape{1}, ds::DType::kFloat32, ds::init::Zeros{});
   expect_bounded(message_of([&] {
-                   s.create_variable(long_name, ds::Shape{1}, ds::DType::kFloat32, ds::init::Zeros{});
+                   s.create_variable(long_name, ds::Shape{1}, ds::DType::kFloat32,
+                                     ds::init::Zeros{});
                  }),
                  5000, "duplicate variable");
   expect_bounded(message_of([&] { s.variable(std::string(6000, 'q')); }), 6000, "variable lookup");
-  expect_bounded(message_of([&] { ds::parse_algorithm(std::string(7000, 'a')); }), 7000, "parse_algorithm");
+  expect_bounded(message_of([&] { ds::parse_algorithm(std::string(7000, 'a')); }), 7000,
+                 "parse_algorithm");
   // TF_CONFIG: a long address, a long job name, a long unknown key.
   const std::string addr(8000, 'h');
-  expect_bounded(message_of([&] {
-                   ds::ClusterSpec::from_tf_config(R"({"cluster": {"worker": [")" + addr +
-                                                   R"("]}, "task": {"type": "worker", "index": 0}})");
-                 }),
-                 8000, "TF_CONFIG address");
-  expect_bounded(message_of([&] {
-                   ds::ClusterSpec::from_tf_config(R"({"cluster": {")" + addr +
-                                                   R"(": ["a:1"]}, "task": {"type": "worker", "index": 0}})");
-                 }),
-                 8000, "TF_CONFIG job");
-  expect_bounded(message_of([&] { ds::ClusterSpec::from_tf_config(R"({")" + addr + R"(": 1})"); }), 8000,
-                 "TF_CONFIG key");
+  expect_bounded(
+      message_of([&] {
+        ds::ClusterSpec::from_tf_config(R"({"cluster": {"worker": [")" + addr +
+                                        R"("]}, "task": {"type": "worker", "index": 0}})");
+      }),
+      8000, "TF_CONFIG address");
+  expect_bounded(
+      message_of([&] {
+        ds::ClusterSpec::from_tf_config(R"({"cluster": {")" + addr +
+                                        R"(": ["a:1"]}, "task": {"type": "worker", "index": 0}})");
+      }),
+      8000, "TF_CONFIG job");
+  expect_bounded(message_of([&] { ds::ClusterSpec::from_tf_config(R"({")" + addr + R"(": 1})"); }),
+                 8000, "TF_CONFIG key");
   // A collective whose tensor names are long, mismatched between ranks.
   ds::InProcessGroup group(2);
   std::vector<std::string> msgs(2);

@@ -78,7 +78,9 @@ class FakeGpuBackend : public ds::GpuBackend {
   explicit FakeGpuBackend(int devices, size_t capacity = 64u << 20)
       : FakeGpuBackend(devices, capacity, Options()) {}
   FakeGpuBackend(int devices, size_t capacity, Options options)
-      : devices_(devices), capacity_(capacity), options_(options),
+      : devices_(devices),
+        capacity_(capacity),
+        options_(options),
         used_(static_cast<size_t>(devices), 0) {}
   ~FakeGpuBackend() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -95,7 +97,8 @@ class FakeGpuBackend : public ds::GpuBackend {
     return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~kDeviceTag);
   }
   // Device memory read back for a test's assertions (after the queued work).
-  template <typename T> std::vector<T> read(int ordinal, const void* dev, size_t count) {
+  template <typename T>
+  std::vector<T> read(int ordinal, const void* dev, size_t count) {
     std::vector<T> out(count);
     copy_to_host(ordinal, out.data(), dev, count * sizeof(T), nullptr,
                  ds::DeadlineClock::now() + std::chrono::seconds(30), "fake read");
@@ -234,8 +237,9 @@ class FakeGpuBackend : public ds::GpuBackend {
     const uint64_t id = id_locked(stream);
     auto it = last_seq_.find({ordinal, id});
     const long target = it == last_seq_.end() ? -1 : it->second;
-    wait_locked(lock, ordinal, [&](const Op& op) { return op.stream == id && op.seq <= target; },
-                deadline, what);
+    wait_locked(
+        lock, ordinal, [&](const Op& op) { return op.stream == id && op.seq <= target; }, deadline,
+        what);
   }
   void synchronize_device(int ordinal, ds::DeadlineClock::time_point deadline,
                           const std::string& what) override {
@@ -243,7 +247,8 @@ class FakeGpuBackend : public ds::GpuBackend {
     ++device_syncs;
     std::unique_lock<std::mutex> lock(mu_);
     const long target = next_seq_;
-    wait_locked(lock, ordinal, [&](const Op& op) { return op.seq < target; }, deadline, what);
+    wait_locked(
+        lock, ordinal, [&](const Op& op) { return op.seq < target; }, deadline, what);
   }
 
   bool stream_alive(int ordinal, void* stream) override {
@@ -340,8 +345,8 @@ class FakeGpuBackend : public ds::GpuBackend {
         ds::Tensor z = ds::Tensor::wrap(const_cast<float*>(logits + i * k), ds::Shape{1, k},
                                         ds::DType::kFloat32);
         ds::Tensor d = ds::Tensor::wrap(dlogits + i * k, ds::Shape{1, k}, ds::DType::kFloat32);
-        ds::Tensor y = ds::Tensor::wrap(const_cast<int32_t*>(labels + i), ds::Shape{1},
-                                        ds::DType::kInt32);
+        ds::Tensor y =
+            ds::Tensor::wrap(const_cast<int32_t*>(labels + i), ds::Shape{1}, ds::DType::kInt32);
         loss[i] = static_cast<float>(ds::nn::softmax_cross_entropy(z, y, d, scale));
         correct[i] = static_cast<int32_t>(ds::nn::count_correct(z, y));
       }
@@ -378,9 +383,9 @@ class FakeGpuBackend : public ds::GpuBackend {
       }
       // Adam as kernels.cu's adam_kernel: bias correction folded into alpha.
       const double t = static_cast<double>(step);
-      const float alpha = static_cast<float>(rule.learning_rate *
-                                             std::sqrt(1.0 - std::pow(rule.beta2, t)) /
-                                             (1.0 - std::pow(rule.beta1, t)));
+      const float alpha =
+          static_cast<float>(rule.learning_rate * std::sqrt(1.0 - std::pow(rule.beta2, t)) /
+                             (1.0 - std::pow(rule.beta1, t)));
       const float b1 = rule.beta1, b2 = rule.beta2;
       for (size_t i = 0; i < count; ++i) {
         slots[0][i] = b1 * slots[0][i] + (1 - b1) * grad[i];
@@ -394,9 +399,8 @@ class FakeGpuBackend : public ds::GpuBackend {
     std::vector<const void*> in;
     for (int i = 0; i < n; ++i) in.push_back(untag(srcs[i]));
     void* out = untag(dst);
-    launch(ordinal, stream, "reduce", [=] {
-      ds::kernels::reduce(out, in.data(), n, count, dtype, op, mean_divisor);
-    });
+    launch(ordinal, stream, "reduce",
+           [=] { ds::kernels::reduce(out, in.data(), n, count, dtype, op, mean_divisor); });
   }
 
   std::vector<std::unique_ptr<ds::Communicator>> nccl_local_group(
@@ -445,7 +449,10 @@ class FakeGpuBackend : public ds::GpuBackend {
   static void* tag(void* p) {
     return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | kDeviceTag);
   }
-  template <typename T> static T* h(T* p) { return static_cast<T*>(untag(p)); }
+  template <typename T>
+  static T* h(T* p) {
+    return static_cast<T*>(untag(p));
+  }
   static ds::Tensor host(const float* p, std::initializer_list<int64_t> dims) {
     return ds::Tensor::wrap(static_cast<float*>(untag(p)), ds::Shape(dims), ds::DType::kFloat32);
   }
@@ -545,8 +552,9 @@ class FakeGpuBackend : public ds::GpuBackend {
       if (done) return;
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
         run_pending_locked();
-        throw ds::DeadlineExceededError(what + ": the fake GPU work did not finish before the "
-                                               "deadline (its stream is held)");
+        throw ds::DeadlineExceededError(what +
+                                        ": the fake GPU work did not finish before the "
+                                        "deadline (its stream is held)");
       }
     }
   }
@@ -561,10 +569,16 @@ class FakeGpuBackend : public ds::GpuBackend {
   };
   class Forward : public ds::Communicator {
    public:
-    Forward(FakeGpuBackend* b, std::shared_ptr<ds::InProcessGroup> g,
-            std::shared_ptr<CommState> st, int r, int ordinal, void* stream, bool nccl)
-        : b_(b), g_(std::move(g)), st_(std::move(st)), c_(&g_->at(r)), rank_(r),
-          ordinal_(ordinal), stream_(stream), nccl_(nccl) {}
+    Forward(FakeGpuBackend* b, std::shared_ptr<ds::InProcessGroup> g, std::shared_ptr<CommState> st,
+            int r, int ordinal, void* stream, bool nccl)
+        : b_(b),
+          g_(std::move(g)),
+          st_(std::move(st)),
+          c_(&g_->at(r)),
+          rank_(r),
+          ordinal_(ordinal),
+          stream_(stream),
+          nccl_(nccl) {}
     int rank() const override { return c_->rank(); }
     int size() const override { return c_->size(); }
     const ds::CommunicationOptions& options() const override { return c_->options(); }
@@ -608,7 +622,7 @@ class FakeGpuBackend : public ds::GpuBackend {
 
    private:
     ds::gpu::DeviceReducePlan plan_for(ds::DType d, ds::ReduceOp op, const char* kind,
-                                   const std::string& name) const {
+                                       const std::string& name) const {
       const std::string what = "rank " + std::to_string(rank_) + (nccl_ ? " fake NCCL " : " ") +
                                kind + " '" + name + "'";
       if (nccl_) return ds::gpu::plan_nccl_reduce(d, op, what);
@@ -618,9 +632,10 @@ class FakeGpuBackend : public ds::GpuBackend {
       return kernel;
     }
     // The "NCCL call" (enqueue) through the gate, then the wait for the peers.
-    template <typename F> void call(const std::string& name, F&& run) {
-      b_->synchronize(ordinal_, stream_,
-                      ds::DeadlineClock::now() + c_->options().timeout, "fake NCCL " + name);
+    template <typename F>
+    void call(const std::string& name, F&& run) {
+      b_->synchronize(ordinal_, stream_, ds::DeadlineClock::now() + c_->options().timeout,
+                      "fake NCCL " + name);
       st_->gate.enter("fake NCCL " + name, [&] {
         ++st_->inside;
         if (b_->inside_collective) b_->inside_collective(rank_);
@@ -660,9 +675,9 @@ class FakeGpuBackend : public ds::GpuBackend {
   std::condition_variable cv_;
   std::vector<size_t> used_;
   std::map<void*, std::pair<int, size_t>> sizes_;  // untagged -> (ordinal, bytes)
-  std::map<void*, int> stream_device_;  // live streams
-  std::map<void*, uint64_t> stream_ids_;  // live streams' identities
-  std::vector<void*> free_handles_;       // of destroyed streams, for reuse
+  std::map<void*, int> stream_device_;             // live streams
+  std::map<void*, uint64_t> stream_ids_;           // live streams' identities
+  std::vector<void*> free_handles_;                // of destroyed streams, for reuse
   uint64_t next_stream_id_ = 0;
   std::map<void*, long> events_;  // -> seq of the mark (-1: never recorded)
   std::deque<Op> pending_;
@@ -679,8 +694,7 @@ class FakeGpuBackend : public ds::GpuBackend {
   // (so fake-GPU training equals CPU training bit for bit); run in enqueue
   // order like every kernel here. The lists are copied at the call.
   void sum_of_squares(int ordinal, void* stream, const float* const* in, const size_t* counts,
-                      int n, const float* loss_scale, double* sums,
-                      double* scratch) override {
+                      int n, const float* loss_scale, double* sums, double* scratch) override {
     ++training_launches;
     std::vector<const float*> ins;
     for (int i = 0; i < n; ++i) ins.push_back(h(in[i]));
@@ -718,8 +732,9 @@ class FakeGpuBackend : public ds::GpuBackend {
         float f = scale;
         if (clip_norm > 0) {
           const double norm = std::sqrt(norms[i]);
-          f = std::isfinite(norm) ? static_cast<float>(clip_norm / std::max<double>(norm, clip_norm))
-                                  : std::nanf("");
+          f = std::isfinite(norm)
+                  ? static_cast<float>(clip_norm / std::max<double>(norm, clip_norm))
+                  : std::nanf("");
         }
         for (size_t j = 0; j < sizes[i]; ++j) {
           float x = ls ? ins[i][j] * inv : ins[i][j];
@@ -742,7 +757,8 @@ class FakeGpuBackend : public ds::GpuBackend {
     std::vector<size_t> sizes(counts, counts + n);
     launch(ordinal, stream, "accumulate", [=] {
       for (size_t i = 0; i < ins.size(); ++i) {
-        for (size_t j = 0; j < sizes[i]; ++j) accs[i][j] = first ? ins[i][j] : accs[i][j] + ins[i][j];
+        for (size_t j = 0; j < sizes[i]; ++j)
+          accs[i][j] = first ? ins[i][j] : accs[i][j] + ins[i][j];
       }
     });
   }

@@ -37,8 +37,8 @@ using diststrat_test::temp_dir;
 constexpr char kTempPrefix[] = "diststrat-fault-";  // removed at exit (tests/common/temp_dir.h)
 
 struct Result {
-  std::string error;       // "" if training finished
-  int64_t fault_step = -1; // the strategy step (steps_run()) the fault was armed for
+  std::string error;        // "" if training finished
+  int64_t fault_step = -1;  // the strategy step (steps_run()) the fault was armed for
 };
 
 // Trains 6 batches under `s`, saving a checkpoint after each into `dir` (every
@@ -54,7 +54,8 @@ Result train(ds::Strategy& s, ds::FaultKind kind, int rank, const std::string& d
   ds::DistributedDataset dist = s.distribute(ds::Dataset(x, y), 16, {false, 0, false});
   ds::Checkpoint ckpt(s, {&opt});
   std::unique_ptr<ds::CheckpointManager> manager;
-  if (!dir.empty()) manager = std::make_unique<ds::CheckpointManager>(ckpt, dir, ds::CheckpointManagerOptions{2});
+  if (!dir.empty())
+    manager = std::make_unique<ds::CheckpointManager>(ckpt, dir, ds::CheckpointManagerOptions{2});
   int step = 0;
   Result result;
   try {
@@ -234,7 +235,8 @@ TEST_P(ParameterServerFault, SurvivorsFinishAndThePsNamesTheFailedWorkerAndStep)
   o.communication.timeout = 3 * kTimeout;
   const bool stall = GetParam() == ds::FaultKind::kStall;
   const auto job = ds::testing::run_ps_job<Result>(
-      o, stall, [&](ds::ParameterServerStrategy& s, int) { return train(s, GetParam(), 1, dir, 3); });
+      o, stall,
+      [&](ds::ParameterServerStrategy& s, int) { return train(s, GetParam(), 1, dir, 3); });
   EXPECT_LT(job.seconds, std::chrono::duration<double>(3 * kTimeout).count() + 10.0);
   EXPECT_EQ(job.workers[0].error, "") << "the surviving worker failed";
   if (stall) {

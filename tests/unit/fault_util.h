@@ -23,7 +23,8 @@ namespace testing {
 // test ends. Reachable from a never-destroyed list (a static vector's
 // destructor would run before LeakSanitizer's exit check and make these look
 // leaked).
-template <typename T> void keep_for_stuck_thread(T* object) {
+template <typename T>
+void keep_for_stuck_thread(T* object) {
   static std::mutex mu;
   static auto* kept = new std::vector<const void*>;
   std::lock_guard<std::mutex> lock(mu);
@@ -41,7 +42,8 @@ inline int64_t arm_fault_at_next_run(Strategy& s, FaultKind kind, int rank) {
   return f.step;
 }
 
-template <typename Result> struct PsJobOutcome {
+template <typename Result>
+struct PsJobOutcome {
   std::vector<Result> workers;  // worker 1's stays default when it stalled
   std::string ps_error;         // what the PS's join() threw, if anything
   double seconds = 0;           // until the PS's join() returned

@@ -38,7 +38,8 @@ TEST(GpuLease, SecondAcquireFailsNamingTheHolder) {
     FAIL() << "second lease of a held GPU succeeded";
   } catch (const ds::ResourceExhaustedError& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("GPU fake0 is leased by pid " + std::to_string(::getpid())), std::string::npos) << m;
+    EXPECT_NE(m.find("GPU fake0 is leased by pid " + std::to_string(::getpid())), std::string::npos)
+        << m;
     EXPECT_NE(m.find("diststrat_tests"), std::string::npos) << m;  // the holder's command
     EXPECT_NE(m.find("since 20"), std::string::npos) << m;
   }
@@ -330,8 +331,8 @@ TEST(DeviceManager, VisibleDevicesAndValidation) {
 
 TEST(DeviceManager, TakesTheLeasesOfItsGpusAndASecondJobIsRefused) {
   LeaseDir dir;
-  auto first = std::make_unique<ds::DeviceManager>(fake_options(dir),
-                                                   std::make_unique<FakeGpuBackend>(2));
+  auto first =
+      std::make_unique<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
   first->list_logical_devices();
   EXPECT_EQ(ds::list_leases(dir.options()).size(), 2u);
   ds::DeviceManager second(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
@@ -639,13 +640,13 @@ TEST(MirroredOnFakeGpus, TensorCopiesCloneZeroAndAllGatherOnGpuReplicas) {
     ds::Tensor h(ds::Shape{2, 3}, ds::DType::kFloat32);
     for (int i = 0; i < 6; ++i) h.data<float>()[i] = static_cast<float>(10 * ctx.replica_id() + i);
     ds::Tensor g(h.shape(), h.dtype(), ctx.device());
-    g.copy_from(h);                      // host -> device
-    ds::Tensor c = g.clone();            // device -> device
+    g.copy_from(h);            // host -> device
+    ds::Tensor c = g.clone();  // device -> device
     EXPECT_TRUE(c.device() == ctx.device());
     EXPECT_FALSE(c.same_storage(g));
     g.zero();
     ds::Tensor back(h.shape(), h.dtype());
-    back.copy_from(g);                   // device -> host
+    back.copy_from(g);  // device -> host
     EXPECT_EQ(back.data<float>()[4], 0.0f);
     back.copy_from(c);
     EXPECT_EQ(back.data<float>()[4], static_cast<float>(10 * ctx.replica_id() + 4));
@@ -724,8 +725,9 @@ TEST(FakeGpuBackend, WorkIsAsynchronousAndDeviceMemoryIsNotHostMemory) {
   void* s = b.create_stream(0);
   b.hold(0, s);
   b.memset_async(0, d, 0, sizeof(src), s);
-  EXPECT_THROW(b.synchronize(0, s, ds::DeadlineClock::now() + std::chrono::milliseconds(20), "held"),
-               ds::DeadlineExceededError);
+  EXPECT_THROW(
+      b.synchronize(0, s, ds::DeadlineClock::now() + std::chrono::milliseconds(20), "held"),
+      ds::DeadlineExceededError);
   b.release(0, s);
   EXPECT_EQ(b.read<float>(0, d, 4)[3], 0.0f);
   b.destroy_stream(0, s);
@@ -806,13 +808,15 @@ TEST(MirroredOnFakeGpus, AnAbortWaitsForTheCollectiveCallsInFlight) {
     if (ctx.replica_id() == 1) {
       // Fail once the two others are inside their NCCL call.
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      while (inside.load() < 2 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+      while (inside.load() < 2 && std::chrono::steady_clock::now() < until)
+        std::this_thread::yield();
       throw ds::InvalidArgumentError("replica 1 broke");
     }
     ds::Tensor t(ds::Shape{8}, ds::DType::kFloat32, ctx.device());
     std::vector<ds::Tensor> v{t};
     ctx.all_reduce(ds::ReduceOp::kSum, v, {"g"});
-  }), ds::InvalidArgumentError);
+  }),
+               ds::InvalidArgumentError);
   EXPECT_EQ(inside.load(), 2);
   EXPECT_EQ(fake->aborts_during_calls.load(), 0);
   fake->inside_collective = nullptr;
@@ -825,8 +829,10 @@ TEST(MirroredOnFakeGpus, AdamOnTheDevicePathMatchesCpuTraining) {
     ds::nn::Mlp mlp({784, 16, 10});
     auto vars = mlp.create_variables(s, 7);
     ds::Adam opt(s, ds::AdamOptions{0.01f});
-    ds::DistributedDataset dist = s.distribute(ds::testing::synthetic(64, 11), 16, {false, 0, false});
-    for (int i = 0; i < 5; ++i) ds::testing::mlp_step(s, mlp, vars, opt, dist.batch(i % dist.num_batches()));
+    ds::DistributedDataset dist =
+        s.distribute(ds::testing::synthetic(64, 11), 16, {false, 0, false});
+    for (int i = 0; i < 5; ++i)
+      ds::testing::mlp_step(s, mlp, vars, opt, dist.batch(i % dist.num_batches()));
     std::vector<ds::Tensor> out;
     for (auto& v : vars) out.push_back(v.value());
     return out;

@@ -97,7 +97,8 @@ TEST(GpuLeaseFiles, AHugeLockFileIsReadWithACap) {
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_LT(r.max_rss_kib - base, 32 * 1024)
-      << "peak memory grew by " << (r.max_rss_kib - base) / 1024 << " MiB reading a 1 GiB lock file";
+      << "peak memory grew by " << (r.max_rss_kib - base) / 1024
+      << " MiB reading a 1 GiB lock file";
 }
 
 // A record's text goes to other users' terminals: control characters (a
@@ -253,8 +254,9 @@ class OtherUser : public ::testing::Test {
 
   // Runs `script` with sh as uid/gid 65534, no supplementary groups; its exit status.
   int as_other_user(const std::string& script) {
-    const std::string cmd = "timeout 20 setpriv --reuid=65534 --regid=65534 --clear-groups sh -c '" +
-                            script + "' 2>/dev/null";
+    const std::string cmd =
+        "timeout 20 setpriv --reuid=65534 --regid=65534 --clear-groups sh -c '" + script +
+        "' 2>/dev/null";
     const int status = std::system(cmd.c_str());
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
   }
@@ -302,7 +304,8 @@ class OtherUser : public ::testing::Test {
                return 3;
              }
              return fn();
-           }).exit_code;
+           })
+        .exit_code;
   }
 
   LeaseDir dir_;

@@ -15,8 +15,8 @@ namespace testing {
 // Runs fn(r) for r < n on n threads; when rank r throws, on_error(r) runs
 // (to abort the group so the others fail fast). Returns every rank's
 // exception (null: none) once all threads joined.
-inline std::vector<std::exception_ptr> run_threads_collect(int n, const std::function<void(int)>& fn,
-                                                           const std::function<void(int)>& on_error) {
+inline std::vector<std::exception_ptr> run_threads_collect(
+    int n, const std::function<void(int)>& fn, const std::function<void(int)>& on_error) {
   std::vector<std::exception_ptr> errors(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {

@@ -31,10 +31,18 @@ double expected(int ranks, size_t i, ds::ReduceOp op, ds::DType dtype) {
     const double v = input(r, i, op);
     switch (op) {
       case ds::ReduceOp::kSum:
-      case ds::ReduceOp::kMean: acc += v; break;
-      case ds::ReduceOp::kProduct: acc *= v; break;
-      case ds::ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ds::ReduceOp::kMax: acc = std::max(acc, v); break;
+      case ds::ReduceOp::kMean:
+        acc += v;
+        break;
+      case ds::ReduceOp::kProduct:
+        acc *= v;
+        break;
+      case ds::ReduceOp::kMin:
+        acc = std::min(acc, v);
+        break;
+      case ds::ReduceOp::kMax:
+        acc = std::max(acc, v);
+        break;
     }
   }
   if (op == ds::ReduceOp::kMean) {
@@ -83,7 +91,8 @@ TEST_P(InProcessCollectives, BroadcastAllGatherReduceScatter) {
     ds::testing::run_ranks(group, [&](ds::Communicator& c) {
       const int root = ranks - 1;
       std::vector<char> buf(count * esz + 1);
-      for (size_t i = 0; i < count; ++i) set_elem(buf.data(), dtype, i, input(c.rank(), i, ds::ReduceOp::kSum));
+      for (size_t i = 0; i < count; ++i)
+        set_elem(buf.data(), dtype, i, input(c.rank(), i, ds::ReduceOp::kSum));
       c.broadcast(buf.data(), count, dtype, root, "b");
       for (size_t i = 0; i < count; ++i) {
         ASSERT_EQ(get_elem(buf.data(), dtype, i), input(root, i, ds::ReduceOp::kSum));
@@ -93,7 +102,8 @@ TEST_P(InProcessCollectives, BroadcastAllGatherReduceScatter) {
       for (bool in_place : {false, true}) {
         std::vector<char> out(count * esz * ranks + 1), in(count * esz + 1);
         char* src = in_place ? out.data() + c.rank() * count * esz : in.data();
-        for (size_t i = 0; i < count; ++i) set_elem(src, dtype, i, input(c.rank(), i, ds::ReduceOp::kSum));
+        for (size_t i = 0; i < count; ++i)
+          set_elem(src, dtype, i, input(c.rank(), i, ds::ReduceOp::kSum));
         c.all_gather(src, out.data(), count, dtype, "g");
         for (int r = 0; r < ranks; ++r) {
           for (size_t i = 0; i < count; ++i) {
@@ -147,7 +157,8 @@ TEST(InProcessStreaming, DirectAllReduceMatchesClosedForm) {
     for (int placement : {0, 1, 2}) {  // out of place, in place, out at +4 bytes
       ds::testing::run_ranks(group, [&](ds::Communicator& c) {
         std::vector<float> in(count + 1), out(count + 1);
-        for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>(input(c.rank(), i, ds::ReduceOp::kSum));
+        for (size_t i = 0; i < count; ++i)
+          in[i] = static_cast<float>(input(c.rank(), i, ds::ReduceOp::kSum));
         float* dst = placement == 1 ? in.data() : placement == 2 ? out.data() + 1 : out.data();
         c.all_reduce(in.data(), dst, count, ds::DType::kFloat32, ds::ReduceOp::kSum, "big");
         for (size_t i = 0; i < count; ++i) {
@@ -186,7 +197,8 @@ TEST(InProcessFailures, MissingRankGivesDeadlineExceededNamingIt) {
   // times out itself — either way it fails promptly and names the collective.
   int deadline = 0;
   for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(codes[r] == ds::ErrorCode::kDeadlineExceeded || codes[r] == ds::ErrorCode::kAborted);
+    EXPECT_TRUE(codes[r] == ds::ErrorCode::kDeadlineExceeded ||
+                codes[r] == ds::ErrorCode::kAborted);
     EXPECT_NE(messages[r].find("rank 2 did not arrive"), std::string::npos) << messages[r];
     EXPECT_NE(messages[r].find("grad/w"), std::string::npos) << messages[r];
     deadline += codes[r] == ds::ErrorCode::kDeadlineExceeded;
@@ -207,7 +219,8 @@ TEST(InProcessFailures, MismatchedCountOrDtypeIsAnErrorOnEveryRank) {
         if (r == 1 && variant == 0) count = 7;
         if (r == 1 && variant == 1) dtype = ds::DType::kInt64;
         try {
-          group.at(r).all_reduce(buf.data(), buf.data(), count, dtype, ds::ReduceOp::kSum, "layer/bias");
+          group.at(r).all_reduce(buf.data(), buf.data(), count, dtype, ds::ReduceOp::kSum,
+                                 "layer/bias");
         } catch (const ds::InvalidArgumentError& e) {
           messages[r] = e.message();
         }

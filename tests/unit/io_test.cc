@@ -163,8 +163,9 @@ TEST(Idx, AGzipBombStopsAtTheSizeTheHeaderAllows) {
   });
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 0);
-  EXPECT_LT(r.max_rss_kib - base, 64 * 1024) << "peak memory grew by " << (r.max_rss_kib - base) / 1024
-                                              << " MiB reading a 100-byte IDX gzip bomb";
+  EXPECT_LT(r.max_rss_kib - base, 64 * 1024)
+      << "peak memory grew by " << (r.max_rss_kib - base) / 1024
+      << " MiB reading a 100-byte IDX gzip bomb";
 }
 
 // A plain file far longer than its dims (sparse, 1 GiB) is refused from its
@@ -186,8 +187,9 @@ TEST(Idx, APlainFileLongerThanItsDimsIsNotReadWhole) {
   });
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 0);
-  EXPECT_LT(r.max_rss_kib - base, 64 * 1024) << "peak memory grew by " << (r.max_rss_kib - base) / 1024
-                                              << " MiB reading a 100-byte IDX file padded to 1 GiB";
+  EXPECT_LT(r.max_rss_kib - base, 64 * 1024)
+      << "peak memory grew by " << (r.max_rss_kib - base) / 1024
+      << " MiB reading a 100-byte IDX file padded to 1 GiB";
 }
 
 // The header's claim alone allocates nothing: 2^34 elements claimed, 10 bytes
@@ -238,7 +240,8 @@ TEST(Idx, LoadsFashionMnistWhenInstalled) {
   for (int64_t i = 0; i < test.size(); ++i) per_class.at(test.labels().data<int32_t>()[i])++;
   for (int c : per_class) EXPECT_EQ(c, 1000);
   float mx = 0;
-  for (int64_t i = 0; i < test.features().num_elements(); ++i) mx = std::max(mx, test.features().data<float>()[i]);
+  for (int64_t i = 0; i < test.features().num_elements(); ++i)
+    mx = std::max(mx, test.features().data<float>()[i]);
   EXPECT_EQ(mx, 1.0f);
 }
 

@@ -161,7 +161,8 @@ TEST(Mirrored, DistributeSplitsEveryRowOncePerEpochAndReshuffles) {
       auto rows_per = strategy.run([&](ds::ReplicaContext& ctx) {
         const ds::Tensor& f = b.features(ctx);
         std::vector<int> mine;
-        for (int64_t i = 0; i < f.shape()[0]; ++i) mine.push_back(static_cast<int>(f.data<float>()[i]));
+        for (int64_t i = 0; i < f.shape()[0]; ++i)
+          mine.push_back(static_cast<int>(f.data<float>()[i]));
         EXPECT_EQ(f.shape()[0], b.labels(ctx).shape()[0]);
         return mine;
       });
@@ -269,8 +270,8 @@ TEST(Mirrored, OnReadVariablesAggregateWhenRead) {
 
 TEST(Mirrored, VariablesAreMirroredAndUpdateKeepsCopiesEqual) {
   ds::MirroredStrategy strategy(cpus(2));
-  ds::Variable w = strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32,
-                                            ds::init::Constant{1.5});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{1.5});
   ASSERT_EQ(w.impl().copies.size(), 2u);
   EXPECT_FALSE(w.impl().copies[0].same_storage(w.impl().copies[1]));
   strategy.update(w, [](ds::Tensor& t) { t.data<float>()[1] = 4.0f; });
@@ -285,7 +286,8 @@ TEST(Mirrored, VariablesAreMirroredAndUpdateKeepsCopiesEqual) {
 }
 
 TEST(Mirrored, BadDevicesAreRejected) {
-  EXPECT_THROW(ds::MirroredStrategy({ds::Device::cpu(0), ds::Device::cpu(0)}), ds::InvalidArgumentError);
+  EXPECT_THROW(ds::MirroredStrategy({ds::Device::cpu(0), ds::Device::cpu(0)}),
+               ds::InvalidArgumentError);
 }
 
 TEST(Mirrored, DistributeDatasetsFromFunctionSeesInputContext) {
@@ -308,8 +310,8 @@ TEST(Mirrored, DistributeDatasetsFromFunctionSeesInputContext) {
 
 TEST(Mirrored, AdamTrainsIdenticallyOnEveryReplica) {
   ds::MirroredStrategy strategy(cpus(2));
-  ds::Variable w = strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32,
-                                            ds::init::Constant{1.0});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(strategy, {0.1f});
   for (int s = 0; s < 5; ++s) {
     strategy.run([&](ds::ReplicaContext& ctx) {

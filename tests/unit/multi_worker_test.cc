@@ -34,8 +34,10 @@ std::vector<std::exception_ptr> run_workers(
   ds::InProcessGroup flat(workers, comm);
   std::vector<std::unique_ptr<ds::InProcessGroup>> nodes, cross;
   if (node_size > 0) {
-    for (int n = 0; n < workers / node_size; ++n) nodes.push_back(std::make_unique<ds::InProcessGroup>(node_size, comm));
-    for (int l = 0; l < node_size; ++l) cross.push_back(std::make_unique<ds::InProcessGroup>(workers / node_size, comm));
+    for (int n = 0; n < workers / node_size; ++n)
+      nodes.push_back(std::make_unique<ds::InProcessGroup>(node_size, comm));
+    for (int l = 0; l < node_size; ++l)
+      cross.push_back(std::make_unique<ds::InProcessGroup>(workers / node_size, comm));
   }
   std::vector<std::exception_ptr> errors(workers);
   std::vector<std::thread> threads;
@@ -228,7 +230,8 @@ TEST(MultiWorkerSafety, MismatchedCallsAreAnErrorOnEveryRankNamingTheTensor) {
           std::vector<ds::Tensor> ts{ds::Tensor(ds::Shape{3}, ds::DType::kFloat32)};
           std::vector<std::string> names{"a/grad"};
           if (!(odd && std::string(v.what) == "fewer")) {
-            ts.emplace_back(ds::Shape{odd && std::string(v.what) == "shape" ? 5 : 4}, ds::DType::kFloat32);
+            ts.emplace_back(ds::Shape{odd && std::string(v.what) == "shape" ? 5 : 4},
+                            ds::DType::kFloat32);
             names.push_back(odd && std::string(v.what) == "name" ? "b/grad" : "w/grad");
           }
           ctx.all_reduce(ds::ReduceOp::kSum, ts, names);
@@ -325,7 +328,8 @@ TEST(MultiWorkerSafety, ALocalReplicaThatNeverEnqueuesIsNamed) {
       });
       ADD_FAILURE();
     } catch (const ds::DeadlineExceededError& e) {
-      EXPECT_NE(e.message().find("local replica 1 did not enqueue"), std::string::npos) << e.message();
+      EXPECT_NE(e.message().find("local replica 1 did not enqueue"), std::string::npos)
+          << e.message();
     }
   }));
 }
@@ -385,8 +389,9 @@ TEST(MultiWorker, ChiefInitialValuesReduceGatherBroadcastAndTimeline) {
   std::stringstream ss;
   ss << f.rdbuf();
   const std::string json = ss.str();
-  for (const char* phase : {"\"queue\"", "\"pack\"", "\"memcpy-in\"", "\"reduce\"", "\"memcpy-out\"",
-                            "\"step 0\"", "\"pid\":1", "\"pid\":0", "traceEvents"}) {
+  for (const char* phase :
+       {"\"queue\"", "\"pack\"", "\"memcpy-in\"", "\"reduce\"", "\"memcpy-out\"", "\"step 0\"",
+        "\"pid\":1", "\"pid\":0", "traceEvents"}) {
     EXPECT_NE(json.find(phase), std::string::npos) << phase;
   }
 }

@@ -31,18 +31,20 @@ std::vector<std::string> one_step(
     std::vector<bool> zero = {}) {
   if (zero.empty()) zero.assign(static_cast<size_t>(workers), false);
   std::vector<std::string> errors(static_cast<size_t>(workers));
-  const auto eps = run_multi_worker(zero, 1, comm(), [&](ds::MultiWorkerMirroredStrategy& s, int w) {
-    ds::Variable v = s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0f});
-    std::unique_ptr<ds::Optimizer> opt = make(s, w);
-    if (setup) setup(*opt, w);
-    for (int step = 0; step < steps; ++step) {
-      s.run([&](ds::ReplicaContext& ctx) {
-        ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
-        for (int i = 0; i < 4; ++i) g.data<float>()[i] = 0.5f;
-        opt->apply_gradients(ctx, {{g, v}});
+  const auto eps =
+      run_multi_worker(zero, 1, comm(), [&](ds::MultiWorkerMirroredStrategy& s, int w) {
+        ds::Variable v =
+            s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0f});
+        std::unique_ptr<ds::Optimizer> opt = make(s, w);
+        if (setup) setup(*opt, w);
+        for (int step = 0; step < steps; ++step) {
+          s.run([&](ds::ReplicaContext& ctx) {
+            ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
+            for (int i = 0; i < 4; ++i) g.data<float>()[i] = 0.5f;
+            opt->apply_gradients(ctx, {{g, v}});
+          });
+        }
       });
-    }
-  });
   for (size_t w = 0; w < eps.size(); ++w) {
     if (!eps[w]) continue;
     try {
@@ -70,9 +72,11 @@ void expect_every_worker_names(const std::vector<std::string>& errors, const std
 }
 
 TEST(OptimizerAgreement, ADifferentLearningRateOnOneWorkerIsAnErrorOnEveryWorker) {
-  const auto errors = one_step(3, [](ds::Strategy& s, int w) { return sgd(s, w == 2 ? 0.1f : 0.05f); });
+  const auto errors =
+      one_step(3, [](ds::Strategy& s, int w) { return sgd(s, w == 2 ? 0.1f : 0.05f); });
   expect_every_worker_names(errors, "'learning_rate'");
-  EXPECT_NE(errors[0].find("replica(s) 2 differs from replica(s) 0, 1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("replica(s) 2 differs from replica(s) 0, 1"), std::string::npos)
+      << errors[0];
   EXPECT_NE(errors[2].find("learning_rate: 0.100000001"), std::string::npos) << errors[2];
   EXPECT_NE(errors[0].find("learning_rate: 0.0500000007"), std::string::npos) << errors[0];
 }
@@ -90,8 +94,8 @@ TEST(OptimizerAgreement, EveryFieldIsCompared) {
   expect_every_worker_names(one_step(2,
                                      [](ds::Strategy& s, int w) {
                                        ds::SGDOptions o;
-                                       o.schedule = ds::LearningRateSchedule::cosine_decay(
-                                           100, w ? 10 : 0);
+                                       o.schedule =
+                                           ds::LearningRateSchedule::cosine_decay(100, w ? 10 : 0);
                                        return std::make_unique<ds::SGD>(s, o);
                                      }),
                             "'schedule'");
@@ -103,9 +107,11 @@ TEST(OptimizerAgreement, EveryFieldIsCompared) {
                                      }),
                             "'beta2'");
   const auto by_sgd = [](ds::Strategy& s, int) { return sgd(s, 0.05f); };
-  expect_every_worker_names(
-      one_step(2, by_sgd, [](ds::Optimizer& o, int w) { o.set_clipping({w ? 1.0f : 2.0f, 0, 0}); }),
-      "'clipping'");
+  expect_every_worker_names(one_step(2, by_sgd,
+                                     [](ds::Optimizer& o, int w) {
+                                       o.set_clipping({w ? 1.0f : 2.0f, 0, 0});
+                                     }),
+                            "'clipping'");
   expect_every_worker_names(
       one_step(2, by_sgd, [](ds::Optimizer& o, int w) { o.set_accumulation_steps(w ? 2 : 1); }),
       "'accumulation_steps'");
@@ -122,27 +128,33 @@ TEST(OptimizerAgreement, EveryFieldIsCompared) {
 }
 
 TEST(OptimizerAgreement, TheSameConfigurationTrainsAndIsComparedOnlyOnce) {
-  const auto errors = one_step(3, [](ds::Strategy& s, int) { return sgd(s, 0.05f); },
-                               [](ds::Optimizer& o, int) { o.set_clipping({1.0f, 0, 0}); }, 5);
+  const auto errors = one_step(
+      3, [](ds::Strategy& s, int) { return sgd(s, 0.05f); },
+      [](ds::Optimizer& o, int) {
+        o.set_clipping({1.0f, 0, 0});
+      },
+      5);
   for (const std::string& e : errors) EXPECT_EQ(e, "");
 }
 
 TEST(OptimizerAgreement, AChangeAfterTheFirstStepIsComparedAgain) {
   std::vector<std::string> errors(2);
-  const auto eps = run_multi_worker({false, false}, 1, comm(), [&](ds::MultiWorkerMirroredStrategy& s, int w) {
-    ds::Variable v = s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0f});
-    ds::SGD opt(s, {0.05f});
-    auto step = [&] {
-      s.run([&](ds::ReplicaContext& ctx) {
-        ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
-        opt.apply_gradients(ctx, {{g, v}});
+  const auto eps =
+      run_multi_worker({false, false}, 1, comm(), [&](ds::MultiWorkerMirroredStrategy& s, int w) {
+        ds::Variable v =
+            s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0f});
+        ds::SGD opt(s, {0.05f});
+        auto step = [&] {
+          s.run([&](ds::ReplicaContext& ctx) {
+            ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
+            opt.apply_gradients(ctx, {{g, v}});
+          });
+        };
+        step();
+        step();
+        opt.set_clipping({w ? 3.0f : 4.0f, 0, 0});  // every worker changes it, differently
+        step();
       });
-    };
-    step();
-    step();
-    opt.set_clipping({w ? 3.0f : 4.0f, 0, 0});  // every worker changes it, differently
-    step();
-  });
   for (size_t w = 0; w < 2; ++w) {
     ASSERT_TRUE(eps[w]) << "worker " << w << " trained on with different clipping";
     try {

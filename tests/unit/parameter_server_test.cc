@@ -80,8 +80,8 @@ TEST(ParameterServer, ShardedVariableReassemblesAndIsPlacedRoundRobin) {
     ds::init::GlorotUniform{7}(expect);
     ds::Variable w = worker->create_variable("w", ds::Shape{10, 4}, ds::DType::kFloat32,
                                              ds::init::GlorotUniform{7});
-    ds::Variable b = worker->create_variable("b", ds::Shape{}, ds::DType::kFloat32,
-                                             ds::init::Constant{2.0});
+    ds::Variable b =
+        worker->create_variable("b", ds::Shape{}, ds::DType::kFloat32, ds::init::Constant{2.0});
     EXPECT_EQ(0, std::memcmp(w.value().data(), expect.data(), expect.nbytes()));
     EXPECT_EQ(b.value().data<float>()[0], 2.0f);
     // Shards 0 and 2 of w on PS 0, shard 1 on PS 1; then b (next in turn) on PS 1.
@@ -101,7 +101,8 @@ TEST(ParameterServer, ShardedVariableReassemblesAndIsPlacedRoundRobin) {
         EXPECT_EQ(s.full_shape, ds::Shape({10, 4}));
         EXPECT_EQ(list == &s1, s.shard_index != 1);
         rows_seen.push_back(s.value.shape()[0]);
-        std::memcpy(static_cast<char*>(joined.data()) + s.row_offset * 16, s.value.data(), s.value.nbytes());
+        std::memcpy(static_cast<char*>(joined.data()) + s.row_offset * 16, s.value.data(),
+                    s.value.nbytes());
       }
     }
     std::sort(rows_seen.begin(), rows_seen.end());
@@ -148,8 +149,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, PsEquivalence,
 
 TEST(ParameterServer, AdamOnThePsMatchesTheLocalRule) {
   ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
-  ds::Variable w = strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32,
-                                            ds::init::Constant{1.0});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(strategy, {0.1f});
   for (int s = 1; s <= 5; ++s) {
     strategy.run([&](ds::ReplicaContext& ctx) {
@@ -164,7 +165,8 @@ TEST(ParameterServer, AdamOnThePsMatchesTheLocalRule) {
 
 TEST(ParameterServer, AssignAndNewVariablesBetweenStepsAreSeenByTheNextStep) {
   ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
-  ds::Variable w = strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGD sgd(strategy, {1.0f});
   auto step = [&](float grad) {
     strategy.run([&](ds::ReplicaContext& ctx) {
@@ -178,8 +180,8 @@ TEST(ParameterServer, AssignAndNewVariablesBetweenStepsAreSeenByTheNextStep) {
   ds::init::Constant{5.0}(v);
   w.assign(v);
   // A variable created while that prefetch is in flight.
-  ds::Variable u = strategy.create_variable("u", ds::Shape{2, 2}, ds::DType::kFloat32,
-                                            ds::init::Constant{7.0});
+  ds::Variable u =
+      strategy.create_variable("u", ds::Shape{2, 2}, ds::DType::kFloat32, ds::init::Constant{7.0});
   strategy.run([&](ds::ReplicaContext& ctx) {
     EXPECT_EQ(w.read(ctx).data<float>()[2], 5.0f);  // not the prefetched -1
     EXPECT_EQ(u.read(ctx).data<float>()[3], 7.0f);
@@ -212,7 +214,8 @@ TwoWorkerRun run_two_workers(int max_staleness, int steps, int slow_ms) {
     threads.emplace_back([&, r] {
       try {
         auto s = ds::ps::make_strategy(group.at(r), o);
-        ds::Variable w = s->create_variable("w", ds::Shape{16}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::Variable w =
+            s->create_variable("w", ds::Shape{16}, ds::DType::kFloat32, ds::init::Zeros{});
         ds::SGD sgd(*s, {0.01f});
         for (int i = 0; i < steps; ++i) {
           s->run([&](ds::ReplicaContext& ctx) {
@@ -318,7 +321,8 @@ constexpr int kDim = LeastSquares::kDim;
 // least-squares model with plain SGD, each worker on its slice of every
 // global batch, with random pauses (seeded by `seed`) to vary the
 // interleaving. Returns the final weights.
-std::vector<float> lockstep_run(const LeastSquares& b, int workers, int steps, float lr, uint64_t seed) {
+std::vector<float> lockstep_run(const LeastSquares& b, int workers, int steps, float lr,
+                                uint64_t seed) {
   ds::ParameterServerOptions o;
   o.max_staleness = 0;
   o.communication.timeout = std::chrono::seconds(30);
@@ -340,7 +344,8 @@ std::vector<float> lockstep_run(const LeastSquares& b, int workers, int steps, f
         ds::Variable w = s->create_variable("w", ds::Shape{kDim}, ds::DType::kFloat32,
                                             ds::init::Constant{LeastSquares::kInit});
         ds::SGD sgd(*s, {lr});
-        const int lo = LeastSquares::first_row(r, workers), hi = LeastSquares::first_row(r + 1, workers);
+        const int lo = LeastSquares::first_row(r, workers),
+                  hi = LeastSquares::first_row(r + 1, workers);
         for (int t = 0; t < steps; ++t) {
           pause();
           s->run([&](ds::ReplicaContext& ctx) {
@@ -403,14 +408,15 @@ TEST_P(StalenessBound, AWorkerRunsExactlyKStepsAheadOfAStuckOne) {
   o.communication.timeout = std::chrono::seconds(30);
   ds::InProcessTransportGroup group(3);
   auto ps = ds::ps::make_strategy(group.at(2), o);
-  std::atomic<int> started{0};   // steps worker 0 has started (its pull was answered)
+  std::atomic<int> started{0};  // steps worker 0 has started (its pull was answered)
   std::atomic<bool> release{false};
   std::exception_ptr errors[2];
   const int steps = k + 3;
   auto body = [&](int r) {
     try {
       auto s = ds::ps::make_strategy(group.at(r), o);
-      ds::Variable w = s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+      ds::Variable w =
+          s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
       ds::SGD sgd(*s, {0.1f});
       for (int t = 0; t < steps; ++t) {
         s->run([&](ds::ReplicaContext& ctx) {
@@ -461,15 +467,15 @@ TEST(ParameterServerSparse, GatherAndPushOnlyTheRowsOverShards) {
   o.devices = cpus(2);
   ds::ParameterServerStrategy strategy(o);
   const int64_t rows = 10, dim = 3;
-  ds::Variable table = strategy.create_row_sparse_variable("emb", ds::Shape{rows, dim},
-                                                           ds::DType::kFloat32, ds::init::GlorotUniform{4});
+  ds::Variable table = strategy.create_row_sparse_variable(
+      "emb", ds::Shape{rows, dim}, ds::DType::kFloat32, ds::init::GlorotUniform{4});
   ds::Tensor expect(ds::Shape{rows, dim}, ds::DType::kFloat32);
   ds::init::GlorotUniform{4}(expect);
   ds::SGD sgd(strategy, {0.5f});
   // Replica 0 touches rows {1, 7, 1}, replica 1 rows {9, 4}: row 1 twice.
   strategy.run([&](ds::ReplicaContext& ctx) {
-    std::vector<int64_t> ids = ctx.local_replica_id() == 0 ? std::vector<int64_t>{1, 7, 1}
-                                                            : std::vector<int64_t>{9, 4};
+    std::vector<int64_t> ids =
+        ctx.local_replica_id() == 0 ? std::vector<int64_t>{1, 7, 1} : std::vector<int64_t>{9, 4};
     ds::Tensor id_t(ds::Shape{static_cast<int64_t>(ids.size())}, ds::DType::kInt64);
     std::copy(ids.begin(), ids.end(), id_t.data<int64_t>());
     const ds::Tensor got = strategy.gather_rows(table, id_t);
@@ -499,7 +505,8 @@ struct RawWorker {
     // A stats request first, as a worker's creates come first: the PS's
     // reply tells its incarnation, which a push must carry.
     std::vector<char> reply((7 + 2) * 8);
-    client.wait(client.post(0, ds::ps::Op::kStats, {}, nullptr, nullptr, 0, reply.data(), reply.size(), "stats"));
+    client.wait(client.post(0, ds::ps::Op::kStats, {}, nullptr, nullptr, 0, reply.data(),
+                            reply.size(), "stats"));
   }
   void push(const ds::ps::Entry& e, const std::vector<char>& payload) {
     ds::ps::Writer w;
@@ -519,7 +526,8 @@ struct RawWorker {
     ds::ps::write_config(w, {optimizer, {}});
     w.put<int64_t>(1);
     ds::ps::write_entry(w, e);
-    client.wait(client.post(0, ds::ps::Op::kRule, w.bytes(), nullptr, nullptr, 0, nullptr, 0, "raw rule"));
+    client.wait(
+        client.post(0, ds::ps::Op::kRule, w.bytes(), nullptr, nullptr, 0, nullptr, 0, "raw rule"));
   }
   ds::ps::Client client;
 };
@@ -551,7 +559,8 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
   auto ps = ds::ps::make_strategy(group.at(2), o);
   {
     auto s = ds::ps::make_strategy(group.at(0), o);
-    ds::Variable w = s->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
+    ds::Variable w =
+        s->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
     ds::Variable emb = s->create_row_sparse_variable("emb", ds::Shape{10, 2}, ds::DType::kFloat32,
                                                      ds::init::Constant{3.0});
     ds::SGD sgd(*s, {0.5f});
@@ -559,7 +568,8 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
     RawWorker raw(group.at(1));
     const std::vector<char> f4(16), f5(20), f8(32);
     // w is variable 0, emb 1, the step counter 2.
-    expect_error([&] { raw.push(entry(0, "w", ds::Shape{5}), f5); }, ds::ErrorCode::kInvalidArgument,
+    expect_error([&] { raw.push(entry(0, "w", ds::Shape{5}), f5); },
+                 ds::ErrorCode::kInvalidArgument,
                  "push to 'w' shard 0: gradient shape [5] does not match the shard's [4]");
     expect_error([&] { raw.push(entry(0, "w", ds::Shape{4}, ds::DType::kFloat64), f8); },
                  ds::ErrorCode::kInvalidArgument, "push to 'w': gradient dtype float64");
@@ -578,14 +588,16 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
                    "push to 'emb': row id 10 is out of range [0, 10)");
     }
     // The errors name the worker, the op and the PS rank.
-    expect_error([&] { raw.push(entry(0, "w", ds::Shape{5}), f5); }, ds::ErrorCode::kInvalidArgument,
-                 "worker 1 (rank 1): raw push (push to PS rank 2) failed: PS rank 2: push from worker 1");
+    expect_error(
+        [&] { raw.push(entry(0, "w", ds::Shape{5}), f5); }, ds::ErrorCode::kInvalidArgument,
+        "worker 1 (rank 1): raw push (push to PS rank 2) failed: PS rank 2: push from worker 1");
     // Nothing changed on the PS ...
     const auto after = ds::ps::local_service(*ps).snapshot();
     ASSERT_EQ(before.size(), after.size());
     for (size_t i = 0; i < before.size(); ++i) {
       EXPECT_EQ(before[i].step, after[i].step);
-      EXPECT_EQ(0, std::memcmp(before[i].value.data(), after[i].value.data(), before[i].value.nbytes()));
+      EXPECT_EQ(
+          0, std::memcmp(before[i].value.data(), after[i].value.data(), before[i].value.nbytes()));
     }
     // ... and it keeps serving worker 0.
     s->run([&](ds::ReplicaContext& ctx) {
@@ -607,7 +619,8 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
         },
         ds::ErrorCode::kInvalidArgument, "does not match variable 'w'");
     const ds::ParameterServerStats st = s->stats();
-    EXPECT_EQ(st.pushes_rejected, 5);  // the unknown optimizer is a rule declaration now, not a push
+    EXPECT_EQ(st.pushes_rejected,
+              5);  // the unknown optimizer is a rule declaration now, not a push
     EXPECT_EQ(st.pushes_applied, 1);
     // The raw worker leaves too, so the PS can finish.
     auto done = raw.client.post(0, ds::ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0, "done");
@@ -618,7 +631,8 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
 
 TEST(ParameterServerBadInput, ErrorOfANonBlockingPushSurfacesAtTheNextStep) {
   ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
-  ds::Variable w = strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGD sgd(strategy, {0.1f});
   auto step = [&] {
     strategy.run([&](ds::ReplicaContext& ctx) {
@@ -664,7 +678,8 @@ TEST(ParameterServerMetrics, ReduceIsPerWorkerAndTheMetricIsJobWide) {
       try {
         auto s = ds::ps::make_strategy(group.at(r), o);
         EXPECT_EQ(s->num_replicas_in_sync(), 2 * workers);
-        ds::Variable w = s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::Variable w =
+            s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
         for (int t = 0; t < steps; ++t) {
           // {loss sum, rows} per replica, as the examples return them.
           ds::PerReplica<ds::Tensor> loss = s->run([&](ds::ReplicaContext&) {
@@ -677,7 +692,8 @@ TEST(ParameterServerMetrics, ReduceIsPerWorkerAndTheMetricIsJobWide) {
           EXPECT_EQ(local.data<double>()[0], 2.0 * (1 + r));  // this worker's two replicas
           EXPECT_EQ(local.data<double>()[1], 8.0);
           const ds::Tensor mean = s->reduce(ds::ReduceOp::kMean, loss);
-          EXPECT_EQ(mean.data<double>()[0], 1.0 + r) << "kMean of tensors divides by the local replicas";
+          EXPECT_EQ(mean.data<double>()[0], 1.0 + r)
+              << "kMean of tensors divides by the local replicas";
           ds::PerReplica<double> scalar = s->run([&](ds::ReplicaContext&) { return 1.0 + r; });
           EXPECT_EQ(s->reduce(ds::ReduceOp::kMean, scalar), 1.0 + r);
           s->add_to_metric("train/loss", local.data<double>()[0], local.data<double>()[1]);
@@ -721,8 +737,8 @@ TEST(ParameterServerMetrics, BadAdditionsAreRejectedAndChangeNothing) {
     auto metric = [&](const std::string& name, double sum, double count) {
       ds::ps::Writer w;
       w.put_string(name).put<double>(sum).put<double>(count);
-      auto call = raw.client.post(0, ds::ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
-                                  "raw metric");
+      auto call = raw.client.post(0, ds::ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, nullptr,
+                                  0, "raw metric");
       raw.client.wait(call);
     };
     expect_error([&] { metric("m", 1.0, std::nan("")); }, ds::ErrorCode::kInvalidArgument,
@@ -753,7 +769,8 @@ TEST(ParameterServer, ShardsSnapshotAndARestartedJobResumes) {
     auto ps = ds::ps::make_strategy(group.at(1), o);
     {
       auto s = ds::ps::make_strategy(group.at(0), o);
-      ds::Variable w = s->create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Zeros{});
+      ds::Variable w =
+          s->create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Zeros{});
       ds::SGD sgd(*s, {0.1f, 0.9f});
       for (int i = 0; i < 3; ++i) {
         s->run([&](ds::ReplicaContext& ctx) {

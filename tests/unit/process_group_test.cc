@@ -41,7 +41,8 @@ struct NoTfConfig {
   }
 };
 
-template <typename E, typename F> std::string error_of(F&& f) {
+template <typename E, typename F>
+std::string error_of(F&& f) {
   try {
     f();
   } catch (const E& e) {
@@ -56,10 +57,18 @@ ds::Tensor iota(ds::Shape shape, ds::DType dtype, double base) {
   ds::Tensor t(shape, dtype);
   for (int64_t i = 0; i < t.num_elements(); ++i) {
     switch (dtype) {
-      case ds::DType::kFloat32: t.data<float>()[i] = static_cast<float>(base + i); break;
-      case ds::DType::kFloat64: t.data<double>()[i] = base + i; break;
-      case ds::DType::kInt32: t.data<int32_t>()[i] = static_cast<int32_t>(base + i); break;
-      case ds::DType::kInt64: t.data<int64_t>()[i] = static_cast<int64_t>(base + i); break;
+      case ds::DType::kFloat32:
+        t.data<float>()[i] = static_cast<float>(base + i);
+        break;
+      case ds::DType::kFloat64:
+        t.data<double>()[i] = base + i;
+        break;
+      case ds::DType::kInt32:
+        t.data<int32_t>()[i] = static_cast<int32_t>(base + i);
+        break;
+      case ds::DType::kInt64:
+        t.data<int64_t>()[i] = static_cast<int64_t>(base + i);
+        break;
       default: {
         // 16-bit types: the bytes are what is compared.
         uint16_t* p = static_cast<uint16_t*>(t.data());
@@ -99,7 +108,8 @@ TEST(ProcessGroup, OneProcessWithoutALauncherIsAOneRankGroup) {
   EXPECT_EQ(rs_out[1], 2.5);
   pg.barrier("b");
 
-  std::vector<ds::Tensor> params{iota({2, 3}, ds::DType::kFloat32, 0.5), iota({4}, ds::DType::kInt64, 9)};
+  std::vector<ds::Tensor> params{iota({2, 3}, ds::DType::kFloat32, 0.5),
+                                 iota({4}, ds::DType::kInt64, 9)};
   const std::vector<ds::Tensor> before{params[0].clone(), params[1].clone()};
   ds::broadcast_tensors(pg, params, 0, {"w", "step"});
   EXPECT_TRUE(same_bytes(params[0], before[0]));
@@ -166,7 +176,9 @@ TEST(ProcessGroup, BroadcastTensorsRejectsBadArguments) {
   NoTfConfig env;
   ds::ProcessGroup pg;
   std::vector<ds::Tensor> ts{iota({3}, ds::DType::kFloat32, 0), ds::Tensor()};
-  std::string e = error_of<ds::InvalidArgumentError>([&] { ds::broadcast_tensors(pg, ts, 0, {"a", "b"}); });
+  std::string e = error_of<ds::InvalidArgumentError>([&] {
+    ds::broadcast_tensors(pg, ts, 0, {"a", "b"});
+  });
   EXPECT_TRUE(has(e, "rank 0: broadcast_tensors: tensor #1 'b' is undefined")) << e;
   e = error_of<ds::InvalidArgumentError>([&] { ds::broadcast_tensors(pg, ts); });
   EXPECT_TRUE(has(e, "tensor #1 is undefined")) << e;
@@ -179,8 +191,11 @@ TEST(ProcessGroup, BroadcastTensorsRejectsBadArguments) {
   EXPECT_TRUE(has(e, "root -1 is not a rank")) << e;
   float gpu_memory[4] = {};
   ts[1] = ds::Tensor::wrap(gpu_memory, {4}, ds::DType::kFloat32, ds::Device::gpu(0));
-  e = error_of<ds::InvalidArgumentError>([&] { ds::broadcast_tensors(pg, ts, 0, {"a", "on_gpu"}); });
-  EXPECT_TRUE(has(e, "tensor #1 'on_gpu' is float32[4] on /device:GPU:0; broadcast_tensors moves host memory"))
+  e = error_of<ds::InvalidArgumentError>([&] {
+    ds::broadcast_tensors(pg, ts, 0, {"a", "on_gpu"});
+  });
+  EXPECT_TRUE(has(
+      e, "tensor #1 'on_gpu' is float32[4] on /device:GPU:0; broadcast_tensors moves host memory"))
       << e;
   std::vector<ds::Tensor> none;
   ds::broadcast_tensors(pg, none);  // an empty list is fine
@@ -197,17 +212,15 @@ TEST(ProcessGroup, BroadcastTensorsCopiesTheRootsValuesInEveryPacking) {
     o.timeout = std::chrono::seconds(30);
     ds::InProcessGroup group(n, o);
     for (int root = 0; root < n; ++root) {
-      SCOPED_TRACE("bytes_per_pack " + std::to_string(bytes_per_pack) + " root " + std::to_string(root));
+      SCOPED_TRACE("bytes_per_pack " + std::to_string(bytes_per_pack) + " root " +
+                   std::to_string(root));
       auto make = [&](int rank) {
         const double b = rank * 1000.0;
-        std::vector<ds::Tensor> ts{iota({}, ds::DType::kFloat32, b),
-                                   iota({0}, ds::DType::kFloat64, b),
-                                   iota({7}, ds::DType::kFloat16, b),
-                                   iota({3, 5}, ds::DType::kFloat64, b),
-                                   iota({1}, ds::DType::kBFloat16, b),
-                                   iota({40}, ds::DType::kInt32, b),
-                                   iota({2, 0}, ds::DType::kInt32, b),
-                                   iota({9}, ds::DType::kInt64, b)};
+        std::vector<ds::Tensor> ts{
+            iota({}, ds::DType::kFloat32, b),   iota({0}, ds::DType::kFloat64, b),
+            iota({7}, ds::DType::kFloat16, b),  iota({3, 5}, ds::DType::kFloat64, b),
+            iota({1}, ds::DType::kBFloat16, b), iota({40}, ds::DType::kInt32, b),
+            iota({2, 0}, ds::DType::kInt32, b), iota({9}, ds::DType::kInt64, b)};
         return ts;
       };
       std::vector<std::vector<int32_t>> user(n, std::vector<int32_t>(11));
@@ -231,7 +244,9 @@ namespace {
 // Runs broadcast_tensors on 3 ranks where rank `odd` passes `odd_list`
 // (others `list`); returns every rank's error (all must throw).
 std::vector<std::string> mismatch(
-    int odd, const std::function<void(int rank, std::vector<ds::Tensor>*, std::vector<std::string>*, int*)>& edit) {
+    int odd,
+    const std::function<void(int rank, std::vector<ds::Tensor>*, std::vector<std::string>*, int*)>&
+        edit) {
   const int n = 3;
   ds::CommunicationOptions o;
   o.timeout = std::chrono::seconds(30);
@@ -297,13 +312,17 @@ TEST(ProcessGroup, AMismatchedListIsAnErrorOnEveryRankNamingTheTensor) {
        },
        "rank 2 has #2 'step' int32[2, 2], root 0 has #2 'step' int64[2, 2]"},
       {"name",
-       [](int, std::vector<ds::Tensor>*, std::vector<std::string>* names, int*) { (*names)[0] = "fc/w"; },
+       [](int, std::vector<ds::Tensor>*, std::vector<std::string>* names, int*) {
+         (*names)[0] = "fc/w";
+       },
        "rank 2 has #0 'fc/w' float32[4], root 0 has #0 'fc/kernel' float32[4]"},
       {"root",
        [](int, std::vector<ds::Tensor>*, std::vector<std::string>*, int* root) { *root = 1; },
        "the ranks disagree on the root: rank 0 passed root 0, rank 2 root 1"},
       {"undefined tensor",
-       [](int, std::vector<ds::Tensor>* ts, std::vector<std::string>*, int*) { (*ts)[1] = ds::Tensor(); },
+       [](int, std::vector<ds::Tensor>* ts, std::vector<std::string>*, int*) {
+         (*ts)[1] = ds::Tensor();
+       },
        "rank 2 was called with invalid arguments: tensor #1 'fc/bias' is undefined"},
       {"root out of range",
        [](int, std::vector<ds::Tensor>*, std::vector<std::string>*, int* root) { *root = 3; },
@@ -313,7 +332,8 @@ TEST(ProcessGroup, AMismatchedListIsAnErrorOnEveryRankNamingTheTensor) {
     SCOPED_TRACE(c.what);
     const std::vector<std::string> errors = mismatch(2, c.edit);
     for (int r = 0; r < 3; ++r) {
-      EXPECT_TRUE(has(errors[r], "rank " + std::to_string(r) + ": broadcast_tensors: ")) << errors[r];
+      EXPECT_TRUE(has(errors[r], "rank " + std::to_string(r) + ": broadcast_tensors: "))
+          << errors[r];
       EXPECT_TRUE(has(errors[r], c.expected)) << errors[r];
     }
   }

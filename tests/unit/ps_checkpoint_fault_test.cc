@@ -36,7 +36,8 @@ struct Outcome {
 };
 
 // Trains kSteps steps, saving after each; replica `fault_rank` misbehaves at kFaultStep.
-Outcome train_and_save(ds::ParameterServerStrategy& s, const std::string& dir, ds::FaultKind kind, int fault_rank) {
+Outcome train_and_save(ds::ParameterServerStrategy& s, const std::string& dir, ds::FaultKind kind,
+                       int fault_rank) {
   Outcome out;
   try {
     ds::nn::Mlp mlp({8, 5, 3});
@@ -65,9 +66,9 @@ TEST_P(PsCheckpointFault, TheLastCheckpointStillLoadsAndRestores) {
   ds::ParameterServerOptions o;
   o.worker_timeout = kWorkerTimeout;
   o.communication.timeout = 3 * kWorkerTimeout;  // outlasts the PS declaring worker 1 gone
-  const auto job = ds::testing::run_ps_job<Outcome>(o, stall, [&](ds::ParameterServerStrategy& s, int) {
-    return train_and_save(s, dir, GetParam(), 1);
-  });
+  const auto job = ds::testing::run_ps_job<Outcome>(
+      o, stall,
+      [&](ds::ParameterServerStrategy& s, int) { return train_and_save(s, dir, GetParam(), 1); });
   const std::vector<Outcome>& res = job.workers;
   const std::string& ps_error = job.ps_error;
   EXPECT_LT(job.seconds, 30.0);
@@ -95,7 +96,8 @@ TEST_P(PsCheckpointFault, TheLastCheckpointStillLoadsAndRestores) {
   ds::Checkpoint ckpt(s, {&opt});
   ds::CheckpointManager manager(ckpt, dir, {2});
   EXPECT_EQ(manager.restore_latest()->at("step"), std::to_string(kSteps - 1));
-  EXPECT_EQ(opt.iterations().value().data<int64_t>()[0], file.find("optimizer/iterations")->data<int64_t>()[0]);
+  EXPECT_EQ(opt.iterations().value().data<int64_t>()[0],
+            file.find("optimizer/iterations")->data<int64_t>()[0]);
   for (const ds::Variable& v : vars) {
     const ds::Tensor got = v.value();
     EXPECT_EQ(0, std::memcmp(got.data(), file.find(v.name())->data(), got.nbytes())) << v.name();

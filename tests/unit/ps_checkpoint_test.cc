@@ -77,17 +77,20 @@ std::unique_ptr<ds::Optimizer> make_optimizer(ds::Strategy& s, bool adam) {
 // One worker; the PS ranks are threads of this process.
 struct Job {
   Job(const Layout& l, bool adam, uint64_t seed, std::vector<int64_t> sizes = {6, 7, 3})
-      : strategy(std::make_unique<ds::ParameterServerStrategy>(options(l))), mlp(sizes),
-        params(mlp.create_variables(*strategy, seed)), opt(make_optimizer(*strategy, adam)),
+      : strategy(std::make_unique<ds::ParameterServerStrategy>(options(l))),
+        mlp(sizes),
+        params(mlp.create_variables(*strategy, seed)),
+        opt(make_optimizer(*strategy, adam)),
         ckpt(*strategy, {opt.get()}) {}
-  void train(int steps, uint64_t seed) { ds::testing::mlp_train(*strategy, mlp, params, *opt, 8, steps, seed); }
+  void train(int steps, uint64_t seed) {
+    ds::testing::mlp_train(*strategy, mlp, params, *opt, 8, steps, seed);
+  }
   std::unique_ptr<ds::ParameterServerStrategy> strategy;
   ds::nn::Mlp mlp;
   std::vector<ds::Variable> params;
   std::unique_ptr<ds::Optimizer> opt;
   ds::Checkpoint ckpt;
 };
-
 
 struct ReshardCase {
   Layout from, to;
@@ -144,8 +147,11 @@ TEST(PsCheckpoint, RowSparseTablesRoundTripWithTheirSlots) {
   const std::string path = temp_dir(kTempPrefix) + "/emb.safetensors";
   struct Table {
     explicit Table(const Layout& l, double init)
-        : s(options(l)), emb(s.create_row_sparse_variable("emb", {10, 4}, ds::DType::kFloat32, ds::init::Constant{init})),
-          sgd(s, {0.1f, 0.9f}), ckpt(s, {&sgd}) {}
+        : s(options(l)),
+          emb(s.create_row_sparse_variable("emb", {10, 4}, ds::DType::kFloat32,
+                                           ds::init::Constant{init})),
+          sgd(s, {0.1f, 0.9f}),
+          ckpt(s, {&sgd}) {}
     void push(std::vector<int64_t> rows) {
       s.run([&](ds::ReplicaContext& ctx) {
         ds::Tensor ids(ds::Shape{static_cast<int64_t>(rows.size())}, ds::DType::kInt64);
@@ -212,17 +218,20 @@ TEST(PsCheckpoint, BrokenCheckpointsAreRefusedAndChangeNothing) {
     const auto now = b.ckpt.state();
     ASSERT_EQ(now.size(), before.size());
     for (size_t i = 0; i < now.size(); ++i) {
-      EXPECT_EQ(0, std::memcmp(now[i].second.data(), before[i].second.data(), now[i].second.nbytes()))
+      EXPECT_EQ(0,
+                std::memcmp(now[i].second.data(), before[i].second.data(), now[i].second.nbytes()))
           << now[i].first;
     }
   };
-  auto expect_error = [&](const std::string& p, ds::ErrorCode code, const std::vector<std::string>& words) {
+  auto expect_error = [&](const std::string& p, ds::ErrorCode code,
+                          const std::vector<std::string>& words) {
     try {
       b.ckpt.restore(p);
       ADD_FAILURE() << "no error for " << p;
     } catch (const ds::Error& e) {
       EXPECT_EQ(e.code(), code) << e.what();
-      for (const std::string& w : words) EXPECT_NE(e.message().find(w), std::string::npos) << w << " in " << e.what();
+      for (const std::string& w : words)
+        EXPECT_NE(e.message().find(w), std::string::npos) << w << " in " << e.what();
     }
     unchanged();
   };
@@ -294,7 +303,8 @@ TEST(PsCheckpoint, FailureBetweenShardsAndIndexLeavesThePreviousCheckpoint) {
   const auto restored = b.ckpt.state();
   ASSERT_EQ(restored.size(), good.size());
   for (size_t i = 0; i < good.size(); ++i) {
-    EXPECT_EQ(0, std::memcmp(restored[i].second.data(), good[i].second.data(), good[i].second.nbytes()));
+    EXPECT_EQ(
+        0, std::memcmp(restored[i].second.data(), good[i].second.data(), good[i].second.nbytes()));
   }
   ::rmdir((dir + "/ckpt-2.safetensors").c_str());
   manager.save(3, {{"step", "3"}});
@@ -302,7 +312,8 @@ TEST(PsCheckpoint, FailureBetweenShardsAndIndexLeavesThePreviousCheckpoint) {
   // Kept: 2 indexes, their 2 x 2 shard files, `latest`, the manager's manifest.
   EXPECT_EQ(list(dir).size(), 8u);
   EXPECT_EQ(shard_files(dir).size(), 4u);
-  for (const std::string& n : shard_files(dir)) EXPECT_TRUE(n.rfind("ckpt-3.", 0) == 0 || n.rfind("ckpt-4.", 0) == 0) << n;
+  for (const std::string& n : shard_files(dir))
+    EXPECT_TRUE(n.rfind("ckpt-3.", 0) == 0 || n.rfind("ckpt-4.", 0) == 0) << n;
 }
 
 // Two workers and two PS ranks as threads of one process (the MPI layout):
@@ -312,7 +323,8 @@ TEST(PsCheckpoint, FailureBetweenShardsAndIndexLeavesThePreviousCheckpoint) {
 // metadata) and keeps training.
 TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
   const std::string dir = temp_dir(kTempPrefix);
-  auto run_job = [&](int num_ps, const std::function<void(ds::ParameterServerStrategy&, int)>& body) {
+  auto run_job = [&](int num_ps,
+                     const std::function<void(ds::ParameterServerStrategy&, int)>& body) {
     ds::ParameterServerOptions o;
     o.num_ps = num_ps;
     o.partitioner = pp::FixedShards{num_ps};
@@ -412,7 +424,8 @@ TEST(PsCheckpoint, WorkersAgreeOnAPreemptionStep) {
   EXPECT_EQ(errors[1], "");
   EXPECT_GE(stopped[0], 5);
   EXPECT_EQ(stopped[0], stopped[1]);
-  const ds::SafetensorsFile f = ds::load_checkpoint(dir + "/ckpt-" + std::to_string(stopped[0]) + ".safetensors");
+  const ds::SafetensorsFile f =
+      ds::load_checkpoint(dir + "/ckpt-" + std::to_string(stopped[0]) + ".safetensors");
   EXPECT_EQ(f.metadata.at("step"), std::to_string(stopped[0]));
   EXPECT_EQ(f.find("optimizer/iterations")->data<int64_t>()[0], 2 * stopped[0]);
   handlers.clear();
@@ -429,12 +442,14 @@ TEST(PsCheckpoint, KillDuringSaveAlwaysLeavesALoadableLatest) {
       temp_dir(kTempPrefix),
       [](const std::string& dir, int64_t first_step) {
         ds::ParameterServerStrategy s(options(kTwo));
-        ds::Variable big = s.create_variable("big", {128, 256}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::Variable big =
+            s.create_variable("big", {128, 256}, ds::DType::kFloat32, ds::init::Zeros{});
         ds::testing::save_step_valued_forever(s, {big}, dir, first_step);
       },
       {"big"}, 25, 8, 777);
-  std::printf("PS kill-during-save: %d kills (%d inside a file write), %d checked, last step %lld\n", st.kills,
-              st.mid_write, st.checked, static_cast<long long>(st.last_step));
+  std::printf(
+      "PS kill-during-save: %d kills (%d inside a file write), %d checked, last step %lld\n",
+      st.kills, st.mid_write, st.checked, static_cast<long long>(st.last_step));
   EXPECT_GE(st.checked, 5);
 }
 

@@ -40,7 +40,8 @@ std::vector<float> value_of(ps::Service& s, const std::string& name) {
 class PsTrust : public PsWire {
  protected:
   // A push of `g` to "w" with sequence number `seq`.
-  RawPeer::Reply push_w(int64_t seq, std::initializer_list<float> g, ps::RequestHeader* h_out = nullptr) {
+  RawPeer::Reply push_w(int64_t seq, std::initializer_list<float> g,
+                        ps::RequestHeader* h_out = nullptr) {
     const std::vector<char> payload = floats(g);
     ps::RequestHeader h = header(ps::Op::kPush, seq, 16);
     if (h_out) *h_out = h;
@@ -58,7 +59,8 @@ TEST_F(PsTrust, ReplayedPushIsRejectedAndAppliedOnce) {
   ASSERT_EQ(r.header.status, -1) << r.error;
   r = push_w(seq, {2, 2, 2, 2});  // the same message again
   expect_rejected(r, ds::ErrorCode::kInvalidArgument, "a replay");
-  EXPECT_EQ(value_of(*service_, "w"), (std::vector<float>{0, 1, 2, 3})) << "applied once: w - 0.5 * 2";
+  EXPECT_EQ(value_of(*service_, "w"), (std::vector<float>{0, 1, 2, 3}))
+      << "applied once: w - 0.5 * 2";
   EXPECT_EQ(service_->stats().version, 1);
   EXPECT_EQ(service_->stats().pushes_rejected, 1);
 }
@@ -149,7 +151,8 @@ TEST_F(PsTrust, TheChiefsRuleIsCheckedAndOnlyTheChiefReplacesIt) {
   ASSERT_EQ(r.header.status, -1) << r.error;
   EXPECT_EQ(value_of(*service_, "w"), (std::vector<float>{-1, 0, 1, 2}));
   // It cannot change the optimizer (its slots).
-  r = peer_.call(header(ps::Op::kRule, seq_++), rule_body({"adam", {0.1, 0.9, 0.999, 1e-7}}, {entry(0, "w")}, true));
+  r = peer_.call(header(ps::Op::kRule, seq_++),
+                 rule_body({"adam", {0.1, 0.9, 0.999, 1e-7}}, {entry(0, "w")}, true));
   expect_rejected(r, ds::ErrorCode::kInvalidArgument, "not the optimizer");
 }
 
@@ -221,14 +224,16 @@ TEST_F(PsTrustTwoWorkers, AFailedWorkerAbortsTheOthersRequestsNamingItself) {
   r = other_.reply(milliseconds(1000));
   EXPECT_LT(ds::Clock::now() - t0, milliseconds(1000));  // not the 2 s deadline
   EXPECT_EQ(r.header.status, static_cast<int>(ds::ErrorCode::kAborted)) << r.error;
-  EXPECT_NE(r.error.find("barrier from worker 1: the job is ending: worker 0 (rank 0) failed: rank 0 left "
-                         "during an exception: no training data\\n(second line)"),
+  EXPECT_NE(r.error.find(
+                "barrier from worker 1: the job is ending: worker 0 (rank 0) failed: rank 0 left "
+                "during an exception: no training data\\n(second line)"),
             std::string::npos)
       << r.error;
   r = other_.call(hdr(1, ps::Op::kPull, 0, 0), pull_body({}));
   EXPECT_EQ(r.header.status, static_cast<int>(ds::ErrorCode::kAborted)) << r.error;
-  EXPECT_EQ(service_->failure(), "worker 0 (rank 0) failed: rank 0 left during an exception: no training "
-                                 "data\\n(second line)");
+  EXPECT_EQ(service_->failure(),
+            "worker 0 (rank 0) failed: rank 0 left during an exception: no training "
+            "data\\n(second line)");
   r = other_.call(hdr(1, ps::Op::kDone), {});
   EXPECT_EQ(r.header.status, -1) << r.error;
   thread_.join();  // the loop ends by itself: both workers left
@@ -271,7 +276,8 @@ TEST_F(PsTrust, SaveWritesOnlyIntoTheConfiguredDirectoryUnderADerivedName) {
   r = peer_.call(header(ps::Op::kSave, seq_++, 0, 8), save_body("model"));
   ASSERT_EQ(r.header.status, -1) << r.error;
   std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(root / "ckpt")) names.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(root / "ckpt"))
+    names.push_back(e.path().filename().string());
   ASSERT_EQ(names.size(), 1u);
   EXPECT_EQ(names[0], "model.ps-0-of-1.0000000000000abc.safetensors");
   EXPECT_EQ(std::distance(fs::directory_iterator(root), fs::directory_iterator()), 2);
@@ -291,12 +297,16 @@ TEST_F(PsTrust, BroadcastClaiming2GiBOr2To40IsRejectedAtOnceNamingTheRoot) {
   o.max_broadcast_bytes = 1 << 20;
   start(o);
   const auto t0 = ds::Clock::now();
-  auto r = peer_.call(header(ps::Op::kBroadcast, seq_++, int64_t{2} << 30), broadcast_body(1, true, int64_t{2} << 30));
-  expect_rejected(r, ds::ErrorCode::kResourceExhausted, "the root (worker 0) sends 2147483648 bytes");
-  r = peer_.call(header(ps::Op::kBroadcast, seq_++, int64_t{1} << 40), broadcast_body(1, true, int64_t{1} << 40));
+  auto r = peer_.call(header(ps::Op::kBroadcast, seq_++, int64_t{2} << 30),
+                      broadcast_body(1, true, int64_t{2} << 30));
+  expect_rejected(r, ds::ErrorCode::kResourceExhausted,
+                  "the root (worker 0) sends 2147483648 bytes");
+  r = peer_.call(header(ps::Op::kBroadcast, seq_++, int64_t{1} << 40),
+                 broadcast_body(1, true, int64_t{1} << 40));
   expect_rejected(r, ds::ErrorCode::kResourceExhausted, "1099511627776 bytes");
   // A receiver expecting more than a broadcast may carry.
-  r = peer_.call(header(ps::Op::kBroadcast, seq_++, 0, int64_t{1} << 21), broadcast_body(1, false, int64_t{1} << 21));
+  r = peer_.call(header(ps::Op::kBroadcast, seq_++, 0, int64_t{1} << 21),
+                 broadcast_body(1, false, int64_t{1} << 21));
   expect_rejected(r, ds::ErrorCode::kResourceExhausted, "more than a broadcast may carry");
   EXPECT_LT(ds::Clock::now() - t0, milliseconds(900)) << "answered at once, not at the deadline";
   // A header whose payload disagrees with the declared size.
@@ -319,14 +329,17 @@ TEST_F(PsTrustTwoWorkers, BroadcastReceiverAndRootDisagreeingOnTheSizeAreNamed) 
   const std::vector<char> eight(8, 'x');
   auto r = chief_.call(hdr(0, ps::Op::kBroadcast, 8), broadcast_body(1, true, 8), &eight);
   EXPECT_EQ(r.header.status, static_cast<int>(ds::ErrorCode::kInvalidArgument));
-  EXPECT_NE(r.error.find("worker 0 (the root) sends 8 bytes, worker 1 expects 16"), std::string::npos) << r.error;
+  EXPECT_NE(r.error.find("worker 0 (the root) sends 8 bytes, worker 1 expects 16"),
+            std::string::npos)
+      << r.error;
 }
 
 // ---- through the strategy ----------------------------------------------------------
 
 TEST(PsTrustStrategy, UpdateHyperparametersIsAppliedByThePsAndChiefOnly) {
   ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
-  ds::Variable w = strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGD sgd(strategy, {1.0f});
   auto step = [&] {
     strategy.run([&](ds::ReplicaContext& ctx) {
@@ -350,7 +363,8 @@ TEST(PsTrustStrategy, NonFiniteGradientIsRejectedOrSkippedThroughTheStrategy) {
     ds::ParameterServerOptions o;
     o.skip_nonfinite_gradients = skip;
     ds::ParameterServerStrategy strategy(o);
-    ds::Variable w = strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+    ds::Variable w =
+        strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
     ds::SGD sgd(strategy, {1.0f});
     strategy.run([&](ds::ReplicaContext& ctx) {
       ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
@@ -384,7 +398,8 @@ TEST(PsTrustStrategy, DifferentLearningRatesOnTwoWorkersAreAnErrorNamingTheField
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       auto s = ds::ps::make_strategy(group.at(r), o);
-      ds::Variable w = s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+      ds::Variable w =
+          s->create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
       ds::SGD sgd(*s, {r == 0 ? 0.1f : 0.2f});  // --lr differs on rank 1
       try {
         s->run([&](ds::ReplicaContext& ctx) {

@@ -41,13 +41,15 @@ TEST_F(PsWire, PullClaiming2To61IdsIsRejectedAndThePsKeepsServing) {
   start();
   create_variables();
   const auto before = service_->snapshot();
-  auto r = peer_.call(header(ps::Op::kPull, seq_++, 0, 8), pull_body({entry(1, "emb", {}, true, int64_t{1} << 61)}));
+  auto r = peer_.call(header(ps::Op::kPull, seq_++, 0, 8),
+                      pull_body({entry(1, "emb", {}, true, int64_t{1} << 61)}));
   expect_rejected(r, ds::ErrorCode::kInvalidArgument, "2305843009213693952 ids");
   expect_serves();
   const auto after = service_->snapshot();
   ASSERT_EQ(before.size(), after.size());
   for (size_t i = 0; i < before.size(); ++i) {
-    EXPECT_EQ(0, std::memcmp(before[i].value.data(), after[i].value.data(), before[i].value.nbytes()));
+    EXPECT_EQ(0,
+              std::memcmp(before[i].value.data(), after[i].value.data(), before[i].value.nbytes()));
   }
 }
 
@@ -57,7 +59,8 @@ TEST_F(PsWire, PullClaiming2To61IdsIsRejectedAndThePsKeepsServing) {
 TEST_F(PsWire, HeaderClaimingHugePayloadOrReplyIsRejectedWithoutAllocating) {
   start();
   create_variables();
-  auto r = peer_.call(header(ps::Op::kPull, seq_++, int64_t{1} << 40, 16), pull_body({entry(0, "w")}));
+  auto r =
+      peer_.call(header(ps::Op::kPull, seq_++, int64_t{1} << 40, 16), pull_body({entry(0, "w")}));
   expect_rejected(r, ds::ErrorCode::kInvalidArgument, "payload");
   r = peer_.call(header(ps::Op::kPull, seq_++, 0, int64_t{1} << 50), pull_body({entry(0, "w")}));
   expect_rejected(r, ds::ErrorCode::kInvalidArgument, "reply");
@@ -88,27 +91,31 @@ TEST_F(PsWire, RequestsThatDisagreeWithTheVariableAreRejectedAndChangeNothing) {
     std::vector<char> ids(8);
     const int64_t id = 10;
     std::memcpy(ids.data(), &id, 8);
-    r = peer_.call(header(ps::Op::kPull, seq_++, 8, 8), pull_body({entry(1, "emb", {}, true, 1)}), &ids);
+    r = peer_.call(header(ps::Op::kPull, seq_++, 8, 8), pull_body({entry(1, "emb", {}, true, 1)}),
+                   &ids);
     expect_rejected(r, ds::ErrorCode::kInvalidArgument, "row id 10 is out of range [0, 10)");
     const int64_t neg = -1;
     std::memcpy(ids.data(), &neg, 8);
-    r = peer_.call(header(ps::Op::kPull, seq_++, 8, 8), pull_body({entry(1, "emb", {}, true, 1)}), &ids);
+    r = peer_.call(header(ps::Op::kPull, seq_++, 8, 8), pull_body({entry(1, "emb", {}, true, 1)}),
+                   &ids);
     expect_rejected(r, ds::ErrorCode::kInvalidArgument, "row id -1 is out of range [0, 10)");
   }
   // A push whose header and entries disagree on the payload.
   {
     const std::vector<char> g = floats({1, 1, 1, 1});
-    r = peer_.call(header(ps::Op::kPush, seq_++, (int64_t{1} << 30) + 16), push_body({entry(0, "w", ds::Shape{4})}),
-                   &g);
+    r = peer_.call(header(ps::Op::kPush, seq_++, (int64_t{1} << 30) + 16),
+                   push_body({entry(0, "w", ds::Shape{4})}), &g);
     expect_rejected(r, ds::ErrorCode::kInvalidArgument, "payload");
   }
   // A row push claiming 2^61 ids with rows of 2 floats: the sizes overflow.
-  r = peer_.call(header(ps::Op::kPush, seq_++, 0),
-                 push_body({entry(1, "emb", ds::Shape{int64_t{1} << 61, 2}, true, int64_t{1} << 61)}));
+  r = peer_.call(
+      header(ps::Op::kPush, seq_++, 0),
+      push_body({entry(1, "emb", ds::Shape{int64_t{1} << 61, 2}, true, int64_t{1} << 61)}));
   expect_rejected(r, ds::ErrorCode::kInvalidArgument, "");
   // A push to an unknown variable, and one naming the wrong variable.
   const std::vector<char> g4 = floats({1, 1, 1, 1});
-  r = peer_.call(header(ps::Op::kPush, seq_++, 16), push_body({entry(5, "nope", ds::Shape{4})}), &g4);
+  r = peer_.call(header(ps::Op::kPush, seq_++, 16), push_body({entry(5, "nope", ds::Shape{4})}),
+                 &g4);
   expect_rejected(r, ds::ErrorCode::kNotFound, "unknown variable 'nope'");
   r = peer_.call(header(ps::Op::kPush, seq_++, 16), push_body({entry(1, "w", ds::Shape{4})}), &g4);
   expect_rejected(r, ds::ErrorCode::kInvalidArgument, "");
@@ -130,7 +137,8 @@ TEST_F(PsWire, RequestsThatDisagreeWithTheVariableAreRejectedAndChangeNothing) {
   ASSERT_EQ(before.size(), after.size());
   for (size_t i = 0; i < before.size(); ++i) {
     EXPECT_EQ(before[i].step, after[i].step);
-    EXPECT_EQ(0, std::memcmp(before[i].value.data(), after[i].value.data(), before[i].value.nbytes()));
+    EXPECT_EQ(0,
+              std::memcmp(before[i].value.data(), after[i].value.data(), before[i].value.nbytes()));
   }
   // A good push after all that is applied once.
   {
@@ -180,7 +188,8 @@ TEST_F(PsWire, PayloadPartsAreCheckedAgainstTheDeclaredSize) {
   // 20 bytes for a push that declares 16.
   const std::vector<char> g5 = floats({1, 1, 1, 1, 1});
   r = peer_.call(header(ps::Op::kPush, seq_++, 16), push_body({entry(0, "w", ds::Shape{4})}), &g5);
-  expect_rejected(r, ds::ErrorCode::kInvalidArgument, "payload message of 20 bytes does not fit the 16 bytes");
+  expect_rejected(r, ds::ErrorCode::kInvalidArgument,
+                  "payload message of 20 bytes does not fit the 16 bytes");
   // 8 of 16 bytes, then the next request.
   peer_.send(header(ps::Op::kPush, seq_++, 16), push_body({entry(0, "w", ds::Shape{4})}), &first);
   r = peer_.call(header(ps::Op::kPull, seq_++, 0, 16), pull_body({entry(0, "w")}));
@@ -199,7 +208,8 @@ TEST_F(PsWire, AReplyNobodyTakesDoesNotKeepThePsForever) {
   create_variables();
   peer_.send(header(ps::Op::kDone, seq_++), {});  // its reply is never received
   const auto t0 = ds::Clock::now();
-  while (!returned_ && ds::Clock::now() - t0 < std::chrono::seconds(5)) std::this_thread::sleep_for(milliseconds(10));
+  while (!returned_ && ds::Clock::now() - t0 < std::chrono::seconds(5))
+    std::this_thread::sleep_for(milliseconds(10));
   EXPECT_TRUE(returned_) << log();
   EXPECT_NE(log().find("was not taken within 300 ms"), std::string::npos) << log();
 }
@@ -242,13 +252,15 @@ TEST_F(PsWire, StrayAndOversizedMessagesAreDroppedAndTheStreamGoesOn) {
   create_variables();
   auto stray = std::make_shared<std::vector<char>>(100, 'x');
   ds::Request s1 = group_.at(kWorkerRank).send(kPsRank, stray->data(), stray->size(), 12345);
-  ds::Request s2 = group_.at(kWorkerRank).send(kPsRank, stray->data(), stray->size(), ps::kRequestPayloadTag);
+  ds::Request s2 =
+      group_.at(kWorkerRank).send(kPsRank, stray->data(), stray->size(), ps::kRequestPayloadTag);
   expect_serves();
   EXPECT_NE(log().find("dropped a message of 100 bytes"), std::string::npos) << log();
   // A too-short control message gets an error reply.
   {
     auto tiny = std::make_shared<std::vector<char>>(5, 'x');
-    ds::Request s3 = group_.at(kWorkerRank).send(kPsRank, tiny->data(), tiny->size(), ps::kRequestTag);
+    ds::Request s3 =
+        group_.at(kWorkerRank).send(kPsRank, tiny->data(), tiny->size(), ps::kRequestTag);
     auto r = peer_.reply(milliseconds(5000));
     EXPECT_EQ(r.header.status, static_cast<int>(ds::ErrorCode::kInvalidArgument));
     EXPECT_NE(r.error.find("malformed request of 5 bytes"), std::string::npos) << r.error;
@@ -296,17 +308,33 @@ TEST_F(BadReplies, AreProtocolErrorsNotCrashes) {
     std::string text;
   };
   const std::vector<Case> cases = {
-      {"error text of 2^50 bytes", [](ps::ReplyHeader& h) { h.status = 3; h.error_bytes = int64_t{1} << 50; },
+      {"error text of 2^50 bytes",
+       [](ps::ReplyHeader& h) {
+         h.status = 3;
+         h.error_bytes = int64_t{1} << 50;
+       },
        "error text"},
-      {"negative error size", [](ps::ReplyHeader& h) { h.status = 3; h.error_bytes = -5; }, "error text"},
+      {"negative error size",
+       [](ps::ReplyHeader& h) {
+         h.status = 3;
+         h.error_bytes = -5;
+       },
+       "error text"},
       {"unknown status", [](ps::ReplyHeader& h) { h.status = 99; }, "status 99"},
-      {"error status without text", [](ps::ReplyHeader& h) { h.status = 3; h.error_bytes = 0; }, "status 3"},
+      {"error status without text",
+       [](ps::ReplyHeader& h) {
+         h.status = 3;
+         h.error_bytes = 0;
+       },
+       "status 3"},
       {"negative version", [](ps::ReplyHeader& h) { h.version = -2; }, "version -2"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    auto client = std::make_unique<ps::Client>(group_.at(kWorkerRank), std::vector<int>{kPsRank}, 0, milliseconds(500));
-    auto call = client->post(0, ps::Op::kBarrier, std::vector<char>(8, 0), nullptr, nullptr, 0, nullptr, 0, "barrier");
+    auto client = std::make_unique<ps::Client>(group_.at(kWorkerRank), std::vector<int>{kPsRank}, 0,
+                                               milliseconds(500));
+    auto call = client->post(0, ps::Op::kBarrier, std::vector<char>(8, 0), nullptr, nullptr, 0,
+                             nullptr, 0, "barrier");
     const ps::RequestHeader req = receive_request();
     ps::ReplyHeader h;
     h.seq = req.seq;
@@ -335,11 +363,14 @@ std::vector<char> message(const ps::RequestHeader& h, const std::vector<char>& b
   return m;
 }
 
-ps::DecodedRequest decode(const std::vector<char>& m) { return ps::decode_request(m.data(), m.size()); }
+ps::DecodedRequest decode(const std::vector<char>& m) {
+  return ps::decode_request(m.data(), m.size());
+}
 
 TEST(PsRequestDecoder, DecodesWhatTheWorkersSend) {
   {
-    const auto q = decode(message(header(ps::Op::kCreate, 1, 40), create_body(3, "b", ds::Shape{10}, true)));
+    const auto q =
+        decode(message(header(ps::Op::kCreate, 1, 40), create_body(3, "b", ds::Shape{10}, true)));
     EXPECT_EQ(q.op, ps::Op::kCreate);
     EXPECT_EQ(q.create.var_id, 3);
     EXPECT_EQ(q.create.name, "b");
@@ -354,8 +385,9 @@ TEST(PsRequestDecoder, DecodesWhatTheWorkersSend) {
     EXPECT_EQ(q.entries[1].num_ids, 3);
   }
   {
-    const auto q = decode(message(header(ps::Op::kPush, 3, 16 + 8 + 8),
-                                  push_body({entry(0, "w", ds::Shape{4}), entry(1, "emb", ds::Shape{1, 2}, true, 1)})));
+    const auto q = decode(message(
+        header(ps::Op::kPush, 3, 16 + 8 + 8),
+        push_body({entry(0, "w", ds::Shape{4}), entry(1, "emb", ds::Shape{1, 2}, true, 1)})));
     EXPECT_EQ(q.steps_after, 1);
     ASSERT_EQ(q.entries.size(), 2u);
   }
@@ -403,26 +435,32 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
       w.put_string(name).put<double>(sum).put<double>(count);
       return w.bytes();
     };
-    add("metric without a name", message(header(ps::Op::kMetric, 1), metric("", 1, 1)), "a name of 0 characters");
-    add("metric name of 257", message(header(ps::Op::kMetric, 1), metric(std::string(257, 'm'), 1, 1)),
+    add("metric without a name", message(header(ps::Op::kMetric, 1), metric("", 1, 1)),
+        "a name of 0 characters");
+    add("metric name of 257",
+        message(header(ps::Op::kMetric, 1), metric(std::string(257, 'm'), 1, 1)),
         "a name of 257 characters");
     add("metric count -1", message(header(ps::Op::kMetric, 1), metric("loss", 1, -1)), "count -1");
     add("metric reply of 8", message(header(ps::Op::kMetric, 1, 0, 8), metric("loss", 1, 1)),
         "a reply of 8 bytes");
   }
-  add("negative payload", message(header(ps::Op::kPull, 1, -1, 16), good_pull), "payload of -1 bytes");
+  add("negative payload", message(header(ps::Op::kPull, 1, -1, 16), good_pull),
+      "payload of -1 bytes");
   add("payload 2^40 + 1", message(header(ps::Op::kPull, 1, (int64_t{1} << 40) + 1, 16), good_pull),
       "payload of 1099511627777 bytes");
-  add("reply 2^50", message(header(ps::Op::kPull, 1, 0, int64_t{1} << 50), good_pull), "reply of 1125899906842624");
+  add("reply 2^50", message(header(ps::Op::kPull, 1, 0, int64_t{1} << 50), good_pull),
+      "reply of 1125899906842624");
   add("pull of 2^61 ids (x 8 overflows to 0)",
       message(header(ps::Op::kPull, 1, 0, 8), pull_body({entry(1, "emb", {}, true, big)})),
       "2305843009213693952 ids");
-  add("payload claimed, none declared", message(header(ps::Op::kPull, 1, int64_t{2} << 30, 16), good_pull),
+  add("payload claimed, none declared",
+      message(header(ps::Op::kPull, 1, int64_t{2} << 30, 16), good_pull),
       "the header claims a payload of 2147483648 bytes, the request declares 0");
   {
     ps::Writer w;
     w.put<int64_t>(-1).put<int64_t>(int64_t{1} << 24);  // 2^24 entries in 0 bytes
-    add("entry count the message cannot hold", message(header(ps::Op::kPull, 1), w.bytes()), "16777216 entries in 0 bytes");
+    add("entry count the message cannot hold", message(header(ps::Op::kPull, 1), w.bytes()),
+        "16777216 entries in 0 bytes");
     ps::Writer w2;
     w2.put<int64_t>(-1).put<int64_t>((int64_t{1} << 24) + 1);
     add("too many entries", message(header(ps::Op::kPull, 1), w2.bytes()), "16777217 entries");
@@ -438,47 +476,63 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
     e.sparse = 2;
     add("sparse flag 2", message(header(ps::Op::kPush, 1, 16), push_body({e})), "sparse flag 2");
     e = entry(0, "w", ds::Shape{4}, false, 3);
-    add("ids on a dense entry", message(header(ps::Op::kPush, 1, 16), push_body({e})), "3 ids for a whole-shard entry");
+    add("ids on a dense entry", message(header(ps::Op::kPush, 1, 16), push_body({e})),
+        "3 ids for a whole-shard entry");
     e = entry(0, "w", ds::Shape{4});
     e.var_id = -1;
-    add("negative variable id", message(header(ps::Op::kPush, 1, 16), push_body({e})), "variable id -1");
+    add("negative variable id", message(header(ps::Op::kPush, 1, 16), push_body({e})),
+        "variable id -1");
   }
   add("row push whose rows disagree with its ids",
-      message(header(ps::Op::kPush, 1, 16 + 16), push_body({entry(1, "emb", ds::Shape{2, 2}, true, 1)})),
+      message(header(ps::Op::kPush, 1, 16 + 16),
+              push_body({entry(1, "emb", ds::Shape{2, 2}, true, 1)})),
       "row gradient [2, 2] for 1 ids");
   // (A shape whose element count overflows int64 cannot be built, nor
   // decoded: Shape refuses it; this one's bytes do not fit a message.)
   add("shape whose byte count overflows",
-      message(header(ps::Op::kPush, 1, 0), push_body({entry(0, "w", ds::Shape{int64_t{1} << 31, int64_t{1} << 31})})),
+      message(header(ps::Op::kPush, 1, 0),
+              push_body({entry(0, "w", ds::Shape{int64_t{1} << 31, int64_t{1} << 31})})),
       "more than a message may carry");
-  add("row push of 2^61 ids", message(header(ps::Op::kPush, 1, 0), push_body({entry(1, "emb", ds::Shape{big, 2}, true, big)})),
+  add("row push of 2^61 ids",
+      message(header(ps::Op::kPush, 1, 0),
+              push_body({entry(1, "emb", ds::Shape{big, 2}, true, big)})),
       "more than a message may carry");
   {
     std::vector<char> body = pull_body({entry(0, "w")});
     // The name's length field (after the clock, count, var id and shard).
     const int64_t huge_len = int64_t{1} << 40;
     std::memcpy(body.data() + 32, &huge_len, 8);
-    add("string longer than allowed", message(header(ps::Op::kPull, 1, 0, 16), body), "malformed string length");
+    add("string longer than allowed", message(header(ps::Op::kPull, 1, 0, 16), body),
+        "malformed string length");
     body = pull_body({entry(0, "w")});
     const int64_t past_end = 1000;
     std::memcpy(body.data() + 32, &past_end, 8);
-    add("string past the end", message(header(ps::Op::kPull, 1, 0, 16), body), "needs 1000 more bytes");
+    add("string past the end", message(header(ps::Op::kPull, 1, 0, 16), body),
+        "needs 1000 more bytes");
   }
   {
     ps::Writer w;
-    w.put<int64_t>(-1).put<int64_t>(1).put<int64_t>(0).put<int64_t>(0).put_string("w").put<int32_t>(0);
+    w.put<int64_t>(-1).put<int64_t>(1).put<int64_t>(0).put<int64_t>(0).put_string("w").put<int32_t>(
+        0);
     w.put<int64_t>(33);
     w.bytes().resize(w.bytes().size() + 64);  // room for an entry's other fields
     add("shape of rank 33", message(header(ps::Op::kPull, 1), w.bytes()), "shape rank 33");
     ps::Writer w2;
-    w2.put<int64_t>(-1).put<int64_t>(1).put<int64_t>(0).put<int64_t>(0).put_string("w").put<int32_t>(0);
+    w2.put<int64_t>(-1)
+        .put<int64_t>(1)
+        .put<int64_t>(0)
+        .put<int64_t>(0)
+        .put_string("w")
+        .put<int32_t>(0);
     w2.put<int64_t>(1).put<int64_t>(-4);
-    add("negative dimension", message(header(ps::Op::kPull, 1), w2.bytes()), "negative dimension -4");
+    add("negative dimension", message(header(ps::Op::kPull, 1), w2.bytes()),
+        "negative dimension -4");
   }
   {
     std::vector<char> body = good_pull;
     body.push_back(0);
-    add("bytes after the last field", message(header(ps::Op::kPull, 1, 0, 16), body), "1 bytes after the last field");
+    add("bytes after the last field", message(header(ps::Op::kPull, 1, 0, 16), body),
+        "1 bytes after the last field");
     body = good_pull;
     body.pop_back();
     add("truncated", message(header(ps::Op::kPull, 1, 0, 16), body), "malformed message");
@@ -487,16 +541,21 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
     ps::Writer w;
     w.put<int64_t>(0).put_string("w").put<int32_t>(0).put_shape(ds::Shape{10});
     w.put<int64_t>(0).put<int64_t>(1).put<int64_t>(8).put<int64_t>(5).put<uint8_t>(0);
-    add("create rows outside the shape", message(header(ps::Op::kCreate, 1), w.bytes()), "rows 8 + 5 outside [10]");
+    add("create rows outside the shape", message(header(ps::Op::kCreate, 1), w.bytes()),
+        "rows 8 + 5 outside [10]");
     ps::Writer w2;
     w2.put<int64_t>(0).put_string("w").put<int32_t>(0).put_shape(ds::Shape{10});
-    w2.put<int64_t>(0).put<int64_t>(1).put<int64_t>(INT64_MAX).put<int64_t>(INT64_MAX).put<uint8_t>(0);
-    add("create rows that overflow", message(header(ps::Op::kCreate, 1), w2.bytes()), "outside [10]");
+    w2.put<int64_t>(0).put<int64_t>(1).put<int64_t>(INT64_MAX).put<int64_t>(INT64_MAX).put<uint8_t>(
+        0);
+    add("create rows that overflow", message(header(ps::Op::kCreate, 1), w2.bytes()),
+        "outside [10]");
     ps::Writer w3;
     w3.put<int64_t>(0).put_string("w").put<int32_t>(0).put_shape(ds::Shape{10});
     w3.put<int64_t>(3).put<int64_t>(2).put<int64_t>(0).put<int64_t>(5).put<uint8_t>(0);
-    add("create shard index past the count", message(header(ps::Op::kCreate, 1), w3.bytes()), "shard 3 of 2");
-    add("create value of the wrong size", message(header(ps::Op::kCreate, 1, 12), create_body(0, "w", ds::Shape{4}, true)),
+    add("create shard index past the count", message(header(ps::Op::kCreate, 1), w3.bytes()),
+        "shard 3 of 2");
+    add("create value of the wrong size",
+        message(header(ps::Op::kCreate, 1, 12), create_body(0, "w", ds::Shape{4}, true)),
         "the header claims a payload of 12 bytes, the request declares 16");
   }
   {
@@ -505,11 +564,13 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
     add("flag that is not 0 or 1", message(header(ps::Op::kBroadcast, 1), w.bytes()), "root is 2");
     ps::Writer w2;
     w2.put<int64_t>(1).put<uint8_t>(0).put<int64_t>(8);
-    add("payload from a broadcast receiver", message(header(ps::Op::kBroadcast, 1, 8, 8), w2.bytes()),
+    add("payload from a broadcast receiver",
+        message(header(ps::Op::kBroadcast, 1, 8, 8), w2.bytes()),
         "the header claims a payload of 8 bytes");
     ps::Writer w3;
     w3.put<int64_t>(1).put<uint8_t>(0);
-    add("preemption check expecting 16 bytes", message(header(ps::Op::kStopCheck, 1, 0, 16), w3.bytes()),
+    add("preemption check expecting 16 bytes",
+        message(header(ps::Op::kStopCheck, 1, 0, 16), w3.bytes()),
         "reply of 16 bytes, the request's is 8");
   }
   {
@@ -522,7 +583,8 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
   {
     ps::Writer w;
     w.put_string("");
-    add("abort without a reason", message(header(ps::Op::kAbort, 1), w.bytes()), "abort: no reason");
+    add("abort without a reason", message(header(ps::Op::kAbort, 1), w.bytes()),
+        "abort: no reason");
     ps::Writer w2;
     w2.put_string("x");
     add("abort with a reply", message(header(ps::Op::kAbort, 1, 0, 8), w2.bytes()), "reply");
@@ -545,7 +607,8 @@ TEST(PsRequestDecoder, CheckedSizesNeverOverflow) {
   EXPECT_THROW(ps::checked_add(ps::kMaxMessageBytes, 1, "x"), ds::InvalidArgumentError);
   EXPECT_THROW(ps::checked_add(INT64_MAX, INT64_MAX, "x"), ds::InvalidArgumentError);
   EXPECT_EQ(ps::checked_bytes(ds::Shape{int64_t{1} << 62, 0}, 4, "x"), 0);
-  EXPECT_THROW(ps::checked_bytes(ds::Shape{int64_t{1} << 31, int64_t{1} << 31, 4}, 4, "x"), ds::InvalidArgumentError);
+  EXPECT_THROW(ps::checked_bytes(ds::Shape{int64_t{1} << 31, int64_t{1} << 31, 4}, 4, "x"),
+               ds::InvalidArgumentError);
 }
 
 TEST(PsReplyCheck, AcceptsGoodRepliesAndNamesTheProblemOfBadOnes) {

@@ -33,7 +33,8 @@ namespace ps_test {
 constexpr int kWorkerRank = 0, kPsRank = 1;
 constexpr uint64_t kIncarnation = 1000;  // the raw worker's
 
-inline ps::RequestHeader header(ps::Op op, int64_t seq, int64_t payload_bytes = 0, int64_t reply_bytes = 0) {
+inline ps::RequestHeader header(ps::Op op, int64_t seq, int64_t payload_bytes = 0,
+                                int64_t reply_bytes = 0) {
   ps::RequestHeader h;
   h.op = static_cast<uint16_t>(op);
   h.worker = 0;
@@ -45,8 +46,8 @@ inline ps::RequestHeader header(ps::Op op, int64_t seq, int64_t payload_bytes = 
 }
 
 // The body of a create of a whole (one-shard) variable.
-inline std::vector<char> create_body(int64_t id, const std::string& name, const ds::Shape& shape, bool has_value,
-                              ds::DType dtype = ds::DType::kFloat32) {
+inline std::vector<char> create_body(int64_t id, const std::string& name, const ds::Shape& shape,
+                                     bool has_value, ds::DType dtype = ds::DType::kFloat32) {
   ps::Writer w;
   w.put<int64_t>(id).put_string(name).put<int32_t>(static_cast<int32_t>(dtype)).put_shape(shape);
   w.put<int64_t>(0).put<int64_t>(1).put<int64_t>(0).put<int64_t>(shape.rank() ? shape[0] : 1);
@@ -54,8 +55,8 @@ inline std::vector<char> create_body(int64_t id, const std::string& name, const 
   return w.bytes();
 }
 
-inline ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape = {}, bool sparse = false,
-                int64_t num_ids = 0) {
+inline ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape = {},
+                       bool sparse = false, int64_t num_ids = 0) {
   ps::Entry e;
   e.var_id = id;
   e.name = name;
@@ -83,8 +84,8 @@ inline std::vector<char> push_body(const std::vector<ps::Entry>& entries, int64_
 }
 
 // A kRule: `config` as the update rule of `entries` (replace: the chief's update).
-inline std::vector<char> rule_body(const ps::OptimizerConfig& config, const std::vector<ps::Entry>& entries,
-                            bool replace = false) {
+inline std::vector<char> rule_body(const ps::OptimizerConfig& config,
+                                   const std::vector<ps::Entry>& entries, bool replace = false) {
   ps::Writer w;
   w.put<uint8_t>(replace ? 1 : 0);
   ps::write_config(w, config);
@@ -115,7 +116,8 @@ class RawPeer {
   // Sends `h` + `body` as the control message, then `payload` unless null.
   // A header without a PS incarnation gets the one the PS's replies told
   // (as the Client does), unless stamp_ps_incarnation is off.
-  void send(ps::RequestHeader h, const std::vector<char>& body, const std::vector<char>* payload = nullptr) {
+  void send(ps::RequestHeader h, const std::vector<char>& body,
+            const std::vector<char>* payload = nullptr) {
     if (h.ps_incarnation == 0 && stamp_ps_incarnation) h.ps_incarnation = ps_incarnation;
     auto control = std::make_shared<std::vector<char>>(sizeof h + body.size());
     std::memcpy(control->data(), &h, sizeof h);
@@ -154,8 +156,8 @@ class RawPeer {
     }
     return *r;
   }
-  Reply call(const ps::RequestHeader& h, const std::vector<char>& body, const std::vector<char>* payload = nullptr,
-             milliseconds within = milliseconds(5000)) {
+  Reply call(const ps::RequestHeader& h, const std::vector<char>& body,
+             const std::vector<char>* payload = nullptr, milliseconds within = milliseconds(5000)) {
     send(h, body, payload);
     return reply(within);
   }
@@ -203,7 +205,8 @@ class PsWire : public ::testing::Test {
   // Creates "w" (id 0, 4 floats 1..4) and "emb" (id 1, 10 x 2 floats, row r = r).
   void create_variables() {
     const std::vector<char> w = floats({1, 2, 3, 4});
-    auto r = peer_.call(header(ps::Op::kCreate, seq_++, 16), create_body(0, "w", ds::Shape{4}, true), &w);
+    auto r = peer_.call(header(ps::Op::kCreate, seq_++, 16),
+                        create_body(0, "w", ds::Shape{4}, true), &w);
     ASSERT_EQ(r.header.status, -1) << r.error;
     std::vector<char> emb(10 * 2 * sizeof(float));
     for (int i = 0; i < 20; ++i) {
@@ -214,7 +217,8 @@ class PsWire : public ::testing::Test {
                    create_body(1, "emb", ds::Shape{10, 2}, true), &emb);
     ASSERT_EQ(r.header.status, -1) << r.error;
     // The chief's rule for both: SGD, learning rate 0.5.
-    r = peer_.call(header(ps::Op::kRule, seq_++), rule_body(sgd(0.5), {entry(0, "w"), entry(1, "emb")}));
+    r = peer_.call(header(ps::Op::kRule, seq_++),
+                   rule_body(sgd(0.5), {entry(0, "w"), entry(1, "emb")}));
     ASSERT_EQ(r.header.status, -1) << r.error;
   }
   // The PS still answers a good pull of "w" with its value.
@@ -227,7 +231,8 @@ class PsWire : public ::testing::Test {
     EXPECT_EQ(got, want);
   }
   // `r` is an error reply of `code` whose text contains `text` and names the worker.
-  static void expect_rejected(const RawPeer::Reply& r, ds::ErrorCode code, const std::string& text) {
+  static void expect_rejected(const RawPeer::Reply& r, ds::ErrorCode code,
+                              const std::string& text) {
     EXPECT_EQ(r.header.status, static_cast<int>(code)) << r.error;
     EXPECT_NE(r.error.find(text), std::string::npos) << r.error;
     EXPECT_NE(r.error.find("worker 0"), std::string::npos) << r.error;

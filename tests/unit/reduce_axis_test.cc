@@ -16,8 +16,8 @@ using Config = ds::testing::StrategyConfig;
 namespace {
 
 const std::vector<Config> kConfigs = {
-    {"mirrored", 1, 1},         {"mirrored", 1, 3},     {"central_storage", 1, 2},
-    {"multi_worker", 2, 2},     {"multi_worker", 3, 1}, {"parameter_server", 1, 2},
+    {"mirrored", 1, 1},     {"mirrored", 1, 3},     {"central_storage", 1, 2},
+    {"multi_worker", 2, 2}, {"multi_worker", 3, 1}, {"parameter_server", 1, 2},
 };
 
 // Replica r's per-example values: r + 1 rows (uneven, like a short last
@@ -32,8 +32,10 @@ ds::Tensor rows_of(int r) {
 ds::Tensor block_of(int r, ds::DType dtype) {
   ds::Tensor t(ds::Shape{2, 3}, dtype);
   for (int k = 0; k < 6; ++k) {
-    if (dtype == ds::DType::kFloat32) t.data<float>()[k] = float(r + k);
-    else t.data<int64_t>()[k] = r + k;
+    if (dtype == ds::DType::kFloat32)
+      t.data<float>()[k] = float(r + k);
+    else
+      t.data<int64_t>()[k] = r + k;
   }
   return t;
 }
@@ -51,13 +53,15 @@ TEST(ReduceAxis, AxisZeroCoversEveryRowOfEveryReplica) {
       }
       double sum = 0;
       for (float v : all) sum += v;
-      ds::PerReplica<ds::Tensor> loss = s.run([&](ds::ReplicaContext& ctx) { return rows_of(ctx.replica_id()); });
+      ds::PerReplica<ds::Tensor> loss =
+          s.run([&](ds::ReplicaContext& ctx) { return rows_of(ctx.replica_id()); });
       const std::string where = c.label() + " worker " + std::to_string(worker);
       const ds::Tensor got_sum = s.reduce(ds::ReduceOp::kSum, loss, 0);
       ASSERT_EQ(got_sum.shape(), ds::Shape{}) << where;
       EXPECT_FLOAT_EQ(got_sum.data<float>()[0], float(sum)) << where;
       // The mean of every row (weighted by rows), not the mean of replica means.
-      EXPECT_FLOAT_EQ(s.reduce(ds::ReduceOp::kMean, loss, 0).data<float>()[0], float(sum / all.size()))
+      EXPECT_FLOAT_EQ(s.reduce(ds::ReduceOp::kMean, loss, 0).data<float>()[0],
+                      float(sum / all.size()))
           << where;
       EXPECT_EQ(s.reduce(ds::ReduceOp::kMax, loss, -1).data<float>()[0],
                 *std::max_element(all.begin(), all.end()))
@@ -80,7 +84,8 @@ TEST(ReduceAxis, InnerAxesReduceEachValueAfterTheReplicas) {
         // Sum over replicas of (r + 3i + j) = S + n (3i + j), S = n (n - 1) / 2.
         const double S = n * (n - 1) / 2.0;
         auto value = [&](const ds::Tensor& t, int k) {
-          return dtype == ds::DType::kFloat32 ? double(t.data<float>()[k]) : double(t.data<int64_t>()[k]);
+          return dtype == ds::DType::kFloat32 ? double(t.data<float>()[k])
+                                              : double(t.data<int64_t>()[k]);
         };
         for (int axis : {1, -1}) {
           const ds::Tensor sum = s.reduce(ds::ReduceOp::kSum, v, axis);
@@ -100,8 +105,8 @@ TEST(ReduceAxis, InnerAxesReduceEachValueAfterTheReplicas) {
         ASSERT_EQ(max0.shape(), ds::Shape{3}) << where;
         for (int j = 0; j < 3; ++j) EXPECT_EQ(value(max0, j), (n - 1) + 3 + j) << where;
       }
-      ds::PerReplica<ds::Tensor> v =
-          s.run([&](ds::ReplicaContext& ctx) { return block_of(ctx.replica_id(), ds::DType::kFloat32); });
+      ds::PerReplica<ds::Tensor> v = s.run(
+          [&](ds::ReplicaContext& ctx) { return block_of(ctx.replica_id(), ds::DType::kFloat32); });
       EXPECT_THROW(s.reduce(ds::ReduceOp::kSum, v, 2), ds::InvalidArgumentError) << where;
       EXPECT_THROW(s.reduce(ds::ReduceOp::kSum, v, -3), ds::InvalidArgumentError) << where;
     });
@@ -110,8 +115,9 @@ TEST(ReduceAxis, InnerAxesReduceEachValueAfterTheReplicas) {
 
 TEST(ReduceAxis, EmptyAxisIsASumOfNothingOrAnError) {
   ds::MirroredStrategy s(ds::testing::cpu_devices(2));
-  ds::PerReplica<ds::Tensor> none =
-      s.run([&](ds::ReplicaContext&) { return ds::Tensor(ds::Shape{0, 2}, ds::DType::kFloat32); });
+  ds::PerReplica<ds::Tensor> none = s.run([&](ds::ReplicaContext&) {
+    return ds::Tensor(ds::Shape{0, 2}, ds::DType::kFloat32);
+  });
   const ds::Tensor sum = s.reduce(ds::ReduceOp::kSum, none, 0);
   ASSERT_EQ(sum.shape(), ds::Shape{2});
   EXPECT_EQ(sum.data<float>()[1], 0.0f);
@@ -133,10 +139,13 @@ TEST(ReduceInt64, CountsAreExactUnderEveryStrategy) {
       EXPECT_EQ(s.reduce(ds::ReduceOp::kMin, counts), big / 16) << where;
       // Mean: (n * big/16 + n(n-1)/2) / n, truncated.
       EXPECT_EQ(s.reduce(ds::ReduceOp::kMean, counts), big / 16 + (n - 1) / 2) << where;
-      ds::PerReplica<int64_t> rows = s.run([&](ds::ReplicaContext& ctx) { return int64_t(ctx.replica_id() + 1); });
-      EXPECT_EQ(s.reduce(ds::ReduceOp::kProduct, rows),
-                [&] { int64_t p = 1; for (int64_t r = 1; r <= n; ++r) p *= r; return p; }())
-          << where;
+      ds::PerReplica<int64_t> rows =
+          s.run([&](ds::ReplicaContext& ctx) { return int64_t(ctx.replica_id() + 1); });
+      EXPECT_EQ(s.reduce(ds::ReduceOp::kProduct, rows), [&] {
+        int64_t p = 1;
+        for (int64_t r = 1; r <= n; ++r) p *= r;
+        return p;
+      }()) << where;
     });
   }
 }

@@ -73,7 +73,7 @@ TEST(CentralStorageOnFakeGpus, HostVariablesGpuComputeMatchesCpuTraining) {
       EXPECT_TRUE(slot[0].device().is_cpu()) << v.name() << "/" << name;
     }
   }
-  EXPECT_EQ(fake->updates.load(), 0);   // no device update kernel
+  EXPECT_EQ(fake->updates.load(), 0);    // no device update kernel
   EXPECT_GE(fake->syncs.load(), 2 * 6);  // every step drains both replicas' streams
   EXPECT_EQ(gpu.device_manager(), o.device_manager);
 }
@@ -155,7 +155,8 @@ std::vector<ds::Tensor> train_multi_worker(bool gpus, int steps, std::atomic<int
           o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
           auto backend = std::make_unique<FakeGpuBackend>(2);
           FakeGpuBackend* fake = backend.get();
-          o.device_manager = std::make_shared<ds::DeviceManager>(gpu_options(*dirs[w]), std::move(backend));
+          o.device_manager =
+              std::make_shared<ds::DeviceManager>(gpu_options(*dirs[w]), std::move(backend));
           ds::MultiWorkerMirroredStrategy s(o);
           out[w] = train(s, steps);
           *device_updates += fake->updates.load();
@@ -249,7 +250,8 @@ TEST(ParameterServerOnFakeGpus, OneGpuReplicaReadsADeviceCopyOfTheCache) {
   o.device_manager =
       std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(1));
   ds::ParameterServerStrategy s(o);
-  ds::Variable w = s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable w =
+      s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::SGD sgd(s, {0.5f, 0.0f});
   for (int step = 0; step < 3; ++step) {
     s.run([&](ds::ReplicaContext& ctx) {

@@ -29,8 +29,7 @@ struct StrategyConfig {
 };
 
 // Runs fn(strategy, worker) once per worker of `c` (threads for multi_worker).
-inline void with_strategy(const StrategyConfig& c,
-                          const std::function<void(Strategy&, int)>& fn) {
+inline void with_strategy(const StrategyConfig& c, const std::function<void(Strategy&, int)>& fn) {
   CommunicationOptions co;
   co.timeout = std::chrono::seconds(30);
   if (c.kind == "mirrored") {

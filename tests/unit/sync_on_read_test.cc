@@ -29,9 +29,9 @@ using ds::testing::with_strategy;
 
 const std::vector<Config>& setups() {
   static const std::vector<Config> s = {
-      {"mirrored", 1, 1},       {"mirrored", 1, 2},       {"mirrored", 1, 3},
+      {"mirrored", 1, 1},        {"mirrored", 1, 2},        {"mirrored", 1, 3},
       {"central_storage", 1, 1}, {"central_storage", 1, 2}, {"central_storage", 1, 3},
-      {"multi_worker", 2, 1},   {"multi_worker", 2, 2},   {"multi_worker", 3, 1},
+      {"multi_worker", 2, 1},    {"multi_worker", 2, 2},    {"multi_worker", 3, 1},
   };
   return s;
 }
@@ -70,8 +70,9 @@ ds::Tensor sample(ds::DType dtype) {
 std::string values_of(const ds::Tensor& t) {
   std::string s;
   for (int64_t i = 0; i < t.num_elements(); ++i) {
-    s += (i ? ", " : "") + (t.dtype() == ds::DType::kFloat32 ? std::to_string(t.data<float>()[i])
-                                                              : std::to_string(t.data<int64_t>()[i]));
+    s +=
+        (i ? ", " : "") + (t.dtype() == ds::DType::kFloat32 ? std::to_string(t.data<float>()[i])
+                                                            : std::to_string(t.data<int64_t>()[i]));
   }
   return "{" + s + "}";
 }
@@ -89,13 +90,14 @@ TEST(SyncOnRead, CrossReplicaAssignReadsBackForEveryAggregationAndStrategy) {
       for (ds::DType dtype : {ds::DType::kFloat32, ds::DType::kInt64}) {
         for (const auto& [agg_name, agg] : kAggregations) {
           const std::string name = std::string("v/") + agg_name + "/" + ds::dtype_name(dtype);
-          ds::Variable v = st.create_variable(name, ds::Shape{4}, dtype, ds::init::Zeros{}, on_read(agg));
+          ds::Variable v =
+              st.create_variable(name, ds::Shape{4}, dtype, ds::init::Zeros{}, on_read(agg));
           const ds::Tensor want = sample(dtype);
           v.assign(want);
           const ds::Tensor got = v.value();
-          EXPECT_TRUE(same(got, want)) << s.label() << " worker " << worker << " " << name
-                                       << ": assign " << values_of(want) << " then value() "
-                                       << values_of(got);
+          EXPECT_TRUE(same(got, want))
+              << s.label() << " worker " << worker << " " << name << ": assign " << values_of(want)
+              << " then value() " << values_of(got);
         }
       }
     });
@@ -106,13 +108,15 @@ TEST(SyncOnRead, ReplicaUpdatesAggregateAsDocumented) {
   for (const Config& s : setups()) {
     with_strategy(s, [&](ds::Strategy& st, int worker) {
       const int n = st.num_replicas_in_sync();
-      ds::Variable sum = st.create_variable("sum", ds::Shape{}, ds::DType::kInt64, ds::init::Zeros{},
-                                            on_read(ds::VariableAggregation::kSum));
-      ds::Variable mean = st.create_variable("mean", ds::Shape{}, ds::DType::kFloat32,
-                                             ds::init::Zeros{}, on_read(ds::VariableAggregation::kMean));
-      ds::Variable first = st.create_variable("first", ds::Shape{}, ds::DType::kFloat32,
-                                              ds::init::Zeros{},
-                                              on_read(ds::VariableAggregation::kOnlyFirstReplica));
+      ds::Variable sum =
+          st.create_variable("sum", ds::Shape{}, ds::DType::kInt64, ds::init::Zeros{},
+                             on_read(ds::VariableAggregation::kSum));
+      ds::Variable mean =
+          st.create_variable("mean", ds::Shape{}, ds::DType::kFloat32, ds::init::Zeros{},
+                             on_read(ds::VariableAggregation::kMean));
+      ds::Variable first =
+          st.create_variable("first", ds::Shape{}, ds::DType::kFloat32, ds::init::Zeros{},
+                             on_read(ds::VariableAggregation::kOnlyFirstReplica));
       st.run([&](ds::ReplicaContext& ctx) {
         sum.read(ctx).data<int64_t>()[0] += ctx.replica_id() + 1;
         mean.read(ctx).data<float>()[0] = float(ctx.replica_id());
@@ -171,8 +175,8 @@ TEST(SyncOnRead, CounterSurvivesFiveSaveRestoreCyclesUnderEveryStrategy) {
         for (size_t k = 0; k < vars.size(); ++k) {
           const ds::Tensor now = vars[k].value();
           EXPECT_TRUE(same(now, before[k]))
-              << where << " cycle " << cycle << " '" << vars[k].name() << "': "
-              << values_of(before[k]) << " became " << values_of(now);
+              << where << " cycle " << cycle << " '" << vars[k].name()
+              << "': " << values_of(before[k]) << " became " << values_of(now);
         }
       }
       // Counting continues from the restored value.

@@ -68,7 +68,8 @@ TEST(TempDirChild, MakesBothFormsAndAForkedGrandchildLeavesThemAlone) {
     ::close(fds[1]);
     char buf[4096];
     ssize_t n = 0;
-    while ((n = ::read(fds[0], buf, sizeof buf)) > 0) grandchild_dir.append(buf, static_cast<size_t>(n));
+    while ((n = ::read(fds[0], buf, sizeof buf)) > 0)
+      grandchild_dir.append(buf, static_cast<size_t>(n));
     ::close(fds[0]);
     int status = 0;
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);
@@ -79,13 +80,15 @@ TEST(TempDirChild, MakesBothFormsAndAForkedGrandchildLeavesThemAlone) {
   if (const char* report = std::getenv("DISTSTRAT_TEMP_DIR_TEST_REPORT")) {
     std::FILE* f = std::fopen(report, "w");
     ASSERT_NE(f, nullptr) << report << ": " << std::strerror(errno);
-    std::fprintf(f, "%s\n%s\n%s\n", registered.c_str(), scoped.path().c_str(), heap->path().c_str());
+    std::fprintf(f, "%s\n%s\n%s\n", registered.c_str(), scoped.path().c_str(),
+                 heap->path().c_str());
     std::fclose(f);
   }
   ASSERT_FALSE(grandchild_dir.empty());
   EXPECT_FALSE(fs::exists(grandchild_dir)) << "the grandchild left " << grandchild_dir;
   EXPECT_TRUE(is_private_dir(registered)) << "the grandchild removed its parent's " << registered;
-  EXPECT_TRUE(is_private_dir(heap->path())) << "the grandchild removed its parent's " << heap->path();
+  EXPECT_TRUE(is_private_dir(heap->path()))
+      << "the grandchild removed its parent's " << heap->path();
   const std::string heap_path = heap->path();
   heap.reset();
   EXPECT_FALSE(fs::exists(heap_path));
@@ -100,12 +103,14 @@ TEST(TempDir, AChildProcessThatExitsNormallyLeavesNothingInTmpdir) {
       [&] {
         ::setenv("TMPDIR", root.path().c_str(), 1);
         ::setenv("DISTSTRAT_TEMP_DIR_TEST_REPORT", report.c_str(), 1);
-        for (const char* v : {"GTEST_OUTPUT", "GTEST_FILTER", "GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS"}) {
+        for (const char* v :
+             {"GTEST_OUTPUT", "GTEST_FILTER", "GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS"}) {
           ::unsetenv(v);
         }
-        const char* argv[] = {"/proc/self/exe",
-                              "--gtest_filter=TempDirChild.MakesBothFormsAndAForkedGrandchildLeavesThemAlone",
-                              nullptr};
+        const char* argv[] = {
+            "/proc/self/exe",
+            "--gtest_filter=TempDirChild.MakesBothFormsAndAForkedGrandchildLeavesThemAlone",
+            nullptr};
         ::execv(argv[0], const_cast<char* const*>(argv));
         return 97;  // exec failed
       },

@@ -52,11 +52,13 @@ std::vector<std::string> construction_errors(const std::string& path) {
 
 TEST(TimelinePath, UnwritableDirectoryFailsAtConstructionNamingTheSetting) {
   for (const std::string& e : construction_errors("/nonexistent/x.json")) {
-    EXPECT_NE(e.find("MultiWorkerOptions::timeline_path='/nonexistent/x.json'"), std::string::npos) << e;
+    EXPECT_NE(e.find("MultiWorkerOptions::timeline_path='/nonexistent/x.json'"), std::string::npos)
+        << e;
     EXPECT_NE(e.find("'/nonexistent'"), std::string::npos) << e;
   }
   ::setenv("DISTSTRAT_TIMELINE", "/nonexistent/y.json", 1);
-  const std::vector<std::string> env_errors = construction_errors(::testing::TempDir() + "/fine.json");
+  const std::vector<std::string> env_errors =
+      construction_errors(::testing::TempDir() + "/fine.json");
   ::unsetenv("DISTSTRAT_TIMELINE");
   for (const std::string& e : env_errors) {
     EXPECT_NE(e.find("DISTSTRAT_TIMELINE='/nonexistent/y.json'"), std::string::npos) << e;

@@ -84,7 +84,8 @@ TEST(LearningRateSchedule, ExponentialDecaySmoothAndStaircase) {
 
 TEST(LearningRateSchedule, BadSchedulesAreRejectedNamingTheField) {
   EXPECT_THROW(Schedule::piecewise_constant({10, 20}, {1.0f}), ds::InvalidArgumentError);
-  EXPECT_THROW(Schedule::piecewise_constant({20, 10}, {1.0f, 2.0f, 3.0f}), ds::InvalidArgumentError);
+  EXPECT_THROW(Schedule::piecewise_constant({20, 10}, {1.0f, 2.0f, 3.0f}),
+               ds::InvalidArgumentError);
   EXPECT_THROW(Schedule::cosine_decay(0), ds::InvalidArgumentError);
   EXPECT_THROW(Schedule::cosine_decay(10, -1), ds::InvalidArgumentError);
   EXPECT_THROW(Schedule::cosine_decay(10, 0, 1.5f), ds::InvalidArgumentError);
@@ -108,10 +109,10 @@ TEST(LearningRateSchedule, BadSchedulesAreRejectedNamingTheField) {
 // of its step, read from the step counter (0 for the first update).
 TEST(LearningRateSchedule, SgdAndAdamUseTheRateOfTheStepCounter) {
   ds::MirroredStrategy strategy({ds::Device::cpu(0), ds::Device::cpu(1)});
-  ds::Variable w = strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32,
-                                            ds::init::Zeros{});
-  ds::Variable a = strategy.create_variable("a", ds::Shape{3}, ds::DType::kFloat32,
-                                            ds::init::Constant{1.0});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable a =
+      strategy.create_variable("a", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::SGDOptions so;
   so.learning_rate = 0.5f;
   so.schedule = Schedule::exponential_decay(2, 0.5f, true);
@@ -131,8 +132,8 @@ TEST(LearningRateSchedule, SgdAndAdamUseTheRateOfTheStepCounter) {
     const float lr = s <= 2 ? 0.1f : 0.01f;
     EXPECT_EQ(adam.learning_rate(s), lr);
     const double t = s + 1;
-    const float alpha = static_cast<float>(lr * std::sqrt(1.0 - std::pow(0.999f, t)) /
-                                           (1.0 - std::pow(0.9f, t)));
+    const float alpha =
+        static_cast<float>(lr * std::sqrt(1.0 - std::pow(0.999f, t)) / (1.0 - std::pow(0.9f, t)));
     for (int i = 0; i < 3; ++i) {
       const float g = ref_a.data<float>()[i];
       float& mi = m.data<float>()[i];
@@ -197,8 +198,8 @@ TEST(LearningRateSchedule, ParameterServerRuleRebuildsTheSchedule) {
 // Under ParameterServerStrategy end to end: the PS applies the scheduled rate.
 TEST(LearningRateSchedule, ParameterServerStrategyAppliesTheSchedule) {
   ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
-  ds::Variable w = strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32,
-                                            ds::init::Zeros{});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGDOptions so;
   so.learning_rate = 1.0f;
   so.schedule = Schedule::exponential_decay(1, 0.5f);
@@ -232,7 +233,8 @@ struct Scheduled {
       o.schedule = Schedule::piecewise_constant({2, 4}, {0.2f, 0.05f, 0.01f});
       opt = std::make_unique<ds::SGD>(*strategy, o);
     }
-    ckpt = std::make_unique<ds::Checkpoint>(*strategy, std::vector<const ds::Optimizer*>{opt.get()});
+    ckpt =
+        std::make_unique<ds::Checkpoint>(*strategy, std::vector<const ds::Optimizer*>{opt.get()});
   }
   void train(int steps, uint64_t seed) {
     ds::testing::mlp_train(*strategy, mlp, params, *opt, 8, steps, seed);
@@ -313,7 +315,8 @@ struct ClipReference {
   std::vector<double> norms;
 };
 ClipReference clipped_reference(const ds::nn::Mlp& mlp, const ds::Dataset& data, int64_t batch,
-                                int steps, float lr, float momentum, const ds::GradientClipping& c) {
+                                int steps, float lr, float momentum,
+                                const ds::GradientClipping& c) {
   ClipReference out;
   out.params = mlp.init_params(5);
   std::vector<ds::Tensor> velocity;
@@ -324,7 +327,8 @@ ClipReference clipped_reference(const ds::nn::Mlp& mlp, const ds::Dataset& data,
     auto st = mlp.forward_backward(out.params, b.features(), b.labels(), 1.0f / (hi - lo));
     double sq = 0;
     for (const ds::Tensor& g : st.grads) {
-      for (int64_t k = 0; k < g.num_elements(); ++k) sq += double(g.data<float>()[k]) * g.data<float>()[k];
+      for (int64_t k = 0; k < g.num_elements(); ++k)
+        sq += double(g.data<float>()[k]) * g.data<float>()[k];
     }
     const double norm = std::sqrt(sq);
     out.norms.push_back(norm);
@@ -333,7 +337,8 @@ ClipReference clipped_reference(const ds::nn::Mlp& mlp, const ds::Dataset& data,
       float* gp = g.data<float>();
       const int64_t n = g.num_elements();
       float scale = 1.0f;
-      if (c.global_norm > 0) scale = static_cast<float>(c.global_norm / std::max<double>(norm, c.global_norm));
+      if (c.global_norm > 0)
+        scale = static_cast<float>(c.global_norm / std::max<double>(norm, c.global_norm));
       if (c.norm > 0) {
         double t = 0;
         for (int64_t k = 0; k < n; ++k) t += double(gp[k]) * gp[k];
@@ -401,8 +406,9 @@ ds::GradientClipping by_global_norm(float n) {
 // Norms reported on every replica of one process equal the reference norm
 // (<= 1e-6 relative) and each other (bit for bit); the weights match the
 // single-device clipped training.
-void expect_matches_reference(const std::vector<std::vector<double>>& norms, const ClipReference& ref,
-                              const std::vector<ds::Tensor>& weights, bool global) {
+void expect_matches_reference(const std::vector<std::vector<double>>& norms,
+                              const ClipReference& ref, const std::vector<ds::Tensor>& weights,
+                              bool global) {
   ASSERT_EQ(norms.size(), ref.norms.size());
   for (size_t s = 0; s < norms.size(); ++s) {
     ASSERT_FALSE(norms[s].empty());
@@ -442,8 +448,8 @@ const ds::Dataset& clip_data() {
 
 TEST_P(Clipping, MirroredAndCentralStorageMatchSingleDeviceClipping) {
   const ds::GradientClipping c = GetParam().clipping;
-  const ClipReference ref = clipped_reference(clip_mlp(), clip_data(), kClipBatch, kClipSteps,
-                                              kClipLr, kClipMomentum, c);
+  const ClipReference ref =
+      clipped_reference(clip_mlp(), clip_data(), kClipBatch, kClipSteps, kClipLr, kClipMomentum, c);
   // The bound really clips: the norm exceeds it at every step, and the
   // clipped training ends far from the unclipped one.
   if (c.global_norm > 0) {
@@ -454,8 +460,7 @@ TEST_P(Clipping, MirroredAndCentralStorageMatchSingleDeviceClipping) {
                                                 kClipLr, kClipMomentum, {});
   if (on) EXPECT_GT(ds::testing::max_abs_diff(plain.params, ref.params), 1e-3);
   for (int which = 0; which < 2; ++which) {
-    std::unique_ptr<ds::Strategy> s =
-        which == 0 ? mirrored2() : central2();
+    std::unique_ptr<ds::Strategy> s = which == 0 ? mirrored2() : central2();
     std::vector<ds::Variable> vars;
     const auto norms = train_clipped(*s, clip_mlp(), clip_data(), kClipBatch, kClipSteps, kClipLr,
                                      kClipMomentum, c, &vars);
@@ -469,8 +474,8 @@ TEST_P(Clipping, MirroredAndCentralStorageMatchSingleDeviceClipping) {
 // multi_worker_test.cc): 2 workers x 2 local replicas and 3 workers x 1.
 TEST_P(Clipping, MultiWorkerMatchesSingleDeviceClippingOnEveryWorker) {
   const ds::GradientClipping c = GetParam().clipping;
-  const ClipReference ref = clipped_reference(clip_mlp(), clip_data(), kClipBatch, kClipSteps,
-                                              kClipLr, kClipMomentum, c);
+  const ClipReference ref =
+      clipped_reference(clip_mlp(), clip_data(), kClipBatch, kClipSteps, kClipLr, kClipMomentum, c);
   for (const auto& [workers, local] : {std::pair<int, int>{2, 2}, {3, 1}}) {
     SCOPED_TRACE(std::to_string(workers) + " workers x " + std::to_string(local));
     ds::CommunicationOptions comm;
@@ -479,7 +484,8 @@ TEST_P(Clipping, MultiWorkerMatchesSingleDeviceClippingOnEveryWorker) {
     std::vector<std::vector<std::vector<double>>> norms(workers);
     std::vector<std::vector<ds::Tensor>> weights(workers);
     ds::testing::rethrow_first(ds::testing::run_multi_worker(
-        std::vector<bool>(workers, false), local, comm, [&](ds::MultiWorkerMirroredStrategy& s, int w) {
+        std::vector<bool>(workers, false), local, comm,
+        [&](ds::MultiWorkerMirroredStrategy& s, int w) {
           std::vector<ds::Variable> vars;
           norms[w] = train_clipped(s, clip_mlp(), clip_data(), kClipBatch, kClipSteps, kClipLr,
                                    kClipMomentum, c, &vars);
@@ -498,32 +504,34 @@ TEST_P(Clipping, MultiWorkerMatchesSingleDeviceClippingOnEveryWorker) {
       // Every copy on every worker bit-identical to worker 0's.
       ASSERT_EQ(weights[w].size(), weights[0].size());
       for (size_t i = 0; i < weights[w].size(); ++i) {
-        EXPECT_EQ(0, std::memcmp(weights[w][i].data(), weights[0][i].data(), weights[0][i].nbytes()));
+        EXPECT_EQ(0,
+                  std::memcmp(weights[w][i].data(), weights[0][i].data(), weights[0][i].nbytes()));
       }
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Kinds, Clipping,
-    ::testing::Values(ClipCase{"global_norm", by_global_norm(0.05f)},
-                      ClipCase{"per_tensor_norm", [] {
-                                 ds::GradientClipping c;
-                                 c.norm = 0.02f;
-                                 return c;
-                               }()},
-                      ClipCase{"value", [] {
-                                 ds::GradientClipping c;
-                                 c.value = 0.002f;
-                                 return c;
-                               }()},
-                      ClipCase{"off", ds::GradientClipping{}}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Kinds, Clipping,
+                         ::testing::Values(ClipCase{"global_norm", by_global_norm(0.05f)},
+                                           ClipCase{"per_tensor_norm",
+                                                    [] {
+                                                      ds::GradientClipping c;
+                                                      c.norm = 0.02f;
+                                                      return c;
+                                                    }()},
+                                           ClipCase{"value",
+                                                    [] {
+                                                      ds::GradientClipping c;
+                                                      c.value = 0.002f;
+                                                      return c;
+                                                    }()},
+                                           ClipCase{"off", ds::GradientClipping{}}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST(ClippingMisuse, ParameterServerIsUnimplementedAndBadSettingsAreRejected) {
   ds::ParameterServerStrategy strategy(ds::ParameterServerOptions{});
-  ds::Variable w = strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32,
-                                            ds::init::Zeros{});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGD sgd(strategy, {0.1f});
   sgd.set_clipping(by_global_norm(1.0f));
   try {
@@ -596,8 +604,8 @@ TEST_P(Accumulation, KMicroBatchesEqualOneBatchOfKTimesTheSizeUnderEveryStrategy
   const int k = GetParam();
   const ds::Dataset data = acc_data(k);
   // Single device, one batch of k x 16 per update (the last one short).
-  const auto ref = ds::testing::reference_training(acc_mlp(), data, k * kMicro, kUpdates, kAccLr,
-                                                   kAccMomentum);
+  const auto ref =
+      ds::testing::reference_training(acc_mlp(), data, k * kMicro, kUpdates, kAccLr, kAccMomentum);
   for (int which = 0; which < 2; ++which) {
     std::unique_ptr<ds::Strategy> s = which == 0 ? mirrored2() : central2();
     SCOPED_TRACE(s->name());
@@ -625,27 +633,30 @@ TEST_P(Accumulation, KMicroBatchesEqualOneBatchOfKTimesTheSizeUnderEveryStrategy
 TEST_P(Accumulation, MultiWorkerCommunicatesOncePerUpdate) {
   const int k = GetParam();
   const ds::Dataset data = acc_data(k);
-  const auto ref = ds::testing::reference_training(acc_mlp(), data, k * kMicro, kUpdates, kAccLr,
-                                                   kAccMomentum);
+  const auto ref =
+      ds::testing::reference_training(acc_mlp(), data, k * kMicro, kUpdates, kAccLr, kAccMomentum);
   auto run = [&](int steps) {
     const int workers = 2;
     std::vector<ds::MultiWorkerStats> before(workers), after(workers);
     std::vector<std::vector<ds::Tensor>> weights(workers);
-    ds::testing::rethrow_first(ds::testing::run_multi_worker(
-        std::vector<bool>(workers, false), 2, ds::testing::comm_with_timeout(std::chrono::seconds(60)),
-        [&](ds::MultiWorkerMirroredStrategy& s, int w) {
-          // 1: the strategy run with k micro-batches; else one step per batch of k x 16.
-          std::vector<ds::Variable> vars;
-          before[w] = s.stats();
-          if (steps == 1) {
-            vars = train_accumulated(s, k, kMicro, data);
-          } else {
-            vars = train_accumulated(s, 1, k * kMicro, data);
-          }
-          after[w] = s.stats();
-          for (auto& v : vars) weights[w].push_back(v.impl().copies[0].clone());
-        }));
-    std::vector<int64_t> counts = {after[0].calls - before[0].calls, after[0].packs - before[0].packs,
+    ds::testing::rethrow_first(
+        ds::testing::run_multi_worker(std::vector<bool>(workers, false), 2,
+                                      ds::testing::comm_with_timeout(std::chrono::seconds(60)),
+                                      [&](ds::MultiWorkerMirroredStrategy& s, int w) {
+                                        // 1: the strategy run with k micro-batches; else one step per batch of k x 16.
+                                        std::vector<ds::Variable> vars;
+                                        before[w] = s.stats();
+                                        if (steps == 1) {
+                                          vars = train_accumulated(s, k, kMicro, data);
+                                        } else {
+                                          vars = train_accumulated(s, 1, k * kMicro, data);
+                                        }
+                                        after[w] = s.stats();
+                                        for (auto& v : vars)
+                                          weights[w].push_back(v.impl().copies[0].clone());
+                                      }));
+    std::vector<int64_t> counts = {after[0].calls - before[0].calls,
+                                   after[0].packs - before[0].packs,
                                    after[0].bytes - before[0].bytes};
     EXPECT_LE(ds::testing::max_abs_diff(weights[0], ref), 1e-6);
     EXPECT_EQ(0, ds::testing::max_abs_diff(weights[1], weights[0]));
@@ -654,8 +665,8 @@ TEST_P(Accumulation, MultiWorkerCommunicatesOncePerUpdate) {
   const std::vector<int64_t> accumulated = run(1), plain = run(2);
   EXPECT_EQ(accumulated, plain) << "calls, packs, bytes";
   std::cout << "k=" << k << ": " << accumulated[0] << " cross-process calls, " << accumulated[1]
-            << " packs for " << kUpdates << " updates of " << k << " micro-batches (plain: "
-            << plain[0] << ", " << plain[1] << ")\n";
+            << " packs for " << kUpdates << " updates of " << k
+            << " micro-batches (plain: " << plain[0] << ", " << plain[1] << ")\n";
   EXPECT_GE(accumulated[0], kUpdates);
 }
 
@@ -663,17 +674,25 @@ INSTANTIATE_TEST_SUITE_P(K, Accumulation, ::testing::Values(1, 2, 4));
 
 TEST(AccumulationMisuse, BadStepsMismatchedMicroBatchesAndChangesWhilePending) {
   ds::MirroredStrategy strategy({ds::Device::cpu(0)});
-  ds::Variable a = strategy.create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
-  ds::Variable b = strategy.create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable a =
+      strategy.create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable b =
+      strategy.create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGD sgd(strategy, {0.1f});
   EXPECT_THROW(sgd.set_accumulation_steps(0), ds::InvalidArgumentError);
   sgd.set_accumulation_steps(2);
   ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
-  strategy.run([&](ds::ReplicaContext& ctx) { EXPECT_FALSE(sgd.apply_gradients(ctx, {{g, a}}).applied); });
+  strategy.run([&](ds::ReplicaContext& ctx) {
+    EXPECT_FALSE(sgd.apply_gradients(ctx, {{g, a}}).applied);
+  });
   EXPECT_THROW(sgd.set_accumulation_steps(1), ds::FailedPreconditionError);
-  EXPECT_THROW(strategy.run([&](ds::ReplicaContext& ctx) { sgd.apply_gradients(ctx, {{g, b}}); }),
+  EXPECT_THROW(strategy.run([&](ds::ReplicaContext& ctx) {
+    sgd.apply_gradients(ctx, {{g, b}});
+  }),
                ds::InvalidArgumentError);
-  strategy.run([&](ds::ReplicaContext& ctx) { EXPECT_TRUE(sgd.apply_gradients(ctx, {{g, a}}).applied); });
+  strategy.run([&](ds::ReplicaContext& ctx) {
+    EXPECT_TRUE(sgd.apply_gradients(ctx, {{g, a}}).applied);
+  });
   sgd.set_accumulation_steps(1);
 }
 
@@ -682,12 +701,14 @@ TEST(AccumulationMisuse, BadStepsMismatchedMicroBatchesAndChangesWhilePending) {
 constexpr int kLsSteps = 6, kLsBadStep = 3;
 
 // Replica r's gradient of step s before scaling (its share of the sum).
-float ls_grad(int step, int replica, int i) { return 0.01f * (step + 1) * (replica + 1) + 0.001f * i; }
+float ls_grad(int step, int replica, int i) {
+  return 0.01f * (step + 1) * (replica + 1) + 0.001f * i;
+}
 
 struct LsRun {
-  std::vector<std::vector<bool>> skipped;   // [step][local replica]
-  std::vector<std::vector<float>> scales;   // [step][local replica]: the scale used
-  std::vector<ds::Tensor> weights;          // every copy of w, then of its momentum
+  std::vector<std::vector<bool>> skipped;  // [step][local replica]
+  std::vector<std::vector<float>> scales;  // [step][local replica]: the scale used
+  std::vector<ds::Tensor> weights;         // every copy of w, then of its momentum
   int64_t iterations = 0, skipped_steps = 0;
   float final_scale = 0;
 };
@@ -703,8 +724,8 @@ struct LsRun {
 LsRun train_loss_scaled(ds::Strategy& strategy, bool scaling, int bad_replica,
                         ds::DType grad_dtype = ds::DType::kFloat32,
                         ds::DType round_like = ds::DType::kFloat32) {
-  ds::Variable w = strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32,
-                                            ds::init::Constant{1.0});
+  ds::Variable w =
+      strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::SGD opt(strategy, {0.1f, 0.9f});
   if (scaling) {
     ds::LossScaleOptions o;
@@ -781,10 +802,12 @@ TEST(LossScaling, AnInfOnOneReplicaSkipsTheStepOnEveryReplicaMirroredAndCentralS
     const LsRun ref = train_loss_scaled(*b, false, -1);
     ASSERT_EQ(scaled.weights.size(), ref.weights.size());
     for (size_t i = 0; i < ref.weights.size(); ++i) {
-      EXPECT_EQ(0, std::memcmp(scaled.weights[i].data(), ref.weights[i].data(), ref.weights[i].nbytes()))
+      EXPECT_EQ(
+          0, std::memcmp(scaled.weights[i].data(), ref.weights[i].data(), ref.weights[i].nbytes()))
           << "tensor " << i;
       // Copies bit-identical across replicas.
-      EXPECT_EQ(0, std::memcmp(scaled.weights[i].data(), scaled.weights[i - i % (scaled.weights.size() / 2)].data(),
+      EXPECT_EQ(0, std::memcmp(scaled.weights[i].data(),
+                               scaled.weights[i - i % (scaled.weights.size() / 2)].data(),
                                ref.weights[i].nbytes()));
     }
   }
@@ -806,7 +829,8 @@ TEST(LossScaling, HalfAndBFloat16GradientsOfFloat32VariablesAreWidenedAndOverflo
     expect_one_skip(ref, 2);
     ASSERT_EQ(half.weights.size(), ref.weights.size());
     for (size_t i = 0; i < ref.weights.size(); ++i) {
-      EXPECT_EQ(0, std::memcmp(half.weights[i].data(), ref.weights[i].data(), ref.weights[i].nbytes()))
+      EXPECT_EQ(0,
+                std::memcmp(half.weights[i].data(), ref.weights[i].data(), ref.weights[i].nbytes()))
           << "tensor " << i;
     }
     std::unique_ptr<ds::Strategy> c = which == 0 ? mirrored2() : central2();
@@ -815,7 +839,8 @@ TEST(LossScaling, HalfAndBFloat16GradientsOfFloat32VariablesAreWidenedAndOverflo
     const LsRun bf_ref = train_loss_scaled(*d, true, 1, ds::DType::kFloat32, ds::DType::kBFloat16);
     for (int s = 0; s < kLsSteps; ++s) EXPECT_FALSE(bf.skipped[s][0]) << s;
     for (size_t i = 0; i < bf_ref.weights.size(); ++i) {
-      EXPECT_EQ(0, std::memcmp(bf.weights[i].data(), bf_ref.weights[i].data(), bf_ref.weights[i].nbytes()))
+      EXPECT_EQ(0, std::memcmp(bf.weights[i].data(), bf_ref.weights[i].data(),
+                               bf_ref.weights[i].nbytes()))
           << "tensor " << i;
     }
   }
@@ -823,7 +848,8 @@ TEST(LossScaling, HalfAndBFloat16GradientsOfFloat32VariablesAreWidenedAndOverflo
   // mismatches that stay errors: a float64 gradient, an f16 gradient of the
   // wrong shape.
   auto s = mirrored2();
-  ds::Variable w = s->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable w =
+      s->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::SGD opt(*s, {0.5f, 0.0f});
   s->run([&](ds::ReplicaContext& ctx) {
     ds::Tensor g(ds::Shape{4}, ds::DType::kFloat16);
@@ -841,7 +867,8 @@ TEST(LossScaling, HalfAndBFloat16GradientsOfFloat32VariablesAreWidenedAndOverflo
         opt.apply_gradients(ctx, {{g, w}});
         ADD_FAILURE() << "accepted " << g.debug_string();
       } catch (const ds::InvalidArgumentError& e) {
-        EXPECT_NE(std::string(e.what()).find("does not match variable 'w'"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("does not match variable 'w'"), std::string::npos)
+            << e.what();
       }
     }
   });
@@ -854,7 +881,8 @@ TEST(LossScaling, AnInfOnOneReplicaOfOneWorkerSkipsTheStepOnEveryWorker) {
   const int workers = 2;
   std::vector<LsRun> runs(workers);
   ds::testing::rethrow_first(ds::testing::run_multi_worker(
-      std::vector<bool>(workers, false), 2, ds::testing::comm_with_timeout(std::chrono::seconds(60)),
+      std::vector<bool>(workers, false), 2,
+      ds::testing::comm_with_timeout(std::chrono::seconds(60)),
       [&](ds::MultiWorkerMirroredStrategy& s, int w) { runs[w] = train_loss_scaled(s, true, 3); }));
   for (int w = 0; w < workers; ++w) {
     SCOPED_TRACE("worker " + std::to_string(w));
@@ -877,7 +905,8 @@ TEST(LossScaling, StateIsCheckpointedAndMisuseIsAnError) {
   ds::Checkpoint ckpt(*s, {&opt});
   std::vector<std::string> names;
   for (const auto& [name, t] : ckpt.state()) names.push_back(name);
-  for (const char* n : {"optimizer/loss_scale", "optimizer/loss_scale_good_steps", "optimizer/skipped_steps"}) {
+  for (const char* n :
+       {"optimizer/loss_scale", "optimizer/loss_scale_good_steps", "optimizer/skipped_steps"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
   }
 
@@ -905,8 +934,10 @@ TEST(ApplyGradientsMisuse, AVariablePassedTwiceIsAnErrorNamingIt) {
   for (int which = 0; which < 2; ++which) {
     std::unique_ptr<ds::Strategy> s = which == 0 ? mirrored2() : central2();
     SCOPED_TRACE(s->name());
-    ds::Variable a = s->create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Constant{1.0});
-    ds::Variable b = s->create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Constant{1.0});
+    ds::Variable a =
+        s->create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Constant{1.0});
+    ds::Variable b =
+        s->create_variable("b", ds::Shape{2}, ds::DType::kFloat32, ds::init::Constant{1.0});
     ds::SGD opt(*s, {0.5f, 0.0f});
     std::vector<std::string> errors(2);
     s->run([&](ds::ReplicaContext& ctx) {
@@ -919,7 +950,8 @@ TEST(ApplyGradientsMisuse, AVariablePassedTwiceIsAnErrorNamingIt) {
       }
     });
     for (const std::string& e : errors) {
-      EXPECT_NE(e.find("passed variable 'a' twice (positions 0 and 2)"), std::string::npos) << "'" << e << "'";
+      EXPECT_NE(e.find("passed variable 'a' twice (positions 0 and 2)"), std::string::npos)
+          << "'" << e << "'";
     }
     for (const ds::Tensor& c : a.impl().copies) EXPECT_EQ(c.data<float>()[0], 1.0f);
   }

@@ -36,9 +36,9 @@ struct Config {
   bool loss_scale = false;
   int accumulate = 1;
   bool adam = false;
-  int steps = 6;      // updates
+  int steps = 6;        // updates
   int64_t poison = -1;  // loss scaling: the micro-batch whose gradient on replica 1 gets an inf
-  bool zero = false;  // ZeRO-1
+  bool zero = false;    // ZeRO-1
 };
 
 struct TrainRun {
@@ -79,8 +79,8 @@ struct TrainSetup {
 
 // Host gradient for the replica from the host value of its copy (read back
 // from the device on GPUs), put where the replica computes.
-ds::Tensor gradient(ds::ReplicaContext& ctx, const ds::Variable& v, size_t k, int64_t m, float scale,
-                    bool poison) {
+ds::Tensor gradient(ds::ReplicaContext& ctx, const ds::Variable& v, size_t k, int64_t m,
+                    float scale, bool poison) {
   ds::Tensor w(v.shape(), ds::DType::kFloat32);
   w.copy_from(v.read(ctx));
   ds::Tensor g = zc::replica_grad(w, k, m, ctx.replica_id(), ctx.num_replicas_in_sync());
@@ -95,7 +95,8 @@ ds::Tensor gradient(ds::ReplicaContext& ctx, const ds::Variable& v, size_t k, in
 // `before` runs once the model and optimizer exist (a restore), `after`
 // once training is done (a save). The gradients continue from the restored
 // step counter.
-TrainRun train(TrainSetup& s, const Config& c, const std::function<void(ds::Optimizer&)>& after = nullptr,
+TrainRun train(TrainSetup& s, const Config& c,
+               const std::function<void(ds::Optimizer&)>& after = nullptr,
                const std::function<void(ds::Optimizer&)>& before = nullptr) {
   ds::Strategy& strategy = *s.strategy;
   auto vars = zc::create_model(strategy);
@@ -136,7 +137,8 @@ TrainRun train(TrainSetup& s, const Config& c, const std::function<void(ds::Opti
   run.iterations = opt->iterations().value().data<int64_t>()[0];
   run.slot_bytes = opt->slot_bytes_per_replica();
   run.skipped_steps = opt->skipped_steps();
-  if (c.loss_scale) run.final_scale = strategy.variable("optimizer/loss_scale").value().data<float>()[0];
+  if (c.loss_scale)
+    run.final_scale = strategy.variable("optimizer/loss_scale").value().data<float>()[0];
   if (after) after(*opt);
   if (s.fake) {
     run.launches = s.fake->training_launches.load();
@@ -180,8 +182,8 @@ TEST(TrainingOnFakeGpus, ClippingByGlobalNormNormAndValueMatchesCpuBitForBit) {
     ds::GradientClipping clip;
     int launches_per_step;  // per replica: sums + transform, or the transform alone
   };
-  const Case cases[] = {{"global_norm", {0.2f, 0, 0}, 2}, {"norm", {0, 0.05f, 0}, 2},
-                        {"value", {0, 0, 0.01f}, 1}};
+  const Case cases[] = {
+      {"global_norm", {0.2f, 0, 0}, 2}, {"norm", {0, 0.05f, 0}, 2}, {"value", {0, 0, 0.01f}, 1}};
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
     Config c;
@@ -260,14 +262,16 @@ TEST(TrainingOnFakeGpus, LossScaleStateOnTheDeviceIsCheckpointed) {
   c.poison = 3;
   c.steps = 5;
   TrainSetup a(true);
-  const TrainRun ran = train(a, c, [&](ds::Optimizer& opt) { ds::Checkpoint(*a.strategy, {&opt}).save(path); });
+  const TrainRun ran =
+      train(a, c, [&](ds::Optimizer& opt) { ds::Checkpoint(*a.strategy, {&opt}).save(path); });
   TrainSetup b(true);
   auto vars = zc::create_model(*b.strategy);
   auto opt = zc::make_optimizer(*b.strategy, false);
   opt->enable_loss_scaling({1024.0f, 2, 2.0f});
   ds::Checkpoint(*b.strategy, {opt.get()}).restore(path);
   EXPECT_EQ(opt->skipped_steps(), 1);
-  b.strategy->run([&](ds::ReplicaContext& ctx) { EXPECT_EQ(opt->loss_scale(ctx), ran.final_scale); });
+  b.strategy->run(
+      [&](ds::ReplicaContext& ctx) { EXPECT_EQ(opt->loss_scale(ctx), ran.final_scale); });
   EXPECT_TRUE(opt->iterations().value().data<int64_t>()[0] == ran.iterations);
 }
 
@@ -294,7 +298,8 @@ TEST(TrainingOnFakeGpus, ZeroOneWithDeviceVariablesMatchesCpuZeroOne) {
     expect_same(gpu, cpu);
     EXPECT_EQ(gpu.slot_bytes, cpu.slot_bytes);
     EXPECT_EQ(gpu.slot_bytes, (zc::kModelElements + 1) / 2 * 4 * (c.adam ? 2 : 1));
-    EXPECT_EQ(gpu.updates, 6 * 2 * 3 - (variant == 2 ? 2 * 3 : 0));  // each replica updates its block
+    EXPECT_EQ(gpu.updates,
+              6 * 2 * 3 - (variant == 2 ? 2 * 3 : 0));  // each replica updates its block
     if (variant == 2) {
       EXPECT_TRUE(gpu.skipped[2]);
       for (size_t i = 0; i < gpu.norms.size(); ++i) {
@@ -333,7 +338,8 @@ TEST(TrainingOnFakeGpus, ZeroOneDeviceStateCheckpointsAndContinuesExactly) {
       // Lay the state out with a step, then restore over it.
       d.strategy->run([&](ds::ReplicaContext& ctx) {
         std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-        for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(gradient(ctx, vars[k], k, 99, 1.0f, false), vars[k]);
+        for (size_t k = 0; k < vars.size(); ++k)
+          gv.emplace_back(gradient(ctx, vars[k], k, 99, 1.0f, false), vars[k]);
         opt->apply_gradients(ctx, gv);
       });
       ASSERT_TRUE(opt->sharded());
@@ -341,7 +347,8 @@ TEST(TrainingOnFakeGpus, ZeroOneDeviceStateCheckpointsAndContinuesExactly) {
       for (int64_t m = 3; m < 6; ++m) {
         d.strategy->run([&](ds::ReplicaContext& ctx) {
           std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-          for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(gradient(ctx, vars[k], k, m, 1.0f, false), vars[k]);
+          for (size_t k = 0; k < vars.size(); ++k)
+            gv.emplace_back(gradient(ctx, vars[k], k, m, 1.0f, false), vars[k]);
           opt->apply_gradients(ctx, gv);
         });
       }
@@ -352,7 +359,8 @@ TEST(TrainingOnFakeGpus, ZeroOneDeviceStateCheckpointsAndContinuesExactly) {
     const TrainRun straight = run_on(false, six);
     ASSERT_EQ(resumed.weights.size(), straight.weights.size());
     for (size_t k = 0; k < straight.weights.size(); ++k) {
-      EXPECT_EQ(0, std::memcmp(resumed.weights[k].data(), straight.weights[k].data(), straight.weights[k].nbytes()))
+      EXPECT_EQ(0, std::memcmp(resumed.weights[k].data(), straight.weights[k].data(),
+                               straight.weights[k].nbytes()))
           << "restored before the first step, variable " << k;
       EXPECT_EQ(0, std::memcmp(overwritten.weights[k].data(), straight.weights[k].data(),
                                straight.weights[k].nbytes()))
@@ -388,7 +396,8 @@ std::vector<ds::Tensor> multi_worker_run(bool gpus, bool zero) {
           o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
           ds::GpuOptions g;
           g.lease = dirs[static_cast<size_t>(w)]->options();
-          o.device_manager = std::make_shared<ds::DeviceManager>(g, std::make_unique<FakeGpuBackend>(2));
+          o.device_manager =
+              std::make_shared<ds::DeviceManager>(g, std::make_unique<FakeGpuBackend>(2));
         } else {
           o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
         }
@@ -402,7 +411,8 @@ std::vector<ds::Tensor> multi_worker_run(bool gpus, bool zero) {
             const float scale = opt->loss_scale(ctx);
             std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
             for (size_t k = 0; k < vars.size(); ++k) {
-              gv.emplace_back(gradient(ctx, vars[k], k, m, scale, m == 2 && ctx.replica_id() == 3), vars[k]);
+              gv.emplace_back(gradient(ctx, vars[k], k, m, scale, m == 2 && ctx.replica_id() == 3),
+                              vars[k]);
             }
             const ds::ApplyResult r = opt->apply_gradients(ctx, gv);
             EXPECT_EQ(r.skipped, m == 2);
@@ -462,7 +472,8 @@ std::vector<ds::Tensor> ps_accumulated(bool gpus) {
     for (int64_t m = 0; m < 6; ++m) {
       s.run([&](ds::ReplicaContext& ctx) {
         std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-        for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(gradient(ctx, vars[k], k, m, 1.0f, false), vars[k]);
+        for (size_t k = 0; k < vars.size(); ++k)
+          gv.emplace_back(gradient(ctx, vars[k], k, m, 1.0f, false), vars[k]);
         EXPECT_EQ(opt->apply_gradients(ctx, gv).applied, m % 2 == 1);
       });
     }
@@ -483,7 +494,8 @@ TEST(TrainingOnFakeGpus, ParameterServerWorkersAccumulateOnTheirGpus) {
 // an error naming the variable, not a silent host read of device memory.
 TEST(TrainingOnFakeGpus, AccumulationWithAGradientMovedToTheHostIsAnError) {
   TrainSetup s(true);
-  ds::Variable w = s.strategy->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable w =
+      s.strategy->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::SGD opt(*s.strategy, {0.1f, 0.0f});
   opt.set_accumulation_steps(2);
   s.strategy->run([&](ds::ReplicaContext& ctx) {
@@ -495,8 +507,9 @@ TEST(TrainingOnFakeGpus, AccumulationWithAGradientMovedToTheHostIsAnError) {
     });
     FAIL() << "no error";
   } catch (const ds::InvalidArgumentError& e) {
-    EXPECT_NE(std::string(e.what()).find("'w' in micro-batch 2 where the first was on /device:GPU:"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("'w' in micro-batch 2 where the first was on /device:GPU:"),
+        std::string::npos)
         << e.what();
   }
 }

@@ -84,7 +84,8 @@ inline ds::Dataset synthetic(int64_t rows, uint64_t seed) {
 
 // Plain single-device training: no strategy, the same batches in order.
 inline std::vector<ds::Tensor> reference_training(const ds::nn::Mlp& mlp, const ds::Dataset& data,
-                                           int64_t batch, int steps, float lr, float momentum) {
+                                                  int64_t batch, int steps, float lr,
+                                                  float momentum) {
   std::vector<ds::Tensor> params = mlp.init_params(5);
   std::vector<ds::Tensor> velocity;
   for (auto& p : params) velocity.emplace_back(p.shape(), ds::DType::kFloat32);
@@ -106,8 +107,8 @@ inline std::vector<ds::Tensor> reference_training(const ds::nn::Mlp& mlp, const 
 }
 
 inline void train_under(ds::Strategy& strategy, const ds::nn::Mlp& mlp, const ds::Dataset& data,
-                 int64_t batch, int steps, float lr, float momentum,
-                 std::vector<ds::Variable>* out_vars) {
+                        int64_t batch, int steps, float lr, float momentum,
+                        std::vector<ds::Variable>* out_vars) {
   std::vector<ds::Variable> vars = mlp.create_variables(strategy, 5);
   ds::SGD opt(strategy, {lr, momentum});
   ds::DistributeOptions o;
@@ -154,20 +155,34 @@ inline double max_abs_diff(const std::vector<ds::Tensor>& a, const std::vector<d
 // Element i of a numeric tensor as a double, and the other way round.
 inline double get_element(const ds::Tensor& t, int64_t i) {
   switch (t.dtype()) {
-    case ds::DType::kFloat32: return t.data<float>()[i];
-    case ds::DType::kFloat64: return t.data<double>()[i];
-    case ds::DType::kInt32: return t.data<int32_t>()[i];
-    case ds::DType::kInt64: return static_cast<double>(t.data<int64_t>()[i]);
-    default: throw ds::UnimplementedError("get_element: 16-bit floats");
+    case ds::DType::kFloat32:
+      return t.data<float>()[i];
+    case ds::DType::kFloat64:
+      return t.data<double>()[i];
+    case ds::DType::kInt32:
+      return t.data<int32_t>()[i];
+    case ds::DType::kInt64:
+      return static_cast<double>(t.data<int64_t>()[i]);
+    default:
+      throw ds::UnimplementedError("get_element: 16-bit floats");
   }
 }
 inline void set_element(ds::Tensor& t, int64_t i, double v) {
   switch (t.dtype()) {
-    case ds::DType::kFloat32: t.data<float>()[i] = static_cast<float>(v); break;
-    case ds::DType::kFloat64: t.data<double>()[i] = v; break;
-    case ds::DType::kInt32: t.data<int32_t>()[i] = static_cast<int32_t>(v); break;
-    case ds::DType::kInt64: t.data<int64_t>()[i] = static_cast<int64_t>(v); break;
-    default: throw ds::UnimplementedError("set_element: 16-bit floats");
+    case ds::DType::kFloat32:
+      t.data<float>()[i] = static_cast<float>(v);
+      break;
+    case ds::DType::kFloat64:
+      t.data<double>()[i] = v;
+      break;
+    case ds::DType::kInt32:
+      t.data<int32_t>()[i] = static_cast<int32_t>(v);
+      break;
+    case ds::DType::kInt64:
+      t.data<int64_t>()[i] = static_cast<int64_t>(v);
+      break;
+    default:
+      throw ds::UnimplementedError("set_element: 16-bit floats");
   }
 }
 

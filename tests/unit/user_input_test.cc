@@ -104,15 +104,15 @@ TEST(EnvVars, EveryVariableReadInTheTreeIsKnown) {
   // In shell scripts; CMake files use ${DISTSTRAT_...} for their own options.
   const std::regex shell_reads(R"re(\$\{?(DISTSTRAT_[A-Z0-9_]+))re");
   const auto is_cmake = [](const std::string& f) {
-    return f.find("CMakeLists.txt") != std::string::npos ||
-           f.find(".cmake") != std::string::npos;
+    return f.find("CMakeLists.txt") != std::string::npos || f.find(".cmake") != std::string::npos;
   };
   std::set<std::string> missing;
   int files = 0;
   const std::string list = ::testing::TempDir() + "/diststrat_env_files.txt";
   const std::string cmd = "cd '" + root +
                           "' && git ls-files src include tools benchmarks examples tests scripts "
-                          ".ci > '" + list + "' 2>/dev/null";
+                          ".ci > '" +
+                          list + "' 2>/dev/null";
   if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "not a git checkout: " << root;
   std::ifstream names(list);
   for (std::string rel; std::getline(names, rel);) {

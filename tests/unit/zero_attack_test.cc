@@ -27,10 +27,11 @@ namespace {
 // fn(strategy, worker) on one thread per worker (one CPU replica each) over
 // one InProcessGroup, worker w sharding when zero[w]; returns each worker's
 // error message ("" = none).
-std::vector<std::string> run_workers(const std::vector<bool>& zero,
-                                     const std::function<void(ds::MultiWorkerMirroredStrategy&, int)>& fn) {
-  const std::vector<std::exception_ptr> errors =
-      ds::testing::run_multi_worker(zero, 1, ds::testing::comm_with_timeout(std::chrono::seconds(20)), fn);
+std::vector<std::string> run_workers(
+    const std::vector<bool>& zero,
+    const std::function<void(ds::MultiWorkerMirroredStrategy&, int)>& fn) {
+  const std::vector<std::exception_ptr> errors = ds::testing::run_multi_worker(
+      zero, 1, ds::testing::comm_with_timeout(std::chrono::seconds(20)), fn);
   std::vector<std::string> messages(errors.size());
   for (size_t w = 0; w < errors.size(); ++w) {
     if (!errors[w]) continue;
@@ -45,7 +46,8 @@ std::vector<std::string> run_workers(const std::vector<bool>& zero,
 
 ds::Tensor filled(const ds::Shape& shape, float v) {
   ds::Tensor t(shape, ds::DType::kFloat32);
-  for (int64_t i = 0; i < t.num_elements(); ++i) t.data<float>()[i] = v + 0.125f * static_cast<float>(i);
+  for (int64_t i = 0; i < t.num_elements(); ++i)
+    t.data<float>()[i] = v + 0.125f * static_cast<float>(i);
   return t;
 }
 
@@ -53,35 +55,47 @@ ds::Tensor filled(const ds::Shape& shape, float v) {
 
 TEST(ZeroMisuse, ShardingOnOneWorkerOnlyIsAnErrorOnEveryWorker) {
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<std::string> errors = run_workers({true, false}, [](ds::MultiWorkerMirroredStrategy& s, int) {
-    ds::Variable a = s.create_variable("a", ds::Shape{6}, ds::DType::kFloat32, ds::init::Zeros{});
-    ds::Adam adam(s, {});
-    for (int step = 0; step < 2; ++step) {
-      s.run([&](ds::ReplicaContext& ctx) { adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}}); });
-    }
-  });
+  const std::vector<std::string> errors =
+      run_workers({true, false}, [](ds::MultiWorkerMirroredStrategy& s, int) {
+        ds::Variable a =
+            s.create_variable("a", ds::Shape{6}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::Adam adam(s, {});
+        for (int step = 0; step < 2; ++step) {
+          s.run([&](ds::ReplicaContext& ctx) {
+            adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}});
+          });
+        }
+      });
   for (size_t w = 0; w < errors.size(); ++w) {
-    EXPECT_NE(errors[w].find("shard_optimizer_state must be the same on every worker"), std::string::npos)
+    EXPECT_NE(errors[w].find("shard_optimizer_state must be the same on every worker"),
+              std::string::npos)
         << "worker " << w << ": '" << errors[w] << "'";
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15)) << "a timeout, not a check";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15))
+      << "a timeout, not a check";
 }
 
 TEST(ZeroMisuse, DifferentVariablesOfTheSameTotalSizeAcrossWorkersAreAnError) {
   // Worker 0 trains {a, b}, worker 1 {a, c}: the flat vectors have the same
   // length, so the collectives alone would match and mix b's and c's state.
-  const std::vector<std::string> errors = run_workers({true, true}, [](ds::MultiWorkerMirroredStrategy& s, int w) {
-    ds::Variable a = s.create_variable("a", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
-    ds::Variable b = s.create_variable("b", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
-    ds::Variable c = s.create_variable("c", ds::Shape{2, 2}, ds::DType::kFloat32, ds::init::Zeros{});
-    ds::SGD sgd(s, {.learning_rate = 0.1f, .momentum = 0.9f});
-    ds::Variable second = w == 0 ? b : c;
-    s.run([&](ds::ReplicaContext& ctx) {
-      sgd.apply_gradients(ctx, {{filled(a.shape(), 1), a}, {filled(second.shape(), 2), second}});
-    });
-  });
+  const std::vector<std::string> errors =
+      run_workers({true, true}, [](ds::MultiWorkerMirroredStrategy& s, int w) {
+        ds::Variable a =
+            s.create_variable("a", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::Variable b =
+            s.create_variable("b", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::Variable c =
+            s.create_variable("c", ds::Shape{2, 2}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::SGD sgd(s, {.learning_rate = 0.1f, .momentum = 0.9f});
+        ds::Variable second = w == 0 ? b : c;
+        s.run([&](ds::ReplicaContext& ctx) {
+          sgd.apply_gradients(ctx,
+                              {{filled(a.shape(), 1), a}, {filled(second.shape(), 2), second}});
+        });
+      });
   for (size_t w = 0; w < errors.size(); ++w) {
-    EXPECT_NE(errors[w].find("sharded"), std::string::npos) << "worker " << w << ": '" << errors[w] << "'";
+    EXPECT_NE(errors[w].find("sharded"), std::string::npos)
+        << "worker " << w << ": '" << errors[w] << "'";
   }
 }
 
@@ -103,7 +117,8 @@ TEST(ZeroMisuse, DifferentVariablesAcrossMirroredReplicasAreAnErrorNotAHang) {
     }
   }),
                ds::Error);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15)) << "a timeout, not a check";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15))
+      << "a timeout, not a check";
 }
 
 TEST(ZeroMisuse, EmptyAndOneElementVariablesOnFourReplicasMatchUnsharded) {
@@ -113,8 +128,10 @@ TEST(ZeroMisuse, EmptyAndOneElementVariablesOnFourReplicasMatchUnsharded) {
     o.devices = ds::testing::cpu_devices(4);
     o.shard_optimizer_state = zero;
     ds::MirroredStrategy s(o);
-    ds::Variable e = s.create_variable("empty", ds::Shape{0}, ds::DType::kFloat32, ds::init::Zeros{});
-    ds::Variable one = s.create_variable("one", ds::Shape{1}, ds::DType::kFloat32, ds::init::Constant{0.5});
+    ds::Variable e =
+        s.create_variable("empty", ds::Shape{0}, ds::DType::kFloat32, ds::init::Zeros{});
+    ds::Variable one =
+        s.create_variable("one", ds::Shape{1}, ds::DType::kFloat32, ds::init::Constant{0.5});
     ds::Adam adam(s, {.learning_rate = 0.05f});
     adam.set_clipping({.global_norm = 1.0f});
     for (int step = 0; step < 3; ++step) {
@@ -155,7 +172,8 @@ TEST(MixedPrecisionMisuse, BFloat16NaNUnderZeroSkipsTheStepWithLossScaling) {
   o.devices = ds::testing::cpu_devices(3);
   o.shard_optimizer_state = true;
   ds::MirroredStrategy s(o);
-  ds::Variable a = s.create_variable("a", ds::Shape{5}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable a =
+      s.create_variable("a", ds::Shape{5}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(s, {});
   adam.enable_loss_scaling({8.0f, 1000, 2.0f});
   std::vector<char> skipped(3);  // one byte per replica thread (not vector<bool>'s shared words)
@@ -164,11 +182,13 @@ TEST(MixedPrecisionMisuse, BFloat16NaNUnderZeroSkipsTheStepWithLossScaling) {
     uint16_t* p = static_cast<uint16_t*>(g.data());
     for (int i = 0; i < 5; ++i) p[i] = ds::BFloat16::from_float(1.0f);
     if (ctx.replica_id() == 2) p[0] = ds::BFloat16::from_float(std::nanf(""));
-    skipped[static_cast<size_t>(ctx.local_replica_id())] = adam.apply_gradients(ctx, {{g, a}}).skipped;
+    skipped[static_cast<size_t>(ctx.local_replica_id())] =
+        adam.apply_gradients(ctx, {{g, a}}).skipped;
   });
   for (size_t r = 0; r < 3; ++r) {
     EXPECT_TRUE(skipped[r]) << "replica " << r;
-    for (int i = 0; i < 5; ++i) EXPECT_EQ(a.impl().copies[r].data<float>()[i], 1.0f) << "replica " << r;
+    for (int i = 0; i < 5; ++i)
+      EXPECT_EQ(a.impl().copies[r].data<float>()[i], 1.0f) << "replica " << r;
   }
   EXPECT_EQ(adam.skipped_steps(), 1);
 }
@@ -188,8 +208,10 @@ void save_sharded(const std::string& path) {
   o.devices = ds::testing::cpu_devices(3);
   o.shard_optimizer_state = true;
   ds::MirroredStrategy s(o);
-  ds::Variable w = s.create_variable("w", ds::Shape{7}, ds::DType::kFloat32, ds::init::Constant{1.0});
-  ds::Variable b = s.create_variable("s", ds::Shape{1}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable w =
+      s.create_variable("w", ds::Shape{7}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable b =
+      s.create_variable("s", ds::Shape{1}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(s, {});
   for (int step = 0; step < 3; ++step) {
     s.run([&](ds::ReplicaContext& ctx) {
@@ -206,8 +228,10 @@ std::string restore(const std::string& path, bool zero, bool step_first) {
   o.devices = ds::testing::cpu_devices(2);
   o.shard_optimizer_state = zero;
   ds::MirroredStrategy s(o);
-  ds::Variable w = s.create_variable("w", ds::Shape{7}, ds::DType::kFloat32, ds::init::Constant{1.0});
-  ds::Variable b = s.create_variable("s", ds::Shape{1}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable w =
+      s.create_variable("w", ds::Shape{7}, ds::DType::kFloat32, ds::init::Constant{1.0});
+  ds::Variable b =
+      s.create_variable("s", ds::Shape{1}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(s, {});
   auto step = [&] {
     s.run([&](ds::ReplicaContext& ctx) {
@@ -232,7 +256,8 @@ TEST(ZeroCheckpointTampering, ChangedSlotShapeAndTruncationAreRejectedWithAndWit
   save_sharded(good);
   for (bool zero : {false, true}) {
     for (bool step_first : {false, true}) {
-      EXPECT_EQ(restore(good, zero, step_first), "") << "zero " << zero << " step_first " << step_first;
+      EXPECT_EQ(restore(good, zero, step_first), "")
+          << "zero " << zero << " step_first " << step_first;
     }
   }
   // A slot of w with 6 elements instead of 7 (checksums rewritten: the file
@@ -283,15 +308,17 @@ namespace {
 // replicas of `sizes`; replica `poison_replica` puts `poison` into element
 // 0 of variable 0's gradient at step 1 (none if poison_replica < 0).
 // Returns replica 0's values, all variables laid end to end.
-std::vector<float> train_sizes(bool zero, int replicas, const std::vector<int64_t>& sizes, int steps,
-                               int poison_replica = -1, float poison = 0.0f, bool clip = true) {
+std::vector<float> train_sizes(bool zero, int replicas, const std::vector<int64_t>& sizes,
+                               int steps, int poison_replica = -1, float poison = 0.0f,
+                               bool clip = true) {
   ds::MirroredOptions o;
   o.devices = ds::testing::cpu_devices(replicas);
   o.shard_optimizer_state = zero;
   ds::MirroredStrategy s(o);
   std::vector<ds::Variable> vars;
   for (size_t k = 0; k < sizes.size(); ++k) {
-    vars.push_back(s.create_variable("v" + std::to_string(k), ds::Shape{sizes[k]}, ds::DType::kFloat32,
+    vars.push_back(s.create_variable("v" + std::to_string(k), ds::Shape{sizes[k]},
+                                     ds::DType::kFloat32,
                                      ds::init::Constant{0.01 * static_cast<double>(k % 17)}));
   }
   ds::Adam adam(s, {.learning_rate = 0.01f});
@@ -300,7 +327,8 @@ std::vector<float> train_sizes(bool zero, int replicas, const std::vector<int64_
     s.run([&](ds::ReplicaContext& ctx) {
       std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
       for (size_t k = 0; k < vars.size(); ++k) {
-        ds::Tensor g = filled(vars[k].shape(), 0.1f * static_cast<float>((k + ctx.replica_id()) % 5) - 0.2f);
+        ds::Tensor g =
+            filled(vars[k].shape(), 0.1f * static_cast<float>((k + ctx.replica_id()) % 5) - 0.2f);
         if (step == 1 && k == 0 && ctx.replica_id() == poison_replica) g.data<float>()[0] = poison;
         gv.emplace_back(g, vars[k]);
       }
@@ -350,7 +378,8 @@ TEST(ZeroMisuse, AVariableCreatedAfterTheFirstStepIsUnimplementedOnEveryReplica)
   ds::Variable a = s.create_variable("a", ds::Shape{5}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::Adam adam(s, {});
   s.run([&](ds::ReplicaContext& ctx) { adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}}); });
-  ds::Variable late = s.create_variable("late", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable late =
+      s.create_variable("late", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   std::vector<std::string> errors(3);
   EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
     try {
@@ -382,14 +411,16 @@ TEST(ZeroMisuse, AVariablePassedTwiceIsAnErrorNotASilentlyDifferentUpdate) {
   std::vector<std::string> errors(2);
   EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
     try {
-      adam.apply_gradients(ctx, {{filled(a.shape(), 1), a}, {filled(b.shape(), 1), b}, {filled(a.shape(), 2), a}});
+      adam.apply_gradients(
+          ctx, {{filled(a.shape(), 1), a}, {filled(b.shape(), 1), b}, {filled(a.shape(), 2), a}});
     } catch (const ds::InvalidArgumentError& e) {
       errors[static_cast<size_t>(ctx.local_replica_id())] = e.what();
       throw;
     }
   }),
                ds::InvalidArgumentError);
-  for (const std::string& e : errors) EXPECT_NE(e.find("'a' twice"), std::string::npos) << "'" << e << "'";
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("'a' twice"), std::string::npos) << "'" << e << "'";
   EXPECT_FALSE(adam.sharded()) << "nothing was laid out";
   // The right call still works afterwards.
   s.run([&](ds::ReplicaContext& ctx) {

@@ -56,8 +56,9 @@ ds::MirroredOptions mirrored(int replicas, bool zero) {
 // with `local` CPU replicas over one InProcessGroup; rethrows the first error.
 void run_workers(int workers, int local, bool zero,
                  const std::function<void(ds::MultiWorkerMirroredStrategy&, int)>& fn) {
-  ds::testing::rethrow_first(ds::testing::run_multi_worker(std::vector<bool>(static_cast<size_t>(workers), zero),
-                                                           local, ds::testing::comm_with_timeout(std::chrono::seconds(60)), fn));
+  ds::testing::rethrow_first(
+      ds::testing::run_multi_worker(std::vector<bool>(static_cast<size_t>(workers), zero), local,
+                                    ds::testing::comm_with_timeout(std::chrono::seconds(60)), fn));
 }
 
 // The unsharded reference: MirroredStrategy with `replicas` replicas.
@@ -114,7 +115,8 @@ TEST(ZeroMirrored, SlotBytesAreAThirdOfUnshardedWithThreeReplicas) {
 
 TEST(ZeroMultiWorker, WorkersAsThreadsMatchUnshardedAndStayBitIdentical) {
   for (bool adam : {false, true}) {
-    for (const auto& [workers, local] : {std::pair<int, int>{1, 1}, {2, 1}, {3, 1}, {4, 1}, {2, 2}}) {
+    for (const auto& [workers, local] :
+         {std::pair<int, int>{1, 1}, {2, 1}, {3, 1}, {4, 1}, {2, 2}}) {
       SCOPED_TRACE(std::string(adam ? "Adam" : "SGD-momentum") + ", " + std::to_string(workers) +
                    " workers x " + std::to_string(local));
       const std::vector<ds::Tensor> ref = reference(workers * local, adam, kSteps);
@@ -126,11 +128,13 @@ TEST(ZeroMultiWorker, WorkersAsThreadsMatchUnshardedAndStayBitIdentical) {
         zc::train(s, *opt, vars, kSteps);
         bytes[static_cast<size_t>(w)] = opt->slot_bytes_per_replica();
         for (const auto& v : vars) {
-          for (const ds::Tensor& c : v.impl().copies) copies[static_cast<size_t>(w)].push_back(c.clone());
+          for (const ds::Tensor& c : v.impl().copies)
+            copies[static_cast<size_t>(w)].push_back(c.clone());
         }
       });
       std::vector<ds::Tensor> first;
-      for (size_t i = 0; i < copies[0].size(); i += static_cast<size_t>(local)) first.push_back(copies[0][i]);
+      for (size_t i = 0; i < copies[0].size(); i += static_cast<size_t>(local))
+        first.push_back(copies[0][i]);
       EXPECT_LE(zc::max_diff(first, ref), kTol);
       // Each worker's largest block; the blocks together hold the model once.
       const int64_t block = (zc::kModelElements + workers * local - 1) / (workers * local);
@@ -240,7 +244,8 @@ TEST(ZeroTrainingFeatures, AnInfOnOneReplicaSkipsTheStepOnEveryReplica) {
     skipped[static_cast<size_t>(w)] = zc::train(s, *opt, vars, 6, 3, 2).skipped;
   });
   for (int w = 0; w < 3; ++w) {
-    EXPECT_EQ(skipped[static_cast<size_t>(w)], (std::vector<bool>{false, false, false, true, false, false}))
+    EXPECT_EQ(skipped[static_cast<size_t>(w)],
+              (std::vector<bool>{false, false, false, true, false, false}))
         << "worker " << w;
   }
 }
@@ -249,7 +254,8 @@ TEST(ZeroTrainingFeatures, AccumulationCommunicatesNothingOnEarlierMicroBatches)
   const int k = 2;
   // Two updates, one lone micro-batch (whose communication is counted), then
   // the rest: the same sequence sharded and not.
-  const auto sequence = [&](ds::Strategy& s, ds::Optimizer& opt, const std::vector<ds::Variable>& vars,
+  const auto sequence = [&](ds::Strategy& s, ds::Optimizer& opt,
+                            const std::vector<ds::Variable>& vars,
                             const std::function<int64_t()>& calls) {
     opt.set_accumulation_steps(k);
     zc::train(s, opt, vars, 2 * k);
@@ -257,10 +263,12 @@ TEST(ZeroTrainingFeatures, AccumulationCommunicatesNothingOnEarlierMicroBatches)
     s.run([&](ds::ReplicaContext& ctx) {
       std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
       for (size_t i = vars.size(); i-- > 0;) {  // the order zc::train uses
-        gv.emplace_back(zc::replica_grad(vars[i].read(ctx), i, 7, ctx.replica_id(), ctx.num_replicas_in_sync()),
-                        vars[i]);
+        gv.emplace_back(
+            zc::replica_grad(vars[i].read(ctx), i, 7, ctx.replica_id(), ctx.num_replicas_in_sync()),
+            vars[i]);
       }
-      if (opt.apply_gradients(ctx, gv).applied) throw std::runtime_error("micro-batch 1 of 2 applied");
+      if (opt.apply_gradients(ctx, gv).applied)
+        throw std::runtime_error("micro-batch 1 of 2 applied");
     });
     const int64_t lone = calls() - before;
     zc::train(s, opt, vars, kSteps - 2 * k - 1);
@@ -347,7 +355,8 @@ TEST(ZeroCheckpoint, MirroredThreeShardedRestoresOnTwoUnshardedAndFourSharded) {
     ASSERT_EQ(sharded_state.size(), plain_state.size());
     for (size_t i = 0; i < plain_state.size(); ++i) {
       EXPECT_EQ(sharded_state[i].first, plain_state[i].first);
-      EXPECT_EQ(sharded_state[i].second.shape(), plain_state[i].second.shape()) << plain_state[i].first;
+      EXPECT_EQ(sharded_state[i].second.shape(), plain_state[i].second.shape())
+          << plain_state[i].first;
       if (plain_state[i].second.dtype() == ds::DType::kFloat32) {
         EXPECT_LE(zc::max_diff({sharded_state[i].second}, {plain_state[i].second}), kTol)
             << plain_state[i].first;

@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
       std::printf("Leases held: none\n");
     } else {
       std::printf("Leases held:\n");
-      for (const auto& [id, h] : held) std::printf("  %-42s %s\n", id.c_str(), h.to_string().c_str());
+      for (const auto& [id, h] : held)
+        std::printf("  %-42s %s\n", id.c_str(), h.to_string().c_str());
     }
     return 0;
   } catch (const ds::Error& e) {

@@ -47,7 +47,8 @@ struct Args {
   std::string strategy = "multi_worker";
   int64_t steps = 8;
   int timeout_ms = 2000;
-  bool allow_lost_workers = false;  // --allow-lost-workers 1: a worker lost from outside is expected
+  bool allow_lost_workers =
+      false;  // --allow-lost-workers 1: a worker lost from outside is expected
   // --linger R:MS: rank R works MS longer than the others after training,
   // its strategy alive (as a chief evaluating); --stop-at-exit R: rank R
   // stops itself (SIGSTOP) once it has reported, before its exit.
@@ -101,8 +102,7 @@ std::vector<ds::Variable> make_variables(ds::Strategy& s) {
 
 void train(ds::Strategy& s, const std::vector<ds::Variable>& vars, ds::SGD& sgd, int64_t steps) {
   for (int64_t step = 0; step < steps; ++step) {
-    s.run(
-        [&](ds::ReplicaContext& ctx) { ds::testing::apply_gradient_of_ones(ctx, sgd, vars); });
+    s.run([&](ds::ReplicaContext& ctx) { ds::testing::apply_gradient_of_ones(ctx, sgd, vars); });
   }
 }
 
@@ -186,15 +186,16 @@ void run_parameter_server(const Args& a, std::string& summary, Reporter& report)
       const bool lost_allowed = !lost.empty() && a.allow_lost_workers;
       const int64_t want = lost_allowed ? steps_pushed : workers * a.steps;
       if (st.pushes_sent != a.steps || st.pushes_applied != want || st.pushes_rejected != 0) {
-        throw ds::InternalError("INVARIANT VIOLATED: PS accounting" +
-                                (lost_allowed ? " with " + lost + " lost" : std::string()) +
-                                ": this worker sent " + std::to_string(st.pushes_sent) + " (want " +
-                                std::to_string(a.steps) + "), PS applied " +
-                                std::to_string(st.pushes_applied) + " (want " + std::to_string(want) +
-                                "), rejected " + std::to_string(st.pushes_rejected));
+        throw ds::InternalError(
+            "INVARIANT VIOLATED: PS accounting" +
+            (lost_allowed ? " with " + lost + " lost" : std::string()) + ": this worker sent " +
+            std::to_string(st.pushes_sent) + " (want " + std::to_string(a.steps) +
+            "), PS applied " + std::to_string(st.pushes_applied) + " (want " +
+            std::to_string(want) + "), rejected " + std::to_string(st.pushes_rejected));
       }
       expect_values(vars, -kLr * static_cast<float>(want));
-      if (lost_allowed) summary = std::to_string(a.steps) + " steps with " + lost + " lost; " + summary;
+      if (lost_allowed)
+        summary = std::to_string(a.steps) + " steps with " + lost + " lost; " + summary;
       summary += ", values exact";
     }
     linger(a, report.rank);
