@@ -14,10 +14,12 @@ cd "$root"
 command -v clang-format > /dev/null || { echo "check_format: clang-format not found (scripts/setup.sh installs it)" >&2; exit 2; }
 [[ -f .clang-format ]] || { echo "check_format: no .clang-format in $root" >&2; exit 2; }
 dirs=(src include tests examples benchmarks tools)
-if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+if [[ $(git rev-parse --show-toplevel 2> /dev/null) == "$root" ]]; then  # the files git knows
   mapfile -t files < <(git ls-files -- "${dirs[@]}" | grep -E '\.(h|cc|cu|cuh)$' || true)
 else
-  mapfile -t files < <(find "${dirs[@]}" -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) | sort)
+  present=()
+  for d in "${dirs[@]}"; do [[ -d $d ]] && present+=("$d"); done
+  mapfile -t files < <(find "${present[@]}" -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) | sort)
 fi
 ((${#files[@]} > 0)) || { echo "check_format: no source files found under $root" >&2; exit 2; }
 if ((fix)); then
