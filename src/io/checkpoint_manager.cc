@@ -20,10 +20,7 @@
 
 namespace diststrat {
 
-using ckpt::broadcast_int;
 using ckpt::broadcast_string;
-using ckpt::decode_metadata;
-using ckpt::encode_metadata;
 using ckpt::is_multi_process;
 using ckpt::is_writer;
 using ckpt::kReservedPrefix;

@@ -131,9 +131,7 @@ void write_entry(Writer& w, const Entry& e) {
   w.put(e.sparse).put(e.num_ids);
 }
 
-namespace {
 bool valid_dtype(int32_t d) { return d >= 0 && d <= static_cast<int32_t>(DType::kInt64); }
-}  // namespace
 
 Entry read_entry(Reader& r) {
   Entry e;

@@ -75,6 +75,8 @@ enum class Op : uint16_t {
 const char* op_name(Op op);
 // Whether `op` (as it travels, uint16) is one of the ops above.
 bool valid_op(uint16_t op);
+// Whether `d` (an Entry's dtype as it travels, int32) is a DType.
+bool valid_dtype(int32_t d);
 
 // What one message may declare at most; anything larger is malformed.
 constexpr int64_t kMaxMessageBytes = int64_t{1} << 40;  // a request's payload, a reply's payload

@@ -1,0 +1,128 @@
+// The PS service's coordination of the workers: barriers, broadcasts, the
+// agreement to stop on preemption, job-wide metrics and statistics.
+#include "parameter_server/service.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/user_text.h"
+#include "io/checkpoint_internal.h"
+
+namespace diststrat {
+namespace ps {
+
+Service::Outcome Service::handle_barrier(WorkerState& w, Pending& p) {
+  const int64_t count = p.request.count;
+  w.barrier_count = std::max(w.barrier_count, count);
+  std::string missing;
+  for (const WorkerState& o : workers_) {
+    if (o.done || o.gone || o.barrier_count >= count) continue;
+    missing += (missing.empty() ? "" : ", ") + std::to_string(o.index);
+  }
+  if (missing.empty()) return Outcome::kServed;
+  if (Clock::now() - p.arrived > options_.timeout) {
+    throw DeadlineExceededError("barrier " + std::to_string(count) + ": worker(s) " + missing +
+                                " never arrived");
+  }
+  return Outcome::kDeferred;
+}
+
+Service::Outcome Service::handle_broadcast(WorkerState& w, Pending& p, Reply& reply) {
+  const int64_t count = p.request.count;
+  const bool root = p.request.root;
+  if (root) {
+    broadcasts_.emplace(count, p.payload);
+  } else {
+    auto it = broadcasts_.find(count);
+    if (it == broadcasts_.end()) {
+      if (Clock::now() - p.arrived > options_.timeout) {
+        throw DeadlineExceededError("broadcast " + std::to_string(count) + ": worker " +
+                                    std::to_string(w.index) +
+                                    " waited past the deadline for the root");
+      }
+      return Outcome::kDeferred;
+    }
+    DISTSTRAT_CHECK(static_cast<int64_t>(it->second.size()) == p.header.reply_bytes,
+                    kInvalidArgument, "broadcast ", count, ": the root sent ", it->second.size(),
+                    " bytes, worker ", w.index, " expects ", p.header.reply_bytes);
+    reply.payload = it->second;
+  }
+  w.broadcast_count = std::max(w.broadcast_count, count);
+  // Forget what every live worker has.
+  int64_t done_upto = INT64_MAX;
+  for (const WorkerState& o : workers_) {
+    if (!o.done && !o.gone) done_upto = std::min(done_upto, o.broadcast_count);
+  }
+  broadcasts_.erase(broadcasts_.begin(), broadcasts_.upper_bound(done_upto));
+  return Outcome::kServed;
+}
+
+void Service::handle_stop_check(WorkerState& w, Pending& p, Reply& reply) {
+  const int64_t step = p.request.step;
+  const bool signalled = p.request.signalled;
+  w.checked_step = std::max(w.checked_step, step);
+  if (stop_at_ < 0 && (signalled || ckpt::preemption_signalled())) {
+    // Every worker answered "go on" for the steps it has asked about, so the
+    // stop is the asker's step or, if another live worker is ahead, the step
+    // after that worker's: everyone can still stop there.
+    stop_at_ = step;
+    for (const WorkerState& o : workers_) {
+      if (&o != &w && !o.done && !o.gone) stop_at_ = std::max(stop_at_, o.checked_step + 1);
+    }
+    logger_.warning(who(), ": preemption (",
+                    signalled ? "worker " + std::to_string(w.index) : "this process",
+                    " signalled): every worker stops at step ", stop_at_);
+  }
+  Writer wr;
+  wr.put<int64_t>(stop_at_ >= 0 && step >= stop_at_ ? 1 : 0);
+  reply.payload = std::move(wr.bytes());
+}
+
+void Service::handle_metric(Pending& p, Reply& reply) {
+  // Name, count and reply size were checked by decode_request.
+  constexpr size_t kMaxMetrics = 1024;
+  const std::string& name = p.request.metric_name;
+  const double sum = p.request.metric_sum;
+  const double count = p.request.metric_count;
+  const std::string shown = name.size() > 200 ? name.substr(0, 200) + "..." : name;
+  auto it = metrics_.find(name);
+  if (it == metrics_.end()) {
+    DISTSTRAT_CHECK(metrics_.size() < kMaxMetrics, kInvalidArgument, "metric '", shown,
+                    "': already ", kMaxMetrics, " metrics on ", who());
+    it = metrics_.emplace(name, std::make_pair(0.0, 0.0)).first;
+  }
+  it->second.first += sum;
+  it->second.second += count;
+  if (p.header.reply_bytes == 0) return;
+  Writer wr;
+  wr.put(it->second.first).put(it->second.second);
+  reply.payload = std::move(wr.bytes());
+}
+
+void Service::handle_stats(Reply& reply) {
+  Writer wr;
+  wr.put(stats_.version).put(stats_.pushes_rejected).put(stats_.staleness_sum);
+  wr.put(stats_.staleness_max).put(stats_.max_step_gap).put(stats_.pushes_nonfinite);
+  wr.put<int64_t>(static_cast<int64_t>(workers_.size()));
+  for (const WorkerState& w : workers_) wr.put(w.steps);
+  reply.payload = std::move(wr.bytes());
+}
+
+ServiceStats Service::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ServiceStats s = stats_;
+  for (const WorkerState& w : workers_) s.worker_steps.push_back(w.steps);
+  return s;
+}
+
+std::vector<int> Service::gone_workers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> out;
+  for (const WorkerState& w : workers_) {
+    if (w.gone) out.push_back(w.index);
+  }
+  return out;
+}
+
+}  // namespace ps
+}  // namespace diststrat
