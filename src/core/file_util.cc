@@ -188,6 +188,11 @@ void ensure_writable_directory(const std::string& dir, const std::string& probe_
   }
 }
 
+std::string directory_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+
 }  // namespace fs
 
 // Declared in diststrat/checkpoint.h (public) and core/file_util.h.
@@ -235,9 +240,7 @@ void write_file_atomically(const std::string& path, const void* bytes, size_t si
   if (::close(fd) != 0) fail("close", errno);
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", errno);
   // The rename is durable only once the directory entry is.
-  const size_t slash = path.find_last_of('/');
-  const std::string dir =
-      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const std::string dir = fs::directory_of(path);
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);

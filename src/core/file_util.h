@@ -85,6 +85,9 @@ std::string read_text_file(const std::string& path, const std::string& what,
 void ensure_writable_directory(const std::string& dir, const std::string& probe_name,
                                const std::string& what);
 
+// The directory of `path`: "." without a slash, "/" for a file in the root.
+std::string directory_of(const std::string& path);
+
 }  // namespace fs
 
 // Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync

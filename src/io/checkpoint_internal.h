@@ -38,8 +38,7 @@ void on_chief_then_agree(Strategy& s, const std::string& what, const std::functi
 std::string encode_metadata(const CheckpointMetadata& md);
 CheckpointMetadata decode_metadata(const std::string& s);
 
-// The directory of `path` ("." without a slash) and its last component.
-std::string directory_of(const std::string& path);
+// The last component of `path` (its directory: fs::directory_of).
 std::string file_name_of(const std::string& path);
 
 // A safetensors file's header alone (cheap for any file size): its

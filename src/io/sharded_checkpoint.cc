@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 
+#include "core/file_util.h"
 #include "core/user_text.h"
 #include "io/checkpoint_internal.h"
 
@@ -126,10 +127,6 @@ Shape rows_shape(const Shape& full, int64_t rows) {
 
 }  // namespace
 
-std::string directory_of(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
 std::string file_name_of(const std::string& path) {
   const size_t slash = path.find_last_of('/');
   return slash == std::string::npos ? path : path.substr(slash + 1);
@@ -267,7 +264,7 @@ std::vector<std::string> shard_files_of(const std::string& index_path) {
     const json j = parse_json(it->second, index_path, kIndexKey);
     for (const std::string& name : field<std::vector<std::string>>(j, "files", index_path)) {
       if (!name.empty() && name.find('/') == std::string::npos)
-        out.push_back(directory_of(index_path) + "/" + name);
+        out.push_back(fs::directory_of(index_path) + "/" + name);
     }
   } catch (const Error&) {
     out.clear();
@@ -310,7 +307,7 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
   for (size_t i = 0; i < files.size(); ++i) {
     if (files[i].empty() || files[i].find('/') != std::string::npos)
       throw lost("", "bad shard file name '" + files[i] + "'");
-    const std::string fp = directory_of(path) + "/" + files[i];
+    const std::string fp = fs::directory_of(path) + "/" + files[i];
     SafetensorsFile& sf = shard_files[i];
     try {
       sf = load_safetensors(fp, options);
@@ -399,7 +396,7 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
       if (ps < 0 || static_cast<size_t>(ps) >= files.size())
         throw lost("", "shard " + std::to_string(k) + " of '" + name + "' on PS " +
                            std::to_string(ps) + ", which has no file");
-      const std::string fp = directory_of(path) + "/" + files[static_cast<size_t>(ps)];
+      const std::string fp = fs::directory_of(path) + "/" + files[static_cast<size_t>(ps)];
       if (it == saved.end() || it->second.ps != ps) {
         throw lost(fp, "shard " + std::to_string(k) + " of '" + name + "' (tensor '" +
                            value_name(name, k) + "') is not in it, but the index places it there");

@@ -4,29 +4,15 @@
 #include "parameter_server/worker.h"
 
 #include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <numeric>
 #include <random>
 #include <set>
-#include <unordered_map>
 
 #include "allreduce/reduce_kernels.h"
-#include "core/env.h"
-#include "diststrat/config.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
-#include "runtime/local_replicas.h"
-#include "runtime/process_group.h"
 #include "parameter_server/client.h"
-#include "parameter_server/strategy_impl.h"
 #include "parameter_server/update_rule.h"
-#if DISTSTRAT_HAVE_MPI
-#include "allreduce/mpi_communicator.h"
-#include "runtime/mpi_env.h"
-#endif
 
 namespace diststrat {
 
