@@ -113,7 +113,7 @@ constexpr int kBuffers = 3;  // staging buffers per rank, used round-robin by ch
 // Written before the call's first barrier, read by the peers after it.
 // The call's shape travels along, so that a rank whose call differs is named
 // before anyone reads or writes past its buffers.
-struct Placement {
+struct BufferPlacement {
   int32_t in_window = -1, out_window = -1;
   uint64_t in_offset = 0, out_offset = 0;
   uint64_t count = 0;
@@ -136,8 +136,8 @@ struct alignas(64) Header {
   char pad0[56];
   std::atomic<uint32_t> aborted{0};
   char pad1[60];
-  Placement placement;
-  char pad2[64 - sizeof(Placement)];
+  BufferPlacement placement;
+  char pad2[64 - sizeof(BufferPlacement)];
   // Destructor: 1 = this rank will free the windows, 2 = it will not.
   std::atomic<uint32_t> release{0};
   char pad3[60];
@@ -306,7 +306,7 @@ class ShmCommunicator : public Communicator {
     }
     // Publish where the buffers lie; if every rank's are registered, reduce
     // straight out of each other's memory.
-    Placement& mine = headers_[rank_]->placement;
+    BufferPlacement& mine = headers_[rank_]->placement;
     locate(in, count * es, &mine.in_window, &mine.in_offset);
     locate(out, count * es, &mine.out_window, &mine.out_offset);
     mine.count = count;
@@ -589,11 +589,11 @@ class ShmCommunicator : public Communicator {
   // Every rank sees the same placements, so all of them throw alike; the
   // abort keeps a peer that is slower to look from going on with the group.
   void check_same_call(const std::string& name) {
-    const Placement& a = headers_[0]->placement;
+    const BufferPlacement& a = headers_[0]->placement;
     for (int q = 1; q < size_; ++q) {
-      const Placement& b = headers_[q]->placement;
+      const BufferPlacement& b = headers_[q]->placement;
       if (b.count == a.count && b.dtype == a.dtype && b.op == a.op) continue;
-      auto what = [](const Placement& p) {
+      auto what = [](const BufferPlacement& p) {
         return std::to_string(p.count) + " x " + dtype_name(static_cast<DType>(p.dtype)) + " " +
                reduce_op_name(static_cast<ReduceOp>(p.op));
       };
@@ -607,7 +607,7 @@ class ShmCommunicator : public Communicator {
 
   bool all_registered() const {
     for (int q = 0; q < size_; ++q) {
-      const Placement& p = headers_[q]->placement;
+      const BufferPlacement& p = headers_[q]->placement;
       if (p.in_window < 0 || p.out_window < 0) return false;
     }
     return true;
@@ -660,7 +660,7 @@ class ShmCommunicator : public Communicator {
     std::vector<const void*> ins(size_);
     std::vector<void*> outs(size_);
     for (int q = 0; q < size_; ++q) {
-      const Placement& p = headers_[q]->placement;
+      const BufferPlacement& p = headers_[q]->placement;
       ins[q] = windows_[p.in_window].bases[q] + p.in_offset;
       outs[q] = windows_[p.out_window].bases[q] + p.out_offset;
     }

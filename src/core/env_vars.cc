@@ -4,6 +4,8 @@
 // (DISTSTRAT_TIMEOUTS=5) is otherwise silently ignored. A variable added
 // anywhere goes into this table (the test EnvVars.EveryVariableReadInTheTreeIsKnown
 // scans the tree for reads that are missing here).
+#include <unistd.h>  // environ
+
 #include <algorithm>
 #include <cstring>
 #include <mutex>
@@ -13,8 +15,6 @@
 #include "core/env.h"
 #include "core/user_text.h"
 #include "diststrat/logging.h"
-
-extern char** environ;
 
 namespace diststrat {
 namespace env {

@@ -9,12 +9,10 @@
 
 namespace diststrat {
 
-namespace {
-[[noreturn]] void missing(const GpuBackend& b, const char* what) {
+[[noreturn]] void throw_unavailable_in(const GpuBackend& b, const char* what) {
   throw UnimplementedError(std::string(what) + " is not available in the '" + b.name() +
                            "' GPU backend");
 }
-}  // namespace
 
 void GpuBackend::copy_to_host(int ordinal, void* dst, const void* src, size_t bytes, void* stream,
                               DeadlineClock::time_point deadline, const std::string& what) {
@@ -24,41 +22,41 @@ void GpuBackend::copy_to_host(int ordinal, void* dst, const void* src, size_t by
 
 void GpuBackend::dense_forward(int, void*, const float*, const float*, const float*, float*,
                                int64_t, int64_t, int64_t) {
-  missing(*this, "dense_forward");
+  throw_unavailable_in(*this, "dense_forward");
 }
 void GpuBackend::dense_backward(int, void*, const float*, const float*, const float*, float*,
                                 float*, float*, int64_t, int64_t, int64_t) {
-  missing(*this, "dense_backward");
+  throw_unavailable_in(*this, "dense_backward");
 }
 void GpuBackend::relu_forward(int, void*, const float*, float*, int64_t) {
-  missing(*this, "relu_forward");
+  throw_unavailable_in(*this, "relu_forward");
 }
 void GpuBackend::relu_backward(int, void*, const float*, const float*, float*, int64_t) {
-  missing(*this, "relu_backward");
+  throw_unavailable_in(*this, "relu_backward");
 }
 void GpuBackend::softmax_cross_entropy(int, void*, const float*, const int32_t*, float*, float*,
                                        int32_t*, int32_t*, int64_t, int64_t, float) {
-  missing(*this, "softmax_cross_entropy");
+  throw_unavailable_in(*this, "softmax_cross_entropy");
 }
 void GpuBackend::apply_update(int, void*, const UpdateRule&, float*, const float*, float* const*,
                               size_t, int64_t) {
-  missing(*this, "apply_update");
+  throw_unavailable_in(*this, "apply_update");
 }
 void GpuBackend::reduce(int, void*, void*, const void* const*, int, size_t, DType, ReduceOp, int) {
-  missing(*this, "reduce");
+  throw_unavailable_in(*this, "reduce");
 }
 std::vector<std::unique_ptr<Communicator>> GpuBackend::nccl_local_group(
     const std::vector<int>&, const std::vector<void*>&, const CommunicationOptions&) {
-  missing(*this, "NCCL");
+  throw_unavailable_in(*this, "NCCL");
 }
-std::string GpuBackend::nccl_unique_id() { missing(*this, "NCCL"); }
+std::string GpuBackend::nccl_unique_id() { throw_unavailable_in(*this, "NCCL"); }
 std::unique_ptr<Communicator> GpuBackend::nccl_communicator(const std::string&, int, int, int,
                                                             void*, const CommunicationOptions&) {
-  missing(*this, "NCCL");
+  throw_unavailable_in(*this, "NCCL");
 }
 std::vector<std::unique_ptr<Communicator>> GpuBackend::shared_device_group(
     const SharedDeviceGroupSpec&, const CommunicationOptions&) {
-  missing(*this, "shared-device reduction");
+  throw_unavailable_in(*this, "shared-device reduction");
 }
 
 std::unique_ptr<GpuBackend> make_default_gpu_backend() {

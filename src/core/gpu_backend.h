@@ -188,6 +188,10 @@ class GpuBackend {
   // ==== end of the training-feature block ====================================
 };
 
+// Throws UnimplementedError "<what> is not available in the '<name>' GPU
+// backend": the default of an operation a backend does not provide.
+[[noreturn]] void throw_unavailable_in(const GpuBackend& b, const char* what);
+
 // The backend this build registers: CUDA when compiled with it, else none.
 std::unique_ptr<GpuBackend> make_default_gpu_backend();
 

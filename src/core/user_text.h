@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace diststrat {
 
@@ -34,6 +35,17 @@ inline std::string echo(const std::string& s, size_t max_chars = kMaxEchoedChars
   }
   if (shown < s.size()) out += "... (" + std::to_string(s.size()) + " characters)";
   return out;
+}
+
+// Ranks as messages list them: "0, 2, 5".
+inline std::string join_ranks(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+// "rank 3", "ranks 0, 2".
+inline std::string ranks_phrase(const std::vector<int>& ranks) {
+  return (ranks.size() == 1 ? "rank " : "ranks ") + join_ranks(ranks);
 }
 
 }  // namespace diststrat

@@ -20,7 +20,7 @@ namespace diststrat {
 namespace {
 
 constexpr uint64_t kMaxElements = uint64_t(1) << 34;
-constexpr size_t kMaxHeaderBytes = 4 + 4 * 4;
+constexpr size_t kMaxIdxHeaderBytes = 4 + 4 * 4;
 
 // The size of the header whose first 4 bytes these are (4 + 4 * rank).
 size_t header_size(const uint8_t* b, const std::string& what) {
@@ -154,7 +154,7 @@ class GzipReader {
 // stream's size when known (plain files), checked before anything is read.
 template <typename Read>
 IdxArray read_stream(Read&& read, const std::string& what, std::optional<uint64_t> known_size) {
-  uint8_t head[kMaxHeaderBytes];
+  uint8_t head[kMaxIdxHeaderBytes];
   size_t have = read(head, 4);
   DISTSTRAT_CHECK(have == 4, kDataLoss, what, ": ", have, " bytes is too short for an IDX header");
   const size_t header = header_size(head, what);

@@ -67,13 +67,6 @@ std::vector<std::string> split_lines(const std::string& s) {
   return out;
 }
 
-std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  os << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-  return os.str();
-}
-
 // A signature line as messages show it: a tensor line "'name' dtype[shape]"
 // with the name echoed (at most ~200 characters), other lines echoed whole.
 std::string shown_line(const std::string& line) {
@@ -119,7 +112,7 @@ std::string describe_mismatch(const std::vector<std::string>& sigs, int64_t call
       os << "first difference at tensor #" << (i - 1) << ":";
     }
     for (size_t g = 0; g < groups.size(); ++g) {
-      os << (g ? ";" : "") << " " << rank_list(groups[g].second);
+      os << (g ? ";" : "") << " " << ranks_phrase(groups[g].second);
       if (groups[g].first.empty()) {
         os << " enqueued no tensor #" << (i - 1) << " (only "
            << lines[groups[g].second[0]].size() - 1 << " tensors)";
@@ -540,7 +533,7 @@ void FusionEngine::check_signatures(const Call& call) {
       if (all[r] != honest) bad.push_back(r);
     }
     throw DataLossError("rank " + std::to_string(rank_) + ": " + label +
-                        ": corrupted pack signature from " + rank_list(bad) +
+                        ": corrupted pack signature from " + ranks_phrase(bad) +
                         " (its hash does not match the call every rank enqueued)");
   }
   throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " +

@@ -20,11 +20,6 @@ namespace diststrat {
 
 namespace {
 
-[[noreturn]] void missing(const GpuBackend& b, const char* what) {
-  throw UnimplementedError(std::string(what) + " is not available in the '" + b.name() +
-                           "' GPU backend");
-}
-
 // One float32 buffer on `device` for tensors of `counts` elements, and the
 // views of it laid end to end (the allocation is the scope's: zero-filled
 // on the replica's stream).
@@ -48,17 +43,17 @@ std::vector<Tensor> device_buffers(const Device& device, const std::vector<Shape
 
 void GpuBackend::sum_of_squares(int, void*, const float* const*, const size_t*, int, const float*,
                                 double*, double*) {
-  missing(*this, "sum_of_squares (gradient clipping / loss scaling on the device)");
+  throw_unavailable_in(*this, "sum_of_squares (gradient clipping / loss scaling on the device)");
 }
 void GpuBackend::scale_and_clip(int, void*, const float* const*, float* const*, const size_t*, int,
                                 const float*, float, const double*, float, float) {
-  missing(*this, "scale_and_clip (gradient clipping / loss scaling on the device)");
+  throw_unavailable_in(*this, "scale_and_clip (gradient clipping / loss scaling on the device)");
 }
 void GpuBackend::accumulate(int, void*, float* const*, const float* const*, const size_t*, int,
                             bool) {
-  missing(*this, "accumulate (gradient accumulation on the device)");
+  throw_unavailable_in(*this, "accumulate (gradient accumulation on the device)");
 }
-void GpuBackend::fill(int, void*, float*, size_t, float) { missing(*this, "fill"); }
+void GpuBackend::fill(int, void*, float*, size_t, float) { throw_unavailable_in(*this, "fill"); }
 
 // ---- gradient accumulation ----------------------------------------------------
 

@@ -163,12 +163,6 @@ CallDescription describe(const Communicator& comm, const std::vector<Tensor>& te
   return d;
 }
 
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string s;
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s;
-}
-
 // The message every rank throws for descriptions that do not all agree.
 std::string explain(const std::vector<CallDescription>& all) {
   const int n = static_cast<int>(all.size());
@@ -180,7 +174,7 @@ std::string explain(const std::vector<CallDescription>& all) {
   if (!failed.empty()) {
     const int f = failed[0];
     os << "rank " << f << " was called with invalid arguments: " << all[f].error;
-    if (failed.size() > 1) os << " (ranks with invalid arguments: " << rank_list(failed) << ")";
+    if (failed.size() > 1) os << " (ranks with invalid arguments: " << join_ranks(failed) << ")";
     return os.str();
   }
   for (int r = 1; r < n; ++r) {
@@ -224,7 +218,7 @@ std::string explain(const std::vector<CallDescription>& all) {
     os << "rank " << r << " has " << got.size() << " tensors, root " << root << " has "
        << want.size() << ": rank " << r << " has no tensor " << want[i];
   }
-  if (differ.size() > 1) os << " (ranks that differ: " << rank_list(differ) << ")";
+  if (differ.size() > 1) os << " (ranks that differ: " << join_ranks(differ) << ")";
   return os.str();
 }
 

@@ -14,22 +14,15 @@
 #include "allreduce/shm_communicator.h"
 #include "diststrat/algorithm_registry.h"
 #include "diststrat/error.h"
+#include "mpi_test_util.h"
 
 namespace ds = diststrat;
 namespace tc = diststrat::testing_cases;
 
 namespace {
 
-int world_rank() {
-  int r;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using diststrat_test::world_rank;
+using diststrat_test::world_size;
 
 ds::CommunicationOptions options_for(ds::Algorithm a, size_t segment = 0) {
   ds::CommunicationOptions o;

@@ -14,21 +14,15 @@
 
 #include "../unit/training_util.h"
 #include "diststrat/diststrat.h"
+#include "mpi_test_util.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-int world_size() {
-  int s;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
-int world_rank() {
-  int r;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
+using diststrat_test::virtual_nodes;
+using diststrat_test::world_rank;
+using diststrat_test::world_size;
 
 ds::MultiWorkerOptions options(int local,
                                std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
@@ -37,11 +31,6 @@ ds::MultiWorkerOptions options(int local,
   o.communication.timeout = timeout;
   o.communication.bytes_per_pack = 16 << 10;
   return o;
-}
-
-bool virtual_nodes() {
-  const char* v = std::getenv("DISTSTRAT_VIRTUAL_NODE_SIZE");
-  return v && std::atoi(v) > 0;
 }
 
 class MultiWorkerMpiEquivalence : public ::testing::TestWithParam<int> {};

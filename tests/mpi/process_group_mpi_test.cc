@@ -21,26 +21,17 @@
 
 #include "../common/collective_cases.h"
 #include "diststrat/diststrat.h"
+#include "mpi_test_util.h"
 
 namespace ds = diststrat;
 namespace tc = diststrat::testing_cases;
 
 namespace {
 
-int world_size() {
-  int s;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
-int world_rank() {
-  int r;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-bool virtual_nodes() {
-  const char* v = std::getenv("DISTSTRAT_VIRTUAL_NODE_SIZE");
-  return v && std::atoi(v) > 0;
-}
+using diststrat_test::virtual_nodes;
+using diststrat_test::world_rank;
+using diststrat_test::world_size;
+
 bool has(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }

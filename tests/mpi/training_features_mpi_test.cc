@@ -11,16 +11,13 @@
 
 #include "../unit/training_util.h"
 #include "diststrat/diststrat.h"
+#include "mpi_test_util.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-int world_size() {
-  int s;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using diststrat_test::world_size;
 
 ds::MultiWorkerOptions two_local() {
   ds::MultiWorkerOptions o;

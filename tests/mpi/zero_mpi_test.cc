@@ -21,20 +21,17 @@
 #include "../unit/harness.h"
 #include "../unit/training_util.h"
 #include "diststrat/diststrat.h"
+#include "mpi_test_util.h"
 
 namespace ds = diststrat;
 namespace zc = ds::zero_cases;
 
 namespace {
 
+using diststrat_test::world_rank;
+
 constexpr int kSteps = 20;
 constexpr double kTol = 1e-5;
-
-int world_rank() {
-  int r;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
 
 ds::MultiWorkerOptions options(int local, bool zero) {
   ds::MultiWorkerOptions o;

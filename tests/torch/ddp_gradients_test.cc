@@ -12,11 +12,7 @@
 namespace diststrat::testing {
 namespace {
 
-constexpr int64_t kGlobalBatch = 16;
-constexpr int kSteps = 20;
 constexpr int kBranchFrom = 10;  // NetImpl's `extra` layer joins the forward pass here
-
-Dataset equivalence_data() { return make_data(kGlobalBatch * (kSteps - 1) + 3); }
 
 std::unique_ptr<torch::optim::Optimizer> make_adam(torch::nn::Module& m) {
   return std::make_unique<torch::optim::Adam>(m.parameters(), torch::optim::AdamOptions(0.01));

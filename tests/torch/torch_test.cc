@@ -107,9 +107,6 @@ TEST(TorchConvert, RejectsWhatCannotBeViewed) {
 
 // 19 full global batches of 16 and a short 20th one of 3 rows (a replica
 // gets zero rows under 4 replicas).
-constexpr int64_t kGlobalBatch = 16;
-constexpr int kSteps = 20;
-inline Dataset equivalence_data() { return make_data(kGlobalBatch * (kSteps - 1) + 3); }
 
 void expect_equivalent(Strategy& strategy, DdpOptions options = {}) {
   const Dataset data = equivalence_data();

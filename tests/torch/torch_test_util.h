@@ -75,6 +75,12 @@ inline Dataset make_data(int64_t n) {
   return Dataset(f, l);
 }
 
+// The equivalence tests' run: kSteps steps of kGlobalBatch rows (the last
+// one short: 3 rows).
+constexpr int64_t kGlobalBatch = 16;
+constexpr int kSteps = 20;
+inline Dataset equivalence_data() { return make_data(kGlobalBatch * (kSteps - 1) + 3); }
+
 constexpr double kLr = 0.1, kMomentum = 0.9;
 
 inline std::unique_ptr<torch::optim::SGD> make_sgd(torch::nn::Module& m) {

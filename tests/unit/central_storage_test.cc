@@ -17,7 +17,7 @@ namespace ds = diststrat;
 
 namespace {
 
-const auto cpus = ds::testing::cpu_devices;
+using ds::testing::cpu_devices;
 
 class CentralStorageEquivalence : public ::testing::TestWithParam<int> {};
 
@@ -27,7 +27,7 @@ TEST_P(CentralStorageEquivalence, SameWeightsAsSingleDeviceAfter20Steps) {
   // 20 full batches of 64 and a short 21st of 3 rows (one replica of 4 gets none).
   const ds::Dataset data = ds::testing::synthetic(64 * 20 + 3, 11);
   const auto ref = ds::testing::reference_training(mlp, data, 64, 21, 0.05f, 0.9f);
-  ds::CentralStorageStrategy strategy(cpus(replicas));
+  ds::CentralStorageStrategy strategy(cpu_devices(replicas));
   std::vector<ds::Variable> vars;
   ds::testing::train_under(strategy, mlp, data, 64, 21, 0.05f, 0.9f, &vars);
   ASSERT_EQ(vars.size(), ref.size());
@@ -44,7 +44,7 @@ TEST_P(CentralStorageEquivalence, SameWeightsAsSingleDeviceAfter20Steps) {
 INSTANTIATE_TEST_SUITE_P(Replicas, CentralStorageEquivalence, ::testing::Values(1, 2, 4));
 
 TEST(CentralStorage, EveryReplicaReadsTheSameStorage) {
-  ds::CentralStorageStrategy strategy(cpus(4));
+  ds::CentralStorageStrategy strategy(cpu_devices(4));
   ds::Variable w = strategy.create_variable("w", ds::Shape{8, 3}, ds::DType::kFloat32,
                                             ds::init::GlorotUniform{3});
   std::mutex mu;
@@ -78,8 +78,8 @@ size_t heap_in_use() {
 TEST(CentralStorage, OneAllocationPerVariableWhateverTheReplicaCount) {
   const int64_t rows = 1024, cols = 1024;  // 4 MiB
   const size_t bytes = rows * cols * sizeof(float);
-  ds::CentralStorageStrategy central(cpus(4));
-  ds::MirroredStrategy mirrored(cpus(4));
+  ds::CentralStorageStrategy central(cpu_devices(4));
+  ds::MirroredStrategy mirrored(cpu_devices(4));
   auto grow = [&](ds::Strategy& s) {
     const size_t before = heap_in_use();
     ds::Variable v =
@@ -95,7 +95,7 @@ TEST(CentralStorage, OneAllocationPerVariableWhateverTheReplicaCount) {
 }
 
 TEST(CentralStorage, AdamSlotsAndStepLiveOnceAndMatchSingleDevice) {
-  ds::CentralStorageStrategy strategy(cpus(3));
+  ds::CentralStorageStrategy strategy(cpu_devices(3));
   ds::Variable w =
       strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(strategy, {0.1f});
@@ -116,7 +116,7 @@ TEST(CentralStorage, AdamSlotsAndStepLiveOnceAndMatchSingleDevice) {
 }
 
 TEST(CentralStorage, MismatchedVariablesAcrossReplicasIsAClearError) {
-  ds::CentralStorageStrategy strategy(cpus(2));
+  ds::CentralStorageStrategy strategy(cpu_devices(2));
   ds::Variable a =
       strategy.create_variable("a", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::Variable b =

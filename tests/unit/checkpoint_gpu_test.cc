@@ -17,11 +17,13 @@
 #include "diststrat/diststrat.h"
 #include "fake_gpu_backend.h"
 #include "../common/temp_dir.h"
+#include "../common/compare.h"
 
 namespace ds = diststrat;
 
 namespace {
 
+using diststrat_test::same_bytes;
 // Each strategy leases its fake GPUs exclusively: one lock directory each.
 struct FakeGpuMirrored {
   explicit FakeGpuMirrored(uint64_t seed) : lock_dir("diststrat-ckpt-lease-"), mlp({784, 16, 10}) {
@@ -57,11 +59,6 @@ struct FakeGpuMirrored {
   std::unique_ptr<ds::Checkpoint> ckpt;
 };
 
-bool same(const ds::Tensor& a, const ds::Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
-         std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
 }  // namespace
 
 TEST(CheckpointOnFakeGpus, RoundTripOfDeviceVariablesAndSlotsContinuesIdentically) {
@@ -80,11 +77,11 @@ TEST(CheckpointOnFakeGpus, RoundTripOfDeviceVariablesAndSlotsContinuesIdenticall
   const auto sa = a.ckpt->state(), sb = b.ckpt->state();
   ASSERT_EQ(sa.size(), sb.size());
   for (size_t i = 0; i < sa.size(); ++i)
-    EXPECT_TRUE(same(sa[i].second, sb[i].second)) << sa[i].first;
+    EXPECT_TRUE(same_bytes(sa[i].second, sb[i].second)) << sa[i].first;
   a.train(2, data);
   b.train(2, data);
   for (size_t i = 0; i < a.vars.size(); ++i) {
-    EXPECT_TRUE(same(a.vars[i].value(), b.vars[i].value())) << a.vars[i].name();
+    EXPECT_TRUE(same_bytes(a.vars[i].value(), b.vars[i].value())) << a.vars[i].name();
   }
 }
 

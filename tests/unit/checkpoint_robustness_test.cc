@@ -31,54 +31,18 @@ namespace ds = diststrat;
 
 namespace {
 
+using diststrat_test::contains;
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] = "diststrat_ckrob_";  // removed at exit (tests/common/temp_dir.h)
+using ds::testing::ckpt_path;
+using ds::testing::expect_error;
+using ds::testing::read_bytes;
+using ds::testing::save_steps;
+using ds::testing::write_bytes;
+using Small = ds::testing::SmallModel;
+constexpr char kRobustnessTempPrefix[] =
+    "diststrat_ckrob_";  // removed at exit (tests/common/temp_dir.h)
 
-std::vector<uint8_t> read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
-}
-void write_bytes(const std::string& path, const std::vector<uint8_t>& b) {
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), b.size());
-}
 bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
-std::string ckpt_path(const std::string& dir, int64_t step) {
-  return dir + "/ckpt-" + std::to_string(step) + ".safetensors";
-}
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
-// A small model under a one-replica MirroredStrategy whose warnings are kept.
-struct Small {
-  explicit Small(uint64_t seed = 3)
-      : strategy(std::vector<ds::Device>{ds::Device::cpu(0)}),
-        mlp({4, 3}),
-        params(mlp.create_variables(strategy, seed)),
-        opt(strategy, {0.1f, 0.0f}),
-        ckpt(strategy, {&opt}) {
-    strategy.logger().set_sink([this](ds::LogLevel level, const std::string& m) {
-      if (level >= ds::LogLevel::kWarning) warnings += m + "\n";
-    });
-  }
-  void train(uint64_t seed) { ds::testing::mlp_train(strategy, mlp, params, opt, 4, 1, seed); }
-  ds::MirroredStrategy strategy;
-  ds::nn::Mlp mlp;
-  std::vector<ds::Variable> params;
-  ds::SGD opt;
-  ds::Checkpoint ckpt;
-  std::string warnings;
-};
-
-// Saves steps `first`, first+step, ..., `last` through a manager keeping `keep`.
-void save_steps(Small& m, const std::string& dir, int64_t first, int64_t last, int64_t step,
-                int keep = 3) {
-  ds::CheckpointManager manager(m.ckpt, dir, {keep});
-  for (int64_t s = first; s <= last; s += step) {
-    m.train(static_cast<uint64_t>(s));
-    manager.save(s, {{"step", std::to_string(s)}});
-  }
-}
 
 // Runs fn in a forked child that SIGALRM ends after `seconds`; returns the
 // child's exit code, or 128 + signal when a signal ended it (a hang).
@@ -99,28 +63,12 @@ int run_bounded(const std::function<int()>& fn, unsigned seconds) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-// Expects fn to throw E whose message contains every one of `parts`.
-template <typename E, typename Fn>
-void expect_error(Fn&& fn, std::vector<std::string> parts, const std::string& label) {
-  try {
-    fn();
-    ADD_FAILURE() << label << ": no error";
-  } catch (const E& e) {
-    for (const std::string& p : parts) {
-      EXPECT_TRUE(contains(e.what(), p))
-          << label << ": '" << e.what() << "' does not mention '" << p << "'";
-    }
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << label << ": wrong exception: " << e.what();
-  }
-}
-
 }  // namespace
 
 // ---- 13.7: pruning only what the manager wrote --------------------------------
 
 TEST(CheckpointManagerRobustness, StrayFilesAreNeitherPrunedNorCounted) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small m;
   // A file that only looks like a checkpoint, and a real safetensors file
   // written by someone else, both "newer" than anything the manager writes.
@@ -155,7 +103,7 @@ TEST(CheckpointManagerRobustness, StrayFilesAreNeitherPrunedNorCounted) {
 // A copy of a real checkpoint under a newer name is not the manager's either
 // (its metadata names another step).
 TEST(CheckpointManagerRobustness, ARenamedCopyIsNotCounted) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small m;
   save_steps(m, dir, 1, 2, 1, 2);
   const std::string copy = ckpt_path(dir, 50);
@@ -170,7 +118,7 @@ TEST(CheckpointManagerRobustness, ARenamedCopyIsNotCounted) {
 // ---- 13.8: `latest` deleted ---------------------------------------------------
 
 TEST(CheckpointManagerRobustness, MissingLatestRestoresTheNewestCheckpointWithAWarning) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 200, 300, 50);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
@@ -186,7 +134,7 @@ TEST(CheckpointManagerRobustness, MissingLatestRestoresTheNewestCheckpointWithAW
 }
 
 TEST(CheckpointManagerRobustness, MissingLatestWithOnlyForeignCheckpointFilesRefuses) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   ds::save_safetensors(ckpt_path(dir, 5), {{"x", ds::Tensor(ds::Shape{2}, ds::DType::kFloat32)}});
   Small b;
   ds::CheckpointManager mb(b.ckpt, dir, {3});
@@ -197,7 +145,7 @@ TEST(CheckpointManagerRobustness, MissingLatestWithOnlyForeignCheckpointFilesRef
 // ---- 13.9: newest checkpoint corrupt ------------------------------------------
 
 TEST(CheckpointManagerRobustness, CorruptNewestFallsBackToTheNewestValidOneWithAWarning) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   Small at2(3);
@@ -218,7 +166,7 @@ TEST(CheckpointManagerRobustness, CorruptNewestFallsBackToTheNewestValidOneWithA
 }
 
 TEST(CheckpointManagerRobustness, EveryCheckpointCorruptIsDataLossNamingEach) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   for (int64_t s : {1, 2}) write_bytes(ckpt_path(dir, s), {1, 2, 3, 4, 5, 6, 7, 8, 9});
@@ -249,7 +197,7 @@ TEST(CheckpointRobustness, MalformedBroadcastMetadataIsADiststratError) {
 // A parameter-server index whose numbers do not fit their fields (ps 2^32
 // would wrap to 0) is DataLoss naming the file and the field.
 TEST(CheckpointRobustness, ShardedIndexNumbersOutOfRangeAreDataLoss) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   const std::string index = dir + "/ckpt-1.safetensors";
   ds::ShardSnapshot snap;
   snap.variable = "w";
@@ -285,7 +233,7 @@ TEST(CheckpointRobustness, ShardedIndexNumbersOutOfRangeAreDataLoss) {
 // ---- 13.11: the directory is checked when the manager is made ------------------
 
 TEST(CheckpointManagerRobustness, ARegularFileAsDirectoryFailsAtConstruction) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   write_bytes(dir + "/file", {'x'});
   Small m;
   expect_error<ds::FailedPreconditionError>(
@@ -298,7 +246,7 @@ TEST(CheckpointManagerRobustness, ARegularFileAsDirectoryFailsAtConstruction) {
 
 // As another user (root drops to nobody in a child; others use a 0555 dir).
 TEST(CheckpointManagerRobustness, AnUnwritableDirectoryIsPermissionDeniedAtConstruction) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   ASSERT_EQ(::mkdir((dir + "/ro").c_str(), 0555), 0);
   ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
   const int rc = run_bounded(
@@ -338,7 +286,7 @@ TEST(CheckpointManagerRobustness, AnUnwritableDirectoryIsPermissionDeniedAtConst
 // ---- 14.5: FIFOs and other non-regular files never block ----------------------
 
 TEST(CheckpointManagerRobustness, LatestAsAFifoDoesNotHang) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   {
     Small a;
     save_steps(a, dir, 1, 2, 1);
@@ -367,7 +315,7 @@ TEST(CheckpointManagerRobustness, LatestAsAFifoDoesNotHang) {
 }
 
 TEST(CheckpointManagerRobustness, ACheckpointFileThatIsAFifoDoesNotHang) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   {
     Small a;
     save_steps(a, dir, 1, 2, 1);
@@ -394,7 +342,7 @@ TEST(CheckpointManagerRobustness, ACheckpointFileThatIsAFifoDoesNotHang) {
 }
 
 TEST(CheckpointManagerRobustness, AHugeOrDirectoryLatestIsNamedAndFallenBackFrom) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 1, 1);
   {
@@ -409,7 +357,7 @@ TEST(CheckpointManagerRobustness, AHugeOrDirectoryLatestIsNamedAndFallenBackFrom
 }
 
 TEST(CheckpointManagerRobustness, ADirectoryAsLatestIsNamedAndFallenBackFrom) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 1, 1);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
@@ -425,7 +373,7 @@ TEST(CheckpointManagerRobustness, ADirectoryAsLatestIsNamedAndFallenBackFrom) {
 // With the fallback off, a corrupt newest checkpoint or a damaged pointer is
 // the error it always was, and the model is untouched.
 TEST(CheckpointManagerRobustness, WithoutFallbackACorruptNewestIsRefused) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   auto bytes = read_bytes(ckpt_path(dir, 2));
@@ -457,7 +405,7 @@ TEST(CheckpointManagerRobustness, WithoutFallbackACorruptNewestIsRefused) {
 
 // A checkpoint of another model is not "corrupt": no fallback hides it.
 TEST(CheckpointManagerRobustness, AModelMismatchIsNotFallenBackFrom) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ds::MirroredStrategy s(std::vector<ds::Device>{ds::Device::cpu(0)});
@@ -502,7 +450,7 @@ TEST(CheckpointRobustness, MetadataIntParsesStrictlyWithinRange) {
 // The timeline file: written atomically through a fresh temporary, never
 // through a symlink planted at "<path>.tmp", and errno mapped to its code.
 TEST(FileWritesRobustness, TimelineFileDoesNotFollowAPlantedTempSymlink) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   write_bytes(dir + "/victim", {'k', 'e', 'e', 'p'});
   ASSERT_EQ(::symlink((dir + "/victim").c_str(), (dir + "/t.json.tmp").c_str()), 0);
   ds::Timeline::write_file(dir + "/t.json", {"{\"name\":\"x\"}"});
@@ -522,7 +470,7 @@ TEST(FileWritesRobustness, DeviceIndexOverflowIsInvalidArgument) {
 // Shard-file names: an orphan a save of ours wrote (name and header agree) is
 // pruned; a renamed one (its header names another save) or garbage is kept.
 TEST(CheckpointManagerRobustness, OnlyOwnOrphanShardFilesArePruned) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   ds::ShardSnapshot snap;
   snap.variable = "w";
   snap.full_shape = ds::Shape{2};
@@ -543,7 +491,7 @@ TEST(CheckpointManagerRobustness, OnlyOwnOrphanShardFilesArePruned) {
 // A directory that cannot be listed is an error, not an empty directory (a
 // silent fresh start over checkpoints that are there).
 TEST(CheckpointManagerRobustness, AnUnlistableDirectoryIsNotEmpty) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
   {
     Small a;
@@ -590,7 +538,7 @@ bool has_control_byte(const std::string& s) {
 // A sparse 64 GiB file of zeros where `latest` points (header length 0) is
 // damage: skipped at once for the older checkpoints, never "does not fit in memory".
 TEST(CheckpointManagerRobustness, AHugeSparseJunkFileAsTheNewestIsFallenBackFrom) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ASSERT_EQ(::unlink(ckpt_path(dir, 2).c_str()), 0);
@@ -610,7 +558,7 @@ TEST(CheckpointManagerRobustness, AHugeSparseJunkFileAsTheNewestIsFallenBackFrom
 // A valid checkpoint extended by 1 GiB (sparse) is kDataLoss for its trailing
 // bytes, found from the header alone: nothing near 1 GiB is read or allocated.
 TEST(CheckpointRobustness, TrailingBytesAreDataLossWithoutReadingThem) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 1, 1);
   const std::string p = ckpt_path(dir, 1);
@@ -647,7 +595,7 @@ TEST(CheckpointRobustness, TrailingBytesAreDataLossWithoutReadingThem) {
 // A checkpoint with a damaged header (not verifiable as the manager's) that
 // the fallback passes over is named in the warning, and in the final error.
 TEST(CheckpointManagerRobustness, ACheckpointWithADamagedHeaderSkippedInFallbackIsNamed) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 0, 2, 1);
   auto h = read_bytes(ckpt_path(dir, 1));
@@ -678,7 +626,7 @@ TEST(CheckpointManagerRobustness, ACheckpointWithADamagedHeaderSkippedInFallback
 
 // `latest` as a symlink loop is a damaged pointer (fallen back from), like a FIFO.
 TEST(CheckpointManagerRobustness, ASymlinkLoopAsLatestIsADamagedPointer) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
@@ -701,7 +649,7 @@ TEST(CheckpointRobustness, MetadataIntWithInvertedBoundsIsInvalidArgument) {
 
 // `latest` pointing at a binary file: the warning quotes it escaped, in full length.
 TEST(CheckpointManagerRobustness, ADamagedPointerWarningEscapesControlBytes) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   Small a;
   save_steps(a, dir, 1, 2, 1);
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
@@ -719,7 +667,7 @@ TEST(CheckpointManagerRobustness, ADamagedPointerWarningEscapesControlBytes) {
 
 // A restore-only reader (an evaluator) of a read-only directory.
 TEST(CheckpointManagerRobustness, AReadOnlyManagerRestoresFromAReadOnlyDirectory) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
   ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
   {
     Small a;

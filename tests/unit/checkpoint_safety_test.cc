@@ -27,75 +27,27 @@ namespace ds = diststrat;
 
 namespace {
 
+using diststrat_test::contains;
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] = "diststrat_cksafe_";
+using ds::testing::ckpt_path;
+using ds::testing::expect_error;
+using ds::testing::save_steps;
+// SGD with momentum: one slot per weight.
+struct MomentumModel : ds::testing::SmallModel {
+  explicit MomentumModel(uint64_t seed = 3) : SmallModel(seed, 0.9f) {}
+};
+constexpr char kSafetyTempPrefix[] = "diststrat_cksafe_";
 constexpr uid_t kOtherUid = 4242;  // another (non-root) user
 
-bool exists(const std::string& path) {
+// lstat: a dangling symbolic link exists too.
+bool lexists(const std::string& path) {
   struct stat st;
   return ::lstat(path.c_str(), &st) == 0;
-}
-std::string ckpt_path(const std::string& dir, int64_t step) {
-  return dir + "/ckpt-" + std::to_string(step) + ".safetensors";
-}
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 void copy_file(const std::string& from, const std::string& to) {
   std::ifstream in(from, std::ios::binary);
   std::ofstream out(to, std::ios::binary);
   out << in.rdbuf();
-}
-
-// A small model (SGD with momentum: one slot per weight) whose warnings are kept.
-struct Small {
-  explicit Small(uint64_t seed = 3)
-      : strategy(std::vector<ds::Device>{ds::Device::cpu(0)}),
-        mlp({4, 3}),
-        params(mlp.create_variables(strategy, seed)),
-        opt(strategy, {0.1f, 0.9f}),
-        ckpt(strategy, {&opt}) {
-    strategy.logger().set_sink([this](ds::LogLevel level, const std::string& m) {
-      if (level >= ds::LogLevel::kWarning) warnings += m + "\n";
-    });
-  }
-  void train(uint64_t seed) { ds::testing::mlp_train(strategy, mlp, params, opt, 4, 1, seed); }
-  // Element 1 of the first weight becomes `v`.
-  void poison(float v) {
-    ds::Tensor t = params[0].value();
-    t.data<float>()[1] = v;
-    params[0].assign(t);
-  }
-  ds::MirroredStrategy strategy;
-  ds::nn::Mlp mlp;
-  std::vector<ds::Variable> params;
-  ds::SGD opt;
-  ds::Checkpoint ckpt;
-  std::string warnings;
-};
-
-void save_steps(Small& m, const std::string& dir, int64_t first, int64_t last, int64_t step,
-                int keep = 3) {
-  ds::CheckpointManager manager(m.ckpt, dir, {keep});
-  for (int64_t s = first; s <= last; s += step) {
-    m.train(static_cast<uint64_t>(s));
-    manager.save(s, {{"step", std::to_string(s)}});
-  }
-}
-
-template <typename E, typename Fn>
-void expect_error(Fn&& fn, std::vector<std::string> parts, const std::string& label) {
-  try {
-    fn();
-    ADD_FAILURE() << label << ": no error";
-  } catch (const E& e) {
-    for (const std::string& p : parts) {
-      EXPECT_TRUE(contains(e.what(), p))
-          << label << ": '" << e.what() << "' does not mention '" << p << "'";
-    }
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << label << ": wrong exception: " << e.what();
-  }
 }
 
 bool is_root() { return ::geteuid() == 0; }
@@ -105,8 +57,8 @@ bool is_root() { return ::geteuid() == 0; }
 // ---- item 3: non-finite values ---------------------------------------------------
 
 TEST(CheckpointNonFinite, ASaveOfANaNModelIsRefusedAndTheGoodCheckpointsStay) {
-  const std::string dir = temp_dir(kTempPrefix);
-  Small a;
+  const std::string dir = temp_dir(kSafetyTempPrefix);
+  MomentumModel a;
   ds::CheckpointManager manager(a.ckpt, dir, {3});
   for (int s = 1; s <= 3; ++s) {
     a.train(s);
@@ -119,8 +71,8 @@ TEST(CheckpointNonFinite, ASaveOfANaNModelIsRefusedAndTheGoodCheckpointsStay) {
       },
       {ckpt_path(dir, 4), "'" + a.params[0].name() + "'", "NaN", "allow_non_finite"},
       "save of a NaN weight");
-  EXPECT_FALSE(exists(ckpt_path(dir, 4)));
-  for (int s = 1; s <= 3; ++s) EXPECT_TRUE(exists(ckpt_path(dir, s))) << s;  // nothing pruned
+  EXPECT_FALSE(lexists(ckpt_path(dir, 4)));
+  for (int s = 1; s <= 3; ++s) EXPECT_TRUE(lexists(ckpt_path(dir, s))) << s;  // nothing pruned
   EXPECT_EQ(ds::latest_checkpoint(dir).value(), ckpt_path(dir, 3));
   // Checkpoint::save refuses too; with the option it writes.
   expect_error<ds::DataLossError>([&] { a.ckpt.save(dir + "/x.safetensors"); }, {"NaN"},
@@ -128,12 +80,12 @@ TEST(CheckpointNonFinite, ASaveOfANaNModelIsRefusedAndTheGoodCheckpointsStay) {
   ds::SaveOptions allow;
   allow.allow_non_finite = true;
   a.ckpt.save(dir + "/x.safetensors", {}, allow);
-  EXPECT_TRUE(exists(dir + "/x.safetensors"));
+  EXPECT_TRUE(lexists(dir + "/x.safetensors"));
 }
 
 TEST(CheckpointNonFinite, AnInfiniteOptimizerSlotIsRefusedNamingIt) {
-  const std::string dir = temp_dir(kTempPrefix);
-  Small a;
+  const std::string dir = temp_dir(kSafetyTempPrefix);
+  MomentumModel a;
   a.train(1);
   std::vector<ds::Tensor>& momentum = a.params[1].impl().slot("momentum");
   ASSERT_FALSE(momentum.empty());
@@ -142,13 +94,13 @@ TEST(CheckpointNonFinite, AnInfiniteOptimizerSlotIsRefusedNamingIt) {
   expect_error<ds::DataLossError>([&] { manager.save(1); },
                                   {"'" + a.params[1].name() + "/momentum'", "-Inf"},
                                   "save of an infinite slot");
-  EXPECT_FALSE(exists(ckpt_path(dir, 1)));
+  EXPECT_FALSE(lexists(ckpt_path(dir, 1)));
 }
 
 // Every float dtype, NaN and both infinities, anywhere in a tensor (also past
 // the first 64 KiB chunk); integers and finite extremes pass.
 TEST(CheckpointNonFinite, EveryFloatDtypeIsCheckedOnSaveAndLoad) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kSafetyTempPrefix);
   struct Case {
     ds::DType dtype;
     uint64_t bits;  // the non-finite value's bit pattern
@@ -180,7 +132,7 @@ TEST(CheckpointNonFinite, EveryFloatDtypeIsCheckedOnSaveAndLoad) {
           ds::save_safetensors(path, {{"w", t}, {"i", ints}});
         },
         {path, "'w'", c.kind, "element " + std::to_string(at)}, label + " save");
-    EXPECT_FALSE(exists(path)) << label;
+    EXPECT_FALSE(lexists(path)) << label;
     ds::SafetensorsSaveOptions so;
     so.allow_non_finite = true;
     ds::save_safetensors(path, {{"w", t}, {"i", ints}}, {}, so);
@@ -200,14 +152,14 @@ TEST(CheckpointNonFinite, EveryFloatDtypeIsCheckedOnSaveAndLoad) {
 }
 
 TEST(CheckpointNonFinite, RestoreRefusesANaNCheckpointUnlessAllowed) {
-  const std::string dir = temp_dir(kTempPrefix);
-  Small a;
+  const std::string dir = temp_dir(kSafetyTempPrefix);
+  MomentumModel a;
   a.train(1);
   a.poison(std::numeric_limits<float>::quiet_NaN());
   ds::CheckpointManagerOptions mo;
   mo.allow_non_finite = true;
   ds::CheckpointManager(a.ckpt, dir, mo).save(7, {{"step", "7"}});
-  Small b(9);
+  MomentumModel b(9);
   const ds::Tensor before = b.params[0].value();
   expect_error<ds::DataLossError>([&] { b.ckpt.restore(ckpt_path(dir, 7)); },
                                   {ckpt_path(dir, 7), "'" + a.params[0].name() + "'", "NaN"},
@@ -221,14 +173,14 @@ TEST(CheckpointNonFinite, RestoreRefusesANaNCheckpointUnlessAllowed) {
 }
 
 TEST(CheckpointNonFinite, RestoreLatestFallsBackToTheNewestFiniteCheckpointWithAWarning) {
-  const std::string dir = temp_dir(kTempPrefix);
-  Small a;
+  const std::string dir = temp_dir(kSafetyTempPrefix);
+  MomentumModel a;
   save_steps(a, dir, 1, 2, 1);
   a.poison(std::numeric_limits<float>::infinity());
   ds::CheckpointManagerOptions mo;
   mo.allow_non_finite = true;
   ds::CheckpointManager(a.ckpt, dir, mo).save(3, {{"step", "3"}});
-  Small b(9);
+  MomentumModel b(9);
   ds::CheckpointManager mb(b.ckpt, dir, {3});
   const auto md = mb.restore_latest();
   ASSERT_TRUE(md.has_value());
@@ -247,16 +199,16 @@ TEST(CheckpointNonFinite, RestoreLatestFallsBackToTheNewestFiniteCheckpointWithA
 // Another run's genuine checkpoints copied into the directory (same user):
 // not counted, not pruned, not restored, and named in a warning.
 TEST(CheckpointOwnership, AnotherRunsGenuineCheckpointsCopiedInAreIgnored) {
-  const std::string mine = temp_dir(kTempPrefix), theirs = temp_dir(kTempPrefix);
-  Small other(5);
+  const std::string mine = temp_dir(kSafetyTempPrefix), theirs = temp_dir(kSafetyTempPrefix);
+  MomentumModel other(5);
   for (int s : {560, 630, 700}) {
     other.train(s);
     ds::CheckpointManager(other.ckpt, theirs, {3}).save(s, {{"step", std::to_string(s)}});
   }
-  Small a;
+  MomentumModel a;
   save_steps(a, mine, 250, 450, 100);
   for (int s : {560, 630, 700}) copy_file(ckpt_path(theirs, s), ckpt_path(mine, s));
-  Small b(9);
+  MomentumModel b(9);
   ds::CheckpointManager mb(b.ckpt, mine, {3});
   EXPECT_TRUE(contains(b.warnings, "ckpt-700.safetensors") &&
               contains(b.warnings, "not among this run's saves"))
@@ -264,11 +216,11 @@ TEST(CheckpointOwnership, AnotherRunsGenuineCheckpointsCopiedInAreIgnored) {
   ASSERT_EQ(mb.restore_latest().value().at("step"), "450");
   b.train(460);
   mb.save(460, {{"step", "460"}});
-  for (int s : {350, 450, 460, 560, 630, 700}) EXPECT_TRUE(exists(ckpt_path(mine, s))) << s;
-  EXPECT_FALSE(exists(ckpt_path(mine, 250)));  // ours, beyond max_to_keep
+  for (int s : {350, 450, 460, 560, 630, 700}) EXPECT_TRUE(lexists(ckpt_path(mine, s))) << s;
+  EXPECT_FALSE(lexists(ckpt_path(mine, 250)));  // ours, beyond max_to_keep
   // Without `latest`, the newest of this run's, not the copied 700.
   ASSERT_EQ(::unlink((mine + "/latest").c_str()), 0);
-  Small c(11);
+  MomentumModel c(11);
   ds::CheckpointManager mc(c.ckpt, mine, {3});
   EXPECT_EQ(mc.restore_latest().value().at("step"), "460");
   EXPECT_EQ(ds::latest_checkpoint(mine).value(), ckpt_path(mine, 460));
@@ -282,17 +234,17 @@ TEST(CheckpointOwnership, AnotherRunsGenuineCheckpointsCopiedInAreIgnored) {
 
 // The same name overwritten by another run's file: not ours any more.
 TEST(CheckpointOwnership, AnotherRunsFileCopiedOverOursIsNotPruned) {
-  const std::string mine = temp_dir(kTempPrefix), theirs = temp_dir(kTempPrefix);
-  Small other(5);
+  const std::string mine = temp_dir(kSafetyTempPrefix), theirs = temp_dir(kSafetyTempPrefix);
+  MomentumModel other(5);
   other.train(1);
   ds::CheckpointManager(other.ckpt, theirs, {3}).save(1, {{"step", "theirs"}});
-  Small a;
+  MomentumModel a;
   save_steps(a, mine, 1, 3, 1);
   copy_file(ckpt_path(theirs, 1), ckpt_path(mine, 1));
   save_steps(a, mine, 4, 4, 1);
-  EXPECT_TRUE(exists(ckpt_path(mine, 1)));  // theirs now: left alone
-  EXPECT_TRUE(exists(ckpt_path(mine, 2)) && exists(ckpt_path(mine, 3)) &&
-              exists(ckpt_path(mine, 4)));
+  EXPECT_TRUE(lexists(ckpt_path(mine, 1)));  // theirs now: left alone
+  EXPECT_TRUE(lexists(ckpt_path(mine, 2)) && lexists(ckpt_path(mine, 3)) &&
+              lexists(ckpt_path(mine, 4)));
   EXPECT_TRUE(contains(a.warnings, "not the file this run saved under that name")) << a.warnings;
 }
 
@@ -300,9 +252,9 @@ TEST(CheckpointOwnership, AnotherRunsFileCopiedOverOursIsNotPruned) {
 // a `latest`) in a sticky shared directory: none is counted, pruned or restored.
 TEST(CheckpointOwnership, AnotherUsersForgedCheckpointsAreIgnored) {
   if (!is_root()) GTEST_SKIP() << "needs root to create files of another uid";
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kSafetyTempPrefix);
   ASSERT_EQ(::chmod(dir.c_str(), 01777), 0);  // a shared sticky directory, like /tmp
-  Small a;
+  MomentumModel a;
   save_steps(a, dir, 1, 3, 1);
   for (int s : {999990, 999991, 999992}) {
     ds::ckpt::save_safetensors_reserved(
@@ -311,14 +263,14 @@ TEST(CheckpointOwnership, AnotherUsersForgedCheckpointsAreIgnored) {
     ASSERT_EQ(::chown(ckpt_path(dir, s).c_str(), kOtherUid, kOtherUid), 0);
   }
   save_steps(a, dir, 4, 5, 1);
-  for (int s : {3, 4, 5, 999990, 999991, 999992}) EXPECT_TRUE(exists(ckpt_path(dir, s))) << s;
-  EXPECT_FALSE(exists(ckpt_path(dir, 2)));
+  for (int s : {3, 4, 5, 999990, 999991, 999992}) EXPECT_TRUE(lexists(ckpt_path(dir, s))) << s;
+  EXPECT_FALSE(lexists(ckpt_path(dir, 2)));
   EXPECT_TRUE(contains(a.warnings, "uid 4242")) << a.warnings;
   // Their `latest` (ours removed first, as after a crash) is not believed.
   ASSERT_EQ(::unlink((dir + "/latest").c_str()), 0);
   std::ofstream(dir + "/latest") << "ckpt-999992.safetensors\n";
   ASSERT_EQ(::chown((dir + "/latest").c_str(), kOtherUid, kOtherUid), 0);
-  Small b(9);
+  MomentumModel b(9);
   ds::CheckpointManager mb(b.ckpt, dir, {3});
   EXPECT_EQ(mb.restore_latest().value().at("step"), "5");
   EXPECT_TRUE(contains(b.warnings, "latest")) << b.warnings;
@@ -326,11 +278,11 @@ TEST(CheckpointOwnership, AnotherUsersForgedCheckpointsAreIgnored) {
 
 TEST(CheckpointOwnership, AManifestPlantedByAnotherUserIsRefused) {
   if (!is_root()) GTEST_SKIP() << "needs root to create files of another uid";
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kSafetyTempPrefix);
   ASSERT_EQ(::chmod(dir.c_str(), 01777), 0);
   std::ofstream(dir + "/manifest") << "diststrat-checkpoint-manifest 1\n";
   ASSERT_EQ(::chown((dir + "/manifest").c_str(), kOtherUid, kOtherUid), 0);
-  Small a;
+  MomentumModel a;
   expect_error<ds::PermissionDeniedError>([&] { ds::CheckpointManager m(a.ckpt, dir, {3}); },
                                           {dir + "/manifest", "uid 4242"}, "planted manifest");
 }
@@ -339,24 +291,24 @@ TEST(CheckpointOwnership, AManifestPlantedByAnotherUserIsRefused) {
 
 TEST(CheckpointOwnership, TheConstructorRemovesOnlyItsOwnTemporaryFiles) {
   if (!is_root()) GTEST_SKIP() << "needs root to create files of another uid";
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kSafetyTempPrefix);
   ASSERT_EQ(::chmod(dir.c_str(), 01777), 0);
   const std::string theirs = dir + "/ckpt-70.safetensors.tmp.1.0",
                     ours = dir + "/ckpt-71.safetensors.tmp.1.0";
   std::ofstream(theirs) << "x";
   std::ofstream(ours) << "x";
   ASSERT_EQ(::chown(theirs.c_str(), kOtherUid, kOtherUid), 0);
-  Small a;
+  MomentumModel a;
   ds::CheckpointManager m(a.ckpt, dir, {3});
-  EXPECT_TRUE(exists(theirs));
-  EXPECT_FALSE(exists(ours));
+  EXPECT_TRUE(lexists(theirs));
+  EXPECT_FALSE(lexists(ours));
 }
 
 // `latest` naming a symlink to a file outside the directory (a valid
 // checkpoint of the same model): not followed; the newest own one is restored.
 TEST(CheckpointOwnership, LatestNamingASymlinkOutsideTheDirectoryIsNotFollowed) {
-  const std::string dir = temp_dir(kTempPrefix), outside = temp_dir(kTempPrefix);
-  Small a;
+  const std::string dir = temp_dir(kSafetyTempPrefix), outside = temp_dir(kSafetyTempPrefix);
+  MomentumModel a;
   save_steps(a, dir, 1, 2, 1);
   a.ckpt.save(outside + "/elsewhere.safetensors", {{"step", "900"}});
   ASSERT_EQ(::symlink((outside + "/elsewhere.safetensors").c_str(), ckpt_path(dir, 900).c_str()),
@@ -364,7 +316,7 @@ TEST(CheckpointOwnership, LatestNamingASymlinkOutsideTheDirectoryIsNotFollowed) 
   std::ofstream(dir + "/latest") << "ckpt-900.safetensors\n";
   expect_error<ds::DataLossError>([&] { ds::latest_checkpoint(dir); },
                                   {"symbolic link", "elsewhere"}, "latest_checkpoint");
-  Small b(9);
+  MomentumModel b(9);
   ds::CheckpointManager mb(b.ckpt, dir, {3});
   EXPECT_EQ(mb.restore_latest().value().at("step"), "2");
   EXPECT_TRUE(contains(b.warnings, "symbolic link")) << b.warnings;
@@ -377,15 +329,15 @@ TEST(CheckpointOwnership, LatestNamingASymlinkOutsideTheDirectoryIsNotFollowed) 
 }
 
 TEST(CheckpointOwnership, ADirectoryOtherUsersControlIsRefused) {
-  Small a;
-  const std::string open_dir = temp_dir(kTempPrefix);
+  MomentumModel a;
+  const std::string open_dir = temp_dir(kSafetyTempPrefix);
   ASSERT_EQ(::chmod(open_dir.c_str(), 0777), 0);  // world-writable, not sticky
   expect_error<ds::PermissionDeniedError>([&] { ds::CheckpointManager m(a.ckpt, open_dir, {3}); },
                                           {open_dir, "sticky"}, "world-writable directory");
   ASSERT_EQ(::chmod(open_dir.c_str(), 01777), 0);
   ds::CheckpointManager ok(a.ckpt, open_dir, {3});  // sticky: fine
   if (!is_root()) GTEST_SKIP() << "needs root to chown a directory to another uid";
-  const std::string theirs = temp_dir(kTempPrefix);
+  const std::string theirs = temp_dir(kSafetyTempPrefix);
   ASSERT_EQ(::chown(theirs.c_str(), kOtherUid, kOtherUid), 0);
   expect_error<ds::PermissionDeniedError>([&] { ds::CheckpointManager m(a.ckpt, theirs, {3}); },
                                           {theirs, "uid 4242"}, "another user's directory");
@@ -398,7 +350,7 @@ TEST(CheckpointOwnership, ADirectoryOtherUsersControlIsRefused) {
 // A timeline path that is a FIFO or a device (/dev/full) is refused when the
 // strategy is made, and never replaced when written.
 TEST(TimelineFile, ADeviceOrFifoPathIsRefusedNotSilentlyLost) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kSafetyTempPrefix);
   const std::string fifo = dir + "/timeline.json";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
   expect_error<ds::InvalidArgumentError>(

@@ -19,7 +19,7 @@ namespace ds = diststrat;
 namespace {
 
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] =
+constexpr char kStrategiesTempPrefix[] =
     "diststrat_ckpt_strat_";  // removed at exit (tests/common/temp_dir.h)
 
 // A model under any strategy: an MLP, SGD with momentum, its checkpoint.
@@ -47,7 +47,7 @@ void expect_same_state(const Trainee& a, const Trainee& b) {
 // Train, save, restore into a differently initialised model: the same state
 // (weights, slots, step counter), and training continues identically.
 void round_trip(const std::function<std::unique_ptr<ds::Strategy>()>& make) {
-  const std::string path = temp_dir(kTempPrefix) + "/rt.safetensors";
+  const std::string path = temp_dir(kStrategiesTempPrefix) + "/rt.safetensors";
   Trainee a(make(), 3);
   a.train(3, 11);
   a.ckpt.save(path, {{"epoch", "2"}});

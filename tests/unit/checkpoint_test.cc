@@ -22,27 +22,19 @@
 #include "diststrat/diststrat.h"
 #include "harness.h"
 #include "../common/temp_dir.h"
+#include "../common/compare.h"
 
 namespace ds = diststrat;
 
 namespace {
 
+using diststrat_test::same_bytes;
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] = "diststrat_ckpt_";  // removed at exit (tests/common/temp_dir.h)
-
-std::vector<uint8_t> read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
-}
-
-void write_bytes(const std::string& path, const std::vector<uint8_t>& b) {
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), b.size());
-}
-
-bool same_bytes(const ds::Tensor& a, const ds::Tensor& b) {
-  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
-         (a.nbytes() == 0 || std::memcmp(a.data(), b.data(), a.nbytes()) == 0);
-}
+using ds::testing::expect_error;
+using ds::testing::read_bytes;
+using ds::testing::write_bytes;
+constexpr char kCheckpointTempPrefix[] =
+    "diststrat_ckpt_";  // removed at exit (tests/common/temp_dir.h)
 
 // One tensor of every dtype, a scalar and an empty one.
 std::vector<std::pair<std::string, ds::Tensor>> sample_tensors() {
@@ -61,26 +53,10 @@ std::vector<std::pair<std::string, ds::Tensor>> sample_tensors() {
   return out;
 }
 
-// Expects fn to throw E whose message contains every one of `parts`.
-template <typename E, typename Fn>
-void expect_error(Fn&& fn, std::vector<std::string> parts, const std::string& label) {
-  try {
-    fn();
-    ADD_FAILURE() << label << ": no error";
-  } catch (const E& e) {
-    for (const std::string& p : parts) {
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
-          << label << ": '" << e.what() << "' does not mention '" << p << "'";
-    }
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << label << ": wrong exception: " << e.what();
-  }
-}
-
 }  // namespace
 
 TEST(Safetensors, RoundTripsEveryDtypeScalarsAndEmptyTensors) {
-  const std::string path = temp_dir(kTempPrefix) + "/a.safetensors";
+  const std::string path = temp_dir(kCheckpointTempPrefix) + "/a.safetensors";
   const auto tensors = sample_tensors();
   ds::save_safetensors(path, tensors, {{"epoch", "3"}, {"note", "é ✓"}});
   ds::SafetensorsFile f = ds::load_safetensors(path);
@@ -102,7 +78,7 @@ TEST(Safetensors, RoundTripsEveryDtypeScalarsAndEmptyTensors) {
 }
 
 TEST(Safetensors, RejectsBadInputOnSave) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kCheckpointTempPrefix);
   ds::Tensor t(ds::Shape{2}, ds::DType::kFloat32);
   EXPECT_THROW(ds::save_safetensors(dir + "/x", {{"a", t}, {"a", t}}), ds::InvalidArgumentError);
   EXPECT_THROW(ds::save_safetensors(dir + "/x", {{"", t}}), ds::InvalidArgumentError);
@@ -116,7 +92,7 @@ TEST(Safetensors, RejectsBadInputOnSave) {
 // JSON header, padding, data): always DataLossError naming the file, never a
 // crash or a silently different tensor.
 TEST(Safetensors, EveryTruncationAndEveryFlippedByteIsDataLoss) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kCheckpointTempPrefix);
   const std::string path = dir + "/good.safetensors";
   ds::Tensor w(ds::Shape{4, 3}, ds::DType::kFloat32);
   ds::init::RandomNormal{0.0, 1.0, 7}(w);
@@ -152,7 +128,7 @@ TEST(Safetensors, EveryTruncationAndEveryFlippedByteIsDataLoss) {
 }
 
 TEST(Safetensors, DataFlipNamesTheTensor) {
-  const std::string path = temp_dir(kTempPrefix) + "/a.safetensors";
+  const std::string path = temp_dir(kCheckpointTempPrefix) + "/a.safetensors";
   ds::Tensor a(ds::Shape{8}, ds::DType::kFloat32), b(ds::Shape{8}, ds::DType::kFloat32);
   ds::save_safetensors(path, {{"layer/a", a}, {"layer/b", b}});
   auto bytes = read_bytes(path);
@@ -259,7 +235,7 @@ void expect_same_state(const Model& a, const Model& b) {
 }  // namespace
 
 TEST(Checkpoint, MirroredRoundTripRestoresWeightsSlotsAndIterationsBitExact) {
-  const std::string path = temp_dir(kTempPrefix) + "/m.safetensors";
+  const std::string path = temp_dir(kCheckpointTempPrefix) + "/m.safetensors";
   Model a;
   a.train(3, 11);
   const auto names = [&] {
@@ -294,7 +270,7 @@ TEST(Checkpoint, MirroredRoundTripRestoresWeightsSlotsAndIterationsBitExact) {
 }
 
 TEST(Checkpoint, ModelMismatchIsInvalidArgumentAndChangesNothing) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kCheckpointTempPrefix);
   Model small;
   small.train(1, 1);
   small.ckpt.save(dir + "/small.safetensors");
@@ -335,7 +311,7 @@ TEST(Checkpoint, ModelMismatchIsInvalidArgumentAndChangesNothing) {
 }
 
 TEST(Checkpoint, CorruptFileRestoreChangesNothing) {
-  const std::string path = temp_dir(kTempPrefix) + "/c.safetensors";
+  const std::string path = temp_dir(kCheckpointTempPrefix) + "/c.safetensors";
   Model a;
   a.train(2, 1);
   a.ckpt.save(path);
@@ -351,7 +327,7 @@ TEST(Checkpoint, CorruptFileRestoreChangesNothing) {
 }
 
 TEST(CheckpointManager, KeepsTheLastKAndPointsLatestAtTheNewest) {
-  const std::string dir = temp_dir(kTempPrefix) + "/nested/ckpts";
+  const std::string dir = temp_dir(kCheckpointTempPrefix) + "/nested/ckpts";
   Model a;
   ds::CheckpointManager manager(a.ckpt, dir, {2});
   EXPECT_FALSE(manager.latest().has_value());
@@ -377,7 +353,7 @@ TEST(CheckpointManager, KeepsTheLastKAndPointsLatestAtTheNewest) {
 // the latest checkpoint loads, verifies and is internally consistent.
 TEST(CheckpointManager, KillDuringSaveAlwaysLeavesALoadableLatest) {
   const ds::testing::KillStats st = ds::testing::kill_during_save(
-      temp_dir(kTempPrefix),
+      temp_dir(kCheckpointTempPrefix),
       [](const std::string& dir, int64_t first_step) {
         ds::MirroredStrategy s(std::vector<ds::Device>{ds::Device::cpu(0)});
         ds::Variable big =
@@ -424,7 +400,7 @@ TEST(Safetensors, InteropWithPythonSafetensors) {
                     "installs them into "
                  << deps << ")";
   }
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kCheckpointTempPrefix);
   ds::save_safetensors(dir + "/ours.safetensors", sample_tensors(), {{"epoch", "7"}});
   const std::string script = dir + "/interop.py";
   std::ofstream(script) << R"(import json, struct, sys, numpy as np
@@ -543,7 +519,7 @@ void on_two_workers(const std::function<void(int, Worker&)>& fn) {
 }  // namespace
 
 TEST(CheckpointMultiProcess, ChiefWritesAndEveryWorkerRestoresTheChiefsFile) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kCheckpointTempPrefix);
   std::vector<std::vector<std::pair<std::string, ds::Tensor>>> saved(2), restored(2);
   std::vector<ds::CheckpointMetadata> md(2);
   on_two_workers([&](int i, Worker& w) {
@@ -570,7 +546,7 @@ TEST(CheckpointMultiProcess, ChiefWritesAndEveryWorkerRestoresTheChiefsFile) {
 // A corrupt newest checkpoint: the chief decides what to try, and every
 // worker falls back to the same valid one (restore_latest's fallback).
 TEST(CheckpointMultiProcess, EveryWorkerFallsBackToTheSameValidCheckpoint) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kCheckpointTempPrefix);
   std::vector<std::string> step(2), path(2);
   std::vector<std::vector<std::pair<std::string, ds::Tensor>>> at5(2), restored(2);
   on_two_workers([&](int i, Worker& w) {
@@ -600,7 +576,7 @@ TEST(CheckpointMultiProcess, EveryWorkerFallsBackToTheSameValidCheckpoint) {
 }
 
 TEST(CheckpointMultiProcess, TheChiefsErrorReachesEveryWorker) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kCheckpointTempPrefix);
   std::vector<std::string> messages(2);
   std::vector<int> stopped(2);  // not vector<bool>: its bits share words (a data race, TSan)
   on_two_workers([&](int i, Worker& w) {
@@ -635,7 +611,7 @@ TEST(CheckpointMultiProcess, TheChiefsErrorReachesEveryWorker) {
 }
 
 TEST(Checkpoint, AdamMomentsAndStepRoundTripAndTrainingContinuesIdentically) {
-  const std::string path = temp_dir(kTempPrefix) + "/adam.safetensors";
+  const std::string path = temp_dir(kCheckpointTempPrefix) + "/adam.safetensors";
   auto make = [](uint64_t seed) {
     auto s = std::make_unique<ds::MirroredStrategy>(
         std::vector<ds::Device>{ds::Device::cpu(0), ds::Device::cpu(1)});
@@ -677,7 +653,7 @@ TEST(Checkpoint, AdamMomentsAndStepRoundTripAndTrainingContinuesIdentically) {
 // file that reads back exactly as written (a change only to whitespace) —
 // never a crash, never different tensors or metadata.
 TEST(Safetensors, RandomDamageIsAnErrorOrHarmless) {
-  const std::string path = temp_dir(kTempPrefix) + "/r.safetensors";
+  const std::string path = temp_dir(kCheckpointTempPrefix) + "/r.safetensors";
   ds::save_safetensors(path, sample_tensors(), {{"epoch", "12"}});
   const std::vector<uint8_t> good = read_bytes(path);
   const ds::SafetensorsFile original = ds::parse_safetensors(good.data(), good.size(), "good");

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "../common/compare.h"
 #include "diststrat/diststrat.h"
 
 namespace diststrat {
@@ -49,6 +50,73 @@ inline void mlp_train(Strategy& strategy, const nn::Mlp& mlp, const std::vector<
   DistributedDataset dist = strategy.distribute(Dataset(x, y), rows, {false, 0, false});
   for (int s = 0; s < steps; ++s) {
     for (const DistributedBatch& b : dist) mlp_step(strategy, mlp, vars, opt, b);
+  }
+}
+
+inline std::vector<uint8_t> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
+}
+inline void write_bytes(const std::string& path, const std::vector<uint8_t>& b) {
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+// `dir`/ckpt-<step>.safetensors: the name a CheckpointManager gives step `step`.
+inline std::string ckpt_path(const std::string& dir, int64_t step) {
+  return dir + "/ckpt-" + std::to_string(step) + ".safetensors";
+}
+
+// Expects fn to throw E whose message contains every one of `parts`.
+template <typename E, typename Fn>
+void expect_error(Fn&& fn, std::vector<std::string> parts, const std::string& label) {
+  try {
+    fn();
+    ADD_FAILURE() << label << ": no error";
+  } catch (const E& e) {
+    for (const std::string& p : parts) {
+      EXPECT_TRUE(diststrat_test::contains(e.what(), p))
+          << label << ": '" << e.what() << "' does not mention '" << p << "'";
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << label << ": wrong exception: " << e.what();
+  }
+}
+
+// A small model under a one-replica MirroredStrategy (an MLP 4-3, SGD with
+// `momentum`: with momentum, one slot per weight) whose warnings are kept.
+struct SmallModel {
+  explicit SmallModel(uint64_t seed = 3, float momentum = 0.0f)
+      : strategy(std::vector<Device>{Device::cpu(0)}),
+        mlp({4, 3}),
+        params(mlp.create_variables(strategy, seed)),
+        opt(strategy, {0.1f, momentum}),
+        ckpt(strategy, {&opt}) {
+    strategy.logger().set_sink([this](LogLevel level, const std::string& m) {
+      if (level >= LogLevel::kWarning) warnings += m + "\n";
+    });
+  }
+  void train(uint64_t seed) { mlp_train(strategy, mlp, params, opt, 4, 1, seed); }
+  // Element 1 of the first weight becomes `v`.
+  void poison(float v) {
+    Tensor t = params[0].value();
+    t.data<float>()[1] = v;
+    params[0].assign(t);
+  }
+  MirroredStrategy strategy;
+  nn::Mlp mlp;
+  std::vector<Variable> params;
+  SGD opt;
+  Checkpoint ckpt;
+  std::string warnings;
+};
+
+// Saves steps `first`, first+step, ..., `last` through a manager keeping `keep`.
+inline void save_steps(SmallModel& m, const std::string& dir, int64_t first, int64_t last,
+                       int64_t step, int keep = 3) {
+  CheckpointManager manager(m.ckpt, dir, {keep});
+  for (int64_t s = first; s <= last; s += step) {
+    m.train(static_cast<uint64_t>(s));
+    manager.save(s, {{"step", std::to_string(s)}});
   }
 }
 
@@ -100,13 +168,6 @@ struct KillStats {
   int64_t last_step = -1;
 };
 
-// Kill-during-save: forks children that each run `save_loop(dir, first_step)`
-// (build a model, then save it every step through a CheckpointManager on
-// `dir` with every variable equal to the step and metadata "step"; never
-// returns), SIGKILLs each at a random point, and after every kill loads
-// `latest` (load_checkpoint: either format): it must verify, be the newest
-// step so far, and hold each of `tensors` equal to its step (first and last
-// element). Stops after `max_kills` kills or `seconds`.
 // The save loop of a kill_during_save child: at every step from
 // `first_step` on, each of `vars` is set to the step number and saved
 // through a CheckpointManager on `dir` (keeping 2) with metadata "step".
@@ -124,6 +185,13 @@ struct KillStats {
   }
 }
 
+// Kill-during-save: forks children that each run `save_loop(dir, first_step)`
+// (build a model, then save it every step through a CheckpointManager on
+// `dir` with every variable equal to the step and metadata "step"; never
+// returns), SIGKILLs each at a random point, and after every kill loads
+// `latest` (load_checkpoint: either format): it must verify, be the newest
+// step so far, and hold each of `tensors` equal to its step (first and last
+// element). Stops after `max_kills` kills or `seconds`.
 inline KillStats kill_during_save(const std::string& dir,
                                   const std::function<void(const std::string&, int64_t)>& save_loop,
                                   const std::vector<std::string>& tensors, int max_kills,

@@ -10,13 +10,15 @@
 
 #include "diststrat/diststrat.h"
 #include "strategy_configs.h"
+#include "../common/compare.h"
 
 namespace ds = diststrat;
 using Config = ds::testing::StrategyConfig;
 
 namespace {
 
-const std::vector<Config> kConfigs = {
+using diststrat_test::contains;
+const std::vector<Config> kValidationConfigs = {
     {"mirrored", 1, 2},     {"central_storage", 1, 2},  {"multi_worker", 2, 1},
     {"multi_worker", 2, 2}, {"parameter_server", 1, 2},
 };
@@ -32,14 +34,10 @@ std::string error_of(F&& f) {
   return "(no error)";
 }
 
-bool has(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
-
 }  // namespace
 
 TEST(CollectiveValidation, TensorsClaimingAGpuAreRejectedOnCpuReplicas) {
-  for (const Config& c : kConfigs) {
+  for (const Config& c : kValidationConfigs) {
     ds::testing::with_strategy(c, [&](ds::Strategy& s, int) {
       const std::string where = c.label();
       s.run([&](ds::ReplicaContext& ctx) {
@@ -48,15 +46,16 @@ TEST(CollectiveValidation, TensorsClaimingAGpuAreRejectedOnCpuReplicas) {
             ds::Tensor::wrap(buf, ds::Shape{2}, ds::DType::kFloat32, ds::Device::gpu(3));
         std::vector<ds::Tensor> v{fake};
         const std::string e = error_of([&] { ctx.all_reduce(ds::ReduceOp::kSum, v, {"grad/w"}); });
-        EXPECT_TRUE(has(e, "all_reduce") && has(e, "grad/w") && has(e, "/device:GPU:3") &&
-                    has(e, ctx.device().to_string()))
+        EXPECT_TRUE(contains(e, "all_reduce") && contains(e, "grad/w") &&
+                    contains(e, "/device:GPU:3") && contains(e, ctx.device().to_string()))
             << where << ": " << e;
         const std::string g = error_of([&] { ctx.all_gather(fake, "rows"); });
-        EXPECT_TRUE(has(g, "all_gather") && has(g, "rows") && has(g, "/device:GPU:3"))
+        EXPECT_TRUE(contains(g, "all_gather") && contains(g, "rows") &&
+                    contains(g, "/device:GPU:3"))
             << where << ": " << g;
         const std::string a =
             error_of([&] { ctx.all_reduce_async(ds::ReduceOp::kSum, {fake}, {"async"}).wait(); });
-        EXPECT_TRUE(has(a, "async") && has(a, "/device:GPU:3")) << where << ": " << a;
+        EXPECT_TRUE(contains(a, "async") && contains(a, "/device:GPU:3")) << where << ": " << a;
         // buf was not touched by a host reduction.
         EXPECT_EQ(buf[0], 1.0f) << where;
       });
@@ -65,19 +64,20 @@ TEST(CollectiveValidation, TensorsClaimingAGpuAreRejectedOnCpuReplicas) {
 }
 
 TEST(CollectiveValidation, Int64SumOverflowIsAnErrorAndMeanIsExact) {
-  for (const Config& c : kConfigs) {
+  for (const Config& c : kValidationConfigs) {
     ds::testing::with_strategy(c, [&](ds::Strategy& s, int) {
       const std::string where = c.label();
       const int64_t kMax = std::numeric_limits<int64_t>::max();
       const int64_t kMin = std::numeric_limits<int64_t>::min();
       ds::PerReplica<int64_t> big = s.run([&](ds::ReplicaContext&) { return kMax; });
       const std::string e = error_of([&] { s.reduce(ds::ReduceOp::kSum, big); });
-      EXPECT_TRUE(has(e, "int64 sum overflows") && has(e, "reduce sum")) << where << ": " << e;
+      EXPECT_TRUE(contains(e, "int64 sum overflows") && contains(e, "reduce sum"))
+          << where << ": " << e;
       EXPECT_EQ(s.reduce(ds::ReduceOp::kMean, big), kMax) << where;
       ds::PerReplica<int64_t> small = s.run([&](ds::ReplicaContext&) { return kMin; });
       EXPECT_EQ(s.reduce(ds::ReduceOp::kMean, small), kMin) << where;
       EXPECT_TRUE(
-          has(error_of([&] { s.reduce(ds::ReduceOp::kSum, small); }), "int64 sum overflows"))
+          contains(error_of([&] { s.reduce(ds::ReduceOp::kSum, small); }), "int64 sum overflows"))
           << where;
       // Mixed signs: no overflow, truncation toward zero.
       ds::PerReplica<int64_t> mixed =
@@ -94,14 +94,14 @@ TEST(CollectiveValidation, Int64SumOverflowIsAnErrorAndMeanIsExact) {
 // kProduct of int64 counts is exact too: a product outside int64 is an
 // error, not a wrapped number (it used to wrap through the reduce kernel).
 TEST(CollectiveValidation, Int64ProductOverflowIsAnErrorAndExactOtherwise) {
-  for (const Config& c : kConfigs) {
+  for (const Config& c : kValidationConfigs) {
     ds::testing::with_strategy(c, [&](ds::Strategy& s, int) {
       const std::string where = c.label();
       const int64_t n = s.num_replicas_in_sync();
       if (n < 2) return;
       ds::PerReplica<int64_t> big = s.run([&](ds::ReplicaContext&) { return int64_t(1) << 40; });
       const std::string e = error_of([&] { s.reduce(ds::ReduceOp::kProduct, big); });
-      EXPECT_TRUE(has(e, "int64 product overflows") && has(e, "reduce product"))
+      EXPECT_TRUE(contains(e, "int64 product overflows") && contains(e, "reduce product"))
           << where << ": " << e;
       // 3 * (-2)^(n-1) fits and keeps its sign.
       ds::PerReplica<int64_t> small = s.run([&](ds::ReplicaContext& ctx) {
@@ -133,8 +133,8 @@ TEST(CollectiveValidation, PerReplicaOfTheWrongSizeIsRejected) {
         error_of([&] {
           s.reduce(ds::ReduceOp::kSum, ds::PerReplica<float>({5.0f, 1.f, 2.f}));
         })}) {
-    EXPECT_TRUE(has(e, "values") && has(e, "local replicas") && has(e, "2")) << e;
-    EXPECT_TRUE(has(e, "1 value") || has(e, "3 values")) << e;
+    EXPECT_TRUE(contains(e, "values") && contains(e, "local replicas") && contains(e, "2")) << e;
+    EXPECT_TRUE(contains(e, "1 value") || contains(e, "3 values")) << e;
   }
 }
 
@@ -148,10 +148,10 @@ TEST(CollectiveValidation, UndefinedAndMixedValuesAreNamed) {
   for (const std::string& e : {error_of([&] { s.reduce(ds::ReduceOp::kSum, undefined, 0); }),
                                error_of([&] { s.reduce(ds::ReduceOp::kSum, undefined); }),
                                error_of([&] { s.gather(undefined); })}) {
-    EXPECT_TRUE(has(e, "replica 1") && has(e, "undefined tensor")) << e;
+    EXPECT_TRUE(contains(e, "replica 1") && contains(e, "undefined tensor")) << e;
   }
   const std::string mixed = error_of([&] {
     s.reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>({f, i}), 0);
   });
-  EXPECT_TRUE(has(mixed, "reduce") && !has(mixed, "gather:")) << mixed;
+  EXPECT_TRUE(contains(mixed, "reduce") && !contains(mixed, "gather:")) << mixed;
 }

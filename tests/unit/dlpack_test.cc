@@ -535,12 +535,6 @@ namespace {
 using diststrat_test::FakeGpuBackend;
 using diststrat_test::LeaseDir;
 
-ds::GpuOptions gpu_options(const LeaseDir& dir) {
-  ds::GpuOptions o;
-  o.lease = dir.options();
-  return o;
-}
-
 // A kDLCUDA DLManagedTensor over fresh device memory of `dm`'s `device`
 // holding `values` (the producer keeps the device tensor alive; so does
 // *keep when given).
@@ -569,7 +563,7 @@ TEST(DLPack, CudaTensorsRoundTripOnTheFakeGpu) {
   LeaseDir dir;
   auto backend = std::make_unique<FakeGpuBackend>(2);
   FakeGpuBackend* fake = backend.get();
-  ds::DeviceManager dm(gpu_options(dir), std::move(backend));
+  ds::DeviceManager dm(dir.gpu_options(), std::move(backend));
   int deletes = 0;
   const std::vector<float> values = {1, 2, 3, 4};
   DLManagedTensor* m = make_cuda(dm, ds::Device::gpu(1), 1, values, &deletes);
@@ -602,7 +596,7 @@ TEST(DLPack, CudaTensorsRoundTripOnTheFakeGpu) {
 
 TEST(DLPack, CudaOrdinalsAreTranslatedThroughTheThreadsDeviceManager) {
   LeaseDir dir;
-  ds::DeviceManager dm(gpu_options(dir), std::make_unique<FakeGpuBackend>(2));
+  ds::DeviceManager dm(dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
   dm.set_logical_device_configuration(0, {{8u << 20}, {8u << 20}});  // GPU:0, GPU:1 on CUDA 0
   int deletes = 0;
   DLManagedTensor* on0 = make_cuda(dm, ds::Device::gpu(1), 0, {1, 2}, &deletes);
@@ -642,7 +636,7 @@ TEST(DLPack, CudaOrdinalsAreTranslatedThroughTheThreadsDeviceManager) {
 // a CUDA device of this process).
 TEST(DLPack, ExportOutsideAReplicaNamesTheCudaOrdinalNotTheLogicalIndex) {
   LeaseDir dir;
-  ds::DeviceManager dm(gpu_options(dir), std::make_unique<FakeGpuBackend>(1));
+  ds::DeviceManager dm(dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
   dm.set_logical_device_configuration(0, {{8u << 20}, {8u << 20}});  // GPU:0, GPU:1 on CUDA 0
   ds::Tensor t;
   {
@@ -666,7 +660,7 @@ TEST(DLPack, CudaTensorsAllReduceUnderMirroredStrategyOnFakeGpus) {
   FakeGpuBackend* fake = backend.get();
   ds::MirroredOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager = std::make_shared<ds::DeviceManager>(gpu_options(dir), std::move(backend));
+  o.device_manager = std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::move(backend));
   ds::MirroredStrategy strategy(o);
   int deletes = 0;
   std::vector<std::shared_ptr<ds::Tensor> > keep(2);  // read after the import released them

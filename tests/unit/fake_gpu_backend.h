@@ -782,6 +782,12 @@ class LeaseDir {
     o.poll_interval = std::chrono::milliseconds(5);
     return o;
   }
+  // GpuOptions whose lease is options().
+  ds::GpuOptions gpu_options() const {
+    ds::GpuOptions o;
+    o.lease = options();
+    return o;
+  }
   const std::string& path() const { return dir_.path(); }
 
  private:

@@ -34,7 +34,8 @@ constexpr auto kTimeout = milliseconds(2000);
 constexpr int kFaultStep = 3;
 
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] = "diststrat-fault-";  // removed at exit (tests/common/temp_dir.h)
+constexpr char kFaultTempPrefix[] =
+    "diststrat-fault-";  // removed at exit (tests/common/temp_dir.h)
 
 struct Result {
   std::string error;        // "" if training finished
@@ -116,7 +117,7 @@ std::string cell_name(const ::testing::TestParamInfo<Cell>& info) {
 class LocalFault : public ::testing::TestWithParam<Cell> {};
 
 TEST_P(LocalFault, SurvivorsFailWithinTheDeadlineNamingRankAndStep) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kFaultTempPrefix);
   auto s = make_local(GetParam().strategy);
   const auto t0 = std::chrono::steady_clock::now();
   const Result r = train(*s, GetParam().kind, 1, dir, 3);
@@ -142,7 +143,7 @@ TEST(FaultExit, ProcessExitsAtTheStepAndTheLastCheckpointLoads) {
   // "fast" (fork) so the child writes to the directory made here.
   ::testing::FLAGS_gtest_death_test_style = "fast";
   for (const std::string which : {"mirrored", "central_storage"}) {
-    const std::string dir = temp_dir(kTempPrefix);
+    const std::string dir = temp_dir(kFaultTempPrefix);
     EXPECT_EXIT(
         {
           auto s = make_local(which);
@@ -162,7 +163,7 @@ class MultiWorkerFault : public ::testing::TestWithParam<ds::FaultKind> {};
 // run() fails too unless it is stalled (then it stays stuck, as a hung
 // process would until its launcher kills it).
 TEST_P(MultiWorkerFault, TheOtherWorkerFailsWithinTheDeadlineNamingRankAndStep) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kFaultTempPrefix);
   ds::CommunicationOptions co;
   co.timeout = kTimeout;
   // A stalled worker keeps using the group for good: it outlives the test then.

@@ -24,6 +24,7 @@
 #include "diststrat/error.h"
 #include "diststrat/gpu_lease.h"
 #include "fake_gpu_backend.h"
+#include "../common/compare.h"
 
 namespace ds = diststrat;
 using diststrat_test::current_rss_kib;
@@ -32,6 +33,7 @@ using diststrat_test::run_in_child;
 
 namespace {
 
+using diststrat_test::contains;
 std::string lock_file(const LeaseDir& dir, const std::string& id) {
   return dir.path() + "/gpu-" + id + ".lock";
 }
@@ -46,10 +48,6 @@ void write_text(const std::string& path, const std::string& text, mode_t mode) {
   ASSERT_GE(fd, 0) << path;
   ASSERT_EQ(::write(fd, text.data(), text.size()), static_cast<ssize_t>(text.size()));
   ::close(fd);
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 
 // ---- one user ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ using diststrat_test::run_in_child;
 
 namespace {
 
-constexpr char kTempPrefix[] = "diststrat_io_";
+constexpr char kIoTempPrefix[] = "diststrat_io_";
 
 std::vector<uint8_t> idx_bytes(std::vector<uint32_t> dims, size_t payload) {
   std::vector<uint8_t> b{0, 0, 8, static_cast<uint8_t>(dims.size())};
@@ -44,7 +44,7 @@ void write_gz(const std::string& path, const std::vector<uint8_t>& b) {
 }
 
 TEST(Idx, ParsesPlainAndGzip) {
-  const diststrat_test::TempDir scoped(kTempPrefix);
+  const diststrat_test::TempDir scoped(kIoTempPrefix);
   const std::string& dir = scoped.path();
   write(dir + "/a", idx_bytes({2, 3}, 6));
   write_gz(dir + "/a.gz", idx_bytes({2, 3}, 6));
@@ -57,7 +57,7 @@ TEST(Idx, ParsesPlainAndGzip) {
 }
 
 TEST(Idx, MissingTruncatedAndCorruptFilesAreClearErrors) {
-  const diststrat_test::TempDir scoped(kTempPrefix);
+  const diststrat_test::TempDir scoped(kIoTempPrefix);
   const std::string& dir = scoped.path();
   EXPECT_THROW(ds::read_idx(dir + "/missing"), ds::NotFoundError);
   write(dir + "/short", idx_bytes({2, 3}, 5));
@@ -116,7 +116,7 @@ std::vector<uint8_t> idx_gzip_bomb(std::vector<uint32_t> dims, size_t payload, s
 // A FIFO where an IDX file should be is a clear error, never a wait for a
 // writer (nor a misleading "does not exist").
 TEST(Idx, AFifoIsAnErrorNotAHang) {
-  const diststrat_test::TempDir scoped(kTempPrefix);
+  const diststrat_test::TempDir scoped(kIoTempPrefix);
   const std::string& dir = scoped.path();
   ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0644), 0);
   ASSERT_EQ(::mkfifo((dir + "/train-images-idx3-ubyte.gz").c_str(), 0644), 0);
@@ -148,7 +148,7 @@ TEST(Idx, AFifoIsAnErrorNotAHang) {
 // A 1 MB gzip file that inflates to 512 MiB is refused as soon as the
 // output passes what its header's dims allow, not after inflating it all.
 TEST(Idx, AGzipBombStopsAtTheSizeTheHeaderAllows) {
-  const diststrat_test::TempDir scoped(kTempPrefix);
+  const diststrat_test::TempDir scoped(kIoTempPrefix);
   const std::string& dir = scoped.path();
   write(dir + "/bomb.gz", idx_gzip_bomb({10, 10}, 100, 512));
   const long base = current_rss_kib();
@@ -171,7 +171,7 @@ TEST(Idx, AGzipBombStopsAtTheSizeTheHeaderAllows) {
 // A plain file far longer than its dims (sparse, 1 GiB) is refused from its
 // size, not read whole.
 TEST(Idx, APlainFileLongerThanItsDimsIsNotReadWhole) {
-  const diststrat_test::TempDir scoped(kTempPrefix);
+  const diststrat_test::TempDir scoped(kIoTempPrefix);
   const std::string& dir = scoped.path();
   write(dir + "/long", idx_bytes({10, 10}, 100));
   ASSERT_EQ(::truncate((dir + "/long").c_str(), off_t(1) << 30), 0);
@@ -196,7 +196,7 @@ TEST(Idx, APlainFileLongerThanItsDimsIsNotReadWhole) {
 // there (gzip and plain), one extra byte, and concatenated gzip members (which
 // gzip itself reads as one stream).
 TEST(Idx, PayloadMustMatchTheDimsExactly) {
-  const diststrat_test::TempDir scoped(kTempPrefix);
+  const diststrat_test::TempDir scoped(kIoTempPrefix);
   const std::string& dir = scoped.path();
   write_gz(dir + "/claim.gz", idx_bytes({1 << 16, 1 << 16, 4}, 10));
   write(dir + "/claim", idx_bytes({1 << 16, 1 << 16, 4}, 10));

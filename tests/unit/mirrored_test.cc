@@ -19,12 +19,7 @@ using diststrat::testing::train_under;
 
 namespace {
 
-std::vector<ds::Device> cpus(int n) {
-  std::vector<ds::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
-  return d;
-}
-
+using diststrat::testing::cpu_devices;
 class MirroredEquivalence : public ::testing::TestWithParam<int> {};
 
 TEST_P(MirroredEquivalence, SameWeightsAsSingleDeviceAfter20Steps) {
@@ -34,7 +29,7 @@ TEST_P(MirroredEquivalence, SameWeightsAsSingleDeviceAfter20Steps) {
   // replicas for 4 replicas: one replica gets none and still takes part).
   const ds::Dataset data = synthetic(64 * 20 + 3, 11);
   const auto ref = reference_training(mlp, data, 64, 21, 0.05f, 0.9f);
-  ds::MirroredStrategy strategy(cpus(replicas));
+  ds::MirroredStrategy strategy(cpu_devices(replicas));
   std::vector<ds::Variable> vars;
   train_under(strategy, mlp, data, 64, 21, 0.05f, 0.9f, &vars);
   ASSERT_EQ(vars.size(), ref.size());
@@ -56,7 +51,7 @@ TEST_P(MirroredEquivalence, SameWeightsAsSingleDeviceAfter20Steps) {
 INSTANTIATE_TEST_SUITE_P(Replicas, MirroredEquivalence, ::testing::Values(1, 2, 4));
 
 TEST(Mirrored, ReplicaExceptionReachesCallerAndOthersAbortFast) {
-  ds::MirroredStrategy strategy(cpus(3));
+  ds::MirroredStrategy strategy(cpu_devices(3));
   std::vector<ds::ErrorCode> codes(3, ds::ErrorCode::kInternal);
   std::vector<double> seconds(3, 0.0);
   try {
@@ -96,7 +91,7 @@ TEST(Mirrored, ReplicaExceptionReachesCallerAndOthersAbortFast) {
 
 TEST(Mirrored, CollectiveOneReplicaNeverJoinsIsDeadlineExceededNamingIt) {
   ds::MirroredOptions o;
-  o.devices = cpus(2);
+  o.devices = cpu_devices(2);
   o.communication.timeout = std::chrono::milliseconds(150);
   ds::MirroredStrategy strategy(o);
   const auto t0 = std::chrono::steady_clock::now();
@@ -116,7 +111,7 @@ TEST(Mirrored, CollectiveOneReplicaNeverJoinsIsDeadlineExceededNamingIt) {
 }
 
 TEST(Mirrored, ShapeOrDtypeMismatchBetweenReplicasIsAClearError) {
-  ds::MirroredStrategy strategy(cpus(2));
+  ds::MirroredStrategy strategy(cpu_devices(2));
   for (int variant = 0; variant < 2; ++variant) {
     try {
       strategy.run([&](ds::ReplicaContext& ctx) {
@@ -135,13 +130,13 @@ TEST(Mirrored, ShapeOrDtypeMismatchBetweenReplicasIsAClearError) {
 }
 
 TEST(Mirrored, BatchWithFewerRowsThanReplicasIsRejected) {
-  ds::MirroredStrategy strategy(cpus(4));
+  ds::MirroredStrategy strategy(cpu_devices(4));
   EXPECT_THROW(strategy.distribute(synthetic(10, 1), 3), ds::InvalidArgumentError);
   EXPECT_THROW(strategy.distribute(synthetic(10, 1), 0), ds::InvalidArgumentError);
 }
 
 TEST(Mirrored, DistributeSplitsEveryRowOncePerEpochAndReshuffles) {
-  ds::MirroredStrategy strategy(cpus(3));
+  ds::MirroredStrategy strategy(cpu_devices(3));
   const int64_t rows = 50;
   ds::Tensor x(ds::Shape{rows, 1}, ds::DType::kFloat32), y(ds::Shape{rows}, ds::DType::kInt32);
   for (int64_t i = 0; i < rows; ++i) {
@@ -186,7 +181,7 @@ TEST(Mirrored, DistributeSplitsEveryRowOncePerEpochAndReshuffles) {
 }
 
 TEST(Mirrored, ReduceGatherMergeCallAndAllGather) {
-  ds::MirroredStrategy strategy(cpus(3));
+  ds::MirroredStrategy strategy(cpu_devices(3));
   auto vals = strategy.run([](ds::ReplicaContext& ctx) { return float(ctx.replica_id() + 1); });
   EXPECT_EQ(strategy.reduce(ds::ReduceOp::kSum, vals), 6.0f);
   EXPECT_EQ(strategy.reduce(ds::ReduceOp::kMean, vals), 2.0f);
@@ -245,7 +240,7 @@ TEST(Mirrored, ReduceGatherMergeCallAndAllGather) {
 }
 
 TEST(Mirrored, OnReadVariablesAggregateWhenRead) {
-  ds::MirroredStrategy strategy(cpus(4));
+  ds::MirroredStrategy strategy(cpu_devices(4));
   ds::VariableOptions o;
   o.synchronization = ds::VariableSynchronization::kOnRead;
   o.aggregation = ds::VariableAggregation::kSum;
@@ -269,7 +264,7 @@ TEST(Mirrored, OnReadVariablesAggregateWhenRead) {
 }
 
 TEST(Mirrored, VariablesAreMirroredAndUpdateKeepsCopiesEqual) {
-  ds::MirroredStrategy strategy(cpus(2));
+  ds::MirroredStrategy strategy(cpu_devices(2));
   ds::Variable w =
       strategy.create_variable("w", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{1.5});
   ASSERT_EQ(w.impl().copies.size(), 2u);
@@ -291,7 +286,7 @@ TEST(Mirrored, BadDevicesAreRejected) {
 }
 
 TEST(Mirrored, DistributeDatasetsFromFunctionSeesInputContext) {
-  ds::MirroredStrategy strategy(cpus(2));
+  ds::MirroredStrategy strategy(cpu_devices(2));
   ds::InputContext seen;
   auto dist = strategy.distribute_datasets_from_function(
       [&](const ds::InputContext& ic) {
@@ -309,7 +304,7 @@ TEST(Mirrored, DistributeDatasetsFromFunctionSeesInputContext) {
 }
 
 TEST(Mirrored, AdamTrainsIdenticallyOnEveryReplica) {
-  ds::MirroredStrategy strategy(cpus(2));
+  ds::MirroredStrategy strategy(cpu_devices(2));
   ds::Variable w =
       strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});
   ds::Adam adam(strategy, {0.1f});

@@ -19,12 +19,7 @@ namespace ds = diststrat;
 
 namespace {
 
-std::vector<ds::Device> cpus(int n) {
-  std::vector<ds::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(ds::Device::cpu(i));
-  return d;
-}
-
+using diststrat::testing::cpu_devices;
 // Runs fn(worker, options) on `workers` threads, each with options wired to
 // its rank of an in-process group; node_size > 0 adds node-local and
 // cross-node groups (the hierarchical path). Returns each worker's exception.
@@ -85,7 +80,7 @@ TEST_P(MultiWorkerEquivalence, SameWeightsAsSingleDeviceAfter20Steps) {
   comm.timeout = std::chrono::seconds(60);
   std::vector<std::vector<ds::Tensor>> finals(c.workers);
   rethrow_first(run_workers(c.workers, c.node_size, comm, [&](int w, ds::MultiWorkerOptions& o) {
-    o.devices = cpus(c.local);
+    o.devices = cpu_devices(c.local);
     ds::MultiWorkerMirroredStrategy s(o);
     EXPECT_EQ(s.num_replicas_in_sync(), c.workers * c.local);
     EXPECT_EQ(s.first_local_replica(), w * c.local);
@@ -133,7 +128,7 @@ TEST(MultiWorkerFusion, OddSizesMixedDtypesEveryPackSize) {
     comm.timeout = std::chrono::seconds(30);
     const int W = 3, L = 2, R = W * L;
     rethrow_first(run_workers(W, 0, comm, [&](int w, ds::MultiWorkerOptions& o) {
-      o.devices = cpus(L);
+      o.devices = cpu_devices(L);
       ds::MultiWorkerMirroredStrategy s(o);
       for (int rep = 0; rep < 3; ++rep) {
         s.run([&](ds::ReplicaContext& ctx) {
@@ -262,7 +257,7 @@ TEST(MultiWorkerSafety, LocalReplicasThatDisagreeAreNamedOnEveryRank) {
   comm.timeout = std::chrono::seconds(20);
   std::vector<std::string> messages(2);
   rethrow_first(run_workers(2, 0, comm, [&](int w, ds::MultiWorkerOptions& o) {
-    o.devices = cpus(2);
+    o.devices = cpu_devices(2);
     ds::MultiWorkerMirroredStrategy s(o);
     try {
       s.run([&](ds::ReplicaContext& ctx) {
@@ -318,7 +313,7 @@ TEST(MultiWorkerSafety, ALocalReplicaThatNeverEnqueuesIsNamed) {
   ds::CommunicationOptions comm;
   comm.timeout = std::chrono::milliseconds(200);
   rethrow_first(run_workers(1, 0, comm, [&](int, ds::MultiWorkerOptions& o) {
-    o.devices = cpus(2);
+    o.devices = cpu_devices(2);
     ds::MultiWorkerMirroredStrategy s(o);
     try {
       s.run([&](ds::ReplicaContext& ctx) {
@@ -340,7 +335,7 @@ TEST(MultiWorker, ChiefInitialValuesReduceGatherBroadcastAndTimeline) {
   ds::CommunicationOptions comm;
   comm.timeout = std::chrono::seconds(30);
   rethrow_first(run_workers(2, 0, comm, [&](int w, ds::MultiWorkerOptions& o) {
-    o.devices = cpus(2);
+    o.devices = cpu_devices(2);
     o.timeline_path = path;
     ds::MultiWorkerMirroredStrategy s(o);
     EXPECT_EQ(s.cluster().worker_index, w);

@@ -56,7 +56,7 @@ std::vector<std::string> one_step(
   return errors;
 }
 
-std::unique_ptr<ds::Optimizer> sgd(ds::Strategy& s, float lr, float momentum = 0.9f) {
+std::unique_ptr<ds::Optimizer> make_sgd(ds::Strategy& s, float lr, float momentum = 0.9f) {
   ds::SGDOptions o;
   o.learning_rate = lr;
   o.momentum = momentum;
@@ -73,7 +73,7 @@ void expect_every_worker_names(const std::vector<std::string>& errors, const std
 
 TEST(OptimizerAgreement, ADifferentLearningRateOnOneWorkerIsAnErrorOnEveryWorker) {
   const auto errors =
-      one_step(3, [](ds::Strategy& s, int w) { return sgd(s, w == 2 ? 0.1f : 0.05f); });
+      one_step(3, [](ds::Strategy& s, int w) { return make_sgd(s, w == 2 ? 0.1f : 0.05f); });
   expect_every_worker_names(errors, "'learning_rate'");
   EXPECT_NE(errors[0].find("replica(s) 2 differs from replica(s) 0, 1"), std::string::npos)
       << errors[0];
@@ -83,11 +83,11 @@ TEST(OptimizerAgreement, ADifferentLearningRateOnOneWorkerIsAnErrorOnEveryWorker
 
 TEST(OptimizerAgreement, EveryFieldIsCompared) {
   expect_every_worker_names(
-      one_step(2, [](ds::Strategy& s, int w) { return sgd(s, 0.05f, w ? 0.8f : 0.9f); }),
+      one_step(2, [](ds::Strategy& s, int w) { return make_sgd(s, 0.05f, w ? 0.8f : 0.9f); }),
       "'momentum'");
   expect_every_worker_names(one_step(2,
                                      [](ds::Strategy& s, int w) -> std::unique_ptr<ds::Optimizer> {
-                                       if (w == 0) return sgd(s, 0.05f);
+                                       if (w == 0) return make_sgd(s, 0.05f);
                                        return std::make_unique<ds::Adam>(s, ds::AdamOptions{});
                                      }),
                             "'optimizer'");
@@ -106,7 +106,7 @@ TEST(OptimizerAgreement, EveryFieldIsCompared) {
                                        return std::make_unique<ds::Adam>(s, o);
                                      }),
                             "'beta2'");
-  const auto by_sgd = [](ds::Strategy& s, int) { return sgd(s, 0.05f); };
+  const auto by_sgd = [](ds::Strategy& s, int) { return make_sgd(s, 0.05f); };
   expect_every_worker_names(one_step(2, by_sgd,
                                      [](ds::Optimizer& o, int w) {
                                        o.set_clipping({w ? 1.0f : 2.0f, 0, 0});
@@ -129,7 +129,7 @@ TEST(OptimizerAgreement, EveryFieldIsCompared) {
 
 TEST(OptimizerAgreement, TheSameConfigurationTrainsAndIsComparedOnlyOnce) {
   const auto errors = one_step(
-      3, [](ds::Strategy& s, int) { return sgd(s, 0.05f); },
+      3, [](ds::Strategy& s, int) { return make_sgd(s, 0.05f); },
       [](ds::Optimizer& o, int) {
         o.set_clipping({1.0f, 0, 0});
       },

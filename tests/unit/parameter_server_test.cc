@@ -21,7 +21,7 @@ using std::chrono::milliseconds;
 
 namespace {
 
-const auto cpus = ds::testing::cpu_devices;
+using ds::testing::cpu_devices;
 
 // ---- partitioners ------------------------------------------------------------
 
@@ -124,7 +124,7 @@ TEST_P(PsEquivalence, OneWorkerLockstepEqualsSingleDeviceAfter20Steps) {
   const auto ref = ds::testing::reference_training(mlp, data, 64, 21, 0.05f, 0.9f);
   ds::ParameterServerOptions o;
   o.num_ps = num_ps;
-  o.devices = cpus(replicas);
+  o.devices = cpu_devices(replicas);
   o.max_staleness = 0;
   if (num_ps > 1) o.partitioner = pp::FixedShards{3};
   ds::ParameterServerStrategy strategy(o);
@@ -464,7 +464,7 @@ TEST(ParameterServerSparse, GatherAndPushOnlyTheRowsOverShards) {
   ds::ParameterServerOptions o;
   o.num_ps = 2;
   o.partitioner = pp::FixedShards{3};
-  o.devices = cpus(2);
+  o.devices = cpu_devices(2);
   ds::ParameterServerStrategy strategy(o);
   const int64_t rows = 10, dim = 3;
   ds::Variable table = strategy.create_row_sparse_variable(
@@ -532,8 +532,8 @@ struct RawWorker {
   ds::ps::Client client;
 };
 
-ds::ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape,
-                    ds::DType dtype = ds::DType::kFloat32) {
+ds::ps::Entry dense_entry(int64_t id, const std::string& name, ds::Shape shape,
+                          ds::DType dtype = ds::DType::kFloat32) {
   ds::ps::Entry e;
   e.var_id = id;
   e.name = name;
@@ -568,17 +568,17 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
     RawWorker raw(group.at(1));
     const std::vector<char> f4(16), f5(20), f8(32);
     // w is variable 0, emb 1, the step counter 2.
-    expect_error([&] { raw.push(entry(0, "w", ds::Shape{5}), f5); },
+    expect_error([&] { raw.push(dense_entry(0, "w", ds::Shape{5}), f5); },
                  ds::ErrorCode::kInvalidArgument,
                  "push to 'w' shard 0: gradient shape [5] does not match the shard's [4]");
-    expect_error([&] { raw.push(entry(0, "w", ds::Shape{4}, ds::DType::kFloat64), f8); },
+    expect_error([&] { raw.push(dense_entry(0, "w", ds::Shape{4}, ds::DType::kFloat64), f8); },
                  ds::ErrorCode::kInvalidArgument, "push to 'w': gradient dtype float64");
-    expect_error([&] { raw.push(entry(7, "nope", ds::Shape{4}), f4); }, ds::ErrorCode::kNotFound,
-                 "unknown variable 'nope'");
-    expect_error([&] { raw.rule(entry(0, "w", ds::Shape{4}), "rmsprop"); },
+    expect_error([&] { raw.push(dense_entry(7, "nope", ds::Shape{4}), f4); },
+                 ds::ErrorCode::kNotFound, "unknown variable 'nope'");
+    expect_error([&] { raw.rule(dense_entry(0, "w", ds::Shape{4}), "rmsprop"); },
                  ds::ErrorCode::kInvalidArgument, "unknown optimizer 'rmsprop'");
     {
-      ds::ps::Entry e = entry(1, "emb", ds::Shape{1, 2});
+      ds::ps::Entry e = dense_entry(1, "emb", ds::Shape{1, 2});
       e.sparse = 1;
       e.num_ids = 1;
       std::vector<char> payload(8 + 8);
@@ -589,7 +589,7 @@ TEST(ParameterServerBadInput, RejectedPushesReachTheWorkerAndLeaveThePsIntact) {
     }
     // The errors name the worker, the op and the PS rank.
     expect_error(
-        [&] { raw.push(entry(0, "w", ds::Shape{5}), f5); }, ds::ErrorCode::kInvalidArgument,
+        [&] { raw.push(dense_entry(0, "w", ds::Shape{5}), f5); }, ds::ErrorCode::kInvalidArgument,
         "worker 1 (rank 1): raw push (push to PS rank 2) failed: PS rank 2: push from worker 1");
     // Nothing changed on the PS ...
     const auto after = ds::ps::local_service(*ps).snapshot();
@@ -665,7 +665,7 @@ TEST(ParameterServerMetrics, ReduceIsPerWorkerAndTheMetricIsJobWide) {
   const int workers = 3, num_ps = 2, steps = 5;
   ds::ParameterServerOptions o;
   o.num_ps = num_ps;
-  o.devices = cpus(2);
+  o.devices = cpu_devices(2);
   o.communication.timeout = std::chrono::seconds(30);
   ds::InProcessTransportGroup group(workers + num_ps);
   std::vector<std::unique_ptr<ds::ParameterServerStrategy>> ps;

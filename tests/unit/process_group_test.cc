@@ -17,15 +17,13 @@
 
 #include "diststrat/diststrat.h"
 #include "harness.h"
+#include "../common/compare.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-bool has(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
-
+using diststrat_test::contains;
 // The environment a test of the cluster sources relies on: no TF_CONFIG.
 struct NoTfConfig {
   std::string saved;
@@ -79,7 +77,7 @@ ds::Tensor iota(ds::Shape shape, ds::DType dtype, double base) {
   return t;
 }
 
-bool same_bytes(const ds::Tensor& a, const ds::Tensor& b) {
+bool same_raw_bytes(const ds::Tensor& a, const ds::Tensor& b) {
   return a.nbytes() == b.nbytes() &&
          (a.nbytes() == 0 || std::memcmp(a.data(), b.data(), a.nbytes()) == 0);
 }
@@ -112,8 +110,8 @@ TEST(ProcessGroup, OneProcessWithoutALauncherIsAOneRankGroup) {
                                  iota({4}, ds::DType::kInt64, 9)};
   const std::vector<ds::Tensor> before{params[0].clone(), params[1].clone()};
   ds::broadcast_tensors(pg, params, 0, {"w", "step"});
-  EXPECT_TRUE(same_bytes(params[0], before[0]));
-  EXPECT_TRUE(same_bytes(params[1], before[1]));
+  EXPECT_TRUE(same_raw_bytes(params[0], before[0]));
+  EXPECT_TRUE(same_raw_bytes(params[1], before[1]));
 }
 
 // Groups in sequence, and next to a strategy (in-process here; the MPI test
@@ -147,14 +145,15 @@ TEST(ProcessGroup, BadSetUpIsAClearError) {
     ds::ProcessGroupOptions o;
     o.communication.timeout = std::chrono::milliseconds(0);
     const std::string e = error_of<ds::InvalidArgumentError>([&] { ds::ProcessGroup pg(o); });
-    EXPECT_TRUE(has(e, "ProcessGroup: options.communication.timeout must be > 0 ms, got 0")) << e;
+    EXPECT_TRUE(contains(e, "ProcessGroup: options.communication.timeout must be > 0 ms, got 0"))
+        << e;
   }
   {
     // Several processes, but no launcher started this one.
     ds::ProcessGroupOptions o;
     o.cluster.spec.jobs["worker"] = {"a:1", "b:1"};
     const std::string e = error_of<ds::UnimplementedError>([&] { ds::ProcessGroup pg(o); });
-    EXPECT_TRUE(has(e, "a cluster of 2 processes needs MPI")) << e;
+    EXPECT_TRUE(contains(e, "a cluster of 2 processes needs MPI")) << e;
   }
   {
     ds::ProcessGroupOptions o;
@@ -162,13 +161,13 @@ TEST(ProcessGroup, BadSetUpIsAClearError) {
     o.cluster.spec.jobs["evaluator"] = {"b:1"};
     o.cluster.spec.task_type = "evaluator";
     const std::string e = error_of<ds::InvalidArgumentError>([&] { ds::ProcessGroup pg(o); });
-    EXPECT_TRUE(has(e, "ProcessGroup: this process is task evaluator[0]")) << e;
+    EXPECT_TRUE(contains(e, "ProcessGroup: this process is task evaluator[0]")) << e;
   }
   {
     setenv("TF_CONFIG", "[1,", 1);
     const std::string e = error_of<ds::InvalidArgumentError>([&] { ds::ProcessGroup pg; });
     unsetenv("TF_CONFIG");
-    EXPECT_TRUE(has(e, "TF_CONFIG")) << e;
+    EXPECT_TRUE(contains(e, "TF_CONFIG")) << e;
   }
 }
 
@@ -179,22 +178,22 @@ TEST(ProcessGroup, BroadcastTensorsRejectsBadArguments) {
   std::string e = error_of<ds::InvalidArgumentError>([&] {
     ds::broadcast_tensors(pg, ts, 0, {"a", "b"});
   });
-  EXPECT_TRUE(has(e, "rank 0: broadcast_tensors: tensor #1 'b' is undefined")) << e;
+  EXPECT_TRUE(contains(e, "rank 0: broadcast_tensors: tensor #1 'b' is undefined")) << e;
   e = error_of<ds::InvalidArgumentError>([&] { ds::broadcast_tensors(pg, ts); });
-  EXPECT_TRUE(has(e, "tensor #1 is undefined")) << e;
+  EXPECT_TRUE(contains(e, "tensor #1 is undefined")) << e;
   ts[1] = iota({2}, ds::DType::kFloat32, 0);
   e = error_of<ds::InvalidArgumentError>([&] { ds::broadcast_tensors(pg, ts, 0, {"a"}); });
-  EXPECT_TRUE(has(e, "names has 1 entries for 2 tensors")) << e;
+  EXPECT_TRUE(contains(e, "names has 1 entries for 2 tensors")) << e;
   e = error_of<ds::InvalidArgumentError>([&] { ds::broadcast_tensors(pg, ts, 1); });
-  EXPECT_TRUE(has(e, "root 1 is not a rank of this group of 1")) << e;
+  EXPECT_TRUE(contains(e, "root 1 is not a rank of this group of 1")) << e;
   e = error_of<ds::InvalidArgumentError>([&] { ds::broadcast_tensors(pg, ts, -1); });
-  EXPECT_TRUE(has(e, "root -1 is not a rank")) << e;
+  EXPECT_TRUE(contains(e, "root -1 is not a rank")) << e;
   float gpu_memory[4] = {};
   ts[1] = ds::Tensor::wrap(gpu_memory, {4}, ds::DType::kFloat32, ds::Device::gpu(0));
   e = error_of<ds::InvalidArgumentError>([&] {
     ds::broadcast_tensors(pg, ts, 0, {"a", "on_gpu"});
   });
-  EXPECT_TRUE(has(
+  EXPECT_TRUE(contains(
       e, "tensor #1 'on_gpu' is float32[4] on /device:GPU:0; broadcast_tensors moves host memory"))
       << e;
   std::vector<ds::Tensor> none;
@@ -231,7 +230,7 @@ TEST(ProcessGroup, BroadcastTensorsCopiesTheRootsValuesInEveryPacking) {
         ds::broadcast_tensors(c, ts, root);
         std::vector<ds::Tensor> want = make(root);
         for (size_t i = 0; i < want.size(); ++i) {
-          EXPECT_TRUE(same_bytes(ts[i], want[i])) << "rank " << c.rank() << " tensor " << i;
+          EXPECT_TRUE(same_raw_bytes(ts[i], want[i])) << "rank " << c.rank() << " tensor " << i;
         }
         for (int i = 0; i < 11; ++i) EXPECT_EQ(user[c.rank()][i], root * 100 + i);
       });
@@ -332,9 +331,9 @@ TEST(ProcessGroup, AMismatchedListIsAnErrorOnEveryRankNamingTheTensor) {
     SCOPED_TRACE(c.what);
     const std::vector<std::string> errors = mismatch(2, c.edit);
     for (int r = 0; r < 3; ++r) {
-      EXPECT_TRUE(has(errors[r], "rank " + std::to_string(r) + ": broadcast_tensors: "))
+      EXPECT_TRUE(contains(errors[r], "rank " + std::to_string(r) + ": broadcast_tensors: "))
           << errors[r];
-      EXPECT_TRUE(has(errors[r], c.expected)) << errors[r];
+      EXPECT_TRUE(contains(errors[r], c.expected)) << errors[r];
     }
   }
 }
@@ -362,7 +361,7 @@ TEST(ProcessGroup, BroadcastTensorsWithARankThatNeverComesIsDeadlineExceeded) {
   EXPECT_LT(secs, 5.0);
   for (int r = 0; r < 2; ++r) {
     // The first to time out says so; the other may see the abort it raised.
-    EXPECT_TRUE(has(errors[r], "rank 2 did not arrive")) << errors[r];
-    EXPECT_TRUE(has(errors[r], "broadcast_tensors/signatures")) << errors[r];
+    EXPECT_TRUE(contains(errors[r], "rank 2 did not arrive")) << errors[r];
+    EXPECT_TRUE(contains(errors[r], "broadcast_tensors/signatures")) << errors[r];
   }
 }

@@ -28,14 +28,14 @@ using std::chrono::milliseconds;
 namespace {
 
 constexpr auto kWorkerTimeout = milliseconds(2000);
-constexpr int kFaultStep = 3, kSteps = 6;
+constexpr int kPsFaultStep = 3, kPsSteps = 6;
 
 struct Outcome {
   std::string error;
   int64_t last_saved = -1;
 };
 
-// Trains kSteps steps, saving after each; replica `fault_rank` misbehaves at kFaultStep.
+// Trains kPsSteps steps, saving after each; replica `fault_rank` misbehaves at kPsFaultStep.
 Outcome train_and_save(ds::ParameterServerStrategy& s, const std::string& dir, ds::FaultKind kind,
                        int fault_rank) {
   Outcome out;
@@ -45,8 +45,8 @@ Outcome train_and_save(ds::ParameterServerStrategy& s, const std::string& dir, d
     ds::SGD opt(s, {0.1f, 0.9f});
     ds::Checkpoint ckpt(s, {&opt});
     ds::CheckpointManager manager(ckpt, dir, {2});
-    for (int step = 0; step < kSteps; ++step) {
-      if (step == kFaultStep) ds::testing::arm_fault_at_next_run(s, kind, fault_rank);
+    for (int step = 0; step < kPsSteps; ++step) {
+      if (step == kPsFaultStep) ds::testing::arm_fault_at_next_run(s, kind, fault_rank);
       ds::testing::mlp_train(s, mlp, vars, opt, 16, 1, 100 + step);
       manager.save(step, {{"step", std::to_string(step)}});
       out.last_saved = step;
@@ -73,19 +73,19 @@ TEST_P(PsCheckpointFault, TheLastCheckpointStillLoadsAndRestores) {
   const std::string& ps_error = job.ps_error;
   EXPECT_LT(job.seconds, 30.0);
   EXPECT_EQ(res[0].error, "") << "the surviving worker failed";
-  EXPECT_EQ(res[0].last_saved, kSteps - 1);
+  EXPECT_EQ(res[0].last_saved, kPsSteps - 1);
   if (stall) {
     EXPECT_NE(ps_error.find("rank 1"), std::string::npos) << ps_error;
   } else {
     EXPECT_NE(res[1].error.find("injected fault"), std::string::npos) << res[1].error;
-    EXPECT_EQ(res[1].last_saved, kFaultStep - 1);
+    EXPECT_EQ(res[1].last_saved, kPsFaultStep - 1);
   }
 
   // The newest checkpoint is worker 0's last save; it loads, verifies and restores.
-  const std::string latest = dir + "/ckpt-" + std::to_string(kSteps - 1) + ".safetensors";
+  const std::string latest = dir + "/ckpt-" + std::to_string(kPsSteps - 1) + ".safetensors";
   const ds::SafetensorsFile file = ds::load_checkpoint(latest);
   EXPECT_TRUE(file.verified);
-  EXPECT_EQ(file.metadata.at("step"), std::to_string(kSteps - 1));
+  EXPECT_EQ(file.metadata.at("step"), std::to_string(kPsSteps - 1));
   ds::ParameterServerOptions fresh;
   fresh.num_ps = 2;
   fresh.partitioner = ds::partitioners::FixedShards{2};
@@ -95,7 +95,7 @@ TEST_P(PsCheckpointFault, TheLastCheckpointStillLoadsAndRestores) {
   ds::SGD opt(s, {0.1f, 0.9f});
   ds::Checkpoint ckpt(s, {&opt});
   ds::CheckpointManager manager(ckpt, dir, {2});
-  EXPECT_EQ(manager.restore_latest()->at("step"), std::to_string(kSteps - 1));
+  EXPECT_EQ(manager.restore_latest()->at("step"), std::to_string(kPsSteps - 1));
   EXPECT_EQ(opt.iterations().value().data<int64_t>()[0],
             file.find("optimizer/iterations")->data<int64_t>()[0]);
   for (const ds::Variable& v : vars) {

@@ -34,7 +34,8 @@ namespace pp = diststrat::partitioners;
 namespace {
 
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] = "diststrat_ps_ckpt_";  // removed at exit (tests/common/temp_dir.h)
+constexpr char kPsCheckpointTempPrefix[] =
+    "diststrat_ps_ckpt_";  // removed at exit (tests/common/temp_dir.h)
 
 std::vector<std::string> list(const std::string& dir) {
   std::vector<std::string> out;
@@ -108,7 +109,7 @@ class PsCheckpointReshard : public ::testing::TestWithParam<ReshardCase> {};
 // (so Adam's per-shard step counters came back too).
 TEST_P(PsCheckpointReshard, RestoresBitExactAndContinuesIdentically) {
   const ReshardCase& c = GetParam();
-  const std::string dir = temp_dir(kTempPrefix), path = dir + "/ckpt-3.safetensors";
+  const std::string dir = temp_dir(kPsCheckpointTempPrefix), path = dir + "/ckpt-3.safetensors";
   Job a(c.from, c.adam, 3);
   a.train(3, 11);
   a.ckpt.save(path, {{"epoch", "2"}});
@@ -144,7 +145,7 @@ INSTANTIATE_TEST_SUITE_P(
 // A row-sparse table (rows pushed lazily: untouched shards have no slots
 // yet) saved from 2 PS ranks restores onto 3, its slots included.
 TEST(PsCheckpoint, RowSparseTablesRoundTripWithTheirSlots) {
-  const std::string path = temp_dir(kTempPrefix) + "/emb.safetensors";
+  const std::string path = temp_dir(kPsCheckpointTempPrefix) + "/emb.safetensors";
   struct Table {
     explicit Table(const Layout& l, double init)
         : s(options(l)),
@@ -183,7 +184,7 @@ TEST(PsCheckpoint, RowSparseTablesRoundTripWithTheirSlots) {
 // A PS checkpoint opens whole with load_checkpoint (examples/predict) and
 // restores into another strategy; a single-file checkpoint restores into a PS job.
 TEST(PsCheckpoint, CrossesToAndFromSingleFileStrategies) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kPsCheckpointTempPrefix);
   Job a(kTwo, false, 3);
   a.train(3, 11);
   a.ckpt.save(dir + "/ps.safetensors");
@@ -205,7 +206,7 @@ TEST(PsCheckpoint, CrossesToAndFromSingleFileStrategies) {
 // Every way a PS checkpoint can be broken is refused, naming the file and
 // tensor, and the model is left untouched.
 TEST(PsCheckpoint, BrokenCheckpointsAreRefusedAndChangeNothing) {
-  const std::string dir = temp_dir(kTempPrefix), path = dir + "/ckpt-1.safetensors";
+  const std::string dir = temp_dir(kPsCheckpointTempPrefix), path = dir + "/ckpt-1.safetensors";
   Job a(kTwo, true, 3);
   a.train(2, 11);
   a.ckpt.save(path);
@@ -255,7 +256,7 @@ TEST(PsCheckpoint, BrokenCheckpointsAreRefusedAndChangeNothing) {
   expect_error(path, ds::ErrorCode::kNotFound, {shards[1]});
   // A shard file of another save under the expected name (index/shard disagreement).
   {
-    const std::string other = temp_dir(kTempPrefix);
+    const std::string other = temp_dir(kPsCheckpointTempPrefix);
     a.ckpt.save(other + "/ckpt-1.safetensors");
     const auto os = shard_files(other);
     copy(other + "/" + os[1], dir + "/" + shards[1]);
@@ -286,7 +287,7 @@ TEST(PsCheckpoint, BrokenCheckpointsAreRefusedAndChangeNothing) {
 // `latest` on the previous checkpoint, which loads and restores; the next
 // successful save prunes the failed save's shard files.
 TEST(PsCheckpoint, FailureBetweenShardsAndIndexLeavesThePreviousCheckpoint) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kPsCheckpointTempPrefix);
   Job a(kTwo, false, 3);
   ds::CheckpointManager manager(a.ckpt, dir, {2});
   a.train(1, 1);
@@ -322,7 +323,7 @@ TEST(PsCheckpoint, FailureBetweenShardsAndIndexLeavesThePreviousCheckpoint) {
 // a new job with three PS ranks resumes on both workers (each gets the
 // metadata) and keeps training.
 TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kPsCheckpointTempPrefix);
   auto run_job = [&](int num_ps,
                      const std::function<void(ds::ParameterServerStrategy&, int)>& body) {
     ds::ParameterServerOptions o;
@@ -382,7 +383,7 @@ TEST(PsCheckpoint, TwoWorkersSaveAConsistentCutAndAJobWithThreePsRanksResumes) {
 // at the same step, agreed through PS 0 without lockstep, and the checkpoint
 // they save there holds both workers' pushes up to it.
 TEST(PsCheckpoint, WorkersAgreeOnAPreemptionStep) {
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kPsCheckpointTempPrefix);
   ds::ParameterServerOptions o;
   o.num_ps = 1;
   o.communication.timeout = std::chrono::seconds(30);
@@ -439,7 +440,7 @@ TEST(PsCheckpoint, WorkersAgreeOnAPreemptionStep) {
 // pruning. After every kill the latest checkpoint loads whole and verified.
 TEST(PsCheckpoint, KillDuringSaveAlwaysLeavesALoadableLatest) {
   const ds::testing::KillStats st = ds::testing::kill_during_save(
-      temp_dir(kTempPrefix),
+      temp_dir(kPsCheckpointTempPrefix),
       [](const std::string& dir, int64_t first_step) {
         ds::ParameterServerStrategy s(options(kTwo));
         ds::Variable big =
@@ -459,7 +460,7 @@ TEST(PsCheckpoint, PsRanksRefuseToSaveThemselves) {
   auto ps = ds::ps::make_strategy(group.at(1), o);
   ds::Checkpoint ckpt(*ps);
   try {
-    ckpt.save(temp_dir(kTempPrefix) + "/x.safetensors");
+    ckpt.save(temp_dir(kPsCheckpointTempPrefix) + "/x.safetensors");
     ADD_FAILURE() << "a PS rank saved";
   } catch (const ds::FailedPreconditionError& e) {
     EXPECT_NE(e.message().find("rank 1 (ps 0)"), std::string::npos) << e.what();

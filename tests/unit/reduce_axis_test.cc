@@ -15,7 +15,7 @@ using Config = ds::testing::StrategyConfig;
 
 namespace {
 
-const std::vector<Config> kConfigs = {
+const std::vector<Config> kAxisConfigs = {
     {"mirrored", 1, 1},     {"mirrored", 1, 3},     {"central_storage", 1, 2},
     {"multi_worker", 2, 2}, {"multi_worker", 3, 1}, {"parameter_server", 1, 2},
 };
@@ -43,7 +43,7 @@ ds::Tensor block_of(int r, ds::DType dtype) {
 }  // namespace
 
 TEST(ReduceAxis, AxisZeroCoversEveryRowOfEveryReplica) {
-  for (const Config& c : kConfigs) {
+  for (const Config& c : kAxisConfigs) {
     ds::testing::with_strategy(c, [&](ds::Strategy& s, int worker) {
       const int n = s.num_replicas_in_sync();
       std::vector<float> all;
@@ -74,7 +74,7 @@ TEST(ReduceAxis, AxisZeroCoversEveryRowOfEveryReplica) {
 }
 
 TEST(ReduceAxis, InnerAxesReduceEachValueAfterTheReplicas) {
-  for (const Config& c : kConfigs) {
+  for (const Config& c : kAxisConfigs) {
     ds::testing::with_strategy(c, [&](ds::Strategy& s, int worker) {
       const int n = s.num_replicas_in_sync();
       const std::string where = c.label() + " worker " + std::to_string(worker);
@@ -126,7 +126,7 @@ TEST(ReduceAxis, EmptyAxisIsASumOfNothingOrAnError) {
 }
 
 TEST(ReduceInt64, CountsAreExactUnderEveryStrategy) {
-  for (const Config& c : kConfigs) {
+  for (const Config& c : kAxisConfigs) {
     ds::testing::with_strategy(c, [&](ds::Strategy& s, int worker) {
       const int64_t n = s.num_replicas_in_sync();
       const std::string where = c.label() + " worker " + std::to_string(worker);

@@ -26,12 +26,6 @@ using diststrat_test::LeaseDir;
 
 namespace {
 
-ds::GpuOptions gpu_options(const LeaseDir& dir) {
-  ds::GpuOptions o;
-  o.lease = dir.options();
-  return o;
-}
-
 // Trains the test MLP for `steps` steps of 16 samples with SGD + momentum
 // (a slot per variable) and returns the final weights (host).
 std::vector<ds::Tensor> train(ds::Strategy& s, int steps,
@@ -60,7 +54,7 @@ TEST(CentralStorageOnFakeGpus, HostVariablesGpuComputeMatchesCpuTraining) {
   FakeGpuBackend* fake = backend.get();
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager = std::make_shared<ds::DeviceManager>(gpu_options(dir), std::move(backend));
+  o.device_manager = std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::move(backend));
   ds::CentralStorageStrategy gpu(o);
   const auto got = train(gpu, 6);
   EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
@@ -83,7 +77,7 @@ TEST(CentralStorageOnFakeGpus, ReadsAreDeviceCopiesAndResultsComeBackToTheHost) 
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
   o.device_manager =
-      std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(2));
+      std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
   ds::CentralStorageStrategy s(o);
   ds::Variable v = s.create_variable("v", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{2});
   ds::Variable n = s.create_variable("n", ds::Shape{1}, ds::DType::kInt64, ds::init::Zeros{});
@@ -121,7 +115,7 @@ TEST(CentralStorageOnFakeGpus, MissingGpusAndGpuParameterDeviceAreRejected) {
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};  // only one fake GPU
   o.device_manager =
-      std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(1));
+      std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
   EXPECT_THROW(ds::CentralStorageStrategy{o}, ds::NotFoundError);
   o.devices = {ds::Device::gpu(0)};
   o.parameter_device = ds::Device::gpu(0);
@@ -156,7 +150,7 @@ std::vector<ds::Tensor> train_multi_worker(bool gpus, int steps, std::atomic<int
           auto backend = std::make_unique<FakeGpuBackend>(2);
           FakeGpuBackend* fake = backend.get();
           o.device_manager =
-              std::make_shared<ds::DeviceManager>(gpu_options(*dirs[w]), std::move(backend));
+              std::make_shared<ds::DeviceManager>(dirs[w]->gpu_options(), std::move(backend));
           ds::MultiWorkerMirroredStrategy s(o);
           out[w] = train(s, steps);
           *device_updates += fake->updates.load();
@@ -194,7 +188,7 @@ TEST(MultiWorkerOnFakeGpus, VariablesLiveOnTheDevicesAndComeBackToTheHost) {
   o.communicator = &flat.at(0);
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
   o.device_manager =
-      std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(2));
+      std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
   ds::MultiWorkerMirroredStrategy s(o);
   ds::Variable v = s.create_variable("v", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{2});
   ASSERT_EQ(v.impl().copies.size(), 2u);
@@ -234,7 +228,7 @@ TEST(ParameterServerOnFakeGpus, GpuWorkerReplicasMatchCpuWorkerTraining) {
   LeaseDir dir;
   auto backend = std::make_unique<FakeGpuBackend>(2);
   FakeGpuBackend* fake = backend.get();
-  auto dm = std::make_shared<ds::DeviceManager>(gpu_options(dir), std::move(backend));
+  auto dm = std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::move(backend));
   const auto got = train_ps({ds::Device::gpu(0), ds::Device::gpu(1)}, dm, 6);
   EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
   EXPECT_EQ(fake->nccl_groups.load(), 1);  // the worker's replicas all-reduce on the GPUs
@@ -248,7 +242,7 @@ TEST(ParameterServerOnFakeGpus, OneGpuReplicaReadsADeviceCopyOfTheCache) {
   o.num_ps = 1;
   o.devices = {ds::Device::gpu(0)};
   o.device_manager =
-      std::make_shared<ds::DeviceManager>(gpu_options(dir), std::make_unique<FakeGpuBackend>(1));
+      std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
   ds::ParameterServerStrategy s(o);
   ds::Variable w =
       s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});

@@ -17,12 +17,14 @@
 #include "diststrat/multi_worker_mirrored.h"
 #include "strategy_configs.h"
 #include "../common/temp_dir.h"
+#include "../common/compare.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-const auto cpus = ds::testing::cpu_devices;
+using diststrat_test::same_bytes;
+using ds::testing::cpu_devices;
 
 using Config = ds::testing::StrategyConfig;
 using ds::testing::with_strategy;
@@ -37,7 +39,8 @@ const std::vector<Config>& setups() {
 }
 
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] = "diststrat-onread-";  // removed at exit (tests/common/temp_dir.h)
+constexpr char kOnReadTempPrefix[] =
+    "diststrat-onread-";  // removed at exit (tests/common/temp_dir.h)
 
 ds::VariableOptions on_read(ds::VariableAggregation a) {
   ds::VariableOptions o;
@@ -77,11 +80,6 @@ std::string values_of(const ds::Tensor& t) {
   return "{" + s + "}";
 }
 
-bool same(const ds::Tensor& a, const ds::Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
-         std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
 }  // namespace
 
 TEST(SyncOnRead, CrossReplicaAssignReadsBackForEveryAggregationAndStrategy) {
@@ -95,7 +93,7 @@ TEST(SyncOnRead, CrossReplicaAssignReadsBackForEveryAggregationAndStrategy) {
           const ds::Tensor want = sample(dtype);
           v.assign(want);
           const ds::Tensor got = v.value();
-          EXPECT_TRUE(same(got, want))
+          EXPECT_TRUE(same_bytes(got, want))
               << s.label() << " worker " << worker << " " << name << ": assign " << values_of(want)
               << " then value() " << values_of(got);
         }
@@ -135,7 +133,7 @@ TEST(SyncOnRead, ReplicaUpdatesAggregateAsDocumented) {
 // counting goes on from the restored value.
 TEST(SyncOnRead, CounterSurvivesFiveSaveRestoreCyclesUnderEveryStrategy) {
   for (const Config& s : setups()) {
-    const std::string dir = temp_dir(kTempPrefix);
+    const std::string dir = temp_dir(kOnReadTempPrefix);
     with_strategy(s, [&](ds::Strategy& st, int worker) {
       const std::string where = s.label() + " worker " + std::to_string(worker);
       const int n = st.num_replicas_in_sync();
@@ -174,7 +172,7 @@ TEST(SyncOnRead, CounterSurvivesFiveSaveRestoreCyclesUnderEveryStrategy) {
         ckpt.restore(path);
         for (size_t k = 0; k < vars.size(); ++k) {
           const ds::Tensor now = vars[k].value();
-          EXPECT_TRUE(same(now, before[k]))
+          EXPECT_TRUE(same_bytes(now, before[k]))
               << where << " cycle " << cycle << " '" << vars[k].name()
               << "': " << values_of(before[k]) << " became " << values_of(now);
         }
@@ -198,7 +196,7 @@ TEST(SyncOnRead, RestoreOntoAnotherReplicaOrWorkerCountKeepsTheAggregate) {
       {{"multi_worker", 2, 1}, {"multi_worker", 2, 2}},
   };
   for (const auto& [from, to] : pairs) {
-    const std::string path = temp_dir(kTempPrefix) + "/x.safetensors";
+    const std::string path = temp_dir(kOnReadTempPrefix) + "/x.safetensors";
     std::vector<ds::Tensor> saved;
     auto make = [&](ds::Strategy& st) {
       std::vector<ds::Variable> vars;
@@ -223,16 +221,17 @@ TEST(SyncOnRead, RestoreOntoAnotherReplicaOrWorkerCountKeepsTheAggregate) {
       ds::Checkpoint(st).restore(path);
       for (size_t k = 0; k < vars.size(); ++k) {
         const ds::Tensor got = vars[k].value();
-        EXPECT_TRUE(same(got, saved[k])) << from.label() << " -> " << to.label() << " worker "
-                                         << worker << " '" << vars[k].name() << "': saved "
-                                         << values_of(saved[k]) << ", restored " << values_of(got);
+        EXPECT_TRUE(same_bytes(got, saved[k]))
+            << from.label() << " -> " << to.label() << " worker " << worker << " '"
+            << vars[k].name() << "': saved " << values_of(saved[k]) << ", restored "
+            << values_of(got);
       }
     });
   }
 }
 
 TEST(SyncOnRead, TrainableSyncOnReadVariablesAreRejected) {
-  ds::MirroredStrategy st(cpus(2));
+  ds::MirroredStrategy st(cpu_devices(2));
   ds::VariableOptions o = on_read(ds::VariableAggregation::kSum);
   o.trainable = true;
   try {

@@ -26,7 +26,8 @@ namespace {
 const double kPi = 3.14159265358979323846;
 
 using diststrat_test::temp_dir;
-constexpr char kTempPrefix[] = "diststrat_training_";  // removed at exit (tests/common/temp_dir.h)
+constexpr char kTrainingTempPrefix[] =
+    "diststrat_training_";  // removed at exit (tests/common/temp_dir.h)
 
 // ---- schedules: closed forms -------------------------------------------------
 
@@ -255,7 +256,7 @@ void resume_case(const std::function<std::unique_ptr<ds::Strategy>()>& make, boo
   a.train(4, 11);
   a.train(5, 12);
 
-  const std::string dir = temp_dir(kTempPrefix);
+  const std::string dir = temp_dir(kTrainingTempPrefix);
   {
     Scheduled b(make(), 3, adam);
     b.train(4, 11);

@@ -31,7 +31,7 @@ using diststrat_test::LeaseDir;
 
 namespace {
 
-struct Config {
+struct GpuFeatureConfig {
   ds::GradientClipping clip;
   bool loss_scale = false;
   int accumulate = 1;
@@ -95,7 +95,7 @@ ds::Tensor gradient(ds::ReplicaContext& ctx, const ds::Variable& v, size_t k, in
 // `before` runs once the model and optimizer exist (a restore), `after`
 // once training is done (a save). The gradients continue from the restored
 // step counter.
-TrainRun train(TrainSetup& s, const Config& c,
+TrainRun train(TrainSetup& s, const GpuFeatureConfig& c,
                const std::function<void(ds::Optimizer&)>& after = nullptr,
                const std::function<void(ds::Optimizer&)>& before = nullptr) {
   ds::Strategy& strategy = *s.strategy;
@@ -169,7 +169,7 @@ void expect_same(const TrainRun& gpu, const TrainRun& cpu) {
   EXPECT_EQ(gpu.final_scale, cpu.final_scale);
 }
 
-TrainRun run_on(bool gpu, const Config& c) {
+TrainRun run_on(bool gpu, const GpuFeatureConfig& c) {
   TrainSetup s(gpu, c.zero);
   return train(s, c);
 }
@@ -186,7 +186,7 @@ TEST(TrainingOnFakeGpus, ClippingByGlobalNormNormAndValueMatchesCpuBitForBit) {
       {"global_norm", {0.2f, 0, 0}, 2}, {"norm", {0, 0.05f, 0}, 2}, {"value", {0, 0, 0.01f}, 1}};
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
-    Config c;
+    GpuFeatureConfig c;
     c.clip = k.clip;
     const TrainRun cpu = run_on(false, c);
     const TrainRun gpu = run_on(true, c);
@@ -202,7 +202,7 @@ TEST(TrainingOnFakeGpus, ClippingByGlobalNormNormAndValueMatchesCpuBitForBit) {
 TEST(TrainingOnFakeGpus, LossScalingSkipsTheStepWithAnInfOnEveryReplicaLikeTheCpu) {
   for (bool adam : {false, true}) {
     SCOPED_TRACE(adam ? "adam" : "sgd momentum");
-    Config c;
+    GpuFeatureConfig c;
     c.loss_scale = true;
     c.adam = adam;
     c.poison = 3;
@@ -223,7 +223,7 @@ TEST(TrainingOnFakeGpus, LossScalingSkipsTheStepWithAnInfOnEveryReplicaLikeTheCp
 }
 
 TEST(TrainingOnFakeGpus, AccumulationOverKMicroBatchesMatchesCpuWithOneLaunchEach) {
-  Config c;
+  GpuFeatureConfig c;
   c.accumulate = 3;
   c.steps = 4;
   const TrainRun cpu = run_on(false, c);
@@ -237,7 +237,7 @@ TEST(TrainingOnFakeGpus, AccumulationOverKMicroBatchesMatchesCpuWithOneLaunchEac
 }
 
 TEST(TrainingOnFakeGpus, LossScalingGlobalNormAndAccumulationTogetherMatchCpu) {
-  Config c;
+  GpuFeatureConfig c;
   c.adam = true;
   c.loss_scale = true;
   c.clip.global_norm = 0.3f;
@@ -257,7 +257,7 @@ TEST(TrainingOnFakeGpus, LossScalingGlobalNormAndAccumulationTogetherMatchCpu) {
 TEST(TrainingOnFakeGpus, LossScaleStateOnTheDeviceIsCheckpointed) {
   const diststrat_test::TempDir tmp("diststrat-train-gpu-");
   const std::string path = tmp / "ls.safetensors";
-  Config c;
+  GpuFeatureConfig c;
   c.loss_scale = true;
   c.poison = 3;
   c.steps = 5;
@@ -284,7 +284,7 @@ TEST(TrainingOnFakeGpus, LossScaleStateOnTheDeviceIsCheckpointed) {
 // skipped step (their one scalar reduced across the replicas).
 TEST(TrainingOnFakeGpus, ZeroOneWithDeviceVariablesMatchesCpuZeroOne) {
   for (int variant = 0; variant < 3; ++variant) {
-    Config c;
+    GpuFeatureConfig c;
     c.zero = true;
     c.adam = variant == 1;
     if (variant == 2) {
@@ -318,7 +318,7 @@ TEST(TrainingOnFakeGpus, ZeroOneDeviceStateCheckpointsAndContinuesExactly) {
   const std::string path = tmp / "zero.safetensors";
   for (bool adam : {false, true}) {
     SCOPED_TRACE(adam ? "adam" : "sgd momentum");
-    Config c;
+    GpuFeatureConfig c;
     c.zero = true;
     c.adam = adam;
     c.steps = 3;
@@ -328,7 +328,7 @@ TEST(TrainingOnFakeGpus, ZeroOneDeviceStateCheckpointsAndContinuesExactly) {
     const TrainRun resumed = train(b, c, nullptr, [&](ds::Optimizer& opt) {
       ds::Checkpoint(*b.strategy, {&opt}).restore(path);
     });
-    Config one = c;
+    GpuFeatureConfig one = c;
     one.steps = 1;
     TrainSetup d(true, true);  // one step of its own first: the blocks exist
     TrainRun overwritten;
@@ -354,7 +354,7 @@ TEST(TrainingOnFakeGpus, ZeroOneDeviceStateCheckpointsAndContinuesExactly) {
       }
       for (const ds::Variable& v : vars) overwritten.weights.push_back(v.value());
     }
-    Config six = c;
+    GpuFeatureConfig six = c;
     six.steps = 6;
     const TrainRun straight = run_on(false, six);
     ASSERT_EQ(resumed.weights.size(), straight.weights.size());

@@ -27,7 +27,7 @@ namespace zc = ds::zero_cases;
 
 namespace {
 
-constexpr int kSteps = 20;
+constexpr int kZeroSteps = 20;
 constexpr double kTol = 1e-5;
 
 // A file in a fresh directory under $TMPDIR (else /tmp); remove_temp
@@ -82,16 +82,16 @@ TEST(ZeroMirrored, UnevenShardsMatchUnshardedTrainingSgdMomentumAndAdam) {
     for (int replicas : {1, 2, 3, 4}) {
       SCOPED_TRACE(std::string(adam ? "Adam" : "SGD-momentum") + ", " + std::to_string(replicas) +
                    " replicas");
-      const std::vector<ds::Tensor> ref = reference(replicas, adam, kSteps);
+      const std::vector<ds::Tensor> ref = reference(replicas, adam, kZeroSteps);
       ds::MirroredStrategy s(mirrored(replicas, true));
       auto vars = zc::create_model(s);
       auto opt = zc::make_optimizer(s, adam);
       EXPECT_EQ(opt->slot_bytes_per_replica(), 0);  // nothing created yet
-      zc::train(s, *opt, vars, kSteps);
+      zc::train(s, *opt, vars, kZeroSteps);
       EXPECT_TRUE(opt->sharded());
       EXPECT_LE(zc::max_diff(zc::values(vars), ref), kTol);
       EXPECT_TRUE(zc::copies_identical(vars));
-      EXPECT_EQ(opt->iterations().value().data<int64_t>()[0], kSteps);
+      EXPECT_EQ(opt->iterations().value().data<int64_t>()[0], kZeroSteps);
       // Blocks of ceil(50 / R) elements per slot: ~1/R of the full slots.
       const int64_t block = (zc::kModelElements + replicas - 1) / replicas;
       EXPECT_EQ(opt->slot_bytes_per_replica(), block * 4 * (adam ? 2 : 1));
@@ -119,13 +119,13 @@ TEST(ZeroMultiWorker, WorkersAsThreadsMatchUnshardedAndStayBitIdentical) {
          {std::pair<int, int>{1, 1}, {2, 1}, {3, 1}, {4, 1}, {2, 2}}) {
       SCOPED_TRACE(std::string(adam ? "Adam" : "SGD-momentum") + ", " + std::to_string(workers) +
                    " workers x " + std::to_string(local));
-      const std::vector<ds::Tensor> ref = reference(workers * local, adam, kSteps);
+      const std::vector<ds::Tensor> ref = reference(workers * local, adam, kZeroSteps);
       std::vector<std::vector<ds::Tensor>> copies(static_cast<size_t>(workers));
       std::vector<int64_t> bytes(static_cast<size_t>(workers));
       run_workers(workers, local, true, [&](ds::MultiWorkerMirroredStrategy& s, int w) {
         auto vars = zc::create_model(s);
         auto opt = zc::make_optimizer(s, adam);
-        zc::train(s, *opt, vars, kSteps);
+        zc::train(s, *opt, vars, kZeroSteps);
         bytes[static_cast<size_t>(w)] = opt->slot_bytes_per_replica();
         for (const auto& v : vars) {
           for (const ds::Tensor& c : v.impl().copies)
@@ -187,14 +187,14 @@ TEST(ZeroTrainingFeatures, GlobalNormClippingUsesTheGlobalNorm) {
   clip.global_norm = 0.2f;  // below the early norms: it clips
   for (bool adam : {false, true}) {
     zc::StepLog ref_log;
-    const auto ref = reference(3, adam, kSteps, &ref_log, clip);
+    const auto ref = reference(3, adam, kZeroSteps, &ref_log, clip);
     ds::MirroredStrategy s(mirrored(3, true));
     auto vars = zc::create_model(s);
     auto opt = zc::make_optimizer(s, adam);
     opt->set_clipping(clip);
-    const zc::StepLog log = zc::train(s, *opt, vars, kSteps);
+    const zc::StepLog log = zc::train(s, *opt, vars, kZeroSteps);
     EXPECT_GT(ref_log.norms[0], clip.global_norm);
-    for (int i = 0; i < kSteps; ++i) {
+    for (int i = 0; i < kZeroSteps; ++i) {
       EXPECT_NEAR(log.norms[i], ref_log.norms[i], 1e-6 * ref_log.norms[i]) << "step " << i;
     }
     EXPECT_LE(zc::max_diff(zc::values(vars), ref), kTol);
@@ -203,12 +203,12 @@ TEST(ZeroTrainingFeatures, GlobalNormClippingUsesTheGlobalNorm) {
   // Clipping by value is element-wise: fine on blocks.
   ds::GradientClipping value;
   value.value = 0.05f;
-  const auto ref = reference(3, true, kSteps, nullptr, value);
+  const auto ref = reference(3, true, kZeroSteps, nullptr, value);
   ds::MirroredStrategy s(mirrored(3, true));
   auto vars = zc::create_model(s);
   auto opt = zc::make_optimizer(s, true);
   opt->set_clipping(value);
-  zc::train(s, *opt, vars, kSteps);
+  zc::train(s, *opt, vars, kZeroSteps);
   EXPECT_LE(zc::max_diff(zc::values(vars), ref), kTol);
 }
 
@@ -271,7 +271,7 @@ TEST(ZeroTrainingFeatures, AccumulationCommunicatesNothingOnEarlierMicroBatches)
         throw std::runtime_error("micro-batch 1 of 2 applied");
     });
     const int64_t lone = calls() - before;
-    zc::train(s, opt, vars, kSteps - 2 * k - 1);
+    zc::train(s, opt, vars, kZeroSteps - 2 * k - 1);
     return lone;
   };
   std::vector<ds::Tensor> ref;
@@ -293,7 +293,7 @@ TEST(ZeroTrainingFeatures, AccumulationCommunicatesNothingOnEarlierMicroBatches)
   });
   for (int w = 0; w < 2; ++w) {
     EXPECT_EQ(lone_calls[static_cast<size_t>(w)], 0) << "worker " << w;
-    EXPECT_EQ(updates[static_cast<size_t>(w)], kSteps / k);
+    EXPECT_EQ(updates[static_cast<size_t>(w)], kZeroSteps / k);
     EXPECT_LE(zc::max_diff(got[static_cast<size_t>(w)], ref), kTol);
   }
 }
@@ -331,14 +331,14 @@ TEST(ZeroTrainingFeatures, UnsupportedCombinationsAreUnimplementedNamingThem) {
 TEST(ZeroCheckpoint, MirroredThreeShardedRestoresOnTwoUnshardedAndFourSharded) {
   for (bool adam : {false, true}) {
     SCOPED_TRACE(adam ? "Adam" : "SGD-momentum");
-    const auto ref = reference(3, adam, kSteps);
+    const auto ref = reference(3, adam, kZeroSteps);
     const std::string path = temp_path("mirrored");
     std::vector<std::pair<std::string, ds::Tensor>> sharded_state, plain_state;
     {
       ds::MirroredStrategy s(mirrored(3, true));
       auto vars = zc::create_model(s);
       auto opt = zc::make_optimizer(s, adam);
-      zc::train(s, *opt, vars, kSteps / 2);
+      zc::train(s, *opt, vars, kZeroSteps / 2);
       ds::Checkpoint ck(s, {opt.get()});
       ck.save(path);
       sharded_state = ck.state();
@@ -349,7 +349,7 @@ TEST(ZeroCheckpoint, MirroredThreeShardedRestoresOnTwoUnshardedAndFourSharded) {
       ds::MirroredStrategy s(mirrored(3, false));
       auto vars = zc::create_model(s);
       auto opt = zc::make_optimizer(s, adam);
-      zc::train(s, *opt, vars, kSteps / 2);
+      zc::train(s, *opt, vars, kZeroSteps / 2);
       plain_state = ds::Checkpoint(s, {opt.get()}).state();
     }
     ASSERT_EQ(sharded_state.size(), plain_state.size());
@@ -370,8 +370,8 @@ TEST(ZeroCheckpoint, MirroredThreeShardedRestoresOnTwoUnshardedAndFourSharded) {
       // Sharded: one step first, so the restore writes into laid-out blocks.
       if (zero) zc::train(s, *opt, vars, 1);
       ds::Checkpoint(s, {opt.get()}).restore(path);
-      EXPECT_EQ(opt->iterations().value().data<int64_t>()[0], kSteps / 2);
-      zc::train(s, *opt, vars, kSteps / 2);
+      EXPECT_EQ(opt->iterations().value().data<int64_t>()[0], kZeroSteps / 2);
+      zc::train(s, *opt, vars, kZeroSteps / 2);
       EXPECT_LE(zc::max_diff(zc::values(vars), ref), kTol);
       EXPECT_TRUE(zc::copies_identical(vars));
     }
@@ -381,12 +381,12 @@ TEST(ZeroCheckpoint, MirroredThreeShardedRestoresOnTwoUnshardedAndFourSharded) {
 
 TEST(ZeroCheckpoint, MultiWorkerThreeShardedRestoresOnTwoUnshardedAndFourSharded) {
   const bool adam = true;
-  const auto ref = reference(3, adam, kSteps);
+  const auto ref = reference(3, adam, kZeroSteps);
   const std::string path = temp_path("multi_worker");
   run_workers(3, 1, true, [&](ds::MultiWorkerMirroredStrategy& s, int) {
     auto vars = zc::create_model(s);
     auto opt = zc::make_optimizer(s, adam);
-    zc::train(s, *opt, vars, kSteps / 2);
+    zc::train(s, *opt, vars, kZeroSteps / 2);
     ds::Checkpoint(s, {opt.get()}).save(path);
   });
   for (const auto& [workers, zero] : {std::pair<int, bool>{2, false}, {4, true}}) {
@@ -397,7 +397,7 @@ TEST(ZeroCheckpoint, MultiWorkerThreeShardedRestoresOnTwoUnshardedAndFourSharded
       auto opt = zc::make_optimizer(s, adam);
       // Restored before the first step: full slots, cut into blocks by it.
       ds::Checkpoint(s, {opt.get()}).restore(path);
-      zc::train(s, *opt, vars, kSteps / 2);
+      zc::train(s, *opt, vars, kZeroSteps / 2);
       got[static_cast<size_t>(w)] = zc::values(vars);
       if (zero) {
         EXPECT_LE(opt->slot_bytes_per_replica(), 13 * 4 * 2);  // ceil(50 / 4) per slot
