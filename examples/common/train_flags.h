@@ -34,6 +34,7 @@ struct TrainFlags {
   uint64_t seed = 1;
   std::string data = diststrat::kFashionMnistDir;
   int64_t limit = 0;
+  int64_t test_limit = 0;
   std::string timeline;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
@@ -59,7 +60,7 @@ inline void add_strategy_flags(CLI::App& app, TrainFlags& f, const std::string& 
       ->capture_default_str();
 }
 
-// --replicas, the training loop's flags (--epochs ... --limit), --timeline,
+// --replicas, the training loop's flags (--epochs ... --limit, --test-limit), --timeline,
 // the checkpoint flags (--checkpoint-dir, --checkpoint-every, --max-to-keep,
 // --max-steps) and --timeout.
 inline void add_training_flags(CLI::App& app, TrainFlags& f) {
@@ -82,6 +83,10 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
   app.add_option("--seed", f.seed, "initialization and shuffling seed")->capture_default_str();
   app.add_option("--data", f.data, "directory with the IDX files")->capture_default_str();
   app.add_option("--limit", f.limit, "use only the first N training rows (0 = all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--test-limit", f.test_limit,
+                 "measure the test accuracy on only the first N test rows (0 = all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--timeline", f.timeline,

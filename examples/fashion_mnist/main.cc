@@ -173,7 +173,7 @@ int main(int argc, char** argv) {
     const bool chief = cluster.is_chief() || cluster.world_size == 1;
 
     const ds::Dataset train = ds::load_mnist_split(f.data, "train", f.limit);
-    const ds::Dataset test = ds::load_mnist_split(f.data, "t10k");
+    const ds::Dataset test = ds::load_mnist_split(f.data, "t10k", f.test_limit);
 
     ds::nn::Mlp mlp({784, 256, 256, 10});
     std::vector<ds::Variable> params = mlp.create_variables(*strategy, f.seed);

@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
     const bool chief = cluster.is_chief() || cluster.world_size == 1;
 
     const ds::Dataset train = ds::load_mnist_split(f.data, "train", f.limit);
-    const ds::Dataset test = ds::load_mnist_split(f.data, "t10k");
+    const ds::Dataset test = ds::load_mnist_split(f.data, "t10k", f.test_limit);
 
     // Every process builds the module alike. DDP checks that the replicas
     // agree and broadcasts the chief's values; the PS keeps the chief's.

@@ -14,7 +14,7 @@ set -euo pipefail
 train=$1 predict=$2
 work=$(mktemp -d /tmp/diststrat_ckrob_XXXXXX)
 trap 'rm -rf "$work"' EXIT
-flags=(--limit 256 --epochs 1 --batch 64 --replicas 1 --checkpoint-every 1)
+flags=(--limit 256 --test-limit 1000 --epochs 1 --batch 64 --replicas 1 --checkpoint-every 1)
 
 fail() {
   echo "FAIL: $*"

@@ -19,7 +19,7 @@ work=$(mktemp -d /tmp/diststrat_ps_resume_XXXXXX)
 trap 'rm -rf "$work"' EXIT
 ps_flags=(--strategy parameter_server --ps 1)
 run() { "${launch[@]}" "$bin" "${ps_flags[@]}" "$@"; }
-flags=(--limit 512 --epochs 2 --batch 64 --checkpoint-every 4)
+flags=(--limit 512 --test-limit 1000 --epochs 2 --batch 64 --checkpoint-every 4)
 
 d="$work/stop"
 run "${flags[@]}" --checkpoint-dir "$d" --max-steps 6 > "$d.log1" 2>&1
@@ -31,7 +31,7 @@ grep -q "resumed from $d/ckpt-4.safetensors: epoch 1, batch 4, step 4" "$d.log2"
 grep -q "finished: saved $d/ckpt-16.safetensors at step 16" "$d.log2" ||
   { echo "FAIL: the resumed run did not finish"; cat "$d.log2"; exit 1; }
 want=$(sed -n 's/^final: .*test_accuracy=\([0-9.]*\).*/\1/p' "$d.log2")
-"$predict" --checkpoint "$d" > "$work/predict.log"
+"$predict" --checkpoint "$d" --limit 1000 > "$work/predict.log"  # the trainer's --test-limit
 got=$(sed -n 's/^accuracy=\([0-9.]*\).*/\1/p' "$work/predict.log")
 [[ -n "$want" && "$want" == "$got" ]] || { echo "FAIL: trainer says $want, predict says $got"; cat "$work/predict.log"; exit 1; }
 echo "ok: stopped at step 6, resumed from step 4, finished; predict on the sharded checkpoint: accuracy $got"
@@ -39,7 +39,7 @@ echo "ok: stopped at step 6, resumed from step 4, finished; predict on the shard
 # Preemption. The run cannot finish first (a million epochs); SIGTERM is sent
 # once its first checkpoint exists; every wait below is bounded.
 every=25
-pflags=(--limit 256 --epochs 1000000 --batch 32 --checkpoint-every $every)
+pflags=(--limit 256 --test-limit 1000 --epochs 1000000 --batch 32 --checkpoint-every $every)
 preempt_after_first_checkpoint "$work/pre.log1" "$work/pre" \
   "${launch[@]}" "$bin" "${ps_flags[@]}" "${pflags[@]}" --checkpoint-dir "$work/pre"
 # (mpirun's own exit status says nothing here; the saved checkpoint decides.)

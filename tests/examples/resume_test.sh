@@ -32,7 +32,7 @@ export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-
 work=$(mktemp -d /tmp/diststrat_resume_XXXXXX)
 trap 'rm -rf "$work"' EXIT
 run() { ${launch[@]+"${launch[@]}"} "$bin" "${strategy_flags[@]}" "$@"; }
-flags=(--limit 512 --epochs 2 --batch 64 --checkpoint-every 4)
+flags=(--limit 512 --test-limit 1000 --epochs 2 --batch 64 --checkpoint-every 4)
 
 run "${flags[@]}" --checkpoint-dir "$work/ref" > "$work/ref.log"
 final=ckpt-16.safetensors
@@ -63,7 +63,7 @@ done
 # every 250 passed 4 of 4.
 every=${RESUME_TEST_PREEMPT_EVERY:-250}
 ((every > 0)) || { echo "ok: preemption part left out (RESUME_TEST_PREEMPT_EVERY=0)"; exit 0; }
-pflags=(--limit 256 --epochs 1000000 --batch 32 --checkpoint-every $every)
+pflags=(--limit 256 --test-limit 1000 --epochs 1000000 --batch 32 --checkpoint-every $every)
 preempt_after_first_checkpoint "$work/pre.log1" "$work/pre" \
   ${launch[@]+"${launch[@]}"} "$bin" "${strategy_flags[@]}" "${pflags[@]}" --checkpoint-dir "$work/pre"
 # The program exits 0. mpirun itself reports 1 after it was signalled, whatever

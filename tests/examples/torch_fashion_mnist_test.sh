@@ -17,7 +17,7 @@ shift
 launch=("$@")
 work=$(mktemp -d /tmp/diststrat_torch_example_XXXXXX)
 trap 'rm -rf "$work"' EXIT
-flags=(--epochs 1 --limit 4096 --batch 128 --momentum 0 --timeout 120)
+flags=(--epochs 1 --limit 4096 --test-limit 2000 --batch 128 --momentum 0 --timeout 120)
 field() { sed -n "s/.*$1=\([0-9.]*\).*/\1/p" | tail -1; }
 # |a - b| <= tol
 close() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= t) }'; }

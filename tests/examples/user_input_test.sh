@@ -17,13 +17,13 @@ trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL ($name): $*"; exit 1; }
 
 # 5: the batch overflowed (rows + b - 1) / b into 0 batches.
-"$bin" "$@" --replicas 2 --epochs 1 --limit 256 --batch 9223372036854775806 \
+"$bin" "$@" --replicas 2 --epochs 1 --limit 256 --test-limit 500 --batch 9223372036854775806 \
   --checkpoint-dir "$work/big" > "$work/big.log" 2>&1 || { cat "$work/big.log"; fail "huge --batch: exit $?"; }
 grep -q "finished: saved .* at step 1$" "$work/big.log" || { cat "$work/big.log"; fail "huge --batch did not train exactly one step"; }
 echo "ok: --batch 9223372036854775806 trains one batch of all 256 rows"
 
 # 19: a misspelled variable is named, with the closest known one.
-DISTSTRAT_TIMEOUTS=5 DISTSTRAT_LOGLEVEL=debug "$bin" "$@" --replicas 2 --epochs 1 --limit 64 --batch 32 \
+DISTSTRAT_TIMEOUTS=5 DISTSTRAT_LOGLEVEL=debug "$bin" "$@" --replicas 2 --epochs 1 --limit 64 --test-limit 500 --batch 32 \
   --max-steps 1 > "$work/env.log" 2>&1 || { cat "$work/env.log"; fail "misspelled variables: exit $?"; }
 grep -q "DISTSTRAT_TIMEOUTS.*did you mean DISTSTRAT_TIMEOUT?" "$work/env.log" || { cat "$work/env.log"; fail "no warning for DISTSTRAT_TIMEOUTS"; }
 grep -q "DISTSTRAT_LOGLEVEL.*did you mean DISTSTRAT_LOG_LEVEL?" "$work/env.log" || { cat "$work/env.log"; fail "no warning for DISTSTRAT_LOGLEVEL"; }
@@ -38,7 +38,7 @@ echo "ok: --limit -5 refused (exit $rc)"
 # 4: metadata that contradicts itself. Write a real checkpoint at step 30
 # (3 epochs of 10 batches), then rewrite its metadata with python's
 # safetensors-free header edit: the header is JSON after an 8-byte length.
-"$bin" "$@" --replicas 2 --epochs 3 --limit 320 --batch 32 --checkpoint-dir "$work/c" > "$work/c.log" 2>&1 ||
+"$bin" "$@" --replicas 2 --epochs 3 --limit 320 --test-limit 500 --batch 32 --checkpoint-dir "$work/c" > "$work/c.log" 2>&1 ||
   { cat "$work/c.log"; fail "writing the checkpoint: exit $?"; }
 for edit in "epoch=99" "batch=5"; do
   rm -rf "$work/e" && cp -r "$work/c" "$work/e"
@@ -67,7 +67,7 @@ open(path, "wb").write(struct.pack("<Q", len(body)) + body + data[8 + n:])
 PY
   rm -f "$work/e/manifest"  # the manager's list of its files names the header's old CRC
   rc=0
-  "$bin" "$@" --replicas 2 --epochs 4 --limit 320 --batch 32 --checkpoint-dir "$work/e" > "$work/e.log" 2>&1 || rc=$?
+  "$bin" "$@" --replicas 2 --epochs 4 --limit 320 --test-limit 500 --batch 32 --checkpoint-dir "$work/e" > "$work/e.log" 2>&1 || rc=$?
   if grep -q "final:" "$work/e.log" && [[ $rc -eq 0 ]]; then
     cat "$work/e.log"; fail "$edit: the contradicting checkpoint was believed"
   fi
