@@ -39,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../examples/common/timeout_flag.h"
 #include "allreduce/packed.h"
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport.h"
@@ -988,10 +989,7 @@ int main(int argc, char** argv) {
   app.add_option("--csv-out", c.csv_out, "also write the rows as CSV to this file");
   app.add_option("--segment-bytes", c.segment_bytes,
                  "CommunicationOptions::segment_bytes (0 = default)");
-  app.add_option("--timeout", c.timeout,
-                 "seconds any collective waits for peers, fractional allowed (default: "
-                 "$DISTSTRAT_TIMEOUT, else 300)")
-      ->check(ds::timeout_seconds_error);
+  diststrat_examples::add_timeout_flag(app, c.timeout);
   CLI11_PARSE(app, argc, argv);
   if (!algos.empty()) {
     c.algos.clear();

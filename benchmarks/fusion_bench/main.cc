@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "../../examples/common/timeout_flag.h"
 #include "allreduce/mpi_communicator.h"
 #include "diststrat/diststrat.h"
 
@@ -94,10 +95,7 @@ int main(int argc, char** argv) {
   app.add_option("--iters", iters, "timed iterations")->capture_default_str();
   app.add_flag("--sweep", sweep, "also sweep bytes_per_pack");
   std::string timeout_flag;
-  app.add_option("--timeout", timeout_flag,
-                 "seconds any collective waits for peers, fractional allowed (default: "
-                 "$DISTSTRAT_TIMEOUT, else 120)")
-      ->check(ds::timeout_seconds_error);
+  diststrat_examples::add_timeout_flag(app, timeout_flag, "120");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -13,6 +13,7 @@
 
 #include <diststrat/diststrat.h>
 
+#include "../../examples/common/timeout_flag.h"
 #include "allreduce/transport.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
@@ -34,7 +35,7 @@ double median(std::vector<double> v) {
 
 int sparse(int64_t rows, int64_t dim, double fraction, int reps, const std::string& timeout) {
   ds::ParameterServerOptions o;
-  if (!timeout.empty()) o.communication.timeout = ds::parse_timeout_seconds(timeout);
+  diststrat_examples::apply_timeout(timeout, o.communication);
   ds::InProcessTransportGroup group(2);  // worker 0, PS 1
   auto ps = ds::ps::make_strategy(group.at(1), o);
   double dense_s = 0, sparse_s = 0;
@@ -134,10 +135,7 @@ int main(int argc, char** argv) {
   app.add_option("--fraction", fraction)->capture_default_str();
   app.add_option("--reps", reps)->capture_default_str();
   std::string timeout;
-  app.add_option("--timeout", timeout,
-                 "seconds any collective waits for peers, fractional allowed (default: "
-                 "$DISTSTRAT_TIMEOUT, else 300)")
-      ->check(ds::timeout_seconds_error);
+  diststrat_examples::add_timeout_flag(app, timeout);
   CLI11_PARSE(app, argc, argv);
   try {
     return sparse(rows, dim, fraction, reps, timeout);

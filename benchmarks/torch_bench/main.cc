@@ -36,6 +36,7 @@
 #include <diststrat/diststrat.h>
 #include <diststrat/torch.h>
 
+#include "../../examples/common/timeout_flag.h"
 #include "c10d_loop.h"
 #include "ddp_loop.h"
 
@@ -100,8 +101,7 @@ int main(int argc, char** argv) {
   app.add_option("--world-size", world, "c10d without mpirun: number of processes");
   app.add_option("--store", store,
                  "c10d: the FileStore path (one new path, shared by every process)");
-  app.add_option("--timeout", timeout, "seconds any wait for a peer may take (default 300)")
-      ->check(ds::timeout_seconds_error);
+  diststrat_examples::add_timeout_flag(app, timeout);
   CLI11_PARSE(app, argc, argv);
 
   try {

@@ -46,6 +46,7 @@
 
 #include <diststrat/diststrat.h>
 
+#include "../../examples/common/timeout_flag.h"
 #include "../../examples/common/loss_meter.h"
 
 namespace ds = diststrat;
@@ -125,10 +126,7 @@ int main(int argc, char** argv) {
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
   std::string timeout;
-  app.add_option("--timeout", timeout,
-                 "seconds any collective waits for peers, fractional allowed (default: "
-                 "$DISTSTRAT_TIMEOUT, else 300)")
-      ->check(ds::timeout_seconds_error);
+  diststrat_examples::add_timeout_flag(app, timeout);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -144,7 +142,7 @@ int main(int argc, char** argv) {
             ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(replicas))
             : nullptr;
     ds::CommunicationOptions comm;
-    if (!timeout.empty()) comm.timeout = ds::parse_timeout_seconds(timeout);
+    diststrat_examples::apply_timeout(timeout, comm);
     // One-process strategies: each GPU split into `split_gpus` logical GPUs
     // sharing its memory (several replicas on one physical GPU).
     std::shared_ptr<ds::DeviceManager> local_gpus;

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "diststrat/diststrat.h"
+#include "timeout_flag.h"
 
 namespace diststrat_examples {
 
@@ -105,11 +106,7 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
                  "interruption (0 = no limit)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option(
-         "--timeout", f.timeout,
-         "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
-         "(default: $DISTSTRAT_TIMEOUT, else 300)")
-      ->check(diststrat::timeout_seconds_error);
+  add_timeout_flag(app, f.timeout);
 }
 
 }  // namespace diststrat_examples

@@ -18,6 +18,7 @@
 #include <diststrat/diststrat.h>
 
 #include "../common/terminate_on_nan.h"
+#include "../common/timeout_flag.h"
 
 namespace ds = diststrat;
 
@@ -122,17 +123,13 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   std::string timeout;
-  app.add_option(
-         "--timeout", timeout,
-         "seconds any collective (and set-up, and exit) waits for peers, fractional allowed "
-         "(default: $DISTSTRAT_TIMEOUT, else 300)")
-      ->check(ds::timeout_seconds_error);
+  diststrat_examples::add_timeout_flag(app, timeout);
   CLI11_PARSE(app, argc, argv);
 
   try {
     ds::ParameterServerOptions o;
     o.num_ps = f.ps;
-    if (!timeout.empty()) o.communication.timeout = ds::parse_timeout_seconds(timeout);
+    diststrat_examples::apply_timeout(timeout, o.communication);
     for (int i = 0; i < f.replicas; ++i) o.devices.push_back(ds::Device::cpu(i));
     // Split the table over every PS rank.
     o.partitioner = ds::partitioners::FixedShards{f.ps};

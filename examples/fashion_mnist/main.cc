@@ -16,6 +16,7 @@
 #include <diststrat/diststrat.h>
 
 #include "../common/loss_meter.h"
+#include "../common/make_strategy.h"
 #include "../common/terminate_on_nan.h"
 #include "../common/train_flags.h"
 #include "../common/train_position.h"
@@ -43,70 +44,20 @@ std::string model_string(const std::vector<int64_t>& sizes) {
   return "mlp:" + out;
 }
 
-std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
-  std::vector<ds::Device> devices;
-  for (int i = 0; i < f.replicas; ++i) {
-    devices.push_back(f.device == "gpu" ? ds::Device::gpu(i) : ds::Device::cpu(i));
+// --split-gpus: each GPU of a one-process strategy becomes that many logical
+// GPUs sharing its memory (null: the strategies' default DeviceManager).
+std::shared_ptr<ds::DeviceManager> split_local_gpus(const Flags& f) {
+  if (f.device != "gpu" || f.split_gpus <= 1 ||
+      (f.strategy != "mirrored" && f.strategy != "central_storage")) {
+    return nullptr;
   }
-  if (!f.timeline.empty() && f.strategy != "multi_worker") {
-    throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
+  auto gpus = std::make_shared<ds::DeviceManager>();
+  for (const ds::PhysicalDeviceInfo& p : gpus->list_physical_devices()) {
+    const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(f.split_gpus);
+    gpus->set_logical_device_configuration(
+        p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(f.split_gpus, {each}));
   }
-  ds::CommunicationOptions comm;
-  if (!f.timeout.empty()) comm.timeout = ds::parse_timeout_seconds(f.timeout);
-  // One-process strategies: each GPU becomes split_gpus logical GPUs sharing its memory.
-  std::shared_ptr<ds::DeviceManager> local_gpus;
-  if (f.device == "gpu" && f.split_gpus > 1 &&
-      (f.strategy == "mirrored" || f.strategy == "central_storage")) {
-    local_gpus = std::make_shared<ds::DeviceManager>();
-    for (const ds::PhysicalDeviceInfo& p : local_gpus->list_physical_devices()) {
-      const size_t each = p.free_memory_bytes / 10 * 9 / static_cast<size_t>(f.split_gpus);
-      local_gpus->set_logical_device_configuration(
-          p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(f.split_gpus, {each}));
-    }
-  }
-  if (f.strategy == "mirrored") {
-    ds::MirroredOptions o;
-    o.devices = devices;
-    o.device_manager = local_gpus;
-    o.communication = comm;
-    return std::make_unique<ds::MirroredStrategy>(o);
-  }
-  if (f.strategy == "central_storage") {
-    ds::CentralStorageOptions o;
-    o.devices = devices;
-    o.device_manager = local_gpus;
-    o.communication = comm;
-    return std::make_unique<ds::CentralStorageStrategy>(o);
-  }
-  // Multi-process strategies: one replica per process unless --replicas says
-  // otherwise (mpirun -np N already gives one process per core).
-  const std::vector<ds::Device> per_process =
-      f.replicas_given ? devices : std::vector<ds::Device>{devices.front()};
-  // On GPUs each process of the host uses (and leases) its own GPUs.
-  const std::shared_ptr<ds::DeviceManager> process_gpus =
-      f.device == "gpu" ? std::make_shared<ds::DeviceManager>(ds::gpu_options_for_local_process(
-                              static_cast<int>(per_process.size())))
-                        : nullptr;
-  if (f.strategy == "multi_worker") {
-    ds::MultiWorkerOptions o;
-    o.devices = per_process;
-    o.device_manager = process_gpus;
-    o.timeline_path = f.timeline;
-    o.communication.timeout = comm.timeout;
-    return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
-  }
-  if (f.strategy == "parameter_server") {
-    ds::ParameterServerOptions o;
-    o.num_ps = f.ps;
-    o.devices = per_process;
-    o.device_manager = process_gpus;
-    o.max_staleness = f.max_staleness;
-    o.communication.timeout = comm.timeout;
-    return std::make_unique<ds::ParameterServerStrategy>(o);
-  }
-  throw ds::InvalidArgumentError(
-      "unknown --strategy '" + f.strategy +
-      "' (available: mirrored, central_storage, multi_worker, parameter_server)");
+  return gpus;
 }
 
 // One updating line on a terminal, plain periodic lines otherwise.
@@ -158,7 +109,8 @@ int main(int argc, char** argv) {
   f.replicas_given = app.count("--replicas") > 0;
 
   try {
-    std::unique_ptr<ds::Strategy> strategy = make_strategy(f);
+    std::unique_ptr<ds::Strategy> strategy =
+        diststrat_examples::make_strategy(f, split_local_gpus(f));
     auto* ps = dynamic_cast<ds::ParameterServerStrategy*>(strategy.get());
     if (ps && ps->is_ps()) {  // PS ranks serve until the workers are done
       // With checkpoints, SIGTERM here does not end the PS: PS 0 tells the

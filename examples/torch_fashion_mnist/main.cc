@@ -39,6 +39,7 @@
 #include <diststrat/torch.h>
 
 #include "../common/loss_meter.h"
+#include "../common/make_strategy.h"
 #include "../common/terminate_on_nan.h"
 #include "../common/train_flags.h"
 #include "../common/train_position.h"
@@ -78,7 +79,7 @@ std::string gpu_refusal(const Flags& f) {
   return "";
 }
 
-std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
+std::unique_ptr<ds::Strategy> make_example_strategy(const Flags& f) {
   if (f.strategy == "parameter_server" && !f.checkpoint_dir.empty()) {
     // The PS variables and the PS's SGD slots would checkpoint (a plain
     // ds::Checkpoint), but not the batch norms' running statistics, which
@@ -87,63 +88,16 @@ std::unique_ptr<ds::Strategy> make_strategy(const Flags& f) {
         "--checkpoint-dir with --strategy parameter_server: not supported by this example (the "
         "batch norms' running statistics are each worker's own and would not be restored)");
   }
-  if (!f.timeline.empty() && f.strategy != "multi_worker") {
-    throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
+  // --logical-gpus: MirroredStrategy's --replicas GPUs are logical GPUs of
+  // GPU 0 (a one-GPU machine), 1 GiB each.
+  std::shared_ptr<ds::DeviceManager> local_gpus;
+  if (f.device == "gpu" && f.strategy == "mirrored" && f.logical_gpus && f.replicas > 1) {
+    local_gpus = std::make_shared<ds::DeviceManager>();
+    local_gpus->set_logical_device_configuration(
+        0, std::vector<ds::LogicalDeviceConfiguration>(static_cast<size_t>(f.replicas),
+                                                       {size_t{1} << 30}));
   }
-  const bool gpu = f.device == "gpu";
-  std::vector<ds::Device> devices;
-  for (int i = 0; i < f.replicas; ++i)
-    devices.push_back(gpu ? ds::Device::gpu(i) : ds::Device::cpu(i));
-  ds::CommunicationOptions comm;
-  if (!f.timeout.empty()) comm.timeout = ds::parse_timeout_seconds(f.timeout);
-  if (f.strategy == "mirrored") {
-    ds::MirroredOptions o;
-    o.devices = devices;
-    o.communication = comm;
-    if (gpu) {
-      // --logical-gpus: the --replicas GPUs are logical GPUs of GPU 0 (a
-      // one-GPU machine), 1 GiB each.
-      o.device_manager = std::make_shared<ds::DeviceManager>();
-      if (f.logical_gpus && f.replicas > 1) {
-        o.device_manager->set_logical_device_configuration(
-            0, std::vector<ds::LogicalDeviceConfiguration>(static_cast<size_t>(f.replicas),
-                                                           {size_t{1} << 30}));
-      }
-    }
-    return std::make_unique<ds::MirroredStrategy>(o);
-  }
-  if (f.strategy == "central_storage") {
-    ds::CentralStorageOptions o;
-    o.devices = devices;
-    o.communication = comm;
-    return std::make_unique<ds::CentralStorageStrategy>(o);
-  }
-  // Multi-process strategies: one replica per process unless --replicas says
-  // otherwise (mpirun -np N already gives one process per core).
-  const std::vector<ds::Device> per_process =
-      f.replicas_given ? devices : std::vector<ds::Device>{devices.front()};
-  if (f.strategy == "multi_worker") {
-    ds::MultiWorkerOptions o;
-    o.devices = per_process;
-    if (gpu) {  // this process's own GPU(s) of the host's, by its local rank
-      o.device_manager = std::make_shared<ds::DeviceManager>(
-          ds::gpu_options_for_local_process(static_cast<int>(per_process.size())));
-    }
-    o.timeline_path = f.timeline;
-    o.communication.timeout = comm.timeout;
-    return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
-  }
-  if (f.strategy == "parameter_server") {
-    ds::ParameterServerOptions o;
-    o.num_ps = f.ps;
-    o.devices = per_process;
-    o.max_staleness = f.max_staleness;
-    o.communication.timeout = comm.timeout;
-    return std::make_unique<ds::ParameterServerStrategy>(o);
-  }
-  throw ds::InvalidArgumentError(
-      "unknown --strategy '" + f.strategy +
-      "' (available: mirrored, central_storage, multi_worker, parameter_server)");
+  return diststrat_examples::make_strategy(f, local_gpus);
 }
 
 // Test accuracy of `model` on `test` (rows in chunks, no autograd; leaves
@@ -191,7 +145,7 @@ int main(int argc, char** argv) {
   }
 
   try {
-    std::unique_ptr<ds::Strategy> strategy = make_strategy(f);
+    std::unique_ptr<ds::Strategy> strategy = make_example_strategy(f);
     auto* ps = dynamic_cast<ds::ParameterServerStrategy*>(strategy.get());
     if (ps && ps->is_ps()) {  // PS ranks serve until the workers are done
       ps->join();
