@@ -22,28 +22,6 @@
 namespace diststrat {
 namespace {
 
-// Node of every rank of comm: the comm rank of the lowest rank sharing its
-// host (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)).
-// Collective over comm, bounded by `timeout` (allreduce/mpi_util.h).
-std::vector<int> node_map(MPI_Comm comm, std::chrono::milliseconds timeout) {
-  int rank = 0, size = 1;
-  DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &size));
-  MPI_Comm local = MPI_COMM_NULL;
-  int rc = MPI_SUCCESS;
-  mpi::bounded_call("mpi communicator set-up: MPI_Comm_split_type", timeout, [&] {
-    rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
-  });
-  DISTSTRAT_MPI_CHECK(rc);
-  int leader = rank;
-  mpi::bcast(&leader, 1, MPI_INT, 0, local, "mpi communicator set-up: node leader", timeout);
-  mpi::free_comm(&local, timeout);
-  std::vector<int> nodes(size);
-  mpi::allgather(&leader, nodes.data(), 1, MPI_INT, comm, "mpi communicator set-up: node map",
-                 timeout);
-  return nodes;
-}
-
 // MPI has no 16-bit float types: float16/bfloat16 travel as 2-byte opaque
 // elements, reduced by these user ops (accumulating as the kernels do).
 template <DType D, ReduceOp O>
@@ -269,8 +247,9 @@ std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm,
   check_same_options(comm, options);
   std::unique_ptr<Transport> transport = make_mpi_transport(comm, options.timeout);
   Transport& ref = *transport;
-  return std::make_unique<MpiCommunicator>(ref, std::move(transport), comm, options,
-                                           node_map(comm, options.timeout));
+  return std::make_unique<MpiCommunicator>(
+      ref, std::move(transport), comm, options,
+      mpi::node_group(comm, "mpi communicator set-up", options.timeout).leaders);
 }
 
 }  // namespace diststrat

@@ -162,6 +162,28 @@ void free_comm(MPI_Comm* comm, std::chrono::milliseconds timeout) {
   bounded_call("MPI_Comm_free", timeout, [&] { MPI_Comm_free(comm); });
 }
 
+NodeGroup node_group(MPI_Comm comm, const std::string& what, std::chrono::milliseconds timeout) {
+  int rank = 0, size = 1;
+  DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &size));
+  MPI_Comm local = MPI_COMM_NULL;
+  int rc = MPI_SUCCESS;
+  bounded_call(what + ": MPI_Comm_split_type", timeout, [&] {
+    rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
+  });
+  DISTSTRAT_MPI_CHECK(rc);
+  NodeGroup g;
+  DISTSTRAT_MPI_CHECK(MPI_Comm_rank(local, &g.local_rank));
+  DISTSTRAT_MPI_CHECK(MPI_Comm_size(local, &g.local_size));
+  // Split with key = comm rank: local rank 0 is the node's lowest comm rank.
+  int leader = rank;
+  bcast(&leader, 1, MPI_INT, 0, local, what + ": node leader", timeout);
+  free_comm(&local, timeout);
+  g.leaders.resize(static_cast<size_t>(size));
+  allgather(&leader, g.leaders.data(), 1, MPI_INT, comm, what + ": node map", timeout);
+  return g;
+}
+
 namespace {
 // One rank's answer in the set-up agreement.
 struct Vote {

@@ -25,6 +25,7 @@
 #include <chrono>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "diststrat/collective.h"
 #include "diststrat/dtype.h"
@@ -105,6 +106,18 @@ void bcast(void* buf, int count, MPI_Datatype type, int root, MPI_Comm comm,
 // MPI_Comm_free under a Watchdog (local in Open MPI and MPICH, collective by
 // the standard). No-op for MPI_COMM_NULL or after MPI_Finalize.
 void free_comm(MPI_Comm* comm, std::chrono::milliseconds timeout);
+
+// The ranks of `comm` that share this rank's host, the one place that asks
+// MPI (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)): this rank's position and
+// count there, and for every rank of comm its node's leader (the lowest comm
+// rank on that host). Collective over comm; `what` names the set-up step in
+// errors ("<what>: MPI_Comm_split_type", ...), each call bounded by `timeout`.
+struct NodeGroup {
+  int local_rank = 0;
+  int local_size = 1;
+  std::vector<int> leaders;  // [comm rank] -> the comm rank leading its node
+};
+NodeGroup node_group(MPI_Comm comm, const std::string& what, std::chrono::milliseconds timeout);
 
 // The set-up agreement: every rank of `comm` says whether its part of step
 // `what` succeeded (`local_error` null) or failed, and learns the others'

@@ -195,15 +195,7 @@ class ShmCommunicator : public Communicator {
     DISTSTRAT_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm_, &size_));
-    MPI_Comm local = MPI_COMM_NULL;
-    int rc = MPI_SUCCESS;
-    mpi::bounded_call("shm communicator set-up: MPI_Comm_split_type", t, [&] {
-      rc = MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
-    });
-    DISTSTRAT_MPI_CHECK(rc);
-    int local_size = 0;
-    MPI_Comm_size(local, &local_size);
-    mpi::free_comm(&local, t);
+    const int local_size = mpi::node_group(comm_, "shm communicator set-up", t).local_size;
     if (local_size != size_) {
       mpi::free_comm(&comm_, t);
       throw FailedPreconditionError("rank " + std::to_string(rank_) +

@@ -103,6 +103,24 @@ ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what,
   if (fl >= 0) ::fcntl(fd_, F_SETFL, fl & ~O_NONBLOCK);
 }
 
+void Fd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+std::string read_prefix(int fd, size_t max_bytes) {
+  std::string out(max_bytes, '\0');
+  size_t have = 0;
+  while (have < out.size()) {
+    const ssize_t n = ::pread(fd, &out[have], out.size() - have, static_cast<off_t>(have));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    have += static_cast<size_t>(n);
+  }
+  out.resize(have);
+  return out;
+}
+
 ReadOnlyFile::~ReadOnlyFile() {
   if (fd_ >= 0) ::close(fd_);
 }

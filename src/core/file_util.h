@@ -44,6 +44,34 @@ struct ReadOptions {
   ErrorCode bad_file_code = ErrorCode::kDataLoss;
 };
 
+// A file descriptor this object owns (closed on destruction), for code that
+// opens with openat() relative to a checked directory or takes OFD locks,
+// which ReadOnlyFile does not offer.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(-1); }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  // Gives the descriptor up (the caller closes it).
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  // Closes the descriptor held, then holds `fd`.
+  void reset(int fd);
+
+ private:
+  int fd_;
+};
+
+// At most `max_bytes` from the start of the open file `fd`, however long the
+// file is (fewer at its end or at a read error): a record of capped size read
+// from a file someone else may have grown.
+std::string read_prefix(int fd, size_t max_bytes);
+
 // A read-only regular file, opened safely; closes on destruction.
 class ReadOnlyFile {
  public:

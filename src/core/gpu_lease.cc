@@ -41,6 +41,8 @@ namespace diststrat {
 
 namespace {
 
+using fs::Fd;
+
 constexpr const char* kPrefix = "gpu-";
 constexpr const char* kSuffix = ".lock";
 
@@ -143,55 +145,6 @@ LeaseHolder parse_holder(const std::string& text) {
 // A holder record is about 600 bytes (the command line is cut at 400).
 constexpr size_t kMaxRecordBytes = 4096;
 
-// A descriptor owned by the lease code: it opens with openat() relative to the
-// checked directory and takes OFD locks, which fs::ReadOnlyFile does not offer.
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int release() {
-    const int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset(int fd) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_;
-};
-
-// The first kMaxRecordBytes of the file, however long it is.
-std::string read_capped(int fd) {
-  std::string out(kMaxRecordBytes, '\0');
-  size_t have = 0;
-  while (have < out.size()) {
-    const ssize_t n = ::pread(fd, &out[have], out.size() - have, static_cast<off_t>(have));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    have += static_cast<size_t>(n);
-  }
-  out.resize(have);
-  return out;
-}
-
-const char* file_type(mode_t mode) {
-  if (S_ISLNK(mode)) return "a symbolic link";
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISSOCK(mode)) return "a socket";
-  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
-  if (S_ISREG(mode)) return "a regular file";
-  return "not a regular file";
-}
-
 std::string mode_text(mode_t mode) {
   char buf[8];
   std::snprintf(buf, sizeof(buf), "%04o", static_cast<unsigned>(mode & 07777));
@@ -237,7 +190,7 @@ bool write_locked(int fd) {
 // owner (who alone can write the record), not what the record says.
 std::optional<LeaseHolder> holder_of(int fd, const struct stat& st) {
   if (!write_locked(fd)) return std::nullopt;
-  LeaseHolder h = parse_holder(read_capped(fd));
+  LeaseHolder h = parse_holder(fs::read_prefix(fd, kMaxRecordBytes));
   h.user = user_name(st.st_uid);
   if (h.pid == 0) h.command = "(holder record not written yet)";
   return h;
@@ -280,8 +233,9 @@ int open_lease_dir(const std::string& dir, bool create) {
     if (err == ENOENT && !create) return -1;
     struct stat lst {};
     if ((err == ELOOP || err == ENOTDIR) && ::lstat(dir.c_str(), &lst) == 0) {
-      throw PermissionDeniedError("GPU lease directory " + dir + " is " + file_type(lst.st_mode) +
-                                  " (owned by " + owner_text(lst.st_uid) +
+      throw PermissionDeniedError("GPU lease directory " + dir + " is " +
+                                  fs::file_kind(lst.st_mode) + " (owned by " +
+                                  owner_text(lst.st_uid) +
                                   "), not a directory; lease directories are not followed "
                                   "through links");
     }
@@ -391,7 +345,7 @@ Attempt try_take(int dir_fd, const std::string& name, const std::string& path) {
                   ": fstat failed: ", errno_text());
   if (!S_ISREG(st.st_mode)) {
     throw PermissionDeniedError("GPU lease " + path + " is not a regular file (" +
-                                file_type(st.st_mode) + ", owned by " + owner_text(st.st_uid) +
+                                fs::file_kind(st.st_mode) + ", owned by " + owner_text(st.st_uid) +
                                 "); its owner or root must remove it");
   }
   if (auto h = holder_of(fd.get(), st)) {

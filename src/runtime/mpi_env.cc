@@ -136,21 +136,12 @@ Placement placement(MPI_Comm comm, std::chrono::milliseconds timeout) {
   Placement p;
   DISTSTRAT_MPI_CHECK(MPI_Comm_rank(comm, &p.rank));
   DISTSTRAT_MPI_CHECK(MPI_Comm_size(comm, &p.world_size));
-  MPI_Comm node_comm = MPI_COMM_NULL;
-  int rc = MPI_SUCCESS;
-  mpi::bounded_call("placement: MPI_Comm_split_type(SHARED)", timeout, [&] {
-    rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, p.rank, MPI_INFO_NULL, &node_comm);
-  });
-  DISTSTRAT_MPI_CHECK(rc);
-  DISTSTRAT_MPI_CHECK(MPI_Comm_rank(node_comm, &p.local_rank));
-  DISTSTRAT_MPI_CHECK(MPI_Comm_size(node_comm, &p.local_size));
+  const NodeGroup g = node_group(comm, "placement", timeout);
+  p.local_rank = g.local_rank;
+  p.local_size = g.local_size;
   // A node is named by its lowest rank; nodes are numbered in that order.
-  int leader = p.rank;
-  mpi::allreduce_in_place(&leader, 1, MPI_INT, MPI_MIN, node_comm, "placement: node leader",
-                          timeout);
-  mpi::free_comm(&node_comm, timeout);
-  std::vector<int> leaders(p.world_size);
-  mpi::allgather(&leader, leaders.data(), 1, MPI_INT, comm, "placement: node leaders", timeout);
+  const int leader = g.leaders[static_cast<size_t>(p.rank)];
+  const std::vector<int>& leaders = g.leaders;
   p.node = 0;
   p.num_nodes = 0;
   for (int r = 0; r < p.world_size; ++r) {
