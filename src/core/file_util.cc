@@ -67,10 +67,11 @@ ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what,
     : what_(what) {
   int flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
   if (!options.follow_symlinks) flags |= O_NOFOLLOW;
+  int fd;
   do {
-    fd_ = ::open(path.c_str(), flags);
-  } while (fd_ < 0 && errno == EINTR);
-  if (fd_ < 0) {
+    fd = ::open(path.c_str(), flags);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
     const int err = errno;
     if (err == ELOOP && !options.follow_symlinks) {
       throw PermissionDeniedError(what + " is a symbolic link; refusing to follow it");
@@ -81,26 +82,24 @@ ReadOnlyFile::ReadOnlyFile(const std::string& path, const std::string& what,
       throw_error(options.bad_file_code, what + " is a symbolic link loop: " + std::strerror(err));
     throw_errno(err, what + ": open failed");
   }
+  fd_.reset(fd);  // closed by fd_ on every throw below
   struct stat st;
-  if (::fstat(fd_, &st) != 0) {
+  if (::fstat(fd, &st) != 0) {
     const int err = errno;
-    ::close(fd_);
     throw_errno(err, what + ": fstat failed");
   }
   if (!S_ISREG(st.st_mode)) {
-    ::close(fd_);
     throw_error(options.bad_file_code,
                 what + " is " + file_kind(st.st_mode) + ", not a regular file");
   }
   size_ = static_cast<uint64_t>(st.st_size);
   if (options.max_bytes > 0 && size_ > options.max_bytes) {
-    ::close(fd_);
     throw_error(options.bad_file_code, what + " is " + std::to_string(size_) + " bytes, over the " +
                                            std::to_string(options.max_bytes) + "-byte limit");
   }
   // A regular file never blocks; clear the flag so reads behave plainly.
-  const int fl = ::fcntl(fd_, F_GETFL);
-  if (fl >= 0) ::fcntl(fd_, F_SETFL, fl & ~O_NONBLOCK);
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
 }
 
 void Fd::reset(int fd) {
@@ -121,16 +120,12 @@ std::string read_prefix(int fd, size_t max_bytes) {
   return out;
 }
 
-ReadOnlyFile::~ReadOnlyFile() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 void ReadOnlyFile::read_at(uint64_t offset, void* buf, size_t n) const {
   DISTSTRAT_CHECK(offset <= size_ && n <= size_ - offset, kDataLoss, what_, ": truncated (", n,
                   " bytes at offset ", offset, " lie beyond its ", size_, " bytes)");
   char* p = static_cast<char*>(buf);
   while (n > 0) {
-    const ssize_t got = ::pread(fd_, p, n, static_cast<off_t>(offset));
+    const ssize_t got = ::pread(fd_.get(), p, n, static_cast<off_t>(offset));
     if (got < 0) {
       if (errno == EINTR) continue;
       throw_errno(errno, what_ + ": read failed");
@@ -209,6 +204,10 @@ void ensure_writable_directory(const std::string& dir, const std::string& probe_
 std::string directory_of(const std::string& path) {
   const size_t slash = path.find_last_of('/');
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+std::string file_name_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
 }  // namespace fs

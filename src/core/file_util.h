@@ -80,7 +80,6 @@ class ReadOnlyFile {
   // options.bad_file_code ("is a FIFO, not a regular file" / "is N bytes, over
   // the M-byte limit" / "is a symbolic link loop") or the errno_code of a failing open/fstat.
   ReadOnlyFile(const std::string& path, const std::string& what, const ReadOptions& options = {});
-  ~ReadOnlyFile();
   ReadOnlyFile(const ReadOnlyFile&) = delete;
   ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
 
@@ -93,7 +92,7 @@ class ReadOnlyFile {
   std::vector<uint8_t> read_all() const;
 
  private:
-  int fd_ = -1;
+  Fd fd_;
   uint64_t size_ = 0;
   std::string what_;
 };
@@ -115,6 +114,8 @@ void ensure_writable_directory(const std::string& dir, const std::string& probe_
 
 // The directory of `path`: "." without a slash, "/" for a file in the root.
 std::string directory_of(const std::string& path);
+// The last component of `path` (all of it without a slash).
+std::string file_name_of(const std::string& path);
 
 }  // namespace fs
 

@@ -38,9 +38,6 @@ void on_chief_then_agree(Strategy& s, const std::string& what, const std::functi
 std::string encode_metadata(const CheckpointMetadata& md);
 CheckpointMetadata decode_metadata(const std::string& s);
 
-// The last component of `path` (its directory: fs::directory_of).
-std::string file_name_of(const std::string& path);
-
 // A safetensors file's header alone (cheap for any file size): its
 // __metadata__, and whether its diststrat header checksum is present and
 // matches. Opened safely (core/file_util.h). Throws NotFoundError,

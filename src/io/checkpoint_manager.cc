@@ -348,13 +348,13 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
         ::unlink(p.c_str());
       } else {
         for (const std::string& f : ckpt::shard_files_of(p))
-          kept_shards.insert(ckpt::file_name_of(f));
+          kept_shards.insert(fs::file_name_of(f));
       }
     }
     // Files that are not ours keep whatever shard files they name.
     for (const auto& f : sc.foreign) {
       for (const std::string& sf : ckpt::shard_files_of(directory_ + "/" + f.first)) {
-        kept_shards.insert(ckpt::file_name_of(sf));
+        kept_shards.insert(fs::file_name_of(sf));
       }
     }
     // Our shard files of pruned checkpoints and of saves that never got their index.

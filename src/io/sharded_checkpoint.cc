@@ -127,11 +127,6 @@ Shape rows_shape(const Shape& full, int64_t rows) {
 
 }  // namespace
 
-std::string file_name_of(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-
 std::string shard_file_path(const std::string& index_path, int ps, int num_ps, uint64_t save_id) {
   static const std::string suffix = ".safetensors";
   std::string stem = index_path;
@@ -184,7 +179,7 @@ void write_index(const std::string& path, uint64_t save_id,
   meta["format"] = 1;
   meta["save_id"] = hex64(save_id);
   json files = json::array();
-  for (const std::string& f : shard_files) files.push_back(file_name_of(f));
+  for (const std::string& f : shard_files) files.push_back(fs::file_name_of(f));
   meta["files"] = files;
   json vars = json::array();
   for (const IndexVariable& v : variables) {
@@ -239,7 +234,7 @@ std::optional<ShardFileName> parse_shard_file_name(const std::string& name) {
 }
 
 bool is_own_shard_file(const std::string& path) {
-  const auto parsed = parse_shard_file_name(file_name_of(path));
+  const auto parsed = parse_shard_file_name(fs::file_name_of(path));
   if (!parsed) return false;
   try {
     const SafetensorsHeader h = read_safetensors_header(path);
