@@ -212,7 +212,7 @@ std::string file_name_of(const std::string& path) {
 
 }  // namespace fs
 
-// Declared in diststrat/checkpoint.h (public) and core/file_util.h.
+// Declared in diststrat/safetensors.h (public) and core/file_util.h.
 void write_file_atomically(const std::string& path, const void* bytes, size_t size) {
   static std::atomic<uint64_t> counter{0};  // distinct temp names for threads of one process
   // A device node, socket or directory under that name is not ours to

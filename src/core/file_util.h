@@ -121,7 +121,7 @@ std::string file_name_of(const std::string& path);
 
 // Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync
 // of the directory); the public declaration and its contract are in
-// diststrat/checkpoint.h. Here so that the core's own files (the timeline)
+// diststrat/safetensors.h. Here so that the core's own files (the timeline)
 // write durably without including the checkpoint room.
 void write_file_atomically(const std::string& path, const void* bytes, size_t size);
 

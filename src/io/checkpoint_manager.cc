@@ -14,7 +14,7 @@
 
 #include "core/file_util.h"
 #include "core/user_text.h"
-#include "diststrat/checkpoint.h"
+#include "diststrat/checkpoint_manager.h"
 #include "io/checkpoint_identity.h"
 #include "io/checkpoint_internal.h"
 

@@ -6,7 +6,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "diststrat/checkpoint.h"
+#include "diststrat/preemption.h"
 #include "io/checkpoint_internal.h"
 
 namespace diststrat {
@@ -59,7 +59,7 @@ PreemptionHandler::~PreemptionHandler() {
 
 bool PreemptionHandler::signalled() const { return g_preemption_signalled != 0; }
 
-void PreemptionHandler::raise_for_testing() { g_preemption_signalled = 1; }
+void PreemptionHandler::notify_preemption() { g_preemption_signalled = 1; }
 
 bool ckpt::preemption_signalled() {
   return g_preemption_signalled.load(std::memory_order_relaxed) != 0;

@@ -30,7 +30,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "diststrat/checkpoint.h"
+#include "diststrat/safetensors.h"
 #include "core/file_util.h"
 #include "core/user_text.h"
 #include "io/checkpoint_internal.h"

@@ -599,7 +599,7 @@ TEST(CheckpointMultiProcess, TheChiefsErrorReachesEveryWorker) {
     comm_barrier(w);
     EXPECT_FALSE(h.should_stop(1));
     comm_barrier(w);
-    if (i == 1) ds::PreemptionHandler::raise_for_testing();
+    if (i == 1) ds::PreemptionHandler::notify_preemption();
     comm_barrier(w);
     stopped[i] = h.should_stop(2);
   });

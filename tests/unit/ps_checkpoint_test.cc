@@ -408,7 +408,7 @@ TEST(PsCheckpoint, WorkersAgreeOnAPreemptionStep) {
         for (int64_t step = 1; step <= 200; ++step) {
           ds::testing::mlp_train(*s[w], mlp, vars, sgd, 16, 1, step);
           if (w == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the slower one
-          if (w == 0 && step == 5) ds::PreemptionHandler::raise_for_testing();
+          if (w == 0 && step == 5) ds::PreemptionHandler::notify_preemption();
           if (handlers[w]->should_stop(step)) {
             manager.save(step, {{"step", std::to_string(step)}});
             stopped[w] = step;
