@@ -70,17 +70,17 @@ class CentralStorageStrategy : public Strategy {
   void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
 
-  // On a GPU replica: a device copy of the host value (floating variables).
-  // Sync-on-read variables: the replica's own copy.
-  Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const override;
   void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
-  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   // The GPU manager of GPU compute replicas; null on CPU.
   std::shared_ptr<DeviceManager> device_manager() const;
 
   struct Impl;
 
  protected:
+  // On a GPU replica: a device copy of the host value (floating variables).
+  // Sync-on-read variables: the replica's own copy.
+  Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const override;
+  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
   Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;

@@ -1,4 +1,10 @@
 // Input: an in-memory Dataset and the distributed view a strategy makes of it.
+//
+// Rules: nothing here communicates or blocks on a peer: each worker computes
+// its own rows of every global batch from the same seed, epoch and sizes, so
+// the workers agree without messages. A DistributedDataset and its batches
+// are used from one thread (the loop's); inside run() each replica reads its
+// own slice of a DistributedBatch, concurrently with the others.
 #pragma once
 
 #include <cstdint>

@@ -2,6 +2,8 @@
 // a CPU "device" is a worker thread sharing host memory; a GPU device is a
 // (possibly logical) CUDA device. The GPU kind is part of the type from the
 // start so that strategies are written once for both.
+//
+// Rules: plain values; no call blocks or communicates; thread-safe.
 #pragma once
 
 #include <string>

@@ -1,4 +1,5 @@
 // Element types, and the 16-bit float formats as plain value types.
+// Rules: plain values; no call blocks or communicates; thread-safe.
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,8 @@
 // Errors. Every failure the library reports is a diststrat::Error carrying a
 // canonical code (in the spirit of absl::StatusCode) that tells the caller what
 // to do next, and a message that names the rank, the operation and the tensor.
+//
+// Rules: errors are plain values (copyable, thread-safe); nothing here blocks.
 #pragma once
 
 #include <sstream>

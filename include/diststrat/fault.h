@@ -18,6 +18,9 @@
 //   oversize under the parameter server, the replica's next push carries a
 //            header that claims a payload over 1 GiB (the real one is sent):
 //            the PS must reject it at once; elsewhere the same as corrupt
+//
+// Rules: parse and the values are plain and thread-safe; set the injection
+// on a strategy before run() (Strategy::set_fault_injection, not thread-safe).
 #pragma once
 
 #include <cstdint>

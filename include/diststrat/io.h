@@ -1,4 +1,9 @@
 // Dataset readers.
+//
+// Rules: every reader validates the file before trusting it (sizes, magic
+// numbers, counts) and throws DataLossError or NotFoundError naming the file;
+// the readers block on the file system only, communicate with no peer and are
+// thread-safe for distinct files.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,10 @@
 // A small leveled logger. Each strategy owns one (no process-global logger),
 // with its level from the options, overridden by DISTSTRAT_LOG_LEVEL
 // (debug|info|warning|error|off) when that variable is set.
+//
+// Rules: logging never communicates; log() may be called from any thread
+// (lines are written whole); set_sink and set_level from the thread that
+// owns the strategy, before run().
 #pragma once
 
 #include <functional>

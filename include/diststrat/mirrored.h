@@ -9,6 +9,10 @@
 // int32 on the host), gradients are all-reduced with NCCL, or with a device
 // kernel for logical GPUs sharing one physical GPU, and the strategy holds the
 // host-wide lease on its GPUs while the DeviceManager lives.
+//
+// Rules: those of every strategy (strategy.h). One process: nothing here
+// waits for another process; replicas wait for each other in their
+// collectives, bounded by options.communication.timeout.
 #pragma once
 
 #include <memory>
@@ -52,15 +56,15 @@ class MirroredStrategy : public Strategy {
   void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
   void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
-  // GPU variables are copied to host memory for value().
-  Tensor variable_value(const Variable::Impl& var) const override;
-  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   // The DeviceManager of a GPU strategy (null on CPU).
   std::shared_ptr<DeviceManager> device_manager() const;
 
   struct Impl;
 
  protected:
+  // GPU variables are copied to host memory for value().
+  Tensor variable_value(const Variable::Impl& var) const override;
+  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
   Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;

@@ -134,8 +134,6 @@ class MultiWorkerMirroredStrategy : public Strategy {
   void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
   void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
-  Tensor variable_value(const Variable::Impl& var) const override;
-  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   // The GPU manager of GPU replicas; null on CPU.
   std::shared_ptr<DeviceManager> device_manager() const;
 
@@ -147,6 +145,8 @@ class MultiWorkerMirroredStrategy : public Strategy {
   struct Impl;
 
  protected:
+  Tensor variable_value(const Variable::Impl& var) const override;
+  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
   // Corrupts the pack signature of this process's next fused all_reduce.
   void inject_corruption(ReplicaContext& ctx, int64_t step) override;

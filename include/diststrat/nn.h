@@ -1,6 +1,11 @@
 // Just enough model code for real training on CPU (Eigen) — dense layers,
 // ReLU and softmax cross-entropy with forward and backward — plus an MLP that
 // keeps its parameters as strategy variables.
+//
+// Rules: the layer functions are pure and thread-safe (each replica calls
+// them on its own tensors inside run()); none communicates. Mlp's
+// create_variables is cross-replica context and collective like
+// Strategy::create_variable.
 #pragma once
 
 #include <cstdint>

@@ -12,6 +12,29 @@
 //     });
 //     float mean = strategy.reduce(ReduceOp::kSum, loss);
 //   }
+//
+// Rules for every call below:
+//  - Contexts: a call is made either in cross-replica context (the thread that
+//    owns the strategy, outside run()) or in replica context (inside the
+//    function given to run(), on that replica's thread, through its
+//    ReplicaContext). Each call says which; ReplicaContext's calls are replica
+//    context only.
+//  - Collective: create_variable, run, reduce, gather, broadcast and barrier
+//    are collective in a multi-process job: every process calls them in the
+//    same order (ReplicaContext's collectives: every replica in sync, in the
+//    same order, with matching tensors). A mismatch the strategy detects is
+//    InvalidArgumentError on every rank. distribute and update are local.
+//  - Blocking and deadline: collective calls return when this process's part
+//    is done and never wait for a peer longer than the strategy's timeout
+//    (DeadlineExceededError naming the ranks that did not arrive).
+//  - Failure: an exception in one replica aborts the step on every replica
+//    and run() rethrows it, prefixed with the step.
+//  - Thread safety: one thread drives a Strategy in cross-replica context; the
+//    replica threads it starts use only their own ReplicaContext. Const
+//    accessors (name, devices, cluster, variables) are safe from any thread.
+//
+// Implementers of a strategy override the protected hooks at the bottom of
+// the class; users never call them.
 #pragma once
 
 #include <functional>
@@ -242,14 +265,6 @@ class Strategy {
   virtual void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                                const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) = 0;
 
-  // Variable access the Variable handle forwards to. Sync-on-read variables
-  // (kOnRead) are aggregated and assigned by the Variable handle itself
-  // through the strategy's reductions (see variable.h), the same way under
-  // every strategy; these hooks read and write the copies.
-  virtual Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const;
-  virtual Tensor variable_value(const Variable::Impl& var) const;
-  virtual void assign_variable(Variable::Impl& var, const Tensor& value);
-
   // Fault injection for tests (see diststrat/fault.h); the constructor
   // reads DISTSTRAT_FAULT. Set before run(); not thread-safe.
   void set_fault_injection(const FaultInjection& fault) { fault_ = fault; }
@@ -268,7 +283,15 @@ class Strategy {
   // reads, naming the closest known one: a misspelled override is not silent.
   explicit Strategy(LogLevel log_level = LogLevel::kWarning, std::string log_prefix = "");
 
+  // ---- The implementer's hooks ----
   virtual void run_replicas(const std::function<void(ReplicaContext&)>& fn) = 0;
+  // Variable access the Variable handle forwards to. Sync-on-read variables
+  // (kOnRead) are aggregated and assigned by the Variable handle itself
+  // through the strategy's reductions (see variable.h), the same way under
+  // every strategy; these hooks read and write the copies.
+  virtual Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const;
+  virtual Tensor variable_value(const Variable::Impl& var) const;
+  virtual void assign_variable(Variable::Impl& var, const Tensor& value);
   // Allocates the local copies of a new variable and initializes them
   // (multi-process strategies broadcast the chief's value).
   virtual void place_variable(Variable::Impl& var, const Initializer& init) = 0;

@@ -3,6 +3,12 @@
 // non-owning view of user memory (Tensor::wrap), so programs with their own
 // kernels can hand buffers in without a copy. Copying a Tensor copies the
 // reference, not the data (like torch.Tensor); use clone() for a deep copy.
+//
+// Rules: no call communicates. Tensor handles may be copied and destroyed
+// from any thread; writes to one tensor's data from two threads at once are
+// the caller's race, as with any buffer. A copy that touches host memory has
+// completed when it returns; work on GPU memory alone is ordered on the
+// replica's stream (each call says which).
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,13 @@
 // Distributed variables. A Variable is a handle (cheap to copy) to a variable
 // that a Strategy created and keeps in sync: mirrored copies on every device,
 // one host copy, or shards on parameter servers, depending on the strategy.
+//
+// Rules: read() is replica context (inside run(), the replica's own
+// ReplicaContext) and never communicates. value() and assign() are
+// cross-replica context, not concurrent with run(); for sync-on-read
+// variables under multi-worker they are collective (every worker, same
+// order) and bounded by the strategy's timeout. Handles are cheap to copy;
+// copying one does not copy the variable.
 #pragma once
 
 #include <cstdint>
