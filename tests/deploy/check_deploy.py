@@ -6,7 +6,7 @@ check: the YAML parses, the objects have the kinds, replica counts and
 resource keys the MPI Operator (kubeflow.org/v2beta1) needs, mpirun's -np
 matches workers x slots, GPU counts match slots, every flag given to the
 example exists in its --help, volumes are claimed, and the Dockerfile has
-the stages the README names.
+the stages docs/deployment.md names.
 
 Usage: check_deploy.py <repo root> <fashion_mnist binary>
 """
@@ -127,7 +127,7 @@ for path in manifests:
 
 check(seen_variants == {"cpu", "gpu"}, f"variants found: {sorted(seen_variants)}")
 
-# The Dockerfile: the stages and bases the README describes.
+# The Dockerfile: the stages and bases docs/deployment.md describes.
 with open(os.path.join(root, "deploy", "Dockerfile")) as f:
     dockerfile = f.read()
 stages = dict((m.group(2), m.group(1)) for m in re.finditer(r"^FROM\s+(\S+)\s+AS\s+(\S+)", dockerfile, re.M))
