@@ -3,6 +3,24 @@
 // `using namespace diststrat;` never shadows ::torch. docs/torch.md has the
 // details.
 //
+// Rules shared by the calls below (each call's comment gives the details):
+//  - Context: the constructors and TrainingState's methods run in
+//    cross-replica context (outside Strategy::run); backward(), no_sync(),
+//    module(ctx) and gather_rows() in replica context, on that replica's own
+//    thread.
+//  - Blocking: DistributedDataParallel's and TrainingState's constructors
+//    are collective; they and TrainingState's methods block until done.
+//    DistributedDataParallel::backward blocks until the step's gradients are
+//    reduced (the strategy's deadline bounds every wait), gather_rows()
+//    until its rows are pulled; ParameterServerModel::backward only pushes
+//    (its errors come at the next wait). The conversions never block.
+//  - Ordering: every worker process constructs these objects at the same
+//    point, from the same module architecture; every replica in sync calls
+//    DistributedDataParallel::backward (one with zero rows too) as often in
+//    each run(), and no_sync() on all replicas or none.
+//  - Thread safety: to_diststrat, to_torch, torch_device and module(int) are
+//    thread-safe; TrainingState is not thread-safe with Strategy::run.
+//
 //   namespace ds = diststrat; namespace dt = diststrat::libtorch;
 //   ds::MultiWorkerMirroredStrategy strategy;          // or Mirrored / CentralStorage
 //   auto net = std::make_shared<Net>();                 // a torch::nn::Cloneable<Net>
