@@ -17,7 +17,7 @@
 #include "allreduce/transport.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 
 namespace ds = diststrat;
 using Clock = std::chrono::steady_clock;

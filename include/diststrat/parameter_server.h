@@ -52,9 +52,23 @@
 // and changes nothing on the PS, which keeps serving the other workers. Every
 // wait has a deadline (communication.timeout).
 //
-// Thread safety: like every strategy, run() is not reentrant; methods are
-// called from one thread at a time (the program's thread, or inside run()
-// from replicas through apply_gradients and gather_rows).
+// Rules shared by the calls below:
+//  - Blocking: create_variable, gather_rows, Variable::value and assign,
+//    flush, stats, barrier, broadcast, read_metric, update_hyperparameters
+//    and checkpoints wait for the PS ranks' answers; run() waits for its
+//    step's pull (held back by max_staleness); apply_gradients and
+//    add_to_metric only post (a rejection is raised by the next call that
+//    waits); Variable::read returns the worker's pulled copy. On a PS rank,
+//    join() blocks until the workers are done.
+//  - Ordering: workers create the same variables in the same order (a
+//    mismatch is InvalidArgumentError naming the variable); barrier,
+//    broadcast and checkpoints are collective over the workers, called by
+//    every worker in the same order; everything else is per worker, at its
+//    own pace.
+//  - Deadline: every wait is bounded by communication.timeout (see Errors).
+//  - Thread safety: like every strategy, run() is not reentrant; methods are
+//    called from one thread at a time (the program's thread, or inside run()
+//    from replicas through apply_gradients and gather_rows).
 #pragma once
 
 #include <chrono>
@@ -200,10 +214,6 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   explicit ParameterServerStrategy(ParameterServerOptions options = {});
   ~ParameterServerStrategy() override;
 
-  struct Impl;
-  // Internal (tests, other transports): takes an already-built endpoint.
-  explicit ParameterServerStrategy(std::unique_ptr<Impl> impl);
-
   std::string name() const override { return "parameter_server"; }
   // Every worker's replicas: a global batch is split over all of them (each
   // worker materializes only its share), but workers apply their shares
@@ -305,8 +315,6 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   void assign_variable(Variable::Impl& var, const Tensor& value) override;
   void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
 
-  Impl& impl() { return *impl_; }
-
   // Workers: broadcast from a worker to every worker, through PS 0 (the
   // root's bytes wait there for the others). Collective over the workers;
   // host tensors; blocking with the communication timeout.
@@ -340,6 +348,12 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   void inject_corruption(ReplicaContext& ctx, int64_t step) override;
 
  private:
+  struct Impl;
+  // The internal way in (src/parameter_server/strategy_impl.h): a strategy
+  // over an already-built transport endpoint, and its Impl.
+  friend struct ParameterServerAccess;
+  explicit ParameterServerStrategy(std::unique_ptr<Impl> impl);
+
   std::unique_ptr<Impl> impl_;
 };
 

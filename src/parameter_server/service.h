@@ -49,7 +49,7 @@
 #include "allreduce/transport.h"
 #include "diststrat/logging.h"
 #include "diststrat/parameter_server.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 #include "parameter_server/wire.h"
 
 namespace diststrat {
@@ -123,6 +123,9 @@ class Service {
   // request: a single-process strategy sets it to its save's directory).
   // Thread-safe.
   void set_checkpoint_dir(const std::string& dir);
+  // Updaters built from kRule configs so far (a test reads that a variable's
+  // rule is built once, not per declaration or push). Thread-safe.
+  int64_t updaters_built() const;
   // This Service's incarnation (sent in every reply).
   uint64_t incarnation() const { return incarnation_; }
 
@@ -138,8 +141,9 @@ class Service {
     bool initialized = false;
     // The update rule (kRule): fixed by the chief's declaration; `declared`
     // is what the chief declared first (every other declaration must match
-    // it), `config` what is applied now (update_hyperparameters may change it).
-    std::shared_ptr<const UpdateRule> rule;
+    // it), `config` what is applied now (update_hyperparameters may change
+    // it), `rule` its updater, built when `config` changes (never per push).
+    std::shared_ptr<const ShardUpdater> rule;
     OptimizerConfig declared, config;
   };
   struct Pending {
@@ -150,6 +154,7 @@ class Service {
     bool payload_ready = false;
     std::string error;  // set when its payload came wrong: answered with it
     Clock::time_point arrived;
+    std::shared_ptr<const ShardUpdater> updater;  // kRule: its config's, once looked up
   };
   struct WorkerState {
     int rank = -1;
@@ -218,6 +223,11 @@ class Service {
   void handle_stop_check(WorkerState& w, Pending& p, Reply& reply);
   void handle_save(Pending& p, Reply& reply);
   Outcome handle_rule(WorkerState& w, Pending& p);
+  // The updater of a kRule's config: the one a shard it names applies
+  // already when that shard's config is the same (same_config), else built
+  // (which validates the config; throws like make_shard_updater). Caller
+  // holds mu_.
+  std::shared_ptr<const ShardUpdater> updater_for(const DecodedRequest& q);
   void handle_read_slots(Pending& p, Reply& reply);
   void handle_restore(Pending& p);
   void handle_metric(Pending& p, Reply& reply);
@@ -262,6 +272,7 @@ class Service {
   int64_t stop_at_ = -1;
   // The first worker failure (kAbort), see failure().
   std::string failure_;
+  int64_t updaters_built_ = 0;  // see updaters_built()
   // Job-wide metrics (PS 0): name -> (sum, count) over every worker's additions.
   std::map<std::string, std::pair<double, double>> metrics_;
 };

@@ -4,7 +4,7 @@
 #include "parameter_server/service.h"
 
 #include "core/user_text.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 
 namespace diststrat {
 namespace ps {

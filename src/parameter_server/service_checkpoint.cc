@@ -7,7 +7,7 @@
 #include "core/user_text.h"
 #include "io/checkpoint_identity.h"
 #include "io/checkpoint_internal.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 
 namespace diststrat {
 namespace ps {

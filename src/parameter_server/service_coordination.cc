@@ -57,6 +57,17 @@ Service::Outcome Service::handle_broadcast(WorkerState& w, Pending& p, Reply& re
   return Outcome::kServed;
 }
 
+int64_t Service::broadcast_bytes_held() const {
+  int64_t held = 0;
+  for (const auto& [count, bytes] : broadcasts_) held += static_cast<int64_t>(bytes.size());
+  for (const WorkerState& o : workers_) {
+    for (const Pending& p : o.queue) {
+      if (p.request.op == Op::kBroadcast && p.request.root) held += p.request.bytes;
+    }
+  }
+  return held;
+}
+
 void Service::handle_stop_check(WorkerState& w, Pending& p, Reply& reply) {
   const int64_t step = p.request.step;
   const bool signalled = p.request.signalled;

@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "core/user_text.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 
 namespace diststrat {
 namespace ps {
@@ -274,7 +274,7 @@ void Service::handle_push(WorkerState& w, Pending& p) {
   // Apply: one step of the rule per shard, over the shard or just its rows.
   for (const Item& it : items) {
     Shard& s = *it.s;
-    const UpdateRule* rule = s.rule.get();
+    const ShardUpdater* rule = s.rule.get();
     const std::vector<std::string> slot_names = rule->slot_names();
     std::vector<float*> slots;
     for (const std::string& name : slot_names) {
@@ -334,9 +334,31 @@ void Service::handle_assign(WorkerState&, Pending& p) {
   }
 }
 
+std::shared_ptr<const ShardUpdater> Service::updater_for(const DecodedRequest& q) {
+  // A shard the request names that applies this very config already has
+  // its updater (built, and so validated, from an equal config).
+  for (const Entry& e : q.entries) {
+    auto it = shards_.find({e.var_id, e.shard_index});
+    if (it != shards_.end() && it->second.rule && same_config(it->second.config, q.config)) {
+      return it->second.rule;
+    }
+  }
+  std::shared_ptr<const ShardUpdater> rule =
+      make_shard_updater(q.config);  // validates every parameter
+  ++updaters_built_;
+  return rule;
+}
+
+int64_t Service::updaters_built() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return updaters_built_;
+}
+
 Service::Outcome Service::handle_rule(WorkerState& w, Pending& p) {
   const DecodedRequest& q = p.request;
-  std::shared_ptr<const UpdateRule> rule = make_update_rule(q.config);  // validates every parameter
+  // Kept while the request is deferred, so a retry does not build it again.
+  if (!p.updater) p.updater = updater_for(q);
+  const std::shared_ptr<const ShardUpdater> rule = p.updater;
   // Validate every shard before changing any.
   std::vector<Shard*> shards;
   for (const Entry& e : q.entries) {

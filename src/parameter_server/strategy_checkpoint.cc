@@ -12,7 +12,7 @@
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
 #include "parameter_server/client.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 
 namespace diststrat {
 

@@ -1,6 +1,7 @@
-// ParameterServerStrategy's internals, shared with the tests: building a
-// strategy over any Transport (the tests run PS ranks and workers as threads
-// over an InProcessTransportGroup; the MPI launcher path uses the MPI one).
+// ParameterServerStrategy's internals, shared with the tests: reaching its
+// Impl (ParameterServerAccess), building a strategy over any Transport (the
+// tests run PS ranks and workers as threads over an InProcessTransportGroup;
+// the MPI launcher path uses the MPI one).
 #pragma once
 
 #include <condition_variable>
@@ -13,6 +14,16 @@
 #include "parameter_server/service.h"
 
 namespace diststrat {
+
+// The internal way into a ParameterServerStrategy, whose Impl and
+// constructor from an Impl are private: the factories below, the
+// strategy's own set-up and the tests.
+struct ParameterServerAccess {
+  using Impl = ParameterServerStrategy::Impl;
+  static Impl& impl(ParameterServerStrategy& strategy) { return *strategy.impl_; }
+  static std::unique_ptr<ParameterServerStrategy> make(std::unique_ptr<Impl> impl);
+};
+
 namespace ps {
 
 // A Service running on its own thread.

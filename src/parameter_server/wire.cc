@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 
 namespace diststrat {
 namespace ps {

@@ -186,7 +186,7 @@ int64_t checked_mul(int64_t a, int64_t b, const std::string& what);
 int64_t checked_add(int64_t a, int64_t b, const std::string& what);
 int64_t checked_bytes(const Shape& shape, int64_t elem_bytes, const std::string& what);
 
-// An update rule as data (see update_rule.h): declared per shard (kRule),
+// An update rule as data (see shard_updater.h): declared per shard (kRule),
 // fixed by the chief's declaration, never carried by pushes.
 struct OptimizerConfig {
   std::string name;            // "sgd", "adam"

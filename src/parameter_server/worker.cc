@@ -15,7 +15,7 @@
 #include "runtime/local_replicas.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 #if DISTSTRAT_HAVE_MPI
 #include "runtime/mpi_env.h"
 #endif

@@ -1,8 +1,9 @@
 // ParameterServerStrategy's worker runtime (ParameterServerStrategy::Impl):
 // the job's layout (roles, PS ranks), the variables' shards, the outstanding
 // dense pull, staged pushes and the progress thread, and the worker's end.
-// Internal: included by parameter_server_strategy.cc (the Strategy
-// overrides), worker.cc (this struct's code) and strategy_checkpoint.cc.
+// Internal: included by the Strategy overrides (parameter_server_strategy.cc,
+// strategy_setup.cc, strategy_coordination.cc), worker.cc (this struct's
+// code) and strategy_checkpoint.cc.
 #pragma once
 
 #include <atomic>
@@ -24,7 +25,7 @@
 #include "runtime/local_replicas.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 
 namespace diststrat {
 namespace ps {

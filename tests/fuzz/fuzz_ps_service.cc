@@ -35,7 +35,7 @@
 #include "diststrat/error.h"
 #include "diststrat/logging.h"
 #include "parameter_server/service.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 #include "parameter_server/wire.h"
 
 namespace ds = diststrat;

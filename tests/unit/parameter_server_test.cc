@@ -11,7 +11,7 @@
 #include "diststrat/diststrat.h"
 #include "parameter_server/client.h"
 #include "parameter_server/strategy_impl.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 #include "least_squares_util.h"
 #include "training_util.h"
 

@@ -203,6 +203,52 @@ TEST_F(PsTrustTwoWorkers, AnotherWorkersRuleWaitsForTheChiefsAndMustMatchIt) {
   EXPECT_NE(r.error.find("learning_rate 0.2, fixed 0.1"), std::string::npos) << r.error;
 }
 
+// The updater of a variable's rule is built once per config: when the chief
+// fixes the rule and when it changes it, not for another worker's matching
+// declaration, a replacement by the same config, or a push; a declaration
+// that waits for the chief's is checked once, not at every retry.
+TEST_F(PsTrustTwoWorkers, TheUpdaterIsBuiltOncePerConfigNotPerDeclarationOrPush) {
+  const std::vector<char> w = floats({1, 2, 3, 4});
+  auto r = chief_.call(hdr(0, ps::Op::kCreate, 16), create_body(0, "w", ds::Shape{4}, true), &w);
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  EXPECT_EQ(service_->updaters_built(), 0);
+  r = chief_.call(hdr(0, ps::Op::kRule), rule_body(sgd(0.5), {entry(0, "w")}));
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  r = other_.call(hdr(1, ps::Op::kRule), rule_body(sgd(0.5), {entry(0, "w")}));
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  EXPECT_EQ(service_->updaters_built(), 1);
+  const std::vector<char> g = floats({1, 1, 1, 1});
+  for (int i = 1; i <= 3; ++i) {
+    r = chief_.call(hdr(0, ps::Op::kPush, 16), push_body({entry(0, "w", ds::Shape{4})}, i), &g);
+    ASSERT_EQ(r.header.status, -1) << r.error;
+    r = other_.call(hdr(1, ps::Op::kPush, 16), push_body({entry(0, "w", ds::Shape{4})}, i), &g);
+    ASSERT_EQ(r.header.status, -1) << r.error;
+  }
+  EXPECT_EQ(value_of(*service_, "w"), (std::vector<float>{-2, -1, 0, 1}));  // 6 steps of 0.5
+  // The chief's update_hyperparameters: the same config again, then a new one.
+  r = chief_.call(hdr(0, ps::Op::kRule), rule_body(sgd(0.5), {entry(0, "w")}, true));
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  EXPECT_EQ(service_->updaters_built(), 1);
+  r = chief_.call(hdr(0, ps::Op::kRule), rule_body(sgd(0.25), {entry(0, "w")}, true));
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  EXPECT_EQ(service_->updaters_built(), 2);
+  r = chief_.call(hdr(0, ps::Op::kPush, 16), push_body({entry(0, "w", ds::Shape{4})}, 4), &g);
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  EXPECT_EQ(value_of(*service_, "w"), (std::vector<float>{-2.25f, -1.25f, -0.25f, 0.75f}));
+  EXPECT_EQ(service_->updaters_built(), 2);
+  // Worker 1 declares a new variable before the chief does: its request
+  // waits (retried by every round of the loop) and builds at most once.
+  r = chief_.call(hdr(0, ps::Op::kCreate, 16), create_body(1, "v", ds::Shape{4}, true), &w);
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  other_.send(hdr(1, ps::Op::kRule), rule_body(sgd(0.1), {entry(1, "v")}));
+  std::this_thread::sleep_for(milliseconds(100));
+  r = chief_.call(hdr(0, ps::Op::kRule), rule_body(sgd(0.1), {entry(1, "v")}));
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  r = other_.reply(milliseconds(3000));
+  ASSERT_EQ(r.header.status, -1) << r.error;
+  EXPECT_LE(service_->updaters_built(), 4);
+}
+
 // ---- 23.11: a worker that fails tells the PS, which fails the others ---------
 
 // Worker 1 waits in a barrier for worker 0; worker 0 fails (kAbort, as the

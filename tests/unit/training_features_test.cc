@@ -14,7 +14,7 @@
 
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
-#include "parameter_server/update_rule.h"
+#include "parameter_server/shard_updater.h"
 #include "training_util.h"
 #include "../common/temp_dir.h"
 
@@ -174,7 +174,7 @@ TEST(LearningRateSchedule, ParameterServerRuleRebuildsTheSchedule) {
     ds::ps::write_config(w, ds::ps::describe_optimizer(*opt));
     const std::vector<char> bytes = w.bytes();
     ds::ps::Reader r(bytes.data(), bytes.size(), "test");
-    const auto rule = ds::ps::make_update_rule(ds::ps::read_config(r));
+    const auto rule = ds::ps::make_shard_updater(ds::ps::read_config(r));
     ds::Tensor a(ds::Shape{5}, ds::DType::kFloat32), b(ds::Shape{5}, ds::DType::kFloat32);
     ds::init::RandomNormal{0.0, 1.0, 3}(a);
     b = a.clone();

@@ -1,4 +1,6 @@
-#include "parameter_server/update_rule.h"
+// ps::ShardUpdater (shard_updater.h): describing an optimizer as an
+// OptimizerConfig, checking one that arrives, and the SGD and Adam updaters.
+#include "parameter_server/shard_updater.h"
 
 #include <algorithm>
 #include <cmath>
@@ -94,7 +96,7 @@ OptimizerConfig read_config(Reader& r) {
 }
 
 namespace {
-class SgdRule : public UpdateRule {
+class SgdRule : public ShardUpdater {
  public:
   explicit SgdRule(SGDOptions o) : o_(o) {}
   std::vector<std::string> slot_names() const override { return SGD::slot_names_for(o_); }
@@ -107,7 +109,7 @@ class SgdRule : public UpdateRule {
   SGDOptions o_;
 };
 
-class AdamRule : public UpdateRule {
+class AdamRule : public ShardUpdater {
  public:
   explicit AdamRule(AdamOptions o) : o_(o) {}
   std::vector<std::string> slot_names() const override { return {"m", "v"}; }
@@ -155,7 +157,13 @@ std::string config_difference(const OptimizerConfig& fixed, const OptimizerConfi
   return "";
 }
 
-std::unique_ptr<UpdateRule> make_update_rule(const OptimizerConfig& c) {
+bool same_config(const OptimizerConfig& a, const OptimizerConfig& b) {
+  return a.name == b.name && a.params.size() == b.params.size() &&
+         (a.params.empty() ||
+          std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(double)) == 0);
+}
+
+std::unique_ptr<ShardUpdater> make_shard_updater(const OptimizerConfig& c) {
   for (size_t i = 0; i < c.params.size(); ++i) {
     DISTSTRAT_CHECK(std::isfinite(c.params[i]), kInvalidArgument, "optimizer '", c.name,
                     "': ", param_name(c, i), " is ", c.params[i]);
