@@ -86,9 +86,7 @@ void ring_all_reduce(const Peers& peers, const AllReduceArgs& a);
 void halving_doubling_all_reduce(const Peers& peers, const AllReduceArgs& a);
 void tree_all_reduce(const Peers& peers, const AllReduceArgs& a);
 void reduce_to_one_all_reduce(const Peers& peers, const AllReduceArgs& a);
-// Groups ranks by `node_of` (same value = same node).
-void hierarchical_all_reduce(const Peers& peers, const AllReduceArgs& a,
-                             const std::vector<int>& node_of);
+// The hierarchical all-reduce, which runs these on sub-groups: hierarchical.h.
 
 // Building blocks shared by several algorithms.
 // Binomial-tree reduce of buf to member `root` (others' buf is clobbered).

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "allreduce/custom.h"
+#include "allreduce/hierarchical.h"
 #include "allreduce/reduce_kernels.h"
 #include "core/fnv1a.h"
 #include "core/user_text.h"

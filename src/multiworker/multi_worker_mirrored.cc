@@ -17,7 +17,7 @@
 #include "diststrat/optimizer.h"
 #include "runtime/local_replicas.h"
 #include "multiworker/fusion.h"
-#include "allreduce/hierarchical_communicator.h"
+#include "allreduce/hierarchical.h"
 #include "runtime/process_group.h"
 
 namespace diststrat {

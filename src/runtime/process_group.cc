@@ -8,7 +8,7 @@
 #include "core/user_text.h"
 #include "diststrat/config.h"
 #include "diststrat/logging.h"
-#include "allreduce/hierarchical_communicator.h"
+#include "allreduce/hierarchical.h"
 #if DISTSTRAT_HAVE_MPI
 #include "allreduce/mpi_communicator.h"
 #include "runtime/mpi_env.h"
