@@ -2,6 +2,26 @@
 // strategy decides where the rule runs (on every mirrored copy, once on the
 // host copy, or on the parameter servers). Slots (momentum, Adam moments) live
 // beside each variable's copies and are created zero-filled on first use.
+// The pieces an optimizer is configured with have headers of their own,
+// included here: learning_rate_schedule.h, gradient_options.h (clipping, loss
+// scaling), update_rule.h (the rule as data), optimizer_sharding.h (ZeRO-1).
+//
+// Rules for the calls below:
+//  - Blocking: apply_gradients returns when this replica's part of the step
+//    is done: its gradients reduced with the other replicas' (waiting for
+//    them within the strategy's timeout) and its copies updated, a GPU
+//    copy's update enqueued on the replica's stream. ParameterServerStrategy
+//    pushes the gradients without waiting for the parameter servers; under
+//    accumulation the first k - 1 calls of an update return at once.
+//  - Ordering: every local replica calls apply_gradients with the same
+//    variables in the same order, and so does every worker of a synchronous
+//    strategy, configured alike (checked at the first call). Constructing an
+//    optimizer and enable_loss_scaling create variables: like
+//    Strategy::create_variable, outside run, on every worker in the same order.
+//  - Thread safety: apply_gradients, loss_scale and learning_rate may run on
+//    every replica's thread at once (inside Strategy::run); the set_* and
+//    enable_* calls, gather/assign_sharded_slots and slot_bytes_per_replica
+//    are not thread-safe: call them outside Strategy::run.
 #pragma once
 
 #include <cstdint>
@@ -12,103 +32,13 @@
 #include <utility>
 #include <vector>
 
+#include "diststrat/gradient_options.h"
+#include "diststrat/learning_rate_schedule.h"
+#include "diststrat/optimizer_sharding.h"
 #include "diststrat/strategy.h"
+#include "diststrat/update_rule.h"
 
 namespace diststrat {
-
-// A learning rate as a function of the optimizer's step counter: the number
-// of updates completed before this one (Optimizer::iterations(), which
-// checkpoints save, so a restored run continues the schedule exactly; the
-// first update sees 0), as Keras' LearningRateSchedule(optimizer.iterations).
-// Plain data, so parameter servers rebuild it (their counter is the shard's
-// own update count, equal to iterations for a dense variable). `base` below
-// is the optimizer's learning_rate.
-//  kConstant          base.
-//  kPiecewiseConstant values[0] while t <= boundaries[0], values[i] while
-//                     boundaries[i-1] < t <= boundaries[i], values.back()
-//                     after (Keras' PiecewiseConstantDecay; base unused).
-//  kCosineDecay       linear warm-up from warmup_initial to base over
-//                     warmup_steps, then base * ((1 - alpha) * 0.5 *
-//                     (1 + cos(pi * min(t - warmup_steps, decay_steps) /
-//                     decay_steps)) + alpha) (Keras' CosineDecay).
-//  kExponentialDecay  base * decay_rate ^ (t / decay_steps), the exponent
-//                     floored when staircase (Keras' ExponentialDecay).
-// Evaluated in double, rounded to float once.
-struct LearningRateSchedule {
-  enum class Kind { kConstant, kPiecewiseConstant, kCosineDecay, kExponentialDecay };
-  Kind kind = Kind::kConstant;
-  std::vector<int64_t> boundaries;  // piecewise: strictly increasing, >= 0
-  std::vector<float> values;        // piecewise: boundaries.size() + 1 rates
-  int64_t warmup_steps = 0;         // cosine
-  float warmup_initial = 0.0f;      // cosine: the rate at t = 0 when warming up
-  int64_t decay_steps = 1;          // cosine, exponential: > 0
-  float alpha = 0.0f;               // cosine: final rate as a fraction of base, [0, 1]
-  float decay_rate = 1.0f;          // exponential: > 0
-  bool staircase = false;           // exponential
-
-  static LearningRateSchedule piecewise_constant(std::vector<int64_t> boundaries,
-                                                 std::vector<float> values);
-  static LearningRateSchedule cosine_decay(int64_t decay_steps, int64_t warmup_steps = 0,
-                                           float alpha = 0.0f, float warmup_initial = 0.0f);
-  static LearningRateSchedule exponential_decay(int64_t decay_steps, float decay_rate,
-                                                bool staircase = false);
-  // Throws InvalidArgumentError naming the bad field. Optimizers call it.
-  void validate(const std::string& owner) const;
-  // The rate for the update that follows `iterations` completed ones. Pure,
-  // thread-safe; iterations < 0 counts as 0.
-  float learning_rate(float base, int64_t iterations) const;
-  // "constant", "cosine_decay(decay_steps=..., ...)": every field, floats
-  // exactly (9 significant digits).
-  std::string describe() const;
-};
-
-// An update rule in data form, so a GPU backend can run it as a kernel
-// (Optimizer::update is host code). kNone: the optimizer runs on the host only.
-struct UpdateRule {
-  enum class Kind { kNone, kSgd, kAdam };
-  Kind kind = Kind::kNone;
-  float learning_rate = 0.0f;  // update_tensor puts this step's scheduled rate here
-  float momentum = 0.0f;       // SGD
-  bool nesterov = false;       // SGD
-  float beta1 = 0.0f, beta2 = 0.0f, epsilon = 0.0f;  // Adam
-};
-
-// Gradient clipping, applied to the reduced (global) gradients after the
-// strategy's all-reduce and before the update, identically on every replica
-// and worker (no extra communication: every replica holds the same reduced
-// gradients and computes the same norm, in double, in the same order). At
-// most one field may be set (as in Keras); 0 = off.
-//  global_norm  clip_by_global_norm: every gradient of one apply_gradients
-//               call is scaled by global_norm / max(norm, global_norm), norm =
-//               sqrt(sum of all squared elements); a non-finite norm makes
-//               every gradient NaN (as tf.clip_by_global_norm).
-//  norm         clip_by_norm, per tensor: g * norm / max(|g|, norm).
-//  value        clip_by_value: each element into [-value, value].
-// The user's gradient tensors are not modified (the clipped values go to a
-// copy). GPU variables are clipped on their device: a few list launches per
-// step and at most one small device -> host read (the global norm).
-// ParameterServerStrategy: UnimplementedError (the parameter servers apply
-// each worker's push on its own; there is no global gradient to clip).
-struct GradientClipping {
-  float global_norm = 0.0f;
-  float norm = 0.0f;
-  float value = 0.0f;
-};
-
-// Dynamic loss scaling (Keras' LossScaleOptimizer): the loop multiplies its
-// loss by loss_scale(ctx); after the reduction the optimizer divides the
-// gradients by it and, if any reduced gradient is non-finite, skips the whole
-// step (no variable, slot or step counter changes) and divides the scale by
-// `multiplier` (never below 1); after `growth_interval` finite steps in a
-// row it multiplies it. The decision is taken on the reduced gradients: an
-// inf or NaN on any replica of any worker reaches every replica through the
-// all-reduce (sums propagate them), so every replica skips the same step and
-// the scale stays identical everywhere, with no extra communication.
-struct LossScaleOptions {
-  float initial_scale = 32768.0f;  // 2^15, as Keras
-  int64_t growth_interval = 2000;  // finite steps in a row before the scale grows
-  float multiplier = 2.0f;         // growth factor; a skipped step divides by it
-};
 
 // What one apply_gradients call did.
 struct ApplyResult {
@@ -124,22 +54,6 @@ struct ApplyResult {
   // The global norm of the reduced gradients before clipping, when clipping
   // by global norm (the same on every replica and worker); NaN otherwise.
   double global_norm = std::numeric_limits<double>::quiet_NaN();
-};
-
-// ZeRO-1 (sharded optimizer state): the collectives a strategy hands to
-// Optimizer::apply_sharded, over every replica in sync (R of them, global
-// replica ids 0..R-1). Each blocks until this replica's part is done; every
-// replica calls each the same number of times in the same order.
-struct ShardedCollectives {
-  // `in`: R * B float32 elements; `out`: B. Leaves block replica_id() of the
-  // element-wise sum over all replicas in `out`.
-  std::function<void(const Tensor& in, Tensor& out)> reduce_scatter;
-  // `in`: B float32 elements; `out`: R * B, every replica's `in` in replica
-  // order.
-  std::function<void(const Tensor& in, Tensor& out)> all_gather;
-  // The sum of one double over every replica in sync (global-norm clipping,
-  // loss scaling's non-finite decision): one scalar reduction per step.
-  std::function<double(double)> sum;
 };
 
 class Optimizer {
@@ -305,6 +219,12 @@ class Optimizer {
   static std::shared_ptr<Agreement> new_agreement();
   void configuration_changed();
   void agree_on_configuration(ReplicaContext& ctx);
+  // gradient_accumulation.cc: one micro-batch added to this replica's sums;
+  // the k-th reduces them and updates.
+  ApplyResult accumulate_micro_batch(
+      ReplicaContext& ctx, const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
+  // clipping_and_loss_scaling.cc: the strategy's reduction and update, the
+  // step's updates held for global-norm clipping and loss scaling.
   ApplyResult reduce_and_update(ReplicaContext& ctx,
                                 const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
   void apply_clipped(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,

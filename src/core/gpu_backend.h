@@ -26,7 +26,7 @@
 
 namespace diststrat {
 
-struct UpdateRule;  // diststrat/optimizer.h: the optimizer rule as data
+struct UpdateRule;  // diststrat/update_rule.h: the optimizer rule as data
 
 using DeadlineClock = std::chrono::steady_clock;
 

@@ -8,7 +8,7 @@
 
 #include "diststrat/collective.h"
 #include "diststrat/dtype.h"
-#include "diststrat/optimizer.h"
+#include "diststrat/update_rule.h"
 
 namespace diststrat {
 namespace gpu {

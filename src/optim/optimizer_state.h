@@ -1,8 +1,9 @@
 // Internal state of Optimizer shared by its translation units (optimizer.cc,
-// device_training.cc, zero_sharding.cc): the updates of one apply_gradients
-// call held back until the last one arrives (global-norm clipping, loss
-// scaling), the ZeRO-1 layout, and the decisions both the host and the
-// device paths apply.
+// gradient_accumulation.cc, clipping_and_loss_scaling.cc,
+// device_training.cc, zero_sharding.cc): each replica's accumulated
+// gradients, the updates of one apply_gradients call held back until the
+// last one arrives (global-norm clipping, loss scaling), the ZeRO-1 layout,
+// and the decisions both the host and the device paths apply.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +20,16 @@
 #include "diststrat/optimizer.h"
 
 namespace diststrat {
+
+// Each local replica's gradient sums of the micro-batches so far.
+struct Optimizer::Accumulator {
+  struct Sums {
+    int count = 0;
+    std::vector<std::pair<Tensor, Variable>> grads_and_vars;
+  };
+  std::mutex mu;  // guards the map; each replica touches only its own Sums
+  std::map<int, Sums> replicas;
+};
 
 // Updates of one apply_gradients call held back, per calling thread (a
 // replica's thread, or local replica 0's during a merge_call), until the last
