@@ -1,7 +1,7 @@
-// The CUDA implementation of GpuBackend (cuda_backend.cc): CUDA runtime for
-// devices, memory, streams and copies, cuBLAS for GEMMs, kernels.cu for the
-// rest, NCCL (when built with it) and the shared-device reduction for
-// collectives.
+// The CUDA implementation of GpuBackend (cuda_backend_impl.h, cuda_*.cc): CUDA
+// runtime for devices, memory, streams and copies, cuBLAS for GEMMs,
+// kernels.cu for the rest, NCCL (when built with it) and the shared-device
+// reduction for collectives. The bounded waits below are in cuda_wait.cc.
 #pragma once
 
 #include <chrono>
@@ -41,7 +41,7 @@ class HostSignalWait {
   HostSignalWait(void* stream, const std::string& what);
   // True once the host function ran; false when `until` came first.
   bool wait_until(DeadlineClock::time_point until);
-  struct State;  // shared with the host function (cuda_backend.cc)
+  struct State;  // shared with the host function (cuda_wait.cc)
 
  private:
   std::shared_ptr<State> state_;

@@ -143,6 +143,10 @@ class FusionEngine {
   void execute(Call& call);
   void execute_all_reduce(Call& call);
   void execute_sharded(Call& call);  // reduce_scatter / all_gather
+  // Why `part`, local replica `local`'s part of `call`, differs from what
+  // another local replica enqueued for it; empty when they agree.
+  std::string describe_local_mismatch(const Call& call, int local, const Part& part, bool is_task,
+                                      const std::string& what) const;
   // The call's signature as text (one header line, one line per tensor) and
   // its 64-bit hash (what the ranks exchange first).
   std::string signature_header(ReduceOp op) const;

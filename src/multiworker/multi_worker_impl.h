@@ -1,0 +1,90 @@
+// MultiWorkerMirroredStrategy's state, shared by its files: set-up and
+// teardown (multi_worker_mirrored.cc), the replica context
+// (multi_worker_replica_context.cc), the Strategy overrides
+// (multi_worker_strategy_ops.cc) and gradient application
+// (multi_worker_apply.cc).
+#pragma once
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/timeline.h"
+#include "diststrat/multi_worker_mirrored.h"
+#include "multiworker/fusion.h"
+#include "runtime/local_replicas.h"
+#include "runtime/process_group.h"
+
+namespace diststrat {
+
+// The context the step function sees on local replica `local`: the local
+// replica's device and stream, a replica id counted across the workers, and
+// collectives over every replica in sync.
+class MultiWorkerReplicaContext : public ReplicaContext {
+ public:
+  MultiWorkerReplicaContext(MultiWorkerMirroredStrategy::Impl* impl, int local)
+      : impl_(impl), local_(local) {}
+
+  int replica_id() const override;
+  int local_replica_id() const override { return local_; }
+  int num_replicas_in_sync() const override;
+  const Device& device() const override;
+  Strategy& strategy() const override;
+  void* stream() const override { return inner().stream(); }
+
+  void all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
+                  const std::vector<std::string>& names = {}) override {
+    all_reduce_async(op, tensors, names).wait();
+  }
+  Work all_reduce_async(ReduceOp op, std::vector<Tensor> tensors,
+                        std::vector<std::string> names = {}) override;
+  Tensor all_gather(const Tensor& t, const std::string& name = "") override;
+  void barrier(const std::string& name = "") override;
+
+ protected:
+  std::shared_ptr<void> merge_call_impl(
+      const std::function<std::shared_ptr<void>(Strategy&)>& fn) override;
+
+ private:
+  LocalReplicaContext& inner() const;
+  MultiWorkerMirroredStrategy::Impl* impl_;
+  int local_;
+};
+
+struct MultiWorkerMirroredStrategy::Impl {
+  // Timeline lanes: 0 = communication thread, 1 + l = local replica l.
+  static constexpr int kStepLane = 1000;
+
+  MultiWorkerMirroredStrategy* self;
+  MultiWorkerOptions options;
+  ResolvedCluster cluster;
+  ProcessCommunicators comms;
+  Communicator* cross = nullptr;
+  int first_local = 0;
+  int total_replicas = 1;
+  std::string timeline_path;
+  std::unique_ptr<Timeline> timeline;
+  std::unique_ptr<LocalReplicas> replicas;
+  std::unique_ptr<FusionEngine> engine;
+  std::vector<std::unique_ptr<MultiWorkerReplicaContext>> contexts;
+  int64_t steps = 0;
+  // std::uncaught_exceptions() when the strategy was made: more at
+  // destruction = destroyed during stack unwinding.
+  int uncaught_at_construction = std::uncaught_exceptions();
+  // The first error of a local replica (run_replicas), for the reason the
+  // destructor gives the peers.
+  std::string last_error;
+  std::mutex error_mu;
+
+  int rank() const { return cross->rank(); }
+
+  // Concatenates every worker's `local` along axis 0 (row counts may differ).
+  // Runs on the communication thread via engine->run.
+  Tensor cross_gather(const Tensor& local, const std::string& name);
+  // Gathers every rank's timeline events; rank 0 writes the merged file.
+  void write_timeline();
+};
+
+}  // namespace diststrat
