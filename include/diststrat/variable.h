@@ -12,9 +12,7 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -90,7 +88,7 @@ struct RandomNormal {
 
 class Variable {
  public:
-  struct Impl;
+  struct Impl;  // defined inside the library (src/runtime/variable_impl.h)
   Variable() = default;
   explicit Variable(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -115,28 +113,13 @@ class Variable {
   // mismatch. Not thread-safe with run().
   void assign(const Tensor& value);
 
-  // Implementation access for strategies and optimizers.
+  // Implementation access for strategies and optimizers (Impl is opaque to
+  // users).
   Impl& impl() const;
   const std::shared_ptr<Impl>& impl_ptr() const { return impl_; }
 
  private:
   std::shared_ptr<Impl> impl_;
-};
-
-struct Variable::Impl {
-  std::string name;
-  Shape shape;
-  DType dtype = DType::kFloat32;
-  VariableOptions options;
-  Strategy* owner = nullptr;
-  int64_t creation_index = 0;
-  // Local copies: one per local replica (mirrored), or a single one.
-  std::vector<Tensor> copies;
-  // Optimizer slots (momentum, Adam moments): one vector of copies per slot
-  // name, laid out like `copies`. Created zero-filled on first use.
-  std::vector<Tensor>& slot(const std::string& slot_name);
-  std::map<std::string, std::vector<Tensor>> slots;  // guarded by slots_mu
-  std::mutex slots_mu;
 };
 
 }  // namespace diststrat

@@ -9,6 +9,7 @@
 // variables stay on the host: reads copy them to the replica's device,
 // gradients come back to the host before the reduce-to-one.
 
+#include "runtime/variable_impl.h"
 #include "diststrat/central_storage.h"
 
 #include <mutex>

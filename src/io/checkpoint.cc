@@ -18,6 +18,7 @@
 #include <set>
 #include <sstream>
 
+#include "runtime/variable_impl.h"
 #include "core/file_util.h"
 #include "core/user_text.h"
 #include "diststrat/checkpoint.h"

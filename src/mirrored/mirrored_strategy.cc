@@ -1,3 +1,4 @@
+#include "runtime/variable_impl.h"
 #include "diststrat/mirrored.h"
 
 #include "core/device_scope.h"

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "runtime/variable_impl.h"
 #include "core/fnv1a.h"
 #include "diststrat/optimizer.h"
 #include "multiworker/multi_worker_impl.h"

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "runtime/variable_impl.h"
 #include "allreduce/reduce_kernels.h"
 #include "multiworker/multi_worker_impl.h"
 

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "core/user_text.h"
 #include "optim/optimizer_state.h"
 

@@ -5,6 +5,7 @@
 // the k-th.
 #include <mutex>
 
+#include "runtime/variable_impl.h"
 #include "core/user_text.h"
 #include "optim/device_training.h"
 #include "optim/optimizer_state.h"

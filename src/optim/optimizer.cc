@@ -3,6 +3,7 @@
 // dispatch of the update rule to the host (Optimizer::update) or to a GPU
 // backend's kernel (Optimizer::device_rule). Accumulation, clipping and loss
 // scaling, ZeRO-1 and the cross-worker agreement have files of their own.
+#include "runtime/variable_impl.h"
 #include "diststrat/optimizer.h"
 
 #include <algorithm>

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/variable_impl.h"
 #include "diststrat/optimizer.h"
 
 namespace diststrat {

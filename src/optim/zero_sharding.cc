@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "runtime/variable_impl.h"
 #include "core/device_scope.h"
 #include "core/user_text.h"
 #include "optim/optimizer_state.h"

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "runtime/variable_impl.h"
 #include "allreduce/reduce_kernels.h"
 #include "diststrat/optimizer.h"
 #include "runtime/local_replicas.h"

@@ -1,5 +1,6 @@
 // ParameterServerStrategy::Impl's code (worker.h): the layout, shards, pulls
 // and pushes, the progress thread and the worker's shutdown.
+#include "runtime/variable_impl.h"
 #include "parameter_server/worker.h"
 
 #include <algorithm>

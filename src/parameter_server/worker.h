@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/variable_impl.h"
 #include "allreduce/inprocess.h"
 #include "diststrat/checkpoint.h"
 #include "diststrat/parameter_server.h"

@@ -1,3 +1,4 @@
+#include "runtime/variable_impl.h"
 #include "runtime/local_replicas.h"
 
 #include <algorithm>

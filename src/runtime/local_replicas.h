@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/variable_impl.h"
 #include "allreduce/packed.h"
 #include "core/device_scope.h"
 #include "core/thread_pool.h"

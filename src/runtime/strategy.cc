@@ -1,3 +1,4 @@
+#include "runtime/variable_impl.h"
 #include "diststrat/strategy.h"
 
 #include <algorithm>

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/variable_impl.h"
 #include "diststrat/diststrat.h"
 
 namespace diststrat {

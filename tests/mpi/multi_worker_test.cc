@@ -12,6 +12,7 @@
 #include <cstring>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "../unit/training_util.h"
 #include "diststrat/diststrat.h"
 #include "mpi_test_util.h"

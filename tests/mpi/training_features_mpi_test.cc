@@ -9,6 +9,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "runtime/variable_impl.h"
 #include "../unit/training_util.h"
 #include "diststrat/diststrat.h"
 #include "mpi_test_util.h"

@@ -9,6 +9,7 @@ extern "C" size_t __sanitizer_get_current_allocated_bytes();
 #include <mutex>
 #include <set>
 
+#include "runtime/variable_impl.h"
 #include "diststrat/central_storage.h"
 #include "diststrat/diststrat.h"
 #include "training_util.h"

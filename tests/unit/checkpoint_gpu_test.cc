@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "runtime/variable_impl.h"
 #include "checkpoint_util.h"
 #include "diststrat/device_manager.h"
 #include "diststrat/diststrat.h"

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/variable_impl.h"
 #include "checkpoint_util.h"
 #include "core/timeline.h"
 #include "diststrat/diststrat.h"

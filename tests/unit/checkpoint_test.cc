@@ -18,6 +18,7 @@
 #include <random>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
 #include "harness.h"

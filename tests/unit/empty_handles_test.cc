@@ -5,6 +5,7 @@
 
 #include <memory>
 
+#include "runtime/variable_impl.h"
 #include "diststrat/diststrat.h"
 #include "training_util.h"
 

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "core/caching_allocator.h"
 #include "core/device_manager_impl.h"
 #include "core/device_scope.h"

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "diststrat/diststrat.h"
 #include "training_util.h"
 

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "diststrat/diststrat.h"
 #include "training_util.h"
 #include "../common/temp_dir.h"

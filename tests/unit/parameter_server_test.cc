@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "allreduce/transport.h"
 #include "diststrat/diststrat.h"
 #include "parameter_server/client.h"

@@ -14,6 +14,7 @@
 #include <memory>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "checkpoint_util.h"
 #include "diststrat/device_manager.h"
 #include "diststrat/diststrat.h"

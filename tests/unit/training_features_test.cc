@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 
+#include "runtime/variable_impl.h"
 #include "checkpoint_util.h"
 #include "diststrat/diststrat.h"
 #include "parameter_server/shard_updater.h"

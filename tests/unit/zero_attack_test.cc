@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/variable_impl.h"
 #include "diststrat/diststrat.h"
 #include "training_util.h"
 

@@ -17,6 +17,7 @@
 #include <iostream>
 #include <thread>
 
+#include "runtime/variable_impl.h"
 #include "../common/zero_cases.h"
 #include "diststrat/diststrat.h"
 #include "harness.h"
