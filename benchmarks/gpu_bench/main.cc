@@ -84,7 +84,7 @@ std::vector<ArRow> logical_allreduce(int n, const std::vector<size_t>& sizes, in
   o.device_manager = dm;
   ds::MirroredStrategy s(o);
   std::vector<ArRow> rows;
-  ds::GpuBackend& backend = dm->impl().require_backend("gpu_bench");
+  ds::GpuBackend& backend = ds::DeviceManagerAccess::impl(*dm).require_backend("gpu_bench");
   for (size_t bytes : sizes) {
     const int64_t count = static_cast<int64_t>(bytes / 4);
     ArRow row{bytes, 0, 0};
@@ -129,7 +129,7 @@ double nccl_single_gpu(size_t bytes, int iters, std::string* skipped) {
   ds::GpuOptions go;
   go.visible_devices = std::vector<int>{0};
   auto dm = std::make_shared<ds::DeviceManager>(go);
-  ds::GpuBackend& b = dm->impl().require_backend("gpu_bench");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("gpu_bench");
   void* stream = b.create_stream(0);
   ds::CommunicationOptions co;
   co.timeout = std::chrono::seconds(60);
@@ -181,7 +181,8 @@ int main(int argc, char** argv) {
       ds::GpuOptions probe;
       probe.take_leases = false;
       ds::DeviceManager dm(probe);
-      const std::string v = dm.impl().require_backend("gpu_bench").nccl_version();
+      const std::string v =
+          ds::DeviceManagerAccess::impl(dm).require_backend("gpu_bench").nccl_version();
       std::printf("NCCL at run time: %s\n\n", v.empty() ? "none (built without NCCL)" : v.c_str());
       std::printf("result nccl_version=%s\n", v.empty() ? "none" : v.c_str());
     }

@@ -92,8 +92,6 @@ class DeviceManager {
  public:
   // Uses the CUDA backend when this build has one (none otherwise).
   explicit DeviceManager(GpuOptions options = {});
-  // Uses `backend` (tests use a fake one). Internal.
-  DeviceManager(GpuOptions options, std::unique_ptr<GpuBackend> backend);
   ~DeviceManager();
   DeviceManager(const DeviceManager&) = delete;
   DeviceManager& operator=(const DeviceManager&) = delete;
@@ -120,10 +118,12 @@ class DeviceManager {
   // Returns the device's cached, unused memory to CUDA.
   void empty_cache(const Device& device);
 
-  struct Impl;  // internal
-  Impl& impl() const { return *impl_; }
+  struct Impl;  // defined inside the library (src/core/device_manager_impl.h)
 
  private:
+  friend struct DeviceManagerAccess;  // the library's (and its tests') way in
+  // Uses `backend` (tests use a fake one): through DeviceManagerAccess.
+  DeviceManager(GpuOptions options, std::unique_ptr<GpuBackend> backend);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -310,9 +310,6 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   std::vector<ShardSnapshot> local_shards() const;
   void restore_local_shards(const std::vector<ShardSnapshot>& shards);
 
-  Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const override;
-  Tensor variable_value(const Variable::Impl& var) const override;
-  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
 
   // Workers: broadcast from a worker to every worker, through PS 0 (the
@@ -336,6 +333,9 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
                                      const RestoreOptions& options) override;
 
  protected:
+  Tensor read_variable(const Variable::Impl& var, const ReplicaContext& ctx) const override;
+  Tensor variable_value(const Variable::Impl& var) const override;
+  void assign_variable(Variable::Impl& var, const Tensor& value) override;
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
   // reduce() covers this worker's replicas only (see above).

@@ -234,7 +234,7 @@ class DistributedDataParallel {
   Strategy& strategy() const { return *strategy_; }
   DdpStats stats() const;
 
-  struct Replica;  // per local replica state (src/torch/ddp.cc)
+  struct Replica;  // per local replica state (src/torch/ddp_replica.h)
 
  private:
   void on_gradient_ready(int local, size_t param);

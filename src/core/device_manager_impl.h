@@ -51,4 +51,19 @@ struct DeviceManager::Impl {
   std::vector<LogicalDeviceInfo> logical_devices();
 };
 
+// The library's access to a DeviceManager's internals, and the constructor
+// over a given backend (the tests' fake GPUs), neither of them public.
+struct DeviceManagerAccess {
+  static DeviceManager::Impl& impl(const DeviceManager& manager) { return *manager.impl_; }
+  static std::unique_ptr<DeviceManager> with_backend(GpuOptions options,
+                                                     std::unique_ptr<GpuBackend> backend) {
+    return std::unique_ptr<DeviceManager>(
+        new DeviceManager(std::move(options), std::move(backend)));
+  }
+  static std::shared_ptr<DeviceManager> shared_with_backend(GpuOptions options,
+                                                            std::unique_ptr<GpuBackend> backend) {
+    return with_backend(std::move(options), std::move(backend));
+  }
+};
+
 }  // namespace diststrat

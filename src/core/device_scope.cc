@@ -34,8 +34,8 @@ GpuExec gpu_exec(const Device& device, const char* op) {
   DeviceManager& dm = scope_manager(device, op);
   const ExecScope* s = t_scope;
   GpuExec e;
-  e.backend = &dm.impl().require_backend(op);
-  e.ordinal = dm.impl().ordinal_of(device);
+  e.backend = &DeviceManagerAccess::impl(dm).require_backend(op);
+  e.ordinal = DeviceManagerAccess::impl(dm).ordinal_of(device);
   // The scope's stream belongs to its device; work for another device goes
   // to that device's default stream.
   e.stream = s->device == device ? s->stream : nullptr;
@@ -45,10 +45,10 @@ GpuExec gpu_exec(const Device& device, const char* op) {
 
 std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes) {
   DeviceManager& dm = scope_manager(device, "Tensor allocation");
-  if (!bytes) return dm.impl().allocate_raw(device, bytes);
+  if (!bytes) return DeviceManagerAccess::impl(dm).allocate_raw(device, bytes);
   // The block belongs to the stream the scope uses for this device.
   const GpuExec e = gpu_exec(device, "Tensor allocation");
-  std::shared_ptr<void> mem = dm.impl().allocate_raw(device, bytes, e.stream);
+  std::shared_ptr<void> mem = DeviceManagerAccess::impl(dm).allocate_raw(device, bytes, e.stream);
   e.backend->memset_async(e.ordinal, mem.get(), 0, bytes, e.stream);
   return mem;
 }

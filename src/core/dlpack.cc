@@ -160,7 +160,7 @@ std::string join(const int64_t* v, int n) {
 Device gpu_of_ordinal(int ordinal) {
   const ExecScope* s = current_exec_scope();
   if (!s || !s->devices) return Device::gpu(ordinal);
-  DeviceManager::Impl& dm = s->devices->impl();
+  DeviceManager::Impl& dm = DeviceManagerAccess::impl(*s->devices);
   if (s->device.is_gpu() && dm.ordinal_of(s->device) == ordinal) return s->device;
   std::vector<Device> matches;
   std::ostringstream all;
@@ -202,7 +202,7 @@ Device device_from_dl(const DLDevice& dev, const Device* wanted) {
                     " (device memory needs a GPU device)");
     const ExecScope* s = current_exec_scope();
     if (s && s->devices) {
-      const int ordinal = s->devices->impl().ordinal_of(*wanted);
+      const int ordinal = DeviceManagerAccess::impl(*s->devices).ordinal_of(*wanted);
       DISTSTRAT_CHECK(ordinal == dev.device_id, kInvalidArgument,
                       "Tensor::from_dlpack: ", wanted->to_string(), " is CUDA ordinal ", ordinal,
                       ", the memory is on kDLCUDA device_id ", dev.device_id);
@@ -329,7 +329,8 @@ DLManagedTensor* Tensor::to_dlpack() const {
     const ExecScope* s = current_exec_scope();
     int ordinal = storage_cuda_ordinal();
     if (ordinal < 0)
-      ordinal = s && s->devices ? s->devices->impl().ordinal_of(device_) : device_.index;
+      ordinal = s && s->devices ? DeviceManagerAccess::impl(*s->devices).ordinal_of(device_)
+                                : device_.index;
     t.device = DLDevice{kDLCUDA, ordinal};
   }
   t.ndim = static_cast<int>(e->shape.size());

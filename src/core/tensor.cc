@@ -92,7 +92,8 @@ Tensor::Tensor(Shape shape, DType dtype, Device device)
                                     : allocate_device_memory(device, storage_->bytes);
   storage_->ptr = storage_->owner.get();
   if (device.is_gpu())
-    storage_->cuda_ordinal = current_exec_scope()->devices->impl().ordinal_of(device);
+    storage_->cuda_ordinal =
+        DeviceManagerAccess::impl(*current_exec_scope()->devices).ordinal_of(device);
 }
 
 int Tensor::storage_cuda_ordinal() const { return storage_ ? storage_->cuda_ordinal : -1; }

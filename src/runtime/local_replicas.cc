@@ -103,7 +103,7 @@ LocalReplicasCore::LocalReplicasCore(Strategy* strategy, std::vector<Device> dev
 LocalReplicasCore::~LocalReplicasCore() {
   device_comms.clear();
   if (gpus) {
-    DeviceManager::Impl& dm = gpus->impl();
+    DeviceManager::Impl& dm = DeviceManagerAccess::impl(*gpus);
     for (size_t i = 0; i < streams.size(); ++i) {
       dm.backend->destroy_stream(dm.ordinal_of(devices[i]), streams[i]);
     }
@@ -140,7 +140,7 @@ LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
     DISTSTRAT_CHECK(gpus != nullptr, kInvalidArgument, strategy->name(),
                     ": GPU devices need a DeviceManager");
     c.gpus = std::move(gpus);
-    DeviceManager::Impl& dm = c.gpus->impl();
+    DeviceManager::Impl& dm = DeviceManagerAccess::impl(*c.gpus);
     GpuBackend& backend = dm.require_backend(strategy->name() + " on " + c.devices[0].to_string());
     std::vector<int> ordinals;
     for (const Device& d : c.devices) ordinals.push_back(dm.ordinal_of(d));

@@ -173,7 +173,7 @@ TEST(GpuErrors, OutOfMemoryIsResourceExhaustedNamingTheDevice) {
     EXPECT_NE(std::string(e.what()).find("/device:GPU:0"), std::string::npos) << e.what();
   }
   // A failing CUDA call carries the call, its error string, file and line.
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   try {
     b.memset_async(9999, nullptr, 0, 16, nullptr);  // no such device
     ADD_FAILURE() << "cudaSetDevice(9999) succeeded";
@@ -199,7 +199,7 @@ TEST(GpuErrors, OutOfMemoryIsResourceExhaustedNamingTheDevice) {
 TEST(GpuCopies, DeviceToHostStagedAndDirectEventsAndDeviceWait) {
   SKIP_WITHOUT_GPU();
   auto dm = manager();
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   ds::ScopedExec scoped(scope_for(*dm, ds::Device::gpu(0)));
   void* stream = b.create_stream(0);
   for (int64_t count : {int64_t{1}, int64_t{(8 << 20) / 4}, int64_t{(20 << 20) / 4 + 3}}) {
@@ -235,7 +235,7 @@ TEST(GpuKernels, ReduceMatchesTheHostKernelsForEveryDtypeAndOp) {
   auto dm = manager();
   const ds::Device d = ds::Device::gpu(0);
   ds::ScopedExec scoped(scope_for(*dm, d));
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   for (ds::DType dt : {ds::DType::kFloat32, ds::DType::kFloat16, ds::DType::kBFloat16,
                        ds::DType::kFloat64, ds::DType::kInt32, ds::DType::kInt64}) {
     for (int64_t count :
@@ -556,7 +556,7 @@ TEST(GpuCollectives, SharedDeviceAllReduceAndErrorsThroughMirrored) {
 TEST(GpuCollectives, SharedDeviceBroadcastAllGatherReduceScatter) {
   SKIP_WITHOUT_GPU();
   auto dm = manager();
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   const int n = 3;
   const int64_t count = 1000;
   std::vector<void*> streams;
@@ -659,7 +659,7 @@ TEST(GpuRuntime, StreamIdentitiesAreNeverReusedAlthoughHandlesAre) {
 TEST(GpuRuntime, EventAndStreamWaitsEndAtTheirDeadlineNamingTheWork) {
   SKIP_WITHOUT_GPU();
   auto dm = manager();
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   void* s = b.create_stream(0);
   std::atomic<bool> go{false};
   hold_stream(s, &go);
@@ -742,7 +742,7 @@ TEST_P(GpuCollectiveSweep, SharedDeviceEveryReduceOpIsExact) {
   SKIP_WITHOUT_GPU();
   namespace rs = diststrat_test::reduce_sweep;
   auto dm = manager();
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   std::vector<void*> streams;
   for (int r = 0; r < 3; ++r) streams.push_back(b.create_stream(0));
   ds::CommunicationOptions co;
@@ -760,7 +760,7 @@ TEST_P(GpuCollectiveSweep, NcclEveryReduceOpIsExactOverEveryGpu) {
   SKIP_WITHOUT_GPU();
   namespace rs = diststrat_test::reduce_sweep;
   auto dm = manager();
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   std::vector<int> ordinals;
   std::vector<void*> streams;
   for (int o = 0; o < b.device_count(); ++o) {
@@ -794,7 +794,7 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, GpuCollectiveSweep,
 TEST(GpuNccl, SingleRankCommunicatorsFromTheLocalAndMultiProcessFactories) {
   SKIP_WITHOUT_GPU();
   auto dm = manager();
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   ds::ScopedExec scoped(scope_for(*dm, ds::Device::gpu(0)));
   void* stream = b.create_stream(0);
   ds::CommunicationOptions co;
@@ -831,7 +831,7 @@ TEST(GpuTraining, ListKernelsMatchTheHostArithmeticAndSumsAreDeterministic) {
   auto dm = manager();
   const ds::Device d = ds::Device::gpu(0);
   ds::ScopedExec scoped(scope_for(*dm, d));
-  ds::GpuBackend& b = dm->impl().require_backend("test");
+  ds::GpuBackend& b = ds::DeviceManagerAccess::impl(*dm).require_backend("test");
   const int n = 50;
   std::vector<ds::Tensor> host, dev;
   std::vector<const float*> in;

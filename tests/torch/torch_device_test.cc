@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "core/device_manager_impl.h"
 #include "torch_test_util.h"
 #include "unit/fake_gpu_backend.h"
 
@@ -18,7 +19,7 @@ using diststrat_test::LeaseDir;
 std::shared_ptr<DeviceManager> split_first_gpu(const LeaseDir& dir) {
   GpuOptions o;
   o.lease = dir.options();
-  auto dm = std::make_shared<DeviceManager>(o, std::make_unique<FakeGpuBackend>(2));
+  auto dm = DeviceManagerAccess::shared_with_backend(o, std::make_unique<FakeGpuBackend>(2));
   // GPU:0 and GPU:1 on CUDA 0, GPU:2 = CUDA 1.
   dm->set_logical_device_configuration(0, {{8u << 20}, {8u << 20}});
   return dm;

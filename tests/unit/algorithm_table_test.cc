@@ -12,6 +12,7 @@
 #include <set>
 #include <thread>
 
+#include "core/device_manager_impl.h"
 #include "allreduce/transport.h"
 #include "allreduce/transport_communicator.h"
 #include "diststrat/algorithm_registry.h"
@@ -171,7 +172,7 @@ std::vector<Subject> subjects() {
            diststrat_test::LeaseDir dir;
            ds::GpuOptions go;
            go.lease = dir.options();
-           auto dm = std::make_shared<ds::DeviceManager>(
+           auto dm = ds::DeviceManagerAccess::shared_with_backend(
                go, std::make_unique<diststrat_test::FakeGpuBackend>(shared ? 1 : 3));
            if (shared)
              dm->set_logical_device_configuration(0, {{8u << 20}, {8u << 20}, {8u << 20}});

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "core/device_manager_impl.h"
 #include "runtime/variable_impl.h"
 #include "checkpoint_util.h"
 #include "diststrat/device_manager.h"
@@ -32,8 +33,8 @@ struct FakeGpuMirrored {
     g.lease.lock_dir = lock_dir.path();
     ds::MirroredOptions o;
     o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-    o.device_manager =
-        std::make_shared<ds::DeviceManager>(g, std::make_unique<diststrat_test::FakeGpuBackend>(2));
+    o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+        g, std::make_unique<diststrat_test::FakeGpuBackend>(2));
     strategy = std::make_unique<ds::MirroredStrategy>(o);
     vars = mlp.create_variables(*strategy, seed);
     opt = std::make_unique<ds::SGD>(*strategy, ds::SGDOptions{0.05f, 0.9f});

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/device_manager_impl.h"
 #include "diststrat/config.h"
 #include "diststrat/diststrat.h"
 
@@ -563,7 +564,8 @@ TEST(DLPack, CudaTensorsRoundTripOnTheFakeGpu) {
   LeaseDir dir;
   auto backend = std::make_unique<FakeGpuBackend>(2);
   FakeGpuBackend* fake = backend.get();
-  ds::DeviceManager dm(dir.gpu_options(), std::move(backend));
+  auto dm_owner = ds::DeviceManagerAccess::with_backend(dir.gpu_options(), std::move(backend));
+  ds::DeviceManager& dm = *dm_owner;
   int deletes = 0;
   const std::vector<float> values = {1, 2, 3, 4};
   DLManagedTensor* m = make_cuda(dm, ds::Device::gpu(1), 1, values, &deletes);
@@ -596,7 +598,9 @@ TEST(DLPack, CudaTensorsRoundTripOnTheFakeGpu) {
 
 TEST(DLPack, CudaOrdinalsAreTranslatedThroughTheThreadsDeviceManager) {
   LeaseDir dir;
-  ds::DeviceManager dm(dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
+  auto dm_owner =
+      ds::DeviceManagerAccess::with_backend(dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
+  ds::DeviceManager& dm = *dm_owner;
   dm.set_logical_device_configuration(0, {{8u << 20}, {8u << 20}});  // GPU:0, GPU:1 on CUDA 0
   int deletes = 0;
   DLManagedTensor* on0 = make_cuda(dm, ds::Device::gpu(1), 0, {1, 2}, &deletes);
@@ -636,7 +640,9 @@ TEST(DLPack, CudaOrdinalsAreTranslatedThroughTheThreadsDeviceManager) {
 // a CUDA device of this process).
 TEST(DLPack, ExportOutsideAReplicaNamesTheCudaOrdinalNotTheLogicalIndex) {
   LeaseDir dir;
-  ds::DeviceManager dm(dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
+  auto dm_owner =
+      ds::DeviceManagerAccess::with_backend(dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
+  ds::DeviceManager& dm = *dm_owner;
   dm.set_logical_device_configuration(0, {{8u << 20}, {8u << 20}});  // GPU:0, GPU:1 on CUDA 0
   ds::Tensor t;
   {
@@ -660,7 +666,8 @@ TEST(DLPack, CudaTensorsAllReduceUnderMirroredStrategyOnFakeGpus) {
   FakeGpuBackend* fake = backend.get();
   ds::MirroredOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager = std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::move(backend));
+  o.device_manager =
+      ds::DeviceManagerAccess::shared_with_backend(dir.gpu_options(), std::move(backend));
   ds::MirroredStrategy strategy(o);
   int deletes = 0;
   std::vector<std::shared_ptr<ds::Tensor> > keep(2);  // read after the import released them

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "core/device_manager_impl.h"
 #include "diststrat/diststrat.h"
 #include "fake_gpu_backend.h"
 
@@ -145,7 +146,9 @@ TEST(Env, JunkValuesOfEveryVariableAreAStartupError) {
   expect_rejected("DISTSTRAT_GPU_LEASE", "maybe", [] {
     ds::GpuOptions g;
     g.lease.lock_dir = "/nonexistent/diststrat-env-test";  // rejected before any lease is taken
-    ds::DeviceManager dm(g, std::make_unique<diststrat_test::FakeGpuBackend>(1));
+    auto dm_owner = ds::DeviceManagerAccess::with_backend(
+        g, std::make_unique<diststrat_test::FakeGpuBackend>(1));
+    ds::DeviceManager& dm = *dm_owner;
     dm.list_logical_devices();
   });
   // Accepted spellings.

@@ -265,7 +265,9 @@ ds::GpuOptions fake_options(const LeaseDir& dir) {
 
 TEST(DeviceManager, LogicalDevicesSplitAPhysicalGpuWithTheirOwnLimits) {
   LeaseDir dir;
-  ds::DeviceManager dm(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+  auto dm_owner =
+      ds::DeviceManagerAccess::with_backend(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+  ds::DeviceManager& dm = *dm_owner;
   EXPECT_EQ(dm.list_physical_devices().size(), 2u);
   EXPECT_EQ(dm.list_physical_devices()[1].lease_id, "GPU-fake-1");
   dm.set_logical_device_configuration(0, {{4u << 20}, {6u << 20}});
@@ -302,7 +304,9 @@ TEST(DeviceManager, LogicalDevicesSplitAPhysicalGpuWithTheirOwnLimits) {
 TEST(DeviceManager, VisibleDevicesAndValidation) {
   LeaseDir dir;
   {
-    ds::DeviceManager dm(fake_options(dir), std::make_unique<FakeGpuBackend>(3));
+    auto dm_owner = ds::DeviceManagerAccess::with_backend(fake_options(dir),
+                                                          std::make_unique<FakeGpuBackend>(3));
+    ds::DeviceManager& dm = *dm_owner;
     dm.set_visible_devices({2, 0});
     auto phys = dm.list_physical_devices();
     ASSERT_EQ(phys.size(), 2u);
@@ -313,18 +317,24 @@ TEST(DeviceManager, VisibleDevicesAndValidation) {
     EXPECT_THROW(dm.set_visible_devices({0, 0}), ds::FailedPreconditionError);
   }
   {
-    ds::DeviceManager dm(fake_options(dir), std::make_unique<FakeGpuBackend>(1));
+    auto dm_owner = ds::DeviceManagerAccess::with_backend(fake_options(dir),
+                                                          std::make_unique<FakeGpuBackend>(1));
+    ds::DeviceManager& dm = *dm_owner;
     EXPECT_THROW(dm.set_visible_devices({1, 1}), ds::InvalidArgumentError);
     dm.set_visible_devices({5});
     EXPECT_THROW(dm.list_logical_devices(), ds::NotFoundError);
   }
   {
-    ds::DeviceManager dm(fake_options(dir), std::make_unique<FakeGpuBackend>(1));
+    auto dm_owner = ds::DeviceManagerAccess::with_backend(fake_options(dir),
+                                                          std::make_unique<FakeGpuBackend>(1));
+    ds::DeviceManager& dm = *dm_owner;
     dm.set_logical_device_configuration(0, {{}, {}});  // a split needs limits
     EXPECT_THROW(dm.list_logical_devices(), ds::InvalidArgumentError);
   }
   {
-    ds::DeviceManager dm(fake_options(dir), std::make_unique<FakeGpuBackend>(1));
+    auto dm_owner = ds::DeviceManagerAccess::with_backend(fake_options(dir),
+                                                          std::make_unique<FakeGpuBackend>(1));
+    ds::DeviceManager& dm = *dm_owner;
     dm.set_visible_devices({});
     EXPECT_TRUE(dm.list_logical_devices().empty());
   }
@@ -333,10 +343,12 @@ TEST(DeviceManager, VisibleDevicesAndValidation) {
 TEST(DeviceManager, TakesTheLeasesOfItsGpusAndASecondJobIsRefused) {
   LeaseDir dir;
   auto first =
-      std::make_unique<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+      ds::DeviceManagerAccess::with_backend(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
   first->list_logical_devices();
   EXPECT_EQ(ds::list_leases(dir.options()).size(), 2u);
-  ds::DeviceManager second(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+  auto second_owner =
+      ds::DeviceManagerAccess::with_backend(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+  ds::DeviceManager& second = *second_owner;
   try {
     second.list_logical_devices();
     FAIL() << "a second manager got leased GPUs";
@@ -349,13 +361,16 @@ TEST(DeviceManager, TakesTheLeasesOfItsGpusAndASecondJobIsRefused) {
   // Leases off: no lock taken.
   ds::GpuOptions off = fake_options(dir);
   off.take_leases = false;
-  ds::DeviceManager third(off, std::make_unique<FakeGpuBackend>(2));
+  auto third_owner =
+      ds::DeviceManagerAccess::with_backend(off, std::make_unique<FakeGpuBackend>(2));
+  ds::DeviceManager& third = *third_owner;
   EXPECT_EQ(third.list_logical_devices().size(), 2u);
 }
 
 TEST(DeviceManager, WithoutABackendThereAreNoGpus) {
   LeaseDir dir;
-  ds::DeviceManager dm(fake_options(dir), nullptr);
+  auto dm_owner = ds::DeviceManagerAccess::with_backend(fake_options(dir), nullptr);
+  ds::DeviceManager& dm = *dm_owner;
   EXPECT_TRUE(dm.list_physical_devices().empty());
   EXPECT_TRUE(dm.list_logical_devices().empty());
   EXPECT_THROW(dm.allocate(ds::Shape{1}, ds::DType::kFloat32, ds::Device::gpu(0)),
@@ -484,7 +499,8 @@ TEST(MirroredOnFakeGpus, DistinctGpusUseTheNcclPathAndMatchCpuTraining) {
   FakeGpuBackend* fake = backend.get();
   ds::MirroredOptions gpu;
   gpu.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  gpu.device_manager = std::make_shared<ds::DeviceManager>(fake_options(dir), std::move(backend));
+  gpu.device_manager =
+      ds::DeviceManagerAccess::shared_with_backend(fake_options(dir), std::move(backend));
   const auto got = train_mlp(gpu, 6);
   expect_near(got, want);
   EXPECT_EQ(fake->nccl_groups.load(), 1);
@@ -504,7 +520,7 @@ TEST(MirroredOnFakeGpus, LogicalGpusOfOnePhysicalGpuUseTheSharedDeviceReduction)
 
   auto backend = std::make_unique<FakeGpuBackend>(1);
   FakeGpuBackend* fake = backend.get();
-  auto dm = std::make_shared<ds::DeviceManager>(fake_options(dir), std::move(backend));
+  auto dm = ds::DeviceManagerAccess::shared_with_backend(fake_options(dir), std::move(backend));
   dm->set_logical_device_configuration(0, {{8u << 20}, {8u << 20}, {8u << 20}});
   ds::MirroredOptions gpu;
   gpu.device_manager = dm;  // devices {} = every logical GPU
@@ -518,8 +534,8 @@ TEST(MirroredOnFakeGpus, PlacementLogNamesTheGpus) {
   LeaseDir dir;
   ds::MirroredOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager =
-      std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+  o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+      fake_options(dir), std::make_unique<FakeGpuBackend>(2));
   const auto lines = train_two_steps_logged(o);
   EXPECT_EQ(count_with(lines, "variable dense0/kernel on /device:GPU:1"), 1u);
   // The step counter lives in host memory.
@@ -533,8 +549,8 @@ TEST(MirroredOnFakeGpus, MixedCpuAndGpuDevicesAndMissingGpusAreRejected) {
   LeaseDir dir;
   ds::MirroredOptions o;
   o.devices = {ds::Device::cpu(0), ds::Device::gpu(0)};
-  o.device_manager =
-      std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(1));
+  o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+      fake_options(dir), std::make_unique<FakeGpuBackend>(1));
   EXPECT_THROW(ds::MirroredStrategy{o}, ds::InvalidArgumentError);
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};  // only one fake GPU
   EXPECT_THROW(ds::MirroredStrategy{o}, ds::NotFoundError);
@@ -544,8 +560,8 @@ TEST(MirroredOnFakeGpus, GpuTensorsOutsideAReplicaNeedAScope) {
   LeaseDir dir;
   ds::MirroredOptions o;
   o.devices = {ds::Device::gpu(0)};
-  o.device_manager =
-      std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(1));
+  o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+      fake_options(dir), std::make_unique<FakeGpuBackend>(1));
   ds::MirroredStrategy s(o);
   ds::Variable v = s.create_variable("v", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{2});
   ds::Tensor host = v.value();
@@ -572,8 +588,8 @@ TEST(MirroredOnFakeGpus, AFailingReplicaAbortsTheOthersDeviceCollectivesAndTheGr
   ds::MirroredOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1), ds::Device::gpu(2)};
   o.communication.timeout = std::chrono::seconds(30);
-  o.device_manager =
-      std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(3));
+  o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+      fake_options(dir), std::make_unique<FakeGpuBackend>(3));
   ds::MirroredStrategy s(o);
   const auto t0 = std::chrono::steady_clock::now();
   try {
@@ -606,23 +622,25 @@ TEST(MirroredOnFakeGpus, AStrategyHoldsItsGpusLeasesUntilItsManagerGoes) {
   {
     ds::MirroredOptions o;
     o.devices = {ds::Device::gpu(1)};
-    o.device_manager =
-        std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+    o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+        fake_options(dir), std::make_unique<FakeGpuBackend>(2));
     ds::MirroredStrategy s(o);
     auto leases = ds::list_leases(dir.options());
     ASSERT_EQ(leases.size(), 2u);  // the manager's visible GPUs
     EXPECT_EQ(leases[0].second.pid, ::getpid());
     // A second job on the same GPUs is refused, naming this process.
     ds::MirroredOptions other = o;
-    other.device_manager =
-        std::make_shared<ds::DeviceManager>(fake_options(dir), std::make_unique<FakeGpuBackend>(2));
+    other.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+        fake_options(dir), std::make_unique<FakeGpuBackend>(2));
     EXPECT_THROW(ds::MirroredStrategy{other}, ds::ResourceExhaustedError);
   }
   EXPECT_TRUE(ds::list_leases(dir.options()).empty());
   // DISTSTRAT_GPU_LEASE=0 turns leases off.
   ::setenv("DISTSTRAT_GPU_LEASE", "0", 1);
   {
-    ds::DeviceManager dm(fake_options(dir), std::make_unique<FakeGpuBackend>(1));
+    auto dm_owner = ds::DeviceManagerAccess::with_backend(fake_options(dir),
+                                                          std::make_unique<FakeGpuBackend>(1));
+    ds::DeviceManager& dm = *dm_owner;
     EXPECT_EQ(dm.list_logical_devices().size(), 1u);
     EXPECT_TRUE(ds::list_leases(dir.options()).empty());
   }
@@ -635,7 +653,8 @@ TEST(MirroredOnFakeGpus, TensorCopiesCloneZeroAndAllGatherOnGpuReplicas) {
   FakeGpuBackend* fake = backend.get();
   ds::MirroredOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager = std::make_shared<ds::DeviceManager>(fake_options(dir), std::move(backend));
+  o.device_manager =
+      ds::DeviceManagerAccess::shared_with_backend(fake_options(dir), std::move(backend));
   ds::MirroredStrategy s(o);
   auto out = s.run([&](ds::ReplicaContext& ctx) {
     ds::Tensor h(ds::Shape{2, 3}, ds::DType::kFloat32);
@@ -803,7 +822,8 @@ TEST(MirroredOnFakeGpus, AnAbortWaitsForTheCollectiveCallsInFlight) {
   ds::MirroredOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1), ds::Device::gpu(2)};
   o.communication.timeout = std::chrono::seconds(30);
-  o.device_manager = std::make_shared<ds::DeviceManager>(fake_options(dir), std::move(backend));
+  o.device_manager =
+      ds::DeviceManagerAccess::shared_with_backend(fake_options(dir), std::move(backend));
   ds::MirroredStrategy s(o);
   EXPECT_THROW(s.run([&](ds::ReplicaContext& ctx) {
     if (ctx.replica_id() == 1) {
@@ -846,7 +866,8 @@ TEST(MirroredOnFakeGpus, AdamOnTheDevicePathMatchesCpuTraining) {
   FakeGpuBackend* fake = backend.get();
   ds::MirroredOptions gpu;
   gpu.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  gpu.device_manager = std::make_shared<ds::DeviceManager>(fake_options(dir), std::move(backend));
+  gpu.device_manager =
+      ds::DeviceManagerAccess::shared_with_backend(fake_options(dir), std::move(backend));
   const auto got = train_adam(gpu);
   EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
   EXPECT_EQ(fake->adam_updates.load(), 5 * 4 * 2);  // steps x params x replicas

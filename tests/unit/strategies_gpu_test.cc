@@ -14,6 +14,7 @@
 #include <memory>
 #include <thread>
 
+#include "core/device_manager_impl.h"
 #include "runtime/variable_impl.h"
 #include "checkpoint_util.h"
 #include "diststrat/device_manager.h"
@@ -55,7 +56,8 @@ TEST(CentralStorageOnFakeGpus, HostVariablesGpuComputeMatchesCpuTraining) {
   FakeGpuBackend* fake = backend.get();
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager = std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::move(backend));
+  o.device_manager =
+      ds::DeviceManagerAccess::shared_with_backend(dir.gpu_options(), std::move(backend));
   ds::CentralStorageStrategy gpu(o);
   const auto got = train(gpu, 6);
   EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
@@ -77,8 +79,8 @@ TEST(CentralStorageOnFakeGpus, ReadsAreDeviceCopiesAndResultsComeBackToTheHost) 
   LeaseDir dir;
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager =
-      std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
+  o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+      dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
   ds::CentralStorageStrategy s(o);
   ds::Variable v = s.create_variable("v", ds::Shape{3}, ds::DType::kFloat32, ds::init::Constant{2});
   ds::Variable n = s.create_variable("n", ds::Shape{1}, ds::DType::kInt64, ds::init::Zeros{});
@@ -115,8 +117,8 @@ TEST(CentralStorageOnFakeGpus, MissingGpusAndGpuParameterDeviceAreRejected) {
   LeaseDir dir;
   ds::CentralStorageOptions o;
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};  // only one fake GPU
-  o.device_manager =
-      std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
+  o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+      dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
   EXPECT_THROW(ds::CentralStorageStrategy{o}, ds::NotFoundError);
   o.devices = {ds::Device::gpu(0)};
   o.parameter_device = ds::Device::gpu(0);
@@ -150,8 +152,8 @@ std::vector<ds::Tensor> train_multi_worker(bool gpus, int steps, std::atomic<int
           o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
           auto backend = std::make_unique<FakeGpuBackend>(2);
           FakeGpuBackend* fake = backend.get();
-          o.device_manager =
-              std::make_shared<ds::DeviceManager>(dirs[w]->gpu_options(), std::move(backend));
+          o.device_manager = ds::DeviceManagerAccess::shared_with_backend(dirs[w]->gpu_options(),
+                                                                          std::move(backend));
           ds::MultiWorkerMirroredStrategy s(o);
           out[w] = train(s, steps);
           *device_updates += fake->updates.load();
@@ -188,8 +190,8 @@ TEST(MultiWorkerOnFakeGpus, VariablesLiveOnTheDevicesAndComeBackToTheHost) {
   ds::MultiWorkerOptions o;
   o.communicator = &flat.at(0);
   o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-  o.device_manager =
-      std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
+  o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+      dir.gpu_options(), std::make_unique<FakeGpuBackend>(2));
   ds::MultiWorkerMirroredStrategy s(o);
   ds::Variable v = s.create_variable("v", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{2});
   ASSERT_EQ(v.impl().copies.size(), 2u);
@@ -229,7 +231,7 @@ TEST(ParameterServerOnFakeGpus, GpuWorkerReplicasMatchCpuWorkerTraining) {
   LeaseDir dir;
   auto backend = std::make_unique<FakeGpuBackend>(2);
   FakeGpuBackend* fake = backend.get();
-  auto dm = std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::move(backend));
+  auto dm = ds::DeviceManagerAccess::shared_with_backend(dir.gpu_options(), std::move(backend));
   const auto got = train_ps({ds::Device::gpu(0), ds::Device::gpu(1)}, dm, 6);
   EXPECT_LE(ds::testing::max_abs_diff(got, want), 1e-5);
   EXPECT_EQ(fake->nccl_groups.load(), 1);  // the worker's replicas all-reduce on the GPUs
@@ -242,8 +244,8 @@ TEST(ParameterServerOnFakeGpus, OneGpuReplicaReadsADeviceCopyOfTheCache) {
   ds::ParameterServerOptions o;
   o.num_ps = 1;
   o.devices = {ds::Device::gpu(0)};
-  o.device_manager =
-      std::make_shared<ds::DeviceManager>(dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
+  o.device_manager = ds::DeviceManagerAccess::shared_with_backend(
+      dir.gpu_options(), std::make_unique<FakeGpuBackend>(1));
   ds::ParameterServerStrategy s(o);
   ds::Variable w =
       s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Constant{1.0});

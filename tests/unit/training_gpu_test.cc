@@ -18,6 +18,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/device_manager_impl.h"
 #include "../common/temp_dir.h"
 #include "../common/zero_cases.h"
 #include "diststrat/device_manager.h"
@@ -65,7 +66,7 @@ struct TrainSetup {
       ds::GpuOptions g;
       g.lease = dir.options();
       o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-      o.device_manager = std::make_shared<ds::DeviceManager>(g, std::move(backend));
+      o.device_manager = ds::DeviceManagerAccess::shared_with_backend(g, std::move(backend));
     } else {
       o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
     }
@@ -397,7 +398,7 @@ std::vector<ds::Tensor> multi_worker_run(bool gpus, bool zero) {
           ds::GpuOptions g;
           g.lease = dirs[static_cast<size_t>(w)]->options();
           o.device_manager =
-              std::make_shared<ds::DeviceManager>(g, std::make_unique<FakeGpuBackend>(2));
+              ds::DeviceManagerAccess::shared_with_backend(g, std::make_unique<FakeGpuBackend>(2));
         } else {
           o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
         }
@@ -459,7 +460,8 @@ std::vector<ds::Tensor> ps_accumulated(bool gpus) {
     o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
     ds::GpuOptions g;
     g.lease = dir.options();
-    o.device_manager = std::make_shared<ds::DeviceManager>(g, std::make_unique<FakeGpuBackend>(2));
+    o.device_manager =
+        ds::DeviceManagerAccess::shared_with_backend(g, std::make_unique<FakeGpuBackend>(2));
   } else {
     o.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
   }
