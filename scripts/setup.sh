@@ -11,6 +11,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev
   openmpi-bin libopenmpi-dev
   libgloo-dev
+  slurmctld slurmd slurm-client munge
   zlib1g-dev
   libdlpack-dev
   libtorch-dev python3-torch

@@ -7,8 +7,10 @@
 // their GPUs when given (an example that splits a GPU into logical GPUs
 // configures it), else the default DeviceManager. Multi-process strategies
 // run one replica per process unless --replicas was given (mpirun -np N
-// already gives one process per core), and on GPUs each process uses (and
-// leases) its own GPUs of the host's, by its local rank.
+// already gives one process per core) or, on CPUs in an srun step,
+// SLURM_CPUS_PER_TASK says how many cores the task has (one replica each);
+// on GPUs each process uses (and leases) its own GPUs of the host's, by its
+// local rank.
 #pragma once
 
 #include <memory>
@@ -45,8 +47,14 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
     o.communication = comm;
     return std::make_unique<ds::CentralStorageStrategy>(o);
   }
-  const std::vector<ds::Device> per_process =
+  std::vector<ds::Device> per_process =
       f.replicas_given ? devices : std::vector<ds::Device>{devices.front()};
+  if (!f.replicas_given && !gpu && ds::in_slurm_step()) {
+    ds::SlurmOptions so;
+    so.auto_set_gpu = false;
+    const int cpus = ds::SlurmClusterResolver(so).cpus_per_task();
+    for (int i = 1; i < cpus; ++i) per_process.push_back(ds::Device::cpu(i));
+  }
   const std::shared_ptr<ds::DeviceManager> process_gpus =
       gpu ? std::make_shared<ds::DeviceManager>(
                 ds::gpu_options_for_local_process(static_cast<int>(per_process.size())))

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdint>
 #include <string>
 
@@ -41,7 +42,8 @@ struct TrainFlags {
   int64_t checkpoint_every = 0;
   int max_to_keep = 3;
   int64_t max_steps = 0;
-  std::string timeout;  // seconds; empty = CommunicationOptions' default
+  std::string timeout;                     // seconds; empty = CommunicationOptions' default
+  std::string preemption_signal = "TERM";  // the signal that means "save and exit"
 };
 
 // --strategy, --ps, --max-staleness, --device (`device_help`: what --device
@@ -106,7 +108,19 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
                  "interruption (0 = no limit)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--preemption-signal", f.preemption_signal,
+                 "the signal that means save and exit (Slurm: sbatch --signal=USR1@60 with USR1)")
+      ->check(CLI::IsMember({"TERM", "USR1", "USR2", "INT"}))
+      ->capture_default_str();
   add_timeout_flag(app, f.timeout);
+}
+
+// The PreemptionHandler's options for --preemption-signal.
+inline diststrat::PreemptionOptions preemption_options(const TrainFlags& f) {
+  diststrat::PreemptionOptions o;
+  const std::string& s = f.preemption_signal;
+  o.signals = {s == "USR1" ? SIGUSR1 : s == "USR2" ? SIGUSR2 : s == "INT" ? SIGINT : SIGTERM};
+  return o;
 }
 
 }  // namespace diststrat_examples

@@ -117,7 +117,8 @@ int main(int argc, char** argv) {
       // workers, which agree on a step, save and exit; then join() returns.
       std::unique_ptr<ds::PreemptionHandler> preemption;
       if (!f.checkpoint_dir.empty())
-        preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
+        preemption = std::make_unique<ds::PreemptionHandler>(
+            *strategy, diststrat_examples::preemption_options(f));
       ps->join();
       return 0;
     }
@@ -154,7 +155,8 @@ int main(int argc, char** argv) {
         pos = resume_position(f, *md, f.checkpoint_dir, from, dist, iterations);
         if (chief) print_resumed(from, pos);
       }
-      preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
+      preemption = std::make_unique<ds::PreemptionHandler>(
+          *strategy, diststrat_examples::preemption_options(f));
     }
     auto save = [&](const Position& at, const char* why) {
       const std::string path =

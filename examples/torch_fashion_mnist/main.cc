@@ -211,7 +211,8 @@ int main(int argc, char** argv) {
         }
         if (chief) diststrat_examples::print_resumed(from, pos);
       }
-      preemption = std::make_unique<ds::PreemptionHandler>(*strategy);
+      preemption = std::make_unique<ds::PreemptionHandler>(
+          *strategy, diststrat_examples::preemption_options(f));
     }
     auto save = [&](const Position& at, const char* why) {
       state->capture(at.step);

@@ -1,14 +1,18 @@
 // Cluster resolution: who this process is in a multi-process job.
 //
-// Three sources, tried in this order by resolve_cluster():
+// Four sources, tried in this order by resolve_cluster():
 //  1. explicit configuration in code (ClusterConfig with a ClusterSpec set);
 //  2. TensorFlow's TF_CONFIG environment variable (the same JSON):
 //       {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"],
 //                    "ps": ["host3:2222"]},
 //        "task": {"type": "worker", "index": 0}}
-//  3. the MPI launcher (mpirun / srun with PMIx): rank and size of
+//  3. Slurm, inside an srun step (diststrat/slurm.h): the hosts, tasks per
+//     node and this task's rank from the step's SLURM_* variables, roles
+//     from ClusterConfig::slurm.jobs;
+//  4. the MPI launcher (mpirun / srun with PMIx): rank and size of
 //     MPI_COMM_WORLD, every rank a worker, node grouping from
 //     MPI_Comm_split_type(MPI_COMM_TYPE_SHARED).
+// Under MPI, a cluster from 1.-3. must agree with MPI's rank and size.
 //
 // Jobs: "chief" (at most one task; it is worker 0 of the replicas in sync),
 // "worker", "ps" (parameter servers) and "evaluator" (runs no replicas, is not
@@ -83,7 +87,29 @@ struct Placement {
 Placement virtual_nodes(const Placement& real, int ranks_per_node);
 
 // Where the cluster came from.
-enum class ClusterSource { kExplicit, kTfConfig, kMpi, kSingleProcess };
+enum class ClusterSource { kExplicit, kTfConfig, kMpi, kSingleProcess, kSlurm };
+
+// How a Slurm step maps onto the cluster (TensorFlow's SlurmClusterResolver
+// arguments; see diststrat/slurm.h).
+struct SlurmOptions {
+  // Job name ("chief", "worker", "ps") -> tasks; the counts must add up to
+  // the step's tasks. Tasks are given to jobs in rank order chief, worker,
+  // ps (TensorFlow sorts job names instead), so SLURM_PROCID is the process
+  // rank and the ps tasks are the last ones. Empty: every task a worker.
+  std::map<std::string, int> jobs;
+  // Task addresses are host:(port_base + local id).
+  int port_base = 8888;
+  // Tasks on every node, overriding SLURM_STEP_TASKS_PER_NODE (0 = Slurm's).
+  int tasks_per_node = 0;
+  // GPUs on each node; -1: as many as SLURM_STEP_GPUS / SLURM_JOB_GPUS list
+  // (0 when neither is set).
+  int gpus_per_node = -1;
+  // GPUs of each task; -1: gpus_per_node divided by the most tasks on a node.
+  int gpus_per_task = -1;
+  // Set CUDA_VISIBLE_DEVICES to this task's GPUs when a SlurmClusterResolver
+  // is constructed from the environment (resolve_cluster never sets it).
+  bool auto_set_gpu = true;
+};
 const char* cluster_source_name(ClusterSource source);
 
 struct ClusterConfig {
@@ -91,6 +117,9 @@ struct ClusterConfig {
   ClusterSpec spec;
   // Read TF_CONFIG when no explicit spec is given.
   bool use_tf_config = true;
+  // Read Slurm's step variables when there is neither (in_slurm_step()).
+  bool use_slurm = true;
+  SlurmOptions slurm;
   // Ranks per virtual node (0 = real nodes). DISTSTRAT_VIRTUAL_NODE_SIZE
   // overrides it when set (used by the tests to exercise the multi-node path
   // on one host).

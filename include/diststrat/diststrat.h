@@ -28,6 +28,7 @@
 #include "diststrat/preemption.h"
 #include "diststrat/process_group.h"
 #include "diststrat/safetensors.h"
+#include "diststrat/slurm.h"
 #include "diststrat/strategy.h"
 #include "diststrat/tensor.h"
 #include "diststrat/update_rule.h"

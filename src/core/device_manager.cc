@@ -264,9 +264,10 @@ GpuOptions gpu_options_for_local_process(int per_process, int local_rank) {
   if (local_rank < 0) {
     local_rank = 0;
     for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
-      const char* v = std::getenv(name);
-      if (v && *v) {
-        local_rank = std::atoi(v);
+      // Checked like every variable read (a junk value is an error naming it,
+      // not GPU 0).
+      if (auto v = env::integer(name, 0, 1 << 20)) {
+        local_rank = static_cast<int>(*v);
         break;
       }
     }

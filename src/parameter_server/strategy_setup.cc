@@ -102,7 +102,7 @@ std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster,
   throw UnimplementedError("ParameterServerStrategy: a cluster of " +
                            std::to_string(cluster.info.world_size) +
                            " processes needs MPI (launch "
-                           "with mpirun)" +
+                           "with mpirun or srun --mpi=pmix)" +
                            (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have"));
 }
 
@@ -154,7 +154,8 @@ std::unique_ptr<ParameterServerAccess::Impl> make_job_impl_checked(
     // cluster() reports the task the spec names (TF_CONFIG's chief is
     // "chief:0", its worker:0 is "worker:0" though it is worker index 1).
     const bool named =
-        cluster.source == ClusterSource::kExplicit || cluster.source == ClusterSource::kTfConfig;
+        cluster.source == ClusterSource::kExplicit || cluster.source == ClusterSource::kTfConfig ||
+        (cluster.source == ClusterSource::kSlurm && !options.cluster.slurm.jobs.empty());
     if (named && agrees) {
       impl->task_type = cluster.info.task_type;
       impl->task_index = cluster.info.task_index;

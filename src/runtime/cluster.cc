@@ -217,6 +217,8 @@ const char* cluster_source_name(ClusterSource s) {
       return "mpi";
     case ClusterSource::kSingleProcess:
       return "single-process";
+    case ClusterSource::kSlurm:
+      return "slurm";
   }
   return "?";
 }

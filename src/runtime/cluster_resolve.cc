@@ -8,6 +8,7 @@
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/error.h"
+#include "diststrat/slurm.h"
 #include "runtime/process_group.h"
 #if DISTSTRAT_HAVE_MPI
 #include "runtime/mpi_env.h"
@@ -27,8 +28,8 @@ ClusterSpec workers_only(int rank, int size) {
   return spec;
 }
 
-// The spec from the configuration alone (explicit, else TF_CONFIG); false
-// when there is none.
+// The spec from the configuration alone (explicit, else TF_CONFIG, else an
+// srun step's variables, with its placement); false when there is none.
 bool spec_of(const ClusterConfig& config, ResolvedCluster* out) {
   if (!config.spec.jobs.empty()) {
     config.spec.validate();
@@ -43,6 +44,15 @@ bool spec_of(const ClusterConfig& config, ResolvedCluster* out) {
       return true;
     }
   }
+  if (config.use_slurm && in_slurm_step()) {
+    SlurmOptions o = config.slurm;
+    o.auto_set_gpu = false;  // resolve_cluster changes no environment
+    SlurmClusterResolver slurm(o);
+    out->spec = slurm.cluster_spec();
+    out->placement = slurm.placement();
+    out->source = ClusterSource::kSlurm;
+    return true;
+  }
   return false;
 }
 
@@ -54,7 +64,10 @@ void finish(const ClusterConfig& config, bool have_spec, bool from_mpi, Resolved
       // The launcher's ranks must agree with the spec's rank order.
       DISTSTRAT_CHECK(out->spec.world_size() == p.world_size, kInvalidArgument, "cluster spec (",
                       cluster_source_name(out->source), ") has ", out->spec.world_size(),
-                      " training processes but the MPI launcher started ", p.world_size);
+                      " training processes but the MPI launcher started ", p.world_size,
+                      out->source == ClusterSource::kSlurm
+                          ? " (srun starts the tasks as one MPI job only with --mpi=pmix)"
+                          : "");
       DISTSTRAT_CHECK(out->spec.rank() == p.rank, kInvalidArgument, "cluster spec (",
                       cluster_source_name(out->source), "): task ", out->spec.task_type, "[",
                       out->spec.task_index, "] has rank ", out->spec.rank(),
@@ -63,8 +76,9 @@ void finish(const ClusterConfig& config, bool have_spec, bool from_mpi, Resolved
       out->spec = workers_only(p.rank, p.world_size);
       out->source = ClusterSource::kMpi;
     }
-  } else if (have_spec) {
-    // No launcher: one process per node as far as we can tell.
+  } else if (have_spec && out->source != ClusterSource::kSlurm) {
+    // No launcher: one process per node as far as we can tell (Slurm says
+    // where each task is).
     Placement& p = out->placement;
     p.rank = std::max(0, out->spec.rank());
     p.world_size = out->spec.world_size();

@@ -130,7 +130,7 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
   }
 #endif
   DISTSTRAT_CHECK(p.world_size <= 1, kUnimplemented, "a cluster of ", p.world_size,
-                  " processes needs MPI (launch with mpirun), which ",
+                  " processes needs MPI (launch with mpirun or srun --mpi=pmix), which ",
                   DISTSTRAT_HAVE_MPI ? "did not start this process" : "this build does not have",
                   " (MultiWorkerMirroredStrategy: or pass MultiWorkerOptions::communicator)");
   ProcessCommunicators out;

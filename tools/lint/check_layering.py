@@ -42,6 +42,7 @@ PUBLIC_HEADERS = {
     "collective": "core",
     "algorithm_registry": "allreduce",
     "strategy": "runtime", "variable": "runtime", "data": "runtime", "cluster": "runtime",
+    "slurm": "runtime",
     "process_group": "runtime",
     "nn": "nn", "optimizer": "optim", "learning_rate_schedule": "optim", "update_rule": "optim",
     "gradient_options": "optim", "optimizer_sharding": "optim",
