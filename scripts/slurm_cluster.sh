@@ -3,9 +3,9 @@
 # one slurmctld on the launcher host (dsc-l, 198.18.N.254) and one slurmd
 # inside every host (NodeName = hostname = dsc-hI, NodeAddr = its address,
 # its own /tmp: the state directory's tmp/dsc-hI).
-# The configuration is generated into the state directory
-# (/run/<prefix>-cluster/slurm); nothing is written under /etc except munge's
-# key when there was none, which `down` removes again.
+# The configuration, a munged of its own (key, socket) and every daemon's
+# state are generated into the state directory (/run/<prefix>-cluster/slurm);
+# nothing is written elsewhere, and `down` removes all of it.
 #
 #   scripts/slurm_cluster.sh [--hosts K] [--cpus C] up   make it (K default 2, C CPUs per
 #                                                        node, default 4) and wait until
@@ -56,22 +56,21 @@ on_launcher() {
     sh -c 'hostname "$0" && exec "$@"' "$launcher" "$@"
 }
 
+# A munged of this cluster's own (its key, socket, pid and log under the
+# state directory), so that two clusters, or the machine's own munge, never
+# share or stop each other's. munged runs as the munge user.
 start_munge() {
-  if [[ ! -f /etc/munge/munge.key ]]; then
-    mkdir -p /etc/munge
-    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-    chown munge:munge /etc/munge/munge.key
-    chmod 400 /etc/munge/munge.key
-    touch "$sdir/created-munge-key"
-  fi
-  if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return; fi
-  mkdir -p /run/munge /var/lib/munge /var/log/munge
-  chown munge:munge /run/munge /var/lib/munge /var/log/munge
-  runuser -u munge -- /usr/sbin/munged
-  touch "$sdir/started-munged"
+  local m=$sdir/munge
+  mkdir -p "$m"
+  dd if=/dev/urandom of="$m/munge.key" bs=1024 count=1 status=none
+  chown -R munge:munge "$m"
+  chmod 755 "$m"
+  chmod 400 "$m/munge.key"
+  runuser -u munge -- /usr/sbin/munged --socket="$m/munge.socket" --key-file="$m/munge.key" \
+    --pid-file="$m/munged.pid" --log-file="$m/munged.log" --seed-file="$m/munged.seed"
   local tries=0
-  until munge -n 2>/dev/null | unmunge >/dev/null 2>&1; do
-    ((++tries < 50)) || die "munged did not start"
+  until munge -S "$m/munge.socket" -n 2>/dev/null | unmunge -S "$m/munge.socket" >/dev/null 2>&1; do
+    ((++tries < 50)) || die "munged did not start (log: $m/munged.log)"
     sleep 0.1
   done
 }
@@ -85,7 +84,7 @@ SlurmctldHost=${launcher}(${launcher_addr})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=5
+AuthInfo=socket=$sdir/munge/munge.socket,cred_expire=5
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -164,16 +163,13 @@ up() {
 # Slurm's daemons and state; the hosts stay.
 down_slurm() {
   local f
-  for f in "$sdir"/slurmd.*.pid "$sdir"/slurmctld.pid; do
+  for f in "$sdir"/slurmd.*.pid "$sdir"/slurmctld.pid "$sdir"/munge/munged.pid; do
     [[ -f $f ]] && kill -TERM "$(cat "$f")" 2>/dev/null || true
   done
-  # Whatever is left of them (a crash leaves no pid file behind).
-  pkill -KILL -f "slurm(ctld|d|stepd).*$sdir" 2>/dev/null || true
-  pkill -KILL -f "slurmstepd" 2>/dev/null || true
-  if [[ -f $sdir/started-munged ]]; then
-    pkill -TERM -x munged 2>/dev/null || true
-  fi
-  if [[ -f $sdir/created-munge-key ]]; then rm -f /etc/munge/munge.key; fi
+  # Whatever is left of them (a crash leaves no pid file behind): every
+  # daemon of ours names the state directory on its command line; the
+  # slurmstepds live in the hosts' namespaces, which cluster.sh down empties.
+  pkill -KILL -f "(slurmctld|slurmd|munged) .*$sdir" 2>/dev/null || true
   rm -rf "$sdir"
 }
 

@@ -101,10 +101,11 @@ struct SlurmOptions {
   int port_base = 8888;
   // Tasks on every node, overriding SLURM_STEP_TASKS_PER_NODE (0 = Slurm's).
   int tasks_per_node = 0;
-  // GPUs on each node; -1: as many as SLURM_STEP_GPUS / SLURM_JOB_GPUS list
-  // (0 when neither is set).
+  // GPUs on each node (0..1024); -1: as many as SLURM_STEP_GPUS /
+  // SLURM_JOB_GPUS list (0 when neither is set).
   int gpus_per_node = -1;
-  // GPUs of each task; -1: gpus_per_node divided by the most tasks on a node.
+  // GPUs of each task (0..1024); -1: gpus_per_node divided by the most tasks
+  // on a node (an error when that is 0 but the node has GPUs).
   int gpus_per_task = -1;
   // Set CUDA_VISIBLE_DEVICES to this task's GPUs when a SlurmClusterResolver
   // is constructed from the environment (resolve_cluster never sets it).

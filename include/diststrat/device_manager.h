@@ -132,9 +132,10 @@ class DeviceManager {
 // sees, and leases, only physical GPUs local_rank * per_process ..
 // local_rank * per_process + per_process - 1, which become its logical GPUs
 // 0 .. per_process - 1. local_rank < 0 takes it from the launcher
-// (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID; else 0). A
-// process whose GPUs do not exist gets NotFoundError when the manager
-// initializes.
+// (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID; else 0;
+// a value that is not an integer in 0..4096 is an InvalidArgumentError
+// naming it). per_process 1..1024. A process whose GPUs do not exist gets
+// NotFoundError when the manager initializes.
 GpuOptions gpu_options_for_local_process(int per_process, int local_rank = -1);
 
 }  // namespace diststrat

@@ -13,9 +13,10 @@
 // SLURM_STEP_NODELIST / SLURM_JOB_NODELIST (the hosts, in Slurm's hostlist
 // form "h[1-3,5],gpu[001-004]"), SLURM_STEP_TASKS_PER_NODE /
 // SLURM_TASKS_PER_NODE ("2(x3),1"), SLURM_NODEID, SLURM_LOCALID,
-// SLURM_CPUS_PER_TASK, and for GPUs SLURM_STEP_GPUS / SLURM_JOB_GPUS /
-// CUDA_VISIBLE_DEVICES. Tasks must be laid out in blocks (Slurm's default:
-// consecutive ranks on one node); other distributions are refused by name.
+// SLURM_CPUS_PER_TASK, and for GPUs SLURM_STEP_GPUS / SLURM_JOB_GPUS (or
+// CUDA_VISIBLE_DEVICES when SlurmOptions::gpus_per_node is given). Tasks must
+// be laid out in blocks across the nodes (Slurm's default: consecutive ranks
+// on one node); other distributions are refused by name (SLURM_DISTRIBUTION).
 //
 // Rules: plain values; no call blocks or communicates. Every malformed or
 // inconsistent value throws InvalidArgumentError naming the variable and
@@ -37,7 +38,7 @@ namespace diststrat {
 // "r[1-2]n[1-2]" -> r1n1 r1n2 r2n1 r2n2. Throws InvalidArgumentError for a
 // malformed list: an empty entry or bracket ("h[]"), an unclosed or nested
 // bracket ("h[1-"), a descending range ("h[3-1]"), a non-digit in a range,
-// a duplicate host, or more than 100000 hosts.
+// a duplicate host, a name over 255 characters, or more than 100000 hosts.
 std::vector<std::string> expand_slurm_hostlist(const std::string& list);
 
 // Expands Slurm's tasks per node: "2(x3),1" -> 2 2 2 1. Each count is at
@@ -58,7 +59,9 @@ class SlurmClusterResolver {
   // options.auto_set_gpu and GPUs in the step, also sets this task's GPUs
   // (set_visible_gpus()).
   explicit SlurmClusterResolver(SlurmOptions options = {});
-  // From the given variables (recorded environments, tests); never sets any.
+  // From the given variables (recorded environments, tests): the step
+  // markers (SLURM_STEP_ID, an MPI launcher's) are not looked for; never sets
+  // any variable.
   SlurmClusterResolver(SlurmOptions options, const std::map<std::string, std::string>& env);
 
   // The cluster: jobs of "host:port" addresses (port = port_base + the

@@ -259,14 +259,17 @@ void DeviceManager::empty_cache(const Device& device) {
 }
 
 GpuOptions gpu_options_for_local_process(int per_process, int local_rank) {
-  DISTSTRAT_CHECK(per_process >= 1, kInvalidArgument,
-                  "gpu_options_for_local_process: ", per_process, " GPUs per process");
+  // Bounded so that local_rank * per_process cannot overflow.
+  DISTSTRAT_CHECK(per_process >= 1 && per_process <= 1024, kInvalidArgument,
+                  "gpu_options_for_local_process: ", per_process, " GPUs per process (1..1024)");
+  DISTSTRAT_CHECK(local_rank <= 4096, kInvalidArgument,
+                  "gpu_options_for_local_process: local rank ", local_rank, " (at most 4096)");
   if (local_rank < 0) {
     local_rank = 0;
     for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
       // Checked like every variable read (a junk value is an error naming it,
       // not GPU 0).
-      if (auto v = env::integer(name, 0, 1 << 20)) {
+      if (auto v = env::integer(name, 0, 4096)) {
         local_rank = static_cast<int>(*v);
         break;
       }

@@ -19,6 +19,9 @@
 #   fault    host 1's tasks are killed mid-training (slurmd stays): srun
 #            exits non-zero within the deadline + 10 s, the output names
 #            rank 1 or host 1, nothing is left running on any host
+#   link_down  host 1's cable pulled mid-training: every task ends within
+#            the deadline + 10 s, rank 0 naming rank 1; srun returns once
+#            Slurm declares the node failed (SlurmdTimeout 10 s here)
 # Exit 77 (ctest: skipped) with the reason where the cluster cannot be made.
 set -u
 if (($# < 3)); then
@@ -204,6 +207,43 @@ EOF
     no_leftovers "the fault"
     echo "ok: host 1's task killed: srun exit $rc after $took s, named:"
     grep -E "rank 1|${DSC_PREFIX}-h1" "$work/fault.log" | head -3
+    ;;
+  link_down)
+    # Host 1's cable pulled mid-training, for good. The library's part: both
+    # tasks end within the deadline + 10 s (rank 0 naming rank 1; rank 1,
+    # cut off, on its own deadline). srun's part: it returns once slurmctld
+    # declares the node failed (SlurmdTimeout, 10 s in this cluster; 300 s by
+    # default), since host 1's slurmstepd cannot report its task's exit.
+    timeout_s=2
+    srun_ -N 2 --ntasks-per-node=1 "$bin/fashion_mnist" --strategy multi_worker \
+      --limit 256 --test-limit 500 --epochs 1000000 --batch 32 --timeout $timeout_s \
+      >"$work/link.log" 2>&1 &
+    srun_pid=$!
+    for ((i = 0; i < 300; ++i)); do
+      grep -q "step" "$work/link.log" 2>/dev/null && break
+      sleep 0.1
+    done
+    sleep 1
+    t0=$(date +%s.%N)
+    "$cluster" link "${DSC_PREFIX}-h1" down
+    gone=""
+    while [[ -z $gone ]] && (($(echo "$(date +%s.%N) - $t0 < $timeout_s + 10" | bc))); do
+      gone=yes  # the tasks on the hosts (srun on the launcher host names the program too)
+      for p in $("$cluster" pids "${DSC_PREFIX}-h0" 2>/dev/null) $("$cluster" pids "${DSC_PREFIX}-h1" 2>/dev/null); do
+        grep -q fashion_mnist "/proc/$p/cmdline" 2>/dev/null && gone=""
+      done
+      sleep 0.2
+    done
+    took=$(echo "$(date +%s.%N) - $t0" | bc)
+    [[ -n $gone ]] || { cat "$work/link.log"; fail "tasks still running $took s after the link went down"; }
+    wait "$srun_pid"
+    rc=$?
+    srun_took=$(echo "$(date +%s.%N) - $t0" | bc)
+    ((rc != 0)) || { cat "$work/link.log"; fail "srun exited 0"; }
+    (($(echo "$srun_took <= $timeout_s + 10 + 15" | bc))) || fail "srun returned after $srun_took s"
+    grep -q "rank 1" "$work/link.log" || { cat "$work/link.log"; fail "nothing names rank 1"; }
+    echo "ok: host 1's link down: every task ended within $took s, srun exit $rc after $srun_took s"
+    grep -E "rank 1|${DSC_PREFIX}-h1" "$work/link.log" | head -3
     ;;
   *) fail "unknown kind '$kind'" ;;
 esac

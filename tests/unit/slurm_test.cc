@@ -184,13 +184,44 @@ TEST(SlurmResolver, InconsistentOrMalformedStepsAreInvalidArgumentNamingTheVaria
   expect_invalid(d, step("n[0-1]", "2(x3)", 6, 0, 0, 0), "counts 3 nodes but");
   expect_invalid(d, step("n[0-1]", "2(x2)", 5, 0, 0, 0), "adds up to 4 tasks but");
   expect_invalid(d, step("n[0-1]", "2(x2)", 4, 4, 1, 1), "SLURM_PROCID='4'");
+  Env big = step("n[0-1]", "2(x2)", 4, 0, 0, 0);
+  big["SLURM_PROCID"] = "99999999999";
+  expect_invalid(d, big, "SLURM_PROCID='99999999999': out of range");
+  big = step("n[0-1]", "2(x2)", 4, 0, 0, 0);
+  big["SLURM_STEP_NODELIST"] = std::string(1 << 20, 'a');
+  expect_invalid(d, big, "(1048576 bytes)");
+  big["SLURM_STEP_NODELIST"] = "n[0-99999999999]";
+  expect_invalid(d, big, "more than 100000 hosts");
   expect_invalid(d, step("n[0-1]", "2(x2)", 4, 1, 2, 0), "SLURM_NODEID='2'");
   expect_invalid(d, step("n[0-1]", "2(x2)", 4, 1, 0, 2), "SLURM_LOCALID='2'");
   expect_invalid(d, step("n[3-1]", "2(x2)", 4, 0, 0, 0), "goes down");
   // cyclic: rank 1 on node 1.
   Env cyc = step("n[0-1]", "2(x2)", 4, 1, 1, 0);
   cyc["SLURM_DISTRIBUTION"] = "cyclic";
-  expect_invalid(d, cyc, "SLURM_DISTRIBUTION=cyclic");
+  expect_invalid(d, cyc, "SLURM_DISTRIBUTION='cyclic'");
+  // Also on a task that a cyclic layout happens to put where a block one would.
+  Env cyc0 = step("n[0-1]", "4(x2)", 8, 0, 0, 0);
+  cyc0["SLURM_DISTRIBUTION"] = "plane=2";
+  expect_invalid(d, cyc0, "SLURM_DISTRIBUTION='plane=2'");
+  Env blk = step("n[0-1]", "2(x2)", 4, 1, 0, 1);
+  blk["SLURM_DISTRIBUTION"] = "block:cyclic";  // within a node: fine
+  EXPECT_EQ(ds::SlurmClusterResolver(d, blk).placement().rank, 1);
+  // cyclic with one task per node (what srun sets inside sbatch -N 2
+  // --ntasks-per-node=1) is the block layout: fine.
+  Env one_each = step("n[0-1]", "1(x2)", 2, 1, 1, 0);
+  one_each["SLURM_DISTRIBUTION"] = "cyclic";
+  EXPECT_EQ(ds::SlurmClusterResolver(d, one_each).placement().node, 1);
+  one_each["SLURM_DISTRIBUTION"] = "plane=1";
+  EXPECT_EQ(ds::SlurmClusterResolver(d, one_each).placement().node, 1);
+  one_each["SLURM_DISTRIBUTION"] = "arbitrary";
+  expect_invalid(d, one_each, "SLURM_DISTRIBUTION='arbitrary'");
+  Env plane = step("n[0-1]", "2(x2)", 4, 0, 0, 0);
+  plane["SLURM_DISTRIBUTION"] = "plane=2";  // 2 a turn over 2 per node = block
+  EXPECT_EQ(ds::SlurmClusterResolver(d, plane).placement().rank, 0);
+  // List errors name the variable the list came from.
+  expect_invalid(d, step("n[0-1],n1", "2(x3)", 6, 0, 0, 0), "SLURM_STEP_NODELIST='n[0-1],n1'");
+  expect_invalid(d, step("n[0-1]", "2(x99999999999)", 4, 0, 0, 0),
+                 "SLURM_STEP_TASKS_PER_NODE='2(x99999999999)'");
   Env junk = step("n[0-1]", "2(x2)", 4, 0, 0, 0);
   junk["SLURM_PROCID"] = "0x1";
   expect_invalid(d, junk, "SLURM_PROCID='0x1': not a decimal integer");
@@ -217,6 +248,32 @@ TEST(SlurmResolver, InconsistentOrMalformedStepsAreInvalidArgumentNamingTheVaria
   Env g = step("n[0-1]", "2(x2)", 4, 0, 0, 0);
   g["SLURM_STEP_GPUS"] = "0,1,2,3";
   expect_invalid(gpus, g, "need 6 but the node has 4");
+  // GPU lists and options that would overflow, exhaust memory or give
+  // tasks the wrong GPUs.
+  for (const char* list : {"-1,0,1,2", "0,0,1,1", "0-3", "GPU-a,GPU-b", ""}) {
+    SCOPED_TRACE(list);
+    Env e = step("n[0-1]", "2(x2)", 4, 0, 0, 0);
+    e["SLURM_STEP_GPUS"] = std::string(list) + (*list ? "" : "0,,1");
+    expect_invalid(d, e, "SLURM_STEP_GPUS=");
+  }
+  Env one_gpu = step("n[0-1]", "2(x2)", 4, 0, 0, 0);
+  one_gpu["SLURM_STEP_GPUS"] = "0";
+  expect_invalid(d, one_gpu, "not one each");
+  ds::SlurmOptions none_each;
+  none_each.gpus_per_task = 0;  // said explicitly: no GPUs, fine
+  EXPECT_TRUE(ds::SlurmClusterResolver(none_each, one_gpu).task_gpus().empty());
+  for (int per_task : {1 << 30, 2147483647, -5}) {
+    SCOPED_TRACE(per_task);
+    ds::SlurmOptions o;
+    o.gpus_per_task = per_task;
+    expect_invalid(o, g, "SlurmOptions::gpus_per_task");
+  }
+  for (int per_node : {100000000, 2147483647, -5}) {
+    SCOPED_TRACE(per_node);
+    ds::SlurmOptions o;
+    o.gpus_per_node = per_node;
+    expect_invalid(o, step("n[0-1]", "2(x2)", 4, 0, 0, 0), "SlurmOptions::gpus_per_node");
+  }
   ds::SlurmOptions port;
   port.port_base = 0;
   expect_invalid(port, step("n0", "1", 1, 0, 0, 0), "port_base 0");
@@ -242,22 +299,15 @@ TEST(SlurmResolver, RecordedSrunStepsResolveToWhatSlurmPlacedWhere) {
 
 namespace {
 
-TEST(SlurmResolver, RecordedCyclicStepsAreRefusedNamingTheDistribution) {
-  int refused = 0;
+TEST(SlurmResolver, RecordedCyclicStepsAreRefusedOnEveryTaskNamingTheDistribution) {
+  ASSERT_FALSE(diststrat_test::kRecordedCyclicSlurmSteps.empty());
   for (const auto& rec : diststrat_test::kRecordedCyclicSlurmSteps) {
     SCOPED_TRACE(rec.what);
     const Env env(rec.env.begin(), rec.env.end());
-    try {
-      ds::SlurmClusterResolver r({}, env);
-      // A task that a cyclic layout happens to put where a block one would.
-      EXPECT_EQ(r.placement().rank, rec.rank);
-    } catch (const ds::InvalidArgumentError& e) {
-      EXPECT_NE(std::string(e.what()).find("SLURM_DISTRIBUTION=cyclic"), std::string::npos)
-          << e.what();
-      ++refused;
-    }
+    // Task 0 sits where a block layout would put it, but its view of the
+    // others is wrong all the same: refused too.
+    expect_invalid({}, env, "SLURM_DISTRIBUTION='cyclic'");
   }
-  EXPECT_GE(refused, 1);
 }
 
 // The variables in_slurm_step() reads, restored after the test.
@@ -304,7 +354,9 @@ TEST(GpuOptionsForLocalProcess, TheLaunchersLocalRankIsCheckedBeforeItPicksGpus)
   }
   ::setenv("SLURM_LOCALID", "1", 1);
   EXPECT_EQ(*ds::gpu_options_for_local_process(2).visible_devices, std::vector<int>({2, 3}));
-  for (const char* junk : {"one", "-1", "1x", "99999999999"}) {
+  EXPECT_THROW(ds::gpu_options_for_local_process(2147483647, 0), ds::InvalidArgumentError);
+  EXPECT_THROW(ds::gpu_options_for_local_process(4096, 4097), ds::InvalidArgumentError);
+  for (const char* junk : {"one", "-1", "1x", "99999999999", "1048576"}) {
     SCOPED_TRACE(junk);
     ::setenv("SLURM_LOCALID", junk, 1);
     try {
