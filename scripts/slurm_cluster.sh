@@ -2,7 +2,7 @@
 # A real Slurm cluster on the namespace hosts of scripts/cluster.sh: munge,
 # one slurmctld on the launcher host (dsc-l, 198.18.N.254) and one slurmd
 # inside every host (NodeName = hostname = dsc-hI, NodeAddr = its address,
-# its own /tmp: the state directory's tmp/dsc-hI).
+# its own TmpFS: the state directory's tmp/dsc-hI).
 # The configuration, a munged of its own (key, socket) and every daemon's
 # state are generated into the state directory (/run/<prefix>-cluster/slurm);
 # nothing is written elsewhere, and `down` removes all of it.
@@ -104,6 +104,7 @@ SchedulerType=sched/builtin
 # The main loop every second (default 60 s): a requeued job starts once its
 # credential expired, not up to a minute later.
 SchedulerParameters=sched_interval=1
+TmpFS=$sdir/nodetmp
 StateSaveLocation=$sdir/ctld
 SlurmdSpoolDir=$sdir/spool/%n
 SlurmctldPidFile=$sdir/slurmctld.pid
@@ -133,7 +134,7 @@ up() {
   ((cpus >= 1 && cpus <= 256)) || die "--cpus $cpus: 1..256"
   [[ -d $sdir ]] && down_slurm
   "$cluster" --hosts "$hosts" up >/dev/null
-  mkdir -p "$sdir/ctld"
+  mkdir -p "$sdir/ctld" "$sdir/nodetmp"
   local i
   for ((i = 0; i < hosts; ++i)); do mkdir -p "$sdir/spool/${prefix}-h$i"; done
   write_conf
@@ -141,13 +142,16 @@ up() {
   on_launcher /usr/sbin/slurmctld -i -f "$sdir/slurm.conf" >>"$sdir/slurmctld.out" 2>&1
   for ((i = 0; i < hosts; ++i)); do
     local h=${prefix}-h$i
-    # Its own /tmp, as a real host has (PMIx's per-step directories there
-    # are named by job and step only).
+    # Its own TmpFS, as a real host has (PMIx's per-step directories there
+    # are named by job and step only, and collide when hosts share one): the
+    # one path of slurm.conf's TmpFS, a different directory on each host (a
+    # bind mount in the host's own mount namespace; /tmp itself stays shared,
+    # where a build tree may live).
     mkdir -p "$sdir/tmp/$h"
     chmod 1777 "$sdir/tmp/$h"
     ip netns exec "$h" unshare --uts --mount --propagation private -- \
-      sh -c 'hostname "$0" && mount --bind "$1" /tmp && shift && exec "$@"' "$h" "$sdir/tmp/$h" \
-      /usr/sbin/slurmd -f "$sdir/slurm.conf" -N "$h" >>"$sdir/slurmd.$h.out" 2>&1
+      sh -c 'hostname "$0" && mount --bind "$1" "$2" && shift 2 && exec "$@"' "$h" "$sdir/tmp/$h" \
+      "$sdir/nodetmp" /usr/sbin/slurmd -f "$sdir/slurm.conf" -N "$h" >>"$sdir/slurmd.$h.out" 2>&1
   done
   # Every node idle before we say "up".
   local tries=0 idle

@@ -35,8 +35,9 @@ if ! why=$(timeout 30 "$slurm" check); then
   echo "SKIP: cannot make the Slurm cluster here: $why"
   exit 77
 fi
-# Not under /tmp: every host has its own /tmp, as real hosts do.
-work=$(mktemp -d /var/tmp/diststrat_slurm_XXXXXX)
+# On a file system every host sees (the build tree's, like a cluster's
+# shared home), not in a host's own TmpFS.
+work=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_slurm_XXXXXX")
 cleanup() {
   timeout 60 "$slurm" down >/dev/null 2>&1
   rm -rf "$work"
