@@ -12,6 +12,7 @@ packages=(
   openmpi-bin libopenmpi-dev
   libgloo-dev
   slurmctld slurmd slurm-client munge
+  libhiredis-dev redis-server
   zlib1g-dev
   libdlpack-dev
   libtorch-dev python3-torch

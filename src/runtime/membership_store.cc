@@ -1,0 +1,298 @@
+// The membership record and its two stores (membership_store.h): a directory
+// (flock around read + atomic rename) and Redis (WATCH/MULTI/EXEC, hiredis;
+// built with DISTSTRAT_HAVE_REDIS).
+#include "runtime/membership_store.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "core/file_util.h"
+#include "diststrat/error.h"
+
+#if DISTSTRAT_HAVE_REDIS
+#include <hiredis/hiredis.h>
+#endif
+
+namespace diststrat {
+
+namespace {
+constexpr size_t kMaxIds = 100000;
+constexpr size_t kMaxRecordBytes = 64 << 20;
+
+bool id_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '_' || c == ':' || c == '-';
+}
+
+bool valid_id(const std::string& id) {
+  return !id.empty() && id.size() <= 256 && std::all_of(id.begin(), id.end(), id_char);
+}
+
+// Milliseconds left before `deadline` (at least 1).
+int64_t ms_left(MembershipStore::Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - MembershipStore::Clock::now());
+  return std::max<int64_t>(1, left.count());
+}
+}  // namespace
+
+bool Membership::has_member(const std::string& id) const {
+  return std::find(members.begin(), members.end(), id) != members.end();
+}
+
+bool Membership::is_dead(const std::string& id) const {
+  return std::find(dead.begin(), dead.end(), id) != dead.end();
+}
+
+void check_member_id(const std::string& id) {
+  DISTSTRAT_CHECK(valid_id(id), kInvalidArgument, "worker id '", id.substr(0, 64),
+                  "': 1-256 of [A-Za-z0-9._:-]");
+}
+
+std::string Membership::encode() const {
+  std::string out = "diststrat-membership 1\ngeneration " + std::to_string(generation) + "\n";
+  for (const std::string& m : members) out += "member " + m + "\n";
+  for (const std::string& d : dead) out += "dead " + d + "\n";
+  return out;
+}
+
+Membership Membership::decode(const std::string& text, const std::string& where) {
+  auto fail = [&](const std::string& why) -> void {
+    throw DataLossError(where + ": the membership record is damaged: " + why);
+  };
+  Membership m;
+  std::istringstream in(text);
+  std::string line;
+  if (!std::getline(in, line) || line != "diststrat-membership 1") {
+    fail("no 'diststrat-membership 1' header");
+  }
+  bool have_generation = false;
+  std::set<std::string> seen;
+  while (std::getline(in, line)) {
+    const size_t sp = line.find(' ');
+    const std::string key = line.substr(0, sp);
+    const std::string value = sp == std::string::npos ? "" : line.substr(sp + 1);
+    if (key == "generation") {
+      if (have_generation || value.empty() || value.size() > 18 ||
+          !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+        fail("generation '" + value.substr(0, 32) + "'");
+      }
+      m.generation = std::stoll(value);
+      have_generation = true;
+    } else if (key == "member" || key == "dead") {
+      if (!valid_id(value)) fail("the id '" + value.substr(0, 64) + "'");
+      if (m.members.size() + m.dead.size() >= kMaxIds) fail("more than 100000 ids");
+      if (key == "member") {
+        if (!seen.insert(value).second) fail("the member " + value + " twice");
+        m.members.push_back(value);
+      } else {
+        m.dead.push_back(value);
+      }
+    } else {
+      fail("the line '" + line.substr(0, 64) + "'");
+    }
+  }
+  if (!have_generation) fail("no generation");
+  return m;
+}
+
+namespace {
+
+// <dir>/<job>: the record in <dir>/<job>.membership, written by atomic
+// rename under an exclusive flock of <dir>/<job>.lock.
+class FileMembershipStore : public MembershipStore {
+ public:
+  FileMembershipStore(std::string dir, std::string job, std::string url)
+      : dir_(std::move(dir)), job_(std::move(job)), url_(std::move(url)) {}
+
+  Membership transact(const std::function<bool(Membership&)>& change,
+                      Clock::time_point deadline) override {
+    fs::ensure_writable_directory(dir_, "." + job_ + ".probe", "membership store " + url_);
+    const std::string lock_path = dir_ + "/" + job_ + ".lock";
+    fs::Fd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+    if (lock.get() < 0) fs::throw_errno(errno, "membership store " + url_ + ": " + lock_path);
+    // Bounded: a lock holder that hangs (a stopped process) must not hang us.
+    while (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK && errno != EINTR) {
+        fs::throw_errno(errno, "membership store " + url_ + ": flock " + lock_path);
+      }
+      if (Clock::now() >= deadline) {
+        throw UnavailableError("membership store " + url_ + ": " + lock_path +
+                               " stayed locked by another worker until the deadline");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    const std::string path = dir_ + "/" + job_ + ".membership";
+    Membership m;
+    if (::access(path.c_str(), F_OK) == 0) {
+      fs::ReadOptions o;
+      o.follow_symlinks = false;
+      o.max_bytes = kMaxRecordBytes;
+      m = Membership::decode(fs::read_text_file(path, "membership record", o), url_);
+    }
+    Membership changed = m;
+    if (change(changed)) {
+      changed.generation = m.generation + 1;
+      const std::string text = changed.encode();
+      write_file_atomically(path, text.data(), text.size());
+      return changed;  // the lock is released when `lock` closes
+    }
+    return m;
+  }
+
+  std::string describe() const override { return url_; }
+
+ private:
+  std::string dir_, job_, url_;
+};
+
+#if DISTSTRAT_HAVE_REDIS
+// The record under key "diststrat:membership:<job>"; one connection per
+// transaction (a worker changes membership rarely), every command bounded.
+class RedisMembershipStore : public MembershipStore {
+ public:
+  RedisMembershipStore(std::string host, int port, std::string job, std::string url)
+      : host_(std::move(host)),
+        port_(port),
+        key_("diststrat:membership:" + job),
+        url_(std::move(url)) {}
+
+  Membership transact(const std::function<bool(Membership&)>& change,
+                      Clock::time_point deadline) override {
+    for (;;) {
+      Connection c = connect(deadline);
+      command(c, deadline, {"WATCH", key_});
+      Reply got = command(c, deadline, {"GET", key_});
+      Membership m;
+      if (got->type == REDIS_REPLY_STRING) {
+        DISTSTRAT_CHECK(got->len <= kMaxRecordBytes, kDataLoss, url_,
+                        ": the membership record is larger than 64 MiB");
+        m = Membership::decode(std::string(got->str, got->len), url_);
+      } else if (got->type != REDIS_REPLY_NIL) {
+        throw DataLossError(url_ + ": GET " + key_ + " is not a string");
+      }
+      Membership changed = m;
+      if (!change(changed)) return m;
+      changed.generation = m.generation + 1;
+      command(c, deadline, {"MULTI"});
+      command(c, deadline, {"SET", key_, changed.encode()});
+      Reply exec = command(c, deadline, {"EXEC"});
+      if (exec->type == REDIS_REPLY_ARRAY) return changed;  // nil: another writer; again
+      if (Clock::now() >= deadline) {
+        throw UnavailableError(url_ + ": the membership record kept changing until the deadline");
+      }
+    }
+  }
+
+  std::string describe() const override { return url_; }
+
+ private:
+  struct Free {
+    void operator()(redisContext* c) const { redisFree(c); }
+    void operator()(redisReply* r) const { freeReplyObject(r); }
+  };
+  using Connection = std::unique_ptr<redisContext, Free>;
+  using Reply = std::unique_ptr<redisReply, Free>;
+
+  // Connects, retrying until the deadline (a server that restarts within it
+  // is waited for).
+  Connection connect(Clock::time_point deadline) {
+    std::string why;
+    for (;;) {
+      const int64_t ms = std::min<int64_t>(ms_left(deadline), 1000);
+      timeval tv{static_cast<time_t>(ms / 1000), static_cast<suseconds_t>((ms % 1000) * 1000)};
+      Connection c(redisConnectWithTimeout(host_.c_str(), port_, tv));
+      if (c && !c->err) return c;
+      why = c ? c->errstr : "out of memory";
+      if (Clock::now() >= deadline) {
+        throw UnavailableError("membership store " + url_ + " cannot be reached: " + why);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
+  Reply command(Connection& c, Clock::time_point deadline, std::vector<std::string> args) {
+    const int64_t ms = ms_left(deadline);
+    timeval tv{static_cast<time_t>(ms / 1000), static_cast<suseconds_t>((ms % 1000) * 1000)};
+    redisSetTimeout(c.get(), tv);
+    std::vector<const char*> argv;
+    std::vector<size_t> lens;
+    for (const std::string& a : args) {
+      argv.push_back(a.data());
+      lens.push_back(a.size());
+    }
+    Reply r(static_cast<redisReply*>(
+        redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
+    if (!r) {
+      throw UnavailableError("membership store " + url_ + ": " + args[0] +
+                             " failed: " + (c->err ? c->errstr : "no reply"));
+    }
+    if (r->type == REDIS_REPLY_ERROR) {
+      throw UnavailableError("membership store " + url_ + ": " + args[0] + ": " +
+                             std::string(r->str, r->len));
+    }
+    return r;
+  }
+
+  std::string host_;
+  int port_;
+  std::string key_, url_;
+};
+#endif
+
+bool job_name(const std::string& s) {
+  return !s.empty() && s.size() <= 128 &&
+         std::all_of(s.begin(), s.end(), [](char c) { return id_char(c) && c != ':'; });
+}
+}  // namespace
+
+std::unique_ptr<MembershipStore> open_membership_store(const std::string& url) {
+  auto bad = [&](const std::string& why) -> void {
+    throw InvalidArgumentError("rendezvous URL '" + url.substr(0, 200) + "': " + why +
+                               " (redis://host:port/job or file:///dir/job)");
+  };
+  if (url.rfind("file://", 0) == 0) {
+    const std::string path = url.substr(7);
+    if (path.empty() || path[0] != '/') bad("not an absolute path after file://");
+    const size_t slash = path.rfind('/');
+    const std::string dir = slash == 0 ? "/" : path.substr(0, slash);
+    const std::string job = path.substr(slash + 1);
+    if (!job_name(job)) bad("the job name '" + job.substr(0, 64) + "': 1-128 of [A-Za-z0-9._-]");
+    return std::make_unique<FileMembershipStore>(dir, job, url);
+  }
+  if (url.rfind("redis://", 0) == 0) {
+    const std::string rest = url.substr(8);
+    const size_t slash = rest.find('/');
+    if (slash == std::string::npos) bad("no /job after host:port");
+    const std::string hostport = rest.substr(0, slash), job = rest.substr(slash + 1);
+    const size_t colon = hostport.rfind(':');
+    if (colon == std::string::npos || colon == 0) bad("no host:port");
+    const std::string host = hostport.substr(0, colon), port = hostport.substr(colon + 1);
+    if (port.empty() || port.size() > 5 ||
+        !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+        std::stoi(port) < 1 || std::stoi(port) > 65535) {
+      bad("the port '" + port.substr(0, 16) + "'");
+    }
+    if (!std::all_of(host.begin(), host.end(), [](char c) { return id_char(c) && c != ':'; })) {
+      bad("the host '" + host.substr(0, 64) + "'");
+    }
+    if (!job_name(job)) bad("the job name '" + job.substr(0, 64) + "': 1-128 of [A-Za-z0-9._-]");
+#if DISTSTRAT_HAVE_REDIS
+    return std::make_unique<RedisMembershipStore>(host, std::stoi(port), job, url);
+#else
+    throw UnimplementedError("rendezvous URL '" + url +
+                             "': this build has no Redis client (hiredis; DISTSTRAT_WITH_REDIS)");
+#endif
+  }
+  bad("an unknown scheme");
+  return nullptr;
+}
+
+}  // namespace diststrat
