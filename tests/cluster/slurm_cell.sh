@@ -74,6 +74,19 @@ no_leftovers() {
 }
 srun_() { timeout 300 "$slurm" srun --mpi=pmix "$@"; }
 flags=(--strategy multi_worker --epochs 1 --limit 2000 --test-limit 500 --batch 64)
+# A training that runs until it is stopped, 2 x 1 tasks with a 2 s deadline,
+# in the background (srun_pid), logging to $1; returns once it is training.
+timeout_s=2
+start_training() {
+  srun_ -N 2 --ntasks-per-node=1 "$bin/fashion_mnist" --strategy multi_worker \
+    --limit 256 --test-limit 500 --epochs 1000000 --batch 32 --timeout $timeout_s >"$1" 2>&1 &
+  srun_pid=$!
+  for ((i = 0; i < 300; ++i)); do
+    grep -q "step" "$1" 2>/dev/null && break
+    sleep 0.1
+  done
+  sleep 1
+}
 
 case $kind in
   launch)
@@ -181,16 +194,7 @@ EOF
     ;;
 
   fault)
-    timeout_s=2
-    srun_ -N 2 --ntasks-per-node=1 "$bin/fashion_mnist" --strategy multi_worker \
-      --limit 256 --test-limit 500 --epochs 1000000 --batch 32 --timeout $timeout_s \
-      >"$work/fault.log" 2>&1 &
-    srun_pid=$!
-    for ((i = 0; i < 300; ++i)); do
-      grep -q "step" "$work/fault.log" 2>/dev/null && break
-      sleep 0.1
-    done
-    sleep 1
+    start_training "$work/fault.log"
     victims=""
     for p in $("$cluster" pids "${DSC_PREFIX}-h1" 2>/dev/null); do
       grep -q fashion_mnist "/proc/$p/cmdline" 2>/dev/null && victims="$victims $p"
@@ -215,16 +219,7 @@ EOF
     # cut off, on its own deadline). srun's part: it returns once slurmctld
     # declares the node failed (SlurmdTimeout, 10 s in this cluster; 300 s by
     # default), since host 1's slurmstepd cannot report its task's exit.
-    timeout_s=2
-    srun_ -N 2 --ntasks-per-node=1 "$bin/fashion_mnist" --strategy multi_worker \
-      --limit 256 --test-limit 500 --epochs 1000000 --batch 32 --timeout $timeout_s \
-      >"$work/link.log" 2>&1 &
-    srun_pid=$!
-    for ((i = 0; i < 300; ++i)); do
-      grep -q "step" "$work/link.log" 2>/dev/null && break
-      sleep 0.1
-    done
-    sleep 1
+    start_training "$work/link.log"
     t0=$(date +%s.%N)
     "$cluster" link "${DSC_PREFIX}-h1" down
     gone=""
