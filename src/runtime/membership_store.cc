@@ -114,7 +114,12 @@ class FileMembershipStore : public MembershipStore {
 
   Membership transact(const std::function<bool(Membership&)>& change,
                       Clock::time_point deadline) override {
-    fs::ensure_writable_directory(dir_, "." + job_ + ".probe", "membership store " + url_);
+    // The probe's name is this thread's own: workers (threads and processes)
+    // reach the directory at once.
+    const std::string probe =
+        "." + job_ + ".probe." + std::to_string(::getpid()) + "." +
+        std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id()));
+    fs::ensure_writable_directory(dir_, probe, "membership store " + url_);
     const std::string lock_path = dir_ + "/" + job_ + ".lock";
     fs::Fd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
     if (lock.get() < 0) fs::throw_errno(errno, "membership store " + url_ + ": " + lock_path);
