@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "core/file_util.h"
 #include "core/user_text.h"
@@ -255,8 +256,12 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
   // directory, writable. Every process learns the chief's outcome.
   on_chief_then_agree(
       checkpoint.strategy(), "to prepare checkpoint directory '" + directory_ + "'", [&] {
+        // The probe is named by process and thread: two managers made at once
+        // on one directory (threads of one process) must not collide.
         fs::ensure_writable_directory(
-            directory_, std::string(kLatest) + ".tmp." + std::to_string(::getpid()) + ".probe",
+            directory_,
+            std::string(kLatest) + ".tmp." + std::to_string(::getpid()) + "." +
+                std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id())) + ".probe",
             "CheckpointManager");
         // Owned by us or root, not writable by others unless sticky; its
         // manifest read, or started now (with what `latest` names, carried
