@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/file_util.h"
+#include "core/user_text.h"
 #include "diststrat/error.h"
 
 #if DISTSTRAT_HAVE_REDIS
@@ -52,7 +53,7 @@ bool Membership::is_dead(const std::string& id) const {
 }
 
 void check_member_id(const std::string& id) {
-  DISTSTRAT_CHECK(valid_id(id), kInvalidArgument, "worker id '", id.substr(0, 64),
+  DISTSTRAT_CHECK(valid_id(id), kInvalidArgument, "worker id '", echo(id, 64),
                   "': 1-256 of [A-Za-z0-9._:-]");
 }
 
@@ -82,12 +83,12 @@ Membership Membership::decode(const std::string& text, const std::string& where)
     if (key == "generation") {
       if (have_generation || value.empty() || value.size() > 18 ||
           !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-        fail("generation '" + value.substr(0, 32) + "'");
+        fail("generation '" + echo(value, 32) + "'");
       }
       m.generation = std::stoll(value);
       have_generation = true;
     } else if (key == "member" || key == "dead") {
-      if (!valid_id(value)) fail("the id '" + value.substr(0, 64) + "'");
+      if (!valid_id(value)) fail("the id '" + echo(value, 64) + "'");
       if (m.members.size() + m.dead.size() >= kMaxIds) fail("more than 100000 ids");
       if (key == "member") {
         if (!seen.insert(value).second) fail("the member " + value + " twice");
@@ -96,7 +97,7 @@ Membership Membership::decode(const std::string& text, const std::string& where)
         m.dead.push_back(value);
       }
     } else {
-      fail("the line '" + line.substr(0, 64) + "'");
+      fail("the line '" + echo(line, 64) + "'");
     }
   }
   if (!have_generation) fail("no generation");
@@ -260,7 +261,7 @@ bool job_name(const std::string& s) {
 
 std::unique_ptr<MembershipStore> open_membership_store(const std::string& url) {
   auto bad = [&](const std::string& why) -> void {
-    throw InvalidArgumentError("rendezvous URL '" + url.substr(0, 200) + "': " + why +
+    throw InvalidArgumentError("rendezvous URL '" + echo(url) + "': " + why +
                                " (redis://host:port/job or file:///dir/job)");
   };
   if (url.rfind("file://", 0) == 0) {
@@ -269,7 +270,7 @@ std::unique_ptr<MembershipStore> open_membership_store(const std::string& url) {
     const size_t slash = path.rfind('/');
     const std::string dir = slash == 0 ? "/" : path.substr(0, slash);
     const std::string job = path.substr(slash + 1);
-    if (!job_name(job)) bad("the job name '" + job.substr(0, 64) + "': 1-128 of [A-Za-z0-9._-]");
+    if (!job_name(job)) bad("the job name '" + echo(job, 64) + "': 1-128 of [A-Za-z0-9._-]");
     return std::make_unique<FileMembershipStore>(dir, job, url);
   }
   if (url.rfind("redis://", 0) == 0) {
@@ -283,12 +284,12 @@ std::unique_ptr<MembershipStore> open_membership_store(const std::string& url) {
     if (port.empty() || port.size() > 5 ||
         !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
         std::stoi(port) < 1 || std::stoi(port) > 65535) {
-      bad("the port '" + port.substr(0, 16) + "'");
+      bad("the port '" + echo(port, 16) + "'");
     }
     if (!std::all_of(host.begin(), host.end(), [](char c) { return id_char(c) && c != ':'; })) {
-      bad("the host '" + host.substr(0, 64) + "'");
+      bad("the host '" + echo(host, 64) + "'");
     }
-    if (!job_name(job)) bad("the job name '" + job.substr(0, 64) + "': 1-128 of [A-Za-z0-9._-]");
+    if (!job_name(job)) bad("the job name '" + echo(job, 64) + "': 1-128 of [A-Za-z0-9._-]");
 #if DISTSTRAT_HAVE_REDIS
     return std::make_unique<RedisMembershipStore>(host, std::stoi(port), job, url);
 #else

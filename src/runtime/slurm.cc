@@ -9,6 +9,7 @@
 #include <set>
 #include <string>
 
+#include "core/user_text.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -18,25 +19,8 @@ constexpr size_t kMaxHosts = 100000;
 constexpr int64_t kMaxTasks = 10'000'000;
 constexpr int kMaxGpusPerNode = 1024;
 
-// `value` as an error message quotes it: at most 200 bytes, bytes outside
-// printable ASCII as \xNN.
-std::string quoted(const std::string& value) {
-  std::string out;
-  for (size_t i = 0; i < value.size() && i < 200; ++i) {
-    const unsigned char c = static_cast<unsigned char>(value[i]);
-    if (c >= 0x20 && c < 0x7f) {
-      out += static_cast<char>(c);
-    } else {
-      static const char* hex = "0123456789abcdef";
-      out += std::string("\\x") + hex[c >> 4] + hex[c & 15];
-    }
-  }
-  if (value.size() > 200) out += "... (" + std::to_string(value.size()) + " bytes)";
-  return out;
-}
-
 [[noreturn]] void bad(const std::string& what, const std::string& value, const std::string& why) {
-  throw InvalidArgumentError(what + "='" + quoted(value) + "': " + why);
+  throw InvalidArgumentError(what + "='" + echo(value) + "': " + why);
 }
 
 // Decimal digits only, at most 18 (so that it fits an int64_t).

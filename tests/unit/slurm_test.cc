@@ -189,7 +189,7 @@ TEST(SlurmResolver, InconsistentOrMalformedStepsAreInvalidArgumentNamingTheVaria
   expect_invalid(d, big, "SLURM_PROCID='99999999999': out of range");
   big = step("n[0-1]", "2(x2)", 4, 0, 0, 0);
   big["SLURM_STEP_NODELIST"] = std::string(1 << 20, 'a');
-  expect_invalid(d, big, "(1048576 bytes)");
+  expect_invalid(d, big, "(1048576 characters)");
   big["SLURM_STEP_NODELIST"] = "n[0-99999999999]";
   expect_invalid(d, big, "more than 100000 hosts");
   expect_invalid(d, step("n[0-1]", "2(x2)", 4, 1, 2, 0), "SLURM_NODEID='2'");
