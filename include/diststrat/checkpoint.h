@@ -213,7 +213,15 @@ class Checkpoint {
   CheckpointMetadata restore(const std::string& path, const RestoreOptions& options = {}) const;
 
   // The state as host tensors, in checkpoint names, sorted by name.
+  // Collective when an optimizer shards its slots (ZeRO-1 gathers them).
   std::vector<std::pair<std::string, Tensor>> state() const;
+  // Writes `state` (state()'s form) into the model: checked against the model
+  // first (every name present with its dtype and shape, no extra; else
+  // InvalidArgumentError naming `what` and the tensors, and nothing changes),
+  // then every variable and slot (ZeRO-1 slots: each replica keeps its block).
+  // Cross-replica context; collective like restore().
+  void assign(const std::vector<std::pair<std::string, Tensor>>& state,
+              const std::string& what) const;
   Strategy& strategy() const { return *strategy_; }
 
  private:
@@ -228,6 +236,9 @@ class Checkpoint {
   void write(const std::string& path, const CheckpointMetadata& metadata,
              const SaveOptions& options) const;
   std::vector<Entry> entries() const;
+  // Writes matched `tensors` into the variables and slots of `es`.
+  void write_into_model(const std::vector<Entry>& es,
+                        const std::vector<std::pair<std::string, Tensor>>& tensors) const;
   CheckpointParticipant& participant() const;
 
   Strategy* strategy_;

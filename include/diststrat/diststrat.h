@@ -12,6 +12,8 @@
 #include "diststrat/device.h"
 #include "diststrat/device_manager.h"
 #include "diststrat/dtype.h"
+#include "diststrat/elastic.h"
+#include "diststrat/elastic_options.h"
 #include "diststrat/error.h"
 #include "diststrat/gpu_lease.h"
 #include "diststrat/gradient_options.h"

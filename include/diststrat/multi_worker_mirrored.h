@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "diststrat/cluster.h"
+#include "diststrat/elastic_options.h"
 #include "diststrat/strategy.h"
 
 namespace diststrat {
@@ -101,6 +102,11 @@ struct MultiWorkerOptions {
   // replica count on every worker (else UnimplementedError at
   // construction). See docs/training.md.
   bool shard_optimizer_state = false;
+  // Elastic training (off unless elastic.rendezvous is set): the workers meet
+  // through a store instead of mpirun, and the job goes on when workers die
+  // or join; train inside ElasticState::run (diststrat/elastic.h). `cluster`
+  // and `communicator` must not be set with it.
+  ElasticOptions elastic;
 };
 
 // Counters of the fusion engine (for tests and benchmarks).
@@ -121,6 +127,7 @@ class MultiWorkerMirroredStrategy : public Strategy {
 
   std::string name() const override { return "multi_worker"; }
   int num_replicas_in_sync() const override;
+  int64_t membership_group() const override;
   const std::vector<Device>& devices() const override;
   int first_local_replica() const override;
   ClusterInfo cluster() const override;
@@ -151,11 +158,13 @@ class MultiWorkerMirroredStrategy : public Strategy {
   // Corrupts the pack signature of this process's next fused all_reduce.
   void inject_corruption(ReplicaContext& ctx, int64_t step) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
+  bool replicas_may_change() const override;
   double reduce_across(ReduceOp op, const std::vector<double>& local) override;
   Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;
   Tensor gather_across(const std::vector<Tensor>& local) override;
 
  private:
+  friend class ElasticState;
   std::unique_ptr<Impl> impl_;
 };
 

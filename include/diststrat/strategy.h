@@ -271,6 +271,11 @@ class Strategy {
   const FaultInjection& fault_injection() const { return fault_; }
   // Number of run() calls so far (the step index the next run() gets).
   int64_t steps_run() const { return step_; }
+  // The group of workers this strategy runs in: 0 for a fixed group; an
+  // elastic strategy's group number, which changes with every membership
+  // change (diststrat/elastic.h). Agreements made once per group (an
+  // optimizer's configuration check) are made again when it changes.
+  virtual int64_t membership_group() const { return 0; }
 
   Logger& logger() { return logger_; }
   // Device placement logging of this strategy's variables, collectives and
@@ -285,6 +290,11 @@ class Strategy {
 
   // ---- The implementer's hooks ----
   virtual void run_replicas(const std::function<void(ReplicaContext&)>& fn) = 0;
+  // True when the replicas in sync may change while the strategy lives
+  // (elastic training): distributed datasets then split each batch over the
+  // replicas of the moment, asking num_replicas_in_sync() and
+  // first_local_replica() at every batch().
+  virtual bool replicas_may_change() const { return false; }
   // Variable access the Variable handle forwards to. Sync-on-read variables
   // (kOnRead) are aggregated and assigned by the Variable handle itself
   // through the strategy's reductions (see variable.h), the same way under

@@ -414,7 +414,25 @@ CheckpointMetadata Checkpoint::restore(const std::string& path,
   CheckpointParticipant& p = participant();
   // Everything is read and validated before the first write into the model.
   CheckpointContents c = p.read_checkpoint(*strategy_, path, expected, optional, options);
-  std::map<std::string, Tensor> by_name(c.tensors.begin(), c.tensors.end());
+  write_into_model(es, c.tensors);
+  return c.metadata;
+}
+
+void Checkpoint::assign(const std::vector<std::pair<std::string, Tensor>>& state,
+                        const std::string& what) const {
+  const std::vector<Entry> es = entries();
+  std::vector<std::pair<std::string, Tensor>> expected;
+  for (const Entry& e : es) expected.emplace_back(e.name, Tensor(e.var.shape(), e.var.dtype()));
+  SafetensorsFile file;
+  file.tensors = state;
+  write_into_model(es, match_checkpoint(file, what, expected).tensors);
+}
+
+void Checkpoint::write_into_model(
+    const std::vector<Entry>& es,
+    const std::vector<std::pair<std::string, Tensor>>& tensors) const {
+  CheckpointParticipant& p = participant();
+  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
   std::vector<CheckpointParticipant::SlotRef> slots;
   std::vector<Tensor> slot_values;
   for (const Entry& e : es) {
@@ -443,7 +461,6 @@ CheckpointMetadata Checkpoint::restore(const std::string& path,
     }
   }
   p.assign_slots(*strategy_, plain, plain_values);
-  return c.metadata;
 }
 
 }  // namespace diststrat

@@ -70,6 +70,13 @@ constexpr const char* kNonFiniteAllowed = "allowed";
 // [lo, hi]; false otherwise (never throws).
 bool parse_int(const std::string& text, int64_t lo, int64_t hi, int64_t* out);
 
+// The bytes save_safetensors writes (`path` names them in errors), for a
+// transfer in memory; `allow_reserved`: metadata keys may use "diststrat.".
+std::vector<char> encode_safetensors(const std::string& path,
+                                     const std::vector<std::pair<std::string, Tensor>>& tensors,
+                                     const CheckpointMetadata& metadata, bool allow_reserved,
+                                     bool allow_non_finite);
+
 // save_safetensors that also accepts metadata keys with the reserved prefix.
 void save_safetensors_reserved(const std::string& path,
                                const std::vector<std::pair<std::string, Tensor>>& tensors,

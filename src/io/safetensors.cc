@@ -126,11 +126,9 @@ const Tensor* SafetensorsFile::find(const std::string& name) const {
 
 // ---- writing ------------------------------------------------------------------
 
-namespace {
-void save_safetensors_impl(const std::string& path,
-                           const std::vector<std::pair<std::string, Tensor>>& tensors,
-                           const CheckpointMetadata& metadata, bool allow_reserved,
-                           bool allow_non_finite) {
+std::vector<char> ckpt::encode_safetensors(
+    const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+    const CheckpointMetadata& metadata, bool allow_reserved, bool allow_non_finite) {
   DISTSTRAT_CHECK(host_is_little_endian(), kUnimplemented,
                   "save_safetensors: big-endian hosts are not supported");
   std::vector<const std::pair<std::string, Tensor>*> sorted;
@@ -202,6 +200,16 @@ void save_safetensors_impl(const std::string& path,
     if (nt->second.nbytes()) std::memcpy(data, nt->second.data(), nt->second.nbytes());
     data += nt->second.nbytes();
   }
+  return file;
+}
+
+namespace {
+void save_safetensors_impl(const std::string& path,
+                           const std::vector<std::pair<std::string, Tensor>>& tensors,
+                           const CheckpointMetadata& metadata, bool allow_reserved,
+                           bool allow_non_finite) {
+  const std::vector<char> file =
+      ckpt::encode_safetensors(path, tensors, metadata, allow_reserved, allow_non_finite);
   write_file_atomically(path, file.data(), file.size());
 }
 }  // namespace

@@ -14,6 +14,8 @@
 #include "core/timeline.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "multiworker/fusion.h"
+#include "diststrat/elastic.h"
+#include "runtime/elastic_rendezvous.h"
 #include "runtime/local_replicas.h"
 #include "runtime/process_group.h"
 
@@ -53,6 +55,21 @@ class MultiWorkerReplicaContext : public ReplicaContext {
   int local_;
 };
 
+// An elastic worker's part of the strategy (multiworker/elastic.cc): its
+// rendezvous, the group it is in, and the ElasticState whose run() is active.
+struct ElasticRuntime {
+  explicit ElasticRuntime(const ElasticOptions& options);
+  ElasticOptions options;
+  std::unique_ptr<ElasticRendezvous> rendezvous;
+  GroupView view;                 // the group this worker is in (valid after the first join)
+  bool in_group = false;          // `view` is set
+  ElasticState* state = nullptr;  // while its run() is active
+  bool committing = false;        // inside a commit (its own Strategy::run calls pass)
+  std::chrono::steady_clock::time_point next_poll{};  // the chief's next look for joiners
+  int rejoins = 0;         // times this worker was declared dead and joined anew
+  bool admitting = false;  // the group left its step to admit waiting workers
+};
+
 struct MultiWorkerMirroredStrategy::Impl {
   // Timeline lanes: 0 = communication thread, 1 + l = local replica l.
   static constexpr int kStepLane = 1000;
@@ -78,7 +95,29 @@ struct MultiWorkerMirroredStrategy::Impl {
   std::string last_error;
   std::mutex error_mu;
 
+  std::unique_ptr<ElasticRuntime> elastic;  // null unless options.elastic.enabled()
+
   int rank() const { return cross->rank(); }
+
+  // The cluster of a group given as a communicator (or an elastic group):
+  // `size` workers, this one `rank`, one node each.
+  void set_explicit_cluster(int rank, int size);
+  // Numbers the replicas over the workers of `cross` (collective): sets
+  // first_local and total_replicas; returns every worker's local count.
+  std::vector<int64_t> number_replicas(int64_t mine);
+  // Makes the fusion engine over `cross`.
+  void start_engine();
+  // Elastic: joins the next group through the rendezvous (the first one when
+  // this worker has none) and connects to it: comms, cross, cluster (not the
+  // engine or the numbering). Blocks until `deadline`.
+  void join_group(std::chrono::steady_clock::time_point deadline);
+  // Elastic: leaves the current group: the engine and the communicator fail
+  // what is in flight with AbortedError(reason) (peers see the connections
+  // close) and are destroyed.
+  void leave_group(const std::string& reason);
+  // Elastic: the hook at the start of every Strategy::run (the commit and
+  // the chief's look for joiners).
+  void before_step();
 
   // Concatenates every worker's `local` along axis 0 (row counts may differ).
   // Runs on the communication thread via engine->run.

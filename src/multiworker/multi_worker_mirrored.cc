@@ -21,7 +21,18 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   const Algorithm algo = options.communication.algorithm;
   const bool allow_hier = algo == Algorithm::kAuto || algo == Algorithm::kHierarchical;
 
-  if (options.communicator) {
+  if (options.elastic.enabled()) {
+    DISTSTRAT_CHECK(!options.communicator && options.cluster.spec.jobs.empty(), kInvalidArgument,
+                    "MultiWorkerMirroredStrategy: elastic training forms its groups through the "
+                    "rendezvous ",
+                    options.elastic.rendezvous, "; do not also give a communicator or a cluster");
+    DISTSTRAT_CHECK(!options.shard_optimizer_state, kUnimplemented,
+                    "MultiWorkerMirroredStrategy: elastic training with shard_optimizer_state "
+                    "(ZeRO-1) is not supported yet");
+    m.options = options;
+    m.elastic = std::make_unique<ElasticRuntime>(options.elastic);
+    m.join_group(std::chrono::steady_clock::now() + options.elastic.join_timeout);
+  } else if (options.communicator) {
     Communicator* c = options.communicator;
     // The given communicator runs its own algorithm; a different one asked
     // for here would be silently ignored.
@@ -30,16 +41,8 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
                     algorithm_name(algo), "' differs from the given communicator's '",
                     algorithm_name(c->options().algorithm),
                     "', which decides; build the communicator with the algorithm you want");
-    m.cluster.source = ClusterSource::kExplicit;
-    ClusterSpec& spec = m.cluster.spec;
-    for (int r = 0; r < c->size(); ++r) {
-      spec.jobs["worker"].push_back("worker" + std::to_string(r) + ":" + std::to_string(r + 1));
-    }
-    spec.task_index = c->rank();
-    m.cluster.info = spec.info();
+    m.set_explicit_cluster(c->rank(), c->size());
     Placement& p = m.cluster.placement;
-    p.rank = c->rank();
-    p.world_size = c->size();
     if (options.node_communicator && options.cross_node_communicator) {
       p.local_rank = options.node_communicator->rank();
       p.local_size = options.node_communicator->size();
@@ -50,9 +53,6 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
                                                                    options.cross_node_communicator);
         m.comms.hierarchical = true;
       }
-    } else {
-      p.node = p.rank;
-      p.num_nodes = p.world_size;
     }
     m.cross = m.comms.cross ? m.comms.cross.get() : c;
   } else {
@@ -81,17 +81,9 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   }
   DISTSTRAT_CHECK_EQ(m.cross->rank(), m.cluster.info.worker_index,
                      "MultiWorkerMirroredStrategy: communicator rank vs worker index");
-
-  // Replica numbering: workers in rank order, each with its local devices.
   const int n = m.cross->size();
-  int64_t mine = static_cast<int64_t>(options.devices.size());
-  std::vector<int64_t> counts(n, mine);
-  if (n > 1) m.cross->all_gather(&mine, counts.data(), 1, DType::kInt64, "local replica counts");
-  m.total_replicas = 0;
-  for (int r = 0; r < n; ++r) {
-    if (r < m.cross->rank()) m.first_local += static_cast<int>(counts[r]);
-    m.total_replicas += static_cast<int>(counts[r]);
-  }
+  const int64_t mine = static_cast<int64_t>(options.devices.size());
+  const std::vector<int64_t> counts = m.number_replicas(mine);
 
   const std::optional<std::string> env_timeline = env::text("DISTSTRAT_TIMELINE");
   m.timeline_path = env_timeline.value_or(options.timeline_path);
@@ -120,9 +112,7 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   m.options = options;
   m.replicas = std::make_unique<LocalReplicas>(this, options.devices, options.communication,
                                                options.device_manager);
-  m.engine =
-      std::make_unique<FusionEngine>(*m.cross, static_cast<int>(options.devices.size()),
-                                     m.total_replicas, options.communication, m.timeline.get());
+  m.start_engine();
   for (size_t l = 0; l < options.devices.size(); ++l) {
     m.contexts.push_back(
         std::make_unique<MultiWorkerReplicaContext>(impl_.get(), static_cast<int>(l)));
@@ -131,7 +121,43 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
                " (cluster from ", cluster_source_name(m.cluster.source), "), ",
                options.devices.size(), " local replica(s), ", m.total_replicas, " in sync, node ",
                m.cluster.placement.node, " of ", m.cluster.placement.num_nodes,
-               m.comms.hierarchical ? ", hierarchical" : "");
+               m.comms.hierarchical ? ", hierarchical" : "",
+               m.elastic ? ", elastic (group " + std::to_string(m.elastic->view.group) + ")" : "");
+}
+
+void MultiWorkerMirroredStrategy::Impl::set_explicit_cluster(int rank, int size) {
+  cluster = ResolvedCluster{};
+  cluster.source = ClusterSource::kExplicit;
+  ClusterSpec& spec = cluster.spec;
+  for (int r = 0; r < size; ++r) {
+    spec.jobs["worker"].push_back("worker" + std::to_string(r) + ":" + std::to_string(r + 1));
+  }
+  spec.task_index = rank;
+  cluster.info = spec.info();
+  Placement& p = cluster.placement;
+  p.rank = rank;
+  p.world_size = size;
+  p.node = rank;
+  p.num_nodes = size;
+}
+
+std::vector<int64_t> MultiWorkerMirroredStrategy::Impl::number_replicas(int64_t mine) {
+  // Replica numbering: workers in rank order, each with its local devices.
+  const int n = cross->size();
+  std::vector<int64_t> counts(n, mine);
+  if (n > 1) cross->all_gather(&mine, counts.data(), 1, DType::kInt64, "local replica counts");
+  first_local = 0;
+  total_replicas = 0;
+  for (int r = 0; r < n; ++r) {
+    if (r < cross->rank()) first_local += static_cast<int>(counts[r]);
+    total_replicas += static_cast<int>(counts[r]);
+  }
+  return counts;
+}
+
+void MultiWorkerMirroredStrategy::Impl::start_engine() {
+  engine = std::make_unique<FusionEngine>(*cross, static_cast<int>(options.devices.size()),
+                                          total_replicas, options.communication, timeline.get());
 }
 
 void MultiWorkerMirroredStrategy::Impl::write_timeline() {
@@ -180,6 +206,7 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
   // reaches the caller's catch at once; the communicators tell the peers
   // (their destructors, see ShmCommunicator).
   const bool unwinding = std::uncaught_exceptions() > impl_->uncaught_at_construction;
+  if (!impl_->cross) return;  // an elastic worker whose last re-forming failed: nothing to tell
   if (unwinding && impl_->engine) {
     const std::string reason =
         "rank " + std::to_string(impl_->rank()) + " left the group during an exception" +
@@ -209,6 +236,10 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
 }
 
 int MultiWorkerMirroredStrategy::num_replicas_in_sync() const { return impl_->total_replicas; }
+bool MultiWorkerMirroredStrategy::replicas_may_change() const { return impl_->elastic != nullptr; }
+int64_t MultiWorkerMirroredStrategy::membership_group() const {
+  return impl_->elastic ? impl_->elastic->view.group : 0;
+}
 const std::vector<Device>& MultiWorkerMirroredStrategy::devices() const {
   return impl_->replicas->devices();
 }

@@ -53,6 +53,12 @@ Tensor MultiWorkerMirroredStrategy::Impl::cross_gather(const Tensor& local,
 
 void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
   Impl& m = *impl_;
+  if (m.elastic) {
+    DISTSTRAT_CHECK(m.cross, kFailedPrecondition,
+                    "MultiWorkerMirroredStrategy: this elastic worker is in no group (its last "
+                    "re-forming failed)");
+    m.before_step();
+  }
   const auto t0 = Clock::now();
   m.replicas->run([&](ReplicaContext& inner) {
     const int l = inner.local_replica_id();
@@ -83,8 +89,13 @@ void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaC
 void MultiWorkerMirroredStrategy::place_variable(Variable::Impl& var, const Initializer& init) {
   Tensor initial(var.shape, var.dtype);
   init(initial);
-  // Worker 0 (the chief) decides the initial value for everyone.
-  if (impl_->cross->size() > 1) broadcast(initial, 0, var.name + "/initial value");
+  // Worker 0 (the chief) decides the initial value for everyone. Elastic
+  // workers make no collective call here (a worker that joins a running
+  // group creates its variables alone): the group's state reaches every
+  // worker at ElasticState::run.
+  if (impl_->cross->size() > 1 && !impl_->elastic) {
+    broadcast(initial, 0, var.name + "/initial value");
+  }
   impl_->replicas->place_copies(var, initial);
 }
 

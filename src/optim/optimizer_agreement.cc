@@ -99,8 +99,10 @@ std::vector<std::pair<std::string, std::string>> Optimizer::configuration() cons
 
 struct Optimizer::Agreement {
   std::mutex mu;
-  int64_t version = 0;           // bumped by every configuration change
-  std::vector<int64_t> checked;  // per local replica: the version last agreed on
+  int64_t version = 0;  // bumped by every configuration change
+  // Per local replica: the version last agreed on, and in which group of
+  // workers (an elastic group's new members have agreed on nothing yet).
+  std::vector<std::pair<int64_t, int64_t>> checked;
 };
 
 std::shared_ptr<Optimizer::Agreement> Optimizer::new_agreement() {
@@ -117,11 +119,12 @@ void Optimizer::agree_on_configuration(ReplicaContext& ctx) {
   if (cluster.num_workers <= 1 || strategy_->name() == "parameter_server") return;
   const size_t local = static_cast<size_t>(ctx.local_replica_id());
   int64_t version;
+  const int64_t group = strategy_->membership_group();
   {
     std::lock_guard<std::mutex> lock(agreement_->mu);
-    if (agreement_->checked.size() <= local) agreement_->checked.resize(local + 1, -1);
+    if (agreement_->checked.size() <= local) agreement_->checked.resize(local + 1, {-1, -1});
     version = agreement_->version;
-    if (agreement_->checked[local] == version) return;
+    if (agreement_->checked[local] == std::make_pair(version, group)) return;
   }
   const std::vector<std::pair<std::string, std::string>> fields = configuration();
   Tensor mine(Shape{1, kSlots}, DType::kInt64);
@@ -162,7 +165,7 @@ void Optimizer::agree_on_configuration(ReplicaContext& ctx) {
                     "schedule, clipping, loss scaling and accumulation)");
   }
   std::lock_guard<std::mutex> lock(agreement_->mu);
-  agreement_->checked[local] = version;
+  agreement_->checked[local] = {version, group};
 }
 
 }  // namespace diststrat

@@ -120,7 +120,12 @@ Tensor gather_rows(const Tensor& src, const int64_t* rows, int64_t n) {
 DistributedBatch DistributedDataset::batch(int64_t i) const {
   DISTSTRAT_CHECK(0 <= i && i < num_batches(), kInvalidArgument, "DistributedDataset: batch ", i,
                   " of ", num_batches(), source_ ? "" : " (an empty DistributedDataset)");
-  const Source& s = *source_;
+  Source s = *source_;
+  if (s.live) {  // an elastic group: its numbering of the moment
+    s.num_replicas_in_sync = s.live->num_replicas_in_sync();
+    s.first_local_replica = s.live->first_local_replica();
+    s.num_workers = s.live->cluster().num_workers;
+  }
   const int64_t b = s.batch_rows();
   const int64_t begin = i * b;
   const int64_t n = std::min<int64_t>(b, s.total_rows() - begin);

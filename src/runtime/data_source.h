@@ -20,6 +20,9 @@ struct DistributedDataset::Source {
   int first_local_replica = 0;
   int num_workers = 1;
   bool per_worker = false;
+  // Elastic strategies (Strategy::replicas_may_change): the numbering above
+  // is read from here at every batch(); the strategy outlives its datasets.
+  const Strategy* live = nullptr;
 
   int64_t total_rows() const { return data.size(); }
   // Rows taken from `data` per batch.

@@ -4,7 +4,9 @@
 #include "runtime/membership_store.h"
 
 #include <fcntl.h>
+#include <dirent.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,6 +39,25 @@ bool valid_id(const std::string& id) {
 }
 
 // Milliseconds left before `deadline` (at least 1).
+constexpr size_t kMaxValueBytes = 64 << 10;
+
+void check_key(const std::string& key, const std::string& store) {
+  DISTSTRAT_CHECK(!key.empty() && key.size() <= 200 &&
+                      std::all_of(key.begin(), key.end(),
+                                  [](char c) { return (id_char(c) && c != ':') || c == '/'; }),
+                  kInvalidArgument, store, ": the key '", echo(key, 64),
+                  "' is not 1-200 of [A-Za-z0-9._/-]");
+}
+
+// The group number N of a key "g<N>/...", or -1.
+int64_t key_group(const std::string& key) {
+  if (key.size() < 3 || key[0] != 'g') return -1;
+  size_t i = 1;
+  int64_t n = 0;
+  while (i < key.size() && i < 19 && key[i] >= '0' && key[i] <= '9') n = n * 10 + (key[i++] - '0');
+  return i > 1 && i < key.size() && key[i] == '/' ? n : -1;
+}
+
 int64_t ms_left(MembershipStore::Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
       deadline - MembershipStore::Clock::now());
@@ -46,6 +67,14 @@ int64_t ms_left(MembershipStore::Clock::time_point deadline) {
 
 bool Membership::has_member(const std::string& id) const {
   return std::find(members.begin(), members.end(), id) != members.end();
+}
+
+bool Membership::has_arrived(const std::string& id) const {
+  return std::find(arrived.begin(), arrived.end(), id) != arrived.end();
+}
+
+bool Membership::is_waiting(const std::string& id) const {
+  return std::find(waiting.begin(), waiting.end(), id) != waiting.end();
 }
 
 bool Membership::is_dead(const std::string& id) const {
@@ -58,8 +87,12 @@ void check_member_id(const std::string& id) {
 }
 
 std::string Membership::encode() const {
-  std::string out = "diststrat-membership 1\ngeneration " + std::to_string(generation) + "\n";
+  std::string out = "diststrat-membership 1\ngeneration " + std::to_string(generation) +
+                    "\ngroup " + std::to_string(group) + "\n";
+  if (forming) out += "forming\n";
   for (const std::string& m : members) out += "member " + m + "\n";
+  for (const std::string& a : arrived) out += "arrived " + a + "\n";
+  for (const std::string& w : waiting) out += "waiting " + w + "\n";
   for (const std::string& d : dead) out += "dead " + d + "\n";
   return out;
 }
@@ -74,32 +107,46 @@ Membership Membership::decode(const std::string& text, const std::string& where)
   if (!std::getline(in, line) || line != "diststrat-membership 1") {
     fail("no 'diststrat-membership 1' header");
   }
-  bool have_generation = false;
-  std::set<std::string> seen;
+  bool have_generation = false, have_group = false;
+  std::set<std::string> seen[4];
+  size_t ids = 0;
+  auto number = [&](const std::string& name, const std::string& value, bool* have) {
+    if (*have || value.empty() || value.size() > 18 ||
+        !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      fail(name + " '" + echo(value, 32) + "'");
+    }
+    *have = true;
+    return std::stoll(value);
+  };
   while (std::getline(in, line)) {
     const size_t sp = line.find(' ');
     const std::string key = line.substr(0, sp);
     const std::string value = sp == std::string::npos ? "" : line.substr(sp + 1);
+    std::vector<std::string>* lists[4] = {&m.members, &m.arrived, &m.waiting, &m.dead};
+    const char* names[4] = {"member", "arrived", "waiting", "dead"};
+    const int list = key == "member"    ? 0
+                     : key == "arrived" ? 1
+                     : key == "waiting" ? 2
+                     : key == "dead"    ? 3
+                                        : -1;
     if (key == "generation") {
-      if (have_generation || value.empty() || value.size() > 18 ||
-          !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-        fail("generation '" + echo(value, 32) + "'");
-      }
-      m.generation = std::stoll(value);
-      have_generation = true;
-    } else if (key == "member" || key == "dead") {
+      m.generation = number("generation", value, &have_generation);
+    } else if (key == "group") {
+      m.group = number("group", value, &have_group);
+    } else if (line == "forming") {
+      if (m.forming) fail("'forming' twice");
+      m.forming = true;
+    } else if (list >= 0) {
       if (!valid_id(value)) fail("the id '" + echo(value, 64) + "'");
-      if (m.members.size() + m.dead.size() >= kMaxIds) fail("more than 100000 ids");
-      if (key == "member") {
-        if (!seen.insert(value).second) fail("the member " + value + " twice");
-        m.members.push_back(value);
-      } else {
-        m.dead.push_back(value);
-      }
+      if (++ids > kMaxIds) fail("more than 100000 ids");
+      if (!seen[list].insert(value).second)
+        fail(std::string("the ") + names[list] + " " + value + " twice");
+      lists[list]->push_back(value);
     } else {
       fail("the line '" + echo(line, 64) + "'");
     }
   }
+  if (!have_group) fail("no group");
   if (!have_generation) fail("no generation");
   return m;
 }
@@ -153,9 +200,50 @@ class FileMembershipStore : public MembershipStore {
     return m;
   }
 
+  // Key k in <dir>/<job>.kv/<k with '/' as '+'>, written atomically.
+  void put(const std::string& key, const std::string& value, Clock::time_point) override {
+    check_key(key, url_);
+    DISTSTRAT_CHECK(value.size() <= kMaxValueBytes, kInvalidArgument, url_, ": the value of '", key,
+                    "' is over 64 KiB");
+    const std::string kv = dir_ + "/" + job_ + ".kv";
+    if (::mkdir(kv.c_str(), 0755) != 0 && errno != EEXIST) {
+      fs::throw_errno(errno, "membership store " + url_ + ": mkdir " + kv);
+    }
+    write_file_atomically(kv + "/" + file_name(key), value.data(), value.size());
+  }
+
+  std::optional<std::string> get(const std::string& key, Clock::time_point) override {
+    check_key(key, url_);
+    const std::string path = dir_ + "/" + job_ + ".kv/" + file_name(key);
+    if (::access(path.c_str(), F_OK) != 0) return std::nullopt;
+    fs::ReadOptions o;
+    o.follow_symlinks = false;
+    o.max_bytes = kMaxValueBytes;
+    return fs::read_text_file(path, "membership store value", o);
+  }
+
+  void erase_below(int64_t group) noexcept override {
+    const std::string kv = dir_ + "/" + job_ + ".kv";
+    DIR* d = ::opendir(kv.c_str());
+    if (!d) return;
+    std::vector<std::string> old;
+    while (const dirent* e = ::readdir(d)) {
+      std::string key = e->d_name;
+      std::replace(key.begin(), key.end(), '+', '/');
+      const int64_t n = key_group(key);
+      if (n >= 0 && n < group) old.push_back(e->d_name);
+    }
+    ::closedir(d);
+    for (const std::string& f : old) ::unlink((kv + "/" + f).c_str());
+  }
+
   std::string describe() const override { return url_; }
 
  private:
+  static std::string file_name(std::string key) {
+    std::replace(key.begin(), key.end(), '/', '+');
+    return key;
+  }
   std::string dir_, job_, url_;
 };
 
@@ -168,7 +256,29 @@ class RedisMembershipStore : public MembershipStore {
       : host_(std::move(host)),
         port_(port),
         key_("diststrat:membership:" + job),
+        kv_prefix_("diststrat:kv:" + job + ":"),
         url_(std::move(url)) {}
+
+  // Keys expire after an hour: they are read only while a group connects.
+  void put(const std::string& key, const std::string& value, Clock::time_point deadline) override {
+    check_key(key, url_);
+    DISTSTRAT_CHECK(value.size() <= kMaxValueBytes, kInvalidArgument, url_, ": the value of '", key,
+                    "' is over 64 KiB");
+    Connection c = connect(deadline);
+    command(c, deadline, {"SET", kv_prefix_ + key, value, "EX", "3600"});
+  }
+
+  std::optional<std::string> get(const std::string& key, Clock::time_point deadline) override {
+    check_key(key, url_);
+    Connection c = connect(deadline);
+    Reply r = command(c, deadline, {"GET", kv_prefix_ + key});
+    if (r->type == REDIS_REPLY_NIL) return std::nullopt;
+    DISTSTRAT_CHECK(r->type == REDIS_REPLY_STRING && r->len <= kMaxValueBytes, kDataLoss, url_,
+                    ": the value of '", key, "' is not a string of at most 64 KiB");
+    return std::string(r->str, r->len);
+  }
+
+  void erase_below(int64_t) noexcept override {}  // they expire
 
   Membership transact(const std::function<bool(Membership&)>& change,
                       Clock::time_point deadline) override {
@@ -249,7 +359,7 @@ class RedisMembershipStore : public MembershipStore {
 
   std::string host_;
   int port_;
-  std::string key_, url_;
+  std::string key_, kv_prefix_, url_;
 };
 #endif
 

@@ -19,29 +19,42 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace diststrat {
 
 struct Membership {
-  // Bumped by every transaction that changes the record: a worker's view of
-  // the group is the generation it last saw.
+  // Bumped by every transaction that changes the record.
   int64_t generation = 0;
-  // Worker ids in rank order.
+  // The number of the group now running (or, while `forming`, of the last
+  // one): bumped only when a round closes (runtime/elastic_rendezvous.h).
+  int64_t group = 0;
+  // A round is open: workers of the last group and waiting ones are arriving.
+  bool forming = false;
+  // The members of group `group`, in rank order.
   std::vector<std::string> members;
+  // While forming: the ids that arrived at the round, in arrival order.
+  std::vector<std::string> arrived;
+  // Ids waiting to join at the running group's next step boundary.
+  std::vector<std::string> waiting;
   // Ids declared dead in this job: never admitted again under that id (a
   // worker that comes back after it was declared dead joins as a new one).
   std::vector<std::string> dead;
 
   bool has_member(const std::string& id) const;
+  bool has_arrived(const std::string& id) const;
+  bool is_waiting(const std::string& id) const;
   bool is_dead(const std::string& id) const;
 
-  // The stored form: "diststrat-membership 1\ngeneration G\nmember ID\n...\ndead ID\n".
+  // The stored form: "diststrat-membership 1\ngeneration G\ngroup N\n[forming\n]"
+  // then "member ID", "arrived ID", "waiting ID", "dead ID" lines.
   std::string encode() const;
   // Throws DataLossError "<where>: ..." for anything but encode()'s output
-  // (unknown lines, a generation that is not a decimal, an id that is empty,
-  // repeated, over 256 bytes or not [A-Za-z0-9._:-], more than 100000 ids).
+  // (unknown lines, a number that is not a decimal, an id that is empty,
+  // repeated in one list, over 256 bytes or not [A-Za-z0-9._:-], more than
+  // 100000 ids).
   static Membership decode(const std::string& text, const std::string& where);
 };
 
@@ -66,6 +79,16 @@ class MembershipStore {
   Membership read(Clock::time_point deadline) {
     return transact([](Membership&) { return false; }, deadline);
   }
+  // A small key-value side, for what one group's members exchange (their
+  // connection addresses): `key` is 1-200 of [A-Za-z0-9._/-], `value` at most
+  // 64 KiB. put overwrites; get returns nullopt for a key never put. Both
+  // throw UnavailableError naming the store when it cannot be reached before
+  // `deadline`. Keys of old groups are removed by erase_below.
+  virtual void put(const std::string& key, const std::string& value,
+                   Clock::time_point deadline) = 0;
+  virtual std::optional<std::string> get(const std::string& key, Clock::time_point deadline) = 0;
+  // Removes the keys "g<N>/..." with N < `group` (best effort: never throws).
+  virtual void erase_below(int64_t group) noexcept = 0;
   // "redis://host:port/job" or "file:///dir/job", for messages.
   virtual std::string describe() const = 0;
 };

@@ -457,12 +457,17 @@ DistributedDataset Strategy::distribute(const Dataset& dataset, int64_t global_b
   s->num_local_replicas = num_local_replicas();
   s->first_local_replica = first_local_replica();
   s->num_workers = cluster().num_workers;
+  if (replicas_may_change()) s->live = this;
   return DistributedDataset(s);
 }
 
 DistributedDataset Strategy::distribute_datasets_from_function(
     const std::function<Dataset(const InputContext&)>& fn, int64_t global_batch,
     const DistributeOptions& options) {
+  DISTSTRAT_CHECK(!replicas_may_change(), kUnimplemented,
+                  "distribute_datasets_from_function: each worker's own input cannot follow an "
+                  "elastic group's changes; use distribute() (every worker sees the whole "
+                  "dataset and takes its share of each global batch)");
   InputContext ic;
   ic.num_input_pipelines = cluster().num_workers;
   ic.input_pipeline_id = cluster().worker_index;

@@ -31,9 +31,17 @@ TEST(Membership, RecordRoundTripsAndDamagedOnesAreDataLoss) {
   m.generation = 7;
   m.members = {"w0", "host-1:4", "a.b_c"};
   m.dead = {"w9"};
+  m.group = 3;
+  m.forming = true;
+  m.arrived = {"w0", "new"};
+  m.waiting = {"late"};
   const ds::Membership back = ds::Membership::decode(m.encode(), "test");
   EXPECT_EQ(back.generation, 7);
+  EXPECT_EQ(back.group, 3);
+  EXPECT_TRUE(back.forming);
   EXPECT_EQ(back.members, m.members);
+  EXPECT_EQ(back.arrived, m.arrived);
+  EXPECT_EQ(back.waiting, m.waiting);
   EXPECT_EQ(back.dead, m.dead);
   for (const char* bad :
        {"", "garbage", "diststrat-membership 2\ngeneration 1\n",
@@ -43,7 +51,11 @@ TEST(Membership, RecordRoundTripsAndDamagedOnesAreDataLoss) {
         "diststrat-membership 1\ngeneration 1\nmember w 0\n",
         "diststrat-membership 1\ngeneration 1\ngeneration 2\n",
         "diststrat-membership 1\ngeneration 99999999999999999999\n",
-        "diststrat-membership 1\ngeneration 1\nleader w0\n"}) {
+        "diststrat-membership 1\ngeneration 1\nleader w0\n",
+        "diststrat-membership 1\ngeneration 1\n",  // no group
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nforming\nforming\n",
+        "diststrat-membership 1\ngeneration 1\ngroup x\n",
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nwaiting a\nwaiting a\n"}) {
     SCOPED_TRACE(bad);
     EXPECT_THROW(ds::Membership::decode(bad, "test"), ds::DataLossError);
   }

@@ -1,0 +1,391 @@
+// Elastic MultiWorkerMirroredStrategy (diststrat/elastic.h): joining and
+// leaving groups (rendezvous, Gloo TCP transport), the commit at every step,
+// and ElasticState::run's recovery: restore, re-form, state from a member.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "allreduce/transport_communicator.h"
+#include "diststrat/config.h"
+#if DISTSTRAT_HAVE_GLOO
+#include "allreduce/gloo_transport.h"
+#endif
+#include "core/env.h"
+#include "diststrat/checkpoint.h"
+#include "diststrat/optimizer.h"
+#include "io/checkpoint_internal.h"
+#include "multiworker/multi_worker_impl.h"
+
+namespace diststrat {
+
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+#if DISTSTRAT_HAVE_GLOO
+// The connection addresses of group g<N> under the store's keys "g<N>/...".
+class StoreAddressExchange : public AddressExchange {
+ public:
+  explicit StoreAddressExchange(MembershipStore& store) : store_(store) {}
+  void publish(const std::string& key, const std::string& value,
+               Clock::time_point deadline) override {
+    store_.put(store_key(key), value, deadline);
+  }
+  std::string wait_for(const std::string& key, Clock::time_point deadline) override {
+    for (;;) {
+      if (std::optional<std::string> v = store_.get(store_key(key), deadline)) return *v;
+      if (Clock::now() >= deadline) {
+        throw DeadlineExceededError("elastic: '" + key + "' was not published in " +
+                                    store_.describe() + " before the deadline");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+
+ private:
+  static std::string store_key(std::string key) {
+    for (char& c : key) {
+      const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '.' || c == '_' || c == '-' || c == '/';
+      if (!ok) c = '_';
+    }
+    return key;
+  }
+  MembershipStore& store_;
+};
+#endif
+
+std::string default_worker_id() {
+  if (std::optional<std::string> id = env::text("DISTSTRAT_WORKER_ID")) return *id;
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') std::strcpy(host, "host");
+  std::string id = std::string(host) + "-" + std::to_string(::getpid());
+  for (char& c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '-' || c == '_';
+    if (!ok) c = '_';
+  }
+  return id;
+}
+
+// A collective error that means the group is gone (a peer died, stopped or
+// aborted), as opposed to a bug or bad input, which leave run() as they are.
+bool lost_peer(const Error& e) {
+  return e.code() == ErrorCode::kAborted || e.code() == ErrorCode::kUnavailable ||
+         e.code() == ErrorCode::kDeadlineExceeded;
+}
+
+constexpr const char* kElasticPrefix = "diststrat.elastic.";
+
+}  // namespace
+
+ElasticRuntime::ElasticRuntime(const ElasticOptions& o) : options(o) {
+#if !DISTSTRAT_HAVE_GLOO
+  throw UnimplementedError("elastic training (rendezvous " + o.rendezvous +
+                           "): this build has no Gloo (DISTSTRAT_WITH_GLOO), whose TCP transport "
+                           "carries elastic groups");
+#endif
+  RendezvousOptions r;
+  r.min_workers = o.min_workers;
+  r.max_workers = o.max_workers;
+  r.settle = o.settle_timeout;
+  rendezvous = std::make_unique<ElasticRendezvous>(
+      open_membership_store(o.rendezvous), o.worker_id.empty() ? default_worker_id() : o.worker_id,
+      r);
+}
+
+void MultiWorkerMirroredStrategy::Impl::join_group(SteadyClock::time_point deadline) {
+  ElasticRuntime& e = *elastic;
+  for (;;) {
+    try {
+      e.view = e.rendezvous->join(e.in_group ? &e.view : nullptr, deadline);
+    } catch (const FailedPreconditionError& dead) {
+      // Declared dead while it was away: it comes back as a new worker, and
+      // takes the group's state like one.
+      const std::string base = e.rendezvous->id();
+      e.rendezvous->set_id(
+          base.substr(0, base.rfind(".r") == std::string::npos ? base.size() : base.rfind(".r")) +
+          ".r" + std::to_string(++e.rejoins));
+      self->logger().warning("elastic: ", dead.message(), "; joining again as '",
+                             e.rendezvous->id(), "'");
+      e.in_group = false;
+      continue;
+    }
+    e.in_group = true;
+#if DISTSTRAT_HAVE_GLOO
+    const int size = static_cast<int>(e.view.members.size());
+    GlooTransportOptions go;
+    go.group = "g" + std::to_string(e.view.group);
+    go.listen_host = e.options.listen_host;
+    try {
+      StoreAddressExchange exchange(e.rendezvous->store());
+      std::unique_ptr<Transport> t =
+          make_gloo_transport(e.view.rank, size, exchange, go,
+                              std::min(deadline, Clock::now() + options.communication.timeout));
+      Transport& ref = *t;
+      CommunicationOptions co = options.communication;
+      co.algorithm = co.algorithm == Algorithm::kHierarchical ? Algorithm::kAuto : co.algorithm;
+      comms.cross =
+          std::make_unique<TransportCommunicator>(ref, co, std::vector<int>{}, std::move(t));
+      comms.hierarchical = false;
+      cross = comms.cross.get();
+      set_explicit_cluster(e.view.rank, size);
+      return;
+    } catch (const Error& err) {
+      if (!lost_peer(err) || Clock::now() >= deadline) throw;
+      // A member died between the round and the connection: form again.
+      self->logger().warning("elastic: worker '", e.rendezvous->id(),
+                             "' could not connect to group ", e.view.group, ": ", err.message(),
+                             "; forming again");
+    }
+#endif
+  }
+}
+
+void MultiWorkerMirroredStrategy::Impl::leave_group(const std::string& reason) {
+  if (engine) engine->abort(reason);
+  engine.reset();  // joins the communication thread
+  if (comms.cross) comms.cross->abort(reason);
+  comms.cross.reset();  // closes the connections: the peers learn at once
+  cross = nullptr;
+}
+
+// ---- ElasticState ---------------------------------------------------------------
+
+struct ElasticState::Impl {
+  Impl(MultiWorkerMirroredStrategy& s, std::vector<const Optimizer*> optimizers)
+      : strategy(s), m(*s.impl_), checkpoint(s, std::move(optimizers)) {}
+
+  MultiWorkerMirroredStrategy& strategy;
+  MultiWorkerMirroredStrategy::Impl& m;
+  Checkpoint checkpoint;
+  std::vector<std::function<void(const MembershipChange&)>> callbacks;
+  // The last commit.
+  bool committed = false;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  DataPosition position;
+  std::map<std::string, std::string> metadata;
+  // This worker has no state of the group's yet (it is new, or came back).
+  bool fresh = true;
+  int64_t changes = 0, redone = 0;
+};
+
+ElasticState::ElasticState(MultiWorkerMirroredStrategy& strategy,
+                           std::vector<const Optimizer*> optimizers)
+    : impl_(std::make_unique<Impl>(strategy, std::move(optimizers))) {
+  DISTSTRAT_CHECK(impl_->m.elastic, kInvalidArgument,
+                  "ElasticState: the strategy is not elastic (set MultiWorkerOptions::elastic."
+                  "rendezvous)");
+}
+
+ElasticState::~ElasticState() {
+  if (impl_->m.elastic && impl_->m.elastic->state == this) impl_->m.elastic->state = nullptr;
+}
+
+void ElasticState::on_membership_change(std::function<void(const MembershipChange&)> fn) {
+  impl_->callbacks.push_back(std::move(fn));
+}
+
+int64_t ElasticState::membership_changes() const { return impl_->changes; }
+int64_t ElasticState::steps_redone() const { return impl_->redone; }
+
+void ElasticState::commit() {
+  Impl& s = *impl_;
+  ElasticRuntime& e = *s.m.elastic;
+  const bool was = e.committing;
+  e.committing = true;  // Checkpoint::state may call Strategy::run
+  try {
+    std::vector<std::pair<std::string, Tensor>> t = s.checkpoint.state();
+    s.tensors = std::move(t);
+  } catch (...) {
+    e.committing = was;
+    throw;
+  }
+  e.committing = was;
+  s.position = position;
+  s.metadata = metadata;
+  s.committed = true;
+}
+
+void MultiWorkerMirroredStrategy::Impl::before_step() {
+  ElasticRuntime& e = *elastic;
+  if (!e.state || e.committing) return;
+  e.state->commit();
+  // The chief looks for waiting workers now and then; every worker learns
+  // its answer in the same collective, so all re-form at the same step.
+  int64_t admit = 0;
+  const auto now = SteadyClock::now();
+  if (rank() == 0 && now >= e.next_poll) {
+    e.next_poll = now + e.options.join_poll;
+    try {
+      admit = e.rendezvous->joiners_waiting(
+                  e.view.group, now + std::min<std::chrono::milliseconds>(
+                                          options.communication.timeout, std::chrono::seconds(5)))
+                  ? 1
+                  : 0;
+    } catch (const Error& err) {
+      // A running group needs the store only to change: it goes on.
+      self->logger().warning("elastic: rank 0 could not look for waiting workers: ", err.message());
+    }
+  }
+  if (cross->size() > 1) {
+    engine->run(
+        [&](Communicator& c) {
+          c.all_reduce(&admit, &admit, 1, DType::kInt64, ReduceOp::kMax, "elastic/admit");
+        },
+        "elastic admission");
+  }
+  if (admit) {
+    e.admitting = true;
+    throw AbortedError("elastic: group " + std::to_string(e.view.group) +
+                       " re-forms to admit waiting workers");
+  }
+}
+
+namespace {
+
+// The state, position and metadata as one safetensors image.
+std::vector<char> encode_state(const std::vector<std::pair<std::string, Tensor>>& tensors,
+                               const DataPosition& pos,
+                               const std::map<std::string, std::string>& user) {
+  CheckpointMetadata md;
+  for (const auto& [k, v] : user) md["user." + k] = v;
+  md[std::string(kElasticPrefix) + "epoch"] = std::to_string(pos.epoch);
+  md[std::string(kElasticPrefix) + "batch"] = std::to_string(pos.batch);
+  md[std::string(kElasticPrefix) + "step"] = std::to_string(pos.step);
+  return ckpt::encode_safetensors("elastic state", tensors, md, /*allow_reserved=*/true,
+                                  /*allow_non_finite=*/true);
+}
+
+}  // namespace
+
+void ElasticState::run(const std::function<void(ElasticState&)>& train) {
+  Impl& s = *impl_;
+  MultiWorkerMirroredStrategy::Impl& m = s.m;
+  ElasticRuntime& e = *m.elastic;
+  DISTSTRAT_CHECK(e.state == nullptr, kFailedPrecondition,
+                  "ElasticState::run: another ElasticState of this strategy is running");
+  e.state = this;
+  struct Detach {
+    ElasticRuntime& e;
+    ~Detach() { e.state = nullptr; }
+  } detach{e};
+
+  std::optional<MembershipChange> change;
+  int previous_replicas = s.fresh ? 0 : m.total_replicas;
+  for (;;) {
+    try {
+      // The group's state, from the member with the newest commit.
+      const int n = m.cross->size();
+      int64_t mine = s.fresh || !s.committed ? -1 : s.position.step;
+      std::vector<int64_t> steps(n, mine);
+      if (n > 1) {
+        m.engine->run(
+            [&](Communicator& c) {
+              c.all_gather(&mine, steps.data(), 1, DType::kInt64, "elastic/steps");
+            },
+            "elastic state agreement");
+      }
+      const int source =
+          static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
+      const bool same = std::all_of(steps.begin(), steps.end(),
+                                    [&](int64_t v) { return v == steps[0] && v >= 0; });
+      if (n > 1 && !same) {
+        std::vector<char> image;
+        if (m.rank() == source) {
+          image = encode_state(s.checkpoint.state(), position, metadata);
+        }
+        int64_t bytes = static_cast<int64_t>(image.size());
+        m.engine->run(
+            [&](Communicator& c) {
+              c.broadcast(&bytes, 1, DType::kInt64, source, "elastic/state bytes");
+              DISTSTRAT_CHECK(bytes >= 0 && bytes < (int64_t{1} << 40), kDataLoss, "rank ",
+                              m.rank(), ": elastic state of ", bytes, " bytes from rank ", source);
+              image.resize(static_cast<size_t>(bytes + 7) / 8 * 8);
+              c.broadcast(image.data(), image.size() / 8, DType::kInt64, source, "elastic/state");
+            },
+            "elastic state transfer");
+        if (m.rank() != source) {
+          const std::string what = "elastic state from rank " + std::to_string(source) +
+                                   " (worker '" + e.view.members[source] + "')";
+          SafetensorsFile f = parse_safetensors(reinterpret_cast<const uint8_t*>(image.data()),
+                                                static_cast<size_t>(bytes), what);
+          DataPosition pos;
+          pos.epoch = metadata_int(f.metadata, std::string(kElasticPrefix) + "epoch", 0,
+                                   int64_t{1} << 40, what);
+          pos.batch = metadata_int(f.metadata, std::string(kElasticPrefix) + "batch", 0,
+                                   int64_t{1} << 40, what);
+          pos.step = metadata_int(f.metadata, std::string(kElasticPrefix) + "step", 0,
+                                  int64_t{1} << 50, what);
+          std::map<std::string, std::string> user;
+          for (const auto& [k, v] : f.metadata) {
+            if (k.rfind("user.", 0) == 0) user[k.substr(5)] = v;
+          }
+          const bool was = e.committing;
+          e.committing = true;
+          s.checkpoint.assign(f.tensors, what);
+          e.committing = was;
+          position = pos;
+          metadata = std::move(user);
+        }
+      }
+      s.fresh = false;
+      commit();
+      if (change) {
+        change->step = position.step;
+        change->num_replicas_in_sync = m.total_replicas;
+        for (const auto& fn : s.callbacks) fn(*change);
+        change.reset();
+      }
+      train(*this);
+      return;
+    } catch (const Error& err) {
+      if (!lost_peer(err) || !m.cross) throw;
+      const bool admission = e.admitting;
+      e.admitting = false;
+      m.self->logger().warning(
+          "elastic: worker '", e.rendezvous->id(), "' (rank ", m.rank(), " of group ", e.view.group,
+          "): ", admission ? "admitting waiting workers" : "the group broke: " + err.message(),
+          "; re-forming");
+      if (!admission) ++s.redone;
+      previous_replicas = m.total_replicas;
+      m.leave_group("worker '" + e.rendezvous->id() + "' left group " +
+                    std::to_string(e.view.group) + ": " + err.message());
+      // Back to the last commit: the interrupted step is redone by the new group.
+      if (s.committed) {
+        const bool was = e.committing;
+        e.committing = true;
+        // Locally only: the group is gone, and assign makes no collective call
+        // for mirrored state.
+        s.checkpoint.assign(s.tensors, "the last elastic commit");
+        e.committing = was;
+        position = s.position;
+        metadata = s.metadata;
+      }
+    }
+    // A new group (the rendezvous decides who is in it); then the numbering
+    // and the engine over it.
+    const int rejoins = e.rejoins;
+    m.join_group(SteadyClock::now() + e.options.join_timeout);
+    if (e.rejoins != rejoins) s.fresh = true;
+    m.number_replicas(static_cast<int64_t>(m.options.devices.size()));
+    m.start_engine();
+    ++s.changes;
+    MembershipChange c;
+    c.group = e.view.group;
+    c.num_workers = static_cast<int>(e.view.members.size());
+    c.previous_replicas_in_sync = s.fresh ? 0 : previous_replicas;
+    c.joined = e.view.joined;
+    c.left = e.view.left;
+    c.rank = e.view.rank;
+    change = c;
+    m.self->logger().warning("elastic: worker '", e.rendezvous->id(), "' is rank ", c.rank,
+                             " of group ", c.group, " (", c.num_workers, " workers",
+                             c.joined.empty() ? "" : ", joined: " + std::to_string(c.joined.size()),
+                             c.left.empty() ? "" : ", left: " + std::to_string(c.left.size()), ")");
+  }
+}
+
+}  // namespace diststrat

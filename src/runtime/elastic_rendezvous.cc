@@ -1,0 +1,177 @@
+// Group formation through the membership store (elastic_rendezvous.h).
+#include "runtime/elastic_rendezvous.h"
+
+#include <algorithm>
+#include <limits>
+#include <set>
+#include <thread>
+
+#include "diststrat/error.h"
+
+namespace diststrat {
+
+namespace {
+
+bool contains(const std::vector<std::string>& v, const std::string& id) {
+  return std::find(v.begin(), v.end(), id) != v.end();
+}
+
+void add(std::vector<std::string>& v, const std::string& id) {
+  if (!contains(v, id)) v.push_back(id);
+}
+
+void remove(std::vector<std::string>& v, const std::string& id) {
+  v.erase(std::remove(v.begin(), v.end(), id), v.end());
+}
+
+// The workers a round waits for: the last group's members and the waiting
+// ones, less the dead.
+std::vector<std::string> expected(const Membership& m) {
+  std::vector<std::string> out;
+  for (const std::string& id : m.members) {
+    if (!m.is_dead(id)) add(out, id);
+  }
+  for (const std::string& id : m.waiting) {
+    if (!m.is_dead(id)) add(out, id);
+  }
+  return out;
+}
+
+}  // namespace
+
+ElasticRendezvous::ElasticRendezvous(std::unique_ptr<MembershipStore> store, std::string id,
+                                     RendezvousOptions options)
+    : store_(std::move(store)), id_(std::move(id)), options_(options) {
+  check_member_id(id_);
+  DISTSTRAT_CHECK(options_.min_workers >= 1, kInvalidArgument, "elastic: min_workers ",
+                  options_.min_workers, " must be at least 1");
+  DISTSTRAT_CHECK(options_.max_workers == 0 || options_.max_workers >= options_.min_workers,
+                  kInvalidArgument, "elastic: max_workers ", options_.max_workers,
+                  " is below min_workers ", options_.min_workers, " (0 = no limit)");
+}
+
+void ElasticRendezvous::set_id(std::string id) {
+  check_member_id(id);
+  id_ = std::move(id);
+}
+
+GroupView ElasticRendezvous::join(const GroupView* last, Clock::time_point deadline) {
+  using Clock = ElasticRendezvous::Clock;
+  const int64_t last_group = last ? last->group : -1;
+  const size_t max = options_.max_workers > 0 ? static_cast<size_t>(options_.max_workers)
+                                              : std::numeric_limits<size_t>::max();
+  const size_t min = static_cast<size_t>(options_.min_workers);
+  // When this worker first saw the round it waits in (its own clock: no
+  // clocks are compared across hosts).
+  int64_t round_seen = -1;
+  Clock::time_point round_since;
+  size_t arrived_count = 0;
+  for (;;) {
+    bool dead = false;
+    const Membership m = store_->transact(
+        [&](Membership& r) {
+          if (r.is_dead(id_)) {
+            dead = true;
+            return false;
+          }
+          if (!r.forming) {
+            const bool member = r.has_member(id_);
+            if (member && r.group > last_group) return false;  // formed with this worker
+            if ((member && r.group == last_group) || r.members.empty()) {
+              r.forming = true;  // its group broke or admits joiners; or the job's first
+              r.arrived = {id_};
+              remove(r.waiting, id_);
+              return true;
+            }
+            if (r.is_waiting(id_)) return false;
+            r.waiting.push_back(id_);  // a new worker: the running group admits it
+            return true;
+          }
+          bool changed = false;
+          if (!r.has_arrived(id_)) {
+            r.arrived.push_back(id_);
+            remove(r.waiting, id_);
+            changed = true;
+          }
+          if (round_seen != r.group) {
+            round_seen = r.group;
+            round_since = Clock::now();
+          }
+          const std::vector<std::string> want = expected(r);
+          const bool everyone =
+              !want.empty() && std::all_of(want.begin(), want.end(), [&](const std::string& id) {
+                return r.has_arrived(id);
+              });
+          const bool settled = Clock::now() - round_since >= options_.settle;
+          if (r.arrived.size() < min || !(everyone || r.arrived.size() >= max || settled)) {
+            return changed;
+          }
+          // Close the round.
+          std::vector<std::string> members;
+          for (const std::string& id : r.members) {
+            if (r.has_arrived(id) && members.size() < max) members.push_back(id);
+          }
+          for (const std::string& id : r.arrived) {
+            if (!contains(members, id) && members.size() < max) members.push_back(id);
+          }
+          for (const std::string& id : r.members) {
+            if (!r.has_arrived(id)) add(r.dead, id);
+          }
+          for (const std::string& id : r.arrived) {
+            if (!contains(members, id)) add(r.waiting, id);  // over max_workers: later
+          }
+          r.members = members;
+          r.arrived.clear();
+          r.forming = false;
+          r.group += 1;
+          return true;
+        },
+        deadline);
+    if (dead) {
+      throw FailedPreconditionError("elastic: worker '" + id_ + "' was declared dead in " +
+                                    store_->describe() +
+                                    " (it did not arrive at a round in time); it may join "
+                                    "again only as a new worker");
+    }
+    if (!m.forming && m.has_member(id_) && m.group > last_group) {
+      GroupView v;
+      v.group = m.group;
+      v.members = m.members;
+      v.rank =
+          static_cast<int>(std::find(m.members.begin(), m.members.end(), id_) - m.members.begin());
+      for (const std::string& id : m.members) {
+        if (!last || !contains(last->members, id)) v.joined.push_back(id);
+      }
+      if (last) {
+        for (const std::string& id : last->members) {
+          if (!contains(m.members, id)) v.left.push_back(id);
+        }
+      }
+      store_->erase_below(m.group);
+      return v;
+    }
+    if (m.forming) arrived_count = m.arrived.size();
+    if (Clock::now() >= deadline) {
+      throw UnavailableError(
+          "elastic: worker '" + id_ + "' found no group in " + store_->describe() +
+          " before the deadline: " +
+          (m.forming ? std::to_string(arrived_count) + " worker(s) arrived of the " +
+                           std::to_string(min) + " needed (min_workers)"
+                     : "waiting to be admitted by the running group " + std::to_string(m.group) +
+                           " (" + std::to_string(m.members.size()) + " members)"));
+    }
+    std::this_thread::sleep_for(options_.poll);
+  }
+}
+
+bool ElasticRendezvous::joiners_waiting(int64_t group, Clock::time_point deadline) {
+  const Membership m = store_->read(deadline);
+  if (m.group != group) return true;  // another round already: re-form now
+  if (m.forming) return true;
+  for (const std::string& id : m.waiting) {
+    if (!m.is_dead(id)) return true;
+  }
+  return false;
+}
+
+}  // namespace diststrat

@@ -1,0 +1,88 @@
+// How an elastic job's workers form groups (issue 27), through the membership
+// store (runtime/membership_store.h), which is the only arbiter.
+//
+// The record holds the running group (its number and members in rank order),
+// the ids waiting to join, the ids declared dead and, while a round is open,
+// the ids that arrived at it. Every step below is one transaction.
+//  - A member whose group broke (a peer died, the group aborted) or that is
+//    told to admit joiners opens a round (if its group is still the running
+//    one) and arrives at it; others of the group arrive as they notice.
+//  - A new worker adds itself to `waiting` while a group runs (the running
+//    group's chief sees it and the group re-forms at its next step boundary),
+//    or arrives at the open round, or opens the first round of the job.
+//  - The round closes, in the transaction of whichever participant sees it
+//    first, when every expected worker (the last group's members and the
+//    waiting ones, less the dead) has arrived, or `max_workers` have, or the
+//    settle time has passed since this participant saw the round open; and
+//    only with at least `min_workers` arrived. The new group: the last
+//    group's members that arrived, in their old order (so the new chief is
+//    the lowest surviving rank), then the others in arrival order, at most
+//    max_workers; members of the last group that did not arrive are dead.
+//  - A worker that cannot reach the store before its deadline stops
+//    (UnavailableError naming the store): it can no longer know whether it
+//    is a member. A side with fewer than min_workers never forms a group.
+//    So two groups never both go on.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/membership_store.h"
+
+namespace diststrat {
+
+struct RendezvousOptions {
+  int min_workers = 1;
+  int max_workers = 0;  // 0: no limit
+  // How long an open round waits for members that have not arrived once
+  // min_workers have (a dead member never arrives).
+  std::chrono::milliseconds settle{2000};
+  // How often the store is read while waiting.
+  std::chrono::milliseconds poll{20};
+};
+
+struct GroupView {
+  int64_t group = 0;                 // the group's number in the job
+  std::vector<std::string> members;  // in rank order
+  int rank = 0;                      // this worker's index in members
+  std::vector<std::string> joined;   // members not in this worker's last group
+  std::vector<std::string> left;     // members of its last group not in this one
+};
+
+class ElasticRendezvous {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // `id`: this worker's id (check_member_id). Throws InvalidArgumentError for
+  // bad options (min_workers < 1, max_workers in [1, min_workers)).
+  ElasticRendezvous(std::unique_ptr<MembershipStore> store, std::string id,
+                    RendezvousOptions options);
+
+  // Blocks until a group with this worker has formed, and returns it. `last`:
+  // this worker's last group (nullptr for a worker that has none yet).
+  // Throws UnavailableError naming the store when it cannot be reached, or
+  // when no group with this worker forms before `deadline` (the message says
+  // how many workers arrived of the min_workers needed); FailedPrecondition
+  // when this worker's id was declared dead (the caller joins again under a
+  // new id, as a new worker).
+  GroupView join(const GroupView* last, Clock::time_point deadline);
+
+  // Whether workers wait to join group `group` (one read of the record); the
+  // running group's chief asks this between steps.
+  bool joiners_waiting(int64_t group, Clock::time_point deadline);
+
+  const std::string& id() const { return id_; }
+  // Changes this worker's id (after it was declared dead).
+  void set_id(std::string id);
+  MembershipStore& store() { return *store_; }
+
+ private:
+  std::unique_ptr<MembershipStore> store_;
+  std::string id_;
+  RendezvousOptions options_;
+};
+
+}  // namespace diststrat

@@ -1,0 +1,130 @@
+// How elastic workers form groups through the membership store
+// (src/runtime/elastic_rendezvous.h), workers as threads on a directory store:
+// the first group, a member that never comes back (declared dead after the
+// settle time, the new chief the lowest surviving rank), a dead id refused, a
+// waiting worker admitted at the next round, max_workers, and a round that
+// never reaches min_workers.
+#include "runtime/elastic_rendezvous.h"
+
+#include <gtest/gtest.h>
+
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "diststrat/error.h"
+#include "../common/temp_dir.h"
+
+namespace ds = diststrat;
+
+namespace {
+
+using Clock = ds::ElasticRendezvous::Clock;
+
+Clock::time_point in_ms(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+
+ds::RendezvousOptions quick(int min, int max = 0) {
+  ds::RendezvousOptions o;
+  o.min_workers = min;
+  o.max_workers = max;
+  o.settle = std::chrono::milliseconds(300);
+  o.poll = std::chrono::milliseconds(5);
+  return o;
+}
+
+ds::ElasticRendezvous make(const diststrat_test::TempDir& dir, const std::string& id,
+                           ds::RendezvousOptions o) {
+  return ds::ElasticRendezvous(ds::open_membership_store("file://" + dir.path() + "/job"), id, o);
+}
+
+// Each worker joins (from `last`, if given) on its own thread.
+std::vector<ds::GroupView> join_all(std::vector<ds::ElasticRendezvous*> workers,
+                                    std::vector<const ds::GroupView*> last) {
+  std::vector<std::future<ds::GroupView>> f;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    f.push_back(std::async(std::launch::async, [&, i] {
+      return workers[i]->join(last.empty() ? nullptr : last[i], in_ms(10000));
+    }));
+  }
+  std::vector<ds::GroupView> out;
+  for (auto& x : f) out.push_back(x.get());
+  return out;
+}
+
+TEST(ElasticRendezvous, TheFirstGroupFormsWithEveryWorkerThatCameAndSurvivorsReformWithoutTheDead) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2, 3)), b = make(dir, "b", quick(2, 3)),
+                        c = make(dir, "c", quick(2, 3));
+  std::vector<ds::GroupView> g = join_all({&a, &b, &c}, {});
+  for (const ds::GroupView& v : g) {
+    EXPECT_EQ(v.group, 1);
+    EXPECT_EQ(v.members.size(), 3u);  // max_workers reached: no settle wait
+    EXPECT_EQ(v.members, g[0].members);
+  }
+  EXPECT_EQ(g[0].members[static_cast<size_t>(g[0].rank)], "a");
+  // The worker of rank 0 dies: the two others re-form after the settle time.
+  const std::string gone = g[0].members[0];
+  std::vector<ds::ElasticRendezvous*> rest;
+  std::vector<const ds::GroupView*> last;
+  for (size_t i = 0; i < 3; ++i) {
+    if (g[i].members[static_cast<size_t>(g[i].rank)] != gone) {
+      rest.push_back(i == 0 ? &a : i == 1 ? &b : &c);
+      last.push_back(&g[i]);
+    }
+  }
+  const auto t0 = Clock::now();
+  std::vector<ds::GroupView> h = join_all(rest, last);
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(300));
+  for (const ds::GroupView& v : h) {
+    EXPECT_EQ(v.group, 2);
+    // The survivors keep their order: the new chief is the lowest surviving rank.
+    EXPECT_EQ(v.members, std::vector<std::string>(g[0].members.begin() + 1, g[0].members.end()));
+    EXPECT_EQ(v.left, std::vector<std::string>{gone});
+    EXPECT_TRUE(v.joined.empty());
+  }
+  // The dead id is never admitted again.
+  ds::ElasticRendezvous back = make(dir, gone, quick(1));
+  EXPECT_THROW(back.join(nullptr, in_ms(2000)), ds::FailedPreconditionError);
+}
+
+TEST(ElasticRendezvous, AWaitingWorkerIsSeenByTheGroupAndAdmittedWhenItReforms) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2, 2)), b = make(dir, "b", quick(2, 2));
+  std::vector<ds::GroupView> g = join_all({&a, &b}, {});
+  EXPECT_FALSE(a.joiners_waiting(g[0].group, in_ms(2000)));
+  ds::ElasticRendezvous c = make(dir, "c", quick(2, 3));
+  auto joined = std::async(std::launch::async, [&] { return c.join(nullptr, in_ms(10000)); });
+  const auto until = in_ms(5000);
+  while (!a.joiners_waiting(g[0].group, in_ms(2000)) && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(a.joiners_waiting(g[0].group, in_ms(2000)));
+  // The group re-forms (its members made anew here, with room for three).
+  ds::ElasticRendezvous a3 = make(dir, "a", quick(2, 3)), b3 = make(dir, "b", quick(2, 3));
+  std::vector<ds::GroupView> h = join_all({&a3, &b3}, {&g[0], &g[1]});
+  const ds::GroupView cv = joined.get();
+  EXPECT_EQ(cv.group, h[0].group);
+  EXPECT_EQ(cv.members, (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(cv.rank, 2);
+  EXPECT_EQ(h[0].joined, std::vector<std::string>{"c"});
+  EXPECT_FALSE(a3.joiners_waiting(cv.group, in_ms(2000)));
+}
+
+TEST(ElasticRendezvous, ARoundBelowMinWorkersFormsNoGroupAndSaysHowManyCame) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2));
+  try {
+    a.join(nullptr, in_ms(500));
+    FAIL() << "formed a group alone with min_workers 2";
+  } catch (const ds::UnavailableError& e) {
+    EXPECT_NE(std::string(e.what()).find("1 worker(s) arrived of the 2 needed"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("file://"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(make(dir, "x", quick(0)), ds::InvalidArgumentError);
+  EXPECT_THROW(make(dir, "x", quick(3, 2)), ds::InvalidArgumentError);
+  EXPECT_THROW(make(dir, "bad id", quick(1)), ds::InvalidArgumentError);
+}
+
+}  // namespace

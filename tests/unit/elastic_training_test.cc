@@ -1,0 +1,205 @@
+// Elastic MultiWorkerMirroredStrategy (diststrat/elastic.h), workers as
+// threads of this process over the Gloo TCP transport on 127.0.0.1 and a
+// directory store: a worker dies mid-epoch (its thread leaves by an
+// exception; its strategy closes its connections as a killed process's
+// kernel would), the others redo the step and go on without it, a new worker
+// joins and receives the state from a member; the final weights match a
+// sequential run over the same global batches and every row is used exactly
+// once per epoch (counted in a variable the optimizer updates).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "diststrat/config.h"
+#include "diststrat/diststrat.h"
+#include "runtime/membership_store.h"
+#include "../common/temp_dir.h"
+
+namespace ds = diststrat;
+
+namespace {
+
+constexpr int kRows = 96, kFeatures = 4, kBatch = 16, kEpochs = 2;
+constexpr float kLr = 0.05f;
+
+float target(const float* x) { return 0.5f * x[0] - 1.0f * x[1] + 2.0f * x[2] + 0.25f * x[3]; }
+
+ds::Dataset make_data() {
+  ds::Tensor x(ds::Shape{kRows, kFeatures}, ds::DType::kFloat32);
+  ds::Tensor id(ds::Shape{kRows}, ds::DType::kFloat32);
+  for (int r = 0; r < kRows; ++r) {
+    for (int f = 0; f < kFeatures; ++f) {
+      x.data<float>()[r * kFeatures + f] = std::sin(0.37f * r + 1.3f * f);
+    }
+    id.data<float>()[r] = static_cast<float>(r);  // the label is the row's id
+  }
+  return ds::Dataset(x, id);
+}
+
+// The same training, sequentially, over the same global batches.
+std::vector<float> reference_weights() {
+  const ds::Dataset d = make_data();
+  std::vector<float> w(kFeatures, 0.0f);
+  for (int e = 0; e < kEpochs; ++e) {
+    for (int b = 0; b < kRows / kBatch; ++b) {
+      std::vector<double> g(kFeatures, 0.0);
+      for (int r = b * kBatch; r < (b + 1) * kBatch; ++r) {
+        const float* x = d.features().data<float>() + r * kFeatures;
+        double pred = 0;
+        for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
+        for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / kBatch;
+      }
+      for (int f = 0; f < kFeatures; ++f) w[f] -= kLr * static_cast<float>(g[f]);
+    }
+  }
+  return w;
+}
+
+struct Death {};  // a worker's thread "dies" by this exception
+
+struct Outcome {
+  std::vector<float> weights, counts;
+  int64_t changes = 0, redone = 0;
+  int final_workers = 0;
+};
+
+struct Plan {
+  std::string dir;
+  int min_workers = 2;
+  int die_at_step = -1;  // this worker dies inside this step
+  std::atomic<int>* changes_seen = nullptr;
+  // Before step hold_at_step, wait while *hold (so that a joiner finds the
+  // group still training).
+  int hold_at_step = -1;
+  std::atomic<bool>* hold = nullptr;
+};
+
+Outcome train_worker(const std::string& id, const Plan& plan) {
+  ds::MultiWorkerOptions o;
+  o.elastic.rendezvous = "file://" + plan.dir + "/job";
+  o.elastic.worker_id = id;
+  o.elastic.min_workers = plan.min_workers;
+  o.elastic.listen_host = "127.0.0.1";
+  o.elastic.settle_timeout = std::chrono::milliseconds(300);
+  o.elastic.join_poll = std::chrono::milliseconds(20);
+  o.elastic.join_timeout = std::chrono::seconds(60);
+  o.communication.timeout = std::chrono::seconds(30);
+  ds::MultiWorkerMirroredStrategy s(o);
+  ds::Variable w =
+      s.create_variable("w", ds::Shape{kFeatures}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable counts =
+      s.create_variable("row_uses", ds::Shape{kRows}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::SGD opt(s, {kLr, 0.0f});
+  ds::DistributeOptions dopts;
+  dopts.shuffle = false;
+  ds::DistributedDataset dist = s.distribute(make_data(), kBatch, dopts);
+  ds::ElasticState state(s, {&opt});
+  state.on_membership_change([&](const ds::MembershipChange&) {
+    if (plan.changes_seen) ++*plan.changes_seen;
+  });
+  state.run([&](ds::ElasticState& st) {
+    ds::DataPosition& pos = st.position;
+    for (; pos.epoch < kEpochs; ++pos.epoch, pos.batch = 0) {
+      dist.set_epoch(pos.epoch);
+      for (; pos.batch < dist.num_batches(); ++pos.batch, ++pos.step) {
+        while (pos.step == plan.hold_at_step && plan.hold && plan.hold->load()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+        const ds::DistributedBatch batch = dist.batch(pos.batch);
+        const float scale = 1.0f / static_cast<float>(batch.global_size());
+        s.run([&](ds::ReplicaContext& ctx) {
+          const ds::Tensor& x = batch.features(ctx);
+          const ds::Tensor& ids = batch.labels(ctx);
+          const ds::Tensor wv = w.read(ctx);
+          ds::Tensor gw(ds::Shape{kFeatures}, ds::DType::kFloat32);
+          ds::Tensor gc(ds::Shape{kRows}, ds::DType::kFloat32);
+          for (int f = 0; f < kFeatures; ++f) gw.data<float>()[f] = 0;
+          for (int r = 0; r < kRows; ++r) gc.data<float>()[r] = 0;
+          for (int64_t i = 0; i < x.shape()[0]; ++i) {
+            const float* xi = x.data<float>() + i * kFeatures;
+            float pred = 0;
+            for (int f = 0; f < kFeatures; ++f) pred += wv.data<float>()[f] * xi[f];
+            for (int f = 0; f < kFeatures; ++f) {
+              gw.data<float>()[f] += (pred - target(xi)) * xi[f] * scale;
+            }
+            gc.data<float>()[static_cast<int>(ids.data<float>()[i])] -= 1.0f;  // +lr per use
+          }
+          if (pos.step == plan.die_at_step) throw Death{};
+          opt.apply_gradients(ctx, {{gw, w}, {gc, counts}});
+        });
+      }
+    }
+  });
+  Outcome out;
+  const ds::Tensor wv = w.value(), cv = counts.value();
+  out.weights.assign(wv.data<float>(), wv.data<float>() + kFeatures);
+  out.counts.assign(cv.data<float>(), cv.data<float>() + kRows);
+  out.changes = state.membership_changes();
+  out.redone = state.steps_redone();
+  out.final_workers = s.cluster().num_workers;
+  return out;
+}
+
+void expect_trained(const Outcome& o, int workers) {
+  const std::vector<float> ref = reference_weights();
+  for (int f = 0; f < kFeatures; ++f) EXPECT_NEAR(o.weights[f], ref[f], 1e-5) << "w[" << f << "]";
+  for (int r = 0; r < kRows; ++r) {
+    EXPECT_NEAR(o.counts[r], kLr * kEpochs, 1e-5)
+        << "row " << r << " used " << o.counts[r] / kLr << " times";
+  }
+  EXPECT_EQ(o.final_workers, workers);
+}
+
+TEST(ElasticTraining, SurvivorsRedoTheStepWithoutTheDeadWorkerAndAJoinerGetsTheState) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("elastic_train");
+  std::atomic<int> changes{0};
+  std::atomic<bool> hold{true};
+  Plan plan;
+  plan.dir = dir.path();
+  plan.changes_seen = &changes;
+  plan.hold_at_step = 8;  // epoch 1
+  plan.hold = &hold;
+  Plan dying = plan;
+  dying.die_at_step = 4;  // mid-epoch 0
+  auto a = std::async(std::launch::async, [&] { return train_worker("a", plan); });
+  auto b = std::async(std::launch::async, [&] { return train_worker("b", plan); });
+  auto c = std::async(std::launch::async, [&] {
+    try {
+      train_worker("c", dying);
+    } catch (const Death&) {
+      return true;
+    }
+    return false;
+  });
+  EXPECT_TRUE(c.get());
+  // After the survivors re-formed, a new worker joins.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (changes.load() < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_GE(changes.load(), 2) << "the survivors did not re-form";
+  auto d = std::async(std::launch::async, [&] { return train_worker("d", plan); });
+  // The survivors wait before step 8 until d waits in the store to be admitted.
+  std::unique_ptr<ds::MembershipStore> store =
+      ds::open_membership_store("file://" + dir.path() + "/job");
+  while (!store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).is_waiting("d") &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  hold = false;
+  const Outcome oa = a.get(), ob = b.get(), od = d.get();
+  for (const Outcome* o : {&oa, &ob}) {
+    expect_trained(*o, 3);
+    EXPECT_EQ(o->redone, 1);
+    EXPECT_GE(o->changes, 2);  // the death, then the join
+  }
+  expect_trained(od, 3);
+}
+
+}  // namespace
