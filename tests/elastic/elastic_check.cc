@@ -1,0 +1,175 @@
+// One worker of an elastic job (diststrat/elastic.h) for the process tests
+// (tests/elastic/elastic_cell.sh): a linear model trained with SGD over a
+// fixed synthetic dataset, plus a row counter that the optimizer updates
+// (+lr for every use of a row), so that the end state proves that every row
+// was used exactly once per epoch whatever happened. Each worker prints
+//   "<id>: group G rank R of N (step S)"        after every membership change
+//   "<id>: step S at T ms"                      after each step (T: CLOCK_REALTIME)
+//   "<id>: final workers=N steps=S weight_diff=D count_error=E changes=C redone=R"
+// where D is the largest difference from the same training run sequentially
+// over the same global batches, and E the largest |uses - epochs| of a row.
+#include <time.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "diststrat/diststrat.h"
+
+namespace ds = diststrat;
+
+namespace {
+
+constexpr int kFeatures = 8;
+constexpr float kLr = 0.05f;
+
+float target(const float* x) {
+  float y = 0;
+  for (int f = 0; f < kFeatures; ++f) y += (0.25f * static_cast<float>(f) - 0.8f) * x[f];
+  return y;
+}
+
+ds::Dataset make_data(int rows) {
+  ds::Tensor x(ds::Shape{rows, kFeatures}, ds::DType::kFloat32);
+  ds::Tensor id(ds::Shape{rows}, ds::DType::kFloat32);
+  for (int r = 0; r < rows; ++r) {
+    for (int f = 0; f < kFeatures; ++f) {
+      x.data<float>()[r * kFeatures + f] = std::sin(0.37f * static_cast<float>(r) + 1.3f * f);
+    }
+    id.data<float>()[r] = static_cast<float>(r);
+  }
+  return ds::Dataset(x, id);
+}
+
+std::vector<float> reference(int rows, int batch, int epochs) {
+  const ds::Dataset d = make_data(rows);
+  std::vector<float> w(kFeatures, 0.0f);
+  for (int e = 0; e < epochs; ++e) {
+    for (int b = 0; b * batch < rows; ++b) {
+      const int end = std::min(rows, (b + 1) * batch);
+      std::vector<double> g(kFeatures, 0.0);
+      for (int r = b * batch; r < end; ++r) {
+        const float* x = d.features().data<float>() + r * kFeatures;
+        double pred = 0;
+        for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
+        for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / (end - b * batch);
+      }
+      for (int f = 0; f < kFeatures; ++f) w[f] -= kLr * static_cast<float>(g[f]);
+    }
+  }
+  return w;
+}
+
+long long now_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<long long>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"One worker of an elastic test job"};
+  std::string rendezvous, id, listen_host;
+  int min_workers = 1, max_workers = 0, rows = 512, batch = 32, epochs = 3, delay_ms = 0;
+  int settle_ms = 1000, timeout_ms = 10000;
+  app.add_option("--rendezvous", rendezvous, "redis://host:port/job or file:///dir/job")
+      ->required();
+  app.add_option("--id", id, "worker id")->required();
+  app.add_option("--listen-host", listen_host, "address peers reach this worker at");
+  app.add_option("--min-workers", min_workers)->check(CLI::Range(1, 1000));
+  app.add_option("--max-workers", max_workers)->check(CLI::Range(0, 1000));
+  app.add_option("--rows", rows)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--batch", batch)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--epochs", epochs)->check(CLI::Range(1, 1000));
+  app.add_option("--step-delay-ms", delay_ms, "sleep per step (stretches the run)")
+      ->check(CLI::Range(0, 10000));
+  app.add_option("--settle-ms", settle_ms)->check(CLI::Range(1, 600000));
+  app.add_option("--timeout-ms", timeout_ms)->check(CLI::Range(100, 600000));
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    ds::MultiWorkerOptions o;
+    o.elastic.rendezvous = rendezvous;
+    o.elastic.worker_id = id;
+    o.elastic.listen_host = listen_host;
+    o.elastic.min_workers = min_workers;
+    o.elastic.max_workers = max_workers;
+    o.elastic.settle_timeout = std::chrono::milliseconds(settle_ms);
+    o.elastic.join_poll = std::chrono::milliseconds(100);
+    o.elastic.join_timeout = std::chrono::seconds(120);
+    o.communication.timeout = std::chrono::milliseconds(timeout_ms);
+    ds::MultiWorkerMirroredStrategy s(o);
+    ds::Variable w =
+        s.create_variable("w", ds::Shape{kFeatures}, ds::DType::kFloat32, ds::init::Zeros{});
+    ds::Variable uses =
+        s.create_variable("row_uses", ds::Shape{rows}, ds::DType::kFloat32, ds::init::Zeros{});
+    ds::SGD opt(s, {kLr, 0.0f});
+    ds::DistributeOptions dopts;
+    dopts.shuffle = false;
+    ds::DistributedDataset dist = s.distribute(make_data(rows), batch, dopts);
+    ds::ElasticState state(s, {&opt});
+    state.on_membership_change([&](const ds::MembershipChange& c) {
+      std::printf("%s: group %lld rank %d of %d (step %lld)\n", id.c_str(),
+                  static_cast<long long>(c.group), c.rank, c.num_workers,
+                  static_cast<long long>(c.step));
+      std::fflush(stdout);
+    });
+    state.run([&](ds::ElasticState& st) {
+      ds::DataPosition& pos = st.position;
+      for (; pos.epoch < epochs; ++pos.epoch, pos.batch = 0) {
+        dist.set_epoch(pos.epoch);
+        for (; pos.batch < dist.num_batches(); ++pos.batch, ++pos.step) {
+          const ds::DistributedBatch b = dist.batch(pos.batch);
+          const float scale = 1.0f / static_cast<float>(b.global_size());
+          s.run([&](ds::ReplicaContext& ctx) {
+            const ds::Tensor& x = b.features(ctx);
+            const ds::Tensor& ids = b.labels(ctx);
+            const ds::Tensor wv = w.read(ctx);
+            ds::Tensor gw(ds::Shape{kFeatures}, ds::DType::kFloat32);
+            ds::Tensor gu(ds::Shape{rows}, ds::DType::kFloat32);
+            std::fill(gw.data<float>(), gw.data<float>() + kFeatures, 0.0f);
+            std::fill(gu.data<float>(), gu.data<float>() + rows, 0.0f);
+            for (int64_t i = 0; i < x.shape()[0]; ++i) {
+              const float* xi = x.data<float>() + i * kFeatures;
+              float pred = 0;
+              for (int f = 0; f < kFeatures; ++f) pred += wv.data<float>()[f] * xi[f];
+              for (int f = 0; f < kFeatures; ++f) {
+                gw.data<float>()[f] += (pred - target(xi)) * xi[f] * scale;
+              }
+              gu.data<float>()[static_cast<int>(ids.data<float>()[i])] -= 1.0f;
+            }
+            opt.apply_gradients(ctx, {{gw, w}, {gu, uses}});
+          });
+          std::printf("%s: step %lld at %lld ms\n", id.c_str(),
+                      static_cast<long long>(pos.step + 1), now_ms());
+          std::fflush(stdout);
+          if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+        }
+      }
+    });
+    const std::vector<float> ref = reference(rows, batch, epochs);
+    const ds::Tensor wv = w.value(), uv = uses.value();
+    double weight_diff = 0, count_error = 0;
+    for (int f = 0; f < kFeatures; ++f) {
+      weight_diff = std::max(weight_diff, std::fabs(double(wv.data<float>()[f]) - ref[f]));
+    }
+    for (int r = 0; r < rows; ++r) {
+      count_error = std::max(count_error, std::fabs(double(uv.data<float>()[r]) / kLr - epochs));
+    }
+    std::printf(
+        "%s: final workers=%d steps=%lld weight_diff=%.3g count_error=%.3g changes=%lld "
+        "redone=%lld\n",
+        id.c_str(), s.cluster().num_workers, static_cast<long long>(state.position.step),
+        weight_diff, count_error, static_cast<long long>(state.membership_changes()),
+        static_cast<long long>(state.steps_redone()));
+    return 0;
+  } catch (const ds::Error& e) {
+    std::fprintf(stderr, "%s: %s\n", id.c_str(), e.what());
+    return 1;
+  }
+}
