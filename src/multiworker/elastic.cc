@@ -81,7 +81,8 @@ constexpr const char* kElasticPrefix = "diststrat.elastic.";
 
 }  // namespace
 
-ElasticRuntime::ElasticRuntime(const ElasticOptions& o) : options(o) {
+ElasticRuntime::ElasticRuntime(const ElasticOptions& o, const CommunicationOptions& communication)
+    : options(o) {
 #if !DISTSTRAT_HAVE_GLOO
   throw UnimplementedError("elastic training (rendezvous " + o.rendezvous +
                            "): this build has no Gloo (DISTSTRAT_WITH_GLOO), whose TCP transport "
@@ -91,6 +92,7 @@ ElasticRuntime::ElasticRuntime(const ElasticOptions& o) : options(o) {
   r.min_workers = o.min_workers;
   r.max_workers = o.max_workers;
   r.settle = o.settle_timeout;
+  r.store_timeout = communication.timeout;
   rendezvous = std::make_unique<ElasticRendezvous>(
       open_membership_store(o.rendezvous), o.worker_id.empty() ? default_worker_id() : o.worker_id,
       r);

@@ -58,7 +58,8 @@ class MultiWorkerReplicaContext : public ReplicaContext {
 // An elastic worker's part of the strategy (multiworker/elastic.cc): its
 // rendezvous, the group it is in, and the ElasticState whose run() is active.
 struct ElasticRuntime {
-  explicit ElasticRuntime(const ElasticOptions& options);
+  // The store is given communication.timeout per operation.
+  ElasticRuntime(const ElasticOptions& options, const CommunicationOptions& communication);
   ElasticOptions options;
   std::unique_ptr<ElasticRendezvous> rendezvous;
   GroupView view;                 // the group this worker is in (valid after the first join)

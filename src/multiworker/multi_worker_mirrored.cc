@@ -30,7 +30,7 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
                     "MultiWorkerMirroredStrategy: elastic training with shard_optimizer_state "
                     "(ZeRO-1) is not supported yet");
     m.options = options;
-    m.elastic = std::make_unique<ElasticRuntime>(options.elastic);
+    m.elastic = std::make_unique<ElasticRuntime>(options.elastic, options.communication);
     m.join_group(std::chrono::steady_clock::now() + options.elastic.join_timeout);
   } else if (options.communicator) {
     Communicator* c = options.communicator;

@@ -126,7 +126,7 @@ GroupView ElasticRendezvous::join(const GroupView* last, Clock::time_point deadl
           r.group += 1;
           return true;
         },
-        deadline);
+        std::min(deadline, Clock::now() + options_.store_timeout));
     if (dead) {
       throw FailedPreconditionError("elastic: worker '" + id_ + "' was declared dead in " +
                                     store_->describe() +

@@ -42,6 +42,9 @@ struct RendezvousOptions {
   std::chrono::milliseconds settle{2000};
   // How often the store is read while waiting.
   std::chrono::milliseconds poll{20};
+  // How long one read or change of the store may take (a worker that cannot
+  // reach the store that long stops: UnavailableError naming it).
+  std::chrono::milliseconds store_timeout{std::chrono::seconds(30)};
 };
 
 struct GroupView {

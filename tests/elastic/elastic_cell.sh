@@ -2,15 +2,27 @@
 # Elastic training across processes, by ctest (label cluster):
 #   elastic_cell.sh CLUSTER_SH CHECK KIND
 # CHECK is diststrat_elastic_check (one worker; see elastic_check.cc). KIND:
-#   local   3 workers on this host (127.0.0.1, a directory store); worker c
-#           is killed with SIGKILL mid-epoch; once the survivors re-formed a
-#           new worker d starts and is admitted.
-# Passes when every surviving worker and the joiner exit 0 having trained
-# with the final group (3 workers), their weights within 1e-5 of the same
-# training run sequentially over the same global batches, every row used
-# exactly once per epoch (count_error < 0.01 uses), and no worker process is
-# left. Prints the measured bars: the time from the kill to the survivors'
-# next completed step, and from the joiner's start to its first step.
+#   local      3 workers on this host (127.0.0.1, a directory store); worker c
+#              is killed with SIGKILL mid-epoch; once the survivors re-formed
+#              a new worker d starts and is admitted.
+# On the namespace cluster (scripts/cluster.sh, prefix dsct, 198.18.1.0/24),
+# 2 hosts x 2 workers (h0a h0b on host 0, h1a h1b on host 1), a redis-server
+# in the launcher namespace as the store, min_workers 2:
+#   kill       h1b is killed with SIGKILL mid-epoch; once the 3 others
+#              re-formed, h1c starts on host 1 and is admitted: 4 again.
+#   kills3     three rounds of: a random live worker killed, a replacement
+#              started on its host once the others re-formed.
+#   host_dies  every process on host 1 is killed: host 0's two go on.
+#   link_down  host 1's cable is pulled for good: host 0's two go on; host
+#              1's workers, which can reach neither peers nor the store, stop
+#              with an error naming the store.
+# Passes when every worker expected to finish exits 0 having trained with
+# the final group, its weights within 1e-5 of the same training run
+# sequentially over the same global batches, every row used exactly once per
+# epoch (count_error < 0.01 uses), and no worker process is left. Prints the
+# measured bars: the time from a kill to the survivors' next completed step,
+# and from a joiner's start to its first step. Exit 77 (skipped) with the
+# reason where namespaces or redis-server are missing.
 set -u
 if (($# < 3)); then
   echo "usage: $0 CLUSTER_SH CHECK KIND" >&2
@@ -39,13 +51,88 @@ wait_for() {
   tail -5 "$1"
   return 1
 }
-# start ID: a worker in the background, its output in $dir/ID.log.
+common=(--min-workers 2 --rows 512 --batch 32 --settle-ms 1000 --timeout-ms 5000)
+# wait_count FILE REGEX N SECONDS: until N lines of FILE match.
+wait_count() {
+  local until=$(($(date +%s) + $4))
+  while (($(date +%s) < until)); do
+    (($(grep -Ec "$2" "$1" 2>/dev/null) >= $3)) && return 0
+    sleep 0.05
+  done
+  echo "FAIL: fewer than $3 lines matching '$2' in $1 within $4 s"
+  tail -5 "$1"
+  return 1
+}
+# start ID: a worker on this host in the background, its output in $dir/ID.log.
 start() {
-  "$check" --rendezvous "file://$dir/job" --id "$1" --listen-host 127.0.0.1 --min-workers 2 \
-    --rows 512 --batch 32 --epochs 4 --step-delay-ms 40 --settle-ms 1000 --timeout-ms 10000 \
-    >"$dir/$1.log" 2>&1 &
+  "$check" --rendezvous "file://$dir/job" --id "$1" --listen-host 127.0.0.1 "${common[@]}" \
+    --epochs 4 --step-delay-ms 40 >"$dir/$1.log" 2>&1 &
   pids+=($!)
   eval "pid_$1=$!"
+}
+# start_on HOST ID: a worker on namespace host HOST (0 or 1).
+start_on() {
+  "$cluster" exec "$1" "$check" --rendezvous "redis://$store/job" --id "$2" \
+    --listen-host "198.18.$DSC_NET.$(($1 + 1))" "${common[@]}" --epochs "$epochs" \
+    --step-delay-ms 30 >"$dir/$2.log" 2>&1 &
+  pids+=($!)
+  eval "pid_$2=$!"
+}
+# check_final ID WORKERS: ID finished with WORKERS workers and exact results.
+check_final() {
+  local line d e
+  line=$(grep "^$1: final" "$dir/$1.log")
+  echo "$line"
+  [[ $line =~ workers=$2\  ]] || { echo "FAIL: $1 did not finish with $2 workers"; return 1; }
+  d=$(sed -E 's/.*weight_diff=([^ ]+).*/\1/' <<<"$line")
+  e=$(sed -E 's/.*count_error=([^ ]+).*/\1/' <<<"$line")
+  awk -v d="$d" -v e="$e" 'BEGIN { exit !(d < 1e-5 && e < 0.01) }' ||
+    { echo "FAIL: $1 weight_diff=$d count_error=$e"; return 1; }
+}
+# next_step ID SINCE_MS: ms from SINCE_MS to ID's first completed step after it.
+next_step() {
+  awk -v k="$2" -v id="$1:" '$1 == id && $2 == "step" { if ($5 > k) { print $5 - k; exit } }' \
+    "$dir/$1.log"
+}
+# finish IDS...: waits for each worker; fails for a non-zero exit.
+finish() {
+  local w p rc=0
+  for w in "$@"; do
+    p=pid_$w
+    if ! wait "${!p}"; then
+      echo "FAIL: worker $w exited non-zero:"; tail -5 "$dir/$w.log"; rc=1
+    fi
+  done
+  return $rc
+}
+# cluster_up: the namespace cluster (2 hosts) and a redis-server on the
+# launcher; exit 77 where that cannot be.
+cluster_up() {
+  export DSC_PREFIX=${DSC_PREFIX:-dsct} DSC_NET=${DSC_NET:-1}
+  command -v redis-server >/dev/null || { echo "SKIP: no redis-server (Debian package redis-server)"; exit 77; }
+  if ! why=$(timeout 30 "$cluster" check); then
+    echo "SKIP: cannot make the namespace cluster here: $why"
+    exit 77
+  fi
+  timeout 60 "$cluster" down >/dev/null 2>&1
+  timeout 60 "$cluster" --hosts 2 up >/dev/null || { echo "FAIL: cluster up"; exit 1; }
+  trap 'cleanup; timeout 60 "$cluster" down >/dev/null 2>&1' EXIT
+  store=198.18.$DSC_NET.254:6391
+  ip netns exec "$DSC_PREFIX-l" redis-server --bind "198.18.$DSC_NET.254" --port 6391 \
+    --save "" --appendonly no --protected-mode no >"$dir/redis.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 100); do
+    ip netns exec "$DSC_PREFIX-l" redis-cli -h "198.18.$DSC_NET.254" -p 6391 ping 2>/dev/null |
+      grep -q PONG && return 0
+    sleep 0.05
+  done
+  echo "FAIL: redis-server did not start"; cat "$dir/redis.log"; exit 1
+}
+# no_leftovers: no worker process in any namespace host.
+no_leftovers() {
+  local left
+  left=$("$cluster" pids 2>/dev/null | xargs -r ps -o pid=,args= -p 2>/dev/null | grep elastic_check)
+  [[ -z $left ]] || { echo "FAIL: processes left: $left"; return 1; }
 }
 
 case $kind in
@@ -79,6 +166,81 @@ case $kind in
     echo "bar: kill -9 -> survivors' next step completed in ${next:-?} ms (settle 1000 ms)"
     echo "bar: joiner started -> its first step completed in ${first:-?} ms"
     grep -h "elastic:" "$dir"/a.log | head -5
+    ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
+  kill | kills3)
+    # kills3 runs ELASTIC_KILLS rounds (default 3; the bar's 20 by hand).
+    rounds=1 epochs=6
+    if [[ $kind == kills3 ]]; then
+      rounds=${ELASTIC_KILLS:-3}
+      epochs=$((10 + 4 * (rounds > 3 ? rounds - 3 : 0)))
+    fi
+    cluster_up
+    live=(h0a h0b h1a h1b)
+    for w in "${live[@]}"; do start_on "${w:1:1}" "$w"; done
+    for w in "${live[@]}"; do wait_for "$dir/$w.log" "^$w: step 1[0-9] at" 60 || exit 1; done
+    fail=0
+    for ((round = 1; round <= rounds; ++round)); do
+      if [[ $kind == kill ]]; then victim=h1b; else victim=${live[RANDOM % ${#live[@]}]}; fi
+      # A survivor that saw every change so far: one of the first workers.
+      survivor=$(printf '%s\n' "${live[@]}" | grep -v "^$victim$" | grep -E '^h[01][ab]$' | head -1)
+      [[ -n $survivor ]] || survivor=$(printf '%s\n' "${live[@]}" | grep -v "^$victim$" | head -1)
+      seen3=$(grep -Ec "^$survivor: group [0-9]+ rank [0-9] of 3" "$dir/$survivor.log")
+      seen4=$(grep -Ec "^$survivor: group [0-9]+ rank [0-9] of 4" "$dir/$survivor.log")
+      kill_ms=$(ms)
+      p=pid_$victim
+      kill -9 "${!p}"
+      wait "${!p}" 2>/dev/null
+      live=($(printf '%s\n' "${live[@]}" | grep -v "^$victim$"))
+      wait_count "$dir/$survivor.log" "^$survivor: group [0-9]+ rank [0-9] of 3" $((seen3 + 1)) 30 ||
+        exit 1
+      until [[ -n $(next_step "$survivor" "$kill_ms") ]]; do sleep 0.05; done
+      echo "bar: round $round: kill -9 $victim -> $survivor's next step in $(next_step "$survivor" "$kill_ms") ms"
+      newcomer=${victim:0:2}n$round
+      join_ms=$(ms)
+      start_on "${victim:1:1}" "$newcomer"
+      live+=("$newcomer")
+      wait_for "$dir/$newcomer.log" "^$newcomer: step [0-9]+ at" 60 || exit 1
+      echo "bar: round $round: $newcomer started -> its first step in $(next_step "$newcomer" "$join_ms") ms"
+      # The next round once everyone trains in the group of 4 again.
+      wait_count "$dir/$survivor.log" "^$survivor: group [0-9]+ rank [0-9] of 4" $((seen4 + 1)) 30 ||
+        exit 1
+    done
+    finish "${live[@]}" || fail=1
+    for w in "${live[@]}"; do check_final "$w" 4 || fail=1; done
+    no_leftovers || fail=1
+    ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
+  host_dies | link_down)
+    epochs=6
+    cluster_up
+    for w in h0a h0b h1a h1b; do start_on "${w:1:1}" "$w"; done
+    for w in h0a h0b h1a h1b; do wait_for "$dir/$w.log" "^$w: step 1[0-9] at" 60 || exit 1; done
+    fault_ms=$(ms)
+    if [[ $kind == host_dies ]]; then
+      "$cluster" kill 1
+    else
+      "$cluster" link 1 down
+    fi
+    fail=0
+    finish h0a h0b || fail=1
+    for w in h0a h0b; do check_final "$w" 2 || fail=1; done
+    echo "bar: $kind -> h0a's next step in $(next_step h0a "$fault_ms") ms"
+    if [[ $kind == link_down ]]; then
+      # Host 1's side reaches neither its peers nor the store: it stops,
+      # naming the store, within the deadline and the store's timeout.
+      for w in h1a h1b; do
+        p=pid_$w
+        if wait "${!p}"; then echo "FAIL: $w finished on the cut-off side"; fail=1; fi
+        grep -q "redis://$store/job" "$dir/$w.log" ||
+          { echo "FAIL: $w's error does not name the store:"; tail -3 "$dir/$w.log"; fail=1; }
+        tail -1 "$dir/$w.log"
+      done
+      echo "bar: link_down -> host 1's workers stopped $(($(ms) - fault_ms)) ms after the cut"
+    fi
+    no_leftovers || fail=1
     ((fail == 0)) && echo "PASS: elastic $kind"
     exit $fail
     ;;
