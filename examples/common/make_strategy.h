@@ -27,6 +27,17 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
   if (!f.timeline.empty() && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--timeline needs --strategy multi_worker");
   }
+  if (f.elastic != !f.rendezvous.empty()) {
+    throw ds::InvalidArgumentError("--elastic and --rendezvous URL go together");
+  }
+  if (f.elastic && f.strategy != "multi_worker") {
+    throw ds::InvalidArgumentError("--elastic needs --strategy multi_worker");
+  }
+  if (f.elastic && !f.checkpoint_dir.empty()) {
+    throw ds::UnimplementedError(
+        "--elastic with --checkpoint-dir: resuming an elastic job from a checkpoint is not "
+        "supported yet (the group's state lives in memory; see docs/elastic.md)");
+  }
   const bool gpu = f.device == "gpu";
   std::vector<ds::Device> devices;
   for (int i = 0; i < f.replicas; ++i)
@@ -65,6 +76,13 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
     o.device_manager = process_gpus;
     o.timeline_path = f.timeline;
     o.communication.timeout = comm.timeout;
+    if (f.elastic) {
+      o.elastic.rendezvous = f.rendezvous;
+      o.elastic.min_workers = f.min_workers;
+      o.elastic.max_workers = f.max_workers;
+      o.elastic.worker_id = f.worker_id;
+      o.elastic.listen_host = f.listen_host;
+    }
     return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
   }
   if (f.strategy == "parameter_server") {

@@ -44,6 +44,13 @@ struct TrainFlags {
   int64_t max_steps = 0;
   std::string timeout;                     // seconds; empty = CommunicationOptions' default
   std::string preemption_signal = "TERM";  // the signal that means "save and exit"
+  // Elastic training (multi_worker, diststrat/elastic.h).
+  bool elastic = false;
+  std::string rendezvous;
+  int min_workers = 1;
+  int max_workers = 0;
+  std::string worker_id;
+  std::string listen_host;
 };
 
 // --strategy, --ps, --max-staleness, --device (`device_help`: what --device
@@ -113,6 +120,21 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
       ->check(CLI::IsMember({"TERM", "USR1", "USR2", "INT"}))
       ->capture_default_str();
   add_timeout_flag(app, f.timeout);
+  app.add_flag("--elastic", f.elastic,
+               "multi_worker: elastic training (workers may die and join; started by a shell "
+               "loop or srun, not mpirun; docs/elastic.md)");
+  app.add_option("--rendezvous", f.rendezvous,
+                 "--elastic: where workers meet, redis://host:port/job or file:///dir/job");
+  app.add_option("--min-workers", f.min_workers, "--elastic: train only with at least N workers")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--max-workers", f.max_workers, "--elastic: admit at most N workers (0 = any)")
+      ->check(CLI::Range(0, 100000))
+      ->capture_default_str();
+  app.add_option("--worker-id", f.worker_id,
+                 "--elastic: this worker's id (default: DISTSTRAT_WORKER_ID, else host-pid)");
+  app.add_option("--listen-host", f.listen_host,
+                 "--elastic: the address peers reach this worker at (default: the host name)");
 }
 
 // The PreemptionHandler's options for --preemption-signal.

@@ -171,41 +171,64 @@ int main(int argc, char** argv) {
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0, steps_this_run = 0;
-    for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
-      const int epoch = static_cast<int>(pos.epoch);
-      dist.set_epoch(epoch);
-      while (pos.batch < dist.num_batches()) {
-        const ds::DistributedBatch batch = dist.batch(pos.batch);
-        const float scale = 1.0f / static_cast<float>(batch.global_size());
-        ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
-          std::vector<ds::Tensor> values;
-          for (const ds::Variable& v : params) values.push_back(v.read(ctx));
-          ds::nn::Mlp::Step s =
-              mlp.forward_backward(values, batch.features(ctx), batch.labels(ctx), scale);
-          std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-          for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(s.grads[i], params[i]);
-          opt.apply_gradients(ctx, gv);
-          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
-          sum_and_rows.data<double>()[0] = s.loss_sum;
-          sum_and_rows.data<double>()[1] = static_cast<double>(batch.labels(ctx).shape()[0]);
-          return sum_and_rows;
-        });
-        const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
-        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
-                                             step_loss.data<double>()[1], pos.step + 1,
-                                             "fashion_mnist");
-        meter.add(step_loss);
-        samples += batch.global_size();
-        ++pos.batch;
-        progress.update(
-            epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
-        ++steps_this_run;
-        if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(),
-                                            save)) {
-          return 0;
+    bool stopped = false;  // end_of_step said so
+    // The loop from `pos`; under --elastic ElasticState::run calls it again
+    // from the committed position after each membership change.
+    auto train_from = [&](Position& pos) {
+      for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
+        const int epoch = static_cast<int>(pos.epoch);
+        dist.set_epoch(epoch);
+        while (pos.batch < dist.num_batches()) {
+          const ds::DistributedBatch batch = dist.batch(pos.batch);
+          const float scale = 1.0f / static_cast<float>(batch.global_size());
+          ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
+            std::vector<ds::Tensor> values;
+            for (const ds::Variable& v : params) values.push_back(v.read(ctx));
+            ds::nn::Mlp::Step s =
+                mlp.forward_backward(values, batch.features(ctx), batch.labels(ctx), scale);
+            std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+            for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(s.grads[i], params[i]);
+            opt.apply_gradients(ctx, gv);
+            ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
+            sum_and_rows.data<double>()[0] = s.loss_sum;
+            sum_and_rows.data<double>()[1] = static_cast<double>(batch.labels(ctx).shape()[0]);
+            return sum_and_rows;
+          });
+          const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
+          diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
+                                               step_loss.data<double>()[1], pos.step + 1,
+                                               "fashion_mnist");
+          meter.add(step_loss);
+          samples += batch.global_size();
+          ++pos.batch;
+          progress.update(
+              epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
+          ++steps_this_run;
+          if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(),
+                                              save)) {
+            stopped = true;
+            return;
+          }
         }
       }
+    };
+    if (f.elastic) {
+      ds::ElasticState state(dynamic_cast<ds::MultiWorkerMirroredStrategy&>(*strategy), {&opt});
+      state.position = pos;
+      state.on_membership_change([&](const ds::MembershipChange& c) {
+        if (c.rank == 0) {
+          std::printf("elastic: group %lld, %d workers (%zu joined, %zu left), from step %lld\n",
+                      static_cast<long long>(c.group), c.num_workers, c.joined.size(),
+                      c.left.size(), static_cast<long long>(c.step));
+          std::fflush(stdout);
+        }
+      });
+      state.run([&](ds::ElasticState& s) { train_from(s.position); });
+      pos = state.position;
+    } else {
+      train_from(pos);
     }
+    if (stopped) return 0;
     if (manager && steps_this_run > 0) save(pos, "finished");
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -226,7 +249,8 @@ int main(int argc, char** argv) {
     const ds::Tensor logits = mlp.predict(values, test.features());
     const double accuracy =
         static_cast<double>(ds::nn::count_correct(logits, test.labels())) / test.size();
-    if (chief) {
+    // An elastic job's chief may have changed: the worker of rank 0 now.
+    if (f.elastic ? strategy->cluster().worker_index == 0 : chief) {
       // The line keeps issue 2's exact form on CPU; extras go at the end.
       if (f.device != "cpu") extra += " device=" + f.device;
       // train_loss: the mean loss per example over this run's steps, every worker's.

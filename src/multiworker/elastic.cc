@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "allreduce/transport_communicator.h"
@@ -78,6 +79,21 @@ bool lost_peer(const Error& e) {
 }
 
 constexpr const char* kElasticPrefix = "diststrat.elastic.";
+
+// While it lives, Strategy::run calls made by this file (Checkpoint::state
+// and assign run steps to read and write optimizer slots) are not training
+// steps: no commit, no look for joiners.
+class InternalSteps {
+ public:
+  explicit InternalSteps(ElasticRuntime& e) : e_(e), was_(e.committing) { e_.committing = true; }
+  ~InternalSteps() { e_.committing = was_; }
+  InternalSteps(const InternalSteps&) = delete;
+  InternalSteps& operator=(const InternalSteps&) = delete;
+
+ private:
+  ElasticRuntime& e_;
+  bool was_;
+};
 
 }  // namespace
 
@@ -195,17 +211,8 @@ int64_t ElasticState::steps_redone() const { return impl_->redone; }
 
 void ElasticState::commit() {
   Impl& s = *impl_;
-  ElasticRuntime& e = *s.m.elastic;
-  const bool was = e.committing;
-  e.committing = true;  // Checkpoint::state may call Strategy::run
-  try {
-    std::vector<std::pair<std::string, Tensor>> t = s.checkpoint.state();
-    s.tensors = std::move(t);
-  } catch (...) {
-    e.committing = was;
-    throw;
-  }
-  e.committing = was;
+  InternalSteps internal(*s.m.elastic);
+  s.tensors = s.checkpoint.state();
   s.position = position;
   s.metadata = metadata;
   s.committed = true;
@@ -280,6 +287,7 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
   for (;;) {
     try {
       // The group's state, from the member with the newest commit.
+      std::optional<InternalSteps> internal(std::in_place, e);
       const int n = m.cross->size();
       int64_t mine = s.fresh || !s.committed ? -1 : s.position.step;
       std::vector<int64_t> steps(n, mine);
@@ -325,16 +333,14 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
           for (const auto& [k, v] : f.metadata) {
             if (k.rfind("user.", 0) == 0) user[k.substr(5)] = v;
           }
-          const bool was = e.committing;
-          e.committing = true;
           s.checkpoint.assign(f.tensors, what);
-          e.committing = was;
           position = pos;
           metadata = std::move(user);
         }
       }
       s.fresh = false;
       commit();
+      internal.reset();
       if (change) {
         change->step = position.step;
         change->num_replicas_in_sync = m.total_replicas;
@@ -357,12 +363,10 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
                     std::to_string(e.view.group) + ": " + err.message());
       // Back to the last commit: the interrupted step is redone by the new group.
       if (s.committed) {
-        const bool was = e.committing;
-        e.committing = true;
         // Locally only: the group is gone, and assign makes no collective call
         // for mirrored state.
+        InternalSteps internal(e);
         s.checkpoint.assign(s.tensors, "the last elastic commit");
-        e.committing = was;
         position = s.position;
         metadata = s.metadata;
       }

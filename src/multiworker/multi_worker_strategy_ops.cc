@@ -53,7 +53,9 @@ Tensor MultiWorkerMirroredStrategy::Impl::cross_gather(const Tensor& local,
 
 void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
   Impl& m = *impl_;
-  if (m.elastic) {
+  if (m.elastic && !m.elastic->committing) {
+    // (Internal steps, which read and write optimizer slots on the local
+    // replicas, also run between groups.)
     DISTSTRAT_CHECK(m.cross, kFailedPrecondition,
                     "MultiWorkerMirroredStrategy: this elastic worker is in no group (its last "
                     "re-forming failed)");
@@ -69,13 +71,13 @@ void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaC
     } catch (const std::exception& e) {
       // The other local replicas may be waiting on a call this one never
       // completes: fail those calls now (their wait() throws AbortedError).
-      const std::string reason = "rank " + std::to_string(m.rank()) + ": local replica " +
-                                 std::to_string(l) + " failed: " + e.what();
+      const std::string reason = "rank " + std::to_string(m.cross ? m.rank() : -1) +
+                                 ": local replica " + std::to_string(l) + " failed: " + e.what();
       {
         std::lock_guard<std::mutex> lock(m.error_mu);
         if (m.last_error.empty()) m.last_error = reason;
       }
-      m.engine->abort_if_pending(reason);
+      if (m.engine) m.engine->abort_if_pending(reason);
       throw;
     }
   });

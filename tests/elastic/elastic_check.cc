@@ -25,7 +25,7 @@ namespace ds = diststrat;
 namespace {
 
 constexpr int kFeatures = 8;
-constexpr float kLr = 0.05f;
+constexpr float kLr = 0.05f, kMomentum = 0.9f;
 
 float target(const float* x) {
   float y = 0;
@@ -47,7 +47,7 @@ ds::Dataset make_data(int rows) {
 
 std::vector<float> reference(int rows, int batch, int epochs) {
   const ds::Dataset d = make_data(rows);
-  std::vector<float> w(kFeatures, 0.0f);
+  std::vector<float> w(kFeatures, 0.0f), v(kFeatures, 0.0f);  // v: SGD's momentum slot
   for (int e = 0; e < epochs; ++e) {
     for (int b = 0; b * batch < rows; ++b) {
       const int end = std::min(rows, (b + 1) * batch);
@@ -58,7 +58,10 @@ std::vector<float> reference(int rows, int batch, int epochs) {
         for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
         for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / (end - b * batch);
       }
-      for (int f = 0; f < kFeatures; ++f) w[f] -= kLr * static_cast<float>(g[f]);
+      for (int f = 0; f < kFeatures; ++f) {
+        v[f] = kMomentum * v[f] - kLr * static_cast<float>(g[f]);
+        w[f] += v[f];
+      }
     }
   }
   return w;
@@ -108,11 +111,13 @@ int main(int argc, char** argv) {
         s.create_variable("w", ds::Shape{kFeatures}, ds::DType::kFloat32, ds::init::Zeros{});
     ds::Variable uses =
         s.create_variable("row_uses", ds::Shape{rows}, ds::DType::kFloat32, ds::init::Zeros{});
-    ds::SGD opt(s, {kLr, 0.0f});
+    // The weights with momentum (a slot to commit, restore and send); the
+    // counter without (each use adds exactly lr).
+    ds::SGD opt(s, {kLr, kMomentum}), count_opt(s, {kLr, 0.0f});
     ds::DistributeOptions dopts;
     dopts.shuffle = false;
     ds::DistributedDataset dist = s.distribute(make_data(rows), batch, dopts);
-    ds::ElasticState state(s, {&opt});
+    ds::ElasticState state(s, {&opt, &count_opt});
     state.on_membership_change([&](const ds::MembershipChange& c) {
       std::printf("%s: group %lld rank %d of %d (step %lld)\n", id.c_str(),
                   static_cast<long long>(c.group), c.rank, c.num_workers,
@@ -143,7 +148,8 @@ int main(int argc, char** argv) {
               }
               gu.data<float>()[static_cast<int>(ids.data<float>()[i])] -= 1.0f;
             }
-            opt.apply_gradients(ctx, {{gw, w}, {gu, uses}});
+            opt.apply_gradients(ctx, {{gw, w}});
+            count_opt.apply_gradients(ctx, {{gu, uses}});
           });
           std::printf("%s: step %lld at %lld ms\n", id.c_str(),
                       static_cast<long long>(pos.step + 1), now_ms());

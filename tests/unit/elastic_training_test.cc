@@ -25,7 +25,7 @@ namespace ds = diststrat;
 namespace {
 
 constexpr int kRows = 96, kFeatures = 4, kBatch = 16, kEpochs = 2;
-constexpr float kLr = 0.05f;
+constexpr float kLr = 0.05f, kMomentum = 0.9f;
 
 float target(const float* x) { return 0.5f * x[0] - 1.0f * x[1] + 2.0f * x[2] + 0.25f * x[3]; }
 
@@ -44,7 +44,7 @@ ds::Dataset make_data() {
 // The same training, sequentially, over the same global batches.
 std::vector<float> reference_weights() {
   const ds::Dataset d = make_data();
-  std::vector<float> w(kFeatures, 0.0f);
+  std::vector<float> w(kFeatures, 0.0f), v(kFeatures, 0.0f);  // v: SGD's momentum slot
   for (int e = 0; e < kEpochs; ++e) {
     for (int b = 0; b < kRows / kBatch; ++b) {
       std::vector<double> g(kFeatures, 0.0);
@@ -54,7 +54,10 @@ std::vector<float> reference_weights() {
         for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
         for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / kBatch;
       }
-      for (int f = 0; f < kFeatures; ++f) w[f] -= kLr * static_cast<float>(g[f]);
+      for (int f = 0; f < kFeatures; ++f) {
+        v[f] = kMomentum * v[f] - kLr * static_cast<float>(g[f]);
+        w[f] += v[f];
+      }
     }
   }
   return w;
@@ -94,11 +97,13 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
       s.create_variable("w", ds::Shape{kFeatures}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::Variable counts =
       s.create_variable("row_uses", ds::Shape{kRows}, ds::DType::kFloat32, ds::init::Zeros{});
-  ds::SGD opt(s, {kLr, 0.0f});
+  // The weights with momentum (a slot to commit, restore and send); the
+  // counter without (each use adds exactly lr).
+  ds::SGD opt(s, {kLr, kMomentum}), count_opt(s, {kLr, 0.0f});
   ds::DistributeOptions dopts;
   dopts.shuffle = false;
   ds::DistributedDataset dist = s.distribute(make_data(), kBatch, dopts);
-  ds::ElasticState state(s, {&opt});
+  ds::ElasticState state(s, {&opt, &count_opt});
   state.on_membership_change([&](const ds::MembershipChange&) {
     if (plan.changes_seen) ++*plan.changes_seen;
   });
@@ -130,7 +135,8 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
             gc.data<float>()[static_cast<int>(ids.data<float>()[i])] -= 1.0f;  // +lr per use
           }
           if (pos.step == plan.die_at_step) throw Death{};
-          opt.apply_gradients(ctx, {{gw, w}, {gc, counts}});
+          opt.apply_gradients(ctx, {{gw, w}});
+          count_opt.apply_gradients(ctx, {{gc, counts}});
         });
       }
     }
