@@ -2,6 +2,10 @@
 # Elastic training across processes, by ctest (label cluster):
 #   elastic_cell.sh CLUSTER_SH CHECK KIND
 # CHECK is diststrat_elastic_check (one worker; see elastic_check.cc). KIND:
+#   example    CHECK is examples/fashion_mnist: 3 workers of it with --elastic
+#              on this host; one is killed with SIGKILL mid-epoch: the two
+#              others finish, and the chief prints the final line with 2
+#              replicas and the group change.
 #   local      3 workers on this host (127.0.0.1, a directory store); worker c
 #              is killed with SIGKILL mid-epoch; once the survivors re-formed
 #              a new worker d starts and is admitted.
@@ -136,6 +140,29 @@ no_leftovers() {
 }
 
 case $kind in
+  example)
+    for w in a b c; do
+      "$check" --strategy multi_worker --elastic --rendezvous "file://$dir/job" --min-workers 2 \
+        --listen-host 127.0.0.1 --worker-id "$w" --epochs 2 --limit 12000 --test-limit 1000 \
+        --batch 64 --timeout 10 >"$dir/$w.log" 2>&1 &
+      pids+=($!)
+      eval "pid_$w=$!"
+    done
+    # Mid-epoch: once the chief's progress line shows a step past 20.
+    until grep -Eq "step ([2-9][0-9]|[0-9]{3,})/" "$dir/a.log" 2>/dev/null; do
+      kill -0 "$pid_a" 2>/dev/null || { echo "FAIL: worker a ended early:"; tail -5 "$dir/a.log"; exit 1; }
+      sleep 0.05
+    done
+    kill -9 "$pid_c"
+    fail=0
+    finish a b || fail=1
+    grep -E "^final: strategy=multi_worker replicas=2 epochs=2 test_accuracy=" "$dir/a.log" ||
+      { echo "FAIL: no final line with 2 replicas from the chief:"; tail -5 "$dir/a.log"; fail=1; }
+    grep -E "^elastic: group 2, 2 workers \(0 joined, 1 left\)" "$dir/a.log" ||
+      { echo "FAIL: the chief did not report the group change"; fail=1; }
+    ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
   local)
     start a; start b; start c
     wait_for "$dir/a.log" "^a: step 1[0-9] at" 60 || exit 1
