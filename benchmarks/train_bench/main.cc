@@ -76,6 +76,8 @@ int main(int argc, char** argv) {
   std::string zero = "off", optimizer = "sgd";
   int accumulation = 1;
   int block = 20;
+  std::string rendezvous, listen_host;
+  int min_workers = 1;
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
   app.add_option("--strategy", strategy_name,
                  "mirrored | central_storage | multi_worker | parameter_server")
@@ -125,6 +127,15 @@ int main(int argc, char** argv) {
   app.add_option("--block", block, "--zero compare: steps per timed block")->capture_default_str();
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
+  app.add_option("--rendezvous", rendezvous,
+                 "multi_worker: an elastic group (diststrat/elastic.h) formed through this store "
+                 "(redis://host:port/job or file:///dir/job) instead of mpirun; the timed loop "
+                 "runs in ElasticState::run, committing at every step");
+  app.add_option("--listen-host", listen_host, "--rendezvous: the address peers reach us at");
+  app.add_option("--min-workers", min_workers,
+                 "--rendezvous: the group forms once this many workers arrived")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
   std::string timeout;
   diststrat_examples::add_timeout_flag(app, timeout);
   CLI11_PARSE(app, argc, argv);
@@ -173,6 +184,12 @@ int main(int argc, char** argv) {
                                                               : ds::Compression::kNone;
         o.communication.timeout = comm.timeout;
         o.shard_optimizer_state = shard;
+        if (!rendezvous.empty()) {
+          o.elastic.rendezvous = rendezvous;
+          o.elastic.listen_host = listen_host;
+          o.elastic.min_workers = min_workers;
+          o.elastic.max_workers = min_workers;  // all start together: no settle wait
+        }
         return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
       }
       throw ds::InvalidArgumentError("--zero needs --strategy mirrored or multi_worker");
@@ -314,50 +331,62 @@ int main(int argc, char** argv) {
     double loss = 0;
     int64_t done = 0, epoch = 0;
     auto t0 = std::chrono::steady_clock::now();
-    while (done < warmup + steps) {
-      dist.set_epoch(epoch++);
-      for (const ds::DistributedBatch& batch : dist) {
-        if (done == warmup) {
-          strategy->barrier("timing start");
-          meter.mean_since_last();  // the warmup's
-          t0 = std::chrono::steady_clock::now();
-        }
-        if (done++ == warmup + steps) break;
-        const float scale = 1.0f / static_cast<float>(batch.global_size() * accumulation);
-        const int64_t calls_before = multi_worker ? multi_worker->stats().calls : 0;
-        ds::PerReplica<ds::Tensor> step_loss = strategy->run([&](ds::ReplicaContext& ctx) {
-          std::vector<ds::Tensor> values;
-          for (const ds::Variable& v : params) values.push_back(v.read(ctx));
-          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
-          sum_and_rows.data<double>()[1] = static_cast<double>(batch.labels(ctx).shape()[0]);
-          if (!overlap) {
-            auto s = mlp.forward_backward(values, batch.features(ctx), batch.labels(ctx), scale);
-            std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-            for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(s.grads[i], params[i]);
-            opt.apply_gradients(ctx, gv);
+    // The timed loop (a benchmark expects no membership change: after one it
+    // would start over with its own counters).
+    auto timed_loop = [&] {
+      while (done < warmup + steps) {
+        dist.set_epoch(epoch++);
+        for (const ds::DistributedBatch& batch : dist) {
+          if (done == warmup) {
+            strategy->barrier("timing start");
+            meter.mean_since_last();  // the warmup's
+            t0 = std::chrono::steady_clock::now();
+          }
+          if (done++ == warmup + steps) break;
+          const float scale = 1.0f / static_cast<float>(batch.global_size() * accumulation);
+          const int64_t calls_before = multi_worker ? multi_worker->stats().calls : 0;
+          ds::PerReplica<ds::Tensor> step_loss = strategy->run([&](ds::ReplicaContext& ctx) {
+            std::vector<ds::Tensor> values;
+            for (const ds::Variable& v : params) values.push_back(v.read(ctx));
+            ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
+            sum_and_rows.data<double>()[1] = static_cast<double>(batch.labels(ctx).shape()[0]);
+            if (!overlap) {
+              auto s = mlp.forward_backward(values, batch.features(ctx), batch.labels(ctx), scale);
+              std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+              for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(s.grads[i], params[i]);
+              opt.apply_gradients(ctx, gv);
+              sum_and_rows.data<double>()[0] = s.loss_sum;
+              return sum_and_rows;
+            }
+            std::vector<ds::Work> works;
+            auto s = mlp.forward_backward(
+                values, batch.features(ctx), batch.labels(ctx), scale,
+                [&](size_t layer, const ds::Tensor& dw, const ds::Tensor& db) {
+                  works.push_back(ctx.all_reduce_async(ds::ReduceOp::kSum, {dw, db},
+                                                       {params[2 * layer].name() + "/grad",
+                                                        params[2 * layer + 1].name() + "/grad"}));
+                });
+            for (ds::Work& w : works) w.wait();
+            for (size_t i = 0; i < params.size(); ++i) {
+              float* w = values[i].data<float>();
+              const float* g = s.grads[i].data<float>();
+              for (int64_t k = 0; k < values[i].num_elements(); ++k) w[k] -= lr * g[k];
+            }
             sum_and_rows.data<double>()[0] = s.loss_sum;
             return sum_and_rows;
-          }
-          std::vector<ds::Work> works;
-          auto s = mlp.forward_backward(
-              values, batch.features(ctx), batch.labels(ctx), scale,
-              [&](size_t layer, const ds::Tensor& dw, const ds::Tensor& db) {
-                works.push_back(ctx.all_reduce_async(
-                    ds::ReduceOp::kSum, {dw, db},
-                    {params[2 * layer].name() + "/grad", params[2 * layer + 1].name() + "/grad"}));
-              });
-          for (ds::Work& w : works) w.wait();
-          for (size_t i = 0; i < params.size(); ++i) {
-            float* w = values[i].data<float>();
-            const float* g = s.grads[i].data<float>();
-            for (int64_t k = 0; k < values[i].num_elements(); ++k) w[k] -= lr * g[k];
-          }
-          sum_and_rows.data<double>()[0] = s.loss_sum;
-          return sum_and_rows;
-        });
-        if (multi_worker && done > warmup) grad_calls += multi_worker->stats().calls - calls_before;
-        meter.add(strategy->reduce(ds::ReduceOp::kSum, step_loss));
+          });
+          if (multi_worker && done > warmup)
+            grad_calls += multi_worker->stats().calls - calls_before;
+          meter.add(strategy->reduce(ds::ReduceOp::kSum, step_loss));
+        }
       }
+    };
+    if (!rendezvous.empty()) {
+      DISTSTRAT_CHECK(multi_worker, kInvalidArgument, "--rendezvous needs --strategy multi_worker");
+      ds::ElasticState state(*multi_worker, {&opt});
+      state.run([&](ds::ElasticState&) { timed_loop(); });
+    } else {
+      timed_loop();
     }
     strategy->barrier("timing end");
     loss = meter.mean_since_last();
