@@ -79,8 +79,8 @@
 //    every peer.
 //  - One thread uses a transport at a time (abort() excepted); transports of
 //    different ranks may live on different threads of one process. Each
-//    transport runs two threads of its own: Gloo's device loop and the
-//    watcher.
+//    transport runs two threads of its own, Gloo's device loop and the
+//    watcher, and briefly up to 16 more to reset its connections.
 #pragma once
 
 #include <memory>
