@@ -31,7 +31,7 @@ macro(diststrat_resolve_backends)
   endif()
   _diststrat_decide(MPI _found)
 
-  # Gloo (baseline in the benchmarks)
+  # Gloo (the Gloo transport in src/allreduce; baseline in the benchmarks)
   set(_found FALSE)
   if(NOT DISTSTRAT_WITH_GLOO STREQUAL "OFF")
     find_package(Gloo CONFIG QUIET)

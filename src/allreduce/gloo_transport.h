@@ -1,35 +1,86 @@
-// A Transport over Gloo's TCP transport (libgloo): the transport of elastic
-// groups (diststrat/elastic.h), one per group, made when the group forms and
-// thrown away when it breaks. Built only with DISTSTRAT_HAVE_GLOO; no Gloo
-// header is included here.
+// Gloo transport: the Transport of transport.h over Gloo's TCP transport
+// (gloo::transport::tcp), for elastic training. One transport serves one
+// membership generation's group: built when the membership settles, thrown
+// away on any error, rebuilt (under a new group name) for the next one.
+// Gloo stays behind gloo_transport.cc; this header includes none of it.
 //
-// Rules (beyond transport.h's):
-//  - make_gloo_transport is collective over the group: every rank binds a
-//    TCP socket, publishes its addresses through an AddressExchange under
-//    options.group, and connects to every other rank (full mesh), within the
-//    deadline (DeadlineExceededError naming this rank and the key it waited
-//    for, or UnavailableError for a connection refused or reset).
-//  - A peer that goes away (its process killed: the kernel closes its
-//    sockets) fails the waits on it at once with UnavailableError naming
-//    this rank and the peer; a wait that reaches its deadline fails with
-//    DeadlineExceededError and, as Gloo does, closes every connection of
-//    this rank, so its peers learn at once too. Every rank that leaves a
-//    broken group closes its connections (abort or destruction), so a failure
-//    reaches every member within a few hops, not at each one's deadline.
-//  - After any failed wait, abort, or a request dropped before completing,
-//    the transport is broken: every later wait throws AbortedError. Build the
-//    next group's transport instead.
-//  - A dropped incomplete request: Gloo holds only a non-owning pointer to
-//    the request's buffer, so the buffer is never touched once the request
-//    is gone.
-//  - Not supported: probe_any and Request::test (UnimplementedError): the
-//    parameter server does not run over this transport.
-//  - A recv whose byte count differs from the matching send makes Gloo's
-//    network thread fail an internal check (the process ends): the
-//    communicators' call comparison (transport_communicator.h) runs before
-//    every collective so that ranks never post mismatched transfers.
-//  - One thread at a time per transport; transports of different ranks may
-//    live in one process (tests run ranks as threads).
+// Set-up (make_gloo_transport) works as follows:
+//  1. Each rank opens a Gloo TCP device on listen_host (or on the address of
+//     `interface`) and one listening socket per peer (Gloo's pairs).
+//  2. It publishes those addresses under "<group>/gloo/<rank>" through the
+//     AddressExchange, then waits for every peer's.
+//  3. It connects the full mesh, rank by rank (of each pair the side with
+//     the larger address connects, the other accepts), and posts two
+//     zero-byte control receives per peer: one completes when the peer says
+//     goodbye, the other fails when its connection does.
+// A watcher thread per transport then enforces wait deadlines and checks
+// every 10 ms whether a peer's connection failed.
+//
+// Each send/recv is one Gloo unbound buffer on the pair to the peer, in the
+// slot (tag << 32 | byte count), byte counts of 2 GiB and more folded into
+// 31 bits: a recv meets only a send of the same tag and the same size.
+//
+// Rules (on top of transport.h's):
+//  - make_gloo_transport is collective: every rank of the group calls it with
+//    the same group and size. Bad options are an InvalidArgumentError (rank
+//    out of range, size < 1, empty group, both listen_host and interface, a
+//    host name that does not resolve, an interface that does not exist or
+//    has no address, ranks that disagree on the group size). At `deadline` it
+//    throws DeadlineExceededError naming this rank and the ranks that never
+//    published their addresses, or that never connected; a peer that
+//    published and then refused the connection is an UnavailableError.
+//  - send/recv only enqueue. wait(deadline) blocks until the transfer is done
+//    and never past the deadline: DeadlineExceededError naming this rank, the
+//    peer, the byte count and the tag. The request stays posted: wait again,
+//    or drop it (see below).
+//  - Byte counts: Gloo itself checks them on its device thread, where an
+//    exception ends the process (std::terminate) when a send is longer than
+//    the recv it meets, and a send shorter than its recv completes it with
+//    the rest of the buffer left as it was. Here the count is part of the
+//    slot, so a send and a recv of different sizes never meet: both wait
+//    until their deadlines, whose error says so. (Counts of 2 GiB and more
+//    share the slot's 31 bits, so two of those can still meet.) TransportCommunicator
+//    compares every call across ranks first, so its collectives never get
+//    there.
+//  - A peer that goes away: when its transport is destroyed with nothing
+//    pending it says goodbye first. Then every pending and later wait on a
+//    transfer with it that had not completed fails at once (UnavailableError
+//    "rank P (host:port) left the group"); transfers with other peers go on,
+//    so ranks that finish a collective and leave early do not fail the ones
+//    still finishing it. A peer whose connection fails without a goodbye
+//    (its process died, it aborted, its transport broke) breaks this whole
+//    transport: every pending and later wait, whatever its peer, throws
+//    UnavailableError naming the failed rank and its address, within about
+//    10 ms; and this transport closes its own connections so that the other
+//    ranks learn it too.
+//  - abort(reason): every pending and later wait throws AbortedError(reason)
+//    at once; the connections are closed (reset), so the peers' waits fail
+//    with UnavailableError within milliseconds. May be called from any
+//    thread, also while another thread waits.
+//  - Dropping the last copy of a Request that has not completed: Gloo cannot
+//    cancel a posted transfer, and a message that arrives for a destroyed
+//    buffer wedges its connection (Gloo's device thread spins on it and no
+//    later message on that pair gets through). So the buffer is unregistered
+//    from Gloo before the drop returns (Gloo never touches it again), and the
+//    transport is finished: every later wait throws AbortedError "a request
+//    was dropped before completion", and the connections are closed (the
+//    peers see UnavailableError). Algorithms drop requests only while they
+//    unwind from an error, when the group is lost anyway.
+//  - test() waits up to about 2 ms when the transfer is still pending: Gloo's
+//    API has no check that neither blocks nor consumes the completion.
+//  - probe_any throws UnimplementedError: Gloo's pairs cannot show a message
+//    that no recv has claimed. The parameter server, which needs it, runs
+//    over the MPI or the in-process transport; elastic all-reduce does not
+//    need it.
+//  - Destruction never throws, and is bounded: about 10 ms (a tick of Gloo's
+//    device loop) to close the sockets, 16 at a time, plus up to 1 s for a
+//    goodbye a peer does not take. With requests pending it aborts first
+//    (their later waits throw AbortedError), otherwise it says goodbye to
+//    every peer.
+//  - One thread uses a transport at a time (abort() excepted); transports of
+//    different ranks may live on different threads of one process. Each
+//    transport runs two threads of its own, Gloo's device loop and the
+//    watcher, and briefly up to 16 more to reset its connections.
 #pragma once
 
 #include <memory>
@@ -40,30 +91,42 @@
 namespace diststrat {
 
 // Where the ranks of one group publish and find each other's connection
-// addresses. Values are text (hex).
+// addresses (one key per rank). Implemented over the elastic membership
+// store elsewhere; an in-memory one for threads of one process is below.
 class AddressExchange {
  public:
   virtual ~AddressExchange() = default;
+  // Makes `value` the value of `key`, visible to every rank of the group.
   virtual void publish(const std::string& key, const std::string& value,
                        Clock::time_point deadline) = 0;
-  // Blocks until `key` is published, or throws DeadlineExceededError naming it.
+  // Blocks until `key` is published or `deadline`: DeadlineExceededError
+  // naming the key. A key already published is returned even when the
+  // deadline has passed (set-up asks again for every key it lacks, to name
+  // them all).
   virtual std::string wait_for(const std::string& key, Clock::time_point deadline) = 0;
 };
 
-// An exchange for ranks that are threads of one process (tests).
+// Keys and values in memory, for transports on threads of one process
+// (tests). Thread-safe. Publishing a key again with another value is an
+// InvalidArgumentError (two ranks claiming one rank number).
 std::shared_ptr<AddressExchange> make_in_memory_address_exchange();
 
 struct GlooTransportOptions {
-  // Key prefix unique to this group (e.g. "g7"). Required.
+  // Key prefix unique to this group, e.g. "job/g7" (the generation): keys
+  // are "<group>/gloo/<rank>". Required.
   std::string group;
-  // Host name or address to bind and advertise; empty: this host's name.
+  // Host name or IP address to bind and advertise. Empty: this host's name
+  // (gethostname), which must resolve to an address of this host.
   std::string listen_host;
-  // Or a network interface to bind (e.g. "eth0"); at most one of the two.
+  // Or the name of a network interface (e.g. "veth1") whose first address to
+  // bind and advertise. At most one of listen_host and interface.
   std::string interface;
 };
 
-// Rank `rank` of `size` (see the rules above). InvalidArgumentError for bad
-// options or ranks.
+// Rank `rank` of `size`: binds the listening sockets, publishes their
+// addresses under options.group, connects to every other rank (full mesh).
+// Blocks; collective over the group; bounded by `deadline` (see Rules above
+// for its errors). size == 1 needs no exchange and opens no socket.
 std::unique_ptr<Transport> make_gloo_transport(int rank, int size, AddressExchange& exchange,
                                                const GlooTransportOptions& options,
                                                Clock::time_point deadline);
