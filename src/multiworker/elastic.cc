@@ -59,7 +59,14 @@ class StoreAddressExchange : public AddressExchange {
 #endif
 
 std::string default_worker_id() {
-  if (std::optional<std::string> id = env::text("DISTSTRAT_WORKER_ID")) return *id;
+  if (std::optional<std::string> id = env::text("DISTSTRAT_WORKER_ID")) {
+    try {
+      check_member_id(*id);
+    } catch (const Error& e) {
+      throw InvalidArgumentError("DISTSTRAT_WORKER_ID: " + e.message());
+    }
+    return *id;
+  }
   char host[256] = {};
   if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') std::strcpy(host, "host");
   std::string id = std::string(host) + "-" + std::to_string(::getpid());
@@ -126,8 +133,7 @@ void MultiWorkerMirroredStrategy::Impl::join_group(SteadyClock::time_point deadl
       e.rendezvous->set_id(
           base.substr(0, base.rfind(".r") == std::string::npos ? base.size() : base.rfind(".r")) +
           ".r" + std::to_string(++e.rejoins));
-      self->logger().warning("elastic: ", dead.message(), "; joining again as '",
-                             e.rendezvous->id(), "'");
+      self->logger().warning(dead.message(), "; joining again as '", e.rendezvous->id(), "'");
       e.in_group = false;
       continue;
     }

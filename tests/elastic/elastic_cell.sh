@@ -9,6 +9,11 @@
 #   local      3 workers on this host (127.0.0.1, a directory store); worker c
 #              is killed with SIGKILL mid-epoch; once the survivors re-formed
 #              a new worker d starts and is admitted.
+#   stopped    3 workers on this host; c is stopped (SIGSTOP) until a and b
+#              have re-formed without it (it is declared dead), then
+#              continued: it must not come back as c (the group would count
+#              it twice) but join again as a new worker, c.r1, and take the
+#              group's state; all three finish with exact results.
 # On the namespace cluster (scripts/cluster.sh, prefix dsct, 198.18.1.0/24),
 # 2 hosts x 2 workers (h0a h0b on host 0, h1a h1b on host 1), a redis-server
 # in the launcher namespace as the store, min_workers 2:
@@ -160,6 +165,21 @@ case $kind in
       { echo "FAIL: no final line with 2 replicas from the chief:"; tail -5 "$dir/a.log"; fail=1; }
     grep -E "^elastic: group 2, 2 workers \(0 joined, 1 left\)" "$dir/a.log" ||
       { echo "FAIL: the chief did not report the group change"; fail=1; }
+    ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
+  stopped)
+    start a; start b; start c
+    wait_for "$dir/a.log" "^a: step 1[0-9] at" 60 || exit 1
+    kill -STOP "$pid_c"
+    wait_for "$dir/a.log" "^a: group [0-9]+ rank [0-9] of 2" 30 || exit 1
+    kill -CONT "$pid_c"
+    fail=0
+    wait_for "$dir/c.log" "joining again as 'c.r1'" 30 || fail=1
+    wait_for "$dir/a.log" "^a: group [0-9]+ rank [0-9] of 3" 60 || fail=1
+    finish a b c || fail=1
+    for w in a b c; do check_final "$w" 3 || fail=1; done
+    grep -h "elastic:" "$dir/c.log" | head -3
     ((fail == 0)) && echo "PASS: elastic $kind"
     exit $fail
     ;;
