@@ -153,17 +153,28 @@ case $kind in
       pids+=($!)
       eval "pid_$w=$!"
     done
-    # Mid-epoch: once the chief's progress line shows a step past 20.
-    until grep -Eq "step ([2-9][0-9]|[0-9]{3,})/" "$dir/a.log" 2>/dev/null; do
-      kill -0 "$pid_a" 2>/dev/null || { echo "FAIL: worker a ended early:"; tail -5 "$dir/a.log"; exit 1; }
+    # Mid-epoch: once the chief's progress line shows a step past 20 (the
+    # chief is whichever worker arrived first).
+    chief=""
+    until [[ -n $chief ]]; do
+      for w in a b c; do
+        grep -Eq "step ([2-9][0-9]|[0-9]{3,})/" "$dir/$w.log" 2>/dev/null && chief=$w
+      done
+      for w in a b c; do
+        p=pid_$w
+        kill -0 "${!p}" 2>/dev/null || { echo "FAIL: worker $w ended early:"; tail -5 "$dir/$w.log"; exit 1; }
+      done
       sleep 0.05
     done
-    kill -9 "$pid_c"
+    others=($(printf '%s\n' a b c | grep -v "^$chief$"))
+    victim=${others[1]}
+    p=pid_$victim
+    kill -9 "${!p}"
     fail=0
-    finish a b || fail=1
-    grep -E "^final: strategy=multi_worker replicas=2 epochs=2 test_accuracy=" "$dir/a.log" ||
-      { echo "FAIL: no final line with 2 replicas from the chief:"; tail -5 "$dir/a.log"; fail=1; }
-    grep -E "^elastic: group 2, 2 workers \(0 joined, 1 left\)" "$dir/a.log" ||
+    finish "$chief" "${others[0]}" || fail=1
+    grep -E "^final: strategy=multi_worker replicas=2 epochs=2 test_accuracy=" "$dir/$chief.log" ||
+      { echo "FAIL: no final line with 2 replicas from the chief $chief:"; tail -5 "$dir/$chief.log"; fail=1; }
+    grep -E "^elastic: group 2, 2 workers \(0 joined, 1 left\)" "$dir/$chief.log" ||
       { echo "FAIL: the chief did not report the group change"; fail=1; }
     ((fail == 0)) && echo "PASS: elastic $kind"
     exit $fail
