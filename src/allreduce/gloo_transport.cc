@@ -86,7 +86,11 @@ constexpr uint64_t kGlooControlSlot = uint64_t{1} << 31;
 // How often the watcher polls the peers' control receives.
 constexpr auto kGlooScanInterval = std::chrono::milliseconds(10);
 // How long test() and the completion check of a failing wait give Gloo.
+// Once the peer's connection is gone the transfer's state is final (done,
+// or failed with it) and Gloo answers at once: the longer grace there only
+// keeps a descheduled thread from missing a completion.
 constexpr auto kGlooProbeGrace = std::chrono::milliseconds(2);
+constexpr auto kGlooFinalProbeGrace = std::chrono::milliseconds(100);
 // How long destruction waits for a peer to take its goodbye.
 constexpr auto kGlooGoodbyeGrace = std::chrono::seconds(1);
 // Added to the Gloo-side timeout of every wait: Gloo's own timeout (which
@@ -634,13 +638,16 @@ class GlooRequest : public Request::State {
     return ok ? Outcome::kComplete : Outcome::kInterrupted;
   }
 
-  // Whether the transfer completes within kGlooProbeGrace.
+  // Whether the transfer completes within the grace.
   bool probe() {
+    bool final_state = false;
     {
       std::lock_guard<std::mutex> lock(core_->mu);
       if (core_->destroyed) return false;
+      final_state = core_->peers[peer_].state != GlooPeerState::kAlive;
     }
-    return gloo_wait(true, Clock::now() + kGlooProbeGrace) == Outcome::kComplete;
+    const auto grace = final_state ? kGlooFinalProbeGrace : kGlooProbeGrace;
+    return gloo_wait(true, Clock::now() + grace) == Outcome::kComplete;
   }
 
   void complete() {
@@ -684,6 +691,14 @@ class GlooRequest : public Request::State {
         code = ErrorCode::kUnavailable;
         message = head + " failed: " + who +
                   " left the group (its transport was destroyed) before it completed";
+        // The group's work needed a rank that is gone: it cannot finish.
+        // Break, so that the ranks waiting on this one learn it too.
+        if (core_->stop == GlooStop::kNone) {
+          core_->stop = GlooStop::kBroken;
+          core_->stop_reason = core_->dead_peers_locked();
+          core_->close_requested = true;
+          core_->changed_locked();
+        }
       } else if (peer.state == GlooPeerState::kFailed || core_->stop == GlooStop::kBroken) {
         // Every connection found gone, the first (the cause, most often) first.
         code = ErrorCode::kUnavailable;

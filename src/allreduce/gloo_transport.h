@@ -43,16 +43,18 @@
 //    compares every call across ranks first, so its collectives never get
 //    there.
 //  - A peer that goes away: when its transport is destroyed with nothing
-//    pending it says goodbye first. Then every pending and later wait on a
-//    transfer with it that had not completed fails at once (UnavailableError
-//    "rank P (host:port) left the group"); transfers with other peers go on,
-//    so ranks that finish a collective and leave early do not fail the ones
-//    still finishing it. A peer whose connection fails without a goodbye
-//    (its process died, it aborted, its transport broke) breaks this whole
-//    transport: every pending and later wait, whatever its peer, throws
-//    UnavailableError naming the failed rank and its address, within about
-//    10 ms; and this transport closes its own connections so that the other
-//    ranks learn it too.
+//    pending it says goodbye first. A transfer with it that completed stays
+//    complete, also when waited afterwards, and transfers among the others
+//    go on: ranks that finish a collective and leave early do not fail the
+//    ones still finishing it. A transfer that still needed it fails at once
+//    (UnavailableError "rank P (host:port) left the group"), and since the
+//    group's work cannot finish without that rank, this breaks the transport
+//    as a failure does. A peer whose connection fails without a goodbye (its
+//    process died, it aborted, its transport broke) breaks it at once.
+//    Broken: every pending and later wait, whatever its peer, throws
+//    UnavailableError naming the ranks whose connections are gone and their
+//    addresses (within about 10 ms), and this transport resets its own
+//    connections so that the rest of the group learns it too.
 //  - abort(reason): every pending and later wait throws AbortedError(reason)
 //    at once; the connections are closed (reset), so the peers' waits fail
 //    with UnavailableError within milliseconds. May be called from any
