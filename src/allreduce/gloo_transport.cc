@@ -64,6 +64,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -125,6 +126,28 @@ void gloo_destroy(std::unique_ptr<GlooBuffer>& buf, bool is_recv) {
     buf->abortWaitSend();
   }
   buf.reset();
+}
+
+// Gloo's error text for a message: without the peer addresses Gloo prints
+// in it (" [127.0.0.1]:4567", the port in network byte order); the message
+// names the rank and its address itself.
+std::string gloo_text(const std::string& what) {
+  std::string out;
+  const size_t n = what.size();
+  for (size_t i = 0; i < n;) {
+    if (what[i] == ' ' && i + 1 < n && what[i + 1] == '[') {
+      const size_t close = what.find(']', i + 2);
+      if (close != std::string::npos && close + 2 < n && what[close + 1] == ':' &&
+          std::isdigit(static_cast<unsigned char>(what[close + 2]))) {
+        size_t j = close + 2;
+        while (j < n && std::isdigit(static_cast<unsigned char>(what[j]))) ++j;
+        i = j;
+        continue;
+      }
+    }
+    out += what[i++];
+  }
+  return echo(out.empty() ? "unknown Gloo error" : out);
 }
 
 // "127.0.0.1:4567" / "[::1]:4567" from a Gloo TCP address's bytes.
@@ -255,7 +278,7 @@ struct GlooCore {
 
   void mark_dead_locked(int p, PeerState state, const std::string& what) {
     peers[p].state = state;
-    peers[p].detail = echo(what);
+    peers[p].detail = gloo_text(what);
     peers[p].order = ++dead_peers;
   }
 
@@ -659,7 +682,7 @@ class GlooRequest : public Request::State {
   // go (and the request no longer counts as pending).
   void failed(const std::string& what) {
     failed_ = true;
-    failure_ = echo(what);
+    failure_ = gloo_text(what);
     core_->transfer_failed(peer_, what);
     release();
   }
@@ -950,7 +973,8 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
       if (p != c.rank) mine[p] = c.ctx->createPair(p)->address().bytes();
     }
   } catch (const std::exception& e) {
-    throw InvalidArgumentError(who + ": Gloo could not listen on " + where + ": " + echo(e.what()));
+    throw InvalidArgumentError(who + ": Gloo could not listen on " + where + ": " +
+                               gloo_text(e.what()));
   }
   std::string value = "gloo-tcp/1 " + std::to_string(c.size);
   for (int p = 0; p < c.size; ++p)
@@ -1015,7 +1039,8 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
     if (w.interrupted) {
       not_connected.push_back(p);
     } else if (!what.empty()) {
-      throw UnavailableError(who + ": connecting to " + c.peer_text(p) + " failed: " + echo(what));
+      throw UnavailableError(who + ": connecting to " + c.peer_text(p) +
+                             " failed: " + gloo_text(what));
     }
   }
   DISTSTRAT_CHECK(not_connected.empty(), kDeadlineExceeded, who, ": ", ranks_phrase(not_connected),
@@ -1030,7 +1055,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
       peer.failure->recv(p, kGlooControlSlot, 0, 0);
     } catch (const std::exception& e) {
       throw UnavailableError(who + ": the connection to " + c.peer_text(p) +
-                             " failed during set-up: " + echo(e.what()));
+                             " failed during set-up: " + gloo_text(e.what()));
     }
   }
 }
