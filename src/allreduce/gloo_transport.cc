@@ -40,6 +40,11 @@
 //    becomes a diststrat::Error. On Gloo's device thread an exception
 //    terminates the process: the byte count in the slot keeps the one
 //    reachable case (a send longer than its recv) from happening.
+//  - Gloo writes with writev(2), which raises SIGPIPE on a connection its
+//    peer reset (by default the end of the process); Gloo leaves that to the
+//    program (its own tests ignore SIGPIPE process-wide). Writes happen on
+//    Gloo's device thread and on the thread that posts a transfer: see
+//    GlooSigpipeBlock.
 //  - tcp::CreateDevice with a host name that getaddrinfo cannot resolve
 //    walks an uninitialised result list (it compares the return code to -1,
 //    but failures are other negative EAI_ codes): the name is resolved here
@@ -58,6 +63,8 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <ifaddrs.h>
 #include <limits.h>
+#include <pthread.h>
+#include <signal.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -65,6 +72,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -92,6 +100,13 @@ constexpr auto kGlooScanInterval = std::chrono::milliseconds(10);
 // keeps a descheduled thread from missing a completion.
 constexpr auto kGlooProbeGrace = std::chrono::milliseconds(2);
 constexpr auto kGlooFinalProbeGrace = std::chrono::milliseconds(100);
+// How long after the group broke a wait's error waits, so that it names
+// every connection gone by then, and the transport waits before resetting
+// its own connections (a connection it resets tells it nothing more): a
+// rank that leaves closes its connections up to a tick of Gloo's device
+// loop (10 ms) apart, and a rank that failed because of it may reset its
+// own before the last of those arrives. Abort and a drop reset at once.
+constexpr auto kGlooSettle = std::chrono::milliseconds(50);
 // How long destruction waits for a peer to take its goodbye.
 constexpr auto kGlooGoodbyeGrace = std::chrono::seconds(1);
 // Added to the Gloo-side timeout of every wait: Gloo's own timeout (which
@@ -111,6 +126,46 @@ std::chrono::milliseconds gloo_timeout(Clock::time_point until) {
   left = std::max(left, std::chrono::milliseconds(0));
   return std::min<std::chrono::milliseconds>(left, kGlooMaxWait) + kGlooBackstop;
 }
+
+// Blocks SIGPIPE in this thread while it lives, without touching the
+// process's signal dispositions: a write to a reset connection then fails
+// with EPIPE, which Gloo handles. A SIGPIPE raised meanwhile (pending on
+// this thread) is consumed before the mask is restored. Gloo's device
+// thread inherits the mask of the thread that creates the device, so
+// creating it under this block keeps SIGPIPE blocked there for good.
+class GlooSigpipeBlock {
+ public:
+  GlooSigpipeBlock() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    sigset_t pending;
+    sigemptyset(&pending);
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+  }
+  ~GlooSigpipeBlock() {
+    const int saved = errno;
+    if (!was_pending_) {
+      sigset_t pending;
+      sigemptyset(&pending);
+      sigpending(&pending);
+      if (sigismember(&pending, SIGPIPE) == 1) {
+        const timespec zero{0, 0};
+        while (sigtimedwait(&pipe_, nullptr, &zero) == -1 && errno == EINTR) {
+        }
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    errno = saved;
+  }
+  GlooSigpipeBlock(const GlooSigpipeBlock&) = delete;
+  GlooSigpipeBlock& operator=(const GlooSigpipeBlock&) = delete;
+
+ private:
+  sigset_t pipe_, old_;
+  bool was_pending_ = false;
+};
 
 // Destroys a Gloo buffer. Gloo's device thread last touched it under its
 // lock (completion or error, then the condition variable's signal) and lets
@@ -248,8 +303,9 @@ struct GlooCore {
   std::condition_variable cv;  // wakes the watcher
   Stop stop = Stop::kNone;
   std::string stop_reason;
-  bool destroyed = false;  // the transport is gone (and its watcher)
-  bool ready = false;      // set-up done, control receives posted
+  Clock::time_point broken_at;  // when stop became kBroken
+  bool destroyed = false;       // the transport is gone (and its watcher)
+  bool ready = false;           // set-up done, control receives posted
   std::vector<Peer> peers;
   std::vector<GlooWaiter*> waiters;
   bool close_requested = false;  // abort / break / drop: reset every connection
@@ -302,6 +358,13 @@ struct GlooCore {
     return s;
   }
 
+  void break_locked() {
+    stop = Stop::kBroken;
+    stop_reason = dead_peers_locked();
+    broken_at = Clock::now();
+    close_requested = true;
+  }
+
   // A failure control receive that throws: the peer's connection is gone.
   static bool control_failed(GlooBuffer* buf, std::string* what) {
     try {
@@ -316,8 +379,10 @@ struct GlooCore {
 
   // Polls every live peer's control receives: a dead connection is a peer
   // that left (its goodbye arrived first) or failed (the transport breaks).
+  // Also once this transport is broken, so that its errors name every rank
+  // gone (a connection this transport reset itself signals nothing).
   void scan_locked() {
-    if (!ready || destroyed || close_requested) return;
+    if (!ready || destroyed) return;
     bool failed = false;
     for (int p = 0; p < size; ++p) {
       Peer& peer = peers[p];
@@ -334,11 +399,7 @@ struct GlooCore {
       mark_dead_locked(p, graceful ? PeerState::kLeft : PeerState::kFailed, what);
       failed = failed || !graceful;
     }
-    if (failed && stop == Stop::kNone) {
-      stop = Stop::kBroken;
-      stop_reason = dead_peers_locked();
-      close_requested = true;
-    }
+    if (failed && stop == Stop::kNone) break_locked();
   }
 
   // Ends the waits that are due; returns when the next one will be. Pairs
@@ -425,11 +486,7 @@ struct GlooCore {
     scan_locked();
     if (peers[peer].state == PeerState::kAlive && !destroyed && !close_requested) {
       mark_dead_locked(peer, PeerState::kFailed, what);
-      if (stop == Stop::kNone) {
-        stop = Stop::kBroken;
-        stop_reason = dead_peers_locked();
-        close_requested = true;
-      }
+      if (stop == Stop::kNone) break_locked();
     }
     changed_locked();
   }
@@ -476,12 +533,28 @@ struct GlooCore {
         }
       }
     };
+    // Started together (behind `go`), so that the closes meet one tick.
+    std::mutex go_mu;
+    std::condition_variable go_cv;
+    bool go = false;
+    auto start = [&](size_t first) {
+      {
+        std::unique_lock<std::mutex> lock(go_mu);
+        go_cv.wait(lock, [&] { return go; });
+      }
+      some(first);
+    };
     std::vector<std::thread> helpers;
     size_t started = 1;
     try {
-      for (; started < k; ++started) helpers.emplace_back(some, started);
+      for (; started < k; ++started) helpers.emplace_back(start, started);
     } catch (const std::exception&) {  // no thread: the rest here
     }
+    {
+      std::lock_guard<std::mutex> lock(go_mu);
+      go = true;
+    }
+    go_cv.notify_all();
     for (size_t j = started; j < k; ++j) some(j);
     if (k > 0) some(0);
     for (auto& h : helpers) h.join();
@@ -507,7 +580,9 @@ struct GlooCore {
       scan_locked();
       std::vector<int> to_close;
       Clock::time_point next = interrupt_due_locked(now, &to_close);
-      if (close_requested && !pairs_closed && ready) {
+      const bool settling = stop == Stop::kBroken && now < broken_at + kGlooSettle;
+      if (settling) next = std::min(next, broken_at + kGlooSettle);
+      if (close_requested && !pairs_closed && ready && !settling) {
         // On its own thread: the watcher stays free to end waits meanwhile.
         pairs_closed = true;
         try {
@@ -561,6 +636,7 @@ class GlooRequest : public Request::State {
   // held). A failure here is the request's, thrown by its wait.
   void post(void* data, uint64_t slot) {
     void* p = data ? data : &dummy_;
+    GlooSigpipeBlock no_sigpipe;  // posting writes to the socket
     try {
       buf_ = core_->ctx->createUnboundBuffer(p, bytes_);
       if (is_recv_) {
@@ -702,7 +778,13 @@ class GlooRequest : public Request::State {
     std::string message;
     bool peer_gone = false;
     {
-      std::lock_guard<std::mutex> lock(core_->mu);
+      std::unique_lock<std::mutex> lock(core_->mu);
+      if (core_->stop == GlooStop::kBroken && !core_->destroyed) {
+        const auto settled = core_->broken_at + kGlooSettle;
+        lock.unlock();
+        std::this_thread::sleep_until(settled);
+        lock.lock();
+      }
       core_->scan_locked();  // name every peer whose connection is gone by now
       const GlooCore::Peer& peer = core_->peers[peer_];
       const std::string who = core_->peer_text(peer_);
@@ -717,9 +799,7 @@ class GlooRequest : public Request::State {
         // The group's work needed a rank that is gone: it cannot finish.
         // Break, so that the ranks waiting on this one learn it too.
         if (core_->stop == GlooStop::kNone) {
-          core_->stop = GlooStop::kBroken;
-          core_->stop_reason = core_->dead_peers_locked();
-          core_->close_requested = true;
+          core_->break_locked();
           core_->changed_locked();
         }
       } else if (peer.state == GlooPeerState::kFailed || core_->stop == GlooStop::kBroken) {
@@ -962,6 +1042,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
                                                       : "interface '" + echo(attr.iface) + "'";
   std::vector<std::vector<char>> mine(c.size);
   try {
+    GlooSigpipeBlock no_sigpipe;  // for good on Gloo's device thread
     c.device = gloo::transport::tcp::CreateDevice(attr);
     c.ctx = c.device->createContext(c.rank, c.size);
     // Gloo's connect gives up after 5x this; the watcher ends it at the deadline.
@@ -1045,6 +1126,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
   }
   DISTSTRAT_CHECK(not_connected.empty(), kDeadlineExceeded, who, ": ", ranks_phrase(not_connected),
                   " did not connect before the deadline");
+  GlooSigpipeBlock no_sigpipe;  // posting writes to the socket
   for (int p = 0; p < c.size; ++p) {
     if (p == c.rank) continue;
     GlooCore::Peer& peer = c.peers[p];

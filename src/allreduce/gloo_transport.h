@@ -53,8 +53,10 @@
 //    process died, it aborted, its transport broke) breaks it at once.
 //    Broken: every pending and later wait, whatever its peer, throws
 //    UnavailableError naming the ranks whose connections are gone and their
-//    addresses (within about 10 ms), and this transport resets its own
-//    connections so that the rest of the group learns it too.
+//    addresses, and this transport resets its own connections so that the
+//    rest of the group learns it too. Both happen 50 ms after the break was
+//    seen (within 10 ms), so that ranks leaving or failing together are all
+//    named: connections a transport reset itself tell it nothing more.
 //  - abort(reason): every pending and later wait throws AbortedError(reason)
 //    at once; the connections are closed (reset), so the peers' waits fail
 //    with UnavailableError within milliseconds. May be called from any
@@ -79,6 +81,10 @@
 //    goodbye a peer does not take. With requests pending it aborts first
 //    (their later waits throw AbortedError), otherwise it says goodbye to
 //    every peer.
+//  - SIGPIPE: Gloo writes with writev(2), which raises it on a connection
+//    the peer reset. The transport blocks it (per thread) on Gloo's device
+//    thread and around its own writes, so such a write fails as an error;
+//    the process's signal dispositions are left as they are.
 //  - One thread uses a transport at a time (abort() excepted); transports of
 //    different ranks may live on different threads of one process. Each
 //    transport runs two threads of its own, Gloo's device loop and the
