@@ -25,8 +25,11 @@
 //    (see the header) that the watcher polls, and its interrupting of every
 //    wait once the transport is broken.
 //  - Pair::close() resets the connection (SO_LINGER 0) and signals nothing;
-//    destroying a pair (with its context) closes it with FIN after what was
-//    written. Abort and break close; a goodbye destroys.
+//    destroying a pair (getPair(p).reset(), or its context) closes it with
+//    FIN after what was written. Abort, break and drop reset; a goodbye
+//    destroys. Either waits for the next tick of the device loop (its
+//    epoll_wait times out after 10 ms), and a wake-up between two ticks is
+//    missed, so closes started together can still land a tick apart.
 //  - A message for a destroyed unbound buffer (its weak reference expired):
 //    the read stops before the payload and returns, and the device thread,
 //    on level-triggered epoll, calls it again at once: the pair spins and no
@@ -48,8 +51,9 @@
 //  - tcp::CreateDevice with a host name that getaddrinfo cannot resolve
 //    walks an uninitialised result list (it compares the return code to -1,
 //    but failures are other negative EAI_ codes): the name is resolved here
-//    first. Address::str() prints the port in network byte order: addresses
-//    in messages are formatted here.
+//    first. Address::str() prints the port in network byte order, also in
+//    Gloo's error texts: addresses are formatted here, and gloo_text() drops
+//    Gloo's from its messages.
 
 #include "allreduce/gloo_transport.h"
 

@@ -39,9 +39,9 @@
 //    the rest of the buffer left as it was. Here the count is part of the
 //    slot, so a send and a recv of different sizes never meet: both wait
 //    until their deadlines, whose error says so. (Counts of 2 GiB and more
-//    share the slot's 31 bits, so two of those can still meet.) TransportCommunicator
-//    compares every call across ranks first, so its collectives never get
-//    there.
+//    share the slot's 31 bits, so two of those can still meet.)
+//    TransportCommunicator compares every call across ranks first, so its
+//    collectives never get there.
 //  - A peer that goes away: when its transport is destroyed with nothing
 //    pending it says goodbye first. A transfer with it that completed stays
 //    complete, also when waited afterwards, and transfers among the others
@@ -54,9 +54,10 @@
 //    Broken: every pending and later wait, whatever its peer, throws
 //    UnavailableError naming the ranks whose connections are gone and their
 //    addresses, and this transport resets its own connections so that the
-//    rest of the group learns it too. Both happen 50 ms after the break was
-//    seen (within 10 ms), so that ranks leaving or failing together are all
-//    named: connections a transport reset itself tell it nothing more.
+//    rest of the group learns it too. The break is seen within about 10 ms;
+//    both happen 50 ms after that, so that ranks leaving or failing
+//    together are all named (a connection a transport reset itself tells
+//    it nothing more).
 //  - abort(reason): every pending and later wait throws AbortedError(reason)
 //    at once; the connections are closed (reset), so the peers' waits fail
 //    with UnavailableError within milliseconds. May be called from any
