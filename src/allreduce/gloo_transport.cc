@@ -25,8 +25,11 @@
 //    (see the header) that the watcher polls, and its interrupting of every
 //    wait once the transport is broken.
 //  - Pair::close() resets the connection (SO_LINGER 0) and signals nothing;
-//    destroying a pair (with its context) closes it with FIN after what was
-//    written. Abort and break close; a goodbye destroys.
+//    destroying a pair (getPair(p).reset(), or its context) closes it with
+//    FIN after what was written. Abort, break and drop reset; a goodbye
+//    destroys. Either waits for the next tick of the device loop (its
+//    epoll_wait times out after 10 ms), and a wake-up between two ticks is
+//    missed, so closes started together can still land a tick apart.
 //  - A message for a destroyed unbound buffer (its weak reference expired):
 //    the read stops before the payload and returns, and the device thread,
 //    on level-triggered epoll, calls it again at once: the pair spins and no
@@ -40,11 +43,17 @@
 //    becomes a diststrat::Error. On Gloo's device thread an exception
 //    terminates the process: the byte count in the slot keeps the one
 //    reachable case (a send longer than its recv) from happening.
+//  - Gloo writes with writev(2), which raises SIGPIPE on a connection its
+//    peer reset (by default the end of the process); Gloo leaves that to the
+//    program (its own tests ignore SIGPIPE process-wide). Writes happen on
+//    Gloo's device thread and on the thread that posts a transfer: see
+//    GlooSigpipeBlock.
 //  - tcp::CreateDevice with a host name that getaddrinfo cannot resolve
 //    walks an uninitialised result list (it compares the return code to -1,
 //    but failures are other negative EAI_ codes): the name is resolved here
-//    first. Address::str() prints the port in network byte order: addresses
-//    in messages are formatted here.
+//    first. Address::str() prints the port in network byte order, also in
+//    Gloo's error texts: addresses are formatted here, and gloo_text() drops
+//    Gloo's from its messages.
 
 #include "allreduce/gloo_transport.h"
 
@@ -58,12 +67,16 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <ifaddrs.h>
 #include <limits.h>
+#include <pthread.h>
+#include <signal.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -86,7 +99,18 @@ constexpr uint64_t kGlooControlSlot = uint64_t{1} << 31;
 // How often the watcher polls the peers' control receives.
 constexpr auto kGlooScanInterval = std::chrono::milliseconds(10);
 // How long test() and the completion check of a failing wait give Gloo.
+// Once the peer's connection is gone the transfer's state is final (done,
+// or failed with it) and Gloo answers at once: the longer grace there only
+// keeps a descheduled thread from missing a completion.
 constexpr auto kGlooProbeGrace = std::chrono::milliseconds(2);
+constexpr auto kGlooFinalProbeGrace = std::chrono::milliseconds(100);
+// How long after the group broke a wait's error waits, so that it names
+// every connection gone by then, and the transport waits before resetting
+// its own connections (a connection it resets tells it nothing more): a
+// rank that leaves closes its connections up to a tick of Gloo's device
+// loop (10 ms) apart, and a rank that failed because of it may reset its
+// own before the last of those arrives. Abort and a drop reset at once.
+constexpr auto kGlooSettle = std::chrono::milliseconds(50);
 // How long destruction waits for a peer to take its goodbye.
 constexpr auto kGlooGoodbyeGrace = std::chrono::seconds(1);
 // Added to the Gloo-side timeout of every wait: Gloo's own timeout (which
@@ -107,6 +131,46 @@ std::chrono::milliseconds gloo_timeout(Clock::time_point until) {
   return std::min<std::chrono::milliseconds>(left, kGlooMaxWait) + kGlooBackstop;
 }
 
+// Blocks SIGPIPE in this thread while it lives, without touching the
+// process's signal dispositions: a write to a reset connection then fails
+// with EPIPE, which Gloo handles. A SIGPIPE raised meanwhile (pending on
+// this thread) is consumed before the mask is restored. Gloo's device
+// thread inherits the mask of the thread that creates the device, so
+// creating it under this block keeps SIGPIPE blocked there for good.
+class GlooSigpipeBlock {
+ public:
+  GlooSigpipeBlock() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    sigset_t pending;
+    sigemptyset(&pending);
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+  }
+  ~GlooSigpipeBlock() {
+    const int saved = errno;
+    if (!was_pending_) {
+      sigset_t pending;
+      sigemptyset(&pending);
+      sigpending(&pending);
+      if (sigismember(&pending, SIGPIPE) == 1) {
+        const timespec zero{0, 0};
+        while (sigtimedwait(&pipe_, nullptr, &zero) == -1 && errno == EINTR) {
+        }
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    errno = saved;
+  }
+  GlooSigpipeBlock(const GlooSigpipeBlock&) = delete;
+  GlooSigpipeBlock& operator=(const GlooSigpipeBlock&) = delete;
+
+ private:
+  sigset_t pipe_, old_;
+  bool was_pending_ = false;
+};
+
 // Destroys a Gloo buffer. Gloo's device thread last touched it under its
 // lock (completion or error, then the condition variable's signal) and lets
 // go of it through a weak reference whose expiry the buffer's destructor
@@ -121,6 +185,28 @@ void gloo_destroy(std::unique_ptr<GlooBuffer>& buf, bool is_recv) {
     buf->abortWaitSend();
   }
   buf.reset();
+}
+
+// Gloo's error text for a message: without the peer addresses Gloo prints
+// in it (" [127.0.0.1]:4567", the port in network byte order); the message
+// names the rank and its address itself.
+std::string gloo_text(const std::string& what) {
+  std::string out;
+  const size_t n = what.size();
+  for (size_t i = 0; i < n;) {
+    if (what[i] == ' ' && i + 1 < n && what[i + 1] == '[') {
+      const size_t close = what.find(']', i + 2);
+      if (close != std::string::npos && close + 2 < n && what[close + 1] == ':' &&
+          std::isdigit(static_cast<unsigned char>(what[close + 2]))) {
+        size_t j = close + 2;
+        while (j < n && std::isdigit(static_cast<unsigned char>(what[j]))) ++j;
+        i = j;
+        continue;
+      }
+    }
+    out += what[i++];
+  }
+  return echo(out.empty() ? "unknown Gloo error" : out);
 }
 
 // "127.0.0.1:4567" / "[::1]:4567" from a Gloo TCP address's bytes.
@@ -221,8 +307,9 @@ struct GlooCore {
   std::condition_variable cv;  // wakes the watcher
   Stop stop = Stop::kNone;
   std::string stop_reason;
-  bool destroyed = false;  // the transport is gone (and its watcher)
-  bool ready = false;      // set-up done, control receives posted
+  Clock::time_point broken_at;  // when stop became kBroken
+  bool destroyed = false;       // the transport is gone (and its watcher)
+  bool ready = false;           // set-up done, control receives posted
   std::vector<Peer> peers;
   std::vector<GlooWaiter*> waiters;
   bool close_requested = false;  // abort / break / drop: reset every connection
@@ -251,7 +338,7 @@ struct GlooCore {
 
   void mark_dead_locked(int p, PeerState state, const std::string& what) {
     peers[p].state = state;
-    peers[p].detail = echo(what);
+    peers[p].detail = gloo_text(what);
     peers[p].order = ++dead_peers;
   }
 
@@ -275,6 +362,13 @@ struct GlooCore {
     return s;
   }
 
+  void break_locked() {
+    stop = Stop::kBroken;
+    stop_reason = dead_peers_locked();
+    broken_at = Clock::now();
+    close_requested = true;
+  }
+
   // A failure control receive that throws: the peer's connection is gone.
   static bool control_failed(GlooBuffer* buf, std::string* what) {
     try {
@@ -289,8 +383,10 @@ struct GlooCore {
 
   // Polls every live peer's control receives: a dead connection is a peer
   // that left (its goodbye arrived first) or failed (the transport breaks).
+  // Also once this transport is broken, so that its errors name every rank
+  // gone (a connection this transport reset itself signals nothing).
   void scan_locked() {
-    if (!ready || destroyed || close_requested) return;
+    if (!ready || destroyed) return;
     bool failed = false;
     for (int p = 0; p < size; ++p) {
       Peer& peer = peers[p];
@@ -307,11 +403,7 @@ struct GlooCore {
       mark_dead_locked(p, graceful ? PeerState::kLeft : PeerState::kFailed, what);
       failed = failed || !graceful;
     }
-    if (failed && stop == Stop::kNone) {
-      stop = Stop::kBroken;
-      stop_reason = dead_peers_locked();
-      close_requested = true;
-    }
+    if (failed && stop == Stop::kNone) break_locked();
   }
 
   // Ends the waits that are due; returns when the next one will be. Pairs
@@ -398,11 +490,7 @@ struct GlooCore {
     scan_locked();
     if (peers[peer].state == PeerState::kAlive && !destroyed && !close_requested) {
       mark_dead_locked(peer, PeerState::kFailed, what);
-      if (stop == Stop::kNone) {
-        stop = Stop::kBroken;
-        stop_reason = dead_peers_locked();
-        close_requested = true;
-      }
+      if (stop == Stop::kNone) break_locked();
     }
     changed_locked();
   }
@@ -449,12 +537,28 @@ struct GlooCore {
         }
       }
     };
+    // Started together (behind `go`), so that the closes meet one tick.
+    std::mutex go_mu;
+    std::condition_variable go_cv;
+    bool go = false;
+    auto start = [&](size_t first) {
+      {
+        std::unique_lock<std::mutex> lock(go_mu);
+        go_cv.wait(lock, [&] { return go; });
+      }
+      some(first);
+    };
     std::vector<std::thread> helpers;
     size_t started = 1;
     try {
-      for (; started < k; ++started) helpers.emplace_back(some, started);
+      for (; started < k; ++started) helpers.emplace_back(start, started);
     } catch (const std::exception&) {  // no thread: the rest here
     }
+    {
+      std::lock_guard<std::mutex> lock(go_mu);
+      go = true;
+    }
+    go_cv.notify_all();
     for (size_t j = started; j < k; ++j) some(j);
     if (k > 0) some(0);
     for (auto& h : helpers) h.join();
@@ -480,7 +584,9 @@ struct GlooCore {
       scan_locked();
       std::vector<int> to_close;
       Clock::time_point next = interrupt_due_locked(now, &to_close);
-      if (close_requested && !pairs_closed && ready) {
+      const bool settling = stop == Stop::kBroken && now < broken_at + kGlooSettle;
+      if (settling) next = std::min(next, broken_at + kGlooSettle);
+      if (close_requested && !pairs_closed && ready && !settling) {
         // On its own thread: the watcher stays free to end waits meanwhile.
         pairs_closed = true;
         try {
@@ -534,6 +640,7 @@ class GlooRequest : public Request::State {
   // held). A failure here is the request's, thrown by its wait.
   void post(void* data, uint64_t slot) {
     void* p = data ? data : &dummy_;
+    GlooSigpipeBlock no_sigpipe;  // posting writes to the socket
     try {
       buf_ = core_->ctx->createUnboundBuffer(p, bytes_);
       if (is_recv_) {
@@ -634,13 +741,16 @@ class GlooRequest : public Request::State {
     return ok ? Outcome::kComplete : Outcome::kInterrupted;
   }
 
-  // Whether the transfer completes within kGlooProbeGrace.
+  // Whether the transfer completes within the grace.
   bool probe() {
+    bool final_state = false;
     {
       std::lock_guard<std::mutex> lock(core_->mu);
       if (core_->destroyed) return false;
+      final_state = core_->peers[peer_].state != GlooPeerState::kAlive;
     }
-    return gloo_wait(true, Clock::now() + kGlooProbeGrace) == Outcome::kComplete;
+    const auto grace = final_state ? kGlooFinalProbeGrace : kGlooProbeGrace;
+    return gloo_wait(true, Clock::now() + grace) == Outcome::kComplete;
   }
 
   void complete() {
@@ -652,7 +762,7 @@ class GlooRequest : public Request::State {
   // go (and the request no longer counts as pending).
   void failed(const std::string& what) {
     failed_ = true;
-    failure_ = echo(what);
+    failure_ = gloo_text(what);
     core_->transfer_failed(peer_, what);
     release();
   }
@@ -672,7 +782,13 @@ class GlooRequest : public Request::State {
     std::string message;
     bool peer_gone = false;
     {
-      std::lock_guard<std::mutex> lock(core_->mu);
+      std::unique_lock<std::mutex> lock(core_->mu);
+      if (core_->stop == GlooStop::kBroken && !core_->destroyed) {
+        const auto settled = core_->broken_at + kGlooSettle;
+        lock.unlock();
+        std::this_thread::sleep_until(settled);
+        lock.lock();
+      }
       core_->scan_locked();  // name every peer whose connection is gone by now
       const GlooCore::Peer& peer = core_->peers[peer_];
       const std::string who = core_->peer_text(peer_);
@@ -684,6 +800,12 @@ class GlooRequest : public Request::State {
         code = ErrorCode::kUnavailable;
         message = head + " failed: " + who +
                   " left the group (its transport was destroyed) before it completed";
+        // The group's work needed a rank that is gone: it cannot finish.
+        // Break, so that the ranks waiting on this one learn it too.
+        if (core_->stop == GlooStop::kNone) {
+          core_->break_locked();
+          core_->changed_locked();
+        }
       } else if (peer.state == GlooPeerState::kFailed || core_->stop == GlooStop::kBroken) {
         // Every connection found gone, the first (the cause, most often) first.
         code = ErrorCode::kUnavailable;
@@ -924,6 +1046,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
                                                       : "interface '" + echo(attr.iface) + "'";
   std::vector<std::vector<char>> mine(c.size);
   try {
+    GlooSigpipeBlock no_sigpipe;  // for good on Gloo's device thread
     c.device = gloo::transport::tcp::CreateDevice(attr);
     c.ctx = c.device->createContext(c.rank, c.size);
     // Gloo's connect gives up after 5x this; the watcher ends it at the deadline.
@@ -935,7 +1058,8 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
       if (p != c.rank) mine[p] = c.ctx->createPair(p)->address().bytes();
     }
   } catch (const std::exception& e) {
-    throw InvalidArgumentError(who + ": Gloo could not listen on " + where + ": " + echo(e.what()));
+    throw InvalidArgumentError(who + ": Gloo could not listen on " + where + ": " +
+                               gloo_text(e.what()));
   }
   std::string value = "gloo-tcp/1 " + std::to_string(c.size);
   for (int p = 0; p < c.size; ++p)
@@ -1000,11 +1124,13 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
     if (w.interrupted) {
       not_connected.push_back(p);
     } else if (!what.empty()) {
-      throw UnavailableError(who + ": connecting to " + c.peer_text(p) + " failed: " + echo(what));
+      throw UnavailableError(who + ": connecting to " + c.peer_text(p) +
+                             " failed: " + gloo_text(what));
     }
   }
   DISTSTRAT_CHECK(not_connected.empty(), kDeadlineExceeded, who, ": ", ranks_phrase(not_connected),
                   " did not connect before the deadline");
+  GlooSigpipeBlock no_sigpipe;  // posting writes to the socket
   for (int p = 0; p < c.size; ++p) {
     if (p == c.rank) continue;
     GlooCore::Peer& peer = c.peers[p];
@@ -1015,7 +1141,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
       peer.failure->recv(p, kGlooControlSlot, 0, 0);
     } catch (const std::exception& e) {
       throw UnavailableError(who + ": the connection to " + c.peer_text(p) +
-                             " failed during set-up: " + echo(e.what()));
+                             " failed during set-up: " + gloo_text(e.what()));
     }
   }
 }

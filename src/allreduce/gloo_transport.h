@@ -39,20 +39,25 @@
 //    the rest of the buffer left as it was. Here the count is part of the
 //    slot, so a send and a recv of different sizes never meet: both wait
 //    until their deadlines, whose error says so. (Counts of 2 GiB and more
-//    share the slot's 31 bits, so two of those can still meet.) TransportCommunicator
-//    compares every call across ranks first, so its collectives never get
-//    there.
+//    share the slot's 31 bits, so two of those can still meet.)
+//    TransportCommunicator compares every call across ranks first, so its
+//    collectives never get there.
 //  - A peer that goes away: when its transport is destroyed with nothing
-//    pending it says goodbye first. Then every pending and later wait on a
-//    transfer with it that had not completed fails at once (UnavailableError
-//    "rank P (host:port) left the group"); transfers with other peers go on,
-//    so ranks that finish a collective and leave early do not fail the ones
-//    still finishing it. A peer whose connection fails without a goodbye
-//    (its process died, it aborted, its transport broke) breaks this whole
-//    transport: every pending and later wait, whatever its peer, throws
-//    UnavailableError naming the failed rank and its address, within about
-//    10 ms; and this transport closes its own connections so that the other
-//    ranks learn it too.
+//    pending it says goodbye first. A transfer with it that completed stays
+//    complete, also when waited afterwards, and transfers among the others
+//    go on: ranks that finish a collective and leave early do not fail the
+//    ones still finishing it. A transfer that still needed it fails at once
+//    (UnavailableError "rank P (host:port) left the group"), and since the
+//    group's work cannot finish without that rank, this breaks the transport
+//    as a failure does. A peer whose connection fails without a goodbye (its
+//    process died, it aborted, its transport broke) breaks it at once.
+//    Broken: every pending and later wait, whatever its peer, throws
+//    UnavailableError naming the ranks whose connections are gone and their
+//    addresses, and this transport resets its own connections so that the
+//    rest of the group learns it too. The break is seen within about 10 ms;
+//    both happen 50 ms after that, so that ranks leaving or failing
+//    together are all named (a connection a transport reset itself tells
+//    it nothing more).
 //  - abort(reason): every pending and later wait throws AbortedError(reason)
 //    at once; the connections are closed (reset), so the peers' waits fail
 //    with UnavailableError within milliseconds. May be called from any
@@ -77,6 +82,10 @@
 //    goodbye a peer does not take. With requests pending it aborts first
 //    (their later waits throw AbortedError), otherwise it says goodbye to
 //    every peer.
+//  - SIGPIPE: Gloo writes with writev(2), which raises it on a connection
+//    the peer reset. The transport blocks it (per thread) on Gloo's device
+//    thread and around its own writes, so such a write fails as an error;
+//    the process's signal dispositions are left as they are.
 //  - One thread uses a transport at a time (abort() excepted); transports of
 //    different ranks may live on different threads of one process. Each
 //    transport runs two threads of its own, Gloo's device loop and the

@@ -111,7 +111,7 @@ TEST(GlooTransport, OrderPerTagManyTagsOutstandingZeroBytesAnd64MiB) {
   const int tags[] = {5, 6, 7};
   constexpr size_t kBig = size_t{64} << 20;
   run_gloo(2, [&](int r, ds::Transport& t) {
-    const auto deadline = Clock::now() + 20s;
+    const auto deadline = Clock::now() + 60s;  // 64 MiB take seconds under the thread sanitizer
     if (r == 0) {
       // Every send outstanding at once, the tags interleaved.
       std::vector<int64_t> values;
@@ -184,7 +184,7 @@ TEST(GlooTransport, DeadlineErrorsNameRankPeerTagAndSizeMismatchNeverMeets) {
         ADD_FAILURE() << "the wait did not throw";
       } catch (const ds::DeadlineExceededError& e) {
         EXPECT_GE(ms_since(start), 190);
-        EXPECT_LT(ms_since(start), 700);
+        EXPECT_LT(ms_since(start), 1200);
         EXPECT_NE(e.message().find("rank 1:"), std::string::npos) << e.message();
         EXPECT_NE(e.message().find("from rank 0"), std::string::npos) << e.message();
         EXPECT_NE(e.message().find("(tag 7)"), std::string::npos) << e.message();
@@ -331,15 +331,55 @@ TEST(GlooTransport, ARankLeavingMidCollectiveFailsTheOthersPromptly) {
   }
 }
 
+// Rank 2 leaves while rank 0 waits for a message from it, and rank 1 waits
+// only for one from rank 0 (a healthy rank): rank 0 fails at once (the
+// group's work needed rank 2, so its transport breaks and resets its
+// connections) and rank 1 right after it, not at its 30 s deadline.
+TEST(GlooTransport, ARankWaitingOnAHealthyRankFailsWhenADepartureBreaksTheGroup) {
+  constexpr int n = 3;
+  GlooGroup g(n);
+  Latch posted(n);
+  std::atomic<int64_t> left_at{0};
+  std::vector<std::string> errors(n);
+  std::vector<double> after_ms(n, -1);
+  ds::testing::run_threads(
+      n,
+      [&](int r) {
+        g.make(r);
+        if (r == 2) {
+          posted.arrive_and_wait();
+          left_at = Clock::now().time_since_epoch().count();
+          g.transports[2].reset();
+          return;
+        }
+        int64_t v = 0;
+        ds::Request pending = g.at(r).recv(r == 0 ? 2 : 0, &v, sizeof v, 1);
+        posted.arrive();
+        try {
+          pending.wait(Clock::now() + 30s);
+          errors[r] = "(completed)";
+        } catch (const ds::UnavailableError& e) {
+          errors[r] = e.message();
+        }
+        after_ms[r] = ms_since(Clock::time_point(Clock::duration(left_at.load())));
+      },
+      [](int) {});
+  EXPECT_NE(errors[0].find("rank 2 (127.0.0.1:"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("left the group"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("the connection to rank 0 (127.0.0.1:"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("rank 2 (127.0.0.1:"), std::string::npos) << errors[1];
+  for (int r = 0; r < 2; ++r) EXPECT_LT(after_ms[r], 1000) << "rank " << r << ": " << errors[r];
+}
+
 // A rank that leaves after it finished (its transport destroyed with nothing
 // pending says goodbye) fails nothing that did not need it: a transfer from
-// it that completed before is still complete when waited afterwards, the
-// other ranks go on exchanging, and only a new transfer with it fails, at
-// once.
+// it that completed before is still complete when waited afterwards, and
+// the other ranks go on exchanging. A new transfer with it fails at once
+// (and finishes the group, whose work needed the rank that left).
 TEST(GlooTransport, ARankThatLeavesAfterFinishingFailsNothingThatDidNotNeedIt) {
   constexpr int n = 3;
   GlooGroup g(n);
-  Latch left(n);
+  Latch left(n), exchanged(n - 1);
   ds::testing::run_threads(
       n,
       [&](int r) {
@@ -357,7 +397,16 @@ TEST(GlooTransport, ARankThatLeavesAfterFinishingFailsNothingThatDidNotNeedIt) {
         if (r == 1) early = g.at(1).recv(0, &got, sizeof got, 1);
         left.arrive_and_wait();
         if (r == 1) {
-          // Once this fails, rank 1 knows that rank 0 left.
+          early.wait(deadline);
+          EXPECT_EQ(got, 11);
+        }
+        int64_t mine = 100 + r, theirs = 0;
+        ds::Request s = g.at(r).send(3 - r, &mine, sizeof mine, 3);
+        g.at(r).recv(3 - r, &theirs, sizeof theirs, 3).wait(deadline);
+        s.wait(deadline);
+        EXPECT_EQ(theirs, 100 + (3 - r));
+        exchanged.arrive_and_wait();
+        if (r == 1) {
           const auto t0 = Clock::now();
           int64_t x = 0;
           try {
@@ -368,14 +417,7 @@ TEST(GlooTransport, ARankThatLeavesAfterFinishingFailsNothingThatDidNotNeedIt) {
             EXPECT_NE(e.message().find("left the group"), std::string::npos) << e.message();
           }
           EXPECT_LT(ms_since(t0), 1000);
-          early.wait(deadline);
-          EXPECT_EQ(got, 11);
         }
-        int64_t mine = 100 + r, theirs = 0;
-        ds::Request s = g.at(r).send(3 - r, &mine, sizeof mine, 3);
-        g.at(r).recv(3 - r, &theirs, sizeof theirs, 3).wait(deadline);
-        s.wait(deadline);
-        EXPECT_EQ(theirs, 100 + (3 - r));
         g.transports[r].reset();
       },
       [](int) {});
@@ -437,6 +479,49 @@ TEST(GlooTransport, AbortFailsItselfAtOnceAndItsPeersPromptly) {
     EXPECT_NE(errors[r].find("rank 0"), std::string::npos) << "rank " << r << ": " << errors[r];
   }
   for (int r = 0; r < n; ++r) EXPECT_LT(after_ms[r], 1000) << "rank " << r << ": " << errors[r];
+}
+
+// Gloo writes with writev(2), which raises SIGPIPE on a connection that
+// the peer reset (by default the end of the process): writes into rank 1's
+// reset connections, from this thread's posts and from Gloo's device thread
+// flushing a large send, fail as errors instead. (A write lands in that
+// window in about one round in twenty: ten rounds.)
+TEST(GlooTransport, WritesToAResetConnectionRaiseNoSigpipe) {
+  constexpr size_t kBig = size_t{16} << 20;
+  for (int round = 0; round < 10; ++round) {
+    GlooGroup g(2);
+    Latch posted(2), gone(2);
+    ds::testing::run_threads(
+        2,
+        [&](int r) {
+          g.make(r);
+          std::vector<char> big(kBig, 1);
+          if (r == 1) {
+            ds::Request pending = g.at(1).recv(0, big.data(), kBig, 1);
+            posted.arrive_and_wait();
+            g.transports[1].reset();  // pending: resets the connections
+            gone.arrive_and_wait();
+            return;
+          }
+          ds::Request send = g.at(0).send(1, big.data(), kBig, 1);
+          posted.arrive_and_wait();
+          gone.arrive_and_wait();
+          const auto deadline = Clock::now() + 10s;
+          int64_t x = 0;
+          for (int i = 0; i < 200; ++i) {
+            try {
+              g.at(0).send(1, &x, sizeof x, 2).wait(deadline);
+            } catch (const ds::UnavailableError&) {
+              break;
+            }
+          }
+          try {
+            send.wait(deadline);  // done if all of it reached the kernel before the reset
+          } catch (const ds::UnavailableError&) {
+          }
+        },
+        [](int) {});
+  }
 }
 
 // A request dropped before it completed: Gloo never writes its buffer
