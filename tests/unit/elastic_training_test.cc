@@ -80,6 +80,7 @@ struct Plan {
   // group still training).
   int hold_at_step = -1;
   std::atomic<bool>* hold = nullptr;
+  std::atomic<int>* at_hold = nullptr;  // workers that reached the hold
 };
 
 Outcome train_worker(const std::string& id, const Plan& plan) {
@@ -112,8 +113,9 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
     for (; pos.epoch < kEpochs; ++pos.epoch, pos.batch = 0) {
       dist.set_epoch(pos.epoch);
       for (; pos.batch < dist.num_batches(); ++pos.batch, ++pos.step) {
-        while (pos.step == plan.hold_at_step && plan.hold && plan.hold->load()) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        if (pos.step == plan.hold_at_step && plan.hold && plan.hold->load()) {
+          ++*plan.at_hold;
+          while (plan.hold->load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
         }
         const ds::DistributedBatch batch = dist.batch(pos.batch);
         const float scale = 1.0f / static_cast<float>(batch.global_size());
@@ -166,11 +168,13 @@ TEST(ElasticTraining, SurvivorsRedoTheStepWithoutTheDeadWorkerAndAJoinerGetsTheS
   diststrat_test::TempDir dir("elastic_train");
   std::atomic<int> changes{0};
   std::atomic<bool> hold{true};
+  std::atomic<int> at_hold{0};
   Plan plan;
   plan.dir = dir.path();
   plan.changes_seen = &changes;
   plan.hold_at_step = 8;  // epoch 1
   plan.hold = &hold;
+  plan.at_hold = &at_hold;
   Plan dying = plan;
   dying.die_at_step = 4;  // mid-epoch 0
   auto a = std::async(std::launch::async, [&] { return train_worker("a", plan); });
@@ -191,13 +195,18 @@ TEST(ElasticTraining, SurvivorsRedoTheStepWithoutTheDeadWorkerAndAJoinerGetsTheS
   }
   ASSERT_GE(changes.load(), 2) << "the survivors did not re-form";
   auto d = std::async(std::launch::async, [&] { return train_worker("d", plan); });
-  // The survivors wait before step 8 until d waits in the store to be admitted.
+  // The survivors wait before step 8 until d waits in the store to be
+  // admitted, and long enough for the chief's next look (join_poll 20 ms):
+  // otherwise they could finish the last steps before it looks again.
   std::unique_ptr<ds::MembershipStore> store =
       ds::open_membership_store("file://" + dir.path() + "/job");
-  while (!store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).is_waiting("d") &&
-         std::chrono::steady_clock::now() < until) {
+  while (
+      (at_hold.load() < 2 ||
+       !store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).is_waiting("d")) &&
+      std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   hold = false;
   const Outcome oa = a.get(), ob = b.get(), od = d.get();
   for (const Outcome* o : {&oa, &ob}) {
