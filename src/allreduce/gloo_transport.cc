@@ -848,6 +848,9 @@ class GlooTransport : public Transport {
   }
 
   ~GlooTransport() override {
+    // The goodbyes are written here, on the owner's thread, maybe to a peer
+    // that is gone (a worker that finished was killed by SIGPIPE at exit).
+    GlooSigpipeBlock no_sigpipe;
     try {
       shutdown();
     } catch (...) {
@@ -875,7 +878,10 @@ class GlooTransport : public Transport {
                              "parameter server over the MPI or the in-process transport");
   }
 
-  void abort(const std::string& reason) override { core_->abort(reason); }
+  void abort(const std::string& reason) override {
+    GlooSigpipeBlock no_sigpipe;
+    core_->abort(reason);
+  }
 
   // Steps 1-3 of the header's set-up.
   void connect(AddressExchange& exchange, const GlooTransportOptions& options,

@@ -106,6 +106,15 @@ class InternalSteps {
 
 ElasticRuntime::ElasticRuntime(const ElasticOptions& o, const CommunicationOptions& communication)
     : options(o) {
+  using std::chrono::milliseconds;
+  for (const auto& [name, value] :
+       {std::pair<const char*, milliseconds>{"settle_timeout", o.settle_timeout},
+        {"join_timeout", o.join_timeout},
+        {"join_poll", o.join_poll},
+        {"communication.timeout", communication.timeout}}) {
+    DISTSTRAT_CHECK(value.count() > 0, kInvalidArgument, "elastic (", o.rendezvous, "): ", name,
+                    " of ", value.count(), " ms must be positive");
+  }
 #if !DISTSTRAT_HAVE_GLOO
   throw UnimplementedError("elastic training (rendezvous " + o.rendezvous +
                            "): this build has no Gloo (DISTSTRAT_WITH_GLOO), whose TCP transport "
@@ -124,19 +133,24 @@ ElasticRuntime::ElasticRuntime(const ElasticOptions& o, const CommunicationOptio
 void MultiWorkerMirroredStrategy::Impl::join_group(SteadyClock::time_point deadline) {
   ElasticRuntime& e = *elastic;
   for (;;) {
-    try {
-      e.view = e.rendezvous->join(e.in_group ? &e.view : nullptr, deadline);
-    } catch (const FailedPreconditionError& dead) {
+    std::optional<GroupView> view = e.rendezvous->join(e.in_group ? &e.view : nullptr, deadline);
+    if (!view) {
       // Declared dead while it was away: it comes back as a new worker, and
       // takes the group's state like one.
-      const std::string base = e.rendezvous->id();
-      e.rendezvous->set_id(
-          base.substr(0, base.rfind(".r") == std::string::npos ? base.size() : base.rfind(".r")) +
-          ".r" + std::to_string(++e.rejoins));
-      self->logger().warning(dead.message(), "; joining again as '", e.rendezvous->id(), "'");
+      const std::string was = e.rendezvous->id();
+      const size_t r = was.rfind(".r");
+      e.rendezvous->set_id((r == std::string::npos ? was : was.substr(0, r)) + ".r" +
+                           std::to_string(++e.rejoins));
+      self->logger().warning("elastic: worker '", was, "' was declared dead in ",
+                             e.rendezvous->store().describe(),
+                             " (it did not arrive at a round in time); joining again as '",
+                             e.rendezvous->id(), "', a new worker");
       e.in_group = false;
+      DISTSTRAT_CHECK(SteadyClock::now() < deadline, kUnavailable, "elastic: worker '", was,
+                      "' found no group before the deadline");
       continue;
     }
+    e.view = *view;
     e.in_group = true;
 #if DISTSTRAT_HAVE_GLOO
     const int size = static_cast<int>(e.view.members.size());
@@ -156,8 +170,12 @@ void MultiWorkerMirroredStrategy::Impl::join_group(SteadyClock::time_point deadl
       comms.hierarchical = false;
       cross = comms.cross.get();
       set_explicit_cluster(e.view.rank, size);
+      // The group's first collective: a member lost now re-forms too.
+      number_replicas(static_cast<int64_t>(options.devices.size()));
       return;
     } catch (const Error& err) {
+      comms.cross.reset();
+      cross = nullptr;
       if (!lost_peer(err) || Clock::now() >= deadline) throw;
       // A member died between the round and the connection: form again.
       self->logger().warning("elastic: worker '", e.rendezvous->id(),
@@ -382,7 +400,6 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
     const int rejoins = e.rejoins;
     m.join_group(SteadyClock::now() + e.options.join_timeout);
     if (e.rejoins != rejoins) s.fresh = true;
-    m.number_replicas(static_cast<int64_t>(m.options.devices.size()));
     m.start_engine();
     ++s.changes;
     MembershipChange c;

@@ -83,7 +83,9 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
                      "MultiWorkerMirroredStrategy: communicator rank vs worker index");
   const int n = m.cross->size();
   const int64_t mine = static_cast<int64_t>(options.devices.size());
-  const std::vector<int64_t> counts = m.number_replicas(mine);
+  // (An elastic group numbered its replicas when it formed.)
+  const std::vector<int64_t> counts =
+      m.elastic ? std::vector<int64_t>(static_cast<size_t>(n), mine) : m.number_replicas(mine);
 
   const std::optional<std::string> env_timeline = env::text("DISTSTRAT_TIMELINE");
   m.timeline_path = env_timeline.value_or(options.timeline_path);

@@ -55,7 +55,8 @@ void ElasticRendezvous::set_id(std::string id) {
   id_ = std::move(id);
 }
 
-GroupView ElasticRendezvous::join(const GroupView* last, Clock::time_point deadline) {
+std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
+                                                 Clock::time_point deadline) {
   using Clock = ElasticRendezvous::Clock;
   const int64_t last_group = last ? last->group : -1;
   const size_t max = options_.max_workers > 0 ? static_cast<size_t>(options_.max_workers)
@@ -64,20 +65,29 @@ GroupView ElasticRendezvous::join(const GroupView* last, Clock::time_point deadl
   // When this worker first saw the round it waits in (its own clock: no
   // clocks are compared across hosts).
   int64_t round_seen = -1;
+  // A worker with no last group counts only groups formed after it came.
+  int64_t opened_at = std::numeric_limits<int64_t>::max();
   Clock::time_point round_since;
   size_t arrived_count = 0;
   for (;;) {
     bool dead = false;
     const Membership m = store_->transact(
         [&](Membership& r) {
+          if (!last && opened_at == std::numeric_limits<int64_t>::max()) opened_at = r.group;
           if (r.is_dead(id_)) {
             dead = true;
             return false;
           }
           if (!r.forming) {
             const bool member = r.has_member(id_);
-            if (member && r.group > last_group) return false;  // formed with this worker
-            if ((member && r.group == last_group) || r.members.empty()) {
+            // Groups formed since this worker came (a worker with no group
+            // counts from the group it first saw).
+            const int64_t since = last ? last_group : opened_at;
+            if (member && r.group > since) return false;  // formed with this worker
+            // Its group broke or admits joiners; or the job's first round; or
+            // a process with no group yet finds its id listed (it restarted,
+            // or the record is a finished job's): the group re-forms.
+            if ((member && r.group == since) || r.members.empty()) {
               r.forming = true;  // its group broke or admits joiners; or the job's first
               r.arrived = {id_};
               remove(r.waiting, id_);
@@ -127,13 +137,8 @@ GroupView ElasticRendezvous::join(const GroupView* last, Clock::time_point deadl
           return true;
         },
         std::min(deadline, Clock::now() + options_.store_timeout));
-    if (dead) {
-      throw FailedPreconditionError("elastic: worker '" + id_ + "' was declared dead in " +
-                                    store_->describe() +
-                                    " (it did not arrive at a round in time); it may join "
-                                    "again only as a new worker");
-    }
-    if (!m.forming && m.has_member(id_) && m.group > last_group) {
+    if (dead) return std::nullopt;
+    if (!m.forming && m.has_member(id_) && m.group > (last ? last_group : opened_at)) {
       GroupView v;
       v.group = m.group;
       v.members = m.members;
@@ -168,6 +173,9 @@ bool ElasticRendezvous::joiners_waiting(int64_t group, Clock::time_point deadlin
   const Membership m = store_->read(deadline);
   if (m.group != group) return true;  // another round already: re-form now
   if (m.forming) return true;
+  if (options_.max_workers > 0 && m.members.size() >= static_cast<size_t>(options_.max_workers)) {
+    return false;  // full: the waiting ones wait for a place
+  }
   for (const std::string& id : m.waiting) {
     if (!m.is_dead(id)) return true;
   }

@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,13 +69,16 @@ class ElasticRendezvous {
   // this worker's last group (nullptr for a worker that has none yet).
   // Throws UnavailableError naming the store when it cannot be reached, or
   // when no group with this worker forms before `deadline` (the message says
-  // how many workers arrived of the min_workers needed); FailedPrecondition
-  // when this worker's id was declared dead (the caller joins again under a
-  // new id, as a new worker).
-  GroupView join(const GroupView* last, Clock::time_point deadline);
+  // how many workers arrived of the min_workers needed). Returns nullopt when
+  // this worker's id was declared dead (the caller joins again under a new
+  // id, as a new worker). A worker with no last group whose id the running
+  // group lists (a restarted process, or a finished job's record) is not
+  // taken for that group's member: it opens a round, like a broken member.
+  std::optional<GroupView> join(const GroupView* last, Clock::time_point deadline);
 
-  // Whether workers wait to join group `group` (one read of the record); the
-  // running group's chief asks this between steps.
+  // Whether group `group` should re-form now (one read of the record): a
+  // worker waits and there is room for it (max_workers), or a round is open;
+  // the running group's chief asks this between steps.
   bool joiners_waiting(int64_t group, Clock::time_point deadline);
 
   const std::string& id() const { return id_; }

@@ -44,7 +44,7 @@ std::vector<ds::GroupView> join_all(std::vector<ds::ElasticRendezvous*> workers,
   std::vector<std::future<ds::GroupView>> f;
   for (size_t i = 0; i < workers.size(); ++i) {
     f.push_back(std::async(std::launch::async, [&, i] {
-      return workers[i]->join(last.empty() ? nullptr : last[i], in_ms(10000));
+      return workers[i]->join(last.empty() ? nullptr : last[i], in_ms(10000)).value();
     }));
   }
   std::vector<ds::GroupView> out;
@@ -83,18 +83,19 @@ TEST(ElasticRendezvous, TheFirstGroupFormsWithEveryWorkerThatCameAndSurvivorsRef
     EXPECT_EQ(v.left, std::vector<std::string>{gone});
     EXPECT_TRUE(v.joined.empty());
   }
-  // The dead id is never admitted again.
+  // The dead id is never admitted again (the caller joins under a new id).
   ds::ElasticRendezvous back = make(dir, gone, quick(1));
-  EXPECT_THROW(back.join(nullptr, in_ms(2000)), ds::FailedPreconditionError);
+  EXPECT_FALSE(back.join(nullptr, in_ms(2000)).has_value());
 }
 
 TEST(ElasticRendezvous, AWaitingWorkerIsSeenByTheGroupAndAdmittedWhenItReforms) {
   diststrat_test::TempDir dir("elastic_rdzv");
-  ds::ElasticRendezvous a = make(dir, "a", quick(2, 2)), b = make(dir, "b", quick(2, 2));
+  ds::ElasticRendezvous a = make(dir, "a", quick(2, 3)), b = make(dir, "b", quick(2, 3));
   std::vector<ds::GroupView> g = join_all({&a, &b}, {});
   EXPECT_FALSE(a.joiners_waiting(g[0].group, in_ms(2000)));
   ds::ElasticRendezvous c = make(dir, "c", quick(2, 3));
-  auto joined = std::async(std::launch::async, [&] { return c.join(nullptr, in_ms(10000)); });
+  auto joined =
+      std::async(std::launch::async, [&] { return c.join(nullptr, in_ms(10000)).value(); });
   const auto until = in_ms(5000);
   while (!a.joiners_waiting(g[0].group, in_ms(2000)) && Clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -113,6 +114,30 @@ TEST(ElasticRendezvous, AWaitingWorkerIsSeenByTheGroupAndAdmittedWhenItReforms) 
   EXPECT_EQ(cv.rank, 2);
   EXPECT_EQ(h[0].joined, std::vector<std::string>{"c"});
   EXPECT_FALSE(a3.joiners_waiting(cv.group, in_ms(2000)));
+}
+
+// A process with no group yet whose id the record lists (it restarted under
+// its id, or the record is a finished job's, the same URL run again) must not
+// take that group for its own: before, it did, and connected to addresses of
+// processes long gone (hangs and lost workers when a job was run twice).
+TEST(ElasticRendezvous, ARerunUnderTheSameIdsFormsANewGroup) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2, 2)), b = make(dir, "b", quick(2, 2));
+  const std::vector<ds::GroupView> first = join_all({&a, &b}, {});
+  ds::ElasticRendezvous a2 = make(dir, "a", quick(2, 2)), b2 = make(dir, "b", quick(2, 2));
+  const std::vector<ds::GroupView> again = join_all({&a2, &b2}, {});
+  for (const ds::GroupView& v : again) EXPECT_GT(v.group, first[0].group);
+}
+
+// A full group (max_workers) does not re-form for a waiting worker: before,
+// it re-formed at every look of its chief and declared healthy members dead.
+TEST(ElasticRendezvous, AFullGroupDoesNotReformForAWaitingWorker) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2, 2)), b = make(dir, "b", quick(2, 2));
+  const std::vector<ds::GroupView> g = join_all({&a, &b}, {});
+  ds::ElasticRendezvous c = make(dir, "c", quick(2, 2));
+  EXPECT_THROW(c.join(nullptr, in_ms(200)), ds::UnavailableError);  // waits; no place
+  EXPECT_FALSE(a.joiners_waiting(g[0].group, in_ms(2000)));
 }
 
 TEST(ElasticRendezvous, ARoundBelowMinWorkersFormsNoGroupAndSaysHowManyCame) {
