@@ -326,6 +326,17 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
           static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
       const bool same = std::all_of(steps.begin(), steps.end(),
                                     [&](int64_t v) { return v == steps[0] && v >= 0; });
+      if (s.fresh && !change && steps[static_cast<size_t>(source)] >= 0) {
+        // A new worker in a group that trained before it came: a change for
+        // it too (previous_replicas_in_sync 0).
+        MembershipChange c;
+        c.group = e.view.group;
+        c.num_workers = n;
+        c.joined = e.view.joined;
+        c.left = e.view.left;
+        c.rank = e.view.rank;
+        change = c;
+      }
       if (n > 1 && !same) {
         std::vector<char> image;
         if (m.rank() == source) {

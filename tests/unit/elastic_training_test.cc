@@ -68,6 +68,7 @@ struct Death {};  // a worker's thread "dies" by this exception
 struct Outcome {
   std::vector<float> weights, counts;
   int64_t changes = 0, redone = 0;
+  int callbacks = 0, first_previous_replicas = -1;  // on_membership_change's calls
   int final_workers = 0;
 };
 
@@ -105,7 +106,9 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   dopts.shuffle = false;
   ds::DistributedDataset dist = s.distribute(make_data(), kBatch, dopts);
   ds::ElasticState state(s, {&opt, &count_opt});
-  state.on_membership_change([&](const ds::MembershipChange&) {
+  int callbacks = 0, first_previous_replicas = -1;
+  state.on_membership_change([&](const ds::MembershipChange& c) {
+    if (callbacks++ == 0) first_previous_replicas = c.previous_replicas_in_sync;
     if (plan.changes_seen) ++*plan.changes_seen;
   });
   state.run([&](ds::ElasticState& st) {
@@ -148,6 +151,8 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   out.weights.assign(wv.data<float>(), wv.data<float>() + kFeatures);
   out.counts.assign(cv.data<float>(), cv.data<float>() + kRows);
   out.changes = state.membership_changes();
+  out.callbacks = callbacks;
+  out.first_previous_replicas = first_previous_replicas;
   out.redone = state.steps_redone();
   out.final_workers = s.cluster().num_workers;
   return out;
@@ -215,6 +220,9 @@ TEST(ElasticTraining, SurvivorsRedoTheStepWithoutTheDeadWorkerAndAJoinerGetsTheS
     EXPECT_GE(o->changes, 2);  // the death, then the join
   }
   expect_trained(od, 3);
+  // The joiner's callback ran too, saying it had no replicas before.
+  EXPECT_EQ(od.callbacks, 1);
+  EXPECT_EQ(od.first_previous_replicas, 0);
 }
 
 }  // namespace
