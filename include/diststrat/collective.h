@@ -127,7 +127,9 @@ class Communicator {
   virtual const CommunicationOptions& options() const = 0;
 
   // out[i] = op over all ranks of in[i], for i < count. In place allowed.
-  // `name` names the tensor in error messages.
+  // `name` names the tensor in error messages; communicators that compare
+  // the ranks' calls (every one but NCCL's) compare it too, so give the same
+  // name on every rank.
   virtual void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                           const std::string& name = "") = 0;
   // Copies root's `count` elements of `buf` into every rank's `buf`.

@@ -29,11 +29,13 @@
 //   DeadlineExceededError naming the ranks that never arrived; after a
 //   deadline or abort() the group is unusable: destroy it and make another.
 //   Ranks whose calls differ (kind of collective, count, dtype, reduce op,
-//   root) all throw InvalidArgumentError naming the first odd rank and both
-//   calls, before any byte moves: on one host, compared in shared memory
-//   (and the group is aborted); across hosts or virtual nodes, by one small
-//   message exchange per call (ceil(log2 size) rounds)
-//   (docs/process_group.md). Names are not compared (they only label errors).
+//   root, or the name the caller gave) all throw InvalidArgumentError naming
+//   the first odd rank and both calls, before any byte moves: on one host,
+//   compared in shared memory (and the group is aborted); across hosts or
+//   virtual nodes, by one small message exchange per call (ceil(log2 size)
+//   rounds) (docs/process_group.md). So a rank that skips or reorders a
+//   collective fails at the first mispaired call, on every rank; give the
+//   same name on every rank to calls that belong together.
 // - Thread safety: one thread at a time per group (a group is one rank's
 //   Communicator). A call made while another thread's call on the same group
 //   is in flight throws FailedPreconditionError naming both and aborts the

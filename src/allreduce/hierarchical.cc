@@ -12,6 +12,7 @@
 
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport_communicator.h"
+#include "core/fnv1a.h"
 
 namespace diststrat {
 namespace algo {
@@ -167,27 +168,37 @@ void HierarchicalCommunicator::check_layout() {
 
 void HierarchicalCommunicator::compare_call(size_t count, DType dtype, ReduceOp op,
                                             const std::string& name) {
+  // Per rank: count, dtype, op, the hash of the name and its first
+  // kNameWords * 8 bytes (for the message).
+  constexpr size_t kNameWords = 6, kWords = 4 + kNameWords;
   const int n = flat_->size();
-  const int64_t mine[3] = {static_cast<int64_t>(count), static_cast<int64_t>(dtype),
-                           static_cast<int64_t>(op)};
-  std::vector<int64_t> all(3 * static_cast<size_t>(n));
+  int64_t mine[kWords] = {static_cast<int64_t>(count), static_cast<int64_t>(dtype),
+                          static_cast<int64_t>(op), static_cast<int64_t>(fnv1a(name))};
+  std::memcpy(mine + 4, name.data(), std::min(name.size(), kNameWords * 8 - 1));
+  std::vector<int64_t> all(kWords * static_cast<size_t>(n));
   const std::string what = "rank " + std::to_string(flat_->rank()) + ": " +
                            describe_call("all_reduce", count, dtype, &op, name) + " (hierarchical)";
   try {
-    flat_->all_gather(mine, all.data(), 3, DType::kInt64, name + " (call comparison)");
+    // One fixed name: the names are compared in the gathered words.
+    flat_->all_gather(mine, all.data(), kWords, DType::kInt64, "hierarchical call comparison");
   } catch (const Error& e) {
     // Another kind of call on some rank meets this gather: say which call
     // this rank was making.
     throw_error(e.code(), what + ": comparing the call across ranks: " + e.message());
   }
   int other = 1;
-  while (other < n && std::equal(all.begin(), all.begin() + 3, all.begin() + 3 * other)) ++other;
+  while (other < n && std::equal(all.begin(), all.begin() + 4, all.begin() + kWords * other)) {
+    ++other;
+  }
   if (other == n) return;
   auto call_of = [&](int r) {
-    const int64_t* k = all.data() + 3 * r;
+    const int64_t* k = all.data() + kWords * r;
     const ReduceOp rop = static_cast<ReduceOp>(k[2]);
+    const char* text = reinterpret_cast<const char*>(k + 4);
+    const std::string their(text, strnlen(text, kNameWords * 8));
     return describe_call("all_reduce", static_cast<size_t>(k[0]), static_cast<DType>(k[1]), &rop,
-                         "");
+                         their) +
+           (their.empty() ? " (unnamed)" : "");
   };
   throw InvalidArgumentError(what + ": ranks disagree on the call: rank 0 has " + call_of(0) +
                              ", rank " + std::to_string(other) + " has " + call_of(other));

@@ -89,13 +89,13 @@ std::string describe(const Descriptor& d) {
       os << " " << reduce_op_name(d.op);
     if (d.kind == Kind::kBroadcast) os << " from root " << d.root;
   }
-  if (!d.name.empty()) os << " '" << echo(d.name) << "'";
+  os << (d.name.empty() ? std::string(" (unnamed)") : " '" + echo(d.name) + "'");
   return os.str();
 }
 
 bool compatible(const Descriptor& a, const Descriptor& b) {
   return a.kind == b.kind && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
-         a.root == b.root;
+         a.root == b.root && a.name == b.name;
 }
 
 bool point_to_point(Algorithm a) {

@@ -104,7 +104,7 @@ class MpiCommunicator : public TransportCommunicator {
     guarded(describe_call("all_reduce", count, dtype, &op, name) + " (mpi)", [&] {
       // MPI_Allreduce with mismatched counts or types is undefined (Open MPI
       // ends the job, or reduces garbage): compare the calls first.
-      agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm});
+      agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm, &name});
       MPI_Datatype type;
       MPI_Op mpi_op = mpi::native_op(op);
       if (dtype == DType::kFloat16 || dtype == DType::kBFloat16) {

@@ -53,7 +53,7 @@ namespace diststrat {
 void ShmCommunicator::all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                                  const std::string& name) {
   Call call(this, describe_call("all_reduce", count, dtype, &op, name) + " (shm)",
-            shm::record(shm::CallKind::kAllReduce, count, dtype, &op, -1));
+            shm::record(shm::CallKind::kAllReduce, count, dtype, &op, -1, name));
   if (count == 0) return call.empty();
   const size_t es = dtype_size(dtype);
   const size_t per = chunk_ / es;

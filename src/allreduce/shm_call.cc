@@ -25,12 +25,17 @@
 
 #include "allreduce/mpi_util.h"
 #include "allreduce/shm_internal.h"
+#include "core/fnv1a.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 namespace shm {
 
-CallRecord record(CallKind kind, size_t count, DType dtype, const ReduceOp* op, int root) {
+CallRecord record(CallKind kind, size_t count, DType dtype, const ReduceOp* op, int root,
+                  const std::string& name) {
   CallRecord r;
+  r.name_hash = fnv1a(name);
+  std::memcpy(r.name, name.data(), std::min(name.size(), sizeof r.name - 1));
   r.kind = static_cast<uint32_t>(kind);
   r.count = count;
   r.dtype = kind == CallKind::kBarrier ? 0 : static_cast<int32_t>(dtype);
@@ -46,7 +51,11 @@ std::string describe_record(const CallRecord& r) {
   static const char* const kNames[] = {"?",          "all_reduce",     "broadcast",
                                        "all_gather", "reduce_scatter", "barrier"};
   const char* kind = r.kind < 6 ? kNames[r.kind] : "?";
-  if (r.kind == static_cast<uint32_t>(CallKind::kBarrier)) return "a barrier";
+  const std::string name(r.name, strnlen(r.name, sizeof r.name));
+  const std::string named =
+      name.empty() ? std::string(" (unnamed)")
+                   : " '" + echo(name) + (name.size() == sizeof r.name - 1 ? "...'" : "'");
+  if (r.kind == static_cast<uint32_t>(CallKind::kBarrier)) return "a barrier" + named;
   const bool known = r.dtype >= 0 && r.dtype <= static_cast<int32_t>(DType::kInt64);
   std::string s =
       std::to_string(r.count) + " x " + (known ? dtype_name(static_cast<DType>(r.dtype)) : "?");
@@ -55,7 +64,7 @@ std::string describe_record(const CallRecord& r) {
   }
   if (r.kind == static_cast<uint32_t>(CallKind::kBroadcast))
     s += " from root " + std::to_string(r.root);
-  return s + " in " + kind;
+  return s + " in " + kind + named;
 }
 
 }  // namespace

@@ -18,7 +18,7 @@ void ShmCommunicator::broadcast(void* data, size_t count, DType dtype, int root,
   Call call(this,
             describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
                 std::to_string(root) + " (shm)",
-            shm::record(shm::CallKind::kBroadcast, count, dtype, nullptr, root));
+            shm::record(shm::CallKind::kBroadcast, count, dtype, nullptr, root, name));
   const size_t bytes = count * dtype_size(dtype);
   if (root < 0 || root >= size_ || bytes == 0) {
     // Met first, so a root out of range on some ranks only is a
@@ -41,7 +41,7 @@ void ShmCommunicator::broadcast(void* data, size_t count, DType dtype, int root,
 void ShmCommunicator::all_gather(const void* in, void* out, size_t count, DType dtype,
                                  const std::string& name) {
   Call call(this, describe_call("all_gather", count, dtype, nullptr, name) + " (shm)",
-            shm::record(shm::CallKind::kAllGather, count, dtype, nullptr, -1));
+            shm::record(shm::CallKind::kAllGather, count, dtype, nullptr, -1, name));
   const size_t bytes = count * dtype_size(dtype);
   if (bytes == 0) return call.empty();
   const char* src = static_cast<const char*>(in);
@@ -62,7 +62,7 @@ void ShmCommunicator::all_gather(const void* in, void* out, size_t count, DType 
 void ShmCommunicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype,
                                      ReduceOp op, const std::string& name) {
   Call call(this, describe_call("reduce_scatter", count, dtype, &op, name) + " (shm)",
-            shm::record(shm::CallKind::kReduceScatter, count, dtype, &op, -1));
+            shm::record(shm::CallKind::kReduceScatter, count, dtype, &op, -1, name));
   if (count == 0) return call.empty();
   const size_t es = dtype_size(dtype);
   // Each chunk stages `per` elements of every rank's block.
@@ -88,7 +88,7 @@ void ShmCommunicator::reduce_scatter(const void* in, void* out, size_t count, DT
 
 void ShmCommunicator::barrier(const std::string& name) {
   Call call(this, std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'") + " (shm)",
-            shm::record(shm::CallKind::kBarrier, 0, DType::kFloat32, nullptr, -1));
+            shm::record(shm::CallKind::kBarrier, 0, DType::kFloat32, nullptr, -1, name));
   ++chunks_;  // keeps the buffer parity rule simple: a barrier is an empty chunk
   call.barrier();
 }

@@ -43,7 +43,12 @@ ShmCommunicator::ShmCommunicator(MPI_Comm comm, const CommunicationOptions& opti
   chunk_ = options.segment_bytes ? options.segment_bytes : shm::kDefaultChunk;
   chunk_ = std::max<size_t>(64, chunk_ / 64 * 64);
   std::vector<char*> parts;
-  win_ = allocate_shared_window(shm::kHeader + shm::kBuffers * chunk_, &parts);
+  // MPI places the ranks' segments only 8-byte aligned; the header is
+  // alignas(64) (its counters on their own cache lines, and the compiler
+  // copies call records with aligned vector stores), so each part starts at
+  // the next multiple of 64.
+  win_ = allocate_shared_window(shm::kHeader + shm::kBuffers * chunk_ + 64, &parts);
+  for (char*& part : parts) part += (64 - reinterpret_cast<uintptr_t>(part) % 64) % 64;
   new (parts[rank_]) shm::Header();
   reinterpret_cast<shm::Header*>(parts[rank_])->process = this_process();
   reinterpret_cast<shm::Header*>(parts[rank_])->world_rank = mpi::world_rank();

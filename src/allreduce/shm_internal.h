@@ -65,8 +65,12 @@ struct CallRecord {
   uint32_t kind = 0;
   int32_t dtype = 0, op = -1, root = -1;
   uint64_t count = 0;
+  // The caller's name: its hash (compared) and its start (for the message).
+  uint64_t name_hash = 0;
+  char name[48] = {};
   bool operator==(const CallRecord& o) const {
-    return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count;
+    return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count &&
+           name_hash == o.name_hash;
   }
 };
 
@@ -99,7 +103,8 @@ struct alignas(64) Header {
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
 
-CallRecord record(CallKind kind, size_t count, DType dtype, const ReduceOp* op, int root);
+CallRecord record(CallKind kind, size_t count, DType dtype, const ReduceOp* op, int root,
+                  const std::string& name);
 
 }  // namespace shm
 

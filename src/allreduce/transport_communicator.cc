@@ -74,10 +74,13 @@ namespace {
 
 // A CallKey as fixed-width words, identical in every process and build:
 // kind, count, dtype, op, root, algorithm (-1 where the call has none),
-// segment bytes, node count.
-constexpr int kKeyWords = 8;
+// segment bytes, node count, and the hash of the caller's name.
+constexpr int kKeyWords = 9;
 using KeyWords = std::array<int64_t, kKeyWords>;
 constexpr int64_t kBarrierKind = 4;  // CallKind::kBarrier
+// How much of each rank's name the rare path gathers to say what differs.
+constexpr size_t kNameBytes = 64;
+using NameBytes = std::array<char, kNameBytes>;
 
 const char* kind_name(int64_t kind) {
   static const char* const names[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter",
@@ -85,10 +88,10 @@ const char* kind_name(int64_t kind) {
   return 0 <= kind && kind <= kBarrierKind ? names[kind] : "unknown call";
 }
 
-// "all_reduce of 4 float32 sum (ring)"; also the settings in which it
-// differs from `other` (segment size, node count), so that a mismatch in
-// options alone still says what differs.
-std::string describe_key(const KeyWords& k, const KeyWords& other) {
+// "all_reduce of 4 float32 sum (ring) 'dense/kernel'"; also the settings in
+// which it differs from `other` (segment size, node count), so that a
+// mismatch in options alone still says what differs.
+std::string describe_key(const KeyWords& k, const KeyWords& other, const NameBytes& name) {
   std::ostringstream os;
   os << kind_name(k[0]);
   if (k[0] != kBarrierKind) os << " of " << k[1] << " " << dtype_name(static_cast<DType>(k[2]));
@@ -97,12 +100,17 @@ std::string describe_key(const KeyWords& k, const KeyWords& other) {
   if (k[5] >= 0) os << " (" << algorithm_name(static_cast<Algorithm>(k[5])) << ")";
   if (other[6] != k[6]) os << " with " << k[6] << "-byte segments";
   if (other[7] != k[7]) os << " over " << k[7] << " node(s)";
+  const std::string text(name.data(), strnlen(name.data(), name.size()));
+  os << (text.empty() ? std::string(" (unnamed)") : " '" + echo(text) + "'");
+  if (text.size() == kNameBytes - 1) os << "...";
   return os.str();
 }
 
 }  // namespace
 
 void TransportCommunicator::agree_on_call(const CallKey& key) {
+  static const std::string kNoName;
+  const std::string& name = key.name ? *key.name : kNoName;
   KeyWords mine{};
   mine[0] = static_cast<int64_t>(key.kind);
   mine[1] = static_cast<int64_t>(key.count);
@@ -112,19 +120,27 @@ void TransportCommunicator::agree_on_call(const CallKey& key) {
   mine[5] = key.algorithm ? static_cast<int64_t>(*key.algorithm) : -1;
   mine[6] = static_cast<int64_t>(algo::segment_bytes(options_));
   mine[7] = num_nodes_;
+  mine[8] = static_cast<int64_t>(fnv1a(name));
   Fnv1a hash;
   hash.bytes(mine.data(), sizeof mine);
   const algo::Peers peers = algo::Peers::all(*transport_);
   if (algo::dissemination_agree(peers, hash.get(), next_tag(), deadline())) return;
-  // Rare path, taken by every rank alike: gather every rank's key to say
-  // what differs.
+  // Rare path, taken by every rank alike: gather every rank's key and the
+  // start of its name to say what differs.
   const int n = size();
   std::vector<KeyWords> all(n);
+  std::vector<NameBytes> names(n);
   all[rank()] = mine;
+  names[rank()].fill('\0');
+  std::memcpy(names[rank()].data(), name.data(), std::min(name.size(), kNameBytes - 1));
   algo::ChunkLayout layout{[](int c) { return static_cast<size_t>(c) * kKeyWords; },
                            [](int) { return static_cast<size_t>(kKeyWords); }};
   algo::ring_all_gather(peers, all.data(), sizeof(int64_t), layout, /*shift=*/0,
                         /*segment=*/sizeof(KeyWords), next_tag(), deadline());
+  algo::ChunkLayout name_layout{[](int c) { return static_cast<size_t>(c) * kNameBytes; },
+                                [](int) { return kNameBytes; }};
+  algo::ring_all_gather(peers, names.data(), 1, name_layout, /*shift=*/0,
+                        /*segment=*/kNameBytes, next_tag(), deadline());
   int other = 1;
   while (other < n && all[other] == all[0]) ++other;
   if (other == n) {
@@ -132,9 +148,9 @@ void TransportCommunicator::agree_on_call(const CallKey& key) {
         "ranks agree on the call, yet the comparison of its hashes failed: a "
         "comparison message was damaged on its way");
   }
-  throw InvalidArgumentError("ranks disagree on the call: rank 0 has " +
-                             describe_key(all[0], all[other]) + ", rank " + std::to_string(other) +
-                             " has " + describe_key(all[other], all[0]));
+  throw InvalidArgumentError(
+      "ranks disagree on the call: rank 0 has " + describe_key(all[0], all[other], names[0]) +
+      ", rank " + std::to_string(other) + " has " + describe_key(all[other], all[0], names[other]));
 }
 
 Algorithm TransportCommunicator::resolve(size_t bytes) const {
@@ -181,7 +197,7 @@ void TransportCommunicator::all_reduce(const void* in, void* out, size_t count, 
   guarded(
       describe_call("all_reduce", count, dtype, &op, name) + " (" + algorithm_name(algorithm) + ")",
       [&] {
-        agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm});
+        agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm, &name});
         if (in != out && bytes) std::memcpy(out, in, bytes);
         run_algorithm(algorithm, out, count, dtype, op);
       });
@@ -194,7 +210,7 @@ void TransportCommunicator::broadcast(void* buf, size_t count, DType dtype, int 
           [&] {
             // Compared first, so that a root out of range on some ranks only
             // is an error on all of them, not a wait until the deadline.
-            agree_on_call({CallKind::kBroadcast, count, dtype, nullptr, root, nullptr});
+            agree_on_call({CallKind::kBroadcast, count, dtype, nullptr, root, nullptr, &name});
             DISTSTRAT_CHECK(0 <= root && root < size(), kInvalidArgument, "root ", root,
                             " is not a rank of a group of ", size());
             const int tag = next_tag();
@@ -206,7 +222,7 @@ void TransportCommunicator::broadcast(void* buf, size_t count, DType dtype, int 
 void TransportCommunicator::all_gather(const void* in, void* out, size_t count, DType dtype,
                                        const std::string& name) {
   guarded(describe_call("all_gather", count, dtype, nullptr, name), [&] {
-    agree_on_call({CallKind::kAllGather, count, dtype, nullptr, -1, nullptr});
+    agree_on_call({CallKind::kAllGather, count, dtype, nullptr, -1, nullptr, &name});
     const size_t es = dtype_size(dtype), bytes = count * es;
     char* mine = static_cast<char*>(out) + rank() * bytes;
     if (bytes && mine != in) std::memcpy(mine, in, bytes);
@@ -220,7 +236,7 @@ void TransportCommunicator::all_gather(const void* in, void* out, size_t count, 
 void TransportCommunicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype,
                                            ReduceOp op, const std::string& name) {
   guarded(describe_call("reduce_scatter", count, dtype, &op, name), [&] {
-    agree_on_call({CallKind::kReduceScatter, count, dtype, &op, -1, nullptr});
+    agree_on_call({CallKind::kReduceScatter, count, dtype, &op, -1, nullptr, &name});
     const int n = size();
     const size_t es = dtype_size(dtype), bytes = count * es;
     std::vector<char> work(static_cast<size_t>(n) * bytes);
@@ -243,8 +259,11 @@ void TransportCommunicator::reduce_scatter(const void* in, void* out, size_t cou
 }
 
 void TransportCommunicator::barrier(const std::string& name) {
-  guarded(std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'"),
-          [&] { agree_on_call({}); });
+  guarded(std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'"), [&] {
+    CallKey key;
+    key.name = &name;
+    agree_on_call(key);
+  });
 }
 
 void TransportCommunicator::abort(const std::string& reason) {

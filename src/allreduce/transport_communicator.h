@@ -7,10 +7,13 @@
 // shared-memory path on top (mpi_communicator.h).
 //
 // Every collective first compares what each rank is calling (kind, count,
-// dtype, op, root, algorithm, segment size, node count) in one dissemination
-// exchange of 16-byte messages (ceil(log2 size) rounds): a mismatch is the
-// same InvalidArgumentError on every rank, before any byte of the call moves,
-// instead of wrong numbers or a wait until the deadline.
+// dtype, op, root, algorithm, segment size, node count and the caller's
+// name) in one dissemination exchange of 16-byte messages (ceil(log2 size)
+// rounds) of a hash: a mismatch is the same InvalidArgumentError on every
+// rank, before any byte of the call moves, naming both calls, instead of
+// wrong numbers or a wait until the deadline. Comparing the name catches a
+// skipped or reordered collective at the first mispaired call, even where
+// the two calls agree in everything else.
 //
 // Tags: each comparison and each collective takes the next block of 8 tags,
 // kTagBase + (k mod kTagSlots) * 8 + [0, 8), all within [16384, 24576)
@@ -81,6 +84,7 @@ class TransportCommunicator : public Communicator {
     const ReduceOp* op = nullptr;          // reductions only
     int root = -1;                         // broadcast only
     const Algorithm* algorithm = nullptr;  // all_reduce only (kAuto resolved)
+    const std::string* name = nullptr;     // the caller's name ("" when null)
   };
   // The comparison every collective here starts with: returns when every
   // rank passed the same `key`; otherwise every rank throws

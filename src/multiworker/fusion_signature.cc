@@ -233,18 +233,27 @@ void FusionEngine::check_signatures(const Call& call) {
     if (!call.local_mismatch.empty()) throw InvalidArgumentError(call.local_mismatch);
     return;
   }
-  // Named after the user's tensors: a peer that never comes makes this the
-  // collective that times out.
+  // The gathers' names are the same on every rank (the communicator
+  // compares them); their errors are told after the user's tensors, since a
+  // peer that never comes makes this the collective that times out.
   const Part& p0 = call.parts[0];
+  const std::string wire = "signature of fused all_reduce call #" + std::to_string(index);
   const std::string label =
-      "signature of fused all_reduce call #" + std::to_string(index) + " of " +
+      wire + " of " +
       (call.local_mismatch.empty() ? first_tensors(p0.names, p0.tensors.size())
                                    : std::string("mismatched local tensors"));
+  auto gather = [&](const int64_t* in, int64_t* out, size_t count, const char* part) {
+    try {
+      cross_.all_gather(in, out, count, DType::kInt64, wire + part);
+    } catch (const Error& e) {
+      throw_error(e.code(), "rank " + std::to_string(rank_) + ": " + label + ": " + e.message());
+    }
+  };
   const int64_t honest = static_cast<int64_t>(signature_hash(call));
   int64_t mine = honest;
   if (corrupt_next_signature_.exchange(false)) mine ^= static_cast<int64_t>(0x5a5a5a5a5a5a5a5aull);
   std::vector<int64_t> all(n);
-  cross_.all_gather(&mine, all.data(), 1, DType::kInt64, label);
+  gather(&mine, all.data(), 1, "");
   bool same = true;
   for (int r = 0; r < n; ++r) same = same && all[r] == all[0];
   if (same) return;
@@ -252,12 +261,12 @@ void FusionEngine::check_signatures(const Call& call) {
   const std::string sig = signature(call);
   int64_t len = static_cast<int64_t>(sig.size());
   std::vector<int64_t> lens(n);
-  cross_.all_gather(&len, lens.data(), 1, DType::kInt64, label + " (lengths)");
+  gather(&len, lens.data(), 1, " (lengths)");
   const int64_t longest = *std::max_element(lens.begin(), lens.end());
   const size_t words = static_cast<size_t>(longest + 7) / 8;
   std::vector<int64_t> padded(words, 0), gathered(words * n);
   std::memcpy(padded.data(), sig.data(), sig.size());
-  cross_.all_gather(padded.data(), gathered.data(), words, DType::kInt64, label + " (details)");
+  gather(padded.data(), gathered.data(), words, " (details)");
   std::vector<std::string> sigs(n);
   for (int r = 0; r < n; ++r) {
     sigs[r].assign(reinterpret_cast<const char*>(gathered.data() + r * words),

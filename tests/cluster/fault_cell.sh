@@ -31,9 +31,14 @@
 # 3 x TIMEOUT_MS for parameter_server, the workers' own wait), some line of
 # the output names the victim's rank ("rank R") or host, and no process is
 # left in any namespace of the cluster (nor any with this cell's --tag).
-# "Mid-training" = once host 0 sends > 100 packets per 0.2 s in two windows
-# in a row (one window can be the set-up's burst: a fault 0.5 s after mpirun
-# started, during the PS set-up, left worker 0 without its steps once).
+# "Mid-training" = once rank 0 has said "rank 0: training" (its first step
+# is done, so every rank's collective set-up is over) and host 0 sends > 100
+# packets per 0.2 s in two windows in a row. (On packets alone, a loaded
+# machine's set-up burst passed for training: the fault struck inside
+# MPI_Comm_split_type, the survivors rightly failed at its deadline, and the
+# cell waited 60 s for lines of a training that never started.)
+# DSC_FAULT_AFTER_MS=N strikes N ms after mpirun started instead (a fault
+# during set-up; for runs by hand).
 # Exit 77 (ctest: skipped) with the reason where namespaces are refused.
 set -u
 if (($# < 3)); then
@@ -84,7 +89,19 @@ job=$!
 tx() { timeout 5 "$cluster" counters 0 | awk '{print $3}'; }
 under_way=0 busy=0
 prev=$(tx)
-for ((i = 0; i < 150; ++i)); do
+if [[ -z ${DSC_FAULT_AFTER_MS:-} ]]; then
+  for ((i = 0; i < 300; ++i)); do
+    grep -q "^rank 0: training" "$log" && break
+    kill -0 "$job" 2>/dev/null || break
+    sleep 0.1
+  done
+  prev=$(tx)
+else
+  sleep "$(awk -v ms="$DSC_FAULT_AFTER_MS" -v t0="$start_ms" -v now="$(now_ms)" \
+    'BEGIN { d = (t0 + ms - now) / 1000; print (d > 0 ? d : 0) }')"
+  under_way=1
+fi
+for ((i = 0; i < 150 && !under_way; ++i)); do
   sleep 0.2
   kill -0 "$job" 2>/dev/null || break
   cur=$(tx)
@@ -113,7 +130,8 @@ still_running=0
 kill -0 "$job" 2>/dev/null && still_running=1
 if [[ $kind == ps_worker_host_dies ]]; then
   # The survivors' last lines, then mpirun: give it 5 s to end by itself.
-  reported() { grep -cE "^rank (0|2): (OK|FAILED)" "$log"; }
+  # (A fault during set-up, by DSC_FAULT_AFTER_MS: the survivors' own exit lines.)
+  reported() { grep -cE "^rank (0|2): (OK|FAILED)|^diststrat: rank (0|2): .*exiting" "$log"; }
   for ((i = 0; i < 600 && $(reported) < 2; ++i)); do
     kill -0 "$job" 2>/dev/null || break
     sleep 0.1
@@ -154,7 +172,7 @@ if [[ $kind == ps_worker_host_dies ]]; then
     echo "FAIL: the survivors reported $((end_ms - fault_ms)) ms after the fault (bound ${bound_ms} ms)"
     fail=1
   fi
-  naming=$(grep -E "rank $victim([^0-9]|$)" "$log" | head -3)
+  naming=$(grep -v "^rank [0-9]*: training$" "$log" | grep -E "rank $victim([^0-9]|$)" | head -3)
 elif [[ $kind == link_blip ]]; then
   if ((!still_running)); then
     echo "FAIL: the job ended before the link came back (raise DSC_BLIP_STEPS)"
@@ -170,7 +188,7 @@ else
     echo "FAIL: the job ended $((end_ms - fault_ms)) ms after the fault, more than deadline + 10 s (${bound_ms} ms)"
     fail=1
   fi
-  naming=$(grep -E "rank $victim([^0-9]|$)|$host([^0-9]|$)" "$log" | head -3)
+  naming=$(grep -v "^rank [0-9]*: training$" "$log" | grep -E "rank $victim([^0-9]|$)|$host([^0-9]|$)" | head -3)
   if [[ -z $naming ]]; then echo "FAIL: no line names rank $victim or host $host"; fail=1; fi
 fi
 sleep 0.5

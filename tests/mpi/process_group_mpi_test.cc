@@ -429,6 +429,46 @@ TEST(ProcessGroupMpi, MismatchedCallsAreAnErrorOnEveryRankNamingTheCall) {
   EXPECT_EQ(b[3], static_cast<float>(odd));
 }
 
+// A rank that skips one collective of a sequence (the last rank skips
+// step_6) fails at the first mispaired call, as every other rank does,
+// naming both names -- on one host (shared memory), across virtual nodes
+// (hierarchical) and over TCP. Before the caller's name was compared, the
+// last rank's step_7 met the others' step_6 and so on: the last rank
+// finished "successfully", the others failed at step_9's deadline naming
+// the wrong collective, and every reduction since step_6 combined different
+// tensors.
+TEST(ProcessGroupMpi, ASkippedCollectiveIsAnErrorAtTheFirstMispairedCall) {
+  const int n = world_size(), me = world_rank(), skipper = n - 1;
+  ds::ProcessGroup pg(group_options(std::chrono::seconds(20)));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string message;
+  int failed_at = -1;
+  for (int step = 0; step < 10 && failed_at < 0; ++step) {
+    if (me == skipper && step == 6) continue;
+    std::vector<float> g(4, 1.0f);
+    try {
+      pg.all_reduce(g.data(), g.data(), 4, ds::DType::kFloat32, ds::ReduceOp::kSum,
+                    "step_" + std::to_string(step));
+      EXPECT_EQ(g[3], static_cast<float>(n)) << "step " << step;
+    } catch (const ds::InvalidArgumentError& e) {
+      message = e.message();
+      failed_at = step;
+    } catch (const ds::AbortedError& e) {
+      // A rank that looks later may see the abort of one that looked first.
+      message = e.message();
+      failed_at = step;
+    }
+  }
+  if (me == 0) std::fprintf(stderr, "[rank 0] %s\n", message.c_str());
+  EXPECT_EQ(failed_at, me == skipper ? 7 : 6) << message;
+  EXPECT_TRUE(has(message, "disagree")) << message;
+  EXPECT_TRUE(has(message, "'step_6'")) << message;
+  EXPECT_TRUE(has(message, "'step_7'")) << message;
+  EXPECT_TRUE(has(message, "rank " + std::to_string(skipper) + " has")) << message;
+  EXPECT_LT(seconds_since(t0), 10.0) << "deadline was 20 s";
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // The documented recovery after a caught mismatch -- reset() on every rank --
 // works at once, without a pause: 50 times in a row, a mismatched call is an
 // error on every rank, every rank resets, and the next calls give the right

@@ -332,12 +332,85 @@ TEST(TransportCommunicator, MismatchedCallsFailOnEveryRankBeforeAnyByteMoves) {
       const std::string& m = messages[r];
       EXPECT_NE(m.find("rank " + std::to_string(r) + ": "), std::string::npos) << m;
       EXPECT_NE(m.find("'w/grad'"), std::string::npos) << m;
-      EXPECT_NE(m.find("ranks disagree on the call: rank 0 has " + var.rank0 + ", rank " +
-                       std::to_string(odd) + " has " + var.odd_rank),
+      EXPECT_NE(m.find("ranks disagree on the call: rank 0 has " + var.rank0 + " 'w/grad', rank " +
+                       std::to_string(odd) + " has " + var.odd_rank + " 'w/grad'"),
                 std::string::npos)
           << m;
       EXPECT_EQ(after[r], std::vector<float>(4, static_cast<float>(r + 1))) << "rank " << r;
     }
+  }
+}
+
+// The caller's name is part of the comparison: a rank that skips one
+// collective of a sequence (its step_7 would meet the others' step_6, and
+// every later call would pair different tensors of the same shape) fails at
+// the first mispaired call on every rank, naming both names. Before the name
+// was compared, the skipping rank finished "successfully" and the others
+// failed at the deadline of the last call, naming the wrong collective.
+TEST(TransportCommunicator, ASkippedCollectiveIsAnErrorAtTheFirstMispairedCall) {
+  const int n = 3, skipper = n - 1;
+  ds::InProcessTransportGroup group(n);
+  std::vector<std::string> messages(n);
+  std::vector<int> failed_at(n, -1);
+  ds::testing::run_threads(
+      n,
+      [&](int r) {
+        ds::CommunicationOptions o;
+        o.timeout = std::chrono::seconds(20);
+        ds::TransportCommunicator comm(group.at(r), o);
+        for (int step = 0; step < 10; ++step) {
+          if (r == skipper && step == 6) continue;
+          float x = 1.f;
+          try {
+            comm.all_reduce(&x, &x, 1, ds::DType::kFloat32, ds::ReduceOp::kSum,
+                            "step_" + std::to_string(step));
+          } catch (const ds::InvalidArgumentError& e) {
+            messages[r] = e.message();
+            failed_at[r] = step;
+            return;
+          }
+          EXPECT_EQ(x, static_cast<float>(n)) << "rank " << r << " step " << step;
+        }
+      },
+      [&](int r) { group.at(r).abort("rank " + std::to_string(r) + " failed"); });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(failed_at[r], r == skipper ? 7 : 6) << "rank " << r << ": " << messages[r];
+    EXPECT_NE(messages[r].find("ranks disagree on the call: rank 0 has all_reduce of 1 float32 "
+                               "sum (tree) 'step_6', rank 2 has all_reduce of 1 float32 sum "
+                               "(tree) 'step_7'"),
+              std::string::npos)
+        << messages[r];
+  }
+}
+
+// The same in an InProcessGroup (its own comparison of descriptors).
+TEST(InProcessGroup, ASkippedCollectiveIsAnErrorAtTheFirstMispairedCall) {
+  const int n = 3, skipper = 1;
+  ds::CommunicationOptions o;
+  o.timeout = std::chrono::seconds(20);
+  ds::InProcessGroup group(n, o);
+  std::vector<std::string> messages(n);
+  ds::testing::run_threads(
+      n,
+      [&](int r) {
+        for (int step = 0; step < 10; ++step) {
+          if (r == skipper && step == 6) continue;
+          float x = 1.f;
+          try {
+            group.at(r).all_reduce(&x, 1, ds::ReduceOp::kSum, "step_" + std::to_string(step));
+          } catch (const ds::InvalidArgumentError& e) {
+            messages[r] = e.message();
+            return;
+          }
+        }
+      },
+      [&](int r) { group.at(r).abort("rank " + std::to_string(r) + " failed"); });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NE(messages[r].find("mismatched collective #6: rank 0 called all_reduce of 1 float32 "
+                               "sum 'step_6' but rank 1 called all_reduce of 1 float32 sum "
+                               "'step_7'"),
+              std::string::npos)
+        << "rank " << r << ": " << messages[r];
   }
 }
 
