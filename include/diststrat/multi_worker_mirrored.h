@@ -131,6 +131,7 @@ class MultiWorkerMirroredStrategy : public Strategy {
   const std::vector<Device>& devices() const override;
   int first_local_replica() const override;
   ClusterInfo cluster() const override;
+  StragglerReport straggler_report() const override;
   // Node grouping this process uses (after virtual grouping).
   const Placement& placement() const;
   // True when the cross-process all-reduce runs hierarchically.

@@ -72,6 +72,7 @@
 
 #include "diststrat/cluster.h"
 #include "diststrat/collective.h"
+#include "diststrat/flight_recorder.h"
 #include "diststrat/tensor.h"
 
 namespace diststrat {
@@ -122,6 +123,10 @@ class ProcessGroup final : public Communicator {
   const ResolvedCluster& cluster() const;
   // True when all_reduce runs hierarchically (several nodes).
   bool hierarchical() const;
+  // Who slows the group's calls down: each rank's compute time before each
+  // collective over the latest window (diststrat/flight_recorder.h).
+  // Thread-safe.
+  StragglerReport straggler_report() const;
 
  private:
   struct Impl;

@@ -48,6 +48,7 @@
 #include "diststrat/data.h"
 #include "diststrat/device.h"
 #include "diststrat/fault.h"
+#include "diststrat/flight_recorder.h"
 #include "diststrat/logging.h"
 #include "diststrat/tensor.h"
 #include "diststrat/variable.h"
@@ -178,6 +179,12 @@ class Strategy {
   // Global id of this process's first replica.
   virtual int first_local_replica() const { return 0; }
   virtual ClusterInfo cluster() const { return ClusterInfo{}; }
+  // Who slows the synchronous steps down (diststrat/flight_recorder.h):
+  // per worker its compute time before each collective and how often it
+  // came last, over the latest window. Empty for strategies of one process
+  // and for the parameter server (its workers never wait for each other).
+  // Thread-safe.
+  virtual StragglerReport straggler_report() const { return StragglerReport{}; }
 
   // Creates a variable under this strategy; every process of a multi-process
   // job must create the same variables in the same order. Blocking.

@@ -12,6 +12,7 @@
 
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport_communicator.h"
+#include "core/flight_recorder.h"
 #include "core/fnv1a.h"
 
 namespace diststrat {
@@ -207,6 +208,7 @@ void HierarchicalCommunicator::compare_call(size_t count, DType dtype, ReduceOp 
 void HierarchicalCommunicator::all_reduce(const void* in, void* out, size_t count, DType dtype,
                                           ReduceOp op, const std::string& name) {
   compare_call(count, dtype, op, name);
+  flight::note_algorithm("hierarchical");
   const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
   const int L = intra_->size();
   if (L == 1 || inter_->size() == 1) {

@@ -39,6 +39,8 @@
 
 #include "allreduce/algorithm.h"
 #include "allreduce/inprocess.h"
+
+#include "allreduce/flight_recording.h"
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport.h"
 #include "allreduce/transport_communicator.h"
@@ -355,8 +357,16 @@ InProcessGroup::InProcessGroup(int size, CommunicationOptions options) {
   DISTSTRAT_CHECK_GE(size, 1, "InProcessGroup size");
   check_in_process_algorithm(options, "InProcessGroup");
   state_ = std::make_unique<State>(size, std::move(options));
+  // One reset() resets every member, and a slow replica thread is not what
+  // straggler detection is for: calls are recorded, no windows exchanged.
+  static std::atomic<int> groups{0};
+  const std::string group_name = "in-process#" + std::to_string(groups++);
+  RecordingCommunicator::Options recording;
+  recording.stragglers = false;
+  recording.members_reset_together = false;
   for (int r = 0; r < size; ++r)
-    comms_.push_back(std::make_unique<InProcessCommunicator>(state_.get(), r));
+    comms_.push_back(wrap_recorded(std::make_unique<InProcessCommunicator>(state_.get(), r),
+                                   group_name, recording));
 }
 
 InProcessGroup::~InProcessGroup() = default;

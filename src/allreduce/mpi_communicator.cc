@@ -2,6 +2,7 @@
 // plus MPI's own MPI_Iallreduce (kMpiNative, polled against the deadline) and,
 // when every rank shares one node, the shared-memory communicator.
 
+#include "core/flight_recorder.h"
 #include "allreduce/mpi_communicator.h"
 
 #include <algorithm>
@@ -97,7 +98,10 @@ class MpiCommunicator : public TransportCommunicator {
   void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                   const std::string& name) override {
     const Algorithm algorithm = options_.algorithm;
-    if (use_shm()) return shm_->all_reduce(in, out, count, dtype, op, name);
+    if (use_shm()) {
+      flight::note_algorithm("shm");
+      return shm_->all_reduce(in, out, count, dtype, op, name);
+    }
     if (algorithm != Algorithm::kMpiNative) {
       return TransportCommunicator::all_reduce(in, out, count, dtype, op, name);
     }
@@ -105,6 +109,7 @@ class MpiCommunicator : public TransportCommunicator {
       // MPI_Allreduce with mismatched counts or types is undefined (Open MPI
       // ends the job, or reduces garbage): compare the calls first.
       agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm, &name});
+      flight::note_algorithm("mpi");
       MPI_Datatype type;
       MPI_Op mpi_op = mpi::native_op(op);
       if (dtype == DType::kFloat16 || dtype == DType::kBFloat16) {

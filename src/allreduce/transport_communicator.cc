@@ -10,6 +10,7 @@
 #include "allreduce/custom.h"
 #include "allreduce/hierarchical.h"
 #include "allreduce/reduce_kernels.h"
+#include "core/flight_recorder.h"
 #include "core/fnv1a.h"
 #include "core/user_text.h"
 
@@ -198,6 +199,7 @@ void TransportCommunicator::all_reduce(const void* in, void* out, size_t count, 
       describe_call("all_reduce", count, dtype, &op, name) + " (" + algorithm_name(algorithm) + ")",
       [&] {
         agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm, &name});
+        flight::note_algorithm(algorithm_name(algorithm));
         if (in != out && bytes) std::memcpy(out, in, bytes);
         run_algorithm(algorithm, out, count, dtype, op);
       });

@@ -33,6 +33,10 @@ const KnownVariable kKnown[] = {
     {"DISTSTRAT_GPU_LEASE_DIR", "library"},
     {"DISTSTRAT_PS_CHECKPOINT_DIR", "library"},
     {"DISTSTRAT_WORKER_ID", "library"},
+    {"DISTSTRAT_FLIGHT_RECORDER", "library"},
+    {"DISTSTRAT_FLIGHT_RECORDER_DIR", "library"},
+    {"DISTSTRAT_FLIGHT_RECORDER_EXIT", "library"},
+    {"DISTSTRAT_STRAGGLER_WINDOW", "library"},
     // Read by scripts/ (build and test drivers).
     {"DISTSTRAT_CMAKE_ARGS", "scripts"},
     {"DISTSTRAT_BUILD_DIR", "scripts"},

@@ -8,7 +8,9 @@
 #include <optional>
 #include <thread>
 
+#include "allreduce/flight_recording.h"
 #include "allreduce/transport_communicator.h"
+#include "core/flight_recorder.h"
 #include "diststrat/config.h"
 #if DISTSTRAT_HAVE_GLOO
 #include "allreduce/gloo_transport.h"
@@ -165,8 +167,12 @@ void MultiWorkerMirroredStrategy::Impl::join_group(SteadyClock::time_point deadl
       Transport& ref = *t;
       CommunicationOptions co = options.communication;
       co.algorithm = co.algorithm == Algorithm::kHierarchical ? Algorithm::kAuto : co.algorithm;
-      comms.cross =
-          std::make_unique<TransportCommunicator>(ref, co, std::vector<int>{}, std::move(t));
+      comms.cross = wrap_recorded(
+          std::make_unique<TransportCommunicator>(ref, co, std::vector<int>{}, std::move(t)),
+          "elastic g" + std::to_string(e.view.group));
+      // The job's processes find each other's flight records by the URL.
+      flight::set_job(e.options.rendezvous);
+      flight::set_process(e.view.rank, size);
       comms.hierarchical = false;
       cross = comms.cross.get();
       set_explicit_cluster(e.view.rank, size);

@@ -74,6 +74,7 @@ struct ElasticRuntime {
 struct MultiWorkerMirroredStrategy::Impl {
   // Timeline lanes: 0 = communication thread, 1 + l = local replica l.
   static constexpr int kStepLane = 1000;
+  static constexpr int kStragglerLane = 1001;
 
   MultiWorkerMirroredStrategy* self;
   MultiWorkerOptions options;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <optional>
 
+#include "allreduce/flight_recording.h"
 #include "allreduce/hierarchical.h"
 #include "core/env.h"
 #include "multiworker/multi_worker_impl.h"
@@ -54,7 +55,12 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
         m.comms.hierarchical = true;
       }
     }
-    m.cross = m.comms.cross ? m.comms.cross.get() : c;
+    // Recorded like the strategy's own communicators (flight recorder,
+    // straggler detection); the given one stays the caller's.
+    m.comms.cross = m.comms.cross ? wrap_recorded(std::move(m.comms.cross), "world")
+                                  : std::make_unique<RecordingCommunicator>(
+                                        *c, "world", RecordingCommunicator::Options{});
+    m.cross = m.comms.cross.get();
   } else {
     // Set-up is collective: a rank that fails it makes every rank fail,
     // naming it, within the deadline (resolve_cluster and agree_on_setup),
@@ -101,6 +107,11 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
       m.timeline->name_thread(1 + static_cast<int>(l), "replica " + std::to_string(l));
     }
     m.timeline->name_thread(Impl::kStepLane, "steps");
+    m.timeline->name_thread(Impl::kStragglerLane, "stragglers");
+  }
+  if (auto* recorded = dynamic_cast<RecordingCommunicator*>(m.cross)) {
+    recorded->set_logger(&logger());
+    recorded->set_timeline(m.timeline.get(), Impl::kStragglerLane);
   }
   if (options.shard_optimizer_state) {
     // Every rank has the counts, so every rank throws alike.
@@ -248,6 +259,11 @@ const std::vector<Device>& MultiWorkerMirroredStrategy::devices() const {
 int MultiWorkerMirroredStrategy::first_local_replica() const { return impl_->first_local; }
 const Placement& MultiWorkerMirroredStrategy::placement() const { return impl_->cluster.placement; }
 bool MultiWorkerMirroredStrategy::hierarchical() const { return impl_->comms.hierarchical; }
+
+StragglerReport MultiWorkerMirroredStrategy::straggler_report() const {
+  const auto* recorded = dynamic_cast<const RecordingCommunicator*>(impl_->cross);
+  return recorded ? recorded->straggler_report() : StragglerReport{};
+}
 
 ClusterInfo MultiWorkerMirroredStrategy::cluster() const {
   ClusterInfo i = impl_->cluster.info;

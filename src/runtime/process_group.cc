@@ -8,7 +8,9 @@
 #include "core/user_text.h"
 #include "diststrat/config.h"
 #include "diststrat/logging.h"
+#include "allreduce/flight_recording.h"
 #include "allreduce/hierarchical.h"
+#include "core/flight_recorder.h"
 #if DISTSTRAT_HAVE_MPI
 #include "allreduce/mpi_communicator.h"
 #include "runtime/mpi_env.h"
@@ -121,7 +123,12 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
     mpi::ensure_initialized(options.timeout);
     mpi::bound_finalize(options.timeout);
     try {
-      return make_mpi_process_communicators(p, options, allow_hierarchical);
+      ProcessCommunicators out = make_mpi_process_communicators(p, options, allow_hierarchical);
+      // Every collective of the job's processes is recorded (flight
+      // recorder, straggler detection): "world" on every rank.
+      flight::set_process(p.rank, p.world_size);
+      out.cross = wrap_recorded(std::move(out.cross), "world");
+      return out;
     } catch (...) {
       // Peers may be waiting for this rank in a set-up collective.
       mpi::mark_failed();
@@ -134,7 +141,7 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
                   DISTSTRAT_HAVE_MPI ? "did not start this process" : "this build does not have",
                   " (MultiWorkerMirroredStrategy: or pass MultiWorkerOptions::communicator)");
   ProcessCommunicators out;
-  out.cross = std::make_unique<SoloCommunicator>(options);
+  out.cross = wrap_recorded(std::make_unique<SoloCommunicator>(options), "world");
   return out;
 }
 
@@ -266,6 +273,11 @@ void ProcessGroup::reset() {
   Impl::Use use(*impl_, "reset");
   impl_->comm().reset();
 }
+StragglerReport ProcessGroup::straggler_report() const {
+  const auto* recorded = dynamic_cast<const RecordingCommunicator*>(&impl_->comm());
+  return recorded ? recorded->straggler_report() : StragglerReport{};
+}
+
 std::shared_ptr<void> ProcessGroup::allocate_buffer(size_t bytes) {
   Impl::Use use(*impl_, "allocate_buffer");
   return impl_->comm().allocate_buffer(bytes);

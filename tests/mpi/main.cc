@@ -4,8 +4,14 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 int main(int argc, char** argv) {
+  // The flight records of the suite's deliberate failures go to the build
+  // tree, not $TMPDIR.
+#ifdef DISTSTRAT_TEST_FLIGHT_DIR
+  setenv("DISTSTRAT_FLIGHT_RECORDER_DIR", DISTSTRAT_TEST_FLIGHT_DIR, 0);
+#endif
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   ::testing::InitGoogleTest(&argc, argv);

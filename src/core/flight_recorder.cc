@@ -1,0 +1,550 @@
+// The flight recorder (flight_recorder.h): the rings, the process's dump,
+// and the watchdog thread that writes the dump on SIGUSR2 and when another
+// process of the job has written its record after a failure.
+//
+// The watchdog learns of a peer's dump through inotify on the dump
+// directory (local file systems; on a shared network file system across
+// hosts inotify sees only this host's writes, and a rank stuck in compute on
+// another host leaves no record unless the option to end the process, or a
+// signal from the launcher, comes first). It adds its watch once the
+// directory exists, and then also reads the dumps already there that are
+// newer than this process.
+
+#include "core/flight_recorder.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/inotify.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include <dirent.h>
+
+#include "core/env.h"
+#include "core/file_util.h"
+
+namespace diststrat {
+namespace flight {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const Clock::time_point& epoch() {
+  static const Clock::time_point t = Clock::now();
+  return t;
+}
+int64_t epoch_unix_us() {
+  static const int64_t t = [] {
+    const auto wall = std::chrono::system_clock::now();
+    const int64_t since = now_us();
+    return std::chrono::duration_cast<std::chrono::microseconds>(wall.time_since_epoch()).count() -
+           since;
+  }();
+  return t;
+}
+
+// The call this thread is recording, for note_algorithm.
+struct Current {
+  Recorder* recorder = nullptr;
+  uint64_t seq = 0;
+};
+thread_local Current current;
+
+uint32_t thread_number() {
+  static std::atomic<uint32_t> next{0};
+  thread_local const uint32_t mine = next++;
+  return mine;
+}
+
+size_t capacity() {
+  static const size_t n = [] {
+    try {
+      return static_cast<size_t>(
+          env::integer("DISTSTRAT_FLIGHT_RECORDER", 0, 1 << 20).value_or(2048));
+    } catch (const Error& e) {
+      // Read at the first communicator: a bad value must not take the
+      // program down there; it is said once and the default kept.
+      std::fprintf(stderr, "diststrat: %s; keeping the default 2048\n", e.message().c_str());
+      return static_cast<size_t>(2048);
+    }
+  }();
+  return n;
+}
+
+void json_text(std::string& out, const char* p, size_t n) {
+  out += '"';
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char c = static_cast<unsigned char>(p[i]);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20 || c >= 0x7f) {
+      // Control characters, and bytes outside ASCII (a name cut inside a
+      // UTF-8 sequence must not make the file invalid JSON).
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  out += '"';
+}
+void json_text(std::string& out, const std::string& s) { json_text(out, s.data(), s.size()); }
+
+struct Registry {
+  std::mutex mu;  // guards everything below
+  std::vector<Recorder*> live;
+  int rank = -1, size = 0;
+  std::string job, checkpoint_dir;
+  bool job_set = false;
+  std::mutex dump_mu;  // one dump at a time
+  int64_t last_peer_dump_us = -1;
+  // The watchdog.
+  bool watchdog_started = false;
+  int signal_pipe[2] = {-1, -1};
+};
+
+Registry& registry() {
+  static Registry* r = new Registry;  // never destroyed: used by the watchdog until exit
+  return *r;
+}
+
+std::string default_job() {
+  if (auto id = env::text("SLURM_JOB_ID")) return "slurm" + *id;
+  if (auto id = env::text("OMPI_MCA_ess_base_jobid")) return "ompi" + *id;
+  return std::string();
+}
+
+// Keeps a job name safe inside a file name.
+std::string file_safe(const std::string& s) {
+  std::string out;
+  for (char c : s.substr(0, 64)) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '-' || c == '_' || c == '.';
+    out += ok ? c : '_';
+  }
+  return out;
+}
+
+std::string job_of(Registry& r) {
+  if (!r.job_set) {
+    r.job = default_job();
+    r.job_set = true;
+  }
+  return r.job;
+}
+
+std::string file_prefix(const std::string& job) {
+  return "flight-" + (job.empty() ? std::string("solo") : file_safe(job)) + "-";
+}
+
+void make_directories(const std::string& dir) {
+  for (size_t i = 1; i <= dir.size(); ++i) {
+    if (i == dir.size() || dir[i] == '/') {
+      const std::string part = dir.substr(0, i);
+      if (::mkdir(part.c_str(), 0700) != 0 && errno != EEXIST) {
+        fs::throw_errno(errno, "flight recorder: cannot create directory '" + part + "'");
+      }
+    }
+  }
+}
+
+void on_sigusr2(int) {
+  const int fd = registry().signal_pipe[1];
+  if (fd >= 0) {
+    const char c = 'u';
+    ssize_t ignored = ::write(fd, &c, 1);
+    (void)ignored;
+  }
+}
+
+// "failure" when the dump at `path` was written after a failure; reads only
+// its first line (the writer puts the trigger there).
+bool is_failure_dump(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[512];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  return std::strstr(buf, "\"trigger\": \"failure\"") != nullptr;
+}
+
+// Reacts to a file of the job's dump directory.
+void peer_file(const std::string& dir, const std::string& name, const std::string& prefix,
+               const std::string& mine) {
+  if (name.compare(0, prefix.size(), prefix) != 0 || name == mine) return;
+  if (name.size() < 5 || name.compare(name.size() - 5, 5, ".json") != 0) return;
+  const std::string path = dir + "/" + name;
+  if (!is_failure_dump(path)) return;
+  Registry& r = registry();
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    const int64_t now = now_us();
+    // One answer per burst (every rank of a failed collective dumps).
+    if (r.last_peer_dump_us >= 0 && now - r.last_peer_dump_us < 2000000) return;
+    r.last_peer_dump_us = now;
+  }
+  const std::string written =
+      dump(Trigger::kPeer, "another process of the job wrote its record after a failure: " + name);
+  bool exit_after = false;
+  try {
+    exit_after = env::flag("DISTSTRAT_FLIGHT_RECORDER_EXIT").value_or(false);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "diststrat: %s\n", e.message().c_str());
+  }
+  if (exit_after) {
+    std::fprintf(stderr,
+                 "diststrat: process %d: another process of the job failed (%s); this process's "
+                 "flight record is %s; ending it (DISTSTRAT_FLIGHT_RECORDER_EXIT)\n",
+                 r.rank, name.c_str(), written.empty() ? "not written" : written.c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+}
+
+void watchdog_main() {
+  Registry& r = registry();
+  const int in = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  std::string watched;
+  int wd = -1;
+  for (;;) {
+    // The directory can change (an option set later, a variable set by a
+    // test) or appear (a peer's first dump creates it).
+    std::string dir, prefix, mine;
+    {
+      std::lock_guard<std::mutex> lock(r.mu);
+      const std::string job = job_of(r);
+      prefix = file_prefix(job);
+      mine = prefix + "rank" + std::to_string(r.rank) + "-pid" + std::to_string(::getpid()) +
+             ".json";
+      if (job.empty()) prefix.clear();  // a lone process has no peers to answer
+    }
+    try {
+      dir = directory();
+    } catch (const Error&) {
+      dir.clear();
+    }
+    if (in >= 0 && !prefix.empty() && dir != watched) {
+      if (wd >= 0) ::inotify_rm_watch(in, wd);
+      wd = ::inotify_add_watch(in, dir.c_str(), IN_CLOSE_WRITE | IN_MOVED_TO);
+      watched = wd >= 0 ? dir : std::string();
+      if (wd >= 0) {
+        // Dumps written before the watch: those newer than this process.
+        if (DIR* d = ::opendir(dir.c_str())) {
+          const int64_t started_unix_s = epoch_unix_us() / 1000000;
+          while (dirent* e = ::readdir(d)) {
+            struct stat st;
+            const std::string path = dir + "/" + e->d_name;
+            if (::stat(path.c_str(), &st) == 0 && st.st_mtime >= started_unix_s) {
+              peer_file(dir, e->d_name, prefix, mine);
+            }
+          }
+          ::closedir(d);
+        }
+      }
+    }
+    pollfd fds[2] = {{r.signal_pipe[0], POLLIN, 0}, {in, POLLIN, 0}};
+    const int n = ::poll(fds, in >= 0 ? 2 : 1, 500);
+    if (n <= 0) continue;
+    if (fds[0].revents & POLLIN) {
+      char buf[64];
+      while (::read(r.signal_pipe[0], buf, sizeof buf) > 0) {
+      }
+      dump(Trigger::kSignal, "SIGUSR2");
+    }
+    if (in >= 0 && (fds[1].revents & POLLIN)) {
+      alignas(inotify_event) char buf[4096];
+      ssize_t len;
+      while ((len = ::read(in, buf, sizeof buf)) > 0) {
+        for (char* p = buf; p < buf + len;) {
+          const inotify_event* ev = reinterpret_cast<const inotify_event*>(p);
+          if (ev->len > 0 && !prefix.empty()) peer_file(watched, ev->name, prefix, mine);
+          p += sizeof(inotify_event) + ev->len;
+        }
+      }
+    }
+  }
+}
+
+void start_watchdog_locked(Registry& r) {
+  if (r.watchdog_started) return;
+  r.watchdog_started = true;
+  if (::pipe2(r.signal_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
+    r.signal_pipe[0] = r.signal_pipe[1] = -1;
+  }
+  // SIGUSR2 dumps, unless the program has its own handler for it.
+  struct sigaction old;
+  if (r.signal_pipe[1] >= 0 && ::sigaction(SIGUSR2, nullptr, &old) == 0 &&
+      old.sa_handler == SIG_DFL) {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigusr2;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGUSR2, &sa, nullptr);
+  }
+  // Blocks every signal while it runs, so that process-directed signals
+  // (SIGINT, SIGTERM, SIGUSR2) go to the program's own threads.
+  sigset_t all, before;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &before);
+  std::thread(watchdog_main).detach();
+  pthread_sigmask(SIG_SETMASK, &before, nullptr);
+}
+
+}  // namespace
+
+const char* state_name(State s) {
+  switch (s) {
+    case State::kQueued:
+      return "queued";
+    case State::kStarted:
+      return "started";
+    case State::kCompleted:
+      return "completed";
+    case State::kFailed:
+      return "failed";
+    case State::kAborted:
+      return "aborted";
+  }
+  return "?";
+}
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - epoch()).count();
+}
+
+Recorder::Recorder(std::string group, int group_rank, int group_size)
+    : group_(group), base_group_(std::move(group)), group_rank_(group_rank),
+      group_size_(group_size) {
+  const size_t n = capacity();
+  if (n == 0) return;
+  epoch_unix_us();  // fixed now, before any dump
+  ring_.resize(n);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.live.push_back(this);
+  start_watchdog_locked(r);
+}
+
+Recorder::~Recorder() {
+  if (ring_.empty()) return;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.live.erase(std::remove(r.live.begin(), r.live.end(), this), r.live.end());
+}
+
+uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t count,
+                         const char* dtype, const char* op, int root, uint64_t bytes) {
+  if (ring_.empty()) return 0;
+  const int64_t now = now_us();
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t seq = next_seq_++;
+  Entry& e = ring_[seq % ring_.size()];
+  e.seq = seq;
+  e.start_us = now;
+  e.end_us = -1;
+  e.count = count;
+  e.bytes = bytes;
+  e.dtype = dtype;
+  e.op = op;
+  e.root = root;
+  e.thread = thread_number();
+  e.kind = kind;
+  e.algorithm = "";
+  e.state = State::kStarted;
+  const size_t n = std::min(name.size(), kNameBytes);
+  std::memcpy(e.name, name.data(), n);
+  e.name_len = static_cast<uint8_t>(n);
+  e.name_cut = name.size() > kNameBytes;
+  e.error.clear();
+  last_gap_us_ = last_end_us_ >= 0 ? now - last_end_us_ : -1;
+  current = {this, seq};
+  return seq;
+}
+
+Recorder::Entry* Recorder::find(uint64_t seq) {
+  Entry& e = ring_[seq % ring_.size()];
+  return e.seq == seq ? &e : nullptr;
+}
+
+void Recorder::set_algorithm(uint64_t seq, const char* algorithm) {
+  if (ring_.empty()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (Entry* e = find(seq)) e->algorithm = algorithm;
+}
+
+void Recorder::end(uint64_t seq, State state, const std::string& error) {
+  if (ring_.empty()) return;
+  const int64_t now = now_us();
+  if (current.recorder == this) current = {};
+  std::lock_guard<std::mutex> lock(mu_);
+  last_end_us_ = now;
+  if (Entry* e = find(seq)) {
+    e->end_us = now;
+    e->state = state;
+    if (!error.empty()) e->error = error.substr(0, 1000);
+  }
+}
+
+void Recorder::restart() {
+  if (ring_.empty()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  ++resets_;
+  group_ = base_group_ + "#r" + std::to_string(resets_);
+  // The old numbering's calls stay in the ring under the new name only if
+  // renumbered; drop them instead (their record is in any earlier dump).
+  for (Entry& e : ring_) e.seq = UINT64_MAX, e.start_us = -1;
+  next_seq_ = 0;
+}
+
+int64_t Recorder::last_gap_us() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_gap_us_;
+}
+
+void Recorder::append_json(std::string& out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ring_.empty() || next_seq_ == 0) return;
+  const uint64_t n = ring_.size();
+  const uint64_t first = next_seq_ > n ? next_seq_ - n : 0;
+  char num[64];
+  for (uint64_t s = first; s < next_seq_; ++s) {
+    const Entry& e = ring_[s % n];
+    if (e.seq != s || e.start_us < 0) continue;
+    if (out.back() != '[') out += ',';
+    out += "\n  {\"group\": ";
+    json_text(out, group_);
+    std::snprintf(num, sizeof num, ", \"group_rank\": %d, \"group_size\": %d", group_rank_,
+                  group_size_);
+    out += num;
+    std::snprintf(num, sizeof num, ", \"seq\": %llu, \"thread\": %u",
+                  static_cast<unsigned long long>(e.seq), e.thread);
+    out += num;
+    out += ", \"kind\": ";
+    json_text(out, e.kind, std::strlen(e.kind));
+    out += ", \"name\": ";
+    std::string name(e.name, e.name_len);
+    if (e.name_cut) name += "...";
+    json_text(out, name);
+    std::snprintf(num, sizeof num, ", \"count\": %llu, \"dtype\": ",
+                  static_cast<unsigned long long>(e.count));
+    out += num;
+    json_text(out, e.dtype, std::strlen(e.dtype));
+    out += ", \"op\": ";
+    json_text(out, e.op, std::strlen(e.op));
+    std::snprintf(num, sizeof num, ", \"root\": %d, \"bytes\": %llu", e.root,
+                  static_cast<unsigned long long>(e.bytes));
+    out += num;
+    out += ", \"algorithm\": ";
+    json_text(out, e.algorithm, std::strlen(e.algorithm));
+    std::snprintf(num, sizeof num, ", \"enqueue_us\": %lld, \"start_us\": %lld, \"end_us\": %lld",
+                  static_cast<long long>(e.start_us), static_cast<long long>(e.start_us),
+                  static_cast<long long>(e.end_us));
+    out += num;
+    out += ", \"state\": \"";
+    out += state_name(e.state);
+    out += '"';
+    if (!e.error.empty()) {
+      out += ", \"error\": ";
+      json_text(out, e.error);
+    }
+    out += '}';
+  }
+}
+
+void note_algorithm(const char* algorithm) {
+  if (current.recorder) current.recorder->set_algorithm(current.seq, algorithm);
+}
+
+void set_process(int rank, int size) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.rank = rank;
+  r.size = size;
+}
+
+void set_job(const std::string& job) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.job = job;
+  r.job_set = true;
+}
+
+void set_checkpoint_directory(const std::string& dir) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.checkpoint_dir = dir;
+}
+
+std::string directory() {
+  if (auto d = env::text("DISTSTRAT_FLIGHT_RECORDER_DIR")) return *d;
+  Registry& r = registry();
+  std::string job;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (!r.checkpoint_dir.empty()) return r.checkpoint_dir;
+    job = job_of(r);
+  }
+  std::string tmp = env::text("TMPDIR").value_or("/tmp");
+  if (tmp.empty() || tmp[0] != '/') tmp = "/tmp";
+  return tmp + "/diststrat-flight-" +
+         (job.empty() ? "pid" + std::to_string(::getpid()) : file_safe(job));
+}
+
+std::string dump(Trigger trigger, const std::string& reason) {
+  if (capacity() == 0) return std::string();
+  Registry& r = registry();
+  std::lock_guard<std::mutex> one_at_a_time(r.dump_mu);
+  std::string path;
+  try {
+    const std::string dir = directory();
+    std::string out;
+    out.reserve(1 << 16);
+    static const char* const kTriggers[] = {"failure", "signal", "request", "peer"};
+    out += "{\"format\": \"diststrat-flight-record\", \"version\": 1, \"trigger\": \"";
+    out += kTriggers[static_cast<int>(trigger)];
+    out += "\",\n \"reason\": ";
+    json_text(out, reason.substr(0, 2000));
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    std::string job;
+    std::lock_guard<std::mutex> lock(r.mu);
+    job = job_of(r);
+    out += ",\n \"process\": {\"rank\": " + std::to_string(r.rank) +
+           ", \"size\": " + std::to_string(r.size) + ", \"host\": ";
+    json_text(out, host, std::strlen(host));
+    out += ", \"pid\": " + std::to_string(::getpid()) + ", \"job\": ";
+    json_text(out, job);
+    out += "},\n \"dump_time_us\": " + std::to_string(now_us()) +
+           ", \"epoch_unix_us\": " + std::to_string(epoch_unix_us()) + ",\n \"calls\": [";
+    for (const Recorder* rec : r.live) rec->append_json(out);
+    out += "\n ]\n}\n";
+    make_directories(dir);
+    path = dir + "/" + file_prefix(job) + "rank" + std::to_string(r.rank) + "-pid" +
+           std::to_string(::getpid()) + ".json";
+    write_file_atomically(path, out.data(), out.size());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "diststrat: the flight record was not written: %s\n", e.what());
+    return std::string();
+  }
+  return path;
+}
+
+std::string dump_note(const std::string& path) {
+  return path.empty() ? std::string() : " [flight record: " + path + "]";
+}
+
+}  // namespace flight
+}  // namespace diststrat
