@@ -1,0 +1,104 @@
+// A flight record (format "diststrat-flight-record", version 1) as the
+// analysis tool reads it: one JSON file per process, holding that process's
+// last collective calls on every communicator it belongs to.
+//
+// A dump comes from outside (a dying process, a copied or half-written
+// file, some other program's JSON), so the reader trusts nothing: every
+// field is checked for its type and range, and a file that fails any check
+// is skipped as a whole with one line that names it and says why.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace diststrat::trace {
+
+enum class CallState { kQueued, kStarted, kCompleted, kFailed, kAborted };
+const char* state_name(CallState s);
+inline bool in_flight(CallState s) { return s == CallState::kQueued || s == CallState::kStarted; }
+
+// Bounds the reader enforces, so that no later loop or sum can run away on a
+// hostile file: group sizes and ranks up to kMaxGroupSize, seq numbers,
+// counts, bytes and times up to kMaxValue (sums of two stay in int64_t).
+constexpr int kMaxGroupSize = 1 << 20;
+constexpr int64_t kMaxValue = int64_t{1} << 60;
+// Larger files are skipped unread: a ring buffer of calls is far smaller, and
+// the parsed JSON takes about ten times the file in memory.
+constexpr int64_t kMaxFileBytes = int64_t{256} << 20;
+
+// One recorded collective call. Times are microseconds on the dumping
+// process's clock, -1 when the call did not reach that point.
+struct Call {
+  std::string group;
+  int group_rank = 0;
+  int group_size = 1;
+  int64_t seq = 0;
+  int thread = 0;
+  std::string kind;  // all_reduce, broadcast, ... (other strings possible)
+  std::string name;  // the caller's tensor name(s); may be ""
+  int64_t count = -1;
+  std::string dtype;
+  std::string op;  // "" when none
+  int64_t root = -1;
+  std::string algorithm;
+  int64_t bytes = -1;
+  int64_t enqueue_us = -1;
+  int64_t start_us = -1;
+  int64_t end_us = -1;
+  CallState state = CallState::kQueued;
+  std::vector<int> waiting_on;  // group ranks not yet heard from (optional)
+  std::string error;            // failed/aborted only (optional)
+  std::string site;             // call site (optional)
+};
+
+// One process's dump.
+struct Dump {
+  std::string file;  // the file name, without its directory
+  int rank = -1;     // job-level process rank, -1 when unknown
+  int size = 0;
+  std::string host;
+  int64_t pid = 0;
+  std::string reason;
+  int64_t dump_time_us = 0;
+  int64_t epoch_unix_us = 0;  // only for lining up a merged trace
+  std::vector<Call> calls;    // oldest first
+  // Participants (group, group rank) this file records that another file
+  // records too and that the other file's copy was chosen for: their calls
+  // are left out of the analysis (load_dir fills it).
+  std::set<std::pair<std::string, int>> superseded;
+};
+
+// Parses one dump's text into *out. On failure returns false and sets *why
+// to a short reason: "truncated JSON at byte 812", "not a flight record
+// (format 'x')", "calls[3].seq is a string, not an integer".
+bool parse_dump(const std::string& text, Dump* out, std::string* why);
+
+struct LoadResult {
+  std::vector<Dump> dumps;  // the usable ones, in file name order
+  // One line per skipped file ("skipping flight-rank2.json: truncated JSON
+  // at byte 812") and per note about a usable one (a participant recorded
+  // twice), in file name order.
+  std::vector<std::string> messages;
+  int files_seen = 0;     // *.json entries in the directory
+  int files_skipped = 0;  // of those, how many are not in `dumps`
+  // Set when there is nothing to analyze: the directory cannot be read, has
+  // no *.json file, or every one was skipped.
+  std::string error;
+};
+
+// Reads every *.json file in `dir` (not its subdirectories; other names are
+// ignored). Never throws for bad input: a bad file is a message, a bad
+// directory is `error`. Where two files record the same participant, the
+// newer record of it (higher newest seq; on a tie, the later dump of the
+// same process; then the first file by name) is used, and a file all of
+// whose participants another file records better is skipped as a duplicate.
+LoadResult load_dir(const std::string& dir);
+
+// `s` as messages quote it: control characters escaped, at most `max_bytes`
+// bytes (cut at a character boundary), then "... (N bytes)".
+std::string echo_text(const std::string& s, size_t max_bytes = 120);
+
+}  // namespace diststrat::trace
