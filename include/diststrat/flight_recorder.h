@@ -50,10 +50,10 @@ std::string flight_record_directory();
 
 struct StragglerReport {
   struct Rank {
-    int rank = 0;               // in the strategy's (or group's) communicator
-    std::string host;           // its host name
-    double median_compute_ms = 0;  // median compute time before a call
-    double mean_compute_ms = 0;    // trimmed mean (the 10 % longest left out)
+    int rank = 0;                   // in the strategy's (or group's) communicator
+    std::string host;               // its host name
+    double median_compute_ms = 0;   // median compute time before a call
+    double mean_compute_ms = 0;     // trimmed mean (the 10 % longest left out)
     double arrived_last_share = 0;  // share of the window's calls it came to last
     bool straggler = false;
   };

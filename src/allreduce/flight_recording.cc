@@ -49,8 +49,8 @@ constexpr size_t kHostBytes = 64;
 
 }  // namespace
 
-RecordingCommunicator::RecordingCommunicator(std::unique_ptr<Communicator> inner,
-                                             std::string group, Options options)
+RecordingCommunicator::RecordingCommunicator(std::unique_ptr<Communicator> inner, std::string group,
+                                             Options options)
     : RecordingCommunicator(*inner, std::move(group), options) {
   owned_ = std::move(inner);
 }
@@ -70,19 +70,19 @@ void RecordingCommunicator::record(const char* kind, const std::string& name, si
                                    DType dtype, const ReduceOp* op, int root, Fn&& fn) {
   const int64_t start = flight::now_us();
   const int64_t gap = last_end_us_ >= 0 ? start - last_end_us_ : -1;
-  const uint64_t seq = recorder_.begin(kind, name, count, dtype_name(dtype),
-                                       op ? reduce_op_name(*op) : "", root,
-                                       static_cast<uint64_t>(count) * dtype_size(dtype));
+  const uint64_t seq =
+      recorder_.begin(kind, name, count, dtype_name(dtype), op ? reduce_op_name(*op) : "", root,
+                      static_cast<uint64_t>(count) * dtype_size(dtype));
   try {
     fn();
   } catch (const Error& e) {
-    recorder_.end(seq, e.code() == ErrorCode::kAborted ? flight::State::kAborted
-                                                       : flight::State::kFailed,
-                  e.message());
+    recorder_.end(
+        seq, e.code() == ErrorCode::kAborted ? flight::State::kAborted : flight::State::kFailed,
+        e.message());
     last_end_us_ = -1;
-    const std::string path = flight::dump(
-        flight::Trigger::kFailure,
-        "rank " + std::to_string(rank()) + " of group '" + group_ + "': " + e.message());
+    const std::string path =
+        flight::dump(flight::Trigger::kFailure, "rank " + std::to_string(rank()) + " of group '" +
+                                                    group_ + "': " + e.message());
     if (path.empty()) throw;
     throw_error(e.code(), e.message() + flight::dump_note(path));
   }
@@ -152,8 +152,7 @@ void RecordingCommunicator::exchange_window() {
       hosts_.emplace_back(h, strnlen(h, kHostBytes));
     }
   }
-  all_gather(gaps_.data(), all.data(), static_cast<size_t>(w), DType::kFloat32,
-             "straggler window");
+  all_gather(gaps_.data(), all.data(), static_cast<size_t>(w), DType::kFloat32, "straggler window");
   gaps_.clear();
   // The last exchange took its own time: not anyone's compute.
   last_end_us_ = flight::now_us();

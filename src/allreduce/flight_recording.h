@@ -31,8 +31,7 @@ class RecordingCommunicator : public Communicator {
     bool members_reset_together = true;
   };
   // `group` names the group alike on every member ("world", "ps", ...).
-  RecordingCommunicator(std::unique_ptr<Communicator> inner, std::string group,
-                        Options options);
+  RecordingCommunicator(std::unique_ptr<Communicator> inner, std::string group, Options options);
   // Non-owning: `inner` must outlive this.
   RecordingCommunicator(Communicator& inner, std::string group, Options options);
 

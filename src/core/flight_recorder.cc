@@ -37,6 +37,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Failures within this long of the last record written for one are the
+// same episode (see Registry::last_failure_dump_us).
+constexpr int64_t kEpisodeUs = 10 * 1000 * 1000;
+
 const Clock::time_point& epoch() {
   static const Clock::time_point t = Clock::now();
   return t;
@@ -108,6 +112,12 @@ struct Registry {
   bool job_set = false;
   std::mutex dump_mu;  // one dump at a time
   int64_t last_peer_dump_us = -1;
+  // The last record written after a failure (or a peer's), and when: the
+  // first record of a failure is the one that shows where every rank
+  // waited, so later failures of the same episode (the others' calls
+  // failing one after another, a stuck rank waking) do not overwrite it.
+  int64_t last_failure_dump_us = -1;
+  std::string last_failure_path;
   // The watchdog.
   bool watchdog_started = false;
   int signal_pipe[2] = {-1, -1};
@@ -226,8 +236,8 @@ void watchdog_main() {
       std::lock_guard<std::mutex> lock(r.mu);
       const std::string job = job_of(r);
       prefix = file_prefix(job);
-      mine = prefix + "rank" + std::to_string(r.rank) + "-pid" + std::to_string(::getpid()) +
-             ".json";
+      mine =
+          prefix + "rank" + std::to_string(r.rank) + "-pid" + std::to_string(::getpid()) + ".json";
       if (job.empty()) prefix.clear();  // a lone process has no peers to answer
     }
     try {
@@ -326,7 +336,9 @@ int64_t now_us() {
 }
 
 Recorder::Recorder(std::string group, int group_rank, int group_size)
-    : group_(group), base_group_(std::move(group)), group_rank_(group_rank),
+    : group_(group),
+      base_group_(std::move(group)),
+      group_rank_(group_rank),
       group_size_(group_size) {
   const size_t n = capacity();
   if (n == 0) return;
@@ -438,8 +450,8 @@ void Recorder::append_json(std::string& out) const {
     std::string name(e.name, e.name_len);
     if (e.name_cut) name += "...";
     json_text(out, name);
-    std::snprintf(num, sizeof num, ", \"count\": %llu, \"dtype\": ",
-                  static_cast<unsigned long long>(e.count));
+    std::snprintf(num, sizeof num,
+                  ", \"count\": %llu, \"dtype\": ", static_cast<unsigned long long>(e.count));
     out += num;
     json_text(out, e.dtype, std::strlen(e.dtype));
     out += ", \"op\": ";
@@ -507,9 +519,14 @@ std::string dump(Trigger trigger, const std::string& reason) {
   if (capacity() == 0) return std::string();
   Registry& r = registry();
   std::lock_guard<std::mutex> one_at_a_time(r.dump_mu);
-  std::string path;
+  const bool failure = trigger == Trigger::kFailure || trigger == Trigger::kPeer;
+  std::string path, dir;
   try {
-    const std::string dir = directory();
+    dir = directory();
+    if (failure && r.last_failure_dump_us >= 0 && now_us() - r.last_failure_dump_us < kEpisodeUs &&
+        fs::directory_of(r.last_failure_path) == dir) {
+      return r.last_failure_path;
+    }
     std::string out;
     out.reserve(1 << 16);
     static const char* const kTriggers[] = {"failure", "signal", "request", "peer"};
@@ -535,6 +552,10 @@ std::string dump(Trigger trigger, const std::string& reason) {
     path = dir + "/" + file_prefix(job) + "rank" + std::to_string(r.rank) + "-pid" +
            std::to_string(::getpid()) + ".json";
     write_file_atomically(path, out.data(), out.size());
+    if (failure) {
+      r.last_failure_dump_us = now_us();
+      r.last_failure_path = path;
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "diststrat: the flight record was not written: %s\n", e.what());
     return std::string();

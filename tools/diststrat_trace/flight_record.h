@@ -19,6 +19,13 @@ namespace diststrat::trace {
 enum class CallState { kQueued, kStarted, kCompleted, kFailed, kAborted };
 const char* state_name(CallState s);
 inline bool in_flight(CallState s) { return s == CallState::kQueued || s == CallState::kStarted; }
+// A call a rank was in when the record was written: in flight, or ended by
+// its failure (the library writes the record as a call fails, and a rank
+// keeps the first record of a failure; the call it failed in is where it
+// waited).
+inline bool stuck_in(CallState s) {
+  return in_flight(s) || s == CallState::kFailed || s == CallState::kAborted;
+}
 
 // Bounds the reader enforces, so that no later loop or sum can run away on a
 // hostile file: group sizes and ranks up to kMaxGroupSize, seq numbers,

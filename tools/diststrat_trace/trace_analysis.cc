@@ -286,7 +286,7 @@ Finding Analyzer::walk(const Group& g) const {
     for (const auto& [r, m] : g.members) {
       const size_t idx = m.by_seq.rbegin()->second;
       const Call& c = dumps_[m.dump].calls[idx];
-      if (!in_flight(c.state)) continue;
+      if (!stuck_in(c.state)) continue;
       if (!f.has_ref || c.seq < f.seq) {
         f.has_ref = true;
         f.seq = c.seq;
@@ -295,7 +295,7 @@ Finding Analyzer::walk(const Group& g) const {
     }
     for (const auto& [r, m] : g.members) {
       const Call& c = dumps_[m.dump].calls[m.by_seq.rbegin()->second];
-      if (f.has_ref && c.seq == f.seq && in_flight(c.state)) f.entered.push_back(r);
+      if (f.has_ref && c.seq == f.seq && stuck_in(c.state)) f.entered.push_back(r);
     }
   }
   return f;
@@ -326,20 +326,28 @@ Doing Analyzer::doing(const Group& g, const Member& m) const {
     if (c.group == g.name && c.group_rank != m.rank) continue;
     if (other_threads.count(c.thread)) continue;
     const bool same = c.thread == m.thread;
-    if (in_flight(c.state)) {
+    if (stuck_in(c.state)) {
       if (same && newer_flight(flight_same, c)) flight_same = &c;
       if (newer_flight(flight_any, c)) flight_any = &c;
-    } else {
+    }
+    if (!in_flight(c.state)) {
       if (same && newer_end(ended_same, c)) ended_same = &c;
       if (newer_end(ended_any, c)) ended_any = &c;
     }
   }
   Doing d;
-  if (const Call* c = flight_same ? flight_same : flight_any) {
+  const Call* in = flight_same ? flight_same : flight_any;
+  const Call* ended = ended_same ? ended_same : ended_any;
+  // A failed call counts only when nothing ended after it started.
+  if (in != nullptr && !in_flight(in->state) && ended != nullptr && ended != in &&
+      ended->end_us > std::max(in->start_us, in->enqueue_us)) {
+    in = nullptr;
+  }
+  if (const Call* c = in) {
     d.kind = Doing::kInCall;
     d.call = c;
     const int64_t from =
-        c->state == CallState::kStarted && c->start_us >= 0 ? c->start_us : c->enqueue_us;
+        c->state != CallState::kQueued && c->start_us >= 0 ? c->start_us : c->enqueue_us;
     if (from >= 0) d.since_us = std::max<int64_t>(0, dump.dump_time_us - from);
     return d;
   }
@@ -380,6 +388,10 @@ std::string Analyzer::doing_phrase(const Group& g, const Doing& d) const {
     std::string s = "in " + call_where(*d.call);
     if (d.call->state == CallState::kQueued) s += " (queued, not started)";
     if (d.since_us >= 0) s += " since " + seconds(d.since_us);
+    if (!in_flight(d.call->state)) {
+      s += std::string(" (") + state_name(d.call->state) +
+           (d.call->error.empty() ? "" : ": " + echo_text(d.call->error, 80)) + ")";
+    }
     return s;
   }
   std::string s = "in compute";
