@@ -15,6 +15,7 @@
 #include "diststrat/elastic.h"
 #include "diststrat/elastic_options.h"
 #include "diststrat/error.h"
+#include "diststrat/flight_recorder.h"
 #include "diststrat/gpu_lease.h"
 #include "diststrat/gradient_options.h"
 #include "diststrat/io.h"

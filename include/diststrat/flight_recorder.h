@@ -17,8 +17,9 @@
 //     DISTSTRAT_FLIGHT_RECORDER_EXIT=1 the watchdog then ends the process
 //     (exit status 1), as NCCL's watchdog does; off by default, and not for
 //     elastic jobs, whose survivors go on after a peer fails.
-// Where: DISTSTRAT_FLIGHT_RECORDER_DIR, else the directory of the process's
-// CheckpointManager, else $TMPDIR/diststrat-flight-<job>. N:
+// Where: DISTSTRAT_FLIGHT_RECORDER_DIR, else flight-records/ in the
+// directory of the process's latest CheckpointManager, else
+// $TMPDIR/diststrat-flight-<job>. N:
 // DISTSTRAT_FLIGHT_RECORDER=N (default 2048; 0 = no recording, no dumps).
 // `diststrat-trace analyze DIR` (built with the tools) merges the files
 // into one verdict: the earliest collective where ranks diverge, who never

@@ -238,10 +238,4 @@ std::unique_ptr<Communicator> wrap_recorded(std::unique_ptr<Communicator> inner,
   return std::make_unique<RecordingCommunicator>(std::move(inner), group, options);
 }
 
-// diststrat/flight_recorder.h
-std::string dump_flight_record(const std::string& reason) {
-  return flight::dump(flight::Trigger::kRequest, reason);
-}
-std::string flight_record_directory() { return flight::directory(); }
-
 }  // namespace diststrat

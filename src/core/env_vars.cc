@@ -36,6 +36,7 @@ const KnownVariable kKnown[] = {
     {"DISTSTRAT_FLIGHT_RECORDER", "library"},
     {"DISTSTRAT_FLIGHT_RECORDER_DIR", "library"},
     {"DISTSTRAT_FLIGHT_RECORDER_EXIT", "library"},
+    {"DISTSTRAT_FLIGHT_RECORDER_SITES", "library"},
     {"DISTSTRAT_STRAGGLER_WINDOW", "library"},
     // Read by scripts/ (build and test drivers).
     {"DISTSTRAT_CMAKE_ARGS", "scripts"},

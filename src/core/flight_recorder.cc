@@ -23,13 +23,16 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
 #include <dirent.h>
+#include <execinfo.h>
 
 #include "core/env.h"
 #include "core/file_util.h"
+#include "diststrat/flight_recorder.h"
 
 namespace diststrat {
 namespace flight {
@@ -66,6 +69,18 @@ uint32_t thread_number() {
   static std::atomic<uint32_t> next{0};
   thread_local const uint32_t mine = next++;
   return mine;
+}
+
+bool sites_on() {
+  static const bool on = [] {
+    try {
+      return env::flag("DISTSTRAT_FLIGHT_RECORDER_SITES").value_or(false);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "diststrat: %s; call sites stay off\n", e.message().c_str());
+      return false;
+    }
+  }();
+  return on;
 }
 
 size_t capacity() {
@@ -361,6 +376,9 @@ uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t cou
                          const char* dtype, const char* op, int root, uint64_t bytes) {
   if (ring_.empty()) return 0;
   const int64_t now = now_us();
+  void* site[kSiteFrames + 3];
+  // Frames 0-2 are this function, the recording wrapper and its lambda.
+  const int frames = sites_on() ? ::backtrace(site, kSiteFrames + 3) : 0;
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t seq = next_seq_++;
   Entry& e = ring_[seq % ring_.size()];
@@ -380,6 +398,8 @@ uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t cou
   std::memcpy(e.name, name.data(), n);
   e.name_len = static_cast<uint8_t>(n);
   e.name_cut = name.size() > kNameBytes;
+  e.site_frames = static_cast<uint8_t>(std::max(0, frames - 3));
+  for (int i = 0; i < e.site_frames; ++i) e.site[i] = site[i + 3];
   e.error.clear();
   last_gap_us_ = last_end_us_ >= 0 ? now - last_end_us_ : -1;
   current = {this, seq};
@@ -471,6 +491,19 @@ void Recorder::append_json(std::string& out) const {
     if (!e.error.empty()) {
       out += ", \"error\": ";
       json_text(out, e.error);
+    }
+    if (e.site_frames > 0) {
+      std::string site;
+      if (char** names = ::backtrace_symbols(e.site, e.site_frames)) {
+        for (int i = 0; i < e.site_frames; ++i) {
+          const char* n = names[i];
+          const char* slash = std::strrchr(n, '/');
+          site += (i ? " < " : "") + std::string(slash ? slash + 1 : n);
+        }
+        std::free(names);
+      }
+      out += ", \"site\": ";
+      json_text(out, site);
     }
     out += '}';
   }
@@ -568,4 +601,11 @@ std::string dump_note(const std::string& path) {
 }
 
 }  // namespace flight
+
+// diststrat/flight_recorder.h
+std::string dump_flight_record(const std::string& reason) {
+  return flight::dump(flight::Trigger::kRequest, reason);
+}
+std::string flight_record_directory() { return flight::directory(); }
+
 }  // namespace diststrat

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/flight_recorder.h"
 #include "core/file_util.h"
 #include "core/user_text.h"
 #include "diststrat/checkpoint_manager.h"
@@ -283,6 +284,9 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
         }
         report_ignored(scan(directory_, id).foreign);
       });
+  // A hang's flight records go next to the checkpoints (unless
+  // DISTSTRAT_FLIGHT_RECORDER_DIR says otherwise).
+  flight::set_checkpoint_directory(directory_ + "/flight-records");
 }
 
 ckpt::DirectoryIdentity CheckpointManager::identity() const {

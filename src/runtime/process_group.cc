@@ -1,5 +1,6 @@
 #include "runtime/process_group.h"
 
+#include <atomic>
 #include <exception>
 #include <mutex>
 
@@ -125,9 +126,14 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
     try {
       ProcessCommunicators out = make_mpi_process_communicators(p, options, allow_hierarchical);
       // Every collective of the job's processes is recorded (flight
-      // recorder, straggler detection): "world" on every rank.
+      // recorder, straggler detection): "world" for the process's first
+      // group, "world.1", ... for the next ones (every rank makes its groups
+      // and strategies in the same order, so the names agree).
       flight::set_process(p.rank, p.world_size);
-      out.cross = wrap_recorded(std::move(out.cross), "world");
+      static std::atomic<int> groups{0};
+      const int k = groups++;
+      out.cross = wrap_recorded(std::move(out.cross),
+                                k == 0 ? std::string("world") : "world." + std::to_string(k));
       return out;
     } catch (...) {
       // Peers may be waiting for this rank in a set-up collective.

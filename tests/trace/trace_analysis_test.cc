@@ -239,7 +239,8 @@ TEST(TraceVerdict, RankLeftNoRecord) {
   EXPECT_EQ(v.culprit_rank, 3);
   EXPECT_EQ(v.culprit_process_rank, -1);
   EXPECT_EQ(v.seq, 17);
-  // A call that failed on the way is in the details.
+  // A call that failed on the way (the library writes the record as a call
+  // fails: the rank waited there) counts as waiting, and is in the details.
   SimCall& failed = procs[0].calls.back();
   failed.state = "failed";
   failed.end_us = failed.start_us + 5000000;
@@ -248,7 +249,7 @@ TEST(TraceVerdict, RankLeftNoRecord) {
   EXPECT_EQ(f.culprit_rank, 3);
   EXPECT_EQ(f.line,
             "rank 3 of group 'world' left no record (its process died, or could not write); ranks "
-            "1, 2 wait in all_reduce #17 ('dense2/kernel' +3 more, 1.2 MB)");
+            "0, 1, 2 wait in all_reduce #17 ('dense2/kernel' +3 more, 1.2 MB)");
   ASSERT_EQ(f.details.size(), 1u);
   EXPECT_EQ(f.details[0],
             "also: rank 0 of group 'world': its all_reduce #17 ('dense2/kernel' +3 more, 1.2 MB) "
