@@ -40,10 +40,11 @@ void all_reduce(ds::ProcessGroup& pg, const std::string& name) {
 int hang(const std::string& kind, int culprit, int step) {
   ds::ProcessGroup world(options(1000));
   const int rank = world.rank(), size = world.size();
-  const bool me = rank == (culprit >= 0 ? culprit : kind == "skip"        ? size - 1
-                                                  : kind == "compute"     ? 1
-                                                  : kind == "other_group" ? 3
-                                                                          : 2);
+  const bool me = rank == (culprit >= 0            ? culprit
+                           : kind == "skip"        ? size - 1
+                           : kind == "compute"     ? 1
+                           : kind == "other_group" ? 3
+                                                   : 2);
   if (step < 0) step = kind == "different" ? 2 : 3;
   // A second group, made by every rank after the first (its name: world.1).
   ds::ProcessGroup second(options(3000));
@@ -89,8 +90,8 @@ int straggler(int steps, int slow) {
     std::printf("windows %lld of %d calls\n", static_cast<long long>(r.windows),
                 r.calls_per_window);
     for (const auto& x : r.ranks) {
-      std::printf("rank %d host %s median %.3f ms mean %.3f ms last %.0f %% straggler %d\n",
-                  x.rank, x.host.c_str(), x.median_compute_ms, x.mean_compute_ms,
+      std::printf("rank %d host %s median %.3f ms mean %.3f ms last %.0f %% straggler %d\n", x.rank,
+                  x.host.c_str(), x.median_compute_ms, x.mean_compute_ms,
                   100 * x.arrived_last_share, x.straggler ? 1 : 0);
     }
     std::printf("warning: %s\n", r.warning.empty() ? "(none)" : r.warning.c_str());
