@@ -33,6 +33,7 @@ const KnownVariable kKnown[] = {
     {"DISTSTRAT_GPU_LEASE_DIR", "library"},
     {"DISTSTRAT_PS_CHECKPOINT_DIR", "library"},
     {"DISTSTRAT_WORKER_ID", "library"},
+    {"DISTSTRAT_CPU", "library"},
     // Read by scripts/ (build and test drivers).
     {"DISTSTRAT_CMAKE_ARGS", "scripts"},
     {"DISTSTRAT_BUILD_DIR", "scripts"},
