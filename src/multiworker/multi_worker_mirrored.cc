@@ -73,7 +73,6 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
       DISTSTRAT_CHECK(m.cluster.spec.num_tasks("ps") == 0, kInvalidArgument,
                       "MultiWorkerMirroredStrategy: the cluster has ps tasks; use "
                       "ParameterServerStrategy");
-      cpu_isa();  // a bad DISTSTRAT_CPU fails every rank, naming this one
     } catch (...) {
       error = std::current_exception();
     }
