@@ -11,7 +11,10 @@
 // limit_cpu_isa lowered it. Results of the variants agree to float rounding
 // (the GEMMs' FMA contractions and block sizes differ); one variant on every
 // rank makes replicas update bit-identically, so MultiWorkerMirroredStrategy
-// lowers every rank to the lowest variant of the job at set-up.
+// lowers every rank to the lowest variant of the job at set-up (an elastic
+// group does not, as a joiner may bring a lower CPU later: set DISTSTRAT_CPU
+// alike on every host there; ParameterServerStrategy's asynchronous updates
+// need no agreement).
 //
 // Rules: no call blocks or communicates; thread-safe.
 #pragma once

@@ -26,7 +26,7 @@ bool cpu_has_f16c() {
 }
 #endif
 
-CpuIsa detect() {
+CpuIsa detect_cpu_isa() {
 #if DISTSTRAT_ISA_VARIANTS
   __builtin_cpu_init();
   const bool f16c = cpu_has_f16c();
@@ -48,7 +48,7 @@ CpuIsa detect() {
 std::atomic<int> g_active{-1};
 std::mutex g_decide;
 
-CpuIsa decide() {
+CpuIsa decide_cpu_isa() {
   std::lock_guard<std::mutex> lock(g_decide);
   const int now = g_active.load();
   if (now >= 0) return static_cast<CpuIsa>(now);
@@ -72,13 +72,13 @@ const char* cpu_isa_name(CpuIsa isa) {
 }
 
 CpuIsa cpu_isa_supported() {
-  static const CpuIsa detected = detect();
+  static const CpuIsa detected = detect_cpu_isa();
   return detected;
 }
 
 CpuIsa cpu_isa() {
   const int now = g_active.load(std::memory_order_relaxed);
-  return now >= 0 ? static_cast<CpuIsa>(now) : decide();
+  return now >= 0 ? static_cast<CpuIsa>(now) : decide_cpu_isa();
 }
 
 CpuIsa limit_cpu_isa(CpuIsa most) {
