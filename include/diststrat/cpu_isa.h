@@ -7,7 +7,8 @@
 // process runs one variant: the best this CPU has, unless the environment
 // variable DISTSTRAT_CPU=baseline|avx2|avx512 forces one (an unknown name, or
 // a variant this CPU cannot run, is an InvalidArgumentError naming the
-// variable, thrown by the first kernel call or strategy set-up), or
+// variable, thrown by strategy or ProcessGroup set-up, or the first kernel
+// call), or
 // limit_cpu_isa lowered it. Results of the variants agree to float rounding
 // (the GEMMs' FMA contractions and block sizes differ); one variant on every
 // rank makes replicas update bit-identically, so MultiWorkerMirroredStrategy
