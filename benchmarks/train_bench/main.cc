@@ -29,6 +29,8 @@
 // noise hits both alike, and prints each one's step time, the ratio (with
 // its spread over the blocks) and optimizer-slot bytes per replica;
 // --optimizer adam|sgd picks the rule.
+// cpu_kernels= is the instruction-set variant of the CPU math in use
+// (diststrat/cpu_isa.h; DISTSTRAT_CPU=baseline|avx2|avx512 forces one).
 // Gradient accumulation: --accumulation k makes every update k micro-batches
 // (Optimizer::set_accumulation_steps, the apply_gradients path; --steps and
 // samples_per_sec count micro-batches) and, under multi_worker, prints the
@@ -397,13 +399,14 @@ int main(int argc, char** argv) {
           "train_bench: strategy=%s workers=%d replicas=%d batch_per_replica=%lld overlap=%d "
           "width=%lld depth=%d compression=%s zero=%s optimizer=%s steps=%d seconds=%.3f loss=%.4f "
           "samples_per_sec=%.0f optimizer_slot_bytes_per_replica=%lld accumulation=%d "
-          "gradient_calls_per_update=%.2f\n",
+          "gradient_calls_per_update=%.2f cpu_kernels=%s\n",
           strategy->name().c_str(), strategy->cluster().num_workers,
           strategy->num_replicas_in_sync(), static_cast<long long>(per_replica_batch),
           overlap ? 1 : 0, static_cast<long long>(width), depth, compression.c_str(), zero.c_str(),
           optimizer.c_str(), steps, seconds, loss, steps * global_batch / seconds,
           static_cast<long long>(opt.slot_bytes_per_replica()), accumulation,
-          multi_worker ? double(grad_calls) / (double(steps) / accumulation) : 0.0);
+          multi_worker ? double(grad_calls) / (double(steps) / accumulation) : 0.0,
+          ds::cpu_isa_name(ds::cpu_isa()));
     }
     return 0;
   } catch (const ds::Error& e) {

@@ -7,6 +7,7 @@
 #include "diststrat/checkpoint_manager.h"
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
+#include "diststrat/cpu_isa.h"
 #include "diststrat/data.h"
 #include "diststrat/data_position.h"
 #include "diststrat/device.h"

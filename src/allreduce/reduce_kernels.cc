@@ -15,13 +15,14 @@
 #include <type_traits>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
 #include <immintrin.h>
 #define DISTSTRAT_X86 1
 #else
 #define DISTSTRAT_X86 0
 #endif
 
+#include "core/cast_kernels.h"
+#include "diststrat/cpu_isa.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -218,33 +219,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void
 }
 #endif
 
+// The process's variant (diststrat/cpu_isa.h: the CPU's best, DISTSTRAT_CPU
+// or limit_cpu_isa), shared with the model math.
+Isa isa() {
 #if DISTSTRAT_X86
-// F16C from CPUID leaf 1 (clang 14's __builtin_cpu_supports does not know "f16c").
-bool cpu_has_f16c() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
-}
-#endif
-
-Isa detect_isa() {
-#if DISTSTRAT_X86
-  __builtin_cpu_init();
-  const bool f16c = cpu_has_f16c();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && f16c) {
-    return Isa::kAvx512;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
-    return Isa::kAvx2;
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512:
+      return Isa::kAvx512;
+    case CpuIsa::kAvx2:
+      return Isa::kAvx2;
+    case CpuIsa::kBaseline:
+      break;
   }
 #endif
   return Isa::kBase;
-}
-
-// The CPU's instruction set, detected once (a constant of the machine).
-Isa isa() {
-  static const Isa detected = detect_isa();
-  return detected;
 }
 
 template <typename Fn>
@@ -380,6 +368,19 @@ void scale_mean(void* dst, size_t count, DType dtype, int divisor) {
 void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t count) {
   if (src_dtype == dst_dtype) {
     std::memmove(dst, src, count * dtype_size(src_dtype));
+    return;
+  }
+  // The wire compression's casts: the variant's array kernels.
+  const cpu::CastKernels& k = cpu::cast_kernels();
+  const bool half = src_dtype == DType::kFloat16 || dst_dtype == DType::kFloat16;
+  if (src_dtype == DType::kFloat32 && (half || dst_dtype == DType::kBFloat16)) {
+    (half ? k.f32_to_f16 : k.f32_to_bf16)(static_cast<const float*>(src),
+                                          static_cast<uint16_t*>(dst), count);
+    return;
+  }
+  if (dst_dtype == DType::kFloat32 && (half || src_dtype == DType::kBFloat16)) {
+    (half ? k.f16_to_f32 : k.bf16_to_f32)(static_cast<const uint16_t*>(src),
+                                          static_cast<float*>(dst), count);
     return;
   }
   dispatch_dtype(src_dtype, [&](auto stag) {

@@ -43,8 +43,8 @@ void copy_streaming(void* dst, const void* src, size_t bytes);
 // rows and shm at 16M/64M/256M, see docs/benchmarks.md).
 constexpr size_t kStreamingBytes = 32u << 20;
 
-// The instruction set the kernels dispatch to on this CPU: "avx512", "avx2"
-// or "baseline".
+// The instruction set the kernels dispatch to in this process
+// (diststrat/cpu_isa.h): "avx512", "avx2" or "baseline".
 const char* isa_name();
 
 // Converts count f32 values to f16/bf16 and back (wire compression).

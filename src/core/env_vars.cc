@@ -38,6 +38,7 @@ const KnownVariable kKnown[] = {
     {"DISTSTRAT_FLIGHT_RECORDER_EXIT", "library"},
     {"DISTSTRAT_FLIGHT_RECORDER_SITES", "library"},
     {"DISTSTRAT_STRAGGLER_WINDOW", "library"},
+    {"DISTSTRAT_CPU", "library"},
     // Read by scripts/ (build and test drivers).
     {"DISTSTRAT_CMAKE_ARGS", "scripts"},
     {"DISTSTRAT_BUILD_DIR", "scripts"},

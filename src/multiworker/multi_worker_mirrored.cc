@@ -9,6 +9,7 @@
 #include "allreduce/flight_recording.h"
 #include "allreduce/hierarchical.h"
 #include "core/env.h"
+#include "diststrat/cpu_isa.h"
 #include "multiworker/multi_worker_impl.h"
 
 namespace diststrat {
@@ -92,6 +93,14 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   // (An elastic group numbered its replicas when it formed.)
   const std::vector<int64_t> counts =
       m.elastic ? std::vector<int64_t>(static_cast<size_t>(n), mine) : m.number_replicas(mine);
+  if (!m.elastic && n > 1) {
+    // One CPU kernel variant on every rank, the lowest of the job, so that
+    // hosts with different CPUs update bit-identically (diststrat/cpu_isa.h).
+    // (An elastic group does not: a joiner may come with a lower CPU later.)
+    int64_t isa = static_cast<int64_t>(cpu_isa());
+    m.cross->all_reduce(&isa, 1, ReduceOp::kMin, "cpu kernel variant");
+    limit_cpu_isa(static_cast<CpuIsa>(isa));
+  }
 
   const std::optional<std::string> env_timeline = env::text("DISTSTRAT_TIMELINE");
   m.timeline_path = env_timeline.value_or(options.timeline_path);
@@ -133,8 +142,8 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   logger_.info("MultiWorkerMirroredStrategy: worker ", m.cross->rank(), " of ", n,
                " (cluster from ", cluster_source_name(m.cluster.source), "), ",
                options.devices.size(), " local replica(s), ", m.total_replicas, " in sync, node ",
-               m.cluster.placement.node, " of ", m.cluster.placement.num_nodes,
-               m.comms.hierarchical ? ", hierarchical" : "",
+               m.cluster.placement.node, " of ", m.cluster.placement.num_nodes, ", cpu kernels ",
+               cpu_isa_name(cpu_isa()), m.comms.hierarchical ? ", hierarchical" : "",
                m.elastic ? ", elastic (group " + std::to_string(m.elastic->view.group) + ")" : "");
 }
 

@@ -1,24 +1,22 @@
-// CPU layers on Eigen (row-major maps over tensor memory; no copies). Eigen
-// runs single-threaded here: one replica = one worker thread.
-#include <Eigen/Dense>
-#include <cmath>
+// Layers and losses: operands checked here, the math on a GPU backend or in
+// the CPU kernels of the instruction set in use (nn_kernels.h: Eigen over
+// row-major tensor memory, no copies, single-threaded: one replica = one
+// worker thread).
 #include <cstring>
 #include <vector>
 
+#include "core/cpu_isa.h"
 #include "core/device_scope.h"
 #include "diststrat/nn.h"
 #include "nn/layers_internal.h"
+#include "nn/nn_kernels.h"
 
 namespace diststrat {
 namespace nn {
 
-namespace {
-using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using MapM = Eigen::Map<Mat>;
-using CMapM = Eigen::Map<const Mat>;
-using CMapV = Eigen::Map<const Eigen::RowVectorXf>;
-using MapV = Eigen::Map<Eigen::RowVectorXf>;
+const NnKernels& nn_kernels() { return DISTSTRAT_ISA_PICK(kNnKernels); }
 
+namespace {
 // Every operand of an op lives in the memory of `device` (the first
 // operand's): the same GPU, or host memory for any CPU device.
 bool same_memory(const Device& a, const Device& b) { return a == b || (a.is_cpu() && b.is_cpu()); }
@@ -67,8 +65,6 @@ GpuXent gpu_xent(const Tensor& logits, const Tensor& labels, Tensor& dlogits, fl
                   " is outside [0, ", k, ")");
   return out;
 }
-CMapM cmat(const Tensor& t) { return CMapM(t.data<float>(), t.shape()[0], t.shape()[1]); }
-MapM mat(Tensor& t) { return MapM(t.data<float>(), t.shape()[0], t.shape()[1]); }
 }  // namespace
 
 void dense_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) {
@@ -89,9 +85,8 @@ void dense_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y)
     return;
   }
   if (x.shape()[0] == 0) return;
-  auto Y = mat(y);
-  Y.noalias() = cmat(x) * cmat(w);
-  Y.rowwise() += CMapV(b.data<float>(), b.num_elements());
+  nn_kernels().dense_forward(x.data<float>(), w.data<float>(), b.data<float>(), y.data<float>(),
+                             x.shape()[0], w.shape()[0], w.shape()[1]);
 }
 
 void dense_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx, Tensor& dw,
@@ -118,11 +113,9 @@ void dense_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* 
     db.zero();
     return;
   }
-  mat(dw).noalias() = cmat(x).transpose() * cmat(dy);
-  MapV(db.data<float>(), db.num_elements()) = cmat(dy).colwise().sum();
-  if (dx) {
-    mat(*dx).noalias() = cmat(dy) * cmat(w).transpose();
-  }
+  nn_kernels().dense_backward(x.data<float>(), w.data<float>(), dy.data<float>(),
+                              dx ? dx->data<float>() : nullptr, dw.data<float>(), db.data<float>(),
+                              x.shape()[0], w.shape()[0], w.shape()[1]);
 }
 
 void relu_forward(const Tensor& x, Tensor& y) {
@@ -134,10 +127,7 @@ void relu_forward(const Tensor& x, Tensor& y) {
                             x.num_elements());
     return;
   }
-  const float* a = x.data<float>();
-  float* o = y.data<float>();
-  const int64_t n = x.num_elements();
-  for (int64_t i = 0; i < n; ++i) o[i] = a[i] > 0.0f ? a[i] : 0.0f;
+  nn_kernels().relu_forward(x.data<float>(), y.data<float>(), x.num_elements());
 }
 
 void relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
@@ -151,11 +141,7 @@ void relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
                              dx.data<float>(), y.num_elements());
     return;
   }
-  const float* a = y.data<float>();
-  const float* g = dy.data<float>();
-  float* o = dx.data<float>();
-  const int64_t n = y.num_elements();
-  for (int64_t i = 0; i < n; ++i) o[i] = a[i] > 0.0f ? g[i] : 0.0f;
+  nn_kernels().relu_backward(y.data<float>(), dy.data<float>(), dx.data<float>(), y.num_elements());
 }
 
 namespace {
@@ -185,27 +171,13 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor&
     return loss;
   }
   const int64_t n = logits.shape()[0], k = logits.shape()[1];
-  const float* z = logits.data<float>();
   const int32_t* y = labels.data<int32_t>();
-  float* d = dlogits.data<float>();
-  double loss = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     DISTSTRAT_CHECK(y[i] >= 0 && y[i] < k, kInvalidArgument, "softmax_cross_entropy: label ", y[i],
                     " of row ", i, " is outside [0, ", k, ")");
-    const float* zi = z + i * k;
-    float* di = d + i * k;
-    float m = zi[0];
-    for (int64_t j = 1; j < k; ++j) m = std::max(m, zi[j]);
-    double sum = 0.0;
-    for (int64_t j = 0; j < k; ++j) sum += std::exp(static_cast<double>(zi[j] - m));
-    const double log_sum = std::log(sum);
-    loss += log_sum - static_cast<double>(zi[y[i]] - m);
-    for (int64_t j = 0; j < k; ++j) {
-      const double p = std::exp(static_cast<double>(zi[j] - m) - log_sum);
-      di[j] = static_cast<float>((p - (j == y[i] ? 1.0 : 0.0)) * grad_scale);
-    }
   }
-  return loss;
+  return nn_kernels().softmax_cross_entropy(logits.data<float>(), y, dlogits.data<float>(), n, k,
+                                            grad_scale);
 }
 
 double softmax_cross_entropy_counted(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
@@ -242,17 +214,7 @@ int64_t count_correct(const Tensor& logits, const Tensor& labels) {
     for (int32_t v : r.correct) c += v;
     return c;
   }
-  const float* z = logits.data<float>();
-  const int32_t* y = labels.data<int32_t>();
-  int64_t correct = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t best = 0;
-    for (int64_t j = 1; j < k; ++j) {
-      if (z[i * k + j] > z[i * k + best]) best = j;
-    }
-    correct += best == y[i];
-  }
-  return correct;
+  return nn_kernels().count_correct(logits.data<float>(), labels.data<int32_t>(), n, k);
 }
 
 }  // namespace nn

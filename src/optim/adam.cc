@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "diststrat/optimizer.h"
+#include "optim/optim_kernels.h"
 
 namespace diststrat {
 
@@ -49,13 +50,8 @@ void Adam::apply(const AdamOptions& options, float* var, const float* grad, floa
   const float lr = options.schedule.learning_rate(options.learning_rate, step - 1);
   const float alpha =
       static_cast<float>(lr * std::sqrt(1.0 - std::pow(b2, t)) / (1.0 - std::pow(b1, t)));
-  float* m = slots[0];
-  float* v = slots[1];
-  for (size_t i = 0; i < count; ++i) {
-    m[i] = b1 * m[i] + (1 - b1) * grad[i];
-    v[i] = b2 * v[i] + (1 - b2) * grad[i] * grad[i];
-    var[i] -= alpha * m[i] / (std::sqrt(v[i]) + options.epsilon);
-  }
+  optim_detail::optim_kernels().adam(var, grad, slots[0], slots[1], count, b1, b2, alpha,
+                                     options.epsilon);
 }
 
 }  // namespace diststrat

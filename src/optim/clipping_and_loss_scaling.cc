@@ -12,16 +12,15 @@
 
 #include "runtime/variable_impl.h"
 #include "core/user_text.h"
+#include "optim/optim_kernels.h"
 #include "optim/optimizer_state.h"
 
 namespace diststrat {
 
 namespace {
 double sum_of_squares(const Tensor& g) {
-  const float* p = g.data<float>();
-  double s = 0;
-  for (int64_t i = 0, n = g.num_elements(); i < n; ++i) s += double(p[i]) * p[i];
-  return s;
+  return optim_detail::optim_kernels().sum_of_squares(g.data<float>(),
+                                                      static_cast<size_t>(g.num_elements()));
 }
 }  // namespace
 
@@ -209,11 +208,9 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
     const float inv = 1.0f / batch->scale_value;
     for (Held::Update& h : ready) {
       Tensor g = h.grad.clone();
-      float* p = g.data<float>();
-      for (int64_t i = 0, n = g.num_elements(); i < n; ++i) {
-        p[i] *= inv;
-        skip = skip || !std::isfinite(p[i]);
-      }
+      const bool finite = optim_detail::optim_kernels().scale_all_finite(
+          g.data<float>(), static_cast<size_t>(g.num_elements()), inv);
+      skip = skip || !finite;
       h.grad = g;
     }
   }
@@ -269,14 +266,10 @@ void Optimizer::apply_clipped(Tensor& var, const Tensor& grad, const std::vector
   }
   Tensor g = grad.clone();  // the caller's gradient stays as reduced
   float* p = g.data<float>();
-  const int64_t n = g.num_elements();
-  if (scale != 1.0f) {
-    for (int64_t i = 0; i < n; ++i) p[i] *= scale;
-  }
-  if (clipping_.value > 0) {
-    const float hi = clipping_.value, lo = -clipping_.value;
-    for (int64_t i = 0; i < n; ++i) p[i] = p[i] < lo ? lo : (p[i] > hi ? hi : p[i]);
-  }
+  const size_t n = static_cast<size_t>(g.num_elements());
+  const optim_detail::OptimKernels& k = optim_detail::optim_kernels();
+  if (scale != 1.0f) k.scale(p, n, scale);
+  if (clipping_.value > 0) k.clip(p, n, -clipping_.value, clipping_.value);
   update_now(var, g, slots, step);
 }
 

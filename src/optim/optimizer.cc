@@ -9,8 +9,11 @@
 #include <algorithm>
 #include <string>
 
+#include "core/cast_kernels.h"
+#include "core/cpu_isa.h"
 #include "core/device_scope.h"
 #include "core/user_text.h"
+#include "optim/optim_kernels.h"
 #include "optim/optimizer_state.h"
 
 namespace diststrat {
@@ -56,17 +59,16 @@ Tensor widen_to_float32(const Tensor& g) {
   Tensor out(g.shape(), DType::kFloat32);
   float* dst = out.data<float>();
   const uint16_t* src = static_cast<const uint16_t*>(g.data());
-  const int64_t n = g.num_elements();
-  if (g.dtype() == DType::kFloat16) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = Half::to_float(src[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16::to_float(src[i]);
-  }
+  const size_t n = static_cast<size_t>(g.num_elements());
+  const cpu::CastKernels& k = cpu::cast_kernels();
+  (g.dtype() == DType::kFloat16 ? k.f16_to_f32 : k.bf16_to_f32)(src, dst, n);
   return out;
 }
 }  // namespace
 
 namespace optim_detail {
+const OptimKernels& optim_kernels() { return DISTSTRAT_ISA_PICK(kOptimKernels); }
+
 // A variable passed twice in one call is an error (it would be updated twice,
 // or, sharded, laid out twice), as in every strategy's reduction the
 // gradients of one variable must be summed by the caller.

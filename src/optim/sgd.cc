@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "diststrat/optimizer.h"
+#include "optim/optim_kernels.h"
 
 namespace diststrat {
 
@@ -38,21 +39,11 @@ void SGD::apply(const SGDOptions& options, float* var, const float* grad, float*
                 size_t count, int64_t step) {
   const float lr = options.schedule.learning_rate(options.learning_rate, step - 1);
   const float mu = options.momentum;
+  const optim_detail::OptimKernels& k = optim_detail::optim_kernels();
   if (mu == 0.0f) {
-    for (size_t i = 0; i < count; ++i) var[i] -= lr * grad[i];
-    return;
-  }
-  float* v = slots[0];
-  if (options.nesterov) {
-    for (size_t i = 0; i < count; ++i) {
-      v[i] = mu * v[i] - lr * grad[i];
-      var[i] += mu * v[i] - lr * grad[i];
-    }
+    k.sgd(var, grad, count, lr);
   } else {
-    for (size_t i = 0; i < count; ++i) {
-      v[i] = mu * v[i] - lr * grad[i];
-      var[i] += v[i];
-    }
+    k.sgd_momentum(var, grad, slots[0], count, lr, mu, options.nesterov);
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include "diststrat/process_group.h"
 
+#include "core/cpu_isa.h"
 #include "core/user_text.h"
 #include "diststrat/config.h"
 #include "diststrat/logging.h"
@@ -211,6 +212,8 @@ ProcessGroup::ProcessGroup(ProcessGroupOptions options) : impl_(std::make_unique
   // Every DISTSTRAT_* value that does not parse is a start-up error, as for
   // the strategies (whose logger reads it): a group has no logger of its own.
   Logger(LogLevel::kWarning);
+  cpu::isa_from_env();  // DISTSTRAT_CPU: the reduction kernels' variant
+  cpu_isa();
   Impl& m = *impl_;
   // Set-up is collective: a rank that fails it makes every rank fail, naming
   // it, within the deadline (as for MultiWorkerMirroredStrategy).

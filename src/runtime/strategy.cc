@@ -11,6 +11,7 @@
 #include "allreduce/reduce_kernels.h"
 #include "runtime/collective_check.h"
 #include "core/env.h"
+#include "core/cpu_isa.h"
 #include "runtime/data_source.h"
 #include "core/thread_pool.h"
 #include "core/user_text.h"
@@ -431,6 +432,10 @@ Tensor Strategy::gather_across(const std::vector<Tensor>& local) {
 Strategy::Strategy(LogLevel log_level, std::string log_prefix)
     : logger_(log_level, std::move(log_prefix)), fault_(FaultInjection::from_env()) {
   env::warn_unknown_variables_once(logger_);
+  // A bad DISTSTRAT_CPU is a set-up error of every strategy, not the first
+  // step's (the variant itself is decided once per process).
+  cpu::isa_from_env();
+  cpu_isa();
 }
 
 Tensor Strategy::gather(const PerReplica<Tensor>& values) {

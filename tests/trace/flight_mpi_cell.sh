@@ -10,7 +10,7 @@ mpiexec=$1 program=$2 tool=$3 kind=$4
 dir=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_flight_mpi_XXXXXX")
 trap 'rm -rf "$dir"' EXIT
 run() {
-  timeout 120 "$mpiexec" -np 4 --oversubscribe --bind-to none \
+  timeout -k 5 90 "$mpiexec" -np 4 --oversubscribe --bind-to none \
     -x DISTSTRAT_FLIGHT_RECORDER_DIR="$dir" "$program" "$@" 2>&1
 }
 case $kind in

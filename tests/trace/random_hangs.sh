@@ -12,7 +12,7 @@ right=0
 for ((i = 0; i < n; ++i)); do
   np=$((4 + RANDOM % 5)) kind=${kinds[RANDOM % 4]} culprit=$((RANDOM % np)) step=$((1 + RANDOM % 6))
   dir=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_random_hang_XXXXXX")
-  timeout 120 mpirun -np "$np" --oversubscribe --bind-to none -x DISTSTRAT_FLIGHT_RECORDER_DIR="$dir" \
+  timeout -k 5 60 mpirun -np "$np" --oversubscribe --bind-to none -x DISTSTRAT_FLIGHT_RECORDER_DIR="$dir" \
     "$build/tests/trace/diststrat_flight_mpi" "$kind" "$culprit" "$step" >/dev/null 2>&1
   verdict=$("$build/tools/diststrat-trace" analyze "$dir" 2>&1 | head -1)
   rm -rf "$dir"

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "core/cpu_isa.h"
 #include "core/device_manager_impl.h"
 #include "diststrat/diststrat.h"
 #include "fake_gpu_backend.h"
@@ -142,6 +143,8 @@ TEST(Env, JunkValuesOfEveryVariableAreAStartupError) {
   expect_rejected("DISTSTRAT_FAULT", "throw:1", [] { ds::MirroredStrategy s(one_cpu()); });
   expect_rejected("DISTSTRAT_FAULT", "boom:0:1", [] { ds::FaultInjection::from_env(); });
   expect_rejected("DISTSTRAT_VIRTUAL_NODE_SIZE", "two", [] { ds::resolve_cluster({}); });
+  expect_rejected("DISTSTRAT_CPU", "sse9", [] { ds::MirroredStrategy s(one_cpu()); });
+  expect_rejected("DISTSTRAT_CPU", "AVX2 ", [] { ds::cpu::isa_from_env(); });
   expect_rejected("DISTSTRAT_VIRTUAL_NODE_SIZE", "-1", [] { ds::resolve_cluster({}); });
   expect_rejected("DISTSTRAT_GPU_LEASE", "maybe", [] {
     ds::GpuOptions g;

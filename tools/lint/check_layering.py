@@ -39,7 +39,7 @@ SEAMS = {
 PUBLIC_HEADERS = {
     "config": "core", "error": "core", "dtype": "core", "tensor": "core", "device": "core",
     "device_manager": "core", "gpu_lease": "core", "logging": "core", "fault": "core",
-    "collective": "core", "flight_recorder": "core",
+    "collective": "core", "flight_recorder": "core", "cpu_isa": "core",
     "algorithm_registry": "allreduce",
     "strategy": "runtime", "variable": "runtime", "data": "runtime", "cluster": "runtime",
     "slurm": "runtime",
