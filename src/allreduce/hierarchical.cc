@@ -14,6 +14,7 @@
 #include "allreduce/transport_communicator.h"
 #include "core/flight_recorder.h"
 #include "core/fnv1a.h"
+#include "core/user_text.h"
 
 namespace diststrat {
 namespace algo {
@@ -175,7 +176,8 @@ void HierarchicalCommunicator::compare_call(size_t count, DType dtype, ReduceOp 
   const int n = flat_->size();
   int64_t mine[kWords] = {static_cast<int64_t>(count), static_cast<int64_t>(dtype),
                           static_cast<int64_t>(op), static_cast<int64_t>(fnv1a(name))};
-  std::memcpy(mine + 4, name.data(), std::min(name.size(), kNameWords * 8 - 1));
+  const std::string shown = head_and_tail(name, kNameWords * 8 - 1);
+  std::memcpy(mine + 4, shown.data(), shown.size());
   std::vector<int64_t> all(kWords * static_cast<size_t>(n));
   const std::string what = "rank " + std::to_string(flat_->rank()) + ": " +
                            describe_call("all_reduce", count, dtype, &op, name) + " (hierarchical)";

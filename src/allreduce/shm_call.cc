@@ -35,7 +35,8 @@ CallRecord record(CallKind kind, size_t count, DType dtype, const ReduceOp* op, 
                   const std::string& name) {
   CallRecord r;
   r.name_hash = fnv1a(name);
-  std::memcpy(r.name, name.data(), std::min(name.size(), sizeof r.name - 1));
+  const std::string shown = head_and_tail(name, sizeof r.name - 1);
+  std::memcpy(r.name, shown.data(), shown.size());
   r.kind = static_cast<uint32_t>(kind);
   r.count = count;
   r.dtype = kind == CallKind::kBarrier ? 0 : static_cast<int32_t>(dtype);

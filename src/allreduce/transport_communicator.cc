@@ -103,7 +103,6 @@ std::string describe_key(const KeyWords& k, const KeyWords& other, const NameByt
   if (other[7] != k[7]) os << " over " << k[7] << " node(s)";
   const std::string text(name.data(), strnlen(name.data(), name.size()));
   os << (text.empty() ? std::string(" (unnamed)") : " '" + echo(text) + "'");
-  if (text.size() == kNameBytes - 1) os << "...";
   return os.str();
 }
 
@@ -133,7 +132,8 @@ void TransportCommunicator::agree_on_call(const CallKey& key) {
   std::vector<NameBytes> names(n);
   all[rank()] = mine;
   names[rank()].fill('\0');
-  std::memcpy(names[rank()].data(), name.data(), std::min(name.size(), kNameBytes - 1));
+  const std::string shown = head_and_tail(name, kNameBytes - 1);
+  std::memcpy(names[rank()].data(), shown.data(), shown.size());
   algo::ChunkLayout layout{[](int c) { return static_cast<size_t>(c) * kKeyWords; },
                            [](int) { return static_cast<size_t>(kKeyWords); }};
   algo::ring_all_gather(peers, all.data(), sizeof(int64_t), layout, /*shift=*/0,

@@ -32,6 +32,8 @@
 
 #include "core/env.h"
 #include "core/file_util.h"
+#include "core/fnv1a.h"
+#include "core/user_text.h"
 #include "diststrat/flight_recorder.h"
 
 namespace diststrat {
@@ -87,7 +89,7 @@ size_t capacity() {
   static const size_t n = [] {
     try {
       return static_cast<size_t>(
-          env::integer("DISTSTRAT_FLIGHT_RECORDER", 0, 1 << 20).value_or(2048));
+          env::integer("DISTSTRAT_FLIGHT_RECORDER", 0, 1 << 16).value_or(2048));
     } catch (const Error& e) {
       // Read at the first communicator: a bad value must not take the
       // program down there; it is said once and the default kept.
@@ -172,6 +174,23 @@ std::string file_prefix(const std::string& job) {
   return "flight-" + (job.empty() ? std::string("solo") : file_safe(job)) + "-";
 }
 
+// flight-<job>-rank<R>-pid<P>.json; a process of no known rank (one
+// process, or before the cluster is resolved) has no rank<R>- part.
+std::string file_name(const std::string& job, int rank) {
+  return file_prefix(job) + (rank >= 0 ? "rank" + std::to_string(rank) + "-" : std::string()) +
+         "pid" + std::to_string(::getpid()) + ".json";
+}
+
+bool exit_after_peer_failure() {
+  try {
+    return env::flag("DISTSTRAT_FLIGHT_RECORDER_EXIT").value_or(false);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "diststrat: %s; the watchdog will not end the process\n",
+                 e.message().c_str());
+    return false;
+  }
+}
+
 void make_directories(const std::string& dir) {
   for (size_t i = 1; i <= dir.size(); ++i) {
     if (i == dir.size() || dir[i] == '/') {
@@ -214,6 +233,12 @@ void peer_file(const std::string& dir, const std::string& name, const std::strin
   if (!is_failure_dump(path)) return;
   Registry& r = registry();
   {
+    // A process that wrote its own record on a failure of this episode has
+    // its error in hand: not stuck, nothing to answer (nor to end).
+    std::lock_guard<std::mutex> lock(r.dump_mu);
+    if (r.last_failure_dump_us >= 0 && now_us() - r.last_failure_dump_us < kEpisodeUs) return;
+  }
+  {
     std::lock_guard<std::mutex> lock(r.mu);
     const int64_t now = now_us();
     // One answer per burst (every rank of a failed collective dumps).
@@ -222,13 +247,7 @@ void peer_file(const std::string& dir, const std::string& name, const std::strin
   }
   const std::string written =
       dump(Trigger::kPeer, "another process of the job wrote its record after a failure: " + name);
-  bool exit_after = false;
-  try {
-    exit_after = env::flag("DISTSTRAT_FLIGHT_RECORDER_EXIT").value_or(false);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "diststrat: %s\n", e.message().c_str());
-  }
-  if (exit_after) {
+  if (exit_after_peer_failure()) {
     std::fprintf(stderr,
                  "diststrat: process %d: another process of the job failed (%s); this process's "
                  "flight record is %s; ending it (DISTSTRAT_FLIGHT_RECORDER_EXIT)\n",
@@ -240,6 +259,7 @@ void peer_file(const std::string& dir, const std::string& name, const std::strin
 
 void watchdog_main() {
   Registry& r = registry();
+  exit_after_peer_failure();  // a bad value is said now, not at the first failure
   const int in = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
   std::string watched;
   int wd = -1;
@@ -358,6 +378,7 @@ Recorder::Recorder(std::string group, int group_rank, int group_size)
   const size_t n = capacity();
   if (n == 0) return;
   epoch_unix_us();  // fixed now, before any dump
+  creator_thread_ = thread_number();
   ring_.resize(n);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -394,10 +415,16 @@ uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t cou
   e.kind = kind;
   e.algorithm = "";
   e.state = State::kStarted;
-  const size_t n = std::min(name.size(), kNameBytes);
-  std::memcpy(e.name, name.data(), n);
-  e.name_len = static_cast<uint8_t>(n);
-  e.name_cut = name.size() > kNameBytes;
+  if (name.size() <= kNameBytes) {
+    std::memcpy(e.name, name.data(), name.size());
+    e.name_len = static_cast<uint8_t>(name.size());
+  } else {
+    // Its start and its end: names that differ only at the end stay apart.
+    const std::string shown = head_and_tail(name, kNameBytes);
+    std::memcpy(e.name, shown.data(), shown.size());
+    e.name_len = static_cast<uint8_t>(shown.size());
+  }
+  e.name_hash = fnv1a(name);
   e.site_frames = static_cast<uint8_t>(std::max(0, frames - 3));
   for (int i = 0; i < e.site_frames; ++i) e.site[i] = site[i + 3];
   e.error.clear();
@@ -467,9 +494,10 @@ void Recorder::append_json(std::string& out) const {
     out += ", \"kind\": ";
     json_text(out, e.kind, std::strlen(e.kind));
     out += ", \"name\": ";
-    std::string name(e.name, e.name_len);
-    if (e.name_cut) name += "...";
-    json_text(out, name);
+    json_text(out, e.name, e.name_len);
+    std::snprintf(num, sizeof num, ", \"name_hash\": \"%016llx\"",
+                  static_cast<unsigned long long>(e.name_hash));
+    out += num;
     std::snprintf(num, sizeof num,
                   ", \"count\": %llu, \"dtype\": ", static_cast<unsigned long long>(e.count));
     out += num;
@@ -511,6 +539,18 @@ void Recorder::append_json(std::string& out) const {
 
 void note_algorithm(const char* algorithm) {
   if (current.recorder) current.recorder->set_algorithm(current.seq, algorithm);
+}
+
+void Recorder::append_member_json(std::string& out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ring_.empty()) return;
+  if (out.back() != '[') out += ',';
+  out += "\n  {\"group\": ";
+  json_text(out, group_);
+  char num[96];
+  std::snprintf(num, sizeof num, ", \"group_rank\": %d, \"group_size\": %d, \"thread\": %u}",
+                group_rank_, group_size_, creator_thread_);
+  out += num;
 }
 
 void set_process(int rank, int size) {
@@ -580,10 +620,11 @@ std::string dump(Trigger trigger, const std::string& reason) {
     out += "},\n \"dump_time_us\": " + std::to_string(now_us()) +
            ", \"epoch_unix_us\": " + std::to_string(epoch_unix_us()) + ",\n \"calls\": [";
     for (const Recorder* rec : r.live) rec->append_json(out);
+    out += "\n ],\n \"members\": [";
+    for (const Recorder* rec : r.live) rec->append_member_json(out);
     out += "\n ]\n}\n";
     make_directories(dir);
-    path = dir + "/" + file_prefix(job) + "rank" + std::to_string(r.rank) + "-pid" +
-           std::to_string(::getpid()) + ".json";
+    path = dir + "/" + file_name(job, r.rank);
     write_file_atomically(path, out.data(), out.size());
     if (failure) {
       r.last_failure_dump_us = now_us();

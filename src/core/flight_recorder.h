@@ -64,6 +64,9 @@ class Recorder {
   // The retained calls as JSON objects, oldest first, each preceded by a
   // comma unless `out` ends with '['.
   void append_json(std::string& out) const;
+  // This member as a JSON object (group, group_rank, group_size, thread of
+  // its creation), likewise: a member with no call yet is still known.
+  void append_member_json(std::string& out) const;
   // This rank's compute time before each call: from the end of its previous
   // call to the start of this one (microseconds; -1 for the first).
   int64_t last_gap_us() const;
@@ -81,7 +84,7 @@ class Recorder {
     const char* algorithm = "";
     State state = State::kQueued;
     uint8_t name_len = 0;
-    bool name_cut = false;
+    uint64_t name_hash = 0;  // of the whole name
     uint8_t site_frames = 0;
     void* site[kSiteFrames];  // the caller's return addresses (sites on)
     char name[kNameBytes];
@@ -97,6 +100,7 @@ class Recorder {
   uint64_t next_seq_ = 0;
   int resets_ = 0;
   int64_t last_end_us_ = -1, last_gap_us_ = -1;
+  uint32_t creator_thread_ = 0;
 };
 
 // Names the algorithm of the call this thread is recording (if any): for

@@ -38,6 +38,15 @@ inline std::string echo(const std::string& s, size_t max_chars = kMaxEchoedChars
 }
 
 // Ranks as messages list them: "0, 2, 5".
+// At most `max_bytes` of `s` for a fixed-size slot: all of it when it fits,
+// else its start and its end around "..." -- names that differ only at the
+// end (the fusion engine's pack names) stay apart.
+inline std::string head_and_tail(const std::string& s, size_t max_bytes) {
+  if (s.size() <= max_bytes || max_bytes < 8) return s.substr(0, max_bytes);
+  const size_t tail = (max_bytes - 3) / 3, head = max_bytes - 3 - tail;
+  return s.substr(0, head) + "..." + s.substr(s.size() - tail);
+}
+
 inline std::string join_ranks(const std::vector<int>& ranks) {
   std::string s;
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);

@@ -50,9 +50,7 @@ class StoreAddressExchange : public AddressExchange {
  private:
   static std::string store_key(std::string key) {
     for (char& c : key) {
-      const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                      c == '.' || c == '_' || c == '-' || c == '/';
-      if (!ok) c = '_';
+      if (c != '/' && (c == ':' || !is_member_id_char(c))) c = '_';
     }
     return key;
   }
@@ -73,9 +71,7 @@ std::string default_worker_id() {
   if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') std::strcpy(host, "host");
   std::string id = std::string(host) + "-" + std::to_string(::getpid());
   for (char& c : id) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '-' || c == '_';
-    if (!ok) c = '_';
+    if (c == ':' || !is_member_id_char(c)) c = '_';
   }
   return id;
 }

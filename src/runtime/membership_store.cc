@@ -25,28 +25,28 @@
 
 namespace diststrat {
 
-namespace {
-constexpr size_t kMaxIds = 100000;
-constexpr size_t kMaxRecordBytes = 64 << 20;
-
-bool id_char(char c) {
+bool is_member_id_char(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
          c == '_' || c == ':' || c == '-';
 }
 
+namespace {
+constexpr size_t kMaxIds = 100000;
+constexpr size_t kMaxRecordBytes = 64 << 20;
+
 bool valid_id(const std::string& id) {
-  return !id.empty() && id.size() <= 256 && std::all_of(id.begin(), id.end(), id_char);
+  return !id.empty() && id.size() <= 256 && std::all_of(id.begin(), id.end(), is_member_id_char);
 }
 
 // Milliseconds left before `deadline` (at least 1).
 constexpr size_t kMaxValueBytes = 64 << 10;
 
 void check_key(const std::string& key, const std::string& store) {
-  DISTSTRAT_CHECK(!key.empty() && key.size() <= 200 &&
-                      std::all_of(key.begin(), key.end(),
-                                  [](char c) { return (id_char(c) && c != ':') || c == '/'; }),
-                  kInvalidArgument, store, ": the key '", echo(key, 64),
-                  "' is not 1-200 of [A-Za-z0-9._/-]");
+  DISTSTRAT_CHECK(
+      !key.empty() && key.size() <= 200 &&
+          std::all_of(key.begin(), key.end(),
+                      [](char c) { return (is_member_id_char(c) && c != ':') || c == '/'; }),
+      kInvalidArgument, store, ": the key '", echo(key, 64), "' is not 1-200 of [A-Za-z0-9._/-]");
 }
 
 // The group number N of a key "g<N>/...", or -1.
@@ -365,7 +365,7 @@ class RedisMembershipStore : public MembershipStore {
 
 bool job_name(const std::string& s) {
   return !s.empty() && s.size() <= 128 &&
-         std::all_of(s.begin(), s.end(), [](char c) { return id_char(c) && c != ':'; });
+         std::all_of(s.begin(), s.end(), [](char c) { return is_member_id_char(c) && c != ':'; });
 }
 }  // namespace
 
@@ -396,7 +396,8 @@ std::unique_ptr<MembershipStore> open_membership_store(const std::string& url) {
         std::stoi(port) < 1 || std::stoi(port) > 65535) {
       bad("the port '" + echo(port, 16) + "'");
     }
-    if (!std::all_of(host.begin(), host.end(), [](char c) { return id_char(c) && c != ':'; })) {
+    if (!std::all_of(host.begin(), host.end(),
+                     [](char c) { return is_member_id_char(c) && c != ':'; })) {
       bad("the host '" + echo(host, 64) + "'");
     }
     if (!job_name(job)) bad("the job name '" + echo(job, 64) + "': 1-128 of [A-Za-z0-9._-]");

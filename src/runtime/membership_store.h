@@ -60,6 +60,9 @@ struct Membership {
 
 // A worker id: 1-256 of [A-Za-z0-9._:-]. Throws InvalidArgumentError.
 void check_member_id(const std::string& id);
+// Whether `c` may be part of a worker id ([A-Za-z0-9._:-]); also the base of
+// the file-safe names made from ids and keys.
+bool is_member_id_char(char c);
 
 class MembershipStore {
  public:

@@ -148,7 +148,8 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
                   DISTSTRAT_HAVE_MPI ? "did not start this process" : "this build does not have",
                   " (MultiWorkerMirroredStrategy: or pass MultiWorkerOptions::communicator)");
   ProcessCommunicators out;
-  out.cross = wrap_recorded(std::make_unique<SoloCommunicator>(options), "world");
+  // (Recorded already: its InProcessGroup's calls are.)
+  out.cross = std::make_unique<SoloCommunicator>(options);
   return out;
 }
 

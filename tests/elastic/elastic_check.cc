@@ -18,54 +18,18 @@
 #include <thread>
 #include <vector>
 
+#include "../common/elastic_model.h"
 #include "diststrat/diststrat.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-constexpr int kFeatures = 8;
-constexpr float kLr = 0.05f, kMomentum = 0.9f;
-
-float target(const float* x) {
-  float y = 0;
-  for (int f = 0; f < kFeatures; ++f) y += (0.25f * static_cast<float>(f) - 0.8f) * x[f];
-  return y;
-}
-
-ds::Dataset make_data(int rows) {
-  ds::Tensor x(ds::Shape{rows, kFeatures}, ds::DType::kFloat32);
-  ds::Tensor id(ds::Shape{rows}, ds::DType::kFloat32);
-  for (int r = 0; r < rows; ++r) {
-    for (int f = 0; f < kFeatures; ++f) {
-      x.data<float>()[r * kFeatures + f] = std::sin(0.37f * static_cast<float>(r) + 1.3f * f);
-    }
-    id.data<float>()[r] = static_cast<float>(r);
-  }
-  return ds::Dataset(x, id);
-}
-
-std::vector<float> reference(int rows, int batch, int epochs) {
-  const ds::Dataset d = make_data(rows);
-  std::vector<float> w(kFeatures, 0.0f), v(kFeatures, 0.0f);  // v: SGD's momentum slot
-  for (int e = 0; e < epochs; ++e) {
-    for (int b = 0; b * batch < rows; ++b) {
-      const int end = std::min(rows, (b + 1) * batch);
-      std::vector<double> g(kFeatures, 0.0);
-      for (int r = b * batch; r < end; ++r) {
-        const float* x = d.features().data<float>() + r * kFeatures;
-        double pred = 0;
-        for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
-        for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / (end - b * batch);
-      }
-      for (int f = 0; f < kFeatures; ++f) {
-        v[f] = kMomentum * v[f] - kLr * static_cast<float>(g[f]);
-        w[f] += v[f];
-      }
-    }
-  }
-  return w;
-}
+using diststrat_test::elastic_model::kFeatures;
+using diststrat_test::elastic_model::kLr;
+using diststrat_test::elastic_model::kMomentum;
+using diststrat_test::elastic_model::make_data;
+using diststrat_test::elastic_model::reference;
 
 long long now_ms() {
   timespec ts{};
@@ -130,24 +94,11 @@ int main(int argc, char** argv) {
         dist.set_epoch(pos.epoch);
         for (; pos.batch < dist.num_batches(); ++pos.batch, ++pos.step) {
           const ds::DistributedBatch b = dist.batch(pos.batch);
-          const float scale = 1.0f / static_cast<float>(b.global_size());
           s.run([&](ds::ReplicaContext& ctx) {
-            const ds::Tensor& x = b.features(ctx);
-            const ds::Tensor& ids = b.labels(ctx);
-            const ds::Tensor wv = w.read(ctx);
             ds::Tensor gw(ds::Shape{kFeatures}, ds::DType::kFloat32);
             ds::Tensor gu(ds::Shape{rows}, ds::DType::kFloat32);
-            std::fill(gw.data<float>(), gw.data<float>() + kFeatures, 0.0f);
-            std::fill(gu.data<float>(), gu.data<float>() + rows, 0.0f);
-            for (int64_t i = 0; i < x.shape()[0]; ++i) {
-              const float* xi = x.data<float>() + i * kFeatures;
-              float pred = 0;
-              for (int f = 0; f < kFeatures; ++f) pred += wv.data<float>()[f] * xi[f];
-              for (int f = 0; f < kFeatures; ++f) {
-                gw.data<float>()[f] += (pred - target(xi)) * xi[f] * scale;
-              }
-              gu.data<float>()[static_cast<int>(ids.data<float>()[i])] -= 1.0f;
-            }
+            diststrat_test::elastic_model::gradients(b.features(ctx), b.labels(ctx), w.read(ctx),
+                                                     b.global_size(), rows, &gw, &gu);
             opt.apply_gradients(ctx, {{gw, w}});
             count_opt.apply_gradients(ctx, {{gu, uses}});
           });

@@ -228,3 +228,41 @@ TEST(FlightRecorderInProcess, TwentyRandomRealHangsAreNamedRight) {
   }
   std::printf("[ flight ] %d of 20 real hangs named right\n", right);
 }
+
+// A group no rank has used yet: its members are in the record (not "left
+// no record"), and the verdict follows the one that waits in it. (An
+// outside trial found the first call of a fresh group blamed on processes
+// that had written their records.)
+TEST(FlightRecorderInProcess, AFreshGroupsSilentMembersAreFollowedNotBlamed) {
+  FlightDir dir;
+  ds::InProcessGroup world(4, with_timeout(1000));
+  ds::InProcessGroup pair(2, with_timeout(3000));
+  run_ranks(4, [&](int r) {
+    for (int s = 0; s < 6; ++s) {
+      if (r == 3 && s == 3) pair.at(1).barrier("sync");
+      all_reduce(world.at(r), "step_" + std::to_string(s));
+    }
+  });
+  const tr::Verdict v = analyze(dir);
+  EXPECT_EQ(v.kind, tr::Verdict::Kind::kMissing) << v.line;
+  EXPECT_EQ(v.culprit_rank, 3) << v.line;
+  EXPECT_EQ(v.culprit_state, "in_call") << v.line;
+  EXPECT_NE(v.culprit_call.find("barrier #0"), std::string::npos) << v.culprit_call;
+  EXPECT_EQ(v.line.find("left no record"), std::string::npos) << v.line;
+}
+
+// Names that differ only after the part a slot keeps (fused packs are named
+// after their tensors): the error shows both ends, and the record keeps the
+// whole name's hash, so the verdict still sees the mismatch.
+TEST(FlightRecorderInProcess, LongNamesThatDifferAtTheEndStayApart) {
+  FlightDir dir;
+  ds::InProcessGroup world(4, with_timeout(5000));
+  const std::string stem(120, 'A');
+  const auto errors =
+      run_ranks(4, [&](int r) { all_reduce(world.at(r), stem + (r == 3 ? "x" : "y")); });
+  EXPECT_NE(errors[0].find("y'"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("x'"), std::string::npos) << errors[0];
+  const tr::Verdict v = analyze(dir);
+  EXPECT_EQ(v.kind, tr::Verdict::Kind::kMismatch) << v.line;
+  EXPECT_EQ(v.culprit_rank, 3) << v.line;
+}

@@ -394,3 +394,32 @@ TEST(TraceExport, ChromeTraceEventsLineUpWithTheTimeline) {
   text += "]}";
   EXPECT_TRUE(json::accept(text));
 }
+
+// A directory kept across runs: two jobs' records together would pair one
+// job's ranks with the other's (an outside trial got "no divergence" from
+// a skip and a compute hang mixed). The newest job is analysed, the other
+// left out with one message.
+TEST(TraceRobustness, TwoJobsInOneDirectoryAnalyseTheNewest) {
+  TempDir dir("diststrat_trace_jobs_");
+  std::vector<SimProcess> older = sample_job(7), newer = sample_job(8);
+  std::vector<json> texts;
+  for (SimProcess& p : older) {
+    json j = trace_test::to_json(p);
+    j["process"]["job"] = "ompi111";
+    trace_test::write_file(dir.path() + "/old-" + p.file_name(), j.dump(1));
+  }
+  for (SimProcess& p : newer) {
+    json j = trace_test::to_json(p);
+    j["process"]["job"] = "ompi222";
+    j["epoch_unix_us"] = p.epoch_unix_us + 3600000000LL;  // an hour later
+    trace_test::write_file(dir.path() + "/new-" + p.file_name(), j.dump(1));
+  }
+  const tr::LoadResult r = tr::load_dir(dir.path());
+  ASSERT_EQ(r.dumps.size(), newer.size());
+  for (const tr::Dump& d : r.dumps) EXPECT_EQ(d.job, "ompi222");
+  std::string all;
+  for (const std::string& m : r.messages) all += m + "\n";
+  EXPECT_NE(all.find("records of 2 jobs: analysing job 'ompi222'"), std::string::npos) << all;
+  const tr::Verdict v = tr::analyze(r.dumps, r.files_skipped);
+  EXPECT_EQ(v.culprit_rank, 2) << v.line;
+}

@@ -18,49 +18,21 @@
 #include "diststrat/config.h"
 #include "diststrat/diststrat.h"
 #include "runtime/membership_store.h"
+#include "../common/elastic_model.h"
 #include "../common/temp_dir.h"
 
 namespace ds = diststrat;
 
 namespace {
 
-constexpr int kRows = 96, kFeatures = 4, kBatch = 16, kEpochs = 2;
-constexpr float kLr = 0.05f, kMomentum = 0.9f;
+using diststrat_test::elastic_model::kFeatures;
+using diststrat_test::elastic_model::kLr;
+using diststrat_test::elastic_model::kMomentum;
+using diststrat_test::elastic_model::make_data;
+constexpr int kRows = 96, kBatch = 16, kEpochs = 2;
 
-float target(const float* x) { return 0.5f * x[0] - 1.0f * x[1] + 2.0f * x[2] + 0.25f * x[3]; }
-
-ds::Dataset make_data() {
-  ds::Tensor x(ds::Shape{kRows, kFeatures}, ds::DType::kFloat32);
-  ds::Tensor id(ds::Shape{kRows}, ds::DType::kFloat32);
-  for (int r = 0; r < kRows; ++r) {
-    for (int f = 0; f < kFeatures; ++f) {
-      x.data<float>()[r * kFeatures + f] = std::sin(0.37f * r + 1.3f * f);
-    }
-    id.data<float>()[r] = static_cast<float>(r);  // the label is the row's id
-  }
-  return ds::Dataset(x, id);
-}
-
-// The same training, sequentially, over the same global batches.
 std::vector<float> reference_weights() {
-  const ds::Dataset d = make_data();
-  std::vector<float> w(kFeatures, 0.0f), v(kFeatures, 0.0f);  // v: SGD's momentum slot
-  for (int e = 0; e < kEpochs; ++e) {
-    for (int b = 0; b < kRows / kBatch; ++b) {
-      std::vector<double> g(kFeatures, 0.0);
-      for (int r = b * kBatch; r < (b + 1) * kBatch; ++r) {
-        const float* x = d.features().data<float>() + r * kFeatures;
-        double pred = 0;
-        for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
-        for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / kBatch;
-      }
-      for (int f = 0; f < kFeatures; ++f) {
-        v[f] = kMomentum * v[f] - kLr * static_cast<float>(g[f]);
-        w[f] += v[f];
-      }
-    }
-  }
-  return w;
+  return diststrat_test::elastic_model::reference(kRows, kBatch, kEpochs);
 }
 
 struct Death {};  // a worker's thread "dies" by this exception
@@ -104,7 +76,7 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   ds::SGD opt(s, {kLr, kMomentum}), count_opt(s, {kLr, 0.0f});
   ds::DistributeOptions dopts;
   dopts.shuffle = false;
-  ds::DistributedDataset dist = s.distribute(make_data(), kBatch, dopts);
+  ds::DistributedDataset dist = s.distribute(make_data(kRows), kBatch, dopts);
   ds::ElasticState state(s, {&opt, &count_opt});
   int callbacks = 0, first_previous_replicas = -1;
   state.on_membership_change([&](const ds::MembershipChange& c) {
@@ -121,24 +93,12 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
           while (plan.hold->load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
         }
         const ds::DistributedBatch batch = dist.batch(pos.batch);
-        const float scale = 1.0f / static_cast<float>(batch.global_size());
         s.run([&](ds::ReplicaContext& ctx) {
-          const ds::Tensor& x = batch.features(ctx);
-          const ds::Tensor& ids = batch.labels(ctx);
-          const ds::Tensor wv = w.read(ctx);
           ds::Tensor gw(ds::Shape{kFeatures}, ds::DType::kFloat32);
           ds::Tensor gc(ds::Shape{kRows}, ds::DType::kFloat32);
-          for (int f = 0; f < kFeatures; ++f) gw.data<float>()[f] = 0;
-          for (int r = 0; r < kRows; ++r) gc.data<float>()[r] = 0;
-          for (int64_t i = 0; i < x.shape()[0]; ++i) {
-            const float* xi = x.data<float>() + i * kFeatures;
-            float pred = 0;
-            for (int f = 0; f < kFeatures; ++f) pred += wv.data<float>()[f] * xi[f];
-            for (int f = 0; f < kFeatures; ++f) {
-              gw.data<float>()[f] += (pred - target(xi)) * xi[f] * scale;
-            }
-            gc.data<float>()[static_cast<int>(ids.data<float>()[i])] -= 1.0f;  // +lr per use
-          }
+          diststrat_test::elastic_model::gradients(batch.features(ctx), batch.labels(ctx),
+                                                   w.read(ctx), batch.global_size(), kRows, &gw,
+                                                   &gc);
           if (pos.step == plan.die_at_step) throw Death{};
           opt.apply_gradients(ctx, {{gw, w}});
           count_opt.apply_gradients(ctx, {{gc, counts}});

@@ -107,6 +107,7 @@ Call parse_call(const json& c, size_t i) {
   call.thread = static_cast<int>(get_int(c, "thread", where, -1, INT32_MAX, false, 0));
   call.kind = get_str(c, "kind", where, true);
   call.name = get_str(c, "name", where, false);
+  call.name_hash = get_str(c, "name_hash", where, false);
   call.count = get_int(c, "count", where, -1, kMaxValue, false, -1);
   call.dtype = get_str(c, "dtype", where, false);
   call.op = get_str(c, "op", where, false);
@@ -365,6 +366,9 @@ bool parse_dump(const std::string& text, Dump* out, std::string* why) {
     d.size = static_cast<int>(get_int(p, "size", "process.", 0, kMaxGroupSize, false, 0));
     d.host = get_str(p, "host", "process.", false);
     d.pid = get_int(p, "pid", "process.", -1, kMaxValue, false, 0);
+    d.has_job = p.find("job") != p.end();
+    d.job = get_str(p, "job", "process.", false);
+    d.trigger = get_str(j, "trigger", "", false);
     d.reason = get_str(j, "reason", "", false);
     d.dump_time_us = get_int(j, "dump_time_us", "", 0, kMaxValue, true);
     d.epoch_unix_us = get_int(j, "epoch_unix_us", "", 0, kMaxValue, false, 0);
@@ -373,6 +377,24 @@ bool parse_dump(const std::string& text, Dump* out, std::string* why) {
     if (!calls->is_array()) throw BadField{"calls is " + type_phrase(*calls) + ", not an array"};
     d.calls.reserve(calls->size());
     for (size_t i = 0; i < calls->size(); ++i) d.calls.push_back(parse_call((*calls)[i], i));
+    const auto members = j.find("members");
+    if (members != j.end()) {
+      if (!members->is_array()) {
+        throw BadField{"members is " + type_phrase(*members) + ", not an array"};
+      }
+      for (size_t i = 0; i < members->size(); ++i) {
+        const json& m = (*members)[i];
+        const std::string where = "members[" + std::to_string(i) + "].";
+        if (!m.is_object()) throw BadField{where + " is " + type_phrase(m) + ", not an object"};
+        MemberDecl decl;
+        decl.group = get_str(m, "group", where, true);
+        decl.group_size = static_cast<int>(get_int(m, "group_size", where, 1, kMaxGroupSize, true));
+        decl.group_rank =
+            static_cast<int>(get_int(m, "group_rank", where, 0, decl.group_size - 1, true));
+        decl.thread = static_cast<int>(get_int(m, "thread", where, 0, INT32_MAX, false, 0));
+        d.members.push_back(std::move(decl));
+      }
+    }
     d.file = std::move(out->file);
     *out = std::move(d);
     return true;
@@ -384,6 +406,44 @@ bool parse_dump(const std::string& text, Dump* out, std::string* why) {
     return false;
   }
 }
+
+namespace {
+
+// A directory kept across runs holds several jobs' records: analysing them
+// together pairs one job's ranks with another's. The job of the newest
+// record is kept (a record without a job is a job of its own process); the
+// others are left out with one message.
+void keep_newest_job(LoadResult* r) {
+  // Without the field (older records) all are taken as one job.
+  auto job_of = [](const Dump& d) {
+    return !d.has_job ? std::string() : d.job.empty() ? "pid" + std::to_string(d.pid) : d.job;
+  };
+  auto wall = [](const Dump& d) { return d.epoch_unix_us + d.dump_time_us; };
+  std::set<std::string> jobs;
+  const Dump* newest = nullptr;
+  for (const Dump& d : r->dumps) {
+    jobs.insert(job_of(d));
+    if (newest == nullptr || wall(d) > wall(*newest)) newest = &d;
+  }
+  if (jobs.size() <= 1) return;
+  const std::string keep = job_of(*newest);
+  std::vector<Dump> kept;
+  int left = 0;
+  for (Dump& d : r->dumps) {
+    if (job_of(d) == keep) {
+      kept.push_back(std::move(d));
+    } else {
+      ++left;
+    }
+  }
+  r->messages.push_back("the directory holds records of " + std::to_string(jobs.size()) +
+                        " jobs: analysing job '" + echo_text(keep, 80) + "' (the newest record), " +
+                        std::to_string(left) + " record(s) of other jobs left out");
+  r->files_skipped += left;
+  r->dumps = std::move(kept);
+}
+
+}  // namespace
 
 LoadResult load_dir(const std::string& dir) {
   LoadResult r;
@@ -418,6 +478,7 @@ LoadResult load_dir(const std::string& dir) {
       ++r.files_skipped;
     }
   }
+  keep_newest_job(&r);
   resolve_duplicates(&r);
   if (r.dumps.empty()) {
     r.error = "no usable flight record in '" + echo_text(dir, 200) + "' (" +

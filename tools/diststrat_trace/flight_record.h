@@ -44,8 +44,9 @@ struct Call {
   int group_size = 1;
   int64_t seq = 0;
   int thread = 0;
-  std::string kind;  // all_reduce, broadcast, ... (other strings possible)
-  std::string name;  // the caller's tensor name(s); may be ""
+  std::string kind;       // all_reduce, broadcast, ... (other strings possible)
+  std::string name;       // the caller's tensor name(s); may be ""
+  std::string name_hash;  // of the whole name (optional; a long name is cut in `name`)
   int64_t count = -1;
   std::string dtype;
   std::string op;  // "" when none
@@ -61,6 +62,15 @@ struct Call {
   std::string site;             // call site (optional)
 };
 
+// A member the process holds (optional list): known even before its first
+// call.
+struct MemberDecl {
+  std::string group;
+  int group_rank = 0;
+  int group_size = 1;
+  int thread = 0;  // the thread that made it
+};
+
 // One process's dump.
 struct Dump {
   std::string file;  // the file name, without its directory
@@ -68,10 +78,14 @@ struct Dump {
   int size = 0;
   std::string host;
   int64_t pid = 0;
+  std::string job;       // process.job (optional): the job the process belongs to
+  bool has_job = false;  // process.job present ("" = a process of no job: its own)
+  std::string trigger;   // failure | peer | signal | request (optional)
   std::string reason;
   int64_t dump_time_us = 0;
   int64_t epoch_unix_us = 0;  // only for lining up a merged trace
   std::vector<Call> calls;    // oldest first
+  std::vector<MemberDecl> members;
   // Participants (group, group rank) this file records that another file
   // records too and that the other file's copy was chosen for: their calls
   // are left out of the analysis (load_dir fills it).

@@ -28,9 +28,12 @@ struct Member {
   int rank = 0;
   size_t dump = 0;
   int thread = 0;  // the thread of its newest call
+  // Empty for a member its process declares (the record's "members") that
+  // has made no call yet: behind every call of its group.
   std::map<int64_t, size_t> by_seq;
-  int64_t oldest() const { return by_seq.begin()->first; }
-  int64_t newest() const { return by_seq.rbegin()->first; }
+  bool silent() const { return by_seq.empty(); }
+  int64_t oldest() const { return by_seq.empty() ? -1 : by_seq.begin()->first; }
+  int64_t newest() const { return by_seq.empty() ? -1 : by_seq.rbegin()->first; }
 };
 
 struct Group {
@@ -150,7 +153,12 @@ std::string ranks_text(const std::vector<int>& v) {
 }
 
 using Signature = std::tuple<std::string, std::string, int64_t, std::string, std::string, int64_t>;
-Signature signature(const Call& c) { return {c.kind, c.name, c.count, c.dtype, c.op, c.root}; }
+// The whole name's hash where the record has it (the name itself may be
+// cut), else the name.
+Signature signature(const Call& c) {
+  return {c.kind, c.name_hash.empty() ? c.name : c.name + "#" + c.name_hash, c.count, c.dtype, c.op,
+          c.root};
+}
 
 class Analyzer {
  public:
@@ -208,10 +216,25 @@ void Analyzer::index() {
     }
   }
   for (auto& [name, g] : groups_) {
-    g.size = *g.sizes.rbegin();
     for (auto& [r, m] : g.members)
       m.thread = dumps_[m.dump].calls[m.by_seq.rbegin()->second].thread;
   }
+  // Members that made no call yet, in groups others used: known, not
+  // missing records.
+  for (size_t d = 0; d < dumps_.size(); ++d) {
+    for (const MemberDecl& decl : dumps_[d].members) {
+      auto it = groups_.find(decl.group);
+      if (it == groups_.end()) continue;
+      if (dumps_[d].superseded.count({decl.group, decl.group_rank})) continue;
+      auto [m, fresh] = it->second.members.try_emplace(decl.group_rank);
+      if (!fresh) continue;
+      m->second.rank = decl.group_rank;
+      m->second.dump = d;
+      m->second.thread = decl.thread;
+      it->second.sizes.insert(decl.group_size);
+    }
+  }
+  for (auto& [name, g] : groups_) g.size = *g.sizes.rbegin();
 }
 
 const Finding& Analyzer::finding(const Group& g) {
@@ -228,7 +251,7 @@ Finding Analyzer::walk(const Group& g) const {
   int64_t lo = 0;
   std::vector<int64_t> newest;
   for (const auto& [r, m] : g.members) {
-    lo = std::max(lo, m.oldest());
+    if (!m.silent()) lo = std::max(lo, m.oldest());
     newest.push_back(m.newest());
   }
   std::sort(newest.begin(), newest.end());
@@ -284,6 +307,7 @@ Finding Analyzer::walk(const Group& g) const {
     f.seq = -1;
     // Where the others wait: the oldest in-flight newest call among them.
     for (const auto& [r, m] : g.members) {
+      if (m.silent()) continue;
       const size_t idx = m.by_seq.rbegin()->second;
       const Call& c = dumps_[m.dump].calls[idx];
       if (!stuck_in(c.state)) continue;
@@ -294,6 +318,7 @@ Finding Analyzer::walk(const Group& g) const {
       }
     }
     for (const auto& [r, m] : g.members) {
+      if (m.silent()) continue;
       const Call& c = dumps_[m.dump].calls[m.by_seq.rbegin()->second];
       if (f.has_ref && c.seq == f.seq && stuck_in(c.state)) f.entered.push_back(r);
     }
@@ -497,6 +522,7 @@ Verdict Analyzer::no_divergence() const {
     size_t waiting = 0;
     const Call* c = nullptr;
     for (const auto& [r, m] : g->members) {
+      if (m.silent()) continue;
       const Call& n = dumps_[m.dump].calls[m.by_seq.rbegin()->second];
       if (in_flight(n.state)) {
         ++waiting;
@@ -666,6 +692,7 @@ Verdict Analyzer::run(int files_skipped) {
   size_t failed = 0;
   for (const Node& node : nodes) {
     for (const auto& [r, m] : node.group->members) {
+      if (m.silent()) continue;
       const Call& c = dumps_[m.dump].calls[m.by_seq.rbegin()->second];
       if (c.state != CallState::kFailed && c.state != CallState::kAborted) continue;
       if (++failed > 3) continue;
@@ -674,7 +701,10 @@ Verdict Analyzer::run(int files_skipped) {
                           state_name(c.state) + (c.error.empty() ? "" : ": " + echo_text(c.error)));
     }
   }
-  if (failed > 3) v.details.push_back("also: " + std::to_string(failed - 3) + " more failed calls");
+  if (failed > 3) {
+    v.details.push_back("also: " + std::to_string(failed - 3) + " more failed call" +
+                        (failed - 3 == 1 ? "" : "s"));
+  }
   if (absent && files_skipped > 0) {
     v.details.push_back("note: " + std::to_string(files_skipped) +
                         (files_skipped == 1 ? " file was" : " files were") +
@@ -714,7 +744,26 @@ std::string human_bytes(int64_t bytes) {
 }
 
 Verdict analyze(const std::vector<Dump>& dumps, int files_skipped) {
-  return Analyzer(dumps).run(files_skipped);
+  Verdict v = Analyzer(dumps).run(files_skipped);
+  // Records written far apart (on signals sent at different times, say)
+  // are not one moment: a call in flight in one may have ended before the
+  // next was written.
+  int64_t first = 0, last = 0;
+  bool any = false, on_demand = false;
+  for (const Dump& d : dumps) {
+    on_demand = on_demand || d.trigger == "signal" || d.trigger == "request";
+    if (d.epoch_unix_us <= 0) continue;
+    const int64_t at = d.epoch_unix_us + d.dump_time_us;
+    first = any ? std::min(first, at) : at;
+    last = any ? std::max(last, at) : at;
+    any = true;
+  }
+  if (on_demand && any && last - first > 1000000) {
+    v.details.push_back("note: the records were written " + seconds(last - first) +
+                        " apart (by wall clock): they are not one moment, and a call in flight "
+                        "in one may have ended before another was written");
+  }
+  return v;
 }
 
 std::string group_table(const std::vector<Dump>& dumps, size_t max_rows) {
