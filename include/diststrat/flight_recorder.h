@@ -21,7 +21,8 @@
 // Where: DISTSTRAT_FLIGHT_RECORDER_DIR, else flight-records/ in the
 // directory of the process's latest CheckpointManager, else
 // $TMPDIR/diststrat-flight-<job>. N:
-// DISTSTRAT_FLIGHT_RECORDER=N (default 2048; 0 = no recording, no dumps).
+// DISTSTRAT_FLIGHT_RECORDER=N (default 2048, at most 65536; 0 = no
+// recording, no dumps).
 // `diststrat-trace analyze DIR` (built with the tools) merges the files
 // into one verdict: the earliest collective where ranks diverge, who never
 // entered it and what each of those was doing instead.
