@@ -33,7 +33,8 @@
 // the start of the next; no clock sync needed); every 50 calls the ranks
 // exchange those times (one small all_gather, recorded like any call). A
 // rank whose trimmed-mean compute time is at least 20 % above the median
-// rank's (and 0.25 ms above it) is a straggler: the group's rank 0 logs a
+// rank's (and 0.25 ms above it) is flagged in that window's report; flagged
+// in two windows running it is a straggler: the group's rank 0 logs a
 // warning naming it and its host. DISTSTRAT_STRAGGLER_WINDOW=N changes the
 // window (0 = off).
 #pragma once

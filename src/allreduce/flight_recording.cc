@@ -8,7 +8,8 @@
 // longest gaps left out, so a descheduled moment does not count) and
 // median, and per call which rank came to it last (longest gap). A rank
 // whose trimmed mean is >= 1.2x the median rank's and >= 0.25 ms above it is
-// a straggler. The exchange runs only at window boundaries, which every
+// flagged in that window's report; flagged in two windows running, it is a
+// straggler and rank 0 warns. The exchange runs only at window boundaries, which every
 // rank reaches at the same call (the calls are compared), so it never
 // mispairs.
 
@@ -190,15 +191,21 @@ void RecordingCommunicator::exchange_window() {
   std::nth_element(sorted.begin(), sorted.begin() + (n - 1) / 2, sorted.end());
   const double median = sorted[(n - 1) / 2];
   std::ostringstream warning;
-  int flagged = 0;
+  int flagged = 0, persistent = 0;
+  streaks_.resize(static_cast<size_t>(n), 0);
   for (StragglerReport::Rank& x : rep.ranks) {
     x.straggler = x.mean_compute_ms >= 1.2 * median && x.mean_compute_ms - median >= kMinExcessMs;
-    if (!x.straggler) continue;
+    int& streak = streaks_[static_cast<size_t>(x.rank)];
+    streak = x.straggler ? streak + 1 : 0;
+    if (x.straggler) ++flagged;
+    // Warned about once it is slow in two windows running: one window can
+    // be a rank starved by another job for a moment.
+    if (streak < 2) continue;
     char buf[256];
     std::snprintf(buf, sizeof buf,
                   "%srank %d (host %s) computes %.2f ms per call against the median rank's "
                   "%.2f ms (+%.0f %%) and came last to %.0f %% of the calls",
-                  flagged++ ? "; " : "", x.rank, x.host.c_str(), x.mean_compute_ms, median,
+                  persistent++ ? "; " : "", x.rank, x.host.c_str(), x.mean_compute_ms, median,
                   100.0 * (x.mean_compute_ms / std::max(median, 1e-9) - 1.0),
                   100.0 * x.arrived_last_share);
     warning << buf;
@@ -207,18 +214,18 @@ void RecordingCommunicator::exchange_window() {
     std::lock_guard<std::mutex> lock(report_mu_);
     rep.windows = report_.windows + 1;
     rep.warning = report_.warning;
-    if (flagged) {
-      rep.warning = "straggler in group '" + group_ + "' over the last " + std::to_string(w) +
+    if (persistent) {
+      rep.warning = "straggler in group '" + group_ + "' over the last " + std::to_string(2 * w) +
                     " calls: " + warning.str();
     }
     report_ = rep;
   }
   // Rank 0 says it when a straggler appears, then every 100 windows while
   // one stays.
-  if (flagged && rank() == 0 && (!flagged_last_ || rep.windows % 100 == 0)) {
+  if (persistent && rank() == 0 && (!warned_last_ || rep.windows % 100 == 0)) {
     (logger_ ? *logger_ : default_logger()).warning(rep.warning);
   }
-  flagged_last_ = flagged > 0;
+  warned_last_ = persistent > 0;
   if (timeline_ && timeline_->enabled()) {
     std::ostringstream args;
     for (const StragglerReport::Rank& x : rep.ranks) {

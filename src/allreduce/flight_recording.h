@@ -87,7 +87,8 @@ class RecordingCommunicator : public Communicator {
   std::vector<float> gaps_;  // this rank's compute time before each call (ms)
   std::vector<std::string> hosts_;
   bool in_exchange_ = false;
-  bool flagged_last_ = false;
+  bool warned_last_ = false;
+  std::vector<int> streaks_;  // per rank: windows in a row it was flagged in
   int64_t window_start_us_ = 0;
   mutable std::mutex report_mu_;
   StragglerReport report_;

@@ -78,8 +78,8 @@ int straggler(int steps, int slow) {
         if (x.straggler) {
           flagged_at = s + 1;
           if (rank == 0) {
-            std::printf("flagged rank %d after %d steps: %s\n", x.rank, flagged_at,
-                        r.warning.c_str());
+            std::printf("flagged rank %d (host %s) after %d steps: %.2f ms per call\n", x.rank,
+                        x.host.c_str(), flagged_at, x.mean_compute_ms);
           }
         }
       }

@@ -22,18 +22,24 @@ case $kind in
     out=$(run straggler 120 2)
     echo "$out"
     # Flagged at the first window (50 compute intervals: the one before
-    # the first call is set-up, so by step 51), rank 2 alone.
-    if ! grep -qE "^flagged rank 2 after ([0-9]|[1-4][0-9]|5[01]) steps: straggler in group 'world'.*rank 2 \(host " <<<"$out"; then
+    # the first call is set-up, so by step 51), rank 2 alone; warned about
+    # (slow in two windows running) by the end.
+    if ! grep -qE "^flagged rank 2 \(host [^)]+\) after ([0-9]|[1-4][0-9]|5[01]) steps" <<<"$out"; then
       echo "FAIL: rank 2 (30 % slower) was not flagged within 50 steps"; exit 1
     fi
     if grep -E "straggler 1" <<<"$out" | grep -qv "^rank 2 "; then
       echo "FAIL: a rank other than 2 flagged"; exit 1
     fi
+    if ! grep -qE "^warning: straggler in group 'world' over the last 100 calls: rank 2 \(host " <<<"$out"; then
+      echo "FAIL: no warning naming rank 2"; exit 1
+    fi
     echo PASS; exit 0 ;;
   clean)
     out=$(run straggler "${DSC_CLEAN_STEPS:-1000}" -1)
     echo "$out"
-    if grep -qE "^flagged|straggler 1" <<<"$out"; then echo "FAIL: a straggler flagged among equal ranks"; exit 1; fi
+    # (A window may flag a rank the machine starved for a moment; only a
+    # rank slow in two windows running is warned about.)
+    if grep -qE "straggler in group" <<<"$out"; then echo "FAIL: a straggler warned about among equal ranks"; exit 1; fi
     if ! grep -qE "^warning: \(none\)" <<<"$out"; then echo "FAIL: no final report"; exit 1; fi
     echo PASS; exit 0 ;;
   *) echo "unknown kind $kind"; exit 2 ;;
