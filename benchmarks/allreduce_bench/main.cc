@@ -155,6 +155,20 @@ std::string registered_base(const std::string& name) {
   return name.substr(0, name.size() - suffix.size());
 }
 
+// "<algo>_staged" (shm_staged, auto_staged): the algorithm with
+// CommunicationOptions::shm_single_copy off, so that large all-reduces of
+// ordinary buffers take the staging buffers even where cross-memory attach
+// works (the comparison in docs/benchmarks.md). The algorithm of such a
+// name, or "" for any other name.
+std::string staged_base(const std::string& name) {
+  static const std::string suffix = "_staged";
+  if (name.size() <= suffix.size() ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return "";
+  }
+  return name.substr(0, name.size() - suffix.size());
+}
+
 struct RegisteredRunner : CommRunner {
   RegisteredRunner(ds::Communicator& c, ds::DType d, ds::ReduceOp o, size_t max_bytes)
       : CommRunner(c, d, o),
@@ -731,7 +745,8 @@ int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
   const int n = c.inproc;
   std::vector<std::string> algos;
   for (const auto& a : c.algos) {
-    if (a == "mpi" || a == "shm" || a == "gloo" || a == "memcpy" || !registered_base(a).empty()) {
+    if (a == "mpi" || a == "shm" || a == "gloo" || a == "memcpy" || !registered_base(a).empty() ||
+        !staged_base(a).empty()) {
       std::fprintf(stderr, "# --inproc: skipping '%s' (needs mpirun)\n", a.c_str());
       continue;
     }
@@ -926,13 +941,15 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
       continue;
     }
     const bool registered = !registered_base(a).empty();
-    const std::string base = registered ? registered_base(a) : a;
+    const bool staged = !staged_base(a).empty();
+    const std::string base = registered ? registered_base(a) : staged ? staged_base(a) : a;
     if (registered && base == "mpi")
       throw ds::InvalidArgumentError("mpi_registered: MPI_Allreduce has no registered buffers");
     ds::CommunicationOptions o;
     o.algorithm = base == "mpi" ? ds::Algorithm::kMpiNative : ds::parse_algorithm(base);
     o.segment_bytes = c.segment_bytes;
     o.timeout = timeout_of(c);
+    o.shm_single_copy = !staged;
     if (base == "direct") {
       if (w.rank() == 0)
         std::fprintf(stderr, "# 'direct' is in-process only (--inproc); skipped\n");
@@ -970,7 +987,8 @@ int main(int argc, char** argv) {
   app.add_option("--algos", algos,
                  "comma-separated: ring,halving_doubling,tree,reduce_to_one,hierarchical,shm,auto,"
                  "mpi,gloo (and direct with --inproc); <algo>_registered = that algorithm on "
-                 "buffers from Communicator::allocate_buffer; memcpy = each rank copies in to "
+                 "buffers from Communicator::allocate_buffer; <algo>_staged = shm or auto without "
+                 "the single-copy path (staging buffers only); memcpy = each rank copies in to "
                  "out, no communication (the reference floor)");
   app.add_option("--inproc", c.inproc, "run N ranks as threads of this process instead of MPI");
   app.add_option("--min-bytes", c.min_bytes, "smallest message");

@@ -116,6 +116,13 @@ struct CommunicationOptions {
   // of one process): ranks [k*g, (k+1)*g) form node k. 0 = ask the transport
   // (MPI: ranks sharing a host); with neither, all ranks are one node.
   int hierarchical_group_size = 0;
+  // Shared-memory all-reduce of ordinary (unregistered) buffers from 8 MiB
+  // on: copy straight between the processes (Linux cross-memory attach,
+  // process_vm_readv/writev) instead of through the staging buffers. Used
+  // only when set-up finds that every rank may read every peer's memory
+  // (same user, ptrace policy allowing it; otherwise, or when any rank sets
+  // this false, every rank stages).
+  bool shm_single_copy = true;
 };
 
 class Communicator {

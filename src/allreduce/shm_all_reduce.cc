@@ -28,6 +28,20 @@
 // rank stages its whole input, meets the others at one barrier and reduces
 // the whole message itself.
 //
+// Single-copy all-reduce of ordinary buffers (from shm::kSingleCopyBytes on,
+// where set-up found that every rank may read every peer's memory, see
+// probe_single_copy): the placement exchange below also publishes the
+// addresses of `in` and `out`; rank r then reads its slice of every peer's
+// input with process_vm_readv, 256 KiB at a time, into a scratch block,
+// reduces it with its own input into its output and writes the reduced
+// block with process_vm_writev into every peer's output, then meets the
+// others once more. Two barriers for any size, like the registered path: a
+// rank does its whole share while a peer is descheduled, where the staged
+// pipeline waits for the peer at every chunk (on a loaded machine the
+// staged path lost 2-4x to that, docs/benchmarks.md). In place is safe:
+// rank r reads and writes only slice r of each peer's buffers, and reads a
+// block before it writes it.
+//
 // Zero-copy all-reduce: allocate_buffer() returns memory from an extra
 // shared window (one per allocation, collective). Messages past kSmallBytes
 // first publish where their `in` and `out` lie (window and offset, or "not
@@ -35,10 +49,13 @@
 // registered, rank r reduces its slice straight out of every peer's input,
 // block by block, and writes each reduced block (hot in cache) into every
 // rank's output; one more barrier and the call is done: two barriers for
-// any size, no staging copies at all. Otherwise the staged path below runs
-// (the exchange costs it one barrier).
+// any size, no staging copies at all. Otherwise the single-copy path or
+// the staged path below runs (the exchange costs it one barrier).
+
+#include <sys/uio.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <vector>
 
@@ -78,9 +95,15 @@ void ShmCommunicator::all_reduce(const void* in, void* out, size_t count, DType 
   mine.count = count;
   mine.dtype = static_cast<int32_t>(dtype);
   mine.op = static_cast<int32_t>(op);
+  mine.in_address = reinterpret_cast<uint64_t>(in);
+  mine.out_address = reinterpret_cast<uint64_t>(out);
   call.barrier();
   check_same_call(name);
   if (all_registered()) return reduce_in_place_of_peers(count, dtype, op, call);
+  // Every rank takes the same branch: the count was compared above and the
+  // probe's outcome is the same everywhere.
+  if (single_copy_ && count * es >= shm::kSingleCopyBytes)
+    return reduce_across_processes(in, out, count, dtype, op, call);
   const size_t nchunks = (count + per - 1) / per;
   const bool streaming = count * es >= kernels::kStreamingBytes;
   const uint64_t first = chunks_;
@@ -144,6 +167,74 @@ void ShmCommunicator::all_reduce(const void* in, void* out, size_t count, DType 
     if (p < nchunks) stage(p);
     if (p <= nchunks) call.barrier();
   }
+}
+
+namespace {
+
+// Copies `bytes` between `local` here and `remote` in process `pid`
+// (process_vm_writev when `write`, else process_vm_readv); 0 or the errno.
+int cross_copy(int64_t pid, bool write, void* local, uint64_t remote, size_t bytes) {
+  char* here = static_cast<char*>(local);
+  while (bytes > 0) {
+    iovec l{here, bytes};
+    iovec r{reinterpret_cast<void*>(remote), bytes};
+    const ssize_t n = write ? process_vm_writev(static_cast<pid_t>(pid), &l, 1, &r, 1, 0)
+                            : process_vm_readv(static_cast<pid_t>(pid), &l, 1, &r, 1, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n < 0 ? errno : EIO;
+    here += n;
+    remote += static_cast<uint64_t>(n);
+    bytes -= static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void ShmCommunicator::reduce_across_processes(const void* in, void* out, size_t count, DType dtype,
+                                              ReduceOp op, Call& call) {
+  const size_t es = dtype_size(dtype);
+  const bool streaming = count * es >= kernels::kStreamingBytes;
+  size_t lo, hi;
+  algo::slice_of(count, size_, rank_, &lo, &hi);
+  const size_t block = std::max<size_t>(1, shm::kSingleCopyBlock / es);
+  // One block per rank: peer q's input block at q, the reduced block (when
+  // streaming) at this rank's own place.
+  auto scratch = [&](int q) { return single_copy_scratch_.data() + q * shm::kSingleCopyBlock; };
+  std::vector<const void*> srcs(size_);
+  for (size_t j = lo; j < hi; j += block) {
+    const size_t m = std::min(block, hi - j);
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) {
+        srcs[q] = static_cast<const char*>(in) + j * es;
+        continue;
+      }
+      const int err = cross_copy(headers_[q]->process.pid, false, scratch(q),
+                                 headers_[q]->placement.in_address + j * es, m * es);
+      if (err) cross_copy_failed("read rank " + std::to_string(q) + "'s input", err);
+      srcs[q] = scratch(q);
+    }
+    char* mine = static_cast<char*>(out) + j * es;
+    char* reduced = streaming ? scratch(rank_) : mine;
+    kernels::reduce(reduced, srcs.data(), size_, m, dtype, op, size_);
+    if (streaming) kernels::copy_streaming(mine, reduced, m * es);
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      const int err = cross_copy(headers_[q]->process.pid, true, reduced,
+                                 headers_[q]->placement.out_address + j * es, m * es);
+      if (err) cross_copy_failed("write rank " + std::to_string(q) + "'s output", err);
+    }
+  }
+  // Nobody returns (and reuses its buffers) before every slice is written.
+  call.barrier();
+}
+
+void ShmCommunicator::cross_copy_failed(const std::string& what, int err) {
+  const std::string msg = "rank " + std::to_string(rank_) +
+                          ": all_reduce (shm, single copy): could not " + what + ": " +
+                          std::strerror(err);
+  abort(msg);
+  throw InternalError(msg);
 }
 
 void ShmCommunicator::locate(const void* p, size_t bytes, int32_t* window, uint64_t* offset) const {

@@ -12,7 +12,10 @@
 // fail their next barrier with AbortedError naming it within microseconds,
 // and nothing delays its own error on the way to the caller's catch.
 
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <cstddef>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -52,6 +55,8 @@ ShmCommunicator::ShmCommunicator(MPI_Comm comm, const CommunicationOptions& opti
   new (parts[rank_]) shm::Header();
   reinterpret_cast<shm::Header*>(parts[rank_])->process = this_process();
   reinterpret_cast<shm::Header*>(parts[rank_])->world_rank = mpi::world_rank();
+  reinterpret_cast<shm::Header*>(parts[rank_])->self_address =
+      reinterpret_cast<uint64_t>(parts[rank_]);
   headers_.resize(size_);
   bufs_.resize(size_);
   for (int r = 0; r < size_; ++r) {
@@ -61,6 +66,33 @@ ShmCommunicator::ShmCommunicator(MPI_Comm comm, const CommunicationOptions& opti
   DISTSTRAT_MPI_CHECK(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
   // Everyone's header is constructed before anyone reads it.
   mpi::barrier(comm_, "shm communicator set-up", t);
+  single_copy_ = probe_single_copy();
+}
+
+bool ShmCommunicator::probe_single_copy() {
+  // Read each peer's process stamp out of its own address space: this is
+  // what process_vm_readv needs permission for (same user and a ptrace
+  // policy that allows it: Yama's ptrace_scope 0, or the peer's consent).
+  bool ok = options_.shm_single_copy && size_ > 1;
+  for (int q = 0; q < size_ && ok; ++q) {
+    if (q == rank_) continue;
+    const shm::Header* h = headers_[q];
+    int64_t pid = 0;
+    iovec local{&pid, sizeof pid};
+    iovec remote{reinterpret_cast<void*>(h->self_address + offsetof(shm::Header, process)),
+                 sizeof pid};
+    ok = h->process.pid > 0 &&
+         process_vm_readv(static_cast<pid_t>(h->process.pid), &local, 1, &remote, 1, 0) ==
+             static_cast<ssize_t>(sizeof pid) &&
+         pid == h->process.pid;
+  }
+  headers_[rank_]->single_copy.store(ok ? 1 : 2, std::memory_order_release);
+  mpi::barrier(comm_, "shm communicator set-up: cross-memory attach", options_.timeout);
+  for (int q = 0; q < size_; ++q) {
+    if (headers_[q]->single_copy.load(std::memory_order_acquire) != 1) return false;
+  }
+  single_copy_scratch_.resize(static_cast<size_t>(size_) * shm::kSingleCopyBlock);
+  return true;
 }
 
 ShmCommunicator::~ShmCommunicator() {

@@ -11,6 +11,11 @@
 // bytes. All ranks map all parts, so each reads its peers' buffers directly:
 // no messages and no copies beyond the ones each collective describes.
 //
+// Large all-reduces on ordinary (unregistered) buffers copy straight
+// between the processes instead (Linux cross-memory attach,
+// process_vm_readv/writev), when set-up found that every rank may read every
+// peer's memory; see shm_all_reduce.cc.
+//
 // The staging buffers rotate by chunk number (counted across calls, and a
 // barrier counts as an empty chunk). A buffer is read at most two phases after
 // it was written and rewritten three chunks (so at least three barriers)
@@ -47,6 +52,13 @@ constexpr size_t kSmallBytes = 16 << 10;  // all-reduce chunks up to this skip s
 // every barrier).
 constexpr size_t kDefaultChunk = 1 << 20;
 constexpr int kBuffers = 3;  // staging buffers per rank, used round-robin by chunk number
+// All-reduces of ordinary buffers from this size on copy between the
+// processes directly where they may (CommunicationOptions::shm_single_copy):
+// allreduce_bench on the 2-core development VM, docs/benchmarks.md.
+constexpr size_t kSingleCopyBytes = 8u << 20;
+// Bytes per process_vm_readv/writev of the single-copy path: the blocks stay
+// in the L2 cache between the read, the reduction and the write.
+constexpr size_t kSingleCopyBlock = 256 << 10;
 
 // Where a rank's all_reduce buffers lie: window index (or -1) and offset.
 // Written before the call's first barrier, read by the peers after it.
@@ -57,6 +69,8 @@ struct BufferPlacement {
   uint64_t in_offset = 0, out_offset = 0;
   uint64_t count = 0;
   int32_t dtype = 0, op = 0;
+  // `in` and `out` as this process addresses them (the single-copy path).
+  uint64_t in_address = 0, out_address = 0;
 };
 
 // What a call is, as the ranks compare it (see shm_call.cc).
@@ -99,6 +113,11 @@ struct alignas(64) Header {
   // The rank whose failure this rank's abort passes on (itself for its own),
   // written before `aborted` is set; see abort().
   int32_t abort_origin = -1;
+  // Where this header lies in its own process (for the set-up probe of
+  // cross-memory attach), and the probe's outcome: 1 = this rank could read
+  // every peer's memory, 2 = it could not or may not.
+  uint64_t self_address = 0;
+  std::atomic<uint32_t> single_copy{0};
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
@@ -192,6 +211,18 @@ class ShmCommunicator : public Communicator {
   // The destructor's vote (see ~ShmCommunicator).
   bool all_agree_to_release();
 
+  // Set-up: whether every rank may read every peer's memory
+  // (process_vm_readv); collective, all ranks reach the same answer.
+  bool probe_single_copy();
+
+  // Ordinary buffers, single copy: this rank reads its slice of every
+  // peer's input out of the peer's memory, block by block, reduces it and
+  // writes the block into every peer's output, then meets the others.
+  void reduce_across_processes(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                               Call& call);
+  // Aborts the group and throws InternalError naming `what` and errno `err`.
+  [[noreturn]] void cross_copy_failed(const std::string& what, int err);
+
   // Every rank's buffers are in shared windows: this rank reduces its slice
   // from every input into its own output, block by block, copies each block
   // into the peers' outputs while it is in cache, then meets the others.
@@ -209,10 +240,12 @@ class ShmCommunicator : public Communicator {
     size_t bytes = 0;
     std::vector<char*> bases;  // every rank's part, mapped here
   };
-  std::vector<Window> windows_;  // from allocate_buffer
-  uint64_t barriers_ = 0;        // barriers this rank has entered
-  uint64_t chunks_ = 0;          // chunks processed (buffer parity)
-  uint64_t resets_ = 0;          // reset() calls (the header's reset_epoch)
+  std::vector<Window> windows_;            // from allocate_buffer
+  uint64_t barriers_ = 0;                  // barriers this rank has entered
+  uint64_t chunks_ = 0;                    // chunks processed (buffer parity)
+  uint64_t resets_ = 0;                    // reset() calls (the header's reset_epoch)
+  bool single_copy_ = false;               // probe_single_copy() at set-up
+  std::vector<char> single_copy_scratch_;  // the peers' blocks and the reduced one
   std::mutex abort_mu_;
   std::string abort_reason_;  // guarded by abort_mu_
   // The first peer failure this rank saw (origin rank, reason), passed on by
