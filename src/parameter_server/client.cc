@@ -12,6 +12,7 @@ Client::Client(Transport& transport, std::vector<int> ps_ranks, int worker_index
     : t_(transport),
       ps_ranks_(std::move(ps_ranks)),
       worker_index_(worker_index),
+      recorder_("ps-client w" + std::to_string(worker_index), 0, 1),
       timeout_(timeout),
       ps_incarnation_(ps_ranks_.size(), 0),
       fifo_(ps_ranks_.size()),
@@ -43,6 +44,8 @@ Client::CallPtr Client::post(int ps, Op op, const std::vector<char>& body,
   c->what = "worker " + std::to_string(worker_index_) + " (rank " + std::to_string(t_.rank()) +
             "): " + std::move(what) + " (" + op_name(op) + " to PS rank " +
             std::to_string(ps_ranks_[ps]) + ")";
+  c->flight_seq = recorder_.begin(op_name(op), c->what, payload_bytes, "", "", ps_ranks_[ps],
+                                  payload_bytes + reply_bytes);
   RequestHeader h;
   h.op = static_cast<uint16_t>(op);
   h.worker = worker_index_;
@@ -185,6 +188,18 @@ void Client::finish(Call& c, std::exception_ptr error) {
   }
   c.error = error;
   c.stage = Call::Stage::kDone;
+  if (!error) {
+    recorder_.end(c.flight_seq, flight::State::kCompleted);
+  } else {
+    std::string why = "failed";
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+    }
+    recorder_.end(c.flight_seq, flight::State::kFailed, why);
+  }
   if (!send_done(c.send_control) || !send_done(c.send_payload)) {
     // An error before the PS took our messages (e.g. it rejected a damaged
     // header): the transport may still read them, so they outlive the call.

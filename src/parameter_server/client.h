@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/flight_recorder.h"
 #include "allreduce/transport.h"
 #include "parameter_server/wire.h"
 
@@ -34,6 +35,7 @@ class Client {
     enum class Stage { kHeader, kError, kPayload, kDone } stage = Stage::kHeader;
     bool detached = false;  // nobody waits: an error is kept for later
     std::exception_ptr error;
+    uint64_t flight_seq = 0;  // its entry in the flight recorder
   };
   using CallPtr = std::shared_ptr<Call>;
 
@@ -98,6 +100,10 @@ class Client {
   Transport& t_;
   std::vector<int> ps_ranks_;
   int worker_index_;
+  // Every request in the flight recorder, as the calls of a group of its own
+  // ("ps-client w<index>": never compared with another rank's), so that a
+  // hang's verdict can say a worker waits in a push or pull.
+  flight::Recorder recorder_;
   std::chrono::milliseconds timeout_;
   int64_t next_seq_ = 1;
   uint64_t incarnation_ = 0;

@@ -53,6 +53,7 @@
 #include "allreduce/reduce_kernels.h"
 #include "core/gpu_backend.h"
 #include "diststrat/collective.h"
+#include "diststrat/device_manager.h"
 #include "diststrat/gpu_lease.h"
 #include "diststrat/nn.h"
 #include "diststrat/optimizer.h"
