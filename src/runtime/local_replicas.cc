@@ -2,10 +2,12 @@
 #include "runtime/local_replicas.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <set>
 
 #include "allreduce/inprocess.h"
+#include "allreduce/flight_recording.h"
 #include "runtime/collective_check.h"
 #include "core/device_manager_impl.h"
 #include "core/user_text.h"
@@ -168,6 +170,14 @@ LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
                                "logical GPUs, are not supported; use one logical GPU per "
                                "physical GPU, or logical GPUs of a single physical GPU");
     }
+    // In the flight record like every communicator. These calls only
+    // enqueue work on the replicas' streams: "completed" means enqueued.
+    static std::atomic<int> groups{0};
+    const std::string group = "gpu-local#" + std::to_string(groups++);
+    RecordingCommunicator::Options recording;
+    recording.stragglers = false;
+    recording.members_reset_together = false;
+    for (auto& comm : c.device_comms) comm = wrap_recorded(std::move(comm), group, recording);
   }
   for (int i = 0; i < size(); ++i) {
     c.contexts.push_back(std::make_unique<LocalReplicaContext>(core_.get(), i));
