@@ -626,6 +626,7 @@ class GlooRequest : public Request::State {
         tag_(tag),
         bytes_(bytes),
         control_(control) {}
+  int peer() const override { return peer_; }
 
   // Dropped before it completed: Gloo must never reach the caller's buffer
   // again (destroying the Gloo buffer waits until its device thread lets go

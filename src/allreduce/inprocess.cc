@@ -41,6 +41,7 @@
 #include "allreduce/inprocess.h"
 
 #include "allreduce/flight_recording.h"
+#include "core/flight_recorder.h"
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport.h"
 #include "allreduce/transport_communicator.h"
@@ -191,6 +192,13 @@ struct InProcessGroup::State {
       std::this_thread::yield();
     }
     lock.lock();
+    // For the flight record: the first rank not here yet.
+    for (int r = 0; r < size && gen == my_gen; ++r) {
+      if (arrived_gen[r] != my_gen) {
+        flight::note_waiting(r);
+        break;
+      }
+    }
     const auto deadline = std::chrono::steady_clock::now() + options.timeout;
     while (gen == my_gen) {
       throw_if_aborted(rank, d);

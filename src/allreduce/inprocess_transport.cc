@@ -71,13 +71,15 @@ class InProcRequest : public Request::State {
   // `mailbox`: where the operation waits while unmatched (the receiver's
   // parked recvs for a recv, the receiver's inbox for a send).
   InProcRequest(std::shared_ptr<GroupState> s, std::shared_ptr<GroupState::Done> done,
-                std::string what, int rank, bool is_recv, int mailbox)
+                std::string what, int rank, bool is_recv, int mailbox, int peer)
       : s_(std::move(s)),
         done_(std::move(done)),
         what_(std::move(what)),
         rank_(rank),
         is_recv_(is_recv),
-        mailbox_(mailbox) {}
+        mailbox_(mailbox),
+        peer_(peer) {}
+  int peer() const override { return peer_; }
 
   // Dropped before it completed: cancelled, as an MPI request is. Nothing
   // touches its buffer afterwards (a cancelled recv leaves the message for a
@@ -132,6 +134,7 @@ class InProcRequest : public Request::State {
   int rank_;
   bool is_recv_;
   int mailbox_;
+  int peer_;
 };
 
 class InProcessTransport : public Transport {
@@ -163,7 +166,7 @@ class InProcessTransport : public Transport {
                                                    "send of " + std::to_string(bytes) +
                                                        " bytes to rank " + std::to_string(peer) +
                                                        " (tag " + std::to_string(tag) + ")",
-                                                   rank_, /*is_recv=*/false, peer));
+                                                   rank_, /*is_recv=*/false, peer, peer));
   }
 
   Request recv(int peer, void* data, size_t bytes, int tag) override {
@@ -187,7 +190,7 @@ class InProcessTransport : public Transport {
                                                    "recv of " + std::to_string(bytes) +
                                                        " bytes from rank " + std::to_string(peer) +
                                                        " (tag " + std::to_string(tag) + ")",
-                                                   rank_, /*is_recv=*/true, rank_));
+                                                   rank_, /*is_recv=*/true, rank_, peer));
   }
 
   bool probe_any(Envelope* env) override {

@@ -49,6 +49,7 @@ class MpiRequest : public Request::State {
         abort_(std::move(abort)) {}
 
   ~MpiRequest() override { cancel(); }
+  int peer() const override { return peer_; }
 
   std::vector<MPI_Request> reqs;
   std::vector<int> part_bytes;

@@ -25,6 +25,7 @@
 
 #include "allreduce/mpi_util.h"
 #include "allreduce/shm_internal.h"
+#include "core/flight_recorder.h"
 #include "core/fnv1a.h"
 #include "core/user_text.h"
 
@@ -90,6 +91,7 @@ void ShmCommunicator::Call::barrier() {
   for (int q = 0; q < c_->size_; ++q) {
     if (q == c_->rank_) continue;
     auto& counter = c_->headers_[q]->arrived;
+    if (counter.load(std::memory_order_acquire) < target) flight::note_waiting(q);
     for (unsigned spin = 0; counter.load(std::memory_order_acquire) < target; ++spin) {
       if ((spin & 63) == 0) {
         check_abort();

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "core/flight_recorder.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -42,13 +43,19 @@ class Request {
     virtual void wait(Clock::time_point deadline) = 0;
     // "send of 4096 bytes to rank 1 (tag 7)"
     virtual std::string describe() const = 0;
+    // The rank at the other end (-1: unknown).
+    virtual int peer() const { return -1; }
   };
   Request() = default;
   explicit Request(std::shared_ptr<State> s) : state_(std::move(s)) {}
   bool valid() const { return state_ != nullptr; }
   bool test() { return !state_ || state_->test(); }
+  // (Notes the peer in the flight record's current call first: while it
+  // waits, a record written then says whom this rank waits for.)
   void wait(Clock::time_point deadline) {
-    if (state_) state_->wait(deadline);
+    if (!state_) return;
+    flight::note_waiting(state_->peer());
+    state_->wait(deadline);
   }
   std::string describe() const { return state_ ? state_->describe() : "empty request"; }
 

@@ -64,6 +64,7 @@ int64_t epoch_unix_us() {
 struct Current {
   Recorder* recorder = nullptr;
   uint64_t seq = 0;
+  std::atomic<int32_t>* waiting_on = nullptr;
 };
 thread_local Current current;
 
@@ -379,7 +380,8 @@ Recorder::Recorder(std::string group, int group_rank, int group_size)
   if (n == 0) return;
   epoch_unix_us();  // fixed now, before any dump
   creator_thread_ = thread_number();
-  ring_.resize(n);
+  ring_.reset(new Entry[n]);
+  ring_size_ = n;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.live.push_back(this);
@@ -387,7 +389,7 @@ Recorder::Recorder(std::string group, int group_rank, int group_size)
 }
 
 Recorder::~Recorder() {
-  if (ring_.empty()) return;
+  if (ring_size_ == 0) return;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.live.erase(std::remove(r.live.begin(), r.live.end(), this), r.live.end());
@@ -395,15 +397,16 @@ Recorder::~Recorder() {
 
 uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t count,
                          const char* dtype, const char* op, int root, uint64_t bytes) {
-  if (ring_.empty()) return 0;
+  if (ring_size_ == 0) return 0;
   const int64_t now = now_us();
   void* site[kSiteFrames + 3];
   // Frames 0-2 are this function, the recording wrapper and its lambda.
   const int frames = sites_on() ? ::backtrace(site, kSiteFrames + 3) : 0;
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t seq = next_seq_++;
-  Entry& e = ring_[seq % ring_.size()];
+  Entry& e = ring_[seq % ring_size_];
   e.seq = seq;
+  e.waiting_on.store(-1, std::memory_order_relaxed);
   e.start_us = now;
   e.end_us = -1;
   e.count = count;
@@ -429,23 +432,23 @@ uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t cou
   for (int i = 0; i < e.site_frames; ++i) e.site[i] = site[i + 3];
   e.error.clear();
   last_gap_us_ = last_end_us_ >= 0 ? now - last_end_us_ : -1;
-  current = {this, seq};
+  current = {this, seq, &e.waiting_on};
   return seq;
 }
 
 Recorder::Entry* Recorder::find(uint64_t seq) {
-  Entry& e = ring_[seq % ring_.size()];
+  Entry& e = ring_[seq % ring_size_];
   return e.seq == seq ? &e : nullptr;
 }
 
 void Recorder::set_algorithm(uint64_t seq, const char* algorithm) {
-  if (ring_.empty()) return;
+  if (ring_size_ == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
   if (Entry* e = find(seq)) e->algorithm = algorithm;
 }
 
 void Recorder::end(uint64_t seq, State state, const std::string& error) {
-  if (ring_.empty()) return;
+  if (ring_size_ == 0) return;
   const int64_t now = now_us();
   if (current.recorder == this) current = {};
   std::lock_guard<std::mutex> lock(mu_);
@@ -453,18 +456,21 @@ void Recorder::end(uint64_t seq, State state, const std::string& error) {
   if (Entry* e = find(seq)) {
     e->end_us = now;
     e->state = state;
+    // A call that completed waits for nobody; a failed one keeps whom it
+    // waited for.
+    if (state == State::kCompleted) e->waiting_on.store(-1, std::memory_order_relaxed);
     if (!error.empty()) e->error = error.substr(0, 1000);
   }
 }
 
 void Recorder::restart() {
-  if (ring_.empty()) return;
+  if (ring_size_ == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
   ++resets_;
   group_ = base_group_ + "#r" + std::to_string(resets_);
   // The old numbering's calls stay in the ring under the new name only if
   // renumbered; drop them instead (their record is in any earlier dump).
-  for (Entry& e : ring_) e.seq = UINT64_MAX, e.start_us = -1;
+  for (size_t i = 0; i < ring_size_; ++i) ring_[i].seq = UINT64_MAX, ring_[i].start_us = -1;
   next_seq_ = 0;
 }
 
@@ -475,8 +481,8 @@ int64_t Recorder::last_gap_us() const {
 
 void Recorder::append_json(std::string& out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (ring_.empty() || next_seq_ == 0) return;
-  const uint64_t n = ring_.size();
+  if (ring_size_ == 0 || next_seq_ == 0) return;
+  const uint64_t n = ring_size_;
   const uint64_t first = next_seq_ > n ? next_seq_ - n : 0;
   char num[64];
   for (uint64_t s = first; s < next_seq_; ++s) {
@@ -516,6 +522,10 @@ void Recorder::append_json(std::string& out) const {
     out += ", \"state\": \"";
     out += state_name(e.state);
     out += '"';
+    const int32_t waiting = e.waiting_on.load(std::memory_order_relaxed);
+    if (waiting >= 0 && e.state != State::kCompleted) {
+      out += ", \"waiting_on\": [" + std::to_string(waiting) + "]";
+    }
     if (!e.error.empty()) {
       out += ", \"error\": ";
       json_text(out, e.error);
@@ -541,9 +551,13 @@ void note_algorithm(const char* algorithm) {
   if (current.recorder) current.recorder->set_algorithm(current.seq, algorithm);
 }
 
+void note_waiting(int peer) {
+  if (current.waiting_on) current.waiting_on->store(peer, std::memory_order_relaxed);
+}
+
 void Recorder::append_member_json(std::string& out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (ring_.empty()) return;
+  if (ring_size_ == 0) return;
   if (out.back() != '[') out += ',';
   out += "\n  {\"group\": ";
   json_text(out, group_);

@@ -16,7 +16,9 @@
 // per call).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -48,7 +50,7 @@ class Recorder {
   Recorder(const Recorder&) = delete;
   Recorder& operator=(const Recorder&) = delete;
 
-  bool on() const { return !ring_.empty(); }
+  bool on() const { return ring_size_ > 0; }
   // Records a call starting now; returns its sequence number (for end()).
   // `kind`, `dtype`, `op` ("" when none) and `algorithm` must be static
   // strings (kept as pointers).
@@ -89,6 +91,8 @@ class Recorder {
     void* site[kSiteFrames];  // the caller's return addresses (sites on)
     char name[kNameBytes];
     std::string error;  // allocates only on failure
+    // Written by the recording thread without the lock (note_waiting).
+    std::atomic<int32_t> waiting_on{-1};
   };
   Entry* find(uint64_t seq);
 
@@ -96,7 +100,8 @@ class Recorder {
   std::string group_;
   const std::string base_group_;
   const int group_rank_, group_size_;
-  std::vector<Entry> ring_;
+  std::unique_ptr<Entry[]> ring_;
+  size_t ring_size_ = 0;
   uint64_t next_seq_ = 0;
   int resets_ = 0;
   int64_t last_end_us_ = -1, last_gap_us_ = -1;
@@ -106,6 +111,10 @@ class Recorder {
 // Names the algorithm of the call this thread is recording (if any): for
 // communicators that choose one per call. `algorithm` must be static.
 void note_algorithm(const char* algorithm);
+// The rank (in the call's group) the call this thread is recording now
+// waits for; a record written meanwhile shows it ("waiting_on"). A relaxed
+// store: cheap enough for every wait of a transfer.
+void note_waiting(int peer);
 
 // This process's place in the job, written into its dumps (rank -1 =
 // unknown) and its file name. Set by whatever resolves the cluster.

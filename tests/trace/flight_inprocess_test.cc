@@ -147,6 +147,14 @@ TEST(FlightRecorderInProcess, ARankInComputeIsNamedByTheVerdict) {
   EXPECT_EQ(v.culprit_rank, 1) << v.line;
   EXPECT_EQ(v.culprit_state, "compute") << v.line;
   EXPECT_EQ(v.tensor_name, "step_3") << v.line;
+  // The ranks that waited say for whom.
+  int waited_for_1 = 0;
+  for (const tr::Dump& d : tr::load_dir(dir.path()).dumps) {
+    for (const tr::Call& c : d.calls) {
+      waited_for_1 += c.seq == 3 && c.waiting_on == std::vector<int>{1};
+    }
+  }
+  EXPECT_EQ(waited_for_1, 3);
 }
 
 // Rank 3 waits in a barrier of another group ("pair": world ranks 2 and 3,

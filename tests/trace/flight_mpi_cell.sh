@@ -52,4 +52,8 @@ echo "$verdict"
 files=$(ls "$dir" | grep -c '^flight-.*\.json$')
 if ((files != 4)); then echo "FAIL: $files records, want one per rank (4)"; exit 1; fi
 if ! grep -qE "$want" <<<"$verdict"; then echo "FAIL: the verdict is not /$want/"; exit 1; fi
+# The ranks that waited say for whom (rank 1, in its compute).
+if [[ $kind == compute ]] && ! grep -q '"waiting_on": \[1\]' "$dir"/flight-*-rank0-*.json; then
+  echo "FAIL: rank 0's record does not say it waited for rank 1"; exit 1
+fi
 echo PASS
