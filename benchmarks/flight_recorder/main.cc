@@ -1,5 +1,5 @@
 // What the flight recorder and straggler tracking cost per collective call
-// (issue 28's bar: <= 0.5 us). A one-rank communicator that does nothing
+// (issue 28's bar: <= 0.5 us). A communicator that does nothing
 // stands for the collective, so the difference between the two loops is
 // the recording alone:
 //   BM_BareCall      the call through the bare communicator
