@@ -9,8 +9,9 @@
 //   - when one of its collectives fails (deadline, abort, mismatch), before
 //     the error reaches the caller; the error message ends with
 //     "[flight record: PATH]";
-//   - on SIGUSR2 (unless the program handles SIGUSR2 itself; with recording
-//     off no handler is installed);
+//   - on SIGUSR2, in a process of a job (Slurm, Open MPI, elastic), unless
+//     the program handles SIGUSR2 itself (a lone process, or recording off:
+//     no handler, no watchdog thread);
 //   - on dump_flight_record();
 //   - when another process of the same job wrote its record after a failure
 //     (a watchdog thread; so a rank stuck in its own compute, which never

@@ -323,8 +323,12 @@ void watchdog_main() {
   }
 }
 
+// Only a process of a job (Slurm, Open MPI, an elastic job) has peers to
+// answer, and only it gets the watchdog thread (and SIGUSR2): a lone
+// process stays without a thread of ours, so a program that forks (as the
+// checkpoint tests' bounded children do) forks a single-threaded process.
 void start_watchdog_locked(Registry& r) {
-  if (r.watchdog_started) return;
+  if (r.watchdog_started || job_of(r).empty()) return;
   r.watchdog_started = true;
   if (::pipe2(r.signal_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
     r.signal_pipe[0] = r.signal_pipe[1] = -1;
@@ -579,6 +583,7 @@ void set_job(const std::string& job) {
   std::lock_guard<std::mutex> lock(r.mu);
   r.job = job;
   r.job_set = true;
+  if (!r.live.empty()) start_watchdog_locked(r);
 }
 
 void set_checkpoint_directory(const std::string& dir) {
