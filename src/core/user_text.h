@@ -14,12 +14,10 @@ namespace diststrat {
 
 constexpr size_t kMaxEchoedChars = 200;
 
-// "abc", or the first kMaxEchoedChars characters + "... (12345 characters)".
-inline std::string echo(const std::string& s, size_t max_chars = kMaxEchoedChars) {
-  std::string out;
-  const size_t shown = s.size() <= max_chars ? s.size() : max_chars;
-  out.reserve(shown + 32);
-  for (size_t i = 0; i < shown; ++i) {
+// Appends the first `n` bytes of `s` to `out` with newline, tab and the
+// other control characters escaped (\n, \t, \xNN).
+inline void append_escaped(std::string& out, const std::string& s, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
     const unsigned char c = static_cast<unsigned char>(s[i]);
     if (c == '\n') {
       out += "\\n";
@@ -33,6 +31,14 @@ inline std::string echo(const std::string& s, size_t max_chars = kMaxEchoedChars
       out += static_cast<char>(c);
     }
   }
+}
+
+// "abc", or the first kMaxEchoedChars characters + "... (12345 characters)".
+inline std::string echo(const std::string& s, size_t max_chars = kMaxEchoedChars) {
+  std::string out;
+  const size_t shown = s.size() <= max_chars ? s.size() : max_chars;
+  out.reserve(shown + 32);
+  append_escaped(out, s, shown);
   if (shown < s.size()) out += "... (" + std::to_string(s.size()) + " characters)";
   return out;
 }

@@ -12,6 +12,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "core/user_text.h"
+
 namespace diststrat::trace {
 
 namespace {
@@ -306,20 +308,7 @@ std::string echo_text(const std::string& s, size_t max_bytes) {
   }
   std::string out;
   out.reserve(shown + 24);
-  for (size_t i = 0; i < shown; ++i) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c < 0x20 || c == 0x7f) {
-      char hex[8];
-      std::snprintf(hex, sizeof hex, "\\x%02x", c);
-      out += hex;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
+  append_escaped(out, s, shown);
   if (shown < s.size()) out += "... (" + std::to_string(s.size()) + " bytes)";
   return out;
 }
