@@ -272,8 +272,7 @@ void watchdog_main() {
       std::lock_guard<std::mutex> lock(r.mu);
       const std::string job = job_of(r);
       prefix = file_prefix(job);
-      mine =
-          prefix + "rank" + std::to_string(r.rank) + "-pid" + std::to_string(::getpid()) + ".json";
+      mine = file_name(job, r.rank);
       if (job.empty()) prefix.clear();  // a lone process has no peers to answer
     }
     try {
