@@ -53,6 +53,12 @@ struct SimProcess {
   int64_t dump_time_us = 0;
   int64_t epoch_unix_us = 1764750000000000;
   std::vector<SimCall> calls;
+  // Members the process declares (group, group rank, group size, thread).
+  struct Member {
+    std::string group;
+    int group_rank = 0, group_size = 1, thread = 0;
+  };
+  std::vector<Member> members;
 
   std::string file_name() const {
     return "flight-rank" + std::to_string(rank) + "-pid" + std::to_string(pid) + ".json";
@@ -86,13 +92,24 @@ inline json to_json(const SimCall& c) {
 inline json to_json(const SimProcess& p) {
   json calls = json::array();
   for (const SimCall& c : p.calls) calls.push_back(to_json(c));
-  return {{"format", "diststrat-flight-record"},
-          {"version", 1},
-          {"process", {{"rank", p.rank}, {"size", p.size}, {"host", p.host}, {"pid", p.pid}}},
-          {"reason", p.reason},
-          {"dump_time_us", p.dump_time_us},
-          {"epoch_unix_us", p.epoch_unix_us},
-          {"calls", calls}};
+  json j = {{"format", "diststrat-flight-record"},
+            {"version", 1},
+            {"process", {{"rank", p.rank}, {"size", p.size}, {"host", p.host}, {"pid", p.pid}}},
+            {"reason", p.reason},
+            {"dump_time_us", p.dump_time_us},
+            {"epoch_unix_us", p.epoch_unix_us},
+            {"calls", calls}};
+  if (!p.members.empty()) {
+    json members = json::array();
+    for (const SimProcess::Member& m : p.members) {
+      members.push_back({{"group", m.group},
+                         {"group_rank", m.group_rank},
+                         {"group_size", m.group_size},
+                         {"thread", m.thread}});
+    }
+    j["members"] = members;
+  }
+  return j;
 }
 
 inline std::string to_text(const SimProcess& p) { return to_json(p).dump(1) + "\n"; }

@@ -320,6 +320,60 @@ TEST(TraceVerdict, InProcessGroupSeveralRanksInOneFile) {
   EXPECT_EQ(v.culprit_process_rank, 0);
 }
 
+// A fresh group's silent member in a process of several ranks' threads,
+// none of them its own (its creator thread made no call): what it does is
+// not in the record, so the verdict stays with the rank that waits for it,
+// whatever order the other threads' calls ended in. (CI's TSan pass saw the
+// member take another thread's failed call as its own, and the verdict blame
+// it "in compute".)
+TEST(TraceVerdict, AFreshGroupsSilentMemberIsNotGivenAnotherThreadsCalls) {
+  SimProcess p;
+  p.rank = 0;
+  p.size = 1;
+  auto add = [&](const std::string& group, int rank, int size, int thread, int64_t seq,
+                 int64_t start, int64_t end, const std::string& state, const std::string& kind) {
+    SimCall c;
+    c.group = group;
+    c.group_rank = rank;
+    c.group_size = size;
+    c.thread = thread;
+    c.seq = seq;
+    c.kind = kind;
+    c.name = kind == "barrier" ? "sync" : "step_" + std::to_string(seq);
+    c.bytes = kind == "barrier" ? 0 : 4;
+    c.count = kind == "barrier" ? 0 : 1;
+    c.enqueue_us = c.start_us = start;
+    c.end_us = end;
+    c.state = state;
+    if (state == "failed") c.error = "rank 3 did not arrive within 1000 ms";
+    p.calls.push_back(c);
+  };
+  // 'world' is threads 1..4 (ranks 0..3); 'pair' was made by thread 0 (the
+  // main thread, which makes no call); thread 4 is pair's rank 1.
+  for (int64_t s = 0; s < 3; ++s) {
+    for (int r = 0; r < 4; ++r) add("world", r, 4, r + 1, s, s * 100 + r, s * 100 + 50, "completed", "all_reduce");
+  }
+  add("pair", 1, 2, 4, 0, 300, -1, "started", "barrier");
+  // Ranks 0..2 fail at #3; rank 2 started last but rank 0 ended last.
+  add("world", 0, 4, 1, 3, 300, 1000400, "failed", "all_reduce");
+  add("world", 1, 4, 2, 3, 301, 1000300, "failed", "all_reduce");
+  add("world", 2, 4, 3, 3, 302, 1000200, "failed", "all_reduce");
+  p.members = {{"world", 0, 4, 0}, {"world", 1, 4, 0}, {"world", 2, 4, 0}, {"world", 3, 4, 0},
+               {"pair", 0, 2, 0},  {"pair", 1, 2, 0}};
+  p.dump_time_us = 1000500;
+  const tr::Verdict v = verdict_of({p});
+  EXPECT_EQ(v.kind, tr::Verdict::Kind::kMissing) << v.line;
+  EXPECT_EQ(v.culprit_rank, 3) << v.line;
+  EXPECT_EQ(v.culprit_state, "in_call") << v.line;
+  EXPECT_NE(v.culprit_call.find("barrier #0"), std::string::npos) << v.culprit_call;
+  std::string details;
+  for (const std::string& d : v.details) details += d + "\n";
+  EXPECT_NE(details.find("rank 0 never entered barrier #0 ('sync', 0 B) of group 'pair': it is "
+                         "where the record does not show"),
+            std::string::npos)
+      << details;
+}
+
 TEST(TraceVerdict, GroupSizeConflictIsNoted) {
   // Rank 2's record says 'world' has 5 ranks, the others say 3.
   auto procs = world(3, 0, 6);

@@ -65,7 +65,10 @@ struct Finding {
 
 // What a member that never entered a call is doing instead.
 struct Doing {
-  enum Kind { kInCall, kCompute };
+  // kUnknown: a member that made no call, in a process whose calls come
+  // from several threads, none known to be its (an in-process group's
+  // member no thread has used yet): any of them would be a guess.
+  enum Kind { kInCall, kCompute, kUnknown };
   Kind kind = kCompute;
   const Call* call = nullptr;  // kInCall: the call it is in; kCompute: its last ended call
   int64_t since_us = -1;       // -1 when the record does not say
@@ -339,6 +342,7 @@ Doing Analyzer::doing(const Group& g, const Member& m) const {
   const Call* flight_any = nullptr;
   const Call* ended_same = nullptr;
   const Call* ended_any = nullptr;
+  std::set<int> threads;  // of the calls that could be this member's
   auto newer_flight = [](const Call* a, const Call& c) {
     return a == nullptr ||
            std::max(c.enqueue_us, c.start_us) >= std::max(a->enqueue_us, a->start_us);
@@ -350,6 +354,7 @@ Doing Analyzer::doing(const Group& g, const Member& m) const {
     if (dump.superseded.count({c.group, c.group_rank})) continue;
     if (c.group == g.name && c.group_rank != m.rank) continue;
     if (other_threads.count(c.thread)) continue;
+    threads.insert(c.thread);
     const bool same = c.thread == m.thread;
     if (stuck_in(c.state)) {
       if (same && newer_flight(flight_same, c)) flight_same = &c;
@@ -361,6 +366,10 @@ Doing Analyzer::doing(const Group& g, const Member& m) const {
     }
   }
   Doing d;
+  if (m.silent() && flight_same == nullptr && ended_same == nullptr && threads.size() > 1) {
+    d.kind = Doing::kUnknown;
+    return d;
+  }
   const Call* in = flight_same ? flight_same : flight_any;
   const Call* ended = ended_same ? ended_same : ended_any;
   // A failed call counts only when nothing ended after it started.
@@ -409,6 +418,10 @@ std::string Analyzer::rank_label(const Group& g, int rank) const {
 // "in broadcast #88 of group 'ps' since 31.2 s" / "in compute since 12.0 s
 // (its last call, all_reduce #4170, completed then)".
 std::string Analyzer::doing_phrase(const Group& g, const Doing& d) const {
+  if (d.kind == Doing::kUnknown) {
+    return "where the record does not show (it made no call yet, and none of its process's "
+           "threads is known to be its)";
+  }
   if (d.kind == Doing::kInCall) {
     std::string s = "in " + call_where(*d.call);
     if (d.call->state == CallState::kQueued) s += " (queued, not started)";
@@ -575,6 +588,7 @@ Verdict Analyzer::run(int files_skipped) {
     }
     if (root >= 0) break;
     for (size_t i = 0; i < nodes[q].doings.size(); ++i) {
+      if (nodes[q].doings[i].kind != Doing::kInCall) continue;  // kUnknown: nothing to follow
       const Call& c = *nodes[q].doings[i].call;
       const auto h = groups_.find(c.group);
       if (h == groups_.end()) continue;
@@ -642,7 +656,9 @@ Verdict Analyzer::run(int files_skipped) {
       v.kind = Verdict::Kind::kMissing;
       const size_t i = std::find(f.ranks.begin(), f.ranks.end(), root_member) - f.ranks.begin();
       const Doing& d = n.doings[i];
-      v.culprit_state = d.kind == Doing::kCompute ? "compute" : "in_call";
+      v.culprit_state = d.kind == Doing::kCompute   ? "compute"
+                        : d.kind == Doing::kInCall ? "in_call"
+                                                   : "unknown";
       if (d.kind == Doing::kInCall) v.culprit_call = call_where(*d.call);
       break;
     }
