@@ -351,15 +351,16 @@ TEST(TraceVerdict, AFreshGroupsSilentMemberIsNotGivenAnotherThreadsCalls) {
   // 'world' is threads 1..4 (ranks 0..3); 'pair' was made by thread 0 (the
   // main thread, which makes no call); thread 4 is pair's rank 1.
   for (int64_t s = 0; s < 3; ++s) {
-    for (int r = 0; r < 4; ++r) add("world", r, 4, r + 1, s, s * 100 + r, s * 100 + 50, "completed", "all_reduce");
+    for (int r = 0; r < 4; ++r)
+      add("world", r, 4, r + 1, s, s * 100 + r, s * 100 + 50, "completed", "all_reduce");
   }
   add("pair", 1, 2, 4, 0, 300, -1, "started", "barrier");
   // Ranks 0..2 fail at #3; rank 2 started last but rank 0 ended last.
   add("world", 0, 4, 1, 3, 300, 1000400, "failed", "all_reduce");
   add("world", 1, 4, 2, 3, 301, 1000300, "failed", "all_reduce");
   add("world", 2, 4, 3, 3, 302, 1000200, "failed", "all_reduce");
-  p.members = {{"world", 0, 4, 0}, {"world", 1, 4, 0}, {"world", 2, 4, 0}, {"world", 3, 4, 0},
-               {"pair", 0, 2, 0},  {"pair", 1, 2, 0}};
+  p.members = {{"world", 0, 4, 0}, {"world", 1, 4, 0}, {"world", 2, 4, 0},
+               {"world", 3, 4, 0}, {"pair", 0, 2, 0},  {"pair", 1, 2, 0}};
   p.dump_time_us = 1000500;
   const tr::Verdict v = verdict_of({p});
   EXPECT_EQ(v.kind, tr::Verdict::Kind::kMissing) << v.line;

@@ -656,7 +656,7 @@ Verdict Analyzer::run(int files_skipped) {
       v.kind = Verdict::Kind::kMissing;
       const size_t i = std::find(f.ranks.begin(), f.ranks.end(), root_member) - f.ranks.begin();
       const Doing& d = n.doings[i];
-      v.culprit_state = d.kind == Doing::kCompute   ? "compute"
+      v.culprit_state = d.kind == Doing::kCompute  ? "compute"
                         : d.kind == Doing::kInCall ? "in_call"
                                                    : "unknown";
       if (d.kind == Doing::kInCall) v.culprit_call = call_where(*d.call);
