@@ -204,6 +204,13 @@ class Optimizer {
   // full values). Blocking.
   void assign_sharded_slots(const std::vector<std::pair<const Variable::Impl*, std::string>>& slots,
                             const std::vector<Tensor>& values) const;
+  // Forgets the ZeRO-1 layout and every local replica's slot blocks (their
+  // values are dropped): the next sharded call lays the state out again for
+  // the replicas in sync then, keeping its block of the full slots assigned
+  // meanwhile (Checkpoint::assign), as on a first call. For a group whose
+  // size changed (elastic training does it at every re-forming). Cross-replica
+  // context; no communication. Not thread-safe with run().
+  void reset_sharding() const;
   // Bytes of optimizer slots (this optimizer's slot_names() of every
   // trainable variable) the largest local replica holds now: the full slots
   // of every variable without sharding, the replica's blocks with it.

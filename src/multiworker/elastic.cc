@@ -199,11 +199,12 @@ void MultiWorkerMirroredStrategy::Impl::leave_group(const std::string& reason) {
 // ---- ElasticState ---------------------------------------------------------------
 
 struct ElasticState::Impl {
-  Impl(MultiWorkerMirroredStrategy& s, std::vector<const Optimizer*> optimizers)
-      : strategy(s), m(*s.impl_), checkpoint(s, std::move(optimizers)) {}
+  Impl(MultiWorkerMirroredStrategy& s, std::vector<const Optimizer*> opts)
+      : strategy(s), m(*s.impl_), optimizers(opts), checkpoint(s, std::move(opts)) {}
 
   MultiWorkerMirroredStrategy& strategy;
   MultiWorkerMirroredStrategy::Impl& m;
+  const std::vector<const Optimizer*> optimizers;
   Checkpoint checkpoint;
   std::vector<std::function<void(const MembershipChange&)>> callbacks;
   // The last commit.
@@ -398,10 +399,13 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
       previous_replicas = m.total_replicas;
       m.leave_group("worker '" + e.rendezvous->id() + "' left group " +
                     std::to_string(e.view.group) + ": " + err.message());
+      // Sharded optimizer state (ZeRO-1) is laid out again for the new group,
+      // from the full slots of the commit (or of the state a member sends).
+      for (const Optimizer* o : s.optimizers) o->reset_sharding();
       // Back to the last commit: the interrupted step is redone by the new group.
       if (s.committed) {
         // Locally only: the group is gone, and assign makes no collective call
-        // for mirrored state.
+        // for mirrored state (nor for slots no longer sharded).
         InternalSteps internal(e);
         s.checkpoint.assign(s.tensors, "the last elastic commit");
         position = s.position;

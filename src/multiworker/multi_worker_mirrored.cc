@@ -28,9 +28,6 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
                     "MultiWorkerMirroredStrategy: elastic training forms its groups through the "
                     "rendezvous ",
                     options.elastic.rendezvous, "; do not also give a communicator or a cluster");
-    DISTSTRAT_CHECK(!options.shard_optimizer_state, kUnimplemented,
-                    "MultiWorkerMirroredStrategy: elastic training with shard_optimizer_state "
-                    "(ZeRO-1) is not supported yet");
     m.options = options;
     m.elastic = std::make_unique<ElasticRuntime>(options.elastic, options.communication);
     m.join_group(std::chrono::steady_clock::now() + options.elastic.join_timeout);

@@ -281,6 +281,20 @@ void Optimizer::assign_sharded_slots(
   });
 }
 
+void Optimizer::reset_sharding() const {
+  Zero& z = *zero_;
+  std::lock_guard<std::mutex> lock(z.mu);
+  z.planned = false;
+  z.prepared = 0;
+  z.vars.clear();
+  z.offsets.clear();
+  z.total = 0;
+  z.block = 1;
+  z.replicas = 1;
+  z.slot_names.clear();
+  z.locals.clear();
+}
+
 int64_t Optimizer::slot_bytes_per_replica() const {
   const Zero& z = *zero_;
   std::vector<int64_t> per(static_cast<size_t>(std::max(1, strategy_->num_local_replicas())), 0);

@@ -62,6 +62,37 @@ inline std::vector<float> reference(int rows, int batch, int epochs) {
   return w;
 }
 
+// The same training with Adam (the library's formula: Keras' bias
+// correction folded into the rate, epsilon outside the root).
+constexpr float kAdamLr = 0.02f, kBeta1 = 0.9f, kBeta2 = 0.999f, kEpsilon = 1e-7f;
+inline std::vector<float> reference_adam(int rows, int batch, int epochs) {
+  const diststrat::Dataset d = make_data(rows);
+  std::vector<float> w(kFeatures, 0.0f), m(kFeatures, 0.0f), v(kFeatures, 0.0f);
+  int64_t step = 0;
+  for (int e = 0; e < epochs; ++e) {
+    for (int b = 0; b * batch < rows; ++b) {
+      const int end = std::min(rows, (b + 1) * batch);
+      std::vector<double> g(kFeatures, 0.0);
+      for (int r = b * batch; r < end; ++r) {
+        const float* x = d.features().data<float>() + r * kFeatures;
+        double pred = 0;
+        for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
+        for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / (end - b * batch);
+      }
+      const double t = static_cast<double>(++step);
+      const float alpha = static_cast<float>(kAdamLr * std::sqrt(1.0 - std::pow(kBeta2, t)) /
+                                             (1.0 - std::pow(kBeta1, t)));
+      for (int f = 0; f < kFeatures; ++f) {
+        const float gf = static_cast<float>(g[f]);
+        m[f] = kBeta1 * m[f] + (1 - kBeta1) * gf;
+        v[f] = kBeta2 * v[f] + (1 - kBeta2) * gf * gf;
+        w[f] -= alpha * m[f] / (std::sqrt(v[f]) + kEpsilon);
+      }
+    }
+  }
+  return w;
+}
+
 // One replica's share of a global batch of `global_size` rows: the weights'
 // gradient (gw, kFeatures) and the use counter's (gc, rows).
 inline void gradients(const diststrat::Tensor& x, const diststrat::Tensor& ids,
