@@ -21,6 +21,8 @@
 #              re-formed, h1c starts on host 1 and is admitted: 4 again.
 #   kills3     three rounds of: a random live worker killed, a replacement
 #              started on its host once the others re-formed.
+#   kill_zero  kill, with Adam and its state sharded over the workers
+#              (ZeRO-1): the dead worker's block comes from the commit.
 #   host_dies  every process on host 1 is killed: host 0's two go on.
 #   link_down  host 1's cable is pulled for good: host 0's two go on; host
 #              1's workers, which can reach neither peers nor the store, stop
@@ -61,6 +63,7 @@ wait_for() {
   return 1
 }
 common=(--min-workers 2 --rows 512 --batch 32 --settle-ms 1000 --timeout-ms 5000)
+extra=()
 # wait_count FILE REGEX N SECONDS: until N lines of FILE match.
 wait_count() {
   local until=$(($(date +%s) + $4))
@@ -83,7 +86,7 @@ start() {
 start_on() {
   "$cluster" exec "$1" "$check" --rendezvous "redis://$store/job" --id "$2" \
     --listen-host "198.18.$DSC_NET.$(($1 + 1))" "${common[@]}" --epochs "$epochs" \
-    --step-delay-ms 30 >"$dir/$2.log" 2>&1 &
+    --step-delay-ms 30 "${extra[@]}" >"$dir/$2.log" 2>&1 &
   pids+=($!)
   eval "pid_$2=$!"
 }
@@ -227,9 +230,10 @@ case $kind in
     ((fail == 0)) && echo "PASS: elastic $kind"
     exit $fail
     ;;
-  kill | kills3)
+  kill | kill_zero | kills3)
     # kills3 runs ELASTIC_KILLS rounds (default 3; the bar's 20 by hand).
     rounds=1 epochs=6
+    [[ $kind == kill_zero ]] && extra=(--zero-adam)
     if [[ $kind == kills3 ]]; then
       rounds=${ELASTIC_KILLS:-3}
       epochs=$((10 + 4 * (rounds > 3 ? rounds - 3 : 0)))
@@ -240,7 +244,7 @@ case $kind in
     for w in "${live[@]}"; do wait_for "$dir/$w.log" "^$w: step 1[0-9] at" 60 || exit 1; done
     fail=0
     for ((round = 1; round <= rounds; ++round)); do
-      if [[ $kind == kill ]]; then victim=h1b; else victim=${live[RANDOM % ${#live[@]}]}; fi
+      if [[ $kind != kills3 ]]; then victim=h1b; else victim=${live[RANDOM % ${#live[@]}]}; fi
       # A survivor that saw every change so far: one of the first workers.
       survivor=$(printf '%s\n' "${live[@]}" | grep -v "^$victim$" | grep -E '^h[01][ab]$' | head -1)
       [[ -n $survivor ]] || survivor=$(printf '%s\n' "${live[@]}" | grep -v "^$victim$" | head -1)

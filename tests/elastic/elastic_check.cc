@@ -8,12 +8,15 @@
 //   "<id>: final workers=N steps=S weight_diff=D count_error=E changes=C redone=R"
 // where D is the largest difference from the same training run sequentially
 // over the same global batches, and E the largest |uses - epochs| of a row.
+// --zero-adam: the weights with Adam and the optimizer state sharded over the
+// workers (ZeRO-1, shard_optimizer_state), the reference likewise.
 #include <time.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,6 +33,7 @@ using diststrat_test::elastic_model::kLr;
 using diststrat_test::elastic_model::kMomentum;
 using diststrat_test::elastic_model::make_data;
 using diststrat_test::elastic_model::reference;
+using diststrat_test::elastic_model::reference_adam;
 
 long long now_ms() {
   timespec ts{};
@@ -57,6 +61,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 10000));
   app.add_option("--settle-ms", settle_ms)->check(CLI::Range(1, 600000));
   app.add_option("--timeout-ms", timeout_ms)->check(CLI::Range(100, 600000));
+  bool zero_adam = false;
+  app.add_flag("--zero-adam", zero_adam, "Adam, its state sharded over the workers (ZeRO-1)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -70,14 +76,25 @@ int main(int argc, char** argv) {
     o.elastic.join_poll = std::chrono::milliseconds(100);
     o.elastic.join_timeout = std::chrono::seconds(120);
     o.communication.timeout = std::chrono::milliseconds(timeout_ms);
+    o.shard_optimizer_state = zero_adam;
     ds::MultiWorkerMirroredStrategy s(o);
     ds::Variable w =
         s.create_variable("w", ds::Shape{kFeatures}, ds::DType::kFloat32, ds::init::Zeros{});
     ds::Variable uses =
         s.create_variable("row_uses", ds::Shape{rows}, ds::DType::kFloat32, ds::init::Zeros{});
-    // The weights with momentum (a slot to commit, restore and send); the
-    // counter without (each use adds exactly lr).
-    ds::SGD opt(s, {kLr, kMomentum}), count_opt(s, {kLr, 0.0f});
+    // The weights with momentum, or Adam (slots to commit, restore and
+    // send); the counter without (each use adds exactly lr).
+    std::unique_ptr<ds::Optimizer> weights_opt;
+    if (zero_adam) {
+      namespace em = diststrat_test::elastic_model;
+      weights_opt =
+          std::make_unique<ds::Adam>(s, ds::AdamOptions{em::kAdamLr, em::kBeta1, em::kBeta2,
+                                                        em::kEpsilon, ds::LearningRateSchedule{}});
+    } else {
+      weights_opt = std::make_unique<ds::SGD>(s, ds::SGDOptions{kLr, kMomentum});
+    }
+    ds::Optimizer& opt = *weights_opt;
+    ds::SGD count_opt(s, {kLr, 0.0f});
     ds::DistributeOptions dopts;
     dopts.shuffle = false;
     ds::DistributedDataset dist = s.distribute(make_data(rows), batch, dopts);
@@ -109,7 +126,8 @@ int main(int argc, char** argv) {
         }
       }
     });
-    const std::vector<float> ref = reference(rows, batch, epochs);
+    const std::vector<float> ref =
+        zero_adam ? reference_adam(rows, batch, epochs) : reference(rows, batch, epochs);
     const ds::Tensor wv = w.value(), uv = uses.value();
     double weight_diff = 0, count_error = 0;
     for (int f = 0; f < kFeatures; ++f) {
