@@ -139,6 +139,13 @@ struct Registry {
   // The watchdog.
   bool watchdog_started = false;
   int signal_pipe[2] = {-1, -1};
+  // The environment's part of the directory and DISTSTRAT_FLIGHT_RECORDER_EXIT,
+  // read on the program's threads only: getenv races with setenv, which
+  // MPI_Init and PMIx call while the watchdog may already run (a Slurm job's
+  // process has its job from the start). The watchdog uses the values read
+  // last (when a communicator was made or a record written).
+  std::string env_dir, env_tmpdir = "/tmp";
+  bool exit_on_peer_failure = false;
 };
 
 Registry& registry() {
@@ -203,6 +210,29 @@ void make_directories(const std::string& dir) {
   }
 }
 
+void read_environment_locked(Registry& r) {
+  r.env_dir = env::text("DISTSTRAT_FLIGHT_RECORDER_DIR").value_or("");
+  std::string tmp = env::text("TMPDIR").value_or("/tmp");
+  r.env_tmpdir = tmp.empty() || tmp[0] != '/' ? "/tmp" : tmp;
+}
+
+std::string directory_locked(Registry& r) {
+  if (!r.env_dir.empty()) return r.env_dir;
+  if (!r.checkpoint_dir.empty()) return r.checkpoint_dir;
+  const std::string job = job_of(r);
+  return r.env_tmpdir + "/diststrat-flight-" +
+         (job.empty() ? "pid" + std::to_string(::getpid()) : file_safe(job));
+}
+
+// The directory as last read on a program's thread (the watchdog's).
+std::string watched_directory() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return directory_locked(r);
+}
+
+std::string dump_record(Trigger trigger, const std::string& reason, bool on_watchdog);
+
 void on_sigusr2(int) {
   const int fd = registry().signal_pipe[1];
   if (fd >= 0) {
@@ -246,9 +276,15 @@ void peer_file(const std::string& dir, const std::string& name, const std::strin
     if (r.last_peer_dump_us >= 0 && now - r.last_peer_dump_us < 2000000) return;
     r.last_peer_dump_us = now;
   }
-  const std::string written =
-      dump(Trigger::kPeer, "another process of the job wrote its record after a failure: " + name);
-  if (exit_after_peer_failure()) {
+  const std::string written = dump_record(
+      Trigger::kPeer, "another process of the job wrote its record after a failure: " + name,
+      /*on_watchdog=*/true);
+  bool end_process;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    end_process = r.exit_on_peer_failure;
+  }
+  if (end_process) {
     std::fprintf(stderr,
                  "diststrat: process %d: another process of the job failed (%s); this process's "
                  "flight record is %s; ending it (DISTSTRAT_FLIGHT_RECORDER_EXIT)\n",
@@ -260,7 +296,6 @@ void peer_file(const std::string& dir, const std::string& name, const std::strin
 
 void watchdog_main() {
   Registry& r = registry();
-  exit_after_peer_failure();  // a bad value is said now, not at the first failure
   const int in = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
   std::string watched;
   int wd = -1;
@@ -275,11 +310,7 @@ void watchdog_main() {
       mine = file_name(job, r.rank);
       if (job.empty()) prefix.clear();  // a lone process has no peers to answer
     }
-    try {
-      dir = directory();
-    } catch (const Error&) {
-      dir.clear();
-    }
+    dir = watched_directory();
     if (in >= 0 && !prefix.empty() && dir != watched) {
       if (wd >= 0) ::inotify_rm_watch(in, wd);
       wd = ::inotify_add_watch(in, dir.c_str(), IN_CLOSE_WRITE | IN_MOVED_TO);
@@ -306,7 +337,7 @@ void watchdog_main() {
       char buf[64];
       while (::read(r.signal_pipe[0], buf, sizeof buf) > 0) {
       }
-      dump(Trigger::kSignal, "SIGUSR2");
+      dump_record(Trigger::kSignal, "SIGUSR2", /*on_watchdog=*/true);
     }
     if (in >= 0 && (fds[1].revents & POLLIN)) {
       alignas(inotify_event) char buf[4096];
@@ -329,6 +360,8 @@ void watchdog_main() {
 void start_watchdog_locked(Registry& r) {
   if (r.watchdog_started || job_of(r).empty()) return;
   r.watchdog_started = true;
+  read_environment_locked(r);
+  r.exit_on_peer_failure = exit_after_peer_failure();  // a bad value is said now
   if (::pipe2(r.signal_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
     r.signal_pipe[0] = r.signal_pipe[1] = -1;
   }
@@ -382,12 +415,14 @@ Recorder::Recorder(std::string group, int group_rank, int group_size)
   const size_t n = capacity();
   if (n == 0) return;
   epoch_unix_us();  // fixed now, before any dump
+  sites_on();       // read now, on the program's thread (see Registry)
   creator_thread_ = thread_number();
   ring_.reset(new Entry[n]);
   ring_size_ = n;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.live.push_back(this);
+  read_environment_locked(r);  // on the program's thread (see Registry)
   start_watchdog_locked(r);
 }
 
@@ -592,28 +627,26 @@ void set_checkpoint_directory(const std::string& dir) {
 }
 
 std::string directory() {
-  if (auto d = env::text("DISTSTRAT_FLIGHT_RECORDER_DIR")) return *d;
   Registry& r = registry();
-  std::string job;
-  {
-    std::lock_guard<std::mutex> lock(r.mu);
-    if (!r.checkpoint_dir.empty()) return r.checkpoint_dir;
-    job = job_of(r);
-  }
-  std::string tmp = env::text("TMPDIR").value_or("/tmp");
-  if (tmp.empty() || tmp[0] != '/') tmp = "/tmp";
-  return tmp + "/diststrat-flight-" +
-         (job.empty() ? "pid" + std::to_string(::getpid()) : file_safe(job));
+  std::lock_guard<std::mutex> lock(r.mu);
+  read_environment_locked(r);
+  return directory_locked(r);
 }
 
 std::string dump(Trigger trigger, const std::string& reason) {
+  return dump_record(trigger, reason, /*on_watchdog=*/false);
+}
+
+namespace {
+
+std::string dump_record(Trigger trigger, const std::string& reason, bool on_watchdog) {
   if (capacity() == 0) return std::string();
   Registry& r = registry();
   std::lock_guard<std::mutex> one_at_a_time(r.dump_mu);
   const bool failure = trigger == Trigger::kFailure || trigger == Trigger::kPeer;
   std::string path, dir;
   try {
-    dir = directory();
+    dir = on_watchdog ? watched_directory() : directory();
     if (failure && r.last_failure_dump_us >= 0 && now_us() - r.last_failure_dump_us < kEpisodeUs &&
         fs::directory_of(r.last_failure_path) == dir) {
       return r.last_failure_path;
@@ -654,6 +687,8 @@ std::string dump(Trigger trigger, const std::string& reason) {
   }
   return path;
 }
+
+}  // namespace
 
 std::string dump_note(const std::string& path) {
   return path.empty() ? std::string() : " [flight record: " + path + "]";
