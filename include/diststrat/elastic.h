@@ -94,6 +94,14 @@ class ElasticState {
   // again (e.g. to rescale a learning rate with num_replicas_in_sync).
   void on_membership_change(std::function<void(const MembershipChange&)> fn);
 
+  // State kept outside diststrat variables (a LibTorch module and its
+  // optimizer: libtorch::TrainingState::track does both calls): `capture`
+  // runs before every commit and copies that state into variables (made on
+  // every worker, in the same order, before run()); `restore` runs after the
+  // variables were put back to the last commit or received from a member,
+  // and copies them out again. Both run in cross-replica context.
+  void track(std::function<void()> capture, std::function<void()> restore);
+
   // Runs train(*this) until it returns, re-forming the group after each
   // membership change as described above. Collective. Throws what train
   // throws that is not a lost peer; UnavailableError when the store cannot

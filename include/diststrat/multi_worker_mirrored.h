@@ -136,6 +136,8 @@ class MultiWorkerMirroredStrategy : public Strategy {
   const Placement& placement() const;
   // True when the cross-process all-reduce runs hierarchically.
   bool hierarchical() const;
+  // True for an elastic strategy (options.elastic; diststrat/elastic.h).
+  bool elastic() const;
 
   void broadcast(Tensor& t, int root_worker = 0, const std::string& name = "") override;
   void barrier(const std::string& name = "") override;

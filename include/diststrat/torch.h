@@ -59,6 +59,7 @@
 #include <torch/torch.h>
 
 #include "diststrat/device_manager.h"
+#include "diststrat/elastic.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "diststrat/optimizer.h"
 #include "diststrat/parameter_server.h"
@@ -157,6 +158,10 @@ class DistributedDataParallel {
   //     must be a torch::nn::Cloneable) once per further replica; module(0)
   //     is `module` itself.
   //  4. Registers a post-hook on each parameter's gradient accumulator.
+  // An elastic MultiWorkerMirroredStrategy (diststrat/elastic.h): steps 1
+  // and 2 are left out (no collective call before ElasticState::run); the
+  // module's values reach every worker with the group's state, through a
+  // TrainingState tracked by the ElasticState (TrainingState::track).
   // Parameters must be dense, contiguous, of a dtype to_diststrat accepts.
   // GPU replicas (a CUDA LibTorch): `module` is moved onto replica 0's
   // torch_device() in place and cloned onto the others'; the all-reduce is
@@ -370,6 +375,15 @@ class TrainingState {
   // Writes the variables into every local replica's module and optimizer
   // (call after a successful restore); returns the captured step.
   int64_t apply();
+  // Elastic training (diststrat/elastic.h): the modules and optimizers are
+  // committed with the ElasticState's other state (capture(position.step)
+  // before each commit) and put back (apply()) after a failure or when the
+  // state comes from a member, so a joiner's module and optimizer start from
+  // the group's. Call before state.run(); this object must outlive the run.
+  //   dt::TrainingState ts(ddp, {opt0.get()});
+  //   ds::ElasticState state(strategy);
+  //   ts.track(state);
+  void track(ElasticState& state);
   // The variables, in creation order.
   const std::vector<Variable>& variables() const { return variables_; }
 

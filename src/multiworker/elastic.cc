@@ -207,6 +207,13 @@ struct ElasticState::Impl {
   const std::vector<const Optimizer*> optimizers;
   Checkpoint checkpoint;
   std::vector<std::function<void(const MembershipChange&)>> callbacks;
+  std::vector<std::function<void()>> captures, restores;  // track()
+  void capture() const {
+    for (const auto& fn : captures) fn();
+  }
+  void restore() const {
+    for (const auto& fn : restores) fn();
+  }
   // The last commit.
   bool committed = false;
   std::vector<std::pair<std::string, Tensor>> tensors;
@@ -233,12 +240,20 @@ void ElasticState::on_membership_change(std::function<void(const MembershipChang
   impl_->callbacks.push_back(std::move(fn));
 }
 
+void ElasticState::track(std::function<void()> capture, std::function<void()> restore) {
+  DISTSTRAT_CHECK(capture && restore, kInvalidArgument,
+                  "ElasticState::track: both functions must be given");
+  impl_->captures.push_back(std::move(capture));
+  impl_->restores.push_back(std::move(restore));
+}
+
 int64_t ElasticState::membership_changes() const { return impl_->changes; }
 int64_t ElasticState::steps_redone() const { return impl_->redone; }
 
 void ElasticState::commit() {
   Impl& s = *impl_;
   InternalSteps internal(*s.m.elastic);
+  s.capture();
   s.tensors = s.checkpoint.state();
   s.position = position;
   s.metadata = metadata;
@@ -343,6 +358,7 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
       if (n > 1 && !same) {
         std::vector<char> image;
         if (m.rank() == source) {
+          s.capture();
           image = encode_state(s.checkpoint.state(), position, metadata);
         }
         int64_t bytes = static_cast<int64_t>(image.size());
@@ -372,6 +388,7 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
             if (k.rfind("user.", 0) == 0) user[k.substr(5)] = v;
           }
           s.checkpoint.assign(f.tensors, what);
+          s.restore();
           position = pos;
           metadata = std::move(user);
         }
@@ -408,6 +425,7 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
         // for mirrored state (nor for slots no longer sharded).
         InternalSteps internal(e);
         s.checkpoint.assign(s.tensors, "the last elastic commit");
+        s.restore();
         position = s.position;
         metadata = s.metadata;
       }

@@ -259,7 +259,8 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
 }
 
 int MultiWorkerMirroredStrategy::num_replicas_in_sync() const { return impl_->total_replicas; }
-bool MultiWorkerMirroredStrategy::replicas_may_change() const { return impl_->elastic != nullptr; }
+bool MultiWorkerMirroredStrategy::replicas_may_change() const { return elastic(); }
+bool MultiWorkerMirroredStrategy::elastic() const { return impl_->elastic != nullptr; }
 int64_t MultiWorkerMirroredStrategy::membership_group() const {
   return impl_->elastic ? impl_->elastic->view.group : 0;
 }

@@ -242,6 +242,10 @@ void TrainingState::capture(int64_t step) {
   step_.assign(st);
 }
 
+void TrainingState::track(ElasticState& state) {
+  state.track([this, &state] { capture(state.position.step); }, [this] { apply(); });
+}
+
 int64_t TrainingState::apply() {
   torch::NoGradGuard no_grad;
   const Tensor defined = defined_.value();

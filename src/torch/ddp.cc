@@ -84,12 +84,16 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   const std::vector<std::string> signature = ddp_detail::module_signature(*module);
 
   // 1. Same module everywhere (only where other processes take part: local
-  // replicas are clones of one module).
+  // replicas are clones of one module). 2. The chief's values, in place.
+  // An elastic strategy makes no collective call before ElasticState::run:
+  // the group's values come with its state (TrainingState::track), and a
+  // module that differs fails that state's assignment, naming the variable.
   const ClusterInfo cluster = strategy.cluster();
-  if (cluster.num_workers > 1) ddp_detail::check_same_module(strategy, signature);
-
-  // 2. The chief's values, in place.
-  if (cluster.num_workers > 1) ddp_detail::broadcast_from_chief(strategy, *module);
+  const auto* multi_worker = dynamic_cast<const MultiWorkerMirroredStrategy*>(&strategy);
+  if (cluster.num_workers > 1 && !(multi_worker && multi_worker->elastic())) {
+    ddp_detail::check_same_module(strategy, signature);
+    ddp_detail::broadcast_from_chief(strategy, *module);
+  }
 
   // 3. One module per local replica. A GPU replica's device is a logical
   // GPU of the strategy's DeviceManager; torch knows the physical CUDA
