@@ -80,6 +80,13 @@ std::string gpu_refusal(const Flags& f) {
 }
 
 std::unique_ptr<ds::Strategy> make_example_strategy(const Flags& f) {
+  if (f.elastic) {
+    // The library has it (TrainingState::track, docs/torch.md); this
+    // example's loop does not run inside ElasticState::run yet.
+    throw ds::UnimplementedError(
+        "--elastic: not supported by this example yet (examples/fashion_mnist has it; a LibTorch "
+        "program tracks its TrainingState with the ElasticState, docs/torch.md)");
+  }
   if (f.strategy == "parameter_server" && !f.checkpoint_dir.empty()) {
     // The PS variables and the PS's SGD slots would checkpoint (a plain
     // ds::Checkpoint), but not the batch norms' running statistics, which

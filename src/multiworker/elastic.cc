@@ -395,6 +395,7 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
       }
       s.fresh = false;
       commit();
+      e.state_agreed = true;
       internal.reset();
       if (change) {
         change->step = position.step;

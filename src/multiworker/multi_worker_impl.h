@@ -69,6 +69,10 @@ struct ElasticRuntime {
   std::chrono::steady_clock::time_point next_poll{};  // the chief's next look for joiners
   int rejoins = 0;         // times this worker was declared dead and joined anew
   bool admitting = false;  // the group left its step to admit waiting workers
+  // ElasticState::run agreed on the group's state once: until then the
+  // workers' variables (created without the chief's broadcast) and a
+  // LibTorch module's values differ, so no step may run.
+  bool state_agreed = false;
 };
 
 struct MultiWorkerMirroredStrategy::Impl {

@@ -59,6 +59,11 @@ void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaC
     DISTSTRAT_CHECK(m.cross, kFailedPrecondition,
                     "MultiWorkerMirroredStrategy: this elastic worker is in no group (its last "
                     "re-forming failed)");
+    DISTSTRAT_CHECK(m.elastic->state_agreed || m.elastic->state != nullptr, kFailedPrecondition,
+                    "MultiWorkerMirroredStrategy (elastic): a step before ElasticState::run; the "
+                    "workers' variables (created without the chief's broadcast) and a LibTorch "
+                    "module's values are not the group's until run() agrees on them; make the "
+                    "steps inside ElasticState::run (docs/elastic.md)");
     m.before_step();
   }
   const auto t0 = Clock::now();

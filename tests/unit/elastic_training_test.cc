@@ -221,4 +221,36 @@ TEST(ElasticTraining, ShardedAdamStateSurvivesADeathAndAJoin) {
   kill_then_join(true);
 }
 
+// The workers' variables are not the group's before ElasticState::run
+// agrees on them: a step there is an error, not a silent divergence; after
+// run() (an evaluation, say) steps are fine.
+TEST(ElasticTraining, AStepBeforeRunIsAnErrorAndAfterItIsFine) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("elastic_before_run");
+  ds::MultiWorkerOptions o;
+  o.elastic.rendezvous = "file://" + dir.path() + "/job";
+  o.elastic.worker_id = "solo";
+  o.elastic.min_workers = 1;
+  o.elastic.listen_host = "127.0.0.1";
+  o.elastic.settle_timeout = std::chrono::milliseconds(100);
+  ds::MultiWorkerMirroredStrategy s(o);
+  ds::Variable w = s.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  const auto step = [&] { s.run([&](ds::ReplicaContext& ctx) { (void)w.read(ctx); }); };
+  try {
+    step();
+    ADD_FAILURE() << "a step before ElasticState::run ran";
+  } catch (const ds::FailedPreconditionError& e) {
+    EXPECT_NE(std::string(e.what()).find("before ElasticState::run"), std::string::npos)
+        << e.what();
+  }
+  ds::ElasticState state(s);
+  int steps = 0;
+  state.run([&](ds::ElasticState&) {
+    step();
+    ++steps;
+  });
+  EXPECT_EQ(steps, 1);
+  EXPECT_NO_THROW(step());
+}
+
 }  // namespace
