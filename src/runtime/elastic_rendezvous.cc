@@ -1,8 +1,12 @@
 // Group formation through the membership store (elastic_rendezvous.h).
 #include "runtime/elastic_rendezvous.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <limits>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -48,6 +52,37 @@ ElasticRendezvous::ElasticRendezvous(std::unique_ptr<MembershipStore> store, std
   DISTSTRAT_CHECK(options_.max_workers == 0 || options_.max_workers >= options_.min_workers,
                   kInvalidArgument, "elastic: max_workers ", options_.max_workers,
                   " is below min_workers ", options_.min_workers, " (0 = no limit)");
+  std::random_device rd;
+  std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                      static_cast<uint64_t>(::getpid()) ^
+                      static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(gen()));
+  token_ = hex;
+}
+
+bool ElasticRendezvous::claim(Membership& r, bool was_member) const {
+  const Membership::Claim* c = r.claim_of(id_);
+  if (c != nullptr && c->token == token_) {
+    if (c->member == was_member) return false;
+    r.set_claim(id_, token_, was_member);
+    return true;
+  }
+  if (c != nullptr) {
+    // Another process holds the id. A member of the last group takes it (back
+    // from a process that came without one); a process without one takes an
+    // id held only from the last group (its old process may be dead: a
+    // restart); otherwise the other process is alive in this round or waits.
+    const bool other_is_live = r.has_arrived(id_) || r.is_waiting(id_);
+    const bool mine = was_member || !other_is_live;
+    DISTSTRAT_CHECK(mine, kInvalidArgument, "elastic: worker id '", id_, "' is taken in ",
+                    store_->describe(), " by another live process (",
+                    r.is_waiting(id_) ? "waiting to be admitted" : "arrived at this round",
+                    "); give every worker its own id (ElasticOptions::worker_id, "
+                    "DISTSTRAT_WORKER_ID; the default, host-pid, is unique)");
+  }
+  r.set_claim(id_, token_, was_member);
+  return true;
 }
 
 void ElasticRendezvous::set_id(std::string id) {
@@ -69,6 +104,7 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
   int64_t opened_at = std::numeric_limits<int64_t>::max();
   Clock::time_point round_since;
   size_t arrived_count = 0;
+  const bool was_member = last != nullptr && contains(last->members, id_);
   for (;;) {
     bool dead = false;
     const Membership m = store_->transact(
@@ -83,21 +119,32 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
             // Groups formed since this worker came (a worker with no group
             // counts from the group it first saw).
             const int64_t since = last ? last_group : opened_at;
-            if (member && r.group > since) return false;  // formed with this worker
+            if (member && r.group > since) {
+              // Formed with this worker, unless another process took the id.
+              const Membership::Claim* c = r.claim_of(id_);
+              DISTSTRAT_CHECK(c == nullptr || c->token == token_, kInvalidArgument,
+                              "elastic: worker id '", id_, "' is taken in ", store_->describe(),
+                              " by another live process, a member of group ", r.group,
+                              "; give every worker its own id (ElasticOptions::worker_id, "
+                              "DISTSTRAT_WORKER_ID; the default, host-pid, is unique)");
+              return false;
+            }
             // Its group broke or admits joiners; or the job's first round; or
             // a process with no group yet finds its id listed (it restarted,
             // or the record is a finished job's): the group re-forms.
             if ((member && r.group == since) || r.members.empty()) {
+              claim(r, was_member);
               r.forming = true;  // its group broke or admits joiners; or the job's first
               r.arrived = {id_};
               remove(r.waiting, id_);
               return true;
             }
-            if (r.is_waiting(id_)) return false;
+            const bool claimed = claim(r, was_member);
+            if (r.is_waiting(id_)) return claimed;
             r.waiting.push_back(id_);  // a new worker: the running group admits it
             return true;
           }
-          bool changed = false;
+          bool changed = claim(r, was_member);
           if (!r.has_arrived(id_)) {
             r.arrived.push_back(id_);
             remove(r.waiting, id_);
@@ -134,6 +181,7 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
           r.arrived.clear();
           r.forming = false;
           r.group += 1;
+          r.drop_stale_claims();
           return true;
         },
         std::min(deadline, Clock::now() + options_.store_timeout));

@@ -18,6 +18,12 @@
 //    group's members that arrived, in their old order (so the new chief is
 //    the lowest surviving rank), then the others in arrival order, at most
 //    max_workers; members of the last group that did not arrive are dead.
+//  - Two live processes under one id: each process claims its id with a
+//    random token. A process with no last group takes an id held from the
+//    last group (a restarted worker: the old process may be dead); a member
+//    of the last group takes its id (back) when it arrives; any other clash (the id arrived at this round, or waits, under
+//    another process) is InvalidArgumentError for the process that comes
+//    second, naming the id. Never two processes as one member.
 //  - A worker that cannot reach the store before its deadline stops
 //    (UnavailableError naming the store): it can no longer know whether it
 //    is a member. A side with fewer than min_workers never forms a group.
@@ -87,9 +93,15 @@ class ElasticRendezvous {
   MembershipStore& store() { return *store_; }
 
  private:
+  // Claims id_ for this process in `r` (see the header comment); false when
+  // it already held it. Throws InvalidArgumentError when another live
+  // process holds it.
+  bool claim(Membership& r, bool was_member) const;
+
   std::unique_ptr<MembershipStore> store_;
   std::string id_;
   RendezvousOptions options_;
+  std::string token_;  // this process's claims
 };
 
 }  // namespace diststrat

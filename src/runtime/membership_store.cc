@@ -81,6 +81,32 @@ bool Membership::is_dead(const std::string& id) const {
   return std::find(dead.begin(), dead.end(), id) != dead.end();
 }
 
+const Membership::Claim* Membership::claim_of(const std::string& id) const {
+  for (const Claim& c : claims) {
+    if (c.id == id) return &c;
+  }
+  return nullptr;
+}
+
+void Membership::set_claim(const std::string& id, const std::string& token, bool member) {
+  for (Claim& c : claims) {
+    if (c.id == id) {
+      c.token = token;
+      c.member = member;
+      return;
+    }
+  }
+  claims.push_back({id, token, member});
+}
+
+void Membership::drop_stale_claims() {
+  claims.erase(std::remove_if(claims.begin(), claims.end(),
+                              [&](const Claim& c) {
+                                return !has_member(c.id) && !has_arrived(c.id) && !is_waiting(c.id);
+                              }),
+               claims.end());
+}
+
 void check_member_id(const std::string& id) {
   DISTSTRAT_CHECK(valid_id(id), kInvalidArgument, "worker id '", echo(id, 64),
                   "': 1-256 of [A-Za-z0-9._:-]");
@@ -94,6 +120,9 @@ std::string Membership::encode() const {
   for (const std::string& a : arrived) out += "arrived " + a + "\n";
   for (const std::string& w : waiting) out += "waiting " + w + "\n";
   for (const std::string& d : dead) out += "dead " + d + "\n";
+  for (const Claim& c : claims) {
+    out += "claim " + c.id + " " + c.token + (c.member ? " member\n" : " new\n");
+  }
   return out;
 }
 
@@ -133,6 +162,24 @@ Membership Membership::decode(const std::string& text, const std::string& where)
       m.generation = number("generation", value, &have_generation);
     } else if (key == "group") {
       m.group = number("group", value, &have_group);
+    } else if (key == "claim") {
+      // "claim ID TOKEN member|new"
+      std::istringstream fields(value);
+      Claim c;
+      std::string kind, extra;
+      fields >> c.id >> c.token >> kind;
+      const bool token_ok = !c.token.empty() && c.token.size() <= 64 &&
+                            std::all_of(c.token.begin(), c.token.end(), [](char ch) {
+                              return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f');
+                            });
+      if (!valid_id(c.id) || !token_ok || (kind != "member" && kind != "new") ||
+          (fields >> extra)) {
+        fail("the claim '" + echo(value, 64) + "'");
+      }
+      if (m.claim_of(c.id) != nullptr) fail("the claim of " + c.id + " twice");
+      if (++ids > kMaxIds) fail("more than 100000 ids");
+      c.member = kind == "member";
+      m.claims.push_back(c);
     } else if (line == "forming") {
       if (m.forming) fail("'forming' twice");
       m.forming = true;

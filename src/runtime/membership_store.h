@@ -42,6 +42,20 @@ struct Membership {
   // Ids declared dead in this job: never admitted again under that id (a
   // worker that comes back after it was declared dead joins as a new one).
   std::vector<std::string> dead;
+  // Which process holds an id (of a member, an arrival or a waiting worker):
+  // its token (random, one per process) and whether it came as a member of
+  // its last group. Two live processes under one id are told apart by it
+  // (runtime/elastic_rendezvous.h says who wins).
+  struct Claim {
+    std::string id, token;
+    bool member = false;
+  };
+  std::vector<Claim> claims;
+  const Claim* claim_of(const std::string& id) const;
+  // Sets (or replaces) the claim of `id`.
+  void set_claim(const std::string& id, const std::string& token, bool member);
+  // Drops the claims of ids that are neither members, arrived nor waiting.
+  void drop_stale_claims();
 
   bool has_member(const std::string& id) const;
   bool has_arrived(const std::string& id) const;
@@ -49,7 +63,8 @@ struct Membership {
   bool is_dead(const std::string& id) const;
 
   // The stored form: "diststrat-membership 1\ngeneration G\ngroup N\n[forming\n]"
-  // then "member ID", "arrived ID", "waiting ID", "dead ID" lines.
+  // then "member ID", "arrived ID", "waiting ID", "dead ID" and
+  // "claim ID TOKEN member|new" lines (TOKEN: 1-64 of [0-9a-f]).
   std::string encode() const;
   // Throws DataLossError "<where>: ..." for anything but encode()'s output
   // (unknown lines, a number that is not a decimal, an id that is empty,

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -127,6 +128,62 @@ TEST(ElasticRendezvous, ARerunUnderTheSameIdsFormsANewGroup) {
   ds::ElasticRendezvous a2 = make(dir, "a", quick(2, 2)), b2 = make(dir, "b", quick(2, 2));
   const std::vector<ds::GroupView> again = join_all({&a2, &b2}, {});
   for (const ds::GroupView& v : again) EXPECT_GT(v.group, first[0].group);
+}
+
+// Two live processes under one id are never one member: a second process
+// waiting under the id of a waiting worker is refused at once, naming it.
+TEST(ElasticRendezvous, ASecondLiveProcessUnderAWaitingIdIsRefused) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2)), b = make(dir, "b", quick(2));
+  const std::vector<ds::GroupView> g = join_all({&a, &b}, {});
+  ds::ElasticRendezvous x1 = make(dir, "x", quick(2)), x2 = make(dir, "x", quick(2));
+  auto first = std::async(std::launch::async, [&] {
+    try {
+      x1.join(nullptr, in_ms(1500));
+    } catch (const ds::UnavailableError&) {  // never admitted here: the group does not re-form
+    }
+  });
+  const auto until = in_ms(5000);
+  while (!a.joiners_waiting(g[0].group, in_ms(2000)) && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  try {
+    x2.join(nullptr, in_ms(3000));
+    ADD_FAILURE() << "a second process under the waiting id 'x' was let in";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("worker id 'x' is taken"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("waiting"), std::string::npos) << e.what();
+  }
+  first.get();
+}
+
+// A live member and a new process under its id (a second copy started by
+// mistake): the group re-forms, one of them is refused, the other is the
+// member; never both.
+TEST(ElasticRendezvous, ALiveMemberAndANewProcessUnderItsIdAreNeverBothMembers) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2)), b = make(dir, "b", quick(2));
+  const std::vector<ds::GroupView> g = join_all({&a, &b}, {});
+  ds::ElasticRendezvous a2 = make(dir, "a", quick(2));
+  auto outcome = [](ds::ElasticRendezvous& w, const ds::GroupView* last) {
+    return std::async(std::launch::async, [&w, last]() -> std::optional<ds::GroupView> {
+      try {
+        return w.join(last, in_ms(5000));
+      } catch (const ds::InvalidArgumentError& e) {
+        EXPECT_NE(std::string(e.what()).find("worker id 'a' is taken"), std::string::npos)
+            << e.what();
+        return std::nullopt;
+      }
+    });
+  };
+  auto copy = outcome(a2, nullptr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto original = outcome(a, &g[0]);
+  auto other = outcome(b, &g[1]);
+  const std::optional<ds::GroupView> vo = original.get(), vc = copy.get(), vb = other.get();
+  ASSERT_TRUE(vb.has_value());
+  EXPECT_NE(vo.has_value(), vc.has_value()) << "both processes under 'a' got a group, or neither";
+  EXPECT_EQ(vb->members.size(), 2u);
 }
 
 // A full group (max_workers) does not re-form for a waiting worker: before,

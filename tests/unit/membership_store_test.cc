@@ -35,7 +35,12 @@ TEST(Membership, RecordRoundTripsAndDamagedOnesAreDataLoss) {
   m.forming = true;
   m.arrived = {"w0", "new"};
   m.waiting = {"late"};
+  m.claims = {{"w0", "0123456789abcdef", true}, {"late", "fe", false}};
   const ds::Membership back = ds::Membership::decode(m.encode(), "test");
+  ASSERT_EQ(back.claims.size(), 2u);
+  EXPECT_EQ(back.claim_of("w0")->token, "0123456789abcdef");
+  EXPECT_TRUE(back.claim_of("w0")->member);
+  EXPECT_FALSE(back.claim_of("late")->member);
   EXPECT_EQ(back.generation, 7);
   EXPECT_EQ(back.group, 3);
   EXPECT_TRUE(back.forming);
@@ -44,8 +49,11 @@ TEST(Membership, RecordRoundTripsAndDamagedOnesAreDataLoss) {
   EXPECT_EQ(back.waiting, m.waiting);
   EXPECT_EQ(back.dead, m.dead);
   for (const char* bad :
-       {"", "garbage", "diststrat-membership 2\ngeneration 1\n",
-        "diststrat-membership 1\nmember w0\n", "diststrat-membership 1\ngeneration -1\n",
+       {"",
+        "garbage",
+        "diststrat-membership 2\ngeneration 1\n",
+        "diststrat-membership 1\nmember w0\n",
+        "diststrat-membership 1\ngeneration -1\n",
         "diststrat-membership 1\ngeneration 1\nmember \n",
         "diststrat-membership 1\ngeneration 1\nmember w0\nmember w0\n",
         "diststrat-membership 1\ngeneration 1\nmember w 0\n",
@@ -55,7 +63,13 @@ TEST(Membership, RecordRoundTripsAndDamagedOnesAreDataLoss) {
         "diststrat-membership 1\ngeneration 1\n",  // no group
         "diststrat-membership 1\ngeneration 1\ngroup 1\nforming\nforming\n",
         "diststrat-membership 1\ngeneration 1\ngroup x\n",
-        "diststrat-membership 1\ngeneration 1\ngroup 1\nwaiting a\nwaiting a\n"}) {
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nwaiting a\nwaiting a\n",
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nclaim a 0f\n",
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nclaim a 0F member\n",
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nclaim a 0f leader\n",
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nclaim a 0f new extra\n",
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nclaim a 0f new\nclaim a 1f new\n",
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nclaim a/b 0f new\n"}) {
     SCOPED_TRACE(bad);
     EXPECT_THROW(ds::Membership::decode(bad, "test"), ds::DataLossError);
   }
