@@ -22,6 +22,11 @@
 #   link_down  host 1's cable pulled mid-training: every task ends within
 #            the deadline + 10 s, rank 0 naming rank 1; srun returns once
 #            Slurm declares the node failed (SlurmdTimeout 10 s here)
+#   elastic  srun (no MPI, --kill-on-bad-exit=0) starts 2 x 2 elastic workers
+#            of fashion_mnist with a redis-server on the launcher as the
+#            store; one task on host 1 is killed mid-epoch: the step goes on,
+#            the other three re-form and train; a second srun starts a
+#            worker on host 1, which joins: the chief ends with 4 replicas
 # Exit 77 (ctest: skipped) with the reason where the cluster cannot be made.
 set -u
 if (($# < 3)); then
@@ -240,6 +245,59 @@ EOF
     grep -q "rank 1" "$work/link.log" || { cat "$work/link.log"; fail "nothing names rank 1"; }
     echo "ok: host 1's link down: every task ended within $took s, srun exit $rc after $srun_took s"
     grep -E "rank 1|${DSC_PREFIX}-h1" "$work/link.log" | head -3
+    ;;
+  elastic)
+    command -v redis-server >/dev/null || { echo "SKIP: no redis-server (Debian package redis-server)"; exit 77; }
+    store=198.18.$DSC_NET.254:6392
+    ip netns exec "$DSC_PREFIX-l" redis-server --bind "198.18.$DSC_NET.254" --port 6392 \
+      --save "" --appendonly no --protected-mode no >"$work/redis.log" 2>&1 &
+    redis_pid=$!
+    trap 'kill -9 $redis_pid 2>/dev/null; wait $redis_pid 2>/dev/null; cleanup' EXIT
+    for ((i = 0; i < 100; ++i)); do
+      ip netns exec "$DSC_PREFIX-l" redis-cli -h "198.18.$DSC_NET.254" -p 6392 ping 2>/dev/null |
+        grep -q PONG && break
+      sleep 0.05
+    done
+    # Each task listens on its host's address (peers connect to it).
+    printf '%s\n' '#!/bin/sh' \
+      "ip=\$(ip -4 -o addr show | awk '\$4 ~ /^198\\.18\\./ { sub(/\\/.*/, \"\", \$4); print \$4; exit }')" \
+      'exec "$@" --listen-host "$ip"' >"$work/task.sh"
+    chmod +x "$work/task.sh"
+    eflags=(--strategy multi_worker --elastic --rendezvous "redis://$store/job" --min-workers 2
+      --epochs 2 --limit 12000 --test-limit 1000 --batch 64 --timeout 10)
+    timeout 240 "$slurm" srun --mpi=none -N 2 --ntasks-per-node=2 --kill-on-bad-exit=0 \
+      "$work/task.sh" "$bin/fashion_mnist" "${eflags[@]}" >"$work/elastic.log" 2>&1 &
+    srun_pid=$!
+    for ((i = 0; i < 1200; ++i)); do
+      grep -Eq "step ([2-9][0-9]|[0-9]{3,})/" "$work/elastic.log" 2>/dev/null && break
+      sleep 0.1
+    done
+    grep -Eq "step ([2-9][0-9]|[0-9]{3,})/" "$work/elastic.log" || { cat "$work/elastic.log"; fail "no training"; }
+    victim=""
+    for p in $("$cluster" pids "${DSC_PREFIX}-h1" 2>/dev/null); do
+      grep -q fashion_mnist "/proc/$p/cmdline" 2>/dev/null && { victim=$p; break; }
+    done
+    [[ -n $victim ]] || fail "no task on host 1"
+    kill -9 "$victim"
+    regrouped="^elastic: group [0-9]+, 3 workers \(0 joined, 1 left\)"
+    for ((i = 0; i < 300; ++i)); do
+      grep -Eq "$regrouped" "$work/elastic.log" && break
+      sleep 0.1
+    done
+    grep -Eq "$regrouped" "$work/elastic.log" ||
+      { cat "$work/elastic.log"; fail "the three others did not re-form within 30 s"; }
+    echo "ok: task pid $victim on host 1 killed; the other three re-formed"
+    timeout 180 "$slurm" srun --mpi=none -N 1 -n 1 -w "${DSC_PREFIX}-h1" --kill-on-bad-exit=0 \
+      "$work/task.sh" "$bin/fashion_mnist" "${eflags[@]}" >"$work/joiner.log" 2>&1 ||
+      { cat "$work/joiner.log"; fail "the joiner's srun failed"; }
+    wait "$srun_pid"
+    rc=$?
+    grep -E "^elastic: group [0-9]+, 4 workers \(1 joined, 0 left\)" "$work/elastic.log" ||
+      { cat "$work/elastic.log"; fail "the chief did not report the joiner"; }
+    grep -E "^final: strategy=multi_worker replicas=4 epochs=2 test_accuracy=" "$work/elastic.log" ||
+      { cat "$work/elastic.log"; fail "no final line with 4 replicas"; }
+    no_leftovers "the elastic job"
+    echo "ok: srun elastic: a task killed, the others went on, a worker joined (first srun's exit $rc)"
     ;;
   *) fail "unknown kind '$kind'" ;;
 esac
