@@ -252,8 +252,15 @@ class DistributedDataParallel {
   void check_no_stray(ReplicaContext& ctx, Replica& r) const;
   void check_same_step(ReplicaContext& ctx, const Replica& r) const;
 
+  friend class TrainingState;  // track() marks the model as committed by an ElasticState
+
   Strategy* strategy_;
   DdpOptions options_;
+  // An elastic strategy: backward() refuses to run until a TrainingState of
+  // this model is tracked (TrainingState::track), or the replicas would
+  // diverge without a word (nothing broadcasts the module there).
+  bool elastic_ = false;
+  bool elastic_tracked_ = false;
   std::vector<std::shared_ptr<torch::nn::Module>> replicas_;
   std::vector<std::string> names_;                      // parameters with requires_grad
   std::vector<std::vector<size_t>> buckets_;            // parameter indices, launch order
@@ -375,7 +382,8 @@ class TrainingState {
   // Writes the variables into every local replica's module and optimizer
   // (call after a successful restore); returns the captured step.
   int64_t apply();
-  // Elastic training (diststrat/elastic.h): the modules and optimizers are
+  // Elastic training (diststrat/elastic.h; required there: DDP's backward
+  // refuses to run under an elastic strategy until it is called): the modules and optimizers are
   // committed with the ElasticState's other state (capture(position.step)
   // before each commit) and put back (apply()) after a failure or when the
   // state comes from a member, so a joiner's module and optimizer start from

@@ -230,6 +230,31 @@ std::string gloo_address_text(const std::vector<char>& bytes) {
   return "unknown address";
 }
 
+// A Gloo TCP address's bytes with only the address itself, the port and the
+// sequence number: Gloo copies its whole sockaddr_storage, whose unused bytes
+// it never cleared (they carried stack and heap addresses into the store).
+std::vector<char> gloo_clean_address(const std::vector<char>& bytes) {
+  const gloo::transport::tcp::Address a(bytes);
+  const sockaddr_storage& ss = a.getSockaddr();
+  sockaddr_storage clean;
+  std::memset(&clean, 0, sizeof clean);
+  if (ss.ss_family == AF_INET) {
+    std::memcpy(&clean, &ss, sizeof(sockaddr_in));
+    std::memset(reinterpret_cast<sockaddr_in*>(&clean)->sin_zero, 0,
+                sizeof(reinterpret_cast<sockaddr_in*>(&clean)->sin_zero));
+  } else if (ss.ss_family == AF_INET6) {
+    std::memcpy(&clean, &ss, sizeof(sockaddr_in6));
+  } else {
+    return bytes;
+  }
+  std::vector<char> out = gloo::transport::tcp::Address(clean, a.getSeq()).bytes();
+  // The sequence number follows the sockaddr_storage in Gloo's layout; what
+  // lies after it (none in Gloo 0.5) is cleared too.
+  const size_t used = sizeof(sockaddr_storage) + sizeof(gloo::transport::tcp::sequence_number_t);
+  for (size_t i = used; i < out.size(); ++i) out[i] = 0;
+  return out;
+}
+
 std::string gloo_hex(const std::vector<char>& bytes) {
   static const char* digits = "0123456789abcdef";
   std::string s;
@@ -1062,7 +1087,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
     c.ctx->setTimeout(
         std::clamp<std::chrono::milliseconds>(left, std::chrono::milliseconds(1), kGlooMaxWait));
     for (int p = 0; p < c.size; ++p) {
-      if (p != c.rank) mine[p] = c.ctx->createPair(p)->address().bytes();
+      if (p != c.rank) mine[p] = gloo_clean_address(c.ctx->createPair(p)->address().bytes());
     }
   } catch (const std::exception& e) {
     throw InvalidArgumentError(who + ": Gloo could not listen on " + where + ": " +

@@ -154,10 +154,14 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
             round_seen = r.group;
             round_since = Clock::now();
           }
+          // A member's id that arrived under a process that came without a
+          // group (a restart, or a copy started by mistake) counts only after
+          // the settle time: a live member gets that long to take it back.
           const std::vector<std::string> want = expected(r);
           const bool everyone =
               !want.empty() && std::all_of(want.begin(), want.end(), [&](const std::string& id) {
-                return r.has_arrived(id);
+                const Membership::Claim* c = r.claim_of(id);
+                return r.has_arrived(id) && !(r.has_member(id) && c != nullptr && !c->member);
               });
           const bool settled = Clock::now() - round_since >= options_.settle;
           if (r.arrived.size() < min || !(everyone || r.arrived.size() >= max || settled)) {

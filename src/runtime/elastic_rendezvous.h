@@ -21,7 +21,9 @@
 //  - Two live processes under one id: each process claims its id with a
 //    random token. A process with no last group takes an id held from the
 //    last group (a restarted worker: the old process may be dead); a member
-//    of the last group takes its id (back) when it arrives; any other clash (the id arrived at this round, or waits, under
+//    of the last group takes its id (back) when it arrives, and a round does
+//    not count a member's id as arrived under such a process before the
+//    settle time (so a live member has that long to); any other clash (the id arrived at this round, or waits, under
 //    another process) is InvalidArgumentError for the process that comes
 //    second, naming the id. Never two processes as one member.
 //  - A worker that cannot reach the store before its deadline stops

@@ -243,6 +243,7 @@ void TrainingState::capture(int64_t step) {
 }
 
 void TrainingState::track(ElasticState& state) {
+  ddp_->elastic_tracked_ = true;
   state.track([this, &state] { capture(state.position.step); }, [this] { apply(); });
 }
 

@@ -90,7 +90,8 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   // module that differs fails that state's assignment, naming the variable.
   const ClusterInfo cluster = strategy.cluster();
   const auto* multi_worker = dynamic_cast<const MultiWorkerMirroredStrategy*>(&strategy);
-  if (cluster.num_workers > 1 && !(multi_worker && multi_worker->elastic())) {
+  elastic_ = multi_worker != nullptr && multi_worker->elastic();
+  if (cluster.num_workers > 1 && !elastic_) {
     ddp_detail::check_same_module(strategy, signature);
     ddp_detail::broadcast_from_chief(strategy, *module);
   }

@@ -23,6 +23,13 @@ void DistributedDataParallel::backward(ReplicaContext& ctx, const at::Tensor& lo
                   kInvalidArgument,
                   "DistributedDataParallel::backward: the replica context is not "
                   "one of this model's strategy");
+  // Every replica of every worker reaches this check alike: no peer waits.
+  DISTSTRAT_CHECK(!elastic_ || elastic_tracked_, kFailedPrecondition,
+                  "DistributedDataParallel::backward (replica ", ctx.replica_id(),
+                  "): the strategy is elastic, but no TrainingState of this model is tracked by "
+                  "the ElasticState (TrainingState::track(state)): the module and its optimizer "
+                  "would be neither committed nor sent to joining workers, and the replicas would "
+                  "diverge without a word (docs/torch.md, \"Elastic training\")");
   // Bad rows fail this replica's pass like a bad loss: its buckets still go
   // (zeros, failure flag), so no peer waits for them.
   std::exception_ptr argument_error;

@@ -194,4 +194,36 @@ TEST(TorchElastic, DdpSurvivesADeathAndAJoinerGetsTheModuleAndOptimizerState) {
   expect_trained(od, 3);
 }
 
+// Without TrainingState::track the module would be neither committed nor
+// sent to joiners (and nothing broadcasts it under an elastic strategy): the
+// first backward refuses, instead of training diverging replicas (an outside
+// trial saw different weights on every worker).
+TEST(TorchElastic, DdpNotTrackedByTheElasticStateIsRefused) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("torch_elastic_untracked");
+  ds::MultiWorkerOptions o;
+  o.elastic.rendezvous = "file://" + dir.path() + "/job";
+  o.elastic.worker_id = "solo";
+  o.elastic.min_workers = 1;
+  o.elastic.listen_host = "127.0.0.1";
+  o.elastic.settle_timeout = std::chrono::milliseconds(100);
+  ds::MultiWorkerMirroredStrategy s(o);
+  auto net = std::make_shared<torch::nn::LinearImpl>(
+      torch::nn::LinearOptions(em::kFeatures, 1).bias(false));
+  dt::DistributedDataParallel ddp(s, net);
+  ds::ElasticState state(s);
+  try {
+    state.run([&](ds::ElasticState&) {
+      s.run([&](ds::ReplicaContext& ctx) {
+        const at::Tensor x = torch::ones({2, em::kFeatures});
+        const at::Tensor loss = ddp.module(ctx)->as<torch::nn::Linear>()->forward(x).sum();
+        ddp.backward(ctx, loss, 2, 2);
+      });
+    });
+    ADD_FAILURE() << "an untracked DDP model trained under an elastic strategy";
+  } catch (const ds::FailedPreconditionError& e) {
+    EXPECT_NE(std::string(e.what()).find("TrainingState::track"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
