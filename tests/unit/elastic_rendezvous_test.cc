@@ -178,10 +178,13 @@ TEST(ElasticRendezvous, ALiveMemberAndANewProcessUnderItsIdAreNeverBothMembers) 
       }
     });
   };
+  // The copy opens a round, b arrives, and a comes last (within the settle
+  // time of 300 ms), as a member that notices the round at its next step does.
   auto copy = outcome(a2, nullptr);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  auto original = outcome(a, &g[0]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
   auto other = outcome(b, &g[1]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  auto original = outcome(a, &g[0]);
   const std::optional<ds::GroupView> vo = original.get(), vc = copy.get(), vb = other.get();
   ASSERT_TRUE(vb.has_value());
   EXPECT_TRUE(vo.has_value()) << "the live member was refused";
