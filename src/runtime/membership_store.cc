@@ -235,7 +235,7 @@ class FileMembershipStore : public MembershipStore {
       fs::ReadOptions o;
       o.follow_symlinks = false;
       o.max_bytes = kMaxRecordBytes;
-      m = Membership::decode(fs::read_text_file(path, "membership record", o), url_);
+      m = Membership::decode(fs::read_text_file(path, "membership record of " + url_, o), url_);
     }
     Membership changed = m;
     if (change(changed)) {
