@@ -140,14 +140,9 @@ struct RawMpiRunner : CommRunner {
   }
 };
 
-// "<algo>_registered" (shm_registered, auto_registered, ...): the algorithm
-// with the tensors in memory from Communicator::allocate_buffer (as the
-// multi-worker fusion buffers are, or nccl-tests' -R registered buffers): on
-// one host the shared-memory path then reduces out of the peers' buffers
-// without staging. The buffers are allocated once, for the largest size.
-// The algorithm of an "<algo>_registered" name, or "" for any other name.
-std::string registered_base(const std::string& name) {
-  static const std::string suffix = "_registered";
+// `name` less `suffix` ("shm_registered" -> "shm"), or "" when `name` does
+// not end in it (or is nothing but it).
+std::string base_of(const std::string& name, const std::string& suffix) {
   if (name.size() <= suffix.size() ||
       name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
     return "";
@@ -155,19 +150,20 @@ std::string registered_base(const std::string& name) {
   return name.substr(0, name.size() - suffix.size());
 }
 
+// "<algo>_registered" (shm_registered, auto_registered, ...): the algorithm
+// with the tensors in memory from Communicator::allocate_buffer (as the
+// multi-worker fusion buffers are, or nccl-tests' -R registered buffers): on
+// one host the shared-memory path then reduces out of the peers' buffers
+// without staging. The buffers are allocated once, for the largest size.
+// The algorithm of an "<algo>_registered" name, or "" for any other name.
+std::string registered_base(const std::string& name) { return base_of(name, "_registered"); }
+
 // "<algo>_staged" (shm_staged, auto_staged): the algorithm with
 // CommunicationOptions::shm_single_copy off, so that large all-reduces of
 // ordinary buffers take the staging buffers even where cross-memory attach
 // works (the comparison in docs/benchmarks.md). The algorithm of such a
 // name, or "" for any other name.
-std::string staged_base(const std::string& name) {
-  static const std::string suffix = "_staged";
-  if (name.size() <= suffix.size() ||
-      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
-    return "";
-  }
-  return name.substr(0, name.size() - suffix.size());
-}
+std::string staged_base(const std::string& name) { return base_of(name, "_staged"); }
 
 struct RegisteredRunner : CommRunner {
   RegisteredRunner(ds::Communicator& c, ds::DType d, ds::ReduceOp o, size_t max_bytes)

@@ -38,6 +38,20 @@ inline diststrat::Dataset make_data(int rows) {
   return diststrat::Dataset(x, id);
 }
 
+// The gradient of the mean squared error over rows [begin, end) at `w` (in
+// double: the references' sums).
+inline std::vector<double> batch_gradient(const diststrat::Dataset& d, const std::vector<float>& w,
+                                          int begin, int end) {
+  std::vector<double> g(kFeatures, 0.0);
+  for (int r = begin; r < end; ++r) {
+    const float* x = d.features().data<float>() + r * kFeatures;
+    double pred = 0;
+    for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
+    for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / (end - begin);
+  }
+  return g;
+}
+
 // The same training, sequentially (SGD with momentum, mean loss per global
 // batch, the last batch possibly short), over the same global batches.
 inline std::vector<float> reference(int rows, int batch, int epochs) {
@@ -45,14 +59,7 @@ inline std::vector<float> reference(int rows, int batch, int epochs) {
   std::vector<float> w(kFeatures, 0.0f), v(kFeatures, 0.0f);  // v: SGD's momentum slot
   for (int e = 0; e < epochs; ++e) {
     for (int b = 0; b * batch < rows; ++b) {
-      const int end = std::min(rows, (b + 1) * batch);
-      std::vector<double> g(kFeatures, 0.0);
-      for (int r = b * batch; r < end; ++r) {
-        const float* x = d.features().data<float>() + r * kFeatures;
-        double pred = 0;
-        for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
-        for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / (end - b * batch);
-      }
+      const std::vector<double> g = batch_gradient(d, w, b * batch, std::min(rows, (b + 1) * batch));
       for (int f = 0; f < kFeatures; ++f) {
         v[f] = kMomentum * v[f] - kLr * static_cast<float>(g[f]);
         w[f] += v[f];
@@ -71,14 +78,7 @@ inline std::vector<float> reference_adam(int rows, int batch, int epochs) {
   int64_t step = 0;
   for (int e = 0; e < epochs; ++e) {
     for (int b = 0; b * batch < rows; ++b) {
-      const int end = std::min(rows, (b + 1) * batch);
-      std::vector<double> g(kFeatures, 0.0);
-      for (int r = b * batch; r < end; ++r) {
-        const float* x = d.features().data<float>() + r * kFeatures;
-        double pred = 0;
-        for (int f = 0; f < kFeatures; ++f) pred += w[f] * x[f];
-        for (int f = 0; f < kFeatures; ++f) g[f] += (pred - target(x)) * x[f] / (end - b * batch);
-      }
+      const std::vector<double> g = batch_gradient(d, w, b * batch, std::min(rows, (b + 1) * batch));
       const double t = static_cast<double>(++step);
       const float alpha = static_cast<float>(kAdamLr * std::sqrt(1.0 - std::pow(kBeta2, t)) /
                                              (1.0 - std::pow(kBeta1, t)));

@@ -8,57 +8,29 @@
 // committed with the module).
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <chrono>
-#include <future>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "../common/elastic_model.h"
+#include "../common/elastic_scenario.h"
 #include "../common/temp_dir.h"
 #include "diststrat/config.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/torch.h"
-#include "runtime/membership_store.h"
 
 namespace ds = diststrat;
 namespace dt = diststrat::libtorch;
 namespace em = diststrat_test::elastic_model;
+namespace es = diststrat_test::elastic_scenario;
 
 namespace {
 
 constexpr int kRows = 96, kBatch = 16, kEpochs = 2;
 
-struct Death {};  // a worker's thread "dies" by this exception
-
-struct Outcome {
-  std::vector<float> weights, counts;
-  int64_t redone = 0;
-  int final_workers = 0;
-};
-
-struct Plan {
-  std::string dir;
-  int die_at_step = -1;
-  std::atomic<int>* changes_seen = nullptr;
-  // Before step hold_at_step, wait while *hold (a joiner finds the group training).
-  int hold_at_step = -1;
-  std::atomic<bool>* hold = nullptr;
-  std::atomic<int>* at_hold = nullptr;
-};
-
-Outcome train_worker(const std::string& id, const Plan& plan) {
-  ds::MultiWorkerOptions o;
-  o.elastic.rendezvous = "file://" + plan.dir + "/job";
-  o.elastic.worker_id = id;
-  o.elastic.min_workers = 2;
-  o.elastic.listen_host = "127.0.0.1";
-  o.elastic.settle_timeout = std::chrono::milliseconds(300);
-  o.elastic.join_poll = std::chrono::milliseconds(20);
-  o.elastic.join_timeout = std::chrono::seconds(60);
-  o.communication.timeout = std::chrono::seconds(30);
+es::Outcome train_worker(const std::string& id, const es::Cues& cues) {
+  const ds::MultiWorkerOptions o = es::worker_options(cues.dir, id, 2);
   ds::MultiWorkerMirroredStrategy s(o);
   // The model: w (kFeatures -> 1, no bias), zero like the reference's
   // (a joiner's own values are replaced by the group's).
@@ -82,17 +54,14 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   ds::ElasticState state(s, {&count_opt});
   training.track(state);
   state.on_membership_change([&](const ds::MembershipChange&) {
-    if (plan.changes_seen) ++*plan.changes_seen;
+    cues.changed();
   });
   state.run([&](ds::ElasticState& st) {
     ds::DataPosition& pos = st.position;
     for (; pos.epoch < kEpochs; ++pos.epoch, pos.batch = 0) {
       dist.set_epoch(pos.epoch);
       for (; pos.batch < dist.num_batches(); ++pos.batch, ++pos.step) {
-        if (pos.step == plan.hold_at_step && plan.hold && plan.hold->load()) {
-          ++*plan.at_hold;
-          while (plan.hold->load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-        }
+        cues.hold_if(pos.step);
         const ds::DistributedBatch batch = dist.batch(pos.batch);
         s.run([&](ds::ReplicaContext& ctx) {
           const ds::Tensor features = batch.features(ctx);
@@ -110,7 +79,7 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
           em::gradients(features, batch.labels(ctx),
                         ds::Tensor(ds::Shape{em::kFeatures}, ds::DType::kFloat32),
                         batch.global_size(), kRows, &gw, &gc);
-          if (pos.step == plan.die_at_step) throw Death{};
+          cues.die_if(pos.step);
           opt.zero_grad();
           const at::Tensor pred = ddp.module(ctx)->as<torch::nn::Linear>()->forward(x).squeeze(1);
           const at::Tensor loss = 0.5 * (pred - y).pow(2).mean();
@@ -121,7 +90,7 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
       }
     }
   });
-  Outcome out;
+  es::Outcome out;
   const at::Tensor w = net->weight.detach().contiguous();
   out.weights.assign(w.data_ptr<float>(), w.data_ptr<float>() + em::kFeatures);
   const ds::Tensor cv = counts.value();
@@ -131,67 +100,19 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   return out;
 }
 
-void expect_trained(const Outcome& o, int workers) {
-  const std::vector<float> ref = em::reference(kRows, kBatch, kEpochs);
-  for (int f = 0; f < em::kFeatures; ++f)
-    EXPECT_NEAR(o.weights[f], ref[f], 1e-5) << "w[" << f << "]";
-  for (int r = 0; r < kRows; ++r) {
-    EXPECT_NEAR(o.counts[r], em::kLr * kEpochs, 1e-5)
-        << "row " << r << " used " << o.counts[r] / em::kLr << " times";
-  }
-  EXPECT_EQ(o.final_workers, workers);
-}
-
 TEST(TorchElastic, DdpSurvivesADeathAndAJoinerGetsTheModuleAndOptimizerState) {
   if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
   diststrat_test::TempDir dir("torch_elastic");
-  std::atomic<int> changes{0};
-  std::atomic<bool> hold{true};
-  std::atomic<int> at_hold{0};
-  Plan plan;
-  plan.dir = dir.path();
-  plan.changes_seen = &changes;
-  plan.hold_at_step = 8;  // epoch 1
-  plan.hold = &hold;
-  plan.at_hold = &at_hold;
-  Plan dying = plan;
-  dying.die_at_step = 4;  // mid-epoch 0
-  auto a = std::async(std::launch::async, [&] { return train_worker("a", plan); });
-  auto b = std::async(std::launch::async, [&] { return train_worker("b", plan); });
-  auto c = std::async(std::launch::async, [&] {
-    try {
-      train_worker("c", dying);
-    } catch (const Death&) {
-      return true;
-    }
-    return false;
-  });
-  EXPECT_TRUE(c.get());
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (changes.load() < 2 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::vector<es::Outcome> survivors;
+  es::Outcome od;
+  es::kill_then_join<es::Outcome>(dir.path(), train_worker, &survivors, &od);
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::vector<float> ref = em::reference(kRows, kBatch, kEpochs);
+  for (const es::Outcome& o : survivors) {
+    es::expect_trained(o, ref, kRows, kEpochs, 3);
+    EXPECT_EQ(o.redone, 1);
   }
-  ASSERT_GE(changes.load(), 2) << "the survivors did not re-form";
-  auto d = std::async(std::launch::async, [&] { return train_worker("d", plan); });
-  // Hold the survivors before step 8 until d waits in the store (or was
-  // admitted already and holds there too).
-  std::unique_ptr<ds::MembershipStore> store =
-      ds::open_membership_store("file://" + dir.path() + "/job");
-  while (
-      at_hold.load() < 3 &&
-      (at_hold.load() < 2 ||
-       !store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).is_waiting("d")) &&
-      std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  hold = false;
-  const Outcome oa = a.get(), ob = b.get(), od = d.get();
-  for (const Outcome* o : {&oa, &ob}) {
-    expect_trained(*o, 3);
-    EXPECT_EQ(o->redone, 1);
-  }
-  expect_trained(od, 3);
+  es::expect_trained(od, ref, kRows, kEpochs, 3);
 }
 
 // Without TrainingState::track the module would be neither committed nor
@@ -201,11 +122,7 @@ TEST(TorchElastic, DdpSurvivesADeathAndAJoinerGetsTheModuleAndOptimizerState) {
 TEST(TorchElastic, DdpNotTrackedByTheElasticStateIsRefused) {
   if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
   diststrat_test::TempDir dir("torch_elastic_untracked");
-  ds::MultiWorkerOptions o;
-  o.elastic.rendezvous = "file://" + dir.path() + "/job";
-  o.elastic.worker_id = "solo";
-  o.elastic.min_workers = 1;
-  o.elastic.listen_host = "127.0.0.1";
+  ds::MultiWorkerOptions o = es::worker_options(dir.path(), "solo", 1);
   o.elastic.settle_timeout = std::chrono::milliseconds(100);
   ds::MultiWorkerMirroredStrategy s(o);
   auto net = std::make_shared<torch::nn::LinearImpl>(

@@ -18,8 +18,8 @@
 
 #include "diststrat/config.h"
 #include "diststrat/diststrat.h"
-#include "runtime/membership_store.h"
 #include "../common/elastic_model.h"
+#include "../common/elastic_scenario.h"
 #include "../common/temp_dir.h"
 
 namespace ds = diststrat;
@@ -30,6 +30,7 @@ using diststrat_test::elastic_model::kFeatures;
 using diststrat_test::elastic_model::kLr;
 using diststrat_test::elastic_model::kMomentum;
 using diststrat_test::elastic_model::make_data;
+namespace es = diststrat_test::elastic_scenario;
 constexpr int kRows = 96, kBatch = 16, kEpochs = 2;
 
 std::vector<float> reference_weights(bool adam) {
@@ -37,40 +38,20 @@ std::vector<float> reference_weights(bool adam) {
               : diststrat_test::elastic_model::reference(kRows, kBatch, kEpochs);
 }
 
-struct Death {};  // a worker's thread "dies" by this exception
-
-struct Outcome {
-  std::vector<float> weights, counts;
-  int64_t changes = 0, redone = 0;
+struct Outcome : es::Outcome {
+  int64_t changes = 0;
   int callbacks = 0, first_previous_replicas = -1;  // on_membership_change's calls
-  int final_workers = 0;
 };
 
 struct Plan {
-  std::string dir;
-  int min_workers = 2;
-  int die_at_step = -1;  // this worker dies inside this step
-  std::atomic<int>* changes_seen = nullptr;
-  // Before step hold_at_step, wait while *hold (so that a joiner finds the
-  // group still training).
-  int hold_at_step = -1;
-  std::atomic<bool>* hold = nullptr;
-  std::atomic<int>* at_hold = nullptr;  // workers that reached the hold
+  es::Cues cues;
   // ZeRO-1 (shard_optimizer_state) with Adam for the weights, instead of
   // mirrored SGD with momentum.
   bool zero_adam = false;
 };
 
 Outcome train_worker(const std::string& id, const Plan& plan) {
-  ds::MultiWorkerOptions o;
-  o.elastic.rendezvous = "file://" + plan.dir + "/job";
-  o.elastic.worker_id = id;
-  o.elastic.min_workers = plan.min_workers;
-  o.elastic.listen_host = "127.0.0.1";
-  o.elastic.settle_timeout = std::chrono::milliseconds(300);
-  o.elastic.join_poll = std::chrono::milliseconds(20);
-  o.elastic.join_timeout = std::chrono::seconds(60);
-  o.communication.timeout = std::chrono::seconds(30);
+  ds::MultiWorkerOptions o = es::worker_options(plan.cues.dir, id, 2);
   o.shard_optimizer_state = plan.zero_adam;
   ds::MultiWorkerMirroredStrategy s(o);
   ds::Variable w =
@@ -99,17 +80,14 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   int callbacks = 0, first_previous_replicas = -1;
   state.on_membership_change([&](const ds::MembershipChange& c) {
     if (callbacks++ == 0) first_previous_replicas = c.previous_replicas_in_sync;
-    if (plan.changes_seen) ++*plan.changes_seen;
+    plan.cues.changed();
   });
   state.run([&](ds::ElasticState& st) {
     ds::DataPosition& pos = st.position;
     for (; pos.epoch < kEpochs; ++pos.epoch, pos.batch = 0) {
       dist.set_epoch(pos.epoch);
       for (; pos.batch < dist.num_batches(); ++pos.batch, ++pos.step) {
-        if (pos.step == plan.hold_at_step && plan.hold && plan.hold->load()) {
-          ++*plan.at_hold;
-          while (plan.hold->load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-        }
+        plan.cues.hold_if(pos.step);
         const ds::DistributedBatch batch = dist.batch(pos.batch);
         s.run([&](ds::ReplicaContext& ctx) {
           ds::Tensor gw(ds::Shape{kFeatures}, ds::DType::kFloat32);
@@ -117,7 +95,7 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
           diststrat_test::elastic_model::gradients(batch.features(ctx), batch.labels(ctx),
                                                    w.read(ctx), batch.global_size(), kRows, &gw,
                                                    &gc);
-          if (pos.step == plan.die_at_step) throw Death{};
+          plan.cues.die_if(pos.step);
           opt.apply_gradients(ctx, {{gw, w}});
           count_opt.apply_gradients(ctx, {{gc, counts}});
         });
@@ -136,73 +114,29 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   return out;
 }
 
-void expect_trained(const Outcome& o, int workers, bool adam) {
-  const std::vector<float> ref = reference_weights(adam);
-  for (int f = 0; f < kFeatures; ++f) EXPECT_NEAR(o.weights[f], ref[f], 1e-5) << "w[" << f << "]";
-  for (int r = 0; r < kRows; ++r) {
-    EXPECT_NEAR(o.counts[r], kLr * kEpochs, 1e-5)
-        << "row " << r << " used " << o.counts[r] / kLr << " times";
-  }
-  EXPECT_EQ(o.final_workers, workers);
-}
-
 // Three workers; c dies inside step 4; a and b redo it and go on; d joins
 // before step 8 and takes the state from them.
 void kill_then_join(bool zero_adam) {
   diststrat_test::TempDir dir("elastic_train");
-  std::atomic<int> changes{0};
-  std::atomic<bool> hold{true};
-  std::atomic<int> at_hold{0};
-  Plan plan;
-  plan.dir = dir.path();
-  plan.changes_seen = &changes;
-  plan.hold_at_step = 8;  // epoch 1
-  plan.hold = &hold;
-  plan.at_hold = &at_hold;
-  plan.zero_adam = zero_adam;
-  Plan dying = plan;
-  dying.die_at_step = 4;  // mid-epoch 0
-  auto a = std::async(std::launch::async, [&] { return train_worker("a", plan); });
-  auto b = std::async(std::launch::async, [&] { return train_worker("b", plan); });
-  auto c = std::async(std::launch::async, [&] {
-    try {
-      train_worker("c", dying);
-    } catch (const Death&) {
-      return true;
-    }
-    return false;
-  });
-  EXPECT_TRUE(c.get());
-  // After the survivors re-formed, a new worker joins.
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (changes.load() < 2 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::vector<Outcome> survivors;
+  Outcome od;
+  es::kill_then_join<Outcome>(
+      dir.path(),
+      [&](const std::string& id, const es::Cues& cues) {
+        Plan plan;
+        plan.cues = cues;
+        plan.zero_adam = zero_adam;
+        return train_worker(id, plan);
+      },
+      &survivors, &od);
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::vector<float> ref = reference_weights(zero_adam);
+  for (const Outcome& o : survivors) {
+    es::expect_trained(o, ref, kRows, kEpochs, 3);
+    EXPECT_EQ(o.redone, 1);
+    EXPECT_GE(o.changes, 2);  // the death, then the join
   }
-  ASSERT_GE(changes.load(), 2) << "the survivors did not re-form";
-  auto d = std::async(std::launch::async, [&] { return train_worker("d", plan); });
-  // The survivors wait before step 8 until d waits in the store to be
-  // admitted, and long enough for the chief's next look (join_poll 20 ms):
-  // otherwise they could finish the last steps before it looks again.
-  std::unique_ptr<ds::MembershipStore> store =
-      ds::open_membership_store("file://" + dir.path() + "/job");
-  // (d may also have been admitted before the survivors reached step 8:
-  // then it holds there too.)
-  while (
-      at_hold.load() < 3 &&
-      (at_hold.load() < 2 ||
-       !store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).is_waiting("d")) &&
-      std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  hold = false;
-  const Outcome oa = a.get(), ob = b.get(), od = d.get();
-  for (const Outcome* o : {&oa, &ob}) {
-    expect_trained(*o, 3, zero_adam);
-    EXPECT_EQ(o->redone, 1);
-    EXPECT_GE(o->changes, 2);  // the death, then the join
-  }
-  expect_trained(od, 3, zero_adam);
+  es::expect_trained(od, ref, kRows, kEpochs, 3);
   // The joiner's callback ran too, saying it had no replicas before.
   EXPECT_EQ(od.callbacks, 1);
   EXPECT_EQ(od.first_previous_replicas, 0);
@@ -227,11 +161,7 @@ TEST(ElasticTraining, ShardedAdamStateSurvivesADeathAndAJoin) {
 TEST(ElasticTraining, AStepBeforeRunIsAnErrorAndAfterItIsFine) {
   if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
   diststrat_test::TempDir dir("elastic_before_run");
-  ds::MultiWorkerOptions o;
-  o.elastic.rendezvous = "file://" + dir.path() + "/job";
-  o.elastic.worker_id = "solo";
-  o.elastic.min_workers = 1;
-  o.elastic.listen_host = "127.0.0.1";
+  ds::MultiWorkerOptions o = es::worker_options(dir.path(), "solo", 1);
   o.elastic.settle_timeout = std::chrono::milliseconds(100);
   ds::MultiWorkerMirroredStrategy s(o);
   ds::Variable w = s.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
