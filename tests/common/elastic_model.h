@@ -59,7 +59,8 @@ inline std::vector<float> reference(int rows, int batch, int epochs) {
   std::vector<float> w(kFeatures, 0.0f), v(kFeatures, 0.0f);  // v: SGD's momentum slot
   for (int e = 0; e < epochs; ++e) {
     for (int b = 0; b * batch < rows; ++b) {
-      const std::vector<double> g = batch_gradient(d, w, b * batch, std::min(rows, (b + 1) * batch));
+      const std::vector<double> g =
+          batch_gradient(d, w, b * batch, std::min(rows, (b + 1) * batch));
       for (int f = 0; f < kFeatures; ++f) {
         v[f] = kMomentum * v[f] - kLr * static_cast<float>(g[f]);
         w[f] += v[f];
@@ -78,7 +79,8 @@ inline std::vector<float> reference_adam(int rows, int batch, int epochs) {
   int64_t step = 0;
   for (int e = 0; e < epochs; ++e) {
     for (int b = 0; b * batch < rows; ++b) {
-      const std::vector<double> g = batch_gradient(d, w, b * batch, std::min(rows, (b + 1) * batch));
+      const std::vector<double> g =
+          batch_gradient(d, w, b * batch, std::min(rows, (b + 1) * batch));
       const double t = static_cast<double>(++step);
       const float alpha = static_cast<float>(kAdamLr * std::sqrt(1.0 - std::pow(kBeta2, t)) /
                                              (1.0 - std::pow(kBeta1, t)));
