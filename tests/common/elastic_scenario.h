@@ -44,8 +44,8 @@ inline diststrat::MultiWorkerOptions worker_options(const std::string& dir, cons
 
 // What the scenario tells a worker.
 struct Cues {
-  std::string dir;       // the directory store's
-  int die_at_step = -1;  // this worker dies inside this step (die_if)
+  std::string dir;                           // the directory store's
+  int die_at_step = -1;                      // this worker dies inside this step (die_if)
   std::atomic<int>* changes_seen = nullptr;  // counts on_membership_change calls
   // Before step hold_at_step, wait while *hold (so that a joiner finds the
   // group still training).

@@ -53,9 +53,7 @@ es::Outcome train_worker(const std::string& id, const es::Cues& cues) {
   ds::DistributedDataset dist = s.distribute(em::make_data(kRows), kBatch, dopts);
   ds::ElasticState state(s, {&count_opt});
   training.track(state);
-  state.on_membership_change([&](const ds::MembershipChange&) {
-    cues.changed();
-  });
+  state.on_membership_change([&](const ds::MembershipChange&) { cues.changed(); });
   state.run([&](ds::ElasticState& st) {
     ds::DataPosition& pos = st.position;
     for (; pos.epoch < kEpochs; ++pos.epoch, pos.batch = 0) {
