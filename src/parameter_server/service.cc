@@ -7,9 +7,9 @@
 #include "parameter_server/service.h"
 
 #include <algorithm>
-#include <random>
 #include <thread>
 
+#include "core/random_id.h"
 #include "core/user_text.h"
 
 namespace diststrat {
@@ -42,11 +42,7 @@ Service::Service(Transport& transport, ServiceOptions options, const Logger& log
     : t_(transport), options_(std::move(options)), logger_(logger) {
   // Distinct for every start of a PS (a restarted one rejects what was sent
   // to its predecessor): the time, and randomness for two starts at once.
-  std::random_device rd;
-  incarnation_ =
-      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) ^
-      (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  if (incarnation_ == 0) incarnation_ = 1;
+  incarnation_ = random_id();
   const auto now = this->now();
   for (size_t i = 0; i < options_.worker_ranks.size(); ++i) {
     WorkerState w;

@@ -5,10 +5,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <random>
 #include <set>
 
 #include "allreduce/reduce_kernels.h"
+#include "core/random_id.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
 #include "parameter_server/client.h"
@@ -29,11 +29,7 @@ namespace diststrat {
 // step counters) at once.
 
 namespace {
-uint64_t new_save_id() {
-  std::random_device rd;
-  const uint64_t t = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-  return ((static_cast<uint64_t>(rd()) << 32) ^ rd() ^ (t * 0x9e3779b97f4a7c15ULL)) | 1;
-}
+uint64_t new_save_id() { return random_id() | 1; }
 }  // namespace
 
 void ParameterServerStrategy::check_checkpoint_supported(Strategy&, const std::string& what) {

@@ -1,15 +1,13 @@
 // Group formation through the membership store (elastic_rendezvous.h).
 #include "runtime/elastic_rendezvous.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <limits>
-#include <random>
 #include <set>
 #include <thread>
 
+#include "core/random_id.h"
 #include "diststrat/error.h"
 
 namespace diststrat {
@@ -52,13 +50,16 @@ ElasticRendezvous::ElasticRendezvous(std::unique_ptr<MembershipStore> store, std
   DISTSTRAT_CHECK(options_.max_workers == 0 || options_.max_workers >= options_.min_workers,
                   kInvalidArgument, "elastic: max_workers ", options_.max_workers,
                   " is below min_workers ", options_.min_workers, " (0 = no limit)");
-  std::random_device rd;
-  std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-                      static_cast<uint64_t>(::getpid()) ^
-                      static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
   char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(gen()));
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(random_id()));
   token_ = hex;
+}
+
+void ElasticRendezvous::id_taken(const std::string& holder) const {
+  throw InvalidArgumentError("elastic: worker id '" + id_ + "' is taken in " + store_->describe() +
+                             " by another live process" + (holder[0] == ',' ? "" : " ") + holder +
+                             "; give every worker its own id (ElasticOptions::worker_id, "
+                             "DISTSTRAT_WORKER_ID; the default, host-pid, is unique)");
 }
 
 bool ElasticRendezvous::claim(Membership& r, bool was_member) const {
@@ -75,11 +76,10 @@ bool ElasticRendezvous::claim(Membership& r, bool was_member) const {
     // restart); otherwise the other process is alive in this round or waits.
     const bool other_is_live = r.has_arrived(id_) || r.is_waiting(id_);
     const bool mine = was_member || !other_is_live;
-    DISTSTRAT_CHECK(mine, kInvalidArgument, "elastic: worker id '", id_, "' is taken in ",
-                    store_->describe(), " by another live process (",
-                    r.is_waiting(id_) ? "waiting to be admitted" : "arrived at this round",
-                    "); give every worker its own id (ElasticOptions::worker_id, "
-                    "DISTSTRAT_WORKER_ID; the default, host-pid, is unique)");
+    if (!mine) {
+      id_taken(std::string("(") +
+               (r.is_waiting(id_) ? "waiting to be admitted" : "arrived at this round") + ")");
+    }
   }
   r.set_claim(id_, token_, was_member);
   return true;
@@ -122,11 +122,9 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
             if (member && r.group > since) {
               // Formed with this worker, unless another process took the id.
               const Membership::Claim* c = r.claim_of(id_);
-              DISTSTRAT_CHECK(c == nullptr || c->token == token_, kInvalidArgument,
-                              "elastic: worker id '", id_, "' is taken in ", store_->describe(),
-                              " by another live process, a member of group ", r.group,
-                              "; give every worker its own id (ElasticOptions::worker_id, "
-                              "DISTSTRAT_WORKER_ID; the default, host-pid, is unique)");
+              if (c != nullptr && c->token != token_) {
+                id_taken(", a member of group " + std::to_string(r.group));
+              }
               return false;
             }
             // Its group broke or admits joiners; or the job's first round; or

@@ -99,6 +99,9 @@ class ElasticRendezvous {
   // it already held it. Throws InvalidArgumentError when another live
   // process holds it.
   bool claim(Membership& r, bool was_member) const;
+  // Throws InvalidArgumentError: id_ is held by another live process
+  // (`holder` says how: "(waiting to be admitted)", ", a member of group N").
+  [[noreturn]] void id_taken(const std::string& holder) const;
 
   std::unique_ptr<MembershipStore> store_;
   std::string id_;
