@@ -247,12 +247,7 @@ std::vector<char> gloo_clean_address(const std::vector<char>& bytes) {
   } else {
     return bytes;
   }
-  std::vector<char> out = gloo::transport::tcp::Address(clean, a.getSeq()).bytes();
-  // The sequence number follows the sockaddr_storage in Gloo's layout; what
-  // lies after it (none in Gloo 0.5) is cleared too.
-  const size_t used = sizeof(sockaddr_storage) + sizeof(gloo::transport::tcp::sequence_number_t);
-  for (size_t i = used; i < out.size(); ++i) out[i] = 0;
-  return out;
+  return gloo::transport::tcp::Address(clean, a.getSeq()).bytes();
 }
 
 std::string gloo_hex(const std::vector<char>& bytes) {
