@@ -61,6 +61,8 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/transport/tcp/device.h>
+
+#include "allreduce/gloo_transport.h"
 #endif
 
 namespace ds = diststrat;
@@ -84,7 +86,8 @@ struct Config {
   size_t segment_bytes = 0;
   std::string csv_out;
   std::vector<std::string> collectives{"all_reduce"};
-  std::string timeout;  // --timeout seconds; empty: DISTSTRAT_TIMEOUT, else 5 minutes
+  std::string timeout;         // --timeout seconds; empty: DISTSTRAT_TIMEOUT, else 5 minutes
+  std::string gloo_interface;  // <algo>_gloo: the interface to listen on; empty: the host name
 };
 
 std::chrono::milliseconds timeout_of(const Config& c) {
@@ -164,6 +167,12 @@ std::string registered_base(const std::string& name) { return base_of(name, "_re
 // works (the comparison in docs/benchmarks.md). The algorithm of such a
 // name, or "" for any other name.
 std::string staged_base(const std::string& name) { return base_of(name, "_staged"); }
+
+// "<algo>_gloo" (ring_gloo, auto_gloo): the algorithm over the elastic
+// groups' transport (Gloo TCP pairs, allreduce/gloo_transport.h) instead of
+// MPI's point-to-point: what an elastic job's all-reduce costs against the
+// same algorithm over MPI. The algorithm of such a name, or "".
+std::string gloo_base(const std::string& name) { return base_of(name, "_gloo"); }
 
 struct RegisteredRunner : CommRunner {
   RegisteredRunner(ds::Communicator& c, ds::DType d, ds::ReduceOp o, size_t max_bytes)
@@ -742,7 +751,7 @@ int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
   std::vector<std::string> algos;
   for (const auto& a : c.algos) {
     if (a == "mpi" || a == "shm" || a == "gloo" || a == "memcpy" || !registered_base(a).empty() ||
-        !staged_base(a).empty()) {
+        !staged_base(a).empty() || !gloo_base(a).empty()) {
       std::fprintf(stderr, "# --inproc: skipping '%s' (needs mpirun)\n", a.c_str());
       continue;
     }
@@ -906,11 +915,55 @@ std::shared_ptr<gloo::rendezvous::Context> gloo_context(int rank, int size) {
 }
 #endif
 
+#if DISTSTRAT_HAVE_GLOO
+// The Gloo transport's address exchange over MPI_COMM_WORLD: make_gloo_
+// transport publishes its rank's key once, then waits for the others', so
+// publish is an all-gather of every rank's (key, value) and wait_for a look-up.
+class MpiAddressExchange : public ds::AddressExchange {
+ public:
+  void publish(const std::string& key, const std::string& value, ds::Clock::time_point) override {
+    const std::string mine = key + '\n' + value;
+    int size = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    const int len = static_cast<int>(mine.size());
+    std::vector<int> lens(size), offsets(size);
+    MPI_Allgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    int total = 0;
+    for (int r = 0; r < size; ++r) offsets[r] = total, total += lens[r];
+    std::string all(total, '\0');
+    MPI_Allgatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), offsets.data(), MPI_CHAR,
+                   MPI_COMM_WORLD);
+    for (int r = 0; r < size; ++r) {
+      const std::string kv = all.substr(offsets[r], lens[r]);
+      const size_t nl = kv.find('\n');
+      values_[kv.substr(0, nl)] = kv.substr(nl + 1);
+    }
+  }
+  std::string wait_for(const std::string& key, ds::Clock::time_point) override {
+    auto it = values_.find(key);
+    if (it == values_.end()) throw ds::InternalError("allreduce_bench: no address for " + key);
+    return it->second;
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+std::unique_ptr<ds::Transport> gloo_transport_for(const Config& c, int rank, int size, int serial) {
+  MpiAddressExchange exchange;
+  ds::GlooTransportOptions o;
+  o.group = "allreduce_bench/" + std::to_string(serial);
+  o.interface = c.gloo_interface;
+  return ds::make_gloo_transport(rank, size, exchange, o, ds::Clock::now() + timeout_of(c));
+}
+#endif
+
 int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
   MpiWorld w;
   double copy_bw = 0;
   if (w.rank() == 0) copy_bw = copy_bandwidth();
   MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<std::unique_ptr<ds::Transport>> transports;  // <algo>_gloo's; outlive comms
   std::vector<std::unique_ptr<ds::Communicator>> comms;
   std::vector<std::unique_ptr<Runner>> owned;
   std::vector<std::pair<std::string, Runner*>> runners;
@@ -938,7 +991,11 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
     }
     const bool registered = !registered_base(a).empty();
     const bool staged = !staged_base(a).empty();
-    const std::string base = registered ? registered_base(a) : staged ? staged_base(a) : a;
+    const bool over_gloo = !gloo_base(a).empty();
+    const std::string base = registered  ? registered_base(a)
+                             : staged    ? staged_base(a)
+                             : over_gloo ? gloo_base(a)
+                                         : a;
     if (registered && base == "mpi")
       throw ds::InvalidArgumentError("mpi_registered: MPI_Allreduce has no registered buffers");
     ds::CommunicationOptions o;
@@ -949,6 +1006,20 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
     if (base == "direct") {
       if (w.rank() == 0)
         std::fprintf(stderr, "# 'direct' is in-process only (--inproc); skipped\n");
+      continue;
+    }
+    if (over_gloo) {
+#if DISTSTRAT_HAVE_GLOO
+      if (base == "mpi" || base == "shm")
+        throw ds::InvalidArgumentError(a +
+                                       ": the Gloo transport runs the point-to-point algorithms");
+      transports.push_back(gloo_transport_for(c, w.rank(), w.size(), int(transports.size())));
+      comms.push_back(std::make_unique<ds::TransportCommunicator>(*transports.back(), o));
+      owned.push_back(std::make_unique<CommRunner>(*comms.back(), dtype, op));
+      runners.emplace_back(a, owned.back().get());
+#else
+      if (w.rank() == 0) std::fprintf(stderr, "# built without Gloo: '%s' skipped\n", a.c_str());
+#endif
       continue;
     }
     comms.push_back(ds::make_mpi_communicator(MPI_COMM_WORLD, o));
@@ -984,8 +1055,9 @@ int main(int argc, char** argv) {
                  "comma-separated: ring,halving_doubling,tree,reduce_to_one,hierarchical,shm,auto,"
                  "mpi,gloo (and direct with --inproc); <algo>_registered = that algorithm on "
                  "buffers from Communicator::allocate_buffer; <algo>_staged = shm or auto without "
-                 "the single-copy path (staging buffers only); memcpy = each rank copies in to "
-                 "out, no communication (the reference floor)");
+                 "the single-copy path (staging buffers only); <algo>_gloo = that point-to-point "
+                 "algorithm over the elastic groups' Gloo TCP transport; memcpy = each rank "
+                 "copies in to out, no communication (the reference floor)");
   app.add_option("--inproc", c.inproc, "run N ranks as threads of this process instead of MPI");
   app.add_option("--min-bytes", c.min_bytes, "smallest message");
   app.add_option("--max-bytes", c.max_bytes, "largest message");
@@ -1003,6 +1075,9 @@ int main(int argc, char** argv) {
   app.add_option("--csv-out", c.csv_out, "also write the rows as CSV to this file");
   app.add_option("--segment-bytes", c.segment_bytes,
                  "CommunicationOptions::segment_bytes (0 = default)");
+  app.add_option("--gloo-interface", c.gloo_interface,
+                 "<algo>_gloo: the network interface to listen on (default: the host name's "
+                 "address)");
   diststrat_examples::add_timeout_flag(app, c.timeout);
   CLI11_PARSE(app, argc, argv);
   if (!algos.empty()) {

@@ -300,6 +300,8 @@ struct GlooWaiter {
   bool interrupted = false;
 };
 
+class GlooRequest;
+
 // State shared by a transport, its requests (which may outlive it) and its
 // watcher. `mu` guards everything below it; it is never taken while a Gloo
 // buffer's or pair's lock is held (Gloo takes those inside its own calls).
@@ -341,6 +343,11 @@ struct GlooCore {
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::transport::Context> ctx;
   std::thread closer;  // resets the connections (close_all_pairs), joined at destruction
+  // Sends not yet handed to Gloo, oldest first (see GlooTransport::post).
+  // Only the thread using the transport touches them; their own mutex, so
+  // that posting never runs under `mu`.
+  std::mutex deferred_mu;
+  std::vector<std::weak_ptr<GlooRequest>> deferred_sends;
 
   std::string rank_text() const { return "rank " + std::to_string(rank); }
   std::string peer_text(int p) const {
@@ -652,9 +659,26 @@ class GlooRequest : public Request::State {
   // again (destroying the Gloo buffer waits until its device thread lets go
   // of it and expires its references), and its connection is unusable.
   ~GlooRequest() override {
-    if (buf_ && !done_ && !failed_ && !control_) core_->request_dropped(peer_, describe());
+    // A send still deferred counts too: its peer would wait for it in vain.
+    if ((buf_ || deferred_) && !done_ && !failed_ && !control_)
+      core_->request_dropped(peer_, describe());
     gloo_destroy(buf_, is_recv_);
     if (live_) core_->request_finished();
+  }
+
+  // A send whose post waits for the transport's next wait or test.
+  void defer(void* data, uint64_t slot) {
+    deferred_ = true;
+    deferred_data_ = data;
+    deferred_slot_ = slot;
+  }
+
+  // Posts a deferred send now (unless the transport must stop: then its
+  // wait throws why).
+  void post_deferred() {
+    if (!deferred_) return;
+    deferred_ = false;
+    if (!core_->should_stop(peer_)) post(deferred_data_, deferred_slot_);
   }
 
   // Posts the transfer (send/recv only call this when no stop condition
@@ -682,6 +706,7 @@ class GlooRequest : public Request::State {
 
   bool test() override {
     if (done_) return true;
+    flush_deferred_sends();
     const bool stopping = !buf_ || failed_ || core_->should_stop(peer_);
     if (buf_ && !failed_ && (!stopping || core_->completion_counts()) && probe()) {
       complete();
@@ -693,6 +718,7 @@ class GlooRequest : public Request::State {
 
   void wait(Clock::time_point deadline) override {
     if (done_) return;
+    flush_deferred_sends();
     for (bool first = true;; first = false) {
       const bool late = Clock::now() >= deadline;
       if (!buf_ || failed_ || late || core_->should_stop(peer_)) {
@@ -710,6 +736,20 @@ class GlooRequest : public Request::State {
         complete();
         return;
       }
+    }
+  }
+
+  // Posts every deferred send of the transport, oldest first.
+  void flush_deferred_sends() { flush_deferred_sends(*core_); }
+  static void flush_deferred_sends(GlooCore& core) {
+    std::vector<std::weak_ptr<GlooRequest>> sends;
+    {
+      std::lock_guard<std::mutex> lock(core.deferred_mu);
+      if (core.deferred_sends.empty()) return;
+      sends.swap(core.deferred_sends);
+    }
+    for (auto& w : sends) {
+      if (auto r = w.lock()) r->post_deferred();
     }
   }
 
@@ -859,7 +899,10 @@ class GlooRequest : public Request::State {
   bool failed_ = false;
   bool live_ = false;
   std::string failure_;
-  char dummy_ = 0;  // zero-byte transfers point here
+  char dummy_ = 0;         // zero-byte transfers point here
+  bool deferred_ = false;  // a send not yet posted: see GlooTransport::post
+  void* deferred_data_ = nullptr;
+  uint64_t deferred_slot_ = 0;
 };
 
 class GlooTransport : public Transport {
@@ -909,9 +952,22 @@ class GlooTransport : public Transport {
                Clock::time_point deadline);
 
  private:
+  // A recv is posted at once. A send is posted at the transport's next
+  // wait or test, after the recvs posted meanwhile: Gloo writes a recv's
+  // go-ahead to the peer in the same queue as our data, so a go-ahead posted
+  // after a large send waits until that send has gone out, and the peer's
+  // data cannot flow our way meanwhile (a ring step ran at half the link
+  // rate, each direction in turn). The data of a send cannot leave before
+  // the peer's go-ahead anyway, so the deferral costs nothing.
   Request post(bool is_recv, int peer, void* data, size_t bytes, int tag) {
     auto req = std::make_shared<GlooRequest>(core_, is_recv, peer, tag, bytes);
-    if (!core_->should_stop(peer)) req->post(data, gloo_slot(tag, bytes));
+    if (is_recv) {
+      if (!core_->should_stop(peer)) req->post(data, gloo_slot(tag, bytes));
+    } else {
+      req->defer(data, gloo_slot(tag, bytes));
+      std::lock_guard<std::mutex> lock(core_->deferred_mu);
+      core_->deferred_sends.push_back(req);
+    }
     return Request(std::move(req));
   }
 
@@ -939,6 +995,9 @@ class GlooTransport : public Transport {
 };
 
 void GlooTransport::shutdown() {
+  // Sends still deferred are pending work: posted, they make the transport
+  // abort below (as they did before deferral), not leave without them.
+  GlooRequest::flush_deferred_sends(*core_);
   bool graceful = false;
   {
     std::lock_guard<std::mutex> lock(core_->mu);

@@ -29,7 +29,12 @@
 //    throws DeadlineExceededError naming this rank and the ranks that never
 //    published their addresses, or that never connected; a peer that
 //    published and then refused the connection is an UnavailableError.
-//  - send/recv only enqueue. wait(deadline) blocks until the transfer is done
+//  - send/recv only enqueue. A recv is handed to Gloo at once, a send at the
+//    transport's next wait or test (of any request), after the recvs posted
+//    before that: Gloo writes a recv's go-ahead to its peer in the same queue
+//    as our data, and a go-ahead behind a large send would hold the peer's
+//    data back until ours had gone (both directions of a ring step then take
+//    turns: half the link rate). wait(deadline) blocks until the transfer is done
 //    and never past the deadline: DeadlineExceededError naming this rank, the
 //    peer, the byte count and the tag. The request stays posted: wait again,
 //    or drop it (see below).

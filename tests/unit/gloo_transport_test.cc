@@ -148,6 +148,37 @@ TEST(GlooTransport, OrderPerTagManyTagsOutstandingZeroBytesAnd64MiB) {
   });
 }
 
+// A recv posted after a large send, before any wait, is announced to the
+// peer ahead of the send's data: Gloo writes a recv's go-ahead in the same
+// queue as the data, so a go-ahead posted behind 128 MiB could not reach the
+// peer until all of it had (each direction of a ring step then ran in turn,
+// at half the link rate). Here rank 1's small send, which needs rank 0's
+// go-ahead, completes while rank 0's large send is still arriving.
+TEST(GlooTransport, ARecvPostedAfterALargeSendIsAnnouncedBeforeItsData) {
+  constexpr size_t kBig = size_t{128} << 20;
+  run_gloo(
+      2, [&](int r, ds::Transport& t) {
+        const auto deadline = Clock::now() + 120s;  // 128 MiB take seconds under the sanitizers
+        std::vector<char> big(kBig, r == 0 ? 'a' : 'z');
+        char small = r == 1 ? 's' : '-';
+        if (r == 0) {
+          ds::Request data = t.send(1, big.data(), kBig, 1);
+          ds::Request go = t.recv(1, &small, 1, 2);  // posted after the large send
+          go.wait(deadline);
+          data.wait(deadline);
+          EXPECT_EQ(small, 's');
+        } else {
+          ds::Request data = t.recv(0, big.data(), kBig, 1);
+          t.send(0, &small, 1, 2).wait(deadline);
+          EXPECT_FALSE(data.test())
+              << "the peer's go-ahead for the small send came only after the large send's data";
+          data.wait(deadline);
+          EXPECT_EQ(big.front(), 'a');
+          EXPECT_EQ(big.back(), 'a');
+        }
+      });
+}
+
 TEST(GlooTransport, InterfaceOptionBindsItsAddress) {
   ds::GlooTransportOptions o;
   o.interface = "lo";
