@@ -263,8 +263,10 @@ EOF
       "ip=\$(ip -4 -o addr show | awk '\$4 ~ /^198\\.18\\./ { sub(/\\/.*/, \"\", \$4); print \$4; exit }')" \
       'exec "$@" --listen-host "$ip"' >"$work/task.sh"
     chmod +x "$work/task.sh"
+    # Long enough (about 10 s for 4 workers here) that the joiner, started
+    # after the kill and the re-forming, arrives while the others still train.
     eflags=(--strategy multi_worker --elastic --rendezvous "redis://$store/job" --min-workers 2
-      --epochs 2 --limit 12000 --test-limit 1000 --batch 64 --timeout 10)
+      --epochs 3 --limit 24000 --test-limit 1000 --batch 64 --timeout 10 --progress-seconds 0.1)
     timeout 240 "$slurm" srun --mpi=none -N 2 --ntasks-per-node=2 --kill-on-bad-exit=0 \
       "$work/task.sh" "$bin/fashion_mnist" "${eflags[@]}" >"$work/elastic.log" 2>&1 &
     srun_pid=$!
@@ -294,7 +296,7 @@ EOF
     rc=$?
     grep -E "^elastic: group [0-9]+, 4 workers \(1 joined, 0 left\)" "$work/elastic.log" ||
       { cat "$work/elastic.log"; fail "the chief did not report the joiner"; }
-    grep -E "^final: strategy=multi_worker replicas=4 epochs=2 test_accuracy=" "$work/elastic.log" ||
+    grep -E "^final: strategy=multi_worker replicas=4 epochs=3 test_accuracy=" "$work/elastic.log" ||
       { cat "$work/elastic.log"; fail "no final line with 4 replicas"; }
     no_leftovers "the elastic job"
     echo "ok: srun elastic: a task killed, the others went on, a worker joined (first srun's exit $rc)"

@@ -152,7 +152,7 @@ case $kind in
     for w in a b c; do
       "$check" --strategy multi_worker --elastic --rendezvous "file://$dir/job" --min-workers 2 \
         --listen-host 127.0.0.1 --worker-id "$w" --epochs 2 --limit 12000 --test-limit 1000 \
-        --batch 64 --timeout 10 >"$dir/$w.log" 2>&1 &
+        --batch 64 --timeout 10 --progress-seconds 0.1 >"$dir/$w.log" 2>&1 &
       pids+=($!)
       eval "pid_$w=$!"
     done
