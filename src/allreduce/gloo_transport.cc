@@ -240,6 +240,24 @@ std::string gloo_text(const std::string& what) {
   return echo(out.empty() ? "unknown Gloo error" : out);
 }
 
+// "127.0.0.1" / "::1" from a Gloo TCP address's bytes ("" if it is none).
+std::string gloo_address_host(const std::vector<char>& bytes) {
+  try {
+    const gloo::transport::tcp::Address a(bytes);
+    const sockaddr_storage& ss = a.getSockaddr();
+    char host[INET6_ADDRSTRLEN] = "";
+    if (ss.ss_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, host, sizeof host);
+    } else if (ss.ss_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, host,
+                sizeof host);
+    }
+    return host;
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 // "127.0.0.1:4567" / "[::1]:4567" from a Gloo TCP address's bytes.
 std::string gloo_address_text(const std::vector<char>& bytes) {
   try {
@@ -338,7 +356,7 @@ class GlooRequest;
 // buffer's or pair's lock is held (Gloo takes those inside its own calls).
 struct GlooCore {
   GlooCore(int rank, int size, std::string group)
-      : rank(rank), size(size), group(std::move(group)), peers(size) {}
+      : rank(rank), size(size), group(std::move(group)), peers(size), hosts(size) {}
 
   enum class Stop { kNone, kAborted, kDropped, kBroken };
   enum class PeerState { kAlive, kLeft, kFailed };
@@ -374,6 +392,9 @@ struct GlooCore {
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::transport::Context> ctx;
   std::thread closer;  // resets the connections (close_all_pairs), joined at destruction
+  // Every rank's advertised IP address (set-up), this rank's too: which
+  // ranks share a host (gloo_node_of).
+  std::vector<std::string> hosts;
   // Sends not yet handed to Gloo, oldest first (see GlooTransport::post).
   // Only the thread using the transport touches them; their own mutex, so
   // that posting never runs under `mu`.
@@ -956,6 +977,25 @@ class GlooTransport : public Transport {
   int rank() const override { return core_->rank; }
   int size() const override { return core_->size; }
 
+  // Ranks that advertised the same address share a node; nodes are numbered
+  // in the order of their lowest rank. An address not known ("") is a node
+  // of its own.
+  std::vector<int> node_of() const {
+    std::vector<int> node(core_->size);
+    std::map<std::string, int> seen;
+    int next = 0;
+    for (int r = 0; r < core_->size; ++r) {
+      const std::string& h = core_->hosts[r];
+      if (h.empty()) {
+        node[r] = next++;
+        continue;
+      }
+      auto it = seen.find(h);
+      node[r] = it != seen.end() ? it->second : (seen[h] = next++);
+    }
+    return node;
+  }
+
   Request send(int peer, const void* data, size_t bytes, int tag) override {
     check_peer(peer, "send to");
     return post(false, peer, const_cast<void*>(data), bytes, tag);
@@ -1177,6 +1217,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
     for (int p = 0; p < c.size; ++p) {
       if (p != c.rank) mine[p] = gloo_clean_address(c.ctx->createPair(p)->address().bytes());
     }
+    if (c.size > 1) c.hosts[c.rank] = gloo_address_host(mine[c.rank == 0 ? 1 : 0]);
   } catch (const std::exception& e) {
     throw InvalidArgumentError(who + ": Gloo could not listen on " + where + ": " +
                                gloo_text(e.what()));
@@ -1219,6 +1260,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
                     kInvalidArgument, who, ": rank ", p, "'s address for this rank ('",
                     echo(words[2 + c.rank], 60), "') is not a Gloo TCP address");
     c.peers[p].address = gloo_address_text(theirs[p]);
+    c.hosts[p] = gloo_address_host(theirs[p]);
   }
   DISTSTRAT_CHECK(missing.empty(), kDeadlineExceeded, who, ": ", ranks_phrase(missing),
                   " never published ", missing.size() == 1 ? "its" : "their", " addresses (keys '",
@@ -1299,6 +1341,12 @@ class InMemoryAddressExchange : public AddressExchange {
 
 std::shared_ptr<AddressExchange> make_in_memory_address_exchange() {
   return std::make_shared<InMemoryAddressExchange>();
+}
+
+std::vector<int> gloo_node_of(const Transport& transport) {
+  const auto* t = dynamic_cast<const GlooTransport*>(&transport);
+  if (!t) return {};
+  return t->node_of();
 }
 
 std::unique_ptr<Transport> make_gloo_transport(int rank, int size, AddressExchange& exchange,

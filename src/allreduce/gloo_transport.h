@@ -99,6 +99,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "allreduce/transport.h"
 
@@ -144,5 +145,11 @@ struct GlooTransportOptions {
 std::unique_ptr<Transport> make_gloo_transport(int rank, int size, AddressExchange& exchange,
                                                const GlooTransportOptions& options,
                                                Clock::time_point deadline);
+
+// Which ranks of a Gloo transport share a host: node_of[r] for every rank r
+// (ranks that advertised the same IP address share a node; nodes are numbered
+// 0, 1, ... in the order of their lowest rank), as TransportCommunicator's
+// hierarchical algorithm and kAuto take it. {} for any other transport.
+std::vector<int> gloo_node_of(const Transport& transport);
 
 }  // namespace diststrat

@@ -161,11 +161,14 @@ void MultiWorkerMirroredStrategy::Impl::join_group(SteadyClock::time_point deadl
           make_gloo_transport(e.view.rank, size, exchange, go,
                               std::min(deadline, Clock::now() + options.communication.timeout));
       Transport& ref = *t;
-      CommunicationOptions co = options.communication;
-      co.algorithm = co.algorithm == Algorithm::kHierarchical ? Algorithm::kAuto : co.algorithm;
-      comms.cross = wrap_recorded(
-          std::make_unique<TransportCommunicator>(ref, co, std::vector<int>{}, std::move(t)),
-          "elastic g" + std::to_string(e.view.group));
+      // Ranks that share a host are one node: kAuto (and kHierarchical)
+      // then cross the network once per host, whatever order the workers
+      // arrived in (a flat ring in arrival order could cross it at every
+      // step: h0 h1 h0 h1).
+      std::vector<int> node_of = gloo_node_of(ref);
+      comms.cross = wrap_recorded(std::make_unique<TransportCommunicator>(
+                                      ref, options.communication, std::move(node_of), std::move(t)),
+                                  "elastic g" + std::to_string(e.view.group));
       // The job's processes find each other's flight records by the URL.
       flight::set_job(e.options.rendezvous);
       flight::set_process(e.view.rank, size);

@@ -212,6 +212,41 @@ TEST(GlooTransport, GloosDeviceThreadDoesNotPreemptOnWakeUp) {
   EXPECT_GE(added.size(), 2u) << "Gloo's device threads (one per transport) are not SCHED_BATCH";
 }
 
+// Ranks that listen on the same address are one node, whatever their rank
+// order (elastic groups number their workers in arrival order): hosts
+// 127.0.0.1, 127.0.0.2, 127.0.0.1 are nodes 0, 1, 0, and a hierarchical
+// all-reduce over that map is exact.
+TEST(GlooTransport, RanksThatShareAnAddressAreOneNode) {
+  GlooGroup g(3);
+  const char* hosts[] = {"127.0.0.1", "127.0.0.2", "127.0.0.1"};
+  std::vector<std::vector<int>> maps(3);
+  std::vector<float> sums(3);
+  ds::testing::run_threads(
+      3,
+      [&](int r) {
+        ds::GlooTransportOptions o = loopback(g.group);
+        o.listen_host = hosts[r];
+        g.make(r, o);
+        maps[r] = ds::gloo_node_of(g.at(r));
+        ds::CommunicationOptions co;
+        co.algorithm = ds::Algorithm::kHierarchical;
+        ds::TransportCommunicator c(g.at(r), co, maps[r]);
+        float v = static_cast<float>(r + 1);
+        c.all_reduce(&v, &v, 1, ds::DType::kFloat32, ds::ReduceOp::kSum, "nodes");
+        sums[r] = v;
+        g.transports[r].reset();
+      },
+      [&](int r) {
+        if (g.transports[r]) g.transports[r]->abort("rank " + std::to_string(r) + " failed");
+      });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(maps[r], (std::vector<int>{0, 1, 0})) << "rank " << r;
+    EXPECT_EQ(sums[r], 6.0f) << "rank " << r;
+  }
+  ds::InProcessTransportGroup other(1);
+  EXPECT_TRUE(ds::gloo_node_of(other.at(0)).empty());
+}
+
 TEST(GlooTransport, InterfaceOptionBindsItsAddress) {
   ds::GlooTransportOptions o;
   o.interface = "lo";
