@@ -12,7 +12,8 @@
 // With --overlap (default) each layer's gradients are handed to
 // all_reduce_async as the backward pass produces them (last layer first), so
 // their all-reduce runs on the communication thread while the earlier layers'
-// backward still computes; the update is plain SGD on the reduced gradients.
+// backward still computes; the update is the optimizer's SGD rule
+// (Optimizer::update) on the reduced gradients.
 // --no-overlap uses Optimizer::apply_gradients (one fused call after
 // backward). Prints samples/s (global samples over the timed steps). The
 // parameter server always uses apply_gradients (the PS applies the update), and
@@ -369,11 +370,11 @@ int main(int argc, char** argv) {
                                                         params[2 * layer + 1].name() + "/grad"}));
                 });
             for (ds::Work& w : works) w.wait();
-            for (size_t i = 0; i < params.size(); ++i) {
-              float* w = values[i].data<float>();
-              const float* g = s.grads[i].data<float>();
-              for (int64_t k = 0; k < values[i].num_elements(); ++k) w[k] -= lr * g[k];
-            }
+            // The optimizer's own rule (SGD, no slots): the same CPU kernel
+            // the --no-overlap path runs through apply_gradients.
+            for (size_t i = 0; i < params.size(); ++i)
+              opt.update(values[i].data<float>(), s.grads[i].data<float>(), nullptr,
+                         static_cast<size_t>(values[i].num_elements()), done);
             sum_and_rows.data<double>()[0] = s.loss_sum;
             return sum_and_rows;
           });

@@ -105,7 +105,10 @@ class ElasticState {
   // Runs train(*this) until it returns, re-forming the group after each
   // membership change as described above. Collective. Throws what train
   // throws that is not a lost peer; UnavailableError when the store cannot
-  // be reached or fewer than min_workers remain until join_timeout.
+  // be reached or fewer than min_workers remain until join_timeout;
+  // FailedPreconditionError for a worker that waited to be admitted by a
+  // group that finished its training first. When train returns, the group
+  // is marked finished in the store (best effort).
   void run(const std::function<void(ElasticState&)>& train);
 
   // Commits now (also done at the start of every Strategy::run in train).

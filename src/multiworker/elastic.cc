@@ -407,6 +407,17 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
         change.reset();
       }
       train(*this);
+      // Done: workers still waiting to join this group are told so (they
+      // would wait until their join_timeout). Best effort: the training is
+      // complete whether or not the store can be reached now.
+      try {
+        e.rendezvous->finish(e.view.group, SteadyClock::now() + std::min<std::chrono::milliseconds>(
+                                                                    m.options.communication.timeout,
+                                                                    std::chrono::seconds(5)));
+      } catch (const Error& err) {
+        m.self->logger().warning("elastic: worker '", e.rendezvous->id(), "' could not mark group ",
+                                 e.view.group, " finished in the store: ", err.message());
+      }
       return;
     } catch (const Error& err) {
       if (!lost_peer(err) || !m.cross) throw;

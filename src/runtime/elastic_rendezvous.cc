@@ -107,8 +107,10 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
   const bool was_member = last != nullptr && contains(last->members, id_);
   for (;;) {
     bool dead = false;
+    int64_t finished_group = -1;  // the group it waited for finished
     const Membership m = store_->transact(
         [&](Membership& r) {
+          finished_group = -1;
           if (!last && opened_at == std::numeric_limits<int64_t>::max()) opened_at = r.group;
           if (r.is_dead(id_)) {
             dead = true;
@@ -119,6 +121,11 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
             // Groups formed since this worker came (a worker with no group
             // counts from the group it first saw).
             const int64_t since = last ? last_group : opened_at;
+            if (r.finished && r.is_waiting(id_)) {
+              remove(r.waiting, id_);
+              finished_group = r.group;
+              return true;
+            }
             if (member && r.group > since) {
               // Formed with this worker, unless another process took the id.
               const Membership::Claim* c = r.claim_of(id_);
@@ -130,9 +137,10 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
             // Its group broke or admits joiners; or the job's first round; or
             // a process with no group yet finds its id listed (it restarted,
             // or the record is a finished job's): the group re-forms.
-            if ((member && r.group == since) || r.members.empty()) {
+            if ((member && r.group == since) || r.members.empty() || r.finished) {
               claim(r, was_member);
-              r.forming = true;  // its group broke or admits joiners; or the job's first
+              r.forming = true;    // its group broke or admits joiners; or the job's first
+              r.finished = false;  // (or starts again)
               r.arrived = {id_};
               remove(r.waiting, id_);
               return true;
@@ -188,6 +196,12 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
         },
         std::min(deadline, Clock::now() + options_.store_timeout));
     if (dead) return std::nullopt;
+    if (finished_group >= 0) {
+      throw FailedPreconditionError(
+          "elastic: worker '" + id_ + "' waited to join group " + std::to_string(finished_group) +
+          " in " + store_->describe() +
+          ", which finished its training before admitting it: there is nothing left to join");
+    }
     if (!m.forming && m.has_member(id_) && m.group > (last ? last_group : opened_at)) {
       GroupView v;
       v.group = m.group;
@@ -217,6 +231,16 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
     }
     std::this_thread::sleep_for(options_.poll);
   }
+}
+
+void ElasticRendezvous::finish(int64_t group, Clock::time_point deadline) {
+  store_->transact(
+      [&](Membership& r) {
+        if (r.forming || r.group != group || r.finished) return false;
+        r.finished = true;
+        return true;
+      },
+      deadline);
 }
 
 bool ElasticRendezvous::joiners_waiting(int64_t group, Clock::time_point deadline) {

@@ -82,7 +82,16 @@ class ElasticRendezvous {
   // id, as a new worker). A worker with no last group whose id the running
   // group lists (a restarted process, or a finished job's record) is not
   // taken for that group's member: it opens a round, like a broken member.
+  // A worker that waits to be admitted by a group that then finishes its
+  // training gets FailedPreconditionError (there is nothing left to join);
+  // one that comes after a group finished opens a new round (the job is
+  // started again).
   std::optional<GroupView> join(const GroupView* last, Clock::time_point deadline);
+
+  // Marks group `group` finished (its training is done), unless another
+  // round has begun since: the workers waiting to join it stop waiting
+  // (join throws FailedPreconditionError for them). One transaction.
+  void finish(int64_t group, Clock::time_point deadline);
 
   // Whether group `group` should re-form now (one read of the record): a
   // worker waits and there is room for it (max_workers), or a round is open;

@@ -116,6 +116,7 @@ std::string Membership::encode() const {
   std::string out = "diststrat-membership 1\ngeneration " + std::to_string(generation) +
                     "\ngroup " + std::to_string(group) + "\n";
   if (forming) out += "forming\n";
+  if (finished) out += "finished\n";
   for (const std::string& m : members) out += "member " + m + "\n";
   for (const std::string& a : arrived) out += "arrived " + a + "\n";
   for (const std::string& w : waiting) out += "waiting " + w + "\n";
@@ -183,6 +184,9 @@ Membership Membership::decode(const std::string& text, const std::string& where)
     } else if (line == "forming") {
       if (m.forming) fail("'forming' twice");
       m.forming = true;
+    } else if (line == "finished") {
+      if (m.finished) fail("'finished' twice");
+      m.finished = true;
     } else if (list >= 0) {
       if (!valid_id(value)) fail("the id '" + echo(value, 64) + "'");
       if (++ids > kMaxIds) fail("more than 100000 ids");

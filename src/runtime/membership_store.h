@@ -33,6 +33,10 @@ struct Membership {
   int64_t group = 0;
   // A round is open: workers of the last group and waiting ones are arriving.
   bool forming = false;
+  // Group `group` finished its training (a member's train returned): the
+  // workers waiting to join it are told so; the next worker to come starts
+  // the job again (a new round).
+  bool finished = false;
   // The members of group `group`, in rank order.
   std::vector<std::string> members;
   // While forming: the ids that arrived at the round, in arrival order.
@@ -62,7 +66,7 @@ struct Membership {
   bool is_waiting(const std::string& id) const;
   bool is_dead(const std::string& id) const;
 
-  // The stored form: "diststrat-membership 1\ngeneration G\ngroup N\n[forming\n]"
+  // The stored form: "diststrat-membership 1\ngeneration G\ngroup N\n[forming\n][finished\n]"
   // then "member ID", "arrived ID", "waiting ID", "dead ID" and
   // "claim ID TOKEN member|new" lines (TOKEN: 1-64 of [0-9a-f]).
   std::string encode() const;

@@ -130,6 +130,9 @@ void kill_then_join(const std::string& dir,
   hold = false;
   *survivors = {a.get(), b.get()};
   *joiner = d.get();
+  // Their train returned: the group is marked finished (a worker still
+  // waiting to join it would be told so).
+  EXPECT_TRUE(store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).finished);
 }
 
 // `o` trained like `reference` and used each of its rows exactly `epochs`

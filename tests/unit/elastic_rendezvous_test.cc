@@ -130,6 +130,42 @@ TEST(ElasticRendezvous, ARerunUnderTheSameIdsFormsANewGroup) {
   for (const ds::GroupView& v : again) EXPECT_GT(v.group, first[0].group);
 }
 
+// A worker waiting to be admitted by a group that then finishes its training
+// is told so at once (before, it waited until its join_timeout, 10 minutes
+// by default); a worker that comes after that starts the job again, and a
+// finished group's members can still form the next one.
+TEST(ElasticRendezvous, AWorkerWaitingForAGroupThatFinishesIsToldSo) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2, 3)), b = make(dir, "b", quick(2, 3));
+  const std::vector<ds::GroupView> g = join_all({&a, &b}, {});
+  ds::ElasticRendezvous c = make(dir, "c", quick(2, 3));
+  auto waited = std::async(std::launch::async, [&] { return c.join(nullptr, in_ms(60000)); });
+  const auto until = in_ms(5000);
+  while (!a.joiners_waiting(g[0].group, in_ms(2000)) && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(a.joiners_waiting(g[0].group, in_ms(2000)));
+  const auto t0 = Clock::now();
+  a.finish(g[0].group, in_ms(2000));
+  try {
+    waited.get();
+    ADD_FAILURE() << "the waiting worker joined a finished group";
+  } catch (const ds::FailedPreconditionError& e) {
+    EXPECT_NE(std::string(e.what()).find("worker 'c' waited to join group 1"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("finished its training"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  b.finish(g[0].group, in_ms(2000));  // a second member's mark changes nothing
+  // The next workers start the job again under their ids.
+  ds::ElasticRendezvous a2 = make(dir, "a", quick(2, 2)), c2 = make(dir, "c", quick(2, 2));
+  const std::vector<ds::GroupView> again = join_all({&a2, &c2}, {});
+  for (const ds::GroupView& v : again) {
+    EXPECT_EQ(v.group, g[0].group + 1);
+    EXPECT_EQ(v.members.size(), 2u);
+  }
+}
+
 // Two live processes under one id are never one member: a second process
 // waiting under the id of a waiting worker is refused at once, naming it.
 TEST(ElasticRendezvous, ASecondLiveProcessUnderAWaitingIdIsRefused) {

@@ -33,6 +33,7 @@ TEST(Membership, RecordRoundTripsAndDamagedOnesAreDataLoss) {
   m.dead = {"w9"};
   m.group = 3;
   m.forming = true;
+  m.finished = true;
   m.arrived = {"w0", "new"};
   m.waiting = {"late"};
   m.claims = {{"w0", "0123456789abcdef", true}, {"late", "fe", false}};
@@ -44,6 +45,8 @@ TEST(Membership, RecordRoundTripsAndDamagedOnesAreDataLoss) {
   EXPECT_EQ(back.generation, 7);
   EXPECT_EQ(back.group, 3);
   EXPECT_TRUE(back.forming);
+  EXPECT_TRUE(back.finished);
+  EXPECT_FALSE(ds::Membership::decode(ds::Membership().encode(), "test").finished);
   EXPECT_EQ(back.members, m.members);
   EXPECT_EQ(back.arrived, m.arrived);
   EXPECT_EQ(back.waiting, m.waiting);
@@ -62,6 +65,7 @@ TEST(Membership, RecordRoundTripsAndDamagedOnesAreDataLoss) {
         "diststrat-membership 1\ngeneration 1\nleader w0\n",
         "diststrat-membership 1\ngeneration 1\n",  // no group
         "diststrat-membership 1\ngeneration 1\ngroup 1\nforming\nforming\n",
+        "diststrat-membership 1\ngeneration 1\ngroup 1\nfinished\nfinished\n",
         "diststrat-membership 1\ngeneration 1\ngroup x\n",
         "diststrat-membership 1\ngeneration 1\ngroup 1\nwaiting a\nwaiting a\n",
         "diststrat-membership 1\ngeneration 1\ngroup 1\nclaim a 0f\n",
