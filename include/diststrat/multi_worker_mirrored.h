@@ -155,6 +155,7 @@ class MultiWorkerMirroredStrategy : public Strategy {
   struct Impl;
 
  protected:
+  bool run_is_step() const override;
   Tensor variable_value(const Variable::Impl& var) const override;
   void assign_variable(Variable::Impl& var, const Tensor& value) override;
   void run_replicas(const std::function<void(ReplicaContext&)>& fn) override;

@@ -276,8 +276,16 @@ class Strategy {
   // reads DISTSTRAT_FAULT. Set before run(); not thread-safe.
   void set_fault_injection(const FaultInjection& fault) { fault_ = fault; }
   const FaultInjection& fault_injection() const { return fault_; }
-  // Number of run() calls so far (the step index the next run() gets).
+  // Number of run() calls so far (the step index the next run() gets); the
+  // runs of run_between_steps are not counted.
   int64_t steps_run() const { return step_; }
+  // Runs fn on every replica as run() does, as the library's own work
+  // between training steps (a checkpoint reading or writing optimizer slots,
+  // ZeRO-1 gathering them, an elastic commit): it gets no step number
+  // (steps_run() is unchanged), no injected fault fires in it, an elastic
+  // strategy neither commits nor looks for joiners before it, and its
+  // errors start "before step S: ".
+  void run_between_steps(const std::function<void(ReplicaContext&)>& fn);
   // The group of workers this strategy runs in: 0 for a fixed group; an
   // elastic strategy's group number, which changes with every membership
   // change (diststrat/elastic.h). Agreements made once per group (an
@@ -324,6 +332,10 @@ class Strategy {
   // their first collective of the step), which the group must reject naming
   // the rank. Multi-worker overrides it to corrupt the next pack signature.
   virtual void inject_corruption(ReplicaContext& ctx, int64_t step);
+  // Whether the run now starting is a training step (numbered, the fault
+  // injection's target, "step S: " in its errors): not inside
+  // run_between_steps. A strategy may say no for more of its own runs.
+  virtual bool run_is_step() const { return !between_steps_; }
 
   std::vector<Variable> variables_;
   Logger logger_;
@@ -342,6 +354,7 @@ class Strategy {
 
   FaultInjection fault_;
   int64_t step_ = 0;
+  bool between_steps_ = false;  // inside run_between_steps
 };
 
 }  // namespace diststrat

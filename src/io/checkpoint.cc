@@ -224,7 +224,7 @@ std::vector<Tensor> CheckpointParticipant::read_slots(Strategy& strategy,
                                                       const std::vector<SlotRef>& slots) {
   std::vector<Tensor> out(slots.size());
   if (slots.empty()) return out;
-  strategy.run([&](ReplicaContext& ctx) {
+  strategy.run_between_steps([&](ReplicaContext& ctx) {
     if (ctx.local_replica_id() != 0) return;
     for (size_t k = 0; k < slots.size(); ++k) {
       const Tensor& src = slots[k].var->slot(slots[k].slot).at(0);
@@ -240,7 +240,7 @@ void CheckpointParticipant::assign_slots(Strategy& strategy, const std::vector<S
                                          const std::vector<Tensor>& values) {
   DISTSTRAT_CHECK_EQ(slots.size(), values.size(), "checkpoint: assign_slots");
   if (slots.empty()) return;
-  strategy.run([&](ReplicaContext& ctx) {
+  strategy.run_between_steps([&](ReplicaContext& ctx) {
     const size_t i = static_cast<size_t>(ctx.local_replica_id());
     for (size_t k = 0; k < slots.size(); ++k) {
       std::vector<Tensor>& copies = slots[k].var->slot(slots[k].slot);

@@ -51,9 +51,15 @@ Tensor MultiWorkerMirroredStrategy::Impl::cross_gather(const Tensor& local,
   return out;
 }
 
+// An elastic commit's runs (reading and writing sharded optimizer slots)
+// are the strategy's own, between the user's steps.
+bool MultiWorkerMirroredStrategy::run_is_step() const {
+  return Strategy::run_is_step() && !(impl_->elastic && impl_->elastic->committing);
+}
+
 void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaContext&)>& fn) {
   Impl& m = *impl_;
-  if (m.elastic && !m.elastic->committing) {
+  if (m.elastic && run_is_step()) {
     // (Internal steps, which read and write optimizer slots on the local
     // replicas, also run between groups.)
     DISTSTRAT_CHECK(m.cross, kFailedPrecondition,

@@ -202,7 +202,7 @@ std::vector<Tensor> Optimizer::gather_sharded_slots(
   // One gather per slot name: every replica's block of it, in replica
   // order, is the slot of all variables laid end to end.
   std::vector<Tensor> full(z.slot_names.size());
-  strategy_->run([&](ReplicaContext& ctx) {
+  strategy_->run_between_steps([&](ReplicaContext& ctx) {
     const Zero::Local& L = z.locals[static_cast<size_t>(ctx.local_replica_id())];
     DISTSTRAT_CHECK(L.ready, kFailedPrecondition, name(), ": sharded slots of local replica ",
                     ctx.local_replica_id(), " were never laid out (no step ran there)");
@@ -275,7 +275,7 @@ void Optimizer::assign_sharded_slots(
     }
     return;
   }
-  strategy_->run([&](ReplicaContext& ctx) {
+  strategy_->run_between_steps([&](ReplicaContext& ctx) {
     Zero::Local& L = z.locals[static_cast<size_t>(ctx.local_replica_id())];
     if (L.ready) write(L);
   });

@@ -91,10 +91,11 @@ void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
                   fault_.step, " (DISTSTRAT_FAULT or set_fault_injection): rank ", fault_.rank,
                   " is not a replica of this job (replica ids 0..", num_replicas_in_sync() - 1,
                   ")");
-  const int64_t step = step_++;
-  const std::string where = "step " + std::to_string(step) + ": ";
+  const bool counted = run_is_step();
+  const int64_t step = counted ? step_++ : step_;
+  const std::string where = (counted ? "step " : "before step ") + std::to_string(step) + ": ";
   try {
-    if (!fault_.active() || fault_.step != step) {
+    if (!counted || !fault_.active() || fault_.step != step) {
       run_replicas(fn);
     } else {
       run_replicas([&](ReplicaContext& ctx) {
@@ -106,6 +107,18 @@ void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
     if (e.message().rfind(where, 0) == 0) throw;
     throw_error(e.code(), where + e.message());
   }
+}
+
+void Strategy::run_between_steps(const std::function<void(ReplicaContext&)>& fn) {
+  const bool was = between_steps_;
+  between_steps_ = true;
+  try {
+    run_step(fn);
+  } catch (...) {
+    between_steps_ = was;
+    throw;
+  }
+  between_steps_ = was;
 }
 
 void Strategy::inject_fault(ReplicaContext& ctx, int64_t step) {

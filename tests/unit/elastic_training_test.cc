@@ -183,4 +183,36 @@ TEST(ElasticTraining, AStepBeforeRunIsAnErrorAndAfterItIsFine) {
   EXPECT_NO_THROW(step());
 }
 
+// The commit's own runs (it gathers ZeRO-1's sharded Adam slots at every
+// step) are no training steps: steps_run() counts the user's steps only, and
+// an error names the user's step. Before, 5 steps read as steps_run() 10.
+TEST(ElasticTraining, TheCommitsRunsAreNotCountedAsSteps) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("elastic_steps");
+  ds::MultiWorkerOptions o = es::worker_options(dir.path(), "solo", 1);
+  o.elastic.settle_timeout = std::chrono::milliseconds(100);
+  o.shard_optimizer_state = true;
+  ds::MultiWorkerMirroredStrategy s(o);
+  ds::Variable w = s.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Adam adam(s, ds::AdamOptions{});
+  ds::ElasticState state(s, {&adam});
+  const auto step = [&] {
+    s.run([&](ds::ReplicaContext& ctx) {
+      ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
+      for (int i = 0; i < 4; ++i) g.data<float>()[i] = 1.0f;
+      adam.apply_gradients(ctx, {{g, w}});
+    });
+  };
+  state.run([&](ds::ElasticState&) {
+    for (int i = 0; i < 5; ++i) step();
+  });
+  EXPECT_EQ(s.steps_run(), 5);
+  try {
+    s.run([&](ds::ReplicaContext&) { throw ds::InvalidArgumentError("in the user's step"); });
+    ADD_FAILURE() << "the step did not throw";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_EQ(e.message().rfind("step 5: ", 0), 0u) << e.what();
+  }
+}
+
 }  // namespace
