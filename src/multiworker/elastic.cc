@@ -279,9 +279,18 @@ void MultiWorkerMirroredStrategy::Impl::before_step() {
                                           options.communication.timeout, std::chrono::seconds(5)))
                   ? 1
                   : 0;
+      e.poll_warning.clear();  // reachable again: a new failure is said at once
     } catch (const Error& err) {
-      // A running group needs the store only to change: it goes on.
-      self->logger().warning("elastic: rank 0 could not look for waiting workers: ", err.message());
+      // A running group needs the store only to change: it goes on. Said
+      // once per reason and then once a minute (a damaged record or a store
+      // that is down would otherwise be logged at every look).
+      if (err.message() != e.poll_warning || now - e.poll_warned >= std::chrono::minutes(1)) {
+        self->logger().warning("elastic: rank 0 could not look for waiting workers: ",
+                               err.message(), err.message() == e.poll_warning ? " (still)" : "",
+                               "; the group trains on (it needs the store only to change)");
+        e.poll_warning = err.message();
+        e.poll_warned = now;
+      }
     }
   }
   if (cross->size() > 1) {

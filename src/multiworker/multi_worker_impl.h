@@ -67,6 +67,10 @@ struct ElasticRuntime {
   ElasticState* state = nullptr;  // while its run() is active
   bool committing = false;        // inside a commit (its own Strategy::run calls pass)
   std::chrono::steady_clock::time_point next_poll{};  // the chief's next look for joiners
+  // The chief's last warning that it could not look (said again only when
+  // the reason changes, or a minute later: not at every look).
+  std::string poll_warning;
+  std::chrono::steady_clock::time_point poll_warned{};
   int rejoins = 0;         // times this worker was declared dead and joined anew
   bool admitting = false;  // the group left its step to admit waiting workers
   // ElasticState::run agreed on the group's state once: until then the

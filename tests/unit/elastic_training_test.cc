@@ -8,6 +8,8 @@
 // once per epoch (counted in a variable the optimizer updates).
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include <atomic>
 #include <cmath>
 #include <future>
@@ -213,6 +215,37 @@ TEST(ElasticTraining, TheCommitsRunsAreNotCountedAsSteps) {
   } catch (const ds::InvalidArgumentError& e) {
     EXPECT_EQ(e.message().rfind("step 5: ", 0), 0u) << e.what();
   }
+}
+
+// A damaged membership record does not stop a running group (it needs the
+// store only to change), and the chief says so once, not at every look for
+// joiners (every join_poll: 20 ms here, 0.5 s by default).
+TEST(ElasticTraining, ADamagedRecordIsReportedOnceNotAtEveryLook) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("elastic_damaged");
+  ds::MultiWorkerOptions o = es::worker_options(dir.path(), "solo", 1);
+  o.elastic.settle_timeout = std::chrono::milliseconds(100);
+  o.elastic.join_poll = std::chrono::milliseconds(1);
+  ds::MultiWorkerMirroredStrategy s(o);
+  std::atomic<int> warnings{0};
+  s.logger().set_sink([&](ds::LogLevel, const std::string& line) {
+    if (line.find("could not look for waiting workers") != std::string::npos) ++warnings;
+  });
+  ds::Variable w = s.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::ElasticState state(s);
+  int steps = 0;
+  state.run([&](ds::ElasticState&) {
+    {
+      std::ofstream record(dir.path() + "/job.membership", std::ios::trunc);
+      record << "not a membership record\n";
+    }
+    for (; steps < 30; ++steps) {
+      s.run([&](ds::ReplicaContext& ctx) { (void)w.read(ctx); });
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  EXPECT_EQ(steps, 30);
+  EXPECT_EQ(warnings.load(), 1);
 }
 
 }  // namespace
