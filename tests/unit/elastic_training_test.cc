@@ -8,10 +8,9 @@
 // once per epoch (counted in a variable the optimizer updates).
 #include <gtest/gtest.h>
 
-#include <fstream>
-
 #include <atomic>
 #include <cmath>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <string>
