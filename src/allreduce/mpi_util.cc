@@ -112,9 +112,7 @@ void wait(MPI_Request* req, const std::string& what, std::chrono::milliseconds t
                                   "it: see the other ranks' output)");
     }
     if (spin < 256) continue;
-    // A few yields, then sleeps (see ShmCommunicator::Call::barrier: a
-    // waiter that stays runnable competes with the rank it waits for).
-    if (spin < 256 + 64) {
+    if (spin < 4096) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(100));

@@ -99,12 +99,14 @@ void ShmCommunicator::Call::barrier() {
         if (spin >= 1024) c_->progress();
       }
       if (spin < 1024) continue;
-      // A few yields, then sleeps: a waiting rank that stays runnable
-      // (yielding) competes for the core with the rank it waits for when
-      // the processes outnumber the cores (3 ranks and another job on 2
-      // cores: a test of small segments took 115 s with 16384 yields
-      // per wait, against 0.5 s alone).
-      if (spin < 1024 + 64) {
+      // Yields, then sleeps; only a few yields when the ranks outnumber the
+      // CPUs: a waiting rank that stays runnable (yielding) then competes
+      // for a core with the rank it waits for (3 ranks and a busy process
+      // on 2 cores: a test of small segments took 115 s with 16384 yields,
+      // 1 s with 64, 15 s with none). With a core each, yielding keeps the
+      // wake-up prompt (2 workers of train_bench on 2 cores: 64 yields
+      // before sleeping cost a fifth of their throughput).
+      if (spin < (c_->oversubscribed_ ? 1024 + 64 : 16384)) {
         std::this_thread::yield();
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(50));

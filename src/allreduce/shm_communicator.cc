@@ -12,6 +12,7 @@
 // fail their next barrier with AbortedError naming it within microseconds,
 // and nothing delays its own error on the way to the caller's catch.
 
+#include <sched.h>
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -67,6 +68,9 @@ ShmCommunicator::ShmCommunicator(MPI_Comm comm, const CommunicationOptions& opti
   // Everyone's header is constructed before anyone reads it.
   mpi::barrier(comm_, "shm communicator set-up", t);
   single_copy_ = probe_single_copy();
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  oversubscribed_ = sched_getaffinity(0, sizeof cpus, &cpus) == 0 && size_ > CPU_COUNT(&cpus);
 }
 
 bool ShmCommunicator::probe_single_copy() {

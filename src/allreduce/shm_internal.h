@@ -240,11 +240,14 @@ class ShmCommunicator : public Communicator {
     size_t bytes = 0;
     std::vector<char*> bases;  // every rank's part, mapped here
   };
-  std::vector<Window> windows_;            // from allocate_buffer
-  uint64_t barriers_ = 0;                  // barriers this rank has entered
-  uint64_t chunks_ = 0;                    // chunks processed (buffer parity)
-  uint64_t resets_ = 0;                    // reset() calls (the header's reset_epoch)
-  bool single_copy_ = false;               // probe_single_copy() at set-up
+  std::vector<Window> windows_;  // from allocate_buffer
+  uint64_t barriers_ = 0;        // barriers this rank has entered
+  uint64_t chunks_ = 0;          // chunks processed (buffer parity)
+  uint64_t resets_ = 0;          // reset() calls (the header's reset_epoch)
+  bool single_copy_ = false;     // probe_single_copy() at set-up
+  // More ranks on this node than CPUs this process may run on: a waiting
+  // rank sleeps at once after its spin instead of yielding (Call::barrier).
+  bool oversubscribed_ = false;
   std::vector<char> single_copy_scratch_;  // the peers' blocks and the reduced one
   std::mutex abort_mu_;
   std::string abort_reason_;  // guarded by abort_mu_
