@@ -240,43 +240,48 @@ std::string gloo_text(const std::string& what) {
   return echo(out.empty() ? "unknown Gloo error" : out);
 }
 
-// "127.0.0.1" / "::1" from a Gloo TCP address's bytes ("" if it is none).
-std::string gloo_address_host(const std::vector<char>& bytes) {
+// The IP address and port of a Gloo TCP address's bytes; false if they are
+// none (not IPv4 or IPv6, or not an address at all).
+bool gloo_address_parts(const std::vector<char>& bytes, std::string* host, int* port, bool* v6) {
   try {
     const gloo::transport::tcp::Address a(bytes);
     const sockaddr_storage& ss = a.getSockaddr();
-    char host[INET6_ADDRSTRLEN] = "";
+    char text[INET6_ADDRSTRLEN] = "";
     if (ss.ss_family == AF_INET) {
-      inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, host, sizeof host);
+      const auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
+      inet_ntop(AF_INET, &in->sin_addr, text, sizeof text);
+      *port = ntohs(in->sin_port);
+      *v6 = false;
     } else if (ss.ss_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, host,
-                sizeof host);
+      const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+      inet_ntop(AF_INET6, &in6->sin6_addr, text, sizeof text);
+      *port = ntohs(in6->sin6_port);
+      *v6 = true;
+    } else {
+      return false;
     }
-    return host;
+    *host = text;
+    return true;
   } catch (const std::exception&) {
-    return "";
+    return false;
   }
+}
+
+// "127.0.0.1" / "::1" from a Gloo TCP address's bytes ("" if it is none).
+std::string gloo_address_host(const std::vector<char>& bytes) {
+  std::string host;
+  int port = 0;
+  bool v6 = false;
+  return gloo_address_parts(bytes, &host, &port, &v6) ? host : "";
 }
 
 // "127.0.0.1:4567" / "[::1]:4567" from a Gloo TCP address's bytes.
 std::string gloo_address_text(const std::vector<char>& bytes) {
-  try {
-    const gloo::transport::tcp::Address a(bytes);
-    const sockaddr_storage& ss = a.getSockaddr();
-    char host[INET6_ADDRSTRLEN] = "?";
-    if (ss.ss_family == AF_INET) {
-      const auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
-      inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
-      return std::string(host) + ":" + std::to_string(ntohs(in->sin_port));
-    }
-    if (ss.ss_family == AF_INET6) {
-      const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
-      inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
-      return "[" + std::string(host) + "]:" + std::to_string(ntohs(in6->sin6_port));
-    }
-  } catch (const std::exception&) {
-  }
-  return "unknown address";
+  std::string host;
+  int port = 0;
+  bool v6 = false;
+  if (!gloo_address_parts(bytes, &host, &port, &v6)) return "unknown address";
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
 // A Gloo TCP address's bytes with only the address itself, the port and the
