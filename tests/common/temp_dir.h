@@ -16,17 +16,17 @@
 // throw in a test body as a failure of that test).
 #pragma once
 
+#include <ftw.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -57,11 +57,25 @@ inline std::string make_temp_dir(const std::string& prefix) {
   return std::string(buf.data());
 }
 
-// Removes `path` recursively; errors are ignored (best effort at teardown).
-inline void remove_temp_dir(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::remove_all(path, ec);
+// Removes `path` and everything under it (symbolic links themselves, never
+// what they point to); errors are ignored (best effort at teardown). POSIX
+// nftw, not std::filesystem: PyTorch's 2.x libtorch.so exports a copy of
+// std::filesystem that crashes a program linked with it when called
+// (pytorch/pytorch#133437), and the LibTorch tests include this header.
+inline void remove_tree(const std::string& path) {
+  ::nftw(
+      path.c_str(),
+      [](const char* p, const struct stat*, int type, struct FTW*) {
+        if (type == FTW_DP || type == FTW_DNR) {
+          ::rmdir(p);
+        } else {
+          ::unlink(p);
+        }
+        return 0;  // go on past what cannot be removed
+      },
+      16, FTW_DEPTH | FTW_PHYS);
 }
+inline void remove_temp_dir(const std::string& path) { remove_tree(path); }
 
 // A temporary directory removed at the end of the scope, by the process that
 // created it only. Not copyable (two owners would remove it twice).

@@ -49,6 +49,9 @@ with tempfile.TemporaryDirectory(prefix="diststrat_lint_") as tmp:
         # a room that is not a seam includes the CUDA integration
         plant(tmp, "src/optim/optimizer.cc", '#include "gpu/cuda_backend.h"'):
             "only the registration seams include src/gpu",
+        # std::filesystem in the library (LibTorch's copy would be called)
+        plant(tmp, "src/core/tensor.cc", '#include <filesystem>'):
+            "<filesystem> in code that may be linked with LibTorch",
     }
     with open(os.path.join(tmp, "include/diststrat/new_concept.h"), "w") as f:
         f.write("#pragma once\n")

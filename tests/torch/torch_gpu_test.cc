@@ -5,10 +5,10 @@
 // Each test skips, with the reason, where LibTorch has no CUDA (Debian's).
 #include <unistd.h>
 
-#include <filesystem>
 #include <memory>
 #include <string>
 
+#include "../common/temp_dir.h"
 #include "torch_test_util.h"
 
 namespace diststrat::testing {
@@ -133,9 +133,7 @@ TEST(TorchGpu, NoSyncAccumulationEqualsOneLargerBatch) {
 // the device), saved, and restored into a CPU job: bit-equal.
 TEST(TorchGpu, CheckpointSavedFromGpuRestoresOnCpuBitEqual) {
   SKIP_WITHOUT_CUDA();
-  const std::string dir = (std::filesystem::temp_directory_path() /
-                           ("diststrat_torch_gpu_" + std::to_string(::getpid())))
-                              .string();
+  const std::string dir = diststrat_test::make_temp_dir("diststrat_torch_gpu_");
   const Dataset data = make_data(kGlobalBatch * 4);
   std::vector<at::Tensor> params, momentum;
   {
@@ -178,7 +176,7 @@ TEST(TorchGpu, CheckpointSavedFromGpuRestoresOnCpuBitEqual) {
           << "replica " << r << " momentum " << i;
     }
   }
-  std::filesystem::remove_all(dir);
+  diststrat_test::remove_tree(dir);
 }
 
 // DLPack conversions of CUDA tensors inside a replica of a split GPU: the

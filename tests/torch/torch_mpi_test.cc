@@ -7,8 +7,8 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <filesystem>
 
+#include "../common/temp_dir.h"
 #include "torch_test_util.h"
 
 namespace diststrat::testing {
@@ -322,7 +322,7 @@ TEST(TorchMultiWorkerMpi, TrainingStateRestoresOnEveryRank) {
     EXPECT_TRUE(torch::equal(st.momentum_buffer(), saved_momentum[i])) << "momentum " << i;
   }
   fresh.barrier("checkpoint read");
-  if (fresh.cluster().is_chief()) std::filesystem::remove_all(dir);
+  if (fresh.cluster().is_chief()) diststrat_test::remove_tree(dir);
 }
 
 // ParameterServerModel across processes: rank 1 is the PS, rank 0 the only

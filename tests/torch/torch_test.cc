@@ -1,16 +1,17 @@
 // diststrat::torch in one process: conversions, DistributedDataParallel under
 // MirroredStrategy and CentralStorageStrategy (and MultiWorkerMirrored with
 // its workers as threads), no_sync, unused parameters.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
 
+#include "../common/temp_dir.h"
 #include "torch_test_util.h"
 
 namespace diststrat::testing {
@@ -662,12 +663,10 @@ TEST(TorchParameterServer, RowSparseEmbeddingMatchesDenseTraining) {
 
 // ---- checkpoints ------------------------------------------------------------
 
+// A new private directory (removed by the test at its end). No
+// std::filesystem in LibTorch programs: diststrat_test::remove_tree says why.
 std::string scratch_dir(const std::string& name) {
-  const std::string d = (std::filesystem::temp_directory_path() /
-                         ("diststrat_torch_" + name + "_" + std::to_string(::getpid())))
-                            .string();
-  std::filesystem::remove_all(d);
-  return d;
+  return diststrat_test::make_temp_dir("diststrat_torch_" + name + "_");
 }
 
 // 10 steps uninterrupted == 5 steps, checkpoint, a fresh job (other initial
@@ -753,7 +752,7 @@ TEST(TorchCheckpoint, ResumeIsBitIdenticalAndPythonGetsTheSameLogits) {
        {"fc1.weight", "fc2.bias", "scale", "fc1.weight/momentum_buffer", "torch/step"}) {
     EXPECT_NE(file.find(name), nullptr) << name;
   }
-  std::filesystem::remove_all(dir);
+  diststrat_test::remove_tree(dir);
 }
 
 // An optimizer over another replica's parameters (or over tensors of no
@@ -789,7 +788,6 @@ TEST(TorchCheckpoint, OptimizerOverTheWrongReplicaIsNamed) {
 // error naming the file, and leaves the model as it was.
 TEST(TorchCheckpoint, ForeignOrDamagedCheckpointIsRefused) {
   const std::string dir = scratch_dir("foreign");
-  std::filesystem::create_directories(dir);
   std::string saved;
   {
     MirroredStrategy strategy({Device::cpu(0), Device::cpu(1)});
@@ -810,15 +808,16 @@ TEST(TorchCheckpoint, ForeignOrDamagedCheckpointIsRefused) {
   EXPECT_THROW(ckpt.restore(saved), Error);
   EXPECT_TRUE(torch::equal(before, ddp.module(0)->parameters()[0]));
   // Truncated.
-  const auto size = std::filesystem::file_size(saved);
-  std::filesystem::resize_file(saved, size / 2);
+  struct stat st {};
+  ASSERT_EQ(::stat(saved.c_str(), &st), 0) << saved;
+  ASSERT_EQ(::truncate(saved.c_str(), st.st_size / 2), 0) << saved;
   try {
     ckpt.restore(saved);
     FAIL() << "a truncated checkpoint was restored";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(saved), std::string::npos) << e.what();
   }
-  std::filesystem::remove_all(dir);
+  diststrat_test::remove_tree(dir);
 }
 
 }  // namespace

@@ -10,6 +10,8 @@ lower floors; never a room on its own floor (strategies are siblings) or
 above. Two exceptions, each named here: the umbrella header includes
 everything, and only the registration seams (SEAMS) include the optional
 integrations' rooms (src/gpu) from below.
+One more rule, for every file that may be linked into a program with
+LibTorch (NO_FILESYSTEM): no #include <filesystem>.
 Prints every breach as "file:line: <room> includes <room> (<header>): why"
 and exits 1; exits 0 with a one-line summary when the tree keeps the rules.
 docs/architecture.md describes the same floors.
@@ -90,8 +92,36 @@ def why(src, dst):
     return f"{dst} is above {src}"
 
 
+# Code that may be linked into a program with LibTorch (the library, its
+# public headers, the LibTorch tests, the headers tests share, the examples)
+# does not include <filesystem>: PyTorch's 2.x libtorch.so exports a copy of
+# std::filesystem that crashes its callers (pytorch/pytorch#133437).
+NO_FILESYSTEM = ("src", "include/diststrat", "tests/torch", "tests/common", "examples")
+
+
+def check_no_filesystem(root):
+    breaches = []
+    for top in NO_FILESYSTEM:
+        for dirpath, dirnames, names in os.walk(os.path.join(root, top)):
+            dirnames.sort()
+            for name in sorted(names):
+                if not re.search(r"\.(h|cc|cu|cuh|h\.in)$", name):
+                    continue
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, root)
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    for line_no, line in enumerate(f, 1):
+                        m = INCLUDE.match(line)
+                        if m and m.group(1) == "filesystem":
+                            breaches.append(
+                                f"{rel}:{line_no}: <filesystem> in code that may be linked with "
+                                f"LibTorch: PyTorch's libtorch.so exports a std::filesystem that "
+                                f"crashes callers (pytorch/pytorch#133437); use POSIX calls")
+    return breaches
+
+
 def check(root):
-    breaches, files = [], 0
+    breaches, files = check_no_filesystem(root), 0
     for top in ("src", "include/diststrat"):
         for dirpath, dirnames, names in os.walk(os.path.join(root, top)):
             dirnames.sort()
