@@ -30,6 +30,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -59,7 +60,19 @@ using diststrat_examples::Position;
 struct Flags : diststrat_examples::TrainFlags {
   int threads = 1;
   bool logical_gpus = false;
+  bool deterministic = false;
 };
+
+// --deterministic: LibTorch's deterministic kernels (cuDNN's convolutions
+// and cuBLAS's included), so that two GPU runs give the same weights. Call
+// before any CUDA work: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when its first
+// handle is made (an existing value is kept).
+void use_deterministic_kernels() {
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+}
 
 // --device gpu: why it cannot run, on one line, or "" when it can. Without
 // CUDA (Debian's LibTorch) nothing can.
@@ -141,8 +154,12 @@ int main(int argc, char** argv) {
   app.add_flag("--logical-gpus", f.logical_gpus,
                "--device gpu --strategy mirrored: the --replicas GPUs are logical GPUs of GPU 0 "
                "(1 GiB each), for a machine with one GPU");
+  app.add_flag("--deterministic", f.deterministic,
+               "LibTorch's deterministic kernels only (on a GPU: the same weights run after run; "
+               "slower)");
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
+  if (f.deterministic) use_deterministic_kernels();
   if (f.device == "gpu") {  // before any set-up: every rank of a job says the same and exits
     const std::string refusal = gpu_refusal(f);
     if (!refusal.empty()) {
