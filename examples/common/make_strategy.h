@@ -33,11 +33,6 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
   if (f.elastic && f.strategy != "multi_worker") {
     throw ds::InvalidArgumentError("--elastic needs --strategy multi_worker");
   }
-  if (f.elastic && !f.checkpoint_dir.empty()) {
-    throw ds::UnimplementedError(
-        "--elastic with --checkpoint-dir: resuming an elastic job from a checkpoint is not "
-        "supported yet (the group's state lives in memory; see docs/elastic.md)");
-  }
   const bool gpu = f.device == "gpu";
   std::vector<ds::Device> devices;
   for (int i = 0; i < f.replicas; ++i)

@@ -63,18 +63,19 @@ inline void print_resumed(const std::string& from, const Position& pos) {
 }
 
 // After step `pos.step` (pos = the next batch to run): with checkpoints
-// (`preemption` non-null), save every --checkpoint-every steps and on SIGTERM
-// (collective: every process asks at every step, so all stop at the same
-// one); then --max-steps. `save(Position next, const char* why)` writes the
-// checkpoint; the position saved is where the next run starts. Returns true
-// when the run must end now.
+// (--checkpoint-dir), save every --checkpoint-every steps and, with a
+// `preemption` handler, on SIGTERM (collective: every process asks at every
+// step, so all stop at the same one; an elastic worker has none: SIGTERM
+// ends it like any death and the group goes on); then --max-steps.
+// `save(Position next, const char* why)` writes the checkpoint; the position
+// saved is where the next run starts. Returns true when the run must end now.
 template <typename Save>
 bool end_of_step(const TrainFlags& f, const Position& pos, int64_t num_batches, bool chief,
                  diststrat::PreemptionHandler* preemption, Save&& save) {
-  if (preemption) {
+  if (!f.checkpoint_dir.empty()) {
     Position next = pos;
     if (next.batch == num_batches) next = {pos.epoch + 1, 0, pos.step};
-    const bool stop = preemption->should_stop(pos.step);
+    const bool stop = preemption != nullptr && preemption->should_stop(pos.step);
     if (stop || (f.checkpoint_every > 0 && pos.step % f.checkpoint_every == 0)) {
       save(next, stop ? "preempted" : "checkpoint");
       if (stop) return true;

@@ -75,6 +75,9 @@ class Progress {
         start_(std::chrono::steady_clock::now()),
         last_(start_) {}
 
+  // An elastic group's chief prints: whichever worker is rank 0 now.
+  void set_enabled(bool enabled) { enabled_ = enabled; }
+
   // `loss` is asked only when a line is printed.
   void update(int epoch, int64_t step, const std::function<double()>& loss, int64_t samples) {
     if (!enabled_) return;
@@ -150,9 +153,17 @@ int main(int argc, char** argv) {
     std::unique_ptr<ds::CheckpointManager> manager;
     std::unique_ptr<ds::PreemptionHandler> preemption;
     Position pos;
-    if (!f.checkpoint_dir.empty()) {
+    // The manager's constructor and restore_latest are collective. An
+    // elastic job makes the manager at every (re)start of its group (inside
+    // ElasticState::run, where every member is at the same point) and
+    // restores only when the group holds no state in memory (on_fresh_group).
+    auto make_manager = [&] {
       manager = std::make_unique<ds::CheckpointManager>(
           checkpoint, f.checkpoint_dir, ds::CheckpointManagerOptions{f.max_to_keep});
+    };
+    // An elastic group's chief is its rank 0, whichever worker that is now.
+    auto is_chief = [&] { return f.elastic ? strategy->cluster().worker_index == 0 : chief; };
+    auto restore = [&](Position& at) {
       if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
         // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
         const std::string from = manager->restored_path().value_or("?");
@@ -161,16 +172,22 @@ int main(int argc, char** argv) {
         std::optional<int64_t> iterations;
         if (f.strategy != "parameter_server")
           iterations = opt.iterations().value().data<int64_t>()[0];
-        pos = resume_position(f, *md, f.checkpoint_dir, from, dist, iterations);
-        if (chief) print_resumed(from, pos);
+        at = resume_position(f, *md, f.checkpoint_dir, from, dist, iterations);
+        if (is_chief()) print_resumed(from, at);
       }
+    };
+    if (!f.checkpoint_dir.empty() && !f.elastic) {
+      make_manager();
+      restore(pos);
+      // (An elastic worker has no handler: SIGTERM ends it like any death,
+      // and the group goes on without it.)
       preemption = std::make_unique<ds::PreemptionHandler>(
           *strategy, diststrat_examples::preemption_options(f));
     }
     auto save = [&](const Position& at, const char* why) {
       const std::string path =
           manager->save(at.step, position_metadata(f, dist, at, model_string(mlp.sizes())));
-      if (chief)
+      if (is_chief())
         std::printf("%s: saved %s at step %lld\n", why, path.c_str(),
                     static_cast<long long>(at.step));
       std::fflush(stdout);
@@ -184,6 +201,7 @@ int main(int argc, char** argv) {
     // The loop from `pos`; under --elastic ElasticState::run calls it again
     // from the committed position after each membership change.
     auto train_from = [&](Position& pos) {
+      progress.set_enabled(is_chief());
       for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
         const int epoch = static_cast<int>(pos.epoch);
         dist.set_epoch(epoch);
@@ -213,8 +231,8 @@ int main(int argc, char** argv) {
           progress.update(
               epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
           ++steps_this_run;
-          if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(),
-                                              save)) {
+          if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
+                                              preemption.get(), save)) {
             stopped = true;
             return;
           }
@@ -232,13 +250,27 @@ int main(int argc, char** argv) {
           std::fflush(stdout);
         }
       });
-      state.run([&](ds::ElasticState& s) { train_from(s.position); });
+      if (!f.checkpoint_dir.empty()) {
+        // No worker of the group holds a state (the job's first group, or
+        // every earlier worker gone): the latest checkpoint, if any.
+        state.on_fresh_group([&](ds::ElasticState& s) {
+          make_manager();
+          restore(s.position);
+        });
+      }
+      state.run([&](ds::ElasticState& s) {
+        if (!f.checkpoint_dir.empty()) make_manager();
+        train_from(s.position);
+        // Saved inside run: a member lost in the save re-forms the group,
+        // which redoes the last step and saves again.
+        if (manager && !stopped) save(s.position, "finished");
+      });
       pos = state.position;
     } else {
       train_from(pos);
+      if (manager && !stopped && steps_this_run > 0) save(pos, "finished");
     }
     if (stopped) return 0;
-    if (manager && steps_this_run > 0) save(pos, "finished");
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

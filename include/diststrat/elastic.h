@@ -94,6 +94,22 @@ class ElasticState {
   // again (e.g. to rescale a learning rate with num_replicas_in_sync).
   void on_membership_change(std::function<void(const MembershipChange&)> fn);
 
+  // Called in run() on every worker of a group in which no worker holds a
+  // committed state (the job's first group, or one whose workers are all
+  // new), after the group agreed on its starting values and before train:
+  // restore a checkpoint here and set `position` from it, e.g.
+  //   state.on_fresh_group([&](ds::ElasticState& s) {
+  //     ds::CheckpointManager manager(checkpoint, dir);  // collective: made here
+  //     if (auto md = manager.restore_latest())
+  //       s.position = ds::restore_data_position(dist, *md, *manager.restored_path());
+  //   });
+  // Collective (every worker of the group calls it at the same point), in
+  // cross-replica context; called again if the group breaks before its
+  // first commit. Tracked state (track) is restored after it. A group with a
+  // committed state takes that instead: a checkpoint is read only when the
+  // state in memory is gone (docs/elastic.md, "Checkpoints").
+  void on_fresh_group(std::function<void(ElasticState&)> fn);
+
   // State kept outside diststrat variables (a LibTorch module and its
   // optimizer: libtorch::TrainingState::track does both calls): `capture`
   // runs before every commit and copies that state into variables (made on

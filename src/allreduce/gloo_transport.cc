@@ -936,9 +936,11 @@ class GlooRequest : public Request::State {
         message = head + " failed in Gloo: " + (failure_.empty() ? "unknown error" : failure_);
       } else {
         message = head + " did not complete before the deadline: rank " + std::to_string(peer_) +
-                  " never posted the matching " + (is_recv_ ? "send" : "recv") + " of " +
-                  std::to_string(bytes_) + " bytes with tag " + std::to_string(tag_) +
-                  " (over Gloo a send and a recv of different byte counts never match)";
+                  " did not post the matching " + (is_recv_ ? "send" : "recv") + " of " +
+                  std::to_string(bytes_) + " bytes with tag " + std::to_string(tag_) + " in time" +
+                  kLatePeerCauses +
+                  "; or it posted one of another byte count (over Gloo a send and a recv of "
+                  "different byte counts never match)";
       }
     }
     // Its peer's connection is closed: Gloo no longer reaches the buffer.

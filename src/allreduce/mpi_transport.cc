@@ -97,8 +97,8 @@ class MpiRequest : public Request::State {
         cancel();
         throw DeadlineExceededError("rank " + std::to_string(rank_) + ": " + describe() +
                                     " did not complete before the deadline: rank " +
-                                    std::to_string(peer_) + " never posted the matching " +
-                                    (is_recv_ ? "send" : "recv"));
+                                    std::to_string(peer_) + " did not post the matching " +
+                                    (is_recv_ ? "send" : "recv") + " in time" + kLatePeerCauses);
       }
       if (spin < 256) continue;
       std::this_thread::sleep_for(std::chrono::microseconds(50));

@@ -164,7 +164,9 @@ void ShmCommunicator::Call::timeout(uint64_t target) {
   c_->failed_ = true;
   throw DeadlineExceededError("rank " + std::to_string(c_->rank_) + ": " + what_ + ": rank" +
                               (n > 1 ? "s " : " ") + missing.str() + " did not arrive within " +
-                              std::to_string(c_->options_.timeout.count()) + " ms");
+                              std::to_string(c_->options_.timeout.count()) +
+                              " ms (stopped: SIGSTOP or a debugger; or busy elsewhere: a slower "
+                              "step, another collective)");
 }
 
 void ShmCommunicator::abort(const std::string& reason) {

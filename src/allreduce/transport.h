@@ -63,6 +63,12 @@ class Request {
   std::shared_ptr<State> state_;
 };
 
+// What a request's deadline error adds after "rank P did not post the
+// matching send in time": why a live peer can be late.
+inline constexpr const char* kLatePeerCauses =
+    ": it may be stopped (SIGSTOP, a debugger), busy elsewhere (a slower step, another "
+    "collective), or unreachable (its host gone, a link down)";
+
 // Waits for all requests, each against the same deadline.
 void wait_all(std::vector<Request>& requests, Clock::time_point deadline);
 

@@ -210,7 +210,8 @@ struct ElasticState::Impl {
   const std::vector<const Optimizer*> optimizers;
   Checkpoint checkpoint;
   std::vector<std::function<void(const MembershipChange&)>> callbacks;
-  std::vector<std::function<void()>> captures, restores;  // track()
+  std::vector<std::function<void(ElasticState&)>> fresh_group;  // on_fresh_group()
+  std::vector<std::function<void()>> captures, restores;        // track()
   void capture() const {
     for (const auto& fn : captures) fn();
   }
@@ -241,6 +242,11 @@ ElasticState::~ElasticState() {
 
 void ElasticState::on_membership_change(std::function<void(const MembershipChange&)> fn) {
   impl_->callbacks.push_back(std::move(fn));
+}
+
+void ElasticState::on_fresh_group(std::function<void(ElasticState&)> fn) {
+  DISTSTRAT_CHECK(fn != nullptr, kInvalidArgument, "ElasticState::on_fresh_group: no function");
+  impl_->fresh_group.push_back(std::move(fn));
 }
 
 void ElasticState::track(std::function<void()> capture, std::function<void()> restore) {
@@ -404,6 +410,14 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
           position = pos;
           metadata = std::move(user);
         }
+      }
+      // No member holds a committed state: the program's own starting point
+      // (a checkpoint), on every member alike, before the first commit. A
+      // group that breaks in it has still no commit, so the next one does
+      // it again.
+      if (steps[static_cast<size_t>(source)] < 0 && !s.fresh_group.empty()) {
+        for (const auto& fn : s.fresh_group) fn(*this);
+        s.restore();
       }
       s.fresh = false;
       commit();

@@ -6,6 +6,12 @@
 #              on this host; one is killed with SIGKILL mid-epoch: the two
 #              others finish, and the chief prints the final line with 2
 #              replicas and the group change.
+#   example_checkpoint
+#              CHECK is examples/fashion_mnist: 3 workers with --elastic and
+#              --checkpoint-dir on this host; the chief (the worker that
+#              prints the saves) is killed with SIGKILL after a save: the new
+#              chief saves on and at the end; then 2 new workers of a new job
+#              (one more epoch) resume from the last checkpoint and finish.
 #   local      3 workers on this host (127.0.0.1, a directory store); worker c
 #              is killed with SIGKILL mid-epoch; once the survivors re-formed
 #              a new worker d starts and is admitted.
@@ -179,6 +185,62 @@ case $kind in
       { echo "FAIL: no final line with 2 replicas from the chief $chief:"; tail -5 "$dir/$chief.log"; fail=1; }
     grep -E "^elastic: group 2, 2 workers \(0 joined, 1 left\)" "$dir/$chief.log" ||
       { echo "FAIL: the chief did not report the group change"; fail=1; }
+    ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
+  example_checkpoint)
+    ck=$dir/ckpt
+    # fm ID JOB EPOCHS: a worker of examples/fashion_mnist in the background.
+    fm() {
+      "$check" --strategy multi_worker --elastic --rendezvous "file://$dir/$2" --min-workers 2 \
+        --listen-host 127.0.0.1 --worker-id "$1" --epochs "$3" --limit 6000 --test-limit 1000 \
+        --batch 64 --timeout 10 --progress-seconds 0.1 --checkpoint-dir "$ck" \
+        --checkpoint-every 10 >"$dir/$1.log" 2>&1 &
+      pids+=($!)
+      eval "pid_$1=$!"
+    }
+    fm a job1 2; fm b job1 2; fm c job1 2
+    # The chief is the worker that prints the saves; killed after the one at step 20.
+    chief=""
+    until [[ -n $chief ]]; do
+      for w in a b c; do
+        grep -Eq "^checkpoint: saved .* at step 20$" "$dir/$w.log" 2>/dev/null && chief=$w
+      done
+      for w in a b c; do
+        p=pid_$w
+        kill -0 "${!p}" 2>/dev/null || { echo "FAIL: worker $w ended early:"; tail -5 "$dir/$w.log"; exit 1; }
+      done
+      sleep 0.05
+    done
+    p=pid_$chief
+    kill -9 "${!p}"
+    others=($(printf '%s\n' a b c | grep -v "^$chief$"))
+    fail=0
+    finish "${others[@]}" || fail=1
+    new_chief=$(grep -l "^finished: saved" "$dir/${others[0]}.log" "$dir/${others[1]}.log" | head -1)
+    [[ -n $new_chief ]] || { echo "FAIL: no survivor saved at the end"; tail -3 "$dir/${others[0]}.log" "$dir/${others[1]}.log"; exit 1; }
+    grep -E "^(checkpoint|finished): saved" "$new_chief" | head -3
+    # The new chief saved after the kill (steps past 20) and at the end.
+    grep -Eq "^checkpoint: saved .* at step ([3-9][0-9]|[0-9]{3,})$" "$new_chief" ||
+      { echo "FAIL: the new chief saved no checkpoint after the old one was killed"; fail=1; }
+    last=$(sed -nE 's/^finished: saved .* at step ([0-9]+)$/\1/p' "$new_chief")
+    grep -E "^final: strategy=multi_worker replicas=2 epochs=2 " "$new_chief" ||
+      { echo "FAIL: no final line with 2 replicas from the new chief"; fail=1; }
+    # A new job of two new workers, one epoch more: no state in memory, so
+    # the group starts from the last checkpoint.
+    fm d job2 3; fm e job2 3
+    finish d e || fail=1
+    resumed=$(grep -h "^resumed from " "$dir/d.log" "$dir/e.log")
+    echo "$resumed"
+    [[ $resumed =~ epoch\ 3,\ batch\ 0,\ step\ $last$ ]] ||
+      { echo "FAIL: the new job did not resume at step $last"; fail=1; }
+    grep -hE "^finished: saved .* at step $((last / 2 * 3))$" "$dir/d.log" "$dir/e.log" ||
+      { echo "FAIL: the new job did not finish epoch 3 (step $((last / 2 * 3)))"; fail=1; }
+    grep -hE "^final: strategy=multi_worker replicas=2 epochs=3 " "$dir/d.log" "$dir/e.log" ||
+      { echo "FAIL: no final line from the new job"; fail=1; }
+    # The killed chief's unfinished save left nothing behind.
+    left=$(ls "$ck" | grep -E '\.tmp' || true)
+    [[ -z $left ]] || { echo "FAIL: temporary files left in $ck: $left"; fail=1; }
     ((fail == 0)) && echo "PASS: elastic $kind"
     exit $fail
     ;;

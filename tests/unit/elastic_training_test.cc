@@ -7,12 +7,14 @@
 // sequential run over the same global batches and every row is used exactly
 // once per epoch (counted in a variable the optimizer updates).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <cmath>
 #include <fstream>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +44,8 @@ std::vector<float> reference_weights(bool adam) {
 struct Outcome : es::Outcome {
   int64_t changes = 0;
   int callbacks = 0, first_previous_replicas = -1;  // on_membership_change's calls
+  int64_t first_step = -1;                          // the position train first ran from
+  int fresh_group_calls = 0;                        // on_fresh_group's
 };
 
 struct Plan {
@@ -49,6 +53,17 @@ struct Plan {
   // ZeRO-1 (shard_optimizer_state) with Adam for the weights, instead of
   // mirrored SGD with momentum.
   bool zero_adam = false;
+  // Checkpoints: a CheckpointManager over ckpt_dir made at every entry of
+  // train (its constructor is collective), a save after every save_every-th
+  // step; with resume, a fresh group restores the latest one.
+  std::string ckpt_dir;
+  int save_every = 0;
+  bool resume = false;
+  int stop_at_step = -1;  // train returns once this many steps ran
+  // Whichever worker is rank 0 inside step chief_dies_at dies (once: the
+  // flag is shared by the job's workers).
+  std::atomic<bool>* chief_died = nullptr;
+  int chief_dies_at = -1;
 };
 
 Outcome train_worker(const std::string& id, const Plan& plan) {
@@ -78,13 +93,30 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   dopts.shuffle = false;
   ds::DistributedDataset dist = s.distribute(make_data(kRows), kBatch, dopts);
   ds::ElasticState state(s, {&opt, &count_opt});
+  ds::Checkpoint checkpoint(s, {&opt, &count_opt});
+  std::unique_ptr<ds::CheckpointManager> manager;
+  int fresh_group_calls = 0;
+  if (plan.resume) {
+    state.on_fresh_group([&](ds::ElasticState& st) {
+      ++fresh_group_calls;
+      ds::CheckpointManager m(checkpoint, plan.ckpt_dir);
+      if (std::optional<ds::CheckpointMetadata> md = m.restore_latest()) {
+        st.position = ds::restore_data_position(dist, *md, m.restored_path().value_or("?"),
+                                                opt.iterations().value().data<int64_t>()[0]);
+      }
+    });
+  }
+  int64_t first_step = -1;
   int callbacks = 0, first_previous_replicas = -1;
   state.on_membership_change([&](const ds::MembershipChange& c) {
     if (callbacks++ == 0) first_previous_replicas = c.previous_replicas_in_sync;
     plan.cues.changed();
   });
   state.run([&](ds::ElasticState& st) {
+    if (!plan.ckpt_dir.empty())
+      manager = std::make_unique<ds::CheckpointManager>(checkpoint, plan.ckpt_dir);
     ds::DataPosition& pos = st.position;
+    if (first_step < 0) first_step = pos.step;
     for (; pos.epoch < kEpochs; ++pos.epoch, pos.batch = 0) {
       dist.set_epoch(pos.epoch);
       for (; pos.batch < dist.num_batches(); ++pos.batch, ++pos.step) {
@@ -97,9 +129,17 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
                                                    w.read(ctx), batch.global_size(), kRows, &gw,
                                                    &gc);
           plan.cues.die_if(pos.step);
+          if (plan.chief_died && pos.step == plan.chief_dies_at && s.cluster().worker_index == 0 &&
+              !plan.chief_died->exchange(true)) {
+            throw es::Death{};
+          }
           opt.apply_gradients(ctx, {{gw, w}});
           count_opt.apply_gradients(ctx, {{gc, counts}});
         });
+        const ds::DataPosition next{pos.epoch, pos.batch + 1, pos.step + 1};
+        if (manager && plan.save_every > 0 && next.step % plan.save_every == 0)
+          manager->save(next.step, ds::data_position_metadata(dist, next));
+        if (next.step == plan.stop_at_step) return;
       }
     }
   });
@@ -111,6 +151,8 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   out.callbacks = callbacks;
   out.first_previous_replicas = first_previous_replicas;
   out.redone = state.steps_redone();
+  out.first_step = first_step;
+  out.fresh_group_calls = fresh_group_calls;
   out.final_workers = s.cluster().num_workers;
   return out;
 }
@@ -154,6 +196,69 @@ TEST(ElasticTraining, SurvivorsRedoTheStepWithoutTheDeadWorkerAndAJoinerGetsTheS
 TEST(ElasticTraining, ShardedAdamStateSurvivesADeathAndAJoin) {
   if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
   kill_then_join(true);
+}
+
+// Checkpoints in an elastic job. Job 1 (a, b, c) saves every 4 steps; its
+// chief dies inside step 5; the two others redo it and the new chief saves
+// at step 8, where job 1 stops. Job 2 (d, e: every worker new, so the group
+// holds no state) restores that checkpoint in on_fresh_group and trains to
+// the end: the weights match the sequential run over the same global
+// batches and every row is used exactly once per epoch across both jobs.
+TEST(ElasticTraining, TheNewChiefCheckpointsAndAFreshGroupResumesFromIt) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("elastic_ckpt");
+  const std::string job1 = dir / "job1", job2 = dir / "job2", ckpt = dir / "ckpt";
+  ASSERT_EQ(::mkdir(job1.c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir(job2.c_str(), 0700), 0);
+  std::atomic<bool> chief_died{false};
+  Plan first;
+  first.cues.dir = job1;
+  first.ckpt_dir = ckpt;
+  first.save_every = 4;
+  first.stop_at_step = 8;
+  first.chief_died = &chief_died;
+  first.chief_dies_at = 5;
+  auto worker = [&](const std::string& id, const Plan& plan) {
+    try {
+      return std::optional<Outcome>(train_worker(id, plan));
+    } catch (const es::Death&) {
+      return std::optional<Outcome>();
+    }
+  };
+  std::vector<std::future<std::optional<Outcome>>> jobs1;
+  for (const char* id : {"a", "b", "c"})
+    jobs1.push_back(std::async(std::launch::async, worker, id, first));
+  int died = 0;
+  for (auto& j : jobs1) {
+    const std::optional<Outcome> o = j.get();
+    if (!o) {
+      ++died;
+      continue;
+    }
+    EXPECT_EQ(o->redone, 1);
+    EXPECT_EQ(o->final_workers, 2);
+    EXPECT_EQ(o->fresh_group_calls, 0);
+  }
+  ASSERT_EQ(died, 1) << "the chief of job 1 did not die once";
+  // The save at step 8 came after the chief's death: the new chief wrote it.
+  const std::optional<std::string> latest = ds::latest_checkpoint(ckpt);
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(ds::load_checkpoint(*latest).metadata.at("step"), "8") << *latest;
+
+  Plan second;
+  second.cues.dir = job2;
+  second.ckpt_dir = ckpt;
+  second.resume = true;
+  auto d = std::async(std::launch::async, worker, "d", second);
+  auto e = std::async(std::launch::async, worker, "e", second);
+  const std::vector<float> ref = reference_weights(false);
+  for (auto* f : {&d, &e}) {
+    const std::optional<Outcome> o = f->get();
+    ASSERT_TRUE(o.has_value());
+    EXPECT_EQ(o->first_step, 8);
+    EXPECT_EQ(o->fresh_group_calls, 1);
+    es::expect_trained(*o, ref, kRows, kEpochs, 2);
+  }
 }
 
 // The workers' variables are not the group's before ElasticState::run
