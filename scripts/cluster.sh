@@ -252,6 +252,7 @@ run() {
     --mca plm_rsh_agent "$state/agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca btl tcp,self,vader --mca btl_tcp_if_include "$subnet" \
     --mca oob_tcp_if_include "$subnet" --mca pml ob1 \
+    ${DISTSTRAT_FLIGHT_RECORDER_DIR:+-x DISTSTRAT_FLIGHT_RECORDER_DIR} \
     ${DSC_MPIRUN_FLAGS:-} "$@" || rc=$?
   rm -f "$hostfile"
   return $rc

@@ -54,9 +54,13 @@ if ! why=$(timeout 30 "$cluster" check); then
 fi
 tag="diststrat-cluster-cell-$$-$RANDOM$RANDOM"
 log=$(mktemp)
+# The ranks' flight records (a fault makes the survivors write them) go
+# here, not to /tmp (cluster.sh passes the variable to every rank).
+export DISTSTRAT_FLIGHT_RECORDER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_cell_flight_XXXXXX")
 cleanup() {
   timeout 60 "$cluster" down >/dev/null 2>&1
   rm -f "$log"
+  rm -rf "$DISTSTRAT_FLIGHT_RECORDER_DIR"
 }
 trap cleanup EXIT
 trap 'exit 1' INT TERM

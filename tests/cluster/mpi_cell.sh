@@ -27,7 +27,9 @@ if ! why=$(timeout 30 "$cluster" check); then
   exit 77
 fi
 log=$(mktemp)
-trap 'timeout 60 "$cluster" down >/dev/null 2>&1; rm -f "$log"' EXIT
+# Flight records of the ranks go here, not to /tmp (cluster.sh passes it on).
+export DISTSTRAT_FLIGHT_RECORDER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_cell_flight_XXXXXX")
+trap 'timeout 60 "$cluster" down >/dev/null 2>&1; rm -f "$log"; rm -rf "$DISTSTRAT_FLIGHT_RECORDER_DIR"' EXIT
 trap 'exit 1' INT TERM
 timeout 60 "$cluster" down >/dev/null 2>&1
 timeout 60 "$cluster" --hosts "$hosts" up || { echo "FAIL: cluster up"; exit 1; }

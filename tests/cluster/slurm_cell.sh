@@ -43,6 +43,9 @@ fi
 # On a file system every host sees (the build tree's, like a cluster's
 # shared home), not in a host's own TmpFS.
 work=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_slurm_XXXXXX")
+# The workers' flight records go here, not to /tmp (srun passes the
+# environment on).
+export DISTSTRAT_FLIGHT_RECORDER_DIR=$work/flight-records
 cleanup() {
   timeout 60 "$slurm" down >/dev/null 2>&1
   rm -rf "$work"

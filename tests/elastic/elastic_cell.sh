@@ -47,6 +47,8 @@ if (($# < 3)); then
 fi
 cluster=$1 check=$2 kind=$3
 dir=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_elastic_XXXXXX")
+# The survivors of a kill write flight records (by design): here, not /tmp.
+export DISTSTRAT_FLIGHT_RECORDER_DIR=$dir/flight-records
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
