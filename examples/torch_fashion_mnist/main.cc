@@ -93,12 +93,11 @@ std::string gpu_refusal(const Flags& f) {
 }
 
 std::unique_ptr<ds::Strategy> make_example_strategy(const Flags& f) {
-  if (f.elastic) {
-    // The library has it (TrainingState::track, docs/torch.md); this
-    // example's loop does not run inside ElasticState::run yet.
+  if (f.elastic && f.device == "gpu") {
+    // The library's elastic path has no test with CUDA modules yet.
     throw ds::UnimplementedError(
-        "--elastic: not supported by this example yet (examples/fashion_mnist has it; a LibTorch "
-        "program tracks its TrainingState with the ElasticState, docs/torch.md)");
+        "--elastic with --device gpu: not supported by this example yet (elastic training of "
+        "CUDA modules is untested; docs/torch.md)");
   }
   if (f.strategy == "parameter_server" && !f.checkpoint_dir.empty()) {
     // The PS variables and the PS's SGD slots would checkpoint (a plain
@@ -211,30 +210,46 @@ int main(int argc, char** argv) {
     // Checkpoints (synchronous strategies): the module's parameters and
     // buffers, the SGD momentum and the step, mirrored into strategy
     // variables by TrainingState, plus the data position as metadata.
+    // (--elastic: the elastic state commits the module and the optimizers
+    // through it at every step, and sends them to joiners.)
     std::unique_ptr<dt::TrainingState> state;
     std::unique_ptr<ds::Checkpoint> checkpoint;
     std::unique_ptr<ds::CheckpointManager> manager;
     std::unique_ptr<ds::PreemptionHandler> preemption;
     Position pos;
-    if (!f.checkpoint_dir.empty()) {
+    // An elastic group's chief is its rank 0, whichever worker that is now.
+    auto is_chief = [&] { return f.elastic ? strategy->cluster().worker_index == 0 : chief; };
+    if (!f.checkpoint_dir.empty() || f.elastic) {
       std::vector<torch::optim::Optimizer*> opts;
       for (const auto& o : optimizers) opts.push_back(o.get());
-      state = std::make_unique<dt::TrainingState>(*ddp, opts);  // collective
+      state = std::make_unique<dt::TrainingState>(*ddp, opts);  // collective (not when elastic)
       checkpoint = std::make_unique<ds::Checkpoint>(*strategy);
+    }
+    // The manager's constructor and restore_latest are collective: an
+    // elastic job makes the manager at every (re)start of its group, inside
+    // ElasticState::run, and restores only when the group holds no state.
+    auto make_manager = [&] {
       manager = std::make_unique<ds::CheckpointManager>(
           *checkpoint, f.checkpoint_dir, ds::CheckpointManagerOptions{f.max_to_keep});
+    };
+    auto restore = [&](Position& at) {
       if (std::optional<ds::CheckpointMetadata> md = manager->restore_latest()) {
         // After a fallback (a corrupt newest checkpoint) this is not what `latest` names.
         const std::string from = manager->restored_path().value_or("?");
-        pos =
+        at =
             diststrat_examples::resume_position(f, *md, f.checkpoint_dir, from, dist, std::nullopt);
         const int64_t step = state->apply();  // into every local replica's module and optimizer
-        if (step != pos.step) {
+        if (step != at.step) {
           throw ds::DataLossError("checkpoint '" + from + "': torch/step " + std::to_string(step) +
-                                  " but metadata step " + std::to_string(pos.step));
+                                  " but metadata step " + std::to_string(at.step));
         }
-        if (chief) diststrat_examples::print_resumed(from, pos);
+        if (is_chief()) diststrat_examples::print_resumed(from, at);
       }
+    };
+    if (!f.checkpoint_dir.empty() && !f.elastic) {
+      make_manager();
+      restore(pos);
+      // (An elastic worker has no handler: SIGTERM ends it like any death.)
       preemption = std::make_unique<ds::PreemptionHandler>(
           *strategy, diststrat_examples::preemption_options(f));
     }
@@ -242,7 +257,7 @@ int main(int argc, char** argv) {
       state->capture(at.step);
       const std::string path =
           manager->save(at.step, diststrat_examples::position_metadata(f, dist, at, "torch:cnn"));
-      if (chief)
+      if (is_chief())
         std::printf("%s: saved %s at step %lld\n", why, path.c_str(),
                     static_cast<long long>(at.step));
       std::fflush(stdout);
@@ -251,56 +266,91 @@ int main(int argc, char** argv) {
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0, steps_this_run = 0;
-    for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
-      const int epoch = static_cast<int>(pos.epoch);
-      dist.set_epoch(epoch);
-      while (pos.batch < dist.num_batches()) {
-        const ds::DistributedBatch batch = dist.batch(pos.batch);
-        ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
-          torch_fashion_mnist::use_intra_op_threads(f.threads);
-          CnnImpl& model = *(ps_model ? ps_model->module(ctx) : ddp->module(ctx))->as<CnnImpl>();
-          torch::optim::SGD* opt = ps_model ? nullptr : optimizers[ctx.local_replica_id()].get();
-          const at::Tensor x = dt::to_torch(batch.features(ctx));  // zero-copy views
-          const at::Tensor y = dt::to_torch(batch.labels(ctx));
-          if (opt) opt->zero_grad();
-          // The mean over this replica's rows (NaN for a replica without
-          // rows in a short last batch: backward then runs none for it).
-          const at::Tensor l = torch_fashion_mnist::mean_cross_entropy(model.forward(x), y);
-          if (ps_model) {
-            ps_model->backward(ctx, l, x.size(0), batch.global_size());  // pushes the gradients
-          } else {
-            ddp->backward(ctx, l, x.size(0),
-                          batch.global_size());  // grads: the global batch's mean
-            opt->step();
+    bool stopped = false;  // end_of_step said so
+    // The loop from `pos`; under --elastic ElasticState::run calls it again
+    // from the committed position after each membership change.
+    auto train_from = [&](Position& pos) {
+      for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
+        const int epoch = static_cast<int>(pos.epoch);
+        dist.set_epoch(epoch);
+        while (pos.batch < dist.num_batches()) {
+          const ds::DistributedBatch batch = dist.batch(pos.batch);
+          ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
+            torch_fashion_mnist::use_intra_op_threads(f.threads);
+            CnnImpl& model = *(ps_model ? ps_model->module(ctx) : ddp->module(ctx))->as<CnnImpl>();
+            torch::optim::SGD* opt = ps_model ? nullptr : optimizers[ctx.local_replica_id()].get();
+            const at::Tensor x = dt::to_torch(batch.features(ctx));  // zero-copy views
+            const at::Tensor y = dt::to_torch(batch.labels(ctx));
+            if (opt) opt->zero_grad();
+            // The mean over this replica's rows (NaN for a replica without
+            // rows in a short last batch: backward then runs none for it).
+            const at::Tensor l = torch_fashion_mnist::mean_cross_entropy(model.forward(x), y);
+            if (ps_model) {
+              ps_model->backward(ctx, l, x.size(0), batch.global_size());  // pushes the gradients
+            } else {
+              ddp->backward(ctx, l, x.size(0),
+                            batch.global_size());  // grads: the global batch's mean
+              opt->step();
+            }
+            ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
+            sum_and_rows.data<double>()[0] = x.size(0) > 0 ? l.item<double>() * x.size(0) : 0.0;
+            sum_and_rows.data<double>()[1] = static_cast<double>(x.size(0));
+            return sum_and_rows;
+          });
+          const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
+          diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
+                                               step_loss.data<double>()[1], pos.step + 1,
+                                               "torch_fashion_mnist");
+          meter.add(step_loss);
+          samples += batch.global_size();
+          ++pos.batch;
+          ++pos.step;
+          ++steps_this_run;
+          if (is_chief() && pos.batch == dist.num_batches()) {
+            const double s =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            std::printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch + 1, f.epochs,
+                        meter.mean_since_last(), samples / s);
+            std::fflush(stdout);
           }
-          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
-          sum_and_rows.data<double>()[0] = x.size(0) > 0 ? l.item<double>() * x.size(0) : 0.0;
-          sum_and_rows.data<double>()[1] = static_cast<double>(x.size(0));
-          return sum_and_rows;
-        });
-        const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
-        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
-                                             step_loss.data<double>()[1], pos.step + 1,
-                                             "torch_fashion_mnist");
-        meter.add(step_loss);
-        samples += batch.global_size();
-        ++pos.batch;
-        ++pos.step;
-        ++steps_this_run;
-        if (chief && pos.batch == dist.num_batches()) {
-          const double s =
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          std::printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch + 1, f.epochs,
-                      meter.mean_since_last(), samples / s);
-          std::fflush(stdout);
-        }
-        if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), chief, preemption.get(),
-                                            save)) {
-          return 0;
+          if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
+                                              preemption.get(), save)) {
+            stopped = true;
+            return;
+          }
         }
       }
+    };
+    if (f.elastic) {
+      ds::ElasticState elastic(dynamic_cast<ds::MultiWorkerMirroredStrategy&>(*strategy));
+      state->track(elastic);  // the module and the optimizers: committed and sent to joiners
+      elastic.position = pos;
+      elastic.on_membership_change([&](const ds::MembershipChange& c) {
+        if (c.rank == 0) {
+          std::printf("elastic: group %lld, %d workers (%zu joined, %zu left), from step %lld\n",
+                      static_cast<long long>(c.group), c.num_workers, c.joined.size(),
+                      c.left.size(), static_cast<long long>(c.step));
+          std::fflush(stdout);
+        }
+      });
+      if (!f.checkpoint_dir.empty()) {
+        // No worker of the group holds a state: the latest checkpoint, if any.
+        elastic.on_fresh_group([&](ds::ElasticState& s) {
+          make_manager();
+          restore(s.position);
+        });
+      }
+      elastic.run([&](ds::ElasticState& s) {
+        if (!f.checkpoint_dir.empty()) make_manager();
+        train_from(s.position);
+        if (manager && !stopped) save(s.position, "finished");
+      });
+      pos = elastic.position;
+    } else {
+      train_from(pos);
+      if (manager && !stopped && steps_this_run > 0) save(pos, "finished");
     }
-    if (manager && steps_this_run > 0) save(pos, "finished");
+    if (stopped) return 0;
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     strategy->barrier("evaluate");  // every worker's updates (and loss additions) are in
@@ -320,7 +370,7 @@ int main(int argc, char** argv) {
       extra = buf;
     }
     const double train_loss = meter.totals().mean();
-    if (chief) {
+    if (is_chief()) {
       // Synchronous strategies: every replica holds the same weights, module 0 stands for all.
       const double accuracy = evaluate(model, test);
       std::printf(

@@ -12,6 +12,12 @@
 #              prints the saves) is killed with SIGKILL after a save: the new
 #              chief saves on and at the end; then 2 new workers of a new job
 #              (one more epoch) resume from the last checkpoint and finish.
+#   torch_example
+#              CHECK is examples/torch_fashion_mnist (LibTorch DDP): 3
+#              workers with --elastic and --checkpoint-dir; a worker that is
+#              not the chief is killed with SIGKILL after the first epoch: the
+#              two others finish; then 2 new workers of a new job resume from
+#              the last checkpoint and train one more epoch.
 #   local      3 workers on this host (127.0.0.1, a directory store); worker c
 #              is killed with SIGKILL mid-epoch; once the survivors re-formed
 #              a new worker d starts and is admitted.
@@ -243,6 +249,51 @@ case $kind in
     # The killed chief's unfinished save left nothing behind.
     left=$(ls "$ck" | grep -E '\.tmp' || true)
     [[ -z $left ]] || { echo "FAIL: temporary files left in $ck: $left"; fail=1; }
+    ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
+  torch_example)
+    ck=$dir/ckpt
+    # tfm ID JOB EPOCHS: a worker of examples/torch_fashion_mnist in the background.
+    tfm() {
+      "$check" --strategy multi_worker --elastic --rendezvous "file://$dir/$2" --min-workers 2 \
+        --listen-host 127.0.0.1 --worker-id "$1" --epochs "$3" --limit 3000 --test-limit 500 \
+        --batch 64 --timeout 20 --checkpoint-dir "$ck" --checkpoint-every 10 >"$dir/$1.log" 2>&1 &
+      pids+=($!)
+      eval "pid_$1=$!"
+    }
+    tfm a job1 3; tfm b job1 3; tfm c job1 3
+    # The chief prints the epoch lines; one of the others dies after the first.
+    chief=""
+    until [[ -n $chief ]]; do
+      for w in a b c; do
+        grep -q "^epoch 1/3 " "$dir/$w.log" 2>/dev/null && chief=$w
+      done
+      for w in a b c; do
+        p=pid_$w
+        kill -0 "${!p}" 2>/dev/null || { echo "FAIL: worker $w ended early:"; tail -5 "$dir/$w.log"; exit 1; }
+      done
+      sleep 0.05
+    done
+    others=($(printf '%s\n' a b c | grep -v "^$chief$"))
+    p=pid_${others[1]}
+    kill -9 "${!p}"
+    fail=0
+    finish "$chief" "${others[0]}" || fail=1
+    grep -E "^final: strategy=multi_worker replicas=2 epochs=3 " "$dir/$chief.log" ||
+      { echo "FAIL: no final line with 2 replicas from the chief $chief:"; tail -5 "$dir/$chief.log"; fail=1; }
+    grep -E "^elastic: group 2, 2 workers \(0 joined, 1 left\)" "$dir/$chief.log" ||
+      { echo "FAIL: the chief did not report the group change"; fail=1; }
+    last=$(sed -nE 's/^finished: saved .* at step ([0-9]+)$/\1/p' "$dir/$chief.log")
+    [[ -n $last ]] || { echo "FAIL: the chief saved nothing at the end"; exit 1; }
+    tfm d job2 4; tfm e job2 4
+    finish d e || fail=1
+    resumed=$(grep -h "^resumed from " "$dir/d.log" "$dir/e.log")
+    echo "$resumed"
+    [[ $resumed =~ epoch\ 4,\ batch\ 0,\ step\ $last$ ]] ||
+      { echo "FAIL: the new job did not resume at step $last"; fail=1; }
+    grep -hE "^final: strategy=multi_worker replicas=2 epochs=4 " "$dir/d.log" "$dir/e.log" ||
+      { echo "FAIL: no final line from the new job"; fail=1; }
     ((fail == 0)) && echo "PASS: elastic $kind"
     exit $fail
     ;;
