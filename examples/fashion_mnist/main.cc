@@ -15,6 +15,7 @@
 
 #include <diststrat/diststrat.h>
 
+#include "../common/elastic_loop.h"
 #include "../common/loss_meter.h"
 #include "../common/make_strategy.h"
 #include "../common/terminate_on_nan.h"
@@ -241,31 +242,16 @@ int main(int argc, char** argv) {
     };
     if (f.elastic) {
       ds::ElasticState state(dynamic_cast<ds::MultiWorkerMirroredStrategy&>(*strategy), {&opt});
-      state.position = pos;
-      state.on_membership_change([&](const ds::MembershipChange& c) {
-        if (c.rank == 0) {
-          std::printf("elastic: group %lld, %d workers (%zu joined, %zu left), from step %lld\n",
-                      static_cast<long long>(c.group), c.num_workers, c.joined.size(),
-                      c.left.size(), static_cast<long long>(c.step));
-          std::fflush(stdout);
-        }
-      });
+      diststrat_examples::ElasticLoop loop;
+      loop.train = train_from;
       if (!f.checkpoint_dir.empty()) {
-        // No worker of the group holds a state (the job's first group, or
-        // every earlier worker gone): the latest checkpoint, if any.
-        state.on_fresh_group([&](ds::ElasticState& s) {
-          make_manager();
-          restore(s.position);
-        });
+        loop.begin = make_manager;
+        loop.restore = restore;
+        loop.end = [&](const Position& at) {
+          if (!stopped) save(at, "finished");
+        };
       }
-      state.run([&](ds::ElasticState& s) {
-        if (!f.checkpoint_dir.empty()) make_manager();
-        train_from(s.position);
-        // Saved inside run: a member lost in the save re-forms the group,
-        // which redoes the last step and saves again.
-        if (manager && !stopped) save(s.position, "finished");
-      });
-      pos = state.position;
+      pos = diststrat_examples::run_elastic(state, pos, loop);
     } else {
       train_from(pos);
       if (manager && !stopped && steps_this_run > 0) save(pos, "finished");

@@ -39,6 +39,7 @@
 #include <diststrat/diststrat.h>
 #include <diststrat/torch.h>
 
+#include "../common/elastic_loop.h"
 #include "../common/loss_meter.h"
 #include "../common/make_strategy.h"
 #include "../common/terminate_on_nan.h"
@@ -324,28 +325,16 @@ int main(int argc, char** argv) {
     if (f.elastic) {
       ds::ElasticState elastic(dynamic_cast<ds::MultiWorkerMirroredStrategy&>(*strategy));
       state->track(elastic);  // the module and the optimizers: committed and sent to joiners
-      elastic.position = pos;
-      elastic.on_membership_change([&](const ds::MembershipChange& c) {
-        if (c.rank == 0) {
-          std::printf("elastic: group %lld, %d workers (%zu joined, %zu left), from step %lld\n",
-                      static_cast<long long>(c.group), c.num_workers, c.joined.size(),
-                      c.left.size(), static_cast<long long>(c.step));
-          std::fflush(stdout);
-        }
-      });
+      diststrat_examples::ElasticLoop loop;
+      loop.train = train_from;
       if (!f.checkpoint_dir.empty()) {
-        // No worker of the group holds a state: the latest checkpoint, if any.
-        elastic.on_fresh_group([&](ds::ElasticState& s) {
-          make_manager();
-          restore(s.position);
-        });
+        loop.begin = make_manager;
+        loop.restore = restore;
+        loop.end = [&](const Position& at) {
+          if (!stopped) save(at, "finished");
+        };
       }
-      elastic.run([&](ds::ElasticState& s) {
-        if (!f.checkpoint_dir.empty()) make_manager();
-        train_from(s.position);
-        if (manager && !stopped) save(s.position, "finished");
-      });
-      pos = elastic.position;
+      pos = diststrat_examples::run_elastic(elastic, pos, loop);
     } else {
       train_from(pos);
       if (manager && !stopped && steps_this_run > 0) save(pos, "finished");

@@ -104,6 +104,24 @@ start_on() {
   pids+=($!)
   eval "pid_$2=$!"
 }
+# chief_by REGEX: the worker of a, b and c whose log first has a line
+# matching REGEX (a line only the group's chief prints), into $chief, and the
+# two others into $others; fails if a worker ends first.
+chief_by() {
+  local w p
+  chief=""
+  until [[ -n $chief ]]; do
+    for w in a b c; do
+      grep -Eq "$1" "$dir/$w.log" 2>/dev/null && chief=$w
+    done
+    for w in a b c; do
+      p=pid_$w
+      kill -0 "${!p}" 2>/dev/null || { echo "FAIL: worker $w ended early:"; tail -5 "$dir/$w.log"; exit 1; }
+    done
+    sleep 0.05
+  done
+  others=($(printf '%s\n' a b c | grep -v "^$chief$"))
+}
 # check_final ID WORKERS: ID finished with WORKERS workers and exact results.
 check_final() {
   local line d e
@@ -172,18 +190,7 @@ case $kind in
     done
     # Mid-epoch: once the chief's progress line shows a step past 20 (the
     # chief is whichever worker arrived first).
-    chief=""
-    until [[ -n $chief ]]; do
-      for w in a b c; do
-        grep -Eq "step ([2-9][0-9]|[0-9]{3,})/" "$dir/$w.log" 2>/dev/null && chief=$w
-      done
-      for w in a b c; do
-        p=pid_$w
-        kill -0 "${!p}" 2>/dev/null || { echo "FAIL: worker $w ended early:"; tail -5 "$dir/$w.log"; exit 1; }
-      done
-      sleep 0.05
-    done
-    others=($(printf '%s\n' a b c | grep -v "^$chief$"))
+    chief_by "step ([2-9][0-9]|[0-9]{3,})/"
     victim=${others[1]}
     p=pid_$victim
     kill -9 "${!p}"
@@ -209,20 +216,9 @@ case $kind in
     }
     fm a job1 2; fm b job1 2; fm c job1 2
     # The chief is the worker that prints the saves; killed after the one at step 20.
-    chief=""
-    until [[ -n $chief ]]; do
-      for w in a b c; do
-        grep -Eq "^checkpoint: saved .* at step 20$" "$dir/$w.log" 2>/dev/null && chief=$w
-      done
-      for w in a b c; do
-        p=pid_$w
-        kill -0 "${!p}" 2>/dev/null || { echo "FAIL: worker $w ended early:"; tail -5 "$dir/$w.log"; exit 1; }
-      done
-      sleep 0.05
-    done
+    chief_by "^checkpoint: saved .* at step 20$"
     p=pid_$chief
     kill -9 "${!p}"
-    others=($(printf '%s\n' a b c | grep -v "^$chief$"))
     fail=0
     finish "${others[@]}" || fail=1
     new_chief=$(grep -l "^finished: saved" "$dir/${others[0]}.log" "$dir/${others[1]}.log" | head -1)
@@ -264,18 +260,7 @@ case $kind in
     }
     tfm a job1 3; tfm b job1 3; tfm c job1 3
     # The chief prints the epoch lines; one of the others dies after the first.
-    chief=""
-    until [[ -n $chief ]]; do
-      for w in a b c; do
-        grep -q "^epoch 1/3 " "$dir/$w.log" 2>/dev/null && chief=$w
-      done
-      for w in a b c; do
-        p=pid_$w
-        kill -0 "${!p}" 2>/dev/null || { echo "FAIL: worker $w ended early:"; tail -5 "$dir/$w.log"; exit 1; }
-      done
-      sleep 0.05
-    done
-    others=($(printf '%s\n' a b c | grep -v "^$chief$"))
+    chief_by "^epoch 1/3 "
     p=pid_${others[1]}
     kill -9 "${!p}"
     fail=0

@@ -99,63 +99,60 @@ def why(src, dst):
 NO_FILESYSTEM = ("src", "include/diststrat", "tests/torch", "tests/common", "examples")
 
 
-def check_no_filesystem(root):
-    breaches = []
-    for top in NO_FILESYSTEM:
+def sources(root, tops):
+    """(dirpath, path, rel) of every C++/CUDA source under the folders `tops`, in order."""
+    for top in tops:
         for dirpath, dirnames, names in os.walk(os.path.join(root, top)):
             dirnames.sort()
             for name in sorted(names):
-                if not re.search(r"\.(h|cc|cu|cuh|h\.in)$", name):
-                    continue
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, root)
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    for line_no, line in enumerate(f, 1):
-                        m = INCLUDE.match(line)
-                        if m and m.group(1) == "filesystem":
-                            breaches.append(
-                                f"{rel}:{line_no}: <filesystem> in code that may be linked with "
-                                f"LibTorch: PyTorch's libtorch.so exports a std::filesystem that "
-                                f"crashes callers (pytorch/pytorch#133437); use POSIX calls")
+                if re.search(r"\.(h|cc|cu|cuh|h\.in)$", name):
+                    path = os.path.join(dirpath, name)
+                    yield dirpath, path, os.path.relpath(path, root)
+
+
+def check_no_filesystem(root):
+    breaches = []
+    for _, path, rel in sources(root, NO_FILESYSTEM):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line_no, line in enumerate(f, 1):
+                m = INCLUDE.match(line)
+                if m and m.group(1) == "filesystem":
+                    breaches.append(
+                        f"{rel}:{line_no}: <filesystem> in code that may be linked with "
+                        f"LibTorch: PyTorch's libtorch.so exports a std::filesystem that "
+                        f"crashes callers (pytorch/pytorch#133437); use POSIX calls")
     return breaches
 
 
 def check(root):
     breaches, files = check_no_filesystem(root), 0
-    for top in ("src", "include/diststrat"):
-        for dirpath, dirnames, names in os.walk(os.path.join(root, top)):
-            dirnames.sort()
-            for name in sorted(names):
-                if not re.search(r"\.(h|cc|cu|cuh|h\.in)$", name):
+    for dirpath, path, rel in sources(root, ("src", "include/diststrat")):
+        files += 1
+        try:
+            src = room_of(rel)
+        except LookupError as e:
+            breaches.append(f"{rel}:1: {e}")
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line_no, line in enumerate(f, 1):
+                m = INCLUDE.match(line)
+                if not m:
                     continue
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, root)
-                files += 1
+                target = target_of(m.group(1), dirpath, root)
+                if target is None or src is None:
+                    continue
                 try:
-                    src = room_of(rel)
+                    dst = room_of(target)
                 except LookupError as e:
-                    breaches.append(f"{rel}:1: {e}")
+                    breaches.append(f"{rel}:{line_no}: {m.group(1)}: {e}")
                     continue
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    for line_no, line in enumerate(f, 1):
-                        m = INCLUDE.match(line)
-                        if not m:
-                            continue
-                        target = target_of(m.group(1), dirpath, root)
-                        if target is None or src is None:
-                            continue
-                        try:
-                            dst = room_of(target)
-                        except LookupError as e:
-                            breaches.append(f"{rel}:{line_no}: {m.group(1)}: {e}")
-                            continue
-                        if dst is None or dst == src or dst in SEAMS.get(rel, ()):
-                            continue
-                        if src == "gpu" and floor_of[dst] <= floor_of[GPU_FLOOR]:
-                            continue
-                        if dst == "gpu" or floor_of[dst] >= floor_of[src]:
-                            breaches.append(f"{rel}:{line_no}: {src} includes {dst} "
-                                            f"({m.group(1)}): {why(src, dst)}")
+                if dst is None or dst == src or dst in SEAMS.get(rel, ()):
+                    continue
+                if src == "gpu" and floor_of[dst] <= floor_of[GPU_FLOOR]:
+                    continue
+                if dst == "gpu" or floor_of[dst] >= floor_of[src]:
+                    breaches.append(f"{rel}:{line_no}: {src} includes {dst} "
+                                    f"({m.group(1)}): {why(src, dst)}")
     return breaches, files
 
 
