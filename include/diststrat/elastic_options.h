@@ -3,7 +3,10 @@
 // diststrat/elastic.h for the training loop and docs/elastic.md).
 //
 // Rules: the options are read once, when the strategy is made. Every worker
-// of one job gives the same rendezvous URL, min/max workers and timeouts.
+// of one job gives the same rendezvous URL, min/max workers and timeouts, and
+// distributes the same data (dataset, global batch, seed and options: a
+// worker that differs from the group is refused when it is admitted).
+// Durations are positive and at most 30 days.
 #pragma once
 
 #include <chrono>
@@ -32,7 +35,10 @@ struct ElasticOptions {
   // costs on top of the redone step.
   std::chrono::milliseconds settle_timeout{2000};
   // How long a worker waits for a group with it to form (a new worker
-  // waiting to be admitted included) before UnavailableError.
+  // waiting to be admitted included) before UnavailableError: counted from
+  // the strategy's construction for the first group, and from each break of
+  // its group for the next (a worker declared dead that joins again as
+  // "<id>.r<n>" does so within the same wait).
   std::chrono::milliseconds join_timeout{std::chrono::minutes(10)};
   // How often the chief looks in the store for waiting workers (between
   // steps; the group admits them at the next step boundary after it sees

@@ -34,6 +34,14 @@ bool is_decimal(const std::string& t) {
 }
 }  // namespace
 
+namespace env {
+void check_timeout(std::chrono::milliseconds value, const std::string& what) {
+  constexpr std::chrono::milliseconds kMax = std::chrono::hours(24 * 30);
+  DISTSTRAT_CHECK(value.count() > 0 && value <= kMax, kInvalidArgument, what, " of ", value.count(),
+                  " ms: a timeout must be > 0 ms and at most 30 days (", kMax.count(), " ms)");
+}
+}  // namespace env
+
 std::chrono::milliseconds parse_timeout_seconds(const std::string& text) {
   // 30 days: longer than any job waits for a peer, and far from overflowing
   // the clocks' time_point arithmetic.

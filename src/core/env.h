@@ -28,6 +28,11 @@ std::optional<int64_t> integer(const char* name, int64_t lo, int64_t hi);
 // A duration in seconds, fractional allowed ("30", "0.5", "1e2"); see
 // parse_timeout_seconds (diststrat/collective.h) for the accepted range.
 std::optional<std::chrono::milliseconds> seconds(const char* name);
+// A duration given in code (an option's value) must be > 0 and at most 30
+// days, as parse_timeout_seconds accepts: a larger one overflows the
+// deadlines computed from it (now + timeout) into the past, and every wait
+// would fail at once. InvalidArgumentError naming `what` otherwise.
+void check_timeout(std::chrono::milliseconds value, const std::string& what);
 // Any other format: `parse` turns the text into a T or throws; its error is
 // rethrown as InvalidArgumentError prefixed with "NAME='value': ".
 template <class T, class Parse>

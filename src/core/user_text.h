@@ -14,16 +14,40 @@ namespace diststrat {
 
 constexpr size_t kMaxEchoedChars = 200;
 
-// Appends the first `n` bytes of `s` to `out` with newline, tab and the
-// other control characters escaped (\n, \t, \xNN).
+// The length of the well-formed UTF-8 sequence at s[i] (within the first n
+// bytes), or 0 when there is none there.
+inline size_t utf8_sequence_length(const std::string& s, size_t i, size_t n) {
+  const unsigned char c = static_cast<unsigned char>(s[i]);
+  const size_t len = c >= 0xc2 && c <= 0xdf   ? 2
+                     : c >= 0xe0 && c <= 0xef ? 3
+                     : c >= 0xf0 && c <= 0xf4 ? 4
+                                              : 0;
+  if (len == 0 || i + len > n) return 0;
+  for (size_t k = 1; k < len; ++k) {
+    const unsigned char t = static_cast<unsigned char>(s[i + k]);
+    if (t < 0x80 || t > 0xbf) return 0;
+  }
+  return len;
+}
+
+// Appends the first `n` bytes of `s` to `out` with newline, tab, the other
+// control characters and bytes that are not well-formed UTF-8 escaped (\n,
+// \t, \xNN): binary garbage reads as escapes, names in UTF-8 as themselves.
 inline void append_escaped(std::string& out, const std::string& s, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x80) {
+      if (const size_t len = utf8_sequence_length(s, i, n)) {
+        out.append(s, i, len);
+        i += len - 1;
+        continue;
+      }
+    }
     if (c == '\n') {
       out += "\\n";
     } else if (c == '\t') {
       out += "\\t";
-    } else if (c < 0x20 || c == 0x7f) {
+    } else if (c < 0x20 || c >= 0x7f) {
       char hex[8];
       std::snprintf(hex, sizeof hex, "\\x%02x", c);
       out += hex;

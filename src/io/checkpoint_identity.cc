@@ -168,7 +168,8 @@ std::string manifest_problem(const std::string& dir, const std::string& name,
   auto it = id.listed.find(name);
   if (it == id.listed.end()) {
     return "not among this run's saves (not listed in '" + dir + "/" + kManifestFile +
-           "'): another run's checkpoint, copied in?";
+           "'): a save that was interrupted before the manifest listed it, or another run's "
+           "checkpoint copied in?";
   }
   if (!crc.empty() && it->second != crc) {
     return "not the file this run saved under that name (header CRC " + crc +

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <map>
 #include <set>
@@ -326,8 +327,27 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
   md[ckpt::kManagerStepKey] = std::to_string(step);  // what marks the file as this manager's
   SaveOptions so;
   so.allow_non_finite = options_.allow_non_finite;
-  checkpoint_->write(path, md, so);
   Strategy& s = checkpoint_->strategy();
+  // A file under that name that is not one of this run's saves (another
+  // run's checkpoint copied in, or a save of ours interrupted before the
+  // manifest listed it) is kept under another name, never overwritten.
+  on_chief_then_agree(s, "to make room for '" + path + "'", [&] {
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0) return;
+    const ckpt::DirectoryIdentity id = identity();
+    if (!id.has_manifest) return;
+    const auto listed = id.listed.find(name);
+    if (listed != id.listed.end() && header_crc(path) == listed->second) return;  // ours
+    const std::string aside = path + ".replaced-" + std::to_string(::time(nullptr));
+    if (::rename(path.c_str(), aside.c_str()) != 0) {
+      fs::throw_errno(errno, "CheckpointManager::save: cannot move '" + path +
+                                 "' (not one of this run's saves) aside to '" + aside + "'");
+    }
+    s.logger().warning("CheckpointManager: '", path,
+                       "' was not one of this run's saves (not in its manifest); kept as '", aside,
+                       "' and not overwritten by the checkpoint of step ", step);
+  });
+  checkpoint_->write(path, md, so);
   // The checkpoint is complete on disk; only now does `latest` point at it.
   on_chief_then_agree(s, "to update '" + directory_ + "/latest'", [&] {
     // The manifest lists it before `latest` names it: `latest` never names a

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -110,8 +111,7 @@ ElasticRuntime::ElasticRuntime(const ElasticOptions& o, const CommunicationOptio
         {"join_timeout", o.join_timeout},
         {"join_poll", o.join_poll},
         {"communication.timeout", communication.timeout}}) {
-    DISTSTRAT_CHECK(value.count() > 0, kInvalidArgument, "elastic (", o.rendezvous, "): ", name,
-                    " of ", value.count(), " ms must be positive");
+    env::check_timeout(value, "elastic (" + o.rendezvous + "): " + name);
   }
 #if !DISTSTRAT_HAVE_GLOO
   throw UnimplementedError("elastic training (rendezvous " + o.rendezvous +
@@ -328,6 +328,31 @@ std::vector<char> encode_state(const std::vector<std::pair<std::string, Tensor>>
                                   /*allow_non_finite=*/true);
 }
 
+// What a worker distributed (ElasticRuntime::datasets) as one fixed record:
+// how many datasets, the first one's rows, global batch, seed and flags, and
+// a hash of them all.
+using DataRecord = std::array<int64_t, 6>;
+DataRecord data_record(const std::vector<std::array<int64_t, 4>>& datasets) {
+  DataRecord r{static_cast<int64_t>(datasets.size()), 0, 0, 0, 0, 0};
+  if (!datasets.empty()) std::copy(datasets[0].begin(), datasets[0].end(), r.begin() + 1);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over every value
+  for (const auto& d : datasets) {
+    for (int64_t v : d) {
+      h ^= static_cast<uint64_t>(v);
+      h *= 1099511628211ull;
+    }
+  }
+  r[5] = static_cast<int64_t>(h);
+  return r;
+}
+std::string describe_data(const DataRecord& r) {
+  if (r[0] == 0) return "no distributed dataset";
+  return std::to_string(r[0]) + " distributed dataset(s), the first of " + std::to_string(r[1]) +
+         " rows in global batches of " + std::to_string(r[2]) + " (seed " + std::to_string(r[3]) +
+         ", shuffle " + ((r[4] & 1) ? "on" : "off") + ", drop_remainder " +
+         ((r[4] & 2) ? "on" : "off") + ")";
+}
+
 }  // namespace
 
 void ElasticState::run(const std::function<void(ElasticState&)>& train) {
@@ -344,6 +369,7 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
 
   std::optional<MembershipChange> change;
   int previous_replicas = s.fresh ? 0 : m.total_replicas;
+  bool training = false;  // train is running (a failure then interrupted a step)
   for (;;) {
     try {
       // The group's state, from the member with the newest commit.
@@ -362,6 +388,46 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
           static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
       const bool same = std::all_of(steps.begin(), steps.end(),
                                     [&](int64_t v) { return v == steps[0] && v >= 0; });
+      if (n > 1) {
+        // Every member must split the same rows into the same global
+        // batches: one with another dataset, batch or seed would train on
+        // other rows, and the numbers would be silently wrong. A member that
+        // differs from the one whose state the group takes leaves with the
+        // error; the others re-form without it.
+        const DataRecord mine_data = data_record(e.datasets);
+        std::vector<int64_t> all(mine_data.size() * static_cast<size_t>(n));
+        m.engine->run(
+            [&](Communicator& c) {
+              c.all_gather(mine_data.data(), all.data(), mine_data.size(), DType::kInt64,
+                           "elastic/datasets");
+            },
+            "elastic data agreement");
+        auto record_of = [&](int r) {
+          DataRecord x;
+          std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(x.size()) * r, x.size(), x.begin());
+          return x;
+        };
+        const DataRecord theirs = record_of(source);
+        if (mine_data != theirs) {
+          throw InvalidArgumentError(
+              "elastic: worker '" + e.rendezvous->id() + "' (rank " + std::to_string(m.rank()) +
+              " of group " + std::to_string(e.view.group) +
+              ") distributes other data than worker '" +
+              e.view.members[static_cast<size_t>(source)] + "', whose state the group takes: " +
+              describe_data(mine_data) + " against " + describe_data(theirs) +
+              "; every worker must split the same rows into the same global batches (the same "
+              "dataset, global batch, seed and options)");
+        }
+        for (int r = 0; r < n; ++r) {
+          if (record_of(r) != theirs) {
+            throw AbortedError("elastic: worker '" + e.view.members[static_cast<size_t>(r)] +
+                               "' (rank " + std::to_string(r) +
+                               ") distributes other data than the group (" +
+                               describe_data(record_of(r)) + " against " + describe_data(theirs) +
+                               "); it leaves, and the group re-forms without it");
+          }
+        }
+      }
       if (s.fresh && !change && steps[static_cast<size_t>(source)] >= 0) {
         // A new worker in a group that trained before it came: a change for
         // it too (previous_replicas_in_sync 0).
@@ -429,6 +495,7 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
         for (const auto& fn : s.callbacks) fn(*change);
         change.reset();
       }
+      training = true;
       train(*this);
       // Done: workers still waiting to join this group are told so (they
       // would wait until their join_timeout). Best effort: the training is
@@ -446,11 +513,15 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
       if (!lost_peer(err) || !m.cross) throw;
       const bool admission = e.admitting;
       e.admitting = false;
+      // A step was in flight only once train had started (not in the
+      // agreement or in on_fresh_group).
+      const bool interrupted = training && !admission;
+      training = false;
       m.self->logger().warning(
           "elastic: worker '", e.rendezvous->id(), "' (rank ", m.rank(), " of group ", e.view.group,
           "): ", admission ? "admitting waiting workers" : "the group broke: " + err.message(),
           "; re-forming");
-      if (!admission) ++s.redone;
+      if (interrupted) ++s.redone;
       previous_replicas = m.total_replicas;
       m.leave_group("worker '" + e.rendezvous->id() + "' left group " +
                     std::to_string(e.view.group) + ": " + err.message());

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <exception>
+#include <array>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -77,6 +78,10 @@ struct ElasticRuntime {
   // workers' variables (created without the chief's broadcast) and a
   // LibTorch module's values differ, so no step may run.
   bool state_agreed = false;
+  // What distribute() made on this worker: rows, global batch, seed, flags
+  // (shuffle 1, drop_remainder 2). The members of a group must agree, or
+  // they would split other rows into each step (ElasticState::run checks).
+  std::vector<std::array<int64_t, 4>> datasets;
 };
 
 struct MultiWorkerMirroredStrategy::Impl {

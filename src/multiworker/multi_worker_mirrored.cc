@@ -64,6 +64,7 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
     // naming it, within the deadline (resolve_cluster and agree_on_setup),
     // instead of leaving the others in make_process_communicators.
     const std::chrono::milliseconds timeout = options.communication.timeout;
+    env::check_timeout(timeout, "MultiWorkerMirroredStrategy: communication.timeout");
     m.cluster = resolve_cluster(options.cluster, timeout);
     std::exception_ptr error;
     try {
@@ -260,6 +261,14 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
 
 int MultiWorkerMirroredStrategy::num_replicas_in_sync() const { return impl_->total_replicas; }
 bool MultiWorkerMirroredStrategy::replicas_may_change() const { return elastic(); }
+
+void MultiWorkerMirroredStrategy::note_distributed(int64_t rows, int64_t global_batch,
+                                                   const DistributeOptions& options) {
+  if (!impl_->elastic) return;
+  impl_->elastic->datasets.push_back(
+      {rows, global_batch, static_cast<int64_t>(options.seed),
+       (options.shuffle ? 1 : 0) | (options.drop_remainder ? 2 : 0)});
+}
 bool MultiWorkerMirroredStrategy::elastic() const { return impl_->elastic != nullptr; }
 int64_t MultiWorkerMirroredStrategy::membership_group() const {
   return impl_->elastic ? impl_->elastic->view.group : 0;

@@ -5,6 +5,7 @@
 #include <exception>
 #include <string>
 
+#include "core/env.h"
 #include "diststrat/config.h"
 #include "runtime/local_replicas.h"
 #include "runtime/process_group.h"
@@ -133,6 +134,10 @@ std::unique_ptr<ParameterServerAccess::Impl> make_job_impl(const ParameterServer
 std::unique_ptr<ParameterServerAccess::Impl> make_job_impl_checked(
     const ParameterServerOptions& options) {
   // Set-up is bounded by the job's own deadline, as the multi-worker strategy's is.
+  env::check_timeout(options.communication.timeout,
+                     "ParameterServerStrategy: communication.timeout");
+  if (options.worker_timeout.count() != 0)
+    env::check_timeout(options.worker_timeout, "ParameterServerStrategy: worker_timeout");
   const ResolvedCluster cluster = resolve_cluster(options.cluster, options.communication.timeout);
   auto impl = std::make_unique<ParameterServerAccess::Impl>();
   impl->options = with_cluster(options, cluster);

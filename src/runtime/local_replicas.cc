@@ -1,3 +1,4 @@
+#include "core/env.h"
 #include "runtime/variable_impl.h"
 #include "runtime/local_replicas.h"
 
@@ -78,6 +79,8 @@ CommunicationOptions local_group_options(const Strategy& strategy,
                                          const std::vector<Device>& devices,
                                          CommunicationOptions o) {
   const std::string who = strategy_display_name(strategy);
+  // Every strategy makes its local replicas: one place for the timeout.
+  env::check_timeout(o.timeout, who + ": communication.timeout");
   if (strategy.name() == "multi_worker") {
     o.algorithm = Algorithm::kAuto;
     return o;

@@ -1,3 +1,4 @@
+#include "core/env.h"
 #include "runtime/process_group.h"
 
 #include <atomic>
@@ -207,9 +208,7 @@ struct ProcessGroup::Impl {
 ProcessGroup::ProcessGroup(ProcessGroupOptions options) : impl_(std::make_unique<Impl>()) {
   const std::chrono::milliseconds timeout = options.communication.timeout;
   // Checked before any MPI call: every rank computes it from the same code.
-  DISTSTRAT_CHECK(timeout.count() > 0, kInvalidArgument,
-                  "ProcessGroup: options.communication.timeout must be > 0 ms, got ",
-                  timeout.count(), " ms");
+  env::check_timeout(timeout, "ProcessGroup: options.communication.timeout");
   // Every DISTSTRAT_* value that does not parse is a start-up error, as for
   // the strategies (whose logger reads it): a group has no logger of its own.
   Logger(LogLevel::kWarning);

@@ -5,6 +5,7 @@
 // keeps to the ownership rules of the GPU lease directory (other users' temp
 // files, symlinks, a directory someone else owns). Also: a timeline path that
 // is a device or FIFO is refused instead of silently losing the timeline.
+#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -231,6 +232,36 @@ TEST(CheckpointOwnership, AnotherRunsGenuineCheckpointsCopiedInAreIgnored) {
   EXPECT_TRUE(contains(c.warnings, "ckpt-700.safetensors")) << c.warnings;
   // On purpose, by name, it restores.
   EXPECT_EQ(c.ckpt.restore(ckpt_path(mine, 700)).at("step"), "700");
+}
+
+// A save whose name another run's file holds (the manager warned that it
+// ignores it) keeps that file under another name instead of overwriting it.
+TEST(CheckpointOwnership, ASaveKeepsAnotherRunsFileOfTheSameNameAside) {
+  const std::string mine = temp_dir(kSafetyTempPrefix), theirs = temp_dir(kSafetyTempPrefix);
+  MomentumModel other(5);
+  other.train(3);
+  ds::CheckpointManager(other.ckpt, theirs, {3}).save(20, {{"step", "theirs"}});
+  MomentumModel a;
+  save_steps(a, mine, 10, 10, 10);
+  copy_file(ckpt_path(theirs, 20), ckpt_path(mine, 20));
+  MomentumModel b(9);
+  ds::CheckpointManager mb(b.ckpt, mine, {3});
+  ASSERT_EQ(mb.restore_latest().value().at("step"), "10");
+  b.train(20);
+  mb.save(20, {{"step", "20"}});
+  EXPECT_TRUE(contains(b.warnings, "kept as")) << b.warnings;
+  std::string aside;
+  if (DIR* d = ::opendir(mine.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n.rfind("ckpt-20.safetensors.replaced-", 0) == 0) aside = mine + "/" + n;
+    }
+    ::closedir(d);
+  }
+  ASSERT_FALSE(aside.empty()) << "the other run's ckpt-20 was overwritten";
+  EXPECT_EQ(ds::load_checkpoint(aside).metadata.at("step"), "theirs");
+  EXPECT_EQ(ds::load_checkpoint(ckpt_path(mine, 20)).metadata.at("step"), "20");
+  EXPECT_EQ(mb.restore_latest().value().at("step"), "20");
 }
 
 // The same name overwritten by another run's file: not ours any more.

@@ -64,6 +64,7 @@ struct Plan {
   // flag is shared by the job's workers).
   std::atomic<bool>* chief_died = nullptr;
   int chief_dies_at = -1;
+  int batch = kBatch;  // the global batch this worker distributes
 };
 
 Outcome train_worker(const std::string& id, const Plan& plan) {
@@ -91,7 +92,7 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   ds::SGD count_opt(s, {kLr, 0.0f});
   ds::DistributeOptions dopts;
   dopts.shuffle = false;
-  ds::DistributedDataset dist = s.distribute(make_data(kRows), kBatch, dopts);
+  ds::DistributedDataset dist = s.distribute(make_data(kRows), plan.batch, dopts);
   ds::ElasticState state(s, {&opt, &count_opt});
   ds::Checkpoint checkpoint(s, {&opt, &count_opt});
   std::unique_ptr<ds::CheckpointManager> manager;
@@ -259,6 +260,84 @@ TEST(ElasticTraining, TheNewChiefCheckpointsAndAFreshGroupResumesFromIt) {
     EXPECT_EQ(o->fresh_group_calls, 1);
     es::expect_trained(*o, ref, kRows, kEpochs, 2);
   }
+}
+
+// A worker whose data settings differ from the group's (here its global
+// batch) would train on other rows: silently wrong numbers. It is told so
+// when it is admitted and leaves; the group re-forms without it and trains
+// on exactly (before, the two batch sizes trained together without an error).
+TEST(ElasticTraining, AJoinerThatDistributesOtherDataLeavesAndTheGroupTrainsOn) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("elastic_data");
+  std::atomic<bool> hold{true};
+  std::atomic<int> at_hold{0};
+  Plan plan;
+  plan.cues.dir = dir.path();
+  plan.cues.hold_at_step = 4;
+  plan.cues.hold = &hold;
+  plan.cues.at_hold = &at_hold;
+  auto a = std::async(std::launch::async, [&] { return train_worker("a", plan); });
+  auto b = std::async(std::launch::async, [&] { return train_worker("b", plan); });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (at_hold.load() < 2 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(at_hold.load(), 2) << "a and b did not reach step 4";
+  Plan other = plan;
+  other.batch = 2 * kBatch;
+  auto c = std::async(std::launch::async, [&] {
+    try {
+      train_worker("c", other);
+    } catch (const ds::InvalidArgumentError& e) {
+      return std::string(e.what());
+    }
+    return std::string("c trained with the group");
+  });
+  std::unique_ptr<ds::MembershipStore> store =
+      ds::open_membership_store("file://" + dir.path() + "/job");
+  while (!store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).is_waiting("c") &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  hold = false;
+  const std::string error = c.get();
+  EXPECT_NE(error.find("distributes other data"), std::string::npos) << error;
+  EXPECT_NE(error.find("global batches of 32"), std::string::npos) << error;
+  EXPECT_NE(error.find("global batches of 16"), std::string::npos) << error;
+  const std::vector<float> ref = reference_weights(false);
+  for (auto* f : {&a, &b}) {
+    const Outcome o = f->get();
+    es::expect_trained(o, ref, kRows, kEpochs, 2);
+    EXPECT_EQ(o.redone, 0);  // no step was interrupted: the group left at a boundary
+  }
+}
+
+// Durations given in code are checked like DISTSTRAT_TIMEOUT: > 0 and at most
+// 30 days. A larger one made every deadline (now + timeout) overflow into the
+// past: the worker failed at once with a false "before the deadline".
+TEST(ElasticTraining, ATimeoutTooLargeForADeadlineIsRefusedNamingIt) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("elastic_huge");
+  for (int which = 0; which < 3; ++which) {
+    ds::MultiWorkerOptions o = es::worker_options(dir.path(), "solo", 1);
+    const char* name = which == 0   ? "join_timeout"
+                       : which == 1 ? "settle_timeout"
+                                    : "communication.timeout";
+    if (which == 0) o.elastic.join_timeout = std::chrono::milliseconds::max();
+    if (which == 1) o.elastic.settle_timeout = std::chrono::hours(24 * 31);
+    if (which == 2) o.communication.timeout = std::chrono::milliseconds::max();
+    try {
+      ds::MultiWorkerMirroredStrategy s(o);
+      ADD_FAILURE() << name << ": accepted";
+    } catch (const ds::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("at most 30 days"), std::string::npos) << e.what();
+    }
+  }
+  ds::MirroredOptions m;
+  m.devices = {ds::Device::cpu(0), ds::Device::cpu(1)};
+  m.communication.timeout = std::chrono::milliseconds::max();
+  EXPECT_THROW(ds::MirroredStrategy{m}, ds::InvalidArgumentError);
 }
 
 // The workers' variables are not the group's before ElasticState::run

@@ -9,6 +9,7 @@
 
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
+#include "core/user_text.h"
 #include "harness.h"
 #include "training_util.h"
 
@@ -34,6 +35,18 @@ std::string message_of(const std::function<void()>& fn) {
 }
 
 }  // namespace
+
+// Text from outside as messages quote it: bytes that are not UTF-8 (a
+// garbage store key, a damaged file) read as escapes, UTF-8 names as
+// themselves. Before, bytes >= 0x80 went into the message raw.
+TEST(ErrorMessages, QuotedBytesThatAreNotUtf8AreEscapedAndUtf8IsKept) {
+  EXPECT_EQ(ds::echo("w\xc3\xa9ight"), "w\xc3\xa9ight");
+  EXPECT_EQ(ds::echo("a\xff\xfe"
+                     "b\xc3"),
+            "a\\xff\\xfeb\\xc3");
+  EXPECT_EQ(ds::echo("\xe2\x82\xac\x7f\xed"), "\xe2\x82\xac\\x7f\\xed");
+  EXPECT_EQ(ds::echo("\xc0\xaf"), "\\xc0\\xaf");  // an overlong '/'
+}
 
 TEST(ErrorMessages, MultiWorkerDeadlineNamesTheUsersTensorsNotTheSignatureExchange) {
   ds::CommunicationOptions co;

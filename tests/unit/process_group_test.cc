@@ -145,8 +145,18 @@ TEST(ProcessGroup, BadSetUpIsAClearError) {
     ds::ProcessGroupOptions o;
     o.communication.timeout = std::chrono::milliseconds(0);
     const std::string e = error_of<ds::InvalidArgumentError>([&] { ds::ProcessGroup pg(o); });
-    EXPECT_TRUE(contains(e, "ProcessGroup: options.communication.timeout must be > 0 ms, got 0"))
+    EXPECT_TRUE(contains(e,
+                         "ProcessGroup: options.communication.timeout of 0 ms: a timeout must "
+                         "be > 0 ms and at most 30 days"))
         << e;
+  }
+  {
+    // So large that now + timeout would overflow into the past (every wait
+    // failed at once, with a false deadline error).
+    ds::ProcessGroupOptions o;
+    o.communication.timeout = std::chrono::milliseconds::max();
+    const std::string e = error_of<ds::InvalidArgumentError>([&] { ds::ProcessGroup pg(o); });
+    EXPECT_TRUE(contains(e, "at most 30 days")) << e;
   }
   {
     // Several processes, but no launcher started this one.
