@@ -333,7 +333,8 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
   // manifest listed it) is kept under another name, never overwritten.
   on_chief_then_agree(s, "to make room for '" + path + "'", [&] {
     struct stat st {};
-    if (::lstat(path.c_str(), &st) != 0) return;
+    // (Only a regular file: anything else there makes the write fail, naming it.)
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
     const ckpt::DirectoryIdentity id = identity();
     if (!id.has_manifest) return;
     const auto listed = id.listed.find(name);

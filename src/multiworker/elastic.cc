@@ -407,14 +407,27 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
           std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(x.size()) * r, x.size(), x.begin());
           return x;
         };
-        const DataRecord theirs = record_of(source);
+        // The reference: the member whose state the group takes; in a group
+        // that has no state yet, the settings most members have (then the
+        // lowest rank's).
+        int reference = source;
+        if (steps[static_cast<size_t>(source)] < 0) {
+          int best = 0;
+          for (int r = 0; r < n; ++r) {
+            int count = 0;
+            for (int q = 0; q < n; ++q) count += record_of(q) == record_of(r) ? 1 : 0;
+            if (count > best) best = count, reference = r;
+          }
+        }
+        const DataRecord theirs = record_of(reference);
         if (mine_data != theirs) {
           throw InvalidArgumentError(
               "elastic: worker '" + e.rendezvous->id() + "' (rank " + std::to_string(m.rank()) +
               " of group " + std::to_string(e.view.group) +
               ") distributes other data than worker '" +
-              e.view.members[static_cast<size_t>(source)] + "', whose state the group takes: " +
-              describe_data(mine_data) + " against " + describe_data(theirs) +
+              e.view.members[static_cast<size_t>(reference)] +
+              "', whose settings the group keeps: " + describe_data(mine_data) + " against " +
+              describe_data(theirs) +
               "; every worker must split the same rows into the same global batches (the same "
               "dataset, global batch, seed and options)");
         }

@@ -340,6 +340,31 @@ TEST(ElasticTraining, ATimeoutTooLargeForADeadlineIsRefusedNamingIt) {
   EXPECT_THROW(ds::MirroredStrategy{m}, ds::InvalidArgumentError);
 }
 
+// The same at the job's start, when no worker holds a state yet: the
+// settings most workers have are the group's, whichever rank the odd one got.
+TEST(ElasticTraining, AtTheStartTheWorkerWithOtherDataLeavesWhateverItsRank) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  diststrat_test::TempDir dir("elastic_data_start");
+  Plan plan;
+  plan.cues.dir = dir.path();
+  Plan other = plan;
+  other.batch = 2 * kBatch;
+  auto c = std::async(std::launch::async, [&] {
+    try {
+      train_worker("c", other);
+    } catch (const ds::InvalidArgumentError& e) {
+      return std::string(e.what());
+    }
+    return std::string("c trained with the group");
+  });
+  auto a = std::async(std::launch::async, [&] { return train_worker("a", plan); });
+  auto b = std::async(std::launch::async, [&] { return train_worker("b", plan); });
+  const std::string error = c.get();
+  EXPECT_NE(error.find("distributes other data"), std::string::npos) << error;
+  const std::vector<float> ref = reference_weights(false);
+  for (auto* f : {&a, &b}) es::expect_trained(f->get(), ref, kRows, kEpochs, 2);
+}
+
 // The workers' variables are not the group's before ElasticState::run
 // agrees on them: a step there is an error, not a silent divergence; after
 // run() (an evaluation, say) steps are fine.
