@@ -201,8 +201,9 @@ struct InProcessGroup::State {
     }
     const auto deadline = std::chrono::steady_clock::now() + options.timeout;
     while (gen == my_gen) {
-      throw_if_aborted(rank, d);
+      throw_if_aborted(rank, d, my_gen);
       if (cv.wait_until(lock, deadline) == std::cv_status::timeout && gen == my_gen) {
+        note_first_missing(my_gen);  // whom it waited for at the end, not at the start
         std::ostringstream missing;
         int n_missing = 0;
         for (int r = 0; r < size; ++r) {
@@ -220,8 +221,21 @@ struct InProcessGroup::State {
     }
   }
 
-  void throw_if_aborted(int rank, const Descriptor& d) {
+  // For the flight record: the first rank that has not arrived at call
+  // generation `my_gen` (the one noted when the wait began may have come
+  // since: under load the ranks arrive in any order).
+  void note_first_missing(long my_gen) {
+    for (int r = 0; r < size; ++r) {
+      if (arrived_gen[r] != my_gen) {
+        flight::note_waiting(r);
+        return;
+      }
+    }
+  }
+
+  void throw_if_aborted(int rank, const Descriptor& d, long my_gen = -1) {
     if (aborted) {
+      if (my_gen >= 0) note_first_missing(my_gen);
       throw AbortedError("rank " + std::to_string(rank) + ": " + describe(d) +
                          " aborted: " + abort_reason);
     }

@@ -131,13 +131,20 @@ TEST(FlightRecorderInProcess, ADifferentCollectiveIsNamedByTheVerdict) {
 }
 
 // Rank 1 is in its own compute (3 s) when the others' step_3 reaches its
-// deadline (1 s): the first record shows it never entered step_3.
+// deadline (1 s): the first record shows it never entered step_3. Rank 0
+// comes to step_3 200 ms after ranks 2 and 3, which then saw rank 0 missing
+// first (the order CI's load once made). A wait notes the first missing rank
+// when it begins and again when it ends (its deadline, or another's abort);
+// the records are written at the first rank's deadline, so rank 0's and
+// that rank's say rank 1, and the third may still say rank 0. Before, only
+// rank 0's said rank 1.
 TEST(FlightRecorderInProcess, ARankInComputeIsNamedByTheVerdict) {
   FlightDir dir;
   ds::InProcessGroup world(4, with_timeout(1000));
   run_ranks(4, [&](int r) {
     for (int s = 0; s < 6; ++s) {
       if (r == 1 && s == 3) std::this_thread::sleep_for(std::chrono::seconds(3));
+      if (r == 0 && s == 3) std::this_thread::sleep_for(std::chrono::milliseconds(200));
       all_reduce(world.at(r), "step_" + std::to_string(s));
     }
   });
@@ -154,7 +161,7 @@ TEST(FlightRecorderInProcess, ARankInComputeIsNamedByTheVerdict) {
       waited_for_1 += c.seq == 3 && c.waiting_on == std::vector<int>{1};
     }
   }
-  EXPECT_EQ(waited_for_1, 3);
+  EXPECT_GE(waited_for_1, 2);
 }
 
 // Rank 3 waits in a barrier of another group ("pair": world ranks 2 and 3,
