@@ -478,7 +478,7 @@ else
     if ((bench_rc == 125)); then
       row "gpu_bench" "skipped (time)"
     elif ((bench_rc == 0)); then
-      row "gpu_bench" "ok" "NCCL $(r nccl_version) at run time$quick"
+      row "gpu_bench" "ok" "NCCL $(r nccl_version) at run time${quick:+, $quick}"
       row "  MLP step on GPU (batch 512)" "info" "$(r mlp_gpu_step_ms) ms, $(r mlp_gpu_samples_per_s) samples/s"
       row "  MLP step, library on 1 CPU core" "info" "$(r mlp_cpu_step_ms) ms (GPU $(r mlp_speedup)x)"
       bar "  bar: GPU MLP step >= 10x a -march=native core" "$(r mlp_speedup_native)" ">=" 10 \
