@@ -111,7 +111,7 @@ die() { say "FAILED: $*"; row "${step:-self-checks}" "FAILED" "$*"; finish; }
 lease_dir=""
 bg_pid=""
 on_exit() {
-  [[ -n $bg_pid ]] && kill -- "-$bg_pid" 2>/dev/null
+  [[ -n $bg_pid ]] && { kill -- "-$bg_pid"; kill -CONT -- "-$bg_pid"; } 2>/dev/null
   [[ -n $lease_dir ]] && rm -rf "$lease_dir"
   return 0
 }
@@ -464,8 +464,14 @@ else
     say "running the GPU benchmark ($(clock))"
     quick=""
     (( $(left) < 300 )) && quick=--quick
+    # Its CPU rows are the bar's reference: the background builds are
+    # stopped meanwhile (SIGSTOP to their process group), so that they do
+    # not share the cores with it (runs 1-3 on the H200 read the -march=native
+    # core at 10.2, 7.2 and 5.0 ms with them running).
+    [[ -n $bg_pid ]] && kill -STOP -- "-$bg_pid" 2>/dev/null
     limited 150 40 "$build/benchmarks/gpu_bench" $quick >"$log/bench.log" 2>&1
     bench_rc=$?
+    [[ -n $bg_pid ]] && kill -CONT -- "-$bg_pid" 2>/dev/null
     grep -v '^result ' "$log/bench.log"
     r() { grep -oE "^result $1=[^ ]+" "$log/bench.log" | cut -d= -f2; }
     bar() {  # label value op threshold detail
