@@ -158,6 +158,16 @@ Outcome train_worker(const std::string& id, const Plan& plan) {
   return out;
 }
 
+// Worker `id`'s InvalidArgumentError text, for a worker that should be refused.
+std::string refusal_of(const std::string& id, const Plan& plan) {
+  try {
+    train_worker(id, plan);
+  } catch (const ds::InvalidArgumentError& e) {
+    return e.what();
+  }
+  return id + " trained with the group";
+}
+
 // Three workers; c dies inside step 4; a and b redo it and go on; d joins
 // before step 8 and takes the state from them.
 void kill_then_join(bool zero_adam) {
@@ -284,14 +294,7 @@ TEST(ElasticTraining, AJoinerThatDistributesOtherDataLeavesAndTheGroupTrainsOn) 
   ASSERT_EQ(at_hold.load(), 2) << "a and b did not reach step 4";
   Plan other = plan;
   other.batch = 2 * kBatch;
-  auto c = std::async(std::launch::async, [&] {
-    try {
-      train_worker("c", other);
-    } catch (const ds::InvalidArgumentError& e) {
-      return std::string(e.what());
-    }
-    return std::string("c trained with the group");
-  });
+  auto c = std::async(std::launch::async, [&] { return refusal_of("c", other); });
   std::unique_ptr<ds::MembershipStore> store =
       ds::open_membership_store("file://" + dir.path() + "/job");
   while (!store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).is_waiting("c") &&
@@ -349,14 +352,7 @@ TEST(ElasticTraining, AtTheStartTheWorkerWithOtherDataLeavesWhateverItsRank) {
   plan.cues.dir = dir.path();
   Plan other = plan;
   other.batch = 2 * kBatch;
-  auto c = std::async(std::launch::async, [&] {
-    try {
-      train_worker("c", other);
-    } catch (const ds::InvalidArgumentError& e) {
-      return std::string(e.what());
-    }
-    return std::string("c trained with the group");
-  });
+  auto c = std::async(std::launch::async, [&] { return refusal_of("c", other); });
   auto a = std::async(std::launch::async, [&] { return train_worker("a", plan); });
   auto b = std::async(std::launch::async, [&] { return train_worker("b", plan); });
   const std::string error = c.get();
