@@ -10,6 +10,7 @@
 #include <map>
 #include <vector>
 
+#include "allreduce/call_text.h"
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/transport_communicator.h"
 #include "core/flight_recorder.h"
@@ -176,18 +177,20 @@ void HierarchicalCommunicator::compare_call(size_t count, DType dtype, ReduceOp 
   const int n = flat_->size();
   int64_t mine[kWords] = {static_cast<int64_t>(count), static_cast<int64_t>(dtype),
                           static_cast<int64_t>(op), static_cast<int64_t>(fnv1a(name))};
-  const std::string shown = head_and_tail(name, kNameWords * 8 - 1);
-  std::memcpy(mine + 4, shown.data(), shown.size());
+  head_and_tail_to(name, kNameWords * 8 - 1, reinterpret_cast<char*>(mine + 4));
   std::vector<int64_t> all(kWords * static_cast<size_t>(n));
-  const std::string what = "rank " + std::to_string(flat_->rank()) + ": " +
-                           describe_call("all_reduce", count, dtype, &op, name) + " (hierarchical)";
+  // Written out only for a message (not on every call).
+  auto what = [&] {
+    return "rank " + std::to_string(flat_->rank()) + ": " +
+           CallText{"all_reduce", count, dtype, &op, nullptr, &name, "hierarchical"}.str();
+  };
   try {
     // One fixed name: the names are compared in the gathered words.
     flat_->all_gather(mine, all.data(), kWords, DType::kInt64, "hierarchical call comparison");
   } catch (const Error& e) {
     // Another kind of call on some rank meets this gather: say which call
     // this rank was making.
-    throw_error(e.code(), what + ": comparing the call across ranks: " + e.message());
+    throw_error(e.code(), what() + ": comparing the call across ranks: " + e.message());
   }
   int other = 1;
   while (other < n && std::equal(all.begin(), all.begin() + 4, all.begin() + kWords * other)) {
@@ -203,7 +206,7 @@ void HierarchicalCommunicator::compare_call(size_t count, DType dtype, ReduceOp 
                          their) +
            (their.empty() ? " (unnamed)" : "");
   };
-  throw InvalidArgumentError(what + ": ranks disagree on the call: rank 0 has " + call_of(0) +
+  throw InvalidArgumentError(what() + ": ranks disagree on the call: rank 0 has " + call_of(0) +
                              ", rank " + std::to_string(other) + " has " + call_of(other));
 }
 

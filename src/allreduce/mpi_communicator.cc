@@ -105,7 +105,7 @@ class MpiCommunicator : public TransportCommunicator {
     if (algorithm != Algorithm::kMpiNative) {
       return TransportCommunicator::all_reduce(in, out, count, dtype, op, name);
     }
-    guarded(describe_call("all_reduce", count, dtype, &op, name) + " (mpi)", [&] {
+    guarded({"all_reduce", count, dtype, &op, nullptr, &name, "mpi"}, [&] {
       // MPI_Allreduce with mismatched counts or types is undefined (Open MPI
       // ends the job, or reduces garbage): compare the calls first.
       agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm, &name});

@@ -69,14 +69,14 @@ namespace diststrat {
 
 void ShmCommunicator::all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                                  const std::string& name) {
-  Call call(this, describe_call("all_reduce", count, dtype, &op, name) + " (shm)",
+  Call call(this, {"all_reduce", count, dtype, &op, nullptr, &name, "shm"},
             shm::record(shm::CallKind::kAllReduce, count, dtype, &op, -1, name));
   if (count == 0) return call.empty();
   const size_t es = dtype_size(dtype);
   const size_t per = chunk_ / es;
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  std::vector<const void*> srcs(size_);
+  std::vector<const void*>& srcs = srcs_;
   if (count * es <= std::min(shm::kSmallBytes, chunk_)) {
     // One barrier: stage everything, then each rank reduces the whole.
     const int b = static_cast<int>(chunks_++ % shm::kBuffers);
@@ -201,7 +201,7 @@ void ShmCommunicator::reduce_across_processes(const void* in, void* out, size_t 
   // One block per rank: peer q's input block at q, the reduced block (when
   // streaming) at this rank's own place.
   auto scratch = [&](int q) { return single_copy_scratch_.data() + q * shm::kSingleCopyBlock; };
-  std::vector<const void*> srcs(size_);
+  std::vector<const void*>& srcs = srcs_;
   for (size_t j = lo; j < hi; j += block) {
     const size_t m = std::min(block, hi - j);
     for (int q = 0; q < size_; ++q) {

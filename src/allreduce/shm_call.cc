@@ -36,8 +36,7 @@ CallRecord record(CallKind kind, size_t count, DType dtype, const ReduceOp* op, 
                   const std::string& name) {
   CallRecord r;
   r.name_hash = fnv1a(name);
-  const std::string shown = head_and_tail(name, sizeof r.name - 1);
-  std::memcpy(r.name, shown.data(), shown.size());
+  head_and_tail_to(name, sizeof r.name - 1, r.name);
   r.kind = static_cast<uint32_t>(kind);
   r.count = count;
   r.dtype = kind == CallKind::kBarrier ? 0 : static_cast<int32_t>(dtype);
@@ -72,8 +71,8 @@ std::string describe_record(const CallRecord& r) {
 }  // namespace
 }  // namespace shm
 
-ShmCommunicator::Call::Call(ShmCommunicator* c, std::string what, const shm::CallRecord& rec)
-    : c_(c), what_(std::move(what)) {
+ShmCommunicator::Call::Call(ShmCommunicator* c, const CallText& what, const shm::CallRecord& rec)
+    : c_(c), what_(what) {
   deadline_ = Clock::now() + c_->options_.timeout;
   check_abort();
   slot_ = static_cast<int>((c_->barriers_ + 1) % 2);
@@ -125,7 +124,7 @@ void ShmCommunicator::Call::compare_calls() {
   for (int q = 1; q < c_->size_; ++q) {
     const shm::CallRecord& other = c_->headers_[q]->calls[slot_];
     if (other == first) continue;
-    const std::string msg = "rank " + std::to_string(c_->rank_) + ": " + what_ +
+    const std::string msg = "rank " + std::to_string(c_->rank_) + ": " + what_.str() +
                             ": ranks disagree on the call: rank 0 has " +
                             shm::describe_record(first) + ", rank " + std::to_string(q) + " has " +
                             shm::describe_record(other);
@@ -140,15 +139,16 @@ void ShmCommunicator::Call::check_abort() {
       c_->failed_ = true;
       const shm::Header* h = c_->headers_[q];
       if (q == c_->rank_) {
-        throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ +
+        throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_.str() +
                            " aborted by rank " + std::to_string(q) + ": " + c_->own_abort_reason());
       }
       // The rank whose failure it is (q itself, or the one q passes on).
       const int origin = h->abort_origin >= 0 && h->abort_origin < c_->size_ ? h->abort_origin : q;
       const std::string reason(h->abort_reason, strnlen(h->abort_reason, sizeof(h->abort_reason)));
       c_->observe_abort(origin, reason);
-      throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_ + " aborted by rank " +
-                         std::to_string(origin) + (reason.empty() ? std::string() : ": " + reason));
+      throw AbortedError("rank " + std::to_string(c_->rank_) + ": " + what_.str() +
+                         " aborted by rank " + std::to_string(origin) +
+                         (reason.empty() ? std::string() : ": " + reason));
     }
   }
 }
@@ -162,7 +162,7 @@ void ShmCommunicator::Call::timeout(uint64_t target) {
     }
   }
   c_->failed_ = true;
-  throw DeadlineExceededError("rank " + std::to_string(c_->rank_) + ": " + what_ + ": rank" +
+  throw DeadlineExceededError("rank " + std::to_string(c_->rank_) + ": " + what_.str() + ": rank" +
                               (n > 1 ? "s " : " ") + missing.str() + " did not arrive within " +
                               std::to_string(c_->options_.timeout.count()) +
                               " ms (stopped: SIGSTOP or a debugger; or busy elsewhere: a slower "

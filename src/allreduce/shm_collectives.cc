@@ -15,9 +15,7 @@ namespace diststrat {
 
 void ShmCommunicator::broadcast(void* data, size_t count, DType dtype, int root,
                                 const std::string& name) {
-  Call call(this,
-            describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
-                std::to_string(root) + " (shm)",
+  Call call(this, {"broadcast", count, dtype, nullptr, &root, &name, "shm"},
             shm::record(shm::CallKind::kBroadcast, count, dtype, nullptr, root, name));
   const size_t bytes = count * dtype_size(dtype);
   if (root < 0 || root >= size_ || bytes == 0) {
@@ -40,7 +38,7 @@ void ShmCommunicator::broadcast(void* data, size_t count, DType dtype, int root,
 
 void ShmCommunicator::all_gather(const void* in, void* out, size_t count, DType dtype,
                                  const std::string& name) {
-  Call call(this, describe_call("all_gather", count, dtype, nullptr, name) + " (shm)",
+  Call call(this, {"all_gather", count, dtype, nullptr, nullptr, &name, "shm"},
             shm::record(shm::CallKind::kAllGather, count, dtype, nullptr, -1, name));
   const size_t bytes = count * dtype_size(dtype);
   if (bytes == 0) return call.empty();
@@ -61,7 +59,7 @@ void ShmCommunicator::all_gather(const void* in, void* out, size_t count, DType 
 
 void ShmCommunicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype,
                                      ReduceOp op, const std::string& name) {
-  Call call(this, describe_call("reduce_scatter", count, dtype, &op, name) + " (shm)",
+  Call call(this, {"reduce_scatter", count, dtype, &op, nullptr, &name, "shm"},
             shm::record(shm::CallKind::kReduceScatter, count, dtype, &op, -1, name));
   if (count == 0) return call.empty();
   const size_t es = dtype_size(dtype);
@@ -69,7 +67,7 @@ void ShmCommunicator::reduce_scatter(const void* in, void* out, size_t count, DT
   const size_t per = std::max<size_t>(1, chunk_ / (es * size_));
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  std::vector<const void*> srcs(size_);
+  std::vector<const void*>& srcs = srcs_;
   for (size_t base = 0; base < count; base += per) {
     const size_t len = std::min(per, count - base);
     const int b = static_cast<int>(chunks_++ % shm::kBuffers);
@@ -87,7 +85,7 @@ void ShmCommunicator::reduce_scatter(const void* in, void* out, size_t count, DT
 }
 
 void ShmCommunicator::barrier(const std::string& name) {
-  Call call(this, std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'") + " (shm)",
+  Call call(this, {"barrier", 0, DType::kFloat32, nullptr, nullptr, &name, "shm"},
             shm::record(shm::CallKind::kBarrier, 0, DType::kFloat32, nullptr, -1, name));
   ++chunks_;  // keeps the buffer parity rule simple: a barrier is an empty chunk
   call.barrier();

@@ -60,6 +60,7 @@ ShmCommunicator::ShmCommunicator(MPI_Comm comm, const CommunicationOptions& opti
       reinterpret_cast<uint64_t>(parts[rank_]);
   headers_.resize(size_);
   bufs_.resize(size_);
+  srcs_.resize(size_);
   for (int r = 0; r < size_; ++r) {
     headers_[r] = reinterpret_cast<shm::Header*>(parts[r]);
     bufs_[r] = parts[r] + shm::kHeader;

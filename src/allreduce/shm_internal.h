@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "allreduce/call_text.h"
 #include "allreduce/transport.h"
 #include "core/process_liveness.h"
 #include "diststrat/collective.h"
@@ -170,7 +171,7 @@ class ShmCommunicator : public Communicator {
   class Call {
    public:
     // Publishes `rec` for the comparison after the first barrier.
-    Call(ShmCommunicator* c, std::string what, const shm::CallRecord& rec);
+    Call(ShmCommunicator* c, const CallText& what, const shm::CallRecord& rec);
     // A call that moves nothing: meet (and compare) once, as an empty chunk.
     void empty();
     void barrier();
@@ -180,7 +181,7 @@ class ShmCommunicator : public Communicator {
     void check_abort();
     [[noreturn]] void timeout(uint64_t target);
     ShmCommunicator* c_;
-    std::string what_;
+    CallText what_;
     Clock::time_point deadline_;
     int slot_ = 0;
     bool compared_ = false;
@@ -235,6 +236,8 @@ class ShmCommunicator : public Communicator {
   size_t chunk_ = 0;
   std::vector<shm::Header*> headers_;
   std::vector<char*> bufs_;
+  // The reductions' source pointers, one per rank (a call allocates nothing).
+  std::vector<const void*> srcs_;
   struct Window {
     MPI_Win win = MPI_WIN_NULL;
     size_t bytes = 0;

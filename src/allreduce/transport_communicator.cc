@@ -16,15 +16,6 @@
 
 namespace diststrat {
 
-std::string describe_call(const char* kind, size_t count, DType dtype, const ReduceOp* op,
-                          const std::string& name) {
-  std::ostringstream os;
-  os << kind << " of " << count << " " << dtype_name(dtype);
-  if (op) os << " " << reduce_op_name(*op);
-  if (!name.empty()) os << " '" << echo(name) << "'";
-  return os.str();
-}
-
 TransportCommunicator::TransportCommunicator(Transport& transport, CommunicationOptions options,
                                              std::vector<int> node_of,
                                              std::unique_ptr<Transport> owned,
@@ -132,8 +123,7 @@ void TransportCommunicator::agree_on_call(const CallKey& key) {
   std::vector<NameBytes> names(n);
   all[rank()] = mine;
   names[rank()].fill('\0');
-  const std::string shown = head_and_tail(name, kNameBytes - 1);
-  std::memcpy(names[rank()].data(), shown.data(), shown.size());
+  head_and_tail_to(name, kNameBytes - 1, names[rank()].data());
   algo::ChunkLayout layout{[](int c) { return static_cast<size_t>(c) * kKeyWords; },
                            [](int) { return static_cast<size_t>(kKeyWords); }};
   algo::ring_all_gather(peers, all.data(), sizeof(int64_t), layout, /*shift=*/0,
@@ -195,35 +185,31 @@ void TransportCommunicator::all_reduce(const void* in, void* out, size_t count, 
                                        ReduceOp op, const std::string& name) {
   const size_t bytes = count * dtype_size(dtype);
   const Algorithm algorithm = resolve(bytes);
-  guarded(
-      describe_call("all_reduce", count, dtype, &op, name) + " (" + algorithm_name(algorithm) + ")",
-      [&] {
-        agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm, &name});
-        flight::note_algorithm(algorithm_name(algorithm));
-        if (in != out && bytes) std::memcpy(out, in, bytes);
-        run_algorithm(algorithm, out, count, dtype, op);
-      });
+  guarded({"all_reduce", count, dtype, &op, nullptr, &name, algorithm_name(algorithm)}, [&] {
+    agree_on_call({CallKind::kAllReduce, count, dtype, &op, -1, &algorithm, &name});
+    flight::note_algorithm(algorithm_name(algorithm));
+    if (in != out && bytes) std::memcpy(out, in, bytes);
+    run_algorithm(algorithm, out, count, dtype, op);
+  });
 }
 
 void TransportCommunicator::broadcast(void* buf, size_t count, DType dtype, int root,
                                       const std::string& name) {
-  guarded(describe_call("broadcast", count, dtype, nullptr, name) + " from root " +
-              std::to_string(root),
-          [&] {
-            // Compared first, so that a root out of range on some ranks only
-            // is an error on all of them, not a wait until the deadline.
-            agree_on_call({CallKind::kBroadcast, count, dtype, nullptr, root, nullptr, &name});
-            DISTSTRAT_CHECK(0 <= root && root < size(), kInvalidArgument, "root ", root,
-                            " is not a rank of a group of ", size());
-            const int tag = next_tag();
-            algo::tree_broadcast(algo::Peers::all(*transport_), buf, count * dtype_size(dtype),
-                                 root, tag, deadline());
-          });
+  guarded({"broadcast", count, dtype, nullptr, &root, &name}, [&] {
+    // Compared first, so that a root out of range on some ranks only
+    // is an error on all of them, not a wait until the deadline.
+    agree_on_call({CallKind::kBroadcast, count, dtype, nullptr, root, nullptr, &name});
+    DISTSTRAT_CHECK(0 <= root && root < size(), kInvalidArgument, "root ", root,
+                    " is not a rank of a group of ", size());
+    const int tag = next_tag();
+    algo::tree_broadcast(algo::Peers::all(*transport_), buf, count * dtype_size(dtype), root, tag,
+                         deadline());
+  });
 }
 
 void TransportCommunicator::all_gather(const void* in, void* out, size_t count, DType dtype,
                                        const std::string& name) {
-  guarded(describe_call("all_gather", count, dtype, nullptr, name), [&] {
+  guarded({"all_gather", count, dtype, nullptr, nullptr, &name}, [&] {
     agree_on_call({CallKind::kAllGather, count, dtype, nullptr, -1, nullptr, &name});
     const size_t es = dtype_size(dtype), bytes = count * es;
     char* mine = static_cast<char*>(out) + rank() * bytes;
@@ -237,7 +223,7 @@ void TransportCommunicator::all_gather(const void* in, void* out, size_t count, 
 
 void TransportCommunicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype,
                                            ReduceOp op, const std::string& name) {
-  guarded(describe_call("reduce_scatter", count, dtype, &op, name), [&] {
+  guarded({"reduce_scatter", count, dtype, &op, nullptr, &name}, [&] {
     agree_on_call({CallKind::kReduceScatter, count, dtype, &op, -1, nullptr, &name});
     const int n = size();
     const size_t es = dtype_size(dtype), bytes = count * es;
@@ -261,7 +247,7 @@ void TransportCommunicator::reduce_scatter(const void* in, void* out, size_t cou
 }
 
 void TransportCommunicator::barrier(const std::string& name) {
-  guarded(std::string("barrier") + (name.empty() ? "" : " '" + echo(name) + "'"), [&] {
+  guarded({"barrier", 0, DType::kFloat32, nullptr, nullptr, &name}, [&] {
     CallKey key;
     key.name = &name;
     agree_on_call(key);

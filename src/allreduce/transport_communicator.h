@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "allreduce/algorithm.h"
+#include "allreduce/call_text.h"
 #include "allreduce/transport.h"
 #include "diststrat/collective.h"
 
@@ -94,16 +95,16 @@ class TransportCommunicator : public Communicator {
   // Runs `fn`, turning any Error it throws into the same code with a message
   // prefixed by this rank, the op, the tensor and the call number.
   template <typename Fn>
-  void guarded(const std::string& what, Fn&& fn) {
+  void guarded(const CallText& what, Fn&& fn) {
     const long call = calls_++;
     if (aborted_) {
-      throw AbortedError("rank " + std::to_string(rank()) + ": " + what +
+      throw AbortedError("rank " + std::to_string(rank()) + ": " + what.str() +
                          " aborted: " + abort_reason_);
     }
     try {
       fn();
     } catch (const Error& e) {
-      throw_error(e.code(), "rank " + std::to_string(rank()) + ": " + what + " (call #" +
+      throw_error(e.code(), "rank " + std::to_string(rank()) + ": " + what.str() + " (call #" +
                                 std::to_string(call) + "): " + e.message());
     }
   }
@@ -123,8 +124,5 @@ class TransportCommunicator : public Communicator {
   bool aborted_ = false;
   std::string abort_reason_;
 };
-
-std::string describe_call(const char* kind, size_t count, DType dtype, const ReduceOp* op,
-                          const std::string& name);
 
 }  // namespace diststrat

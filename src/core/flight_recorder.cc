@@ -456,15 +456,9 @@ uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t cou
   e.kind = kind;
   e.algorithm = "";
   e.state = State::kStarted;
-  if (name.size() <= kNameBytes) {
-    std::memcpy(e.name, name.data(), name.size());
-    e.name_len = static_cast<uint8_t>(name.size());
-  } else {
-    // Its start and its end: names that differ only at the end stay apart.
-    const std::string shown = head_and_tail(name, kNameBytes);
-    std::memcpy(e.name, shown.data(), shown.size());
-    e.name_len = static_cast<uint8_t>(shown.size());
-  }
+  // A long name keeps its start and its end: names that differ only at the
+  // end stay apart.
+  e.name_len = static_cast<uint8_t>(head_and_tail_to(name, kNameBytes, e.name));
   e.name_hash = fnv1a(name);
   e.site_frames = static_cast<uint8_t>(std::max(0, frames - 3));
   for (int i = 0; i < e.site_frames; ++i) e.site[i] = site[i + 3];

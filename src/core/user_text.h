@@ -5,8 +5,10 @@
 // quotes.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -71,10 +73,25 @@ inline std::string echo(const std::string& s, size_t max_chars = kMaxEchoedChars
 // At most `max_bytes` of `s` for a fixed-size slot: all of it when it fits,
 // else its start and its end around "..." -- names that differ only at the
 // end (the fusion engine's pack names) stay apart.
-inline std::string head_and_tail(const std::string& s, size_t max_bytes) {
-  if (s.size() <= max_bytes || max_bytes < 8) return s.substr(0, max_bytes);
+// head_and_tail(s, max_bytes) written into `out` (room for max_bytes) without
+// allocating, for the slots that collectives fill on every call; returns
+// its length.
+inline size_t head_and_tail_to(const std::string& s, size_t max_bytes, char* out) {
+  if (s.size() <= max_bytes || max_bytes < 8) {
+    const size_t n = std::min(s.size(), max_bytes);
+    std::memcpy(out, s.data(), n);
+    return n;
+  }
   const size_t tail = (max_bytes - 3) / 3, head = max_bytes - 3 - tail;
-  return s.substr(0, head) + "..." + s.substr(s.size() - tail);
+  std::memcpy(out, s.data(), head);
+  std::memcpy(out + head, "...", 3);
+  std::memcpy(out + head + 3, s.data() + s.size() - tail, tail);
+  return max_bytes;
+}
+inline std::string head_and_tail(const std::string& s, size_t max_bytes) {
+  std::string out(std::min(s.size(), max_bytes), '\0');
+  out.resize(head_and_tail_to(s, max_bytes, &out[0]));
+  return out;
 }
 
 inline std::string join_ranks(const std::vector<int>& ranks) {
