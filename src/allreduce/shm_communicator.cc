@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -69,9 +71,28 @@ ShmCommunicator::ShmCommunicator(MPI_Comm comm, const CommunicationOptions& opti
   // Everyone's header is constructed before anyone reads it.
   mpi::barrier(comm_, "shm communicator set-up", t);
   single_copy_ = probe_single_copy();
+  oversubscribed_ = ranks_outnumber_their_cpus();
+}
+
+bool ShmCommunicator::ranks_outnumber_their_cpus() const {
+  // The union of the ranks' affinity masks: ranks bound one per core
+  // (mpirun's default for two ranks) each may run on one CPU only, but they
+  // do not share it. (Counting each rank's own mask made them sleep at once
+  // in every barrier: 2 workers of train_bench bound to a core each ran
+  // 80-101k samples/s instead of 109-124k.)
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
-  oversubscribed_ = sched_getaffinity(0, sizeof cpus, &cpus) == 0 && size_ > CPU_COUNT(&cpus);
+  uint64_t words[sizeof(cpu_set_t) / sizeof(uint64_t)];
+  static_assert(sizeof words == sizeof cpus, "cpu_set_t is whole words");
+  if (sched_getaffinity(0, sizeof cpus, &cpus) == 0) {
+    std::memcpy(words, &cpus, sizeof words);
+  } else {  // unknown: any CPU (every rank still takes part in the union)
+    std::memset(words, 0xff, sizeof words);
+  }
+  mpi::allreduce_in_place(words, static_cast<int>(sizeof words / sizeof words[0]), MPI_UINT64_T,
+                          MPI_BOR, comm_, "shm communicator set-up: CPUs", options_.timeout);
+  std::memcpy(&cpus, words, sizeof words);
+  return size_ > CPU_COUNT(&cpus);
 }
 
 bool ShmCommunicator::probe_single_copy() {

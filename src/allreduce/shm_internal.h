@@ -166,6 +166,11 @@ class ShmCommunicator : public Communicator {
   // naming the ranks that did not reset within the timeout.
   void reset() override;
 
+  // Whether the set-up found this node's ranks sharing CPUs (more ranks than
+  // the union of their affinity masks holds); then a waiting rank sleeps
+  // soon instead of yielding.
+  bool oversubscribed() const { return oversubscribed_; }
+
  private:
   // One collective call: its description for errors and its barriers.
   class Call {
@@ -215,6 +220,9 @@ class ShmCommunicator : public Communicator {
   // Set-up: whether every rank may read every peer's memory
   // (process_vm_readv); collective, all ranks reach the same answer.
   bool probe_single_copy();
+  // Set-up: whether this node's ranks outnumber the CPUs they may run on
+  // together; collective.
+  bool ranks_outnumber_their_cpus() const;
 
   // Ordinary buffers, single copy: this rank reads its slice of every
   // peer's input out of the peer's memory, block by block, reduces it and
@@ -248,8 +256,9 @@ class ShmCommunicator : public Communicator {
   uint64_t chunks_ = 0;          // chunks processed (buffer parity)
   uint64_t resets_ = 0;          // reset() calls (the header's reset_epoch)
   bool single_copy_ = false;     // probe_single_copy() at set-up
-  // More ranks on this node than CPUs this process may run on: a waiting
-  // rank sleeps at once after its spin instead of yielding (Call::barrier).
+  // More ranks on this node than the CPUs they may run on together (the
+  // union of their affinity masks): a waiting rank sleeps soon after its
+  // spin instead of yielding (Call::barrier).
   bool oversubscribed_ = false;
   std::vector<char> single_copy_scratch_;  // the peers' blocks and the reduced one
   std::mutex abort_mu_;

@@ -3,6 +3,8 @@
 // values, plus deadlines when a rank never joins.
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <sched.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -14,6 +16,7 @@
 #include "allreduce/mpi_communicator.h"
 #include "allreduce/reduce_kernels.h"
 #include "allreduce/shm_communicator.h"
+#include "allreduce/shm_internal.h"
 #include "diststrat/algorithm_registry.h"
 #include "diststrat/error.h"
 #include "mpi_test_util.h"
@@ -203,6 +206,37 @@ TEST(MpiSharedMemory, SingleCopyAndStagedAgree) {
     }
     for (const auto& r : results) ASSERT_TRUE(r == results[0]);
   }
+}
+
+// Ranks bound one per CPU (mpirun's default binding for two ranks) do not
+// share a core, though each may run on one CPU only: the communicator must
+// not take them for oversubscribed (its waiting ranks then sleep in every
+// barrier: 2 workers of train_bench lost a fifth of their throughput). More
+// ranks than CPUs still are.
+TEST(MpiSharedMemory, RanksBoundOnePerCpuAreNotOversubscribed) {
+  const int me = world_rank(), n = world_size();
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  ASSERT_EQ(sched_getaffinity(0, sizeof all, &all), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &all)) cpus.push_back(c);
+  }
+  if (static_cast<long>(cpus.size()) < sysconf(_SC_NPROCESSORS_ONLN)) {
+    GTEST_SKIP() << "started bound (this test binds the ranks itself; run it with --bind-to none)";
+  }
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpus[static_cast<size_t>(me) % cpus.size()], &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof one, &one), 0);
+  bool oversubscribed = false;
+  {
+    ds::ShmCommunicator comm(MPI_COMM_WORLD, options_for(ds::Algorithm::kSharedMemory));
+    oversubscribed = comm.oversubscribed();
+  }
+  ASSERT_EQ(sched_setaffinity(0, sizeof all, &all), 0);
+  EXPECT_EQ(oversubscribed, n > static_cast<int>(cpus.size()))
+      << n << " ranks on " << cpus.size() << " CPUs, one each";
 }
 
 // A rank whose call differs (count) is named on every rank before any rank
