@@ -3,6 +3,7 @@
 // barrier through a merge call to the workers' collectives.
 #include <algorithm>
 
+#include "core/user_text.h"
 #include "multiworker/multi_worker_impl.h"
 #include "runtime/collective_check.h"
 
@@ -56,7 +57,7 @@ Tensor MultiWorkerReplicaContext::all_gather(const Tensor& t, const std::string&
 
 void MultiWorkerReplicaContext::barrier(const std::string& name) {
   merge_call([&](Strategy&) {
-    impl_->engine->run([&](Communicator& c) { c.barrier(name); }, "barrier '" + name + "'");
+    impl_->engine->run([&](Communicator& c) { c.barrier(name); }, "barrier '" + echo(name) + "'");
   });
 }
 

@@ -8,6 +8,7 @@
 
 #include "runtime/variable_impl.h"
 #include "allreduce/reduce_kernels.h"
+#include "core/user_text.h"
 #include "multiworker/multi_worker_impl.h"
 
 namespace diststrat {
@@ -158,7 +159,7 @@ void MultiWorkerMirroredStrategy::broadcast(Tensor& t, int root_worker, const st
 }
 
 void MultiWorkerMirroredStrategy::barrier(const std::string& name) {
-  impl_->engine->run([&](Communicator& c) { c.barrier(name); }, "barrier '" + name + "'");
+  impl_->engine->run([&](Communicator& c) { c.barrier(name); }, "barrier '" + echo(name) + "'");
 }
 
 double MultiWorkerMirroredStrategy::reduce_across(ReduceOp op, const std::vector<double>& local) {

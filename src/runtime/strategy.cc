@@ -51,15 +51,18 @@ void check_replica_tensors(const ReplicaContext& ctx, const char* op,
   const Device& mine = ctx.device();
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    const std::string label = i < names.size() && !names[i].empty() ? "'" + echo(names[i]) + "'"
-                                                                    : "#" + std::to_string(i);
+    // Written only for a message (this runs for every tensor of every call).
+    auto label = [&] {
+      return i < names.size() && !names[i].empty() ? "'" + echo(names[i]) + "'"
+                                                   : "#" + std::to_string(i);
+    };
     DISTSTRAT_CHECK(t.defined(), kInvalidArgument, "replica ", ctx.replica_id(), ": ", op,
-                    ": tensor ", label, " is an undefined tensor");
+                    ": tensor ", label(), " is an undefined tensor");
     const Device& d = t.device();
     // CPU replicas share host memory (every host tensor is /device:CPU:0).
     const bool ok = mine.is_cpu() ? d.is_cpu() : (d == mine || (host_ok && d.is_cpu()));
     DISTSTRAT_CHECK(ok, kInvalidArgument, "replica ", ctx.replica_id(), ": ", op, ": tensor ",
-                    label, " ", t.debug_string(), " is on ", d.to_string(),
+                    label(), " ", t.debug_string(), " is on ", d.to_string(),
                     ", but the replica's device is ", mine.to_string(),
                     mine.is_cpu() ? " (host memory expected)" : "");
   }
