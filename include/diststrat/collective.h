@@ -12,7 +12,12 @@
 //  - In place: passing the same pointer as input and output is allowed where
 //    noted.
 //  - Deadline: no call waits longer than options().timeout for peers; then it
-//    throws DeadlineExceededError naming the ranks that never arrived.
+//    throws DeadlineExceededError naming the ranks that never arrived, and the
+//    communicator counts as aborted: this rank's later calls throw
+//    AbortedError until reset(), and so do its peers' where they can see it
+//    (threads of one process, shared memory: a peer arriving late fails the
+//    call this rank gave up instead of completing it; across hosts a peer
+//    finds out at its own deadline).
 //  - Failure: after abort() (or another rank's abort), every pending and future
 //    call throws AbortedError until the communicator is reset().
 //  - Thread safety: one thread per Communicator object at a time; distinct

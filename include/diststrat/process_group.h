@@ -27,7 +27,9 @@
 //   rules: blocking, in place where noted, every rank issues the same
 //   collectives in the same order, each bounded by options.timeout, then
 //   DeadlineExceededError naming the ranks that never arrived; after a
-//   deadline or abort() the group is unusable: destroy it and make another.
+//   deadline or abort() the group is unusable: destroy it and make another
+//   (later calls throw AbortedError quoting the deadline: on that rank, and
+//   on one host on every rank, the late one included).
 //   Ranks whose calls differ (kind of collective, count, dtype, reduce op,
 //   root, or the name the caller gave) all throw InvalidArgumentError naming
 //   the first odd rank and both calls, before any byte moves: on one host,

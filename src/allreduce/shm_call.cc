@@ -113,6 +113,9 @@ void ShmCommunicator::Call::barrier() {
       }
     }
   }
+  // A peer that gave this call up at its deadline had arrived before it
+  // did: its abort word, not its counter, says so.
+  check_abort();
   if (!compared_) {
     compared_ = true;
     compare_calls();
@@ -162,12 +165,17 @@ void ShmCommunicator::Call::timeout(uint64_t target) {
       missing << (n++ ? ", " : "") << q;
     }
   }
-  c_->failed_ = true;
-  throw DeadlineExceededError("rank " + std::to_string(c_->rank_) + ": " + what_.str() + ": rank" +
-                              (n > 1 ? "s " : " ") + missing.str() + " did not arrive within " +
-                              std::to_string(c_->options_.timeout.count()) +
-                              " ms (stopped: SIGSTOP or a debugger; or busy elsewhere: a slower "
-                              "step, another collective)");
+  const std::string msg = "rank " + std::to_string(c_->rank_) + ": " + what_.str() + ": rank" +
+                          (n > 1 ? "s " : " ") + missing.str() + " did not arrive within " +
+                          std::to_string(c_->options_.timeout.count()) +
+                          " ms (stopped: SIGSTOP or a debugger; or busy elsewhere: a slower "
+                          "step, another collective)";
+  // This rank gives the call up: a late peer must not complete it (it would
+  // find this rank's arrival and go on, while this rank's caller sees an
+  // error), nor may the next calls pair up as if nothing happened. The abort
+  // fails them on every rank until reset().
+  c_->abort(msg);
+  throw DeadlineExceededError(msg);
 }
 
 void ShmCommunicator::abort(const std::string& reason) {

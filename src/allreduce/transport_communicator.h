@@ -104,8 +104,15 @@ class TransportCommunicator : public Communicator {
     try {
       fn();
     } catch (const Error& e) {
-      throw_error(e.code(), "rank " + std::to_string(rank()) + ": " + what.str() + " (call #" +
-                                std::to_string(call) + "): " + e.message());
+      const std::string msg = "rank " + std::to_string(rank()) + ": " + what.str() + " (call #" +
+                              std::to_string(call) + "): " + e.message();
+      // A call given up at its deadline leaves the ranks apart (a late peer
+      // may still complete it): later calls fail until reset().
+      if (e.code() == ErrorCode::kDeadlineExceeded && !aborted_) {
+        aborted_ = true;
+        abort_reason_ = msg;
+      }
+      throw_error(e.code(), msg);
     }
   }
   // Next tag block.

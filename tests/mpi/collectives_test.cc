@@ -381,8 +381,10 @@ TEST(MpiCustomAlgorithm, RegisteredAlgorithmRuns) {
 }
 
 // The last rank never joins: the others fail within the deadline with
-// DeadlineExceeded; where the missing rank is the peer they wait on (always
-// with shared memory, and with 2 ranks) the message names it.
+// DeadlineExceeded (on shared memory, a rank whose peer gave up first fails
+// with AbortedError quoting that peer's deadline); where the missing rank is
+// the peer they wait on (always with shared memory, and with 2 ranks) the
+// message names it.
 class MpiDeadline : public ::testing::TestWithParam<ds::Algorithm> {};
 
 TEST_P(MpiDeadline, MissingRankIsNamed) {
@@ -397,7 +399,11 @@ TEST_P(MpiDeadline, MissingRankIsNamed) {
       comm->all_reduce(data.data(), data.data(), data.size(), ds::DType::kFloat32,
                        ds::ReduceOp::kSum, "grad");
       ADD_FAILURE() << "all_reduce returned although rank " << missing << " never joined";
-    } catch (const ds::DeadlineExceededError& e) {
+    } catch (const ds::Error& e) {
+      ASSERT_TRUE(
+          e.code() == ds::ErrorCode::kDeadlineExceeded ||
+          (e.code() == ds::ErrorCode::kAborted && GetParam() == ds::Algorithm::kSharedMemory))
+          << e.what();
       const std::string msg = e.message();
       EXPECT_NE(msg.find("rank " + std::to_string(me) + ":"), std::string::npos) << msg;
       EXPECT_NE(msg.find("'grad'"), std::string::npos) << msg;
@@ -414,6 +420,49 @@ TEST_P(MpiDeadline, MissingRankIsNamed) {
   }
   // Everyone (the missing rank after the others gave up) meets again here.
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A rank that gives a call up at its deadline aborts: the late rank must not
+// complete that call (on shared memory it found the others' arrival and
+// went on, with their buffers possibly reused already), and no later call
+// may pair up as if nothing happened (ProcessGroup's next all_reduce
+// succeeded on every rank, one step apart). After reset() the group works
+// again (shared memory; a transport's tags stay apart, see the docs).
+TEST_P(MpiDeadline, ALateRankCannotCompleteTheCallGivenUpAndLaterCallsFail) {
+  ds::CommunicationOptions o = options_for(GetParam());
+  o.timeout = std::chrono::milliseconds(300);
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, o);
+  const int n = comm->size(), me = comm->rank(), late = n - 1;
+  std::vector<float> data(1000, 1.0f);
+  auto call = [&](const char* name) {
+    std::fill(data.begin(), data.end(), 1.0f);
+    comm->all_reduce(data.data(), data.data(), data.size(), ds::DType::kFloat32, ds::ReduceOp::kSum,
+                     name);
+  };
+  if (me == late) {
+    MPI_Barrier(MPI_COMM_WORLD);  // after the others gave "first" up
+    EXPECT_THROW(call("first"), ds::Error) << "the late rank completed a call the others gave up";
+  } else {
+    // (Or aborted by a peer that gave it up first.)
+    EXPECT_THROW(call("first"), ds::Error);
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  try {
+    call("second");
+    ADD_FAILURE() << "rank " << me << ": a call after the deadline went through";
+  } catch (const ds::AbortedError& e) {
+    // Names the call given up and why.
+    const std::string msg = e.message();
+    EXPECT_NE(msg.find("'first'"), std::string::npos) << msg;
+    EXPECT_TRUE(msg.find("did not arrive within") != std::string::npos ||
+                msg.find("deadline") != std::string::npos)
+        << msg;
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (GetParam() != ds::Algorithm::kSharedMemory) return;
+  comm->reset();
+  call("third");
+  EXPECT_EQ(data[0], static_cast<float>(n));
 }
 
 INSTANTIATE_TEST_SUITE_P(Algorithms, MpiDeadline,
