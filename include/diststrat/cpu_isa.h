@@ -37,7 +37,8 @@ CpuIsa cpu_isa_supported();
 CpuIsa cpu_isa();
 
 // Lowers the process's variant to `most` if that is lower than the one in
-// use, never raises it, and returns the variant in use afterwards. For
+// use, never raises it, and returns the variant in use afterwards (a value
+// that is no CpuIsa is an InvalidArgumentError). For
 // programs whose processes must compute bit-identically (ranks of one job on
 // different CPUs): all-reduce cpu_isa() with min over the job, then call this
 // on every rank before the first step. One variant per process: every

@@ -82,6 +82,10 @@ CpuIsa cpu_isa() {
 }
 
 CpuIsa limit_cpu_isa(CpuIsa most) {
+  const int m = static_cast<int>(most);
+  DISTSTRAT_CHECK(
+      m >= static_cast<int>(CpuIsa::kBaseline) && m <= static_cast<int>(CpuIsa::kAvx512),
+      kInvalidArgument, "limit_cpu_isa: ", m, " is not a CpuIsa (kBaseline 0, kAvx2 1, kAvx512 2)");
   cpu_isa();
   int now = g_active.load();
   while (static_cast<int>(most) < now &&

@@ -217,17 +217,20 @@ ProcessGroup::ProcessGroup(ProcessGroupOptions options) : impl_(std::make_unique
   const std::chrono::milliseconds timeout = options.communication.timeout;
   // Checked before any MPI call: every rank computes it from the same code.
   env::check_timeout(timeout, "ProcessGroup: options.communication.timeout");
-  // Every DISTSTRAT_* value that does not parse is a start-up error, as for
-  // the strategies (whose logger reads it): a group has no logger of its own.
-  Logger(LogLevel::kWarning);
-  cpu::isa_from_env();  // DISTSTRAT_CPU: the reduction kernels' variant
-  cpu_isa();
   Impl& m = *impl_;
   // Set-up is collective: a rank that fails it makes every rank fail, naming
   // it, within the deadline (as for MultiWorkerMirroredStrategy).
   m.cluster = resolve_cluster(options.cluster, timeout);
   std::exception_ptr error;
   try {
+    // Every DISTSTRAT_* value that does not parse is a set-up error, as for
+    // the strategies (whose logger reads it; a group has no logger of its
+    // own), checked inside the agreement: a rank with a bad value (one rank
+    // given another DISTSTRAT_CPU) fails every rank's set-up naming it,
+    // instead of leaving the others in MPI_Init until its watchdog.
+    Logger(LogLevel::kWarning);
+    cpu::isa_from_env();  // DISTSTRAT_CPU: the reduction kernels' variant
+    cpu_isa();
     DISTSTRAT_CHECK(m.cluster.info.rank >= 0 && m.cluster.info.task_type != "evaluator",
                     kInvalidArgument, "ProcessGroup: this process is task ",
                     m.cluster.info.task_type, "[", m.cluster.info.task_index,

@@ -592,6 +592,32 @@ TEST(ProcessGroupMpi, AGroupDestroyedDuringAnExceptionReleasesItsPeers) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// One rank given a bad DISTSTRAT_CPU: it fails its set-up naming the
+// variable, and every other rank's constructor fails at once naming that
+// rank (the check was made before the set-up agreement: the others waited
+// out their deadline, or in MPI_Init for its watchdog's 30 s).
+TEST(ProcessGroupMpi, ABadDiststratCpuOnOneRankFailsEveryRanksSetUpNamingIt) {
+  const int bad = world_size() - 1, me = world_rank();
+  const char* before = std::getenv("DISTSTRAT_CPU");
+  const std::string kept = before ? before : "";
+  if (me == bad) setenv("DISTSTRAT_CPU", "avx3", 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    ds::ProcessGroup pg(group_options(std::chrono::seconds(30)));
+    ADD_FAILURE() << "rank " << me << ": set-up succeeded";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_EQ(me, bad) << e.message();
+    EXPECT_TRUE(has(e.message(), "DISTSTRAT_CPU='avx3'")) << e.message();
+  } catch (const ds::AbortedError& e) {
+    EXPECT_NE(me, bad) << e.message();
+    EXPECT_TRUE(has(e.message(), "rank " + std::to_string(bad))) << e.message();
+    EXPECT_TRUE(has(e.message(), "DISTSTRAT_CPU")) << e.message();
+  }
+  if (me == bad) before ? setenv("DISTSTRAT_CPU", kept.c_str(), 1) : unsetenv("DISTSTRAT_CPU");
+  EXPECT_LT(seconds_since(t0), 10.0) << "deadline was 30 s";
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // Last: the last rank stops taking part; the others' broadcast_tensors fails
 // with DeadlineExceeded naming it, within the deadline.
 TEST(ProcessGroupMpi, ZZ_ARankThatStopsIsDeadlineExceeded) {

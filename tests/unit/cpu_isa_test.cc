@@ -63,6 +63,16 @@ TEST(CpuIsa, TheVariantInUseRunsOnThisCpu) {
   EXPECT_STREQ(ds::cpu_isa_name(ds::CpuIsa::kAvx2), "avx2");
 }
 
+// A value that is no variant is refused and changes nothing (it set the
+// variant in use to -1, which no kernel table has).
+TEST(CpuIsa, LimitingToAValueThatIsNoVariantIsAnError) {
+  const ds::CpuIsa before = ds::cpu_isa();
+  for (int bad : {-1, 3, 7}) {
+    EXPECT_THROW(ds::limit_cpu_isa(static_cast<ds::CpuIsa>(bad)), ds::InvalidArgumentError) << bad;
+  }
+  EXPECT_EQ(ds::cpu_isa(), before);
+}
+
 TEST(CpuIsa, ForcingAVariantAboveTheCpuIsAnErrorNamingTheVariable) {
   if (ds::cpu_isa_supported() == ds::CpuIsa::kAvx512) GTEST_SKIP() << "this CPU runs every variant";
   const char* above = ds::cpu_isa_supported() == ds::CpuIsa::kAvx2 ? "avx512" : "avx2";
