@@ -128,10 +128,14 @@ void ShmCommunicator::Call::compare_calls() {
   for (int q = 1; q < c_->size_; ++q) {
     const shm::CallRecord& other = c_->headers_[q]->calls[slot_];
     if (other == first) continue;
+    // Long names are shown by their start and end only.
+    const bool hidden = std::memcmp(first.name, other.name, sizeof first.name) == 0 &&
+                        first.name_hash != other.name_hash;
     const std::string msg = "rank " + std::to_string(c_->rank_) + ": " + what_.str() +
                             ": ranks disagree on the call: rank 0 has " +
                             shm::describe_record(first) + ", rank " + std::to_string(q) + " has " +
-                            shm::describe_record(other);
+                            shm::describe_record(other) +
+                            (hidden ? " (the names differ where they are not shown)" : "");
     c_->abort(msg);
     throw InvalidArgumentError(msg);
   }

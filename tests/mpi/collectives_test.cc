@@ -269,6 +269,29 @@ TEST(MpiCommunicatorSetUp, DifferentOptionsAreAnErrorOnEveryRankNamingTheField) 
   }
 }
 
+// Names longer than the record's 47 bytes are shown by their start and end;
+// two that differ only in between were shown alike, as if the names agreed.
+TEST(MpiSharedMemory, NamesThatDifferWhereTheyAreNotShownAreSaidToDiffer) {
+  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(ds::Algorithm::kSharedMemory));
+  const int me = comm->rank(), last = comm->size() - 1;
+  std::string name(300, 'a');
+  if (me == last) name[150] = 'b';
+  float x = 1.0f;
+  try {
+    comm->all_reduce(&x, &x, 1, ds::DType::kFloat32, ds::ReduceOp::kSum, name);
+    ADD_FAILURE() << "no error on rank " << me;
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("(the names differ where they are not shown)"),
+              std::string::npos)
+        << e.what();
+  } catch (const ds::AbortedError& e) {
+    // A rank that looks later may see the abort of one that looked first
+    // (its reason cut to the header's 256 bytes).
+    EXPECT_NE(std::string(e.what()).find("aborted by rank"), std::string::npos) << e.what();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST(MpiSharedMemory, DifferentCountsAreNamedOnEveryRank) {
   auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, options_for(ds::Algorithm::kSharedMemory));
   const int me = comm->rank();
