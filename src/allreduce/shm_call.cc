@@ -113,9 +113,14 @@ void ShmCommunicator::Call::barrier() {
       }
     }
   }
-  // A peer that gave this call up at its deadline had arrived before it
-  // did: its abort word, not its counter, says so.
-  check_abort();
+  // A peer that gave this barrier up at its deadline had arrived before it
+  // did: its counter says "here", its gave_up_at says it left. (Not any
+  // abort word: a peer that completed the barrier may abort afterwards, e.g.
+  // leave the group on an error of its own, and this call is still whole.)
+  for (int q = 0; q < c_->size_; ++q) {
+    const uint64_t g = c_->headers_[q]->gave_up_at.load(std::memory_order_acquire);
+    if (q != c_->rank_ && g != 0 && g <= target) check_abort();
+  }
   if (!compared_) {
     compared_ = true;
     compare_calls();
@@ -179,6 +184,7 @@ void ShmCommunicator::Call::timeout(uint64_t target) {
   // error), nor may the next calls pair up as if nothing happened. The abort
   // fails them on every rank until reset().
   c_->abort(msg);
+  c_->headers_[c_->rank_]->gave_up_at.store(target, std::memory_order_release);
   throw DeadlineExceededError(msg);
 }
 
@@ -208,6 +214,7 @@ void ShmCommunicator::reset() {
     mine->abort_reason[0] = '\0';
     mine->abort_origin = -1;
     mine->aborted.store(0, std::memory_order_release);
+    mine->gave_up_at.store(0, std::memory_order_release);
   }
   const uint64_t epoch = ++resets_;
   mine->reset_barriers = barriers_;

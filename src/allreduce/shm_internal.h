@@ -119,6 +119,10 @@ struct alignas(64) Header {
   // every peer's memory, 2 = it could not or may not.
   uint64_t self_address = 0;
   std::atomic<uint32_t> single_copy{0};
+  // The barrier this rank gave up at its deadline (0: none since the last
+  // reset), written after its abort word: a late peer that finds this
+  // rank's arrival at that barrier or a later one must not go on.
+  std::atomic<uint64_t> gave_up_at{0};
 };
 static_assert(sizeof(Header) <= kHeader, "header too large");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
