@@ -99,8 +99,8 @@ void ShmCommunicator::Call::barrier() {
       }
       if (spin < 1024) continue;
       // Yields, then sleeps; only a few yields when the ranks outnumber the
-      // CPUs they may run on together: a waiting rank that stays runnable (yielding) then competes
-      // for a core with the rank it waits for (3 ranks and a busy process
+      // CPUs they may run on together: a waiting rank that stays runnable
+      // (yielding) then competes for a core with the rank it waits for (3 ranks and a busy process
       // on 2 cores: a test of small segments took 115 s with 16384 yields,
       // 1 s with 64, 15 s with none). With a core each, yielding keeps the
       // wake-up prompt (2 workers of train_bench on 2 cores: 64 yields

@@ -69,13 +69,11 @@ inline std::string echo(const std::string& s, size_t max_chars = kMaxEchoedChars
   return out;
 }
 
-// Ranks as messages list them: "0, 2, 5".
-// At most `max_bytes` of `s` for a fixed-size slot: all of it when it fits,
-// else its start and its end around "..." -- names that differ only at the
-// end (the fusion engine's pack names) stay apart.
-// head_and_tail(s, max_bytes) written into `out` (room for max_bytes) without
-// allocating, for the slots that collectives fill on every call; returns
-// its length.
+// Writes at most `max_bytes` of `s` into the fixed-size slot `out` (room for
+// max_bytes) and returns the length written: all of it when it fits, else
+// its start and its end around "..." -- names that differ only at the end
+// (the fusion engine's pack names) stay apart. Allocates nothing: the
+// collectives fill such slots on every call.
 inline size_t head_and_tail_to(const std::string& s, size_t max_bytes, char* out) {
   if (s.size() <= max_bytes || max_bytes < 8) {
     const size_t n = std::min(s.size(), max_bytes);
@@ -88,12 +86,7 @@ inline size_t head_and_tail_to(const std::string& s, size_t max_bytes, char* out
   std::memcpy(out + head + 3, s.data() + s.size() - tail, tail);
   return max_bytes;
 }
-inline std::string head_and_tail(const std::string& s, size_t max_bytes) {
-  std::string out(std::min(s.size(), max_bytes), '\0');
-  out.resize(head_and_tail_to(s, max_bytes, &out[0]));
-  return out;
-}
-
+// Ranks as messages list them: "0, 2, 5".
 inline std::string join_ranks(const std::vector<int>& ranks) {
   std::string s;
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);

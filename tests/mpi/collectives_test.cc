@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -408,12 +409,18 @@ TEST(MpiCustomAlgorithm, RegisteredAlgorithmRuns) {
 // with AbortedError quoting that peer's deadline); where the missing rank is
 // the peer they wait on (always with shared memory, and with 2 ranks) the
 // message names it.
-class MpiDeadline : public ::testing::TestWithParam<ds::Algorithm> {};
+class MpiDeadline : public ::testing::TestWithParam<ds::Algorithm> {
+ protected:
+  // The algorithm's communicator over MPI_COMM_WORLD, with a 300 ms deadline.
+  static std::unique_ptr<ds::Communicator> make_comm() {
+    ds::CommunicationOptions o = options_for(GetParam());
+    o.timeout = std::chrono::milliseconds(300);
+    return ds::make_mpi_communicator(MPI_COMM_WORLD, o);
+  }
+};
 
 TEST_P(MpiDeadline, MissingRankIsNamed) {
-  ds::CommunicationOptions o = options_for(GetParam());
-  o.timeout = std::chrono::milliseconds(300);
-  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, o);
+  auto comm = make_comm();
   const int n = comm->size(), me = comm->rank(), missing = n - 1;
   std::vector<float> data(1000, 1.0f);
   if (me != missing) {
@@ -450,11 +457,10 @@ TEST_P(MpiDeadline, MissingRankIsNamed) {
 // went on, with their buffers possibly reused already), and no later call
 // may pair up as if nothing happened (ProcessGroup's next all_reduce
 // succeeded on every rank, one step apart). After reset() the group works
-// again (shared memory; a transport's tags stay apart, see the docs).
+// again (checked on shared memory: after a transport's deadline the ranks'
+// tag blocks may stay apart).
 TEST_P(MpiDeadline, ALateRankCannotCompleteTheCallGivenUpAndLaterCallsFail) {
-  ds::CommunicationOptions o = options_for(GetParam());
-  o.timeout = std::chrono::milliseconds(300);
-  auto comm = ds::make_mpi_communicator(MPI_COMM_WORLD, o);
+  auto comm = make_comm();
   const int n = comm->size(), me = comm->rank(), late = n - 1;
   std::vector<float> data(1000, 1.0f);
   auto call = [&](const char* name) {
