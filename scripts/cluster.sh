@@ -195,6 +195,19 @@ down() {
     local pids
     pids=$(ip netns pids "$ns" 2>/dev/null || true)
     [[ -n $pids ]] && kill -KILL $pids 2>/dev/null || true
+    # Until they are gone (a killed process lingers while the kernel tears it
+    # down): `down` returns with nothing of ours left running.
+    local i
+    for ((i = 0; i < 100; ++i)); do
+      local live="" p
+      for p in $(ip netns pids "$ns" 2>/dev/null); do
+        local st
+        st=$(ps -o stat= -p "$p" 2>/dev/null || true)
+        [[ -z $st || $st == Z* ]] || live+=" $p"
+      done
+      [[ -z $live ]] && break
+      sleep 0.1
+    done
     T ip netns del "$ns" || true
   done
   local l

@@ -173,8 +173,29 @@ down_slurm() {
   # Whatever is left of them (a crash leaves no pid file behind): every
   # daemon of ours names the state directory on its command line; the
   # slurmstepds live in the hosts' namespaces, which cluster.sh down empties.
-  pkill -KILL -f "(slurmctld|slurmd|munged) .*$sdir" 2>/dev/null || true
+  # TERM first: give them 5 s to exit (slurmd ends its steps), then KILL.
+  # Either way `down` returns only once none is left (a test's teardown must
+  # not leave daemons exiting behind it: a ctest run returned while
+  # slurmctld and a slurmd were still there for ~1 s). A zombie (state Z)
+  # has exited; only its parent can reap it, so it does not count.
+  local pattern="(slurmctld|slurmd|slurmstepd|munged) .*$sdir" i
+  for ((i = 0; i < 50 && $(live_daemons "$pattern") > 0; ++i)); do sleep 0.1; done
+  pkill -KILL -f "$pattern" 2>/dev/null || true
+  for ((i = 0; i < 100 && $(live_daemons "$pattern") > 0; ++i)); do sleep 0.1; done
+  (($(live_daemons "$pattern") == 0)) || echo "slurm_cluster.sh: daemons still running after KILL:" \
+    "$(pgrep -af "$pattern" | cut -c1-200)" >&2
   rm -rf "$sdir"
+}
+
+# How many processes matching the pattern are still alive (zombies excluded).
+live_daemons() {
+  local n=0 pid
+  for pid in $(pgrep -f "$1" 2>/dev/null || true); do
+    local st
+    st=$(ps -o stat= -p "$pid" 2>/dev/null || true)
+    [[ -z $st || $st == Z* ]] || n=$((n + 1))
+  done
+  echo "$n"
 }
 
 down() {

@@ -80,12 +80,19 @@ esac
 host=${DSC_PREFIX}-h$victim
 if [[ $strategy == parameter_server ]]; then deadline_ms=$((3 * timeout_ms)); else deadline_ms=$timeout_ms; fi
 bound_ms=$((deadline_ms + 10000))
-# A lost worker ends nothing: the survivors train on, then report.
-[[ $kind == ps_worker_host_dies ]] && bound_ms=60000
+# A lost worker ends nothing: the survivors train on, then report. What the
+# library promises is that the PS lets go of the lost worker within its
+# deadline; how long worker 0's remaining steps take is the machine's speed
+# (62.8 s after the fault on a busy 2-core machine, 16.9 s alone). So that
+# cell bounds the PS's line by deadline + 10 s, and waits for the survivors'
+# reports as long as worker 0 makes progress (host 0 keeps sending), failing
+# only when it stalls for deadline + 10 s (a hang), within an overall guard.
+job_limit_s=120
+[[ $kind == ps_worker_host_dies ]] && job_limit_s=270
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
 start_ms=$(now_ms)
-timeout -s KILL 120 "$cluster" run --ppn 1 -- "$driver" --strategy "$strategy" --steps "$steps" \
+timeout -s KILL "$job_limit_s" "$cluster" run --ppn 1 -- "$driver" --strategy "$strategy" --steps "$steps" \
   --timeout-ms "$timeout_ms" --tag "$tag" ${driver_flags:-} >"$log" 2>&1 &
 job=$!
 
@@ -136,11 +143,20 @@ if [[ $kind == ps_worker_host_dies ]]; then
   # The survivors' last lines, then mpirun: give it 5 s to end by itself.
   # (A fault during set-up, by DSC_FAULT_AFTER_MS: the survivors' own exit lines.)
   reported() { grep -cE "^rank (0|2): (OK|FAILED)|^diststrat: rank (0|2): .*exiting" "$log"; }
-  for ((i = 0; i < 600 && $(reported) < 2; ++i)); do
+  let_go='worker 1 \(rank 1\) sent nothing for [0-9]+ ms; it no longer holds back the others'
+  noticed_ms="" stalled=0 last_moved_ms=$(now_ms) prev=$(tx)
+  while (($(reported) < 2)); do
     kill -0 "$job" 2>/dev/null || break
-    sleep 0.1
+    sleep 0.2
+    now=$(now_ms)
+    [[ -z $noticed_ms ]] && grep -qE "$let_go" "$log" && noticed_ms=$now
+    cur=$(tx)
+    if [[ -n $cur && -n $prev ]] && ((cur - prev > 20)); then last_moved_ms=$now; fi
+    prev=$cur
+    if ((now - last_moved_ms > bound_ms)); then stalled=1; break; fi
   done
   end_ms=$(now_ms)
+  [[ -z $noticed_ms ]] && grep -qE "$let_go" "$log" && noticed_ms=$end_ms
   for ((i = 0; i < 50; ++i)); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
   if kill -0 "$job" 2>/dev/null; then
     echo "(mpirun still running 5 s after the survivors reported: stopping it)"
@@ -172,10 +188,16 @@ if [[ $kind == ps_worker_host_dies ]]; then
     echo "FAIL: the PS's last line does not name rank 1"
     fail=1
   fi
-  if ((end_ms - fault_ms > bound_ms)); then
-    echo "FAIL: the survivors reported $((end_ms - fault_ms)) ms after the fault (bound ${bound_ms} ms)"
+  if [[ -n $noticed_ms ]] && ((noticed_ms - fault_ms > bound_ms)); then
+    echo "FAIL: the PS let go of worker 1 $((noticed_ms - fault_ms)) ms after the fault (bound ${bound_ms} ms)"
     fail=1
   fi
+  if ((stalled)); then
+    echo "FAIL: host 0 sent nothing for ${bound_ms} ms before the survivors reported (a hang)"
+    fail=1
+  fi
+  echo "the PS let go of worker 1 $((${noticed_ms:-$end_ms} - fault_ms)) ms after the fault;" \
+       "the survivors reported after $((end_ms - fault_ms)) ms"
   naming=$(grep -v "^rank [0-9]*: training$" "$log" | grep -E "rank $victim([^0-9]|$)" | head -3)
 elif [[ $kind == link_blip ]]; then
   if ((!still_running)); then
