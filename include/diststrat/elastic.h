@@ -36,9 +36,13 @@
 //    receives the committed state from a member over the new group (not
 //    from disk), and every worker's train is called again.
 //  - The global batch stays the same whatever the group's size (each batch's
-//    rows are split over the replicas of the group that runs it), so the
-//    result matches an uninterrupted run over the same global batches; a
-//    program that rescales with the worker count does it in a callback.
+//    rows are split over the replicas of the group that runs it), so every
+//    row is used exactly once per epoch and a redone step runs over the same
+//    rows; a program that rescales with the worker count does it in a
+//    callback. The weights are not those of an uninterrupted run with a
+//    fixed worker count: another split sums the gradient in another order,
+//    and training amplifies the rounding (as between two mpirun runs with
+//    different -np; docs/elastic.md gives the measured spread).
 //
 // Rules: train must take the position from `position` (and any value of its
 // own from `metadata`) and make every collective call inside train; before
@@ -123,8 +127,10 @@ class ElasticState {
   // throws that is not a lost peer; UnavailableError when the store cannot
   // be reached or fewer than min_workers remain until join_timeout;
   // FailedPreconditionError for a worker that waited to be admitted by a
-  // group that finished its training first. When train returns, the group
-  // is marked finished in the store (best effort).
+  // group that finished its training first, or that took part in the run,
+  // was declared dead (stopped past the timeout) and came back after the
+  // run finished without it. When train returns, the group is marked
+  // finished in the store (best effort).
   void run(const std::function<void(ElasticState&)>& train);
 
   // Commits now (also done at the start of every Strategy::run in train).

@@ -108,10 +108,21 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
   for (;;) {
     bool dead = false;
     int64_t finished_group = -1;  // the group it waited for finished
+    int64_t run_ended = -1;       // the run it took part in finished with this group
     const Membership m = store_->transact(
         [&](Membership& r) {
           finished_group = -1;
+          run_ended = -1;
           if (!last && opened_at == std::numeric_limits<int64_t>::max()) opened_at = r.group;
+          if (took_part_ && r.finished && !r.forming && !r.has_member(id_) && !r.is_waiting(id_)) {
+            // This process took part in the run (a member, or waiting to
+            // join), was left behind (declared dead: stopped past the
+            // timeout, or killed) and the run finished meanwhile: nothing
+            // is left to join. A process that never took part starts a new
+            // run instead (the same URL run again).
+            run_ended = r.group;
+            return false;
+          }
           if (r.is_dead(id_)) {
             dead = true;
             return false;
@@ -184,6 +195,18 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
           for (const std::string& id : r.members) {
             if (!r.has_arrived(id)) add(r.dead, id);
           }
+          // A waiting worker that did not arrive within the settle time is
+          // dead too (killed while it waited): left in `waiting`, it would
+          // make the group re-form for it after every round, forever. One
+          // that comes back joins under a new id, like a dead member. (A
+          // round closed by max_workers before the settle time leaves the
+          // waiting ones waiting for a place.)
+          if (settled) {
+            for (const std::string& id : r.waiting) {
+              if (!r.has_arrived(id)) add(r.dead, id);
+            }
+            r.waiting.clear();
+          }
           for (const std::string& id : r.arrived) {
             if (!contains(members, id)) add(r.waiting, id);  // over max_workers: later
           }
@@ -195,6 +218,14 @@ std::optional<GroupView> ElasticRendezvous::join(const GroupView* last,
           return true;
         },
         std::min(deadline, Clock::now() + options_.store_timeout));
+    if (m.has_member(id_) || m.has_arrived(id_) || m.is_waiting(id_)) took_part_ = true;
+    if (run_ended >= 0) {
+      throw FailedPreconditionError(
+          "elastic: worker '" + id_ + "' took part in the run in " + store_->describe() +
+          ", which has ended: its group " + std::to_string(run_ended) +
+          " finished its training without this worker (it was declared dead: stopped or "
+          "unreachable past the settle time or the timeout). Start a new run to train again");
+    }
     if (dead) return std::nullopt;
     if (finished_group >= 0) {
       throw FailedPreconditionError(

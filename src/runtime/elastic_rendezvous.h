@@ -17,7 +17,10 @@
 //    only with at least `min_workers` arrived. The new group: the last
 //    group's members that arrived, in their old order (so the new chief is
 //    the lowest surviving rank), then the others in arrival order, at most
-//    max_workers; members of the last group that did not arrive are dead.
+//    max_workers; members of the last group that did not arrive are dead,
+//    and so are waiting workers that did not arrive when the round closes
+//    at the settle time (killed while they waited: left waiting, the group
+//    would re-form for them forever).
 //  - Two live processes under one id: each process claims its id with a
 //    random token. A process with no last group takes an id held from the
 //    last group (a restarted worker: the old process may be dead); a member
@@ -83,9 +86,12 @@ class ElasticRendezvous {
   // group lists (a restarted process, or a finished job's record) is not
   // taken for that group's member: it opens a round, like a broken member.
   // A worker that waits to be admitted by a group that then finishes its
-  // training gets FailedPreconditionError (there is nothing left to join);
-  // one that comes after a group finished opens a new round (the job is
-  // started again).
+  // training gets FailedPreconditionError (there is nothing left to join),
+  // and so does a process that took part in the run and comes back after
+  // the run finished without it (it was declared dead: stopped past the
+  // timeout, say), under its id or a new one; a process that never took part
+  // and comes after a group finished opens a new round (the job is started
+  // again).
   std::optional<GroupView> join(const GroupView* last, Clock::time_point deadline);
 
   // Marks group `group` finished (its training is done), unless another
@@ -116,6 +122,10 @@ class ElasticRendezvous {
   std::string id_;
   RendezvousOptions options_;
   std::string token_;  // this process's claims
+  // This process was listed in the record (a member, arrived or waiting):
+  // it belongs to the record's run, and is told when that run has ended
+  // without it (join).
+  bool took_part_ = false;
 };
 
 }  // namespace diststrat

@@ -2,8 +2,9 @@
 // (src/runtime/elastic_rendezvous.h), workers as threads on a directory store:
 // the first group, a member that never comes back (declared dead after the
 // settle time, the new chief the lowest surviving rank), a dead id refused, a
-// waiting worker admitted at the next round, max_workers, and a round that
-// never reaches min_workers.
+// waiting worker admitted at the next round, a waiting worker that never
+// arrives (declared dead), max_workers, and a round that never reaches
+// min_workers.
 #include "runtime/elastic_rendezvous.h"
 
 #include <gtest/gtest.h>
@@ -166,6 +167,67 @@ TEST(ElasticRendezvous, AWorkerWaitingForAGroupThatFinishesIsToldSo) {
   }
 }
 
+// What a worker's strategy does (MultiWorkerMirroredStrategy::Impl::join_group):
+// joins; declared dead, it joins again as "<id>.r<n>", a new worker.
+std::optional<ds::GroupView> join_as_a_worker(ds::ElasticRendezvous& w, const ds::GroupView* last,
+                                              Clock::time_point deadline) {
+  const std::string base = w.id();
+  for (int rejoins = 1;; ++rejoins) {
+    if (std::optional<ds::GroupView> v = w.join(last, deadline)) return v;
+    w.set_id(base + ".r" + std::to_string(rejoins));
+    last = nullptr;
+  }
+}
+
+// A process that took part in a run and comes back after the run finished
+// without it (SIGSTOPped past the timeout and continued after the end; or
+// stopped while it waited to be admitted) is told at once that its run has
+// ended. Before, it joined again as "<id>.r1", opened a new round and waited
+// for min_workers until its join_timeout (10 minutes by default). New
+// processes at the same URL still start a new run, under the same ids too.
+TEST(ElasticRendezvous, AWorkerLeftBehindByARunThatFinishedIsToldItEnded) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2, 3)), b = make(dir, "b", quick(2, 3)),
+                        c = make(dir, "c", quick(2, 3));
+  const std::vector<ds::GroupView> g = join_all({&a, &b, &c}, {});
+  // w waits to be admitted, then stops (its deadline passes: it polls no more).
+  ds::ElasticRendezvous w = make(dir, "w", quick(2, 3));
+  EXPECT_THROW(w.join(nullptr, in_ms(50)), ds::UnavailableError);
+  // c stops too: a and b re-form without it (and without w) and finish.
+  std::vector<ds::GroupView> h = join_all({&a, &b}, {&g[0], &g[1]});
+  ASSERT_EQ(h[0].members, (std::vector<std::string>{"a", "b"}));
+  a.finish(h[0].group, in_ms(2000));
+  // Both come back after the end.
+  for (auto [who, last] :
+       {std::pair<ds::ElasticRendezvous*, const ds::GroupView*>{&c, &g[2]}, {&w, nullptr}}) {
+    const auto t0 = Clock::now();
+    try {
+      join_as_a_worker(*who, last, in_ms(3000));
+      ADD_FAILURE() << who->id() << " formed a group after its run ended";
+    } catch (const ds::FailedPreconditionError& e) {
+      EXPECT_NE(std::string(e.what()).find("took part in the run"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("has ended"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("group " + std::to_string(h[0].group) + " finished"),
+                std::string::npos)
+          << e.what();
+    } catch (const ds::Error& e) {
+      ADD_FAILURE() << who->id() << ": " << e.what();
+    }
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1)) << who->id() << " was not told at once";
+  }
+  // A new run at the same URL, under the same ids (c's is dead: c.r1).
+  ds::ElasticRendezvous a2 = make(dir, "a", quick(2, 3)), c2 = make(dir, "c", quick(2, 3));
+  auto fa =
+      std::async(std::launch::async, [&] { return join_as_a_worker(a2, nullptr, in_ms(10000)); });
+  auto fc =
+      std::async(std::launch::async, [&] { return join_as_a_worker(c2, nullptr, in_ms(10000)); });
+  const std::optional<ds::GroupView> va = fa.get(), vc = fc.get();
+  ASSERT_TRUE(va && vc);
+  EXPECT_GT(va->group, h[0].group);
+  EXPECT_EQ(va->members, vc->members);
+  EXPECT_EQ(va->members.size(), 2u);
+}
+
 // Two live processes under one id are never one member: a second process
 // waiting under the id of a waiting worker is refused at once, naming it.
 TEST(ElasticRendezvous, ASecondLiveProcessUnderAWaitingIdIsRefused) {
@@ -236,6 +298,44 @@ TEST(ElasticRendezvous, AFullGroupDoesNotReformForAWaitingWorker) {
   const std::vector<ds::GroupView> g = join_all({&a, &b}, {});
   ds::ElasticRendezvous c = make(dir, "c", quick(2, 2));
   EXPECT_THROW(c.join(nullptr, in_ms(200)), ds::UnavailableError);  // waits; no place
+  EXPECT_FALSE(a.joiners_waiting(g[0].group, in_ms(2000)));
+}
+
+// A joiner that is killed while it waits to be admitted (listed as waiting,
+// never arriving at the round it caused) is declared dead when the round
+// closes at the settle time, and never waited for again. Before, it stayed
+// listed as waiting: joiners_waiting() said yes after every round and the
+// group re-formed forever (issue 43: 16 group changes in 34 s, no step done).
+TEST(ElasticRendezvous, AJoinerThatDiesWhileWaitingIsDeclaredDeadAndNotWaitedForAgain) {
+  diststrat_test::TempDir dir("elastic_rdzv");
+  ds::ElasticRendezvous a = make(dir, "a", quick(2)), b = make(dir, "b", quick(2));
+  std::vector<ds::GroupView> g = join_all({&a, &b}, {});
+  {
+    // Registers as waiting, then its process "dies": it never polls again.
+    ds::ElasticRendezvous ghost = make(dir, "ghost", quick(2));
+    EXPECT_THROW(ghost.join(nullptr, in_ms(50)), ds::UnavailableError);
+  }
+  ASSERT_TRUE(a.joiners_waiting(g[0].group, in_ms(2000)));
+  // What the running group does: re-form while its chief sees a joiner
+  // waiting. Bounded: once for the ghost, never again.
+  int reforms = 0;
+  const auto t0 = Clock::now();
+  while (a.joiners_waiting(g[0].group, in_ms(2000)) && reforms < 5) {
+    g = join_all({&a, &b}, {&g[0], &g[1]});
+    ++reforms;
+    EXPECT_EQ(g[0].members, (std::vector<std::string>{"a", "b"}));
+  }
+  EXPECT_EQ(reforms, 1) << "the group re-formed for a joiner that never came";
+  EXPECT_FALSE(a.joiners_waiting(g[0].group, in_ms(2000)));
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  // Its record: dead, no longer waiting. Under that id it is never admitted
+  // again: a process that comes back under it joins as a new worker.
+  const ds::Membership m =
+      ds::open_membership_store("file://" + dir.path() + "/job")->read(in_ms(2000));
+  EXPECT_TRUE(m.is_dead("ghost"));
+  EXPECT_FALSE(m.is_waiting("ghost"));
+  ds::ElasticRendezvous back = make(dir, "ghost", quick(2));
+  EXPECT_FALSE(back.join(nullptr, in_ms(2000)).has_value());
   EXPECT_FALSE(a.joiners_waiting(g[0].group, in_ms(2000)));
 }
 
