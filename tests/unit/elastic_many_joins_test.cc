@@ -32,6 +32,9 @@
 
 namespace ds = diststrat;
 
+// Named: the unit tests build in unity batches, where another file's
+// anonymous-namespace kRows or Outcome would clash with these.
+namespace elastic_many_joins {
 namespace {
 
 namespace em = diststrat_test::elastic_model;
@@ -324,3 +327,4 @@ TEST(ElasticManyJoins, FiftyJoinsAndFiftyDeathsAtRandomStepsUseEveryRowExactlyOn
 }
 
 }  // namespace
+}  // namespace elastic_many_joins
