@@ -26,6 +26,18 @@
 #              continued: it must not come back as c (the group would count
 #              it twice) but join again as a new worker, c.r1, and take the
 #              group's state; all three finish with exact results.
+#   joiner_killed
+#              a and b train; three joiners, one after another, are killed
+#              with SIGKILL while the record lists them as waiting (between
+#              their arrival in the store and their admission): each is
+#              declared dead at the next round's settle time and never waited
+#              for again; a and b finish with exact results (before issue 43:
+#              the group re-formed for the first dead joiner forever).
+#   left_behind
+#              3 workers; c is stopped (SIGSTOP) past the timeout, a and b
+#              finish without it; continued, c must stop at once with
+#              'took part in the run ..., which has ended' (before issue 43:
+#              it joined again as c.r1 and waited its join_timeout).
 # On the namespace cluster (scripts/cluster.sh, prefix dsct, 198.18.1.0/24),
 # 2 hosts x 2 workers (h0a h0b on host 0, h1a h1b on host 1), a redis-server
 # in the launcher namespace as the store, min_workers 2:
@@ -279,6 +291,78 @@ case $kind in
       { echo "FAIL: the new job did not resume at step $last"; fail=1; }
     grep -hE "^final: strategy=multi_worker replicas=2 epochs=4 " "$dir/d.log" "$dir/e.log" ||
       { echo "FAIL: no final line from the new job"; fail=1; }
+    ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
+  joiner_killed)
+    for w in a b; do  # 8 epochs: the group still trains when the third joiner comes
+      "$check" --rendezvous "file://$dir/job" --id "$w" --listen-host 127.0.0.1 "${common[@]}" \
+        --epochs 8 --step-delay-ms 40 >"$dir/$w.log" 2>&1 &
+      pids+=($!)
+      eval "pid_$w=$!"
+    done
+    wait_for "$dir/a.log" "^a: step 5 at" 60 || exit 1
+    fail=0
+    for j in j1 j2 j3; do
+      # Started and watched from one process: the waiting lasts until the
+      # chief's next look (join_poll, 100 ms), too short for a shell loop.
+      python3 - "$dir" "$j" "$check" --rendezvous "file://$dir/job" --id "$j" \
+        --listen-host 127.0.0.1 "${common[@]}" --epochs 8 <<'PY' || fail=1
+import signal, subprocess, sys, time
+d, j, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+p = subprocess.Popen(cmd, stdout=open(f"{d}/{j}.log", "w"), stderr=subprocess.STDOUT)
+t0 = time.time()
+while time.time() - t0 < 30:
+    try:
+        rec = open(f"{d}/job.membership").read()
+    except OSError:
+        rec = ""
+    if f"\nwaiting {j}\n" in rec:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        print(f"{j}: killed while listed as waiting")
+        sys.exit(0)
+    if p.poll() is not None or f"\nmember {j}\n" in rec:
+        break
+    time.sleep(0.0005)
+p.kill()
+p.wait()
+print(f"FAIL: {j} was never seen waiting (admitted or gone first)")
+sys.exit(1)
+PY
+      # The group re-forms once for it and declares it dead.
+      wait_for "$dir/job.membership" "^dead $j$" 30 || fail=1
+    done
+    finish a b || fail=1
+    for w in a b; do check_final "$w" 2 || fail=1; done
+    dead=$(grep -c "^dead j" "$dir/job.membership")
+    waiting=$(grep -c "^waiting" "$dir/job.membership")
+    changes=$(grep -c "re-forming" "$dir/a.log")
+    echo "record: $dead dead joiners, $waiting waiting; a re-formed $changes times"
+    ((dead == 3 && waiting == 0)) || { echo "FAIL: the killed joiners are not all dead"; fail=1; }
+    ((changes <= 3)) || { echo "FAIL: $changes re-formations for 3 joiners"; fail=1; }
+    ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
+  left_behind)
+    common=(--min-workers 2 --rows 512 --batch 32 --settle-ms 1000 --timeout-ms 2000)
+    start a; start b; start c
+    wait_for "$dir/c.log" "^c: step 1[0-9] at" 60 || exit 1
+    kill -STOP "$pid_c"
+    fail=0
+    finish a b || fail=1
+    for w in a b; do check_final "$w" 2 || fail=1; done
+    cont_ms=$(ms)
+    kill -CONT "$pid_c"
+    for _ in $(seq 200); do kill -0 "$pid_c" 2>/dev/null || break; sleep 0.05; done
+    if kill -0 "$pid_c" 2>/dev/null; then
+      echo "FAIL: c still waits 10 s after it was continued"; fail=1
+    else
+      wait "$pid_c" && { echo "FAIL: c exited 0"; fail=1; }
+      grep -q "took part in the run in file://.*, which has ended" "$dir/c.log" ||
+        { echo "FAIL: c's error:"; tail -2 "$dir/c.log"; fail=1; }
+      echo "bar: continued -> c told its run ended in $(($(ms) - cont_ms)) ms"
+    fi
     ((fail == 0)) && echo "PASS: elastic $kind"
     exit $fail
     ;;
