@@ -22,8 +22,8 @@ namespace ps = diststrat::ps;
 
 namespace {
 
-ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape, bool sparse = false,
-                int64_t num_ids = 0, ds::DType dtype = ds::DType::kFloat32) {
+ps::Entry msg_entry(int64_t id, const std::string& name, ds::Shape shape, bool sparse = false,
+                    int64_t num_ids = 0, ds::DType dtype = ds::DType::kFloat32) {
   ps::Entry e;
   e.var_id = id;
   e.shard_index = id % 3;
@@ -35,7 +35,7 @@ ps::Entry entry(int64_t id, const std::string& name, ds::Shape shape, bool spars
   return e;
 }
 
-ps::CreateRequest create_request() {
+ps::CreateRequest msg_create() {
   ps::CreateRequest m;
   m.var_id = 7;
   m.name = "dense/kernel";
@@ -50,39 +50,39 @@ ps::CreateRequest create_request() {
   return m;
 }
 
-ps::PullRequest pull_request() {
+ps::PullRequest msg_pull() {
   ps::PullRequest m;
   m.clock = 12;
-  m.entries = {entry(0, "w", ds::Shape{4}), entry(1, "emb", ds::Shape{}, true, 3)};
+  m.entries = {msg_entry(0, "w", ds::Shape{4}), msg_entry(1, "emb", ds::Shape{}, true, 3)};
   return m;
 }
 
-ps::PushRequest push_request() {
+ps::PushRequest msg_push() {
   ps::PushRequest m;
   m.steps_after = 5;
   m.pulled_version = 41;
   m.iter_var = 9;
   m.iter_name = "iterations";
-  m.entries = {entry(0, "w", ds::Shape{4}), entry(1, "emb", ds::Shape{2, 3}, true, 2)};
+  m.entries = {msg_entry(0, "w", ds::Shape{4}), msg_entry(1, "emb", ds::Shape{2, 3}, true, 2)};
   return m;
 }
 
-ps::AssignRequest assign_request() {
+ps::AssignRequest msg_assign() {
   ps::AssignRequest m;
-  m.entries = {entry(2, "b", ds::Shape{3}, false, 0, ds::DType::kFloat64)};
+  m.entries = {msg_entry(2, "b", ds::Shape{3}, false, 0, ds::DType::kFloat64)};
   return m;
 }
 
-ps::ReadSlotsRequest read_slots_request() {
+ps::ReadSlotsRequest msg_read_slots() {
   ps::ReadSlotsRequest m;
-  m.entries = {entry(0, "w", ds::Shape{4}), entry(3, "v", ds::Shape{2, 2})};
+  m.entries = {msg_entry(0, "w", ds::Shape{4}), msg_entry(3, "v", ds::Shape{2, 2})};
   m.slot_of = {"momentum", "m"};
   return m;
 }
 
-ps::RestoreRequest restore_request() {
+ps::RestoreRequest msg_restore() {
   ps::RestoreRequest m;
-  m.entries = {entry(0, "w", ds::Shape{4}), entry(3, "v", ds::Shape{2, 2})};
+  m.entries = {msg_entry(0, "w", ds::Shape{4}), msg_entry(3, "v", ds::Shape{2, 2})};
   ps::RestoreSpec a;
   a.has_value = true;
   a.step = 17;
@@ -95,35 +95,35 @@ ps::RestoreRequest restore_request() {
   return m;
 }
 
-ps::RuleRequest rule_request() {
+ps::RuleRequest msg_rule() {
   ps::RuleRequest m;
   m.replace = true;
   m.config = {"adam", {0.001, 0.9, 0.999, 1e-7, 0, 0}};
-  m.entries = {entry(0, "w", ds::Shape{4}), entry(3, "v", ds::Shape{2, 2})};
+  m.entries = {msg_entry(0, "w", ds::Shape{4}), msg_entry(3, "v", ds::Shape{2, 2})};
   return m;
 }
 
 // One request of every op that has a body, as (op, body, the typed value's
 // check after decode_request).
-struct Sample {
+struct MsgSample {
   ps::Op op;
   std::vector<char> body;
   std::function<bool(const ps::DecodedRequest&)> equal;  // decoded == the original
   int64_t reply_bytes;  // what the header asks (the fields fix it for most ops)
 };
 
-std::vector<Sample> samples() {
-  std::vector<Sample> s;
-  const auto create = create_request();
+std::vector<MsgSample> msg_samples() {
+  std::vector<MsgSample> s;
+  const auto create = msg_create();
   s.push_back({ps::Op::kCreate, ps::encode(create),
                [create](const ps::DecodedRequest& q) { return q.create == create; }, 0});
-  const auto pull = pull_request();
+  const auto pull = msg_pull();
   s.push_back({ps::Op::kPull, ps::encode(pull),
                [pull](const ps::DecodedRequest& q) { return q.pull == pull; }, 64});
-  const auto push = push_request();
+  const auto push = msg_push();
   s.push_back({ps::Op::kPush, ps::encode(push),
                [push](const ps::DecodedRequest& q) { return q.push == push; }, 0});
-  const auto assign = assign_request();
+  const auto assign = msg_assign();
   s.push_back({ps::Op::kAssign, ps::encode(assign),
                [assign](const ps::DecodedRequest& q) { return q.assign == assign; }, 0});
   const ps::BarrierRequest barrier{3};
@@ -143,17 +143,17 @@ std::vector<Sample> samples() {
   s.push_back({ps::Op::kSave, ps::encode(save),
                [save](const ps::DecodedRequest& q) { return q.save == save; },
                ps::kSaveReplyBytes});
-  const auto slots = read_slots_request();
+  const auto slots = msg_read_slots();
   s.push_back({ps::Op::kReadSlots, ps::encode(slots),
                [slots](const ps::DecodedRequest& q) { return q.read_slots == slots; }, 32});
-  const auto restore = restore_request();
+  const auto restore = msg_restore();
   s.push_back({ps::Op::kRestore, ps::encode(restore),
                [restore](const ps::DecodedRequest& q) { return q.restore == restore; }, 0});
   const ps::MetricRequest metric{"accuracy", 12.5, 16};
   s.push_back({ps::Op::kMetric, ps::encode(metric),
                [metric](const ps::DecodedRequest& q) { return q.metric == metric; },
                ps::kMetricReplyBytes});
-  const auto rule = rule_request();
+  const auto rule = msg_rule();
   s.push_back({ps::Op::kRule, ps::encode(rule),
                [rule](const ps::DecodedRequest& q) { return q.rule == rule; }, 0});
   const ps::AbortRequest abort{"worker 1: out of memory"};
@@ -163,7 +163,7 @@ std::vector<Sample> samples() {
 }
 
 // The payload the body declares, from the typed decoder on its own.
-int64_t declared_payload(ps::Op op, const std::vector<char>& body, int64_t reply_bytes) {
+int64_t msg_declared_payload(ps::Op op, const std::vector<char>& body, int64_t reply_bytes) {
   ps::Reader r(body.data(), body.size(), ps::op_name(op));
   ps::Declared d;
   d.header_reply = reply_bytes;
@@ -215,8 +215,8 @@ int64_t declared_payload(ps::Op op, const std::vector<char>& body, int64_t reply
   return d.payload;
 }
 
-std::vector<char> message(ps::Op op, const std::vector<char>& body, int64_t payload_bytes,
-                          int64_t reply_bytes) {
+std::vector<char> msg_message(ps::Op op, const std::vector<char>& body, int64_t payload_bytes,
+                              int64_t reply_bytes) {
   ps::RequestHeader h;
   h.op = static_cast<uint16_t>(op);
   h.seq = 1;
@@ -232,37 +232,37 @@ std::vector<char> message(ps::Op op, const std::vector<char>& body, int64_t payl
 }  // namespace
 
 TEST(PsMessages, EveryRequestRoundTrips) {
-  const std::vector<Sample> all = samples();
+  const std::vector<MsgSample> all = msg_samples();
   // Every op with a body is here (kStats, kDone and kAlive have none).
   std::vector<bool> seen(17, false);
-  for (const Sample& s : all) seen[static_cast<int>(s.op)] = true;
+  for (const MsgSample& s : all) seen[static_cast<int>(s.op)] = true;
   for (int op = 1; op <= 16; ++op) {
     const auto o = static_cast<ps::Op>(op);
     EXPECT_EQ(seen[op], o != ps::Op::kStats && o != ps::Op::kDone && o != ps::Op::kAlive)
         << ps::op_name(o);
   }
-  for (const Sample& s : all) {
+  for (const MsgSample& s : all) {
     SCOPED_TRACE(ps::op_name(s.op));
-    const int64_t payload = declared_payload(s.op, s.body, s.reply_bytes);
+    const int64_t payload = msg_declared_payload(s.op, s.body, s.reply_bytes);
     const ps::DecodedRequest q =
-        ps::decode_request(message(s.op, s.body, payload, s.reply_bytes).data(),
+        ps::decode_request(msg_message(s.op, s.body, payload, s.reply_bytes).data(),
                            sizeof(ps::RequestHeader) + s.body.size());
     EXPECT_EQ(q.op, s.op);
     EXPECT_TRUE(s.equal(q));
   }
   // What each body declares as payload.
-  EXPECT_EQ(declared_payload(ps::Op::kCreate, ps::encode(create_request()), 0), 3 * 4 * 4);
-  EXPECT_EQ(declared_payload(ps::Op::kPull, ps::encode(pull_request()), 64), 3 * 8);
-  EXPECT_EQ(declared_payload(ps::Op::kPush, ps::encode(push_request()), 0), 4 * 4 + 2 * 8 + 6 * 4);
-  EXPECT_EQ(declared_payload(ps::Op::kRestore, ps::encode(restore_request()), 0),
+  EXPECT_EQ(msg_declared_payload(ps::Op::kCreate, ps::encode(msg_create()), 0), 3 * 4 * 4);
+  EXPECT_EQ(msg_declared_payload(ps::Op::kPull, ps::encode(msg_pull()), 64), 3 * 8);
+  EXPECT_EQ(msg_declared_payload(ps::Op::kPush, ps::encode(msg_push()), 0), 4 * 4 + 2 * 8 + 6 * 4);
+  EXPECT_EQ(msg_declared_payload(ps::Op::kRestore, ps::encode(msg_restore()), 0),
             4 * 4 + 2 * 4 * 4 + 4 * 4);
   // A field that differs is seen by the comparison the round trip uses.
-  ps::PushRequest other = push_request();
+  ps::PushRequest other = msg_push();
   other.iter_name = "steps";
-  EXPECT_FALSE(other == push_request());
-  ps::CreateRequest bigger = create_request();
+  EXPECT_FALSE(other == msg_push());
+  ps::CreateRequest bigger = msg_create();
   bigger.rows = 4;
-  EXPECT_FALSE(bigger == create_request());
+  EXPECT_FALSE(bigger == msg_create());
 }
 
 TEST(PsMessages, EveryReplyRoundTrips) {
@@ -300,7 +300,7 @@ TEST(PsMessages, EveryReplyRoundTrips) {
 // messages (copied here from them), so peers and corpora of before still read.
 TEST(PsMessages, EncodingIsTheWireFormatTheWorkersWroteBefore) {
   {
-    const ps::CreateRequest m = create_request();
+    const ps::CreateRequest m = msg_create();
     ps::Writer w;
     w.put<int64_t>(m.var_id).put_string(m.name).put<int32_t>(m.dtype);
     w.put_shape(m.full_shape).put<int64_t>(m.shard_index).put<int64_t>(m.num_shards);
@@ -308,14 +308,14 @@ TEST(PsMessages, EncodingIsTheWireFormatTheWorkersWroteBefore) {
     EXPECT_EQ(ps::encode(m), w.bytes());
   }
   {
-    const ps::PullRequest m = pull_request();
+    const ps::PullRequest m = msg_pull();
     ps::Writer w;
     w.put<int64_t>(m.clock).put<int64_t>(static_cast<int64_t>(m.entries.size()));
     for (const ps::Entry& e : m.entries) ps::write_entry(w, e);
     EXPECT_EQ(ps::encode(m), w.bytes());
   }
   {
-    const ps::PushRequest m = push_request();
+    const ps::PushRequest m = msg_push();
     ps::Writer w;
     w.put<int64_t>(m.steps_after).put<int64_t>(m.pulled_version);
     w.put<int64_t>(m.iter_var);
@@ -325,7 +325,7 @@ TEST(PsMessages, EncodingIsTheWireFormatTheWorkersWroteBefore) {
     EXPECT_EQ(ps::encode(m), w.bytes());
   }
   {
-    const ps::AssignRequest m = assign_request();
+    const ps::AssignRequest m = msg_assign();
     ps::Writer w;
     w.put<int64_t>(1);
     ps::write_entry(w, m.entries[0]);
@@ -352,7 +352,7 @@ TEST(PsMessages, EncodingIsTheWireFormatTheWorkersWroteBefore) {
     EXPECT_EQ(ps::encode(ps::SaveRequest{"ckpt-3", 5, "/d"}), w.bytes());
   }
   {
-    const ps::ReadSlotsRequest m = read_slots_request();
+    const ps::ReadSlotsRequest m = msg_read_slots();
     ps::Writer body;
     for (size_t i = 0; i < m.entries.size(); ++i) {
       ps::write_entry(body, m.entries[i]);
@@ -364,7 +364,7 @@ TEST(PsMessages, EncodingIsTheWireFormatTheWorkersWroteBefore) {
     EXPECT_EQ(ps::encode(m), w.bytes());
   }
   {
-    const ps::RestoreRequest m = restore_request();
+    const ps::RestoreRequest m = msg_restore();
     ps::Writer w;
     w.put<int64_t>(static_cast<int64_t>(m.entries.size()));
     for (size_t i = 0; i < m.entries.size(); ++i) {
@@ -382,7 +382,7 @@ TEST(PsMessages, EncodingIsTheWireFormatTheWorkersWroteBefore) {
     EXPECT_EQ(ps::encode(ps::MetricRequest{"loss", 1.5, 2.0}), w.bytes());
   }
   {
-    const ps::RuleRequest m = rule_request();
+    const ps::RuleRequest m = msg_rule();
     ps::Writer w;
     w.put<uint8_t>(1);
     ps::write_config(w, m.config);
@@ -423,18 +423,18 @@ TEST(PsMessages, EncodingIsTheWireFormatTheWorkersWroteBefore) {
 // Every prefix of every body (and the body with a byte more) is an
 // InvalidArgumentError from decode_request: no read past the end, no crash.
 TEST(PsMessages, TruncatedOrOverlongBodiesAreInvalidArgumentErrors) {
-  for (const Sample& s : samples()) {
+  for (const MsgSample& s : msg_samples()) {
     SCOPED_TRACE(ps::op_name(s.op));
-    const int64_t payload = declared_payload(s.op, s.body, s.reply_bytes);
+    const int64_t payload = msg_declared_payload(s.op, s.body, s.reply_bytes);
     for (size_t n = 0; n < s.body.size(); ++n) {
       const std::vector<char> cut(s.body.begin(), s.body.begin() + n);
-      const std::vector<char> m = message(s.op, cut, payload, s.reply_bytes);
+      const std::vector<char> m = msg_message(s.op, cut, payload, s.reply_bytes);
       EXPECT_THROW(ps::decode_request(m.data(), m.size()), ds::InvalidArgumentError)
           << n << " of " << s.body.size() << " bytes";
     }
     std::vector<char> longer = s.body;
     longer.push_back('\0');
-    const std::vector<char> m = message(s.op, longer, payload, s.reply_bytes);
+    const std::vector<char> m = msg_message(s.op, longer, payload, s.reply_bytes);
     EXPECT_THROW(ps::decode_request(m.data(), m.size()), ds::InvalidArgumentError);
   }
   // Replies: short or long is an InvalidArgumentError, a stats reply for
@@ -464,10 +464,10 @@ TEST(PsMessages, TruncatedOrOverlongBodiesAreInvalidArgumentErrors) {
 // decode_request either accepts them or throws a diststrat::Error.
 TEST(PsMessages, GarbageBodiesDecodeOrThrowDiststratErrors) {
   std::mt19937_64 rng(43);
-  const std::vector<Sample> all = samples();
+  const std::vector<MsgSample> all = msg_samples();
   int rejected = 0, accepted = 0;
   for (int trial = 0; trial < 4000; ++trial) {
-    const Sample& s = all[trial % all.size()];
+    const MsgSample& s = all[trial % all.size()];
     std::vector<char> body = s.body;
     if (trial % 2) {
       body.resize(rng() % 200);
@@ -477,7 +477,7 @@ TEST(PsMessages, GarbageBodiesDecodeOrThrowDiststratErrors) {
         body[rng() % body.size()] = static_cast<char>(rng());
     }
     const std::vector<char> m =
-        message(s.op, body, static_cast<int64_t>(rng() % 64), s.reply_bytes);
+        msg_message(s.op, body, static_cast<int64_t>(rng() % 64), s.reply_bytes);
     try {
       ps::decode_request(m.data(), m.size());
       ++accepted;
