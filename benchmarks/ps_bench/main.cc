@@ -16,6 +16,7 @@
 #include "../../examples/common/timeout_flag.h"
 #include "allreduce/transport.h"
 #include "parameter_server/client.h"
+#include "parameter_server/messages.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/shard_updater.h"
 
@@ -77,18 +78,27 @@ int sparse(int64_t rows, int64_t dim, double fraction, int reps, const std::stri
     ds::InProcessTransportGroup group2(2);
     auto ps2 = ds::ps::make_strategy(group2.at(1), o);
     ds::ps::Client client(group2.at(0), {1}, 0, std::chrono::seconds(300));
+    ds::ps::Entry e;
+    e.var_id = 0;
+    e.name = "table";
+    e.dtype = static_cast<int32_t>(ds::DType::kFloat32);
+    e.shape = ds::Shape{rows, dim};
     {
-      ds::ps::Writer w;
-      w.put<int64_t>(0).put_string("table").put<int32_t>(static_cast<int32_t>(ds::DType::kFloat32));
-      w.put_shape(ds::Shape{rows, dim})
-          .put<int64_t>(0)
-          .put<int64_t>(1)
-          .put<int64_t>(0)
-          .put<int64_t>(rows);
-      w.put<uint8_t>(1);
+      ds::ps::CreateRequest create;
+      create.var_id = e.var_id;
+      create.name = e.name;
+      create.dtype = e.dtype;
+      create.full_shape = e.shape;
+      create.rows = rows;
+      create.has_value = true;
       auto value = std::make_shared<ds::Tensor>(ds::Shape{rows, dim}, ds::DType::kFloat32);
-      auto c = client.post(0, ds::ps::Op::kCreate, w.bytes(), value, value->data(), value->nbytes(),
-                           nullptr, 0, "create");
+      auto c = client.post(0, ds::ps::Op::kCreate, ds::ps::encode(create), value, value->data(),
+                           value->nbytes(), nullptr, 0, "create");
+      client.wait(c);
+      // Pushes carry no update rule: the chief declares it once (kRule).
+      const ds::ps::RuleRequest rule{false, {"sgd", {0.01, 0.0, 0.0}}, {e}};
+      c = client.post(0, ds::ps::Op::kRule, ds::ps::encode(rule), nullptr, nullptr, 0, nullptr, 0,
+                      "update rule");
       client.wait(c);
     }
     auto grad = std::make_shared<ds::Tensor>(ds::Shape{rows, dim}, ds::DType::kFloat32);
@@ -96,17 +106,12 @@ int sparse(int64_t rows, int64_t dim, double fraction, int reps, const std::stri
     std::vector<double> dense_times;
     for (int r = 0; r < reps; ++r) {
       const auto t0 = Clock::now();
-      ds::ps::Writer w;
-      w.put<int64_t>(r + 1).put<int64_t>(0);
-      ds::ps::write_config(w, {"sgd", {0.01, 0.0, 0.0}});
-      w.put<int64_t>(-1).put_string("").put<int64_t>(1);
-      ds::ps::Entry e;
-      e.var_id = 0;
-      e.name = "table";
-      e.shape = ds::Shape{rows, dim};
-      ds::ps::write_entry(w, e);
-      auto c = client.post(0, ds::ps::Op::kPush, w.bytes(), grad, grad->data(), grad->nbytes(),
-                           nullptr, 0, "dense push");
+      ds::ps::PushRequest push;
+      push.steps_after = r + 1;
+      push.pulled_version = 0;
+      push.entries = {e};
+      auto c = client.post(0, ds::ps::Op::kPush, ds::ps::encode(push), grad, grad->data(),
+                           grad->nbytes(), nullptr, 0, "dense push");
       client.wait(c);
       dense_times.push_back(seconds_since(t0));
     }

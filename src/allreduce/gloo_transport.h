@@ -2,7 +2,8 @@
 // (gloo::transport::tcp), for elastic training. One transport serves one
 // membership generation's group: built when the membership settles, thrown
 // away on any error, rebuilt (under a new group name) for the next one.
-// Gloo stays behind gloo_transport.cc; this header includes none of it.
+// Gloo stays behind the gloo_*.cc files (gloo_transport_impl.h); this
+// header includes none of it.
 //
 // Set-up (make_gloo_transport) works as follows:
 //  1. Each rank opens a Gloo TCP device on listen_host (or on the address of

@@ -16,6 +16,7 @@
 #include "diststrat/optimizer.h"
 #include "runtime/local_replicas.h"
 #include "parameter_server/client.h"
+#include "parameter_server/messages.h"
 #include "parameter_server/worker.h"
 #include "parameter_server/shard_updater.h"
 
@@ -64,15 +65,21 @@ void ParameterServerStrategy::place_variable(Variable::Impl& var, const Initiali
   auto owner = std::make_shared<Tensor>(value);
   std::vector<ps::Client::CallPtr> calls;
   for (const Impl::ShardPlace& sp : vi->shards) {
-    ps::Writer w;
-    w.put<int64_t>(vi->id).put_string(var.name).put<int32_t>(static_cast<int32_t>(var.dtype));
-    w.put_shape(var.shape).put<int64_t>(sp.index).put<int64_t>(n).put<int64_t>(sp.offset);
-    w.put<int64_t>(sp.rows).put<uint8_t>(m.chief() ? 1 : 0);
+    ps::CreateRequest req;
+    req.var_id = vi->id;
+    req.name = var.name;
+    req.dtype = static_cast<int32_t>(var.dtype);
+    req.full_shape = var.shape;
+    req.shard_index = sp.index;
+    req.num_shards = n;
+    req.row_offset = sp.offset;
+    req.rows = sp.rows;
+    req.has_value = m.chief();
     const size_t bytes = m.chief() ? static_cast<size_t>(sp.rows) * vi->row_bytes : 0;
     const char* data =
         m.chief() ? static_cast<const char*>(value.data()) + sp.offset * vi->row_bytes : nullptr;
-    calls.push_back(m.client->post(sp.ps, ps::Op::kCreate, w.bytes(), owner, data, bytes, nullptr,
-                                   0, "create of '" + var.name + "'"));
+    calls.push_back(m.client->post(sp.ps, ps::Op::kCreate, ps::encode(req), owner, data, bytes,
+                                   nullptr, 0, "create of '" + var.name + "'"));
   }
   m.wait_all(calls);
   m.info_of[&var] = vi.get();
@@ -283,11 +290,10 @@ Tensor ParameterServerStrategy::gather_rows(const Variable& var, const Tensor& i
   for (size_t p = 0; p < parts.size(); ++p) {
     Part& part = parts[p];
     if (part.entries.empty()) continue;
-    ps::Writer w;
-    w.put<int64_t>(-1).put<int64_t>(static_cast<int64_t>(part.entries.size()));
-    for (const ps::Entry& e : part.entries) ps::write_entry(w, e);
+    ps::PullRequest req;
+    req.entries = part.entries;
     part.buffer.resize(part.ids.size() * vi.row_bytes);
-    calls.push_back(m.client->post(static_cast<int>(p), ps::Op::kPull, w.bytes(), nullptr,
+    calls.push_back(m.client->post(static_cast<int>(p), ps::Op::kPull, ps::encode(req), nullptr,
                                    part.ids.data(), part.ids.size() * sizeof(int64_t),
                                    part.buffer.data(), part.buffer.size(),
                                    "gather_rows of '" + var.name() + "'"));
@@ -331,11 +337,10 @@ void ParameterServerStrategy::assign_variable(Variable::Impl& var, const Tensor&
   for (const Impl::ShardPlace& sp : vi.shards) {
     ps::Entry e = Impl::entry_of(vi, sp);
     e.shape = Impl::shard_shape(vi, sp);
-    ps::Writer w;
-    w.put<int64_t>(1);
-    ps::write_entry(w, e);
+    ps::AssignRequest req;
+    req.entries.push_back(e);
     calls.push_back(m.client->post(
-        sp.ps, ps::Op::kAssign, w.bytes(), owner,
+        sp.ps, ps::Op::kAssign, ps::encode(req), owner,
         static_cast<const char*>(owner->data()) + sp.offset * vi.row_bytes,
         static_cast<size_t>(sp.rows) * vi.row_bytes, nullptr, 0, "assign to '" + var.name + "'"));
   }

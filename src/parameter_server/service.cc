@@ -229,10 +229,11 @@ void Service::handle_abort(WorkerState& w, const Pending& p) {
   const std::string worker =
       "worker " + std::to_string(w.index) + " (rank " + std::to_string(w.rank) + ")";
   if (!failure_.empty()) {
-    logger_.warning(who(), ": ", worker, " left after the failure: ", echo(p.request.reason, 2000));
+    logger_.warning(who(), ": ", worker,
+                    " left after the failure: ", echo(p.request.abort.reason, 2000));
     return;
   }
-  failure_ = worker + " failed: " + echo(p.request.reason, 2000);
+  failure_ = worker + " failed: " + echo(p.request.abort.reason, 2000);
   logger_.error(who(), ": ", failure_, "; the other workers' requests fail from now on");
 }
 
@@ -312,7 +313,7 @@ Service::Outcome Service::handle(WorkerState& w, Pending& p, Reply& reply) {
 // pulls or reads the weights of step c (its reads precede its push).
 bool Service::lockstep_holds(WorkerState& w, const Pending& p) {
   if (options_.max_staleness != 0) return false;
-  const int64_t step = p.request.steps_after - 1;  // the push carries the steps after it
+  const int64_t step = p.request.push.steps_after - 1;  // the push carries the steps after it
   w.push_reached = std::max(w.push_reached, step);
   for (const WorkerState& o : workers_) {
     if (&o == &w || o.done || o.gone || o.push_reached >= step) continue;

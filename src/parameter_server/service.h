@@ -50,6 +50,7 @@
 #include "diststrat/logging.h"
 #include "diststrat/parameter_server.h"
 #include "parameter_server/shard_updater.h"
+#include "parameter_server/messages.h"
 #include "parameter_server/wire.h"
 
 namespace diststrat {

@@ -73,7 +73,7 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       s.shape = it->second.value.shape();
       s.full_rows = it->second.full_shape.rank() ? it->second.full_shape[0] : 0;
     } else {
-      const CreateSpec* spec = nullptr;
+      const CreateRequest* spec = nullptr;
       for (const Pending& p : w.queue) {
         if (p.request.op == Op::kCreate && p.request.create.var_id == e.var_id &&
             p.request.create.shard_index == e.shard_index) {
@@ -99,7 +99,7 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
   switch (q.op) {
     case Op::kPull:
       reply = 0;
-      for (const Entry& e : q.entries) {
+      for (const Entry& e : q.entries()) {
         const ShardInfo s = info(e, "pull");
         if (e.sparse) {
           DISTSTRAT_CHECK(s.shape.rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name,
@@ -113,14 +113,14 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       }
       break;
     case Op::kPush:
-      for (const Entry& e : q.entries) check_push_entry(e, info(e, "push"));
+      for (const Entry& e : q.entries()) check_push_entry(e, info(e, "push"));
       break;
     case Op::kAssign:
-      for (const Entry& e : q.entries) check_value_entry("assign to", e, info(e, "assign"));
+      for (const Entry& e : q.entries()) check_value_entry("assign to", e, info(e, "assign"));
       break;
     case Op::kReadSlots:
       reply = 0;
-      for (const Entry& e : q.entries) {
+      for (const Entry& e : q.entries()) {
         const ShardInfo s = info(e, "slot read");
         DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
                         "': the variable is ", dtype_name(s.dtype),
@@ -129,17 +129,17 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       }
       break;
     case Op::kRestore:
-      for (size_t i = 0; i < q.entries.size(); ++i) {
-        const Entry& e = q.entries[i];
+      for (size_t i = 0; i < q.entries().size(); ++i) {
+        const Entry& e = q.entries()[i];
         const ShardInfo s = info(e, "restore");
         check_value_entry("restore of", e, s);
-        DISTSTRAT_CHECK(q.restore[i].slots.empty() || s.dtype == DType::kFloat32, kInvalidArgument,
-                        "restore of '", e.name, "': slots for a ", dtype_name(s.dtype),
-                        " variable");
+        DISTSTRAT_CHECK(q.restore.specs[i].slots.empty() || s.dtype == DType::kFloat32,
+                        kInvalidArgument, "restore of '", e.name, "': slots for a ",
+                        dtype_name(s.dtype), " variable");
       }
       break;
     case Op::kStats:
-      reply = static_cast<int64_t>((7 + workers_.size()) * sizeof(int64_t));
+      reply = stats_reply_bytes(workers_.size());
       break;
     case Op::kCreate:
       // Only the chief defines a variable's value (and so its memory here).
@@ -149,46 +149,52 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       break;
     case Op::kRule:
       DISTSTRAT_CHECK(
-          !q.replace || w.index == 0, kFailedPrecondition, "worker ", w.index,
+          !q.rule.replace || w.index == 0, kFailedPrecondition, "worker ", w.index,
           " changes an update rule: only the chief (worker 0) may (update_hyperparameters)");
-      for (const Entry& e : q.entries) {
+      for (const Entry& e : q.entries()) {
         const ShardInfo s = info(e, "update rule");
         DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '", e.name,
                         "': the variable is ", dtype_name(s.dtype), "; optimizers update float32");
       }
       break;
     case Op::kBroadcast: {
-      const std::string b = "broadcast " + std::to_string(q.count);
-      DISTSTRAT_CHECK(q.count == w.broadcast_arrived + 1, kInvalidArgument, b, " from worker ",
-                      w.index, ": its last broadcast was ", w.broadcast_arrived,
+      const std::string b = "broadcast " + std::to_string(q.broadcast.count);
+      DISTSTRAT_CHECK(q.broadcast.count == w.broadcast_arrived + 1, kInvalidArgument, b,
+                      " from worker ", w.index, ": its last broadcast was ", w.broadcast_arrived,
                       " (they count up by one)");
-      if (q.root) {
-        DISTSTRAT_CHECK(q.bytes <= options_.max_broadcast_bytes - broadcast_bytes_held(),
-                        kResourceExhausted, b, ": the root (worker ", w.index, ") sends ", q.bytes,
-                        " bytes; this PS holds at most ", options_.max_broadcast_bytes,
-                        " broadcast bytes (max_broadcast_bytes), ", broadcast_bytes_held(),
-                        " are held");
+      if (q.broadcast.root) {
+        DISTSTRAT_CHECK(q.broadcast.bytes <= options_.max_broadcast_bytes - broadcast_bytes_held(),
+                        kResourceExhausted, b, ": the root (worker ", w.index, ") sends ",
+                        q.broadcast.bytes, " bytes; this PS holds at most ",
+                        options_.max_broadcast_bytes, " broadcast bytes (max_broadcast_bytes), ",
+                        broadcast_bytes_held(), " are held");
       } else {
-        DISTSTRAT_CHECK(q.bytes <= options_.max_broadcast_bytes, kResourceExhausted, b, ": worker ",
-                        w.index, " expects ", q.bytes,
+        DISTSTRAT_CHECK(q.broadcast.bytes <= options_.max_broadcast_bytes, kResourceExhausted, b,
+                        ": worker ", w.index, " expects ", q.broadcast.bytes,
                         " bytes, more than a broadcast may carry (max_broadcast_bytes ",
                         options_.max_broadcast_bytes, ")");
-        auto it = broadcasts_.find(q.count);
+        auto it = broadcasts_.find(q.broadcast.count);
         DISTSTRAT_CHECK(
-            it == broadcasts_.end() || static_cast<int64_t>(it->second.size()) == q.bytes,
-            kInvalidArgument, b, ": worker ", w.index, " expects ", q.bytes,
+            it == broadcasts_.end() || static_cast<int64_t>(it->second.size()) == q.broadcast.bytes,
+            kInvalidArgument, b, ": worker ", w.index, " expects ", q.broadcast.bytes,
             " bytes, the root sent ", it == broadcasts_.end() ? 0 : it->second.size());
       }
       // Against the other side's requests of this broadcast that are queued.
       for (const WorkerState& o : workers_) {
         for (const Pending& p : o.queue) {
-          if (&o == &w || p.request.op != Op::kBroadcast || p.request.count != q.count) continue;
-          DISTSTRAT_CHECK(p.request.root != q.root || !q.root, kInvalidArgument, b, ": worker ",
-                          w.index, " and worker ", o.index, " both send as its root");
-          DISTSTRAT_CHECK(p.request.root == q.root || p.request.bytes == q.bytes, kInvalidArgument,
-                          b, ": worker ", w.index, q.root ? " (the root) sends " : " expects ",
-                          q.bytes, " bytes, worker ", o.index,
-                          p.request.root ? " (the root) sends " : " expects ", p.request.bytes);
+          if (&o == &w || p.request.op != Op::kBroadcast ||
+              p.request.broadcast.count != q.broadcast.count)
+            continue;
+          DISTSTRAT_CHECK(p.request.broadcast.root != q.broadcast.root || !q.broadcast.root,
+                          kInvalidArgument, b, ": worker ", w.index, " and worker ", o.index,
+                          " both send as its root");
+          DISTSTRAT_CHECK(p.request.broadcast.root == q.broadcast.root ||
+                              p.request.broadcast.bytes == q.broadcast.bytes,
+                          kInvalidArgument, b, ": worker ", w.index,
+                          q.broadcast.root ? " (the root) sends " : " expects ", q.broadcast.bytes,
+                          " bytes, worker ", o.index,
+                          p.request.broadcast.root ? " (the root) sends " : " expects ",
+                          p.request.broadcast.bytes);
         }
       }
       break;

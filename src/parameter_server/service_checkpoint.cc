@@ -19,7 +19,7 @@ void Service::handle_save(Pending& p, Reply& reply) {
   if (dir.empty()) {
     // Not configured: the worker's directory, still under a derived name
     // (so no file but a shard file of this PS is ever replaced).
-    DISTSTRAT_CHECK(!p.request.dir.empty(), kFailedPrecondition, who(),
+    DISTSTRAT_CHECK(!p.request.save.dir.empty(), kFailedPrecondition, who(),
                     " has no checkpoint directory (ParameterServerOptions::checkpoint_dir, or "
                     "DISTSTRAT_PS_CHECKPOINT_DIR on the PS ranks) and the request names none");
     // The first save's directory becomes this PS's own (a directory this
@@ -27,43 +27,41 @@ void Service::handle_save(Pending& p, Reply& reply) {
     // manager's rules); a later request naming another is rejected, so a
     // crafted request cannot move the writes elsewhere once the job saved.
     if (adopted_dir_.empty()) {
-      ckpt::check_directory_owner(p.request.dir);
-      adopted_dir_ = p.request.dir;
+      ckpt::check_directory_owner(p.request.save.dir);
+      adopted_dir_ = p.request.save.dir;
       logger_.warning(who(), ": no checkpoint directory configured; writing shard files into '",
                       adopted_dir_,
                       "', the directory the first save named, and only there (set "
                       "ParameterServerOptions::checkpoint_dir to fix it in advance)");
     }
-    DISTSTRAT_CHECK(p.request.dir == adopted_dir_, kInvalidArgument,
-                    "the request names directory '", p.request.dir.substr(0, 200),
+    DISTSTRAT_CHECK(p.request.save.dir == adopted_dir_, kInvalidArgument,
+                    "the request names directory '", p.request.save.dir.substr(0, 200),
                     "', this PS writes only into '", adopted_dir_,
                     "', the directory of this job's first save");
     dir = adopted_dir_;
   } else {
-    DISTSTRAT_CHECK(p.request.dir.empty() || p.request.dir == dir, kInvalidArgument,
-                    "the request names directory '", p.request.dir.substr(0, 200),
+    DISTSTRAT_CHECK(p.request.save.dir.empty() || p.request.save.dir == dir, kInvalidArgument,
+                    "the request names directory '", p.request.save.dir.substr(0, 200),
                     "', this PS writes only into its own '", dir, "'");
   }
-  const uint64_t save_id = p.request.save_id;
+  const uint64_t save_id = p.request.save.save_id;
   const int32_t ps = options_.ps_index;
   const int32_t num_ps = options_.num_ps;
   const std::string path =
-      ckpt::shard_file_path(dir + "/" + p.request.stem + ".safetensors", ps, num_ps, save_id);
+      ckpt::shard_file_path(dir + "/" + p.request.save.stem + ".safetensors", ps, num_ps, save_id);
   const std::vector<ShardSnapshot> shards = snapshot_locked();
   // Blocks this loop for the write: the workers are quiesced (a save is
   // collective), and the snapshot is the state after every push before it.
   ckpt::write_shard_file(path, save_id, ps, num_ps, shards);
-  Writer wr;
-  wr.put<int64_t>(static_cast<int64_t>(shards.size()));
-  reply.payload = std::move(wr.bytes());
+  reply.payload = encode(SaveReply{static_cast<int64_t>(shards.size())});
 }
 
 void Service::handle_read_slots(Pending& p, Reply& reply) {
   std::vector<std::pair<const Shard*, std::string>> items;
   size_t bytes = 0;
-  for (size_t i = 0; i < p.request.entries.size(); ++i) {
-    const Entry& e = p.request.entries[i];
-    const std::string& slot = p.request.slot_of[i];
+  for (size_t i = 0; i < p.request.entries().size(); ++i) {
+    const Entry& e = p.request.entries()[i];
+    const std::string& slot = p.request.read_slots.slot_of[i];
     const Shard& s = find_shard(e, "slot read");
     DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
                     "': the variable is ", dtype_name(s.dtype),
@@ -95,9 +93,9 @@ void Service::handle_restore(Pending& p) {
   std::vector<Item> items;
   size_t offset = 0;
   // Validate everything before writing anything.
-  for (size_t i = 0; i < p.request.entries.size(); ++i) {
-    const Entry& e = p.request.entries[i];
-    const RestoreSpec& spec = p.request.restore[i];
+  for (size_t i = 0; i < p.request.entries().size(); ++i) {
+    const Entry& e = p.request.entries()[i];
+    const RestoreSpec& spec = p.request.restore.specs[i];
     Shard* shard = &find_shard(e, "restore");
     Item it{shard, spec.has_value, spec.step, spec.slots, offset};
     const Shard& s = *it.s;

@@ -12,7 +12,7 @@ namespace diststrat {
 namespace ps {
 
 Service::Outcome Service::handle_barrier(WorkerState& w, Pending& p) {
-  const int64_t count = p.request.count;
+  const int64_t count = p.request.barrier.count;
   w.barrier_count = std::max(w.barrier_count, count);
   std::string missing;
   for (const WorkerState& o : workers_) {
@@ -28,8 +28,8 @@ Service::Outcome Service::handle_barrier(WorkerState& w, Pending& p) {
 }
 
 Service::Outcome Service::handle_broadcast(WorkerState& w, Pending& p, Reply& reply) {
-  const int64_t count = p.request.count;
-  const bool root = p.request.root;
+  const int64_t count = p.request.broadcast.count;
+  const bool root = p.request.broadcast.root;
   if (root) {
     broadcasts_.emplace(count, p.payload);
   } else {
@@ -62,15 +62,16 @@ int64_t Service::broadcast_bytes_held() const {
   for (const auto& [count, bytes] : broadcasts_) held += static_cast<int64_t>(bytes.size());
   for (const WorkerState& o : workers_) {
     for (const Pending& p : o.queue) {
-      if (p.request.op == Op::kBroadcast && p.request.root) held += p.request.bytes;
+      if (p.request.op == Op::kBroadcast && p.request.broadcast.root)
+        held += p.request.broadcast.bytes;
     }
   }
   return held;
 }
 
 void Service::handle_stop_check(WorkerState& w, Pending& p, Reply& reply) {
-  const int64_t step = p.request.step;
-  const bool signalled = p.request.signalled;
+  const int64_t step = p.request.stop_check.step;
+  const bool signalled = p.request.stop_check.signalled;
   w.checked_step = std::max(w.checked_step, step);
   if (stop_at_ < 0 && (signalled || ckpt::preemption_signalled())) {
     // Every worker answered "go on" for the steps it has asked about, so the
@@ -84,17 +85,15 @@ void Service::handle_stop_check(WorkerState& w, Pending& p, Reply& reply) {
                     signalled ? "worker " + std::to_string(w.index) : "this process",
                     " signalled): every worker stops at step ", stop_at_);
   }
-  Writer wr;
-  wr.put<int64_t>(stop_at_ >= 0 && step >= stop_at_ ? 1 : 0);
-  reply.payload = std::move(wr.bytes());
+  reply.payload = encode(StopCheckReply{stop_at_ >= 0 && step >= stop_at_});
 }
 
 void Service::handle_metric(Pending& p, Reply& reply) {
   // Name, count and reply size were checked by decode_request.
   constexpr size_t kMaxMetrics = 1024;
-  const std::string& name = p.request.metric_name;
-  const double sum = p.request.metric_sum;
-  const double count = p.request.metric_count;
+  const std::string& name = p.request.metric.name;
+  const double sum = p.request.metric.sum;
+  const double count = p.request.metric.count;
   const std::string shown = name.size() > 200 ? name.substr(0, 200) + "..." : name;
   auto it = metrics_.find(name);
   if (it == metrics_.end()) {
@@ -105,18 +104,19 @@ void Service::handle_metric(Pending& p, Reply& reply) {
   it->second.first += sum;
   it->second.second += count;
   if (p.header.reply_bytes == 0) return;
-  Writer wr;
-  wr.put(it->second.first).put(it->second.second);
-  reply.payload = std::move(wr.bytes());
+  reply.payload = encode(MetricReply{it->second.first, it->second.second});
 }
 
 void Service::handle_stats(Reply& reply) {
-  Writer wr;
-  wr.put(stats_.version).put(stats_.pushes_rejected).put(stats_.staleness_sum);
-  wr.put(stats_.staleness_max).put(stats_.max_step_gap).put(stats_.pushes_nonfinite);
-  wr.put<int64_t>(static_cast<int64_t>(workers_.size()));
-  for (const WorkerState& w : workers_) wr.put(w.steps);
-  reply.payload = std::move(wr.bytes());
+  StatsReply r;
+  r.version = stats_.version;
+  r.pushes_rejected = stats_.pushes_rejected;
+  r.staleness_sum = stats_.staleness_sum;
+  r.staleness_max = stats_.staleness_max;
+  r.max_step_gap = stats_.max_step_gap;
+  r.pushes_nonfinite = stats_.pushes_nonfinite;
+  for (const WorkerState& w : workers_) r.worker_steps.push_back(w.steps);
+  reply.payload = encode(r);
 }
 
 ServiceStats Service::stats() const {

@@ -144,7 +144,7 @@ bool Service::receive_new() {
       std::lock_guard<std::mutex> lock(mu_);
       check_sequence(w, p.request.header);
       check_on_arrival(w, p.request);
-      if (p.request.op == Op::kBroadcast) w.broadcast_arrived = p.request.count;
+      if (p.request.op == Op::kBroadcast) w.broadcast_arrived = p.request.broadcast.count;
     } catch (const Error& e) {
       // Nothing was allocated for it and nothing changes; its payload, if
       // the worker sends one, is dropped when it comes.

@@ -38,7 +38,7 @@ Service::Shard& Service::find_shard(const Entry& e, const std::string& what) {
 }
 
 Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
-  const CreateSpec& c = p.request.create;  // dtype, shard and rows checked by decode_request
+  const CreateRequest& c = p.request.create;  // dtype, shard and rows checked by decode_request
   Shard spec;
   const int64_t var_id = c.var_id;
   spec.name = c.name;
@@ -105,7 +105,7 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
 }
 
 Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) {
-  const int64_t clock = p.request.clock;
+  const int64_t clock = p.request.pull.clock;
   if (clock >= 0 && options_.max_staleness >= 0) {
     const int slowest = slowest_other(w.index);
     if (slowest >= 0 && clock - workers_[slowest].steps > options_.max_staleness) {
@@ -119,7 +119,7 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) 
       return Outcome::kDeferred;
     }
   }
-  const std::vector<Entry>& entries = p.request.entries;
+  const std::vector<Entry>& entries = p.request.entries();
   std::vector<Shard*> shards;
   int64_t ids_bytes = 0,
           out_bytes = 0;  // overflow-checked (the decoder and the arrival check agree)
@@ -175,10 +175,10 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) 
 
 void Service::handle_push(WorkerState& w, Pending& p) {
   const DecodedRequest& q = p.request;  // sizes checked on arrival, without overflow
-  const int64_t steps_after = q.steps_after;
-  const int64_t pulled_version = q.pulled_version;
-  const int64_t iter_var = q.iter_var;
-  const std::string& iter_name = q.iter_name;
+  const int64_t steps_after = q.push.steps_after;
+  const int64_t pulled_version = q.push.pulled_version;
+  const int64_t iter_var = q.push.iter_var;
+  const std::string& iter_name = q.push.iter_name;
 
   // Validate the whole push before changing anything.
   struct Item {
@@ -193,7 +193,7 @@ void Service::handle_push(WorkerState& w, Pending& p) {
   };
   std::vector<Item> items;
   size_t offset = 0;
-  for (const Entry& e : q.entries) {
+  for (const Entry& e : q.entries()) {
     Shard& s = find_shard(e, "push");
     DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(DType::kFloat32) && s.dtype == DType::kFloat32,
                     kInvalidArgument, "push to '", e.name, "': gradient dtype ",
@@ -316,7 +316,7 @@ void Service::handle_push(WorkerState& w, Pending& p) {
 void Service::handle_assign(WorkerState&, Pending& p) {
   std::vector<std::pair<Shard*, size_t>> items;
   size_t offset = 0;
-  for (const Entry& e : p.request.entries) {
+  for (const Entry& e : p.request.entries()) {
     Shard& s = find_shard(e, "assign");
     DISTSTRAT_CHECK(
         !e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
@@ -337,14 +337,14 @@ void Service::handle_assign(WorkerState&, Pending& p) {
 std::shared_ptr<const ShardUpdater> Service::updater_for(const DecodedRequest& q) {
   // A shard the request names that applies this very config already has
   // its updater (built, and so validated, from an equal config).
-  for (const Entry& e : q.entries) {
+  for (const Entry& e : q.entries()) {
     auto it = shards_.find({e.var_id, e.shard_index});
-    if (it != shards_.end() && it->second.rule && same_config(it->second.config, q.config)) {
+    if (it != shards_.end() && it->second.rule && same_config(it->second.config, q.rule.config)) {
       return it->second.rule;
     }
   }
   std::shared_ptr<const ShardUpdater> rule =
-      make_shard_updater(q.config);  // validates every parameter
+      make_shard_updater(q.rule.config);  // validates every parameter
   ++updaters_built_;
   return rule;
 }
@@ -361,19 +361,20 @@ Service::Outcome Service::handle_rule(WorkerState& w, Pending& p) {
   const std::shared_ptr<const ShardUpdater> rule = p.updater;
   // Validate every shard before changing any.
   std::vector<Shard*> shards;
-  for (const Entry& e : q.entries) {
+  for (const Entry& e : q.entries()) {
     Shard& s = find_shard(e, "update rule");
     DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '", e.name,
                     "': the variable is ", dtype_name(s.dtype), "; optimizers update float32");
-    if (q.replace) {
+    if (q.rule.replace) {
       DISTSTRAT_CHECK(s.rule != nullptr, kFailedPrecondition, "update of the rule of '", e.name,
                       "': none was declared yet");
-      DISTSTRAT_CHECK(q.config.name == s.config.name && rule->slot_names() == s.rule->slot_names(),
-                      kInvalidArgument, "update of the rule of '", e.name, "': optimizer '",
-                      q.config.name, "' with its slots cannot replace '", s.config.name,
-                      "' (update_hyperparameters changes hyper-parameters, not the optimizer)");
+      DISTSTRAT_CHECK(
+          q.rule.config.name == s.config.name && rule->slot_names() == s.rule->slot_names(),
+          kInvalidArgument, "update of the rule of '", e.name, "': optimizer '", q.rule.config.name,
+          "' with its slots cannot replace '", s.config.name,
+          "' (update_hyperparameters changes hyper-parameters, not the optimizer)");
     } else if (s.rule) {
-      const std::string diff = config_difference(s.declared, q.config);
+      const std::string diff = config_difference(s.declared, q.rule.config);
       DISTSTRAT_CHECK(diff.empty(), kInvalidArgument, "the optimizer of worker ", w.index, " for '",
                       e.name, "' differs from the update rule the chief fixed: ", diff);
     } else if (w.index != 0) {
@@ -388,17 +389,18 @@ Service::Outcome Service::handle_rule(WorkerState& w, Pending& p) {
     shards.push_back(&s);
   }
   for (Shard* s : shards) {
-    if (q.replace) {
+    if (q.rule.replace) {
       s->rule = rule;
-      s->config = q.config;
+      s->config = q.rule.config;
     } else if (!s->rule) {
       s->rule = rule;
-      s->declared = s->config = q.config;
+      s->declared = s->config = q.rule.config;
     }
   }
-  if (q.replace) {
+  if (q.rule.replace) {
     logger_.info(who(), ": the chief updated the rule of ", shards.size(), " shard(s): ",
-                 config_difference(shards.empty() ? q.config : shards.front()->declared, q.config));
+                 config_difference(shards.empty() ? q.rule.config : shards.front()->declared,
+                                   q.rule.config));
   }
   return Outcome::kServed;
 }

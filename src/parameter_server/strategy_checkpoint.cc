@@ -12,6 +12,7 @@
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
 #include "parameter_server/client.h"
+#include "parameter_server/messages.h"
 #include "parameter_server/shard_updater.h"
 
 namespace diststrat {
@@ -47,8 +48,7 @@ std::vector<Tensor> ParameterServerStrategy::read_slots(Strategy&,
   m.require_worker("read_slots");
   std::lock_guard<std::mutex> lock(m.mu);
   std::vector<Tensor> out;
-  std::vector<ps::Writer> bodies(m.ps_ranks.size());
-  std::vector<int64_t> counts(m.ps_ranks.size(), 0);
+  std::vector<ps::ReadSlotsRequest> requests(m.ps_ranks.size());
   struct Dest {
     char* dst;
     size_t bytes;
@@ -62,9 +62,8 @@ std::vector<Tensor> ParameterServerStrategy::read_slots(Strategy&,
                     "; only float32 variables have slots");
     out.emplace_back(vi.var->shape, DType::kFloat32);
     for (const Impl::ShardPlace& sp : vi.shards) {
-      ps::write_entry(bodies[sp.ps], Impl::entry_of(vi, sp));
-      bodies[sp.ps].put_string(ref.slot);
-      ++counts[sp.ps];
+      requests[sp.ps].entries.push_back(Impl::entry_of(vi, sp));
+      requests[sp.ps].slot_of.push_back(ref.slot);
       const size_t n = static_cast<size_t>(sp.rows) * vi.row_bytes;
       dests[sp.ps].push_back({static_cast<char*>(out.back().data()) + sp.offset * vi.row_bytes, n});
       bytes[sp.ps] += n;
@@ -73,13 +72,10 @@ std::vector<Tensor> ParameterServerStrategy::read_slots(Strategy&,
   std::vector<std::vector<char>> replies(m.ps_ranks.size());
   std::vector<ps::Client::CallPtr> calls;
   for (size_t p = 0; p < m.ps_ranks.size(); ++p) {
-    if (!counts[p]) continue;
-    ps::Writer w;
-    w.put<int64_t>(counts[p]);
-    w.bytes().insert(w.bytes().end(), bodies[p].bytes().begin(), bodies[p].bytes().end());
+    if (requests[p].entries.empty()) continue;
     replies[p].resize(bytes[p]);
-    calls.push_back(m.client->post(static_cast<int>(p), ps::Op::kReadSlots, w.bytes(), nullptr,
-                                   nullptr, 0, replies[p].data(), bytes[p],
+    calls.push_back(m.client->post(static_cast<int>(p), ps::Op::kReadSlots, ps::encode(requests[p]),
+                                   nullptr, nullptr, 0, replies[p].data(), bytes[p],
                                    "read of optimizer slots"));
   }
   m.wait_all(calls);
@@ -123,20 +119,20 @@ void ParameterServerStrategy::Impl::post_restore(
   std::vector<ps::Client::CallPtr> calls;
   for (size_t p = 0; p < per_ps.size(); ++p) {
     if (per_ps[p].empty()) continue;
-    ps::Writer w;
-    w.put<int64_t>(static_cast<int64_t>(per_ps[p].size()));
+    ps::RestoreRequest req;
     auto payload = std::make_shared<std::vector<char>>();
     for (const ps::RestoreItem& it : per_ps[p]) {
-      ps::write_entry(w, it.entry);
-      w.put<uint8_t>(it.value ? 1 : 0)
-          .put<int64_t>(it.step)
-          .put<int64_t>(static_cast<int64_t>(it.slots.size()));
-      for (const auto& sl : it.slots) w.put_string(sl.first);
+      ps::RestoreSpec spec;
+      spec.has_value = it.value != nullptr;
+      spec.step = it.step;
+      for (const auto& sl : it.slots) spec.slots.push_back(sl.first);
+      req.entries.push_back(it.entry);
+      req.specs.push_back(std::move(spec));
       if (it.value) payload->insert(payload->end(), it.value, it.value + it.value_bytes);
       for (const auto& sl : it.slots)
         payload->insert(payload->end(), sl.second, sl.second + it.slot_bytes);
     }
-    calls.push_back(client->post(static_cast<int>(p), ps::Op::kRestore, w.bytes(), payload,
+    calls.push_back(client->post(static_cast<int>(p), ps::Op::kRestore, ps::encode(req), payload,
                                  payload->data(), payload->size(), nullptr, 0, what));
   }
   wait_all(calls);
@@ -195,20 +191,20 @@ void ParameterServerStrategy::write_checkpoint(Strategy&, const std::string& pat
         }
         index.push_back(std::move(iv));
       }
-      std::vector<std::vector<char>> replies(m.ps_ranks.size(), std::vector<char>(sizeof(int64_t)));
+      std::vector<std::vector<char>> replies(m.ps_ranks.size(),
+                                             std::vector<char>(ps::kSaveReplyBytes));
       std::vector<ps::Client::CallPtr> calls;
       for (int p = 0; p < num_ps; ++p) {
         files.push_back(ckpt::shard_file_path(path, p, num_ps, save_id));
-        ps::Writer w;
-        w.put_string(stem).put<uint64_t>(save_id).put_string(dir);
-        calls.push_back(m.client->post(p, ps::Op::kSave, w.bytes(), nullptr, nullptr, 0,
-                                       replies[p].data(), sizeof(int64_t),
+        const ps::SaveRequest req{stem, save_id, dir};
+        calls.push_back(m.client->post(p, ps::Op::kSave, ps::encode(req), nullptr, nullptr, 0,
+                                       replies[p].data(), replies[p].size(),
                                        "save of shard file '" + files.back() + "'"));
       }
       m.wait_all(calls);  // every shard file is durable (or the error names the PS and file)
       for (int p = 0; p < num_ps; ++p) {
-        int64_t n;
-        std::memcpy(&n, replies[p].data(), sizeof n);
+        const int64_t n =
+            ps::decode_save_reply(replies[p].data(), replies[p].size(), "save reply").shards;
         DISTSTRAT_CHECK(n == expect[p], kInternal, "checkpoint '", path, "': PS rank ",
                         m.ps_ranks[p], " saved ", n, " shards to '", files[p],
                         "', the chief placed ", expect[p], " there");

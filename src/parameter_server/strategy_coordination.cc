@@ -10,6 +10,7 @@
 
 #include "diststrat/optimizer.h"
 #include "parameter_server/client.h"
+#include "parameter_server/messages.h"
 #include "parameter_server/worker.h"
 #include "parameter_server/shard_updater.h"
 
@@ -27,9 +28,7 @@ ParameterServerStats ParameterServerStrategy::stats() {
   Impl& m = *impl_;
   m.require_worker("stats");
   std::lock_guard<std::mutex> lock(m.mu);
-  // Each reply: version, rejected, staleness sum, staleness max, step gap,
-  // non-finite pushes skipped, worker count, then each worker's steps (all int64).
-  const size_t bytes = (7 + m.worker_ranks.size()) * sizeof(int64_t);
+  const size_t bytes = static_cast<size_t>(ps::stats_reply_bytes(m.worker_ranks.size()));
   std::vector<std::vector<char>> replies(m.ps_ranks.size(), std::vector<char>(bytes));
   std::vector<ps::Client::CallPtr> calls;
   for (int p = 0; p < m.client->num_ps(); ++p) {
@@ -41,22 +40,17 @@ ParameterServerStats ParameterServerStrategy::stats() {
   out.pushes_sent = m.pushes_sent;
   int64_t staleness_sum = 0;
   for (const std::vector<char>& reply : replies) {
-    ps::Reader r(reply.data(), reply.size(), "stats reply");
-    const int64_t applied = r.get<int64_t>();
-    out.pushes_applied += applied;
-    out.pushes_rejected += r.get<int64_t>();
-    staleness_sum += r.get<int64_t>();
-    out.max_staleness = std::max(out.max_staleness, r.get<int64_t>());
-    out.max_step_gap = std::max(out.max_step_gap, r.get<int64_t>());
-    out.pushes_nonfinite += r.get<int64_t>();
-    const int64_t n = r.get<int64_t>();
-    // Checked before it sizes anything: the reply must count our workers.
-    DISTSTRAT_CHECK(n == static_cast<int64_t>(m.worker_ranks.size()), kInternal,
-                    "stats reply: protocol error: ", n, " workers, this job has ",
-                    m.worker_ranks.size());
-    out.worker_steps.resize(static_cast<size_t>(n), 0);
-    for (int64_t i = 0; i < n; ++i) {
-      out.worker_steps[i] = std::max(out.worker_steps[i], r.get<int64_t>());
+    const ps::StatsReply r =
+        ps::decode_stats_reply(reply.data(), reply.size(), m.worker_ranks.size(), "stats reply");
+    out.pushes_applied += r.version;
+    out.pushes_rejected += r.pushes_rejected;
+    staleness_sum += r.staleness_sum;
+    out.max_staleness = std::max(out.max_staleness, r.staleness_max);
+    out.max_step_gap = std::max(out.max_step_gap, r.max_step_gap);
+    out.pushes_nonfinite += r.pushes_nonfinite;
+    out.worker_steps.resize(r.worker_steps.size(), 0);
+    for (size_t i = 0; i < r.worker_steps.size(); ++i) {
+      out.worker_steps[i] = std::max(out.worker_steps[i], r.worker_steps[i]);
     }
   }
   out.mean_staleness =
@@ -68,9 +62,9 @@ void ParameterServerStrategy::barrier(const std::string& name) {
   Impl& m = *impl_;
   m.require_worker("barrier");
   std::lock_guard<std::mutex> lock(m.mu);
-  ps::Writer w;
-  w.put<int64_t>(++m.barrier_count);
-  auto c = m.client->post(0, ps::Op::kBarrier, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
+  ps::BarrierRequest req;
+  req.count = ++m.barrier_count;
+  auto c = m.client->post(0, ps::Op::kBarrier, ps::encode(req), nullptr, nullptr, 0, nullptr, 0,
                           "barrier '" + name + "'");
   m.client->wait(c);
 }
@@ -82,9 +76,8 @@ void ParameterServerStrategy::add_to_metric(const std::string& name, double sum,
                   ": add_to_metric '", name.substr(0, 200), "': count ", count,
                   " is not a finite number >= 0");
   std::lock_guard<std::mutex> lock(m.mu);
-  ps::Writer w;
-  w.put_string(name).put<double>(sum).put<double>(count);
-  auto c = m.client->post(0, ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, nullptr, 0,
+  const ps::MetricRequest req{name, sum, count};
+  auto c = m.client->post(0, ps::Op::kMetric, ps::encode(req), nullptr, nullptr, 0, nullptr, 0,
                           "add to metric '" + name.substr(0, 200) + "'");
   m.client->detach(c);
   m.client->poll();
@@ -95,13 +88,14 @@ MetricTotals ParameterServerStrategy::read_metric(const std::string& name) {
   Impl& m = *impl_;
   m.require_worker("read_metric");
   std::lock_guard<std::mutex> lock(m.mu);
-  ps::Writer w;
-  w.put_string(name).put<double>(0.0).put<double>(0.0);
-  double totals[2] = {0, 0};
-  auto c = m.client->post(0, ps::Op::kMetric, w.bytes(), nullptr, nullptr, 0, totals, sizeof totals,
-                          "read of metric '" + name.substr(0, 200) + "'");
+  const ps::MetricRequest req{name, 0.0, 0.0};
+  std::vector<char> reply(ps::kMetricReplyBytes);
+  const std::string what = "read of metric '" + name.substr(0, 200) + "'";
+  auto c = m.client->post(0, ps::Op::kMetric, ps::encode(req), nullptr, nullptr, 0, reply.data(),
+                          reply.size(), what);
   m.client->wait(c);
-  return MetricTotals{totals[0], totals[1]};
+  const ps::MetricReply totals = ps::decode_metric_reply(reply.data(), reply.size(), what);
+  return MetricTotals{totals.sum, totals.count};
 }
 
 void ParameterServerStrategy::update_hyperparameters(const Optimizer& optimizer) {
@@ -126,13 +120,13 @@ bool ParameterServerStrategy::agree_to_stop(Strategy&, int64_t step, bool signal
   Impl& m = *impl_;
   m.require_worker("PreemptionHandler::should_stop");
   std::lock_guard<std::mutex> lock(m.mu);
-  ps::Writer w;
-  w.put<int64_t>(step).put<uint8_t>(signalled ? 1 : 0);
-  int64_t stop = 0;
-  auto c = m.client->post(0, ps::Op::kStopCheck, w.bytes(), nullptr, nullptr, 0, &stop, sizeof stop,
-                          "preemption check at step " + std::to_string(step));
+  const ps::StopCheckRequest req{step, signalled};
+  std::vector<char> reply(ps::kStopCheckReplyBytes);
+  const std::string what = "preemption check at step " + std::to_string(step);
+  auto c = m.client->post(0, ps::Op::kStopCheck, ps::encode(req), nullptr, nullptr, 0, reply.data(),
+                          reply.size(), what);
   m.client->wait(c);
-  return stop != 0;
+  return ps::decode_stop_check_reply(reply.data(), reply.size(), what).stop;
 }
 
 void ParameterServerStrategy::broadcast(Tensor& t, int root_worker, const std::string& name) {
@@ -145,14 +139,12 @@ void ParameterServerStrategy::broadcast(Tensor& t, int root_worker, const std::s
                   "': a host tensor is needed");
   std::lock_guard<std::mutex> lock(m.mu);
   const bool root = m.index == root_worker;
-  ps::Writer w;
-  w.put<int64_t>(++m.broadcast_count)
-      .put<uint8_t>(root ? 1 : 0)
-      .put<int64_t>(static_cast<int64_t>(t.nbytes()));
+  const ps::BroadcastRequest req{++m.broadcast_count, root, static_cast<int64_t>(t.nbytes())};
+  const std::vector<char> body = ps::encode(req);
   const std::string what = "broadcast '" + name + "'";
-  auto c = root ? m.client->post(0, ps::Op::kBroadcast, w.bytes(), std::make_shared<Tensor>(t),
-                                 t.data(), t.nbytes(), nullptr, 0, what)
-                : m.client->post(0, ps::Op::kBroadcast, w.bytes(), nullptr, nullptr, 0, t.data(),
+  auto c = root ? m.client->post(0, ps::Op::kBroadcast, body, std::make_shared<Tensor>(t), t.data(),
+                                 t.nbytes(), nullptr, 0, what)
+                : m.client->post(0, ps::Op::kBroadcast, body, nullptr, nullptr, 0, t.data(),
                                  t.nbytes(), what);
   m.client->wait(c);
 }

@@ -27,7 +27,7 @@
 // the sender's); fields are fixed-width.
 //
 // Nothing that arrives is trusted. The PS decodes each control message with
-// decode_request (a pure function: every count, length, shape, dtype and
+// decode_request (messages.h; a pure function: every count, length, shape, dtype and
 // flag in range, byte sizes computed with overflow checks, and the header's
 // payload_bytes equal to what the fields declare) and checks it against its
 // variables before it allocates the payload or indexes anything; the worker
@@ -193,72 +193,9 @@ struct OptimizerConfig {
   std::vector<double> params;  // the options, in a fixed order per name
 };
 
-// A kCreate: the shard a worker declares (and, from the chief, its value).
-struct CreateSpec {
-  int64_t var_id = 0;
-  std::string name;
-  int32_t dtype = 0;
-  Shape full_shape;
-  int64_t shard_index = 0, num_shards = 1, row_offset = 0, rows = 0;
-  bool has_value = false;
-  Shape shard_shape;  // full_shape with rows in place of dim 0
-};
-
-// A kRestore item, beside its entry.
-struct RestoreSpec {
-  bool has_value = false;
-  int64_t step = -1;  // -1: keep the shard's step
-  std::vector<std::string> slots;
-};
-
-// A control message decoded and checked on its own (decode_request). Only
-// the fields of `op` are set.
-struct DecodedRequest {
-  RequestHeader header;
-  Op op = Op::kDone;
-  CreateSpec create;            // kCreate
-  int64_t clock = -1;           // kPull: the worker's step (-1: no staleness check)
-  int64_t steps_after = 0;      // kPush: the worker's pushed steps after this one
-  int64_t pulled_version = -1;  // kPush: the version its gradients were computed from
-  OptimizerConfig config;       // kRule
-  bool replace = false;         // kRule: the chief replaces a fixed rule (update_hyperparameters)
-  int64_t iter_var = -1;        // kPush: the step counter to bump (-1: none)
-  std::string iter_name;        // kPush
-  std::vector<Entry> entries;   // kPull, kPush, kAssign, kReadSlots, kRestore, kRule
-  std::vector<std::string> slot_of;  // kReadSlots: the slot of each entry
-  std::vector<RestoreSpec> restore;  // kRestore: beside each entry
-  int64_t count = 0;                 // kBarrier, kBroadcast
-  bool root = false;                 // kBroadcast
-  int64_t bytes = 0;                 // kBroadcast: the root's payload = each receiver's reply
-  int64_t step = 0;                  // kStopCheck
-  bool signalled = false;            // kStopCheck
-  std::string stem;      // kSave: a file-name stem (valid_file_stem); the PS derives the rest
-  std::string dir;       // kSave: the worker's directory (used only by a PS configured with none)
-  uint64_t save_id = 0;  // kSave
-  std::string metric_name;  // kMetric: 1..kMaxMetricNameBytes
-  double metric_sum = 0;    // kMetric
-  double metric_count = 0;  // kMetric: finite, >= 0
-  std::string reason;       // kAbort: why the worker failed (1..kMaxStringBytes)
-};
-
 // Whether `s` may name a checkpoint file's stem: 1..200 characters of
 // [A-Za-z0-9._-], not starting with '.' (so no directory, no "..").
 bool valid_file_stem(const std::string& s);
-
-// Decodes one control message (RequestHeader + the op's fields). Checks,
-// without any state of the PS: size, magic, op, seq >= 1, a non-zero
-// worker incarnation, payload_bytes and
-// reply_bytes in [0, kMaxMessageBytes], every field as read_entry and the
-// op's own ranges (entry counts <= kMaxEntries, create rows within the
-// shape), no bytes left over, and payload_bytes equal to the bytes the
-// fields declare (row ids x 8 plus values for a push, row ids x 8 for a
-// pull, the value for a create with one, ...; computed with checked_*), and
-// reply_bytes where the fields alone fix it (0, or 8 for a preemption check
-// and a save). What needs the PS's variables (a pull's reply size, shapes
-// against shards, row ids in range) is checked by the PS. Throws
-// InvalidArgumentError; never allocates more than a small multiple of `size`.
-// Pure and thread-safe.
-DecodedRequest decode_request(const char* data, size_t size);
 
 // The first problem with a reply header for a request that expects
 // `reply_bytes` of payload (magic, status a known ErrorCode or -1, an error

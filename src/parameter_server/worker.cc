@@ -15,6 +15,7 @@
 #include "io/checkpoint_internal.h"
 #include "runtime/local_replicas.h"
 #include "parameter_server/client.h"
+#include "parameter_server/messages.h"
 #include "parameter_server/strategy_impl.h"
 #include "parameter_server/shard_updater.h"
 #if DISTSTRAT_HAVE_MPI
@@ -178,24 +179,22 @@ Shape ParameterServerStrategy::Impl::shard_shape(const VarInfo& vi, const ShardP
 }
 
 void ParameterServerStrategy::Impl::post_dense_pull() {
-  std::vector<ps::Writer> bodies(ps_ranks.size());
-  std::vector<std::vector<ps::Entry>> entries(ps_ranks.size());
+  std::vector<ps::PullRequest> requests(ps_ranks.size());
   std::vector<size_t> bytes(ps_ranks.size(), 0);
   for (auto& plan : pull_plan) plan.clear();
   for (const auto& vi : vars) {
     if (vi->row_sparse) continue;
     for (const ShardPlace& sp : vi->shards) {
-      entries[sp.ps].push_back(entry_of(*vi, sp));
+      requests[sp.ps].entries.push_back(entry_of(*vi, sp));
       pull_plan[sp.ps].emplace_back(vi.get(), sp);
       bytes[sp.ps] += static_cast<size_t>(sp.rows) * vi->row_bytes;
     }
   }
   pull_calls.clear();
   for (size_t p = 0; p < ps_ranks.size(); ++p) {
-    bodies[p].put<int64_t>(steps).put<int64_t>(static_cast<int64_t>(entries[p].size()));
-    for (const ps::Entry& e : entries[p]) ps::write_entry(bodies[p], e);
+    requests[p].clock = steps;
     pull_buffers[p].resize(bytes[p]);
-    pull_calls.push_back(client->post(static_cast<int>(p), ps::Op::kPull, bodies[p].bytes(),
+    pull_calls.push_back(client->post(static_cast<int>(p), ps::Op::kPull, ps::encode(requests[p]),
                                       nullptr, nullptr, 0, pull_buffers[p].data(), bytes[p],
                                       "pull for step " + std::to_string(steps)));
   }
@@ -263,13 +262,9 @@ void ParameterServerStrategy::Impl::post_rules(const std::vector<const VarInfo*>
   std::vector<ps::Client::CallPtr> calls;
   for (size_t p = 0; p < per_ps.size(); ++p) {
     if (per_ps[p].empty()) continue;
-    ps::Writer w;
-    w.put<uint8_t>(replace ? 1 : 0);
-    ps::write_config(w, config);
-    w.put<int64_t>(static_cast<int64_t>(per_ps[p].size()));
-    for (const ps::Entry& e : per_ps[p]) ps::write_entry(w, e);
-    calls.push_back(client->post(static_cast<int>(p), ps::Op::kRule, w.bytes(), nullptr, nullptr, 0,
-                                 nullptr, 0, what));
+    const ps::RuleRequest req{replace, config, per_ps[p]};
+    calls.push_back(client->post(static_cast<int>(p), ps::Op::kRule, ps::encode(req), nullptr,
+                                 nullptr, 0, nullptr, 0, what));
   }
   wait_all(calls);
 }
@@ -320,15 +315,15 @@ void ParameterServerStrategy::Impl::post_push(StagedPush& s) {
       }
     }
     const bool has_iter = s.iterations && s.iterations->shards[0].ps == static_cast<int>(p);
-    ps::Writer w;
-    w.put<int64_t>(steps).put<int64_t>(versions[p]);
-    w.put<int64_t>(has_iter ? s.iterations->id : -1);
-    w.put_string(has_iter ? s.iterations->var->name : "");
-    w.put<int64_t>(static_cast<int64_t>(entries.size()));
-    for (const ps::Entry& e : entries) ps::write_entry(w, e);
+    ps::PushRequest req;
+    req.steps_after = steps;
+    req.pulled_version = versions[p];
+    req.iter_var = has_iter ? s.iterations->id : -1;
+    req.iter_name = has_iter ? s.iterations->var->name : "";
+    req.entries = std::move(entries);
     const void* data = payload->data();
     const size_t n = payload->size();
-    auto call = client->post(static_cast<int>(p), ps::Op::kPush, w.bytes(), payload, data, n,
+    auto call = client->post(static_cast<int>(p), ps::Op::kPush, ps::encode(req), payload, data, n,
                              nullptr, 0, "push of step " + std::to_string(step));
     client->detach(call);
     ++pushes_sent;
@@ -339,10 +334,9 @@ Tensor ParameterServerStrategy::Impl::pull_whole(const VarInfo& vi) {
   Tensor out(vi.var->shape, vi.var->dtype);
   std::vector<ps::Client::CallPtr> calls;
   for (const ShardPlace& sp : vi.shards) {
-    ps::Writer w;
-    w.put<int64_t>(-1).put<int64_t>(1);
-    ps::write_entry(w, entry_of(vi, sp));
-    calls.push_back(client->post(sp.ps, ps::Op::kPull, w.bytes(), nullptr, nullptr, 0,
+    ps::PullRequest req;
+    req.entries.push_back(entry_of(vi, sp));
+    calls.push_back(client->post(sp.ps, ps::Op::kPull, ps::encode(req), nullptr, nullptr, 0,
                                  static_cast<char*>(out.data()) + sp.offset * vi.row_bytes,
                                  static_cast<size_t>(sp.rows) * vi.row_bytes,
                                  "read of '" + vi.var->name + "'"));
@@ -390,10 +384,8 @@ void ParameterServerStrategy::Impl::shutdown(bool unwinding, const Logger& logge
   for (int p = 0; p < client->num_ps(); ++p) {
     if (!client->broken(p).empty()) continue;  // nothing reaches it; it learns by its own deadline
     if (unwinding) {
-      ps::Writer w;
-      w.put_string(reason);
-      calls.push_back(
-          client->post(p, ps::Op::kAbort, w.bytes(), nullptr, nullptr, 0, nullptr, 0, "abort"));
+      calls.push_back(client->post(p, ps::Op::kAbort, ps::encode(ps::AbortRequest{reason}), nullptr,
+                                   nullptr, 0, nullptr, 0, "abort"));
     } else {
       calls.push_back(
           client->post(p, ps::Op::kDone, {}, nullptr, nullptr, 0, nullptr, 0, "shutdown"));

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "diststrat/error.h"
+#include "parameter_server/messages.h"
 #include "parameter_server/wire.h"
 
 namespace ps = diststrat::ps;
@@ -46,10 +47,10 @@ void check_request(const ps::DecodedRequest& q) {
   check(h.payload_bytes >= 0 && h.payload_bytes <= ps::kMaxMessageBytes);
   check(h.reply_bytes >= 0 && h.reply_bytes <= ps::kMaxMessageBytes);
   check(h.seq >= 1 && h.incarnation != 0);
-  check(static_cast<int64_t>(q.entries.size()) <= ps::kMaxEntries);
+  check(static_cast<int64_t>(q.entries().size()) <= ps::kMaxEntries);
   i128 payload = 0;
-  for (size_t i = 0; i < q.entries.size(); ++i) {
-    const ps::Entry& e = q.entries[i];
+  for (size_t i = 0; i < q.entries().size(); ++i) {
+    const ps::Entry& e = q.entries()[i];
     check(e.var_id >= 0 && e.shard_index >= 0 && e.sparse <= 1 && e.num_ids >= 0);
     check(e.sparse || e.num_ids == 0);
     check(e.shape.rank() <= static_cast<size_t>(ps::kMaxShapeRank));
@@ -69,15 +70,15 @@ void check_request(const ps::DecodedRequest& q) {
         payload += bytes_of(e);
         break;
       case ps::Op::kRestore: {
-        check(!e.sparse && q.restore.size() == q.entries.size());
-        const ps::RestoreSpec& r = q.restore[i];
+        check(!e.sparse && q.restore.specs.size() == q.entries().size());
+        const ps::RestoreSpec& r = q.restore.specs[i];
         check(r.step >= -1 && r.slots.size() <= static_cast<size_t>(ps::kMaxSlots));
         payload += (r.has_value ? bytes_of(e) : 0) +
                    elements(e.shape) * 4 * static_cast<i128>(r.slots.size());
         break;
       }
       case ps::Op::kReadSlots:
-        check(!e.sparse && q.slot_of.size() == q.entries.size());
+        check(!e.sparse && q.read_slots.slot_of.size() == q.entries().size());
         break;
       case ps::Op::kRule:
         break;  // names shards, no payload
@@ -87,7 +88,7 @@ void check_request(const ps::DecodedRequest& q) {
   }
   switch (q.op) {
     case ps::Op::kCreate: {
-      const ps::CreateSpec& c = q.create;
+      const ps::CreateRequest& c = q.create;
       check(c.var_id >= 0 && c.num_shards >= 1 && c.shard_index >= 0 &&
             c.shard_index < c.num_shards);
       if (c.full_shape.rank() >= 1) {
@@ -103,25 +104,27 @@ void check_request(const ps::DecodedRequest& q) {
     }
     case ps::Op::kBroadcast:
       // Both sides declare the size; it bounds the payload or the reply.
-      check(q.count >= 1 && q.bytes >= 0 && q.bytes <= ps::kMaxMessageBytes);
-      payload = q.root ? q.bytes : 0;
-      check(h.reply_bytes == (q.root ? 0 : q.bytes));
+      check(q.broadcast.count >= 1 && q.broadcast.bytes >= 0 &&
+            q.broadcast.bytes <= ps::kMaxMessageBytes);
+      payload = q.broadcast.root ? q.broadcast.bytes : 0;
+      check(h.reply_bytes == (q.broadcast.root ? 0 : q.broadcast.bytes));
       break;
     case ps::Op::kStopCheck:
     case ps::Op::kSave:
       check(h.reply_bytes == 8);
       if (q.op == ps::Op::kSave) {
         // A stem, never a path.
-        check(ps::valid_file_stem(q.stem) && q.stem.find('/') == std::string::npos &&
-              q.stem[0] != '.');
+        check(ps::valid_file_stem(q.save.stem) && q.save.stem.find('/') == std::string::npos &&
+              q.save.stem[0] != '.');
       }
       break;
     case ps::Op::kPush:
-      check(q.steps_after >= 0 && q.pulled_version >= -1 && q.iter_var >= -1);
+      check(q.push.steps_after >= 0 && q.push.pulled_version >= -1 && q.push.iter_var >= -1);
       check(h.reply_bytes == 0);
       break;
     case ps::Op::kRule:
-      check(!q.entries.empty() && q.config.params.size() <= 64 + 2000 && h.reply_bytes == 0);
+      check(!q.rule.entries.empty() && q.rule.config.params.size() <= 64 + 2000 &&
+            h.reply_bytes == 0);
       break;
     case ps::Op::kAssign:
     case ps::Op::kRestore:
@@ -131,7 +134,8 @@ void check_request(const ps::DecodedRequest& q) {
       check(h.reply_bytes == 0);
       break;
     case ps::Op::kAbort:
-      check(!q.reason.empty() && q.reason.size() <= static_cast<size_t>(ps::kMaxStringBytes));
+      check(!q.abort.reason.empty() &&
+            q.abort.reason.size() <= static_cast<size_t>(ps::kMaxStringBytes));
       check(h.reply_bytes == 0);
       break;
     default:

@@ -380,27 +380,28 @@ TEST(PsRequestDecoder, DecodesWhatTheWorkersSend) {
   {
     const auto q = decode(message(header(ps::Op::kPull, 2, 24, 16 + 3 * 8),
                                   pull_body({entry(0, "w"), entry(1, "emb", {}, true, 3)}, 7)));
-    EXPECT_EQ(q.clock, 7);
-    ASSERT_EQ(q.entries.size(), 2u);
-    EXPECT_EQ(q.entries[1].num_ids, 3);
+    EXPECT_EQ(q.pull.clock, 7);
+    ASSERT_EQ(q.pull.entries.size(), 2u);
+    EXPECT_EQ(q.pull.entries[1].num_ids, 3);
   }
   {
     const auto q = decode(message(
         header(ps::Op::kPush, 3, 16 + 8 + 8),
         push_body({entry(0, "w", ds::Shape{4}), entry(1, "emb", ds::Shape{1, 2}, true, 1)})));
-    EXPECT_EQ(q.steps_after, 1);
-    ASSERT_EQ(q.entries.size(), 2u);
+    EXPECT_EQ(q.push.steps_after, 1);
+    ASSERT_EQ(q.push.entries.size(), 2u);
   }
   {
     ps::Writer w;
     w.put<int64_t>(5).put<uint8_t>(1);
-    EXPECT_TRUE(decode(message(header(ps::Op::kStopCheck, 4, 0, 8), w.bytes())).signalled);
+    EXPECT_TRUE(
+        decode(message(header(ps::Op::kStopCheck, 4, 0, 8), w.bytes())).stop_check.signalled);
   }
   {
     const auto q = decode(message(header(ps::Op::kRule, 6), rule_body(sgd(0.1), {entry(0, "w")})));
-    EXPECT_EQ(q.config.name, "sgd");
-    EXPECT_FALSE(q.replace);
-    ASSERT_EQ(q.entries.size(), 1u);
+    EXPECT_EQ(q.rule.config.name, "sgd");
+    EXPECT_FALSE(q.rule.replace);
+    ASSERT_EQ(q.rule.entries.size(), 1u);
   }
   EXPECT_EQ(decode(message(header(ps::Op::kDone, 5), {})).op, ps::Op::kDone);
 }
