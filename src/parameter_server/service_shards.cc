@@ -28,12 +28,12 @@ int64_t row_elems(const Shape& s) {
 Service::Shard& Service::find_shard(const Entry& e, const std::string& what) {
   auto it = shards_.find({e.var_id, e.shard_index});
   if (it == shards_.end()) {
-    throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " +
+    throw NotFoundError(what + ": unknown variable '" + echo(e.name) + "' (id " +
                         std::to_string(e.var_id) + ", shard " + std::to_string(e.shard_index) +
                         ") on this PS");
   }
   DISTSTRAT_CHECK(it->second.name == e.name, kInvalidArgument, what, ": variable id ", e.var_id,
-                  " is '", it->second.name, "' here, not '", e.name, "'");
+                  " is '", echo(it->second.name), "' here, not '", echo(e.name), "'");
   return it->second;
 }
 
@@ -64,7 +64,7 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
       ShardSnapshot& s = restored->second;
       DISTSTRAT_CHECK(s.value.shape() == shard_shape && s.value.dtype() == spec.dtype &&
                           s.row_offset == spec.row_offset,
-                      kInvalidArgument, "variable '", spec.name, "' shard ", shard_index,
+                      kInvalidArgument, "variable '", echo(spec.name), "' shard ", shard_index,
                       ": the restored shard ", s.value.debug_string(), " at row ", s.row_offset,
                       " does not match ", dtype_name(spec.dtype), shard_shape.to_string(),
                       " at row ", spec.row_offset);
@@ -83,7 +83,7 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
                     kInvalidArgument, "variable id ", var_id, " shard ", shard_index, " is '",
                     have.name, "' ", dtype_name(have.dtype), have.full_shape.to_string(), " (rows ",
                     have.row_offset, "+", have.rows, " of ", have.num_shards,
-                    " shards) here, but worker ", w.index, " declares '", spec.name, "' ",
+                    " shards) here, but worker ", w.index, " declares '", echo(spec.name), "' ",
                     dtype_name(spec.dtype), spec.full_shape.to_string(), " (rows ", spec.row_offset,
                     "+", spec.rows, " of ", spec.num_shards,
                     " shards): workers must create the same variables in the same order");
@@ -149,9 +149,9 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) 
     const Shard& s = *shards[i];
     for (int64_t j = 0; j < entries[i].num_ids; ++j, ++k) {
       DISTSTRAT_CHECK(ids[k] >= s.row_offset && ids[k] < s.row_offset + s.rows, kInvalidArgument,
-                      "pull of '", s.name, "': row id ", ids[k], " is out of range [", s.row_offset,
-                      ", ", s.row_offset + s.rows, ") of shard ", entries[i].shard_index,
-                      " (the variable has ", s.full_shape[0], " rows)");
+                      "pull of '", echo(s.name), "': row id ", ids[k], " is out of range [",
+                      s.row_offset, ", ", s.row_offset + s.rows, ") of shard ",
+                      entries[i].shard_index, " (the variable has ", s.full_shape[0], " rows)");
     }
   }
   reply.payload.resize(static_cast<size_t>(out_bytes));
@@ -196,13 +196,13 @@ void Service::handle_push(WorkerState& w, Pending& p) {
   for (const Entry& e : q.entries) {
     Shard& s = find_shard(e, "push");
     DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(DType::kFloat32) && s.dtype == DType::kFloat32,
-                    kInvalidArgument, "push to '", e.name, "': gradient dtype ",
+                    kInvalidArgument, "push to '", echo(e.name), "': gradient dtype ",
                     valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
                     ", variable dtype ", dtype_name(s.dtype), "; optimizers update float32");
     Item it{&e, &s, nullptr, nullptr, nullptr};
     if (e.sparse) {
       std::vector<int64_t> want = s.value.shape().dims();
-      DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", e.name, "'");
+      DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", echo(e.name), "'");
       want[0] = e.num_ids;
       DISTSTRAT_CHECK(e.num_ids >= 0 && e.shape == Shape(want), kInvalidArgument, "push to '",
                       e.name, "' shard ", e.shard_index, ": row gradient ", e.shape.to_string(),
@@ -216,14 +216,14 @@ void Service::handle_push(WorkerState& w, Pending& p) {
       offset += id_bytes;
       for (int64_t j = 0; j < e.num_ids; ++j) {
         DISTSTRAT_CHECK(it.ids[j] >= s.row_offset && it.ids[j] < s.row_offset + s.rows,
-                        kInvalidArgument, "push to '", e.name, "': row id ", it.ids[j],
+                        kInvalidArgument, "push to '", echo(e.name), "': row id ", it.ids[j],
                         " is out of range [", s.row_offset, ", ", s.row_offset + s.rows,
                         ") of shard ", e.shard_index, " (the variable has ", s.full_shape[0],
                         " rows)");
       }
     } else {
-      DISTSTRAT_CHECK(e.shape == s.value.shape(), kInvalidArgument, "push to '", e.name, "' shard ",
-                      e.shard_index, ": gradient shape ", e.shape.to_string(),
+      DISTSTRAT_CHECK(e.shape == s.value.shape(), kInvalidArgument, "push to '", echo(e.name),
+                      "' shard ", e.shard_index, ": gradient shape ", e.shape.to_string(),
                       " does not match the shard's ", s.value.shape().to_string());
     }
     const size_t value_bytes = static_cast<size_t>(e.shape.num_elements()) * sizeof(float);
@@ -237,8 +237,8 @@ void Service::handle_push(WorkerState& w, Pending& p) {
                   p.payload.size(), " bytes, the entries declare ", offset);
   for (const Item& it : items) {
     // The rule is the shard's own (kRule), never the push's.
-    DISTSTRAT_CHECK(it.s->rule != nullptr, kFailedPrecondition, "push to '", it.e->name, "' shard ",
-                    it.e->shard_index,
+    DISTSTRAT_CHECK(it.s->rule != nullptr, kFailedPrecondition, "push to '", echo(it.e->name),
+                    "' shard ", it.e->shard_index,
                     ": no update rule was declared for it (the chief declares it before its "
                     "first push)");
     // A non-finite gradient never reaches a variable.
@@ -255,7 +255,7 @@ void Service::handle_push(WorkerState& w, Pending& p) {
       }
       std::ostringstream v;
       v << it.values[k];
-      throw InvalidArgumentError("push to '" + it.e->name + "': gradient element " +
+      throw InvalidArgumentError("push to '" + echo(it.e->name) + "': gradient element " +
                                  std::to_string(k) + " is " + v.str() +
                                  " (not finite); nothing of the push was applied");
     }
@@ -320,7 +320,7 @@ void Service::handle_assign(WorkerState&, Pending& p) {
     Shard& s = find_shard(e, "assign");
     DISTSTRAT_CHECK(
         !e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
-        kInvalidArgument, "assign to '", e.name, "' shard ", e.shard_index, ": value ",
+        kInvalidArgument, "assign to '", echo(e.name), "' shard ", e.shard_index, ": value ",
         valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
         e.shape.to_string(), " does not match ", s.value.debug_string());
     items.emplace_back(&s, offset);
@@ -369,7 +369,7 @@ Service::Outcome Service::handle_rule(WorkerState& w, Pending& p) {
       DISTSTRAT_CHECK(s.rule != nullptr, kFailedPrecondition, "update of the rule of '", e.name,
                       "': none was declared yet");
       DISTSTRAT_CHECK(q.config.name == s.config.name && rule->slot_names() == s.rule->slot_names(),
-                      kInvalidArgument, "update of the rule of '", e.name, "': optimizer '",
+                      kInvalidArgument, "update of the rule of '", echo(e.name), "': optimizer '",
                       q.config.name, "' with its slots cannot replace '", s.config.name,
                       "' (update_hyperparameters changes hyper-parameters, not the optimizer)");
     } else if (s.rule) {
@@ -380,7 +380,7 @@ Service::Outcome Service::handle_rule(WorkerState& w, Pending& p) {
       // The chief fixes the rule; another worker's declaration waits for it.
       if (Clock::now() - p.arrived > options_.timeout) {
         throw DeadlineExceededError(
-            "update rule of '" + e.name + "': worker " + std::to_string(w.index) +
+            "update rule of '" + echo(e.name) + "': worker " + std::to_string(w.index) +
             " waited past the deadline for the chief (worker 0) to declare it");
       }
       return Outcome::kDeferred;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/user_text.h"
 #include "parameter_server/shard_updater.h"
 
 namespace diststrat {
@@ -142,7 +143,7 @@ Entry read_entry(Reader& r) {
   e.shape = r.get_shape();
   e.sparse = r.get<uint8_t>();
   e.num_ids = r.get<int64_t>();
-  const std::string what = r.what() + " of '" + e.name + "'";
+  const std::string what = r.what() + " of '" + echo(e.name) + "'";
   DISTSTRAT_CHECK(e.var_id >= 0 && e.shard_index >= 0, kInvalidArgument, what, ": variable id ",
                   e.var_id, ", shard ", e.shard_index);
   DISTSTRAT_CHECK(valid_dtype(e.dtype), kInvalidArgument, what, ": bad dtype ", e.dtype);
@@ -185,7 +186,7 @@ void decode_create(Reader& r, DecodedRequest& q) {
   c.var_id = r.get<int64_t>();
   c.name = r.get_string();
   c.dtype = r.get<int32_t>();
-  const std::string what = "create of '" + c.name + "'";
+  const std::string what = "create of '" + echo(c.name) + "'";
   DISTSTRAT_CHECK(c.var_id >= 0, kInvalidArgument, what, ": variable id ", c.var_id);
   DISTSTRAT_CHECK(valid_dtype(c.dtype), kInvalidArgument, what, ": bad dtype ", c.dtype);
   c.full_shape = r.get_shape();
@@ -260,7 +261,7 @@ DecodedRequest decode_request(const char* data, size_t size) {
       for (int64_t i = 0; i < n; ++i) {
         q.entries.push_back(read_entry(r));
         const Entry& e = q.entries.back();
-        payload = checked_add(payload, id_bytes(e, what + " of '" + e.name + "'"), what);
+        payload = checked_add(payload, id_bytes(e, what + " of '" + echo(e.name) + "'"), what);
       }
       break;
     }
@@ -276,7 +277,7 @@ DecodedRequest decode_request(const char* data, size_t size) {
       for (int64_t i = 0; i < n; ++i) {
         q.entries.push_back(read_entry(r));
         const Entry& e = q.entries.back();
-        const std::string ew = what + " to '" + e.name + "'";
+        const std::string ew = what + " to '" + echo(e.name) + "'";
         if (e.sparse) {
           DISTSTRAT_CHECK(e.shape.rank() >= 1 && e.shape[0] == e.num_ids, kInvalidArgument, ew,
                           ": row gradient ", e.shape.to_string(), " for ", e.num_ids, " ids");
@@ -292,8 +293,8 @@ DecodedRequest decode_request(const char* data, size_t size) {
       for (int64_t i = 0; i < n; ++i) {
         q.entries.push_back(read_entry(r));
         const Entry& e = q.entries.back();
-        DISTSTRAT_CHECK(!e.sparse, kInvalidArgument, what, " to '", e.name, "': a row entry");
-        payload = checked_add(payload, value_bytes(e, what + " to '" + e.name + "'"), what);
+        DISTSTRAT_CHECK(!e.sparse, kInvalidArgument, what, " to '", echo(e.name), "': a row entry");
+        payload = checked_add(payload, value_bytes(e, what + " to '" + echo(e.name) + "'"), what);
       }
       reply = 0;
       break;
@@ -336,7 +337,7 @@ DecodedRequest decode_request(const char* data, size_t size) {
       q.dir = r.get_string();
       DISTSTRAT_CHECK(q.dir.find('\0') == std::string::npos, kInvalidArgument, what,
                       ": a directory with a NUL");
-      const std::string shown = q.stem.size() > 200 ? q.stem.substr(0, 200) + "..." : q.stem;
+      const std::string shown = echo(q.stem);
       DISTSTRAT_CHECK(
           valid_file_stem(q.stem), kInvalidArgument, what, ": '", shown,
           "' is not a checkpoint name (1 to 200 of [A-Za-z0-9._-], not starting with '.')");
@@ -358,7 +359,7 @@ DecodedRequest decode_request(const char* data, size_t size) {
       for (int64_t i = 0; i < n; ++i) {
         q.entries.push_back(read_entry(r));
         const Entry& e = q.entries.back();
-        const std::string ew = what + " of '" + e.name + "'";
+        const std::string ew = what + " of '" + echo(e.name) + "'";
         DISTSTRAT_CHECK(!e.sparse, kInvalidArgument, ew, ": a row entry");
         RestoreSpec s;
         s.has_value = r.get_bool("has_value");
@@ -382,7 +383,7 @@ DecodedRequest decode_request(const char* data, size_t size) {
       q.metric_sum = r.get<double>();
       q.metric_count = r.get<double>();
       const std::string& name = q.metric_name;
-      const std::string shown = name.size() > 200 ? name.substr(0, 200) + "..." : name;
+      const std::string shown = echo(name);
       DISTSTRAT_CHECK(!name.empty() && name.size() <= kMaxMetricNameBytes, kInvalidArgument, what,
                       " '", shown, "': a name of ", name.size(), " characters (1 to ",
                       kMaxMetricNameBytes, ")");
