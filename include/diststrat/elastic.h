@@ -95,7 +95,12 @@ class ElasticState {
   std::map<std::string, std::string> metadata;
 
   // Called on every worker after each membership change, before train runs
-  // again (e.g. to rescale a learning rate with num_replicas_in_sync).
+  // again (e.g. to rescale a learning rate with num_replicas_in_sync). Not
+  // called for a worker's first group when that group holds no trained
+  // state (the job's first group, or a group of new workers only): set what
+  // depends on the group's size there in on_fresh_group, or in train from
+  // strategy.num_replicas_in_sync(). A worker that joins a group that has
+  // trained is called once, with previous_replicas_in_sync 0.
   void on_membership_change(std::function<void(const MembershipChange&)> fn);
 
   // Called in run() on every worker of a group in which no worker holds a

@@ -31,6 +31,10 @@ std::string value_name(const std::string& var, int64_t shard) {
   return var + "/shard-" + std::to_string(shard);
 }
 
+// A file's path as messages quote it: a shard file's name comes from the
+// index, so from the file, and is escaped like every such string.
+std::string shown_path(const std::string& path) { return echo(path, 4 * kMaxEchoedChars); }
+
 // Reads a required JSON field; a missing or mistyped one is a DataLossError
 // naming the file.
 template <typename T>
@@ -38,7 +42,7 @@ T field(const json& j, const char* key, const std::string& file) {
   try {
     return j.at(key).get<T>();
   } catch (const json::exception& e) {
-    throw DataLossError("checkpoint file '" + file +
+    throw DataLossError("checkpoint file '" + shown_path(file) +
                         "': malformed parameter-server metadata (field '" + key +
                         "': " + echo(e.what()) + ")");
   }
@@ -48,10 +52,11 @@ json parse_json(const std::string& text, const std::string& file, const char* ke
   try {
     json j = json::parse(text);
     if (!j.is_object())
-      throw DataLossError("checkpoint file '" + file + "': '" + key + "' is not a JSON object");
+      throw DataLossError("checkpoint file '" + shown_path(file) + "': '" + key +
+                          "' is not a JSON object");
     return j;
   } catch (const json::exception& e) {
-    throw DataLossError("checkpoint file '" + file + "': '" + key +
+    throw DataLossError("checkpoint file '" + shown_path(file) + "': '" + key +
                         "' is not valid JSON: " + echo(e.what()));
   }
 }
@@ -74,7 +79,7 @@ int64_t int_field(const json& j, const char* key, const std::string& file, int64
     x = v->get<int64_t>();
   }
   if (!ok || x < lo || x > hi) {
-    throw DataLossError("checkpoint file '" + file +
+    throw DataLossError("checkpoint file '" + shown_path(file) +
                         "': malformed parameter-server metadata (field '" + key + "' is " +
                         (v ? echo(v->dump()) : std::string("missing")) + ", not an integer in [" +
                         std::to_string(lo) + ", " + std::to_string(hi) + "])");
@@ -88,7 +93,7 @@ constexpr int64_t kMaxPs = 1 << 20;
 // (in bytes of `dtype`) without overflow.
 Shape shape_of(const json& j, const char* key, const std::string& file, DType dtype) {
   auto bad = [&](const std::string& why) {
-    return DataLossError("checkpoint file '" + file +
+    return DataLossError("checkpoint file '" + shown_path(file) +
                          "': malformed parameter-server metadata (field '" + key + "': " + why +
                          ")");
   };
@@ -278,7 +283,7 @@ LoadedCheckpoint load_any(const std::string& path, const SafetensorsLoadOptions&
   out.sharded = true;
   auto lost = [&](const std::string& file, const std::string& msg) -> DataLossError {
     return DataLossError("parameter-server checkpoint '" + path +
-                         "': " + (file.empty() ? "" : "shard file '" + file + "': ") +
+                         "': " + (file.empty() ? "" : "shard file '" + shown_path(file) + "': ") +
                          echo(msg, 4 * kMaxEchoedChars));  // names and ids from the file, escaped
   };
   if (!index.tensors.empty())

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/user_text.h"
 #include "parameter_server/shard_updater.h"
 
 namespace diststrat {
@@ -67,7 +68,7 @@ void decode(Reader& r, CreateRequest& c, Declared& d) {
   c.var_id = r.get<int64_t>();
   c.name = r.get_string();
   c.dtype = r.get<int32_t>();
-  const std::string what = "create of '" + c.name + "'";
+  const std::string what = "create of '" + echo(c.name) + "'";
   DISTSTRAT_CHECK(c.var_id >= 0, kInvalidArgument, what, ": variable id ", c.var_id);
   DISTSTRAT_CHECK(valid_dtype(c.dtype), kInvalidArgument, what, ": bad dtype ", c.dtype);
   c.full_shape = r.get_shape();
@@ -117,7 +118,7 @@ void decode(Reader& r, PullRequest& m, Declared& d) {
   for (int64_t i = 0; i < n; ++i) {
     m.entries.push_back(read_entry(r));
     const Entry& e = m.entries.back();
-    d.payload = checked_add(d.payload, id_bytes(e, what + " of '" + e.name + "'"), what);
+    d.payload = checked_add(d.payload, id_bytes(e, what + " of '" + echo(e.name) + "'"), what);
   }
 }
 
@@ -148,7 +149,7 @@ void decode(Reader& r, PushRequest& m, Declared& d) {
   for (int64_t i = 0; i < n; ++i) {
     m.entries.push_back(read_entry(r));
     const Entry& e = m.entries.back();
-    const std::string ew = what + " to '" + e.name + "'";
+    const std::string ew = what + " to '" + echo(e.name) + "'";
     if (e.sparse) {
       DISTSTRAT_CHECK(e.shape.rank() >= 1 && e.shape[0] == e.num_ids, kInvalidArgument, ew,
                       ": row gradient ", e.shape.to_string(), " for ", e.num_ids, " ids");
@@ -178,8 +179,8 @@ void decode(Reader& r, AssignRequest& m, Declared& d) {
   for (int64_t i = 0; i < n; ++i) {
     m.entries.push_back(read_entry(r));
     const Entry& e = m.entries.back();
-    DISTSTRAT_CHECK(!e.sparse, kInvalidArgument, what, " to '", e.name, "': a row entry");
-    d.payload = checked_add(d.payload, value_bytes(e, what + " to '" + e.name + "'"), what);
+    DISTSTRAT_CHECK(!e.sparse, kInvalidArgument, what, " to '", echo(e.name), "': a row entry");
+    d.payload = checked_add(d.payload, value_bytes(e, what + " to '" + echo(e.name) + "'"), what);
   }
   d.reply = 0;
 }
@@ -259,7 +260,7 @@ void decode(Reader& r, SaveRequest& m, Declared& d) {
   m.dir = r.get_string();
   DISTSTRAT_CHECK(m.dir.find('\0') == std::string::npos, kInvalidArgument, r.what(),
                   ": a directory with a NUL");
-  const std::string shown = m.stem.size() > 200 ? m.stem.substr(0, 200) + "..." : m.stem;
+  const std::string shown = echo(m.stem);
   DISTSTRAT_CHECK(valid_file_stem(m.stem), kInvalidArgument, r.what(), ": '", shown,
                   "' is not a checkpoint name (1 to 200 of [A-Za-z0-9._-], not starting with '.')");
   d.reply = kSaveReplyBytes;
@@ -319,7 +320,7 @@ void decode(Reader& r, RestoreRequest& m, Declared& d) {
   for (int64_t i = 0; i < n; ++i) {
     m.entries.push_back(read_entry(r));
     const Entry& e = m.entries.back();
-    const std::string ew = what + " of '" + e.name + "'";
+    const std::string ew = what + " of '" + echo(e.name) + "'";
     DISTSTRAT_CHECK(!e.sparse, kInvalidArgument, ew, ": a row entry");
     RestoreSpec s;
     s.has_value = r.get_bool("has_value");
@@ -360,7 +361,7 @@ void decode(Reader& r, MetricRequest& m, Declared& d) {
   m.sum = r.get<double>();
   m.count = r.get<double>();
   const std::string& name = m.name;
-  const std::string shown = name.size() > 200 ? name.substr(0, 200) + "..." : name;
+  const std::string shown = echo(name);
   DISTSTRAT_CHECK(!name.empty() && name.size() <= kMaxMetricNameBytes, kInvalidArgument, what, " '",
                   shown, "': a name of ", name.size(), " characters (1 to ", kMaxMetricNameBytes,
                   ")");

@@ -34,18 +34,18 @@ int64_t row_bytes_of(const ShardInfo& s, const std::string& what) {
 // and the handlers (so that both say the same).
 void check_push_entry(const Entry& e, const ShardInfo& s) {
   DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(DType::kFloat32) && s.dtype == DType::kFloat32,
-                  kInvalidArgument, "push to '", e.name, "': gradient dtype ",
+                  kInvalidArgument, "push to '", echo(e.name), "': gradient dtype ",
                   valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
                   ", variable dtype ", dtype_name(s.dtype), "; optimizers update float32");
   if (e.sparse) {
     std::vector<int64_t> want = s.shape.dims();
-    DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", e.name, "'");
+    DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", echo(e.name), "'");
     want[0] = e.num_ids;
-    DISTSTRAT_CHECK(e.num_ids >= 0 && e.shape == Shape(want), kInvalidArgument, "push to '", e.name,
-                    "' shard ", e.shard_index, ": row gradient ", e.shape.to_string(), " for ",
-                    e.num_ids, " ids does not match the rows ", Shape(want).to_string());
+    DISTSTRAT_CHECK(e.num_ids >= 0 && e.shape == Shape(want), kInvalidArgument, "push to '",
+                    echo(e.name), "' shard ", e.shard_index, ": row gradient ", e.shape.to_string(),
+                    " for ", e.num_ids, " ids does not match the rows ", Shape(want).to_string());
   } else {
-    DISTSTRAT_CHECK(e.shape == s.shape, kInvalidArgument, "push to '", e.name, "' shard ",
+    DISTSTRAT_CHECK(e.shape == s.shape, kInvalidArgument, "push to '", echo(e.name), "' shard ",
                     e.shard_index, ": gradient shape ", e.shape.to_string(),
                     " does not match the shard's ", s.shape.to_string());
   }
@@ -53,7 +53,7 @@ void check_push_entry(const Entry& e, const ShardInfo& s) {
 
 void check_value_entry(const char* op, const Entry& e, const ShardInfo& s) {
   DISTSTRAT_CHECK(!e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.shape,
-                  kInvalidArgument, op, " '", e.name, "' shard ", e.shard_index, ": value ",
+                  kInvalidArgument, op, " '", echo(e.name), "' shard ", e.shard_index, ": value ",
                   valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
                   e.shape.to_string(), " does not match ", dtype_name(s.dtype),
                   s.shape.to_string());
@@ -81,7 +81,7 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
         }
       }
       if (!spec) {
-        throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " +
+        throw NotFoundError(what + ": unknown variable '" + echo(e.name) + "' (id " +
                             std::to_string(e.var_id) + ", shard " + std::to_string(e.shard_index) +
                             ") on this PS");
       }
@@ -91,7 +91,7 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       s.full_rows = spec->full_shape.rank() ? spec->full_shape[0] : 0;
     }
     DISTSTRAT_CHECK(s.name == e.name, kInvalidArgument, what, ": variable id ", e.var_id, " is '",
-                    s.name, "' here, not '", e.name, "'");
+                    echo(s.name), "' here, not '", echo(e.name), "'");
     return s;
   };
   const std::string what = op_name(q.op);
@@ -102,10 +102,11 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       for (const Entry& e : q.entries()) {
         const ShardInfo s = info(e, "pull");
         if (e.sparse) {
-          DISTSTRAT_CHECK(s.shape.rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name,
-                          "'");
+          DISTSTRAT_CHECK(s.shape.rank() >= 1, kInvalidArgument, "row pull of scalar '",
+                          echo(e.name), "'");
           reply = checked_add(
-              reply, checked_mul(e.num_ids, row_bytes_of(s, "pull"), "pull of '" + e.name + "'"),
+              reply,
+              checked_mul(e.num_ids, row_bytes_of(s, "pull"), "pull of '" + echo(e.name) + "'"),
               "pull");
         } else {
           reply = checked_add(reply, shard_bytes(s, "pull"), "pull");
@@ -122,8 +123,8 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
       reply = 0;
       for (const Entry& e : q.entries()) {
         const ShardInfo s = info(e, "slot read");
-        DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
-                        "': the variable is ", dtype_name(s.dtype),
+        DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '",
+                        echo(e.name), "': the variable is ", dtype_name(s.dtype),
                         ", only float32 variables have slots");
         reply = checked_add(reply, checked_bytes(s.shape, sizeof(float), "slot read"), "slot read");
       }
@@ -134,7 +135,7 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
         const ShardInfo s = info(e, "restore");
         check_value_entry("restore of", e, s);
         DISTSTRAT_CHECK(q.restore.specs[i].slots.empty() || s.dtype == DType::kFloat32,
-                        kInvalidArgument, "restore of '", e.name, "': slots for a ",
+                        kInvalidArgument, "restore of '", echo(e.name), "': slots for a ",
                         dtype_name(s.dtype), " variable");
       }
       break;
@@ -144,7 +145,7 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
     case Op::kCreate:
       // Only the chief defines a variable's value (and so its memory here).
       DISTSTRAT_CHECK(!q.create.has_value || w.index == 0, kInvalidArgument, "create of '",
-                      q.create.name, "' with an initial value from worker ", w.index,
+                      echo(q.create.name), "' with an initial value from worker ", w.index,
                       ": only the chief (worker 0) sends one");
       break;
     case Op::kRule:
@@ -153,8 +154,9 @@ void Service::check_on_arrival(const WorkerState& w, const DecodedRequest& q) co
           " changes an update rule: only the chief (worker 0) may (update_hyperparameters)");
       for (const Entry& e : q.entries()) {
         const ShardInfo s = info(e, "update rule");
-        DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '", e.name,
-                        "': the variable is ", dtype_name(s.dtype), "; optimizers update float32");
+        DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '",
+                        echo(e.name), "': the variable is ", dtype_name(s.dtype),
+                        "; optimizers update float32");
       }
       break;
     case Op::kBroadcast: {

@@ -63,7 +63,7 @@ void Service::handle_read_slots(Pending& p, Reply& reply) {
     const Entry& e = p.request.entries()[i];
     const std::string& slot = p.request.read_slots.slot_of[i];
     const Shard& s = find_shard(e, "slot read");
-    DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", e.name,
+    DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "slot read of '", echo(e.name),
                     "': the variable is ", dtype_name(s.dtype),
                     ", only float32 variables have slots");
     items.emplace_back(&s, slot);
@@ -100,11 +100,13 @@ void Service::handle_restore(Pending& p) {
     Item it{shard, spec.has_value, spec.step, spec.slots, offset};
     const Shard& s = *it.s;
     DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
-                    kInvalidArgument, "restore of '", e.name, "' shard ", e.shard_index, ": value ",
+                    kInvalidArgument, "restore of '", echo(e.name), "' shard ", e.shard_index,
+                    ": value ",
                     valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
                     e.shape.to_string(), " does not match ", s.value.debug_string());
     DISTSTRAT_CHECK(it.slots.empty() || s.dtype == DType::kFloat32, kInvalidArgument,
-                    "restore of '", e.name, "': slots for a ", dtype_name(s.dtype), " variable");
+                    "restore of '", echo(e.name), "': slots for a ", dtype_name(s.dtype),
+                    " variable");
     offset += (it.has_value ? s.value.nbytes() : 0) +
               it.slots.size() * static_cast<size_t>(s.value.num_elements()) * sizeof(float);
     items.push_back(std::move(it));

@@ -28,12 +28,12 @@ int64_t row_elems(const Shape& s) {
 Service::Shard& Service::find_shard(const Entry& e, const std::string& what) {
   auto it = shards_.find({e.var_id, e.shard_index});
   if (it == shards_.end()) {
-    throw NotFoundError(what + ": unknown variable '" + e.name + "' (id " +
+    throw NotFoundError(what + ": unknown variable '" + echo(e.name) + "' (id " +
                         std::to_string(e.var_id) + ", shard " + std::to_string(e.shard_index) +
                         ") on this PS");
   }
   DISTSTRAT_CHECK(it->second.name == e.name, kInvalidArgument, what, ": variable id ", e.var_id,
-                  " is '", it->second.name, "' here, not '", e.name, "'");
+                  " is '", echo(it->second.name), "' here, not '", echo(e.name), "'");
   return it->second;
 }
 
@@ -53,8 +53,8 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
   const Shape shard_shape = c.shard_shape;
   const size_t bytes = static_cast<size_t>(shard_shape.num_elements()) * dtype_size(spec.dtype);
   DISTSTRAT_CHECK(!has_value || p.payload.size() == bytes, kInvalidArgument, "variable '",
-                  spec.name, "' shard ", shard_index, ": initial value has ", p.payload.size(),
-                  " bytes, expected ", bytes);
+                  echo(spec.name), "' shard ", shard_index, ": initial value has ",
+                  p.payload.size(), " bytes, expected ", bytes);
 
   auto it = shards_.find({var_id, shard_index});
   if (it == shards_.end()) {
@@ -64,7 +64,7 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
       ShardSnapshot& s = restored->second;
       DISTSTRAT_CHECK(s.value.shape() == shard_shape && s.value.dtype() == spec.dtype &&
                           s.row_offset == spec.row_offset,
-                      kInvalidArgument, "variable '", spec.name, "' shard ", shard_index,
+                      kInvalidArgument, "variable '", echo(spec.name), "' shard ", shard_index,
                       ": the restored shard ", s.value.debug_string(), " at row ", s.row_offset,
                       " does not match ", dtype_name(spec.dtype), shard_shape.to_string(),
                       " at row ", spec.row_offset);
@@ -81,9 +81,9 @@ Service::Outcome Service::handle_create(WorkerState& w, Pending& p) {
                         have.full_shape == spec.full_shape && have.num_shards == spec.num_shards &&
                         have.row_offset == spec.row_offset && have.rows == spec.rows,
                     kInvalidArgument, "variable id ", var_id, " shard ", shard_index, " is '",
-                    have.name, "' ", dtype_name(have.dtype), have.full_shape.to_string(), " (rows ",
-                    have.row_offset, "+", have.rows, " of ", have.num_shards,
-                    " shards) here, but worker ", w.index, " declares '", spec.name, "' ",
+                    echo(have.name), "' ", dtype_name(have.dtype), have.full_shape.to_string(),
+                    " (rows ", have.row_offset, "+", have.rows, " of ", have.num_shards,
+                    " shards) here, but worker ", w.index, " declares '", echo(spec.name), "' ",
                     dtype_name(spec.dtype), spec.full_shape.to_string(), " (rows ", spec.row_offset,
                     "+", spec.rows, " of ", spec.num_shards,
                     " shards): workers must create the same variables in the same order");
@@ -128,8 +128,8 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) 
     shards.push_back(&s);
     const int64_t row_bytes = checked_mul(row_elems(s.value.shape()), dtype_size(s.dtype), "pull");
     if (e.sparse) {
-      DISTSTRAT_CHECK(s.value.shape().rank() >= 1, kInvalidArgument, "row pull of scalar '", e.name,
-                      "'");
+      DISTSTRAT_CHECK(s.value.shape().rank() >= 1, kInvalidArgument, "row pull of scalar '",
+                      echo(e.name), "'");
       ids_bytes =
           checked_add(ids_bytes, checked_mul(e.num_ids, int64_t{sizeof(int64_t)}, "pull"), "pull");
       out_bytes = checked_add(out_bytes, checked_mul(e.num_ids, row_bytes, "pull"), "pull");
@@ -149,9 +149,9 @@ Service::Outcome Service::handle_pull(WorkerState& w, Pending& p, Reply& reply) 
     const Shard& s = *shards[i];
     for (int64_t j = 0; j < entries[i].num_ids; ++j, ++k) {
       DISTSTRAT_CHECK(ids[k] >= s.row_offset && ids[k] < s.row_offset + s.rows, kInvalidArgument,
-                      "pull of '", s.name, "': row id ", ids[k], " is out of range [", s.row_offset,
-                      ", ", s.row_offset + s.rows, ") of shard ", entries[i].shard_index,
-                      " (the variable has ", s.full_shape[0], " rows)");
+                      "pull of '", echo(s.name), "': row id ", ids[k], " is out of range [",
+                      s.row_offset, ", ", s.row_offset + s.rows, ") of shard ",
+                      entries[i].shard_index, " (the variable has ", s.full_shape[0], " rows)");
     }
   }
   reply.payload.resize(static_cast<size_t>(out_bytes));
@@ -196,39 +196,40 @@ void Service::handle_push(WorkerState& w, Pending& p) {
   for (const Entry& e : q.entries()) {
     Shard& s = find_shard(e, "push");
     DISTSTRAT_CHECK(e.dtype == static_cast<int32_t>(DType::kFloat32) && s.dtype == DType::kFloat32,
-                    kInvalidArgument, "push to '", e.name, "': gradient dtype ",
+                    kInvalidArgument, "push to '", echo(e.name), "': gradient dtype ",
                     valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
                     ", variable dtype ", dtype_name(s.dtype), "; optimizers update float32");
     Item it{&e, &s, nullptr, nullptr, nullptr};
     if (e.sparse) {
       std::vector<int64_t> want = s.value.shape().dims();
-      DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", e.name, "'");
+      DISTSTRAT_CHECK(!want.empty(), kInvalidArgument, "row push to scalar '", echo(e.name), "'");
       want[0] = e.num_ids;
       DISTSTRAT_CHECK(e.num_ids >= 0 && e.shape == Shape(want), kInvalidArgument, "push to '",
-                      e.name, "' shard ", e.shard_index, ": row gradient ", e.shape.to_string(),
-                      " for ", e.num_ids, " ids does not match the rows ", Shape(want).to_string());
+                      echo(e.name), "' shard ", e.shard_index, ": row gradient ",
+                      e.shape.to_string(), " for ", e.num_ids, " ids does not match the rows ",
+                      Shape(want).to_string());
       const size_t id_bytes = static_cast<size_t>(e.num_ids) * sizeof(int64_t);
-      DISTSTRAT_CHECK(offset + id_bytes <= p.payload.size(), kInvalidArgument, "push to '", e.name,
-                      "': payload too short for its row ids");
+      DISTSTRAT_CHECK(offset + id_bytes <= p.payload.size(), kInvalidArgument, "push to '",
+                      echo(e.name), "': payload too short for its row ids");
       it.id_storage = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(e.num_ids));
       if (id_bytes) std::memcpy(it.id_storage->data(), p.payload.data() + offset, id_bytes);
       it.ids = it.id_storage->data();
       offset += id_bytes;
       for (int64_t j = 0; j < e.num_ids; ++j) {
         DISTSTRAT_CHECK(it.ids[j] >= s.row_offset && it.ids[j] < s.row_offset + s.rows,
-                        kInvalidArgument, "push to '", e.name, "': row id ", it.ids[j],
+                        kInvalidArgument, "push to '", echo(e.name), "': row id ", it.ids[j],
                         " is out of range [", s.row_offset, ", ", s.row_offset + s.rows,
                         ") of shard ", e.shard_index, " (the variable has ", s.full_shape[0],
                         " rows)");
       }
     } else {
-      DISTSTRAT_CHECK(e.shape == s.value.shape(), kInvalidArgument, "push to '", e.name, "' shard ",
-                      e.shard_index, ": gradient shape ", e.shape.to_string(),
+      DISTSTRAT_CHECK(e.shape == s.value.shape(), kInvalidArgument, "push to '", echo(e.name),
+                      "' shard ", e.shard_index, ": gradient shape ", e.shape.to_string(),
                       " does not match the shard's ", s.value.shape().to_string());
     }
     const size_t value_bytes = static_cast<size_t>(e.shape.num_elements()) * sizeof(float);
-    DISTSTRAT_CHECK(offset + value_bytes <= p.payload.size(), kInvalidArgument, "push to '", e.name,
-                    "': payload too short for its gradient");
+    DISTSTRAT_CHECK(offset + value_bytes <= p.payload.size(), kInvalidArgument, "push to '",
+                    echo(e.name), "': payload too short for its gradient");
     it.values = reinterpret_cast<const float*>(p.payload.data() + offset);
     offset += value_bytes;
     items.push_back(it);
@@ -237,8 +238,8 @@ void Service::handle_push(WorkerState& w, Pending& p) {
                   p.payload.size(), " bytes, the entries declare ", offset);
   for (const Item& it : items) {
     // The rule is the shard's own (kRule), never the push's.
-    DISTSTRAT_CHECK(it.s->rule != nullptr, kFailedPrecondition, "push to '", it.e->name, "' shard ",
-                    it.e->shard_index,
+    DISTSTRAT_CHECK(it.s->rule != nullptr, kFailedPrecondition, "push to '", echo(it.e->name),
+                    "' shard ", it.e->shard_index,
                     ": no update rule was declared for it (the chief declares it before its "
                     "first push)");
     // A non-finite gradient never reaches a variable.
@@ -248,14 +249,14 @@ void Service::handle_push(WorkerState& w, Pending& p) {
       if (options_.skip_nonfinite_gradients) {
         ++stats_.pushes_nonfinite;
         logger_.warning(who(), ": push from worker ", w.index, " skipped: gradient of '",
-                        it.e->name, "' has ", it.values[k], " at element ", k, " (",
+                        echo(it.e->name), "' has ", it.values[k], " at element ", k, " (",
                         stats_.pushes_nonfinite, " pushes skipped so far)");
         w.steps = std::max(w.steps, steps_after);  // its step is done, with nothing applied
         return;
       }
       std::ostringstream v;
       v << it.values[k];
-      throw InvalidArgumentError("push to '" + it.e->name + "': gradient element " +
+      throw InvalidArgumentError("push to '" + echo(it.e->name) + "': gradient element " +
                                  std::to_string(k) + " is " + v.str() +
                                  " (not finite); nothing of the push was applied");
     }
@@ -320,7 +321,7 @@ void Service::handle_assign(WorkerState&, Pending& p) {
     Shard& s = find_shard(e, "assign");
     DISTSTRAT_CHECK(
         !e.sparse && e.dtype == static_cast<int32_t>(s.dtype) && e.shape == s.value.shape(),
-        kInvalidArgument, "assign to '", e.name, "' shard ", e.shard_index, ": value ",
+        kInvalidArgument, "assign to '", echo(e.name), "' shard ", e.shard_index, ": value ",
         valid_dtype(e.dtype) ? dtype_name(static_cast<DType>(e.dtype)) : "invalid",
         e.shape.to_string(), " does not match ", s.value.debug_string());
     items.emplace_back(&s, offset);
@@ -363,25 +364,25 @@ Service::Outcome Service::handle_rule(WorkerState& w, Pending& p) {
   std::vector<Shard*> shards;
   for (const Entry& e : q.entries()) {
     Shard& s = find_shard(e, "update rule");
-    DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '", e.name,
+    DISTSTRAT_CHECK(s.dtype == DType::kFloat32, kInvalidArgument, "update rule of '", echo(e.name),
                     "': the variable is ", dtype_name(s.dtype), "; optimizers update float32");
     if (q.rule.replace) {
-      DISTSTRAT_CHECK(s.rule != nullptr, kFailedPrecondition, "update of the rule of '", e.name,
-                      "': none was declared yet");
+      DISTSTRAT_CHECK(s.rule != nullptr, kFailedPrecondition, "update of the rule of '",
+                      echo(e.name), "': none was declared yet");
       DISTSTRAT_CHECK(
           q.rule.config.name == s.config.name && rule->slot_names() == s.rule->slot_names(),
-          kInvalidArgument, "update of the rule of '", e.name, "': optimizer '", q.rule.config.name,
-          "' with its slots cannot replace '", s.config.name,
+          kInvalidArgument, "update of the rule of '", echo(e.name), "': optimizer '",
+          q.rule.config.name, "' with its slots cannot replace '", s.config.name,
           "' (update_hyperparameters changes hyper-parameters, not the optimizer)");
     } else if (s.rule) {
       const std::string diff = config_difference(s.declared, q.rule.config);
       DISTSTRAT_CHECK(diff.empty(), kInvalidArgument, "the optimizer of worker ", w.index, " for '",
-                      e.name, "' differs from the update rule the chief fixed: ", diff);
+                      echo(e.name), "' differs from the update rule the chief fixed: ", diff);
     } else if (w.index != 0) {
       // The chief fixes the rule; another worker's declaration waits for it.
       if (Clock::now() - p.arrived > options_.timeout) {
         throw DeadlineExceededError(
-            "update rule of '" + e.name + "': worker " + std::to_string(w.index) +
+            "update rule of '" + echo(e.name) + "': worker " + std::to_string(w.index) +
             " waited past the deadline for the chief (worker 0) to declare it");
       }
       return Outcome::kDeferred;

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/user_text.h"
+
 namespace diststrat {
 namespace ps {
 
@@ -40,7 +42,7 @@ LearningRateSchedule get_schedule(const OptimizerConfig& c, size_t at) {
   const int64_t kind = as_int(q[0], "kind");
   DISTSTRAT_CHECK(
       kind >= 0 && kind <= static_cast<int64_t>(LearningRateSchedule::Kind::kExponentialDecay),
-      kInvalidArgument, "optimizer '", c.name, "': unknown schedule kind ", kind);
+      kInvalidArgument, "optimizer '", echo(c.name), "': unknown schedule kind ", kind);
   s.kind = static_cast<LearningRateSchedule::Kind>(kind);
   s.warmup_steps = as_int(q[1], "warmup_steps");
   s.warmup_initial = static_cast<float>(q[2]);
@@ -52,13 +54,13 @@ LearningRateSchedule get_schedule(const OptimizerConfig& c, size_t at) {
   const size_t rest = c.params.size() - at - kScheduleFixed;  // boundaries, then values
   DISTSTRAT_CHECK(nb >= 0 && nb <= kMaxBoundaries && rest >= size_t(nb) &&
                       rest - size_t(nb) <= size_t(kMaxBoundaries) + 1,
-                  kInvalidArgument, "optimizer '", c.name, "': schedule with ", nb,
+                  kInvalidArgument, "optimizer '", echo(c.name), "': schedule with ", nb,
                   " boundaries does not fit its ", c.params.size(), " parameters");
   for (int64_t i = 0; i < nb; ++i)
     s.boundaries.push_back(as_int(q[kScheduleFixed + i], "boundary"));
   for (size_t i = size_t(nb); i < rest; ++i)
     s.values.push_back(static_cast<float>(q[kScheduleFixed + i]));
-  s.validate("optimizer '" + c.name + "' from a worker");
+  s.validate("optimizer '" + echo(c.name) + "' from a worker");
   return s;
 }
 }  // namespace
@@ -140,7 +142,8 @@ std::string param_name(const OptimizerConfig& c, size_t i) {
 }  // namespace
 
 std::string config_difference(const OptimizerConfig& fixed, const OptimizerConfig& other) {
-  if (fixed.name != other.name) return "optimizer '" + other.name + "', fixed '" + fixed.name + "'";
+  if (fixed.name != other.name)
+    return "optimizer '" + echo(other.name) + "', fixed '" + echo(fixed.name) + "'";
   const size_t n = std::min(fixed.params.size(), other.params.size());
   for (size_t i = 0; i < n; ++i) {
     // Bitwise: a NaN never equals the fixed value.
@@ -205,7 +208,7 @@ std::unique_ptr<ShardUpdater> make_shard_updater(const OptimizerConfig& c) {
     o.epsilon = static_cast<float>(c.params[3]);
     return std::make_unique<AdamRule>(o);
   }
-  throw InvalidArgumentError("unknown optimizer '" + c.name + "'");
+  throw InvalidArgumentError("unknown optimizer '" + echo(c.name) + "'");
 }
 
 }  // namespace ps

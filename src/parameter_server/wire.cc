@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "core/user_text.h"
 #include "parameter_server/messages.h"
 
 namespace diststrat {
@@ -141,7 +142,7 @@ Entry read_entry(Reader& r) {
   e.shape = r.get_shape();
   e.sparse = r.get<uint8_t>();
   e.num_ids = r.get<int64_t>();
-  const std::string what = r.what() + " of '" + e.name + "'";
+  const std::string what = r.what() + " of '" + echo(e.name) + "'";
   DISTSTRAT_CHECK(e.var_id >= 0 && e.shard_index >= 0, kInvalidArgument, what, ": variable id ",
                   e.var_id, ", shard ", e.shard_index);
   DISTSTRAT_CHECK(valid_dtype(e.dtype), kInvalidArgument, what, ": bad dtype ", e.dtype);

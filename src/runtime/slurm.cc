@@ -55,7 +55,7 @@ std::vector<std::string> expand_ranges(const std::string& what, const std::strin
     const std::string lo = item.substr(0, dash);
     const std::string hi = dash == std::string::npos ? lo : item.substr(dash + 1);
     if (!digits_only(lo) || !digits_only(hi)) {
-      bad(what, list, "'" + item + "' in a bracket is not N or N-M (decimal digits)");
+      bad(what, list, "'" + echo(item) + "' in a bracket is not N or N-M (decimal digits)");
     }
     const int64_t a = std::stoll(lo), b = std::stoll(hi);
     if (a > b) bad(what, list, "the range " + item + " goes down");
@@ -95,7 +95,10 @@ std::vector<std::string> expand_entry(const std::string& what, const std::string
     } else if (entry[i] == ']') {
       bad(what, list, "a ']' with no '['");
     } else if (!host_char(entry[i])) {
-      bad(what, list, std::string("the character '") + entry[i] + "' in a host name");
+      // The whole character when it is well-formed UTF-8 (not half of an
+      // e-acute), escaped when it is a control byte or stray.
+      const size_t len = std::max<size_t>(1, utf8_sequence_length(entry, i, entry.size()));
+      bad(what, list, "the character '" + echo(entry.substr(i, len)) + "' in a host name");
     } else {
       for (std::string& h : hosts) h += entry[i];
       ++i;
@@ -267,12 +270,12 @@ std::vector<int> expand_tasks_per_node(const std::string& what, const std::strin
     std::string count = item, repeat = "1";
     const size_t paren = item.find("(x");
     if (paren != std::string::npos) {
-      if (item.back() != ')') bad(what, list, "'" + item + "' is not N or N(xM)");
+      if (item.back() != ')') bad(what, list, "'" + echo(item) + "' is not N or N(xM)");
       count = item.substr(0, paren);
       repeat = item.substr(paren + 2, item.size() - paren - 3);
     }
     if (!digits_only(count) || !digits_only(repeat)) {
-      bad(what, list, "'" + item + "' is not N or N(xM)");
+      bad(what, list, "'" + echo(item) + "' is not N or N(xM)");
     }
     const int64_t n = std::stoll(count), m = std::stoll(repeat);
     if (n < 1 || m < 1) bad(what, list, "'" + item + "': counts start at 1");

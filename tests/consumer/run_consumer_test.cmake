@@ -48,6 +48,12 @@ if(n_programs EQUAL 0)
   message(FATAL_ERROR "nothing was installed into ${prefix}/bin")
 endif()
 foreach(program ${installed_programs})
+  # bin/ is shared with every other package: a program there carries the
+  # project's name (issue 43: `predict`, `fashion_mnist` were installed so).
+  get_filename_component(name ${program} NAME)
+  if(NOT name MATCHES "^diststrat-")
+    message(FATAL_ERROR "bin/${name} is installed without the diststrat- prefix")
+  endif()
   run(${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH ${program} --help)
 endforeach()
 file(MAKE_DIRECTORY ${WORK_DIR}/leases)

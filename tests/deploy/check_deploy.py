@@ -8,6 +8,10 @@ matches workers x slots, GPU counts match slots, every flag given to the
 example exists in its --help, volumes are claimed, and the Dockerfile has
 the stages docs/deployment.md names.
 
+The program the jobs and the images run is the one `cmake --install` puts in
+bin/: the example binary's own file name (diststrat-fashion-mnist; installed
+programs carry the project's prefix, bin/ being shared with other packages).
+
 Usage: check_deploy.py <repo root> <fashion_mnist binary>
 """
 import glob
@@ -89,9 +93,10 @@ for path in manifests:
             np_value = int(cmd[cmd.index(flag) + 1])
     check(np_value == nworkers * slots,
           f"{name}: mpirun -np {np_value} but {nworkers} workers x {slots} slots = {nworkers * slots}")
-    prog = [i for i, a in enumerate(cmd) if a.endswith("/fashion_mnist")]
-    if check(len(prog) == 1, f"{name}: launcher does not run fashion_mnist"):
-        check(cmd[prog[0]] == "/opt/diststrat/bin/fashion_mnist", f"{name}: program path {cmd[prog[0]]}")
+    prog = [i for i, a in enumerate(cmd) if re.search(r"/(diststrat-)?fashion[-_]mnist$", a)]
+    if check(len(prog) == 1, f"{name}: launcher does not run the Fashion-MNIST example"):
+        installed = "/opt/diststrat/bin/" + os.path.basename(example)
+        check(cmd[prog[0]] == installed, f"{name}: program path {cmd[prog[0]]}, installed as {installed}")
         for arg in cmd[prog[0] + 1:]:
             if arg.startswith("--"):
                 check(arg in known_flags, f"{name}: fashion_mnist has no flag {arg}")
@@ -138,6 +143,10 @@ check(resolve(stages.get("cpu", "")).startswith("debian:"), "the CPU image is no
 check(resolve(stages.get("build-gpu", "")).startswith("nvidia/cuda:") and "devel" in resolve(stages["build-gpu"]),
       "the GPU build stage is not a CUDA devel image")
 check("libnccl-dev" in dockerfile and "libopenmpi-dev" in dockerfile, "Dockerfile lacks NCCL or Open MPI")
+# The images' default command is an installed program, by its installed name.
+for cmd_line in re.findall(r"^CMD\s+(\[.*\])", dockerfile, re.M):
+    program = yaml.safe_load(cmd_line)[0]
+    check(program == os.path.basename(example), f"Dockerfile: CMD runs {program}, installed as {os.path.basename(example)}")
 for src in re.findall(r"^COPY\s+(?:--chown=\S+\s+)?(deploy/\S+)", dockerfile, re.M):
     check(os.path.exists(os.path.join(root, src)), f"Dockerfile copies missing {src}")
 

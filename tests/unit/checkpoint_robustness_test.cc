@@ -230,6 +230,33 @@ TEST(CheckpointRobustness, ShardedIndexNumbersOutOfRangeAreDataLoss) {
                                   "format 1.5");
 }
 
+// A shard file's name comes from the index, so from the file: an error
+// quotes it escaped (issue 43), one readable line whatever the name holds.
+TEST(CheckpointRobustness, AShardFileNameFromTheIndexIsQuotedEscaped) {
+  const std::string dir = temp_dir(kRobustnessTempPrefix);
+  const std::string index = dir + "/ckpt-1.safetensors";
+  ds::ShardSnapshot snap;
+  snap.variable = "w";
+  snap.full_shape = ds::Shape{2, 3};
+  snap.value = ds::Tensor(ds::Shape{2, 3}, ds::DType::kFloat32);
+  // Written by another save than the index names: an error naming the file.
+  const std::string shard = dir +
+                            "/shard\x01"
+                            "a.safetensors";
+  ds::ckpt::write_shard_file(shard, 0x999, 0, 1, {snap});
+  ds::ckpt::write_index(index, 0x1234, {shard},
+                        {{"w", ds::DType::kFloat32, ds::Shape{2, 3}, {{0, 0, 0, 2}}}}, {});
+  try {
+    ds::load_checkpoint(index);
+    ADD_FAILURE() << "loaded";
+  } catch (const ds::DataLossError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("shard\\x01a.safetensors"), std::string::npos) << m;
+    EXPECT_NE(m.find("another save"), std::string::npos) << m;
+    EXPECT_EQ(m.find('\x01'), std::string::npos) << "a raw control byte in the message";
+  }
+}
+
 // ---- 13.11: the directory is checked when the manager is made ------------------
 
 TEST(CheckpointManagerRobustness, ARegularFileAsDirectoryFailsAtConstruction) {

@@ -189,6 +189,9 @@ void kill_then_join(bool zero_adam) {
     es::expect_trained(o, ref, kRows, kEpochs, 3);
     EXPECT_EQ(o.redone, 1);
     EXPECT_GE(o.changes, 2);  // the death, then the join
+    // One call per change: none for the job's first group, which held no
+    // trained state (elastic.h, on_membership_change).
+    EXPECT_EQ(o.callbacks, o.changes);
   }
   es::expect_trained(od, ref, kRows, kEpochs, 3);
   // The joiner's callback ran too, saying it had no replicas before.

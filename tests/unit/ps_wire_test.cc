@@ -9,6 +9,7 @@
 //  - the request decoder on its own (bytes in -> validated request or error).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "allreduce/transport.h"
+#include "core/user_text.h"
 #include "diststrat/error.h"
 #include "diststrat/logging.h"
 #include "parameter_server/client.h"
@@ -597,6 +599,45 @@ TEST(PsRequestDecoder, RejectsEveryMalformedField) {
       ADD_FAILURE() << "decoded";
     } catch (const ds::InvalidArgumentError& e) {
       EXPECT_NE(e.message().find(c.text), std::string::npos) << e.message();
+    }
+  }
+}
+
+// Names in a request come from another process: an error quotes them as
+// core/user_text.h's echo() does (issue 43: raw bytes made a message that
+// is not one readable line). Each message below holds no control byte and
+// no byte outside ASCII (every quoted byte here is a control or a stray).
+TEST(PsRequestDecoder, NamesFromTheWireAreQuotedEscaped) {
+  auto metric = [](const std::string& name, double sum, double count) {
+    ps::Writer w;
+    w.put_string(name).put<double>(sum).put<double>(count);
+    return w.bytes();
+  };
+  auto save = [](const std::string& stem) {
+    ps::Writer w;
+    w.put_string(stem).put<uint64_t>(0xabc).put_string("");
+    return w.bytes();
+  };
+  const std::pair<std::vector<char>, std::string> cases[] = {
+      {message(header(ps::Op::kMetric, 1), metric("m\x01\xc3", 1, -1)), "'m\\x01\\xc3': count -1"},
+      {message(header(ps::Op::kSave, 1, 0, 8), save("a\x01"
+                                                    "b\xff")),
+       "'a\\x01b\\xff' is not a checkpoint name"},
+      {message(header(ps::Op::kPull, 1, 0, 16), pull_body({entry(-1, "w\n\x02")})),
+       "of 'w\\n\\x02': variable id -1"},
+  };
+  for (const auto& [bytes, text] : cases) {
+    SCOPED_TRACE(text);
+    try {
+      ps::decode_request(bytes.data(), bytes.size());
+      ADD_FAILURE() << "decoded";
+    } catch (const ds::InvalidArgumentError& e) {
+      const std::string m = e.message();
+      EXPECT_NE(m.find(text), std::string::npos) << m;
+      EXPECT_TRUE(std::all_of(m.begin(), m.end(), [](char c) {
+        const auto b = static_cast<unsigned char>(c);
+        return b >= 0x20 && b < 0x7f;
+      })) << ds::echo(m);
     }
   }
 }

@@ -11,6 +11,7 @@
 #include "diststrat/device_manager.h"
 #include "diststrat/error.h"
 #include "diststrat/slurm.h"
+#include "core/user_text.h"
 #include "slurm_environments.h"
 
 namespace ds = diststrat;
@@ -63,6 +64,60 @@ TEST(SlurmHostlist, MalformedListsAreInvalidArgumentNamingTheProblem) {
       EXPECT_NE(std::string(e.what()).find("hostlist='" + std::string(list) + "'"),
                 std::string::npos)
           << e.what();
+    }
+  }
+}
+
+// Whether `s` reads as one line of well-formed UTF-8: no control byte, no
+// stray or truncated multi-byte sequence.
+bool one_readable_line(const std::string& s) {
+  for (size_t i = 0; i < s.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c == 0x7f) return false;
+    if (c < 0x80) continue;
+    const size_t len = c >= 0xc2 && c <= 0xdf   ? 2
+                       : c >= 0xe0 && c <= 0xef ? 3
+                       : c >= 0xf0 && c <= 0xf4 ? 4
+                                                : 0;
+    if (len == 0 || i + len > s.size()) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) return false;
+    }
+    i += len - 1;
+  }
+  return true;
+}
+
+// Issue 43: "the character '...' in a host name" quoted one raw byte (half of
+// an e-acute; a raw \x01). Every part of a message that quotes the list
+// escapes it as echo() does, and a UTF-8 character is quoted whole.
+TEST(SlurmHostlist, ErrorsQuoteTheOffendingTextEscapedAndWholeCharacters) {
+  const std::pair<std::string, std::string> hostlists[] = {
+      {"h\xc3\xa9t\xc3\xa9", "the character '\xc3\xa9' in a host name"},
+      {"h\x01", "the character '\\x01' in a host name"},
+      {"h\xc3", "the character '\\xc3' in a host name"},
+      {"h\nx", "the character '\\n' in a host name"},
+      {"h[1\x01]", "'1\\x01' in a bracket"},
+      {"h[\xe2\x82]", "'\\xe2\\x82' in a bracket"},
+  };
+  for (const auto& [list, why] : hostlists) {
+    SCOPED_TRACE(ds::echo(list));
+    try {
+      ds::expand_slurm_hostlist(list);
+      ADD_FAILURE() << "no error";
+    } catch (const ds::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+      EXPECT_TRUE(one_readable_line(e.what())) << e.what();
+    }
+  }
+  for (const std::string list : {"2(x\x01)", "\x01(x2", "2(x3\xff"}) {
+    SCOPED_TRACE(ds::echo(list));
+    try {
+      ds::expand_slurm_tasks_per_node(list);
+      ADD_FAILURE() << "no error";
+    } catch (const ds::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("' is not N or N(xM)"), std::string::npos) << e.what();
+      EXPECT_TRUE(one_readable_line(e.what())) << e.what();
     }
   }
 }
