@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/file_util.h"
 #include "core/flight_recorder.h"
 
 namespace diststrat {
@@ -51,6 +52,8 @@ struct Registry {
   // last (when a communicator was made or a record written).
   std::string env_dir, env_tmpdir = "/tmp";
   bool exit_on_peer_failure = false;
+  // The run's nonce (set_nonce; 0 = none yet).
+  uint64_t nonce = 0;
 };
 
 Registry& registry();
@@ -61,9 +64,29 @@ std::string file_prefix(const std::string& job);
 // This process's record file name.
 std::string file_name(const std::string& job, int rank);
 void read_environment_locked(Registry& r);
-std::string directory_locked(Registry& r);
+
+// Where the records go, and whether someone chose it (the variable or a
+// checkpoint directory) or it is the default under $TMPDIR.
+struct Place {
+  std::string path;
+  bool chosen = false;
+};
+Place directory_locked(Registry& r);
 // The directory as last read on a program's thread (the watchdog's).
-std::string watched_directory();
+Place watched_directory();
+// Opens the directory (O_DIRECTORY; the default with O_NOFOLLOW), creating
+// it with mode 0700 when `create` and it is missing, and checks the open
+// directory (fstat, so a swap after the check does not help): it must be
+// this process's uid's (geteuid), and nobody else may write it; the default,
+// a predictable name in a directory every user can write, must also be a
+// real directory (not a symlink) with no permission for group or others.
+// Throws PermissionDeniedError naming the path, its owner's uid and mode
+// otherwise. Returns the descriptor (the caller closes it); a missing
+// directory without `create`: -1.
+int open_directory(const Place& dir, bool create);
+// `"nonce": "<16 hex digits>"`, as the record's first line carries it.
+std::string nonce_field(uint64_t nonce);
+
 std::string dump_record(Trigger trigger, const std::string& reason, bool on_watchdog);
 // Starts the watchdog thread once the process belongs to a job.
 void start_watchdog_locked(Registry& r);

@@ -52,27 +52,38 @@ void on_sigusr2(int) {
   }
 }
 
-// "failure" when the dump at `path` was written after a failure; reads only
-// its first line (the writer puts the trigger there).
-bool is_failure_dump(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return false;
+// Whether the file `name` of the open record directory `dfd` is a failure
+// record of this run: a regular file (not followed if a symlink) of this
+// uid whose first line, where the writer puts them, holds "trigger":
+// "failure" and the run's nonce. Anything else is not the job's to act on.
+bool is_failure_record(int dfd, const std::string& name, uint64_t nonce) {
+  if (nonce == 0) return false;
+  const fs::Fd fd(::openat(dfd, name.c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC));
+  struct stat st;
+  if (fd.get() < 0 || ::fstat(fd.get(), &st) != 0) return false;
+  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) return false;
   char buf[512];
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
+  const ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
   if (n <= 0) return false;
   buf[n] = '\0';
-  return std::strstr(buf, "\"trigger\": \"failure\"") != nullptr;
+  if (char* end = std::strchr(buf, '\n')) *end = '\0';
+  return std::strstr(buf, "\"trigger\": \"failure\"") != nullptr &&
+         std::strstr(buf, nonce_field(nonce).c_str()) != nullptr;
 }
 
 // Reacts to a file of the job's dump directory.
-void peer_file(const std::string& dir, const std::string& name, const std::string& prefix,
+void peer_file(int dfd, const std::string& name, const std::string& prefix,
                const std::string& mine) {
   if (name.compare(0, prefix.size(), prefix) != 0 || name == mine) return;
   if (name.size() < 5 || name.compare(name.size() - 5, 5, ".json") != 0) return;
-  const std::string path = dir + "/" + name;
-  if (!is_failure_dump(path)) return;
   Registry& r = registry();
+  uint64_t nonce;
+  {
+    // Read now: the job's communicator may have set it a moment ago.
+    std::lock_guard<std::mutex> lock(r.mu);
+    nonce = r.nonce;
+  }
+  if (!is_failure_record(dfd, name, nonce)) return;
   {
     // A process that wrote its own record on a failure of this episode has
     // its error in hand: not stuck, nothing to answer (nor to end).
@@ -107,12 +118,13 @@ void peer_file(const std::string& dir, const std::string& name, const std::strin
 void watchdog_main() {
   Registry& r = registry();
   const int in = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
-  std::string watched;
+  std::string watched, refused;
+  fs::Fd watched_fd;  // the directory checked and watched, by descriptor
   int wd = -1;
   for (;;) {
     // The directory can change (an option set later, a variable set by a
     // test) or appear (a peer's first dump creates it).
-    std::string dir, prefix, mine;
+    std::string prefix, mine;
     {
       std::lock_guard<std::mutex> lock(r.mu);
       const std::string job = job_of(r);
@@ -120,24 +132,51 @@ void watchdog_main() {
       mine = file_name(job, r.rank);
       if (job.empty()) prefix.clear();  // a lone process has no peers to answer
     }
-    dir = watched_directory();
-    if (in >= 0 && !prefix.empty() && dir != watched) {
+    const Place dir = watched_directory();
+    if (in >= 0 && !prefix.empty() && dir.path != watched) {
       if (wd >= 0) ::inotify_rm_watch(in, wd);
-      wd = ::inotify_add_watch(in, dir.c_str(), IN_CLOSE_WRITE | IN_MOVED_TO);
-      watched = wd >= 0 ? dir : std::string();
+      wd = -1;
+      watched.clear();
+      watched_fd.reset(-1);
+      try {
+        watched_fd.reset(open_directory(dir, /*create=*/false));
+      } catch (const Error& e) {
+        // Said once per directory; the records are refused likewise.
+        if (refused != dir.path) {
+          std::fprintf(stderr, "diststrat: the flight recorder's watchdog does not watch it: %s\n",
+                       e.message().c_str());
+          refused = dir.path;
+        }
+      }
+      if (watched_fd.get() >= 0) {
+        // The watch goes on the directory checked, not on whatever the path
+        // names by now (without /proc: the path, not followed if a link).
+        const uint32_t mask = IN_CLOSE_WRITE | IN_MOVED_TO | IN_ONLYDIR;
+        const std::string self = "/proc/self/fd/" + std::to_string(watched_fd.get());
+        wd = ::inotify_add_watch(in, self.c_str(), mask);
+        if (wd < 0) {
+          wd = ::inotify_add_watch(in, dir.path.c_str(), mask | (dir.chosen ? 0 : IN_DONT_FOLLOW));
+        }
+      }
       if (wd >= 0) {
+        watched = dir.path;
         // Dumps written before the watch: those newer than this process.
-        if (DIR* d = ::opendir(dir.c_str())) {
+        const int copy = ::dup(watched_fd.get());
+        if (DIR* d = copy >= 0 ? ::fdopendir(copy) : nullptr) {
           const int64_t started_unix_s = epoch_unix_us() / 1000000;
           while (dirent* e = ::readdir(d)) {
             struct stat st;
-            const std::string path = dir + "/" + e->d_name;
-            if (::stat(path.c_str(), &st) == 0 && st.st_mtime >= started_unix_s) {
-              peer_file(dir, e->d_name, prefix, mine);
+            if (::fstatat(watched_fd.get(), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                st.st_mtime >= started_unix_s) {
+              peer_file(watched_fd.get(), e->d_name, prefix, mine);
             }
           }
           ::closedir(d);
+        } else if (copy >= 0) {
+          ::close(copy);
         }
+      } else {
+        watched_fd.reset(-1);
       }
     }
     pollfd fds[2] = {{r.signal_pipe[0], POLLIN, 0}, {in, POLLIN, 0}};
@@ -155,7 +194,9 @@ void watchdog_main() {
       while ((len = ::read(in, buf, sizeof buf)) > 0) {
         for (char* p = buf; p < buf + len;) {
           const inotify_event* ev = reinterpret_cast<const inotify_event*>(p);
-          if (ev->len > 0 && !prefix.empty()) peer_file(watched, ev->name, prefix, mine);
+          if (ev->len > 0 && !prefix.empty() && watched_fd.get() >= 0) {
+            peer_file(watched_fd.get(), ev->name, prefix, mine);
+          }
           p += sizeof(inotify_event) + ev->len;
         }
       }
