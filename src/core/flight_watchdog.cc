@@ -143,8 +143,10 @@ void watchdog_main() {
       } catch (const Error& e) {
         // Said once per directory; the records are refused likewise.
         if (refused != dir.path) {
-          std::fprintf(stderr, "diststrat: the flight recorder's watchdog does not watch it: %s\n",
-                       e.message().c_str());
+          std::fprintf(
+              stderr,
+              "diststrat: the flight recorder's watchdog does not watch the record directory: %s\n",
+              e.message().c_str());
           refused = dir.path;
         }
       }
