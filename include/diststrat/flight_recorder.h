@@ -21,7 +21,10 @@
 //     elastic jobs, whose survivors go on after a peer fails.
 // Where: DISTSTRAT_FLIGHT_RECORDER_DIR, else flight-records/ in the
 // directory of the process's latest CheckpointManager, else
-// $TMPDIR/diststrat-flight-<job>. N:
+// $TMPDIR/diststrat-flight-<job>; used only when it is this uid's and
+// nobody else may write it (the default: mode 0700, not a symlink), else
+// the record is not written and stderr says why. The watchdog answers only
+// a record of this uid and run (its nonce). N:
 // DISTSTRAT_FLIGHT_RECORDER=N (default 2048, at most 65536; 0 = no
 // recording, no dumps).
 // `diststrat-trace analyze DIR` (built with the tools) merges the files

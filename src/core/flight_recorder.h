@@ -126,9 +126,22 @@ void set_job(const std::string& job);
 // A checkpoint directory: where dumps go when DISTSTRAT_FLIGHT_RECORDER_DIR
 // is not set.
 void set_checkpoint_directory(const std::string& dir);
+// The run's nonce: a random number every process of the run holds alike,
+// set where the job's communicator is made (the world rank 0's, broadcast;
+// an elastic group's rank 0's, through the store). Every record carries it
+// on its first line, and the watchdog answers a failure record only when it
+// carries the same (and this uid wrote it), so that another run under the
+// same job name (a second srun step, a requeued job, a new elastic run at
+// the same URL) cannot make this one write or end. Not a secret from the
+// same uid, which can read the records. 0 (the default) = none: the
+// watchdog answers nobody.
+void set_nonce(uint64_t nonce);
 
 // Where this process's record goes: DISTSTRAT_FLIGHT_RECORDER_DIR, else the
-// checkpoint directory, else $TMPDIR (or /tmp)/diststrat-flight-<job>.
+// checkpoint directory, else $TMPDIR (or /tmp)/diststrat-flight-<job>. A
+// record is written there only when the directory is safe (this uid's,
+// nobody else may write it; the default: 0700 and not a symlink), else it
+// is refused, with the reason on stderr.
 std::string directory();
 // Writes every live recorder of the process into
 // <directory>/flight-<job>-rank<R>-pid<P>.json (atomically); returns the

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -12,6 +13,7 @@
 #include "allreduce/flight_recording.h"
 #include "allreduce/transport_communicator.h"
 #include "core/flight_recorder.h"
+#include "core/random_id.h"
 #include "diststrat/config.h"
 #if DISTSTRAT_HAVE_GLOO
 #include "allreduce/gloo_transport.h"
@@ -157,6 +159,14 @@ void MultiWorkerMirroredStrategy::Impl::join_group(SteadyClock::time_point deadl
     go.listen_host = e.options.listen_host;
     try {
       StoreAddressExchange exchange(e.rendezvous->store());
+      // The group's flight-record nonce (flight::set_nonce): its rank 0's,
+      // published before it connects, so it is there once the group is.
+      const std::string nonce_key = go.group + "/flight-nonce";
+      const Clock::time_point setup_deadline =
+          std::min(deadline, Clock::now() + options.communication.timeout);
+      if (e.view.rank == 0) {
+        exchange.publish(nonce_key, std::to_string(random_id()), setup_deadline);
+      }
       std::unique_ptr<Transport> t =
           make_gloo_transport(e.view.rank, size, exchange, go,
                               std::min(deadline, Clock::now() + options.communication.timeout));
@@ -171,6 +181,8 @@ void MultiWorkerMirroredStrategy::Impl::join_group(SteadyClock::time_point deadl
                                   "elastic g" + std::to_string(e.view.group));
       // The job's processes find each other's flight records by the URL.
       flight::set_job(e.options.rendezvous);
+      flight::set_nonce(
+          std::strtoull(exchange.wait_for(nonce_key, setup_deadline).c_str(), nullptr, 10));
       flight::set_process(e.view.rank, size);
       comms.hierarchical = false;
       cross = comms.cross.get();

@@ -14,6 +14,7 @@
 #include "allreduce/flight_recording.h"
 #include "allreduce/hierarchical.h"
 #include "core/flight_recorder.h"
+#include "core/random_id.h"
 #if DISTSTRAT_HAVE_MPI
 #include "allreduce/mpi_communicator.h"
 #include "runtime/mpi_env.h"
@@ -134,6 +135,13 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
       flight::set_process(p.rank, p.world_size);
       static std::atomic<int> groups{0};
       const int k = groups++;
+      if (k == 0) {
+        // The run's flight-record nonce (flight::set_nonce): world rank 0's.
+        uint64_t nonce = random_id();
+        mpi::bcast(&nonce, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD,
+                   "make_process_communicators: the flight-record nonce", options.timeout);
+        flight::set_nonce(nonce);
+      }
       out.cross = wrap_recorded(std::move(out.cross),
                                 k == 0 ? std::string("world") : "world." + std::to_string(k));
       return out;
