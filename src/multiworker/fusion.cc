@@ -101,6 +101,7 @@ Work FusionEngine::enqueue(int local, Part part, bool is_task, const std::string
     c.is_task = is_task;
     c.what = what;
     c.first_arrival = Clock::now();
+    c.step = step_.load();
   } else if (c.local_mismatch.empty()) {
     const std::string why = describe_local_mismatch(c, local, part, is_task, what);
     if (!why.empty()) {
