@@ -260,9 +260,12 @@ TEST(MultiWorkerSafety, MismatchedCallsAreAnErrorOnEveryRankNamingTheTensor) {
 // the operation, the tensor and both steps, and no mispaired gradient is
 // applied. Without the step in the call signature the calls paired up until
 // the others' last step found no partner.
+// The step's first call is the gradients' fused all_reduce, or a barrier
+// (a task on the communication thread, compared by the communicator).
 TEST(MultiWorkerSafety, ARankThatSkipsAStepIsAnErrorAtTheFirstMispairedCall) {
-  for (int local : {1, 2}) {
-    SCOPED_TRACE("local replicas " + std::to_string(local));
+  for (const auto& [local, barrier_first] :
+       {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    SCOPED_TRACE("local replicas " + std::to_string(local) + (barrier_first ? ", barrier" : ""));
     constexpr int kWorkers = 3, kSteps = 8, kSkipper = 1, kSkipped = 3;
     ds::CommunicationOptions comm;
     comm.timeout = std::chrono::seconds(5);
@@ -282,6 +285,7 @@ TEST(MultiWorkerSafety, ARankThatSkipsAStepIsAnErrorAtTheFirstMispairedCall) {
             // Step k's gradient is k + 1, so a mispaired reduction shows.
             ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
             g.data<float>()[0] = g.data<float>()[1] = float(step + 1);
+            if (barrier_first) ctx.barrier("sync");
             sgd.apply_gradients(ctx, {{g, v}});
           });
         } catch (const ds::InvalidArgumentError& e) {
@@ -299,8 +303,13 @@ TEST(MultiWorkerSafety, ARankThatSkipsAStepIsAnErrorAtTheFirstMispairedCall) {
     for (int w = 0; w < kWorkers; ++w) {
       SCOPED_TRACE("worker " + std::to_string(w) + ": " + messages[w]);
       EXPECT_EQ(failed_at[w], w == kSkipper ? kSkipped + 1 : kSkipped);
-      for (const char* part : {"rank 1 is in step 4", "ranks 0, 2 are in step 3",
-                               "fused all_reduce", "'w"}) {
+      const std::vector<std::string> parts =
+          barrier_first
+              ? std::vector<std::string>{"rank 1 called barrier 'sync (step 4)'",
+                                         "barrier 'sync (step 3)'"}
+              : std::vector<std::string>{"rank 1 is in step 4", "ranks 0, 2 are in step 3",
+                                         "fused all_reduce", "'w"};
+      for (const std::string& part : parts) {
         EXPECT_NE(messages[w].find(part), std::string::npos) << part;
       }
       // Steps 0-2 applied (each a sum of kWorkers * local gradients 1, 2, 3),
