@@ -501,11 +501,9 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
       s.fresh = false;
       commit();
       e.state_agreed = true;
-      // The members agree on `position` now (one state): the group's next
-      // step is position.step on each of them, whatever its own count of
-      // run() calls (a joiner's is lower; survivors counted the interrupted
-      // step, which is redone under its own number). The call signatures
-      // compare this number, so it must be the group's, not the worker's.
+      // The call signatures compare the group's step: position.step, agreed
+      // now, not this worker's count of run() calls (a joiner's is lower;
+      // survivors counted the interrupted step, redone under its number).
       m.step_offset = position.step - m.self->steps_run();
       internal.reset();
       if (change) {

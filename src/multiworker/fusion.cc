@@ -33,8 +33,7 @@ class StepNamed : public Communicator {
                   const std::string& name) override {
     inner_.all_reduce(in, out, count, dtype, op, name + suffix_);
   }
-  void broadcast(void* buf, size_t count, DType dtype, int root,
-                 const std::string& name) override {
+  void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
     inner_.broadcast(buf, count, dtype, root, name + suffix_);
   }
   void all_gather(const void* in, void* out, size_t count, DType dtype,

@@ -275,8 +275,7 @@ TEST(MultiWorkerSafety, ARankThatSkipsAStepIsAnErrorAtTheFirstMispairedCall) {
     rethrow_first(run_workers(kWorkers, 0, comm, [&](int w, ds::MultiWorkerOptions& o) {
       o.devices = cpu_devices(local);
       ds::MultiWorkerMirroredStrategy s(o);
-      ds::Variable v =
-          s.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+      ds::Variable v = s.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
       ds::SGD sgd(s, {0.5f});
       for (int step = 0; step < kSteps; ++step) {
         try {
