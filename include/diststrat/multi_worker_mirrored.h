@@ -19,7 +19,11 @@
 //   a node, then across nodes, then back), with optional f16/bf16 wire
 //   compression. Ranks compare a signature of every call first: different
 //   tensors on different ranks are an InvalidArgumentError on every rank that
-//   names the first differing tensor and the ranks, not wrong numbers.
+//   names the first differing tensor and the ranks, not wrong numbers. The
+//   signature includes the step (the run() index; in an elastic group the
+//   group's, counted from ElasticState::position.step), so a rank that skips
+//   or repeats a step's calls fails at its first mispaired call ("ranks are
+//   in different steps"), even with the same tensors every step.
 // - Every wait has options.communication.timeout as deadline; a rank that
 //   stops participating makes the others fail with DeadlineExceededError
 //   naming it. After a deadline or abort the strategy must be recreated.

@@ -513,6 +513,10 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
       s.fresh = false;
       commit();
       e.state_agreed = true;
+      // The call signatures compare the group's step: position.step, agreed
+      // now, not this worker's count of run() calls (a joiner's is lower;
+      // survivors counted the interrupted step, redone under its number).
+      m.step_offset = position.step - m.self->steps_run();
       internal.reset();
       if (change) {
         change->step = position.step;

@@ -16,6 +16,46 @@ namespace diststrat {
 
 namespace {
 using Clock = Timeline::Clock;
+
+// The communicator a task made inside a training step runs on: its calls'
+// names end in " (step N)", so that the communicator's call comparison,
+// which compares names, tells a task of one step from the same task of
+// another (a fused call's signature carries its step itself). Nothing else
+// changes.
+class StepNamed : public Communicator {
+ public:
+  StepNamed(Communicator& inner, int64_t step)
+      : inner_(inner), suffix_(" (step " + std::to_string(step) + ")") {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const CommunicationOptions& options() const override { return inner_.options(); }
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                  const std::string& name) override {
+    inner_.all_reduce(in, out, count, dtype, op, name + suffix_);
+  }
+  void broadcast(void* buf, size_t count, DType dtype, int root, const std::string& name) override {
+    inner_.broadcast(buf, count, dtype, root, name + suffix_);
+  }
+  void all_gather(const void* in, void* out, size_t count, DType dtype,
+                  const std::string& name) override {
+    inner_.all_gather(in, out, count, dtype, name + suffix_);
+  }
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                      const std::string& name) override {
+    inner_.reduce_scatter(in, out, count, dtype, op, name + suffix_);
+  }
+  void barrier(const std::string& name) override { inner_.barrier(name + suffix_); }
+  void abort(const std::string& reason) override { inner_.abort(reason); }
+  void reset() override { inner_.reset(); }
+  std::shared_ptr<void> allocate_buffer(size_t bytes) override {
+    return inner_.allocate_buffer(bytes);
+  }
+
+ private:
+  Communicator& inner_;
+  const std::string suffix_;
+};
+
 }  // namespace
 
 FusionEngine::FusionEngine(Communicator& cross, int num_local_replicas, int replicas_in_sync,
@@ -101,6 +141,7 @@ Work FusionEngine::enqueue(int local, Part part, bool is_task, const std::string
     c.is_task = is_task;
     c.what = what;
     c.first_arrival = Clock::now();
+    c.step = step_.load();
   } else if (c.local_mismatch.empty()) {
     const std::string why = describe_local_mismatch(c, local, part, is_task, what);
     if (!why.empty()) {
@@ -209,7 +250,12 @@ void FusionEngine::execute(Call& call) {
     }
     if (call.is_task) {
       if (!call.local_mismatch.empty()) throw InvalidArgumentError(call.local_mismatch);
-      call.parts[0].task(cross_);
+      if (call.step >= 0) {
+        StepNamed in_step(cross_, call.step);
+        call.parts[0].task(in_step);
+      } else {
+        call.parts[0].task(cross_);
+      }
       if (trace) timeline_->complete(call.what, "collective", 0, start, Clock::now());
     } else if (call.parts[0].kind == Kind::kAllReduce) {
       execute_all_reduce(call);

@@ -9,12 +9,17 @@
 //     are checked for agreement between local replicas (names, shapes, dtypes,
 //     op) as they arrive.
 //  2. pack: once all local replicas have enqueued the call, the thread
-//     exchanges a signature of it (op, bytes_per_pack, compression, and every
-//     tensor's name, dtype and shape, in order) with the other processes. Pack
+//     exchanges a signature of it (the step it was made in, op,
+//     bytes_per_pack, compression, and every tensor's name, dtype and shape,
+//     in order) with the other processes. Pack
 //     boundaries are a deterministic function of that signature, so one check
 //     per call covers every pack of it. On a mismatch every rank throws
 //     InvalidArgumentError naming the first differing tensor and the ranks
-//     that disagree, before any data moves.
+//     that disagree, before any data moves. The step matters where the
+//     tensors do not show it: a rank that makes no call in one step (the same
+//     tensors every step) would otherwise pair its next step's gradients with
+//     the others' current ones, every call one step apart, until the loop's
+//     last call found no partner.
 //  3. The call's tensors are cut into packs: consecutive tensors of one dtype,
 //     up to bytes_per_pack bytes (0 = the whole call in one pack; a tensor
 //     larger than a pack goes alone, reduced in place in local replica 0's
@@ -108,6 +113,12 @@ class FusionEngine {
   // the ranks in step.)
   bool abort_if_pending(const std::string& reason);
 
+  // The training step (Strategy::run index, agreed by every rank of the
+  // group) that calls enqueued from now on belong to; -1 outside a step. A
+  // call carries the value it found when its first part came, and ranks whose
+  // calls carry different steps fail the signature check. Thread-safe.
+  void set_step(int64_t step) { step_.store(step); }
+
   // Fault injection: the next all_reduce call sends a corrupted signature
   // hash (bits flipped) to the other ranks, as a damaged message would.
   // Thread-safe.
@@ -135,6 +146,7 @@ class FusionEngine {
     int arrived = 0;
     Timeline::Clock::time_point first_arrival;
     std::string local_mismatch;  // non-empty: local replicas disagree
+    int64_t step = -1;           // set_step's value at the first part (-1: no step)
     std::shared_ptr<Work::State> work;
   };
 
@@ -163,6 +175,7 @@ class FusionEngine {
 
   Communicator& cross_;
   std::atomic<bool> corrupt_next_signature_{false};
+  std::atomic<int64_t> step_{-1};
   const int num_local_;
   const int replicas_in_sync_;
   const CommunicationOptions options_;

@@ -1,7 +1,8 @@
 // Call signatures of the fusion engine and the text of their mismatches:
 // local replicas that enqueue different parts of one call, and ranks whose
 // calls differ (their 64-bit signature hashes are exchanged first, the full
-// signatures only to say what differs), or whose hash arrived damaged.
+// signatures only to say what differs) or were made in different steps, or
+// whose hash arrived damaged.
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -41,6 +42,17 @@ std::string kind_prefix(K kind) {
   }
 }
 
+// The first line of a call's signature: the step it was made in, which the
+// ranks must agree on as on its tensors (fusion.h).
+std::string step_line(int64_t step) {
+  return step < 0 ? std::string("no step\n") : "step " + std::to_string(step) + "\n";
+}
+
+// "in step 4", "outside a step": a step line as messages say it.
+std::string step_phrase(const std::string& line) {
+  return line.rfind("step ", 0) == 0 ? "in " + line : "outside a step";
+}
+
 std::string tensor_line(const std::string& name, const Tensor& t) {
   return "'" + name + "' " + dtype_name(t.dtype()) + t.shape().to_string();
 }
@@ -73,22 +85,48 @@ std::string shown_line(const std::string& line) {
 
 // Explains how the ranks' call signatures differ: the first differing line
 // (header, then tensors in order), which ranks have what.
-std::string describe_mismatch(const std::vector<std::string>& sigs, int64_t call_index) {
+// `tensors`: the call's first tensors on this rank, for the message about
+// ranks in different steps.
+std::string describe_mismatch(const std::vector<std::string>& sigs, int64_t call_index,
+                              const std::string& tensors) {
   const int n = static_cast<int>(sigs.size());
   std::ostringstream os;
-  os << "fused all_reduce call #" << call_index << ": ranks enqueued different tensors: ";
   for (int r = 0; r < n; ++r) {
     if (!sigs[r].empty() && sigs[r][0] == '!') {
-      os << "on rank " << r << " " << sigs[r].substr(1);
+      os << "fused all_reduce call #" << call_index << ": ranks enqueued different tensors: "
+         << "on rank " << r << " " << sigs[r].substr(1);
       return os.str();
     }
   }
+  // Line 0 is the step: ranks in different steps are told so whatever else
+  // differs (a rank that skipped a step enqueues the same tensors a step on).
   std::vector<std::vector<std::string>> lines(n);
+  std::vector<std::pair<std::string, std::vector<int>>> steps;
   size_t longest = 0;
   for (int r = 0; r < n; ++r) {
     lines[r] = split_lines(sigs[r]);
+    const std::string step = lines[r].empty() ? std::string() : lines[r][0];
+    if (!lines[r].empty()) lines[r].erase(lines[r].begin());
+    auto it = std::find_if(steps.begin(), steps.end(), [&](auto& g) { return g.first == step; });
+    if (it == steps.end()) {
+      steps.push_back({step, {r}});
+    } else {
+      it->second.push_back(r);
+    }
     longest = std::max(longest, lines[r].size());
   }
+  if (steps.size() > 1) {
+    os << "fused all_reduce call #" << call_index << " of " << tensors
+       << ": ranks are in different steps:";
+    for (size_t g = 0; g < steps.size(); ++g) {
+      os << (g ? ";" : "") << " " << ranks_phrase(steps[g].second)
+         << (steps[g].second.size() == 1 ? " is " : " are ") << step_phrase(steps[g].first);
+    }
+    os << " (a rank skipped or repeated a step's collective calls; every rank must make the "
+          "same calls in every step, or one step's tensors would be reduced with another's)";
+    return os.str();
+  }
+  os << "fused all_reduce call #" << call_index << ": ranks enqueued different tensors: ";
   for (size_t i = 0; i < longest; ++i) {
     // Group ranks by what they have at line i ("" = nothing).
     std::vector<std::pair<std::string, std::vector<int>>> groups;
@@ -187,7 +225,7 @@ std::string FusionEngine::signature(const Call& call) const {
   if (!call.local_mismatch.empty()) return "!" + call.local_mismatch;
   const Part& p = call.parts[0];
   std::ostringstream os;
-  os << kind_prefix(p.kind) << signature_header(p.op);
+  os << step_line(call.step) << kind_prefix(p.kind) << signature_header(p.op);
   for (size_t i = 0; i < p.tensors.size(); ++i)
     os << tensor_line(name_at(p.names, i), p.tensors[i]) << "\n";
   return os.str();
@@ -197,7 +235,7 @@ uint64_t FusionEngine::signature_hash(const Call& call) const {
   // A hash of what signature() spells out, computed without building the text.
   if (!call.local_mismatch.empty()) return fnv1a(signature(call));
   const Part& p = call.parts[0];
-  uint64_t h = fnv1a(kind_prefix(p.kind) + signature_header(p.op));
+  uint64_t h = fnv1a(step_line(call.step) + kind_prefix(p.kind) + signature_header(p.op));
   // Eight bytes per step (a call can have thousands of tensors; this runs on
   // every call), then the tail byte by byte, then the length.
   auto mix = [&](const void* data, size_t n) {
@@ -282,8 +320,9 @@ void FusionEngine::check_signatures(const Call& call) {
                         ": corrupted pack signature from " + ranks_phrase(bad) +
                         " (its hash does not match the call every rank enqueued)");
   }
-  throw InvalidArgumentError("rank " + std::to_string(rank_) + ": " +
-                             describe_mismatch(sigs, index));
+  throw InvalidArgumentError(
+      "rank " + std::to_string(rank_) + ": " +
+      describe_mismatch(sigs, index, first_tensors(p0.names, p0.tensors.size())));
 }
 
 }  // namespace diststrat

@@ -102,6 +102,12 @@ struct MultiWorkerMirroredStrategy::Impl {
   std::unique_ptr<FusionEngine> engine;
   std::vector<std::unique_ptr<MultiWorkerReplicaContext>> contexts;
   int64_t steps = 0;
+  // Added to the Strategy::run index to give the step every rank of the
+  // group agrees on (the call signatures compare it): 0 in a fixed group; in
+  // an elastic one, set when a group agrees on its state, so that members
+  // that ran different numbers of steps (a joiner, survivors of a failed
+  // step) number the group's next step alike (ElasticState::run).
+  int64_t step_offset = 0;
   // std::uncaught_exceptions() when the strategy was made: more at
   // destruction = destroyed during stack unwinding.
   int uncaught_at_construction = std::uncaught_exceptions();

@@ -73,6 +73,15 @@ void MultiWorkerMirroredStrategy::run_replicas(const std::function<void(ReplicaC
                     "steps inside ElasticState::run (docs/elastic.md)");
     m.before_step();
   }
+  // The step the replicas' calls are made in, which the ranks' call
+  // signatures compare (fusion.h); none outside a training step.
+  struct StepScope {
+    FusionEngine* engine;
+    ~StepScope() {
+      if (engine) engine->set_step(-1);
+    }
+  } step_scope{m.engine.get()};
+  if (m.engine) m.engine->set_step(run_is_step() ? steps_run() - 1 + m.step_offset : -1);
   const auto t0 = Clock::now();
   m.replicas->run([&](ReplicaContext& inner) {
     const int l = inner.local_replica_id();

@@ -253,6 +253,72 @@ TEST(MultiWorkerSafety, MismatchedCallsAreAnErrorOnEveryRankNamingTheTensor) {
   }
 }
 
+// Issue 43 item 8: one rank makes no collective call in step 3 (the same
+// tensor names every step). Its step-4 gradients must not be reduced with
+// the others' step-3 gradients: the first mispaired call is the error, on
+// every rank (ranks 0 and 2 in step 3, rank 1 in step 4), naming the rank,
+// the operation, the tensor and both steps, and no mispaired gradient is
+// applied. Without the step in the call signature the calls paired up until
+// the others' last step found no partner.
+// The step's first call is the gradients' fused all_reduce, or a barrier
+// (a task on the communication thread, compared by the communicator).
+TEST(MultiWorkerSafety, ARankThatSkipsAStepIsAnErrorAtTheFirstMispairedCall) {
+  for (const auto& [local, barrier_first] :
+       {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    SCOPED_TRACE("local replicas " + std::to_string(local) + (barrier_first ? ", barrier" : ""));
+    constexpr int kWorkers = 3, kSteps = 8, kSkipper = 1, kSkipped = 3;
+    ds::CommunicationOptions comm;
+    comm.timeout = std::chrono::seconds(5);
+    std::vector<std::string> messages(kWorkers);
+    std::vector<int64_t> failed_at(kWorkers, -1);
+    std::vector<float> weights(kWorkers);
+    rethrow_first(run_workers(kWorkers, 0, comm, [&](int w, ds::MultiWorkerOptions& o) {
+      o.devices = cpu_devices(local);
+      ds::MultiWorkerMirroredStrategy s(o);
+      ds::Variable v = s.create_variable("w", ds::Shape{2}, ds::DType::kFloat32, ds::init::Zeros{});
+      ds::SGD sgd(s, {0.5f});
+      for (int step = 0; step < kSteps; ++step) {
+        try {
+          s.run([&](ds::ReplicaContext& ctx) {
+            if (w == kSkipper && step == kSkipped) return;  // skips the whole step
+            // Step k's gradient is k + 1, so a mispaired reduction shows.
+            ds::Tensor g(ds::Shape{2}, ds::DType::kFloat32);
+            g.data<float>()[0] = g.data<float>()[1] = float(step + 1);
+            if (barrier_first) ctx.barrier("sync");
+            sgd.apply_gradients(ctx, {{g, v}});
+          });
+        } catch (const ds::InvalidArgumentError& e) {
+          failed_at[w] = step;
+          messages[w] = e.message();
+          break;
+        } catch (const ds::Error& e) {
+          failed_at[w] = step;
+          messages[w] = "(" + std::string(ds::error_code_name(e.code())) + ") " + e.message();
+          break;
+        }
+      }
+      weights[w] = v.value().data<float>()[0];
+    }));
+    for (int w = 0; w < kWorkers; ++w) {
+      SCOPED_TRACE("worker " + std::to_string(w) + ": " + messages[w]);
+      EXPECT_EQ(failed_at[w], w == kSkipper ? kSkipped + 1 : kSkipped);
+      const std::vector<std::string> parts =
+          barrier_first
+              ? std::vector<std::string>{"rank 1 called barrier 'sync (step 4)'",
+                                         "barrier 'sync (step 3)'"}
+              : std::vector<std::string>{"rank 1 is in step 4", "ranks 0, 2 are in step 3",
+                                         "fused all_reduce", "'w"};
+      for (const std::string& part : parts) {
+        EXPECT_NE(messages[w].find(part), std::string::npos) << part;
+      }
+      // Steps 0-2 applied (each a sum of kWorkers * local gradients 1, 2, 3),
+      // nothing after: -0.5 * 6 per replica. (Mispaired, they were -44 and
+      // -88 here: later steps' gradients reduced with earlier ones.)
+      EXPECT_EQ(weights[w], -3.0f * float(kWorkers * local));
+    }
+  }
+}
+
 TEST(MultiWorkerSafety, LocalReplicasThatDisagreeAreNamedOnEveryRank) {
   ds::CommunicationOptions comm;
   comm.timeout = std::chrono::seconds(20);
