@@ -25,6 +25,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <utility>
 #include <thread>
 
 #include <dirent.h>
@@ -45,6 +47,10 @@ using Clock = std::chrono::steady_clock;
 // Failures within this long of the last record written for one are the
 // same episode (see Registry::last_failure_dump_us).
 constexpr int64_t kEpisodeUs = 10 * 1000 * 1000;
+// Calls per group in an exit record (Trigger::kExit), and how many closed
+// groups it shows.
+constexpr size_t kExitCalls = 16;
+constexpr size_t kClosedGroups = 64;
 
 const Clock::time_point& epoch() {
   static const Clock::time_point t = Clock::now();
@@ -125,6 +131,10 @@ void json_text(std::string& out, const std::string& s) { json_text(out, s.data()
 struct Registry {
   std::mutex mu;  // guards everything below
   std::vector<Recorder*> live;
+  // In a process of a job: the newest calls (JSON) and the member entry of
+  // the groups closed last, for the exit record.
+  std::deque<std::pair<std::string, std::string>> closed;
+  bool exiting = false;  // write_exit_record has run
   int rank = -1, size = 0;
   std::string job, checkpoint_dir;
   bool job_set = false;
@@ -233,6 +243,27 @@ std::string watched_directory() {
 
 std::string dump_record(Trigger trigger, const std::string& reason, bool on_watchdog);
 
+// `items` (JSON objects, comma-separated) into a list that `out` is writing.
+void append_listed(std::string& out, const std::string& items) {
+  if (items.empty()) return;
+  if (out.back() != '[') out += ',';
+  out += items;
+}
+
+// At a normal end of a process of a job (return from main, exit()): a
+// record that says so, so that a rank that finished its loop is not taken
+// for one that died. Not after a failure record of its own (dump_record).
+void write_exit_record() {
+  Registry& r = registry();
+  {
+    // From now on the watchdog answers no peer: a process lingering in its
+    // exit (MPI_Finalize) is not stuck, and its record stays the exit one.
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.exiting = true;
+  }
+  dump_record(Trigger::kExit, "the process exited normally", /*on_watchdog=*/false);
+}
+
 void on_sigusr2(int) {
   const int fd = registry().signal_pipe[1];
   if (fd >= 0) {
@@ -271,6 +302,7 @@ void peer_file(const std::string& dir, const std::string& name, const std::strin
   }
   {
     std::lock_guard<std::mutex> lock(r.mu);
+    if (r.exiting) return;
     const int64_t now = now_us();
     // One answer per burst (every rank of a failed collective dumps).
     if (r.last_peer_dump_us >= 0 && now - r.last_peer_dump_us < 2000000) return;
@@ -360,6 +392,7 @@ void watchdog_main() {
 void start_watchdog_locked(Registry& r) {
   if (r.watchdog_started || job_of(r).empty()) return;
   r.watchdog_started = true;
+  std::atexit(write_exit_record);
   read_environment_locked(r);
   r.exit_on_peer_failure = exit_after_peer_failure();  // a bad value is said now
   if (::pipe2(r.signal_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
@@ -429,8 +462,24 @@ Recorder::Recorder(std::string group, int group_rank, int group_size)
 Recorder::~Recorder() {
   if (ring_size_ == 0) return;
   Registry& r = registry();
+  bool job;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    job = r.watchdog_started;
+  }
+  // Its newest calls stay for the exit record: a group closed before the
+  // process ends (the strategies in main) is still shown.
+  std::string calls = "[", member = "[";
+  if (job) {
+    append_json(calls, kExitCalls);
+    append_member_json(member);
+  }
   std::lock_guard<std::mutex> lock(r.mu);
   r.live.erase(std::remove(r.live.begin(), r.live.end(), this), r.live.end());
+  if (job) {
+    r.closed.emplace_back(calls.substr(1), member.substr(1));
+    if (r.closed.size() > kClosedGroups) r.closed.pop_front();
+  }
 }
 
 uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t count,
@@ -511,11 +560,12 @@ int64_t Recorder::last_gap_us() const {
   return last_gap_us_;
 }
 
-void Recorder::append_json(std::string& out) const {
+void Recorder::append_json(std::string& out, size_t newest) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (ring_size_ == 0 || next_seq_ == 0) return;
   const uint64_t n = ring_size_;
-  const uint64_t first = next_seq_ > n ? next_seq_ - n : 0;
+  const uint64_t keep = std::min<uint64_t>(n, newest);
+  const uint64_t first = next_seq_ > keep ? next_seq_ - keep : 0;
   char num[64];
   for (uint64_t s = first; s < next_seq_; ++s) {
     const Entry& e = ring_[s % n];
@@ -647,7 +697,10 @@ std::string dump_record(Trigger trigger, const std::string& reason, bool on_watc
     }
     std::string out;
     out.reserve(1 << 16);
-    static const char* const kTriggers[] = {"failure", "signal", "request", "peer"};
+    // An exit record never replaces a failure record of this process: that
+    // one shows where it waited.
+    if (trigger == Trigger::kExit && r.last_failure_dump_us >= 0) return std::string();
+    static const char* const kTriggers[] = {"failure", "signal", "request", "peer", "exit"};
     out += "{\"format\": \"diststrat-flight-record\", \"version\": 1, \"trigger\": \"";
     out += kTriggers[static_cast<int>(trigger)];
     out += "\",\n \"reason\": ";
@@ -664,9 +717,15 @@ std::string dump_record(Trigger trigger, const std::string& reason, bool on_watc
     json_text(out, job);
     out += "},\n \"dump_time_us\": " + std::to_string(now_us()) +
            ", \"epoch_unix_us\": " + std::to_string(epoch_unix_us()) + ",\n \"calls\": [";
-    for (const Recorder* rec : r.live) rec->append_json(out);
+    // An exit record is written by every process of every job that ends
+    // well, and a kept directory collects them: the newest calls say where
+    // the process left.
+    const bool at_exit = trigger == Trigger::kExit;
+    for (const Recorder* rec : r.live) rec->append_json(out, at_exit ? kExitCalls : SIZE_MAX);
+    for (size_t i = 0; at_exit && i < r.closed.size(); ++i) append_listed(out, r.closed[i].first);
     out += "\n ],\n \"members\": [";
     for (const Recorder* rec : r.live) rec->append_member_json(out);
+    for (size_t i = 0; at_exit && i < r.closed.size(); ++i) append_listed(out, r.closed[i].second);
     out += "\n ]\n}\n";
     make_directories(dir);
     path = dir + "/" + file_name(job, r.rank);
@@ -676,7 +735,10 @@ std::string dump_record(Trigger trigger, const std::string& reason, bool on_watc
       r.last_failure_path = path;
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "diststrat: the flight record was not written: %s\n", e.what());
+    // At a normal end there is nothing to act on: no word.
+    if (trigger != Trigger::kExit) {
+      std::fprintf(stderr, "diststrat: the flight record was not written: %s\n", e.what());
+    }
     return std::string();
   }
   return path;

@@ -77,15 +77,17 @@ std::string fit(const std::string& s, size_t width) {
   return s.substr(0, n) + "...";
 }
 
-std::string join_ints(const std::vector<int>& v, size_t cap) {
+std::string join_ints(const std::vector<int>& v, size_t cap, size_t total) {
+  total = std::max(total, v.size());
   std::string s;
   for (size_t i = 0; i < v.size() && i < cap; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  if (v.size() > cap) s += " and " + std::to_string(v.size() - cap) + " more";
+  const size_t shown = std::min(v.size(), cap);
+  if (total > shown) s += " and " + std::to_string(total - shown) + " more";
   return s;
 }
 
-std::string ranks_text(const std::vector<int>& v) {
-  return (v.size() == 1 ? "rank " : "ranks ") + join_ints(v);
+std::string ranks_text(const std::vector<int>& v, size_t total) {
+  return (std::max(total, v.size()) == 1 ? "rank " : "ranks ") + join_ints(v, 16, total);
 }
 
 std::string human_bytes(int64_t bytes) {

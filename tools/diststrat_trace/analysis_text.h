@@ -24,7 +24,9 @@ std::string variant_desc(const Call& c);
 // `s` (already escaped) in at most `width` bytes: cut with "..." at a
 // character boundary.
 std::string fit(const std::string& s, size_t width);
-std::string join_ints(const std::vector<int>& v, size_t cap = 16);
-std::string ranks_text(const std::vector<int>& v);
+// "1, 2, 3 and 7 more": at most `cap` of v; `total` (when larger than v)
+// counts ranks v leaves out.
+std::string join_ints(const std::vector<int>& v, size_t cap = 16, size_t total = 0);
+std::string ranks_text(const std::vector<int>& v, size_t total = 0);
 
 }  // namespace diststrat::trace

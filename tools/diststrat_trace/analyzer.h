@@ -60,11 +60,17 @@ struct Finding {
   // the most common first.
   std::vector<std::pair<Ref, std::vector<int>>> variants;
   // missing: the members that never entered `seq`; no record: the members
-  // without a dump; mismatch: the members outside the majority (empty when
-  // no call has a strict majority).
+  // without a dump (the first kExplained: see absent); mismatch: the
+  // members outside the majority (empty when no call has a strict
+  // majority).
   std::vector<int> ranks;
   std::vector<int> entered;  // no record: the members waiting in `seq`
-  std::vector<int> absent;   // members without a dump (whatever the kind)
+  // Members without a dump (whatever the kind): the first kExplained of
+  // them, and how many in all. A group's size is what a record claims, so
+  // nothing is allocated by it: 2^20 claimed ranks of which one left a
+  // record cost what one rank does.
+  std::vector<int> absent;
+  size_t absent_count = 0;
 };
 
 // What a member that never entered a call is doing instead.
@@ -72,10 +78,13 @@ struct Doing {
   // kUnknown: a member that made no call, in a process whose calls come
   // from several threads, none known to be its (an in-process group's
   // member no thread has used yet): any of them would be a guess.
-  enum Kind { kInCall, kCompute, kUnknown };
+  // kExited: nothing in flight in a record written as its process ended
+  // normally (trigger "exit"): it left, it does not compute.
+  enum Kind { kInCall, kCompute, kUnknown, kExited };
   Kind kind = kCompute;
-  const Call* call = nullptr;  // kInCall: the call it is in; kCompute: its last ended call
-  int64_t since_us = -1;       // -1 when the record does not say
+  // kInCall: the call it is in; kCompute, kExited: its last ended call
+  const Call* call = nullptr;
+  int64_t since_us = -1;  // -1 when the record does not say
 };
 
 using Signature = std::tuple<std::string, std::string, int64_t, std::string, std::string, int64_t>;
@@ -111,6 +120,7 @@ class Analyzer {
   int process_rank(const Group& g, int rank) const;
   std::string rank_label(const Group& g, int rank) const;
   std::string doing_phrase(const Group& g, const Doing& d) const;
+  std::string no_record_why(size_t n) const;
   std::string finding_line(const Group& g, const Finding& f, const std::vector<Doing>& doings,
                            int first) const;
   std::string link_line(const Node& n, int member) const;

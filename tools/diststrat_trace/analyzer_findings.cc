@@ -56,9 +56,14 @@ const Finding& Analyzer::finding(const Group& g) {
 
 Finding Analyzer::walk(const Group& g) const {
   Finding f;
-  for (int r = 0; r < g.size; ++r) {
-    if (!g.members.count(r)) f.absent.push_back(r);
+  // The ranks between members (every member's rank is below g.size).
+  int next = 0;
+  for (const auto& [r, m] : g.members) {
+    for (; next < r && f.absent.size() < kExplained; ++next) f.absent.push_back(next);
+    next = r + 1;
   }
+  for (; next < g.size && f.absent.size() < kExplained; ++next) f.absent.push_back(next);
+  f.absent_count = static_cast<size_t>(g.size) - g.members.size();
   int64_t lo = 0;
   std::vector<int64_t> newest;
   for (const auto& [r, m] : g.members) {
@@ -193,7 +198,7 @@ Doing Analyzer::doing(const Group& g, const Member& m) const {
     if (from >= 0) d.since_us = std::max<int64_t>(0, dump.dump_time_us - from);
     return d;
   }
-  d.kind = Doing::kCompute;
+  d.kind = dump.trigger == "exit" ? Doing::kExited : Doing::kCompute;
   d.call = ended_same ? ended_same : ended_any;
   if (d.call != nullptr && d.call->end_us >= 0) {
     d.since_us = std::max<int64_t>(0, dump.dump_time_us - d.call->end_us);

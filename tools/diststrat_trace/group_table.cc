@@ -78,18 +78,28 @@ std::string group_table(const std::vector<Dump>& dumps, size_t max_rows) {
         usual = k;
       }
     }
+    // Ranks without a record and rows that differ first, then the usual
+    // ones, by rank; only those shown are collected (the size is what a
+    // record claims: it allocates nothing).
+    auto unusual = [&](const Row& row) {
+      return std::make_pair(row.hi, static_cast<int>(dumps[row.dump].calls[row.newest].state)) !=
+             usual;
+    };
     std::vector<int> show;
     std::vector<int> plain;
-    for (int r = 0; r < size; ++r) {
-      const auto it = rows.find(r);
-      const bool unusual =
-          it == rows.end() ||
-          std::make_pair(it->second.hi,
-                         static_cast<int>(dumps[it->second.dump].calls[it->second.newest].state)) !=
-              usual;
-      (unusual ? show : plain).push_back(r);
+    int last_plain = 0;
+    int next = 0;
+    for (const auto& [r, row] : rows) {
+      for (; next < r && show.size() < max_rows; ++next) show.push_back(next);
+      next = r + 1;
+      if (unusual(row)) {
+        if (show.size() < max_rows) show.push_back(r);
+      } else {
+        if (plain.size() < max_rows) plain.push_back(r);
+        last_plain = r;
+      }
     }
-    if (show.size() > max_rows) show.resize(max_rows);
+    for (; next < size && show.size() < max_rows; ++next) show.push_back(next);
     for (size_t i = 0; i < plain.size() && show.size() < max_rows; ++i) show.push_back(plain[i]);
     std::sort(show.begin(), show.end());
     for (int r : show) {
@@ -121,7 +131,7 @@ std::string group_table(const std::vector<Dump>& dumps, size_t max_rows) {
     }
     if (show.size() < static_cast<size_t>(size)) {
       out += "  ... and " + std::to_string(size - show.size()) + " more ranks like rank " +
-             std::to_string(plain.empty() ? 0 : plain.back()) + "\n";
+             std::to_string(last_plain) + "\n";
     }
   }
   return out;

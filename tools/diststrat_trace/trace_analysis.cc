@@ -41,16 +41,38 @@ std::string Analyzer::doing_phrase(const Group& g, const Doing& d) const {
     }
     return s;
   }
+  const std::string last = d.call == nullptr ? std::string()
+                           : d.call->group == g.name
+                               ? kind_text(*d.call) + " #" + std::to_string(d.call->seq)
+                               : call_where(*d.call);
+  if (d.kind == Doing::kExited) {
+    // The record was written as the process exited normally (return from
+    // main, exit()), with no failure record of its own.
+    std::string s = "gone: its process exited normally (its record was written at exit";
+    if (d.call == nullptr) return s + "; no call of it has ended in the record)";
+    s += std::string("; its last call, ") + last + ", " + state_name(d.call->state);
+    if (d.since_us >= 0) s += " " + seconds(d.since_us) + " before";
+    return s + ")";
+  }
   std::string s = "in compute";
   if (d.since_us >= 0) s += " since " + seconds(d.since_us);
   if (d.call == nullptr) return s + " (no call of it has ended in the record)";
-  const std::string last = d.call->group == g.name
-                               ? kind_text(*d.call) + " #" + std::to_string(d.call->seq)
-                               : call_where(*d.call);
   const std::string state = state_name(d.call->state);
   s += " (its last call, " + last + ", " + state + (d.since_us >= 0 ? " then" : "");
   if (!d.call->error.empty()) s += ": " + echo_text(d.call->error, 80);
   return s + ")";
+}
+
+// Why `n` members may have left no record. A record written at a normal
+// exit shows the groups its process closed last, not every one.
+std::string Analyzer::no_record_why(size_t n) const {
+  std::string s = n == 1 ? "its process" : "their processes";
+  size_t exits = 0;
+  for (const Dump& d : dumps_) exits += d.trigger == "exit";
+  if (exits == 0) return s + " died, or could not write";
+  return s + " died, could not write, or exited normally long after closing this group: " +
+         std::to_string(exits) + (exits == 1 ? " record here was" : " records here were") +
+         " written at a normal exit, which shows only the groups closed last";
 }
 
 // The finding as one line; for a missing finding the member `first` is
@@ -94,9 +116,8 @@ std::string Analyzer::finding_line(const Group& g, const Finding& f,
       return s;
     }
     case Finding::kNoRecord: {
-      std::string s = ranks_text(f.ranks) + " of " + group_text(g.name) + " left no record (" +
-                      (f.ranks.size() == 1 ? "its process" : "their processes") +
-                      " died, or could not write)";
+      std::string s = ranks_text(f.ranks, f.absent_count) + " of " + group_text(g.name) +
+                      " left no record (" + no_record_why(f.absent_count) + ")";
       if (f.has_ref) {
         s += "; " + ranks_text(f.entered) + (f.entered.size() == 1 ? " waits" : " wait") + " in " +
              call_desc(call(f.ref));
@@ -189,7 +210,7 @@ Verdict Analyzer::run(int files_skipped) {
     }
     nodes[q].doings = doings_of(g, f);
     for (size_t i = 0; i < nodes[q].doings.size(); ++i) {
-      if (nodes[q].doings[i].kind == Doing::kCompute) {
+      if (nodes[q].doings[i].kind == Doing::kCompute || nodes[q].doings[i].kind == Doing::kExited) {
         root = static_cast<int>(q);
         root_member = f.ranks[i];
         break;
@@ -267,6 +288,7 @@ Verdict Analyzer::run(int files_skipped) {
       const Doing& d = n.doings[i];
       v.culprit_state = d.kind == Doing::kCompute  ? "compute"
                         : d.kind == Doing::kInCall ? "in_call"
+                        : d.kind == Doing::kExited ? "exited"
                                                    : "unknown";
       if (d.kind == Doing::kInCall) v.culprit_call = call_where(*d.call);
       break;
@@ -299,10 +321,9 @@ Verdict Analyzer::run(int files_skipped) {
     const Finding& nf = findings_.at(node.group->name);
     if (nf.kind == Finding::kNoRecord || nf.absent.empty()) continue;
     absent = true;
-    v.details.push_back("also: " + ranks_text(nf.absent) + " of " + group_text(node.group->name) +
-                        " left no record (" +
-                        (nf.absent.size() == 1 ? "its process" : "their processes") +
-                        " died, or could not write)");
+    v.details.push_back("also: " + ranks_text(nf.absent, nf.absent_count) + " of " +
+                        group_text(node.group->name) + " left no record (" +
+                        no_record_why(nf.absent_count) + ")");
   }
   for (const Node& node : nodes) {
     const std::set<int>& sizes = node.group->sizes;
