@@ -26,8 +26,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <utility>
 #include <thread>
+#include <utility>
 
 #include <dirent.h>
 #include <execinfo.h>
