@@ -134,7 +134,8 @@ struct Registry {
   // In a process of a job: the newest calls (JSON) and the member entry of
   // the groups closed last, for the exit record.
   std::deque<std::pair<std::string, std::string>> closed;
-  bool exiting = false;  // write_exit_record has run
+  bool exiting = false;    // write_exit_record has run
+  pid_t watchdog_pid = 0;  // the process that started the watchdog
   int rank = -1, size = 0;
   std::string job, checkpoint_dir;
   bool job_set = false;
@@ -259,6 +260,8 @@ void write_exit_record() {
     // From now on the watchdog answers no peer: a process lingering in its
     // exit (MPI_Finalize) is not stuck, and its record stays the exit one.
     std::lock_guard<std::mutex> lock(r.mu);
+    // A forked child that exits is not the rank: the record is its parent's.
+    if (r.watchdog_pid != ::getpid()) return;
     r.exiting = true;
   }
   dump_record(Trigger::kExit, "the process exited normally", /*on_watchdog=*/false);
@@ -392,6 +395,7 @@ void watchdog_main() {
 void start_watchdog_locked(Registry& r) {
   if (r.watchdog_started || job_of(r).empty()) return;
   r.watchdog_started = true;
+  r.watchdog_pid = ::getpid();
   std::atexit(write_exit_record);
   read_environment_locked(r);
   r.exit_on_peer_failure = exit_after_peer_failure();  // a bad value is said now

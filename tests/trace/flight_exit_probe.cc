@@ -4,7 +4,12 @@
 //   flight_exit_probe _exit    ends by _Exit: no record
 //   flight_exit_probe failure  writes a failure record, then returns: the
 //                              failure record stays
+//   flight_exit_probe fork     a forked child exits (no record of its own),
+//                              then the process returns: its exit record
 // tests/trace/flight_exit_cell.sh checks the records.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -31,5 +36,11 @@ int main(int argc, char** argv) {
   }
   if (mode == "_exit") std::_Exit(0);
   if (mode == "failure") fl::dump(fl::Trigger::kFailure, "a failure");
+  if (mode == "fork") {
+    const pid_t child = ::fork();
+    if (child == 0) std::exit(0);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+  }
   return 0;
 }
