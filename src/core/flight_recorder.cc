@@ -136,6 +136,9 @@ struct Registry {
   std::deque<std::pair<std::string, std::string>> closed;
   bool exiting = false;    // write_exit_record has run
   pid_t watchdog_pid = 0;  // the process that started the watchdog
+  // A call of this process failed (a record was asked for its own failure,
+  // not only a peer's). Guarded by dump_mu.
+  bool own_failure = false;
   int rank = -1, size = 0;
   std::string job, checkpoint_dir;
   bool job_set = false;
@@ -695,15 +698,20 @@ std::string dump_record(Trigger trigger, const std::string& reason, bool on_watc
   std::string path, dir;
   try {
     dir = on_watchdog ? watched_directory() : directory();
+    // A failure of its own, also one whose record the episode's first record
+    // stands for (a rank answered as a peer, then failing in its next call).
+    if (trigger == Trigger::kFailure) r.own_failure = true;
     if (failure && r.last_failure_dump_us >= 0 && now_us() - r.last_failure_dump_us < kEpisodeUs &&
         fs::directory_of(r.last_failure_path) == dir) {
       return r.last_failure_path;
     }
     std::string out;
     out.reserve(1 << 16);
-    // An exit record never replaces a failure record of this process: that
-    // one shows where it waited.
-    if (trigger == Trigger::kExit && r.last_failure_dump_us >= 0) return std::string();
+    // An exit record never replaces a record of this process's own failure:
+    // that one shows where it waited. It does replace a peer record: a
+    // process that went on to exit normally (the peer record may have caught
+    // it closing its groups) was not stuck.
+    if (trigger == Trigger::kExit && r.own_failure) return std::string();
     static const char* const kTriggers[] = {"failure", "signal", "request", "peer", "exit"};
     out += "{\"format\": \"diststrat-flight-record\", \"version\": 1, \"trigger\": \"";
     out += kTriggers[static_cast<int>(trigger)];
