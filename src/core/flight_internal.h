@@ -4,9 +4,14 @@
 // flight_record_file.cc, the watchdog in flight_watchdog.cc.
 #pragma once
 
+#include <sys/types.h>
+
+#include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/file_util.h"
@@ -19,6 +24,10 @@ namespace detail {
 // Failures within this long of the last record written for one are the
 // same episode (see Registry::last_failure_dump_us).
 constexpr int64_t kEpisodeUs = 10 * 1000 * 1000;
+// Calls per group in an exit record (Trigger::kExit), and how many closed
+// groups it shows.
+constexpr size_t kExitCalls = 16;
+constexpr size_t kClosedGroups = 64;
 
 // The wall clock (microseconds since 1970) at this process's recorder epoch.
 int64_t epoch_unix_us();
@@ -31,6 +40,14 @@ void json_text(std::string& out, const std::string& s);
 struct Registry {
   std::mutex mu;  // guards everything below
   std::vector<Recorder*> live;
+  // In a process of a job: the newest calls (JSON) and the member entry of
+  // the groups closed last, for the exit record.
+  std::deque<std::pair<std::string, std::string>> closed;
+  bool exiting = false;    // write_exit_record has run
+  pid_t watchdog_pid = 0;  // the process that started the watchdog
+  // A call of this process failed (a record was asked for its own failure,
+  // not only a peer's). Guarded by dump_mu.
+  bool own_failure = false;
   int rank = -1, size = 0;
   std::string job, checkpoint_dir;
   bool job_set = false;
@@ -88,6 +105,10 @@ int open_directory(const Place& dir, bool create);
 std::string nonce_field(uint64_t nonce);
 
 std::string dump_record(Trigger trigger, const std::string& reason, bool on_watchdog);
+// At a normal end of a process of a job (return from main, exit()): a
+// record that says so, so that a rank that finished its loop is not taken
+// for one that died. Not after a failure record of its own (dump_record).
+void write_exit_record();
 // Starts the watchdog thread once the process belongs to a job.
 void start_watchdog_locked(Registry& r);
 

@@ -188,6 +188,26 @@ std::string nonce_field(uint64_t nonce) {
   return buf;
 }
 
+// `items` (JSON objects, comma-separated) into a list that `out` is writing.
+void append_listed(std::string& out, const std::string& items) {
+  if (items.empty()) return;
+  if (out.back() != '[') out += ',';
+  out += items;
+}
+
+void write_exit_record() {
+  Registry& r = registry();
+  {
+    // From now on the watchdog answers no peer: a process lingering in its
+    // exit (MPI_Finalize) is not stuck, and its record stays the exit one.
+    std::lock_guard<std::mutex> lock(r.mu);
+    // A forked child that exits is not the rank: the record is its parent's.
+    if (r.watchdog_pid != ::getpid()) return;
+    r.exiting = true;
+  }
+  dump_record(Trigger::kExit, "the process exited normally", /*on_watchdog=*/false);
+}
+
 std::string dump_record(Trigger trigger, const std::string& reason, bool on_watchdog) {
   if (capacity() == 0) return std::string();
   Registry& r = registry();
@@ -203,13 +223,21 @@ std::string dump_record(Trigger trigger, const std::string& reason, bool on_watc
       read_environment_locked(r);
       dir = directory_locked(r);
     }
+    // A failure of its own, also one whose record the episode's first record
+    // stands for (a rank answered as a peer, then failing in its next call).
+    if (trigger == Trigger::kFailure) r.own_failure = true;
     if (failure && r.last_failure_dump_us >= 0 && now_us() - r.last_failure_dump_us < kEpisodeUs &&
         fs::directory_of(r.last_failure_path) == dir.path) {
       return r.last_failure_path;
     }
     std::string out;
     out.reserve(1 << 16);
-    static const char* const kTriggers[] = {"failure", "signal", "request", "peer"};
+    // An exit record never replaces a record of this process's own failure:
+    // that one shows where it waited. It does replace a peer record: a
+    // process that went on to exit normally (the peer record may have caught
+    // it closing its groups) was not stuck.
+    if (trigger == Trigger::kExit && r.own_failure) return std::string();
+    static const char* const kTriggers[] = {"failure", "signal", "request", "peer", "exit"};
     out += "{\"format\": \"diststrat-flight-record\", \"version\": 1, \"trigger\": \"";
     out += kTriggers[static_cast<int>(trigger)];
     out += '"';
@@ -234,9 +262,15 @@ std::string dump_record(Trigger trigger, const std::string& reason, bool on_watc
     json_text(out, job);
     out += "},\n \"dump_time_us\": " + std::to_string(now_us()) +
            ", \"epoch_unix_us\": " + std::to_string(epoch_unix_us()) + ",\n \"calls\": [";
-    for (const Recorder* rec : r.live) rec->append_json(out);
+    // An exit record is written by every process of every job that ends
+    // well, and a kept directory collects them: the newest calls say where
+    // the process left.
+    const bool at_exit = trigger == Trigger::kExit;
+    for (const Recorder* rec : r.live) rec->append_json(out, at_exit ? kExitCalls : SIZE_MAX);
+    for (size_t i = 0; at_exit && i < r.closed.size(); ++i) append_listed(out, r.closed[i].first);
     out += "\n ],\n \"members\": [";
     for (const Recorder* rec : r.live) rec->append_member_json(out);
+    for (size_t i = 0; at_exit && i < r.closed.size(); ++i) append_listed(out, r.closed[i].second);
     out += "\n ]\n}\n";
     const fs::Fd dfd(open_directory(dir, /*create=*/true));
     const std::string name = file_name(job, r.rank);
@@ -247,7 +281,10 @@ std::string dump_record(Trigger trigger, const std::string& reason, bool on_watc
       r.last_failure_path = path;
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "diststrat: the flight record was not written: %s\n", e.what());
+    // At a normal end there is nothing to act on: no word.
+    if (trigger != Trigger::kExit) {
+      std::fprintf(stderr, "diststrat: the flight record was not written: %s\n", e.what());
+    }
     return std::string();
   }
   return path;

@@ -153,8 +153,24 @@ Recorder::Recorder(std::string group, int group_rank, int group_size)
 Recorder::~Recorder() {
   if (ring_size_ == 0) return;
   Registry& r = registry();
+  bool job;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    job = r.watchdog_started;
+  }
+  // Its newest calls stay for the exit record: a group closed before the
+  // process ends (the strategies in main) is still shown.
+  std::string calls = "[", member = "[";
+  if (job) {
+    append_json(calls, detail::kExitCalls);
+    append_member_json(member);
+  }
   std::lock_guard<std::mutex> lock(r.mu);
   r.live.erase(std::remove(r.live.begin(), r.live.end(), this), r.live.end());
+  if (job) {
+    r.closed.emplace_back(calls.substr(1), member.substr(1));
+    if (r.closed.size() > detail::kClosedGroups) r.closed.pop_front();
+  }
 }
 
 uint64_t Recorder::begin(const char* kind, const std::string& name, uint64_t count,
@@ -235,11 +251,12 @@ int64_t Recorder::last_gap_us() const {
   return last_gap_us_;
 }
 
-void Recorder::append_json(std::string& out) const {
+void Recorder::append_json(std::string& out, size_t newest) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (ring_size_ == 0 || next_seq_ == 0) return;
   const uint64_t n = ring_size_;
-  const uint64_t first = next_seq_ > n ? next_seq_ - n : 0;
+  const uint64_t keep = std::min<uint64_t>(n, newest);
+  const uint64_t first = next_seq_ > keep ? next_seq_ - keep : 0;
   char num[64];
   for (uint64_t s = first; s < next_seq_; ++s) {
     const Entry& e = ring_[s % n];

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -30,8 +31,12 @@ enum class State : uint8_t { kQueued, kStarted, kCompleted, kFailed, kAborted };
 const char* state_name(State s);
 
 // Why a record is written; "failure" dumps make the job's other processes
-// write theirs (their watchdog), the others do not.
-enum class Trigger { kFailure, kSignal, kRequest, kPeer };
+// write theirs (their watchdog), the others do not. kExit: a process of a
+// job exits normally (return from main, exit()) without a failure record
+// of its own: the record (the newest calls of its groups, also of those it
+// closed) says it ended, so that a rank that finished its loop is not taken
+// for one that died.
+enum class Trigger { kFailure, kSignal, kRequest, kPeer, kExit };
 
 // Microseconds since this process's recorder clock started (steady).
 int64_t now_us();
@@ -63,9 +68,9 @@ class Recorder {
   // group name gets a "#rN" suffix (N = resets so far).
   void restart();
 
-  // The retained calls as JSON objects, oldest first, each preceded by a
-  // comma unless `out` ends with '['.
-  void append_json(std::string& out) const;
+  // The retained calls (at most the `newest` ones) as JSON objects, oldest
+  // first, each preceded by a comma unless `out` ends with '['.
+  void append_json(std::string& out, size_t newest = SIZE_MAX) const;
   // This member as a JSON object (group, group_rank, group_size, thread of
   // its creation), likewise: a member with no call yet is still known.
   void append_member_json(std::string& out) const;

@@ -92,6 +92,7 @@ void peer_file(int dfd, const std::string& name, const std::string& prefix,
   }
   {
     std::lock_guard<std::mutex> lock(r.mu);
+    if (r.exiting) return;
     const int64_t now = now_us();
     // One answer per burst (every rank of a failed collective dumps).
     if (r.last_peer_dump_us >= 0 && now - r.last_peer_dump_us < 2000000) return;
@@ -215,6 +216,8 @@ void watchdog_main() {
 void start_watchdog_locked(Registry& r) {
   if (r.watchdog_started || job_of(r).empty()) return;
   r.watchdog_started = true;
+  r.watchdog_pid = ::getpid();
+  std::atexit(write_exit_record);
   read_environment_locked(r);
   r.exit_on_peer_failure = exit_after_peer_failure();  // a bad value is said now
   if (::pipe2(r.signal_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {

@@ -52,6 +52,7 @@ struct SimProcess {
   std::string reason = "deadline exceeded";
   int64_t dump_time_us = 0;
   int64_t epoch_unix_us = 1764750000000000;
+  std::string trigger;  // written when not empty
   std::vector<SimCall> calls;
   // Members the process declares (group, group rank, group size, thread).
   struct Member {
@@ -99,6 +100,7 @@ inline json to_json(const SimProcess& p) {
             {"dump_time_us", p.dump_time_us},
             {"epoch_unix_us", p.epoch_unix_us},
             {"calls", calls}};
+  if (!p.trigger.empty()) j["trigger"] = p.trigger;
   if (!p.members.empty()) {
     json members = json::array();
     for (const SimProcess::Member& m : p.members) {

@@ -5,6 +5,8 @@
 //   flight_mpi compute     rank 1 computes 4 s before step_3 (deadline 1 s)
 //   flight_mpi other_group rank 3 waits in a barrier of a second group for
 //                          ranks that wait in the first group's step_3
+//   flight_mpi exit        rank 2 finishes its loop before step_3 and exits
+//                          normally (its record: trigger exit)
 //   flight_mpi KIND CULPRIT STEP   the same with another culprit and step
 //                          (tests/trace/random_hangs.sh)
 //   flight_mpi straggler STEPS SLOW_RANK
@@ -52,6 +54,7 @@ int hang(const std::string& kind, int culprit, int step) {
   for (int s = 0; s < step + 3; ++s) {
     const std::string name = "step_" + std::to_string(s);
     if (kind == "skip" && me && s == step) continue;
+    if (kind == "exit" && me && s == step) return 0;
     if (kind == "compute" && me && s == step) std::this_thread::sleep_for(std::chrono::seconds(4));
     if (kind == "other_group" && me && s == step) second.barrier("sync");
     if (kind == "different" && me && s == step) {

@@ -4,7 +4,7 @@
 # through its watchdog when a peer failed), and `diststrat-trace analyze`
 # must name the culprit:
 #   flight_mpi_cell.sh MPIEXEC PROGRAM TRACE_TOOL KIND
-# KIND: skip | different | compute | other_group | straggler | clean
+# KIND: skip | different | compute | other_group | exit | straggler | clean
 set -u
 mpiexec=$1 program=$2 tool=$3 kind=$4
 dir=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_flight_mpi_XXXXXX")
@@ -17,6 +17,7 @@ case $kind in
   skip) want="^ranks disagree at all_reduce #3 of group 'world': ranks 0, 1, 2 have all_reduce 'step_3' .*, rank 3 has all_reduce 'step_4'" ;;
   different) want="^ranks disagree at all_reduce #2 of group 'world': ranks 0, 1, 3 have all_reduce 'step_2' .*, rank 2 has broadcast 'step_2'" ;;
   compute) want="^rank 1 never entered all_reduce #3 \('step_3', 1 KB\) of group 'world': it is in compute since [0-9.]+ s" ;;
+  exit) want="^rank 2 never entered all_reduce #3 \('step_3', 1 KB\) of group 'world': it is gone: its process exited normally" ;;
   other_group) want="^rank 3 never entered all_reduce #3 \('step_3', 1 KB\) of group 'world': it is in barrier #1 of group 'world.1'" ;;
   straggler)
     out=$(run straggler 120 2)

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "core/user_text.h"
@@ -149,6 +150,31 @@ std::string parse_error_reason(const std::string& what) {
   return echo_text(r, 80);
 }
 
+// The byte at which arrays and objects nest deeper than kMaxNesting, or -1.
+// Counts brackets outside strings: where the text is not JSON the parser
+// stops at that point anyway.
+int64_t too_deep_at(const std::string& text) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxNesting) return static_cast<int64_t>(i);
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return -1;
+}
+
 bool all_space(const std::string& s) {
   return std::all_of(s.begin(), s.end(),
                      [](char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; });
@@ -177,6 +203,9 @@ std::string read_file(const std::string& path, std::string* text) {
   }
   if (why.empty()) {
     text->clear();
+    // One allocation of the size read (at most kMaxFileBytes), not doubling
+    // growth up to twice the file.
+    text->reserve(static_cast<size_t>(st.st_size) + 1);
     char buf[1 << 16];
     for (;;) {
       const ssize_t n = ::read(fd, buf, sizeof buf);
@@ -318,6 +347,12 @@ bool parse_dump(const std::string& text, Dump* out, std::string* why) {
     *why = text.empty() ? "empty file" : "no JSON in it (only white space)";
     return false;
   }
+  const int64_t deep = too_deep_at(text);
+  if (deep >= 0) {
+    *why = "not a flight record (arrays and objects nested more than " +
+           std::to_string(kMaxNesting) + " deep, at byte " + std::to_string(deep) + ")";
+    return false;
+  }
   json j;
   try {
     j = json::parse(text);
@@ -432,6 +467,32 @@ void keep_newest_job(LoadResult* r) {
   r->dumps = std::move(kept);
 }
 
+// The groups of one process's threads (InProcessGroup: in-process#N, the
+// GPU replicas' gpu-local#N) are numbered by a counter of that process:
+// every process has its own in-process#0. With records of several
+// processes, each such group is named after its process, so that two
+// processes' groups are neither taken for copies of one participant nor
+// merged into one group.
+void key_local_groups(LoadResult* r) {
+  auto local = [](const std::string& g) {
+    return g.rfind("in-process#", 0) == 0 || g.rfind("gpu-local#", 0) == 0;
+  };
+  std::set<std::tuple<std::string, int64_t, int>> processes;
+  for (const Dump& d : r->dumps) processes.emplace(d.host, d.pid, d.rank);
+  if (processes.size() < 2) return;
+  for (Dump& d : r->dumps) {
+    const std::string of = d.rank >= 0 ? " of process " + std::to_string(d.rank) + " (pid " +
+                                             std::to_string(d.pid) + ")"
+                                       : " of pid " + std::to_string(d.pid);
+    for (Call& c : d.calls) {
+      if (local(c.group)) c.group += of;
+    }
+    for (MemberDecl& m : d.members) {
+      if (local(m.group)) m.group += of;
+    }
+  }
+}
+
 }  // namespace
 
 LoadResult load_dir(const std::string& dir) {
@@ -468,6 +529,7 @@ LoadResult load_dir(const std::string& dir) {
     }
   }
   keep_newest_job(&r);
+  key_local_groups(&r);
   resolve_duplicates(&r);
   if (r.dumps.empty()) {
     r.error = "no usable flight record in '" + echo_text(dir, 200) + "' (" +

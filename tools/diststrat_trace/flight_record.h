@@ -35,6 +35,16 @@ constexpr int64_t kMaxValue = int64_t{1} << 60;
 // Larger files are skipped unread: a ring buffer of calls is far smaller, and
 // the parsed JSON takes about ten times the file in memory.
 constexpr int64_t kMaxFileBytes = int64_t{256} << 20;
+// Arrays and objects nest at most this deep: a record nests 4 deep (the
+// record, calls, a call, its waiting_on). Deeper files are refused before
+// they are parsed: parsed nesting takes about 20 times its text, and
+// freeing it allocates again.
+constexpr int kMaxNesting = 32;
+// The bound on the tool's memory (docs/flight_recorder.md): at most this
+// many bytes per byte of the largest file (the parsed form of one file at a
+// time), plus as many per byte of all usable records together (what is kept
+// of them and the analysis), whatever the files claim.
+constexpr size_t kMemoryPerFileByte = 32;
 
 // One recorded collective call. Times are microseconds on the dumping
 // process's clock, -1 when the call did not reach that point.
@@ -80,7 +90,10 @@ struct Dump {
   int64_t pid = 0;
   std::string job;       // process.job (optional): the job the process belongs to
   bool has_job = false;  // process.job present ("" = a process of no job: its own)
-  std::string trigger;   // failure | peer | signal | request (optional)
+  // failure | peer | signal | request | exit (optional). exit: written as
+  // the process closed its last group normally (no exception in flight, no
+  // failure of its own): it ended, it does not compute.
+  std::string trigger;
   std::string reason;
   int64_t dump_time_us = 0;
   int64_t epoch_unix_us = 0;  // only for lining up a merged trace
@@ -116,6 +129,9 @@ struct LoadResult {
 // newer record of it (higher newest seq; on a tie, the later dump of the
 // same process; then the first file by name) is used, and a file all of
 // whose participants another file records better is skipped as a duplicate.
+// With records of several processes, each process's own groups
+// (in-process#N, gpu-local#N) are named after it: "in-process#0 of process
+// 2 (pid 873)".
 LoadResult load_dir(const std::string& dir);
 
 // `s` as messages quote it: control characters escaped, at most `max_bytes`

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "chrome_trace.h"
@@ -117,7 +118,9 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     return run(argc, argv);
-  } catch (const std::exception& e) {  // out of memory on a giant record
+  } catch (const std::bad_alloc&) {  // the last resort: the reader bounds what it holds
+    std::fprintf(stderr, "diststrat-trace: out of memory\n");
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "diststrat-trace: %s\n", e.what());
   } catch (...) {
     std::fprintf(stderr, "diststrat-trace: unknown error\n");

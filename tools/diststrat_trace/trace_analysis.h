@@ -41,7 +41,8 @@ struct Verdict {
   int culprit_rank = -1;          // group rank in `group`; -1 when none or ambiguous
   int culprit_process_rank = -1;  // its process rank; -1 when unknown
   // "mismatch", "compute", "in_call" (waits in another call: see
-  // culprit_call), "no_record", "unknown" (a member no thread of its
+  // culprit_call), "exited" (its process ended normally: its record was
+  // written at exit), "no_record", "unknown" (a member no thread of its
   // process is known to drive), or "" (no divergence).
   std::string culprit_state;
   std::string culprit_call;  // in_call: "broadcast #88 of group 'ps'"
