@@ -365,7 +365,7 @@ class ParameterServerModel {
 //   ds::CheckpointManager manager(ckpt, dir);
 //   if (manager.restore_latest()) step = state.apply();   // resume
 //   for (; step < steps; ++step) {                        // train; every N steps:
-//     train_step(step);
+//     train_step(dist.batch(step % dist.num_batches()));  // the data position: docs/torch.md
 //     if ((step + 1) % every == 0) { state.capture(step + 1); manager.save(step + 1); }
 //   }
 //   ```

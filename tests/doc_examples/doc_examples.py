@@ -21,8 +21,11 @@ The convention (CONTRIBUTING.md, "Code examples in docs and headers"):
                         it uses MPI itself).
     gpu                 needs a GPU: compiled, never run here (said so).
     norun               compiled only (needs what a test cannot give: a store,
-                        a Slurm step, a PS job; or its prelude takes
-                        parameters). Say why beside the fence.
+                        a Slurm step, a PS job); the prelude's comment says
+                        why. A prelude with `// @params:` is compiled only.
+    args=A,B            a run with arguments A B; several args= tags: several
+                        runs, in order, in the same working directory (a
+                        program that resumes from what the run before left).
 
 Examples of one kind (with or without torch) are compiled in ONE translation
 unit, each in a namespace of its own with its includes hoisted to the top and
@@ -46,7 +49,7 @@ import subprocess
 import sys
 import time
 
-KNOWN_TAGS = {"fragment", "torch", "mpi", "gpu", "norun"}
+KNOWN_TAGS = {"fragment", "torch", "mpi", "gpu", "norun", "args"}
 RUN_TIMEOUT_S = 120  # one example's run (mpirun included); a hang is a failure
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRELUDES = os.path.join(HERE, "preludes")
@@ -168,7 +171,8 @@ def collect(src):
         examples += scan(rel, text, errors)
     for e in examples:
         bad = [t for t in e.tags if t.split("=", 1)[0] not in KNOWN_TAGS
-               or (t.startswith("fragment=") and not t[len("fragment="):])]
+               or (t.startswith("fragment=") and not t[len("fragment="):])
+               or (t.startswith("args") and not t.startswith("args="))]
         if bad:
             errors.append("%s: unknown tag(s) %s (known: %s)" % (e.where, " ".join(bad),
                                                                  ", ".join(sorted(KNOWN_TAGS))))
@@ -347,12 +351,22 @@ def main_run(args):
     failed = 0
     for exe, items in (("doc_examples", runnable), ("doc_examples_torch", runnable_torch)):
         for ns, e in items:
+            if e.has("mpi") and not args.mpiexec:
+                skipped.append((e, "compiled; not run: needs mpirun (this build found none)"))
+                continue
             cwd = os.path.join(work, "run", ns)
             os.makedirs(cwd)
-            cmd = [os.path.join(build, exe), ns]
-            if e.has("mpi"):
-                cmd = [args.mpiexec, "-np", "2"] + cmd
-            rc, out, dt = run_cmd(cmd, cwd=cwd, env=env, timeout=RUN_TIMEOUT_S)
+            runs = [t[len("args="):].split(",") if t != "args=" else []
+                    for t in e.tags if t.startswith("args=")] or [[]]
+            dt = 0.0
+            for argv in runs:
+                cmd = [os.path.join(build, exe), ns] + argv
+                if e.has("mpi"):
+                    cmd = [args.mpiexec, "-np", "2", "--oversubscribe", "--bind-to", "none"] + cmd
+                rc, out, t = run_cmd(cmd, cwd=cwd, env=env, timeout=RUN_TIMEOUT_S)
+                dt += t
+                if rc != 0:
+                    break
             if rc == 0:
                 print("ok      %-40s %5.1f s  %s" % (e.where, dt, " ".join(e.tags)))
             else:
@@ -371,8 +385,9 @@ def main_run(args):
                 "norun" if e.has("norun") else "its prelude takes parameters")))
     for e, why in skipped:
         print("skip    %-40s %s" % (e.where, why))
-    print("%d examples: %d ran, %d failed, %d compiled or skipped (%.1f s)" % (
-        len(examples), len(runnable) + len(runnable_torch), failed, len(skipped),
+    print("%d examples: %d ran, %d failed, %d compiled only or skipped (%.1f s)" % (
+        len(examples), len(runnable) + len(runnable_torch) - sum(
+            1 for e, _ in skipped if id(e) in ran), failed, len(skipped),
         time.monotonic() - t_start))
     return 1 if failed else 0
 
@@ -387,7 +402,7 @@ def main():
     r.add_argument("prefix")
     r.add_argument("work")
     r.add_argument("--torch", action="store_true")
-    r.add_argument("--mpiexec", default="mpirun")
+    r.add_argument("--mpiexec", default="", help="run the mpi examples with it (none: skip them)")
     r.add_argument("--cmake", default="cmake")
     args = p.parse_args()
     return main_check(args) if args.cmd == "check" else main_run(args)

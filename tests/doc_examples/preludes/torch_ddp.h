@@ -1,8 +1,8 @@
 // Prelude "torch_ddp": a DistributedDataParallel `ddp` of `Net` (see
 // "torch_net") over a two-CPU MirroredStrategy `strategy`, one SGD per
-// replica in `opt` (`opt0`, `opt1` name them), `dir` ("ckpts"), `steps` (4),
-// `every` (2), `step` (0) and train_step(step), one real step on 128
-// Fashion-MNIST rows.
+// replica in `opt` (`opt0`, `opt1` name them), `dist` (512 Fashion-MNIST
+// rows, global batch 128), `epochs` (2), `dir` ("ckpts"), `steps` (4),
+// `every` (2), `step` (0) and train_step(batch), one real step.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -34,10 +34,10 @@ for (int i = 0; i < ddp.num_local_replicas(); ++i)
 [[maybe_unused]] const std::string dir = "ckpts";
 [[maybe_unused]] const int64_t steps = 4, every = 2;
 [[maybe_unused]] int64_t step = 0;
-ds::Dataset data = ds::load_mnist_split(ds::kFashionMnistDir, "train", 128);
+[[maybe_unused]] const int64_t epochs = 2;
+ds::Dataset data = ds::load_mnist_split(ds::kFashionMnistDir, "train", 512);
 ds::DistributedDataset dist = strategy.distribute(data, /*global_batch=*/128);
-[[maybe_unused]] auto train_step = [&](int64_t) {
-  ds::DistributedBatch batch = dist.batch(0);
+[[maybe_unused]] auto train_step = [&](const ds::DistributedBatch& batch) {
   strategy.run([&](ds::ReplicaContext& ctx) {
     at::Tensor x = dt::to_torch(batch.features(ctx));
     at::Tensor y = dt::to_torch(batch.labels(ctx)).to(torch::kLong);
