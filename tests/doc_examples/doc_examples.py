@@ -45,6 +45,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -285,14 +286,19 @@ def generate(examples, kind_torch, out_path):
 
 
 def run_cmd(cmd, cwd=None, env=None, timeout=None):
+    """-> (exit status or None on timeout, output, seconds). On timeout the
+    whole process group goes (mpirun's ranks too), not only the command."""
     t0 = time.monotonic()
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, timeout=timeout)
-        return p.returncode, p.stdout.decode(errors="replace"), time.monotonic() - t0
-    except subprocess.TimeoutExpired as t:
-        out = (t.stdout or b"").decode(errors="replace")
-        return None, out, time.monotonic() - t0
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        rc = None
+    return rc, out.decode(errors="replace"), time.monotonic() - t0
 
 
 def main_check(args):
@@ -337,7 +343,7 @@ def main_run(args):
     print("configured against %s (%.1f s)" % (args.prefix, dt))
     rc, out, dt = run_cmd([args.cmake, "--build", build, "-j2"], timeout=600)
     if rc != 0:
-        print(out)
+        print(out[:30000])
         print("FAILED: an example does not compile (the errors above name the file and line) "
               "(%.1f s)" % dt)
         return 1
@@ -393,6 +399,7 @@ def main_run(args):
 
 
 def main():
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines as they come, under ctest -V
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check")
