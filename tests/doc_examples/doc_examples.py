@@ -223,7 +223,7 @@ def generate(examples, kind_torch, out_path):
         includes.append("#include <diststrat/torch.h>")
     parts, runnable = [], []
     for n, e in enumerate(examples):
-        ns = "doc_example_%d" % n
+        ns = "%s_%d" % ("doc_torch_example" if kind_torch else "doc_example", n)
         code = []
         for l in e.code:
             if l.lstrip().startswith("#include"):
@@ -318,6 +318,8 @@ def main_run(args):
         for e in errors:
             print("error: " + e)
         return 1
+    if args.only:  # while working on some: `--only 'torch'` builds and runs those alone
+        examples = [e for e in examples if re.search(args.only, e.where)]
     work = os.path.abspath(args.work)
     shutil.rmtree(work, ignore_errors=True)
     gen = os.path.join(work, "src")
@@ -329,10 +331,11 @@ def main_run(args):
         skipped += [(e, "needs LibTorch (this package was built without diststrat::torch)")
                     for e in torch]
         torch = []
-    runnable = generate(plain, False, os.path.join(gen, "doc_examples.cc"))
+    runnable = generate(plain, False, os.path.join(gen, "doc_examples.cc"))  # possibly empty
     runnable_torch = generate(torch, True, os.path.join(gen, "doc_examples_torch.cc")) if torch else []
     shutil.copy(os.path.join(HERE, "project", "CMakeLists.txt"), gen)
     build = os.path.join(work, "build")
+    args.prefix = os.path.abspath(args.prefix)
     cfg = [args.cmake, "-S", gen, "-B", build, "-DCMAKE_PREFIX_PATH=" + args.prefix,
            "-DDOC_EXAMPLES_TORCH=" + ("ON" if torch else "OFF")]
     rc, out, dt = run_cmd(cfg, timeout=300)
@@ -371,6 +374,8 @@ def main_run(args):
                     cmd = [args.mpiexec, "-np", "2", "--oversubscribe", "--bind-to", "none"] + cmd
                 rc, out, t = run_cmd(cmd, cwd=cwd, env=env, timeout=RUN_TIMEOUT_S)
                 dt += t
+                with open(os.path.join(cwd, "output.txt"), "a", encoding="utf-8") as f:
+                    f.write("$ %s\n%s" % (" ".join(cmd), out))
                 if rc != 0:
                     break
             if rc == 0:
@@ -378,7 +383,13 @@ def main_run(args):
             else:
                 failed += 1
                 why = "timed out after %d s" % RUN_TIMEOUT_S if rc is None else "exit status %d" % rc
-                print(out.rstrip()[-4000:])
+                # What a reader needs is near the start (the exception's what())
+                # and at the end; the whole output is in the example's directory.
+                lines = out.rstrip().split("\n")
+                if len(lines) > 40:
+                    lines = lines[:20] + ["[... %d lines: %s ...]" % (
+                        len(lines) - 40, os.path.join(cwd, "output.txt"))] + lines[-20:]
+                print("\n".join(l[:300] for l in lines))
                 print("FAILED  %-40s %5.1f s  %s: %s" % (e.where, dt, " ".join(e.tags), why))
     ran = {id(e) for _, e in runnable + runnable_torch}
     for e in examples:
@@ -411,6 +422,7 @@ def main():
     r.add_argument("--torch", action="store_true")
     r.add_argument("--mpiexec", default="", help="run the mpi examples with it (none: skip them)")
     r.add_argument("--cmake", default="cmake")
+    r.add_argument("--only", default="", help="a regex: only the examples whose file:line match")
     args = p.parse_args()
     return main_check(args) if args.cmd == "check" else main_run(args)
 
