@@ -33,7 +33,7 @@
 //     ds::PerReplica<float> loss = strategy.run([&](ds::ReplicaContext& ctx) {
 //       auto& model = ddp.module(ctx);               // this replica's module
 //       at::Tensor x = dt::to_torch(batch.features(ctx));     // zero-copy
-//       at::Tensor y = dt::to_torch(batch.labels(ctx)).to(torch::kLong);  // int32; losses want int64
+//       at::Tensor y = dt::to_torch(batch.labels(ctx)).to(torch::kLong);  // int32 -> int64
 //       torch::optim::SGD& o = *opt[ctx.local_replica_id()];
 //       o.zero_grad();
 //       at::Tensor l = torch::nll_loss(model->as<Net>()->forward(x), y);  // mean over x's rows
