@@ -4,13 +4,15 @@
 // Communicators built over a point-to-point transport (MPI, the in-process
 // transport) then call the function for every all_reduce.
 //
+//   ```cpp fragment
 //   auto registry = std::make_shared<diststrat::AlgorithmRegistry>();
 //   registry->add("naive", [](diststrat::PeerChannel& ch, void* data, size_t count,
-//                             diststrat::DType dtype, diststrat::ReduceOp op) { ... });
+//                             diststrat::DType dtype, diststrat::ReduceOp op) { /* ... */ });
 //   diststrat::CommunicationOptions opts;
 //   opts.algorithm = diststrat::Algorithm::kCustom;
 //   opts.custom_algorithm = "naive";
 //   opts.algorithm_registry = registry;
+//   ```
 //
 // A registry is an ordinary object (no process-wide state): add() all
 // algorithms before communicators use it; find() is then safe from any thread.

@@ -3,12 +3,14 @@
 // format (https://github.com/huggingface/safetensors), so Python's
 // `safetensors`, PyTorch and others open our files and we open theirs.
 //
+//   ```cpp fragment=loop
 //   ds::Checkpoint ckpt(strategy, {&opt});
-//   ds::CheckpointManager manager(ckpt, "/ckpt", {/*max_to_keep=*/3});
+//   ds::CheckpointManager manager(ckpt, "ckpt", {/*max_to_keep=*/3});
 //   if (auto md = manager.restore_latest())
 //     epoch = ds::metadata_int(*md, "epoch", 0, 1000000, *manager.restored_path());
-//   ...
+//   // ... train ...
 //   manager.save(step, {{"epoch", std::to_string(epoch)}});
+//   ```
 //
 // Under ParameterServerStrategy every PS rank writes its own shard file and
 // the chief an index, last (docs/parameter_server.md); load_checkpoint reads

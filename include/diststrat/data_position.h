@@ -3,6 +3,7 @@
 // the very next batch (the same rows, in the same order), or is told why it
 // cannot.
 //
+//   ```cpp fragment=loop_manager
 //   ds::DataPosition pos;                      // epoch 0, batch 0, step 0
 //   if (auto md = manager.restore_latest())
 //     pos = ds::restore_data_position(dist, *md, *manager.restored_path(),
@@ -10,11 +11,12 @@
 //   for (; pos.epoch < epochs; ++pos.epoch, pos.batch = 0) {
 //     dist.set_epoch(pos.epoch);
 //     for (; pos.batch < dist.num_batches(); ) {
-//       ... run dist.batch(pos.batch) ...
+//       train_step(dist.batch(pos.batch));     // strategy.run over the batch
 //       ++pos.batch; ++pos.step;
 //       manager.save(pos.step, ds::data_position_metadata(dist, pos));
 //     }
 //   }
+//   ```
 //
 // Not thread-safe with changes of `data`; no communication.
 #pragma once

@@ -5,12 +5,14 @@
 // to its strategies (MirroredOptions::device_manager); strategies that share
 // GPUs share one manager.
 //
+//   ```cpp fragment=unqualified gpu
 //   auto dm = std::make_shared<DeviceManager>();
 //   dm->set_logical_device_configuration(0, {{2ull << 30}, {2ull << 30}});  // 2 logical GPUs
 //   MirroredOptions o;
 //   o.devices = {Device::gpu(0), Device::gpu(1)};   // logical indices
 //   o.device_manager = dm;
 //   MirroredStrategy strategy(o);
+//   ```
 //
 // Lifecycle: configuration calls (set_*) are allowed until the manager is
 // initialized, which happens on the first list_logical_devices(), allocate()

@@ -2,11 +2,12 @@
 // when workers die and takes in workers that join, without restarting any
 // process, without losing or repeating a sample (docs/elastic.md).
 //
+//   ```cpp fragment=elastic norun
 //   ds::MultiWorkerOptions o;
 //   o.elastic.rendezvous = "redis://store:6379/job1";
 //   o.elastic.min_workers = 2;
 //   ds::MultiWorkerMirroredStrategy strategy(o);  // waits for a group
-//   ... create variables, the optimizer, the distributed dataset ...
+//   // ... create variables, the optimizer, the distributed dataset ...
 //   ds::ElasticState state(strategy, {&opt});
 //   state.run([&](ds::ElasticState& s) {
 //     ds::DataPosition& pos = s.position;  // where this (re)start begins
@@ -18,6 +19,7 @@
 //       }
 //     }
 //   });
+//   ```
 //
 // What happens:
 //  - Commit: at the start of every Strategy::run inside ElasticState::run the
@@ -107,11 +109,13 @@ class ElasticState {
   // committed state (the job's first group, or one whose workers are all
   // new), after the group agreed on its starting values and before train:
   // restore a checkpoint here and set `position` from it, e.g.
+  //   ```cpp fragment=elastic_state norun
   //   state.on_fresh_group([&](ds::ElasticState& s) {
   //     ds::CheckpointManager manager(checkpoint, dir);  // collective: made here
   //     if (auto md = manager.restore_latest())
   //       s.position = ds::restore_data_position(dist, *md, *manager.restored_path());
   //   });
+  //   ```
   // Collective (every worker of the group calls it at the same point), in
   // cross-replica context; called again if the group breaks before its
   // first commit. Tracked state (track) is restored after it. A group with a

@@ -2,7 +2,9 @@
 // at one chosen step of Strategy::run, so tests can check that the other
 // ranks end within their deadline with an error naming the rank and step.
 //
+//   ```cpp fragment=unqualified
 //   strategy.set_fault_injection(FaultInjection::parse("throw:1:5"));
+//   ```
 //   DISTSTRAT_FAULT=stall:0:3 ./train ...        (read by every strategy's constructor)
 //
 // "rank" is the replica id (ReplicaContext::replica_id(), the worker index

@@ -2,9 +2,11 @@
 // per host or several per host, launched by mpirun), each with one or more
 // local devices; every variable is mirrored on every device of every process.
 //
+//   ```cpp fragment mpi
 //   // mpirun -np 2 ./train
 //   ds::MultiWorkerMirroredStrategy strategy;          // cluster from mpirun / TF_CONFIG
-//   ... the same loop as under MirroredStrategy ...
+//   // ... the same loop as under MirroredStrategy ...
+//   ```
 //
 // - num_replicas_in_sync() = local devices summed over the workers.
 // - create_variable broadcasts the chief's (worker 0's) initial value to every

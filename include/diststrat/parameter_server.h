@@ -11,9 +11,11 @@
 // gradient push as it arrives; the PS process's main thread calls join() and
 // exits when the workers are done:
 //
+//   ```cpp fragment=ps norun
 //   ds::ParameterServerStrategy strategy(options);
 //   if (strategy.is_ps()) { strategy.join(); return 0; }
-//   ... training loop written against Strategy& ...
+//   // ... training loop written against Strategy& ...
+//   ```
 //
 // Without a multi-process launcher (or with one process) the PS ranks run as
 // threads of this process, so the same program works unchanged. A job of
@@ -233,10 +235,12 @@ class ParameterServerStrategy : public Strategy, public CheckpointParticipant {
   // this worker's replicas. For a job-wide figure, every worker adds its
   // share to a metric on PS 0 and any worker reads the totals:
   //
+  //   ```cpp fragment=ps_metric norun
   //   // each replica returns float64 {its loss sum, its rows}
   //   const Tensor t = strategy.reduce(ReduceOp::kSum, per_replica);
   //   ps.add_to_metric("train/loss", t.data<double>()[0], t.data<double>()[1]);  // every worker
   //   double mean = ps.read_metric("train/loss").mean();   // any worker, any time
+  //   ```
   //
   // (examples/fashion_mnist and benchmarks/train_bench print their loss so.)
 

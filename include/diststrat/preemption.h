@@ -26,8 +26,13 @@ struct PreemptionOptions {
 // TensorFlow's PreemptionCheckpointHandler: catches the preemption signal and
 // lets the training loop stop at a step boundary that every process agrees on.
 //
+//   ```cpp fragment=preemption
 //   ds::PreemptionHandler preemption(strategy);
-//   for (...) { step(); if (preemption.should_stop(step)) { manager.save(step, md); return 0; } }
+//   for (int64_t step = 0; step < kSteps; ++step) {
+//     train_one_step(step);
+//     if (preemption.should_stop(step)) { manager.save(step, md); return 0; }
+//   }
+//   ```
 //
 // The signal handler only sets a flag (async-signal-safe); the flag is per
 // process (signals are), shared by every PreemptionHandler alive. The

@@ -1,10 +1,12 @@
 // A process group: one Communicator for the whole job, made and used outside
 // any strategy (what c10d::ProcessGroup is to LibTorch programs).
 //
+//   ```cpp fragment=process_group mpi
 //   // mpirun -np 4 ./train
 //   ds::ProcessGroup pg;                          // collective: every process constructs it
 //   ds::broadcast_tensors(pg, params, 0, names);  // the chief's values on every rank
 //   pg.all_reduce(grad, ds::ReduceOp::kMean, "fc/grad");
+//   ```
 //
 // - Who is in it: the cluster of resolve_cluster (diststrat/cluster.h), the
 //   same resolution MultiWorkerMirroredStrategy uses: an explicit ClusterSpec

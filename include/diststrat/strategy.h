@@ -2,16 +2,20 @@
 // unchanged under every strategy (mirrored, multi-worker, central storage,
 // parameter server).
 //
+//   ```cpp fragment=unqualified
 //   Variable w = strategy.create_variable("dense/kernel", {784, 256}, DType::kFloat32,
 //                                         init::GlorotUniform{1});
 //   for (const auto& batch : strategy.distribute(dataset, 256)) {
 //     PerReplica<float> loss = strategy.run([&](ReplicaContext& ctx) {
-//       ... forward/backward on batch.features(ctx) ...
+//       // your model: forward/backward on batch.features(ctx)
+//       auto [grad_w, local_loss] = forward_backward(w.read(ctx), batch.features(ctx),
+//                                                    batch.labels(ctx));
 //       optimizer.apply_gradients(ctx, {{grad_w, w}});
 //       return local_loss;
 //     });
 //     float mean = strategy.reduce(ReduceOp::kSum, loss);
 //   }
+//   ```
 //
 // Rules for every call below:
 //  - Contexts: a call is made either in cross-replica context (the thread that

@@ -21,6 +21,7 @@
 //  - Thread safety: to_diststrat, to_torch, torch_device and module(int) are
 //    thread-safe; TrainingState is not thread-safe with Strategy::run.
 //
+//   ```cpp fragment=torch_net torch mpi
 //   namespace ds = diststrat; namespace dt = diststrat::libtorch;
 //   ds::MultiWorkerMirroredStrategy strategy;          // or Mirrored / CentralStorage
 //   auto net = std::make_shared<Net>();                 // a torch::nn::Cloneable<Net>
@@ -32,7 +33,7 @@
 //     ds::PerReplica<float> loss = strategy.run([&](ds::ReplicaContext& ctx) {
 //       auto& model = ddp.module(ctx);               // this replica's module
 //       at::Tensor x = dt::to_torch(batch.features(ctx));     // zero-copy
-//       at::Tensor y = dt::to_torch(batch.labels(ctx));
+//       at::Tensor y = dt::to_torch(batch.labels(ctx)).to(torch::kLong);  // int32 -> int64
 //       torch::optim::SGD& o = *opt[ctx.local_replica_id()];
 //       o.zero_grad();
 //       at::Tensor l = torch::nll_loss(model->as<Net>()->forward(x), y);  // mean over x's rows
@@ -41,6 +42,7 @@
 //       return x.size(0) ? l.item<float>() : 0.0f;
 //     });
 //   }
+//   ```
 //
 // Strategies: MultiWorkerMirroredStrategy (gradients go through its fusion
 // engine, overlapped with backward), MirroredStrategy and
@@ -273,6 +275,7 @@ class DistributedDataParallel {
 
 // A torch::nn::Module trained by parameter servers. Worker side:
 //
+//   ```cpp fragment=torch_ps torch norun
 //   ds::ParameterServerStrategy strategy(options);
 //   if (strategy.is_ps()) { strategy.join(); return 0; }
 //   ds::SGD sgd(strategy, {.learning_rate = 0.05f});       // applied on the PS ranks
@@ -281,9 +284,10 @@ class DistributedDataParallel {
 //     auto& m = model.module(ctx);                    // parameters = the pulled cache
 //     auto rows = model.gather_rows(ctx, "emb.weight", ids);   // row-sparse pull
 //     at::Tensor e = torch::embedding(rows.rows, rows.index);
-//     ... loss (mean over this replica's rows) ...
+//     at::Tensor loss = loss_of(e, y);                // mean over this replica's rows
 //     model.backward(ctx, loss, rows_here, batch.global_size());  // pushes, no wait
 //   });
+//   ```
 //
 // Each dense parameter (requires_grad, by its named_parameters() name) is a PS
 // variable; the worker's replicas' module parameters are views of the
@@ -355,11 +359,16 @@ class ParameterServerModel {
 //                               for parameter p (it creates it lazily)
 //   "<prefix>torch/step"        int64 [1]: the step passed to capture()
 //
+//   ```cpp fragment=torch_ddp torch
 //   dt::TrainingState state(ddp, {opt0.get(), opt1.get()});   // collective
 //   ds::Checkpoint ckpt(strategy);
 //   ds::CheckpointManager manager(ckpt, dir);
 //   if (manager.restore_latest()) step = state.apply();   // resume
-//   ... train; every N steps: state.capture(step); manager.save(step);
+//   for (; step < steps; ++step) {                        // train; every N steps:
+//     train_step(dist.batch(step % dist.num_batches()));  // the data position: docs/torch.md
+//     if ((step + 1) % every == 0) { state.capture(step + 1); manager.save(step + 1); }
+//   }
+//   ```
 //
 // The variables are created with trainable = false (no diststrat optimizer
 // touches them) through Strategy::create_variable, so every process creates
@@ -388,9 +397,11 @@ class TrainingState {
   // before each commit) and put back (apply()) after a failure or when the
   // state comes from a member, so a joiner's module and optimizer start from
   // the group's. Call before state.run(); this object must outlive the run.
+  //   ```cpp fragment=torch_elastic torch norun
   //   dt::TrainingState ts(ddp, {opt0.get()});
   //   ds::ElasticState state(strategy);
   //   ts.track(state);
+  //   ```
   void track(ElasticState& state);
   // The variables, in creation order.
   const std::vector<Variable>& variables() const { return variables_; }
