@@ -214,10 +214,14 @@ struct ElasticState::Impl {
   std::vector<std::function<std::vector<std::pair<std::string, std::string>>()>>
       agreements;  // agree_on()
   // What the members compare when a group forms besides the data: every
-  // optimizer's configuration() (what the first apply_gradients compares)
-  // and the agree_on() settings.
+  // optimizer's configuration() (what the first apply_gradients compares),
+  // the strategy's options that every step's call signature compares, and
+  // the agree_on() settings.
   std::vector<std::pair<std::string, std::string>> settings() const {
     std::vector<std::pair<std::string, std::string>> f;
+    f.emplace_back("shard_optimizer_state", m.options.shard_optimizer_state ? "true" : "false");
+    f.emplace_back("communication.compression",
+                   std::to_string(static_cast<int>(m.options.communication.compression)));
     f.emplace_back("optimizers", std::to_string(optimizers.size()));
     for (size_t i = 0; i < optimizers.size(); ++i) {
       for (auto& [k, v] : optimizers[i]->configuration())

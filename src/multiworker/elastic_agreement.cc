@@ -1,9 +1,10 @@
 // What the members of an elastic group agree on when it forms, before it
 // trains (ElasticState::run, after the steps are gathered): the data every
 // member distributed (rows, global batch, seed, options and a digest of the
-// features and labels) and the optimizers' configuration (the fields the
-// first apply_gradients compares, plus settings added with
-// ElasticState::agree_on: a LibTorch optimizer's). A joiner with other data,
+// features and labels), the optimizers' configuration (the fields the first
+// apply_gradients compares), the strategy options every step's call
+// signature compares (shard_optimizer_state, compression), and settings
+// added with ElasticState::agree_on (a LibTorch optimizer's). A joiner with other data,
 // or another learning rate, is told here and leaves; the group re-forms
 // without it. Checked later, at the first apply_gradients, a differing
 // learning rate failed every member of the group at once.
@@ -207,11 +208,12 @@ void agree_on_settings(MultiWorkerMirroredStrategy::Impl& m, const std::vector<i
   const std::vector<std::string> opt = differing(mine, theirs, "");
   if (!opt.empty()) {
     throw InvalidArgumentError(
-        me + " configures its optimizers otherwise than worker '" + ref_name +
+        me + " is configured otherwise than worker '" + ref_name +
         "', whose settings the group keeps: " +
         settings_difference(opt, mine, theirs, "here", "there") +
-        "; every worker must configure its optimizers alike (the same learning rate, schedule, "
-        "momentum, clipping, loss scaling and accumulation), set before ElasticState::run");
+        "; every worker must configure its optimizers and the strategy alike (the same learning "
+        "rate, schedule, momentum, clipping, loss scaling, accumulation, shard_optimizer_state "
+        "and compression), set before ElasticState::run");
   }
   // Another member differs: the others leave the group and re-form without
   // it (it has left with its own error).
@@ -223,7 +225,7 @@ void agree_on_settings(MultiWorkerMirroredStrategy::Impl& m, const std::vector<i
     const std::vector<std::string> d = differing(other, theirs, kData);
     throw AbortedError(
         who +
-        (d.empty() ? "configures its optimizers otherwise than the group: " +
+        (d.empty() ? "is configured otherwise than the group: " +
                          settings_difference(differing(other, theirs, ""), other, theirs,
                                              "there", "here")
                    : "distributes other data than the group: " + data_difference(d) + " (" +

@@ -14,8 +14,8 @@ struct DatasetDigest {
   uint64_t labels = 0;
 };
 
-// Reads every byte once (several GB/s; it runs once per distribute() of an
-// elastic strategy). The same in every process and build of one byte order.
+// Reads every byte once (it runs once per distribute() of an elastic
+// strategy: 0.3 s for 188 MB on a busy 2-core machine). The same in every process and build of one byte order.
 // Tensors on a GPU are digested by dtype and shape only.
 DatasetDigest dataset_digest(const Dataset& dataset);
 

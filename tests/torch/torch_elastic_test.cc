@@ -134,7 +134,7 @@ TEST(TorchElastic, AJoinerWithOtherOptimizerOptionsLeavesBeforeItIsAdmitted) {
           train_worker(id, cues, lr ? 0.5 : em::kLr, lr ? em::kMomentum : 0.5);
         },
         &group);
-    EXPECT_NE(error.find("configures its optimizers otherwise"), std::string::npos) << error;
+    EXPECT_NE(error.find("is configured otherwise"), std::string::npos) << error;
     EXPECT_NE(error.find(lr ? "'torch optimizer.param_groups[0].lr' is 0.5 here"
                             : "'torch optimizer.param_groups[0].momentum' is 0.5 here"),
               std::string::npos)
