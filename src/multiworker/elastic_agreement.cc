@@ -84,7 +84,8 @@ std::vector<std::string> differing(const Settings& mine, const Settings& theirs,
   auto consider = [&](const std::string& k) {
     if (k.compare(0, prefix.size(), prefix) != 0) return;
     if (std::find(names.begin(), names.end(), k) != names.end()) return;
-    const bool in_mine = std::any_of(mine.begin(), mine.end(), [&](auto& f) { return f.first == k; });
+    const bool in_mine =
+        std::any_of(mine.begin(), mine.end(), [&](auto& f) { return f.first == k; });
     const bool in_theirs =
         std::any_of(theirs.begin(), theirs.end(), [&](auto& f) { return f.first == k; });
     if (in_mine != in_theirs || value_of(mine, k) != value_of(theirs, k)) names.push_back(k);
@@ -162,8 +163,8 @@ void agree_on_settings(MultiWorkerMirroredStrategy::Impl& m, const std::vector<i
       [&](Communicator& c) {
         c.all_gather(&length, lengths.data(), 1, DType::kInt64, "elastic/settings bytes");
         const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
-        DISTSTRAT_CHECK(longest >= 0 && longest < (int64_t{1} << 30), kDataLoss, "rank ",
-                        m.rank(), ": elastic settings of ", longest, " bytes");
+        DISTSTRAT_CHECK(longest >= 0 && longest < (int64_t{1} << 30), kDataLoss, "rank ", m.rank(),
+                        ": elastic settings of ", longest, " bytes");
         const size_t words = static_cast<size_t>(longest + 7) / 8;
         std::vector<int64_t> padded(words, 0);
         std::memcpy(padded.data(), text.data(), text.size());
@@ -200,8 +201,8 @@ void agree_on_settings(MultiWorkerMirroredStrategy::Impl& m, const std::vector<i
   if (!data.empty()) {
     throw InvalidArgumentError(
         me + " distributes other data than worker '" + ref_name +
-        "', whose settings the group keeps: " + data_difference(data) + " (" +
-        describe_data(mine) + " against " + describe_data(theirs) +
+        "', whose settings the group keeps: " + data_difference(data) + " (" + describe_data(mine) +
+        " against " + describe_data(theirs) +
         "); every worker must split the same rows into the same global batches (the same "
         "dataset, features and labels alike, global batch, seed and options)");
   }
@@ -225,11 +226,11 @@ void agree_on_settings(MultiWorkerMirroredStrategy::Impl& m, const std::vector<i
     const std::vector<std::string> d = differing(other, theirs, kData);
     throw AbortedError(
         who +
-        (d.empty() ? "is configured otherwise than the group: " +
-                         settings_difference(differing(other, theirs, ""), other, theirs,
-                                             "there", "here")
-                   : "distributes other data than the group: " + data_difference(d) + " (" +
-                         describe_data(other) + " against " + describe_data(theirs) + ")") +
+        (d.empty()
+             ? "is configured otherwise than the group: " +
+                   settings_difference(differing(other, theirs, ""), other, theirs, "there", "here")
+             : "distributes other data than the group: " + data_difference(d) + " (" +
+                   describe_data(other) + " against " + describe_data(theirs) + ")") +
         "; it leaves, and the group re-forms without it");
   }
 }

@@ -106,8 +106,8 @@ std::vector<std::pair<std::string, std::string>> hyperparameters(torch::optim::O
     f.emplace_back(p + "params", std::to_string(g.params().size()));
     auto adam_like = [&](auto& a) {
       f.emplace_back(p + "lr", number(a.lr()));
-      f.emplace_back(p + "betas", number(std::get<0>(a.betas())) + "," +
-                                      number(std::get<1>(a.betas())));
+      f.emplace_back(p + "betas",
+                     number(std::get<0>(a.betas())) + "," + number(std::get<1>(a.betas())));
       f.emplace_back(p + "eps", number(a.eps()));
       f.emplace_back(p + "weight_decay", number(a.weight_decay()));
       f.emplace_back(p + "amsgrad", a.amsgrad() ? "true" : "false");

@@ -106,7 +106,8 @@ TEST(TorchElastic, DdpSurvivesADeathAndAJoinerGetsTheModuleAndOptimizerState) {
   std::vector<es::Outcome> survivors;
   es::Outcome od;
   es::kill_then_join<es::Outcome>(
-      dir.path(), [](const std::string& id, const es::Cues& cues) { return train_worker(id, cues); },
+      dir.path(),
+      [](const std::string& id, const es::Cues& cues) { return train_worker(id, cues); },
       &survivors, &od);
   if (::testing::Test::HasFatalFailure()) return;
   const std::vector<float> ref = em::reference(kRows, kBatch, kEpochs);
@@ -129,7 +130,8 @@ TEST(TorchElastic, AJoinerWithOtherOptimizerOptionsLeavesBeforeItIsAdmitted) {
     diststrat_test::TempDir dir(lr ? "torch_elastic_lr" : "torch_elastic_momentum");
     std::vector<es::Outcome> group;
     const std::string error = es::refused_joiner<es::Outcome>(
-        dir.path(), [](const std::string& id, const es::Cues& cues) { return train_worker(id, cues); },
+        dir.path(),
+        [](const std::string& id, const es::Cues& cues) { return train_worker(id, cues); },
         [&](const std::string& id, const es::Cues& cues) {
           train_worker(id, cues, lr ? 0.5 : em::kLr, lr ? em::kMomentum : 0.5);
         },
