@@ -359,9 +359,9 @@ TEST(ElasticTraining, AJoinerWithOtherLabelsOrFeaturesOfTheSameSizeLeaves) {
 
 // A joiner with another learning rate (issue 43: admitted, and then every
 // worker failed at the first apply_gradients, 'learning_rate' of replica(s)
-// 2 differs), another momentum, or another clipping of its second optimizer
-// is refused before it is admitted, naming the field and both values; the
-// group trains on.
+// 2 differs), another momentum, another clipping of its second optimizer, or
+// ZeRO-1 where the group has none is refused before it is admitted, naming
+// the field and both values; the group trains on.
 TEST(ElasticTraining, AJoinerWithOtherOptimizerSettingsLeavesBeforeItIsAdmitted) {
   if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
   Plan lr;
@@ -377,6 +377,13 @@ TEST(ElasticTraining, AJoinerWithOtherOptimizerSettingsLeavesBeforeItIsAdmitted)
   clipping.counter_clipping = 1.0f;
   error = joiner_is_refused("elastic_clipping", clipping);
   EXPECT_NE(error.find("'optimizers[1].clipping'"), std::string::npos) << error;
+  // A strategy option every step's call signature compares.
+  Plan zero;
+  zero.zero_adam = true;
+  error = joiner_is_refused("elastic_zero", zero);
+  EXPECT_NE(error.find("'shard_optimizer_state' is true here against false there"),
+            std::string::npos)
+      << error;
 }
 
 // Durations given in code are checked like DISTSTRAT_TIMEOUT: > 0 and at most
