@@ -59,6 +59,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "diststrat/data_position.h"
@@ -130,6 +131,20 @@ class ElasticState {
   // variables were put back to the last commit or received from a member,
   // and copies them out again. Both run in cross-replica context.
   void track(std::function<void()> capture, std::function<void()> restore);
+
+  // Settings every worker of a group must share, as (name, value) pairs
+  // (libtorch::TrainingState::track adds its optimizers' hyper-parameters).
+  // run() compares them whenever a group forms, before it trains, together
+  // with the data every worker distributed (rows, global batch, seed,
+  // options, and a digest of the features and labels) and the
+  // configuration() of the optimizers given to the constructor (what the
+  // first apply_gradients compares: learning rate, schedule, momentum ...,
+  // clipping, loss scaling, accumulation; set them before run()). A worker
+  // whose values differ from the group's leaves run() with
+  // InvalidArgumentError naming the first such setting and both values,
+  // before it is admitted; the others re-form without it. `settings` runs
+  // on the thread that calls run().
+  void agree_on(std::function<std::vector<std::pair<std::string, std::string>>()> settings);
 
   // Runs train(*this) until it returns, re-forming the group after each
   // membership change as described above. Collective. Throws what train

@@ -169,7 +169,7 @@ class MultiWorkerMirroredStrategy : public Strategy {
   void inject_corruption(ReplicaContext& ctx, int64_t step) override;
   void place_variable(Variable::Impl& var, const Initializer& init) override;
   bool replicas_may_change() const override;
-  void note_distributed(int64_t rows, int64_t global_batch,
+  void note_distributed(const Dataset& dataset, int64_t global_batch,
                         const DistributeOptions& options) override;
   double reduce_across(ReduceOp op, const std::vector<double>& local) override;
   Tensor reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& local) override;

@@ -314,11 +314,12 @@ class Strategy {
   // replicas of the moment, asking num_replicas_in_sync() and
   // first_local_replica() at every batch().
   virtual bool replicas_may_change() const { return false; }
-  // distribute() made a dataset of `rows` rows split into global batches of
-  // `global_batch` (an elastic strategy checks that its workers agree).
-  virtual void note_distributed(int64_t rows, int64_t global_batch,
+  // distribute() split `dataset` into global batches of `global_batch` (an
+  // elastic strategy checks that its workers agree: rows, batch, options and
+  // content).
+  virtual void note_distributed(const Dataset& dataset, int64_t global_batch,
                                 const DistributeOptions& options) {
-    (void)rows, (void)global_batch, (void)options;
+    (void)dataset, (void)global_batch, (void)options;
   }
   // Variable access the Variable handle forwards to. Sync-on-read variables
   // (kOnRead) are aggregated and assigned by the Variable handle itself

@@ -397,6 +397,11 @@ class TrainingState {
   // before each commit) and put back (apply()) after a failure or when the
   // state comes from a member, so a joiner's module and optimizer start from
   // the group's. Call before state.run(); this object must outlive the run.
+  // The optimizer's hyper-parameters as they are at this call (every param
+  // group's lr, momentum, dampening, weight_decay, nesterov; Adam's and
+  // AdamW's lr, betas, eps, weight_decay, amsgrad) are compared whenever a
+  // group forms (ElasticState::agree_on): a joiner configured otherwise
+  // leaves before it is admitted, naming the setting.
   //   ```cpp fragment=torch_elastic torch norun
   //   dt::TrainingState ts(ddp, {opt0.get()});
   //   ds::ElasticState state(strategy);

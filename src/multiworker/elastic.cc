@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -224,6 +223,27 @@ struct ElasticState::Impl {
   std::vector<std::function<void(const MembershipChange&)>> callbacks;
   std::vector<std::function<void(ElasticState&)>> fresh_group;  // on_fresh_group()
   std::vector<std::function<void()>> captures, restores;        // track()
+  std::vector<std::function<std::vector<std::pair<std::string, std::string>>()>>
+      agreements;  // agree_on()
+  // What the members compare when a group forms besides the data: every
+  // optimizer's configuration() (what the first apply_gradients compares),
+  // the strategy's options that every step's call signature compares, and
+  // the agree_on() settings.
+  std::vector<std::pair<std::string, std::string>> settings() const {
+    std::vector<std::pair<std::string, std::string>> f;
+    f.emplace_back("shard_optimizer_state", m.options.shard_optimizer_state ? "true" : "false");
+    f.emplace_back("communication.compression",
+                   std::to_string(static_cast<int>(m.options.communication.compression)));
+    f.emplace_back("optimizers", std::to_string(optimizers.size()));
+    for (size_t i = 0; i < optimizers.size(); ++i) {
+      for (auto& [k, v] : optimizers[i]->configuration())
+        f.emplace_back("optimizers[" + std::to_string(i) + "]." + k, std::move(v));
+    }
+    for (const auto& fn : agreements) {
+      for (auto& kv : fn()) f.push_back(std::move(kv));
+    }
+    return f;
+  }
   void capture() const {
     for (const auto& fn : captures) fn();
   }
@@ -266,6 +286,12 @@ void ElasticState::track(std::function<void()> capture, std::function<void()> re
                   "ElasticState::track: both functions must be given");
   impl_->captures.push_back(std::move(capture));
   impl_->restores.push_back(std::move(restore));
+}
+
+void ElasticState::agree_on(
+    std::function<std::vector<std::pair<std::string, std::string>>()> settings) {
+  DISTSTRAT_CHECK(settings != nullptr, kInvalidArgument, "ElasticState::agree_on: no function");
+  impl_->agreements.push_back(std::move(settings));
 }
 
 int64_t ElasticState::membership_changes() const { return impl_->changes; }
@@ -340,31 +366,6 @@ std::vector<char> encode_state(const std::vector<std::pair<std::string, Tensor>>
                                   /*allow_non_finite=*/true);
 }
 
-// What a worker distributed (ElasticRuntime::datasets) as one fixed record:
-// how many datasets, the first one's rows, global batch, seed and flags, and
-// a hash of them all.
-using DataRecord = std::array<int64_t, 6>;
-DataRecord data_record(const std::vector<std::array<int64_t, 4>>& datasets) {
-  DataRecord r{static_cast<int64_t>(datasets.size()), 0, 0, 0, 0, 0};
-  if (!datasets.empty()) std::copy(datasets[0].begin(), datasets[0].end(), r.begin() + 1);
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over every value
-  for (const auto& d : datasets) {
-    for (int64_t v : d) {
-      h ^= static_cast<uint64_t>(v);
-      h *= 1099511628211ull;
-    }
-  }
-  r[5] = static_cast<int64_t>(h);
-  return r;
-}
-std::string describe_data(const DataRecord& r) {
-  if (r[0] == 0) return "no distributed dataset";
-  return std::to_string(r[0]) + " distributed dataset(s), the first of " + std::to_string(r[1]) +
-         " rows in global batches of " + std::to_string(r[2]) + " (seed " + std::to_string(r[3]) +
-         ", shuffle " + ((r[4] & 1) ? "on" : "off") + ", drop_remainder " +
-         ((r[4] & 2) ? "on" : "off") + ")";
-}
-
 }  // namespace
 
 void ElasticState::run(const std::function<void(ElasticState&)>& train) {
@@ -400,59 +401,12 @@ void ElasticState::run(const std::function<void(ElasticState&)>& train) {
           static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
       const bool same = std::all_of(steps.begin(), steps.end(),
                                     [&](int64_t v) { return v == steps[0] && v >= 0; });
-      if (n > 1) {
-        // Every member must split the same rows into the same global
-        // batches: one with another dataset, batch or seed would train on
-        // other rows, and the numbers would be silently wrong. A member that
-        // differs from the one whose state the group takes leaves with the
-        // error; the others re-form without it.
-        const DataRecord mine_data = data_record(e.datasets);
-        std::vector<int64_t> all(mine_data.size() * static_cast<size_t>(n));
-        m.engine->run(
-            [&](Communicator& c) {
-              c.all_gather(mine_data.data(), all.data(), mine_data.size(), DType::kInt64,
-                           "elastic/datasets");
-            },
-            "elastic data agreement");
-        auto record_of = [&](int r) {
-          DataRecord x;
-          std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(x.size()) * r, x.size(), x.begin());
-          return x;
-        };
-        // The reference: the member whose state the group takes; in a group
-        // that has no state yet, the settings most members have (then the
-        // lowest rank's).
-        int reference = source;
-        if (steps[static_cast<size_t>(source)] < 0) {
-          int best = 0;
-          for (int r = 0; r < n; ++r) {
-            int count = 0;
-            for (int q = 0; q < n; ++q) count += record_of(q) == record_of(r) ? 1 : 0;
-            if (count > best) best = count, reference = r;
-          }
-        }
-        const DataRecord theirs = record_of(reference);
-        if (mine_data != theirs) {
-          throw InvalidArgumentError(
-              "elastic: worker '" + e.rendezvous->id() + "' (rank " + std::to_string(m.rank()) +
-              " of group " + std::to_string(e.view.group) +
-              ") distributes other data than worker '" +
-              e.view.members[static_cast<size_t>(reference)] +
-              "', whose settings the group keeps: " + describe_data(mine_data) + " against " +
-              describe_data(theirs) +
-              "; every worker must split the same rows into the same global batches (the same "
-              "dataset, global batch, seed and options)");
-        }
-        for (int r = 0; r < n; ++r) {
-          if (record_of(r) != theirs) {
-            throw AbortedError("elastic: worker '" + e.view.members[static_cast<size_t>(r)] +
-                               "' (rank " + std::to_string(r) +
-                               ") distributes other data than the group (" +
-                               describe_data(record_of(r)) + " against " + describe_data(theirs) +
-                               "); it leaves, and the group re-forms without it");
-          }
-        }
-      }
+      // Every member must split the same rows into the same global batches
+      // and update alike: one with other data, batch or seed would train on
+      // other rows, one with another learning rate would fail the whole group
+      // at the first apply_gradients. Checked before the joiner takes the
+      // state: only the member that differs leaves.
+      agree_on_settings(m, steps, source, s.settings());
       if (s.fresh && !change && steps[static_cast<size_t>(source)] >= 0) {
         // A new worker in a group that trained before it came: a change for
         // it too (previous_replicas_in_sync 0).

@@ -79,9 +79,10 @@ struct ElasticRuntime {
   // LibTorch module's values differ, so no step may run.
   bool state_agreed = false;
   // What distribute() made on this worker: rows, global batch, seed, flags
-  // (shuffle 1, drop_remainder 2). The members of a group must agree, or
-  // they would split other rows into each step (ElasticState::run checks).
-  std::vector<std::array<int64_t, 4>> datasets;
+  // (shuffle 1, drop_remainder 2), and the digests of the features and the
+  // labels (dataset_digest). The members of a group must agree, or they
+  // would train on other rows or other values (ElasticState::run checks).
+  std::vector<std::array<int64_t, 6>> datasets;
 };
 
 struct MultiWorkerMirroredStrategy::Impl {
@@ -146,5 +147,17 @@ struct MultiWorkerMirroredStrategy::Impl {
   // Gathers every rank's timeline events; rank 0 writes the merged file.
   void write_timeline();
 };
+
+// ElasticState::run, when a group forms (elastic_agreement.cc; collective):
+// the members compare the data they distributed and
+// `optimizer_settings` ((name, value) pairs: the optimizers' configuration
+// and what ElasticState::agree_on added) with the member whose state the
+// group takes (`source`, when steps[source] >= 0) or, in a group without
+// state, with the settings most members hold. A member that differs throws
+// InvalidArgumentError naming the field and both values and leaves; the
+// others throw AbortedError and re-form without it.
+void agree_on_settings(MultiWorkerMirroredStrategy::Impl& m, const std::vector<int64_t>& steps,
+                       int source,
+                       const std::vector<std::pair<std::string, std::string>>& optimizer_settings);
 
 }  // namespace diststrat

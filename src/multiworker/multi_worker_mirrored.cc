@@ -11,6 +11,7 @@
 #include "core/env.h"
 #include "diststrat/cpu_isa.h"
 #include "multiworker/multi_worker_impl.h"
+#include "runtime/data_digest.h"
 
 namespace diststrat {
 
@@ -262,12 +263,14 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
 int MultiWorkerMirroredStrategy::num_replicas_in_sync() const { return impl_->total_replicas; }
 bool MultiWorkerMirroredStrategy::replicas_may_change() const { return elastic(); }
 
-void MultiWorkerMirroredStrategy::note_distributed(int64_t rows, int64_t global_batch,
+void MultiWorkerMirroredStrategy::note_distributed(const Dataset& dataset, int64_t global_batch,
                                                    const DistributeOptions& options) {
   if (!impl_->elastic) return;
+  const DatasetDigest digest = dataset_digest(dataset);
   impl_->elastic->datasets.push_back(
-      {rows, global_batch, static_cast<int64_t>(options.seed),
-       (options.shuffle ? 1 : 0) | (options.drop_remainder ? 2 : 0)});
+      {dataset.size(), global_batch, static_cast<int64_t>(options.seed),
+       (options.shuffle ? 1 : 0) | (options.drop_remainder ? 2 : 0),
+       static_cast<int64_t>(digest.features), static_cast<int64_t>(digest.labels)});
 }
 bool MultiWorkerMirroredStrategy::elastic() const { return impl_->elastic != nullptr; }
 int64_t MultiWorkerMirroredStrategy::membership_group() const {

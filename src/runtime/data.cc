@@ -5,6 +5,8 @@
 #include <numeric>
 #include <random>
 
+#include "core/fnv1a.h"
+#include "runtime/data_digest.h"
 #include "runtime/data_source.h"
 #include "diststrat/strategy.h"
 
@@ -23,6 +25,54 @@ Dataset::Dataset(Tensor features, Tensor labels)
 
 Dataset Dataset::slice(int64_t begin, int64_t end) const {
   return Dataset(features_.slice_rows(begin, end), labels_.slice_rows(begin, end));
+}
+
+namespace {
+
+// Four independent lanes of rotate-xor-multiply over 8-byte words (so that
+// the multiplications overlap), each folded into the next. A rotate, unlike
+// word-wise FNV, carries a change in a word's top bit into the low bits:
+// two flipped signs do not cancel.
+uint64_t digest_bytes(uint64_t seed, const unsigned char* p, size_t n) {
+  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  auto step = [](uint64_t h, uint64_t w) { return ((h << 23 | h >> 41) ^ w) * kMul; };
+  uint64_t lane[4] = {seed, seed ^ 1, seed ^ 2, seed ^ 3};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    uint64_t w[4];
+    std::memcpy(w, p + i, 32);
+    for (int k = 0; k < 4; ++k) lane[k] = step(lane[k], w[k]);
+  }
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    lane[0] = step(lane[0], w);
+  }
+  uint64_t tail = 0;
+  std::memcpy(&tail, p + i, n - i);
+  uint64_t h = step(step(step(step(lane[0], tail), lane[1]), lane[2]), lane[3]);
+  // splitmix64's finaliser.
+  h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+  h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+  return h ^ (h >> 31);
+}
+
+uint64_t tensor_digest(const Tensor& t) {
+  Fnv1a seed;
+  seed.text(dtype_name(t.dtype()));
+  for (int64_t d : t.shape().dims()) seed.value<int64_t>(d);
+  seed.value<uint64_t>(t.nbytes());
+  if (!t.device().is_cpu() || t.nbytes() == 0) return seed.get();
+  return digest_bytes(seed.get(), static_cast<const unsigned char*>(t.data()), t.nbytes());
+}
+
+}  // namespace
+
+DatasetDigest dataset_digest(const Dataset& dataset) {
+  DatasetDigest d;
+  if (dataset.features().defined()) d.features = tensor_digest(dataset.features());
+  if (dataset.labels().defined()) d.labels = tensor_digest(dataset.labels());
+  return d;
 }
 
 int64_t InputContext::per_replica_batch_size() const {

@@ -479,7 +479,7 @@ DistributedDataset Strategy::distribute(const Dataset& dataset, int64_t global_b
   s->first_local_replica = first_local_replica();
   s->num_workers = cluster().num_workers;
   if (replicas_may_change()) s->live = this;
-  note_distributed(dataset.size(), global_batch, options);
+  note_distributed(dataset, global_batch, options);
   return DistributedDataset(s);
 }
 

@@ -4,6 +4,7 @@
 // shards) handle a LibTorch job like any other. capture() copies into the
 // variables, apply() copies back into every local replica.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -79,6 +80,52 @@ OptKind kind_of(torch::optim::Optimizer* o, bool* momentum, bool* amsgrad) {
   }
   throw_error(ErrorCode::kUnimplemented,
               "TrainingState: only torch::optim::SGD, Adam and AdamW state can be checkpointed");
+}
+
+// Exact text of a hyper-parameter (17 significant digits round-trip a double).
+std::string number(double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.17g", v);
+  return b;
+}
+
+// The hyper-parameters of local replica 0's optimizer, every param group's,
+// for the members of an elastic group to compare (ElasticState::agree_on).
+std::vector<std::pair<std::string, std::string>> hyperparameters(torch::optim::Optimizer* o) {
+  std::vector<std::pair<std::string, std::string>> f;
+  bool momentum, amsgrad;
+  const OptKind kind = kind_of(o, &momentum, &amsgrad);
+  static const char* const kNames[] = {"none", "torch::optim::SGD", "torch::optim::Adam",
+                                       "torch::optim::AdamW"};
+  f.emplace_back("torch optimizer", kNames[static_cast<int>(kind)]);
+  if (o == nullptr) return f;
+  f.emplace_back("torch optimizer.param_groups", std::to_string(o->param_groups().size()));
+  for (size_t i = 0; i < o->param_groups().size(); ++i) {
+    torch::optim::OptimizerParamGroup& g = o->param_groups()[i];
+    const std::string p = "torch optimizer.param_groups[" + std::to_string(i) + "].";
+    f.emplace_back(p + "params", std::to_string(g.params().size()));
+    auto adam_like = [&](auto& a) {
+      f.emplace_back(p + "lr", number(a.lr()));
+      f.emplace_back(p + "betas",
+                     number(std::get<0>(a.betas())) + "," + number(std::get<1>(a.betas())));
+      f.emplace_back(p + "eps", number(a.eps()));
+      f.emplace_back(p + "weight_decay", number(a.weight_decay()));
+      f.emplace_back(p + "amsgrad", a.amsgrad() ? "true" : "false");
+    };
+    if (kind == OptKind::kSgd) {
+      auto& s = static_cast<torch::optim::SGDOptions&>(g.options());
+      f.emplace_back(p + "lr", number(s.lr()));
+      f.emplace_back(p + "momentum", number(s.momentum()));
+      f.emplace_back(p + "dampening", number(s.dampening()));
+      f.emplace_back(p + "weight_decay", number(s.weight_decay()));
+      f.emplace_back(p + "nesterov", s.nesterov() ? "true" : "false");
+    } else if (kind == OptKind::kAdam) {
+      adam_like(static_cast<torch::optim::AdamOptions&>(g.options()));
+    } else if (kind == OptKind::kAdamW) {
+      adam_like(static_cast<torch::optim::AdamWOptions&>(g.options()));
+    }
+  }
+  return f;
 }
 
 }  // namespace
@@ -245,6 +292,12 @@ void TrainingState::capture(int64_t step) {
 void TrainingState::track(ElasticState& state) {
   ddp_->elastic_tracked_ = true;
   state.track([this, &state] { capture(state.position.step); }, [this] { apply(); });
+  // Compared as they are now, before training: a scheduler changes the
+  // learning rate later, and a joiner's would then differ from the group's
+  // until its first step (then every worker sets it alike).
+  state.agree_on([settings = hyperparameters(optimizers_.empty() ? nullptr : optimizers_[0])] {
+    return settings;
+  });
 }
 
 int64_t TrainingState::apply() {

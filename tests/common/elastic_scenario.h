@@ -135,6 +135,51 @@ void kill_then_join(const std::string& dir,
   EXPECT_TRUE(store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).finished);
 }
 
+// Workers a and b train and hold before step 4; then `joiner` runs worker c
+// (with the same cues), and once c waits in the store to be admitted the
+// hold ends. c must be refused: returns the text of the InvalidArgumentError
+// it left with (or what happened instead), and fills *group with a's and b's
+// results.
+template <class Result>
+std::string refused_joiner(const std::string& dir,
+                           const std::function<Result(const std::string&, const Cues&)>& train,
+                           const std::function<void(const std::string&, const Cues&)>& joiner,
+                           std::vector<Result>* group) {
+  std::atomic<bool> hold{true};
+  std::atomic<int> at_hold{0};
+  Cues cues;
+  cues.dir = dir;
+  cues.hold_at_step = 4;
+  cues.hold = &hold;
+  cues.at_hold = &at_hold;
+  auto a = std::async(std::launch::async, [&] { return train("a", cues); });
+  auto b = std::async(std::launch::async, [&] { return train("b", cues); });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (at_hold.load() < 2 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(at_hold.load(), 2) << "a and b did not reach step 4";
+  auto c = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      joiner("c", cues);
+    } catch (const diststrat::InvalidArgumentError& e) {
+      return e.what();
+    }
+    return "c trained with the group";
+  });
+  std::unique_ptr<diststrat::MembershipStore> store =
+      diststrat::open_membership_store("file://" + dir + "/job");
+  while (!store->read(std::chrono::steady_clock::now() + std::chrono::seconds(5)).is_waiting("c") &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  // Long enough for the chief's next look (join_poll 20 ms).
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  hold = false;
+  const std::string error = c.get();
+  *group = {a.get(), b.get()};
+  return error;
+}
+
 // `o` trained like `reference` and used each of its rows exactly `epochs`
 // times (the counter adds elastic_model::kLr per use), with `workers` workers
 // at the end.

@@ -29,7 +29,9 @@ namespace {
 
 constexpr int kRows = 96, kBatch = 16, kEpochs = 2;
 
-es::Outcome train_worker(const std::string& id, const es::Cues& cues) {
+// `lr`, `momentum`: the torch SGD's.
+es::Outcome train_worker(const std::string& id, const es::Cues& cues, double lr = em::kLr,
+                         double momentum = em::kMomentum) {
   const ds::MultiWorkerOptions o = es::worker_options(cues.dir, id, 2);
   ds::MultiWorkerMirroredStrategy s(o);
   // The model: w (kFeatures -> 1, no bias), zero like the reference's
@@ -42,7 +44,7 @@ es::Outcome train_worker(const std::string& id, const es::Cues& cues) {
   }
   dt::DistributedDataParallel ddp(s, net);  // elastic: no collective call here
   torch::optim::SGD opt(ddp.module(0)->parameters(),
-                        torch::optim::SGDOptions(em::kLr).momentum(em::kMomentum));
+                        torch::optim::SGDOptions(lr).momentum(momentum));
   dt::TrainingState training(ddp, {&opt});
   // The row counter: a diststrat variable and optimizer, committed alongside.
   ds::Variable counts =
@@ -103,7 +105,10 @@ TEST(TorchElastic, DdpSurvivesADeathAndAJoinerGetsTheModuleAndOptimizerState) {
   diststrat_test::TempDir dir("torch_elastic");
   std::vector<es::Outcome> survivors;
   es::Outcome od;
-  es::kill_then_join<es::Outcome>(dir.path(), train_worker, &survivors, &od);
+  es::kill_then_join<es::Outcome>(
+      dir.path(),
+      [](const std::string& id, const es::Cues& cues) { return train_worker(id, cues); },
+      &survivors, &od);
   if (::testing::Test::HasFatalFailure()) return;
   const std::vector<float> ref = em::reference(kRows, kBatch, kEpochs);
   for (const es::Outcome& o : survivors) {
@@ -111,6 +116,36 @@ TEST(TorchElastic, DdpSurvivesADeathAndAJoinerGetsTheModuleAndOptimizerState) {
     EXPECT_EQ(o.redone, 1);
   }
   es::expect_trained(od, ref, kRows, kEpochs, 3);
+}
+
+// A joiner whose torch optimizer has another learning rate (or momentum)
+// would train its replica otherwise than the group's (nothing compared a
+// LibTorch optimizer's options before). TrainingState::track hands them to
+// the ElasticState: the joiner is refused before it is admitted, naming the
+// option, and the group trains on exactly.
+TEST(TorchElastic, AJoinerWithOtherOptimizerOptionsLeavesBeforeItIsAdmitted) {
+  if (!DISTSTRAT_HAVE_GLOO) GTEST_SKIP() << "this build has no Gloo (DISTSTRAT_WITH_GLOO)";
+  const std::vector<float> ref = em::reference(kRows, kBatch, kEpochs);
+  for (const bool lr : {true, false}) {
+    diststrat_test::TempDir dir(lr ? "torch_elastic_lr" : "torch_elastic_momentum");
+    std::vector<es::Outcome> group;
+    const std::string error = es::refused_joiner<es::Outcome>(
+        dir.path(),
+        [](const std::string& id, const es::Cues& cues) { return train_worker(id, cues); },
+        [&](const std::string& id, const es::Cues& cues) {
+          train_worker(id, cues, lr ? 0.5 : em::kLr, lr ? em::kMomentum : 0.5);
+        },
+        &group);
+    EXPECT_NE(error.find("is configured otherwise"), std::string::npos) << error;
+    EXPECT_NE(error.find(lr ? "'torch optimizer.param_groups[0].lr' is 0.5 here"
+                            : "'torch optimizer.param_groups[0].momentum' is 0.5 here"),
+              std::string::npos)
+        << error;
+    for (const es::Outcome& o : group) {
+      es::expect_trained(o, ref, kRows, kEpochs, 2);
+      EXPECT_EQ(o.redone, 0);
+    }
+  }
 }
 
 // Without TrainingState::track the module would be neither committed nor
