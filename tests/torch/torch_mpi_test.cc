@@ -137,7 +137,11 @@ TEST(TorchMultiWorkerMpi, BackwardTwiceOnOneRankFailsOnEveryRank) {
     }
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(8)) << "rank " << rank;
-  EXPECT_NE(error.find("the replicas are not in the same step"), std::string::npos)
+  // Rank 1's second backward reduces in step 0 while rank 0 is in step 1: the
+  // step in the call signature names it at that first mispaired call (issue
+  // 43); the last bucket's count check says the same where it comes first.
+  EXPECT_TRUE(error.find("ranks are in different steps") != std::string::npos ||
+              error.find("the replicas are not in the same step") != std::string::npos)
       << "rank " << rank << ": " << error;
 }
 
