@@ -174,10 +174,10 @@ int open_directory(const Place& dir, bool create) {
   }
   const mode_t open_to_others = dir.chosen ? (S_IWGRP | S_IWOTH) : (S_IRWXG | S_IRWXO);
   if ((st.st_mode & open_to_others) != 0) {
-    refuse(
-        dir,
-        "has mode " + octal_mode(st.st_mode) + " (uid " + std::to_string(st.st_uid) + "): " +
-            (dir.chosen ? "others may write it" : "others may use it; the default must be 0700"));
+    refuse(dir, "has mode " + octal_mode(st.st_mode) + " (uid " + std::to_string(st.st_uid) +
+                    "): " +
+                    (dir.chosen ? "others may write it"
+                                : "group or others have access to it; the default must be 0700"));
   }
   return fd.release();
 }
