@@ -189,7 +189,10 @@ def collect(src):
 
 
 def read_prelude(name):
-    """-> (includes, scope lines, params, body lines, first line numbers)."""
+    """-> (includes, scope lines, params, body lines, first line numbers).
+
+    `// @extends: BASE` puts the prelude BASE's includes, scope and body
+    before this one's (a prelude that adds to another, not a copy of it)."""
     path = os.path.join(PRELUDES, name + ".h")
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
@@ -204,9 +207,20 @@ def read_prelude(name):
         if m:
             params = m.group(1)
             continue
+        m = re.match(r"^// @extends:\s*(\S+)$", l)
+        if m:
+            b_inc, b_scope, b_params, b_body, b_body_line, b_path = read_prelude(m.group(1))
+            includes += b_inc
+            # #line keeps a compiler's message on the file and line it names.
+            scope += ['#line 1 "%s"' % b_path] + b_scope + ['#line %d "%s"' % (n + 1, path)]
+            body += ['#line %d "%s"' % (b_body_line, b_path)] + b_body
+            params = params or b_params
+            continue
         if l.strip() == "// @body":
             part = body
             body_line = n + 1
+            if body:  # a base's body came first: this file's resumes here
+                body.append('#line %d "%s"' % (body_line, path))
             continue
         part.append(l)
     return includes, scope, params, body, body_line, path

@@ -8,21 +8,8 @@
 #include <string>
 #include <vector>
 
-#include <diststrat/diststrat.h>
-#include <diststrat/torch.h>
-namespace ds = diststrat;
-namespace dt = diststrat::libtorch;
-struct Net : torch::nn::Cloneable<Net> {
-  Net() { reset(); }
-  void reset() override {
-    fc1 = register_module("fc1", torch::nn::Linear(784, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 10));
-  }
-  at::Tensor forward(at::Tensor x) { return torch::log_softmax(fc2(torch::relu(fc1(x))), 1); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
+// @extends: torch_net
 // @body
-torch::manual_seed(0);
 ds::MirroredStrategy strategy({ds::Device::cpu(0), ds::Device::cpu(1)});
 auto net = std::make_shared<Net>();
 dt::DistributedDataParallel ddp(strategy, net);
@@ -35,7 +22,6 @@ for (int i = 0; i < ddp.num_local_replicas(); ++i)
 [[maybe_unused]] const int64_t steps = 4, every = 2;
 [[maybe_unused]] int64_t step = 0;
 [[maybe_unused]] const int64_t epochs = 2;
-ds::Dataset data = ds::load_mnist_split(ds::kFashionMnistDir, "train", 512);
 ds::DistributedDataset dist = strategy.distribute(data, /*global_batch=*/128);
 [[maybe_unused]] auto train_step = [&](const ds::DistributedBatch& batch) {
   strategy.run([&](ds::ReplicaContext& ctx) {
