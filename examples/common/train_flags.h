@@ -58,7 +58,8 @@ struct TrainFlags {
 // does in this example).
 inline void add_strategy_flags(CLI::App& app, TrainFlags& f, const std::string& device_help) {
   app.add_option("--strategy", f.strategy,
-                 "mirrored | central_storage | multi_worker (mpirun, or TF_CONFIG by hand) | parameter_server")
+                 "mirrored | central_storage | multi_worker (mpirun, or TF_CONFIG by hand) | "
+                 "parameter_server")
       ->capture_default_str();
   app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
       ->check(CLI::Range(1, 1024))
@@ -124,8 +125,8 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
   app.add_option("--algorithm", f.algorithm,
                  "multi_worker: the all-reduce algorithm (auto, ring, halving_doubling, tree, "
                  "reduce_to_one, hierarchical; CommunicationOptions::algorithm)")
-      ->check(CLI::IsMember({"auto", "ring", "halving_doubling", "tree", "reduce_to_one",
-                             "hierarchical"}))
+      ->check(CLI::IsMember(
+          {"auto", "ring", "halving_doubling", "tree", "reduce_to_one", "hierarchical"}))
       ->capture_default_str();
   app.add_flag("--elastic", f.elastic,
                "multi_worker: elastic training (workers may die and join; started by a shell "

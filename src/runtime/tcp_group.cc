@@ -111,10 +111,9 @@ ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& clust
   }
   Transport& ref = *t;
   std::vector<int> node_of = gloo_node_of(ref);
-  out.cross = wrap_recorded(std::make_unique<TransportCommunicator>(ref, options,
-                                                                    std::move(node_of),
-                                                                    std::move(t)),
-                            group);
+  out.cross = wrap_recorded(
+      std::make_unique<TransportCommunicator>(ref, options, std::move(node_of), std::move(t)),
+      group);
   flight::set_job("tcp://" + chief.host + ":" + std::to_string(chief.port));
   flight::set_nonce(std::strtoull(client.wait_for(nonce_key, deadline).c_str(), nullptr, 10));
   flight::set_process(rank, size);

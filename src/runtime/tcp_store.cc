@@ -30,7 +30,7 @@ namespace diststrat {
 namespace {
 
 constexpr char kMagic[4] = {'D', 'S', 'K', 'V'};
-constexpr size_t kHeader = 11;  // magic, op, key_len u16, value_len u32
+constexpr size_t kHeader = 11;       // magic, op, key_len u16, value_len u32
 constexpr size_t kAnswerHeader = 9;  // magic, status, len u32
 constexpr size_t kMaxKey = 200;
 constexpr size_t kMaxValue = 64 << 10;
@@ -220,8 +220,9 @@ struct TcpStoreServer::State {
           c.fd = -1;
         }
       }
-      conns.erase(std::remove_if(conns.begin(), conns.end(), [](const Conn& c) { return c.fd < 0; }),
-                  conns.end());
+      conns.erase(
+          std::remove_if(conns.begin(), conns.end(), [](const Conn& c) { return c.fd < 0; }),
+          conns.end());
     }
   }
 };
@@ -244,7 +245,7 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port, const std::str
     const int e = errno;
     ::close(s.listen_fd);
     throw UnavailableError(s.who + ": cannot listen: " + std::strerror(e) +
-                           (e == EADDRINUSE ? " (another process holds the port)"
+                           (e == EADDRINUSE      ? " (another process holds the port)"
                             : e == EADDRNOTAVAIL ? " (not an address of this host)"
                                                  : ""));
   }
@@ -343,6 +344,23 @@ void TcpStoreClient::connect(Clock::time_point deadline) {
 
 char TcpStoreClient::call(char op, const std::string& key, const std::string& value,
                           Clock::time_point deadline, std::string* payload) {
+  // A connection that broke (the chief restarted its store, a reset) is made
+  // again until the deadline: a put of the same value and a get are safe to
+  // repeat. At the deadline the last error stands.
+  for (;;) {
+    try {
+      return call_once(op, key, value, deadline, payload);
+    } catch (const UnavailableError& e) {
+      if (Clock::now() + std::chrono::milliseconds(50) >= deadline) {
+        throw DeadlineExceededError(e.message() + " (and no new connection before the deadline)");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+}
+
+char TcpStoreClient::call_once(char op, const std::string& key, const std::string& value,
+                               Clock::time_point deadline, std::string* payload) {
   DISTSTRAT_CHECK(is_tcp_store_key(key) && value.size() <= kMaxValue, kInvalidArgument, who_,
                   ": store key '", echo(key, 60), "' (1-200 of [A-Za-z0-9._/-]) or a value of ",
                   value.size(), " bytes (at most 65536)");
@@ -366,7 +384,8 @@ char TcpStoreClient::call(char op, const std::string& key, const std::string& va
       throw DeadlineExceededError(who_ + ": " + where + " took no request before the deadline");
     }
     const ssize_t n = ::send(fd_, req.data() + sent, req.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && errno != EAGAIN && errno != EINTR) fail(std::string("send: ") + std::strerror(errno));
+    if (n < 0 && errno != EAGAIN && errno != EINTR)
+      fail(std::string("send: ") + std::strerror(errno));
     if (n > 0) sent += static_cast<size_t>(n);
   }
   // The answer: header first, its sizes checked before the payload is read.
@@ -380,7 +399,8 @@ char TcpStoreClient::call(char op, const std::string& key, const std::string& va
     }
     const ssize_t n = ::recv(fd_, buf, std::min(sizeof buf, want - in.size()), 0);
     if (n == 0) fail("closed the connection mid-answer");
-    if (n < 0 && errno != EAGAIN && errno != EINTR) fail(std::string("recv: ") + std::strerror(errno));
+    if (n < 0 && errno != EAGAIN && errno != EINTR)
+      fail(std::string("recv: ") + std::strerror(errno));
     if (n <= 0) continue;
     in.append(buf, static_cast<size_t>(n));
     if (in.size() == kAnswerHeader && want == kAnswerHeader) {
@@ -388,7 +408,9 @@ char TcpStoreClient::call(char op, const std::string& key, const std::string& va
       const uint32_t len = get_u32(in.data() + 5);
       const bool known = std::string("OVNCE").find(status) != std::string::npos;
       if (std::memcmp(in.data(), kMagic, 4) != 0 || !known ||
-          len > (status == 'V' ? kMaxValue : status == 'E' ? kMaxReason : 0)) {
+          len > (status == 'V'   ? kMaxValue
+                 : status == 'E' ? kMaxReason
+                                 : 0)) {
         close_fd();
         throw DataLossError(who_ + ": " + where +
                             " answered with bytes that are not the diststrat store protocol "
@@ -417,8 +439,7 @@ void TcpStoreClient::publish(const std::string& key, const std::string& value,
                   echo(std::string(1, status)), "'");
 }
 
-std::optional<std::string> TcpStoreClient::get(const std::string& key,
-                                               Clock::time_point deadline) {
+std::optional<std::string> TcpStoreClient::get(const std::string& key, Clock::time_point deadline) {
   std::string payload;
   const char status = call('G', key, "", deadline, &payload);
   if (status == 'N') return std::nullopt;

@@ -65,6 +65,8 @@ class TcpStoreClient : public AddressExchange {
   // `server` the other ("the chief's store (chief[0] at host0:2222)").
   TcpStoreClient(std::string host, int port, std::string who, std::string server);
   ~TcpStoreClient() override;
+  TcpStoreClient(const TcpStoreClient&) = delete;
+  TcpStoreClient& operator=(const TcpStoreClient&) = delete;
 
   // Stores `value` under `key`. Publishing a key again with the same value is
   // fine; with another one it is an InvalidArgumentError (two processes that
@@ -82,6 +84,8 @@ class TcpStoreClient : public AddressExchange {
   // One request, its answer's status and payload.
   char call(char op, const std::string& key, const std::string& value, Clock::time_point deadline,
             std::string* payload);
+  char call_once(char op, const std::string& key, const std::string& value,
+                 Clock::time_point deadline, std::string* payload);
   void connect(Clock::time_point deadline);
   void close_fd();
   std::string host_;
