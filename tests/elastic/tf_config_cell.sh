@@ -14,9 +14,11 @@
 #   chief_never_started
 #                   only worker[0] of a chief + 1 worker job is started: it
 #                   exits non-zero within 3 + 10 s naming the chief's store.
-#   killed          2 workers; worker[0] is killed with SIGKILL mid-epoch: the
-#                   chief exits non-zero within --timeout 3 + 10 s naming
-#                   rank 1.
+#   killed          chief + 1 worker; worker[0] is killed with SIGKILL
+#                   mid-epoch: the chief exits non-zero within --timeout 3 +
+#                   10 s naming rank 1 (its connection failed).
+#   stopped         the same with SIGSTOP: the chief names rank 1 at the
+#                   deadline (kDeadlineExceeded), within 3 + 10 s.
 # Every process the script starts is killed when it ends.
 set -u
 if (($# < 2)); then
@@ -30,8 +32,9 @@ export DISTSTRAT_FLIGHT_RECORDER_DIR=$dir/flight-records
 for v in $(env | grep -o '^\(OMPI\|PMIX\|PMI\|SLURM\)_[A-Za-z0-9_]*'); do unset "$v"; done
 unset TF_CONFIG
 pids=()
+stopped=""  # a stopped process, no longer waited for
 cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  for p in "${pids[@]}" $stopped; do kill -9 "$p" 2>/dev/null; done
   wait 2>/dev/null
   [[ -n ${KEEP:-} ]] || rm -rf "$dir"
 }
@@ -131,7 +134,7 @@ case $kind in
       fail "worker[0] does not name the chief's store"
     echo "worker[0] named the chief within $elapsed s"
     ;;
-  killed)
+  killed | stopped)
     cluster=$(cluster_json chief:1 worker:1)
     long=(--strategy multi_worker --epochs 20 --limit 6400 --test-limit 1000 --timeout 3)
     start chief "$cluster" chief 0 "${long[@]}"
@@ -141,11 +144,24 @@ case $kind in
       ((SECONDS - t0 > 60)) && fail "no training step in 60 s"
       sleep 0.2
     done
-    kill -9 "${pids[1]}"
+    if [[ $kind == killed ]]; then
+      kill -9 "${pids[1]}"
+    else
+      kill -STOP "${pids[1]}"
+      stopped=${pids[1]}
+      pids=("${pids[0]}")
+    fi
     wait_all 13
     [[ ${rcs[0]} != 0 ]] || fail "the chief exited ${rcs[0]}"
-    grep -q 'rank 1' "$dir/chief.log" || fail "the chief does not name rank 1"
-    echo "the chief ended ${elapsed} s after the kill: $(grep -m1 -o '\[k[A-Za-z]*\].*' "$dir/chief.log" | cut -c1-300)"
+    if [[ $kind == killed ]]; then
+      grep -q 'kUnavailable.*rank 1' "$dir/chief.log" || fail "the chief does not name rank 1"
+    else
+      kill -9 "$stopped"
+      wait "$stopped" 2>/dev/null
+      stopped=""
+      grep -q 'kDeadlineExceeded.*rank 1' "$dir/chief.log" || fail "the chief does not name rank 1"
+    fi
+    echo "the chief ended ${elapsed} s after worker[0] was $kind: $(grep -m1 -o '\[k[A-Za-z]*\].*' "$dir/chief.log" | cut -c1-300)"
     ;;
   *)
     echo "unknown kind $kind" >&2
