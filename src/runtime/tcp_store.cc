@@ -309,10 +309,18 @@ void TcpStoreClient::connect(Clock::time_point deadline) {
   const std::string where = server_ + " at " + host_ + ":" + std::to_string(port_);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr = resolve_v4(host_, who_ + ": " + where);
   addr.sin_port = htons(static_cast<uint16_t>(port_));
   std::string last = "no answer";
   while (Clock::now() < deadline) {
+    // The chief's name may not resolve yet (a pod's DNS record comes with
+    // the pod): asked again like a refused connection.
+    try {
+      addr.sin_addr = resolve_v4(host_, "host");
+    } catch (const InvalidArgumentError& e) {
+      last = e.message();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
     fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     DISTSTRAT_CHECK(fd_ >= 0, kUnavailable, who_, ": socket: ", std::strerror(errno));
     int rc = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
