@@ -19,6 +19,11 @@
 #                   10 s naming rank 1 (its connection failed).
 #   stopped         the same with SIGSTOP: the chief names rank 1 at the
 #                   deadline (kDeadlineExceeded), within 3 + 10 s.
+#   corrupt         2 workers, rank 1's pack signature corrupted at step 5
+#                   (DISTSTRAT_FAULT): both fail naming it (the call
+#                   comparison works over TCP as over MPI).
+#   throw           2 workers, rank 1's step 5 throws: it exits, and worker 0
+#                   fails at once naming rank 1's connection.
 # Every process the script starts is killed when it ends.
 set -u
 if (($# < 2)); then
@@ -162,6 +167,27 @@ case $kind in
       grep -q 'kDeadlineExceeded.*rank 1' "$dir/chief.log" || fail "the chief does not name rank 1"
     fi
     echo "the chief ended ${elapsed} s after worker[0] was $kind: $(grep -m1 -o '\[k[A-Za-z]*\].*' "$dir/chief.log" | cut -c1-300)"
+    ;;
+  corrupt | throw)
+    # DISTSTRAT_FAULT (diststrat/fault.h) on rank 1 at step 5.
+    cluster=$(cluster_json worker:2)
+    export DISTSTRAT_FAULT=$kind:1:5
+    start w0 "$cluster" worker 0 "${train[@]}" --timeout 5
+    start w1 "$cluster" worker 1 "${train[@]}" --timeout 5
+    wait_all 15
+    unset DISTSTRAT_FAULT
+    [[ ${rcs[0]} != 0 && ${rcs[1]} != 0 ]] || fail "exit codes ${rcs[*]}"
+    if [[ $kind == corrupt ]]; then
+      for w in w0 w1; do
+        grep -q 'kDataLoss\] step 5: .*corrupted pack signature from rank 1' "$dir/$w.log" ||
+          fail "$w does not name rank 1's corrupted signature"
+      done
+    else
+      grep -q 'kInternal\] step 5: injected fault: rank 1' "$dir/w1.log" || fail "w1 did not throw"
+      grep -q 'step 5: .*the connection to rank 1 .* failed' "$dir/w0.log" ||
+        fail "w0 does not name rank 1"
+    fi
+    echo "both ended within $elapsed s: $(grep -m1 -o '\[k[A-Za-z]*\].*' "$dir/w0.log" | cut -c1-200)"
     ;;
   *)
     echo "unknown kind $kind" >&2
