@@ -167,11 +167,22 @@ struct TcpStoreServer::State {
       set_nonblocking(fd);
       Conn c;
       c.fd = fd;
-      if (conns.size() >= kMaxConnections) {
-        refuse(c, "more than " + std::to_string(kMaxConnections) + " connections");
-        (void)::send(fd, c.out.data(), c.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-        ::close(fd);
-        continue;
+      const auto live =
+          std::count_if(conns.begin(), conns.end(), [](const Conn& x) { return x.fd >= 0; });
+      if (static_cast<size_t>(live) >= kMaxConnections) {
+        // Full: the connection silent the longest makes room, so that idle
+        // connections opened by anyone cannot keep the job's processes out.
+        // (Closed here, removed by the loop: its poll entries stay in step.)
+        Conn* oldest = nullptr;
+        for (Conn& x : conns) {
+          if (x.fd >= 0 && (!oldest || x.last < oldest->last)) oldest = &x;
+        }
+        refuse(*oldest, "more than " + std::to_string(kMaxConnections) +
+                            " connections; the one silent the longest is closed");
+        (void)::send(oldest->fd, oldest->out.data(), oldest->out.size(),
+                     MSG_NOSIGNAL | MSG_DONTWAIT);
+        ::close(oldest->fd);
+        oldest->fd = -1;
       }
       conns.push_back(std::move(c));
     }

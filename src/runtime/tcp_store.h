@@ -17,7 +17,8 @@
 // every header as soon as it has it and refuses (an 'E' answer, then it
 // closes that connection) a wrong magic, an unknown op, a bad key, a size
 // over the limits; a connection silent mid-request for 10 s, or idle for 5
-// minutes, is closed; over 256 connections or 4096 keys are refused. A
+// minutes, is closed; a 257th connection closes the one silent the longest;
+// over 4096 keys are refused. A
 // refused peer costs the job nothing: the server serves the others on.
 // The client checks every answer the same way (DataLossError naming the
 // server for bytes that are not this protocol, such as a wrong port).

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "diststrat/error.h"
 #include "runtime/tcp_store.h"
@@ -140,6 +141,21 @@ TEST(TcpStore, RefusesWhatIsNotItsProtocolAndServesOthersOn) {
   other.publish("world/gloo/1", "more", in(milliseconds(2000)));
   EXPECT_EQ(good.wait_for("world/gloo/1", in(milliseconds(2000))), "more");
   ::close(stalled);
+}
+
+// Idle connections opened by anyone do not keep the job's processes out: at
+// 256 the one silent the longest is closed for the next.
+TEST(TcpStore, IdleConnectionsMakeRoomForTheJobsOwn) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back(dial(server.port()));
+  TcpStoreClient c = client_of(server);
+  c.publish("world/gloo/0", "addresses", in(milliseconds(5000)));
+  EXPECT_EQ(c.wait_for("world/gloo/0", in(milliseconds(5000))), "addresses");
+  EXPECT_GE(server.refused(), 300 + 1 - 256);
+  EXPECT_NE(server.last_refusal().find("the one silent the longest is closed"), std::string::npos)
+      << server.last_refusal();
+  for (int fd : idle) ::close(fd);
 }
 
 // A listening socket that answers every connection with `reply` (or nothing).
