@@ -71,6 +71,7 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
     o.device_manager = process_gpus;
     o.timeline_path = f.timeline;
     o.communication.timeout = comm.timeout;
+    o.communication.algorithm = ds::parse_algorithm(f.algorithm);
     if (f.elastic) {
       o.elastic.rendezvous = f.rendezvous;
       o.elastic.min_workers = f.min_workers;

@@ -43,6 +43,7 @@ struct TrainFlags {
   int max_to_keep = 3;
   int64_t max_steps = 0;
   std::string timeout;                     // seconds; empty = CommunicationOptions' default
+  std::string algorithm = "auto";          // multi_worker: the all-reduce algorithm
   std::string preemption_signal = "TERM";  // the signal that means "save and exit"
   // Elastic training (multi_worker, diststrat/elastic.h).
   bool elastic = false;
@@ -57,7 +58,8 @@ struct TrainFlags {
 // does in this example).
 inline void add_strategy_flags(CLI::App& app, TrainFlags& f, const std::string& device_help) {
   app.add_option("--strategy", f.strategy,
-                 "mirrored | central_storage | multi_worker (under mpirun) | parameter_server")
+                 "mirrored | central_storage | multi_worker (mpirun, or TF_CONFIG by hand) | "
+                 "parameter_server")
       ->capture_default_str();
   app.add_option("--ps", f.ps, "parameter_server: PS ranks (the last ranks of the job)")
       ->check(CLI::Range(1, 1024))
@@ -120,6 +122,12 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
       ->check(CLI::IsMember({"TERM", "USR1", "USR2", "INT"}))
       ->capture_default_str();
   add_timeout_flag(app, f.timeout);
+  app.add_option("--algorithm", f.algorithm,
+                 "multi_worker: the all-reduce algorithm (auto, ring, halving_doubling, tree, "
+                 "reduce_to_one, hierarchical; CommunicationOptions::algorithm)")
+      ->check(CLI::IsMember(
+          {"auto", "ring", "halving_doubling", "tree", "reduce_to_one", "hierarchical"}))
+      ->capture_default_str();
   app.add_flag("--elastic", f.elastic,
                "multi_worker: elastic training (workers may die and join; started by a shell "
                "loop or srun, not mpirun; docs/elastic.md)");

@@ -100,11 +100,15 @@ std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster,
     return make_mpi_transport(MPI_COMM_WORLD, timeout);
   }
 #endif
+  // (MultiWorkerMirroredStrategy and ProcessGroup meet over TCP without a
+  // launcher; the PS service's receive loop needs an any-source probe that
+  // the Gloo transport does not have.)
   throw UnimplementedError("ParameterServerStrategy: a cluster of " +
                            std::to_string(cluster.info.world_size) +
                            " processes needs MPI (launch "
                            "with mpirun or srun --mpi=pmix)" +
-                           (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have"));
+                           (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have") +
+                           "; the parameter server does not run over TCP from TF_CONFIG alone yet");
 }
 
 ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedCluster& cluster) {

@@ -17,6 +17,10 @@ struct ProcessCommunicators {
   // One rank per process; hierarchical when `hierarchical`.
   std::unique_ptr<Communicator> cross;
   bool hierarchical = false;
+  // A job without a launcher: the chief's store (tcp_store.h), kept while
+  // the group lives, since peers may still read addresses from it after
+  // the chief has connected to all of them.
+  std::shared_ptr<void> store;
 };
 
 // Builds the communicators of `cluster` (collective over the job's processes).
@@ -44,12 +48,27 @@ void agree_on_setup(const std::string& what, std::exception_ptr local_error,
 // With one process and no MPI launcher: a one-rank in-process group. With
 // several nodes (real or virtual) and hierarchical allowed: a
 // HierarchicalCommunicator over node-local and cross-node MPI communicators.
-// Throws UnimplementedError for a multi-process cluster in a build without MPI.
+// Without a launcher, a multi-process cluster (TF_CONFIG, a ClusterSpec, an
+// srun step without PMIx) meets over TCP: make_tcp_process_communicators.
+// Throws UnimplementedError for that in a build without Gloo.
 // Every MPI call is bounded by options.timeout (allreduce/mpi_util.h); a
 // rank that fails in here marks its MPI state failed, so that it exits soon
 // and the launcher ends the job.
 ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
                                                 const CommunicationOptions& options,
                                                 bool allow_hierarchical);
+
+// The communicators of a job started without a launcher: the chief (rank 0)
+// serves a store (tcp_store.h) at its listed address, every rank publishes
+// its Gloo TCP addresses there under "<group>/gloo/<rank>" and connects the
+// full mesh (gloo_transport.h), and TransportCommunicator runs the library's
+// algorithms over it, comparing every call across ranks. Collective; bounded
+// by options.timeout: a rank that never came is named with its task and
+// address (DeadlineExceededError). `group` names the group's keys ("world",
+// "world.1": every process makes its groups in the same order).
+// Defined only in builds with Gloo (DISTSTRAT_HAVE_GLOO).
+ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& cluster,
+                                                    const CommunicationOptions& options,
+                                                    const std::string& group);
 
 }  // namespace diststrat

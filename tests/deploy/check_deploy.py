@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Structural checks of deploy/: the Kubeflow MPIJob manifests and the Dockerfile.
+"""Structural checks of deploy/: the Kubeflow MPIJob and TFJob manifests and the Dockerfile.
 
 Docker and Kubernetes cannot run on our machines, so this is what we can
 check: the YAML parses, the objects have the kinds, replica counts and
@@ -56,6 +56,53 @@ def check_resources(where, res):
     return gpu_limit
 
 
+def check_tfjob(name, job, claims):
+    """A TFJob (Kubeflow training operator, kubeflow.org/v1): every pod runs
+    the example itself (no mpirun, no sshd), in the container the operator
+    gives TF_CONFIG (named tensorflow, port tfjob-port), on a checkpoint
+    volume the file claims; a chief and workers, all with the same
+    arguments (they must agree on the job)."""
+    check(job.get("apiVersion") == "kubeflow.org/v1", f"{name}: apiVersion {job.get('apiVersion')}")
+    replicas = job["spec"].get("tfReplicaSpecs", {})
+    check(set(replicas) == {"Chief", "Worker"}, f"{name}: tfReplicaSpecs has {sorted(replicas)}")
+    check(replicas.get("Chief", {}).get("replicas") == 1, f"{name}: Chief replicas must be 1")
+    nworkers = replicas.get("Worker", {}).get("replicas")
+    check(isinstance(nworkers, int) and nworkers >= 1, f"{name}: Worker replicas {nworkers!r}")
+    commands = []
+    for role, rs in sorted(replicas.items()):
+        where = f"{name} {role}"
+        pod = rs["template"]["spec"]
+        containers = pod["containers"]
+        if not check(len(containers) == 1, f"{where}: {len(containers)} containers"):
+            continue
+        c = containers[0]
+        check(c.get("name") == "tensorflow", f"{where}: the operator sets TF_CONFIG only in the container named tensorflow, not {c.get('name')!r}")
+        check(c["image"] == "diststrat:cpu", f"{where}: image {c['image']}")
+        ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
+        check("tfjob-port" in ports, f"{where}: no port named tfjob-port (the TF_CONFIG port)")
+        cmd = c.get("command", []) + c.get("args", [])
+        commands.append(cmd)
+        check("mpirun" not in cmd and "/usr/sbin/sshd" not in cmd, f"{where}: runs mpirun or sshd")
+        installed = "/opt/diststrat/bin/" + os.path.basename(example)
+        check(cmd[:1] == [installed], f"{where}: runs {cmd[:1]}, installed as {installed}")
+        for arg in cmd[1:]:
+            if arg.startswith("--"):
+                check(arg in known_flags, f"{where}: fashion_mnist has no flag {arg}")
+        check(cmd[cmd.index("--strategy") + 1] == "multi_worker" if "--strategy" in cmd else False,
+              f"{where}: not --strategy multi_worker")
+        check_resources(where, c.get("resources", {}))
+        mounts = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        ckpt = cmd[cmd.index("--checkpoint-dir") + 1] if "--checkpoint-dir" in cmd else None
+        if check(ckpt is not None, f"{where}: no --checkpoint-dir"):
+            covering = [n for n, m in mounts.items() if ckpt.startswith(m.rstrip("/") + "/")]
+            if check(covering, f"{where}: checkpoint dir {ckpt} is not on a volume"):
+                claim = volumes[covering[0]].get("persistentVolumeClaim", {}).get("claimName")
+                check(claim in claims, f"{where}: volume claim {claim} is not defined in the file")
+    check(len(commands) == 2 and commands[0] == commands[1],
+          f"{name}: the chief and the workers run different commands")
+
+
 manifests = sorted(glob.glob(os.path.join(root, "deploy", "k8s", "*.yaml")))
 check(len(manifests) >= 2, f"expected a CPU and a GPU manifest, found {manifests}")
 seen_variants = set()
@@ -64,6 +111,11 @@ for path in manifests:
     with open(path) as f:
         docs = [d for d in yaml.safe_load_all(f) if d is not None]
     claims = {d["metadata"]["name"] for d in docs if d.get("kind") == "PersistentVolumeClaim"}
+    tfjobs = [d for d in docs if d.get("kind") == "TFJob"]
+    if tfjobs:
+        check(len(tfjobs) == 1, f"{name}: expected one TFJob, found {len(tfjobs)}")
+        check_tfjob(name, tfjobs[0], claims)
+        continue
     jobs = [d for d in docs if d.get("kind") == "MPIJob"]
     if not check(len(jobs) == 1, f"{name}: expected one MPIJob, found {len(jobs)}"):
         continue
