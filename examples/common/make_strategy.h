@@ -39,8 +39,15 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
     devices.push_back(gpu ? ds::Device::gpu(i) : ds::Device::cpu(i));
   ds::CommunicationOptions comm;
   apply_timeout(f.timeout, comm);
+  ds::DeterminismOptions determinism;
+  determinism.virtual_shards = f.virtual_shards;
+  if (f.virtual_shards > 0 && f.strategy != "mirrored" && f.strategy != "multi_worker") {
+    throw ds::InvalidArgumentError("--deterministic-across-workers needs --strategy mirrored or "
+                                "multi_worker");
+  }
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;
+    o.determinism = determinism;
     o.devices = devices;
     o.device_manager = local_gpus;
     o.communication = comm;
@@ -67,6 +74,7 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
           : nullptr;
   if (f.strategy == "multi_worker") {
     ds::MultiWorkerOptions o;
+    o.determinism = determinism;
     o.devices = per_process;
     o.device_manager = process_gpus;
     o.timeline_path = f.timeline;

@@ -21,6 +21,10 @@
 // ordinary reduction (flat, hierarchical, fused, clipping, accumulation) as
 // replica 0's gradient with zeros from the others: x + 0 is exact, so that
 // reduction returns the same bits whatever its order.
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 #include <climits>
 #include <cmath>
 #include <limits>
@@ -35,9 +39,15 @@
 namespace diststrat {
 
 struct Optimizer::ShardSums {
+  // One local replica's buffers, kept from step to step (a step's gradients
+  // are megabytes; fresh pages each step cost more than the sums).
+  struct Replica {
+    std::vector<std::vector<Tensor>> held;  // per shard position: its gradients
+    size_t count = 0;                       // shards held in this step
+    std::vector<Tensor> sums, out;          // per tensor: int64 sums, the result
+  };
   std::mutex mu;
-  // Per local replica: the gradients of its shards so far, in shard order.
-  std::map<int, std::vector<std::vector<Tensor>>> replicas;
+  std::map<int, Replica> replicas;  // by local replica id
 };
 
 std::shared_ptr<Optimizer::ShardSums> Optimizer::new_shard_sums() {
@@ -47,6 +57,16 @@ std::shared_ptr<Optimizer::ShardSums> Optimizer::new_shard_sums() {
 namespace {
 constexpr int64_t kAllZero = INT_MIN;      // no nonzero element anywhere
 constexpr int64_t kNonFinite = INT_MAX;    // an inf or NaN somewhere
+
+// round-to-nearest-even of v to int64 (|v| < 2^63): llrint without the
+// library call where the CPU converts by itself.
+inline int64_t round_to_int64(double v) {
+#if defined(__x86_64__)
+  return _mm_cvtsd_si64(_mm_set_sd(v));  // MXCSR's rounding: nearest-even
+#else
+  return std::llrint(v);
+#endif
+}
 
 int ceil_log2(int v) {
   int l = 0;
@@ -77,40 +97,48 @@ ReplicaContext* Optimizer::combine_shards(
                   ctx.virtual_shard(), " without the strategy's shard context");
   const int V = ctx.num_replicas_in_sync();
   const ShardRange local = shard->local_shards();
-  std::vector<std::vector<Tensor>>* mine;
+  ShardSums::Replica* mine;
   {
     std::lock_guard<std::mutex> lock(shard_sums_->mu);
     mine = &shard_sums_->replicas[ctx.local_replica_id()];
   }
   // A step that failed part-way left its shards behind: a new step starts
   // at the replica's first shard.
-  if (ctx.virtual_shard() == local.first) mine->clear();
+  if (ctx.virtual_shard() == local.first) mine->count = 0;
   const size_t position = static_cast<size_t>(ctx.virtual_shard() - local.first);
-  DISTSTRAT_CHECK(mine->size() == position, kFailedPrecondition, "apply_gradients from virtual shard ",
-                  ctx.virtual_shard(), ": ", mine->size(), " calls held for the ", position,
+  DISTSTRAT_CHECK(mine->count == position, kFailedPrecondition,
+                  "apply_gradients from virtual shard ", ctx.virtual_shard(), ": ", mine->count,
+                  " calls held for the ", position,
                   " shards before it on this replica; call apply_gradients once per shard");
-  std::vector<Tensor> grads;
-  for (size_t k = 0; k < grads_and_vars.size(); ++k) {
+  const size_t K = grads_and_vars.size();
+  if (mine->held.size() <= position) mine->held.resize(position + 1);
+  std::vector<Tensor>& held = mine->held[position];
+  held.resize(K);
+  for (size_t k = 0; k < K; ++k) {
     const Tensor& g = grads_and_vars[k].first;
     DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, "apply_gradients from virtual shard ",
                     ctx.virtual_shard(), ": gradient of '", echo(grads_and_vars[k].second.name()),
                     "' on ", g.device().to_string(), " (determinism mode takes host gradients)");
-    if (!mine->empty()) {
-      const Tensor& first = mine->front().size() > k ? mine->front()[k] : Tensor();
-      DISTSTRAT_CHECK(mine->front().size() == grads_and_vars.size() && first.shape() == g.shape(),
-                      kInvalidArgument, "apply_gradients from virtual shard ", ctx.virtual_shard(),
-                      ": gradient ", k, " of '", echo(grads_and_vars[k].second.name()), "' is ",
-                      g.debug_string(), ", unlike the replica's first shard's");
+    if (position > 0) {
+      const Tensor& first = mine->held[0][k];
+      DISTSTRAT_CHECK(mine->held[0].size() == K && first.shape() == g.shape(), kInvalidArgument,
+                      "apply_gradients from virtual shard ", ctx.virtual_shard(), ": gradient ", k,
+                      " of '", echo(grads_and_vars[k].second.name()), "' is ", g.debug_string(),
+                      ", unlike the replica's first shard's");
     }
-    grads.push_back(g.clone());
+    if (held[k].defined() && held[k].shape() == g.shape()) {
+      held[k].copy_from(g);
+    } else {
+      held[k] = g.clone();
+    }
   }
-  mine->push_back(std::move(grads));
+  ++mine->count;
   if (!shard->is_last()) return nullptr;
 
-  std::vector<std::vector<Tensor>> shards = std::move(*mine);
-  mine->clear();
+  const std::vector<std::vector<Tensor>> shards(mine->held.begin(),
+                                                mine->held.begin() + static_cast<long>(mine->count));
+  mine->count = 0;
   ReplicaContext& real = shard->real();
-  const size_t K = grads_and_vars.size();
   Tensor exponents(Shape{static_cast<int64_t>(K)}, DType::kInt64);
   for (size_t k = 0; k < K; ++k) exponents.data<int64_t>()[k] = local_exponent(shards, k);
   std::vector<Tensor> agree{exponents};
@@ -122,15 +150,19 @@ ReplicaContext* Optimizer::combine_shards(
   for (size_t k = 0; k < K; ++k) {
     const int64_t e = agree[0].data<int64_t>()[k];
     const int s = e == kAllZero || e == kNonFinite ? 0 : static_cast<int>(61 - L - e);
-    Tensor q(grads_and_vars[k].first.shape(), DType::kInt64);
+    mine->sums.resize(K);
+    Tensor& q = mine->sums[k];
+    if (!q.defined() || q.shape() != grads_and_vars[k].first.shape())
+      q = Tensor(grads_and_vars[k].first.shape(), DType::kInt64);
     int64_t* out = q.data<int64_t>();
     const int64_t n = q.num_elements();
     for (int64_t i = 0; i < n; ++i) out[i] = 0;
     if (e != kAllZero && e != kNonFinite) {
+      // A float times a power of two within double's range is exact.
+      const double scale = std::ldexp(1.0, s);
       for (const auto& g : shards) {
         const float* x = g[k].data<float>();
-        for (int64_t i = 0; i < n; ++i)
-          out[i] += std::llrint(std::ldexp(static_cast<double>(x[i]), s));
+        for (int64_t i = 0; i < n; ++i) out[i] += round_to_int64(static_cast<double>(x[i]) * scale);
       }
     }
     sums.push_back(q);
@@ -144,17 +176,23 @@ ReplicaContext* Optimizer::combine_shards(
   for (size_t k = 0; k < K; ++k) {
     const int64_t e = agree[0].data<int64_t>()[k];
     const int s = e == kAllZero || e == kNonFinite ? 0 : static_cast<int>(61 - L - e);
-    Tensor g(grads_and_vars[k].first.shape(), DType::kFloat32);
+    mine->out.resize(K);
+    Tensor& g = mine->out[k];
+    if (!g.defined() || g.shape() != grads_and_vars[k].first.shape())
+      g = Tensor(grads_and_vars[k].first.shape(), DType::kFloat32);
     float* out = g.data<float>();
     const int64_t* q = sums[k].data<int64_t>();
-    for (int64_t i = 0, n = g.num_elements(); i < n; ++i) {
-      if (!carrier) {
-        out[i] = 0.0f;
-      } else if (e == kNonFinite) {
-        out[i] = std::numeric_limits<float>::quiet_NaN();
-      } else {
-        out[i] = std::ldexp(static_cast<float>(q[i]), -s);
-      }
+    const int64_t n = g.num_elements();
+    // The sum rounded once to float, then scaled in double (exact unless the
+    // result is a float subnormal).
+    const double unscale = std::ldexp(1.0, -s);
+    if (!carrier) {
+      for (int64_t i = 0; i < n; ++i) out[i] = 0.0f;
+    } else if (e == kNonFinite) {
+      for (int64_t i = 0; i < n; ++i) out[i] = std::numeric_limits<float>::quiet_NaN();
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        out[i] = static_cast<float>(static_cast<double>(static_cast<float>(q[i])) * unscale);
     }
     combined.emplace_back(g, grads_and_vars[k].second);
   }
