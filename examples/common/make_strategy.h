@@ -42,8 +42,9 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
   ds::DeterminismOptions determinism;
   determinism.virtual_shards = f.virtual_shards;
   if (f.virtual_shards > 0 && f.strategy != "mirrored" && f.strategy != "multi_worker") {
-    throw ds::InvalidArgumentError("--deterministic-across-workers needs --strategy mirrored or "
-                                "multi_worker");
+    throw ds::InvalidArgumentError(
+        "--deterministic-across-workers needs --strategy mirrored or "
+        "multi_worker");
   }
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;

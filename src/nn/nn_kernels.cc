@@ -89,8 +89,8 @@ void set_cache_sizes(std::ptrdiff_t l1, std::ptrdiff_t l2, std::ptrdiff_t l3) {
 
 }  // namespace
 
-extern const NnKernels kNnKernels = {dense_forward, dense_backward,        relu_forward,
-                                     relu_backward, softmax_cross_entropy, count_correct,
+extern const NnKernels kNnKernels = {dense_forward,  dense_backward,        relu_forward,
+                                     relu_backward,  softmax_cross_entropy, count_correct,
                                      set_cache_sizes};
 
 }  // namespace DISTSTRAT_ISA_NS

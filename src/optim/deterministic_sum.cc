@@ -55,8 +55,8 @@ std::shared_ptr<Optimizer::ShardSums> Optimizer::new_shard_sums() {
 }
 
 namespace {
-constexpr int64_t kAllZero = INT_MIN;      // no nonzero element anywhere
-constexpr int64_t kNonFinite = INT_MAX;    // an inf or NaN somewhere
+constexpr int64_t kAllZero = INT_MIN;    // no nonzero element anywhere
+constexpr int64_t kNonFinite = INT_MAX;  // an inf or NaN somewhere
 
 // round-to-nearest-even of v to int64 (|v| < 2^63): llrint without the
 // library call where the CPU converts by itself.
@@ -135,8 +135,8 @@ ReplicaContext* Optimizer::combine_shards(
   ++mine->count;
   if (!shard->is_last()) return nullptr;
 
-  const std::vector<std::vector<Tensor>> shards(mine->held.begin(),
-                                                mine->held.begin() + static_cast<long>(mine->count));
+  const std::vector<std::vector<Tensor>> shards(
+      mine->held.begin(), mine->held.begin() + static_cast<long>(mine->count));
   mine->count = 0;
   ReplicaContext& real = shard->real();
   Tensor exponents(Shape{static_cast<int64_t>(K)}, DType::kInt64);

@@ -195,8 +195,8 @@ DistributedBatch DistributedDataset::batch(int64_t i) const {
     // Determinism mode: the n rows are cut into V shards (shard_rows: the
     // same cut on any number of replicas), and each local replica takes its
     // range of shards.
-    const ShardRange first = shards_of_replica(s.first_local_replica, s.num_replicas_in_sync,
-                                               s.virtual_shards);
+    const ShardRange first =
+        shards_of_replica(s.first_local_replica, s.num_replicas_in_sync, s.virtual_shards);
     const ShardRange last = shards_of_replica(s.first_local_replica + s.num_local_replicas - 1,
                                               s.num_replicas_in_sync, s.virtual_shards);
     out.first_local_shard_ = first.first;

@@ -51,8 +51,7 @@ std::shared_ptr<void> ShardContext::merge_call_impl(
   refuse_collective("merge_call", shard_);
 }
 
-void run_shards(ReplicaContext& real, int shards,
-                const std::function<void(ReplicaContext&)>& fn) {
+void run_shards(ReplicaContext& real, int shards, const std::function<void(ReplicaContext&)>& fn) {
   const ShardRange r =
       shards_of_replica(real.replica_id(), real.strategy().num_replicas_in_sync(), shards);
   for (int s = r.first; s < r.first + r.count; ++s) {
@@ -70,9 +69,11 @@ void check_determinism_options(const DeterminismOptions& determinism,
                   communication.compression == Compression::kFloat16 ? "float16" : "bfloat16",
                   " wire compression: the exact sum of the shards would be rounded to 16 bits on "
                   "the wire, differently for each split; turn one of them off");
-  DISTSTRAT_CHECK(!zero, kUnimplemented, who, ": determinism mode with shard_optimizer_state "
+  DISTSTRAT_CHECK(!zero, kUnimplemented, who,
+                  ": determinism mode with shard_optimizer_state "
                   "(ZeRO-1) is not built yet (docs/determinism.md)");
-  DISTSTRAT_CHECK(!elastic, kUnimplemented, who, ": determinism mode with elastic training is "
+  DISTSTRAT_CHECK(!elastic, kUnimplemented, who,
+                  ": determinism mode with elastic training is "
                   "not built yet (docs/determinism.md)");
 }
 
@@ -130,7 +131,8 @@ std::vector<Tensor> per_replica_rows(const Strategy& s, const std::vector<Tensor
   size_t k = 0;
   const int V = s.determinism().virtual_shards;
   for (int l = 0; l < s.num_local_replicas(); ++l) {
-    const ShardRange r = shards_of_replica(s.first_local_replica() + l, s.num_replicas_in_sync(), V);
+    const ShardRange r =
+        shards_of_replica(s.first_local_replica() + l, s.num_replicas_in_sync(), V);
     const Tensor& proto = shard_values[k];
     std::vector<int64_t> dims{r.count};
     for (int64_t d : proto.shape().dims()) dims.push_back(d);
@@ -138,8 +140,8 @@ std::vector<Tensor> per_replica_rows(const Strategy& s, const std::vector<Tensor
     for (int i = 0; i < r.count; ++i, ++k) {
       const Tensor& v = shard_values[k];
       DISTSTRAT_CHECK(v.shape() == proto.shape() && v.dtype() == proto.dtype(), kInvalidArgument,
-                      "reduce in determinism mode: shard values differ: ", v.debug_string(),
-                      " vs ", proto.debug_string());
+                      "reduce in determinism mode: shard values differ: ", v.debug_string(), " vs ",
+                      proto.debug_string());
       std::memcpy(static_cast<char*>(t.data()) + i * v.nbytes(), v.data(), v.nbytes());
     }
     out.push_back(t);

@@ -74,7 +74,6 @@ void check_determinism_options(const DeterminismOptions& determinism,
                                const std::string& who);
 
 // Calls fn once per shard of the real replica `real`, in shard order.
-void run_shards(ReplicaContext& real, int shards,
-                const std::function<void(ReplicaContext&)>& fn);
+void run_shards(ReplicaContext& real, int shards, const std::function<void(ReplicaContext&)>& fn);
 
 }  // namespace diststrat

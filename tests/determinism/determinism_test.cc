@@ -199,10 +199,9 @@ TEST(Determinism, RefusesWhatWouldBreakTheBits) {
   few.determinism.virtual_shards = 1;
   EXPECT_EQ(code_of([&] { MirroredStrategy s(few); }), ErrorCode::kInvalidArgument);
   MirroredStrategy strategy(o);
-  EXPECT_EQ(code_of([&] {
-              strategy.run([](ReplicaContext& ctx) { ctx.barrier("from a shard"); });
-            }),
-            ErrorCode::kFailedPrecondition);
+  EXPECT_EQ(
+      code_of([&] { strategy.run([](ReplicaContext& ctx) { ctx.barrier("from a shard"); }); }),
+      ErrorCode::kFailedPrecondition);
   EXPECT_EQ(code_of([&] {
               strategy.distribute_datasets_from_function(
                   [](const InputContext&) { return small_set(); }, kBatch);

@@ -61,8 +61,8 @@ int run(const Flags& f) {
   const int64_t batch = 96;
   const int64_t rows = batch * 50 + 40;  // 50 full batches and a short one per epoch
   ds::Dataset data;
-  if (!f.synthetic && std::ifstream(std::string(ds::kFashionMnistDir) +
-                                    "/train-labels-idx1-ubyte.gz")) {
+  if (!f.synthetic &&
+      std::ifstream(std::string(ds::kFashionMnistDir) + "/train-labels-idx1-ubyte.gz")) {
     data = ds::load_mnist_split(ds::kFashionMnistDir, "train", rows);
   } else {
     data = synthetic_set(rows);
@@ -131,13 +131,20 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--strategy") f.strategy = next();
-    else if (a == "--optimizer") f.optimizer = next();
-    else if (a == "--out") f.out = next();
-    else if (a == "--replicas") f.replicas = std::stoi(next());
-    else if (a == "--shards") f.shards = std::stoi(next());
-    else if (a == "--steps") f.steps = std::stoi(next());
-    else if (a == "--synthetic") f.synthetic = true;
+    if (a == "--strategy")
+      f.strategy = next();
+    else if (a == "--optimizer")
+      f.optimizer = next();
+    else if (a == "--out")
+      f.out = next();
+    else if (a == "--replicas")
+      f.replicas = std::stoi(next());
+    else if (a == "--shards")
+      f.shards = std::stoi(next());
+    else if (a == "--steps")
+      f.steps = std::stoi(next());
+    else if (a == "--synthetic")
+      f.synthetic = true;
     else {
       std::cerr << "determinism_train: unknown flag " << a << "\n";
       return 2;
