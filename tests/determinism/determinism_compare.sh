@@ -8,7 +8,8 @@
 # the same under DISTSTRAT_CPU=baseline.
 # multi_worker: 1, 2 and 3 processes under mpirun (one replica each) against
 # MirroredStrategy on one replica, 2 processes with 2 replicas each, and 4
-# processes in two virtual nodes (the hierarchical all-reduce).
+# processes in two virtual nodes (the hierarchical all-reduce); Adam on 3
+# processes and the virtual nodes.
 set -euo pipefail
 mode=$1 train=$2 mpiexec=${3:-}
 dir=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_det_XXXXXX")
@@ -54,14 +55,19 @@ if [ "$mode" = mirrored ]; then
 else
   for opt in sgd adam; do
     train "ref_$opt" --replicas 1 --shards 12 --optimizer $opt
-    for np in 1 2 3; do
+    # Adam on fewer shapes: each mpirun costs a few seconds of start-up.
+    nps="1 2 3"
+    [ $opt = adam ] && nps="3"
+    for np in $nps; do
       "$mpiexec" -n $np --oversubscribe --bind-to none "$train" --strategy multi_worker \
         --steps "$steps" --out "$dir/mw_${opt}_$np" --replicas 1 --shards 12 --optimizer $opt
       same "ref_$opt" "mw_${opt}_$np" "$opt, mirrored 1 replica vs $np processes, V=12"
     done
-    "$mpiexec" -n 2 --oversubscribe --bind-to none "$train" --strategy multi_worker \
-      --steps "$steps" --out "$dir/mw_${opt}_2x2" --replicas 2 --shards 12 --optimizer $opt
-    same "ref_$opt" "mw_${opt}_2x2" "$opt, mirrored 1 replica vs 2 processes x 2 replicas, V=12"
+    if [ $opt = sgd ]; then
+      "$mpiexec" -n 2 --oversubscribe --bind-to none "$train" --strategy multi_worker \
+        --steps "$steps" --out "$dir/mw_${opt}_2x2" --replicas 2 --shards 12 --optimizer $opt
+      same "ref_$opt" "mw_${opt}_2x2" "$opt, mirrored 1 replica vs 2 processes x 2 replicas, V=12"
+    fi
     # Hierarchical: 4 processes in 2 virtual nodes of 2, TCP across them.
     "$mpiexec" -n 4 --oversubscribe --bind-to none --mca btl tcp,self \
       -x DISTSTRAT_VIRTUAL_NODE_SIZE=2 "$train" --strategy multi_worker \
