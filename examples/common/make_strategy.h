@@ -56,6 +56,7 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
   }
   if (f.strategy == "central_storage") {
     ds::CentralStorageOptions o;
+    o.determinism = determinism;
     o.devices = devices;
     o.device_manager = local_gpus;
     o.communication = comm;

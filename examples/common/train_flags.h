@@ -140,13 +140,13 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
                  "--elastic: the address peers reach this worker at (default: the host name)");
 }
 
-// --deterministic-across-workers V (mirrored, multi_worker): the same bits on
-// any number of replicas and workers (docs/determinism.md).
+// --deterministic-across-workers V (mirrored, central_storage, multi_worker):
+// the same bits on any number of replicas and workers (docs/determinism.md).
 inline void add_determinism_flag(CLI::App& app, TrainFlags& f) {
   app.add_option("--deterministic-across-workers", f.virtual_shards,
                  "cut each global batch into V fixed shards and sum their gradients exactly, so "
                  "that 1, 2 or 4 replicas or workers end with the same bits (mirrored, "
-                 "multi_worker; 0 = off; docs/determinism.md)")
+                 "central_storage, multi_worker; 0 = off; docs/determinism.md)")
       ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
 }

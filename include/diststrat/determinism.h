@@ -1,4 +1,5 @@
-// Determinism across world sizes: a synchronous strategy whose final
+// Determinism across world sizes: a synchronous strategy (MirroredStrategy,
+// MultiWorkerMirroredStrategy, CentralStorageStrategy) whose final
 // variables are the same bits whether a global batch is computed on 1, 2 or
 // 4 replicas, on one process or three (docs/determinism.md).
 //

@@ -30,13 +30,27 @@ Dataset small_set() {
 
 enum class Opt { kSgdMomentum, kAdamClipAccumulate };
 
-// The bytes of every variable after 8 steps (two epochs, short batches
-// included) on `replicas` CPU replicas, with `shards` virtual shards (0: off).
-std::vector<char> train(int replicas, int shards, Opt which) {
+std::unique_ptr<Strategy> make(int replicas, int shards, bool central) {
+  std::vector<Device> devices;
+  for (int i = 0; i < replicas; ++i) devices.push_back(Device::cpu(i));
+  if (central) {
+    CentralStorageOptions o;
+    o.devices = devices;
+    o.determinism.virtual_shards = shards;
+    return std::make_unique<CentralStorageStrategy>(o);
+  }
   MirroredOptions o;
-  for (int i = 0; i < replicas; ++i) o.devices.push_back(Device::cpu(i));
+  o.devices = devices;
   o.determinism.virtual_shards = shards;
-  MirroredStrategy strategy(o);
+  return std::make_unique<MirroredStrategy>(o);
+}
+
+// The bytes of every variable after 8 steps (two epochs, short batches
+// included) on `replicas` CPU replicas, with `shards` virtual shards (0: off),
+// under MirroredStrategy or (`central`) CentralStorageStrategy.
+std::vector<char> train(int replicas, int shards, Opt which, bool central = false) {
+  std::unique_ptr<Strategy> owned = make(replicas, shards, central);
+  Strategy& strategy = *owned;
   const nn::Mlp mlp({16, 24, 4});
   std::vector<Variable> params = mlp.create_variables(strategy, 1);
   std::unique_ptr<Optimizer> opt;
@@ -100,6 +114,12 @@ TEST(Determinism, AdamWithClippingAndAccumulationGivesTheSameBits) {
   const std::vector<char> one = train(1, kShards, Opt::kAdamClipAccumulate);
   expect_same_bits(one, train(2, kShards, Opt::kAdamClipAccumulate), "1 vs 2 replicas");
   expect_same_bits(one, train(4, kShards, Opt::kAdamClipAccumulate), "1 vs 4 replicas");
+}
+
+TEST(Determinism, CentralStorageGivesTheSameBitsAsMirrored) {
+  const std::vector<char> one = train(1, kShards, Opt::kSgdMomentum);
+  expect_same_bits(one, train(1, kShards, Opt::kSgdMomentum, true), "central storage, 1 replica");
+  expect_same_bits(one, train(3, kShards, Opt::kSgdMomentum, true), "central storage, 3 replicas");
 }
 
 TEST(Determinism, WithTheModeOffReplicaCountsDiffer) {
