@@ -41,10 +41,10 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
   apply_timeout(f.timeout, comm);
   ds::DeterminismOptions determinism;
   determinism.virtual_shards = f.virtual_shards;
-  if (f.virtual_shards > 0 && f.strategy != "mirrored" && f.strategy != "multi_worker") {
+  if (f.virtual_shards > 0 && f.strategy == "parameter_server") {
     throw ds::InvalidArgumentError(
-        "--deterministic-across-workers needs --strategy mirrored or "
-        "multi_worker");
+        "--deterministic-across-workers needs a synchronous strategy (mirrored, "
+        "central_storage, multi_worker)");
   }
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;
