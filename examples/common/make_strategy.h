@@ -39,8 +39,16 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
     devices.push_back(gpu ? ds::Device::gpu(i) : ds::Device::cpu(i));
   ds::CommunicationOptions comm;
   apply_timeout(f.timeout, comm);
+  ds::DeterminismOptions determinism;
+  determinism.virtual_shards = f.virtual_shards;
+  if (f.virtual_shards > 0 && f.strategy == "parameter_server") {
+    throw ds::InvalidArgumentError(
+        "--deterministic-across-workers needs a synchronous strategy (mirrored, "
+        "central_storage, multi_worker)");
+  }
   if (f.strategy == "mirrored") {
     ds::MirroredOptions o;
+    o.determinism = determinism;
     o.devices = devices;
     o.device_manager = local_gpus;
     o.communication = comm;
@@ -48,6 +56,7 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
   }
   if (f.strategy == "central_storage") {
     ds::CentralStorageOptions o;
+    o.determinism = determinism;
     o.devices = devices;
     o.device_manager = local_gpus;
     o.communication = comm;
@@ -67,6 +76,7 @@ inline std::unique_ptr<diststrat::Strategy> make_strategy(
           : nullptr;
   if (f.strategy == "multi_worker") {
     ds::MultiWorkerOptions o;
+    o.determinism = determinism;
     o.devices = per_process;
     o.device_manager = process_gpus;
     o.timeline_path = f.timeline;

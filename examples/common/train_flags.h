@@ -52,6 +52,9 @@ struct TrainFlags {
   int max_workers = 0;
   std::string worker_id;
   std::string listen_host;
+  // Determinism across world sizes (diststrat/determinism.h): V virtual
+  // shards per global batch; 0 = off.
+  int virtual_shards = 0;
 };
 
 // --strategy, --ps, --max-staleness, --device (`device_help`: what --device
@@ -143,6 +146,17 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
                  "--elastic: this worker's id (default: DISTSTRAT_WORKER_ID, else host-pid)");
   app.add_option("--listen-host", f.listen_host,
                  "--elastic: the address peers reach this worker at (default: the host name)");
+}
+
+// --deterministic-across-workers V (mirrored, central_storage, multi_worker):
+// the same bits on any number of replicas and workers (docs/determinism.md).
+inline void add_determinism_flag(CLI::App& app, TrainFlags& f) {
+  app.add_option("--deterministic-across-workers", f.virtual_shards,
+                 "cut each global batch into V fixed shards and sum their gradients exactly, so "
+                 "that 1, 2 or 4 replicas or workers end with the same bits (mirrored, "
+                 "central_storage, multi_worker; 0 = off; docs/determinism.md)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
 }
 
 // The PreemptionHandler's options for --preemption-signal.

@@ -118,6 +118,7 @@ int main(int argc, char** argv) {
                  "seconds between progress lines (default: 0.2 on a terminal, 5 otherwise)")
       ->check(CLI::Range(0.0, 3600.0));
   diststrat_examples::add_training_flags(app, f);
+  diststrat_examples::add_determinism_flag(app, f);
   CLI11_PARSE(app, argc, argv);
   f.replicas_given = app.count("--replicas") > 0;
 

@@ -51,6 +51,9 @@ struct CentralStorageOptions {
   CommunicationOptions communication;
   // Logger level (DISTSTRAT_LOG_LEVEL overrides).
   LogLevel log_level = LogLevel::kWarning;
+  // The same bits on any number of replicas (off by default;
+  // diststrat/determinism.h, docs/determinism.md).
+  DeterminismOptions determinism;
 };
 
 class CentralStorageStrategy : public Strategy {

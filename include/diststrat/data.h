@@ -63,7 +63,8 @@ class DistributedBatch {
  public:
   // This replica's rows (possibly zero rows), on the replica's device (a GPU
   // replica's rows are copied to its GPU on first access). Each replica may
-  // only ask for its own slice.
+  // only ask for its own slice. In determinism mode: the rows of ctx's
+  // virtual shard (diststrat/determinism.h).
   const Tensor& features(const ReplicaContext& ctx) const;
   const Tensor& labels(const ReplicaContext& ctx) const;
   // Rows in the whole global batch, over all replicas and workers: divide
@@ -74,13 +75,14 @@ class DistributedBatch {
 
  private:
   friend class DistributedDataset;
-  std::vector<Tensor> features_;  // per local replica
+  std::vector<Tensor> features_;  // per local replica (per local shard)
   std::vector<Tensor> labels_;
   // Per local replica: the slices on its device, made on first access.
   mutable std::vector<Tensor> device_features_, device_labels_;
   int64_t global_size_ = 0;
   int64_t index_ = 0;
   int first_local_replica_ = 0;
+  int first_local_shard_ = -1;  // determinism mode: this process's first shard
 };
 
 // The batches of one pass over the data. Iterate with a range-for; call

@@ -10,6 +10,7 @@
 #include "diststrat/cpu_isa.h"
 #include "diststrat/data.h"
 #include "diststrat/data_position.h"
+#include "diststrat/determinism.h"
 #include "diststrat/device.h"
 #include "diststrat/device_manager.h"
 #include "diststrat/dtype.h"

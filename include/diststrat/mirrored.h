@@ -42,6 +42,9 @@ struct MirroredOptions {
   // see Optimizer::apply_sharded and docs/training.md). CPU or GPU
   // replicas (on GPUs the blocks live in device memory).
   bool shard_optimizer_state = false;
+  // The same bits on any number of replicas (off by default;
+  // diststrat/determinism.h, docs/determinism.md).
+  DeterminismOptions determinism;
 };
 
 class MirroredStrategy : public Strategy {

@@ -113,6 +113,10 @@ struct MultiWorkerOptions {
   // or join; train inside ElasticState::run (diststrat/elastic.h). `cluster`
   // and `communicator` must not be set with it.
   ElasticOptions elastic;
+  // The same bits on any number of workers and replicas (off by default;
+  // diststrat/determinism.h, docs/determinism.md). Every worker must give
+  // the same value.
+  DeterminismOptions determinism;
 };
 
 // Counters of the fusion engine (for tests and benchmarks).

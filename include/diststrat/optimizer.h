@@ -49,7 +49,8 @@ struct ApplyResult {
   float loss_scale = 1.0f;
   // False for the first k - 1 micro-batches under gradient accumulation: the
   // gradients were added to this replica's sums, nothing was communicated or
-  // updated.
+  // updated. In determinism mode also false for every virtual shard but a
+  // replica's last (its gradients are held for the exact sum).
   bool applied = true;
   // The global norm of the reduced gradients before clipping, when clipping
   // by global norm (the same on every replica and worker); NaN otherwise.
@@ -222,6 +223,14 @@ class Optimizer {
   struct Accumulator;
   struct Zero;
   struct Agreement;
+  struct ShardSums;
+  // deterministic_sum.cc: determinism mode's exact sum of the virtual
+  // shards' gradients; null for every shard but a replica's last, whose call
+  // gets the sum and the real replica's context to reduce and update with.
+  static std::shared_ptr<ShardSums> new_shard_sums();
+  ReplicaContext* combine_shards(ReplicaContext& ctx,
+                                 const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+                                 std::vector<std::pair<Tensor, Variable>>& combined);
   // optimizer_agreement.cc: the cross-worker comparison of configuration().
   static std::shared_ptr<Agreement> new_agreement();
   void configuration_changed();
@@ -253,6 +262,7 @@ class Optimizer {
   std::shared_ptr<Accumulator> accumulator_;  // per local replica sums
   std::shared_ptr<Zero> zero_;                // ZeRO-1 layout and slot blocks
   std::shared_ptr<Agreement> agreement_;      // configuration agreed per local replica
+  std::shared_ptr<ShardSums> shard_sums_;     // determinism mode: shards' gradients held
 };
 
 struct SGDOptions {

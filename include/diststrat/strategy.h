@@ -50,6 +50,7 @@
 
 #include "diststrat/collective.h"
 #include "diststrat/data.h"
+#include "diststrat/determinism.h"
 #include "diststrat/device.h"
 #include "diststrat/fault.h"
 #include "diststrat/flight_recorder.h"
@@ -62,7 +63,8 @@ namespace diststrat {
 class Optimizer;
 class Strategy;
 
-// One value per local replica, indexed by local replica id.
+// One value per local replica, indexed by local replica id (in determinism
+// mode one per local virtual shard, in shard order: diststrat/determinism.h).
 template <typename T>
 class PerReplica {
  public:
@@ -121,6 +123,9 @@ class ReplicaContext {
   virtual Strategy& strategy() const = 0;
   // The replica's stream (cudaStream_t on GPUs), nullptr on CPU.
   virtual void* stream() const { return nullptr; }
+  // In determinism mode (diststrat/determinism.h) the virtual shard this call
+  // of the step function computes; -1 otherwise.
+  virtual int virtual_shard() const { return -1; }
 
   // All-reduces `tensors` in place over every replica in sync, packing small
   // tensors together. Blocks. Every replica must pass the same list (names,
@@ -211,9 +216,8 @@ class Strategy {
     if constexpr (std::is_void_v<R>) {
       run_step([&](ReplicaContext& ctx) { fn(ctx); });
     } else {
-      std::vector<std::unique_ptr<R>> out(num_local_replicas());
-      run_step(
-          [&](ReplicaContext& ctx) { out[ctx.local_replica_id()] = std::make_unique<R>(fn(ctx)); });
+      std::vector<std::unique_ptr<R>> out(static_cast<size_t>(num_local_values()));
+      run_step([&](ReplicaContext& ctx) { out[value_slot(ctx)] = std::make_unique<R>(fn(ctx)); });
       std::vector<R> values;
       values.reserve(out.size());
       for (auto& v : out) values.push_back(std::move(*v));
@@ -221,8 +225,15 @@ class Strategy {
     }
   }
 
+  // Values run() returns in this process: one per local replica, or one per
+  // local virtual shard in determinism mode.
+  int num_local_values() const;
+  // The determinism options the strategy was made with (off by default).
+  const DeterminismOptions& determinism() const { return determinism_; }
+
   // Cross-replica reductions of run()'s results over all replicas in sync
-  // (all workers). kMean divides by num_replicas_in_sync(). Blocking; under
+  // (all workers). kMean divides by num_replicas_in_sync() (in determinism
+  // mode: V, and the values are combined in shard order). Blocking; under
   // multi-worker a collective every worker calls in the same order. A
   // PerReplica must hold one value per local replica (num_local_replicas(),
   // as run() returns) and no undefined tensor, else InvalidArgumentError.
@@ -343,6 +354,11 @@ class Strategy {
   // their first collective of the step), which the group must reject naming
   // the rank. Multi-worker overrides it to corrupt the next pack signature.
   virtual void inject_corruption(ReplicaContext& ctx, int64_t step);
+  // Turns determinism mode on (set-up of a strategy whose options ask for
+  // it, once the replicas in sync are known): checks V against them and pins
+  // the CPU GEMM blocking. `who` names the strategy in errors.
+  void enable_determinism(const DeterminismOptions& options, const std::string& who);
+
   // Whether the run now starting is a training step (numbered, the fault
   // injection's target, "step S: " in its errors): not inside
   // run_between_steps. A strategy may say no for more of its own runs.
@@ -356,6 +372,15 @@ class Strategy {
   // One step: fires the fault injection (if any) on the replica threads, runs
   // fn through run_replicas and prefixes errors with the step.
   void run_step(const std::function<void(ReplicaContext&)>& fn);
+  // Where run() stores the value of `ctx`'s call: its local replica, or its
+  // shard among this process's shards.
+  size_t value_slot(const ReplicaContext& ctx) const;
+  // Determinism mode's reductions of per-shard values, in shard order
+  // (determinism.cc); the shards' values regrouped per local replica.
+  double reduce_shard_values(ReduceOp op, const std::vector<double>& values);
+  int64_t reduce_shard_ints(ReduceOp op, const std::vector<int64_t>& values);
+  Tensor reduce_shard_tensors(ReduceOp op, const std::vector<Tensor>& values);
+  void check_value_count(const std::string& what, size_t n) const;
   void inject_fault(ReplicaContext& ctx, int64_t step);
   // Cross-replica read and write of a kOnRead variable (Variable::value and
   // Variable::assign): collective over every worker, like reduce.
@@ -364,6 +389,7 @@ class Strategy {
   void on_read_assign(Variable& var, const Tensor& value);
 
   FaultInjection fault_;
+  DeterminismOptions determinism_;
   int64_t step_ = 0;
   bool between_steps_ = false;  // inside run_between_steps
 };

@@ -17,6 +17,8 @@
 #include "allreduce/reduce_kernels.h"
 #include "core/user_text.h"
 #include "diststrat/optimizer.h"
+#include "nn/nn_kernels.h"
+#include "runtime/determinism.h"
 #include "runtime/local_replicas.h"
 
 namespace diststrat {
@@ -48,7 +50,11 @@ CentralStorageOptions checked(CentralStorageOptions o) {
 CentralStorageStrategy::CentralStorageStrategy(CentralStorageOptions options)
     : Strategy(options.log_level, "[central_storage]") {
   options = checked(std::move(options));
+  check_determinism_options(options.determinism, options.communication, /*zero=*/false,
+                            /*elastic=*/false, "CentralStorageStrategy");
   impl_ = std::make_unique<Impl>(this, options);
+  enable_determinism(options.determinism, "CentralStorageStrategy");
+  if (options.determinism.enabled()) nn::pin_gemm_blocking();
   logger_.info("CentralStorageStrategy: ", options.devices.size(),
                " compute replica(s), variables on ", options.parameter_device.to_string());
 }

@@ -5,6 +5,8 @@
 #include "core/env.h"
 #include "core/user_text.h"
 #include "diststrat/optimizer.h"
+#include "nn/nn_kernels.h"
+#include "runtime/determinism.h"
 #include "runtime/local_replicas.h"
 
 namespace diststrat {
@@ -29,7 +31,11 @@ MirroredStrategy::MirroredStrategy(MirroredOptions options)
   if (options.log_device_placement) placement_.set_enabled(true);
   if (auto env = env::flag("DISTSTRAT_LOG_DEVICE_PLACEMENT")) placement_.set_enabled(*env);
   options = with_default_devices(std::move(options));
+  check_determinism_options(options.determinism, options.communication,
+                            options.shard_optimizer_state, /*elastic=*/false, "MirroredStrategy");
   impl_ = std::make_unique<Impl>(this, options);
+  enable_determinism(options.determinism, "MirroredStrategy");
+  if (options.determinism.enabled()) nn::pin_gemm_blocking();
   logger_.info("MirroredStrategy on ", options.devices.size(), " device(s)");
 }
 

@@ -11,6 +11,8 @@
 #include "core/env.h"
 #include "diststrat/cpu_isa.h"
 #include "multiworker/multi_worker_impl.h"
+#include "nn/nn_kernels.h"
+#include "runtime/determinism.h"
 #include "runtime/data_digest.h"
 
 namespace diststrat {
@@ -21,6 +23,9 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   m.self = this;
   if (options.devices.empty()) options.devices = {Device::cpu(0)};
   resolve_replica_devices(options.devices, options.device_manager, "MultiWorkerMirroredStrategy");
+  check_determinism_options(options.determinism, options.communication,
+                            options.shard_optimizer_state, options.elastic.enabled(),
+                            "MultiWorkerMirroredStrategy");
   const Algorithm algo = options.communication.algorithm;
   const bool allow_hier = algo == Algorithm::kAuto || algo == Algorithm::kHierarchical;
 
@@ -134,6 +139,8 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   m.replicas = std::make_unique<LocalReplicas>(this, options.devices, options.communication,
                                                options.device_manager);
   m.start_engine();
+  enable_determinism(options.determinism, "MultiWorkerMirroredStrategy");
+  if (options.determinism.enabled()) nn::pin_gemm_blocking();
   for (size_t l = 0; l < options.devices.size(); ++l) {
     m.contexts.push_back(
         std::make_unique<MultiWorkerReplicaContext>(impl_.get(), static_cast<int>(l)));

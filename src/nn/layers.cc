@@ -16,6 +16,19 @@ namespace nn {
 
 const NnKernels& nn_kernels() { return DISTSTRAT_ISA_PICK(kNnKernels); }
 
+void pin_gemm_blocking() {
+  // A common x86 core's L1d and L2 and a modest L3: the values only need to
+  // be the same on every machine of a job (docs/determinism.md).
+  constexpr std::ptrdiff_t kL1 = 32 << 10, kL2 = 1 << 20, kL3 = 8 << 20;
+  isa_baseline::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
+#if DISTSTRAT_ISA_VARIANTS
+  // A variant this CPU cannot run is never picked (and its code must not run).
+  const CpuIsa supported = cpu_isa_supported();
+  if (supported >= CpuIsa::kAvx2) isa_avx2::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
+  if (supported >= CpuIsa::kAvx512) isa_avx512::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
+#endif
+}
+
 namespace {
 // Every operand of an op lives in the memory of `device` (the first
 // operand's): the same GPU, or host memory for any CPU device.

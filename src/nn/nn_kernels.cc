@@ -83,10 +83,15 @@ int64_t count_correct(const float* z, const int32_t* labels, int64_t n, int64_t 
   return correct;
 }
 
+void set_cache_sizes(std::ptrdiff_t l1, std::ptrdiff_t l2, std::ptrdiff_t l3) {
+  Eigen::setCpuCacheSizes(l1, l2, l3);
+}
+
 }  // namespace
 
-extern const NnKernels kNnKernels = {dense_forward, dense_backward,        relu_forward,
-                                     relu_backward, softmax_cross_entropy, count_correct};
+extern const NnKernels kNnKernels = {dense_forward,  dense_backward,        relu_forward,
+                                     relu_backward,  softmax_cross_entropy, count_correct,
+                                     set_cache_sizes};
 
 }  // namespace DISTSTRAT_ISA_NS
 }  // namespace nn

@@ -3,6 +3,7 @@
 // pointers and sizes, operands already validated by the caller.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace diststrat {
@@ -25,10 +26,19 @@ struct NnKernels {
                                   int64_t k, float scale);
   // Rows whose largest logit (the first, on ties) is the label.
   int64_t (*count_correct)(const float* z, const int32_t* labels, int64_t n, int64_t k);
+  // Sets this variant's Eigen cache sizes (bytes), which decide its GEMM
+  // blocking and so the order of each dot product's partial sums.
+  void (*set_cache_sizes)(std::ptrdiff_t l1, std::ptrdiff_t l2, std::ptrdiff_t l3);
 };
 
 // The table of the variant in use (diststrat/cpu_isa.h).
 const NnKernels& nn_kernels();
+
+// Determinism mode (diststrat/determinism.h): fixes the GEMM blocking of
+// every compiled variant to the same cache sizes, whatever this CPU's, so
+// that machines with different caches multiply alike. Per process (Eigen's
+// sizes are); call it before replica threads multiply, not concurrently.
+void pin_gemm_blocking();
 
 namespace isa_baseline {
 extern const NnKernels kNnKernels;

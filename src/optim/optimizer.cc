@@ -34,7 +34,8 @@ Optimizer::Optimizer(Strategy& strategy)
       held_(std::make_shared<Held>()),
       accumulator_(std::make_shared<Accumulator>()),
       zero_(std::make_shared<Zero>()),
-      agreement_(new_agreement()) {
+      agreement_(new_agreement()),
+      shard_sums_(new_shard_sums()) {
   // Each optimizer of a strategy gets its own step counter: "optimizer/iterations",
   // then "optimizer_1/iterations", ...
   const int n = optimizer_counter(strategy);
@@ -125,6 +126,20 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
                     echo(v.name()), "' is ", dtype_name(v.dtype()), "; optimizers update float32");
     DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, where, ": variable '", echo(v.name()),
                     "' is not trainable");
+  }
+  if (ctx.virtual_shard() >= 0) {
+    // Determinism mode: the real replica's last shard reduces and updates,
+    // with the shards' exact sum, on the real replica's context.
+    std::vector<std::pair<Tensor, Variable>> combined;
+    ReplicaContext* real = combine_shards(ctx, grads_and_vars, combined);
+    if (real == nullptr) {
+      ApplyResult held;
+      held.applied = false;
+      return held;
+    }
+    agree_on_configuration(*real);
+    if (accumulation_steps_ == 1) return reduce_and_update(*real, combined);
+    return accumulate_micro_batch(*real, combined);
   }
   agree_on_configuration(ctx);
   if (accumulation_steps_ == 1) return reduce_and_update(ctx, grads_and_vars);

@@ -8,6 +8,7 @@
 #include "core/fnv1a.h"
 #include "runtime/data_digest.h"
 #include "runtime/data_source.h"
+#include "runtime/determinism.h"
 #include "diststrat/strategy.h"
 
 namespace diststrat {
@@ -86,8 +87,14 @@ namespace {
 // The host slice, or its copy on the replica's device (made once; each
 // replica touches only its own entry, so no lock is needed).
 const Tensor& on_device(const std::vector<Tensor>& host, std::vector<Tensor>& cache,
-                        const ReplicaContext& ctx, const char* what) {
-  const size_t i = static_cast<size_t>(ctx.local_replica_id());
+                        const ReplicaContext& ctx, int first_local_shard, const char* what) {
+  const bool sharded = first_local_shard >= 0;
+  DISTSTRAT_CHECK(sharded == (ctx.virtual_shard() >= 0), kInvalidArgument, what,
+                  ": a batch distributed ", sharded ? "with" : "without",
+                  " determinism mode's virtual shards read from a replica ",
+                  sharded ? "without" : "with", " them");
+  const size_t i = static_cast<size_t>(sharded ? ctx.virtual_shard() - first_local_shard
+                                               : ctx.local_replica_id());
   DISTSTRAT_CHECK_LT(i, host.size(), what, ": local replica");
   if (ctx.device().is_cpu() || host[i].device() == ctx.device()) return host[i];
   DISTSTRAT_CHECK_EQ(cache.size(), host.size(), what, ": device cache");
@@ -101,10 +108,11 @@ const Tensor& on_device(const std::vector<Tensor>& host, std::vector<Tensor>& ca
 }  // namespace
 
 const Tensor& DistributedBatch::features(const ReplicaContext& ctx) const {
-  return on_device(features_, device_features_, ctx, "DistributedBatch::features");
+  return on_device(features_, device_features_, ctx, first_local_shard_,
+                   "DistributedBatch::features");
 }
 const Tensor& DistributedBatch::labels(const ReplicaContext& ctx) const {
-  return on_device(labels_, device_labels_, ctx, "DistributedBatch::labels");
+  return on_device(labels_, device_labels_, ctx, first_local_shard_, "DistributedBatch::labels");
 }
 
 DistributedDataset::DistributedDataset(std::shared_ptr<Source> source)
@@ -183,6 +191,26 @@ DistributedBatch DistributedDataset::batch(int64_t i) const {
   out.index_ = i;
   out.first_local_replica_ = s.first_local_replica;
   out.global_size_ = s.global_rows_of_batch(n);
+  if (s.virtual_shards > 0) {
+    // Determinism mode: the n rows are cut into V shards (shard_rows: the
+    // same cut on any number of replicas), and each local replica takes its
+    // range of shards.
+    const ShardRange first =
+        shards_of_replica(s.first_local_replica, s.num_replicas_in_sync, s.virtual_shards);
+    const ShardRange last = shards_of_replica(s.first_local_replica + s.num_local_replicas - 1,
+                                              s.num_replicas_in_sync, s.virtual_shards);
+    out.first_local_shard_ = first.first;
+    for (int shard = first.first; shard < last.first + last.count; ++shard) {
+      int64_t lo = 0, len = 0;
+      shard_rows(n, s.virtual_shards, shard, &lo, &len);
+      const int64_t* rows = order_.data() + begin + lo;
+      out.features_.push_back(gather_rows(s.data.features(), rows, len));
+      out.labels_.push_back(gather_rows(s.data.labels(), rows, len));
+    }
+    out.device_features_.resize(out.features_.size());
+    out.device_labels_.resize(out.labels_.size());
+    return out;
+  }
   // The batch's n rows are split as evenly as possible over the replicas this
   // source feeds; the first n % R replicas get one extra row.
   const int R = s.replicas_fed();

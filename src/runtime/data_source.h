@@ -20,6 +20,9 @@ struct DistributedDataset::Source {
   int first_local_replica = 0;
   int num_workers = 1;
   bool per_worker = false;
+  // Determinism mode (diststrat/determinism.h): each batch is cut into this
+  // many fixed shards by row, and a replica gets its shards' rows; 0 = off.
+  int virtual_shards = 0;
   // Elastic strategies (Strategy::replicas_may_change): the numbering above
   // is read from here at every batch(); the strategy outlives its datasets.
   const Strategy* live = nullptr;

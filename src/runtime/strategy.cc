@@ -13,6 +13,7 @@
 #include "core/env.h"
 #include "core/cpu_isa.h"
 #include "runtime/data_source.h"
+#include "runtime/determinism.h"
 #include "core/thread_pool.h"
 #include "core/user_text.h"
 #include "runtime/work_state.h"
@@ -97,13 +98,18 @@ void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
   const bool counted = run_is_step();
   const int64_t step = counted ? step_++ : step_;
   const std::string where = (counted ? "step " : "before step ") + std::to_string(step) + ": ";
+  // Determinism mode: the library's own runs between steps (checkpoints,
+  // commits) still run once per real replica; a step once per virtual shard.
+  const int shards = counted ? determinism_.virtual_shards : 0;
+  const std::function<void(ReplicaContext&)> body =
+      shards == 0 ? fn : [&](ReplicaContext& ctx) { run_shards(ctx, shards, fn); };
   try {
     if (!counted || !fault_.active() || fault_.step != step) {
-      run_replicas(fn);
+      run_replicas(body);
     } else {
       run_replicas([&](ReplicaContext& ctx) {
         inject_fault(ctx, step);
-        fn(ctx);
+        body(ctx);
       });
     }
   } catch (const Error& e) {
@@ -203,17 +209,7 @@ Variable Strategy::variable(const std::string& name) const {
 }
 
 namespace {
-// A PerReplica that enters a cross-replica call holds one value per local
-// replica, as run() returns; anything else would reduce silently wrong.
-void check_count(const Strategy& s, const std::string& what, size_t n) {
-  const size_t want = static_cast<size_t>(s.num_local_replicas());
-  DISTSTRAT_CHECK(n == want, kInvalidArgument, what, ": the PerReplica values hold ", n,
-                  n == 1 ? " value" : " values", ", but this ", s.name(), " strategy has ", want,
-                  " local replicas (one value per local replica, as run() returns)");
-}
-
-void check_tensors(const Strategy& s, const std::string& what, const PerReplica<Tensor>& values) {
-  check_count(s, what, values.size());
+void check_tensors(const std::string& what, const PerReplica<Tensor>& values) {
   for (size_t i = 0; i < values.size(); ++i) {
     DISTSTRAT_CHECK(values[i].defined(), kInvalidArgument, what, ": the value of replica ", i,
                     " is an undefined tensor");
@@ -250,13 +246,15 @@ double Strategy::reduce_across(ReduceOp op, const std::vector<double>& local) {
 }
 
 double Strategy::reduce(ReduceOp op, const PerReplica<double>& values) {
-  check_count(*this, op_text("reduce", op), values.size());
+  check_value_count(op_text("reduce", op), values.size());
+  if (determinism_.enabled()) return reduce_shard_values(op, values.values());
   return reduce_across(op, values.values());
 }
 
 float Strategy::reduce(ReduceOp op, const PerReplica<float>& values) {
-  check_count(*this, op_text("reduce", op), values.size());
+  check_value_count(op_text("reduce", op), values.size());
   std::vector<double> d(values.begin(), values.end());
+  if (determinism_.enabled()) return static_cast<float>(reduce_shard_values(op, d));
   return static_cast<float>(reduce_across(op, d));
 }
 
@@ -276,14 +274,17 @@ Tensor Strategy::reduce_tensors_across(ReduceOp op, const std::vector<Tensor>& l
 }
 
 Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values) {
-  check_tensors(*this, op_text("reduce", op), values);
+  check_value_count(op_text("reduce", op), values.size());
+  check_tensors(op_text("reduce", op), values);
+  if (determinism_.enabled()) return reduce_shard_tensors(op, values.values());
   return reduce_tensors_across(op, values.values());
 }
 
 int64_t Strategy::reduce(ReduceOp op, const PerReplica<int64_t>& values) {
   const std::string what = op_text("reduce", op) + " of PerReplica<int64_t>";
-  check_count(*this, what, values.size());
+  check_value_count(what, values.size());
   DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no values");
+  if (determinism_.enabled()) return reduce_shard_ints(op, values.values());
   if (op == ReduceOp::kProduct) {
     // Exact as well: every value is gathered (one int64 per replica) and
     // multiplied here with overflow checks, the same on every worker.
@@ -381,7 +382,11 @@ Tensor reduce_along(const Tensor& t, int axis, ReduceOp op) {
 
 Tensor Strategy::reduce(ReduceOp op, const PerReplica<Tensor>& values, int axis) {
   const std::string what = op_text("reduce", op) + " along axis " + std::to_string(axis);
-  check_tensors(*this, what, values);
+  check_value_count(what, values.size());
+  check_tensors(what, values);
+  DISTSTRAT_CHECK(!determinism_.enabled(), kUnimplemented, what,
+                  " in determinism mode (reduce each shard's value along the axis in the step "
+                  "function, then Strategy::reduce without an axis)");
   DISTSTRAT_CHECK(values.size() > 0, kInvalidArgument, "reduce of no tensors");
   const int rank = static_cast<int>(values[0].shape().rank());
   for (size_t i = 1; i < values.size(); ++i) {
@@ -455,7 +460,10 @@ Strategy::Strategy(LogLevel log_level, std::string log_prefix)
 }
 
 Tensor Strategy::gather(const PerReplica<Tensor>& values) {
-  check_tensors(*this, "gather", values);
+  check_value_count("gather", values.size());
+  check_tensors("gather", values);
+  DISTSTRAT_CHECK(!determinism_.enabled(), kUnimplemented,
+                  "gather in determinism mode (not built yet: docs/determinism.md)");
   return gather_across(values.values());
 }
 
@@ -470,9 +478,13 @@ DistributedDataset Strategy::distribute(const Dataset& dataset, int64_t global_b
                   "distribute: global batch ", global_batch, " has fewer rows than the ",
                   num_replicas_in_sync(), " replicas in sync");
   DISTSTRAT_CHECK(dataset.size() > 0, kInvalidArgument, "distribute: empty dataset");
+  DISTSTRAT_CHECK(global_batch >= determinism_.virtual_shards, kInvalidArgument,
+                  "distribute: global batch ", global_batch, " has fewer rows than the ",
+                  determinism_.virtual_shards, " virtual shards (determinism mode)");
   auto s = std::make_shared<DistributedDataset::Source>();
   s->data = dataset;
   s->global_batch = global_batch;
+  s->virtual_shards = determinism_.virtual_shards;
   s->options = options;
   s->num_replicas_in_sync = num_replicas_in_sync();
   s->num_local_replicas = num_local_replicas();
@@ -490,6 +502,9 @@ DistributedDataset Strategy::distribute_datasets_from_function(
                   "distribute_datasets_from_function: each worker's own input cannot follow an "
                   "elastic group's changes; use distribute() (every worker sees the whole "
                   "dataset and takes its share of each global batch)");
+  DISTSTRAT_CHECK(!determinism_.enabled(), kUnimplemented,
+                  "distribute_datasets_from_function in determinism mode: each worker's own "
+                  "rows depend on the number of workers; use distribute()");
   InputContext ic;
   ic.num_input_pipelines = cluster().num_workers;
   ic.input_pipeline_id = cluster().worker_index;

@@ -44,6 +44,7 @@ PUBLIC_HEADERS = {
     "collective": "core", "flight_recorder": "core", "cpu_isa": "core",
     "algorithm_registry": "allreduce",
     "strategy": "runtime", "variable": "runtime", "data": "runtime", "cluster": "runtime",
+    "determinism": "runtime",
     "slurm": "runtime",
     "process_group": "runtime", "elastic_options": "runtime",
     "nn": "nn", "optimizer": "optim", "learning_rate_schedule": "optim", "update_rule": "optim",

@@ -1,0 +1,79 @@
+// Determinism mode's machinery in the runtime (diststrat/determinism.h,
+// docs/determinism.md): which virtual shards a real replica computes, and the
+// context a shard's call of the step function sees.
+#pragma once
+
+#include <functional>
+
+#include "diststrat/strategy.h"
+
+namespace diststrat {
+
+// A contiguous range of virtual shards [first, first + count).
+struct ShardRange {
+  int first = 0;
+  int count = 0;
+};
+
+// The shards of `replica` among `replicas` when `shards` are spread over
+// them: as evenly as possible, the first shards % replicas replicas one more,
+// each a contiguous range in replica order (so a gather by replica is a
+// gather in shard order).
+ShardRange shards_of_replica(int replica, int replicas, int shards);
+
+// The rows [begin, begin + len) of a batch of `rows` rows that shard `shard`
+// of `shards` holds: the same cut whatever the replicas (the first
+// rows % shards shards one row more).
+void shard_rows(int64_t rows, int shards, int shard, int64_t* begin, int64_t* len);
+
+// What one shard's call of the step function sees: its shard as replica id,
+// V replicas in sync, and otherwise its real replica (local id, device,
+// stream, variable copies). Collectives are refused: the shards of one real
+// replica run one after another, so a collective from a shard could not
+// meet its peers.
+class ShardContext : public ReplicaContext {
+ public:
+  ShardContext(ReplicaContext& real, int shard, int shards, ShardRange local)
+      : real_(real), shard_(shard), shards_(shards), local_(local) {}
+
+  int replica_id() const override { return shard_; }
+  int local_replica_id() const override { return real_.local_replica_id(); }
+  int num_replicas_in_sync() const override { return shards_; }
+  const Device& device() const override { return real_.device(); }
+  Strategy& strategy() const override { return real_.strategy(); }
+  void* stream() const override { return real_.stream(); }
+  int virtual_shard() const override { return shard_; }
+
+  void all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
+                  const std::vector<std::string>& names = {}) override;
+  Tensor all_gather(const Tensor& t, const std::string& name = "") override;
+  void barrier(const std::string& name = "") override;
+
+  // The real replica's context (the library's collectives run on it).
+  ReplicaContext& real() const { return real_; }
+  // This real replica's shards; whether this call computes its last one.
+  ShardRange local_shards() const { return local_; }
+  bool is_last() const { return shard_ == local_.first + local_.count - 1; }
+
+ protected:
+  std::shared_ptr<void> merge_call_impl(
+      const std::function<std::shared_ptr<void>(Strategy&)>& fn) override;
+
+ private:
+  ReplicaContext& real_;
+  int shard_, shards_;
+  ShardRange local_;
+};
+
+// The options determinism mode refuses, each an error naming it: 16-bit wire
+// compression (it would round the exact sum), ZeRO-1 (its clipping norm is
+// summed per block, in an order the replica count decides), elastic
+// training (not built yet).
+void check_determinism_options(const DeterminismOptions& determinism,
+                               const CommunicationOptions& communication, bool zero, bool elastic,
+                               const std::string& who);
+
+// Calls fn once per shard of the real replica `real`, in shard order.
+void run_shards(ReplicaContext& real, int shards, const std::function<void(ReplicaContext&)>& fn);
+
+}  // namespace diststrat
