@@ -77,6 +77,32 @@ struct GpuStepSetup {
 
 }  // namespace
 
+// The budget of one replica's step: its input copies, the forward and
+// backward layers, the loss, the gradient all-reduce and the update. Before
+// issue 44 it was 48 launches (15 of them memsets zero-filling outputs that
+// the kernels overwrite whole) and one read per replica (the loss and the
+// label check, between forward and backward). Issue 44's goal is <= 12
+// launches and no read when the loss is not read (one launch for the
+// update, the loss on the device); the budget below is what is built.
+TEST(GpuStepLaunches, OneMlpStepStaysWithinItsLaunchAndReadBudget) {
+  GpuStepSetup s(2);
+  s.step();  // warm-up: slots, allocator blocks
+  const int launches = s.fake->launches.load(), reads = s.fake->host_reads.load();
+  const std::map<std::string, int> before = s.fake->launched();
+  s.step();
+  for (const auto& [what, n] : s.fake->launched()) {
+    const auto it = before.find(what);
+    const int d = n - (it == before.end() ? 0 : it->second);
+    if (d) std::printf("[ GpuStep  ]   %s: %d (both replicas)\n", what.c_str(), d);
+  }
+  const int step_launches = (s.fake->launches.load() - launches) / 2;
+  const int step_reads = s.fake->host_reads.load() - reads;
+  std::printf("[ GpuStep  ] one MLP step per replica: %d launches, %d device->host reads\n",
+              step_launches, step_reads);
+  EXPECT_LE(step_launches, 35);
+  EXPECT_LE(step_reads, 2) << "at most one device -> host read per replica";
+}
+
 // The executor runs a stream's work in order on its own thread, without
 // anyone waiting; a slowed launch is still running when the host goes on.
 TEST(GpuStepExecutor, WorkRunsUnaskedInStreamOrderAndAfterItsLaunchDelay) {
