@@ -112,8 +112,7 @@ bool CudaBackend::event_done(int ordinal, void* event) {
 
 void CudaBackend::stream_wait_event(int ordinal, void* stream, void* event) {
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
-  DISTSTRAT_CUDA_CHECK(
-      cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event), 0));
+  DISTSTRAT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event), 0));
 }
 
 void CudaBackend::destroy_event(int ordinal, void* event) {

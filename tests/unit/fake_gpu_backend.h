@@ -538,9 +538,9 @@ class FakeGpuBackend : public ds::GpuBackend {
     int device;
     uint64_t stream;  // the stream's identity (0: the default stream)
     std::function<void()> fn;
-    bool kernel = false;             // a launch: the launch delay applies
-    bool running = false;            // an executor thread runs it now
-    long wait_seq = -1;              // stream_wait_event: runs after this op
+    bool kernel = false;               // a launch: the launch delay applies
+    bool running = false;              // an executor thread runs it now
+    long wait_seq = -1;                // stream_wait_event: runs after this op
     const void* pinned_src = nullptr;  // a pinned host source it reads
   };
   // Where an op stands: it may run now; it waits for work that will run; or
@@ -764,8 +764,7 @@ class FakeGpuBackend : public ds::GpuBackend {
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout &&
           ds::DeadlineClock::now() >= deadline) {
         run_pending_locked();
-        throw ds::DeadlineExceededError(what + ": the work on fake GPU " +
-                                        std::to_string(ordinal) +
+        throw ds::DeadlineExceededError(what + ": the work on fake GPU " + std::to_string(ordinal) +
                                         " did not finish before the deadline (its stream is "
                                         "held or a launch hangs)");
       }
