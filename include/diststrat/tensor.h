@@ -61,6 +61,10 @@ class Tensor {
   // every later op go to the replica's stream; elsewhere use
   // DeviceManager::allocate. Throws FailedPreconditionError without one.
   Tensor(Shape shape, DType dtype, Device device = Device::cpu());
+  // As the constructor, but GPU memory is not zero-filled (no memset is
+  // enqueued): for an output that an op overwrites entirely. Host memory is
+  // zero-filled as by the constructor.
+  static Tensor uninitialized(Shape shape, DType dtype, Device device = Device::cpu());
   // A non-owning view of `data`; the caller keeps the memory alive for as long
   // as the tensor (and any copy of it) is used.
   static Tensor wrap(void* data, Shape shape, DType dtype, Device device = Device::cpu());
@@ -148,6 +152,7 @@ class Tensor {
  private:
   struct Storage;
   void check_dtype(DType expected) const;
+  void allocate(bool zero_gpu_memory);
   // The CUDA ordinal of GPU memory this library allocated, -1 otherwise.
   int storage_cuda_ordinal() const;
   const void* data_ptr() const;

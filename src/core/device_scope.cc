@@ -43,13 +43,13 @@ GpuExec gpu_exec(const Device& device, const char* op) {
   return e;
 }
 
-std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes) {
+std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes, bool zero) {
   DeviceManager& dm = scope_manager(device, "Tensor allocation");
   if (!bytes) return DeviceManagerAccess::impl(dm).allocate_raw(device, bytes);
   // The block belongs to the stream the scope uses for this device.
   const GpuExec e = gpu_exec(device, "Tensor allocation");
   std::shared_ptr<void> mem = DeviceManagerAccess::impl(dm).allocate_raw(device, bytes, e.stream);
-  e.backend->memset_async(e.ordinal, mem.get(), 0, bytes, e.stream);
+  if (zero) e.backend->memset_async(e.ordinal, mem.get(), 0, bytes, e.stream);
   return mem;
 }
 

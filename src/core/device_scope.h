@@ -63,7 +63,8 @@ struct GpuExec {
 GpuExec gpu_exec(const Device& device, const char* op);
 
 // Device memory for a new GPU tensor from the scope's DeviceManager,
-// zero-filled (Tensor's constructor uses it).
-std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes);
+// zero-filled on the scope's stream unless `zero` is false (Tensor's
+// constructor and Tensor::uninitialized use it).
+std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes, bool zero = true);
 
 }  // namespace diststrat

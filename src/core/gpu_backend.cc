@@ -20,6 +20,14 @@ void GpuBackend::copy_to_host(int ordinal, void* dst, const void* src, size_t by
   synchronize(ordinal, stream, deadline, what);
 }
 
+void GpuBackend::stream_wait_event(int, void*, void*) {
+  throw_unavailable_in(*this, "stream_wait_event");
+}
+void* GpuBackend::host_alloc(size_t) { throw_unavailable_in(*this, "host_alloc"); }
+void GpuBackend::host_free(void* ptr) {
+  if (ptr) throw_unavailable_in(*this, "host_free");
+}
+
 void GpuBackend::dense_forward(int, void*, const float*, const float*, const float*, float*,
                                int64_t, int64_t, int64_t) {
   throw_unavailable_in(*this, "dense_forward");

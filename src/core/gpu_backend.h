@@ -104,6 +104,22 @@ class GpuBackend {
   virtual void record_event(int ordinal, void* event, void* stream) = 0;
   virtual bool event_done(int ordinal, void* event) = 0;
   virtual void destroy_event(int ordinal, void* event) = 0;
+  // Work enqueued on `stream` after this call runs only after the work
+  // before `event`'s last record_event (on any stream of `ordinal`): orders
+  // two streams without the host waiting (cudaStreamWaitEvent). Only
+  // enqueues. Default: UnimplementedError.
+  virtual void stream_wait_event(int ordinal, void* stream, void* event);
+
+  // ---- pinned host memory ----
+  // Page-locked host memory (cudaHostAlloc): a copy from it to the device is
+  // truly asynchronous, so the copy reads it when it runs, not at the call;
+  // the caller keeps it alive and unchanged until the copy is done (an event
+  // recorded after the copy says when). Returns nullptr when none is left.
+  // host_free of a pointer host_alloc returned (nullptr: nothing) waits for
+  // nothing: free only after the copies that read it are done. Defaults:
+  // UnimplementedError (callers then use pageable memory).
+  virtual void* host_alloc(size_t bytes);
+  virtual void host_free(void* ptr);
 
   // ---- compute (float32, row-major) on `stream`; default: Unimplemented ----
   // y[n, out] = x[n, in] · w[in, out] + b

@@ -83,17 +83,31 @@ void check_byte_size(const Shape& shape, DType dtype) {
 
 Tensor::Tensor(Shape shape, DType dtype, Device device)
     : shape_(std::move(shape)), dtype_(dtype), device_(device) {
+  allocate(/*zero_gpu_memory=*/true);
+}
+
+Tensor Tensor::uninitialized(Shape shape, DType dtype, Device device) {
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.allocate(/*zero_gpu_memory=*/false);
+  return t;
+}
+
+void Tensor::allocate(bool zero_gpu_memory) {
   check_byte_size(shape_, dtype_);
   storage_ = std::make_shared<Storage>();
   storage_->bytes = nbytes();
   // GPU memory comes from the calling thread's scope (a replica of a GPU
   // strategy) and its device's caching allocator.
-  storage_->owner = device.is_cpu() ? allocate_host(storage_->bytes)
-                                    : allocate_device_memory(device, storage_->bytes);
+  storage_->owner = device_.is_cpu()
+                        ? allocate_host(storage_->bytes)
+                        : allocate_device_memory(device_, storage_->bytes, zero_gpu_memory);
   storage_->ptr = storage_->owner.get();
-  if (device.is_gpu())
+  if (device_.is_gpu())
     storage_->cuda_ordinal =
-        DeviceManagerAccess::impl(*current_exec_scope()->devices).ordinal_of(device);
+        DeviceManagerAccess::impl(*current_exec_scope()->devices).ordinal_of(device_);
 }
 
 int Tensor::storage_cuda_ordinal() const { return storage_ ? storage_->cuda_ordinal : -1; }

@@ -59,6 +59,9 @@ class CudaBackend : public GpuBackend {
   void record_event(int ordinal, void* event, void* stream) override;
   bool event_done(int ordinal, void* event) override;
   void destroy_event(int ordinal, void* event) override;
+  void stream_wait_event(int ordinal, void* stream, void* event) override;
+  void* host_alloc(size_t bytes) override;
+  void host_free(void* ptr) override;
 
   // Layers, updates and reductions: cuBLAS and kernels.cu (cuda_math.cc).
   void dense_forward(int ordinal, void* stream, const float* x, const float* w, const float* b,

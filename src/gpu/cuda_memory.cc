@@ -43,6 +43,26 @@ void CudaBackend::raw_free(int ordinal, void* ptr) {
   }
 }
 
+void* CudaBackend::host_alloc(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t st = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable);
+  if (st == cudaErrorMemoryAllocation) {
+    clear_last_error();
+    return nullptr;
+  }
+  DISTSTRAT_CUDA_CHECK(st);
+  return p;
+}
+
+void CudaBackend::host_free(void* ptr) {
+  if (ptr && cudaFreeHost(ptr) != cudaSuccess) {
+    const cudaError_t st = cudaGetLastError();
+    if (st != cudaErrorCudartUnloading) {
+      std::fprintf(stderr, "diststrat: cudaFreeHost failed: %s\n", cudaGetErrorString(st));
+    }
+  }
+}
+
 void CudaBackend::memcpy_async(int ordinal, void* dst, const void* src, size_t bytes,
                                void* stream) {
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));

@@ -110,6 +110,11 @@ bool CudaBackend::event_done(int ordinal, void* event) {
   throw_cuda_error(st, "cudaEventQuery", __FILE__, __LINE__);
 }
 
+void CudaBackend::stream_wait_event(int ordinal, void* stream, void* event) {
+  DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+  DISTSTRAT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event), 0));
+}
+
 void CudaBackend::destroy_event(int ordinal, void* event) {
   if (!event) return;
   cudaSetDevice(ordinal);

@@ -62,7 +62,7 @@ GpuXent gpu_xent(const Tensor& logits, const Tensor& labels, Tensor& dlogits, fl
   const GpuExec e = gpu_exec(d, op);
   // loss (float bits), correct and the bad-row flag in one device buffer, so
   // one device -> host copy (one wait) brings all three back.
-  Tensor packed(Shape{2 * n + 1}, DType::kInt32, d);
+  Tensor packed = Tensor::uninitialized(Shape{2 * n + 1}, DType::kInt32, d);  // written whole
   int32_t* base = packed.data<int32_t>();
   e.backend->softmax_cross_entropy(
       e.ordinal, e.stream, logits.data<float>(), labels.data<int32_t>(), dlogits.data<float>(),

@@ -48,24 +48,26 @@ Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor&
   const int64_t n = x.shape()[0];
   const size_t layers = sizes_.size() - 1;
   // acts[0] = x, acts[l+1] = output of layer l (after ReLU except the last).
+  // Every output below is overwritten whole by its op, so GPU memory is
+  // not zero-filled first (a memset launch each).
   std::vector<Tensor> acts{x};
   for (size_t l = 0; l < layers; ++l) {
-    Tensor y(Shape{n, sizes_[l + 1]}, DType::kFloat32, x.device());
+    Tensor y = Tensor::uninitialized(Shape{n, sizes_[l + 1]}, DType::kFloat32, x.device());
     dense_forward(acts[l], params[2 * l], params[2 * l + 1], y);
     if (l + 1 < layers) relu_forward(y, y);
     acts.push_back(y);
   }
   Step step;
-  Tensor dy(acts.back().shape(), DType::kFloat32, x.device());
+  Tensor dy = Tensor::uninitialized(acts.back().shape(), DType::kFloat32, x.device());
   step.correct = 0;
   step.loss_sum =
       n ? softmax_cross_entropy_counted(acts.back(), labels, dy, grad_scale, &step.correct) : 0.0;
   step.grads.resize(params.size());
   for (size_t l = layers; l-- > 0;) {
-    Tensor dw(params[2 * l].shape(), DType::kFloat32, x.device()),
-        db(params[2 * l + 1].shape(), DType::kFloat32, x.device());
+    Tensor dw = Tensor::uninitialized(params[2 * l].shape(), DType::kFloat32, x.device());
+    Tensor db = Tensor::uninitialized(params[2 * l + 1].shape(), DType::kFloat32, x.device());
     Tensor dx;
-    if (l > 0) dx = Tensor(acts[l].shape(), DType::kFloat32, x.device());
+    if (l > 0) dx = Tensor::uninitialized(acts[l].shape(), DType::kFloat32, x.device());
     dense_backward(acts[l], params[2 * l], dy, l > 0 ? &dx : nullptr, dw, db);
     step.grads[2 * l] = dw;
     step.grads[2 * l + 1] = db;

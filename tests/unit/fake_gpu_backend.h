@@ -3,10 +3,20 @@
 // of tensors, nn ops, optimizers and the strategies) runs in CPU tests. It
 // models what a real GPU hides from such tests:
 //  - asynchrony: enqueued work (copies, memsets, kernels, event marks) does
-//    not run when it is called; it runs in enqueue order only when someone
-//    waits (synchronize, synchronize_device, copy_to_host, event_done), so a
-//    missing wait reads stale memory and fails the test. Host sources of
-//    copies are read at the call (as CUDA stages pageable memory);
+//    not run when it is called. By default (Options::executor) every stream
+//    has its own executor thread that runs the stream's work in stream order,
+//    each kernel launch after an injectable delay (set_launch_delay; a very
+//    long one is a hung launch), so the host runs ahead of the device as on a
+//    GPU and code that reads a result without waiting, or frees or rewrites
+//    a buffer the device still reads, fails (and TSan sees the race). Without
+//    the executor the work runs in enqueue order only when someone waits
+//    (synchronize, synchronize_device, copy_to_host, event_done), so a
+//    missing wait reads stale memory deterministically. Pageable host
+//    sources of copies are read at the call (as CUDA stages pageable
+//    memory); pinned ones (host_alloc) when the copy runs, and host_free of
+//    pinned memory that a queued copy still reads is counted
+//    (pinned_frees_with_pending_reads) and poisons it;
+//  - stream_wait_event orders one stream after another's event mark;
 //  - streams: hold(ordinal, stream) keeps a stream's work from running until
 //    release(); a destroyed stream's handle goes to the next stream created
 //    (CUDA reuses handle values too), so code that keys anything by the raw
@@ -48,6 +58,7 @@
 #include <set>
 #include <shared_mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "allreduce/reduce_kernels.h"
@@ -73,6 +84,9 @@ class FakeGpuBackend : public ds::GpuBackend {
     // create_stream hands out the handle of the most recently destroyed
     // stream, as cudaStreamCreate may.
     bool reuse_stream_handles = true;
+    // Executor threads run the work unasked (see the top); false: lazily, at
+    // waits.
+    bool executor = true;
   };
 
   // `devices` fake GPUs of `capacity` bytes each.
@@ -84,10 +98,21 @@ class FakeGpuBackend : public ds::GpuBackend {
         options_(options),
         used_(static_cast<size_t>(devices), 0) {}
   ~FakeGpuBackend() override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      held_.clear();
+      stop_ = true;  // cuts launch delays short
+      cv_.notify_all();
+      cv_.wait_for(lock, std::chrono::seconds(60),
+                   [&] { return pending_.empty() || workers_.empty(); });
+    }
+    for (auto& [key, t] : workers_) t.join();
     std::lock_guard<std::mutex> lock(mu_);
-    held_.clear();
+    options_.executor = false;
     run_pending_locked();
     for (auto& [p, s] : sizes_) std::free(p);
+    for (auto& [p, bytes] : pinned_) std::free(p);
+    for (void* p : poisoned_) std::free(p);
     for (auto& [e, info] : events_) delete static_cast<int*>(e);
   }
 
@@ -125,7 +150,10 @@ class FakeGpuBackend : public ds::GpuBackend {
     run_pending_locked();
     cv_.notify_all();
   }
-  // Runs the queued work that nothing holds back now, as a GPU would unasked.
+  // Each kernel launch runs `delay` after its turn comes (executor only).
+  void set_launch_delay(std::chrono::microseconds delay) { launch_delay_us_ = delay.count(); }
+  // Runs the queued work that nothing holds back now, as a GPU would unasked
+  // (the executor does so anyway).
   void run_ready() {
     std::lock_guard<std::mutex> lock(mu_);
     run_pending_locked();
@@ -161,7 +189,7 @@ class FakeGpuBackend : public ds::GpuBackend {
     return tag(p);
   }
   void raw_free(int ordinal, void* dev) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     for (const Op& op : pending_) {
       if (op.device == ordinal) {
         ++frees_with_pending_work;  // cudaFree would have blocked on it
@@ -169,6 +197,16 @@ class FakeGpuBackend : public ds::GpuBackend {
       }
     }
     run_pending_locked();
+    if (options_.executor) {
+      // cudaFree waits for the device: for what can run (not for held work).
+      cv_.wait_for(lock, std::chrono::seconds(60), [&] {
+        const std::vector<State> st = classify_locked();
+        for (size_t i = 0; i < st.size(); ++i) {
+          if (pending_[i].device == ordinal && st[i] != State::kStuck) return false;
+        }
+        return true;
+      });
+    }
     auto it = sizes_.find(untag(dev));
     if (it == sizes_.end()) {
       ++bad_frees;
@@ -209,10 +247,18 @@ class FakeGpuBackend : public ds::GpuBackend {
 
   void memcpy_async(int ordinal, void* dst, const void* src, size_t bytes, void* stream) override {
     begin_call(ordinal, stream, "cudaMemcpyAsync");
+    ++launches;
+    count_launch(is_device(src) ? (is_device(dst) ? "memcpy d2d" : "memcpy d2h") : "memcpy h2d");
+    if (is_device(src) && !is_device(dst)) ++host_reads;
     void* d = untag(dst);
     if (is_device(src)) {
       const void* s = untag(src);
       enqueue(ordinal, stream, [d, s, bytes] { std::memmove(d, s, bytes); });
+    } else if (pinned_block(src)) {
+      // Pinned memory is read when the copy runs: the caller keeps it.
+      std::lock_guard<std::mutex> lock(mu_);
+      enqueue_locked(ordinal, stream, [d, src, bytes] { std::memcpy(d, src, bytes); });
+      pending_.back().pinned_src = src;
     } else {
       // Pageable host memory is staged at the call.
       auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
@@ -222,6 +268,8 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
   void memset_async(int ordinal, void* dst, int value, size_t bytes, void* stream) override {
     begin_call(ordinal, stream, "cudaMemsetAsync");
+    ++launches;
+    count_launch("memset");
     void* d = untag(dst);
     enqueue(ordinal, stream, [d, value, bytes] { std::memset(d, value, bytes); });
   }
@@ -282,11 +330,50 @@ class FakeGpuBackend : public ds::GpuBackend {
   bool event_done(int ordinal, void* event) override {
     std::lock_guard<std::mutex> lock(mu_);
     run_pending_locked();
-    const long seq = events_.at(event);
-    for (const Op& op : pending_) {
-      if (op.seq == seq) return false;
+    return !pending_seq_locked(events_.at(event));
+  }
+  void stream_wait_event(int ordinal, void* stream, void* event) override {
+    begin_call(ordinal, stream, "cudaStreamWaitEvent");
+    std::lock_guard<std::mutex> lock(mu_);
+    const long mark = events_.at(event);
+    ++stream_waits;
+    if (!pending_seq_locked(mark)) return;  // already done
+    enqueue_locked(ordinal, stream, [] {});
+    pending_.back().wait_seq = mark;
+  }
+
+  // Pinned host memory: plain host memory that copies read when they run.
+  void* host_alloc(size_t bytes) override {
+    void* p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+    std::lock_guard<std::mutex> lock(mu_);
+    pinned_[p] = bytes;
+    ++host_allocs;
+    return p;
+  }
+  void host_free(void* p) override {
+    if (!p) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pinned_.find(p);
+    if (it == pinned_.end()) {
+      ++bad_frees;
+      return;
     }
-    return true;
+    const char* b = static_cast<const char*>(p);
+    bool read_later = false;
+    for (const Op& op : pending_) {
+      const char* src = static_cast<const char*>(op.pinned_src);
+      if (src && src >= b && src < b + std::max<size_t>(it->second, 1)) read_later = true;
+    }
+    if (read_later) {
+      // cudaFreeHost would hand the pages back while the copy reads them:
+      // poison them so the copy brings garbage, and count it.
+      ++pinned_frees_with_pending_reads;
+      std::memset(p, 0xff, it->second);
+      poisoned_.push_back(p);
+    } else {
+      std::free(p);
+    }
+    pinned_.erase(it);
   }
   void destroy_event(int, void* event) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -421,6 +508,19 @@ class FakeGpuBackend : public ds::GpuBackend {
       streams_destroyed{0}, copies_to_host{0}, events_recorded{0}, stream_handles_reused{0};
   std::atomic<int> nccl_groups{0}, shared_groups{0};
   std::atomic<int> frees_with_pending_work{0}, bad_frees{0}, aborts_during_calls{0};
+  // Work enqueued on streams (kernels, copies, memsets, collectives), and
+  // device -> host copies: a test counts them per training step.
+  std::atomic<int> launches{0}, host_reads{0};
+  std::atomic<int> stream_waits{0}, host_allocs{0}, pinned_frees_with_pending_reads{0};
+  // launches by kernel (or "memcpy h2d", "memset", "collective", ...).
+  std::map<std::string, int> launched() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return launched_;
+  }
+  void count_launch(const char* what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++launched_[what];
+  }
 
   // The calling thread's fake CUDA state (the runtime's is per thread too).
   struct ThreadState {
@@ -438,7 +538,14 @@ class FakeGpuBackend : public ds::GpuBackend {
     int device;
     uint64_t stream;  // the stream's identity (0: the default stream)
     std::function<void()> fn;
+    bool kernel = false;               // a launch: the launch delay applies
+    bool running = false;              // an executor thread runs it now
+    long wait_seq = -1;                // stream_wait_event: runs after this op
+    const void* pinned_src = nullptr;  // a pinned host source it reads
   };
+  // Where an op stands: it may run now; it waits for work that will run; or
+  // it is stuck behind a held stream.
+  enum class State { kRunnable, kRunning, kWaiting, kStuck };
   // The identity of the live stream `stream` names (0 for null; a value no
   // stream has for a handle that names none).
   uint64_t id_locked(void* stream) const {
@@ -487,7 +594,13 @@ class FakeGpuBackend : public ds::GpuBackend {
   // (cudaGetLastError: reads and clears the thread's last error).
   void launch(int ordinal, void* stream, const char* kernel, std::function<void()> fn) {
     begin_call(ordinal, stream, kernel);
-    enqueue(ordinal, stream, std::move(fn));
+    ++launches;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++launched_[kernel];
+      enqueue_locked(ordinal, stream, std::move(fn));
+      pending_.back().kernel = true;
+    }
     std::string err;
     std::swap(err, thread_state().last_error);
     if (!err.empty()) {
@@ -503,34 +616,131 @@ class FakeGpuBackend : public ds::GpuBackend {
     const uint64_t id = id_locked(stream);
     pending_.push_back(Op{seq, ordinal, id, std::move(fn)});
     last_seq_[{ordinal, id}] = seq;
+    if (options_.executor && !stop_) {
+      const std::pair<int, uint64_t> key{ordinal, id};
+      if (!workers_.count(key)) workers_.emplace(key, std::thread([this, key] { work(key); }));
+    }
+    cv_.notify_all();
     return seq;
   }
-  // Runs, in enqueue order, every queued op whose stream is not held and that
-  // nothing earlier it must follow is still queued.
-  void run_pending_locked() {
-    std::set<std::pair<int, uint64_t>> blocked;
-    std::set<int> busy, legacy_busy;  // devices with a queued op / queued default-stream op
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      const std::pair<int, uint64_t> key{it->device, it->stream};
-      const bool legacy = it->stream == 0;
-      bool wait = held_.count(key) || blocked.count(key);
-      if (!wait && options_.default_stream_orders_with_streams) {
-        wait = legacy ? busy.count(it->device) > 0 : legacy_busy.count(it->device) > 0;
+  bool pending_seq_locked(long seq) const {
+    if (seq < 0) return false;
+    for (const Op& op : pending_) {
+      if (op.seq == seq) return true;
+    }
+    return false;
+  }
+  bool pinned_block(const void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pinned_.upper_bound(const_cast<void*>(p));
+    if (it == pinned_.begin()) return false;
+    --it;
+    const char* b = static_cast<const char*>(it->first);
+    return static_cast<const char*>(p) < b + std::max<size_t>(it->second, 1);
+  }
+  // The state of every queued op, in queue order: an op follows the earlier
+  // ops of its stream, the op its stream_wait_event names, and (legacy
+  // default-stream semantics) every earlier op of the device when it is on
+  // the default stream, every earlier default-stream op otherwise. With
+  // `run_inline` (no executor), runnable ops run at once, in order.
+  std::vector<State> scan_locked(bool run_inline) {
+    std::vector<State> out;
+    std::set<std::pair<int, uint64_t>> stuck_keys, busy_keys;
+    std::set<int> dev_stuck, legacy_stuck, dev_busy, legacy_busy;
+    std::set<long> stuck_seqs, seqs;
+    for (const Op& op : pending_) seqs.insert(op.seq);
+    const bool order = options_.default_stream_orders_with_streams;
+    for (size_t i = 0; i < pending_.size();) {
+      const Op& op = pending_[i];
+      const std::pair<int, uint64_t> key{op.device, op.stream};
+      const bool legacy = op.stream == 0;
+      bool stuck = held_.count(key) || stuck_keys.count(key) ||
+                   (op.wait_seq >= 0 && stuck_seqs.count(op.wait_seq));
+      if (!stuck && order) {
+        stuck = legacy ? dev_stuck.count(op.device) > 0 : legacy_stuck.count(op.device) > 0;
       }
-      if (wait) {
-        blocked.insert(key);
-        busy.insert(it->device);
-        if (legacy) legacy_busy.insert(it->device);
-        ++it;
+      State st = State::kStuck;
+      if (!stuck) {
+        bool wait = busy_keys.count(key) || (op.wait_seq >= 0 && seqs.count(op.wait_seq));
+        if (!wait && order) {
+          wait = legacy ? dev_busy.count(op.device) > 0 : legacy_busy.count(op.device) > 0;
+        }
+        st = op.running ? State::kRunning : wait ? State::kWaiting : State::kRunnable;
+      }
+      if (st == State::kRunnable && run_inline) {
+        std::function<void()> fn = std::move(pending_[i].fn);
+        seqs.erase(op.seq);
+        pending_.erase(pending_.begin() + static_cast<long>(i));
+        try {
+          fn();
+        } catch (const std::exception& e) {
+          device_error_ = e.what();  // as a failed kernel: reported by the next wait
+        }
         continue;
       }
-      std::function<void()> fn = std::move(it->fn);
-      it = pending_.erase(it);
+      if (st == State::kStuck) {
+        stuck_keys.insert(key);
+        stuck_seqs.insert(op.seq);
+        dev_stuck.insert(op.device);
+        if (legacy) legacy_stuck.insert(op.device);
+      }
+      busy_keys.insert(key);
+      dev_busy.insert(op.device);
+      if (legacy) legacy_busy.insert(op.device);
+      out.push_back(st);
+      ++i;
+    }
+    return out;
+  }
+  std::vector<State> classify_locked() { return scan_locked(false); }
+  // Without the executor: runs, in enqueue order, every queued op that
+  // nothing holds back. With it, the executor threads do.
+  void run_pending_locked() {
+    if (!options_.executor) scan_locked(true);
+  }
+  // An executor thread: runs the work of stream `key` in stream order.
+  void work(std::pair<int, uint64_t> key) {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      const std::vector<State> st = classify_locked();
+      size_t mine = pending_.size();
+      bool left = false;
+      for (size_t i = 0; i < pending_.size(); ++i) {
+        if (pending_[i].device != key.first || pending_[i].stream != key.second) continue;
+        left = true;
+        if (st[i] == State::kRunnable) mine = i;
+        break;
+      }
+      if (stop_ && !left) return;
+      if (mine == pending_.size()) {
+        cv_.wait(lock);
+        continue;
+      }
+      Op& op = pending_[mine];
+      op.running = true;
+      const long seq = op.seq;
+      const bool kernel = op.kernel;
+      std::function<void()> fn = std::move(op.fn);
+      const long delay = launch_delay_us_.load();
+      if (kernel && delay > 0) {
+        cv_.wait_for(lock, std::chrono::microseconds(delay), [&] { return stop_; });
+      }
+      lock.unlock();
+      std::string error;
       try {
         fn();
       } catch (const std::exception& e) {
-        device_error_ = e.what();  // as a failed kernel: reported by the next wait
+        error = e.what();
       }
+      lock.lock();
+      if (!error.empty()) device_error_ = error;  // reported by the next wait
+      for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+        if (it->seq == seq) {
+          pending_.erase(it);
+          break;
+        }
+      }
+      cv_.notify_all();
     }
   }
   template <typename Pred>
@@ -551,11 +761,12 @@ class FakeGpuBackend : public ds::GpuBackend {
         }
       }
       if (done) return;
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout &&
+          ds::DeadlineClock::now() >= deadline) {
         run_pending_locked();
-        throw ds::DeadlineExceededError(what +
-                                        ": the fake GPU work did not finish before the "
-                                        "deadline (its stream is held)");
+        throw ds::DeadlineExceededError(what + ": the work on fake GPU " + std::to_string(ordinal) +
+                                        " did not finish before the deadline (its stream is "
+                                        "held or a launch hangs)");
       }
     }
   }
@@ -635,6 +846,8 @@ class FakeGpuBackend : public ds::GpuBackend {
     // The "NCCL call" (enqueue) through the gate, then the wait for the peers.
     template <typename F>
     void call(const std::string& name, F&& run) {
+      ++b_->launches;
+      b_->count_launch("collective");
       b_->synchronize(ordinal_, stream_, ds::DeadlineClock::now() + c_->options().timeout,
                       "fake NCCL " + name);
       st_->gate.enter("fake NCCL " + name, [&] {
@@ -688,6 +901,12 @@ class FakeGpuBackend : public ds::GpuBackend {
   std::string device_error_;
   long next_seq_ = 0;
   long next_stream_ = 0;
+  bool stop_ = false;  // the destructor runs: executors end once their work is done
+  std::map<std::pair<int, uint64_t>, std::thread> workers_;  // a stream's executor
+  std::atomic<long> launch_delay_us_{0};
+  std::map<std::string, int> launched_;
+  std::map<void*, size_t> pinned_;  // host_alloc blocks -> bytes
+  std::vector<void*> poisoned_;     // freed while a copy still read them
 
  public:
   // ==== Training features on device gradients ====

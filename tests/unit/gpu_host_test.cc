@@ -736,9 +736,13 @@ TEST(FakeGpuBackend, WorkIsAsynchronousAndDeviceMemoryIsNotHostMemory) {
   EXPECT_TRUE(std::isnan(b.read<float>(0, d, 4)[0]));
   const float src[4] = {1, 2, 3, 4};
   float dst[4] = {0, 0, 0, 0};
+  // Held so that it has not run (the executor would run it at any time):
+  // a missing wait reads stale memory.
+  b.hold(0, nullptr);
   b.memcpy_async(0, d, src, sizeof(src), nullptr);
   b.memcpy_async(0, dst, d, sizeof(dst), nullptr);
-  EXPECT_EQ(dst[3], 0.0f);  // not run yet: a missing wait reads stale memory
+  EXPECT_EQ(dst[3], 0.0f);
+  b.release(0, nullptr);
   b.synchronize(0, nullptr, in_seconds(5), "test");
   EXPECT_EQ(dst[3], 4.0f);
   // A held stream's work does not run; waiting for it hits the deadline.
