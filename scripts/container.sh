@@ -27,11 +27,20 @@ nice_level=${DISTSTRAT_CONTAINER_NICE:-10}
 podman_cmd=(podman --storage-driver vfs --runtime runc --cgroup-manager cgroupfs)
 run_limits=(--ulimit nofile=20000:20000 --ulimit nproc=4096:4096)
 
-# Temporary files and the disk sampler go at exit, however the script ends.
+# Temporary files, the disk sampler and the build containers of an
+# interrupted build (buildah's "*-working-container", which podman leaves in
+# storage when its build is killed) go at exit, however the script ends.
 cleanup_paths=()
 sampler=
+containers_before=
 cleanup() {
   [[ -z $sampler ]] || { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null || true; }
+  if [[ -n $containers_before ]]; then
+    local c
+    for c in $("${podman_cmd[@]}" ps -a --external -q --no-trunc); do
+      grep -qx "$c" <<<"$containers_before" || "${podman_cmd[@]}" rm -f "$c" >/dev/null 2>&1 || true
+    done
+  fi
   ((${#cleanup_paths[@]} == 0)) || rm -rf --one-file-system "${cleanup_paths[@]}"
 }
 trap cleanup EXIT
@@ -92,14 +101,16 @@ cmd_base() {
   say "$base_image made in $((SECONDS - t0)) s"
 }
 
-# Peak disk use of podman's storage and the temporary build context, sampled
-# every 10 s while the build runs (vfs copies every layer in full).
+# Peak disk use of podman's storage and this script's temporary directories
+# (the debootstrap root, the build context), sampled every 10 s while the
+# build runs (vfs copies every layer in full).
 storage_dir() { "${podman_cmd[@]}" info --format '{{.Store.GraphRoot}}'; }
 sample_disk() {
-  local out=$1; shift
+  local out=$1 graph=$2
   local peak=0 now
   while :; do
-    now=$(du -sxk "$@" 2>/dev/null | awk '{ s += $1 } END { print s + 0 }')
+    now=$(du -sxk "$graph" /var/tmp/diststrat-rootfs.* /var/tmp/diststrat-ctx.* 2>/dev/null |
+          awk '{ s += $1 } END { print s + 0 }')
     ((now > peak)) && peak=$now && echo "$peak" >"$out"
     sleep 10
   done
@@ -109,22 +120,24 @@ cmd_build() {
   local target=${1:-cpu}
   [[ $target == cpu || $target == gpu ]] || die "target is cpu or gpu, not '$target'"
   need podman git
-  local t_all=$SECONDS
+  local t_all=$SECONDS head ctx graph before peak_file
+  containers_before=$("${podman_cmd[@]}" ps -a --external -q --no-trunc; echo none)
+  peak_file=$(mktemp /var/tmp/diststrat-peak.XXXXXX)
+  cleanup_paths+=("$peak_file")
+  graph=$(storage_dir)
+  before=$(du -sxk "$graph" | awk '{ print $1 }')
+  sample_disk "$peak_file" "$graph" &
+  sampler=$!
   cmd_base
   if [[ -n $(git -C "$repo" status --porcelain --untracked-files=no) ]]; then
     say "the working tree has uncommitted changes: they are NOT in the image (context = HEAD)"
   fi
-  local head ctx graph before peak_file
   head=$(git -C "$repo" rev-parse --short HEAD)
   ctx=$(mktemp -d /var/tmp/diststrat-ctx.XXXXXX)
-  peak_file=$(mktemp /var/tmp/diststrat-peak.XXXXXX)
-  cleanup_paths+=("$ctx" "$peak_file")
-  graph=$(storage_dir)
-  before=$(du -sxk "$graph" | awk '{ print $1 }')
-  sample_disk "$peak_file" "$graph" "$ctx" &
-  sampler=$!
+  cleanup_paths+=("$ctx")
   git -C "$repo" archive --format=tar HEAD | tar -x -C "$ctx"
   local args=(build --network host "${run_limits[@]}" --layers
+              --build-arg "REVISION=$(git -C "$repo" rev-parse HEAD)"
               -f deploy/Dockerfile --build-arg "DEBIAN_IMAGE=$base_image"
               --build-arg "BUILD_JOBS=${DISTSTRAT_BUILD_JOBS:-}")
   if [[ $target == gpu ]]; then
@@ -135,8 +148,16 @@ cmd_build() {
   # image and not a dangling one: a warm build reuses them, a prune keeps them.
   local stage=build-$target t0=$SECONDS
   say "building $stage and $target from HEAD $head (nice $nice_level)"
-  (cd "$ctx" && nice -n "$nice_level" "${podman_cmd[@]}" "${args[@]}" --target "$stage" -t "diststrat:$stage" .)
-  (cd "$ctx" && nice -n "$nice_level" "${podman_cmd[@]}" "${args[@]}" --target "$target" -t "diststrat:$target" .)
+  # podman build exits 0 when it is sent SIGTERM: success is the image ID it
+  # writes (--iidfile) only once the image is committed.
+  local t iid=$ctx.iid
+  cleanup_paths+=("$iid")
+  for t in "$stage" "$target"; do
+    rm -f "$iid"
+    (cd "$ctx" && nice -n "$nice_level" "${podman_cmd[@]}" "${args[@]}" --iidfile "$iid" \
+       --target "$t" -t "diststrat:$t" .) || die "podman build --target $t failed"
+    [[ -s $iid ]] || die "podman build --target $t ended without an image (interrupted?)"
+  done
   local build_s=$((SECONDS - t0))
   kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null || true
   sampler=
