@@ -33,12 +33,19 @@ run_limits=(--ulimit nofile=20000:20000 --ulimit nproc=4096:4096)
 cleanup_paths=()
 sampler=
 containers_before=
+buildah_before=
 cleanup() {
   [[ -z $sampler ]] || { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null || true; }
   if [[ -n $containers_before ]]; then
     local c
     for c in $("${podman_cmd[@]}" ps -a --external -q --no-trunc); do
       grep -qx "$c" <<<"$containers_before" || "${podman_cmd[@]}" rm -f "$c" >/dev/null 2>&1 || true
+    done
+  fi
+  if [[ -n $buildah_before ]]; then  # a killed build's run directory (/var/tmp/buildahNNN)
+    local d
+    for d in /var/tmp/buildah[0-9]*; do
+      if [[ -d $d ]] && ! grep -qx "$d" <<<"$buildah_before"; then rm -rf --one-file-system "$d"; fi
     done
   fi
   ((${#cleanup_paths[@]} == 0)) || rm -rf --one-file-system "${cleanup_paths[@]}"
@@ -122,6 +129,7 @@ cmd_build() {
   need podman git
   local t_all=$SECONDS head ctx graph before peak_file
   containers_before=$("${podman_cmd[@]}" ps -a --external -q --no-trunc; echo none)
+  buildah_before=$(ls -d /var/tmp/buildah[0-9]* 2>/dev/null; echo none)
   peak_file=$(mktemp /var/tmp/diststrat-peak.XXXXXX)
   cleanup_paths+=("$peak_file")
   graph=$(storage_dir)
@@ -201,10 +209,15 @@ cmd_clean() {
   return 0
 }
 
-case "${1:-}" in
-  base) cmd_base ;;
-  build) shift; cmd_build "$@" ;;
-  report) shift; cmd_report "$@" ;;
-  clean) cmd_clean ;;
-  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
-esac
+main() {
+  case "${1:-}" in
+    base) cmd_base ;;
+    build) shift; cmd_build "$@" ;;
+    report) shift; cmd_report "$@" ;;
+    clean) cmd_clean ;;
+    *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  esac
+}
+# One line, parsed whole before it runs: an edit of this file during a long
+# build does not change what the running script does next.
+main "$@"; exit $?
