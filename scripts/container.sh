@@ -37,8 +37,10 @@ buildah_before=
 cleanup() {
   [[ -z $sampler ]] || { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null || true; }
   if [[ -n $containers_before ]]; then
+    # Only buildah's (state "Storage"), only new ones; one build at a time
+    # (the lock below), so new ones are this build's.
     local c
-    for c in $("${podman_cmd[@]}" ps -a --external -q --no-trunc); do
+    for c in $("${podman_cmd[@]}" ps -a --external --no-trunc --format '{{.ID}} {{.Status}}' | awk '$2 == "Storage" { print $1 }'); do
       grep -qx "$c" <<<"$containers_before" || "${podman_cmd[@]}" rm -f "$c" >/dev/null 2>&1 || true
     done
   fi
@@ -128,6 +130,9 @@ cmd_build() {
   [[ $target == cpu || $target == gpu ]] || die "target is cpu or gpu, not '$target'"
   need podman git
   local t_all=$SECONDS head ctx graph before peak_file
+  # One build at a time: what an interrupted build leaves is then its own.
+  exec 9>/run/lock/diststrat-container.lock
+  flock -n 9 || { say "another scripts/container.sh build is running: waiting"; flock 9; }
   containers_before=$("${podman_cmd[@]}" ps -a --external -q --no-trunc; echo none)
   buildah_before=$(ls -d /var/tmp/buildah[0-9]* 2>/dev/null; echo none)
   peak_file=$(mktemp /var/tmp/diststrat-peak.XXXXXX)
@@ -150,7 +155,7 @@ cmd_build() {
               --build-arg "BUILD_JOBS=${DISTSTRAT_BUILD_JOBS:-}")
   if [[ $target == gpu ]]; then
     # The CUDA base images come from a registry (nvidia/cuda on Docker Hub).
-    say "target gpu: FROM ${CUDA_DEVEL_IMAGE:-nvidia/cuda:12.6.3-devel-ubuntu24.04} needs an image registry"
+    say "target gpu: FROM ${CUDA_DEVEL_IMAGE:-docker.io/nvidia/cuda:12.6.3-devel-ubuntu24.04} needs an image registry"
   fi
   # The build stage is tagged too, so that its layers (the compile) are a named
   # image and not a dangling one: a warm build reuses them, a prune keeps them.

@@ -141,7 +141,9 @@ with open(os.path.join(root, "deploy", "Dockerfile")) as f:
 stages = dict((m.group(2), m.group(1)) for m in re.finditer(r"^FROM\s+(\S+)\s+AS\s+(\S+)", dockerfile, re.M))
 check(set(stages) == {"build-cpu", "cpu", "build-gpu", "gpu"}, f"Dockerfile stages {sorted(stages)}")
 args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", dockerfile, re.M))
-resolve = lambda base: args.get(base[2:-1], base) if base.startswith("${") else base
+# A fully qualified reference (docker.io/library/debian:...) names the same image.
+unqualify = lambda ref: re.sub(r"^docker\.io/(library/)?", "", ref)
+resolve = lambda base: unqualify(args.get(base[2:-1], base) if base.startswith("${") else base)
 check(resolve(stages.get("cpu", "")).startswith("debian:"), "the CPU image is not Debian-based")
 check(resolve(stages.get("build-gpu", "")).startswith("nvidia/cuda:") and "devel" in resolve(stages["build-gpu"]),
       "the GPU build stage is not a CUDA devel image")
