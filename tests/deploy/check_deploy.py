@@ -139,7 +139,8 @@ check(seen_variants == {"cpu", "gpu"}, f"variants found: {sorted(seen_variants)}
 with open(os.path.join(root, "deploy", "Dockerfile")) as f:
     dockerfile = f.read()
 stages = dict((m.group(2), m.group(1)) for m in re.finditer(r"^FROM\s+(\S+)\s+AS\s+(\S+)", dockerfile, re.M))
-check(set(stages) == {"build-cpu", "cpu", "build-gpu", "gpu"}, f"Dockerfile stages {sorted(stages)}")
+check(set(stages) == {"sources", "build-cpu", "cpu", "build-gpu", "gpu"}, f"Dockerfile stages {sorted(stages)}")
+check(stages.get("sources") == "scratch", "the sources stage is not FROM scratch")
 args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", dockerfile, re.M))
 # A fully qualified reference (docker.io/library/debian:...) names the same image.
 unqualify = lambda ref: re.sub(r"^docker\.io/(library/)?", "", ref)
