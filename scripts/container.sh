@@ -35,7 +35,10 @@ sampler=
 containers_before=
 buildah_before=
 cleanup() {
-  [[ -z $sampler ]] || { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null || true; }
+  # Every step, whatever the one before it did (a sampler already gone
+  # makes kill fail, and errexit would end the cleanup there).
+  set +e
+  [[ -z $sampler ]] || { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; }
   if [[ -n $containers_before ]]; then
     # Only buildah's (state "Storage"), only new ones; one build at a time
     # (the lock below), so new ones are this build's.
@@ -117,6 +120,9 @@ storage_dir() { "${podman_cmd[@]}" info --format '{{.Store.GraphRoot}}'; }
 sample_disk() {
   local out=$1 graph=$2
   local peak=0 now
+  # du fails when a file vanishes under it (layers come and go): that sample
+  # still counts, and the sampler goes on.
+  set +e +o pipefail
   while :; do
     now=$(du -sxk "$graph" /var/tmp/diststrat-rootfs.* /var/tmp/diststrat-ctx.* 2>/dev/null |
           awk '{ s += $1 } END { print s + 0 }')
@@ -172,7 +178,8 @@ cmd_build() {
     [[ -s $iid ]] || die "podman build --target $t ended without an image (interrupted?)"
   done
   local build_s=$((SECONDS - t0))
-  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null || true
+  kill "$sampler" 2>/dev/null || true
+  wait "$sampler" 2>/dev/null || true
   sampler=
   peak=$(cat "$peak_file" 2>/dev/null || echo 0)
   ((peak > 0)) || peak=$before
