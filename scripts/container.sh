@@ -109,7 +109,13 @@ cmd_base() {
   rm -f "$rootfs.log"
   # apt's lists and caches are not part of an image: the Dockerfile runs apt-get update.
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-  tar -C "$rootfs" --numeric-owner -c . | "${podman_cmd[@]}" import - "$base_image" >/dev/null
+  # mktemp made the root 0700: a non-root user could reach no program.
+  chmod 755 "$rootfs"
+  # The configuration Docker Hub's debian image has (an import has none).
+  tar -C "$rootfs" --numeric-owner -c . |
+    "${podman_cmd[@]}" import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+      --change 'CMD ["bash"]' - "$base_image" >/dev/null
+  rm -rf --one-file-system "$rootfs"  # not kept for the length of the build
   say "$base_image made in $((SECONDS - t0)) s"
 }
 

@@ -244,6 +244,7 @@ reference_run() {  # DIR
   local args=("${job_prog[@]:1}") i
   for i in "${!args[@]}"; do [[ ${args[$i]} == /ckpt/* ]] && args[$i]=$1; done
   local out
+  mkdir -p "$(dirname "$1")"
   out=$(timeout 900 cluster run --np 2 -- "$host_program" "${args[@]}" 2>&1) ||
     { echo "$out" | tail -n 30; fail "the reference run through scripts/cluster.sh failed"; }
   echo "$out" | tail -n 2
