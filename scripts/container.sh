@@ -109,7 +109,8 @@ cmd_base() {
   rm -f "$rootfs.log"
   # apt's lists and caches are not part of an image: the Dockerfile runs apt-get update.
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-  # mktemp made the root 0700: a non-root user could reach no program.
+  # mktemp made the root 0700, and a layer's change of / does not reach the
+  # image (a RUN chmod 755 / is lost): as mpiuser every program was "not found".
   chmod 755 "$rootfs"
   # The configuration Docker Hub's debian image has (an import has none).
   tar -C "$rootfs" --numeric-owner -c . |
@@ -198,24 +199,34 @@ cmd_report() {
   local image=${1:-diststrat:cpu}
   need podman
   image_exists "$image" || die "no image $image"
-  local size
+  local size image_err
+  image_err=$(mktemp /var/tmp/diststrat-report.XXXXXX)
+  cleanup_paths+=("$image_err")
   size=$("${podman_cmd[@]}" image inspect --format '{{.Size}}' "$image")
   echo "image $image: $((size / 1024 / 1024)) MiB ($size bytes), base $base_image $(($("${podman_cmd[@]}" image inspect --format '{{.Size}}' "$base_image") / 1024 / 1024)) MiB"
-  # Inside the image: what is installed, and whether every installed program
-  # and library finds its shared libraries (a "not found" is a broken image).
-  "${podman_cmd[@]}" run --rm --network none "${run_limits[@]}" --entrypoint /bin/sh "$image" -c '
+  # As root: what is installed, and whether every installed program and
+  # library finds its shared libraries (a "not found" is a broken image).
+  # Then, as the image's user, its default command.
+  "${podman_cmd[@]}" run --rm --network none "${run_limits[@]}" --user 0 --entrypoint /bin/sh "$image" -c '
     set -e
     echo "programs (/opt/diststrat/bin):"; ls -1 /opt/diststrat/bin | sed "s/^/  /"
     echo "libraries (/opt/diststrat/lib):"; ls -1 /opt/diststrat/lib | grep "\.so" | sed "s/^/  /"
     echo "libdiststrat links:"; ldd /opt/diststrat/lib/libdiststrat.so | awk "{ print \$1 }" |
       grep -E "mpi|gloo|hiredis|ibverbs|z\.so" | sed "s/^/  /"
-    for p in mpirun orted sshd redis-server; do printf "  %-13s %s\n" "$p" "$(command -v $p || ls /usr/sbin/$p 2>/dev/null || echo absent)"; done
+    for p in mpirun orted sshd diststrat-worker-init redis-server; do printf "  %-13s %s\n" "$p" "$(command -v $p || ls /usr/sbin/$p 2>/dev/null || echo absent)"; done
     echo "fashion-mnist data: $(ls /usr/share/datasets/fashion-mnist 2>/dev/null | wc -l) files"
     missing=$(for f in /opt/diststrat/bin/* /opt/diststrat/lib/*.so; do ldd "$f" | grep "not found" | sed "s|^|$f: |"; done)
     if [ -n "$missing" ]; then echo "UNRESOLVED LIBRARIES:"; echo "$missing"; exit 1; fi
     echo "every installed program and library resolves its shared libraries"
-    diststrat-fashion-mnist --help >/dev/null && echo "diststrat-fashion-mnist --help: ok"
-    echo "user: $(id -un) ($(id -u))"'
+    echo "root directory: $(stat -c %A /)"'
+  local user
+  user=$("${podman_cmd[@]}" image inspect --format '{{.Config.User}}' "$image")
+  if "${podman_cmd[@]}" run --rm --network none "${run_limits[@]}" "$image" >/dev/null 2>"$image_err"; then
+    echo "as ${user:-root}: the image's command (diststrat-fashion-mnist --help) runs"
+  else
+    echo "as ${user:-root}: the image's command FAILS: $(tail -n 1 "$image_err")"
+    return 1
+  fi
 }
 
 cmd_clean() {

@@ -229,6 +229,7 @@ setup_cluster() {
   # The operator's secret: a key pair, the public key authorized, read-only,
   # mode 0600, owned by the pods' user; made by the image's ssh-keygen.
   mkdir -p "$work/ssh" "$work/ckpt"
+  chown 1000 "$work/ssh"  # ssh-keygen runs as the image's user
   "${podman_cmd[@]}" run --rm --network none "${run_limits[@]}" -v "$work/ssh:/k" diststrat:cpu \
     ssh-keygen -q -t rsa -b 3072 -N "" -f /k/id_rsa >/dev/null
   cp "$work/ssh/id_rsa.pub" "$work/ssh/authorized_keys"
@@ -245,7 +246,7 @@ reference_run() {  # DIR
   for i in "${!args[@]}"; do [[ ${args[$i]} == /ckpt/* ]] && args[$i]=$1; done
   local out
   mkdir -p "$(dirname "$1")"
-  out=$(timeout 900 cluster run --np 2 -- "$host_program" "${args[@]}" 2>&1) ||
+  out=$(DSC_PREFIX=dct DSC_NET=48 timeout 900 "$repo/scripts/cluster.sh" run --np 2 -- "$host_program" "${args[@]}" 2>&1) ||
     { echo "$out" | tail -n 30; fail "the reference run through scripts/cluster.sh failed"; }
   echo "$out" | tail -n 2
 }
