@@ -11,8 +11,9 @@
 #   scripts/container.sh clean           remove the images this script made
 #
 # Environment: DISTSTRAT_DEBIAN_SUITE (bookworm), DISTSTRAT_DEBIAN_MIRROR (else
-# apt's sources), DISTSTRAT_BUILD_JOBS (compile jobs inside the build; empty =
-# ninja's default), DISTSTRAT_CONTAINER_NICE (10: the build runs niced).
+# apt's sources), DISTSTRAT_BUILD_JOBS (compile jobs inside the build, default
+# 2; it is a build argument, so another value compiles again instead of using
+# the cache), DISTSTRAT_CONTAINER_NICE (10: the build runs niced).
 # The build context is `git archive HEAD`: uncommitted changes are not in the
 # image (the script says so when the tree is dirty).
 set -euo pipefail
@@ -165,7 +166,7 @@ cmd_build() {
   local args=(build --network host "${run_limits[@]}" --layers
               --build-arg "REVISION=$(git -C "$repo" rev-parse HEAD)"
               -f deploy/Dockerfile --build-arg "DEBIAN_IMAGE=$base_image"
-              --build-arg "BUILD_JOBS=${DISTSTRAT_BUILD_JOBS:-}")
+              --build-arg "BUILD_JOBS=${DISTSTRAT_BUILD_JOBS:-2}")
   if [[ $target == gpu ]]; then
     # The CUDA base images come from a registry (nvidia/cuda on Docker Hub).
     say "target gpu: FROM ${CUDA_DEVEL_IMAGE:-docker.io/nvidia/cuda:12.6.3-devel-ubuntu24.04} needs an image registry"
