@@ -159,7 +159,10 @@ for path in manifests:
     wc = wspec["containers"]
     check(len(wc) == 1, f"{name}: worker has {len(wc)} containers")
     check(wc[0]["image"] == f"diststrat:{variant}", f"{name}: worker image {wc[0]['image']}")
-    check(wc[0].get("command", [None])[0] == "/usr/sbin/sshd", f"{name}: workers must run sshd")
+    # sshd under the init that passes SIGTERM to the ranks (deploy/worker-init.sh).
+    wcmd = wc[0].get("command", []) + wc[0].get("args", [])
+    check(wcmd[:2] == ["/usr/local/bin/diststrat-worker-init", "/usr/sbin/sshd"],
+          f"{name}: workers must run sshd under /usr/local/bin/diststrat-worker-init: {wcmd[:2]}")
     gpus = check_resources(f"{name} worker", wc[0].get("resources", {}))
     if variant == "gpu":
         check(gpus == slots, f"{name}: workers request {gpus} GPUs but slotsPerWorker is {slots}")
@@ -188,9 +191,12 @@ check(seen_variants == {"cpu", "gpu"}, f"variants found: {sorted(seen_variants)}
 with open(os.path.join(root, "deploy", "Dockerfile")) as f:
     dockerfile = f.read()
 stages = dict((m.group(2), m.group(1)) for m in re.finditer(r"^FROM\s+(\S+)\s+AS\s+(\S+)", dockerfile, re.M))
-check(set(stages) == {"build-cpu", "cpu", "build-gpu", "gpu"}, f"Dockerfile stages {sorted(stages)}")
+check(set(stages) == {"sources", "build-cpu", "cpu", "build-gpu", "gpu"}, f"Dockerfile stages {sorted(stages)}")
+check(stages.get("sources") == "scratch", "the sources stage is not FROM scratch")
 args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", dockerfile, re.M))
-resolve = lambda base: args.get(base[2:-1], base) if base.startswith("${") else base
+# A fully qualified reference (docker.io/library/debian:...) names the same image.
+unqualify = lambda ref: re.sub(r"^docker\.io/(library/)?", "", ref)
+resolve = lambda base: unqualify(args.get(base[2:-1], base) if base.startswith("${") else base)
 check(resolve(stages.get("cpu", "")).startswith("debian:"), "the CPU image is not Debian-based")
 check(resolve(stages.get("build-gpu", "")).startswith("nvidia/cuda:") and "devel" in resolve(stages["build-gpu"]),
       "the GPU build stage is not a CUDA devel image")
@@ -201,6 +207,21 @@ for cmd_line in re.findall(r"^CMD\s+(\[.*\])", dockerfile, re.M):
     check(program == os.path.basename(example), f"Dockerfile: CMD runs {program}, installed as {os.path.basename(example)}")
 for src in re.findall(r"^COPY\s+(?:--chown=\S+\s+)?(deploy/\S+)", dockerfile, re.M):
     check(os.path.exists(os.path.join(root, src)), f"Dockerfile copies missing {src}")
+# Every image installs the workers' init where the manifests run it, executable
+# (COPY keeps the file's mode, and the build context is `git archive HEAD`).
+for stage in ("cpu", "gpu"):
+    body = re.search(rf"^FROM\s+\S+\s+AS\s+{stage}\s*$(.*?)(?=^FROM\s|\Z)", dockerfile, re.M | re.S)
+    check(body and re.search(r"^COPY\s+deploy/worker-init.sh\s+/usr/local/bin/diststrat-worker-init\s*$",
+                             body.group(1), re.M),
+          f"Dockerfile: stage {stage} does not install deploy/worker-init.sh as diststrat-worker-init")
+check(os.access(os.path.join(root, "deploy", "worker-init.sh"), os.X_OK), "deploy/worker-init.sh is not executable")
+# --elastic needs Gloo and hiredis: required in the CPU build, their runtime
+# libraries in the CPU image.
+cpu_body = re.search(r"^FROM\s+\S+\s+AS\s+cpu\s*$(.*?)(?=^FROM\s|\Z)", dockerfile, re.M | re.S)
+check("-DDISTSTRAT_WITH_GLOO=ON" in dockerfile and "-DDISTSTRAT_WITH_REDIS=ON" in dockerfile,
+      "Dockerfile: the CPU build does not require Gloo and Redis")
+check(cpu_body and "libgloo0" in cpu_body.group(1) and "libhiredis" in cpu_body.group(1),
+      "Dockerfile: the cpu image lacks Gloo's or hiredis' runtime library")
 
 for f in failures:
     print("FAIL:", f)
