@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -158,6 +159,72 @@ TEST(TcpStore, IdleConnectionsMakeRoomForTheJobsOwn) {
   for (int fd : idle) ::close(fd);
 }
 
+// A client whose connection the server closed to make room (257 connections)
+// connects again: the job's own process is not failed by an outsider.
+TEST(TcpStore, AClientWhoseConnectionWasClosedForRoomConnectsAgain) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient owner = client_of(server), waiter = client_of(server);
+  owner.publish("world/gloo/0", "addresses", in(milliseconds(5000)));
+  EXPECT_FALSE(waiter.get("world/gloo/1", in(milliseconds(5000))).has_value());
+  // The waiter's connection is now the one silent the longest.
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back(dial(server.port()));
+  const auto end = in(milliseconds(5000));
+  while (server.refused() < 300 + 2 - 256 && Clock::now() < end) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_GE(server.refused(), 300 + 2 - 256);
+  EXPECT_EQ(waiter.wait_for("world/gloo/0", in(milliseconds(5000))), "addresses");
+  for (int fd : idle) ::close(fd);
+}
+
+// A job of 250 ranks publishes ~273 bytes of Gloo address per peer under one key.
+TEST(TcpStore, AValueForTwoHundredFiftyPeersIsTaken) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient a = client_of(server), b = client_of(server);
+  const std::string value(250 * 280, 'a');
+  a.publish("world/gloo/0", value, in(milliseconds(5000)));
+  EXPECT_EQ(b.wait_for("world/gloo/0", in(milliseconds(5000))), value);
+  EXPECT_EQ(server.refused(), 0);
+}
+
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return -1;
+}
+
+// A peer that pipelines gets of a 64 KiB value and reads nothing gets one
+// answer at a time (TCP holds it back), not the chief's memory.
+TEST(TcpStore, APeerThatDoesNotReadItsAnswersIsHeldBack) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient a = client_of(server);
+  a.publish("x", std::string(64 << 10, 'v'), in(milliseconds(5000)));
+  const long before = rss_kib();
+  ASSERT_GT(before, 0);
+  const int fd = dial(server.port());
+  const std::string get = header('G', 1, 0) + "x";
+  std::string burst;
+  for (int i = 0; i < 256; ++i) burst += get;
+  size_t sent = 0;
+  const auto end = in(milliseconds(2000));
+  while (Clock::now() < end) {
+    const ssize_t n = ::send(fd, burst.data(), burst.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      sent += static_cast<size_t>(n);
+    } else {
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+  }
+  const long grown_mib = (rss_kib() - before) / 1024;
+  EXPECT_LT(grown_mib, 64) << "after " << sent << " bytes of requests";
+  EXPECT_EQ(a.wait_for("x", in(milliseconds(5000))), std::string(64 << 10, 'v'));
+  ::close(fd);
+}
+
 // A listening socket that answers every connection with `reply` (or nothing).
 class FakeServer {
  public:
@@ -193,7 +260,7 @@ class FakeServer {
 
 TEST(TcpStore, ClientRefusesAnAnswerThatIsNotTheProtocol) {
   for (const std::string& reply : {std::string("HTTP/1.1 400 Bad Request\r\n\r\n"),
-                                   std::string("DSKVV\x7f\xff\xff\xff", 9),  // a value over 64 KiB
+                                   std::string("DSKVV\x7f\xff\xff\xff", 9),  // a value over 1 MiB
                                    std::string("DSKVZ\x00\x00\x00\x00", 9)}) {  // an unknown status
     FakeServer fake(reply);
     TcpStoreClient c("127.0.0.1", fake.port(), "rank 1", "the chief's store");
