@@ -12,7 +12,9 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -222,6 +224,51 @@ TEST(TcpStore, APeerThatDoesNotReadItsAnswersIsHeldBack) {
   const long grown_mib = (rss_kib() - before) / 1024;
   EXPECT_LT(grown_mib, 64) << "after " << sent << " bytes of requests";
   EXPECT_EQ(a.wait_for("x", in(milliseconds(5000))), std::string(64 << 10, 'v'));
+  ::close(fd);
+}
+
+// Out of descriptors, the server records why and takes the waiting
+// connection once descriptors are free again.
+TEST(TcpStore, OutOfDescriptorsTheWaitingConnectionIsTakenLater) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient a = client_of(server);
+  a.publish("world/gloo/0", "addresses", in(milliseconds(5000)));
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = std::min<rlim_t>(old.rlim_cur, 4096);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> filler;  // every descriptor but one
+  for (;;) {
+    const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) break;
+    filler.push_back(fd);
+  }
+  ASSERT_FALSE(filler.empty());
+  ::close(filler.back());
+  filler.pop_back();
+  const int fd = dial(server.port());  // the last one: the server has none to accept with
+  const auto end = in(milliseconds(5000));
+  while (server.last_error().find("accept") == std::string::npos && Clock::now() < end) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  const std::string error = server.last_error();
+  for (int f : filler) ::close(f);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_NE(error.find("accept: Too many open files"), std::string::npos) << error;
+  const std::string get = header('G', 12, 0) + "world/gloo/0";
+  ASSERT_EQ(::send(fd, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
+  std::string answer;
+  char buf[256];
+  const auto answered = in(milliseconds(5000));
+  while (answer.size() < 9 + 9 && Clock::now() < answered) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    answer.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_EQ(answer, std::string("DSKVV\x00\x00\x00\x09", 9) + "addresses");
   ::close(fd);
 }
 
