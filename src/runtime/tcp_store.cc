@@ -39,6 +39,10 @@ constexpr size_t kMaxValue = 1 << 20;
 constexpr size_t kMaxReason = 1024;
 constexpr size_t kMaxConnections = 256;
 constexpr size_t kMaxKeys = 4096;
+// All values together: 4096 keys of 1 MiB would be 4 GiB of the chief's
+// memory for anyone who connects. 256 MiB holds the Gloo addresses of ~990
+// ranks (n keys of ~273 n bytes).
+constexpr size_t kMaxStored = size_t(256) << 20;
 constexpr auto kMidRequestSilence = std::chrono::seconds(10);
 constexpr auto kIdle = std::chrono::minutes(5);
 
@@ -100,6 +104,7 @@ struct TcpStoreServer::State {
   int wake[2] = {-1, -1};
   int port = 0;
   std::map<std::string, std::string> keys;  // the loop thread's only
+  size_t stored = 0;                        // bytes of keys' values; the loop thread's only
   std::vector<Conn> conns;                  // the loop thread's only
   std::atomic<bool> stop{false};
   std::atomic<int> refused{0};
@@ -167,7 +172,11 @@ struct TcpStoreServer::State {
           c.out += answer(it->second == value ? 'O' : 'C', "");
         } else if (keys.size() >= kMaxKeys) {
           return refuse(c, "the store holds " + std::to_string(kMaxKeys) + " keys already");
+        } else if (stored + value.size() > kMaxStored) {
+          return refuse(c, "the store holds " + std::to_string(stored) +
+                               " bytes of values (at most " + std::to_string(kMaxStored) + ")");
         } else {
+          stored += value.size();
           keys.emplace(key, std::move(value));
           c.out += answer('O', "");
         }

@@ -20,15 +20,16 @@
 // last is sent: a peer that pipelines requests and reads nothing is held
 // back by TCP flow control, not by the server's memory.
 // Keys are 1-200 of [A-Za-z0-9._/-]; a get carries no value; values are at
-// most 1 MiB: a rank publishes ~273 bytes of Gloo address per peer under one
-// key, so this bounds a job to about 3800 ranks. Nothing read from the
+// most 1 MiB, and at most 256 MiB of values in all: a rank publishes ~273
+// bytes of Gloo address per peer under one key, so a job has at most about
+// 990 ranks (the 256 MiB; the 1 MiB alone would allow ~3800). Nothing read from the
 // network is trusted: the server checks
 // every header as soon as it has it and refuses (an 'E' answer, then it
 // closes that connection) a wrong magic, an unknown op, a bad key, a size
 // over the limits; a connection silent mid-request for 10 s, or idle for 5
 // minutes, is closed, as is one whose answer is left unread for 10 s; a
 // 257th connection closes the one silent the longest ('R');
-// over 4096 keys are refused. A
+// over 4096 keys or 256 MiB of values are refused. A
 // refused peer costs the job nothing: the server serves the others on.
 // The client checks every answer the same way (DataLossError naming the
 // server for bytes that are not this protocol, such as a wrong port).

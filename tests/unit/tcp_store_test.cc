@@ -190,6 +190,22 @@ TEST(TcpStore, AValueForTwoHundredFiftyPeersIsTaken) {
   EXPECT_EQ(server.refused(), 0);
 }
 
+// Values are bounded in all, not only each: 256 MiB.
+TEST(TcpStore, ValuesAreBoundedInAll) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient a = client_of(server);
+  const std::string mib(1 << 20, 'v');
+  for (int i = 0; i < 256; ++i) a.publish("k" + std::to_string(i), mib, in(milliseconds(20000)));
+  try {
+    a.publish("k256", mib, in(milliseconds(5000)));
+    FAIL() << "257 MiB of values taken";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("bytes of values (at most 268435456)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(a.get("k0", in(milliseconds(5000))), mib);  // served on
+}
+
 long rss_kib() {
   std::ifstream f("/proc/self/status");
   std::string line;
