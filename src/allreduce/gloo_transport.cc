@@ -28,6 +28,25 @@ namespace diststrat {
 namespace gloo_impl {
 namespace {
 
+// The names next to `group` in the sequence "world", "world.1", "world.2", ...
+// (process_group.cc names a process's TCP groups so, by a per-process count).
+std::vector<std::string> neighbour_groups(const std::string& group) {
+  std::string base = group;
+  int k = 0;
+  const size_t dot = group.rfind('.');
+  if (dot != std::string::npos && dot + 1 < group.size() && group.size() - dot <= 6 &&
+      std::all_of(group.begin() + dot + 1, group.end(),
+                  [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    base = group.substr(0, dot);
+    k = std::stoi(group.substr(dot + 1));
+  }
+  const auto name = [&](int i) { return i == 0 ? base : base + "." + std::to_string(i); };
+  std::vector<std::string> out;
+  if (k > 0) out.push_back(name(k - 1));
+  out.push_back(name(k + 1));
+  return out;
+}
+
 class GlooTransport : public Transport {
  public:
   explicit GlooTransport(std::shared_ptr<GlooCore> core) : core_(std::move(core)) {
@@ -298,6 +317,29 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
                     echo(words[2 + c.rank], 60), "') is not a Gloo TCP address");
     c.peers[p].address = gloo_address_text(theirs[p]);
     c.hosts[p] = gloo_address_host(theirs[p]);
+  }
+  // A missing rank that published under a neighbouring group name where
+  // this rank did not: the processes counted their groups differently (one
+  // threw before forming one and was retried). Asked once per neighbour, for
+  // the first missing rank only (each look may take a round trip).
+  if (!missing.empty()) {
+    const int p = missing.front();
+    for (const std::string& other : neighbour_groups(c.group)) {
+      const auto has = [&](int r) {
+        try {
+          exchange.wait_for(other + "/gloo/" + std::to_string(r), Clock::now());
+          return true;
+        } catch (const Error&) {
+          return false;
+        }
+      };
+      DISTSTRAT_CHECK(!has(p) || has(c.rank), kFailedPrecondition, who, ": rank ", p,
+                      " never published its addresses in group '", echo(c.group),
+                      "' but did in group '", echo(other),
+                      "': the processes made their groups in different orders (a process that "
+                      "failed before forming a group and was retried counts its groups "
+                      "differently; start every process afresh)");
+    }
   }
   DISTSTRAT_CHECK(missing.empty(), kDeadlineExceeded, who, ": ", ranks_phrase(missing),
                   " never published ", missing.size() == 1 ? "its" : "their", " addresses (keys '",

@@ -33,10 +33,16 @@ constexpr char kMagic[4] = {'D', 'S', 'K', 'V'};
 constexpr size_t kHeader = 11;       // magic, op, key_len u16, value_len u32
 constexpr size_t kAnswerHeader = 9;  // magic, status, len u32
 constexpr size_t kMaxKey = 200;
-constexpr size_t kMaxValue = 64 << 10;
+// A job's Gloo addresses are ~273 bytes per peer under one key: 1 MiB is
+// ~3800 ranks, and still bounds what one peer can make the chief hold.
+constexpr size_t kMaxValue = 1 << 20;
 constexpr size_t kMaxReason = 1024;
 constexpr size_t kMaxConnections = 256;
 constexpr size_t kMaxKeys = 4096;
+// All values together: 4096 keys of 1 MiB would be 4 GiB of the chief's
+// memory for anyone who connects. 256 MiB holds the Gloo addresses of ~990
+// ranks (n keys of ~273 n bytes).
+constexpr size_t kMaxStored = size_t(256) << 20;
 constexpr auto kMidRequestSilence = std::chrono::seconds(10);
 constexpr auto kIdle = std::chrono::minutes(5);
 
@@ -98,26 +104,38 @@ struct TcpStoreServer::State {
   int wake[2] = {-1, -1};
   int port = 0;
   std::map<std::string, std::string> keys;  // the loop thread's only
+  size_t stored = 0;                        // bytes of keys' values; the loop thread's only
   std::vector<Conn> conns;                  // the loop thread's only
   std::atomic<bool> stop{false};
   std::atomic<int> refused{0};
   mutable std::mutex mu;
   std::string last_refusal;  // under mu
+  std::string last_error;    // under mu: the server's own trouble (poll, accept, memory)
+  Clock::time_point accept_paused_until{};  // the loop thread's only
   std::thread thread;
 
-  void refuse(Conn& c, const std::string& why) {
-    const std::string reason = who + ": request refused: " + why;
-    c.out += answer('E', reason.substr(0, kMaxReason));
+  // `status` 'E' for a peer that broke the protocol, 'R' for one closed
+  // through no fault of its own (room, idle): its client connects again.
+  void refuse(Conn& c, const std::string& why, char status = 'E') {
+    const std::string reason =
+        who + (status == 'E' ? ": request refused: " : ": connection closed: ") + why;
+    c.out += answer(status, reason.substr(0, kMaxReason));
     c.in.clear();
     c.closing = true;
     ++refused;
     std::lock_guard<std::mutex> lock(mu);
     last_refusal = reason;
   }
-  // Handles every complete request in c.in; refuses the connection at the
-  // first header or key that breaks the protocol.
+  void note_error(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu);
+    last_error = who + ": " + what;
+  }
+  // Handles the next complete request in c.in once the last answer is sent:
+  // one answer waits per connection, so a peer that pipelines requests and
+  // reads nothing is held back by TCP, not by the chief's memory. Refuses
+  // the connection at the first header or key that breaks the protocol.
   void serve(Conn& c) {
-    while (!c.closing && !c.in.empty()) {
+    while (!c.closing && !c.in.empty() && c.out.empty()) {
       const size_t have = std::min(c.in.size(), sizeof kMagic);
       if (std::memcmp(c.in.data(), kMagic, have) != 0) {
         return refuse(c, "not the diststrat store protocol (bad magic)");
@@ -131,7 +149,8 @@ struct TcpStoreServer::State {
         return refuse(c, "key of " + std::to_string(key_len) + " bytes (1-200)");
       }
       if (value_len > kMaxValue || (op == 'G' && value_len != 0)) {
-        return refuse(c, "value of " + std::to_string(value_len) + " bytes (at most 65536)");
+        return refuse(c, "value of " + std::to_string(value_len) + " bytes (at most " +
+                             std::to_string(kMaxValue) + ")");
       }
       const size_t key_have = std::min(c.in.size() - kHeader, key_len);
       const std::string partial = c.in.substr(kHeader, key_have);
@@ -153,7 +172,11 @@ struct TcpStoreServer::State {
           c.out += answer(it->second == value ? 'O' : 'C', "");
         } else if (keys.size() >= kMaxKeys) {
           return refuse(c, "the store holds " + std::to_string(kMaxKeys) + " keys already");
+        } else if (stored + value.size() > kMaxStored) {
+          return refuse(c, "the store holds " + std::to_string(stored) +
+                               " bytes of values (at most " + std::to_string(kMaxStored) + ")");
         } else {
+          stored += value.size();
           keys.emplace(key, std::move(value));
           c.out += answer('O', "");
         }
@@ -162,9 +185,18 @@ struct TcpStoreServer::State {
   }
   void accept_all() {
     for (;;) {
-      const int fd = ::accept(listen_fd, nullptr, nullptr);
-      if (fd < 0) return;
-      set_nonblocking(fd);
+      const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        // Out of descriptors the listener stays readable: not polled for a
+        // while (the connections waiting are taken once some are closed)
+        // instead of a thread spinning on it.
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          note_error(std::string("accept: ") + std::strerror(errno) +
+                     " (new connections wait)");
+          accept_paused_until = Clock::now() + std::chrono::milliseconds(100);
+        }
+        return;
+      }
       Conn c;
       c.fd = fd;
       const auto live =
@@ -177,8 +209,10 @@ struct TcpStoreServer::State {
         for (Conn& x : conns) {
           if (x.fd >= 0 && (!oldest || x.last < oldest->last)) oldest = &x;
         }
-        refuse(*oldest, "more than " + std::to_string(kMaxConnections) +
-                            " connections; the one silent the longest is closed");
+        refuse(*oldest,
+               "more than " + std::to_string(kMaxConnections) +
+                   " connections; the one silent the longest is closed (connect again)",
+               'R');
         (void)::send(oldest->fd, oldest->out.data(), oldest->out.size(),
                      MSG_NOSIGNAL | MSG_DONTWAIT);
         ::close(oldest->fd);
@@ -187,23 +221,44 @@ struct TcpStoreServer::State {
       conns.push_back(std::move(c));
     }
   }
+  // No exception leaves the thread (it would end the chief through
+  // std::terminate): one that a connection causes closes that connection,
+  // any other is recorded and the loop goes on.
   void loop() {
     std::vector<pollfd> fds;
-    char buf[16 << 10];
     while (!stop.load()) {
-      fds.clear();
-      fds.push_back({wake[0], POLLIN, 0});
-      fds.push_back({listen_fd, POLLIN, 0});
-      for (const Conn& c : conns) {
-        fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLIN | POLLOUT), 0});
+      try {
+        pass(fds);
+      } catch (const std::exception& e) {
+        note_error(std::string("serving: ") + e.what());
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
-      if (::poll(fds.data(), fds.size(), 100) < 0 && errno != EINTR) break;
-      if (fds[1].revents & POLLIN) accept_all();
-      const Clock::time_point now = Clock::now();
-      for (size_t i = 0; i + 2 < fds.size(); ++i) {
-        Conn& c = conns[i];
-        bool dead = (fds[i + 2].revents & (POLLERR | POLLNVAL)) != 0;
-        if (!dead && (fds[i + 2].revents & (POLLIN | POLLHUP))) {
+    }
+  }
+  void pass(std::vector<pollfd>& fds) {
+    char buf[16 << 10];
+    fds.clear();
+    fds.push_back({wake[0], POLLIN, 0});
+    fds.push_back({Clock::now() < accept_paused_until ? -1 : listen_fd, POLLIN, 0});
+    for (const Conn& c : conns) {
+      // Reading waits while an answer does.
+      fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
+    }
+    if (::poll(fds.data(), fds.size(), 100) < 0) {
+      if (errno == EINTR) return;
+      // Recorded (the clients' "did not answer" is explained by it) and
+      // tried again: the store does not end quietly.
+      note_error(std::string("poll: ") + std::strerror(errno));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      return;
+    }
+    if (fds[1].revents & POLLIN) accept_all();
+    const Clock::time_point now = Clock::now();
+    for (size_t i = 0; i + 2 < fds.size(); ++i) {
+      Conn& c = conns[i];
+      bool dead = (fds[i + 2].revents & (POLLERR | POLLNVAL)) != 0;
+      try {
+        if (!dead && c.out.empty() && (fds[i + 2].revents & (POLLIN | POLLHUP))) {
           const ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
           if (n > 0 && !c.closing) {
             c.in.append(buf, static_cast<size_t>(n));
@@ -213,28 +268,40 @@ struct TcpStoreServer::State {
             dead = true;
           }
         }
+        if (!dead && (fds[i + 2].revents & POLLHUP) && !c.out.empty()) dead = true;
         if (!dead && !c.out.empty()) {
           const ssize_t n = ::send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
           if (n > 0) {
             c.out.erase(0, static_cast<size_t>(n));
+            c.last = now;
+            serve(c);  // the next request already here
           } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
             dead = true;
           }
         }
-        if (!dead && !c.closing && now - c.last > (c.in.empty() ? kIdle : kMidRequestSilence)) {
-          refuse(c, c.in.empty() ? "idle too long" : "a request left unfinished for 10 s");
-        }
-        // A refused peer that does not read its answer is not waited for.
-        if (c.closing && (c.out.empty() || now - c.last > kMidRequestSilence)) dead = true;
-        if (dead) {
-          ::close(c.fd);
-          c.fd = -1;
+      } catch (const std::exception& e) {
+        note_error(std::string("serving a connection (closed): ") + e.what());
+        dead = true;
+      }
+      const bool idle = c.in.empty() && c.out.empty();
+      if (!dead && !c.closing && now - c.last > (idle ? kIdle : kMidRequestSilence)) {
+        if (idle) {
+          refuse(c, "idle too long (connect again)", 'R');
+        } else {
+          refuse(c, c.out.empty() ? "a request left unfinished for 10 s"
+                                  : "an answer left unread for 10 s");
         }
       }
-      conns.erase(
-          std::remove_if(conns.begin(), conns.end(), [](const Conn& c) { return c.fd < 0; }),
-          conns.end());
+      // A refused peer that does not read its answer is not waited for.
+      if (c.closing && (c.out.empty() || now - c.last > kMidRequestSilence)) dead = true;
+      if (dead) {
+        ::close(c.fd);
+        c.fd = -1;
+      }
     }
+    conns.erase(
+        std::remove_if(conns.begin(), conns.end(), [](const Conn& c) { return c.fd < 0; }),
+        conns.end());
   }
 };
 
@@ -288,6 +355,10 @@ std::string TcpStoreServer::last_refusal() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->last_refusal;
 }
+std::string TcpStoreServer::last_error() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->last_error;
+}
 
 // ---- client ----------------------------------------------------------------
 
@@ -324,14 +395,25 @@ void TcpStoreClient::connect(Clock::time_point deadline) {
   std::string last = "no answer";
   while (Clock::now() < deadline) {
     // The chief's name may not resolve yet (a pod's DNS record comes with
-    // the pod): asked again like a refused connection.
-    try {
-      addr.sin_addr = resolve_v4(host_, "host");
-    } catch (const InvalidArgumentError& e) {
-      last = e.message();
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // the pod), or may change (a restarted pod): looked up again after a
+    // failure, at most once a second and never past the deadline. One
+    // lookup is not bounded by the deadline: it may overshoot it by the
+    // resolver's own timeout (resolv.conf's timeout x attempts).
+    if ((!resolved_ || stale_) && Clock::now() >= next_lookup_) {
+      next_lookup_ = Clock::now() + std::chrono::seconds(1);
+      try {
+        addr_ = resolve_v4(host_, "host").s_addr;
+        resolved_ = true;
+        stale_ = false;
+      } catch (const InvalidArgumentError& e) {
+        last = e.message();
+      }
+    }
+    if (!resolved_) {
+      std::this_thread::sleep_until(std::min(deadline, next_lookup_));
       continue;
     }
+    addr.sin_addr.s_addr = addr_;
     fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     DISTSTRAT_CHECK(fd_ >= 0, kUnavailable, who_, ": socket: ", std::strerror(errno));
     int rc = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
@@ -353,6 +435,7 @@ void TcpStoreClient::connect(Clock::time_point deadline) {
     }
     last = std::strerror(errno);
     close_fd();
+    stale_ = true;  // looked up again within a second, tried meanwhile as it was
     // The chief may not be up yet: ask again.
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -382,7 +465,7 @@ char TcpStoreClient::call_once(char op, const std::string& key, const std::strin
                                Clock::time_point deadline, std::string* payload) {
   DISTSTRAT_CHECK(is_tcp_store_key(key) && value.size() <= kMaxValue, kInvalidArgument, who_,
                   ": store key '", echo(key, 60), "' (1-200 of [A-Za-z0-9._/-]) or a value of ",
-                  value.size(), " bytes (at most 65536)");
+                  value.size(), " bytes (at most ", kMaxValue, ")");
   const std::string where = server_ + " at " + host_ + ":" + std::to_string(port_);
   std::string req(kMagic, 4);
   req.push_back(op);
@@ -425,10 +508,10 @@ char TcpStoreClient::call_once(char op, const std::string& key, const std::strin
     if (in.size() == kAnswerHeader && want == kAnswerHeader) {
       const char status = in[4];
       const uint32_t len = get_u32(in.data() + 5);
-      const bool known = std::string("OVNCE").find(status) != std::string::npos;
+      const bool known = std::string("OVNCER").find(status) != std::string::npos;
       if (std::memcmp(in.data(), kMagic, 4) != 0 || !known ||
           len > (status == 'V'   ? kMaxValue
-                 : status == 'E' ? kMaxReason
+                 : status == 'E' || status == 'R' ? kMaxReason
                                  : 0)) {
         close_fd();
         throw DataLossError(who_ + ": " + where +
@@ -440,6 +523,7 @@ char TcpStoreClient::call_once(char op, const std::string& key, const std::strin
   }
   const char status = in[4];
   *payload = in.substr(kAnswerHeader);
+  if (status == 'R') fail("closed this connection (" + echo(*payload) + ")");  // call() connects again
   if (status == 'E') {
     close_fd();
     throw InvalidArgumentError(who_ + ": " + where + " refused the request: " + echo(*payload));

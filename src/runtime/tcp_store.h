@@ -11,14 +11,25 @@
 //   answer   "DSKV" status(1) len(u32) payload
 //            status 'O' put stored, 'V' value follows, 'N' no such key,
 //            'C' the key holds another value (put refused, connection kept),
-//            'E' request refused, payload the reason; the server then closes.
+//            'E' request refused, payload the reason; the server then closes,
+//            'R' connection closed through no fault of the peer's (room for
+//            a 257th, idle 5 minutes), payload the reason: the client
+//            connects again (UnavailableError inside call(), retried until
+//            the deadline).
+// The server reads a connection's next request only once the answer to the
+// last is sent: a peer that pipelines requests and reads nothing is held
+// back by TCP flow control, not by the server's memory.
 // Keys are 1-200 of [A-Za-z0-9._/-]; a get carries no value; values are at
-// most 64 KiB. Nothing read from the network is trusted: the server checks
+// most 1 MiB, and at most 256 MiB of values in all: a rank publishes ~273
+// bytes of Gloo address per peer under one key, so a job has at most about
+// 990 ranks (the 256 MiB; the 1 MiB alone would allow ~3800). Nothing read from the
+// network is trusted: the server checks
 // every header as soon as it has it and refuses (an 'E' answer, then it
 // closes that connection) a wrong magic, an unknown op, a bad key, a size
 // over the limits; a connection silent mid-request for 10 s, or idle for 5
-// minutes, is closed; a 257th connection closes the one silent the longest;
-// over 4096 keys are refused. A
+// minutes, is closed, as is one whose answer is left unread for 10 s; a
+// 257th connection closes the one silent the longest ('R');
+// over 4096 keys or 256 MiB of values are refused. A
 // refused peer costs the job nothing: the server serves the others on.
 // The client checks every answer the same way (DataLossError naming the
 // server for bytes that are not this protocol, such as a wrong port).
@@ -27,6 +38,7 @@
 // called from any thread. A client is used by one thread at a time.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -53,6 +65,9 @@ class TcpStoreServer {
   // the last reason (what the refused peer was told).
   int refused() const;
   std::string last_refusal() const;
+  // The server's own last trouble ("" if none): a poll or accept error, an
+  // exception while serving (that connection is closed, the rest served on).
+  std::string last_error() const;
 
   struct State;
 
@@ -93,6 +108,10 @@ class TcpStoreClient : public AddressExchange {
   int port_;
   std::string who_, server_;
   int fd_ = -1;
+  // The server's address (network order) and when it may be looked up again.
+  uint32_t addr_ = 0;
+  bool resolved_ = false, stale_ = false;
+  Clock::time_point next_lookup_{};
 };
 
 // Whether `key` is a store key (1-200 of [A-Za-z0-9._/-]).

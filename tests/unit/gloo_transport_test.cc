@@ -772,6 +772,22 @@ TEST(GlooTransport, SetUpFailsAtTheDeadlineNamingTheRankThatNeverCame) {
   }
 }
 
+// Rank 1 counted its groups differently (its "world" failed and was made
+// again as "world.1"): rank 0 names both group names at the deadline.
+TEST(GlooTransport, GroupsMadeInDifferentOrdersAreNamed) {
+  auto exchange = ds::make_in_memory_address_exchange();
+  exchange->publish("world.1/gloo/1", "gloo-tcp/1 2 00 -", Clock::now() + 1s);
+  try {
+    ds::make_gloo_transport(0, 2, *exchange, loopback("world"), Clock::now() + 300ms);
+    FAIL() << "set up";
+  } catch (const ds::FailedPreconditionError& e) {
+    EXPECT_NE(e.message().find("in group 'world' but did in group 'world.1'"), std::string::npos)
+        << e.message();
+    EXPECT_NE(e.message().find("made their groups in different orders"), std::string::npos)
+        << e.message();
+  }
+}
+
 TEST(GlooTransport, BadOptionsAreInvalidArgument) {
   auto exchange = ds::make_in_memory_address_exchange();
   const auto deadline = Clock::now() + 5s;

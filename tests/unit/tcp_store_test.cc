@@ -12,11 +12,14 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -158,6 +161,133 @@ TEST(TcpStore, IdleConnectionsMakeRoomForTheJobsOwn) {
   for (int fd : idle) ::close(fd);
 }
 
+// A client whose connection the server closed to make room (257 connections)
+// connects again: the job's own process is not failed by an outsider.
+TEST(TcpStore, AClientWhoseConnectionWasClosedForRoomConnectsAgain) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient owner = client_of(server), waiter = client_of(server);
+  owner.publish("world/gloo/0", "addresses", in(milliseconds(5000)));
+  EXPECT_FALSE(waiter.get("world/gloo/1", in(milliseconds(5000))).has_value());
+  // The waiter's connection is now the one silent the longest.
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back(dial(server.port()));
+  const auto end = in(milliseconds(5000));
+  while (server.refused() < 300 + 2 - 256 && Clock::now() < end) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_GE(server.refused(), 300 + 2 - 256);
+  EXPECT_EQ(waiter.wait_for("world/gloo/0", in(milliseconds(5000))), "addresses");
+  for (int fd : idle) ::close(fd);
+}
+
+// A job of 250 ranks publishes ~273 bytes of Gloo address per peer under one key.
+TEST(TcpStore, AValueForTwoHundredFiftyPeersIsTaken) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient a = client_of(server), b = client_of(server);
+  const std::string value(250 * 280, 'a');
+  a.publish("world/gloo/0", value, in(milliseconds(5000)));
+  EXPECT_EQ(b.wait_for("world/gloo/0", in(milliseconds(5000))), value);
+  EXPECT_EQ(server.refused(), 0);
+}
+
+// Values are bounded in all, not only each: 256 MiB.
+TEST(TcpStore, ValuesAreBoundedInAll) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient a = client_of(server);
+  const std::string mib(1 << 20, 'v');
+  for (int i = 0; i < 256; ++i) a.publish("k" + std::to_string(i), mib, in(milliseconds(20000)));
+  try {
+    a.publish("k256", mib, in(milliseconds(5000)));
+    FAIL() << "257 MiB of values taken";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("bytes of values (at most 268435456)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(a.get("k0", in(milliseconds(5000))), mib);  // served on
+}
+
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return -1;
+}
+
+// A peer that pipelines gets of a 64 KiB value and reads nothing gets one
+// answer at a time (TCP holds it back), not the chief's memory.
+TEST(TcpStore, APeerThatDoesNotReadItsAnswersIsHeldBack) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient a = client_of(server);
+  a.publish("x", std::string(64 << 10, 'v'), in(milliseconds(5000)));
+  const long before = rss_kib();
+  ASSERT_GT(before, 0);
+  const int fd = dial(server.port());
+  const std::string get = header('G', 1, 0) + "x";
+  std::string burst;
+  for (int i = 0; i < 256; ++i) burst += get;
+  size_t sent = 0;
+  const auto end = in(milliseconds(2000));
+  while (Clock::now() < end) {
+    const ssize_t n = ::send(fd, burst.data(), burst.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      sent += static_cast<size_t>(n);
+    } else {
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+  }
+  const long grown_mib = (rss_kib() - before) / 1024;
+  EXPECT_LT(grown_mib, 64) << "after " << sent << " bytes of requests";
+  EXPECT_EQ(a.wait_for("x", in(milliseconds(5000))), std::string(64 << 10, 'v'));
+  ::close(fd);
+}
+
+// Out of descriptors, the server records why and takes the waiting
+// connection once descriptors are free again.
+TEST(TcpStore, OutOfDescriptorsTheWaitingConnectionIsTakenLater) {
+  TcpStoreServer server("127.0.0.1", 0, "the test's store");
+  TcpStoreClient a = client_of(server);
+  a.publish("world/gloo/0", "addresses", in(milliseconds(5000)));
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = std::min<rlim_t>(old.rlim_cur, 4096);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> filler;  // every descriptor but one
+  for (;;) {
+    const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) break;
+    filler.push_back(fd);
+  }
+  ASSERT_FALSE(filler.empty());
+  ::close(filler.back());
+  filler.pop_back();
+  const int fd = dial(server.port());  // the last one: the server has none to accept with
+  const auto end = in(milliseconds(5000));
+  while (server.last_error().find("accept") == std::string::npos && Clock::now() < end) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  const std::string error = server.last_error();
+  for (int f : filler) ::close(f);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_NE(error.find("accept: Too many open files"), std::string::npos) << error;
+  const std::string get = header('G', 12, 0) + "world/gloo/0";
+  ASSERT_EQ(::send(fd, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
+  std::string answer;
+  char buf[256];
+  const auto answered = in(milliseconds(5000));
+  while (answer.size() < 9 + 9 && Clock::now() < answered) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    answer.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_EQ(answer, std::string("DSKVV\x00\x00\x00\x09", 9) + "addresses");
+  ::close(fd);
+}
+
 // A listening socket that answers every connection with `reply` (or nothing).
 class FakeServer {
  public:
@@ -193,7 +323,7 @@ class FakeServer {
 
 TEST(TcpStore, ClientRefusesAnAnswerThatIsNotTheProtocol) {
   for (const std::string& reply : {std::string("HTTP/1.1 400 Bad Request\r\n\r\n"),
-                                   std::string("DSKVV\x7f\xff\xff\xff", 9),  // a value over 64 KiB
+                                   std::string("DSKVV\x7f\xff\xff\xff", 9),  // a value over 1 MiB
                                    std::string("DSKVZ\x00\x00\x00\x00", 9)}) {  // an unknown status
     FakeServer fake(reply);
     TcpStoreClient c("127.0.0.1", fake.port(), "rank 1", "the chief's store");
