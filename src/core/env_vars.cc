@@ -43,10 +43,15 @@ const KnownVariable kKnown[] = {
     {"DISTSTRAT_CMAKE_ARGS", "scripts"},
     {"DISTSTRAT_BUILD_DIR", "scripts"},
     {"DISTSTRAT_FUZZ_BUILD_DIR", "scripts"},
+    {"DISTSTRAT_BUILD_JOBS", "scripts"},  // scripts/container.sh: compile jobs in the image
+    {"DISTSTRAT_CONTAINER_NICE", "scripts"},
+    {"DISTSTRAT_DEBIAN_MIRROR", "scripts"},
+    {"DISTSTRAT_DEBIAN_SUITE", "scripts"},
     // Read by tests only.
     {"DISTSTRAT_TEMP_DIR_TEST_REPORT", "tests"},
     {"DISTSTRAT_PS_STOPPED_STEPS", "tests"},
     {"DISTSTRAT_PS_STOPPED_STOPS", "tests"},
+    {"DISTSTRAT_CONTAINER_TESTS", "tests"},  // opts in to the container tests
 };
 
 // Edit distance (insert, delete, substitute one character).
