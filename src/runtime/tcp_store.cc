@@ -191,8 +191,7 @@ struct TcpStoreServer::State {
         // while (the connections waiting are taken once some are closed)
         // instead of a thread spinning on it.
         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-          note_error(std::string("accept: ") + std::strerror(errno) +
-                     " (new connections wait)");
+          note_error(std::string("accept: ") + std::strerror(errno) + " (new connections wait)");
           accept_paused_until = Clock::now() + std::chrono::milliseconds(100);
         }
         return;
@@ -299,9 +298,8 @@ struct TcpStoreServer::State {
         c.fd = -1;
       }
     }
-    conns.erase(
-        std::remove_if(conns.begin(), conns.end(), [](const Conn& c) { return c.fd < 0; }),
-        conns.end());
+    conns.erase(std::remove_if(conns.begin(), conns.end(), [](const Conn& c) { return c.fd < 0; }),
+                conns.end());
   }
 };
 
@@ -510,9 +508,9 @@ char TcpStoreClient::call_once(char op, const std::string& key, const std::strin
       const uint32_t len = get_u32(in.data() + 5);
       const bool known = std::string("OVNCER").find(status) != std::string::npos;
       if (std::memcmp(in.data(), kMagic, 4) != 0 || !known ||
-          len > (status == 'V'   ? kMaxValue
+          len > (status == 'V'                    ? kMaxValue
                  : status == 'E' || status == 'R' ? kMaxReason
-                                 : 0)) {
+                                                  : 0)) {
         close_fd();
         throw DataLossError(who_ + ": " + where +
                             " answered with bytes that are not the diststrat store protocol "
@@ -523,7 +521,8 @@ char TcpStoreClient::call_once(char op, const std::string& key, const std::strin
   }
   const char status = in[4];
   *payload = in.substr(kAnswerHeader);
-  if (status == 'R') fail("closed this connection (" + echo(*payload) + ")");  // call() connects again
+  if (status == 'R')
+    fail("closed this connection (" + echo(*payload) + ")");  // call() connects again
   if (status == 'E') {
     close_fd();
     throw InvalidArgumentError(who_ + ": " + where + " refused the request: " + echo(*payload));
