@@ -191,9 +191,18 @@ DistributedBatch DistributedDataset::batch(int64_t i) const {
   out.index_ = i;
   out.first_local_replica_ = s.first_local_replica;
   out.global_size_ = s.global_rows_of_batch(n);
+  // Part `part` of the batch's n rows cut into `parts` (even_part), gathered
+  // as one replica's or one shard's features and labels.
+  const auto take_part = [&](int64_t parts, int64_t part) {
+    int64_t lo = 0, len = 0;
+    even_part(n, parts, part, &lo, &len);
+    const int64_t* rows = order_.data() + begin + lo;
+    out.features_.push_back(gather_rows(s.data.features(), rows, len));
+    out.labels_.push_back(gather_rows(s.data.labels(), rows, len));
+  };
   if (s.virtual_shards > 0) {
-    // Determinism mode: the n rows are cut into V shards (shard_rows: the
-    // same cut on any number of replicas), and each local replica takes its
+    // Determinism mode: the n rows are cut into V shards (shard_rows' cut,
+    // the same on any number of replicas), and each local replica takes its
     // range of shards.
     const ShardRange first =
         shards_of_replica(s.first_local_replica, s.num_replicas_in_sync, s.virtual_shards);
@@ -201,27 +210,12 @@ DistributedBatch DistributedDataset::batch(int64_t i) const {
                                               s.num_replicas_in_sync, s.virtual_shards);
     out.first_local_shard_ = first.first;
     for (int shard = first.first; shard < last.first + last.count; ++shard) {
-      int64_t lo = 0, len = 0;
-      shard_rows(n, s.virtual_shards, shard, &lo, &len);
-      const int64_t* rows = order_.data() + begin + lo;
-      out.features_.push_back(gather_rows(s.data.features(), rows, len));
-      out.labels_.push_back(gather_rows(s.data.labels(), rows, len));
+      take_part(s.virtual_shards, shard);
     }
-    out.device_features_.resize(out.features_.size());
-    out.device_labels_.resize(out.labels_.size());
-    return out;
-  }
-  // The batch's n rows are split as evenly as possible over the replicas this
-  // source feeds; the first n % R replicas get one extra row.
-  const int R = s.replicas_fed();
-  const int64_t base = n / R, extra = n % R;
-  for (int l = 0; l < s.num_local_replicas; ++l) {
-    const int r = s.fed_index(l);
-    const int64_t lo = r * base + std::min<int64_t>(r, extra);
-    const int64_t len = base + (r < extra ? 1 : 0);
-    const int64_t* rows = order_.data() + begin + lo;
-    out.features_.push_back(gather_rows(s.data.features(), rows, len));
-    out.labels_.push_back(gather_rows(s.data.labels(), rows, len));
+  } else {
+    // The batch's n rows are split as evenly as possible over the replicas
+    // this source feeds; the first n % R replicas get one extra row.
+    for (int l = 0; l < s.num_local_replicas; ++l) take_part(s.replicas_fed(), s.fed_index(l));
   }
   out.device_features_.resize(out.features_.size());
   out.device_labels_.resize(out.labels_.size());

@@ -13,18 +13,23 @@
 
 namespace diststrat {
 
+void even_part(int64_t total, int64_t parts, int64_t part, int64_t* begin, int64_t* len) {
+  const int64_t base = total / parts, extra = total % parts;
+  *begin = part * base + std::min(part, extra);
+  *len = base + (part < extra ? 1 : 0);
+}
+
 ShardRange shards_of_replica(int replica, int replicas, int shards) {
-  const int base = shards / replicas, extra = shards % replicas;
+  int64_t first = 0, count = 0;
+  even_part(shards, replicas, replica, &first, &count);
   ShardRange r;
-  r.first = replica * base + std::min(replica, extra);
-  r.count = base + (replica < extra ? 1 : 0);
+  r.first = static_cast<int>(first);
+  r.count = static_cast<int>(count);
   return r;
 }
 
 void shard_rows(int64_t rows, int shards, int shard, int64_t* begin, int64_t* len) {
-  const int64_t base = rows / shards, extra = rows % shards;
-  *begin = shard * base + std::min<int64_t>(shard, extra);
-  *len = base + (shard < extra ? 1 : 0);
+  even_part(rows, shards, shard, begin, len);
 }
 
 namespace {
@@ -170,23 +175,11 @@ Tensor Strategy::reduce_shard_tensors(ReduceOp op, const std::vector<Tensor>& va
 }
 
 double Strategy::reduce_shard_values(ReduceOp op, const std::vector<double>& values) {
-  std::vector<Tensor> scalars;
-  for (double v : values) {
-    Tensor t(Shape{}, DType::kFloat64);
-    t.data<double>()[0] = v;
-    scalars.push_back(t);
-  }
-  return reduce_shard_tensors(op, scalars).data<double>()[0];
+  return reduce_shard_tensors(op, scalar_tensors(values)).data<double>()[0];
 }
 
 int64_t Strategy::reduce_shard_ints(ReduceOp op, const std::vector<int64_t>& values) {
-  std::vector<Tensor> scalars;
-  for (int64_t v : values) {
-    Tensor t(Shape{}, DType::kInt64);
-    t.data<int64_t>()[0] = v;
-    scalars.push_back(t);
-  }
-  return reduce_shard_tensors(op, scalars).data<int64_t>()[0];
+  return reduce_shard_tensors(op, scalar_tensors(values)).data<int64_t>()[0];
 }
 
 }  // namespace diststrat

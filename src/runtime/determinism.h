@@ -3,7 +3,12 @@
 // context a shard's call of the step function sees.
 #pragma once
 
+#include <cstdint>
 #include <functional>
+#include <iterator>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "diststrat/strategy.h"
 
@@ -21,10 +26,32 @@ struct ShardRange {
 // gather in shard order).
 ShardRange shards_of_replica(int replica, int replicas, int shards);
 
+// Part `part` of `total` items cut into `parts` contiguous parts as evenly as
+// possible, the first total % parts parts one item more: [begin, begin + len).
+// The one rule behind shards_of_replica, shard_rows and the split of a batch's
+// rows over replicas (data.cc).
+void even_part(int64_t total, int64_t parts, int64_t part, int64_t* begin, int64_t* len);
+
 // The rows [begin, begin + len) of a batch of `rows` rows that shard `shard`
 // of `shards` holds: the same cut whatever the replicas (the first
 // rows % shards shards one row more).
 void shard_rows(int64_t rows, int shards, int shard, int64_t* begin, int64_t* len);
+
+// One rank-0 tensor per value, of the values' DType (dtype_of): the form the
+// tensor reductions take host scalars in. `values`: a std::vector or a
+// PerReplica.
+template <typename Values>
+std::vector<Tensor> scalar_tensors(const Values& values) {
+  using T = std::decay_t<decltype(*std::begin(values))>;
+  std::vector<Tensor> out;
+  out.reserve(values.size());
+  for (const T& v : values) {
+    Tensor t(Shape{}, dtype_of<T>());
+    t.data<T>()[0] = v;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
 
 // What one shard's call of the step function sees: its shard as replica id,
 // V replicas in sync, and otherwise its real replica (local id, device,

@@ -308,13 +308,7 @@ int64_t Strategy::reduce(ReduceOp op, const PerReplica<int64_t>& values) {
     return product;
   }
   if (op != ReduceOp::kSum && op != ReduceOp::kMean) {
-    std::vector<Tensor> local;
-    for (int64_t v : values) {
-      Tensor t(Shape{}, DType::kInt64);
-      t.data<int64_t>()[0] = v;
-      local.push_back(t);
-    }
-    return reduce_tensors_across(op, local).data<int64_t>()[0];
+    return reduce_tensors_across(op, scalar_tensors(values)).data<int64_t>()[0];
   }
   // Exact at any magnitude, over every worker: each value travels as a high
   // half (v >> 32, in [-2^31, 2^31)) and a low half (v & 0xffffffff, in
