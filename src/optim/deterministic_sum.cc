@@ -94,6 +94,19 @@ int64_t local_exponent(const std::vector<std::vector<Tensor>>& shards, size_t k)
   std::memcpy(&max_abs, &max_bits, sizeof max_abs);
   return std::ilogb(max_abs);
 }
+
+// The power of two that takes values of agreed exponent `e` to int64 with
+// room for 2^L terms (0 when there is nothing to scale).
+int fixed_point_shift(int64_t e, int L) {
+  return e == kAllZero || e == kNonFinite ? 0 : static_cast<int>(61 - L - e);
+}
+
+// `t`, kept for the next step when it has `shape` already, else made anew
+// with `shape` and `dtype` (contents left to the caller).
+Tensor& reuse(Tensor& t, const Shape& shape, DType dtype) {
+  if (!t.defined() || t.shape() != shape) t = Tensor(shape, dtype);
+  return t;
+}
 }  // namespace
 
 ReplicaContext* Optimizer::combine_shards(
@@ -154,13 +167,11 @@ ReplicaContext* Optimizer::combine_shards(
   const int L = ceil_log2(V);
   std::vector<Tensor> sums;
   std::vector<std::string> names;
+  mine->sums.resize(K);
   for (size_t k = 0; k < K; ++k) {
     const int64_t e = agree[0].data<int64_t>()[k];
-    const int s = e == kAllZero || e == kNonFinite ? 0 : static_cast<int>(61 - L - e);
-    mine->sums.resize(K);
-    Tensor& q = mine->sums[k];
-    if (!q.defined() || q.shape() != grads_and_vars[k].first.shape())
-      q = Tensor(grads_and_vars[k].first.shape(), DType::kInt64);
+    const int s = fixed_point_shift(e, L);
+    Tensor& q = reuse(mine->sums[k], grads_and_vars[k].first.shape(), DType::kInt64);
     int64_t* out = q.data<int64_t>();
     const int64_t n = q.num_elements();
     for (int64_t i = 0; i < n; ++i) out[i] = 0;
@@ -180,13 +191,11 @@ ReplicaContext* Optimizer::combine_shards(
   // Replica 0 carries the sum into the strategy's reduction, the others zeros.
   const bool carrier = real.replica_id() == 0;
   combined.clear();
+  mine->out.resize(K);
   for (size_t k = 0; k < K; ++k) {
     const int64_t e = agree[0].data<int64_t>()[k];
-    const int s = e == kAllZero || e == kNonFinite ? 0 : static_cast<int>(61 - L - e);
-    mine->out.resize(K);
-    Tensor& g = mine->out[k];
-    if (!g.defined() || g.shape() != grads_and_vars[k].first.shape())
-      g = Tensor(grads_and_vars[k].first.shape(), DType::kFloat32);
+    const int s = fixed_point_shift(e, L);
+    Tensor& g = reuse(mine->out[k], grads_and_vars[k].first.shape(), DType::kFloat32);
     float* out = g.data<float>();
     const int64_t* q = sums[k].data<int64_t>();
     const int64_t n = g.num_elements();
