@@ -45,6 +45,7 @@ struct TrainFlags {
   std::string timeout;                     // seconds; empty = CommunicationOptions' default
   std::string algorithm = "auto";          // multi_worker: the all-reduce algorithm
   std::string preemption_signal = "TERM";  // the signal that means "save and exit"
+  int preempted_exit_code = 143;           // the exit status after a preemption save
   // Elastic training (multi_worker, diststrat/elastic.h).
   bool elastic = false;
   std::string rendezvous;
@@ -123,6 +124,13 @@ inline void add_training_flags(CLI::App& app, TrainFlags& f) {
   app.add_option("--preemption-signal", f.preemption_signal,
                  "the signal that means save and exit (Slurm: sbatch --signal=USR1@60 with USR1)")
       ->check(CLI::IsMember({"TERM", "USR1", "USR2", "INT"}))
+      ->capture_default_str();
+  app.add_option("--preempted-exit-code", f.preempted_exit_code,
+                 "the exit status after a preemption save: not 0, so that a launcher that "
+                 "restarts failed jobs (MPI Operator, Kubernetes Job) restarts this one "
+                 "(143 = 128 + SIGTERM, as TensorFlow's PreemptionCheckpointHandler on GCE; "
+                 "0 = report success)")
+      ->check(CLI::Range(0, 255))
       ->capture_default_str();
   add_timeout_flag(app, f.timeout);
   app.add_option("--algorithm", f.algorithm,

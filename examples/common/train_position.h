@@ -68,25 +68,35 @@ inline void print_resumed(const std::string& from, const Position& pos) {
 // step, so all stop at the same one; an elastic worker has none: SIGTERM
 // ends it like any death and the group goes on); then --max-steps.
 // `save(Position next, const char* why)` writes the checkpoint; the position
-// saved is where the next run starts. Returns true when the run must end now.
+// saved is where the next run starts. Says whether the run goes on, and if
+// not, why (the exit status depends on it: `exit_status`).
+enum class StepEnd { kGoOn, kPreempted, kMaxSteps };
 template <typename Save>
-bool end_of_step(const TrainFlags& f, const Position& pos, int64_t num_batches, bool chief,
-                 diststrat::PreemptionHandler* preemption, Save&& save) {
+StepEnd end_of_step(const TrainFlags& f, const Position& pos, int64_t num_batches, bool chief,
+                    diststrat::PreemptionHandler* preemption, Save&& save) {
   if (!f.checkpoint_dir.empty()) {
     Position next = pos;
     if (next.batch == num_batches) next = {pos.epoch + 1, 0, pos.step};
     const bool stop = preemption != nullptr && preemption->should_stop(pos.step);
     if (stop || (f.checkpoint_every > 0 && pos.step % f.checkpoint_every == 0)) {
       save(next, stop ? "preempted" : "checkpoint");
-      if (stop) return true;
+      if (stop) return StepEnd::kPreempted;
     }
   }
   if (f.max_steps > 0 && pos.step >= f.max_steps) {
     if (chief)
       std::printf("stopping at step %lld (--max-steps)\n", static_cast<long long>(pos.step));
-    return true;
+    return StepEnd::kMaxSteps;
   }
-  return false;
+  return StepEnd::kGoOn;
+}
+
+// The process's exit status once training has ended: --preempted-exit-code
+// after a preemption save (not 0, so that a launcher that restarts failed
+// jobs -- the MPI Operator, a Kubernetes Job, a shell loop -- starts the job
+// again to resume), else 0.
+inline int exit_status(const TrainFlags& f, StepEnd end) {
+  return end == StepEnd::kPreempted ? f.preempted_exit_code : 0;
 }
 
 }  // namespace diststrat_examples

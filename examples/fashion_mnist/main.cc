@@ -2,7 +2,8 @@
 // --strategy. The training loop below is written once against Strategy&.
 // With --checkpoint-dir it saves every --checkpoint-every steps, resumes from
 // the latest checkpoint on start (same weights as an uninterrupted run), and on
-// SIGTERM stops at a step boundary every process agrees on, saves and exits 0.
+// SIGTERM stops at a step boundary every process agrees on, saves and exits
+// with --preempted-exit-code (143) so that a launcher restarts it.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -134,7 +135,7 @@ int main(int argc, char** argv) {
         preemption = std::make_unique<ds::PreemptionHandler>(
             *strategy, diststrat_examples::preemption_options(f));
       ps->join();
-      return 0;
+      return preemption && preemption->signalled() ? f.preempted_exit_code : 0;
     }
     const ds::ClusterInfo cluster = strategy->cluster();
     const bool chief = cluster.is_chief() || cluster.world_size == 1;
@@ -199,7 +200,9 @@ int main(int argc, char** argv) {
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0, steps_this_run = 0;
-    bool stopped = false;  // end_of_step said so
+    // Why the run ended early (end_of_step), kGoOn while it has not.
+    diststrat_examples::StepEnd ended = diststrat_examples::StepEnd::kGoOn;
+    const auto stopped = [&] { return ended != diststrat_examples::StepEnd::kGoOn; };
     // The loop from `pos`; under --elastic ElasticState::run calls it again
     // from the committed position after each membership change.
     auto train_from = [&](Position& pos) {
@@ -233,11 +236,9 @@ int main(int argc, char** argv) {
           progress.update(
               epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
           ++steps_this_run;
-          if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
-                                              preemption.get(), save)) {
-            stopped = true;
-            return;
-          }
+          ended = diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
+                                                  preemption.get(), save);
+          if (stopped()) return;
         }
       }
     };
@@ -249,15 +250,15 @@ int main(int argc, char** argv) {
         loop.begin = make_manager;
         loop.restore = restore;
         loop.end = [&](const Position& at) {
-          if (!stopped) save(at, "finished");
+          if (!stopped()) save(at, "finished");
         };
       }
       pos = diststrat_examples::run_elastic(state, pos, loop);
     } else {
       train_from(pos);
-      if (manager && !stopped && steps_this_run > 0) save(pos, "finished");
+      if (manager && !stopped() && steps_this_run > 0) save(pos, "finished");
     }
-    if (stopped) return 0;
+    if (stopped()) return diststrat_examples::exit_status(f, ended);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

@@ -267,7 +267,9 @@ int main(int argc, char** argv) {
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0, steps_this_run = 0;
-    bool stopped = false;  // end_of_step said so
+    // Why the run ended early (end_of_step), kGoOn while it has not.
+    diststrat_examples::StepEnd ended = diststrat_examples::StepEnd::kGoOn;
+    const auto stopped = [&] { return ended != diststrat_examples::StepEnd::kGoOn; };
     // The loop from `pos`; under --elastic ElasticState::run calls it again
     // from the committed position after each membership change.
     auto train_from = [&](Position& pos) {
@@ -314,11 +316,9 @@ int main(int argc, char** argv) {
                         meter.mean_since_last(), samples / s);
             std::fflush(stdout);
           }
-          if (diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
-                                              preemption.get(), save)) {
-            stopped = true;
-            return;
-          }
+          ended = diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
+                                                  preemption.get(), save);
+          if (stopped()) return;
         }
       }
     };
@@ -331,15 +331,15 @@ int main(int argc, char** argv) {
         loop.begin = make_manager;
         loop.restore = restore;
         loop.end = [&](const Position& at) {
-          if (!stopped) save(at, "finished");
+          if (!stopped()) save(at, "finished");
         };
       }
       pos = diststrat_examples::run_elastic(elastic, pos, loop);
     } else {
       train_from(pos);
-      if (manager && !stopped && steps_this_run > 0) save(pos, "finished");
+      if (manager && !stopped() && steps_this_run > 0) save(pos, "finished");
     }
-    if (stopped) return 0;
+    if (stopped()) return diststrat_examples::exit_status(f, ended);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     strategy->barrier("evaluate");  // every worker's updates (and loss additions) are in

@@ -337,6 +337,9 @@ print(job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["terminationG
   grep -q "the ranks have exited" <<<"$wlog" || fail "worker 1's PID 1 did not see its rank exit"
   grep -q "preempted" <<<"$llog" || fail "no rank saved a preemption checkpoint"
   echo "launcher (mpirun) exit status $rc"
+  # Not 0: the MPI Operator marks a job whose launcher exits 0 Succeeded and
+  # never restarts it; the ranks exit 143 after a preemption save.
+  [[ $rc != 0 ]] || fail "the launcher exited 0 after a preemption: the operator would call the job Succeeded"
   local saved
   saved=$(final_checkpoint "$dir")
   echo "saved at the preemption: $saved"
