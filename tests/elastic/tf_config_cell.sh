@@ -26,9 +26,11 @@
 #                   fails at once naming rank 1's connection.
 #   ps              ParameterServerStrategy, 2 workers + 1 PS over TF_CONFIG,
 #                   one epoch on a slice; the same job under mpirun -np 3:
-#                   both exit 0 and their test accuracies agree within 0.05
-#                   (asynchronous training: not the same bits). Skipped (77)
-#                   without mpirun.
+#                   both exit 0, their test accuracies over 0.55 and within
+#                   0.15 of each other (asynchronous training: not the same
+#                   bits; seen 0.60-0.74 over TCP, 0.67-0.74 under mpirun,
+#                   whose workers interleave less: mean staleness 0.2 vs 1).
+#                   Skipped (77) without mpirun.
 #   ps_killed       the same PS job, longer; worker[1] (rank 1) is killed with
 #                   SIGKILL mid-run: the PS and worker[0] exit non-zero within
 #                   --timeout 3 + 10 s, the PS naming rank 1.
@@ -216,7 +218,8 @@ case $kind in
     ;;
   ps)
     command -v mpirun >/dev/null || { echo "SKIP: no mpirun to compare with"; exit 77; }
-    ps_args=(--strategy parameter_server --ps 1 --epochs 1 --limit 3200 --test-limit 1000)
+    ps_args=(--strategy parameter_server --ps 1 --epochs 1 --limit 6400 --test-limit 1000
+      --max-staleness 1)
     cluster=$(cluster_json worker:2 ps:1)
     start w0 "$cluster" worker 0 "${ps_args[@]}" --timeout 30
     start w1 "$cluster" worker 1 "${ps_args[@]}" --timeout 30
@@ -229,8 +232,8 @@ case $kind in
     acc() { grep -m1 '^final:' "$1" | grep -o 'test_accuracy=[0-9.]*' | cut -d= -f2; }
     tcp_acc=$(acc "$dir/w0.log") mpi_acc=$(acc "$dir/mpirun.log")
     [[ -n $tcp_acc && -n $mpi_acc ]] || fail "no final line (TCP '$tcp_acc', MPI '$mpi_acc')"
-    awk -v a="$tcp_acc" -v b="$mpi_acc" 'BEGIN { d = a - b; exit !(d < 0.05 && d > -0.05 && a > 0.5) }' ||
-      fail "test accuracy over TCP $tcp_acc, under mpirun $mpi_acc: not within 0.05"
+    awk -v a="$tcp_acc" -v b="$mpi_acc" 'BEGIN { d = a - b; exit !(d < 0.15 && d > -0.15 && a > 0.55 && b > 0.55) }' ||
+      fail "test accuracy over TCP $tcp_acc, under mpirun $mpi_acc: not within 0.15 (or under 0.55)"
     echo "PS job over TF_CONFIG: test_accuracy=$tcp_acc; under mpirun: $mpi_acc"
     ;;
   ps_killed)
