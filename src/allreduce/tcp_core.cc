@@ -120,8 +120,8 @@ bool Core::read_peer_locked(int p) {
           peer.in_req = r;
         } else {
           r->fail_locked(ErrorCode::kInvalidArgument,
-                         rank_text() + ": " + r->describe() + ": the message from " +
-                             peer_text(p) + " has " + std::to_string(peer.hdr.bytes) +
+                         rank_text() + ": " + r->describe() + ": the message from " + peer_text(p) +
+                             " has " + std::to_string(peer.hdr.bytes) +
                              " bytes (sender and receiver disagree on its size)");
         }
       } else {
@@ -131,8 +131,8 @@ bool Core::read_peer_locked(int p) {
         try {
           u->data.resize(peer.hdr.bytes);
         } catch (const std::exception&) {
-          peer_gone_locked(p, "no memory for its message of " + std::to_string(peer.hdr.bytes) +
-                                  " bytes");
+          peer_gone_locked(
+              p, "no memory for its message of " + std::to_string(peer.hdr.bytes) + " bytes");
           return true;
         }
         peer.in_unexp = u.get();

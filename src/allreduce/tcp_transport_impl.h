@@ -137,7 +137,7 @@ struct Core {
   std::string group;
   std::mutex mu;
   std::deque<Peer> peers;  // (a deque: Peer does not move)
-  int event_fd = -1;  // wakes blocked waits (abort from another thread)
+  int event_fd = -1;       // wakes blocked waits (abort from another thread)
   Stop stop = Stop::kNone;
   std::string stop_reason;
   int dead = 0;
@@ -213,8 +213,8 @@ class TcpRequest : public Request::State {
   void wait(Clock::time_point deadline) override;
   std::string describe() const override {
     return std::string(is_recv_ ? "recv of " : "send of ") + std::to_string(bytes_) +
-           (is_recv_ ? " bytes from rank " : " bytes to rank ") + std::to_string(peer_) +
-           " (tag " + std::to_string(tag_) + ")";
+           (is_recv_ ? " bytes from rank " : " bytes to rank ") + std::to_string(peer_) + " (tag " +
+           std::to_string(tag_) + ")";
   }
 
   // Under the core's lock.
@@ -298,8 +298,9 @@ class TcpTransport : public Transport {
           if (v.get() == u.get()) break;
           if (v->tag == u->tag) ++older;
         }
-        const size_t posted = static_cast<size_t>(std::count_if(
-            peer.posted.begin(), peer.posted.end(), [&](TcpRequest* r) { return r->tag_ == u->tag; }));
+        const size_t posted =
+            static_cast<size_t>(std::count_if(peer.posted.begin(), peer.posted.end(),
+                                              [&](TcpRequest* r) { return r->tag_ == u->tag; }));
         if (older < posted) continue;
         if (!best || u->seq < best->seq) {
           best = u.get();
@@ -312,8 +313,8 @@ class TcpTransport : public Transport {
       if (core_->stop == Stop::kAborted)
         throw AbortedError(core_->rank_text() + ": probe aborted: " + core_->stop_reason);
       if (core_->stop == Stop::kBroken)
-        throw UnavailableError(core_->rank_text() +
-                               ": probe failed: the group is broken: " + core_->dead_peers_locked());
+        throw UnavailableError(core_->rank_text() + ": probe failed: the group is broken: " +
+                               core_->dead_peers_locked());
       return false;
     }
     env->source = best_peer;
