@@ -13,6 +13,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -261,6 +263,40 @@ TEST(TcpTransport, ADroppedRecvLeavesItsMessageForTheNext) {
       t.recv(0, nullptr, 0, 2).wait(deadline);
       int64_t v = 7;
       t.send(0, &v, 8, 1).wait(deadline);
+    }
+  });
+}
+
+// A send dropped while partly written: its rest is copied and finished, so
+// the stream stays whole (the caller may reuse the buffer at once) and the
+// next message arrives intact.
+TEST(TcpTransport, ASendDroppedPartlyWrittenStillArrivesWhole) {
+  constexpr size_t kBig = size_t{16} << 20;  // more than the sockets hold
+  run_tcp(2, [&](int r, ds::Transport& t) {
+    const auto deadline = Clock::now() + 30s;
+    if (r == 0) {
+      std::vector<uint8_t> big(kBig);
+      for (size_t i = 0; i < kBig; ++i) big[i] = static_cast<uint8_t>(i * 31 + 7);
+      {
+        ds::Request dropped = t.send(1, big.data(), kBig, 1);
+        EXPECT_FALSE(dropped.test());  // rank 1 reads nothing yet: partly written
+      }
+      std::fill(big.begin(), big.end(), 0);
+      int64_t v = 99;
+      t.send(1, &v, 8, 2).wait(deadline);
+      t.send(1, nullptr, 0, 3).wait(deadline);
+      t.recv(1, nullptr, 0, 4).wait(deadline);
+    } else {
+      t.recv(0, nullptr, 0, 3).wait(deadline);  // rank 0 has dropped its send by now
+      std::vector<uint8_t> big(kBig);
+      int64_t v = 0;
+      t.recv(0, big.data(), kBig, 1).wait(deadline);
+      t.recv(0, &v, 8, 2).wait(deadline);
+      for (size_t i = 0; i < kBig; i += 4093)
+        ASSERT_EQ(big[i], static_cast<uint8_t>(i * 31 + 7)) << "byte " << i;
+      ASSERT_EQ(big[kBig - 1], static_cast<uint8_t>((kBig - 1) * 31 + 7));
+      EXPECT_EQ(v, 99);
+      t.send(0, nullptr, 0, 4).wait(deadline);
     }
   });
 }
