@@ -63,6 +63,7 @@
 #include <gloo/transport/tcp/device.h>
 
 #include "allreduce/gloo_transport.h"
+#include "allreduce/tcp_transport.h"
 #endif
 
 namespace ds = diststrat;
@@ -173,6 +174,10 @@ std::string staged_base(const std::string& name) { return base_of(name, "_staged
 // MPI's point-to-point: what an elastic job's all-reduce costs against the
 // same algorithm over MPI. The algorithm of such a name, or "".
 std::string gloo_base(const std::string& name) { return base_of(name, "_gloo"); }
+// "<algo>_tcp" (ring_tcp, auto_tcp): the algorithm over the TCP transport of
+// jobs started without a launcher (allreduce/tcp_transport.h): what a
+// TF_CONFIG job's all-reduce costs against the same algorithm over MPI.
+std::string tcp_base(const std::string& name) { return base_of(name, "_tcp"); }
 
 struct RegisteredRunner : CommRunner {
   RegisteredRunner(ds::Communicator& c, ds::DType d, ds::ReduceOp o, size_t max_bytes)
@@ -751,7 +756,7 @@ int run_inproc(const Config& c, ds::DType dtype, ds::ReduceOp op) {
   std::vector<std::string> algos;
   for (const auto& a : c.algos) {
     if (a == "mpi" || a == "shm" || a == "gloo" || a == "memcpy" || !registered_base(a).empty() ||
-        !staged_base(a).empty() || !gloo_base(a).empty()) {
+        !staged_base(a).empty() || !gloo_base(a).empty() || !tcp_base(a).empty()) {
       std::fprintf(stderr, "# --inproc: skipping '%s' (needs mpirun)\n", a.c_str());
       continue;
     }
@@ -956,6 +961,13 @@ std::unique_ptr<ds::Transport> gloo_transport_for(const Config& c, int rank, int
   o.interface = c.gloo_interface;
   return ds::make_gloo_transport(rank, size, exchange, o, ds::Clock::now() + timeout_of(c));
 }
+
+std::unique_ptr<ds::Transport> tcp_transport_for(const Config& c, int rank, int size, int serial) {
+  MpiAddressExchange exchange;
+  ds::TcpTransportOptions o;
+  o.group = "allreduce_bench_tcp/" + std::to_string(serial);
+  return ds::make_tcp_transport(rank, size, exchange, o, ds::Clock::now() + timeout_of(c));
+}
 #endif
 
 int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
@@ -992,9 +1004,11 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
     const bool registered = !registered_base(a).empty();
     const bool staged = !staged_base(a).empty();
     const bool over_gloo = !gloo_base(a).empty();
+    const bool over_tcp = !tcp_base(a).empty();
     const std::string base = registered  ? registered_base(a)
                              : staged    ? staged_base(a)
                              : over_gloo ? gloo_base(a)
+                             : over_tcp  ? tcp_base(a)
                                          : a;
     if (registered && base == "mpi")
       throw ds::InvalidArgumentError("mpi_registered: MPI_Allreduce has no registered buffers");
@@ -1008,12 +1022,15 @@ int run_mpi(const Config& c, ds::DType dtype, ds::ReduceOp op) {
         std::fprintf(stderr, "# 'direct' is in-process only (--inproc); skipped\n");
       continue;
     }
-    if (over_gloo) {
+    if (over_gloo || over_tcp) {
 #if DISTSTRAT_HAVE_GLOO
       if (base == "mpi" || base == "shm")
         throw ds::InvalidArgumentError(a +
-                                       ": the Gloo transport runs the point-to-point algorithms");
-      transports.push_back(gloo_transport_for(c, w.rank(), w.size(), int(transports.size())));
+                                       ": the Gloo and TCP transports run the point-to-point "
+                                       "algorithms");
+      transports.push_back(over_tcp
+                               ? tcp_transport_for(c, w.rank(), w.size(), int(transports.size()))
+                               : gloo_transport_for(c, w.rank(), w.size(), int(transports.size())));
       comms.push_back(std::make_unique<ds::TransportCommunicator>(*transports.back(), o));
       owned.push_back(std::make_unique<CommRunner>(*comms.back(), dtype, op));
       runners.emplace_back(a, owned.back().get());
@@ -1056,7 +1073,8 @@ int main(int argc, char** argv) {
                  "mpi,gloo (and direct with --inproc); <algo>_registered = that algorithm on "
                  "buffers from Communicator::allocate_buffer; <algo>_staged = shm or auto without "
                  "the single-copy path (staging buffers only); <algo>_gloo = that point-to-point "
-                 "algorithm over the elastic groups' Gloo TCP transport; memcpy = each rank "
+                 "algorithm over the elastic groups' Gloo TCP transport; <algo>_tcp = over the TCP "
+                 "transport of TF_CONFIG jobs; memcpy = each rank "
                  "copies in to out, no communication (the reference floor)");
   app.add_option("--inproc", c.inproc, "run N ranks as threads of this process instead of MPI");
   app.add_option("--min-bytes", c.min_bytes, "smallest message");

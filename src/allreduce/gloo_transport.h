@@ -81,8 +81,8 @@
 //    API has no check that neither blocks nor consumes the completion.
 //  - probe_any throws UnimplementedError: Gloo's pairs cannot show a message
 //    that no recv has claimed. The parameter server, which needs it, runs
-//    over the MPI or the in-process transport; elastic all-reduce does not
-//    need it.
+//    over the MPI, the TCP (tcp_transport.h) or the in-process transport;
+//    elastic all-reduce does not need it.
 //  - Destruction never throws, and is bounded: about 10 ms (a tick of Gloo's
 //    device loop) to close the sockets, 16 at a time, plus up to 1 s for a
 //    goodbye a peer does not take. With requests pending it aborts first

@@ -100,15 +100,18 @@ std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster,
     return make_mpi_transport(MPI_COMM_WORLD, timeout);
   }
 #endif
-  // (MultiWorkerMirroredStrategy and ProcessGroup meet over TCP without a
-  // launcher; the PS service's receive loop needs an any-source probe that
-  // the Gloo transport does not have.)
+  // Without a launcher (TF_CONFIG, a ClusterSpec) the processes meet over
+  // TCP at the chief's store (runtime/process_group.h); the service's
+  // receive loop probes any source, which the TCP transport has.
+#if DISTSTRAT_HAVE_GLOO
+  return make_tcp_job_transport(cluster, timeout, "parameter_server");
+#else
   throw UnimplementedError("ParameterServerStrategy: a cluster of " +
                            std::to_string(cluster.info.world_size) +
-                           " processes needs MPI (launch "
-                           "with mpirun or srun --mpi=pmix)" +
+                           " processes needs MPI (launch with mpirun or srun --mpi=pmix)" +
                            (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have") +
-                           "; the parameter server does not run over TCP from TF_CONFIG alone yet");
+                           ", or TCP from TF_CONFIG, which needs a build with Gloo");
+#endif
 }
 
 ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedCluster& cluster) {

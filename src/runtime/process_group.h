@@ -13,6 +13,8 @@
 
 namespace diststrat {
 
+class Transport;
+
 struct ProcessCommunicators {
   // One rank per process; hierarchical when `hierarchical`.
   std::unique_ptr<Communicator> cross;
@@ -60,8 +62,8 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
 
 // The communicators of a job started without a launcher: the chief (rank 0)
 // serves a store (tcp_store.h) at its listed address, every rank publishes
-// its Gloo TCP addresses there under "<group>/gloo/<rank>" and connects the
-// full mesh (gloo_transport.h), and TransportCommunicator runs the library's
+// its TCP address there under "<group>/tcp/<rank>" and connects the full
+// mesh (allreduce/tcp_transport.h), and TransportCommunicator runs the library's
 // algorithms over it, comparing every call across ranks. Collective; bounded
 // by options.timeout: a rank that never came is named with its task and
 // address (DeadlineExceededError). `group` names the group's keys ("world",
@@ -70,5 +72,12 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
 ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& cluster,
                                                     const CommunicationOptions& options,
                                                     const std::string& group);
+
+// The same mesh as a bare Transport, for the parameter server (whose service
+// receives with probe_any, which the TCP transport has). The chief's store
+// lives as long as the transport. Same errors; also Gloo builds only.
+std::unique_ptr<Transport> make_tcp_job_transport(const ResolvedCluster& cluster,
+                                                  std::chrono::milliseconds timeout,
+                                                  const std::string& group);
 
 }  // namespace diststrat

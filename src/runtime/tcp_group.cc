@@ -1,12 +1,12 @@
 // A job started without a launcher (TF_CONFIG, a ClusterSpec): the chief's
-// store, the Gloo TCP mesh, the library's algorithms over it
+// store, the TCP mesh (allreduce/tcp_transport.h), the library's algorithms over it
 // (process_group.h's make_tcp_process_communicators).
 #include <cstdlib>
 #include <map>
 #include <mutex>
 
 #include "allreduce/flight_recording.h"
-#include "allreduce/gloo_transport.h"
+#include "allreduce/tcp_transport.h"
 #include "allreduce/transport_communicator.h"
 #include "core/flight_recorder.h"
 #include "core/random_id.h"
@@ -67,23 +67,33 @@ std::shared_ptr<TcpStoreServer> chief_store(const HostPort& at, const std::strin
 
 }  // namespace
 
-ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& cluster,
-                                                    const CommunicationOptions& options,
-                                                    const std::string& group) {
+namespace {
+
+// The job's mesh; `store` is the chief's store (rank 0), kept while the
+// group lives, since peers may still read addresses from it after the chief
+// has connected to all of them.
+struct TcpJob {
+  std::unique_ptr<Transport> transport;
+  std::shared_ptr<TcpStoreServer> store;
+  std::string chief;  // "host:port"
+  std::string nonce;  // rank 0's flight-record nonce
+};
+
+TcpJob make_tcp_job(const ResolvedCluster& cluster, std::chrono::milliseconds timeout,
+                    const std::string& group) {
   const ClusterSpec& spec = cluster.spec;
   const int rank = cluster.placement.rank;
   const int size = cluster.placement.world_size;
-  const Clock::time_point deadline = Clock::now() + options.timeout;
+  const Clock::time_point deadline = Clock::now() + timeout;
   const std::string who = "rank " + std::to_string(rank) + " " + task_text(spec, rank);
   const HostPort chief = split_address(address_of_rank(spec, 0), "the chief's address");
   const HostPort mine = split_address(address_of_rank(spec, rank), "this task's address");
   const std::string server = "the chief's store (" + task_text(spec, 0) + ")";
 
-  ProcessCommunicators out;
-  std::shared_ptr<TcpStoreServer> store;
+  TcpJob job;
   if (rank == 0) {
     try {
-      store = chief_store(chief, "the chief's store");
+      job.store = chief_store(chief, "the chief's store");
     } catch (const Error& e) {
       throw_error(e.code(), who + ": " + e.message() +
                                 " (the chief serves the job's store at its address in the "
@@ -95,30 +105,67 @@ ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& clust
   // before it connects, so it is there once the group is.
   const std::string nonce_key = group + "/flight-nonce";
   if (rank == 0) client.publish(nonce_key, std::to_string(random_id()), deadline);
-  GlooTransportOptions go;
+  TcpTransportOptions go;
   go.group = group;
   go.listen_host = mine.host;
-  std::unique_ptr<Transport> t;
   try {
-    t = make_gloo_transport(rank, size, client, go, deadline);
+    job.transport = make_tcp_transport(rank, size, client, go, deadline);
   } catch (const Error& e) {
-    // Gloo names ranks; the user knows tasks.
+    // The transport names ranks; the user knows tasks.
     std::string tasks;
     for (int r = 0; r < size; ++r) {
       tasks += (r ? ", " : "") + std::to_string(r) + " = " + task_text(spec, r);
     }
     throw_error(e.code(), e.message() + " [ranks: " + tasks + "]");
   }
-  Transport& ref = *t;
-  std::vector<int> node_of = gloo_node_of(ref);
-  out.cross = wrap_recorded(
-      std::make_unique<TransportCommunicator>(ref, options, std::move(node_of), std::move(t)),
-      group);
-  flight::set_job("tcp://" + chief.host + ":" + std::to_string(chief.port));
-  flight::set_nonce(std::strtoull(client.wait_for(nonce_key, deadline).c_str(), nullptr, 10));
-  flight::set_process(rank, size);
-  out.store = store;
+  job.chief = chief.host + ":" + std::to_string(chief.port);
+  job.nonce = client.wait_for(nonce_key, deadline);
+  return job;
+}
+
+// The mesh as a Transport that also keeps the chief's store.
+class TcpJobTransport : public Transport {
+ public:
+  explicit TcpJobTransport(TcpJob job) : job_(std::move(job)), t_(*job_.transport) {}
+  int rank() const override { return t_.rank(); }
+  int size() const override { return t_.size(); }
+  Request send(int peer, const void* data, size_t bytes, int tag) override {
+    return t_.send(peer, data, bytes, tag);
+  }
+  Request recv(int peer, void* data, size_t bytes, int tag) override {
+    return t_.recv(peer, data, bytes, tag);
+  }
+  bool probe_any(Envelope* env) override { return t_.probe_any(env); }
+  void abort(const std::string& reason) override { t_.abort(reason); }
+
+ private:
+  TcpJob job_;
+  Transport& t_;
+};
+
+}  // namespace
+
+ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& cluster,
+                                                    const CommunicationOptions& options,
+                                                    const std::string& group) {
+  TcpJob job = make_tcp_job(cluster, options.timeout, group);
+  ProcessCommunicators out;
+  Transport& ref = *job.transport;
+  std::vector<int> node_of = tcp_node_of(ref);
+  out.cross = wrap_recorded(std::make_unique<TransportCommunicator>(
+                                ref, options, std::move(node_of), std::move(job.transport)),
+                            group);
+  flight::set_job("tcp://" + job.chief);
+  flight::set_nonce(std::strtoull(job.nonce.c_str(), nullptr, 10));
+  flight::set_process(cluster.placement.rank, cluster.placement.world_size);
+  out.store = job.store;
   return out;
+}
+
+std::unique_ptr<Transport> make_tcp_job_transport(const ResolvedCluster& cluster,
+                                                  std::chrono::milliseconds timeout,
+                                                  const std::string& group) {
+  return std::make_unique<TcpJobTransport>(make_tcp_job(cluster, timeout, group));
 }
 
 }  // namespace diststrat

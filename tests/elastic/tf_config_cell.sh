@@ -24,6 +24,16 @@
 #                   comparison works over TCP as over MPI).
 #   throw           2 workers, rank 1's step 5 throws: it exits, and worker 0
 #                   fails at once naming rank 1's connection.
+#   ps              ParameterServerStrategy, 2 workers + 1 PS over TF_CONFIG,
+#                   one epoch on a slice; the same job under mpirun -np 3:
+#                   both exit 0, their test accuracies over 0.55 and within
+#                   0.15 of each other (asynchronous training: not the same
+#                   bits; seen 0.60-0.74 over TCP, 0.67-0.74 under mpirun,
+#                   whose workers interleave less: mean staleness 0.2 vs 1).
+#                   Skipped (77) without mpirun.
+#   ps_killed       the same PS job, longer; worker[1] (rank 1) is killed with
+#                   SIGKILL mid-run: the PS and worker[0] exit non-zero within
+#                   --timeout 3 + 10 s, the PS naming rank 1.
 # Every process the script starts is killed when it ends.
 set -u
 if (($# < 2)); then
@@ -156,7 +166,9 @@ case $kind in
     ;;
   killed | stopped)
     cluster=$(cluster_json chief:1 worker:1)
-    long=(--strategy multi_worker --epochs 20 --limit 6400 --test-limit 1000 --timeout 3)
+    # Long enough to be mid-run when the signal comes (over TCP ~40k samples/s
+    # here): it never runs to the end.
+    long=(--strategy multi_worker --epochs 1000 --limit 6400 --test-limit 1000 --timeout 3)
     start chief "$cluster" chief 0 "${long[@]}"
     start w0 "$cluster" worker 0 "${long[@]}"
     t0=$SECONDS
@@ -203,6 +215,45 @@ case $kind in
         fail "w0 does not name rank 1"
     fi
     echo "both ended within $elapsed s: $(grep -m1 -o '\[k[A-Za-z]*\].*' "$dir/w0.log" | cut -c1-200)"
+    ;;
+  ps)
+    command -v mpirun >/dev/null || { echo "SKIP: no mpirun to compare with"; exit 77; }
+    ps_args=(--strategy parameter_server --ps 1 --epochs 1 --limit 6400 --test-limit 1000
+      --max-staleness 1)
+    cluster=$(cluster_json worker:2 ps:1)
+    start w0 "$cluster" worker 0 "${ps_args[@]}" --timeout 30
+    start w1 "$cluster" worker 1 "${ps_args[@]}" --timeout 30
+    start ps0 "$cluster" ps 0 "${ps_args[@]}" --timeout 30
+    wait_all 60
+    [[ ${rcs[*]} == "0 0 0" ]] || fail "exit codes ${rcs[*]}"
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+      timeout 60 mpirun -np 3 --oversubscribe --bind-to none "$example" "${ps_args[@]}" \
+      --timeout 30 >"$dir/mpirun.log" 2>&1 || fail "mpirun failed"
+    acc() { grep -m1 '^final:' "$1" | grep -o 'test_accuracy=[0-9.]*' | cut -d= -f2; }
+    tcp_acc=$(acc "$dir/w0.log") mpi_acc=$(acc "$dir/mpirun.log")
+    [[ -n $tcp_acc && -n $mpi_acc ]] || fail "no final line (TCP '$tcp_acc', MPI '$mpi_acc')"
+    awk -v a="$tcp_acc" -v b="$mpi_acc" 'BEGIN { d = a - b; exit !(d < 0.15 && d > -0.15 && a > 0.55 && b > 0.55) }' ||
+      fail "test accuracy over TCP $tcp_acc, under mpirun $mpi_acc: not within 0.15 (or under 0.55)"
+    echo "PS job over TF_CONFIG: test_accuracy=$tcp_acc; under mpirun: $mpi_acc"
+    ;;
+  ps_killed)
+    cluster=$(cluster_json worker:2 ps:1)
+    long=(--strategy parameter_server --ps 1 --epochs 1000 --limit 6400 --test-limit 1000 --timeout 3)
+    start w0 "$cluster" worker 0 "${long[@]}"
+    start w1 "$cluster" worker 1 "${long[@]}"
+    start ps0 "$cluster" ps 0 "${long[@]}"
+    t0=$SECONDS
+    until grep -q 'step' "$dir/w0.log" 2>/dev/null; do
+      ((SECONDS - t0 > 60)) && fail "no training step in 60 s"
+      sleep 0.2
+    done
+    kill -9 "${pids[1]}"
+    wait "${pids[1]}" 2>/dev/null
+    pids=("${pids[0]}" "${pids[2]}")
+    wait_all 13
+    [[ ${rcs[0]} != 0 && ${rcs[1]} != 0 ]] || fail "exit codes ${rcs[*]} (worker[0], ps[0])"
+    grep -q 'kUnavailable.*rank 1' "$dir/ps0.log" || fail "the PS does not name rank 1"
+    echo "the PS and worker[0] ended ${elapsed} s after worker[1] was killed: $(grep -m1 -o '\[k[A-Za-z]*\].*' "$dir/ps0.log" | cut -c1-300)"
     ;;
   *)
     echo "unknown kind $kind" >&2
