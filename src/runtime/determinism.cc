@@ -56,6 +56,16 @@ std::shared_ptr<void> ShardContext::merge_call_impl(
   refuse_collective("merge_call", shard_);
 }
 
+void SummedContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
+                               const std::vector<std::string>& names) {
+  if (op == ReduceOp::kSum) return;  // every replica holds the sum already
+  real_.all_reduce(op, tensors, names);
+}
+
+bool sums_gradients_on_context(const Strategy& s) {
+  return s.name() == "mirrored" || s.name() == "multi_worker";
+}
+
 void run_shards(ReplicaContext& real, int shards, const std::function<void(ReplicaContext&)>& fn) {
   const ShardRange r =
       shards_of_replica(real.replica_id(), real.strategy().num_replicas_in_sync(), shards);
