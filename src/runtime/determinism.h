@@ -136,10 +136,9 @@ bool sums_gradients_on_context(const Strategy& s);
 
 // The options determinism mode refuses, each an error naming it: 16-bit wire
 // compression (it would round the exact sum), ZeRO-1 (its clipping norm is
-// summed per block, in an order the replica count decides), elastic
-// training (not built yet).
+// summed per block, in an order the replica count decides).
 void check_determinism_options(const DeterminismOptions& determinism,
-                               const CommunicationOptions& communication, bool zero, bool elastic,
+                               const CommunicationOptions& communication, bool zero,
                                const std::string& who);
 
 // Calls fn once per shard of the real replica `real`, in shard order.
