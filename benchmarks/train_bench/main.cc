@@ -315,12 +315,15 @@ int main(int argc, char** argv) {
               ds::cpu_isa_name(ds::cpu_isa()));
         }
         // Step-time ratios inverted: samples/s of the mode over the default's.
+        char wire[64] = "n/a (no cross-process all-reduce)";
+        if (runs[0].wire_bytes > 0)
+          std::snprintf(wire, sizeof wire, "%.3f",
+                        double(runs[1].wire_bytes) / double(runs[0].wire_bytes));
         std::printf(
             "train_bench: deterministic/default samples/s %.3f (blocks of %d: min %.3f median "
-            "%.3f max %.3f), wire bytes per step %.3f\n",
+            "%.3f max %.3f), wire bytes per step %s\n",
             samples_per_sec[1] / samples_per_sec[0], block, 1 / ratios.back(),
-            1 / ratios[ratios.size() / 2], 1 / ratios.front(),
-            double(runs[1].wire_bytes) / double(std::max<int64_t>(1, runs[0].wire_bytes)));
+            1 / ratios[ratios.size() / 2], 1 / ratios.front(), wire);
       } else if (chief) {
         const int n = blocks * block;
         for (int z = 0; z < 2; ++z) {
