@@ -30,6 +30,14 @@
 // noise hits both alike, and prints each one's step time, the ratio (with
 // its spread over the blocks) and optimizer-slot bytes per replica;
 // --optimizer adam|sgd picks the rule.
+// Determinism mode (diststrat/determinism.h): --deterministic-across-workers
+// V builds the default strategy and the same strategy with V virtual shards
+// in this one process and times them in alternating blocks of --block steps
+// (the apply_gradients path for both: a shard cannot all-reduce on its own),
+// and prints each one's samples/s, the ratio mode/default (with its spread
+// over the blocks) and, under multi_worker, the bytes the cross-process
+// all-reduces carried per step (the fusion engine's payload, before the
+// algorithm's 2(p-1)/p) and their ratio.
 // cpu_kernels= is the instruction-set variant of the CPU math in use
 // (diststrat/cpu_isa.h; DISTSTRAT_CPU=baseline|avx2|avx512 forces one).
 // Gradient accumulation: --accumulation k makes every update k micro-batches
@@ -39,6 +47,7 @@
 // (gradient_calls_per_update: 1 when only the k-th micro-batch communicates).
 //
 //   mpirun -np 4 build/benchmarks/train_bench --strategy multi_worker --optimizer adam --zero compare
+//   mpirun -np 2 build/benchmarks/train_bench --strategy multi_worker --deterministic-across-workers 8
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -79,6 +88,7 @@ int main(int argc, char** argv) {
   std::string zero = "off", optimizer = "sgd";
   int accumulation = 1;
   int block = 20;
+  int virtual_shards = 0;
   std::string rendezvous, listen_host;
   int min_workers = 1;
   CLI::App app{"Training throughput of the Fashion-MNIST MLP under a strategy"};
@@ -127,7 +137,13 @@ int main(int argc, char** argv) {
                  "path); --steps counts micro-batches")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--block", block, "--zero compare: steps per timed block")->capture_default_str();
+  app.add_option("--block", block,
+                 "--zero compare, --deterministic-across-workers: steps per timed block")
+      ->capture_default_str();
+  app.add_option("--deterministic-across-workers", virtual_shards,
+                 "compare the default with determinism mode of V virtual shards (mirrored, "
+                 "multi_worker): both in this process, timed in alternating blocks")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--timeline", timeline, "Chrome trace of the communication (multi_worker)");
   app.add_option("--data", data_dir, "Fashion-MNIST IDX directory")->capture_default_str();
   app.add_option("--rendezvous", rendezvous,
@@ -168,13 +184,14 @@ int main(int argc, char** argv) {
             p.ordinal, std::vector<ds::LogicalDeviceConfiguration>(split_gpus, {each}));
       }
     }
-    const auto make_strategy = [&](bool shard) -> std::unique_ptr<ds::Strategy> {
+    const auto make_strategy = [&](bool shard, int shards) -> std::unique_ptr<ds::Strategy> {
       if (strategy_name == "mirrored") {
         ds::MirroredOptions o;
         o.devices = devices;
         o.device_manager = local_gpus;
         o.communication = comm;
         o.shard_optimizer_state = shard;
+        o.determinism.virtual_shards = shards;
         return std::make_unique<ds::MirroredStrategy>(o);
       }
       if (strategy_name == "multi_worker") {
@@ -187,6 +204,7 @@ int main(int argc, char** argv) {
                                                               : ds::Compression::kNone;
         o.communication.timeout = comm.timeout;
         o.shard_optimizer_state = shard;
+        o.determinism.virtual_shards = shards;
         if (!rendezvous.empty()) {
           o.elastic.rendezvous = rendezvous;
           o.elastic.listen_host = listen_host;
@@ -195,7 +213,8 @@ int main(int argc, char** argv) {
         }
         return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
       }
-      throw ds::InvalidArgumentError("--zero needs --strategy mirrored or multi_worker");
+      throw ds::InvalidArgumentError(
+          "--zero and --deterministic-across-workers need --strategy mirrored or multi_worker");
     };
     const auto make_optimizer = [&](ds::Strategy& s) -> std::unique_ptr<ds::Optimizer> {
       if (optimizer == "adam") {
@@ -205,9 +224,16 @@ int main(int argc, char** argv) {
       }
       return std::make_unique<ds::SGD>(s, ds::SGDOptions{lr, 0.0f});
     };
-    if (zero != "off" || optimizer != "sgd") overlap = false;  // the optimizer's own path
-    if (zero == "compare") {
-      // Both strategies in this process, timed in alternating blocks.
+    if (zero != "off" || optimizer != "sgd" || virtual_shards > 0)
+      overlap = false;  // the optimizer's own path
+    if (virtual_shards > 0 && (zero != "off" || accumulation > 1 || !rendezvous.empty()))
+      throw ds::InvalidArgumentError(
+          "--deterministic-across-workers compares plain runs: without --zero, --accumulation, "
+          "--rendezvous");
+    if (zero == "compare" || virtual_shards > 0) {
+      // Both strategies in this process, timed in alternating blocks: the
+      // default (runs[0]) and ZeRO-1 or determinism mode (runs[1]).
+      const bool det = virtual_shards > 0;
       struct Run {
         std::unique_ptr<ds::Strategy> strategy;
         std::vector<ds::Variable> params;
@@ -215,18 +241,24 @@ int main(int argc, char** argv) {
         ds::DistributedDataset dist;
         int64_t next = 0;
         double seconds = 0;
+        int64_t wire_bytes = 0;  // multi_worker: the engine's payload over the timed blocks
       };
       const ds::Dataset train = ds::load_mnist_split(data_dir, "train");
       const ds::nn::Mlp mlp(layer_sizes(width, depth));
       Run runs[2];
       for (int z = 0; z < 2; ++z) {
         Run& r = runs[z];
-        r.strategy = make_strategy(z == 1);
+        r.strategy =
+            det ? make_strategy(false, z == 1 ? virtual_shards : 0) : make_strategy(z == 1, 0);
         r.params = mlp.create_variables(*r.strategy, 1);
         r.opt = make_optimizer(*r.strategy);
         r.dist =
             r.strategy->distribute(train, per_replica_batch * r.strategy->num_replicas_in_sync());
       }
+      const auto engine_bytes = [](const Run& r) -> int64_t {
+        const auto* mw = dynamic_cast<const ds::MultiWorkerMirroredStrategy*>(r.strategy.get());
+        return mw ? mw->stats().bytes : 0;
+      };
       const auto step = [&](Run& r) {
         const ds::DistributedBatch batch = r.dist.batch(r.next++ % r.dist.num_batches());
         const float scale = 1.0f / static_cast<float>(batch.global_size());
@@ -250,11 +282,13 @@ int main(int argc, char** argv) {
           // Alternate which goes first, so neither always follows the other.
           Run& r = runs[(b + z) % 2];
           r.strategy->barrier("block start");
+          const int64_t bytes_before = engine_bytes(r);
           const auto start = std::chrono::steady_clock::now();
           for (int i = 0; i < block; ++i) step(r);
           r.strategy->barrier("block end");
           const double sec =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          r.wire_bytes += engine_bytes(r) - bytes_before;
           r.seconds += sec;
           t[(b + z) % 2] = sec;
         }
@@ -263,7 +297,34 @@ int main(int argc, char** argv) {
       std::sort(ratios.begin(), ratios.end());
       const bool chief =
           runs[0].strategy->cluster().is_chief() || runs[0].strategy->cluster().world_size == 1;
-      if (chief) {
+      if (chief && det) {
+        const int n = blocks * block;
+        double samples_per_sec[2];
+        for (int z = 0; z < 2; ++z) {
+          samples_per_sec[z] =
+              double(n) * double(runs[z].dist.global_batch_size()) / runs[z].seconds;
+          std::printf(
+              "train_bench: strategy=%s virtual_shards=%d workers=%d replicas=%d "
+              "global_batch=%lld width=%lld depth=%d optimizer=%s steps=%d step_ms=%.3f "
+              "samples_per_sec=%.0f wire_bytes_per_step=%lld cpu_kernels=%s\n",
+              runs[z].strategy->name().c_str(), z == 1 ? virtual_shards : 0,
+              runs[z].strategy->cluster().num_workers, runs[z].strategy->num_replicas_in_sync(),
+              static_cast<long long>(runs[z].dist.global_batch_size()),
+              static_cast<long long>(width), depth, optimizer.c_str(), n, 1e3 * runs[z].seconds / n,
+              samples_per_sec[z], static_cast<long long>(runs[z].wire_bytes / n),
+              ds::cpu_isa_name(ds::cpu_isa()));
+        }
+        // Step-time ratios inverted: samples/s of the mode over the default's.
+        char wire[64] = "n/a (no cross-process all-reduce)";
+        if (runs[0].wire_bytes > 0)
+          std::snprintf(wire, sizeof wire, "%.3f",
+                        double(runs[1].wire_bytes) / double(runs[0].wire_bytes));
+        std::printf(
+            "train_bench: deterministic/default samples/s %.3f (blocks of %d: min %.3f median "
+            "%.3f max %.3f), wire bytes per step %s\n",
+            samples_per_sec[1] / samples_per_sec[0], block, 1 / ratios.back(),
+            1 / ratios[ratios.size() / 2], 1 / ratios.front(), wire);
+      } else if (chief) {
         const int n = blocks * block;
         for (int z = 0; z < 2; ++z) {
           std::printf(
@@ -288,7 +349,7 @@ int main(int argc, char** argv) {
     }
     std::unique_ptr<ds::Strategy> strategy;
     if (strategy_name == "mirrored" || strategy_name == "multi_worker") {
-      strategy = make_strategy(zero == "on");
+      strategy = make_strategy(zero == "on", 0);
     } else if (zero != "off") {
       throw ds::InvalidArgumentError("--zero needs --strategy mirrored or multi_worker");
     } else if (strategy_name == "central_storage") {

@@ -27,8 +27,10 @@
 //    all_gather, barrier, merge_call) from a shard: FailedPreconditionError.
 //  - Refused at construction (InvalidArgumentError or UnimplementedError, the
 //    message says which option): V < the replicas in sync, fp16/bf16 wire
-//    compression, ZeRO-1, elastic training, GPU replicas,
-//    distribute_datasets_from_function (its rows depend on the worker count).
+//    compression, ZeRO-1, GPU replicas, distribute_datasets_from_function
+//    (its rows depend on the worker count). An elastic group that grows past
+//    V replicas fails its next step (FailedPreconditionError); its members
+//    must agree on V and on the CPU kernel variant when it forms.
 //  - The strategy pins the process's CPU GEMM blocking (Eigen's cache sizes,
 //    every instruction-set variant) while it lives; that is per process.
 #pragma once

@@ -32,7 +32,7 @@ MirroredStrategy::MirroredStrategy(MirroredOptions options)
   if (auto env = env::flag("DISTSTRAT_LOG_DEVICE_PLACEMENT")) placement_.set_enabled(*env);
   options = with_default_devices(std::move(options));
   check_determinism_options(options.determinism, options.communication,
-                            options.shard_optimizer_state, /*elastic=*/false, "MirroredStrategy");
+                            options.shard_optimizer_state, "MirroredStrategy");
   impl_ = std::make_unique<Impl>(this, options);
   enable_determinism(options.determinism, "MirroredStrategy");
   if (options.determinism.enabled()) nn::pin_gemm_blocking();

@@ -19,6 +19,7 @@
 #endif
 #include "core/env.h"
 #include "diststrat/checkpoint.h"
+#include "diststrat/cpu_isa.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_internal.h"
 #include "multiworker/multi_worker_impl.h"
@@ -234,6 +235,12 @@ struct ElasticState::Impl {
     f.emplace_back("shard_optimizer_state", m.options.shard_optimizer_state ? "true" : "false");
     f.emplace_back("communication.compression",
                    std::to_string(static_cast<int>(m.options.communication.compression)));
+    // Determinism mode: the same shards, and the same CPU kernels (the bits
+    // of a shard's gradient are the kernel variant's; docs/determinism.md).
+    f.emplace_back("determinism.virtual_shards",
+                   std::to_string(m.options.determinism.virtual_shards));
+    if (m.options.determinism.enabled())
+      f.emplace_back("determinism.cpu_kernels", cpu_isa_name(cpu_isa()));
     f.emplace_back("optimizers", std::to_string(optimizers.size()));
     for (size_t i = 0; i < optimizers.size(); ++i) {
       for (auto& [k, v] : optimizers[i]->configuration())

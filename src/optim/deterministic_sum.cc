@@ -8,30 +8,34 @@
 //     picks the same scale s = 61 - L - e, L = ceil(log2 V): each element
 //     x becomes q = round(x * 2^s) with |q| <= 2^(62 - L), and a sum of V of
 //     them stays below 2^62.
-//  2. the shards' q are summed as int64 here and over the replicas (an int64
-//     sum all-reduce): integer addition is associative, so the sum is the
-//     same whichever replica held which shard and whatever the algorithm.
+//  2. the shards' q are summed as int64 here and over the replicas (one
+//     int64 sum all-reduce of every tensor's sums, laid end to end):
+//     integer addition is associative, so the sum is the same whichever
+//     replica held which shard and whatever the algorithm.
 //  3. converted back once: float(sum) * 2^-s.
 // The error against the exact sum is at most V * 2^-(s+1) per element, plus
 // the final rounding to float (docs/determinism.md measures it). A tensor
 // with a non-finite element anywhere becomes NaN everywhere, so loss
 // scaling's check still sees it.
 //
-// The result is identical on every replica. It then enters the strategy's
-// ordinary reduction (flat, hierarchical, fused, clipping, accumulation) as
-// replica 0's gradient with zeros from the others: x + 0 is exact, so that
-// reduction returns the same bits whatever its order.
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
-
+// The result is identical on every replica. Under MirroredStrategy and
+// MultiWorkerMirroredStrategy every replica takes it and the strategy's
+// gradient all-reduce is skipped (SummedContext); under CentralStorage it
+// enters the reduce-to-one as replica 0's gradient with zeros from the
+// others: x + 0 is exact, so that reduction returns the same bits. The
+// element-wise passes (copy with max, rounding and sum, conversion back) are
+// OptimKernels, one per instruction-set variant: integer results, so every
+// variant gives the same bits.
+#include <algorithm>
 #include <climits>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 
+#include "optim/optim_kernels.h"
 #include "runtime/determinism.h"
 #include "runtime/variable_impl.h"
 #include "core/user_text.h"
@@ -45,7 +49,10 @@ struct Optimizer::ShardSums {
   struct Replica {
     std::vector<std::vector<Tensor>> held;  // per shard position: its gradients
     size_t count = 0;                       // shards held in this step
-    std::vector<Tensor> sums, out;          // per tensor: int64 sums, the result
+    std::vector<int32_t> max_bits;          // per tensor: the largest |x|'s bits held
+    Tensor sums;                            // every tensor's int64 sums, one after another
+    std::vector<Tensor> out;                // per tensor: the result
+    std::unique_ptr<SummedContext> summed;  // the step's context when the sum is everyone's
   };
   std::mutex mu;
   std::map<int, Replica> replicas;  // by local replica id
@@ -59,36 +66,17 @@ namespace {
 constexpr int64_t kAllZero = INT_MIN;    // no nonzero element anywhere
 constexpr int64_t kNonFinite = INT_MAX;  // an inf or NaN somewhere
 
-// round-to-nearest-even of v to int64 (|v| < 2^63): llrint without the
-// library call where the CPU converts by itself.
-inline int64_t round_to_int64(double v) {
-#if defined(__x86_64__)
-  return _mm_cvtsd_si64(_mm_set_sd(v));  // MXCSR's rounding: nearest-even
-#else
-  return std::llrint(v);
-#endif
-}
-
 int ceil_log2(int v) {
   int l = 0;
   while ((1 << l) < v) ++l;
   return l;
 }
 
-// The exponent entry of one tensor over this replica's shards. The largest
-// |x| is found on the bit patterns: a non-negative float's bits order as
-// the float does (inf and NaN above every finite one), and an integer max
-// vectorizes where a float compare with a NaN check does not.
-int64_t local_exponent(const std::vector<std::vector<Tensor>>& shards, size_t k) {
-  uint32_t max_bits = 0;
-  for (const auto& grads : shards) {
-    const uint32_t* x = static_cast<const uint32_t*>(grads[k].data());
-    for (int64_t i = 0, n = grads[k].num_elements(); i < n; ++i) {
-      const uint32_t a = x[i] & 0x7fffffffu;
-      max_bits = a > max_bits ? a : max_bits;
-    }
-  }
-  if (max_bits >= 0x7f800000u) return kNonFinite;
+// The exponent entry of a tensor whose largest |x| has the bit pattern
+// `max_bits` (a non-negative float's bits order as the float does, inf and
+// NaN above every finite one).
+int64_t exponent_of(int32_t max_bits) {
+  if (max_bits >= 0x7f800000) return kNonFinite;
   if (max_bits == 0) return kAllZero;
   float max_abs;
   std::memcpy(&max_abs, &max_bits, sizeof max_abs);
@@ -134,6 +122,11 @@ ReplicaContext* Optimizer::combine_shards(
   if (mine->held.size() <= position) mine->held.resize(position + 1);
   std::vector<Tensor>& held = mine->held[position];
   held.resize(K);
+  if (position == 0) mine->max_bits.assign(K, 0);
+  DISTSTRAT_CHECK(mine->max_bits.size() == K, kInvalidArgument,
+                  "apply_gradients from virtual shard ", ctx.virtual_shard(), ": ", K,
+                  " gradients, the replica's first shard passed ", mine->max_bits.size());
+  const optim_detail::OptimKernels& kernels = optim_detail::optim_kernels();
   for (size_t k = 0; k < K; ++k) {
     const Tensor& g = grads_and_vars[k].first;
     DISTSTRAT_CHECK(g.device().is_cpu(), kUnimplemented, "apply_gradients from virtual shard ",
@@ -141,78 +134,82 @@ ReplicaContext* Optimizer::combine_shards(
                     "' on ", g.device().to_string(), " (determinism mode takes host gradients)");
     if (position > 0) {
       const Tensor& first = mine->held[0][k];
-      DISTSTRAT_CHECK(mine->held[0].size() == K && first.shape() == g.shape(), kInvalidArgument,
+      DISTSTRAT_CHECK(first.shape() == g.shape(), kInvalidArgument,
                       "apply_gradients from virtual shard ", ctx.virtual_shard(), ": gradient ", k,
                       " of '", echo(grads_and_vars[k].second.name()), "' is ", g.debug_string(),
                       ", unlike the replica's first shard's");
     }
-    if (held[k].defined() && held[k].shape() == g.shape()) {
-      held[k].copy_from(g);
-    } else {
-      held[k] = g.clone();
-    }
+    // The copy and the largest |x| in one pass.
+    Tensor& h = reuse(held[k], g.shape(), DType::kFloat32);
+    const int32_t bits = kernels.copy_max_abs_bits(h.data<float>(), g.data<float>(),
+                                                   static_cast<size_t>(g.num_elements()));
+    mine->max_bits[k] = std::max(mine->max_bits[k], bits);
   }
   ++mine->count;
   if (!shard->is_last()) return nullptr;
 
-  const std::vector<std::vector<Tensor>> shards(
-      mine->held.begin(), mine->held.begin() + static_cast<long>(mine->count));
+  const size_t count = mine->count;
   mine->count = 0;
   ReplicaContext& real = shard->real();
   Tensor exponents(Shape{static_cast<int64_t>(K)}, DType::kInt64);
-  for (size_t k = 0; k < K; ++k) exponents.data<int64_t>()[k] = local_exponent(shards, k);
+  for (size_t k = 0; k < K; ++k) exponents.data<int64_t>()[k] = exponent_of(mine->max_bits[k]);
   std::vector<Tensor> agree{exponents};
   real.all_reduce(ReduceOp::kMax, agree, {"determinism/exponents"});
 
+  // One int64 tensor for all the sums: the strategy reduces a lone tensor
+  // in place, without packing it into a fusion buffer and out again.
   const int L = ceil_log2(V);
-  std::vector<Tensor> sums;
-  std::vector<std::string> names;
-  mine->sums.resize(K);
+  int64_t total = 0;
+  for (const auto& gv : grads_and_vars) total += gv.first.num_elements();
+  Tensor& flat = reuse(mine->sums, Shape{total}, DType::kInt64);
+  std::vector<const float*> srcs(count);
+  int64_t* q = flat.data<int64_t>();
   for (size_t k = 0; k < K; ++k) {
     const int64_t e = agree[0].data<int64_t>()[k];
-    const int s = fixed_point_shift(e, L);
-    Tensor& q = reuse(mine->sums[k], grads_and_vars[k].first.shape(), DType::kInt64);
-    int64_t* out = q.data<int64_t>();
-    const int64_t n = q.num_elements();
-    for (int64_t i = 0; i < n; ++i) out[i] = 0;
-    if (e != kAllZero && e != kNonFinite) {
-      // A float times a power of two within double's range is exact.
-      const double scale = std::ldexp(1.0, s);
-      for (const auto& g : shards) {
-        const float* x = g[k].data<float>();
-        for (int64_t i = 0; i < n; ++i) out[i] += round_to_int64(static_cast<double>(x[i]) * scale);
-      }
+    const size_t n = static_cast<size_t>(grads_and_vars[k].first.num_elements());
+    if (e == kAllZero || e == kNonFinite) {
+      std::memset(q, 0, n * sizeof(int64_t));
+    } else {
+      for (size_t j = 0; j < count; ++j) srcs[j] = mine->held[j][k].data<float>();
+      // Each element of each shard rounded to the agreed grid, summed here.
+      kernels.fixed_point_sum(q, srcs.data(), count, n, fixed_point_shift(e, L));
     }
-    sums.push_back(q);
-    names.push_back("determinism/" + grads_and_vars[k].second.name() + "/grad");
+    q += n;
   }
-  real.all_reduce(ReduceOp::kSum, sums, names);
+  std::vector<Tensor> sums{flat};
+  real.all_reduce(
+      ReduceOp::kSum, sums,
+      {"determinism/gradients of " + std::to_string(K) + " variable(s) '" +
+       (K ? grads_and_vars.front().second.name() + "'..'" + grads_and_vars.back().second.name()
+          : std::string()) +
+       "'"});
 
-  // Replica 0 carries the sum into the strategy's reduction, the others zeros.
-  const bool carrier = real.replica_id() == 0;
+  // Where the strategy sums on the context, every replica takes the sum and
+  // the context's kSum leaves it be; elsewhere replica 0 carries it into the
+  // strategy's reduction and the others zeros.
+  const bool everyone = sums_gradients_on_context(real.strategy());
+  const bool carrier = everyone || real.replica_id() == 0;
   combined.clear();
   mine->out.resize(K);
+  q = sums[0].data<int64_t>();
   for (size_t k = 0; k < K; ++k) {
     const int64_t e = agree[0].data<int64_t>()[k];
-    const int s = fixed_point_shift(e, L);
     Tensor& g = reuse(mine->out[k], grads_and_vars[k].first.shape(), DType::kFloat32);
     float* out = g.data<float>();
-    const int64_t* q = sums[k].data<int64_t>();
-    const int64_t n = g.num_elements();
-    // The sum rounded once to float, then scaled in double (exact unless the
-    // result is a float subnormal).
-    const double unscale = std::ldexp(1.0, -s);
+    const size_t n = static_cast<size_t>(g.num_elements());
     if (!carrier) {
-      for (int64_t i = 0; i < n; ++i) out[i] = 0.0f;
+      std::memset(out, 0, n * sizeof(float));  // +0: x + 0 is exact
     } else if (e == kNonFinite) {
-      for (int64_t i = 0; i < n; ++i) out[i] = std::numeric_limits<float>::quiet_NaN();
+      for (size_t i = 0; i < n; ++i) out[i] = std::numeric_limits<float>::quiet_NaN();
     } else {
-      for (int64_t i = 0; i < n; ++i)
-        out[i] = static_cast<float>(static_cast<double>(static_cast<float>(q[i])) * unscale);
+      kernels.from_fixed_point(out, q, n, fixed_point_shift(e, L));
     }
+    q += n;
     combined.emplace_back(g, grads_and_vars[k].second);
   }
-  return &real;
+  if (!everyone) return &real;
+  mine->summed = std::make_unique<SummedContext>(real);
+  return mine->summed.get();
 }
 
 }  // namespace diststrat

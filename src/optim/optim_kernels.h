@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace diststrat {
 namespace optim_detail {
@@ -26,6 +27,19 @@ struct OptimKernels {
   void (*scale)(float* p, size_t count, float s);
   // p = min(max(p, lo), hi), NaN kept.
   void (*clip)(float* p, size_t count, float lo, float hi);
+  // Determinism mode's exact sum (src/optim/deterministic_sum.cc); integer
+  // results, so every variant gives the same bits.
+  // dst = src; returns the largest of the elements' |x| bit patterns
+  // (x & 0x7fffffff, ordered as |x| is, inf and NaN above every finite one).
+  int32_t (*copy_max_abs_bits)(float* dst, const float* src, size_t count);
+  // q[i] = the sum over j < shards of round(src[j][i] * 2^shift), each
+  // rounding to nearest-even (the products are exact in double; the caller
+  // keeps every |result| below 2^62).
+  void (*fixed_point_sum)(int64_t* q, const float* const* src, size_t shards, size_t count,
+                          int shift);
+  // out[i] = float(q[i]) * 2^-shift, the product in double (exact unless the
+  // result is a float subnormal).
+  void (*from_fixed_point)(float* out, const int64_t* q, size_t count, int shift);
 };
 
 // The table of the variant in use (diststrat/cpu_isa.h).

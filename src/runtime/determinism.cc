@@ -56,9 +56,25 @@ std::shared_ptr<void> ShardContext::merge_call_impl(
   refuse_collective("merge_call", shard_);
 }
 
+void SummedContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
+                               const std::vector<std::string>& names) {
+  if (op == ReduceOp::kSum) return;  // every replica holds the sum already
+  real_.all_reduce(op, tensors, names);
+}
+
+bool sums_gradients_on_context(const Strategy& s) {
+  return s.name() == "mirrored" || s.name() == "multi_worker";
+}
+
 void run_shards(ReplicaContext& real, int shards, const std::function<void(ReplicaContext&)>& fn) {
-  const ShardRange r =
-      shards_of_replica(real.replica_id(), real.strategy().num_replicas_in_sync(), shards);
+  const int replicas = real.strategy().num_replicas_in_sync();
+  // An elastic group may grow past the shards after its strategy was made.
+  DISTSTRAT_CHECK(replicas <= shards, kFailedPrecondition, "determinism.virtual_shards ", shards,
+                  " is fewer than the ", replicas,
+                  " replicas in sync now (each replica computes at least one shard; an elastic "
+                  "group must stay at or below ",
+                  shards, " replicas: ElasticOptions::max_workers)");
+  const ShardRange r = shards_of_replica(real.replica_id(), replicas, shards);
   for (int s = r.first; s < r.first + r.count; ++s) {
     ShardContext ctx(real, s, shards, r);
     fn(ctx);
@@ -66,7 +82,7 @@ void run_shards(ReplicaContext& real, int shards, const std::function<void(Repli
 }
 
 void check_determinism_options(const DeterminismOptions& determinism,
-                               const CommunicationOptions& communication, bool zero, bool elastic,
+                               const CommunicationOptions& communication, bool zero,
                                const std::string& who) {
   if (!determinism.enabled()) return;
   DISTSTRAT_CHECK(communication.compression == Compression::kNone, kInvalidArgument, who,
@@ -77,9 +93,6 @@ void check_determinism_options(const DeterminismOptions& determinism,
   DISTSTRAT_CHECK(!zero, kUnimplemented, who,
                   ": determinism mode with shard_optimizer_state "
                   "(ZeRO-1) is not built yet (docs/determinism.md)");
-  DISTSTRAT_CHECK(!elastic, kUnimplemented, who,
-                  ": determinism mode with elastic training is "
-                  "not built yet (docs/determinism.md)");
 }
 
 // ---- Strategy's part -------------------------------------------------------

@@ -92,12 +92,53 @@ class ShardContext : public ReplicaContext {
   ShardRange local_;
 };
 
+// The real replica's context for gradients that are already the sum over
+// every replica in sync, the same bits on each (determinism mode's exact sum
+// of the shards): a kSum all-reduce leaves them as they are; everything else
+// is the real context's. Handed to a strategy whose apply_gradients combines
+// the replicas' gradients by nothing but kSum all-reduces on its context
+// (sums_gradients_on_context), it saves that all-reduce.
+class SummedContext : public ReplicaContext {
+ public:
+  explicit SummedContext(ReplicaContext& real) : real_(real) {}
+
+  int replica_id() const override { return real_.replica_id(); }
+  int local_replica_id() const override { return real_.local_replica_id(); }
+  int num_replicas_in_sync() const override { return real_.num_replicas_in_sync(); }
+  const Device& device() const override { return real_.device(); }
+  Strategy& strategy() const override { return real_.strategy(); }
+  void* stream() const override { return real_.stream(); }
+
+  void all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
+                  const std::vector<std::string>& names = {}) override;
+  Tensor all_gather(const Tensor& t, const std::string& name = "") override {
+    return real_.all_gather(t, name);
+  }
+  void barrier(const std::string& name = "") override { real_.barrier(name); }
+
+ protected:
+  std::shared_ptr<void> merge_call_impl(
+      const std::function<std::shared_ptr<void>(Strategy&)>& fn) override {
+    return real_.merge_call(fn);
+  }
+
+ private:
+  ReplicaContext& real_;
+};
+
+// Whether `s`'s apply_gradients combines the replicas' gradients by kSum
+// all-reduces on the replica's context alone: MirroredStrategy and
+// MultiWorkerMirroredStrategy without ZeRO-1 (refused in the mode). Not
+// CentralStorageStrategy, whose reduce-to-one adds every replica's
+// gradients in a merge_call: it gets the sum from replica 0 and zeros from
+// the others (x + 0 is exact).
+bool sums_gradients_on_context(const Strategy& s);
+
 // The options determinism mode refuses, each an error naming it: 16-bit wire
 // compression (it would round the exact sum), ZeRO-1 (its clipping norm is
-// summed per block, in an order the replica count decides), elastic
-// training (not built yet).
+// summed per block, in an order the replica count decides).
 void check_determinism_options(const DeterminismOptions& determinism,
-                               const CommunicationOptions& communication, bool zero, bool elastic,
+                               const CommunicationOptions& communication, bool zero,
                                const std::string& who);
 
 // Calls fn once per shard of the real replica `real`, in shard order.

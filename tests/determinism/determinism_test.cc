@@ -7,8 +7,10 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <thread>
 
 #include "diststrat/diststrat.h"
+#include "optim/optim_kernels.h"
 #include "runtime/determinism.h"
 
 namespace diststrat {
@@ -193,6 +195,113 @@ TEST(Determinism, TheShardSumIsExactWhereFloatAdditionIsNot) {
     // 12 * float(1e-3) rounded once to float.
     const double exact = 12.0 * static_cast<double>(1e-3f);
     EXPECT_EQ(v.data<float>()[1], -static_cast<float>(exact)) << replicas << " replicas";
+  }
+}
+
+// The gradients cross the workers once, as one int64 sum (8 bytes per
+// element) after a max of one int64 per tensor; the strategy's own float
+// all-reduce of the result is skipped (it was a third all-reduce, 4 bytes
+// per element more, before SummedContext).
+TEST(Determinism, MultiWorkerSendsTheGradientsOnceAsInt64) {
+  CommunicationOptions comm;
+  comm.timeout = std::chrono::seconds(60);
+  InProcessGroup group(2, comm);
+  const nn::Mlp mlp({16, 24, 4});
+  const int64_t params = 16 * 24 + 24 + 24 * 4 + 4;
+  std::vector<int64_t> bytes(2, -1);
+  std::vector<std::vector<char>> values(2);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(2);
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      try {
+        MultiWorkerOptions o;
+        o.communication = comm;
+        o.communicator = &group.at(w);
+        o.devices = {Device::cpu(0)};
+        o.determinism.virtual_shards = 4;
+        MultiWorkerMirroredStrategy s(o);
+        std::vector<Variable> vars = mlp.create_variables(s, 1);
+        SGD opt(s, SGDOptions{0.1f, 0.0f});
+        const Dataset data = small_set();
+        DistributedDataset dist = s.distribute(data, kBatch);
+        const DistributedBatch b = dist.batch(0);
+        const int64_t before = s.stats().bytes;
+        s.run([&](ReplicaContext& ctx) {
+          std::vector<Tensor> v;
+          for (const Variable& var : vars) v.push_back(var.read(ctx));
+          nn::Mlp::Step st = mlp.forward_backward(v, b.features(ctx), b.labels(ctx), 1.0f / kBatch);
+          std::vector<std::pair<Tensor, Variable>> gv;
+          for (size_t i = 0; i < vars.size(); ++i) gv.emplace_back(st.grads[i], vars[i]);
+          opt.apply_gradients(ctx, gv);
+        });
+        bytes[static_cast<size_t>(w)] = s.stats().bytes - before;
+        for (const Variable& var : vars) {
+          const Tensor t = var.value();
+          const char* p = static_cast<const char*>(t.data());
+          values[static_cast<size_t>(w)].insert(values[static_cast<size_t>(w)].end(), p,
+                                                p + t.nbytes());
+        }
+      } catch (...) {
+        errors[static_cast<size_t>(w)] = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+  EXPECT_EQ(bytes[0], 8 * params + 8 * 4)
+      << "int64 sums of " << params << " elements + 4 exponents";
+  EXPECT_EQ(bytes[1], bytes[0]);
+  expect_same_bits(values[0], values[1], "the two workers' variables");
+}
+
+// The exact sum's element-wise kernels give the same integers (and floats)
+// in every instruction-set variant this CPU runs.
+TEST(Determinism, FixedPointKernelsAgreeAcrossVariants) {
+  std::mt19937 g(7);
+  std::uniform_int_distribution<int> e(-30, 30);
+  const size_t n = 1037, shards = 3;  // not a multiple of any vector width
+  std::vector<std::vector<float>> x(shards, std::vector<float>(n));
+  for (auto& s : x)
+    for (float& v : s)
+      v = std::ldexp(static_cast<float>(g() % 16777216) / 16777216.0f, e(g)) * (g() % 2 ? 1 : -1);
+  x[1][5] = 1.5f * std::ldexp(1.0f, 30);  // the largest; ties at the coarse grid below
+  std::vector<const float*> src;
+  for (const auto& s : x) src.push_back(s.data());
+  const optim_detail::OptimKernels* variants[] = {&optim_detail::isa_baseline::kOptimKernels,
+                                                  &optim_detail::isa_avx2::kOptimKernels,
+                                                  &optim_detail::isa_avx512::kOptimKernels};
+  const int usable = static_cast<int>(cpu_isa_supported());
+  std::vector<int64_t> q0(n);
+  std::vector<float> f0(n), c0(n);
+  for (int shift : {0, 31 - 2 - 30, 61 - 2 - 30}) {
+    for (int i = 0; i <= usable; ++i) {
+      std::vector<int64_t> q(n);
+      std::vector<float> f(n), c(n);
+      const int32_t m = variants[i]->copy_max_abs_bits(c.data(), x[1].data(), n);
+      variants[i]->fixed_point_sum(q.data(), src.data(), shards, n, shift);
+      variants[i]->from_fixed_point(f.data(), q.data(), n, shift);
+      if (i == 0) {
+        q0 = q;
+        f0 = f;
+        c0 = c;
+        float largest;
+        std::memcpy(&largest, &m, sizeof largest);
+        EXPECT_EQ(largest, x[1][5]);
+        EXPECT_EQ(std::memcmp(c.data(), x[1].data(), n * sizeof(float)), 0);
+        // Spot check against the definition (round half to even).
+        int64_t want = 0;
+        for (size_t j = 0; j < shards; ++j)
+          want += std::llrint(std::ldexp(static_cast<double>(x[j][5]), shift));
+        EXPECT_EQ(q[5], want) << "shift " << shift;
+        continue;
+      }
+      EXPECT_EQ(q, q0) << cpu_isa_name(static_cast<CpuIsa>(i)) << " shift " << shift;
+      EXPECT_EQ(std::memcmp(f.data(), f0.data(), n * sizeof(float)), 0)
+          << cpu_isa_name(static_cast<CpuIsa>(i));
+      EXPECT_EQ(std::memcmp(c.data(), c0.data(), n * sizeof(float)), 0);
+    }
   }
 }
 

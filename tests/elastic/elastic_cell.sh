@@ -38,6 +38,12 @@
 #              finish without it; continued, c must stop at once with
 #              'took part in the run ..., which has ended' (before issue 43:
 #              it joined again as c.r1 and waited its join_timeout).
+#   deterministic
+#              determinism mode (--deterministic-across-workers 12,
+#              docs/determinism.md) on this host: a, b and c train; c and then
+#              b are killed with SIGKILL mid-run, a trains alone, d joins; the
+#              final variables of a and d are the same bytes (`cmp`) as those
+#              of one worker that trained uninterrupted.
 # On the namespace cluster (scripts/cluster.sh, prefix dsct, 198.18.1.0/24),
 # 2 hosts x 2 workers (h0a h0b on host 0, h1a h1b on host 1), a redis-server
 # in the launcher namespace as the store, min_workers 2:
@@ -292,6 +298,60 @@ case $kind in
     grep -hE "^final: strategy=multi_worker replicas=2 epochs=4 " "$dir/d.log" "$dir/e.log" ||
       { echo "FAIL: no final line from the new job"; fail=1; }
     ((fail == 0)) && echo "PASS: elastic $kind"
+    exit $fail
+    ;;
+  deterministic)
+    common=(--rows 512 --batch 48 --epochs 12 --settle-ms 1000 --timeout-ms 5000
+      --listen-host 127.0.0.1)
+    on=(--min-workers 1 --deterministic-across-workers 12 --save "$dir/out")
+    # The reference: one worker, never interrupted.
+    "$check" --rendezvous "file://$dir/ref" --id ref "${common[@]}" "${on[@]}" --max-workers 1 \
+      >"$dir/ref.log" 2>&1 || { echo "FAIL: the uninterrupted run:"; tail -5 "$dir/ref.log"; exit 1; }
+    grep "^ref: final" "$dir/ref.log"
+    # With the mode off, 1 and 3 workers (uninterrupted) end with other bits.
+    off=(--deterministic-across-workers 0 --save "$dir/off")
+    "$check" --rendezvous "file://$dir/off1" --id one "${common[@]}" "${off[@]}" --max-workers 1 \
+      >"$dir/one.log" 2>&1 || { echo "FAIL: the run with the mode off:"; tail -5 "$dir/one.log"; exit 1; }
+    for w in x y z; do
+      "$check" --rendezvous "file://$dir/off3" --id "$w" "${common[@]}" "${off[@]}" --min-workers 3 \
+        --max-workers 3 >"$dir/$w.log" 2>&1 &
+      pids+=($!)
+      eval "pid_$w=$!"
+    done
+    finish x y z || exit 1
+    if cmp -s "$dir/off.one" "$dir/off.x"; then
+      echo "FAIL: with the mode off, 1 and 3 workers gave the same bytes (the check cannot tell)"
+      exit 1
+    fi
+    echo "mode off: 1 and 3 workers differ (as expected)"
+    djob() {
+      "$check" --rendezvous "file://$dir/job" --id "$1" "${common[@]}" "${on[@]}" --step-delay-ms 40 \
+        >"$dir/$1.log" 2>&1 &
+      pids+=($!)
+      eval "pid_$1=$!"
+    }
+    djob a; djob b; djob c  # one group of 3 (they arrive within the settle time)
+    wait_count "$dir/c.log" "^c: step [0-9]+ at" 15 60 || exit 1
+    kill -9 "$pid_c"
+    wait_for "$dir/a.log" "^a: group [0-9]+ rank [0-9] of 2" 30 || exit 1
+    n=$(grep -c "^a: step" "$dir/a.log")
+    wait_count "$dir/a.log" "^a: step [0-9]+ at" $((n + 5)) 30 || exit 1
+    kill -9 "$pid_b"
+    wait_for "$dir/a.log" "^a: group [0-9]+ rank [0-9] of 1" 30 || exit 1
+    n=$(grep -c "^a: step" "$dir/a.log")
+    wait_count "$dir/a.log" "^a: step [0-9]+ at" $((n + 5)) 30 || exit 1
+    djob d
+    fail=0
+    finish a d || fail=1
+    grep -h "^[ad]: group" "$dir/a.log" "$dir/d.log"
+    for w in a d; do
+      line=$(grep "^$w: final" "$dir/$w.log")
+      echo "$line"
+      [[ $line =~ workers=2\  ]] || { echo "FAIL: $w did not finish with 2 workers"; fail=1; }
+      cmp "$dir/out.ref" "$dir/out.$w" ||
+        { echo "FAIL: $w's final variables differ from the uninterrupted run's"; fail=1; }
+    done
+    ((fail == 0)) && echo "PASS: elastic $kind (a's and d's variables: the same bytes as the uninterrupted run's)"
     exit $fail
     ;;
   joiner_killed)

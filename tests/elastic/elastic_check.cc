@@ -10,12 +10,16 @@
 // over the same global batches, and E the largest |uses - epochs| of a row.
 // --zero-adam: the weights with Adam and the optimizer state sharded over the
 // workers (ZeRO-1, shard_optimizer_state), the reference likewise.
+// --deterministic-across-workers V: determinism mode (docs/determinism.md);
+// --save PATH: the final variables' bytes (w, then row_uses) written to
+// PATH.<id>, for a `cmp` against another run's.
 #include <time.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -63,6 +67,11 @@ int main(int argc, char** argv) {
   app.add_option("--timeout-ms", timeout_ms)->check(CLI::Range(100, 600000));
   bool zero_adam = false;
   app.add_flag("--zero-adam", zero_adam, "Adam, its state sharded over the workers (ZeRO-1)");
+  int virtual_shards = 0;
+  app.add_option("--deterministic-across-workers", virtual_shards, "determinism mode's V")
+      ->check(CLI::Range(0, 1 << 20));
+  std::string save;
+  app.add_option("--save", save, "write the final variables' bytes to PATH.<id>");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -77,6 +86,7 @@ int main(int argc, char** argv) {
     o.elastic.join_timeout = std::chrono::seconds(120);
     o.communication.timeout = std::chrono::milliseconds(timeout_ms);
     o.shard_optimizer_state = zero_adam;
+    o.determinism.virtual_shards = virtual_shards;
     ds::MultiWorkerMirroredStrategy s(o);
     ds::Variable w =
         s.create_variable("w", ds::Shape{kFeatures}, ds::DType::kFloat32, ds::init::Zeros{});
@@ -135,6 +145,12 @@ int main(int argc, char** argv) {
     }
     for (int r = 0; r < rows; ++r) {
       count_error = std::max(count_error, std::fabs(double(uv.data<float>()[r]) / kLr - epochs));
+    }
+    if (!save.empty()) {
+      std::ofstream out(save + "." + id, std::ios::binary);
+      out.write(static_cast<const char*>(wv.data()), static_cast<std::streamsize>(wv.nbytes()));
+      out.write(static_cast<const char*>(uv.data()), static_cast<std::streamsize>(uv.nbytes()));
+      if (!out) throw ds::InternalError("cannot write " + save + "." + id);
     }
     std::printf(
         "%s: final workers=%d steps=%lld weight_diff=%.3g count_error=%.3g changes=%lld "
