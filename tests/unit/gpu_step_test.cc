@@ -227,7 +227,8 @@ std::map<std::string, int> step_launches(GpuStepSetup& s) {
 
 // The MLP of GpuStepSetup trained `steps` steps under MirroredStrategy on
 // two fake GPUs or two CPU replicas, with `opt` (SGD or Adam, a schedule
-// included); the final weights (host copies of replica 0's and a check that
+// included), every other step on a partial last batch with a zero-row
+// replica; the final weights (host copies of replica 0's and a check that
 // replica 1's are the same bits), and the fake's launch counts.
 struct MlpRun {
   std::vector<ds::Tensor> weights;
@@ -254,13 +255,15 @@ MlpRun train_mlp(bool gpu, const std::function<std::unique_ptr<ds::Optimizer>(ds
     ds::nn::Mlp mlp{{24, 16, 16, 10}};
     std::vector<ds::Variable> vars = mlp.create_variables(strategy, 3);
     std::unique_ptr<ds::Optimizer> optimizer = opt(strategy);
-    ds::Tensor x(ds::Shape{32, 24}, ds::DType::kFloat32), y(ds::Shape{32}, ds::DType::kInt32);
+    // 33 rows: a full batch, then a last batch of one row (replica 1 gets
+    // none), in turn.
+    ds::Tensor x(ds::Shape{33, 24}, ds::DType::kFloat32), y(ds::Shape{33}, ds::DType::kInt32);
     ds::init::RandomNormal{0.0, 1.0, 5}(x);
-    for (int64_t i = 0; i < 32; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % 10);
+    for (int64_t i = 0; i < 33; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % 10);
     ds::DistributedDataset dist = strategy.distribute(ds::Dataset(x, y), 32, {false, 0, false});
-    const ds::DistributedBatch& b = dist.batch(0);
-    const float scale = 1.0f / static_cast<float>(b.global_size());
     for (int step = 0; step < steps; ++step) {
+      const ds::DistributedBatch b = dist.batch(step % 2);
+      const float scale = 1.0f / static_cast<float>(b.global_size());
       strategy.run([&](ds::ReplicaContext& ctx) {
         std::vector<ds::Tensor> p;
         for (const ds::Variable& v : vars) p.push_back(v.read(ctx));
@@ -331,7 +334,8 @@ TEST(GpuStepLaunches, DenseLayersFuseTheirReluBothWays) {
 
 // The fused step (list update, in-place reduction, fused layers) trains to
 // the same bits as the unfused host path on two CPU replicas: SGD with
-// Nesterov momentum and Adam with bias correction, both over a schedule.
+// Nesterov momentum and Adam with bias correction, both over a schedule,
+// full batches and a partial last one (one replica without rows).
 TEST(GpuStepUpdates, FusedGpuStepTrainsBitIdenticalToCpuWithSgdAndAdamOverASchedule) {
   const auto sgd = [](ds::Strategy& st) -> std::unique_ptr<ds::Optimizer> {
     ds::SGDOptions o;
