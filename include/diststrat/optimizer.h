@@ -164,6 +164,18 @@ class Optimizer {
   // and applied in order (or all dropped for a skipped step).
   void update_tensor(Tensor& var, const Tensor& grad, std::vector<Tensor*> slots,
                      int64_t step) const;
+  // update_tensor over a step's list, in order, every entry at `step`:
+  // GPU variables of one device (without clipping or loss scaling, which
+  // hold the updates and apply them so at the end of the step) are updated
+  // by one multi-tensor launch (GpuBackend::apply_update_list) with the
+  // same bits as one launch per variable; anything else goes through
+  // update_tensor one entry at a time.
+  struct TensorUpdate {
+    Tensor* var = nullptr;
+    Tensor grad;
+    std::vector<Tensor*> slots;
+  };
+  void update_tensors(const std::vector<TensorUpdate>& updates, int64_t step) const;
 
   // ZeRO-1, called by a strategy's apply_gradients in place of its
   // all-reduce and per-copy updates when the strategy shards optimizer state
@@ -247,6 +259,9 @@ class Optimizer {
                      int64_t step, float scale) const;
   void update_now(Tensor& var, const Tensor& grad, const std::vector<Tensor*>& slots,
                   int64_t step) const;
+  // update_now over a list at one step: one apply_update_list launch when
+  // every variable is on one GPU, else update_now per entry.
+  void update_now_list(const std::vector<TensorUpdate>& updates, int64_t step) const;
   // device_training.cc: a step's held updates of GPU variables, transformed
   // (unscaled, checked, clipped) by one launch each and applied.
   struct DeviceStep;

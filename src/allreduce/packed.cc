@@ -39,6 +39,26 @@ void PackedAllReduce::run(Communicator& comm, ReduceOp op, std::vector<Tensor>& 
       ++j;
     }
     const size_t esz = dtype_size(dtype);
+    // Device tensors already laid end to end in list order (views of one
+    // buffer, as a GPU model's gradients are) are the pack themselves:
+    // reduced in place, without the copies in and out.
+    bool contiguous = memory != nullptr && j > i + 1;
+    char* first = nullptr;
+    char* next = nullptr;
+    for (size_t k = i; contiguous && k < j; ++k) {
+      if (tensors[k].nbytes() == 0) continue;
+      char* p = static_cast<char*>(tensors[k].data());
+      if (first == nullptr) first = p;
+      contiguous = next == nullptr || p == next;
+      next = p + tensors[k].nbytes();
+    }
+    if (contiguous && first != nullptr) {
+      const std::string pack_name =
+          "pack of " + std::to_string(j - i) + " [" + name_of(i) + " .. " + name_of(j - 1) + "]";
+      comm.all_reduce(first, first, bytes / esz, dtype, op, pack_name);
+      i = j;
+      continue;
+    }
     if (j == i + 1) {
       Tensor& t = tensors[i];
       comm.all_reduce(t.data(), t.data(), static_cast<size_t>(t.num_elements()), dtype, op,

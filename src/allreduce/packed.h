@@ -1,7 +1,9 @@
 // Synchronous packed all-reduce of a list of tensors over one Communicator:
 // consecutive tensors of one dtype are copied into a reused buffer of up to
 // bytes_per_pack bytes, reduced as one message, and copied back. A tensor
-// larger than a pack goes alone, in place, without copies.
+// larger than a pack goes alone, in place, without copies; so does a pack of
+// device tensors (PackMemory given) that already lie end to end in list
+// order, as views of one buffer do (a GPU model's gradients).
 #pragma once
 
 #include <string>

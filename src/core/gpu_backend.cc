@@ -50,6 +50,18 @@ void GpuBackend::apply_update(int, void*, const UpdateRule&, float*, const float
                               size_t, int64_t) {
   throw_unavailable_in(*this, "apply_update");
 }
+void GpuBackend::dense_relu_forward(int ordinal, void* stream, const float* x, const float* w,
+                                    const float* b, float* y, int64_t n, int64_t in, int64_t out) {
+  dense_forward(ordinal, stream, x, w, b, y, n, in, out);
+  relu_forward(ordinal, stream, y, y, n * out);
+}
+void GpuBackend::dense_relu_backward(int ordinal, void* stream, const float* x, const float* w,
+                                     const float* y, float* dy, float* dx, float* dw, float* db,
+                                     int64_t n, int64_t in, int64_t out) {
+  relu_backward(ordinal, stream, y, dy, dy, n * out);
+  dense_backward(ordinal, stream, x, w, dy, dx, dw, db, n, in, out);
+}
+
 void GpuBackend::reduce(int, void*, void*, const void* const*, int, size_t, DType, ReduceOp, int) {
   throw_unavailable_in(*this, "reduce");
 }

@@ -133,6 +133,20 @@ class GpuBackend {
   virtual void relu_forward(int ordinal, void* stream, const float* x, float* y, int64_t count);
   virtual void relu_backward(int ordinal, void* stream, const float* y, const float* dy, float* dx,
                              int64_t count);
+  // Fused dense layer + ReLU (issue 44: fewer launches). Forward: dense_forward,
+  // then y = max(y, 0), as one call (CUDA: the GEMM and one bias + ReLU
+  // kernel). The output y is the ReLU mask the backward needs (y > 0 exactly
+  // where the pre-activation was), so no aux buffer is written.
+  // Default: dense_forward, then relu_forward(y, y).
+  virtual void dense_relu_forward(int ordinal, void* stream, const float* x, const float* w,
+                                  const float* b, float* y, int64_t n, int64_t in, int64_t out);
+  // Backward of that layer: dy, the gradient of its ReLU output y, becomes
+  // dy where y > 0, else 0 (dReLU, in place), then dense_backward on it
+  // (CUDA: one kernel for the dReLU and the bias gradient db, then the two
+  // GEMMs). Default: relu_backward(y, dy, dy), then dense_backward.
+  virtual void dense_relu_backward(int ordinal, void* stream, const float* x, const float* w,
+                                   const float* y, float* dy, float* dx, float* dw, float* db,
+                                   int64_t n, int64_t in, int64_t out);
   // Per row: loss[i], dlogits = (softmax − onehot)·scale, correct[i] = argmax == label,
   // bad[0] = 1 + first row index whose label is out of range (0 if none).
   virtual void softmax_cross_entropy(int ordinal, void* stream, const float* logits,
@@ -142,6 +156,15 @@ class GpuBackend {
   // The optimizer rule over `count` elements (slots as in Optimizer::update).
   virtual void apply_update(int ordinal, void* stream, const UpdateRule& rule, float* var,
                             const float* grad, float* const* slots, size_t count, int64_t step);
+  // The rule over a list of `n` float32 tensors of one device in one launch
+  // (CUDA: one kernel per up to 48 tensors): tensor i is vars[i], grads[i]
+  // (counts[i] elements each) with its slots at slots[s * n + i], s <
+  // update_slot_count(rule). Every element gets exactly what apply_update
+  // would give it with the same rule and step. The lists are host arrays
+  // read during the call only. Default: apply_update per tensor, in order.
+  virtual void apply_update_list(int ordinal, void* stream, const UpdateRule& rule,
+                                 float* const* vars, const float* const* grads, float* const* slots,
+                                 const size_t* counts, int n, int64_t step);
   // dst[i] = op(srcs[0][i] .. srcs[n-1][i]) (f32/f64/f16/bf16/i32/i64; f16/bf16 in f32),
   // divided by mean_divisor for kMean. dst may alias a src.
   virtual void reduce(int ordinal, void* stream, void* dst, const void* const* srcs, int n,
@@ -203,6 +226,10 @@ class GpuBackend {
   virtual void fill(int ordinal, void* stream, float* dst, size_t count, float value);
   // ==== end of the training-feature block ====================================
 };
+
+// Slots per tensor of `rule` (Optimizer::slot_names' count): SGD 0 or 1
+// (momentum), Adam 2 (m, v).
+int update_slot_count(const UpdateRule& rule);
 
 // Throws UnimplementedError "<what> is not available in the '<name>' GPU
 // backend": the default of an operation a backend does not provide.

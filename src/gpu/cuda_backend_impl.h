@@ -78,6 +78,15 @@ class CudaBackend : public GpuBackend {
                     const float* grad, float* const* slots, size_t count, int64_t step) override;
   void reduce(int ordinal, void* stream, void* dst, const void* const* srcs, int n, size_t count,
               DType dtype, ReduceOp op, int mean_divisor) override;
+  // Fewer launches (issue 44): the fused layer epilogues and the list update.
+  void dense_relu_forward(int ordinal, void* stream, const float* x, const float* w, const float* b,
+                          float* y, int64_t n, int64_t in, int64_t out) override;
+  void dense_relu_backward(int ordinal, void* stream, const float* x, const float* w,
+                           const float* y, float* dy, float* dx, float* dw, float* db, int64_t n,
+                           int64_t in, int64_t out) override;
+  void apply_update_list(int ordinal, void* stream, const UpdateRule& rule, float* const* vars,
+                         const float* const* grads, float* const* slots, const size_t* counts,
+                         int n, int64_t step) override;
 
   // Training features on device gradients: optim_kernels.cu (cuda_math.cc).
   void sum_of_squares(int ordinal, void* stream, const float* const* in, const size_t* counts,

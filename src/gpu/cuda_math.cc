@@ -1,5 +1,6 @@
-// The CUDA backend's math calls: dense layers through cuBLAS GEMMs, and the
-// activations, loss, optimizer updates, reductions and training features
+// The CUDA backend's math calls: dense layers through cuBLAS GEMMs (with
+// the bias + ReLU and dReLU + bias-gradient epilogues as one small kernel
+// each), and the activations, loss, optimizer updates, reductions and training features
 // (clipping, loss scaling, accumulation) through the kernels of kernels.cu
 // and optim_kernels.cu, each on the caller's stream.
 #include "gpu/cuda_backend_impl.h"
@@ -48,6 +49,41 @@ void CudaBackend::dense_backward(int ordinal, void* stream, const float* x, cons
   }
 }
 
+// The GEMM of dense_forward, then bias + ReLU in one kernel.
+void CudaBackend::dense_relu_forward(int ordinal, void* stream, const float* x, const float* w,
+                                     const float* b, float* y, int64_t n, int64_t in, int64_t out) {
+  if (n == 0) return;
+  cublasHandle_t h = blas(ordinal, stream);
+  const float one = 1.0f, zero = 0.0f;
+  DISTSTRAT_CUBLAS_CHECK(cublasSgemm(
+      h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(n), static_cast<int>(in),
+      &one, w, static_cast<int>(out), x, static_cast<int>(in), &zero, y, static_cast<int>(out)));
+  launch_bias_relu(y, b, n, out, stream);
+}
+
+// dReLU and the bias gradient in one kernel, then dense_backward's GEMMs.
+void CudaBackend::dense_relu_backward(int ordinal, void* stream, const float* x, const float* w,
+                                      const float* y, float* dy, float* dx, float* dw, float* db,
+                                      int64_t n, int64_t in, int64_t out) {
+  DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+  if (n == 0) {
+    dense_backward(ordinal, stream, x, w, dy, dx, dw, db, n, in, out);
+    return;
+  }
+  cublasHandle_t h = blas(ordinal, stream);
+  const float one = 1.0f, zero = 0.0f;
+  launch_drelu_column_sum(y, dy, db, n, out, stream);
+  DISTSTRAT_CUBLAS_CHECK(cublasSgemm(
+      h, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(out), static_cast<int>(in), static_cast<int>(n),
+      &one, dy, static_cast<int>(out), x, static_cast<int>(in), &zero, dw, static_cast<int>(out)));
+  if (dx) {
+    DISTSTRAT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(in),
+                                       static_cast<int>(n), static_cast<int>(out), &one, w,
+                                       static_cast<int>(out), dy, static_cast<int>(out), &zero, dx,
+                                       static_cast<int>(in)));
+  }
+}
+
 void CudaBackend::relu_forward(int ordinal, void* stream, const float* x, float* y, int64_t count) {
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
   launch_relu_forward(x, y, count, stream);
@@ -71,6 +107,14 @@ void CudaBackend::apply_update(int ordinal, void* stream, const UpdateRule& rule
                                const float* grad, float* const* slots, size_t count, int64_t step) {
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
   launch_update(rule, var, grad, slots, count, step, stream);
+}
+
+void CudaBackend::apply_update_list(int ordinal, void* stream, const UpdateRule& rule,
+                                    float* const* vars, const float* const* grads,
+                                    float* const* slots, const size_t* counts, int n,
+                                    int64_t step) {
+  DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+  launch_update_list(rule, vars, grads, slots, counts, n, step, stream);
 }
 
 void CudaBackend::reduce(int ordinal, void* stream, void* dst, const void* const* srcs, int n,

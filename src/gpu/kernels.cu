@@ -214,6 +214,33 @@ __global__ void relu_backward_kernel(const float* y, const float* dy, float* dx,
   }
 }
 
+// bias_add then relu_forward, fused: the same float operations in order.
+__global__ void bias_relu_kernel(float* y, const float* b, int64_t rows, int64_t cols) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = y[i] + b[i % cols];
+    y[i] = v > 0.0f ? v : 0.0f;
+  }
+}
+
+// relu_backward in place then column_sum, fused: each column's rows in
+// order, so db is column_sum_kernel's sum of the masked values.
+__global__ void drelu_column_sum_kernel(const float* y, float* dy, float* db, int64_t rows,
+                                        int64_t cols) {
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < cols;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r * cols + c;
+      const float v = y[i] > 0.0f ? dy[i] : 0.0f;
+      dy[i] = v;
+      s += v;
+    }
+    db[c] = s;
+  }
+}
+
 // One thread per row (class counts are small); double accumulation as on CPU.
 __global__ void softmax_xent_kernel(const float* z, const int32_t* labels, float* d, float* loss,
                                     int32_t* correct, int32_t* bad, int64_t n, int64_t k,
@@ -252,16 +279,30 @@ __global__ void softmax_xent_kernel(const float* z, const int32_t* labels, float
 
 // ---- optimizers ----------------------------------------------------------------
 
+// One element of each rule: the single-tensor and the list kernels share
+// them, so both give every element the same bits.
+__device__ __forceinline__ void sgd_element(float* var, const float* g, float* v, size_t i,
+                                            float lr, float mu, bool nesterov) {
+  if (v == nullptr) {
+    var[i] -= lr * g[i];
+  } else {
+    v[i] = mu * v[i] - lr * g[i];
+    var[i] += nesterov ? mu * v[i] - lr * g[i] : v[i];
+  }
+}
+
+__device__ __forceinline__ void adam_element(float* var, const float* g, float* m, float* v,
+                                             size_t i, float b1, float b2, float eps, float alpha) {
+  m[i] = b1 * m[i] + (1 - b1) * g[i];
+  v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+  var[i] -= alpha * m[i] / (sqrtf(v[i]) + eps);
+}
+
 __global__ void sgd_kernel(float* var, const float* g, float* v, size_t n, float lr, float mu,
                            bool nesterov) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    if (v == nullptr) {
-      var[i] -= lr * g[i];
-    } else {
-      v[i] = mu * v[i] - lr * g[i];
-      var[i] += nesterov ? mu * v[i] - lr * g[i] : v[i];
-    }
+    sgd_element(var, g, v, i, lr, mu, nesterov);
   }
 }
 
@@ -269,10 +310,43 @@ __global__ void adam_kernel(float* var, const float* g, float* m, float* v, size
                             float b2, float eps, float alpha) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    m[i] = b1 * m[i] + (1 - b1) * g[i];
-    v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
-    var[i] -= alpha * m[i] / (sqrtf(v[i]) + eps);
+    adam_element(var, g, m, v, i, b1, b2, eps, alpha);
   }
+}
+
+// A list of tensors by value in the kernel's parameters (no pointer table
+// in device memory); blockIdx.y picks the tensor.
+struct UpdateChunk {
+  float* var[kUpdateChunk];
+  const float* grad[kUpdateChunk];
+  float* m[kUpdateChunk];  // momentum / Adam's m; null: SGD without momentum
+  float* v[kUpdateChunk];  // Adam's v
+  size_t count[kUpdateChunk];
+};
+
+__global__ void sgd_list_kernel(UpdateChunk c, float lr, float mu, bool nesterov) {
+  const int t = blockIdx.y;
+  const size_t n = c.count[t];
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    sgd_element(c.var[t], c.grad[t], c.m[t], i, lr, mu, nesterov);
+  }
+}
+
+__global__ void adam_list_kernel(UpdateChunk c, float b1, float b2, float eps, float alpha) {
+  const int t = blockIdx.y;
+  const size_t n = c.count[t];
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    adam_element(c.var[t], c.grad[t], c.m[t], c.v[t], i, b1, b2, eps, alpha);
+  }
+}
+
+// Adam's bias-corrected step size, as the host rule computes it.
+float adam_alpha(const UpdateRule& rule, int64_t step) {
+  const double t = static_cast<double>(step);
+  return static_cast<float>(rule.learning_rate * std::sqrt(1.0 - std::pow(rule.beta2, t)) /
+                            (1.0 - std::pow(rule.beta1, t)));
 }
 
 }  // namespace
@@ -333,6 +407,20 @@ void launch_relu_backward(const float* y, const float* dy, float* dx, int64_t co
   check_launch("relu_backward_kernel");
 }
 
+void launch_bias_relu(float* y, const float* b, int64_t rows, int64_t cols, void* stream) {
+  if (rows * cols == 0) return;
+  bias_relu_kernel<<<blocks_for(rows * cols), kThreads, 0, as_stream(stream)>>>(y, b, rows, cols);
+  check_launch("bias_relu_kernel");
+}
+
+void launch_drelu_column_sum(const float* y, float* dy, float* db, int64_t rows, int64_t cols,
+                             void* stream) {
+  if (cols == 0) return;
+  drelu_column_sum_kernel<<<blocks_for(cols), kThreads, 0, as_stream(stream)>>>(y, dy, db, rows,
+                                                                                cols);
+  check_launch("drelu_column_sum_kernel");
+}
+
 void launch_softmax_xent(const float* logits, const int32_t* labels, float* dlogits, float* loss,
                          int32_t* correct, int32_t* bad, int64_t n, int64_t k, float scale,
                          void* stream) {
@@ -357,10 +445,7 @@ void launch_update(const UpdateRule& rule, float* var, const float* grad, float*
       return;
     case UpdateRule::Kind::kAdam: {
       // Same bias-corrected step size as the host rule (Optimizer::update).
-      const double t = static_cast<double>(step);
-      const float alpha =
-          static_cast<float>(rule.learning_rate * std::sqrt(1.0 - std::pow(rule.beta2, t)) /
-                             (1.0 - std::pow(rule.beta1, t)));
+      const float alpha = adam_alpha(rule, step);
       adam_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(
           var, grad, slots[0], slots[1], count, rule.beta1, rule.beta2, rule.epsilon, alpha);
       check_launch("adam_kernel");
@@ -370,6 +455,43 @@ void launch_update(const UpdateRule& rule, float* var, const float* grad, float*
       break;
   }
   throw UnimplementedError("GPU update: the optimizer has no device rule");
+}
+
+void launch_update_list(const UpdateRule& rule, float* const* vars, const float* const* grads,
+                        float* const* slots, const size_t* counts, int n, int64_t step,
+                        void* stream) {
+  if (rule.kind == UpdateRule::Kind::kNone) {
+    throw UnimplementedError("GPU update: the optimizer has no device rule");
+  }
+  const bool adam = rule.kind == UpdateRule::Kind::kAdam;
+  const bool momentum = !adam && rule.momentum != 0.0f;
+  const float alpha = adam ? adam_alpha(rule, step) : 0.0f;
+  for (int base = 0; base < n; base += kUpdateChunk) {
+    UpdateChunk c{};
+    const int m = std::min(kUpdateChunk, n - base);
+    size_t most = 0;
+    for (int k = 0; k < m; ++k) {
+      const int i = base + k;
+      c.var[k] = vars[i];
+      c.grad[k] = grads[i];
+      c.m[k] = adam || momentum ? slots[i] : nullptr;
+      c.v[k] = adam ? slots[n + i] : nullptr;
+      c.count[k] = counts[i];
+      most = std::max(most, counts[i]);
+    }
+    if (most == 0) continue;
+    const dim3 grid(static_cast<unsigned>(blocks_for(static_cast<int64_t>(most))),
+                    static_cast<unsigned>(m));
+    if (adam) {
+      adam_list_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(c, rule.beta1, rule.beta2,
+                                                                 rule.epsilon, alpha);
+      check_launch("adam_list_kernel");
+    } else {
+      sgd_list_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(c, rule.learning_rate,
+                                                                rule.momentum, rule.nesterov);
+      check_launch("sgd_list_kernel");
+    }
+  }
 }
 
 }  // namespace gpu

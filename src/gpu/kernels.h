@@ -31,6 +31,13 @@ void launch_bias_add(float* y, const float* b, int64_t rows, int64_t cols, void*
 void launch_column_sum(const float* dy, float* db, int64_t rows, int64_t cols, void* stream);
 void launch_relu_forward(const float* x, float* y, int64_t count, void* stream);
 void launch_relu_backward(const float* y, const float* dy, float* dx, int64_t count, void* stream);
+// y[r, c] = max(y[r, c] + b[c], 0): dense_relu_forward's epilogue.
+void launch_bias_relu(float* y, const float* b, int64_t rows, int64_t cols, void* stream);
+// dy[r, c] = y[r, c] > 0 ? dy[r, c] : 0 and db[c] = Σr dy[r, c] (the masked
+// values, summed as launch_column_sum sums): dense_relu_backward's dReLU and
+// bias gradient in one kernel.
+void launch_drelu_column_sum(const float* y, float* dy, float* db, int64_t rows, int64_t cols,
+                             void* stream);
 // See GpuBackend::softmax_cross_entropy.
 void launch_softmax_xent(const float* logits, const int32_t* labels, float* dlogits, float* loss,
                          int32_t* correct, int32_t* bad, int64_t n, int64_t k, float scale,
@@ -38,6 +45,12 @@ void launch_softmax_xent(const float* logits, const int32_t* labels, float* dlog
 // The optimizer rule (SGD with momentum / Nesterov, Adam with bias correction).
 void launch_update(const UpdateRule& rule, float* var, const float* grad, float* const* slots,
                    size_t count, int64_t step, void* stream);
+// The rule over a list (GpuBackend::apply_update_list: slots[s * n + i]),
+// one launch per kUpdateChunk tensors, each element as launch_update does it.
+constexpr int kUpdateChunk = 48;
+void launch_update_list(const UpdateRule& rule, float* const* vars, const float* const* grads,
+                        float* const* slots, const size_t* counts, int n, int64_t step,
+                        void* stream);
 
 }  // namespace gpu
 }  // namespace diststrat

@@ -118,12 +118,14 @@ void MirroredStrategy::apply_gradients(
   const int64_t step = iterations.data<int64_t>()[0] + 1;
   const std::vector<std::string> slot_names = optimizer.slot_names();
   const size_t local = static_cast<size_t>(ctx.local_replica_id());
+  std::vector<Optimizer::TensorUpdate> updates;  // one launch on a GPU replica
   for (size_t k = 0; k < grads.size(); ++k) {
     Variable::Impl& var = grads_and_vars[k].second.impl();
-    std::vector<Tensor*> slots;
-    for (const std::string& s : slot_names) slots.push_back(&var.slot(s)[local]);
-    optimizer.update_tensor(var.copies[local], grads[k], slots, step);
+    Optimizer::TensorUpdate u{&var.copies[local], grads[k], {}};
+    for (const std::string& s : slot_names) u.slots.push_back(&var.slot(s)[local]);
+    updates.push_back(std::move(u));
   }
+  optimizer.update_tensors(updates, step);
   iterations.data<int64_t>()[0] = step;
 }
 

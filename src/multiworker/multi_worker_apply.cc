@@ -102,12 +102,14 @@ void MultiWorkerMirroredStrategy::apply_gradients(
   Tensor iterations = optimizer.iterations().read(ctx);
   const int64_t step = iterations.data<int64_t>()[0] + 1;
   const std::vector<std::string> slot_names = optimizer.slot_names();
+  std::vector<Optimizer::TensorUpdate> updates;  // one launch on a GPU replica
   for (size_t j = 0; j < order.size(); ++j) {
     Variable::Impl& var = grads_and_vars[order[j]].second.impl();
-    std::vector<Tensor*> slots;
-    for (const std::string& s : slot_names) slots.push_back(&var.slot(s)[local]);
-    optimizer.update_tensor(var.copies[local], grads[j], slots, step);
+    Optimizer::TensorUpdate u{&var.copies[local], grads[j], {}};
+    for (const std::string& s : slot_names) u.slots.push_back(&var.slot(s)[local]);
+    updates.push_back(std::move(u));
   }
+  optimizer.update_tensors(updates, step);
   iterations.data<int64_t>()[0] = step;
   if (m.timeline) {
     m.timeline->complete("wait for gradients", "replica", 1 + local, t0, t1);

@@ -131,6 +131,65 @@ void dense_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* 
                               x.shape()[0], w.shape()[0], w.shape()[1]);
 }
 
+void dense_relu_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) {
+  if (!x.device().is_gpu()) {
+    dense_forward(x, w, b, y);
+    relu_forward(y, y);
+    return;
+  }
+  const Device& dev = x.device();
+  check_matrix(x, "x", "dense_relu_forward", dev);
+  check_matrix(w, "w", "dense_relu_forward", dev);
+  check_matrix(y, "y", "dense_relu_forward", dev);
+  check_on(b, "b", "dense_relu_forward", dev);
+  DISTSTRAT_CHECK_EQ(x.shape()[1], w.shape()[0], "dense_relu_forward: x cols vs w rows");
+  DISTSTRAT_CHECK(y.shape() == Shape({x.shape()[0], w.shape()[1]}), kInvalidArgument,
+                  "dense_relu_forward: y is ", y.shape().to_string(), ", expected [", x.shape()[0],
+                  ", ", w.shape()[1], "]");
+  DISTSTRAT_CHECK_EQ(b.num_elements(), w.shape()[1], "dense_relu_forward: bias size vs w cols");
+  on_gpu(dev, "dense_forward");
+  on_gpu(dev, "relu_forward");
+  const GpuExec e = gpu_exec(dev, "dense_relu_forward");
+  e.backend->dense_relu_forward(e.ordinal, e.stream, x.data<float>(), w.data<float>(),
+                                b.data<float>(), y.data<float>(), x.shape()[0], w.shape()[0],
+                                w.shape()[1]);
+}
+
+void dense_relu_backward(const Tensor& x, const Tensor& w, const Tensor& y, Tensor& dy, Tensor* dx,
+                         Tensor& dw, Tensor& db) {
+  if (!x.device().is_gpu()) {
+    relu_backward(y, dy, dy);
+    dense_backward(x, w, dy, dx, dw, db);
+    return;
+  }
+  const Device& dev = x.device();
+  check_matrix(x, "x", "dense_relu_backward", dev);
+  check_matrix(w, "w", "dense_relu_backward", dev);
+  check_matrix(dy, "dy", "dense_relu_backward", dev);
+  check_matrix(dw, "dw", "dense_relu_backward", dev);
+  check_on(y, "y", "dense_relu_backward", dev);
+  check_on(db, "db", "dense_relu_backward", dev);
+  if (dx) check_matrix(*dx, "dx", "dense_relu_backward", dev);
+  DISTSTRAT_CHECK_EQ(y.num_elements(), dy.num_elements(), "dense_relu_backward: y vs dy sizes");
+  DISTSTRAT_CHECK(dy.shape() == Shape({x.shape()[0], w.shape()[1]}), kInvalidArgument,
+                  "dense_relu_backward: dy is ", dy.shape().to_string(), ", expected [",
+                  x.shape()[0], ", ", w.shape()[1], "]");
+  DISTSTRAT_CHECK(dw.shape() == w.shape(), kInvalidArgument, "dense_relu_backward: dw ",
+                  dw.shape().to_string(), " vs w ", w.shape().to_string());
+  DISTSTRAT_CHECK_EQ(db.num_elements(), w.shape()[1], "dense_relu_backward: db size");
+  if (dx) {
+    DISTSTRAT_CHECK(dx->shape() == x.shape(), kInvalidArgument, "dense_relu_backward: dx ",
+                    dx->shape().to_string(), " vs x ", x.shape().to_string());
+  }
+  on_gpu(dev, "relu_backward");
+  on_gpu(dev, "dense_backward");
+  const GpuExec e = gpu_exec(dev, "dense_relu_backward");
+  e.backend->dense_relu_backward(e.ordinal, e.stream, x.data<float>(), w.data<float>(),
+                                 y.data<float>(), dy.data<float>(),
+                                 dx ? dx->data<float>() : nullptr, dw.data<float>(),
+                                 db.data<float>(), x.shape()[0], w.shape()[0], w.shape()[1]);
+}
+
 void relu_forward(const Tensor& x, Tensor& y) {
   DISTSTRAT_CHECK_EQ(x.num_elements(), y.num_elements(), "relu_forward sizes");
   check_on(y, "y", "relu_forward", x.device());

@@ -39,6 +39,32 @@ std::vector<Tensor> Mlp::init_params(uint64_t seed) const {
   return params;
 }
 
+namespace {
+// The gradients' tensors, written whole by the backward. On a GPU they are
+// views of one buffer laid end to end in parameter order, so a strategy's
+// all-reduce finds them contiguous in the order it is given them and
+// reduces them in place, without packing copies (allreduce/packed.h).
+std::vector<Tensor> gradient_buffers(const std::vector<Tensor>& params, const Device& device) {
+  std::vector<Tensor> out;
+  if (!device.is_gpu()) {
+    for (const Tensor& p : params) {
+      out.push_back(Tensor::uninitialized(p.shape(), DType::kFloat32, device));
+    }
+    return out;
+  }
+  int64_t total = 0;
+  for (const Tensor& p : params) total += p.num_elements();
+  Tensor flat = Tensor::uninitialized(Shape{total}, DType::kFloat32, device);
+  int64_t offset = 0;
+  for (const Tensor& p : params) {
+    const int64_t n = p.num_elements();
+    out.push_back(flat.slice_rows(offset, offset + n).reshape(p.shape()));
+    offset += n;
+  }
+  return out;
+}
+}  // namespace
+
 Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor& x,
                                 const Tensor& labels, float grad_scale,
                                 const GradientsReady& on_ready) const {
@@ -53,8 +79,11 @@ Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor&
   std::vector<Tensor> acts{x};
   for (size_t l = 0; l < layers; ++l) {
     Tensor y = Tensor::uninitialized(Shape{n, sizes_[l + 1]}, DType::kFloat32, x.device());
-    dense_forward(acts[l], params[2 * l], params[2 * l + 1], y);
-    if (l + 1 < layers) relu_forward(y, y);
+    if (l + 1 < layers) {
+      dense_relu_forward(acts[l], params[2 * l], params[2 * l + 1], y);  // one launch on a GPU
+    } else {
+      dense_forward(acts[l], params[2 * l], params[2 * l + 1], y);
+    }
     acts.push_back(y);
   }
   Step step;
@@ -62,20 +91,20 @@ Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor&
   step.correct = 0;
   step.loss_sum =
       n ? softmax_cross_entropy_counted(acts.back(), labels, dy, grad_scale, &step.correct) : 0.0;
-  step.grads.resize(params.size());
+  step.grads = gradient_buffers(params, x.device());
   for (size_t l = layers; l-- > 0;) {
-    Tensor dw = Tensor::uninitialized(params[2 * l].shape(), DType::kFloat32, x.device());
-    Tensor db = Tensor::uninitialized(params[2 * l + 1].shape(), DType::kFloat32, x.device());
+    Tensor& dw = step.grads[2 * l];
+    Tensor& db = step.grads[2 * l + 1];
     Tensor dx;
     if (l > 0) dx = Tensor::uninitialized(acts[l].shape(), DType::kFloat32, x.device());
-    dense_backward(acts[l], params[2 * l], dy, l > 0 ? &dx : nullptr, dw, db);
-    step.grads[2 * l] = dw;
-    step.grads[2 * l + 1] = db;
-    if (on_ready) on_ready(l, dw, db);
-    if (l > 0) {
-      relu_backward(acts[l], dx, dx);
-      dy = dx;
+    if (l + 1 < layers) {
+      // dy is the gradient of this layer's ReLU output acts[l + 1].
+      dense_relu_backward(acts[l], params[2 * l], acts[l + 1], dy, l > 0 ? &dx : nullptr, dw, db);
+    } else {
+      dense_backward(acts[l], params[2 * l], dy, l > 0 ? &dx : nullptr, dw, db);
     }
+    if (on_ready) on_ready(l, dw, db);
+    if (l > 0) dy = dx;
   }
   return step;
 }
@@ -85,8 +114,11 @@ Tensor Mlp::predict(const std::vector<Tensor>& params, const Tensor& x) const {
   Tensor h = x;
   for (size_t l = 0; l + 1 < sizes_.size(); ++l) {
     Tensor y(Shape{n, sizes_[l + 1]}, DType::kFloat32, x.device());
-    dense_forward(h, params[2 * l], params[2 * l + 1], y);
-    if (l + 2 < sizes_.size()) relu_forward(y, y);
+    if (l + 2 < sizes_.size()) {
+      dense_relu_forward(h, params[2 * l], params[2 * l + 1], y);
+    } else {
+      dense_forward(h, params[2 * l], params[2 * l + 1], y);
+    }
     h = y;
   }
   return h;

@@ -13,6 +13,7 @@
 #include "core/device_scope.h"
 #include "core/gpu_backend.h"
 #include "core/user_text.h"
+#include "diststrat/update_rule.h"
 #include "optim/device_training.h"
 #include "optim/optimizer_state.h"
 
@@ -54,6 +55,30 @@ void GpuBackend::accumulate(int, void*, float* const*, const float* const*, cons
   throw_unavailable_in(*this, "accumulate (gradient accumulation on the device)");
 }
 void GpuBackend::fill(int, void*, float*, size_t, float) { throw_unavailable_in(*this, "fill"); }
+
+// The list update's default and its slot count (core/gpu_backend.h): the
+// rule's data lives in this room (diststrat/update_rule.h).
+void GpuBackend::apply_update_list(int ordinal, void* stream, const UpdateRule& rule,
+                                   float* const* vars, const float* const* grads,
+                                   float* const* slots, const size_t* counts, int n, int64_t step) {
+  const int per = update_slot_count(rule);
+  std::vector<float*> mine(static_cast<size_t>(per));
+  for (int i = 0; i < n; ++i) {
+    for (int s = 0; s < per; ++s) mine[static_cast<size_t>(s)] = slots[s * n + i];
+    apply_update(ordinal, stream, rule, vars[i], grads[i], mine.data(), counts[i], step);
+  }
+}
+int update_slot_count(const UpdateRule& rule) {
+  switch (rule.kind) {
+    case UpdateRule::Kind::kSgd:
+      return rule.momentum == 0.0f ? 0 : 1;
+    case UpdateRule::Kind::kAdam:
+      return 2;
+    case UpdateRule::Kind::kNone:
+      break;
+  }
+  return 0;
+}
 
 // ---- gradient accumulation ----------------------------------------------------
 
@@ -201,11 +226,18 @@ void Optimizer::flush_on_device(DeviceStep& step) const {
   if (scaling && next_scale != batch->scale_value) {
     e.backend->fill(e.ordinal, e.stream, loss_scale, 1, next_scale);
   }
+  // One list launch for the step's updates (they share its step).
+  std::vector<TensorUpdate> list;
   for (size_t k = 0; k < ready.size(); ++k) {
-    std::vector<Tensor*> slots;
-    for (Tensor& t : ready[k].slots) slots.push_back(&t);
-    update_now(ready[k].var, grads[k], slots, ready[k].step);
+    if (k > 0 && ready[k].step != ready[k - 1].step) {
+      update_now_list(list, ready[k - 1].step);
+      list.clear();
+    }
+    TensorUpdate u{&ready[k].var, grads[k], {}};
+    for (Tensor& t : ready[k].slots) u.slots.push_back(&t);
+    list.push_back(std::move(u));
   }
+  update_now_list(list, ready.back().step);
 }
 
 }  // namespace diststrat

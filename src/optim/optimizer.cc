@@ -12,6 +12,7 @@
 #include "core/cast_kernels.h"
 #include "core/cpu_isa.h"
 #include "core/device_scope.h"
+#include "core/gpu_backend.h"
 #include "core/user_text.h"
 #include "optim/optim_kernels.h"
 #include "optim/optimizer_state.h"
@@ -144,6 +145,52 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
   agree_on_configuration(ctx);
   if (accumulation_steps_ == 1) return reduce_and_update(ctx, grads_and_vars);
   return accumulate_micro_batch(ctx, grads_and_vars);
+}
+
+void Optimizer::update_tensors(const std::vector<TensorUpdate>& updates, int64_t step) const {
+  const bool clipping = clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0;
+  if (clipping || loss_scaling()) {
+    // Held per step (clipping_and_loss_scaling.cc); a device step's flush
+    // applies them with one list launch.
+    for (const TensorUpdate& u : updates) update_tensor(*u.var, u.grad, u.slots, step);
+    return;
+  }
+  update_now_list(updates, step);
+}
+
+void Optimizer::update_now_list(const std::vector<TensorUpdate>& updates, int64_t step) const {
+  if (updates.empty()) return;
+  const Device device = updates.front().var->device();
+  const UpdateRule rule = device_rule();
+  bool one_launch = device.is_gpu() && rule.kind != UpdateRule::Kind::kNone;
+  const size_t per = static_cast<size_t>(update_slot_count(rule));
+  for (const TensorUpdate& u : updates) {
+    if (!one_launch) break;
+    one_launch = u.var->device() == device && u.grad.device() == device && u.slots.size() == per;
+    for (const Tensor* t : u.slots) one_launch = one_launch && t->device() == device;
+  }
+  if (!one_launch) {
+    // Host variables, or a case update_now explains with an error.
+    for (const TensorUpdate& u : updates) update_now(*u.var, u.grad, u.slots, step);
+    return;
+  }
+  const int n = static_cast<int>(updates.size());
+  std::vector<float*> vars, slots(per * updates.size());
+  std::vector<const float*> grads;
+  std::vector<size_t> counts;
+  for (size_t i = 0; i < updates.size(); ++i) {
+    const TensorUpdate& u = updates[i];
+    record_op_placement("optimizer_update", device);
+    vars.push_back(u.var->data<float>());
+    grads.push_back(u.grad.data<float>());
+    counts.push_back(static_cast<size_t>(u.var->num_elements()));
+    for (size_t s = 0; s < per; ++s) slots[s * updates.size() + i] = u.slots[s]->data<float>();
+  }
+  UpdateRule r = rule;
+  r.learning_rate = learning_rate(step - 1);
+  const GpuExec e = gpu_exec(device, "optimizer_update");
+  e.backend->apply_update_list(e.ordinal, e.stream, r, vars.data(), grads.data(), slots.data(),
+                               counts.data(), n, step);
 }
 
 // The rule on one tensor: a GPU backend's kernel of device_rule() for a

@@ -160,14 +160,17 @@ void Optimizer::apply_sharded(ReplicaContext& ctx,
   }
   Tensor iterations = iterations_.read(ctx);
   const int64_t step = iterations.data<int64_t>()[0] + 1;
+  // The block's pieces, one list launch on a GPU replica.
+  std::vector<Tensor> pieces(z.vars.size());
+  std::vector<TensorUpdate> updates;
   for (size_t k = 0; k < z.vars.size(); ++k) {
     const auto [lo, hi] = z.piece(k, L);
-    Tensor var = L.values.slice_rows(lo - L.begin, hi - L.begin);
-    const Tensor grad = L.grads.slice_rows(lo - L.begin, hi - L.begin);
-    std::vector<Tensor*> slots;
-    for (Tensor& t : L.slots[k]) slots.push_back(&t);
-    update_tensor(var, grad, slots, step);
+    pieces[k] = L.values.slice_rows(lo - L.begin, hi - L.begin);
+    TensorUpdate u{&pieces[k], L.grads.slice_rows(lo - L.begin, hi - L.begin), {}};
+    for (Tensor& t : L.slots[k]) u.slots.push_back(&t);
+    updates.push_back(std::move(u));
   }
+  update_tensors(updates, step);
   collectives.all_gather(L.values, L.gathered);
   for (size_t k = 0; k < z.vars.size(); ++k) {
     copy_floats(z.vars[k].impl().copies[static_cast<size_t>(local)], 0, L.gathered, z.offsets[k],

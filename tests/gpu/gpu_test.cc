@@ -27,6 +27,7 @@
 #include "core/device_scope.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/device_manager.h"
+#include "nn/layers_internal.h"
 #include "../common/zero_cases.h"
 
 namespace ds = diststrat;
@@ -334,6 +335,102 @@ TEST(GpuLayers, DenseReluSoftmaxForwardAndBackwardMatchTheCpu) {
   labels.data<int32_t>()[5] = 99;
   ds::Tensor bad = to_device(labels, d);
   EXPECT_THROW(ds::nn::softmax_cross_entropy(gy, bad, gdy, 1.0f), ds::InvalidArgumentError);
+}
+
+// Issue 44's fewer launches on the GPU: the fused layer calls and the list
+// update give exactly the unfused kernels' bits (same GEMMs; the epilogue
+// kernels do the unfused float operations in their order; the list kernels
+// share the single-tensor kernels' per-element code).
+namespace {
+void expect_same_bits(const ds::Tensor& a, const ds::Tensor& b, const std::string& what) {
+  const ds::Tensor ha = to_host(a), hb = to_host(b);
+  ASSERT_EQ(ha.nbytes(), hb.nbytes()) << what;
+  EXPECT_EQ(std::memcmp(ha.data(), hb.data(), ha.nbytes()), 0) << what;
+}
+}  // namespace
+
+TEST(GpuStepKernels, FusedLayersAndTheListUpdateGiveTheUnfusedBits) {
+  SKIP_WITHOUT_GPU();
+  auto dm = manager();
+  const ds::Device d = ds::Device::gpu(0);
+  ds::ScopedExec scoped(scope_for(*dm, d));
+  const int64_t n = 37, in = 129, out = 70;
+  const ds::DType f32 = ds::DType::kFloat32;
+  ds::Tensor gx = to_device(random_host({n, in}, 1), d),
+             gw = to_device(random_host({in, out}, 2, 0.1), d),
+             gb = to_device(random_host({out}, 3), d);
+  ds::Tensor y1(ds::Shape{n, out}, f32, d), y2(ds::Shape{n, out}, f32, d);
+  ds::nn::dense_forward(gx, gw, gb, y1);
+  ds::nn::relu_forward(y1, y1);
+  ds::nn::dense_relu_forward(gx, gw, gb, y2);
+  expect_same_bits(y1, y2, "dense + ReLU forward");
+  const ds::Tensor g = random_host({n, out}, 4);
+  ds::Tensor dy1 = to_device(g, d), dy2 = to_device(g, d);
+  ds::Tensor dx1(gx.shape(), f32, d), dw1(gw.shape(), f32, d), db1(gb.shape(), f32, d);
+  ds::Tensor dx2(gx.shape(), f32, d), dw2(gw.shape(), f32, d), db2(gb.shape(), f32, d);
+  ds::nn::relu_backward(y1, dy1, dy1);
+  ds::nn::dense_backward(gx, gw, dy1, &dx1, dw1, db1);
+  ds::nn::dense_relu_backward(gx, gw, y2, dy2, &dx2, dw2, db2);
+  expect_same_bits(dy1, dy2, "dReLU");
+  expect_same_bits(db1, db2, "bias gradient");
+  expect_same_bits(dw1, dw2, "weight gradient");
+  expect_same_bits(dx1, dx2, "input gradient");
+
+  const ds::GpuExec e = ds::gpu_exec(d, "list update test");
+  const std::vector<int64_t> sizes = {1000, 7, 0, 5000};
+  std::vector<ds::UpdateRule> rules(4);
+  rules[0].kind = ds::UpdateRule::Kind::kSgd;
+  rules[0].learning_rate = 0.1f;
+  rules[1] = rules[0];
+  rules[1].momentum = 0.9f;
+  rules[2] = rules[1];
+  rules[2].nesterov = true;
+  rules[3].kind = ds::UpdateRule::Kind::kAdam;
+  rules[3].learning_rate = 0.01f;
+  rules[3].beta1 = 0.9f;
+  rules[3].beta2 = 0.999f;
+  rules[3].epsilon = 1e-7f;
+  for (const ds::UpdateRule& rule : rules) {
+    const int per = ds::update_slot_count(rule);
+    const int count = static_cast<int>(sizes.size());
+    // [tensor][0: var, 1: grad, 2..: slots], per-tensor launches and one list.
+    std::vector<std::vector<ds::Tensor>> one(sizes.size()), list(sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      for (int k = 0; k < 2 + per; ++k) {
+        const ds::Tensor h = k < 2 ? random_host({sizes[i]}, 10 + 3 * i + k, 0.5)
+                                   : ds::Tensor(ds::Shape{sizes[i]}, f32);
+        one[i].push_back(to_device(h, d));
+        list[i].push_back(to_device(h, d));
+      }
+    }
+    for (int64_t step = 1; step <= 3; ++step) {
+      ds::UpdateRule r = rule;
+      r.learning_rate = rule.learning_rate / static_cast<float>(step);
+      std::vector<float*> vars, slots(static_cast<size_t>(per * count));
+      std::vector<const float*> grads;
+      std::vector<size_t> counts;
+      for (int i = 0; i < count; ++i) {
+        std::vector<float*> mine;
+        for (int k = 0; k < per; ++k) mine.push_back(one[i][2 + k].data<float>());
+        e.backend->apply_update(e.ordinal, e.stream, r, one[i][0].data<float>(),
+                                one[i][1].data<float>(), mine.data(), static_cast<size_t>(sizes[i]),
+                                step);
+        vars.push_back(list[i][0].data<float>());
+        grads.push_back(list[i][1].data<float>());
+        counts.push_back(static_cast<size_t>(sizes[i]));
+        for (int k = 0; k < per; ++k) slots[k * count + i] = list[i][2 + k].data<float>();
+      }
+      e.backend->apply_update_list(e.ordinal, e.stream, r, vars.data(), grads.data(), slots.data(),
+                                   counts.data(), count, step);
+    }
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      for (int k = 0; k < 2 + per; ++k) {
+        expect_same_bits(one[i][k], list[i][k],
+                         "rule " + std::to_string(static_cast<int>(rule.kind)) + " tensor " +
+                             std::to_string(i) + " buffer " + std::to_string(k));
+      }
+    }
+  }
 }
 
 // The optimizer kernels against the host rules, through MirroredStrategy on

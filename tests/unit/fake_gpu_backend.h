@@ -456,31 +456,35 @@ class FakeGpuBackend : public ds::GpuBackend {
     float* var = h(var_d);
     const float* grad = h(grad_d);
     if (rule.kind == ds::UpdateRule::Kind::kAdam) ++adam_updates;
-    launch(ordinal, stream, "update", [=] {
-      if (rule.kind == ds::UpdateRule::Kind::kSgd) {
-        for (size_t i = 0; i < count; ++i) {
-          if (rule.momentum == 0.0f) {
-            var[i] -= rule.learning_rate * grad[i];
-          } else {
-            slots[0][i] = rule.momentum * slots[0][i] - rule.learning_rate * grad[i];
-            var[i] += rule.nesterov ? rule.momentum * slots[0][i] - rule.learning_rate * grad[i]
-                                    : slots[0][i];
-          }
-        }
-        return;
-      }
-      // Adam as kernels.cu's adam_kernel: bias correction folded into alpha.
-      const double t = static_cast<double>(step);
-      const float alpha =
-          static_cast<float>(rule.learning_rate * std::sqrt(1.0 - std::pow(rule.beta2, t)) /
-                             (1.0 - std::pow(rule.beta1, t)));
-      const float b1 = rule.beta1, b2 = rule.beta2;
+    launch(ordinal, stream, "update",
+           [=] { update_elements(rule, var, grad, slots.data(), count, step); });
+  }
+  // The rule on one tensor, as kernels.cu's sgd / adam elements do it.
+  static void update_elements(const ds::UpdateRule& rule, float* var, const float* grad,
+                              float* const* slots, size_t count, int64_t step) {
+    if (rule.kind == ds::UpdateRule::Kind::kSgd) {
       for (size_t i = 0; i < count; ++i) {
-        slots[0][i] = b1 * slots[0][i] + (1 - b1) * grad[i];
-        slots[1][i] = b2 * slots[1][i] + (1 - b2) * grad[i] * grad[i];
-        var[i] -= alpha * slots[0][i] / (std::sqrt(slots[1][i]) + rule.epsilon);
+        if (rule.momentum == 0.0f) {
+          var[i] -= rule.learning_rate * grad[i];
+        } else {
+          slots[0][i] = rule.momentum * slots[0][i] - rule.learning_rate * grad[i];
+          var[i] += rule.nesterov ? rule.momentum * slots[0][i] - rule.learning_rate * grad[i]
+                                  : slots[0][i];
+        }
       }
-    });
+      return;
+    }
+    // Adam as kernels.cu's adam_kernel: bias correction folded into alpha.
+    const double t = static_cast<double>(step);
+    const float alpha =
+        static_cast<float>(rule.learning_rate * std::sqrt(1.0 - std::pow(rule.beta2, t)) /
+                           (1.0 - std::pow(rule.beta1, t)));
+    const float b1 = rule.beta1, b2 = rule.beta2;
+    for (size_t i = 0; i < count; ++i) {
+      slots[0][i] = b1 * slots[0][i] + (1 - b1) * grad[i];
+      slots[1][i] = b2 * slots[1][i] + (1 - b2) * grad[i] * grad[i];
+      var[i] -= alpha * slots[0][i] / (std::sqrt(slots[1][i]) + rule.epsilon);
+    }
   }
   void reduce(int ordinal, void* stream, void* dst, const void* const* srcs, int n, size_t count,
               ds::DType dtype, ds::ReduceOp op, int mean_divisor) override {
@@ -990,6 +994,56 @@ class FakeGpuBackend : public ds::GpuBackend {
   // accumulate): a test counts them per step.
   std::atomic<int> training_launches{0};
   // ==== end of the training-feature block ====
+
+  // ==== Fewer launches (issue 44 item 3) ====
+  // The fused layer calls and the list update, each one launch with the
+  // unfused calls' arithmetic in their order (so results are bit-identical).
+  void dense_relu_forward(int ordinal, void* stream, const float* x, const float* w, const float* b,
+                          float* y, int64_t n, int64_t in, int64_t out) override {
+    launch(ordinal, stream, "dense_relu_forward", [=] {
+      ds::Tensor Y = host(y, {n, out});
+      ds::nn::dense_forward(host(x, {n, in}), host(w, {in, out}), host(b, {out}), Y);
+      ds::nn::relu_forward(Y, Y);
+    });
+  }
+  void dense_relu_backward(int ordinal, void* stream, const float* x, const float* w,
+                           const float* y, float* dy, float* dx, float* dw, float* db, int64_t n,
+                           int64_t in, int64_t out) override {
+    launch(ordinal, stream, "dense_relu_backward", [=] {
+      ds::Tensor DY = host(dy, {n, out});
+      ds::nn::relu_backward(host(y, {n, out}), DY, DY);
+      ds::Tensor DX = dx ? host(dx, {n, in}) : ds::Tensor();
+      ds::Tensor DW = host(dw, {in, out}), DB = host(db, {out});
+      ds::nn::dense_backward(host(x, {n, in}), host(w, {in, out}), DY, dx ? &DX : nullptr, DW, DB);
+    });
+  }
+  void apply_update_list(int ordinal, void* stream, const ds::UpdateRule& rule,
+                         float* const* vars_d, const float* const* grads_d, float* const* slots_d,
+                         const size_t* counts, int n, int64_t step) override {
+    if (rule.kind == ds::UpdateRule::Kind::kNone) {
+      throw ds::UnimplementedError("fake backend: the optimizer has no device rule");
+    }
+    updates += n;  // tensors updated on the device
+    if (rule.kind == ds::UpdateRule::Kind::kAdam) adam_updates += n;
+    ++update_lists;
+    const int per = ds::update_slot_count(rule);
+    std::vector<float*> vars, slots;
+    std::vector<const float*> grads;
+    for (int i = 0; i < n; ++i) {
+      vars.push_back(h(vars_d[i]));
+      grads.push_back(h(grads_d[i]));
+      for (int s = 0; s < per; ++s) slots.push_back(h(slots_d[s * n + i]));
+    }
+    std::vector<size_t> sizes(counts, counts + n);
+    launch(ordinal, stream, "update list", [=] {
+      for (size_t i = 0; i < vars.size(); ++i) {
+        update_elements(rule, vars[i], grads[i], slots.data() + i * static_cast<size_t>(per),
+                        sizes[i], step);
+      }
+    });
+  }
+  std::atomic<int> update_lists{0};  // apply_update_list calls
+  // ==== end of the fewer-launches block ====
 };
 
 // A fresh lock directory per test.
