@@ -99,7 +99,10 @@ struct GpuStepSetup {
 // the kernels overwrite whole) and one read per replica (the loss and the
 // label check, between forward and backward). Issue 44's goal is <= 12
 // launches and no read when the loss is not read (one launch for the
-// update, the loss on the device); the budget below is what is built.
+// update, the loss on the device); the budget below is what is built: the
+// loss and the label check stay on the device (0 reads, 2 before) and the
+// input copies no longer zero-fill first (32 launches, 35 before: the
+// loss's device -> host copy and two memsets per replica are gone).
 TEST(GpuStepLaunches, OneMlpStepStaysWithinItsLaunchAndReadBudget) {
   GpuStepSetup s(2);
   s.step();  // warm-up: slots, allocator blocks
@@ -115,7 +118,7 @@ TEST(GpuStepLaunches, OneMlpStepStaysWithinItsLaunchAndReadBudget) {
   const int step_reads = s.fake->host_reads.load() - reads;
   std::printf("[ GpuStep  ] one MLP step per replica: %d launches, %d device->host reads\n",
               step_launches, step_reads);
-  EXPECT_LE(step_launches, 33);
+  EXPECT_LE(step_launches, 32);
   EXPECT_EQ(step_reads, 0) << "the loss stays on the device until it is read";
 }
 
