@@ -525,11 +525,8 @@ class FakeGpuBackend : public ds::GpuBackend {
   std::atomic<int> stream_waits{0}, host_allocs{0}, pinned_frees_with_pending_reads{0};
   // wait_event calls (the host waiting for one mark, e.g. a bounded number of steps in flight).
   std::atomic<int> event_waits{0};
-  // Work enqueued and not finished yet (running included), on every device.
-  size_t queued() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return pending_.size();
-  }
+  // Kernel launches made, and those that have run (their delay included).
+  std::atomic<int> kernels_launched{0}, kernels_run{0};
   // launches by kernel (or "memcpy h2d", "memset", "collective", ...).
   std::map<std::string, int> launched() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -613,6 +610,7 @@ class FakeGpuBackend : public ds::GpuBackend {
   void launch(int ordinal, void* stream, const char* kernel, std::function<void()> fn) {
     begin_call(ordinal, stream, kernel);
     ++launches;
+    ++kernels_launched;
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++launched_[kernel];
@@ -686,6 +684,7 @@ class FakeGpuBackend : public ds::GpuBackend {
         st = op.running ? State::kRunning : wait ? State::kWaiting : State::kRunnable;
       }
       if (st == State::kRunnable && run_inline) {
+        if (op.kernel) ++kernels_run;
         std::function<void()> fn = std::move(pending_[i].fn);
         seqs.erase(op.seq);
         pending_.erase(pending_.begin() + static_cast<long>(i));
@@ -751,6 +750,7 @@ class FakeGpuBackend : public ds::GpuBackend {
         error = e.what();
       }
       lock.lock();
+      if (kernel) ++kernels_run;
       if (!error.empty()) device_error_ = error;  // reported by the next wait
       for (auto it = pending_.begin(); it != pending_.end(); ++it) {
         if (it->seq == seq) {
