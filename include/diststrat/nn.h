@@ -108,7 +108,8 @@ class Mlp {
   // a number, a read that waits for the step's work up to the loss (within
   // the strategy's timeout) and throws the step's device errors (a label out
   // of range: InvalidArgumentError naming the row and the step). Read them
-  // when logging, not every step. On a CPU they are plain values.
+  // when logging, not every step, and while their strategy (its
+  // DeviceManager) lives. On a CPU they are plain values.
   struct Step {
     StepValue<double> loss_sum = 0.0;  // Σ per-example losses of this slice
     StepValue<int64_t> correct = 0;    // rows classified correctly

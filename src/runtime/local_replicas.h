@@ -157,7 +157,8 @@ class LocalReplicas {
   std::vector<Tensor> to_host(const std::vector<Tensor>& ts) const;
   // Makes var.copies: one copy of `initial` (host) per replica on its device;
   // integer variables (step counters) stay in host memory on GPU replicas,
-  // as TensorFlow keeps int32 on the host. Blocks.
+  // as TensorFlow keeps int32 on the host. Returns once `initial` is read
+  // (the device copies are enqueued, from pinned staging).
   void place_copies(Variable::Impl& var, const Tensor& initial) const;
   // Calls fn on copies[i] in replica i's scope (default stream), from the
   // main thread: cross-replica writes of per-replica copies. Blocks.
@@ -177,7 +178,8 @@ void validate_devices(const std::vector<Device>& devices, const char* strategy_n
 // A variable read on a replica whose variables stay in host memory (central
 // storage, parameter-server worker caches): on a GPU replica, a copy of the
 // floating `stored` on `device` made on the replica's stream (call it on the
-// replica thread); otherwise `stored` itself. Blocks until the copy is done.
+// replica thread); otherwise `stored` itself. Returns once `stored` is read
+// (Tensor::copy_from host -> device: the copy itself is enqueued).
 Tensor read_on_replica_device(const Tensor& stored, const Device& device);
 
 // Replaces a GPU tensor by a host copy made in the calling thread's scope
