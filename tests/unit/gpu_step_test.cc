@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <memory>
@@ -225,6 +226,27 @@ TEST(GpuStepAsync, ABadLabelSurfacesAtTheNextSynchronizationNamingItsStep) {
     EXPECT_NE(m.find("in step 3: the label of row 4"), std::string::npos) << m;
   }
   EXPECT_NO_THROW(s.strategy->synchronize()) << "reported once";
+}
+
+// A checkpoint is a synchronization: a bad label of a step before it is
+// reported naming its step, and nothing is saved.
+TEST(GpuStepAsync, ACheckpointReportsTheDeviceErrorsOfTheStepsBeforeIt) {
+  GpuStepSetup s(2, 2);
+  s.y.data<int32_t>()[32 + 20] = 10;
+  s.dist = std::make_unique<ds::DistributedDataset>(
+      s.strategy->distribute(ds::Dataset(s.x, s.y), 32, {false, 0, false}));
+  s.step(0);
+  s.step(1);
+  diststrat_test::TempDir dir("diststrat-gpustep-ckpt-");
+  const std::string path = dir.path() + "/ckpt.safetensors";
+  try {
+    ds::Checkpoint(*s.strategy, {s.opt.get()}).save(path);
+    ADD_FAILURE() << "saved";
+  } catch (const ds::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("in step 1: the label of row 4"), std::string::npos) << m;
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
 }
 
 // The executor runs a stream's work in order on its own thread, without
