@@ -198,6 +198,44 @@ int main(int argc, char** argv) {
     Progress progress(chief, dist.num_batches() * f.epochs, f.progress_seconds);
     diststrat_examples::LossMeter meter(*strategy, "fashion_mnist/train_loss");
 
+    // The loss stays where the step computed it (on a GPU, on the device, so
+    // the step does not wait for it): each step's per-replica loss sums are
+    // kept, then read, reduced, NaN-checked and added to the meter every
+    // kLossEvery steps, at the end of each epoch, and before a checkpoint is
+    // saved or the loop stops (so a diverged model is never saved). Every
+    // worker reads at the same steps (the reduction is collective).
+    constexpr int64_t kLossEvery = 50;
+    struct StepLoss {
+      ds::nn::StepValue<double> sum;  // read when the losses are read
+      double rows = 0;
+    };
+    struct PendingLoss {
+      int64_t step;
+      ds::PerReplica<StepLoss> loss;
+    };
+    std::vector<PendingLoss> pending;
+    auto read_losses = [&] {
+      for (const PendingLoss& p : pending) {
+        std::vector<ds::Tensor> sums;
+        for (const StepLoss& l : p.loss) {
+          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
+          sum_and_rows.data<double>()[0] = l.sum;
+          sum_and_rows.data<double>()[1] = l.rows;
+          sums.push_back(sum_and_rows);
+        }
+        const ds::Tensor step_loss =
+            strategy->reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>(sums));
+        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
+                                             step_loss.data<double>()[1], p.step, "fashion_mnist");
+        meter.add(step_loss);
+      }
+      pending.clear();
+    };
+    auto read_and_save = [&](const Position& at, const char* why) {
+      read_losses();
+      save(at, why);
+    };
+
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0, steps_this_run = 0;
     // Why the run ended early (end_of_step), kGoOn while it has not.
@@ -207,13 +245,16 @@ int main(int argc, char** argv) {
     // from the committed position after each membership change.
     auto train_from = [&](Position& pos) {
       progress.set_enabled(is_chief());
+      // (After an elastic group change: losses of the old group's steps are
+      // not read, as a joiner has none to match.)
+      pending.clear();
       for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
         const int epoch = static_cast<int>(pos.epoch);
         dist.set_epoch(epoch);
         while (pos.batch < dist.num_batches()) {
           const ds::DistributedBatch batch = dist.batch(pos.batch);
           const float scale = 1.0f / static_cast<float>(batch.global_size());
-          ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
+          ds::PerReplica<StepLoss> loss = strategy->run([&](ds::ReplicaContext& ctx) {
             std::vector<ds::Tensor> values;
             for (const ds::Variable& v : params) values.push_back(v.read(ctx));
             ds::nn::Mlp::Step s =
@@ -221,24 +262,21 @@ int main(int argc, char** argv) {
             std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
             for (size_t i = 0; i < params.size(); ++i) gv.emplace_back(s.grads[i], params[i]);
             opt.apply_gradients(ctx, gv);
-            ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
-            sum_and_rows.data<double>()[0] = s.loss_sum;
-            sum_and_rows.data<double>()[1] = static_cast<double>(batch.labels(ctx).shape()[0]);
-            return sum_and_rows;
+            return StepLoss{s.loss_sum, static_cast<double>(batch.labels(ctx).shape()[0])};
           });
-          const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
-          diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
-                                               step_loss.data<double>()[1], pos.step + 1,
-                                               "fashion_mnist");
-          meter.add(step_loss);
+          pending.push_back({pos.step + 1, std::move(loss)});
           samples += batch.global_size();
           ++pos.batch;
+          if ((pos.step + 1) % kLossEvery == 0 || pos.batch == dist.num_batches()) read_losses();
           progress.update(
               epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
           ++steps_this_run;
           ended = diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
-                                                  preemption.get(), save);
-          if (stopped()) return;
+                                                  preemption.get(), read_and_save);
+          if (stopped()) {
+            read_losses();
+            return;
+          }
         }
       }
     };

@@ -264,6 +264,43 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     };
     diststrat_examples::LossMeter meter(*strategy, "torch_fashion_mnist/train_loss");
+    // The loss stays a (device) tensor until it is read: `.item()` every
+    // kLossEvery steps, at the end of each epoch, and before a checkpoint is
+    // saved or the loop stops (so a diverged model is never saved), then
+    // reduced, NaN-checked and added to the meter. Every worker reads at the
+    // same steps (the reduction is collective).
+    constexpr int64_t kLossEvery = 50;
+    struct StepLoss {
+      at::Tensor mean;  // this replica's mean loss (undefined: no rows)
+      double rows = 0;
+    };
+    struct PendingLoss {
+      int64_t step;
+      ds::PerReplica<StepLoss> loss;
+    };
+    std::vector<PendingLoss> pending;
+    auto read_losses = [&] {
+      for (const PendingLoss& p : pending) {
+        std::vector<ds::Tensor> sums;
+        for (const StepLoss& l : p.loss) {
+          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
+          sum_and_rows.data<double>()[0] = l.rows > 0 ? l.mean.item<double>() * l.rows : 0.0;
+          sum_and_rows.data<double>()[1] = l.rows;
+          sums.push_back(sum_and_rows);
+        }
+        const ds::Tensor step_loss =
+            strategy->reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>(sums));
+        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
+                                             step_loss.data<double>()[1], p.step,
+                                             "torch_fashion_mnist");
+        meter.add(step_loss);
+      }
+      pending.clear();
+    };
+    auto read_and_save = [&](const Position& at, const char* why) {
+      read_losses();
+      save(at, why);
+    };
 
     const auto t0 = std::chrono::steady_clock::now();
     int64_t samples = 0, steps_this_run = 0;
@@ -273,12 +310,15 @@ int main(int argc, char** argv) {
     // The loop from `pos`; under --elastic ElasticState::run calls it again
     // from the committed position after each membership change.
     auto train_from = [&](Position& pos) {
+      // (After an elastic group change: losses of the old group's steps are
+      // not read, as a joiner has none to match.)
+      pending.clear();
       for (; pos.epoch < f.epochs; ++pos.epoch, pos.batch = 0) {
         const int epoch = static_cast<int>(pos.epoch);
         dist.set_epoch(epoch);
         while (pos.batch < dist.num_batches()) {
           const ds::DistributedBatch batch = dist.batch(pos.batch);
-          ds::PerReplica<ds::Tensor> loss = strategy->run([&](ds::ReplicaContext& ctx) {
+          ds::PerReplica<StepLoss> loss = strategy->run([&](ds::ReplicaContext& ctx) {
             torch_fashion_mnist::use_intra_op_threads(f.threads);
             CnnImpl& model = *(ps_model ? ps_model->module(ctx) : ddp->module(ctx))->as<CnnImpl>();
             torch::optim::SGD* opt = ps_model ? nullptr : optimizers[ctx.local_replica_id()].get();
@@ -295,19 +335,13 @@ int main(int argc, char** argv) {
                             batch.global_size());  // grads: the global batch's mean
               opt->step();
             }
-            ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
-            sum_and_rows.data<double>()[0] = x.size(0) > 0 ? l.item<double>() * x.size(0) : 0.0;
-            sum_and_rows.data<double>()[1] = static_cast<double>(x.size(0));
-            return sum_and_rows;
+            return StepLoss{l.detach(), static_cast<double>(x.size(0))};
           });
-          const ds::Tensor step_loss = strategy->reduce(ds::ReduceOp::kSum, loss);
-          diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
-                                               step_loss.data<double>()[1], pos.step + 1,
-                                               "torch_fashion_mnist");
-          meter.add(step_loss);
+          pending.push_back({pos.step + 1, std::move(loss)});
           samples += batch.global_size();
           ++pos.batch;
           ++pos.step;
+          if (pos.step % kLossEvery == 0 || pos.batch == dist.num_batches()) read_losses();
           ++steps_this_run;
           if (is_chief() && pos.batch == dist.num_batches()) {
             const double s =
@@ -317,8 +351,11 @@ int main(int argc, char** argv) {
             std::fflush(stdout);
           }
           ended = diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
-                                                  preemption.get(), save);
-          if (stopped()) return;
+                                                  preemption.get(), read_and_save);
+          if (stopped()) {
+            read_losses();
+            return;
+          }
         }
       }
     };

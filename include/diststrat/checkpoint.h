@@ -206,7 +206,8 @@ class Checkpoint {
   // Writes the current state and `metadata` to `path` (see
   // CheckpointParticipant::write_checkpoint). Refuses a state holding NaN or
   // +-Inf (see SaveOptions). Cross-replica context, every process of the job
-  // calls it at the same step. Blocking.
+  // calls it at the same step. Blocking: first Strategy::synchronize() (the
+  // device errors of the steps before it are thrown, naming their step).
   void save(const std::string& path, const CheckpointMetadata& metadata = {},
             const SaveOptions& options = {}) const;
   // Validates `path` against the model completely, then writes every variable

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,51 @@
 
 namespace diststrat {
 namespace nn {
+
+// A number a step computes, read when it is used: on a GPU the value is
+// brought from the device the first time it is converted to T (then kept),
+// so a loop that reads its loss only when logging never waits for the
+// device in between; elsewhere it is the value itself. Copies share the
+// read. The read blocks (bounded by the strategy's timeout) and rethrows
+// the device errors of the work it waits for; thread-safe.
+template <typename T>
+class StepValue {
+ public:
+  StepValue(T value = T()) : value_(value) {}  // NOLINT: a plain value converts
+  // A value that `read` brings (called at most once successfully; a throw
+  // is rethrown by every later read).
+  static StepValue deferred(std::function<T()> read) {
+    StepValue v;
+    v.deferred_ = std::make_shared<Deferred>();
+    v.deferred_->read = std::move(read);
+    return v;
+  }
+  T get() const {
+    if (!deferred_) return value_;
+    std::lock_guard<std::mutex> lock(deferred_->mu);
+    if (deferred_->read) {
+      deferred_->value = deferred_->read();
+      deferred_->read = nullptr;
+    }
+    return deferred_->value;
+  }
+  operator T() const { return get(); }  // NOLINT: reads as the number it is
+  // Whether get() may still have to read the device.
+  bool pending() const {
+    if (!deferred_) return false;
+    std::lock_guard<std::mutex> lock(deferred_->mu);
+    return static_cast<bool>(deferred_->read);
+  }
+
+ private:
+  struct Deferred {
+    std::mutex mu;
+    std::function<T()> read;
+    T value = T();
+  };
+  T value_ = T();
+  std::shared_ptr<Deferred> deferred_;
+};
 
 // y[n, out] = x[n, in] · w[in, out] + b[out]
 void dense_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y);
@@ -55,10 +102,22 @@ class Mlp {
   // Plain tensors with the same initial values as create_variables.
   std::vector<Tensor> init_params(uint64_t seed) const;
 
+  // On a GPU the loss and the count stay on the device: forward_backward
+  // only enqueues (it does not wait between forward and backward), and
+  // loss_sum and correct are read from the device when first converted to
+  // a number, a read that waits for the step's work up to the loss (within
+  // the strategy's timeout) and throws the step's device errors (a label out
+  // of range: InvalidArgumentError naming the row and the step). Read them
+  // when logging, not every step, and while their strategy (its
+  // DeviceManager) lives. On a CPU they are plain values.
   struct Step {
-    double loss_sum = 0;        // Σ per-example losses of this slice
-    int64_t correct = 0;        // rows classified correctly
-    std::vector<Tensor> grads;  // parallel to params, scaled by grad_scale
+    StepValue<double> loss_sum = 0.0;  // Σ per-example losses of this slice
+    StepValue<int64_t> correct = 0;    // rows classified correctly
+    std::vector<Tensor> grads;         // parallel to params, scaled by grad_scale
+    // GPU: the per-row losses (float32 [n]) and hits (int32 [n], 1 where the
+    // arg-max is the label) on the device, for device-side metrics; a
+    // label check failed when the values are read. Undefined on a CPU.
+    Tensor row_losses, row_hits;
   };
   // Called during backward as soon as layer `layer`'s gradients (params
   // 2*layer and 2*layer+1) are ready, last layer first: hand them to

@@ -32,7 +32,13 @@
 //    is done and never wait for a peer longer than the strategy's timeout
 //    (DeadlineExceededError naming the ranks that did not arrive).
 //  - Failure: an exception in one replica aborts the step on every replica
-//    and run() rethrows it, prefixed with the step.
+//    and run() rethrows it, prefixed with the step. GPU replicas: run()
+//    returns once the step's work is enqueued, so an error the device finds
+//    (a label out of range, a failed or hung launch) is thrown at the next
+//    synchronization (a read of a value the device computed, synchronize(),
+//    a checkpoint, a later run() that waits for a step in flight), naming
+//    the step where it happened; the steps enqueued after it ran on its
+//    results.
 //  - Thread safety: one thread drives a Strategy in cross-replica context; the
 //    replica threads it starts use only their own ReplicaContext. Const
 //    accessors (name, devices, cluster, variables) are safe from any thread.
@@ -70,6 +76,14 @@ class PerReplica {
  public:
   PerReplica() = default;
   explicit PerReplica(std::vector<T> values) : values_(std::move(values)) {}
+  // From values of another type that converts to T (run() returning
+  // nn::StepValue<double> into PerReplica<double>: each value is read here).
+  template <typename U, typename = std::enable_if_t<!std::is_same_v<U, T> &&
+                                                    std::is_convertible_v<const U&, T>>>
+  PerReplica(const PerReplica<U>& other) {  // NOLINT: converts like its values
+    values_.reserve(other.size());
+    for (const U& v : other) values_.push_back(static_cast<T>(v));
+  }
   size_t size() const { return values_.size(); }
   const T& operator[](size_t i) const { return values_[i]; }
   T& operator[](size_t i) { return values_[i]; }
@@ -205,7 +219,10 @@ class Strategy {
   Variable variable(const std::string& name) const;
 
   // Runs fn(ReplicaContext&) once per local replica, each on its replica's
-  // thread, and waits for all. Returns PerReplica<R> (nothing for void).
+  // thread, and waits for all. Returns PerReplica<R> (nothing for void). On
+  // GPU replicas the functions enqueue device work that may still run when
+  // run() returns (at most two steps of a replica are in flight; see
+  // synchronize()).
   // If a replica throws, the others are aborted (their pending collectives
   // throw AbortedError) and run() rethrows the first replica's exception.
   // Errors thrown out of run() are prefixed with "step S: " (S as in
@@ -224,6 +241,16 @@ class Strategy {
       return PerReplica<R>(std::move(values));
     }
   }
+
+  // Waits until the work that run() enqueued on this process's GPU replicas
+  // is done, each wait bounded by the strategy's timeout
+  // (DeadlineExceededError naming the replica and device), and throws the
+  // device errors of those steps naming the step where each happened (a
+  // label out of range: InvalidArgumentError). Call it at the end of an
+  // epoch, before timing, or before handing device memory elsewhere; reads
+  // of values, checkpoints and host decisions wait by themselves. No-op on
+  // CPU replicas. Cross-replica context; not collective.
+  void synchronize();
 
   // Values run() returns in this process: one per local replica, or one per
   // local virtual shard in determinism mode.
@@ -388,6 +415,9 @@ class Strategy {
   Tensor on_read_value(const Variable::Impl& var);
   void on_read_assign(Variable& var, const Tensor& value);
 
+  // Waits for this process's GPU replicas (set by the local replicas).
+  friend class LocalReplicas;
+  std::function<void()> synchronize_devices_;
   FaultInjection fault_;
   DeterminismOptions determinism_;
   int64_t step_ = 0;

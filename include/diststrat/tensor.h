@@ -6,9 +6,10 @@
 //
 // Rules: no call communicates. Tensor handles may be copied and destroyed
 // from any thread; writes to one tensor's data from two threads at once are
-// the caller's race, as with any buffer. A copy that touches host memory has
-// completed when it returns; work on GPU memory alone is ordered on the
-// replica's stream (each call says which).
+// the caller's race, as with any buffer. A copy into host memory has
+// completed when it returns; a copy from host memory to a GPU has read its
+// source when it returns (the source may change then) and is ordered on the
+// replica's stream, as is work on GPU memory alone (each call says which).
 #pragma once
 
 #include <cstddef>
@@ -134,9 +135,12 @@ class Tensor {
   // Deep copy into newly owned memory on the same device.
   Tensor clone() const;
   // Copies `src`'s bytes into this tensor; shapes and dtypes must match.
-  // Either side may be on a GPU (same scope rules as the constructor); a copy
-  // that involves host memory has completed when it returns, a device-to-device
-  // copy is ordered on the replica's stream.
+  // Either side may be on a GPU (same scope rules as the constructor). Device
+  // to host: complete when it returns (a bounded wait). Host to device: the
+  // source is staged in pinned memory (kept until the copy has run) and the
+  // copy enqueued on the replica's stream, so it returns without waiting for
+  // the device and the source may be reused at once. Device to device:
+  // ordered on the replica's stream.
   void copy_from(const Tensor& src);
   // Sets every byte to zero (GPU: enqueued on the replica's stream).
   void zero();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <cstring>
 #include <set>
 
 #include "core/device_manager_impl.h"
@@ -149,6 +150,61 @@ std::vector<LogicalDeviceInfo> DeviceManager::Impl::logical_devices() {
   std::vector<LogicalDeviceInfo> out;
   for (const Logical& l : logical) out.push_back(l.info);
   return out;
+}
+
+bool DeviceManager::Impl::copy_to_device_staged(int ordinal, void* dst, const void* src,
+                                                size_t bytes, void* stream) {
+  std::lock_guard<std::mutex> lock(staging_mu_);
+  if (no_pinned_memory_) return false;
+  Staging* use = nullptr;
+  for (Staging& b : staging_) {
+    if (b.ordinal == ordinal && b.bytes >= bytes && backend->event_done(ordinal, b.done)) {
+      use = &b;
+      break;
+    }
+  }
+  if (!use) {
+    // Sizes in powers of two from 64 KiB, so buffers fit later batches.
+    size_t size = size_t{64} << 10;
+    while (size < bytes) size *= 2;
+    void* host = nullptr;
+    try {
+      host = backend->host_alloc(size);
+    } catch (const UnimplementedError&) {
+      no_pinned_memory_ = true;
+      return false;
+    }
+    if (!host) return false;
+    Staging b;
+    b.host = host;
+    b.bytes = size;
+    b.ordinal = ordinal;
+    try {
+      b.done = backend->create_event(ordinal);
+    } catch (...) {
+      backend->host_free(host);
+      throw;
+    }
+    staging_.push_back(b);
+    use = &staging_.back();
+  }
+  std::memcpy(use->host, src, bytes);
+  backend->memcpy_async(ordinal, dst, use->host, bytes, stream);
+  backend->record_event(ordinal, use->done, stream);
+  return true;
+}
+
+DeviceManager::Impl::~Impl() {
+  for (Staging& b : staging_) {
+    try {
+      backend->wait_event(b.ordinal, b.done, DeadlineClock::now() + std::chrono::seconds(30),
+                          "a staged host -> device copy at DeviceManager destruction");
+    } catch (...) {
+      continue;  // a copy that may still read the buffer: leak it rather than free it
+    }
+    backend->destroy_event(b.ordinal, b.done);
+    backend->host_free(b.host);
+  }
 }
 
 // ---- DeviceManager -----------------------------------------------------------

@@ -49,6 +49,26 @@ struct DeviceManager::Impl {
   // the deleter keeps alive).
   std::shared_ptr<void> allocate_raw(const Device& device, size_t bytes, void* stream = nullptr);
   std::vector<LogicalDeviceInfo> logical_devices();
+
+  // Host -> device copies without a host wait (Tensor::copy_from): `src` is
+  // copied into a pinned host buffer, and the device copy enqueued on
+  // `stream` from it; the buffer is reused only after an event recorded
+  // behind that copy has passed (so it outlives the copy). Returns false,
+  // having done nothing, when the backend has no pinned memory left (or
+  // none at all): the caller copies from `src` itself.
+  bool copy_to_device_staged(int ordinal, void* dst, const void* src, size_t bytes, void* stream);
+  ~Impl();  // frees the staging buffers once their copies are done (bounded wait)
+
+ private:
+  struct Staging {
+    void* host = nullptr;
+    size_t bytes = 0;
+    int ordinal = 0;
+    void* done = nullptr;  // event behind the buffer's latest copy
+  };
+  std::mutex staging_mu_;
+  std::vector<Staging> staging_;
+  bool no_pinned_memory_ = false;
 };
 
 // The library's access to a DeviceManager's internals, and the constructor

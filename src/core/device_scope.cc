@@ -53,4 +53,61 @@ std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes,
   return mem;
 }
 
+void* live_stream(const GpuExec& e) {
+  return e.stream && !e.backend->stream_alive(e.ordinal, e.stream) ? nullptr : e.stream;
+}
+
+void DeviceChecks::add(Check check) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.push_back(std::move(check));
+}
+
+size_t DeviceChecks::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.size();
+}
+
+void DeviceChecks::drop(const Tensor& flag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+    if (it->flag.same_storage(flag)) {
+      pending_.erase(it);
+      return;
+    }
+  }
+}
+
+void DeviceChecks::run() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pending_.empty()) return;
+  std::vector<Check> checks;
+  checks.swap(pending_);
+  const Check& last = checks.back();
+  const GpuExec& e = last.exec;
+  void* stream = live_stream(e);
+  const auto read = [&](const Check& c, const Tensor& t) {
+    int32_t v = 0;
+    c.exec.backend->copy_to_host(c.exec.ordinal, &v, t.data(), sizeof v, live_stream(c.exec),
+                                 c.exec.deadline(),
+                                 "the device checks of step " + std::to_string(c.step));
+    return v;
+  };
+  Tensor any_flag = last.flag;
+  if (checks.size() > 1) {
+    // The max of every flag into the newest one's scratch: one launch and
+    // one read when all are fine. The checks of one replica share its
+    // device (and at most kMaxPending + 1 fit one reduce launch).
+    std::vector<const void*> srcs;
+    for (const Check& c : checks) srcs.push_back(c.flag.data());
+    any_flag = last.scratch;
+    e.backend->reduce(e.ordinal, stream, any_flag.data(), srcs.data(),
+                      static_cast<int>(srcs.size()), 1, DType::kInt32, ReduceOp::kMax, 0);
+  }
+  if (read(last, any_flag) == 0) return;
+  for (const Check& c : checks) {
+    const int32_t v = read(c, c.flag);
+    if (v != 0) throw InvalidArgumentError(c.message(v));
+  }
+}
+
 }  // namespace diststrat

@@ -8,16 +8,22 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <vector>
 #include <memory>
 #include <string>
 
 #include "core/gpu_backend.h"
 #include "diststrat/device.h"
 #include "diststrat/logging.h"
+#include "diststrat/tensor.h"
 
 namespace diststrat {
 
 class DeviceManager;
+class DeviceChecks;
 
 struct ExecScope {
   Device device;
@@ -25,6 +31,10 @@ struct ExecScope {
   void* stream = nullptr;            // the replica's stream (GPU)
   const PlacementLog* placement = nullptr;
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};  // bound of every wait
+  // A GPU replica's checks of enqueued work (below), and the step it runs
+  // (-1: not a numbered step); null / -1 elsewhere.
+  std::shared_ptr<DeviceChecks> checks;
+  int64_t step = -1;
 };
 
 // The innermost scope of this thread, or null.
@@ -66,5 +76,47 @@ GpuExec gpu_exec(const Device& device, const char* op);
 // zero-filled on the scope's stream unless `zero` is false (Tensor's
 // constructor and Tensor::uninitialized use it).
 std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes, bool zero = true);
+
+}  // namespace diststrat
+
+namespace diststrat {
+
+// Checks that only the device can make of work it runs later (a label out of
+// range in the loss kernel): each is a device int32 flag, 0 when fine, else
+// 1 + the offending row, that the host reads at the next synchronization
+// instead of waiting for the step. One per GPU replica (its ExecScope's),
+// shared with the values its steps leave to be read later. Thread-safe.
+class DeviceChecks {
+ public:
+  struct Check {
+    Tensor flag;     // int32 [1] on the replica's device
+    Tensor scratch;  // int32 [1] beside it: where the checks' max goes
+    GpuExec exec;
+    int64_t step = -1;
+    // The error for a flag v != 0 (v - 1 is the row).
+    std::function<std::string(int32_t v)> message;
+  };
+  // Pending checks past which the replica reads them at the end of its
+  // step (one device max of them all, one read).
+  static constexpr size_t kMaxPending = 16;
+
+  void add(Check check);
+  size_t pending() const;
+  // Forgets the check of `flag` (its owner read it itself).
+  void drop(const Tensor& flag);
+  // Reads every pending check (one launch and one device -> host read; more
+  // only when one failed) within the checks' deadline, forgets them, and
+  // throws InvalidArgumentError with the message of the earliest that
+  // failed ("... in step S: ...").
+  void run();
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Check> pending_;
+};
+
+// The stream `e` names when it still exists, else the device's default
+// stream (a value read after its strategy, and so its streams, are gone).
+void* live_stream(const GpuExec& e);
 
 }  // namespace diststrat

@@ -1,6 +1,9 @@
 // Defaults of the optional GpuBackend capabilities, and the registration seam.
 #include "core/gpu_backend.h"
 
+#include <algorithm>
+#include <thread>
+
 #include "diststrat/config.h"
 
 #if DISTSTRAT_HAVE_CUDA
@@ -22,6 +25,18 @@ void GpuBackend::copy_to_host(int ordinal, void* dst, const void* src, size_t by
 
 void GpuBackend::stream_wait_event(int, void*, void*) {
   throw_unavailable_in(*this, "stream_wait_event");
+}
+void GpuBackend::wait_event(int ordinal, void* event, DeadlineClock::time_point deadline,
+                            const std::string& what) {
+  auto pause = std::chrono::microseconds(20);
+  while (!event_done(ordinal, event)) {
+    if (DeadlineClock::now() >= deadline) {
+      throw DeadlineExceededError(what + ": the work on GPU ordinal " + std::to_string(ordinal) +
+                                  " did not finish before the deadline");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(2));
+  }
 }
 void* GpuBackend::host_alloc(size_t) { throw_unavailable_in(*this, "host_alloc"); }
 void GpuBackend::host_free(void* ptr) {

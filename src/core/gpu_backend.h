@@ -109,6 +109,13 @@ class GpuBackend {
   // two streams without the host waiting (cudaStreamWaitEvent). Only
   // enqueues. Default: UnimplementedError.
   virtual void stream_wait_event(int ordinal, void* stream, void* event);
+  // Returns when the work before `event`'s last record_event is done (at
+  // once for an event never recorded); throws DeadlineExceededError naming
+  // `what` past `deadline`, or the error the work raised. Waits for that
+  // mark only, not for what was enqueued after it (a bounded number of steps
+  // in flight). Default: polls event_done until the deadline.
+  virtual void wait_event(int ordinal, void* event, DeadlineClock::time_point deadline,
+                          const std::string& what);
 
   // ---- pinned host memory ----
   // Page-locked host memory (cudaHostAlloc): a copy from it to the device is

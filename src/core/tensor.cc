@@ -165,8 +165,9 @@ void Tensor::copy_from(const Tensor& src) {
     std::memmove(data(), src.data(), nbytes());
     return;
   }
-  // Any copy that touches a GPU is enqueued on the GPU side's stream; when
-  // host memory is involved it completes before returning.
+  // Any copy that touches a GPU is enqueued on the GPU side's stream. Device
+  // -> host completes before returning; host -> device returns once the
+  // source is read.
   const Device& gpu = device_.is_gpu() ? device_ : src.device_;
   const GpuExec e = gpu_exec(gpu, "copy_from");
   if (device_.is_cpu()) {  // device -> host: bounded wait, staged when pageable
@@ -174,10 +175,16 @@ void Tensor::copy_from(const Tensor& src) {
                             "copy of " + src.debug_string() + " into " + debug_string());
     return;
   }
-  e.backend->memcpy_async(e.ordinal, data(), src.data(), nbytes(), e.stream);
   if (src.device_.is_cpu()) {
+    // Host -> device: staged through pinned memory that outlives the copy,
+    // so the host goes on at once; pageable when none is to be had.
+    DeviceManager::Impl& dm = DeviceManagerAccess::impl(*current_exec_scope()->devices);
+    if (dm.copy_to_device_staged(e.ordinal, data(), src.data(), nbytes(), e.stream)) return;
+    e.backend->memcpy_async(e.ordinal, data(), src.data(), nbytes(), e.stream);
     e.synchronize("copy of " + src.debug_string() + " into " + debug_string());
+    return;
   }
+  e.backend->memcpy_async(e.ordinal, data(), src.data(), nbytes(), e.stream);
 }
 
 void Tensor::zero() {

@@ -60,6 +60,8 @@ class CudaBackend : public GpuBackend {
   bool event_done(int ordinal, void* event) override;
   void destroy_event(int ordinal, void* event) override;
   void stream_wait_event(int ordinal, void* stream, void* event) override;
+  void wait_event(int ordinal, void* event, DeadlineClock::time_point deadline,
+                  const std::string& what) override;
   void* host_alloc(size_t bytes) override;
   void host_free(void* ptr) override;
 

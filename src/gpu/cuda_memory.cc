@@ -101,7 +101,7 @@ void CudaBackend::copy_to_host(int ordinal, void* dst, const void* src, size_t b
   size_t pending_off[2] = {0, 0}, pending_len[2] = {0, 0};
   auto drain = [&](int b) {
     if (!pending_len[b]) return;
-    wait_event(stage[b]->done, deadline, what);
+    gpu::wait_event(stage[b]->done, deadline, what);
     std::memcpy(out + pending_off[b], stage[b]->buf, pending_len[b]);
     pending_len[b] = 0;
   };

@@ -115,6 +115,12 @@ void CudaBackend::stream_wait_event(int ordinal, void* stream, void* event) {
   DISTSTRAT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event), 0));
 }
 
+void CudaBackend::wait_event(int ordinal, void* event, DeadlineClock::time_point deadline,
+                             const std::string& what) {
+  DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+  gpu::wait_event(event, deadline, what + " on GPU ordinal " + std::to_string(ordinal));
+}
+
 void CudaBackend::destroy_event(int ordinal, void* event) {
   if (!event) return;
   cudaSetDevice(ordinal);

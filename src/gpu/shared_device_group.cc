@@ -32,13 +32,15 @@ struct Arrival {
 };
 
 struct Shared {
-  Shared(int n, int ordinal) : n(n), ordinal(ordinal), arrivals(n), ready(n), here(n, false) {}
+  Shared(int n, int ordinal)
+      : n(n), ordinal(ordinal), arrivals(n), ready(n), done(n), here(n, false) {}
   const int n;
   const int ordinal;
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Arrival> arrivals;
   std::vector<cudaEvent_t> ready;  // per rank: its inputs are ready
+  std::vector<cudaEvent_t> done;   // per rank: its part of the collective ran
   // Reusable barrier: generation advances when all n arrived.
   std::vector<bool> here;
   int arrived = 0;
@@ -217,8 +219,15 @@ class SharedDeviceCommunicator : public Communicator {
       if (k != rank_) DISTSTRAT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(), shared_->ready[k], 0));
     }
     body(all);
-    wait_stream(stream_, until, detail::str_cat("rank ", rank_, " ", what));
+    // Step 4 on the device: every rank's stream goes on only after every
+    // peer's part ran (an event recorded before the exit meeting is re-
+    // recorded only after the next enter meeting, when every peer's wait
+    // for it is enqueued).
+    DISTSTRAT_CUDA_CHECK(cudaEventRecord(shared_->done[rank_], as_stream()));
     shared_->meet(rank_, what + " (exit)", until);
+    for (int k = 0; k < shared_->n; ++k) {
+      if (k != rank_) DISTSTRAT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(), shared_->done[k], 0));
+    }
   }
 
   std::shared_ptr<Shared> shared_;
@@ -239,12 +248,16 @@ std::vector<std::unique_ptr<Communicator>> make_shared_device_group(
     for (cudaEvent_t e : s->ready) {
       if (e) cudaEventDestroy(e);
     }
+    for (cudaEvent_t e : s->done) {
+      if (e) cudaEventDestroy(e);
+    }
     clear_last_error();  // cleanup: failures are deliberately ignored
     delete s;
   });
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(spec.ordinal));
   for (int r = 0; r < n; ++r) {
     DISTSTRAT_CUDA_CHECK(cudaEventCreateWithFlags(&shared->ready[r], cudaEventDisableTiming));
+    DISTSTRAT_CUDA_CHECK(cudaEventCreateWithFlags(&shared->done[r], cudaEventDisableTiming));
   }
   std::vector<std::unique_ptr<Communicator>> out;
   for (int r = 0; r < n; ++r) {

@@ -11,8 +11,12 @@
 //     3. reduce slice r (count/n elements, 64-element aligned) of all n
 //        inputs and write it into all n outputs — one pass: the slice is read
 //        n times and written n times, which is the least traffic possible;
-//     4. wait for r's stream (deadline) and meet again, so no replica reuses
-//        its buffers while a peer's kernel still reads or writes them.
+//     4. record an event behind r's kernel, meet again (host barrier: every
+//        rank has recorded), and make r's stream wait for every peer's event,
+//        so no replica's later work reuses its buffers while a peer's kernel
+//        still reads or writes them. The host never waits for the device
+//        here: a failed or hung kernel surfaces at the replica's next wait
+//        (each bounded by the deadline), naming the step.
 // In place (in == out) is safe: element i is read and written only by the
 // kernel of the rank that owns i's slice.
 #pragma once

@@ -389,6 +389,9 @@ void Checkpoint::save(const std::string& path, const CheckpointMetadata& metadat
 void Checkpoint::write(const std::string& path, const CheckpointMetadata& metadata,
                        const SaveOptions& options) const {
   participant().check_checkpoint_supported(*strategy_, "Checkpoint::save '" + path + "'");
+  // The steps enqueued on GPU replicas finish first, and their device errors
+  // (a label out of range) are thrown naming their step, not saved.
+  strategy_->synchronize();
   CheckpointParticipant& p = participant();
   // The file writer (the chief's save_safetensors_reserved) scans every
   // tensor for NaN/Inf on its CRC pass unless the file says it may hold them;

@@ -3,6 +3,8 @@
 // row-major tensor memory, no copies, single-threaded: one replica = one
 // worker thread).
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "core/cpu_isa.h"
@@ -49,34 +51,85 @@ bool on_gpu(const Device& device, const char* op) {
   return device.is_gpu();
 }
 
-// Per-row loss and correctness of logits against labels on a GPU; throws for
-// a label out of range. dlogits may be a scratch tensor.
+// Per-row loss and correctness of logits against labels on a GPU, enqueued:
+// the kernel writes loss (float bits), correct and the bad-row flag into one
+// device buffer [loss n | correct n | flag | scratch], so one device -> host
+// copy (one wait) brings all three back when they are read. Inside a GPU
+// replica's step the flag is also left to its DeviceChecks, so a bad label
+// surfaces at the next synchronization even when nobody reads the loss.
+// dlogits may be a scratch tensor.
 struct GpuXent {
-  std::vector<float> loss;
-  std::vector<int32_t> correct;
+  Tensor packed;  // int32 [2n + 2] on the device
+  int64_t n = 0, k = 0;
+  GpuExec exec;
+  std::shared_ptr<DeviceChecks> checks;  // null outside a GPU replica's step
+  int64_t step = -1;
+  std::string op;
+
+  Tensor losses() const { return packed.slice_rows(0, n); }
+  Tensor flag() const { return packed.slice_rows(2 * n, 2 * n + 1); }
+  std::string message(int32_t bad) const {
+    return op + (step >= 0 ? " in step " + std::to_string(step) : std::string()) +
+           ": the label of row " + std::to_string(bad - 1) + " is outside [0, " +
+           std::to_string(k) + ")";
+  }
+  // Host copies of the per-row values; throws for a label out of range
+  // (the earliest failed check of the replica first).
+  struct Host {
+    std::vector<float> loss;
+    std::vector<int32_t> correct;
+  };
+  Host read() const {
+    std::vector<int32_t> host(static_cast<size_t>(2 * n + 1));
+    exec.backend->copy_to_host(
+        exec.ordinal, host.data(), packed.data(), host.size() * 4, live_stream(exec),
+        exec.deadline(),
+        op + "'s loss" + (step >= 0 ? " of step " + std::to_string(step) : std::string()) + " on " +
+            packed.device().to_string());
+    const int32_t bad_row = host[static_cast<size_t>(2 * n)];
+    if (checks) {
+      if (bad_row == 0) checks->drop(flag());  // read here: fine
+      checks->run();  // earlier steps' checks (and this one's when it failed)
+    }
+    DISTSTRAT_CHECK(bad_row == 0, kInvalidArgument, message(bad_row));
+    Host out;
+    out.loss.resize(static_cast<size_t>(n));
+    std::memcpy(out.loss.data(), host.data(), sizeof(float) * static_cast<size_t>(n));
+    out.correct.assign(host.begin() + n, host.begin() + 2 * n);
+    return out;
+  }
 };
 GpuXent gpu_xent(const Tensor& logits, const Tensor& labels, Tensor& dlogits, float scale,
-                 const char* op) {
+                 const char* op, bool deferred) {
   const Device& d = logits.device();
-  const int64_t n = logits.shape()[0], k = logits.shape()[1];
-  const GpuExec e = gpu_exec(d, op);
-  // loss (float bits), correct and the bad-row flag in one device buffer, so
-  // one device -> host copy (one wait) brings all three back.
-  Tensor packed = Tensor::uninitialized(Shape{2 * n + 1}, DType::kInt32, d);  // written whole
-  int32_t* base = packed.data<int32_t>();
-  e.backend->softmax_cross_entropy(
-      e.ordinal, e.stream, logits.data<float>(), labels.data<int32_t>(), dlogits.data<float>(),
-      reinterpret_cast<float*>(base), base + n, base + 2 * n, n, k, scale);
-  std::vector<int32_t> host(static_cast<size_t>(2 * n + 1));
-  Tensor::wrap(host.data(), Shape{2 * n + 1}, DType::kInt32).copy_from(packed);
-  GpuXent out;
-  out.loss.resize(static_cast<size_t>(n));
-  std::memcpy(out.loss.data(), host.data(), sizeof(float) * static_cast<size_t>(n));
-  out.correct.assign(host.begin() + n, host.begin() + 2 * n);
-  const int32_t bad_row = host[static_cast<size_t>(2 * n)];
-  DISTSTRAT_CHECK(bad_row == 0, kInvalidArgument, op, ": the label of row ", bad_row - 1,
-                  " is outside [0, ", k, ")");
-  return out;
+  GpuXent x;
+  x.n = logits.shape()[0];
+  x.k = logits.shape()[1];
+  x.exec = gpu_exec(d, op);
+  x.op = op;
+  x.packed = Tensor::uninitialized(Shape{2 * x.n + 2}, DType::kInt32, d);  // written whole
+  int32_t* base = x.packed.data<int32_t>();
+  x.exec.backend->softmax_cross_entropy(x.exec.ordinal, x.exec.stream, logits.data<float>(),
+                                        labels.data<int32_t>(), dlogits.data<float>(),
+                                        reinterpret_cast<float*>(base), base + x.n, base + 2 * x.n,
+                                        x.n, x.k, scale);
+  const ExecScope* scope = current_exec_scope();
+  if (deferred && scope && scope->checks) {
+    x.checks = scope->checks;
+    x.step = scope->step;
+    DeviceChecks::Check c;
+    c.flag = x.flag();
+    c.scratch = x.packed.slice_rows(2 * x.n + 1, 2 * x.n + 2);
+    c.exec = x.exec;
+    c.step = x.step;
+    GpuXent text;  // what the message needs, not the checks (no cycle)
+    text.op = x.op;
+    text.step = x.step;
+    text.k = x.k;
+    c.message = [text](int32_t v) { return text.message(v); };
+    x.checks->add(std::move(c));
+  }
+  return x;
 }
 }  // namespace
 
@@ -237,7 +290,8 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor&
   check_xent_operands(logits, labels, dlogits, dev);
   if (on_gpu(dev, "softmax_cross_entropy")) {
     if (logits.shape()[0] == 0) return 0.0;
-    GpuXent r = gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy");
+    const GpuXent::Host r =
+        gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy", false).read();
     double loss = 0.0;
     for (float l : r.loss) loss += l;
     return loss;
@@ -252,24 +306,37 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& labels, Tensor&
                                             grad_scale);
 }
 
-double softmax_cross_entropy_counted(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
-                                     float grad_scale, int64_t* correct) {
+XentStep softmax_cross_entropy_deferred(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
+                                        float grad_scale) {
   const Device& dev = logits.device();
+  XentStep out;
   if (!dev.is_gpu() || logits.shape().rank() != 2 || logits.shape()[0] == 0) {
-    const double loss = softmax_cross_entropy(logits, labels, dlogits, grad_scale);
-    *correct = count_correct(logits, labels);
-    return loss;
+    out.loss_sum = softmax_cross_entropy(logits, labels, dlogits, grad_scale);
+    out.correct = count_correct(logits, labels);
+    return out;
   }
   // The public call validates the operands; then one kernel gives both.
   check_xent_operands(logits, labels, dlogits, dev);
   on_gpu(dev, "softmax_cross_entropy");
-  GpuXent r = gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy");
-  double loss = 0.0;
-  for (float l : r.loss) loss += l;
-  int64_t c = 0;
-  for (int32_t v : r.correct) c += v;
-  *correct = c;
-  return loss;
+  auto x = std::make_shared<const GpuXent>(
+      gpu_xent(logits, labels, dlogits, grad_scale, "softmax_cross_entropy", true));
+  // Both values come from one read, made by whichever is read first.
+  struct Sums {
+    double loss = 0.0;
+    int64_t correct = 0;
+  };
+  auto sums = std::make_shared<StepValue<Sums>>(StepValue<Sums>::deferred([x] {
+    const GpuXent::Host r = x->read();
+    Sums s;
+    for (float l : r.loss) s.loss += l;
+    for (int32_t v : r.correct) s.correct += v;
+    return s;
+  }));
+  out.loss_sum = StepValue<double>::deferred([sums] { return sums->get().loss; });
+  out.correct = StepValue<int64_t>::deferred([sums] { return sums->get().correct; });
+  out.row_losses = x->losses().reshape(Shape{x->n});
+  out.row_hits = x->packed.slice_rows(x->n, 2 * x->n);
+  return out;
 }
 
 int64_t count_correct(const Tensor& logits, const Tensor& labels) {
@@ -281,7 +348,7 @@ int64_t count_correct(const Tensor& logits, const Tensor& labels) {
   if (on_gpu(dev, "count_correct")) {
     if (n == 0) return 0;
     Tensor scratch(logits.shape(), DType::kFloat32, dev);
-    GpuXent r = gpu_xent(logits, labels, scratch, 1.0f, "count_correct");
+    const GpuXent::Host r = gpu_xent(logits, labels, scratch, 1.0f, "count_correct", false).read();
     int64_t c = 0;
     for (int32_t v : r.correct) c += v;
     return c;

@@ -4,16 +4,23 @@
 
 #include <cstdint>
 
+#include "diststrat/nn.h"
 #include "diststrat/tensor.h"
 
 namespace diststrat {
 namespace nn {
 
-// softmax_cross_entropy, also returning count_correct(logits, labels) in
-// *correct. On a GPU both come from one kernel and one device -> host copy
-// (the two public calls would run the softmax and wait twice).
-double softmax_cross_entropy_counted(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
-                                     float grad_scale, int64_t* correct);
+// softmax_cross_entropy and count_correct(logits, labels) from one pass.
+// On a GPU one kernel gives both and nothing waits: the values are read
+// from the device when first used (Mlp::Step's rule), and the label check
+// is left to the replica's DeviceChecks; on a CPU they are computed here.
+struct XentStep {
+  StepValue<double> loss_sum;
+  StepValue<int64_t> correct;
+  Tensor row_losses, row_hits;  // GPU only: device views of the per-row values
+};
+XentStep softmax_cross_entropy_deferred(const Tensor& logits, const Tensor& labels, Tensor& dlogits,
+                                        float grad_scale);
 
 // dense_forward, then relu_forward(y, y); on a GPU one fused backend call
 // (GpuBackend::dense_relu_forward). Same operand rules as dense_forward.

@@ -88,9 +88,13 @@ Mlp::Step Mlp::forward_backward(const std::vector<Tensor>& params, const Tensor&
   }
   Step step;
   Tensor dy = Tensor::uninitialized(acts.back().shape(), DType::kFloat32, x.device());
-  step.correct = 0;
-  step.loss_sum =
-      n ? softmax_cross_entropy_counted(acts.back(), labels, dy, grad_scale, &step.correct) : 0.0;
+  if (n) {
+    XentStep xent = softmax_cross_entropy_deferred(acts.back(), labels, dy, grad_scale);
+    step.loss_sum = xent.loss_sum;
+    step.correct = xent.correct;
+    step.row_losses = xent.row_losses;
+    step.row_hits = xent.row_hits;
+  }
   step.grads = gradient_buffers(params, x.device());
   for (size_t l = layers; l-- > 0;) {
     Tensor& dw = step.grads[2 * l];

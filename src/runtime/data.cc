@@ -99,7 +99,8 @@ const Tensor& on_device(const std::vector<Tensor>& host, std::vector<Tensor>& ca
   if (ctx.device().is_cpu() || host[i].device() == ctx.device()) return host[i];
   DISTSTRAT_CHECK_EQ(cache.size(), host.size(), what, ": device cache");
   if (!cache[i].defined()) {
-    // copy_from writes it whole: no zero-filling memset first.
+    // Overwritten whole by the copy (no memset); the copy is staged
+    // through pinned memory and does not wait for the device.
     Tensor t = Tensor::uninitialized(host[i].shape(), host[i].dtype(), ctx.device());
     t.copy_from(host[i]);
     cache[i] = t;

@@ -108,11 +108,68 @@ LocalReplicasCore::LocalReplicasCore(Strategy* strategy, std::vector<Device> dev
 LocalReplicasCore::~LocalReplicasCore() {
   device_comms.clear();
   if (gpus) {
+    // No wait here (a hung launch must not hang the destructor): events and
+    // streams go with work still queued, as CUDA allows.
     DeviceManager::Impl& dm = DeviceManagerAccess::impl(*gpus);
     for (size_t i = 0; i < streams.size(); ++i) {
-      dm.backend->destroy_stream(dm.ordinal_of(devices[i]), streams[i]);
+      const int ordinal = dm.ordinal_of(devices[i]);
+      for (void* e : in_flight[i]) dm.backend->destroy_event(ordinal, e);
+      for (void* e : spare_events[i]) dm.backend->destroy_event(ordinal, e);
+      dm.backend->destroy_stream(ordinal, streams[i]);
     }
   }
+}
+
+void LocalReplicasCore::end_step(int i) {
+  const size_t r = static_cast<size_t>(i);
+  const Device& d = devices[r];
+  const GpuExec e = gpu_exec(d, "replica step");
+  std::vector<void*>& spare = spare_events[r];
+  void* mark = nullptr;
+  if (spare.empty()) {
+    mark = e.backend->create_event(e.ordinal);
+  } else {
+    mark = spare.back();
+    spare.pop_back();
+  }
+  std::deque<void*>& q = in_flight[r];
+  try {
+    e.backend->record_event(e.ordinal, mark, e.stream);
+  } catch (...) {
+    spare.push_back(mark);
+    throw;
+  }
+  q.push_back(mark);
+  const int64_t s = step.load();
+  while (q.size() > kMaxStepsInFlight) {
+    e.backend->wait_event(
+        e.ordinal, q.front(), e.deadline(),
+        "replica " + std::to_string(i) + " on " + d.to_string() + ": waiting for its step " +
+            std::to_string(s - static_cast<int64_t>(kMaxStepsInFlight)) + " (at most " +
+            std::to_string(kMaxStepsInFlight) + " steps in flight)");
+    spare.push_back(q.front());
+    q.pop_front();
+  }
+  if (checks[r]->pending() >= DeviceChecks::kMaxPending) checks[r]->run();
+}
+
+void LocalReplicasCore::synchronize() {
+  if (!gpus) return;
+  std::exception_ptr first;
+  for (int i = 0; i < size(); ++i) {
+    const size_t r = static_cast<size_t>(i);
+    try {
+      ScopedExec scoped(scope(i, /*with_stream=*/true));
+      const GpuExec e = gpu_exec(devices[r], "synchronize");
+      e.synchronize("replica " + std::to_string(i) + "'s steps on " + devices[r].to_string());
+      for (void* m : in_flight[r]) spare_events[r].push_back(m);
+      in_flight[r].clear();
+      checks[r]->run();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 ExecScope LocalReplicasCore::scope(int i, bool with_stream) const {
@@ -122,6 +179,8 @@ ExecScope LocalReplicasCore::scope(int i, bool with_stream) const {
   s.stream = with_stream && !streams.empty() ? streams[static_cast<size_t>(i)] : nullptr;
   s.placement = &strategy->placement_log();
   s.timeout = options.timeout;
+  if (!checks.empty()) s.checks = checks[static_cast<size_t>(i)];
+  s.step = step.load();
   return s;
 }
 
@@ -150,6 +209,10 @@ LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
     std::vector<int> ordinals;
     for (const Device& d : c.devices) ordinals.push_back(dm.ordinal_of(d));
     for (int o : ordinals) c.streams.push_back(backend.create_stream(o));
+    for (size_t i = 0; i < ordinals.size(); ++i)
+      c.checks.push_back(std::make_shared<DeviceChecks>());
+    c.in_flight.resize(ordinals.size());
+    c.spare_events.resize(ordinals.size());
     const std::set<int> distinct(ordinals.begin(), ordinals.end());
     const Algorithm a = c.options.algorithm;
     const bool shared = distinct.size() == 1;
@@ -185,6 +248,11 @@ LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
   for (int i = 0; i < size(); ++i) {
     c.contexts.push_back(std::make_unique<LocalReplicaContext>(core_.get(), i));
   }
+  // Strategy::synchronize reaches the newest replicas of the strategy.
+  std::weak_ptr<LocalReplicasCore> weak = core_;
+  strategy->synchronize_devices_ = [weak] {
+    if (std::shared_ptr<LocalReplicasCore> c = weak.lock()) c->synchronize();
+  };
 }
 
 int LocalReplicas::replica_of(const Device& d) const {
@@ -237,6 +305,7 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
   const int in_sync = core_->strategy->num_replicas_in_sync();
   if (core_->first_replica != first_id) core_->first_replica = first_id;
   if (core_->num_in_sync != in_sync) core_->num_in_sync = in_sync;
+  core_->step = core_->strategy->steps_run() - 1;
   // The task owns everything it refers to (the core and a copy of fn), so a
   // replica abandoned inside it never sees them freed.
   ThreadPool::Result result = pool_.run_all(
@@ -244,12 +313,9 @@ void LocalReplicas::run(const std::function<void(ReplicaContext&)>& fn) {
         ScopedExec scoped(core->scope(i, /*with_stream=*/true));
         try {
           fn(*core->contexts[static_cast<size_t>(i)]);
-          if (core->gpus) {
-            // The step's device work is complete when run() returns.
-            const Device& d = core->devices[static_cast<size_t>(i)];
-            const GpuExec e = gpu_exec(d, "replica step");
-            e.synchronize("replica " + std::to_string(i) + "'s step on " + d.to_string());
-          }
+          // The step's device work is enqueued, not done, when run()
+          // returns: the host waits only for the steps beyond the bound.
+          if (core->gpus) core->end_step(i);
         } catch (const AbortedError&) {
           throw;  // caused by another replica's failure
         } catch (const std::exception& e) {

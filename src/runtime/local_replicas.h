@@ -5,6 +5,8 @@
 // storage build on it.
 #pragma once
 
+#include <atomic>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +69,17 @@ struct LocalReplicasCore {
 
   int size() const { return static_cast<int>(devices.size()); }
   ExecScope scope(int i, bool with_stream) const;
+  // GPU replicas: at most this many of a replica's steps are in flight when
+  // run() returns (the host waits for the oldest beyond it).
+  static constexpr size_t kMaxStepsInFlight = 2;
+  // The end of replica i's step on its thread (GPU): marks the step on the
+  // stream, waits (bounded) for the step kMaxStepsInFlight before it, and
+  // reads the replica's device checks when kMaxPending have piled up.
+  void end_step(int i);
+  // From the strategy's thread between steps: waits (bounded) for every
+  // replica's enqueued work and reads its device checks; throws the first
+  // error (after trying every replica).
+  void synchronize();
   // Aborts replica i's communicators (its peers' pending collectives throw).
   void abort_all(int i, const std::string& why);
 
@@ -80,6 +93,12 @@ struct LocalReplicasCore {
   InProcessGroup group;
   std::shared_ptr<DeviceManager> gpus;  // null on CPU
   std::vector<void*> streams;           // per replica (GPU)
+  // Per replica (GPU): its device checks, the events marking the ends of
+  // its steps still in flight (oldest first) and spare ones.
+  std::vector<std::shared_ptr<DeviceChecks>> checks;
+  std::vector<std::deque<void*>> in_flight;
+  std::vector<std::vector<void*>> spare_events;
+  std::atomic<int64_t> step{-1};  // the step run() runs (steps_run() - 1)
   std::vector<std::unique_ptr<Communicator>> device_comms;
   std::vector<std::unique_ptr<LocalReplicaContext>> contexts;
   // merge_call hand-off from local replica 0 to the others. Replica 0
@@ -96,8 +115,10 @@ struct LocalReplicasCore {
 // each replica gets its own stream and the group a device communicator:
 // NCCL when every replica is on a different physical GPU, the shared-device
 // reduction kernel when all are logical GPUs of one physical GPU. Each
-// replica function runs inside an ExecScope for its device, and its stream is
-// drained (with the communication timeout as deadline) before run() returns.
+// replica function runs inside an ExecScope for its device. run() returns
+// once a GPU step's work is enqueued, with at most kMaxStepsInFlight steps
+// of each replica in flight; reads of device values, synchronize() and the
+// device checks wait for the work (each wait bounded by the timeout).
 class LocalReplicas {
  public:
   // `gpus` is required when a device is a GPU.
@@ -122,6 +143,8 @@ class LocalReplicas {
   // is stuck and abandoned (see ThreadPool) keeps both alive; what fn itself
   // captures by reference is the caller's.
   void run(const std::function<void(ReplicaContext&)>& fn);
+  // LocalReplicasCore::synchronize (no-op on CPU replicas).
+  void synchronize() { core_->synchronize(); }
 
   // The local replica whose device is `d`; throws InvalidArgumentError.
   int replica_of(const Device& d) const;
@@ -134,7 +157,8 @@ class LocalReplicas {
   std::vector<Tensor> to_host(const std::vector<Tensor>& ts) const;
   // Makes var.copies: one copy of `initial` (host) per replica on its device;
   // integer variables (step counters) stay in host memory on GPU replicas,
-  // as TensorFlow keeps int32 on the host. Blocks.
+  // as TensorFlow keeps int32 on the host. Returns once `initial` is read
+  // (the device copies are enqueued, from pinned staging).
   void place_copies(Variable::Impl& var, const Tensor& initial) const;
   // Calls fn on copies[i] in replica i's scope (default stream), from the
   // main thread: cross-replica writes of per-replica copies. Blocks.
@@ -154,7 +178,8 @@ void validate_devices(const std::vector<Device>& devices, const char* strategy_n
 // A variable read on a replica whose variables stay in host memory (central
 // storage, parameter-server worker caches): on a GPU replica, a copy of the
 // floating `stored` on `device` made on the replica's stream (call it on the
-// replica thread); otherwise `stored` itself. Blocks until the copy is done.
+// replica thread); otherwise `stored` itself. Returns once `stored` is read
+// (Tensor::copy_from host -> device: the copy itself is enqueued).
 Tensor read_on_replica_device(const Tensor& stored, const Device& device);
 
 // Replaces a GPU tensor by a host copy made in the calling thread's scope

@@ -118,6 +118,10 @@ void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
   }
 }
 
+void Strategy::synchronize() {
+  if (synchronize_devices_) synchronize_devices_();
+}
+
 void Strategy::run_between_steps(const std::function<void(ReplicaContext&)>& fn) {
   const bool was = between_steps_;
   between_steps_ = true;

@@ -342,6 +342,17 @@ class FakeGpuBackend : public ds::GpuBackend {
     pending_.back().wait_seq = mark;
   }
 
+  // Waits for the event's mark alone (work enqueued after it may still run).
+  void wait_event(int ordinal, void* event, ds::DeadlineClock::time_point deadline,
+                  const std::string& what) override {
+    set_device(ordinal, "cudaSetDevice(ordinal)");
+    ++event_waits;
+    std::unique_lock<std::mutex> lock(mu_);
+    const long mark = events_.at(event);
+    wait_locked(
+        lock, ordinal, [&](const Op& op) { return op.seq == mark; }, deadline, what);
+  }
+
   // Pinned host memory: plain host memory that copies read when they run.
   void* host_alloc(size_t bytes) override {
     void* p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
@@ -516,6 +527,10 @@ class FakeGpuBackend : public ds::GpuBackend {
   // device -> host copies: a test counts them per training step.
   std::atomic<int> launches{0}, host_reads{0};
   std::atomic<int> stream_waits{0}, host_allocs{0}, pinned_frees_with_pending_reads{0};
+  // wait_event calls (the host waiting for one mark, e.g. a bounded number of steps in flight).
+  std::atomic<int> event_waits{0};
+  // Kernel launches made, and those that have run (their delay included).
+  std::atomic<int> kernels_launched{0}, kernels_run{0};
   // launches by kernel (or "memcpy h2d", "memset", "collective", ...).
   std::map<std::string, int> launched() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -599,6 +614,7 @@ class FakeGpuBackend : public ds::GpuBackend {
   void launch(int ordinal, void* stream, const char* kernel, std::function<void()> fn) {
     begin_call(ordinal, stream, kernel);
     ++launches;
+    ++kernels_launched;
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++launched_[kernel];
@@ -672,6 +688,7 @@ class FakeGpuBackend : public ds::GpuBackend {
         st = op.running ? State::kRunning : wait ? State::kWaiting : State::kRunnable;
       }
       if (st == State::kRunnable && run_inline) {
+        if (op.kernel) ++kernels_run;
         std::function<void()> fn = std::move(pending_[i].fn);
         seqs.erase(op.seq);
         pending_.erase(pending_.begin() + static_cast<long>(i));
@@ -737,6 +754,7 @@ class FakeGpuBackend : public ds::GpuBackend {
         error = e.what();
       }
       lock.lock();
+      if (kernel) ++kernels_run;
       if (!error.empty()) device_error_ = error;  // reported by the next wait
       for (auto it = pending_.begin(); it != pending_.end(); ++it) {
         if (it->seq == seq) {
