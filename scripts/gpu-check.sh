@@ -10,6 +10,10 @@
 #   2. build and run fashion_mnist and train_bench on logical GPUs, against a
 #      CPU run of the same example (accuracy bar);
 #   3. build and run diststrat::torch's tests and torch_fashion_mnist on CUDA.
+# PyTorch side by side (benchmarks/pytorch/, with the machine's Python torch):
+# gpu_bench's MLP step against the same step in PyTorch eager and in one CUDA
+# graph (stage 1), torch_fashion_mnist on one GPU against a plain Python loop
+# (stage 3); each row prints the ratio and is asserted on a GPU.
 # The builds of stages 2 and 3 run in the background (nice 19) while stage 1's
 # programs run. Every row is printed when it completes, the table again last.
 #
@@ -25,6 +29,11 @@
 #   --budget S       total seconds for the whole call (default 540; none in a dry
 #                    run): each step's timeout is cut to what is left, a step that
 #                    does not fit is "skipped (time)"
+#   --pytorch-only   only the PyTorch side-by-side rows: no self-checks, configure
+#                    or build; the library's side runs from an existing $BUILD
+#                    (gpu_bench, examples/torch_fashion_mnist) when built there.
+#                    With --dry-run the Python scripts run a few steps on the CPU
+#                    and every ratio reads "skipped (no CUDA)"
 #   --torch2 DIR     a LibTorch 2.x's headers (DIR/include, DIR/share/cmake, e.g. the
 #                    torch/ folder of `pip download --no-deps torch==2.11.0`, unpacked
 #                    outside the repository): diststrat::torch's sources are compiled
@@ -32,8 +41,10 @@
 #
 # Environment: DEPS (default .deps), BUILD (default build-gpu), CUDA_ARCHS
 # (default 90: H100/H200), JOBS (default: all cores), NCCL_ROOT / CUBLAS_ROOT
-# (override the lookup), TORCH_PREFIX (LibTorch's CMake prefix), OUT (when set,
-# the logs and the table are written under it: the device tool brings it back).
+# (override the lookup), TORCH_PREFIX (LibTorch's CMake prefix), PYTHON (the
+# Python with torch for the PyTorch rows; default the first of python3 and
+# /usr/bin/python3 that imports torch), OUT (when set, the logs and the table
+# are written under it: the device tool brings it back).
 # Exit status: 0 when every step that ran passed and every bar held (and,
 # without --dry-run, every step fitted in the budget and every GPU test ran
 # and passed), 1 otherwise.
@@ -42,16 +53,18 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 t_start=$(date +%s)
 dry_run=0
+pytorch_only=0
 budget=""
 torch2=${TORCH2_ROOT:-}
 while (($#)); do
   case $1 in
     --dry-run) dry_run=1 ;;
+    --pytorch-only) pytorch_only=1 ;;
     --budget) budget=${2:-}; shift ;;
     --budget=*) budget=${1#--budget=} ;;
     --torch2) torch2=${2:-}; shift ;;
     --torch2=*) torch2=${1#--torch2=} ;;
-    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (see --help)"; exit 2 ;;
   esac
   shift
@@ -150,6 +163,137 @@ gtest_count() {  # logfile PASSED|FAILED|SKIPPED
   n=$(grep -oE "^\[  $2 *\] [0-9]+ test" "$1" | grep -oE '[0-9]+' | head -1)
   echo "${n:-0}"
 }
+
+# ---- PyTorch side by side (benchmarks/pytorch/) ---------------------------------------
+# The same work in plain PyTorch, on the same card in the same call: gpu_bench's
+# MLP step against PyTorch eager and a CUDA graph of the whole step, and
+# torch_fashion_mnist on one GPU against a plain Python loop. In a dry run (no
+# GPU) the scripts run a few steps on the CPU, which proves them, and every
+# timing row reads "skipped (no CUDA)".
+pytorch_python=""
+find_pytorch() {  # sets pytorch_python; fails when no Python here imports torch
+  local p
+  [[ -n $pytorch_python ]] && return 0
+  for p in ${PYTHON:-} python3 /usr/bin/python3; do
+    if command -v "$p" >/dev/null && "$p" -c 'import torch' >/dev/null 2>&1; then
+      pytorch_python=$p
+      return 0
+    fi
+  done
+  return 1
+}
+no_pytorch_row() {  # label
+  if ((dry_run)); then row "$1" "skipped" "no Python here imports torch (set PYTHON)"
+  else row "$1" "FAILED" "no Python imports torch (set PYTHON)"; fi
+}
+# A bar on ours / PyTorch's, both from this call; the row prints the ratio.
+ratio_row() {  # label ours theirs op(<=|>=) threshold unit
+  local r verdict
+  if [[ -z $2 || -z $3 ]]; then row "$1" "FAILED" "no value: ours ${2:-none}, PyTorch ${3:-none}"; return; fi
+  r=$(awk -v a="$2" -v b="$3" 'BEGIN { if (b > 0) printf "%.3f", a / b; else print "inf" }')
+  if awk -v r="$r" -v t="$5" -v op="$4" 'BEGIN { if (r == "inf") exit 1; exit !((op == ">=") ? r >= t : r <= t) }'
+  then verdict=ok; else verdict=FAILED; fi
+  row "$1" "$verdict" "ours $2 $6, PyTorch $3 $6: ratio $r (bar $4 $5)"
+}
+# A run's "final:" line: test_accuracy and samples_per_sec.
+final_of() { grep -E '^(final|train_bench):' "$1" | grep -oE "$2=[0-9.]+" | tail -1 | cut -d= -f2; }
+# A `result key=value` line of a log.
+result_of() { grep -oE "^result $2=[^ ]+" "$1" | tail -1 | cut -d= -f2; }
+# Runs benchmarks/pytorch/mlp_step.py into $log/pytorch_mlp.log; sets
+# pytorch_mlp_rc (125: did not fit, 126: no PyTorch). On a GPU it runs while
+# the background builds are stopped, as gpu_bench does: eager PyTorch is
+# bound by the host's launch rate.
+pytorch_mlp_rc=126
+pytorch_mlp_run() {
+  local steps=1000 warmup=20
+  ((dry_run)) && { steps=20; warmup=2; }  # on the CPU: proves the script
+  find_pytorch || { pytorch_mlp_rc=126; return; }
+  say "PyTorch MLP step, eager and CUDA graph ($(clock))"
+  limited 90 20 "$pytorch_python" "$root/benchmarks/pytorch/mlp_step.py" --steps $steps \
+    --warmup $warmup >"$log/pytorch_mlp.log" 2>&1
+  pytorch_mlp_rc=$?
+}
+pytorch_mlp_rows() {  # the library's MLP step in ms, from gpu_bench in this call ("" if none)
+  local label="PyTorch MLP step (eager, CUDA graph)" logf=$log/pytorch_mlp.log dev eager graph
+  local bar_eager="  bar: MLP step <= 0.5x PyTorch eager's"
+  local bar_graph="  bar: MLP step <= 1.25x PyTorch CUDA graph's"
+  if ((pytorch_mlp_rc == 126)); then no_pytorch_row "$label"; return; fi
+  if ((pytorch_mlp_rc == 125)); then row "$label" "skipped (time)"; return; fi
+  if ((pytorch_mlp_rc != 0)); then
+    tail -5 "$logf" | sed 's/^/gpu-check:   /'
+    row "$label" "FAILED" "rc=$pytorch_mlp_rc, see $logf"
+    return
+  fi
+  dev=$(result_of "$logf" device)
+  eager=$(result_of "$logf" pytorch_mlp_eager_step_ms)
+  graph=$(result_of "$logf" pytorch_mlp_graph_step_ms)
+  if [[ $dev != cuda ]]; then
+    row "$label" "ok" "the script ran on ${dev:-?} ($(grep -m1 -oE '^PyTorch [^ ,]+' "$logf")); timing skipped (no CUDA)"
+    row "$bar_eager" "skipped (no CUDA)"
+    row "$bar_graph" "skipped (no CUDA)"
+  elif ((dry_run)); then
+    row "$label" "info" "eager $eager ms, graph $graph ms"
+    row "$bar_eager" "skipped" "dry run: the library's step not measured"
+    row "$bar_graph" "skipped" "dry run: the library's step not measured"
+  else
+    row "$label" "info" "eager $eager ms, graph $graph ms ($(grep -m1 -oE '^PyTorch [^ ,]+' "$logf"))"
+    ratio_row "$bar_eager" "$1" "$eager" "<=" 0.5 ms
+    ratio_row "$bar_graph" "$1" "$graph" "<=" 1.25 ms
+  fi
+}
+# torch_fashion_mnist --device gpu on one GPU against
+# benchmarks/pytorch/fashion_mnist_loop.py: the same CNN, batch, optimizer,
+# seed, epochs and loss-read cadence, both with deterministic kernels.
+pytorch_fm_rows() {  # torch_fashion_mnist binary ("" when not built) data-dir
+  local label="PyTorch Fashion-MNIST loop (1 GPU)" bar="  bar: torch_fashion_mnist >= 0.95x PyTorch's"
+  local logf=$log/pytorch_fashion_mnist.log rc dev theirs ours
+  local common=(--epochs 3 --deterministic --data "$2")
+  ((dry_run)) && common=(--epochs 1 --limit 1024 --test-limit 1000 --deterministic --data "$2")
+  find_pytorch || { no_pytorch_row "$label"; return; }
+  say "PyTorch Fashion-MNIST loop ($(clock))"
+  limited 120 20 "$pytorch_python" "$root/benchmarks/pytorch/fashion_mnist_loop.py" \
+    "${common[@]}" >"$logf" 2>&1
+  rc=$?
+  if ((rc == 125)); then row "$label" "skipped (time)"; return; fi
+  if ((rc != 0)); then
+    tail -5 "$logf" | sed 's/^/gpu-check:   /'
+    row "$label" "FAILED" "rc=$rc, see $logf"
+    return
+  fi
+  dev=$(grep -E '^final:' "$logf" | grep -oE 'device=[a-z]+' | tail -1 | cut -d= -f2)
+  theirs=$(final_of "$logf" samples_per_sec)
+  if [[ $dev != cuda ]]; then
+    row "$label" "ok" "the script ran on ${dev:-?}: test_accuracy=$(final_of "$logf" test_accuracy); timing skipped (no CUDA)"
+    row "$bar" "skipped (no CUDA)"
+    return
+  fi
+  row "$label" "info" "samples_per_sec=$theirs test_accuracy=$(final_of "$logf" test_accuracy)"
+  if ((dry_run)); then row "$bar" "skipped" "dry run: torch_fashion_mnist not run"; return; fi
+  if [[ -z $1 || ! -x $1 ]]; then row "$bar" "FAILED" "torch_fashion_mnist not built"; return; fi
+  say "torch_fashion_mnist --device gpu, 1 replica ($(clock))"
+  limited 120 20 "$1" --device gpu --strategy mirrored --replicas 1 "${common[@]}" \
+    >"$log/torch_fashion_mnist_1gpu.log" 2>&1
+  rc=$?
+  if ((rc == 125)); then row "$bar" "skipped (time)"; return; fi
+  if ((rc != 0)); then row "$bar" "FAILED" "torch_fashion_mnist rc=$rc, see $log/torch_fashion_mnist_1gpu.log"; return; fi
+  ours=$(final_of "$log/torch_fashion_mnist_1gpu.log" samples_per_sec)
+  ratio_row "$bar" "$ours" "$theirs" ">=" 0.95 samples/s
+}
+if ((pytorch_only)); then
+  say "PyTorch side by side only$( ((dry_run)) && echo ', dry run')"
+  fm_data=$deps/fashion-mnist
+  [[ -e $fm_data/train-images-idx3-ubyte.gz ]] || fm_data=/usr/share/datasets/fashion-mnist
+  ours_mlp=""
+  if ((!dry_run)) && [[ -x $build/benchmarks/gpu_bench ]]; then
+    limited 150 40 "$build/benchmarks/gpu_bench" --quick >"$log/bench.log" 2>&1 &&
+      ours_mlp=$(result_of "$log/bench.log" mlp_gpu_step_ms)
+    row "gpu_bench (the library's MLP step)" "info" "${ours_mlp:-none} ms"
+  fi
+  pytorch_mlp_run
+  pytorch_mlp_rows "$ours_mlp"
+  pytorch_fm_rows "$build/examples/torch_fashion_mnist" "$fm_data"
+  finish
+fi
 
 # ---- 0. self-checks: every tool and input is where it must be ---------------------------
 step="self-checks"
@@ -460,6 +604,8 @@ else
   # ---- GPU benchmark, and its bars ----
   if ((dry_run)); then
     row "gpu_bench" "skipped" "dry run: built"
+    pytorch_mlp_run
+    pytorch_mlp_rows ""
   else
     say "running the GPU benchmark ($(clock))"
     quick=""
@@ -471,6 +617,7 @@ else
     [[ -n $bg_pid ]] && kill -STOP -- "-$bg_pid" 2>/dev/null
     limited 150 40 "$build/benchmarks/gpu_bench" $quick >"$log/bench.log" 2>&1
     bench_rc=$?
+    pytorch_mlp_run  # the same step in PyTorch, on the same quiet cores
     [[ -n $bg_pid ]] && kill -CONT -- "-$bg_pid" 2>/dev/null
     grep -v '^result ' "$log/bench.log"
     r() { grep -oE "^result $1=[^ ]+" "$log/bench.log" | cut -d= -f2; }
@@ -497,12 +644,11 @@ else
     else
       row "gpu_bench" "FAILED" "rc=$bench_rc, see $log/bench.log"
     fi
+    pytorch_mlp_rows "$( ((bench_rc == 0)) && r mlp_gpu_step_ms)"
   fi
 fi
 
 # ---- 2. the examples on logical GPUs, against a CPU run ------------------------------
-# A run's "final:" line: test_accuracy and samples_per_sec.
-final_of() { grep -E '^(final|train_bench):' "$1" | grep -oE "$2=[0-9.]+" | tail -1 | cut -d= -f2; }
 cpu_accuracy=""
 run_case() {  # label logfile want-seconds bar(accuracy|none) command...
   local label=$1 logf=$log/$2 want=$3 bar=$4 rc acc sps
@@ -674,13 +820,14 @@ if ((dry_run)); then
   fi
 fi
 
+torch_example=""  # torch_fashion_mnist with CUDA, for the PyTorch row below
 if [[ -n $torch_configure_failed ]]; then
   row "LibTorch" "FAILED" "$torch_configure_failed"
 elif ((${#torch_targets[@]})); then
   if background_build_row "build 3: diststrat::torch" "$status3" "$log/build-3.log" "${torch_targets[*]}"; then
     torch_test_rows "$build" "this machine's LibTorch"
     te=$build/examples/torch_fashion_mnist
-    [[ -x $te ]] && torch_gpu_row "$te"
+    [[ -x $te ]] && { torch_gpu_row "$te"; torch_example=$te; }
   fi
 elif [[ -n $debian_torch ]]; then
   # Dry run with Debian's CPU LibTorch: configure, build and run what needs no GPU.
@@ -708,5 +855,7 @@ elif [[ -n $debian_torch ]]; then
 else
   row "LibTorch" "skipped" "no LibTorch on this machine"
 fi
+# torch_fashion_mnist on one GPU against a plain Python PyTorch loop.
+pytorch_fm_rows "$torch_example" "$deps/fashion-mnist"
 
 finish
