@@ -48,6 +48,31 @@ def make_model(device):
     return torch.nn.Sequential(*layers).to(device)
 
 
+def has_setting(obj, name):
+    """hasattr for torch.backends' objects (1.13's raise AssertionError for unknown names)."""
+    try:
+        getattr(obj, name)
+        return True
+    except (AttributeError, AssertionError):
+        return False
+
+
+def tf32_off():
+    """fp32 as the library computes it: no TF32 in cuBLAS or cuDNN."""
+    matmul = torch.backends.cuda.matmul
+    if has_setting(matmul, "fp32_precision"):
+        # PyTorch >= 2.9: the per-backend setting; mixing it with the legacy
+        # flags below warns, and reading a legacy flag after it can raise.
+        matmul.fp32_precision = "ieee"
+        conv = getattr(torch.backends.cudnn, "conv", None)
+        if conv is not None and has_setting(conv, "fp32_precision"):
+            conv.fp32_precision = "ieee"
+    else:  # 1.13 .. 2.8
+        matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+
+
 def check_loss(value, step):
     if not math.isfinite(value):
         sys.exit("mlp_step: the loss is %r at step %d" % (value, step))
@@ -86,6 +111,8 @@ def run_graph(model, opt, x, y, warmup, steps, device):
     static_x, static_y = x.clone(), y.clone()  # what an input pipeline would fill
     # Warm-up on a side stream, as capture requires; it also creates the
     # momentum buffers, so that step() inside the capture allocates nothing new.
+    # The capture uses the same stream: cuBLAS(Lt) handles and workspaces are
+    # per stream, and one made during capture can fail it.
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -98,7 +125,7 @@ def run_graph(model, opt, x, y, warmup, steps, device):
     # Gradients set to None: backward inside the capture allocates them from
     # the graph's private pool, and they stay there for every replay.
     opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         static_loss = loss_fn(model(static_x), static_y)
         static_loss.backward()
         opt.step()
@@ -127,10 +154,7 @@ def main():
     device = torch.device("cuda" if a.device != "cpu" and torch.cuda.is_available() else "cpu")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
-    # fp32 as the library computes it: no TF32 anywhere.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+    tf32_off()
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(BATCH, SIZES[0], generator=gen).to(device)
