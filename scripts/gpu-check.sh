@@ -206,11 +206,12 @@ result_of() { grep -oE "^result $2=[^ ]+" "$1" | tail -1 | cut -d= -f2; }
 pytorch_mlp_rc=126
 pytorch_mlp_run() {
   local steps=1000 warmup=20
-  ((dry_run)) && { steps=20; warmup=2; }  # on the CPU: proves the script
+  local threads=()
+  ((dry_run)) && { steps=20; warmup=2; threads=(--threads 1); }  # on the CPU: proves the script
   find_pytorch || { pytorch_mlp_rc=126; return; }
   say "PyTorch MLP step, eager and CUDA graph ($(clock))"
   limited 90 20 "$pytorch_python" "$root/benchmarks/pytorch/mlp_step.py" --steps $steps \
-    --warmup $warmup >"$log/pytorch_mlp.log" 2>&1
+    --warmup $warmup "${threads[@]}" >"$log/pytorch_mlp.log" 2>&1
   pytorch_mlp_rc=$?
 }
 pytorch_mlp_rows() {  # the library's MLP step in ms, from gpu_bench in this call ("" if none)
