@@ -253,17 +253,24 @@ class FakeGpuBackend : public ds::GpuBackend {
     void* d = untag(dst);
     if (is_device(src)) {
       const void* s = untag(src);
-      enqueue(ordinal, stream, [d, s, bytes] { std::memmove(d, s, bytes); });
+      enqueue(ordinal, stream, [d, s, bytes] {
+        if (bytes) std::memmove(d, s, bytes);
+      });
     } else if (pinned_block(src)) {
       // Pinned memory is read when the copy runs: the caller keeps it.
       std::lock_guard<std::mutex> lock(mu_);
-      enqueue_locked(ordinal, stream, [d, src, bytes] { std::memcpy(d, src, bytes); });
+      enqueue_locked(ordinal, stream, [d, src, bytes] {
+        if (bytes) std::memcpy(d, src, bytes);
+      });
       pending_.back().pinned_src = src;
     } else {
       // Pageable host memory is staged at the call.
       auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
                                                         static_cast<const char*>(src) + bytes);
-      enqueue(ordinal, stream, [d, staged] { std::memcpy(d, staged->data(), staged->size()); });
+      // (A copy of 0 bytes, legal in CUDA, has no buffer: memcpy must not see it.)
+      enqueue(ordinal, stream, [d, staged] {
+        if (!staged->empty()) std::memcpy(d, staged->data(), staged->size());
+      });
     }
   }
   void memset_async(int ordinal, void* dst, int value, size_t bytes, void* stream) override {
@@ -271,7 +278,9 @@ class FakeGpuBackend : public ds::GpuBackend {
     ++launches;
     count_launch("memset");
     void* d = untag(dst);
-    enqueue(ordinal, stream, [d, value, bytes] { std::memset(d, value, bytes); });
+    enqueue(ordinal, stream, [d, value, bytes] {
+      if (bytes) std::memset(d, value, bytes);
+    });
   }
   void copy_to_host(int ordinal, void* dst, const void* src, size_t bytes, void* stream,
                     ds::DeadlineClock::time_point deadline, const std::string& what) override {
