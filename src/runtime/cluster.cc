@@ -26,6 +26,19 @@ std::string address_problem(const std::string& a) {
   const size_t colon = a.rfind(':');
   if (colon == std::string::npos || colon + 1 == a.size()) return "has no ':port'";
   if (colon == 0) return "has no host before ':'";
+  const std::string host = a.substr(0, colon);
+  if (host.front() == '[') {
+    return "is an IPv6 address: addresses here are IPv4 addresses or host names";
+  }
+  if (host.find(':') != std::string::npos) return "has more than one ':'";
+  for (char c : host) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '-' || c == '_';
+    if (!ok) {
+      return "the host has a character other than letters, digits, '.', '-' and '_' (" +
+             echo(std::string(1, c)) + ")";
+    }
+  }
   const std::string port = a.substr(colon + 1);
   for (char c : port) {
     if (c < '0' || c > '9') return "port '" + echo(port) + "' is not a number";
@@ -80,13 +93,29 @@ void ClusterSpec::validate() const {
 ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
   using nlohmann::json;
   json j;
+  // nlohmann keeps the last of two equal keys in one object without a word:
+  // the keys seen in each object being parsed, and the first repeated one.
+  std::vector<std::set<std::string>> keys;
+  std::string repeated;
+  const json::parser_callback_t note_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      keys.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      if (!keys.empty()) keys.pop_back();
+    } else if (event == json::parse_event_t::key && !keys.empty() && repeated.empty()) {
+      if (!keys.back().insert(parsed.get<std::string>()).second)
+        repeated = parsed.get<std::string>();
+    }
+    return true;
+  };
   try {
-    j = json::parse(text);
+    j = json::parse(text, note_keys);
   } catch (const json::exception& e) {
     // parse_error, and out_of_range for numbers that overflow (found by fuzz_tf_config).
     throw InvalidArgumentError("TF_CONFIG is not valid JSON: " +
                                echo(e.what(), 2 * kMaxEchoedChars));
   }
+  if (!repeated.empty()) bad("TF_CONFIG repeats the key '" + echo(repeated) + "' in one object");
   if (!j.is_object()) bad("TF_CONFIG must be a JSON object, got " + std::string(j.type_name()));
   for (const auto& [key, value] : j.items()) {
     if (key != "cluster" && key != "task" && key != "environment" && key != "rpc_layer") {
@@ -123,9 +152,13 @@ ClusterSpec ClusterSpec::from_tf_config(const std::string& text) {
   if (!t.contains("index")) bad("'task' has no 'index'");
   if (!t["index"].is_number_integer())
     bad("task 'index' must be an integer, got " + echo(t["index"].dump()));
-  const int64_t index = t["index"].get<int64_t>();
-  if (index < 0 || index > 1'000'000) bad("task index " + std::to_string(index) + " out of range");
-  spec.task_index = static_cast<int>(index);
+  const json& ix = t["index"];
+  // (A number above INT64_MAX is unsigned in nlohmann: compared as such, not wrapped.)
+  if (ix.is_number_unsigned() ? ix.get<uint64_t>() > 1'000'000
+                              : (ix.get<int64_t>() < 0 || ix.get<int64_t>() > 1'000'000)) {
+    bad("task index " + echo(ix.dump()) + " out of range");
+  }
+  spec.task_index = static_cast<int>(ix.get<int64_t>());
   spec.validate();
   return spec;
 }

@@ -105,6 +105,22 @@ TEST(TfConfig, EveryMalformedConfigIsAnInvalidArgumentNamingTheProblem) {
        "unknown key 'rank'"},
       {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":0},"extra":1})",
        "unknown key 'extra'"},
+      // Found by an outside trial: accepted, then failed late or silently
+      // used something else (a wrapped index, the last of two keys, the host
+      // before a NUL, "127.0.0.1:23730" as a host name).
+      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":9223372036854775808}})",
+       "index 9223372036854775808 out of range"},
+      {R"({"cluster":{"worker":["a:1"]},"task":{"type":"worker","index":0},"task":{"type":"worker","index":0}})",
+       "repeats the key 'task'"},
+      {R"({"cluster":{"worker":["a:1"],"worker":["b:1"]},"task":{"type":"worker","index":0}})",
+       "repeats the key 'worker'"},
+      {R"({"cluster":{"worker":["127.0.0.1:23730:5"]},"task":{"type":"worker","index":0}})",
+       "more than one ':'"},
+      {R"({"cluster":{"worker":["[::1]:23686"]},"task":{"type":"worker","index":0}})", "IPv6"},
+      {R"({"cluster":{"worker":["127.0.0.1\u0000evil:1"]},"task":{"type":"worker","index":0}})",
+       "the host has a character"},
+      {R"({"cluster":{"worker":["a b:1"]},"task":{"type":"worker","index":0}})",
+       "the host has a character"},
   };
   for (const Malformed& c : cases) {
     SCOPED_TRACE(c.json);
