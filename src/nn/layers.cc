@@ -4,6 +4,7 @@
 // worker thread).
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -19,16 +20,22 @@ namespace nn {
 const NnKernels& nn_kernels() { return DISTSTRAT_ISA_PICK(kNnKernels); }
 
 void pin_gemm_blocking() {
-  // A common x86 core's L1d and L2 and a modest L3: the values only need to
-  // be the same on every machine of a job (docs/determinism.md).
-  constexpr std::ptrdiff_t kL1 = 32 << 10, kL2 = 1 << 20, kL3 = 8 << 20;
-  isa_baseline::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
+  // Once per process: Eigen keeps the sizes in a global that its GEMMs read,
+  // and strategies made on several threads at once (workers as threads) each
+  // pinned them (a data race under TSan, on the same values).
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // A common x86 core's L1d and L2 and a modest L3: the values only need
+    // to be the same on every machine of a job (docs/determinism.md).
+    constexpr std::ptrdiff_t kL1 = 32 << 10, kL2 = 1 << 20, kL3 = 8 << 20;
+    isa_baseline::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
 #if DISTSTRAT_ISA_VARIANTS
-  // A variant this CPU cannot run is never picked (and its code must not run).
-  const CpuIsa supported = cpu_isa_supported();
-  if (supported >= CpuIsa::kAvx2) isa_avx2::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
-  if (supported >= CpuIsa::kAvx512) isa_avx512::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
+    // A variant this CPU cannot run is never picked (and its code must not run).
+    const CpuIsa supported = cpu_isa_supported();
+    if (supported >= CpuIsa::kAvx2) isa_avx2::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
+    if (supported >= CpuIsa::kAvx512) isa_avx512::kNnKernels.set_cache_sizes(kL1, kL2, kL3);
 #endif
+  });
 }
 
 namespace {

@@ -152,6 +152,19 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
   // Each kernel launch runs `delay` after its turn comes (executor only).
   void set_launch_delay(std::chrono::microseconds delay) { launch_delay_us_ = delay.count(); }
+  // While paused, no kernel named `name` starts (executor only; its stream
+  // stops there): "the step's work is still queued when run() returns" holds
+  // whatever the host's speed (a launch delay alone does not under a
+  // sanitizer). A host wait for paused work runs into its deadline.
+  void pause_kernels(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    paused_kernel_ = name;
+  }
+  void resume_kernels() {
+    std::lock_guard<std::mutex> lock(mu_);
+    paused_kernel_.clear();
+    cv_.notify_all();
+  }
   // Runs the queued work that nothing holds back now, as a GPU would unasked
   // (the executor does so anyway).
   void run_ready() {
@@ -540,6 +553,7 @@ class FakeGpuBackend : public ds::GpuBackend {
   std::atomic<int> event_waits{0};
   // Kernel launches made, and those that have run (their delay included).
   std::atomic<int> kernels_launched{0}, kernels_run{0};
+  std::string paused_kernel_;  // pause_kernels (under mu_)
   // launches by kernel (or "memcpy h2d", "memset", "collective", ...).
   std::map<std::string, int> launched() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -567,6 +581,7 @@ class FakeGpuBackend : public ds::GpuBackend {
     uint64_t stream;  // the stream's identity (0: the default stream)
     std::function<void()> fn;
     bool kernel = false;               // a launch: the launch delay applies
+    const char* name = nullptr;        // the kernel's name (launch)
     bool running = false;              // an executor thread runs it now
     long wait_seq = -1;                // stream_wait_event: runs after this op
     const void* pinned_src = nullptr;  // a pinned host source it reads
@@ -629,6 +644,7 @@ class FakeGpuBackend : public ds::GpuBackend {
       ++launched_[kernel];
       enqueue_locked(ordinal, stream, std::move(fn));
       pending_.back().kernel = true;
+      pending_.back().name = kernel;
     }
     std::string err;
     std::swap(err, thread_state().last_error);
@@ -742,7 +758,8 @@ class FakeGpuBackend : public ds::GpuBackend {
         break;
       }
       if (stop_ && !left) return;
-      if (mine == pending_.size()) {
+      if (mine == pending_.size() || (pending_[mine].kernel && !paused_kernel_.empty() &&
+                                      paused_kernel_ == pending_[mine].name)) {
         cv_.wait(lock);
         continue;
       }

@@ -141,10 +141,19 @@ TEST(GpuStepAsync, RunReturnsBeforeTheStepsWorkFinishesAndAReadWaitsForIt) {
   }
   slow.fake->set_launch_delay(std::chrono::milliseconds(2));
   std::vector<ds::PerReplica<ds::nn::StepValue<double>>> losses;
+  // The first step with its update kernel paused: run() returns with that
+  // work queued. (The fake's collective waits for its stream on the host, so
+  // the work before it has run, and the next step's collective waits for
+  // this update: resumed before it.) Under TSan a 2 ms launch delay alone
+  // was not enough: the host's own step took longer than the queued work.
+  slow.fake->pause_kernels("update list");
   for (int64_t b = 0; b < 4; ++b) {
     losses.push_back(slow.step(b));
-    EXPECT_LT(slow.fake->kernels_run.load(), slow.fake->kernels_launched.load())
-        << "step " << b << ": run() waited for the step's work to finish";
+    if (b == 0) {
+      EXPECT_LT(slow.fake->kernels_run.load(), slow.fake->kernels_launched.load())
+          << "run() waited for the step's work to finish";
+      slow.fake->resume_kernels();
+    }
     EXPECT_TRUE(losses.back()[0].pending()) << "the loss was read during the step";
   }
   EXPECT_GT(slow.fake->event_waits.load(), 0) << "more than two steps were in flight";
