@@ -12,15 +12,42 @@ namespace gpu {
 
 // Row-major C[m, n] = A[m, k]·B[k, n] is column-major Cᵀ = Bᵀ·Aᵀ, so each
 // GEMM below passes the operands in swapped order.
-void CudaBackend::dense_forward(int ordinal, void* stream, const float* x, const float* w,
-                                const float* b, float* y, int64_t n, int64_t in, int64_t out) {
-  if (n == 0) return;
-  cublasHandle_t h = blas(ordinal, stream);
+namespace {
+
+// A dense layer's forward GEMM (the plain and the ReLU-fused layer share it).
+// yᵀ[out, n] = wᵀ[out, in] · xᵀ[in, n]
+void forward_gemm(cublasHandle_t h, const float* x, const float* w, float* y, int64_t n, int64_t in,
+                  int64_t out) {
   const float one = 1.0f, zero = 0.0f;
-  // yᵀ[out, n] = wᵀ[out, in] · xᵀ[in, n]
   DISTSTRAT_CUBLAS_CHECK(cublasSgemm(
       h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(n), static_cast<int>(in),
       &one, w, static_cast<int>(out), x, static_cast<int>(in), &zero, y, static_cast<int>(out)));
+}
+
+// A dense layer's backward GEMMs, given dy (after the dReLU where fused):
+// dw and, when dx is wanted, dx.
+void backward_gemms(cublasHandle_t h, const float* x, const float* w, const float* dy, float* dx,
+                    float* dw, int64_t n, int64_t in, int64_t out) {
+  const float one = 1.0f, zero = 0.0f;
+  // dw = xᵀ·dy: dwᵀ[out, in] = dyᵀ[out, n] · x[n, in]
+  DISTSTRAT_CUBLAS_CHECK(cublasSgemm(
+      h, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(out), static_cast<int>(in), static_cast<int>(n),
+      &one, dy, static_cast<int>(out), x, static_cast<int>(in), &zero, dw, static_cast<int>(out)));
+  if (dx) {
+    // dx = dy·wᵀ: dxᵀ[in, n] = w[in, out] (= (wᵀ)ᵀ) · dyᵀ[out, n]
+    DISTSTRAT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(in),
+                                       static_cast<int>(n), static_cast<int>(out), &one, w,
+                                       static_cast<int>(out), dy, static_cast<int>(out), &zero, dx,
+                                       static_cast<int>(in)));
+  }
+}
+
+}  // namespace
+
+void CudaBackend::dense_forward(int ordinal, void* stream, const float* x, const float* w,
+                                const float* b, float* y, int64_t n, int64_t in, int64_t out) {
+  if (n == 0) return;
+  forward_gemm(blas(ordinal, stream), x, w, y, n, in, out);
   launch_bias_add(y, b, n, out, stream);
 }
 
@@ -33,31 +60,15 @@ void CudaBackend::dense_backward(int ordinal, void* stream, const float* x, cons
     DISTSTRAT_CUDA_CHECK(cudaMemsetAsync(db, 0, sizeof(float) * out, as_stream(stream)));
     return;
   }
-  cublasHandle_t h = blas(ordinal, stream);
-  const float one = 1.0f, zero = 0.0f;
-  // dw = xᵀ·dy: dwᵀ[out, in] = dyᵀ[out, n] · x[n, in]
-  DISTSTRAT_CUBLAS_CHECK(cublasSgemm(
-      h, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(out), static_cast<int>(in), static_cast<int>(n),
-      &one, dy, static_cast<int>(out), x, static_cast<int>(in), &zero, dw, static_cast<int>(out)));
   launch_column_sum(dy, db, n, out, stream);
-  if (dx) {
-    // dx = dy·wᵀ: dxᵀ[in, n] = w[in, out] (= (wᵀ)ᵀ) · dyᵀ[out, n]
-    DISTSTRAT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(in),
-                                       static_cast<int>(n), static_cast<int>(out), &one, w,
-                                       static_cast<int>(out), dy, static_cast<int>(out), &zero, dx,
-                                       static_cast<int>(in)));
-  }
+  backward_gemms(blas(ordinal, stream), x, w, dy, dx, dw, n, in, out);
 }
 
 // The GEMM of dense_forward, then bias + ReLU in one kernel.
 void CudaBackend::dense_relu_forward(int ordinal, void* stream, const float* x, const float* w,
                                      const float* b, float* y, int64_t n, int64_t in, int64_t out) {
   if (n == 0) return;
-  cublasHandle_t h = blas(ordinal, stream);
-  const float one = 1.0f, zero = 0.0f;
-  DISTSTRAT_CUBLAS_CHECK(cublasSgemm(
-      h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(n), static_cast<int>(in),
-      &one, w, static_cast<int>(out), x, static_cast<int>(in), &zero, y, static_cast<int>(out)));
+  forward_gemm(blas(ordinal, stream), x, w, y, n, in, out);
   launch_bias_relu(y, b, n, out, stream);
 }
 
@@ -70,18 +81,8 @@ void CudaBackend::dense_relu_backward(int ordinal, void* stream, const float* x,
     dense_backward(ordinal, stream, x, w, dy, dx, dw, db, n, in, out);
     return;
   }
-  cublasHandle_t h = blas(ordinal, stream);
-  const float one = 1.0f, zero = 0.0f;
   launch_drelu_column_sum(y, dy, db, n, out, stream);
-  DISTSTRAT_CUBLAS_CHECK(cublasSgemm(
-      h, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(out), static_cast<int>(in), static_cast<int>(n),
-      &one, dy, static_cast<int>(out), x, static_cast<int>(in), &zero, dw, static_cast<int>(out)));
-  if (dx) {
-    DISTSTRAT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(in),
-                                       static_cast<int>(n), static_cast<int>(out), &one, w,
-                                       static_cast<int>(out), dy, static_cast<int>(out), &zero, dx,
-                                       static_cast<int>(in)));
-  }
+  backward_gemms(blas(ordinal, stream), x, w, dy, dx, dw, n, in, out);
 }
 
 void CudaBackend::relu_forward(int ordinal, void* stream, const float* x, float* y, int64_t count) {
