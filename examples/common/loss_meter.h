@@ -6,9 +6,14 @@
 // share to a metric on PS 0 and reads return every worker's totals.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "diststrat/diststrat.h"
+#include "terminate_on_nan.h"
 
 namespace diststrat_examples {
 
@@ -42,6 +47,55 @@ class LossMeter {
   diststrat::ParameterServerStrategy* ps_;
   std::string metric_;
   diststrat::MetricTotals total_, last_;
+};
+
+// The per-replica losses of the steps not read yet, kept as the step left
+// them (on a GPU, on the device, so the step does not wait for them). read()
+// reads each step's losses (`sum_of`: a replica's loss sum; `StepLoss::rows`
+// its rows), reduces them, NaN-checks them and adds them to the meter.
+// Every worker must read at the same steps: the reduction is collective.
+template <typename StepLoss>
+class PendingLosses {
+ public:
+  PendingLosses(diststrat::Strategy& strategy, LossMeter& meter, std::string program,
+                std::function<double(const StepLoss&)> sum_of)
+      : strategy_(strategy),
+        meter_(meter),
+        program_(std::move(program)),
+        sum_of_(std::move(sum_of)) {}
+  void add(int64_t step, diststrat::PerReplica<StepLoss> loss) {
+    pending_.push_back({step, std::move(loss)});
+  }
+  void read() {
+    for (const Pending& p : pending_) {
+      std::vector<diststrat::Tensor> sums;
+      for (const StepLoss& l : p.loss) {
+        diststrat::Tensor sum_and_rows(diststrat::Shape{2}, diststrat::DType::kFloat64);
+        sum_and_rows.data<double>()[0] = sum_of_(l);
+        sum_and_rows.data<double>()[1] = l.rows;
+        sums.push_back(sum_and_rows);
+      }
+      const diststrat::Tensor step_loss = strategy_.reduce(
+          diststrat::ReduceOp::kSum, diststrat::PerReplica<diststrat::Tensor>(sums));
+      terminate_on_nan(step_loss.data<double>()[0], step_loss.data<double>()[1], p.step, program_);
+      meter_.add(step_loss);
+    }
+    pending_.clear();
+  }
+  // Forgets them unread (after an elastic group change: a joiner has none
+  // to match).
+  void clear() { pending_.clear(); }
+
+ private:
+  struct Pending {
+    int64_t step;
+    diststrat::PerReplica<StepLoss> loss;
+  };
+  diststrat::Strategy& strategy_;
+  LossMeter& meter_;
+  std::string program_;
+  std::function<double(const StepLoss&)> sum_of_;
+  std::vector<Pending> pending_;
 };
 
 }  // namespace diststrat_examples

@@ -19,7 +19,6 @@
 #include "../common/elastic_loop.h"
 #include "../common/loss_meter.h"
 #include "../common/make_strategy.h"
-#include "../common/terminate_on_nan.h"
 #include "../common/train_flags.h"
 #include "../common/train_position.h"
 
@@ -209,30 +208,11 @@ int main(int argc, char** argv) {
       ds::nn::StepValue<double> sum;  // read when the losses are read
       double rows = 0;
     };
-    struct PendingLoss {
-      int64_t step;
-      ds::PerReplica<StepLoss> loss;
-    };
-    std::vector<PendingLoss> pending;
-    auto read_losses = [&] {
-      for (const PendingLoss& p : pending) {
-        std::vector<ds::Tensor> sums;
-        for (const StepLoss& l : p.loss) {
-          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
-          sum_and_rows.data<double>()[0] = l.sum;
-          sum_and_rows.data<double>()[1] = l.rows;
-          sums.push_back(sum_and_rows);
-        }
-        const ds::Tensor step_loss =
-            strategy->reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>(sums));
-        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
-                                             step_loss.data<double>()[1], p.step, "fashion_mnist");
-        meter.add(step_loss);
-      }
-      pending.clear();
-    };
+    diststrat_examples::PendingLosses<StepLoss> pending(
+        *strategy, meter, "fashion_mnist",
+        [](const StepLoss& l) { return static_cast<double>(l.sum); });
     auto read_and_save = [&](const Position& at, const char* why) {
-      read_losses();
+      pending.read();
       save(at, why);
     };
 
@@ -264,17 +244,17 @@ int main(int argc, char** argv) {
             opt.apply_gradients(ctx, gv);
             return StepLoss{s.loss_sum, static_cast<double>(batch.labels(ctx).shape()[0])};
           });
-          pending.push_back({pos.step + 1, std::move(loss)});
+          pending.add(pos.step + 1, std::move(loss));
           samples += batch.global_size();
           ++pos.batch;
-          if ((pos.step + 1) % kLossEvery == 0 || pos.batch == dist.num_batches()) read_losses();
+          if ((pos.step + 1) % kLossEvery == 0 || pos.batch == dist.num_batches()) pending.read();
           progress.update(
               epoch, ++pos.step, [&] { return meter.mean_since_last(); }, samples);
           ++steps_this_run;
           ended = diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
                                                   preemption.get(), read_and_save);
           if (stopped()) {
-            read_losses();
+            pending.read();
             return;
           }
         }

@@ -42,7 +42,6 @@
 #include "../common/elastic_loop.h"
 #include "../common/loss_meter.h"
 #include "../common/make_strategy.h"
-#include "../common/terminate_on_nan.h"
 #include "../common/train_flags.h"
 #include "../common/train_position.h"
 
@@ -274,31 +273,11 @@ int main(int argc, char** argv) {
       at::Tensor mean;  // this replica's mean loss (undefined: no rows)
       double rows = 0;
     };
-    struct PendingLoss {
-      int64_t step;
-      ds::PerReplica<StepLoss> loss;
-    };
-    std::vector<PendingLoss> pending;
-    auto read_losses = [&] {
-      for (const PendingLoss& p : pending) {
-        std::vector<ds::Tensor> sums;
-        for (const StepLoss& l : p.loss) {
-          ds::Tensor sum_and_rows(ds::Shape{2}, ds::DType::kFloat64);
-          sum_and_rows.data<double>()[0] = l.rows > 0 ? l.mean.item<double>() * l.rows : 0.0;
-          sum_and_rows.data<double>()[1] = l.rows;
-          sums.push_back(sum_and_rows);
-        }
-        const ds::Tensor step_loss =
-            strategy->reduce(ds::ReduceOp::kSum, ds::PerReplica<ds::Tensor>(sums));
-        diststrat_examples::terminate_on_nan(step_loss.data<double>()[0],
-                                             step_loss.data<double>()[1], p.step,
-                                             "torch_fashion_mnist");
-        meter.add(step_loss);
-      }
-      pending.clear();
-    };
+    diststrat_examples::PendingLosses<StepLoss> pending(
+        *strategy, meter, "torch_fashion_mnist",
+        [](const StepLoss& l) { return l.rows > 0 ? l.mean.item<double>() * l.rows : 0.0; });
     auto read_and_save = [&](const Position& at, const char* why) {
-      read_losses();
+      pending.read();
       save(at, why);
     };
 
@@ -337,11 +316,11 @@ int main(int argc, char** argv) {
             }
             return StepLoss{l.detach(), static_cast<double>(x.size(0))};
           });
-          pending.push_back({pos.step + 1, std::move(loss)});
+          pending.add(pos.step + 1, std::move(loss));
           samples += batch.global_size();
           ++pos.batch;
           ++pos.step;
-          if (pos.step % kLossEvery == 0 || pos.batch == dist.num_batches()) read_losses();
+          if (pos.step % kLossEvery == 0 || pos.batch == dist.num_batches()) pending.read();
           ++steps_this_run;
           if (is_chief() && pos.batch == dist.num_batches()) {
             const double s =
@@ -353,7 +332,7 @@ int main(int argc, char** argv) {
           ended = diststrat_examples::end_of_step(f, pos, dist.num_batches(), is_chief(),
                                                   preemption.get(), read_and_save);
           if (stopped()) {
-            read_losses();
+            pending.read();
             return;
           }
         }
