@@ -176,10 +176,17 @@ void Tensor::copy_from(const Tensor& src) {
     return;
   }
   if (src.device_.is_cpu()) {
-    // Host -> device: staged through pinned memory that outlives the copy,
-    // so the host goes on at once; pageable when none is to be had.
-    DeviceManager::Impl& dm = DeviceManagerAccess::impl(*current_exec_scope()->devices);
-    if (dm.copy_to_device_staged(e.ordinal, data(), src.data(), nbytes(), e.stream)) return;
+    // Host -> device on a replica's stream (inside a step): staged through
+    // pinned memory that outlives the copy, so the host goes on at once and
+    // the step's later work on that stream is ordered after it; pageable
+    // when none is to be had. On the default stream (outside a step) the
+    // copy completes before returning: the replicas' streams are not
+    // ordered after the default stream, and a copy left in flight there
+    // raced the next step's reads (DLPack.CudaTensorsAllReduce... under load).
+    if (e.stream) {
+      DeviceManager::Impl& dm = DeviceManagerAccess::impl(*current_exec_scope()->devices);
+      if (dm.copy_to_device_staged(e.ordinal, data(), src.data(), nbytes(), e.stream)) return;
+    }
     e.backend->memcpy_async(e.ordinal, data(), src.data(), nbytes(), e.stream);
     e.synchronize("copy of " + src.debug_string() + " into " + debug_string());
     return;

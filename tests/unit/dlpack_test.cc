@@ -682,6 +682,10 @@ TEST(DLPack, CudaTensorsAllReduceUnderMirroredStrategyOnFakeGpus) {
     ctx.all_reduce(ds::ReduceOp::kSum, t, {"grad"});
   });
   EXPECT_EQ(deletes, 2);
+  // run() returns with the replicas' work enqueued (issue 44): the buffers'
+  // consumer orders its reads after it, here by waiting for every replica
+  // (docs/dlpack.md).
+  strategy.synchronize();
   EXPECT_EQ(fake->read<float>(0, ptrs[0], 3), (std::vector<float>{11, 22, 33}));
   EXPECT_EQ(fake->read<float>(1, ptrs[1], 3), (std::vector<float>{11, 22, 33}));
 }
