@@ -138,19 +138,26 @@ GpuXent gpu_xent(const Tensor& logits, const Tensor& labels, Tensor& dlogits, fl
   }
   return x;
 }
+
+// A dense layer's operands, checked the same way for the plain and the
+// ReLU-fused layer (`op` names the call in the messages).
+void check_dense_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
+                         const char* op) {
+  const Device& dev = x.device();
+  check_matrix(x, "x", op, dev);
+  check_matrix(w, "w", op, dev);
+  check_matrix(y, "y", op, dev);
+  check_on(b, "b", op, dev);
+  DISTSTRAT_CHECK_EQ(x.shape()[1], w.shape()[0], op, ": x cols vs w rows");
+  DISTSTRAT_CHECK(y.shape() == Shape({x.shape()[0], w.shape()[1]}), kInvalidArgument, op, ": y is ",
+                  y.shape().to_string(), ", expected [", x.shape()[0], ", ", w.shape()[1], "]");
+  DISTSTRAT_CHECK_EQ(b.num_elements(), w.shape()[1], op, ": bias size vs w cols");
+}
 }  // namespace
 
 void dense_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) {
   const Device& dev = x.device();
-  check_matrix(x, "x", "dense_forward", dev);
-  check_matrix(w, "w", "dense_forward", dev);
-  check_matrix(y, "y", "dense_forward", dev);
-  check_on(b, "b", "dense_forward", dev);
-  DISTSTRAT_CHECK_EQ(x.shape()[1], w.shape()[0], "dense_forward: x cols vs w rows");
-  DISTSTRAT_CHECK(y.shape() == Shape({x.shape()[0], w.shape()[1]}), kInvalidArgument,
-                  "dense_forward: y is ", y.shape().to_string(), ", expected [", x.shape()[0], ", ",
-                  w.shape()[1], "]");
-  DISTSTRAT_CHECK_EQ(b.num_elements(), w.shape()[1], "dense_forward: bias size vs w cols");
+  check_dense_forward(x, w, b, y, "dense_forward");
   if (on_gpu(dev, "dense_forward")) {
     const GpuExec e = gpu_exec(dev, "dense_forward");
     e.backend->dense_forward(e.ordinal, e.stream, x.data<float>(), w.data<float>(), b.data<float>(),
@@ -198,15 +205,7 @@ void dense_relu_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tenso
     return;
   }
   const Device& dev = x.device();
-  check_matrix(x, "x", "dense_relu_forward", dev);
-  check_matrix(w, "w", "dense_relu_forward", dev);
-  check_matrix(y, "y", "dense_relu_forward", dev);
-  check_on(b, "b", "dense_relu_forward", dev);
-  DISTSTRAT_CHECK_EQ(x.shape()[1], w.shape()[0], "dense_relu_forward: x cols vs w rows");
-  DISTSTRAT_CHECK(y.shape() == Shape({x.shape()[0], w.shape()[1]}), kInvalidArgument,
-                  "dense_relu_forward: y is ", y.shape().to_string(), ", expected [", x.shape()[0],
-                  ", ", w.shape()[1], "]");
-  DISTSTRAT_CHECK_EQ(b.num_elements(), w.shape()[1], "dense_relu_forward: bias size vs w cols");
+  check_dense_forward(x, w, b, y, "dense_relu_forward");
   on_gpu(dev, "dense_forward");
   on_gpu(dev, "relu_forward");
   const GpuExec e = gpu_exec(dev, "dense_relu_forward");
