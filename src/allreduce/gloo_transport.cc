@@ -283,28 +283,14 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
     value += " " + (p == c.rank ? std::string("-") : gloo_hex(mine[p]));
 
   // 2. Publish, then every peer's addresses.
-  const std::string my_key = prefix + std::to_string(c.rank);
-  try {
-    exchange.publish(my_key, value, deadline);
-  } catch (const Error& e) {
-    throw_error(e.code(), who + ": publishing its addresses under '" + echo(my_key) +
-                              "' failed: " + e.message());
-  }
-  std::vector<std::vector<char>> theirs(c.size);
   std::vector<int> missing;
+  const std::vector<std::optional<std::string>> values =
+      exchange_addresses(exchange, prefix, c.rank, c.size, value, deadline, who, &missing);
+  std::vector<std::vector<char>> theirs(c.size);
   for (int p = 0; p < c.size; ++p) {
-    if (p == c.rank) continue;
+    if (p == c.rank || !values[p]) continue;
+    const std::string& v = *values[p];
     const std::string key = prefix + std::to_string(p);
-    std::string v;
-    try {
-      v = exchange.wait_for(key, deadline);
-    } catch (const DeadlineExceededError&) {
-      missing.push_back(p);
-      continue;
-    } catch (const Error& e) {
-      throw_error(e.code(), who + ": reading rank " + std::to_string(p) + "'s addresses ('" +
-                                echo(key) + "') failed: " + e.message());
-    }
     const std::vector<std::string> words = gloo_split(v);
     DISTSTRAT_CHECK(words.size() >= 2 && words[0] == "gloo-tcp/1", kInvalidArgument, who, ": rank ",
                     p, " published '", echo(v, 60), "' under '", echo(key),
@@ -341,9 +327,7 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
                       "differently; start every process afresh)");
     }
   }
-  DISTSTRAT_CHECK(missing.empty(), kDeadlineExceeded, who, ": ", ranks_phrase(missing),
-                  " never published ", missing.size() == 1 ? "its" : "their", " addresses (keys '",
-                  echo(prefix), "<rank>') before the deadline");
+  throw_if_unpublished(missing, prefix, who);
 
   // 3. Connect each pair, then post its control receives.
   std::vector<int> not_connected;
@@ -389,43 +373,6 @@ void GlooTransport::connect(AddressExchange& exchange, const GlooTransportOption
 
 }  // namespace
 }  // namespace gloo_impl
-
-namespace {
-
-class InMemoryAddressExchange : public AddressExchange {
- public:
-  void publish(const std::string& key, const std::string& value, Clock::time_point) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = values_.find(key);
-      DISTSTRAT_CHECK(it == values_.end() || it->second == value, kInvalidArgument,
-                      "address exchange: '", echo(key),
-                      "' is already published with another value (two ranks with one number?)");
-      values_[key] = value;
-    }
-    cv_.notify_all();
-  }
-
-  std::string wait_for(const std::string& key, Clock::time_point deadline) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_until(lock, deadline, [&] { return values_.count(key) > 0; });
-    auto it = values_.find(key);
-    DISTSTRAT_CHECK(it != values_.end(), kDeadlineExceeded, "address exchange: '", echo(key),
-                    "' was not published before the deadline");
-    return it->second;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, std::string> values_;
-};
-
-}  // namespace
-
-std::shared_ptr<AddressExchange> make_in_memory_address_exchange() {
-  return std::make_shared<InMemoryAddressExchange>();
-}
 
 std::vector<int> gloo_node_of(const Transport& transport) {
   const auto* t = dynamic_cast<const gloo_impl::GlooTransport*>(&transport);

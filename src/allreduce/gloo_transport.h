@@ -102,30 +102,10 @@
 #include <string>
 #include <vector>
 
+#include "allreduce/address_exchange.h"
 #include "allreduce/transport.h"
 
 namespace diststrat {
-
-// Where the ranks of one group publish and find each other's connection
-// addresses (one key per rank). Implemented over the elastic membership
-// store elsewhere; an in-memory one for threads of one process is below.
-class AddressExchange {
- public:
-  virtual ~AddressExchange() = default;
-  // Makes `value` the value of `key`, visible to every rank of the group.
-  virtual void publish(const std::string& key, const std::string& value,
-                       Clock::time_point deadline) = 0;
-  // Blocks until `key` is published or `deadline`: DeadlineExceededError
-  // naming the key. A key already published is returned even when the
-  // deadline has passed (set-up asks again for every key it lacks, to name
-  // them all).
-  virtual std::string wait_for(const std::string& key, Clock::time_point deadline) = 0;
-};
-
-// Keys and values in memory, for transports on threads of one process
-// (tests). Thread-safe. Publishing a key again with another value is an
-// InvalidArgumentError (two ranks claiming one rank number).
-std::shared_ptr<AddressExchange> make_in_memory_address_exchange();
 
 struct GlooTransportOptions {
   // Key prefix unique to this group, e.g. "job/g7" (the generation): keys

@@ -153,27 +153,22 @@ std::unique_ptr<Transport> make_tcp_transport(int rank, int size, AddressExchang
                                         : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   const std::string my_host = numeric_host(reinterpret_cast<sockaddr*>(&bound), bound_len);
   const std::string prefix = options.group + "/tcp/";
-  exchange.publish(
-      prefix + std::to_string(rank),
-      "ds-tcp/1 " + std::to_string(size) + " " + my_host + " " + std::to_string(my_port), deadline);
+  const std::string value =
+      "ds-tcp/1 " + std::to_string(size) + " " + my_host + " " + std::to_string(my_port);
   core->peers[rank].host = my_host;
   core->peers[rank].address =
       (my_host.find(':') != std::string::npos ? "[" + my_host + "]" : my_host) + ":" +
       std::to_string(my_port);
 
-  // 2. Every peer's address.
+  // 2. Publish, then every peer's address.
   std::vector<int> missing;
+  const std::vector<std::optional<std::string>> values =
+      exchange_addresses(exchange, prefix, rank, size, value, deadline, who, &missing);
   std::vector<int> ports(size, 0);
   for (int p = 0; p < size; ++p) {
-    if (p == rank) continue;
+    if (p == rank || !values[p]) continue;
+    const std::string& v = *values[p];
     const std::string key = prefix + std::to_string(p);
-    std::string v;
-    try {
-      v = exchange.wait_for(key, deadline);
-    } catch (const DeadlineExceededError&) {
-      missing.push_back(p);
-      continue;
-    }
     std::istringstream in(v);
     std::string magic, h;
     int n = 0, port = 0;
@@ -188,9 +183,7 @@ std::unique_ptr<Transport> make_tcp_transport(int rank, int size, AddressExchang
     core->peers[p].address =
         (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(port);
   }
-  DISTSTRAT_CHECK(missing.empty(), kDeadlineExceeded, who, ": ", ranks_phrase(missing),
-                  " never published ", missing.size() == 1 ? "its" : "their", " addresses (keys '",
-                  echo(prefix), "<rank>') before the deadline");
+  throw_if_unpublished(missing, prefix, who);
 
   const Hello mine{kHelloMagic, size, rank, hash32(options.group)};
   // 3. Connect to the higher ranks.

@@ -76,7 +76,7 @@
 #include <string>
 #include <vector>
 
-#include "allreduce/gloo_transport.h"  // AddressExchange
+#include "allreduce/address_exchange.h"
 #include "allreduce/transport.h"
 
 namespace diststrat {

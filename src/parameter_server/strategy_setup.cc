@@ -103,15 +103,7 @@ std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster,
   // Without a launcher (TF_CONFIG, a ClusterSpec) the processes meet over
   // TCP at the chief's store (runtime/process_group.h); the service's
   // receive loop probes any source, which the TCP transport has.
-#if DISTSTRAT_HAVE_GLOO
   return make_tcp_job_transport(cluster, timeout, "parameter_server");
-#else
-  throw UnimplementedError("ParameterServerStrategy: a cluster of " +
-                           std::to_string(cluster.info.world_size) +
-                           " processes needs MPI (launch with mpirun or srun --mpi=pmix)" +
-                           (DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have") +
-                           ", or TCP from TF_CONFIG, which needs a build with Gloo");
-#endif
 }
 
 ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedCluster& cluster) {

@@ -155,20 +155,11 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
   if (p.world_size > 1) {
     // Started by anything but an MPI launcher: the processes meet at the
     // chief's address over TCP.
-#if DISTSTRAT_HAVE_GLOO
     (void)allow_hierarchical;  // TransportCommunicator's kAuto knows the hosts
     static std::atomic<int> tcp_groups{0};
     const int k = tcp_groups++;
     return make_tcp_process_communicators(
         cluster, options, k == 0 ? std::string("world") : "world." + std::to_string(k));
-#else
-    throw UnimplementedError(
-        "a cluster of " + std::to_string(p.world_size) +
-        " processes started without an MPI launcher meets over TCP through Gloo, which this "
-        "build does not have (DISTSTRAT_WITH_GLOO); launch with mpirun or srun --mpi=pmix" +
-        std::string(DISTSTRAT_HAVE_MPI ? "" : ", which this build does not have either") +
-        " (MultiWorkerMirroredStrategy: or pass MultiWorkerOptions::communicator)");
-#endif
   }
   ProcessCommunicators out;
   // (Recorded already: its InProcessGroup's calls are.)

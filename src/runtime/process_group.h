@@ -68,14 +68,13 @@ ProcessCommunicators make_process_communicators(const ResolvedCluster& cluster,
 // by options.timeout: a rank that never came is named with its task and
 // address (DeadlineExceededError). `group` names the group's keys ("world",
 // "world.1": every process makes its groups in the same order).
-// Defined only in builds with Gloo (DISTSTRAT_HAVE_GLOO).
 ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& cluster,
                                                     const CommunicationOptions& options,
                                                     const std::string& group);
 
 // The same mesh as a bare Transport, for the parameter server (whose service
 // receives with probe_any, which the TCP transport has). The chief's store
-// lives as long as the transport. Same errors; also Gloo builds only.
+// lives as long as the transport. Same errors.
 std::unique_ptr<Transport> make_tcp_job_transport(const ResolvedCluster& cluster,
                                                   std::chrono::milliseconds timeout,
                                                   const std::string& group);

@@ -1,7 +1,7 @@
 // A small key-value store over TCP, served by the chief of a job started
-// without MPI (TF_CONFIG or a ClusterSpec): the ranks publish their Gloo
-// connection addresses in it and read each other's (gloo_transport.h's
-// AddressExchange). Debian's Gloo has file, hash, prefix and Redis stores
+// without MPI (TF_CONFIG or a ClusterSpec): the ranks publish their TCP
+// transport's connection addresses in it and read each other's
+// (allreduce/address_exchange.h). Debian's Gloo has file, hash, prefix and Redis stores
 // but no TCP one, and a job started by hand has only the chief's listed
 // address in common.
 //
@@ -43,7 +43,7 @@
 #include <optional>
 #include <string>
 
-#include "allreduce/gloo_transport.h"
+#include "allreduce/address_exchange.h"
 
 namespace diststrat {
 

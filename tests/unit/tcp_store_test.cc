@@ -6,10 +6,6 @@
 // a diststrat::Error within its deadline.
 #include <gtest/gtest.h>
 
-#include "diststrat/config.h"
-
-#if DISTSTRAT_HAVE_GLOO
-
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <fcntl.h>
@@ -374,5 +370,3 @@ TEST(TcpStore, APortInUseIsNamed) {
 
 }  // namespace
 }  // namespace diststrat
-
-#endif  // DISTSTRAT_HAVE_GLOO

@@ -6,10 +6,6 @@
 // over it, set-up that names a rank that never came.
 #include <gtest/gtest.h>
 
-#include "diststrat/config.h"
-
-#if DISTSTRAT_HAVE_GLOO  // (the in-memory address exchange lives with Gloo's transport)
-
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -365,6 +361,35 @@ TEST(TcpTransport, SetUpNamesTheRankThatNeverCameAndOneRankNeedsNoPeers) {
             std::string::npos);
 }
 
-}  // namespace
+// The exchange's own failures (a store that went away, a rank that claims
+// another's key) come back naming this rank, its group and the key, as the
+// Gloo transport's set-up says them (allreduce/address_exchange.h).
+TEST(TcpTransport, SetUpNamesTheKeyWhenTheExchangeFails) {
+  struct BrokenExchange : ds::AddressExchange {
+    bool publish_fails = false;
+    void publish(const std::string&, const std::string&, Clock::time_point) override {
+      if (publish_fails) throw ds::UnavailableError("the store went away");
+    }
+    std::string wait_for(const std::string&, Clock::time_point) override {
+      throw ds::UnavailableError("the store went away");
+    }
+  } exchange;
+  ds::TcpTransportOptions o;
+  o.group = next_group();
+  o.listen_host = "127.0.0.1";
+  std::string m = message_of([&] { ds::make_tcp_transport(0, 2, exchange, o, Clock::now() + 1s); });
+  EXPECT_NE(m.find("[kUnavailable] rank 0 (TCP transport, group '" + o.group +
+                   "'): reading rank 1's addresses ('" + o.group +
+                   "/tcp/1') failed: the store went away"),
+            std::string::npos)
+      << m;
+  exchange.publish_fails = true;
+  m = message_of([&] { ds::make_tcp_transport(1, 2, exchange, o, Clock::now() + 1s); });
+  EXPECT_NE(m.find("[kUnavailable] rank 1 (TCP transport, group '" + o.group +
+                   "'): publishing its addresses under '" + o.group +
+                   "/tcp/1' failed: the store went away"),
+            std::string::npos)
+      << m;
+}
 
-#endif  // DISTSTRAT_HAVE_GLOO
+}  // namespace
