@@ -263,6 +263,11 @@ struct TcpStoreServer::State {
             c.in.append(buf, static_cast<size_t>(n));
             c.last = now;
             serve(c);
+          } else if (n == 0 && !c.in.empty() && !c.closing) {
+            // Half a request, then the peer closed its side: told why (its
+            // reading side may still be open), counted like any refusal.
+            refuse(c, "the peer closed its side after " + std::to_string(c.in.size()) +
+                          " bytes of a request");
           } else if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
             dead = true;
           }

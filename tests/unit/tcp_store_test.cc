@@ -140,6 +140,24 @@ TEST(TcpStore, RefusesWhatIsNotItsProtocolAndServesOthersOn) {
   other.publish("world/gloo/1", "more", in(milliseconds(2000)));
   EXPECT_EQ(good.wait_for("world/gloo/1", in(milliseconds(2000))), "more");
   ::close(stalled);
+  // One that sends half a request and closes its side is told why, counted
+  // and recorded like the others (it was closed without a word).
+  const int half = dial(server.port());
+  const std::string partial = header('P', 8, 4) + "worl";
+  ASSERT_EQ(::send(half, partial.data(), partial.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(partial.size()));
+  ::shutdown(half, SHUT_WR);
+  const std::string answer = read_until_closed(half);
+  ::close(half);
+  EXPECT_EQ(answer.substr(0, 5), "DSKVE") << answer;
+  EXPECT_NE(answer.find("the peer closed its side after 15 bytes of a request"),
+            std::string::npos)
+      << answer;
+  refused += 2;  // (the stalled peer's 5 bytes, closed before, too)
+  EXPECT_EQ(server.refused(), refused);
+  EXPECT_NE(server.last_refusal().find("after 15 bytes of a request"), std::string::npos)
+      << server.last_refusal();
+  EXPECT_EQ(good.wait_for("world/gloo/1", in(milliseconds(2000))), "more");
 }
 
 // Idle connections opened by anyone do not keep the job's processes out: at
