@@ -45,10 +45,12 @@ std::shared_ptr<AddressExchange> make_in_memory_address_exchange() {
   return std::make_shared<InMemoryAddressExchange>();
 }
 
-std::vector<std::optional<std::string>> exchange_addresses(AddressExchange& exchange, const std::string& prefix,
-                                            int rank, int size, const std::string& value,
-                                            Clock::time_point deadline, const std::string& who,
-                                            std::vector<int>* missing) {
+std::vector<std::optional<std::string>> exchange_addresses(AddressExchange& exchange,
+                                                           const std::string& prefix, int rank,
+                                                           int size, const std::string& value,
+                                                           Clock::time_point deadline,
+                                                           const std::string& who,
+                                                           std::vector<int>* missing) {
   const std::string my_key = prefix + std::to_string(rank);
   try {
     exchange.publish(my_key, value, deadline);

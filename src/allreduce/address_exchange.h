@@ -39,10 +39,12 @@ std::shared_ptr<AddressExchange> make_in_memory_address_exchange();
 // and is listed in `missing` (the caller checks what it can about them,
 // then calls throw_if_unpublished). Any other failure of the exchange is
 // rethrown with its code, prefixed with `who` and the key.
-std::vector<std::optional<std::string>> exchange_addresses(AddressExchange& exchange, const std::string& prefix,
-                                            int rank, int size, const std::string& value,
-                                            Clock::time_point deadline, const std::string& who,
-                                            std::vector<int>* missing);
+std::vector<std::optional<std::string>> exchange_addresses(AddressExchange& exchange,
+                                                           const std::string& prefix, int rank,
+                                                           int size, const std::string& value,
+                                                           Clock::time_point deadline,
+                                                           const std::string& who,
+                                                           std::vector<int>* missing);
 
 // DeadlineExceededError "<who>: ranks 1 and 3 never published their
 // addresses (keys '<prefix><rank>') before the deadline" unless `missing`

@@ -1,9 +1,13 @@
 // A job started without a launcher (TF_CONFIG, a ClusterSpec): the chief's
 // store, the TCP mesh (allreduce/tcp_transport.h), the library's algorithms over it
 // (process_group.h's make_tcp_process_communicators).
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <thread>
 
 #include "allreduce/flight_recording.h"
 #include "allreduce/tcp_transport.h"
@@ -65,6 +69,51 @@ std::shared_ptr<TcpStoreServer> chief_store(const HostPort& at, const std::strin
   return s;
 }
 
+// The exchange the mesh is set up through: the chief's store, and the
+// group's failure key. A rank whose set-up fails publishes why under
+// "<group>/failed" (the first one stays), so the others stop waiting for it
+// at once and say why, instead of waiting out the deadline and blaming a
+// connection.
+class SetUpExchange : public AddressExchange {
+ public:
+  SetUpExchange(TcpStoreClient& client, std::string failed_key)
+      : client_(client), failed_key_(std::move(failed_key)) {}
+
+  void publish(const std::string& key, const std::string& value,
+               Clock::time_point deadline) override {
+    client_.publish(key, value, deadline);
+  }
+  std::string wait_for(const std::string& key, Clock::time_point deadline) override {
+    for (int look = 0;; ++look) {
+      // Past the deadline one short look still answers for a key that is there.
+      const Clock::time_point d = std::max(deadline, Clock::now() + std::chrono::milliseconds(200));
+      if (std::optional<std::string> v = client_.get(key, d)) return *v;
+      // The failure key every 4th look (~20 ms): one request per look otherwise.
+      if (look % 4 == 0) {
+        if (std::optional<std::string> why = client_.get(failed_key_, d)) {
+          // (The transport's set-up says which key it was waiting for.)
+          throw AbortedError("the job's set-up failed on another process: " + echo(*why, 2000));
+        }
+      }
+      if (Clock::now() >= deadline) return client_.wait_for(key, deadline);  // its error
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  // Best effort, bounded (~0.5 s): this rank's reason for the others.
+  void publish_failure(const std::string& why) {
+    try {
+      client_.publish(failed_key_, why.substr(0, 4000),
+                      Clock::now() + std::chrono::milliseconds(500));
+    } catch (const Error&) {
+      // Another rank's reason is there already, or the store is gone.
+    }
+  }
+
+ private:
+  TcpStoreClient& client_;
+  std::string failed_key_;
+};
+
 }  // namespace
 
 namespace {
@@ -101,25 +150,33 @@ TcpJob make_tcp_job(const ResolvedCluster& cluster, std::chrono::milliseconds ti
     }
   }
   TcpStoreClient client(chief.host, chief.port, who, server);
+  SetUpExchange exchange(client, group + "/failed");
   // The group's flight-record nonce (flight::set_nonce): rank 0's, published
   // before it connects, so it is there once the group is.
   const std::string nonce_key = group + "/flight-nonce";
-  if (rank == 0) client.publish(nonce_key, std::to_string(random_id()), deadline);
   TcpTransportOptions go;
   go.group = group;
   go.listen_host = mine.host;
   try {
-    job.transport = make_tcp_transport(rank, size, client, go, deadline);
+    if (rank == 0) client.publish(nonce_key, std::to_string(random_id()), deadline);
+    job.transport = make_tcp_transport(rank, size, exchange, go, deadline);
+    job.nonce = exchange.wait_for(nonce_key, deadline);
   } catch (const Error& e) {
     // The transport names ranks; the user knows tasks.
     std::string tasks;
     for (int r = 0; r < size; ++r) {
       tasks += (r ? ", " : "") + std::to_string(r) + " = " + task_text(spec, r);
     }
+    // (A deadline is every rank's own: each names the ranks it lacks.)
+    if (e.code() != ErrorCode::kAborted && e.code() != ErrorCode::kDeadlineExceeded) {
+      exchange.publish_failure(e.message());
+      // The chief's store goes with this process: kept a moment for the
+      // others to read why (they look every ~20 ms).
+      if (job.store) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
     throw_error(e.code(), e.message() + " [ranks: " + tasks + "]");
   }
   job.chief = chief.host + ":" + std::to_string(chief.port);
-  job.nonce = client.wait_for(nonce_key, deadline);
   return job;
 }
 

@@ -5,6 +5,8 @@
 // rank and the tensor, with the communicator still usable afterwards.
 // (Under mpirun: tests/mpi/process_group_mpi_test.cc.)
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -186,6 +188,46 @@ TEST(ProcessGroup, BadSetUpIsAClearError) {
     unsetenv("TF_CONFIG");
     EXPECT_TRUE(contains(e, "TF_CONFIG")) << e;
   }
+}
+
+// A job started without a launcher: a rank whose set-up fails (here worker[1],
+// whose listed address is not this host's) says why in the chief's store, and
+// the others stop at once naming it, instead of waiting out the deadline for
+// an address that never comes (outside trial of issue 46).
+TEST(ProcessGroup, ARankWhoseTcpSetUpFailsStopsTheOthersAtOnceSayingWhy) {
+  const int port =
+      20000 + static_cast<int>(std::chrono::steady_clock::now().time_since_epoch().count() % 20000);
+  const auto options = [&](int rank) {
+    ds::ProcessGroupOptions o;
+    o.communication.timeout = std::chrono::seconds(12);
+    o.cluster.spec.jobs["worker"] = {"127.0.0.1:" + std::to_string(port),
+                                     "192.0.2.9:" + std::to_string(port + 1)};
+    o.cluster.spec.task_type = "worker";
+    o.cluster.spec.task_index = rank;
+    return o;
+  };
+  // Rank 1 in a child forked from this state (a process makes its groups'
+  // names in order: both make the same one next).
+  std::fflush(nullptr);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    const std::string e = error_of<ds::UnavailableError>([&] { ds::ProcessGroup pg(options(1)); });
+    ::_exit(contains(e, "cannot listen on 192.0.2.9") ? 0 : 1);
+  }
+  ASSERT_GT(child, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string e = error_of<ds::AbortedError>([&] { ds::ProcessGroup pg(options(0)); });
+  const auto took = std::chrono::steady_clock::now() - t0;
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank 1: status " << status;
+  EXPECT_TRUE(contains(e, "[kAborted] rank 0 (TCP transport, group 'world"));
+  EXPECT_TRUE(contains(e,
+                       "failed: the job's set-up failed on another process: rank 1 (TCP "
+                       "transport, group 'world"))
+      << e;
+  EXPECT_TRUE(contains(e, "cannot listen on 192.0.2.9")) << e;
+  EXPECT_LT(took, std::chrono::seconds(6)) << "rank 0 waited for the deadline: " << e;
 }
 
 TEST(ProcessGroup, BroadcastTensorsRejectsBadArguments) {

@@ -150,8 +150,7 @@ TEST(TcpStore, RefusesWhatIsNotItsProtocolAndServesOthersOn) {
   const std::string answer = read_until_closed(half);
   ::close(half);
   EXPECT_EQ(answer.substr(0, 5), "DSKVE") << answer;
-  EXPECT_NE(answer.find("the peer closed its side after 15 bytes of a request"),
-            std::string::npos)
+  EXPECT_NE(answer.find("the peer closed its side after 15 bytes of a request"), std::string::npos)
       << answer;
   refused += 2;  // (the stalled peer's 5 bytes, closed before, too)
   EXPECT_EQ(server.refused(), refused);
