@@ -10,7 +10,9 @@
 // shape wherever it runs; and the shards' gradients are summed exactly (as
 // 64-bit fixed point under one exponent per tensor that all replicas agree
 // on), so the order of the sum, which the all-reduce's algorithm and the
-// number of workers decide, no longer matters.
+// number of workers decide, no longer matters. Clipping's global norm is
+// summed exactly and rounded once, so ZeRO-1 (shard_optimizer_state), whose
+// blocks the replica count cuts, gives the same bits as well.
 //
 // Rules, in this mode:
 //  - Strategy::run calls fn once per virtual shard; ReplicaContext::
@@ -27,7 +29,7 @@
 //    all_gather, barrier, merge_call) from a shard: FailedPreconditionError.
 //  - Refused at construction (InvalidArgumentError or UnimplementedError, the
 //    message says which option): V < the replicas in sync, fp16/bf16 wire
-//    compression, ZeRO-1, GPU replicas, distribute_datasets_from_function
+//    compression, GPU replicas, distribute_datasets_from_function
 //    (its rows depend on the worker count). An elastic group that grows past
 //    V replicas fails its next step (FailedPreconditionError); its members
 //    must agree on V and on the CPU kernel variant when it forms.

@@ -50,8 +50,7 @@ CentralStorageOptions checked(CentralStorageOptions o) {
 CentralStorageStrategy::CentralStorageStrategy(CentralStorageOptions options)
     : Strategy(options.log_level, "[central_storage]") {
   options = checked(std::move(options));
-  check_determinism_options(options.determinism, options.communication, /*zero=*/false,
-                            "CentralStorageStrategy");
+  check_determinism_options(options.determinism, options.communication, "CentralStorageStrategy");
   impl_ = std::make_unique<Impl>(this, options);
   enable_determinism(options.determinism, "CentralStorageStrategy");
   if (options.determinism.enabled()) nn::pin_gemm_blocking();

@@ -31,8 +31,7 @@ MirroredStrategy::MirroredStrategy(MirroredOptions options)
   if (options.log_device_placement) placement_.set_enabled(true);
   if (auto env = env::flag("DISTSTRAT_LOG_DEVICE_PLACEMENT")) placement_.set_enabled(*env);
   options = with_default_devices(std::move(options));
-  check_determinism_options(options.determinism, options.communication,
-                            options.shard_optimizer_state, "MirroredStrategy");
+  check_determinism_options(options.determinism, options.communication, "MirroredStrategy");
   impl_ = std::make_unique<Impl>(this, options);
   enable_determinism(options.determinism, "MirroredStrategy");
   if (options.determinism.enabled()) nn::pin_gemm_blocking();
@@ -72,7 +71,8 @@ void MirroredStrategy::apply_gradients(
   if (impl_->shard_optimizer_state) {
     // ZeRO-1 over the in-process group: reduce-scatter, update the block,
     // all-gather (Optimizer::apply_sharded).
-    auto* local_ctx = dynamic_cast<LocalReplicaContext*>(&ctx);
+    // (In determinism mode the gradients are summed already: SummedContext.)
+    auto* local_ctx = dynamic_cast<LocalReplicaContext*>(&unwrap_summed(ctx));
     DISTSTRAT_CHECK(local_ctx != nullptr, kInternal, "MirroredStrategy: foreign replica context");
     // GPU replicas: the device communicator (NCCL or the shared-device
     // kernel) on the replicas' device buffers.

@@ -24,7 +24,7 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   if (options.devices.empty()) options.devices = {Device::cpu(0)};
   resolve_replica_devices(options.devices, options.device_manager, "MultiWorkerMirroredStrategy");
   check_determinism_options(options.determinism, options.communication,
-                            options.shard_optimizer_state, "MultiWorkerMirroredStrategy");
+                            "MultiWorkerMirroredStrategy");
   const Algorithm algo = options.communication.algorithm;
   const bool allow_hier = algo == Algorithm::kAuto || algo == Algorithm::kHierarchical;
 

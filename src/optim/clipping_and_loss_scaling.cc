@@ -13,6 +13,7 @@
 #include "runtime/variable_impl.h"
 #include "core/user_text.h"
 #include "optim/optim_kernels.h"
+#include "optim/exact_sum.h"
 #include "optim/optimizer_state.h"
 
 namespace diststrat {
@@ -202,26 +203,47 @@ void Optimizer::update_tensor(Tensor& var, const Tensor& grad, std::vector<Tenso
     return;
   }
   bool skip = false;
+  // ZeRO-1 in determinism mode: the decision reads the whole gradients.
+  std::vector<Tensor> whole = batch->whole;
   if (loss_scaling()) {
     // Unscale into copies (the caller's gradients stay as reduced); one
     // non-finite element anywhere skips the step.
     const float inv = 1.0f / batch->scale_value;
-    for (Held::Update& h : ready) {
-      Tensor g = h.grad.clone();
+    const auto unscale = [&](Tensor& t) {
+      Tensor g = t.clone();
       const bool finite = optim_detail::optim_kernels().scale_all_finite(
           g.data<float>(), static_cast<size_t>(g.num_elements()), inv);
-      skip = skip || !finite;
-      h.grad = g;
+      t = g;
+      return finite;
+    };
+    for (Held::Update& h : ready) skip = !unscale(h.grad) || skip;
+    if (!whole.empty()) {
+      skip = false;
+      for (Tensor& w : whole) skip = !unscale(w) || skip;
     }
   }
+  // Determinism mode: the norm's sum rounded once (the order of the terms
+  // follows the replica count); docs/determinism.md.
+  const bool exact = strategy_->determinism().enabled();
   const optim_detail::StepDecision d = optim_detail::decide_step(
       loss_scaling(), clipping_.global_norm > 0, skip,
       [&] {
+        if (exact) {
+          optim_detail::ExactSum sum;
+          if (whole.empty()) {
+            for (const Held::Update& h : ready)
+              sum.add_squares(h.grad.data<float>(), static_cast<size_t>(h.grad.num_elements()));
+          } else {
+            for (const Tensor& w : whole)
+              sum.add_squares(w.data<float>(), static_cast<size_t>(w.num_elements()));
+          }
+          return sum.value();
+        }
         double sum = 0;
         for (const Held::Update& h : ready) sum += sum_of_squares(h.grad);
         return sum;
       },
-      batch->sum_across);
+      whole.empty() ? batch->sum_across : nullptr);
   skip = d.skip;
   const double norm = d.norm;
   {

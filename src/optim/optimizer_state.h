@@ -55,6 +55,11 @@ struct Optimizer::Held {
     // ZeRO-1: this replica holds a block of the gradients; sums one double
     // over every replica (set by apply_sharded).
     std::function<double(double)> sum_across;
+    // ZeRO-1 in determinism mode: every replica holds the step's whole
+    // gradients (their exact sum), and the norm and the non-finite check
+    // read them rather than the block, so that neither depends on how the
+    // replica count cut the blocks (set by apply_sharded; sum_across unset).
+    std::vector<Tensor> whole;
   };
   std::mutex mu;
   std::map<std::thread::id, Batch> batches;

@@ -147,7 +147,15 @@ void Optimizer::apply_sharded(ReplicaContext& ctx,
   for (size_t k = 0; k < order.size(); ++k) {
     copy_floats(L.flat, z.offsets[k], grads_and_vars[order[k]].first, 0, z.size(k));
   }
-  collectives.reduce_scatter(L.flat, L.grads);
+  // Determinism mode: every replica holds the exact sum of the step's
+  // gradients already (runtime/determinism.h), so its block is a slice of
+  // them, not a reduce-scatter (which would sum them again).
+  const bool exact = strategy_->determinism().enabled();
+  if (exact) {
+    copy_floats(L.grads, 0, L.flat, L.begin, L.end - L.begin);
+  } else {
+    collectives.reduce_scatter(L.flat, L.grads);
+  }
   for (size_t k = 0; k < z.vars.size(); ++k) {
     const auto [lo, hi] = z.piece(k, L);
     copy_floats(L.values, lo - L.begin, z.vars[k].impl().copies[static_cast<size_t>(local)],
@@ -156,7 +164,13 @@ void Optimizer::apply_sharded(ReplicaContext& ctx,
   {
     std::lock_guard<std::mutex> lock(held_->mu);
     auto it = held_->batches.find(std::this_thread::get_id());
-    if (it != held_->batches.end()) it->second.sum_across = collectives.sum;
+    if (it != held_->batches.end()) {
+      if (exact) {
+        for (size_t k : order) it->second.whole.push_back(grads_and_vars[k].first);
+      } else {
+        it->second.sum_across = collectives.sum;
+      }
+    }
   }
   Tensor iterations = iterations_.read(ctx);
   const int64_t step = iterations.data<int64_t>()[0] + 1;

@@ -82,17 +82,13 @@ void run_shards(ReplicaContext& real, int shards, const std::function<void(Repli
 }
 
 void check_determinism_options(const DeterminismOptions& determinism,
-                               const CommunicationOptions& communication, bool zero,
-                               const std::string& who) {
+                               const CommunicationOptions& communication, const std::string& who) {
   if (!determinism.enabled()) return;
   DISTSTRAT_CHECK(communication.compression == Compression::kNone, kInvalidArgument, who,
                   ": determinism.virtual_shards ", determinism.virtual_shards, " with ",
                   communication.compression == Compression::kFloat16 ? "float16" : "bfloat16",
                   " wire compression: the exact sum of the shards would be rounded to 16 bits on "
                   "the wire, differently for each split; turn one of them off");
-  DISTSTRAT_CHECK(!zero, kUnimplemented, who,
-                  ": determinism mode with shard_optimizer_state "
-                  "(ZeRO-1) is not built yet (docs/determinism.md)");
 }
 
 // ---- Strategy's part -------------------------------------------------------

@@ -116,6 +116,9 @@ class SummedContext : public ReplicaContext {
   }
   void barrier(const std::string& name = "") override { real_.barrier(name); }
 
+  // The real replica's context (a strategy's own collectives run on it).
+  ReplicaContext& real() const { return real_; }
+
  protected:
   std::shared_ptr<void> merge_call_impl(
       const std::function<std::shared_ptr<void>(Strategy&)>& fn) override {
@@ -126,20 +129,25 @@ class SummedContext : public ReplicaContext {
   ReplicaContext& real_;
 };
 
+// `ctx`, or the real context a SummedContext wraps.
+inline ReplicaContext& unwrap_summed(ReplicaContext& ctx) {
+  auto* summed = dynamic_cast<SummedContext*>(&ctx);
+  return summed ? summed->real() : ctx;
+}
+
 // Whether `s`'s apply_gradients combines the replicas' gradients by kSum
 // all-reduces on the replica's context alone: MirroredStrategy and
-// MultiWorkerMirroredStrategy without ZeRO-1 (refused in the mode). Not
+// MultiWorkerMirroredStrategy (with ZeRO-1, Optimizer::apply_sharded takes
+// its block as a slice of the sum instead of a reduce-scatter). Not
 // CentralStorageStrategy, whose reduce-to-one adds every replica's
 // gradients in a merge_call: it gets the sum from replica 0 and zeros from
 // the others (x + 0 is exact).
 bool sums_gradients_on_context(const Strategy& s);
 
-// The options determinism mode refuses, each an error naming it: 16-bit wire
-// compression (it would round the exact sum), ZeRO-1 (its clipping norm is
-// summed per block, in an order the replica count decides).
+// The option determinism mode refuses, an error naming it: 16-bit wire
+// compression (it would round the exact sum).
 void check_determinism_options(const DeterminismOptions& determinism,
-                               const CommunicationOptions& communication, bool zero,
-                               const std::string& who);
+                               const CommunicationOptions& communication, const std::string& who);
 
 // Calls fn once per shard of the real replica `real`, in shard order.
 void run_shards(ReplicaContext& real, int shards, const std::function<void(ReplicaContext&)>& fn);

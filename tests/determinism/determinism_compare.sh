@@ -4,12 +4,13 @@
 #   determinism_compare.sh mirrored TRAIN
 #   determinism_compare.sh multi_worker TRAIN MPIEXEC
 # mirrored: 1, 2 and 4 CPU replicas, SGD with momentum and Adam with clipping
-# and accumulation, the mode on (same bits) and off (different bits); and
-# the same under DISTSTRAT_CPU=baseline.
+# and accumulation, the mode on (same bits) and off (different bits), ZeRO-1
+# on 2 and 4 replicas (same bits); and the same under DISTSTRAT_CPU=baseline.
 # multi_worker: 1, 2 and 3 processes under mpirun (one replica each) against
 # MirroredStrategy on one replica, 2 processes with 2 replicas each, and 4
-# processes in two virtual nodes (the hierarchical all-reduce); Adam on 3
-# processes and the virtual nodes.
+# processes in two virtual nodes (the hierarchical all-reduce), 3 processes
+# with ZeRO-1; Adam on 3 processes (with and without ZeRO-1) and the virtual
+# nodes.
 set -euo pipefail
 mode=$1 train=$2 mpiexec=${3:-}
 dir=$(mktemp -d "${TMPDIR:-/tmp}/diststrat_det_XXXXXX")
@@ -35,6 +36,11 @@ if [ "$mode" = mirrored ]; then
     done
     same "on_${opt}_1" "on_${opt}_2" "$opt, 1 vs 2 replicas, V=12"
     same "on_${opt}_1" "on_${opt}_4" "$opt, 1 vs 4 replicas, V=12"
+    # ZeRO-1 (sharded optimizer state) on 2 and 4 replicas: the same bits.
+    for r in 2 4; do
+      train "zero_${opt}_$r" --replicas $r --shards 12 --optimizer $opt --zero
+      same "on_${opt}_1" "zero_${opt}_$r" "$opt, 1 replica vs $r replicas with ZeRO-1, V=12"
+    done
     differ "off_${opt}_1" "off_${opt}_2" "$opt, 1 vs 2 replicas"
     differ "off_${opt}_1" "off_${opt}_4" "$opt, 1 vs 4 replicas"
   done
@@ -63,6 +69,10 @@ else
         --steps "$steps" --out "$dir/mw_${opt}_$np" --replicas 1 --shards 12 --optimizer $opt
       same "ref_$opt" "mw_${opt}_$np" "$opt, mirrored 1 replica vs $np processes, V=12"
     done
+    # ZeRO-1 across 3 processes.
+    "$mpiexec" -n 3 --oversubscribe --bind-to none "$train" --strategy multi_worker \
+      --steps "$steps" --out "$dir/mwzero_${opt}_3" --replicas 1 --shards 12 --optimizer $opt --zero
+    same "ref_$opt" "mwzero_${opt}_3" "$opt, mirrored 1 replica vs 3 processes with ZeRO-1, V=12"
     if [ $opt = sgd ]; then
       "$mpiexec" -n 2 --oversubscribe --bind-to none "$train" --strategy multi_worker \
         --steps "$steps" --out "$dir/mw_${opt}_2x2" --replicas 2 --shards 12 --optimizer $opt

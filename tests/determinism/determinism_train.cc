@@ -4,7 +4,7 @@
 // counts (issue 47, docs/determinism.md).
 //
 //   determinism_train --strategy mirrored|multi_worker --replicas N --shards V
-//                     --optimizer sgd|adam --steps S --out FILE [--synthetic]
+//                     --optimizer sgd|adam --steps S --out FILE [--synthetic] [--zero]
 //
 // Fashion-MNIST (kFashionMnistDir) by default; --synthetic, or a machine
 // without the data, uses a seeded random set of the same shape. Adam runs
@@ -28,6 +28,7 @@ struct Flags {
   std::string strategy = "mirrored", optimizer = "sgd", out;
   int replicas = 1, shards = 12, steps = 200;
   bool synthetic = false;
+  bool zero = false;  // ZeRO-1: shard_optimizer_state
 };
 
 ds::Dataset synthetic_set(int64_t rows) {
@@ -49,11 +50,13 @@ std::unique_ptr<ds::Strategy> make(const Flags& f) {
     ds::MultiWorkerOptions o;
     o.devices = devices;
     o.determinism = det;
+    o.shard_optimizer_state = f.zero;
     return std::make_unique<ds::MultiWorkerMirroredStrategy>(o);
   }
   ds::MirroredOptions o;
   o.devices = devices;
   o.determinism = det;
+  o.shard_optimizer_state = f.zero;
   return std::make_unique<ds::MirroredStrategy>(o);
 }
 
@@ -131,7 +134,9 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--strategy")
+    if (a == "--zero")
+      f.zero = true;
+    else if (a == "--strategy")
       f.strategy = next();
     else if (a == "--optimizer")
       f.optimizer = next();
