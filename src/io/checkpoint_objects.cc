@@ -37,8 +37,8 @@ namespace {
 // fixes the order of the rows; the keys of data_position_metadata.
 const std::vector<std::string>& position_fields(bool with_data) {
   static const std::vector<std::string> plain = {"epoch", "batch", "step"};
-  static const std::vector<std::string> full = {"epoch", "batch",   "step",          "global_batch",
-                                                "seed",  "rows",    "shuffle",       "drop_remainder"};
+  static const std::vector<std::string> full = {"epoch", "batch", "step",    "global_batch",
+                                                "seed",  "rows",  "shuffle", "drop_remainder"};
   return with_data ? full : plain;
 }
 
@@ -49,7 +49,8 @@ Tensor int64_scalar(int64_t v) {
 }
 }  // namespace
 
-Checkpoint::Checkpoint(CheckpointObjects objects) : strategy_(nullptr), objects_(std::move(objects)) {
+Checkpoint::Checkpoint(CheckpointObjects objects)
+    : strategy_(nullptr), objects_(std::move(objects)) {
   DISTSTRAT_CHECK(!objects_.empty(), kInvalidArgument, "Checkpoint: no objects to save");
   std::set<std::string> names;
   for (const auto& [name, o] : objects_) {

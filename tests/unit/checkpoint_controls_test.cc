@@ -33,7 +33,8 @@ using ds::testing::expect_error;
 constexpr char kPrefix[] = "diststrat_ckctl_";
 
 ds::Dataset random_dataset(int64_t rows, int64_t features, int classes, uint64_t seed) {
-  ds::Tensor x(ds::Shape{rows, features}, ds::DType::kFloat32), y(ds::Shape{rows}, ds::DType::kInt32);
+  ds::Tensor x(ds::Shape{rows, features}, ds::DType::kFloat32),
+      y(ds::Shape{rows}, ds::DType::kInt32);
   ds::init::RandomNormal{0.0, 1.0, seed}(x);
   for (int64_t i = 0; i < rows; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % classes);
   return ds::Dataset(x, y);
@@ -124,16 +125,26 @@ TEST(CheckpointObjects, RefusesBadObjects) {
   ds::DataPosition pos;
   expect_error<ds::InvalidArgumentError>([&] { ds::Checkpoint c(ds::CheckpointObjects{}); },
                                          {"no objects"}, "empty");
-  expect_error<ds::InvalidArgumentError>([&] { ds::Checkpoint c({{"a/b", m.vars}}); },
-                                         {"'a/b'", "no '/'"}, "slash");
   expect_error<ds::InvalidArgumentError>(
-      [&] { ds::Checkpoint c({{"m", m.vars}, {"m", m.opt}}); }, {"two objects named 'm'"}, "twice");
-  expect_error<ds::InvalidArgumentError>([&] { ds::Checkpoint c({{"position", pos}}); },
-                                         {"none of the objects is a variable or an optimizer"},
-                                         "position only");
+      [&] {
+        ds::Checkpoint c({{"a/b", m.vars}});
+      },
+      {"'a/b'", "no '/'"}, "slash");
+  expect_error<ds::InvalidArgumentError>(
+      [&] {
+        ds::Checkpoint c({{"m", m.vars}, {"m", m.opt}});
+      },
+      {"two objects named 'm'"}, "twice");
+  expect_error<ds::InvalidArgumentError>(
+      [&] {
+        ds::Checkpoint c({{"position", pos}});
+      },
+      {"none of the objects is a variable or an optimizer"}, "position only");
   PositionedModel other;
   expect_error<ds::InvalidArgumentError>(
-      [&] { ds::Checkpoint c({{"model", m.vars}, {"other", other.vars}}); },
+      [&] {
+        ds::Checkpoint c({{"model", m.vars}, {"other", other.vars}});
+      },
       {"object 'other' belongs to another strategy"}, "two strategies");
 }
 
@@ -167,11 +178,11 @@ TEST(CheckpointObjects, UnmatchedNamesAreAnErrorNamingThemOrReportedWithExpectPa
   const std::string small = dir / "model.safetensors";
   model_only.save(small);
   PositionedModel c(16, 13);
-  ds::Variable ema = c.strategy.create_variable("ema", {3}, ds::DType::kFloat32,
-                                                ds::init::Constant{2.0});
+  ds::Variable ema =
+      c.strategy.create_variable("ema", {3}, ds::DType::kFloat32, ds::init::Constant{2.0});
   ds::Checkpoint more({{"model", c.vars}, {"ema", ema}});
-  expect_error<ds::InvalidArgumentError>([&] { more.restore(small); },
-                                         {"'ema/ema'", "is missing"}, "missing names");
+  expect_error<ds::InvalidArgumentError>([&] { more.restore(small); }, {"'ema/ema'", "is missing"},
+                                         "missing names");
   more.restore(small, partial);
   expect_same_variables(a.vars, c.vars);
   EXPECT_EQ(more.last_restore().missing, std::vector<std::string>{"ema/ema"});
@@ -182,7 +193,8 @@ TEST(CheckpointObjects, UnmatchedNamesAreAnErrorNamingThemOrReportedWithExpectPa
   // F32[3] in the file, F32[5] in the Checkpoint.
   ds::Checkpoint({{"model", ema}}).save(dir / "ema.safetensors");
   PositionedModel d;
-  ds::Variable ema5 = d.strategy.create_variable("ema", {5}, ds::DType::kFloat32, ds::init::Zeros{});
+  ds::Variable ema5 =
+      d.strategy.create_variable("ema", {5}, ds::DType::kFloat32, ds::init::Zeros{});
   ds::Checkpoint shaped({{"model", ema5}});
   expect_error<ds::InvalidArgumentError>([&] { shaped.restore(dir / "ema.safetensors", partial); },
                                          {"'model/ema'", "[3] in the file"}, "shape");
@@ -204,8 +216,10 @@ TEST(CheckpointObjects, DataPositionIsRestoredAndItsDataOrderChecked) {
   expect_same_variables(b.vars, fresh.vars);  // nothing written
   // A position without its dataset saves and restores epoch, batch and step only.
   ds::DataPosition p{2, 1, 7}, q;
-  ds::Checkpoint(ds::CheckpointObjects{{"model", a.vars}, {"position", p}}).save(dir / "q.safetensors");
-  ds::Checkpoint(ds::CheckpointObjects{{"model", a.vars}, {"position", q}}).restore(dir / "q.safetensors");
+  ds::Checkpoint(ds::CheckpointObjects{{"model", a.vars}, {"position", p}})
+      .save(dir / "q.safetensors");
+  ds::Checkpoint(ds::CheckpointObjects{{"model", a.vars}, {"position", q}})
+      .restore(dir / "q.safetensors");
   EXPECT_EQ(q.epoch, 2);
   EXPECT_EQ(q.batch, 1);
   EXPECT_EQ(q.step, 7);
@@ -224,7 +238,8 @@ TEST(CheckpointObjects, ACorruptFileIsDataLossAndChangesNothing) {
   expect_error<ds::DataLossError>([&] { b.ckpt.restore(path); }, {path}, "corrupt");
   ds::RestoreOptions partial;
   partial.expect_partial = true;
-  expect_error<ds::DataLossError>([&] { b.ckpt.restore(path, partial); }, {path}, "corrupt, partial");
+  expect_error<ds::DataLossError>([&] { b.ckpt.restore(path, partial); }, {path},
+                                  "corrupt, partial");
   EXPECT_EQ(b.pos.step, 0);
   PositionedModel fresh;
   expect_same_variables(b.vars, fresh.vars);
@@ -246,10 +261,9 @@ TEST(CheckpointManagerControls, CheckpointIntervalSkipsSavesTooSoonUnlessForced)
   EXPECT_EQ(manager.save(4, {}, /*check_interval=*/false), ckpt_path(dir.path(), 4));
   EXPECT_EQ(manager.save(6), "");
   EXPECT_EQ(manager.save(7), ckpt_path(dir.path(), 7));
-  EXPECT_EQ(manager.checkpoints(), (std::vector<std::string>{ckpt_path(dir.path(), 0),
-                                                             ckpt_path(dir.path(), 3),
-                                                             ckpt_path(dir.path(), 4),
-                                                             ckpt_path(dir.path(), 7)}));
+  EXPECT_EQ(manager.checkpoints(),
+            (std::vector<std::string>{ckpt_path(dir.path(), 0), ckpt_path(dir.path(), 3),
+                                      ckpt_path(dir.path(), 4), ckpt_path(dir.path(), 7)}));
   // A resumed manager counts from the checkpoint it restored.
   ds::CheckpointManager again(m.ckpt, dir.path(), o);
   ASSERT_TRUE(again.restore_latest());
