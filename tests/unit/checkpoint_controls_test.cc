@@ -225,6 +225,26 @@ TEST(CheckpointObjects, DataPositionIsRestoredAndItsDataOrderChecked) {
   EXPECT_EQ(q.step, 7);
 }
 
+TEST(CheckpointObjects, APositionThatContradictsItselfIsDataLoss) {
+  TempDir dir(kPrefix);
+  PositionedModel a;
+  a.step();
+  const std::string path = dir / "p.safetensors";
+  a.ckpt.save(path);
+  // Rewritten (checksums and all) with step 9 at epoch 0, batch 1.
+  ds::SafetensorsFile f = ds::load_checkpoint(path);
+  for (auto& nt : f.tensors) {
+    if (nt.first == "position/step") nt.second.data<int64_t>()[0] = 9;
+  }
+  ds::save_safetensors(path, f.tensors);
+  PositionedModel b;
+  expect_error<ds::DataLossError>([&] { b.ckpt.restore(path); },
+                                  {path, "contradicts itself", "step 9"}, "contradiction");
+  EXPECT_EQ(b.pos.step, 0);
+  PositionedModel fresh;
+  expect_same_variables(b.vars, fresh.vars);
+}
+
 TEST(CheckpointObjects, ACorruptFileIsDataLossAndChangesNothing) {
   TempDir dir(kPrefix);
   PositionedModel a;
@@ -368,17 +388,17 @@ namespace {
 constexpr int64_t kRunSteps = 12;
 
 // Trains a PositionedModel through PreemptionHandler::run on `dir` up to
-// kRunSteps run() calls in all; `in_step(n)` runs inside the step, before
-// training, with n = total_run_calls(). Returns the model.
-std::unique_ptr<PositionedModel> run_with_handler(const std::string& dir,
-                                                  const ds::PreemptionOptions& o,
-                                                  const std::function<void(int64_t)>& in_step) {
+// kRunSteps run() calls in all; `in_step(handler)` runs inside each step,
+// before training. Returns the model.
+std::unique_ptr<PositionedModel> run_with_handler(
+    const std::string& dir, const ds::PreemptionOptions& o,
+    const std::function<void(const ds::PreemptionHandler&)>& in_step) {
   auto m = std::make_unique<PositionedModel>();
   ds::CheckpointManager manager(m->ckpt, dir, {2});
   ds::PreemptionHandler handler(manager, o);
   while (handler.total_run_calls() < kRunSteps && !handler.preempted()) {
     handler.run([&] {
-      in_step(handler.total_run_calls());
+      in_step(handler);
       m->step();
     });
   }
@@ -394,11 +414,12 @@ void sigterm_mid_step_then_resume(const ds::PreemptionOptions& o, int expected_e
   ASSERT_EQ(::pipe(fds), 0);
   const pid_t pid = diststrat_test::start_child([&] {
     ::close(fds[0]);
-    run_with_handler(dir.path(), o, [&](int64_t n) {
-      if (n != 4) return;
-      // In step 5: tell the parent, then take long enough to be SIGTERMed here.
+    run_with_handler(dir.path(), o, [&](const ds::PreemptionHandler& h) {
+      if (h.total_run_calls() != 4) return;
+      // In step 5: tell the parent, and wait here (at most 20 s) until the signal came.
       if (::write(fds[1], "s", 1) != 1) std::_Exit(90);
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      for (int i = 0; i < 20000 && !h.signalled(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
     });
     return 91;  // ran to the end: not preempted
   });
@@ -418,9 +439,9 @@ void sigterm_mid_step_then_resume(const ds::PreemptionOptions& o, int expected_e
   const ds::SafetensorsFile f = ds::load_checkpoint(ckpt_path(dir.path(), 5));
   EXPECT_EQ(f.find("position/step")->data<int64_t>()[0], 5);
 
-  auto resumed = run_with_handler(dir.path(), o, [](int64_t) {});
+  auto resumed = run_with_handler(dir.path(), o, [](const ds::PreemptionHandler&) {});
   TempDir other(kPrefix);
-  auto straight = run_with_handler(other.path(), o, [](int64_t) {});
+  auto straight = run_with_handler(other.path(), o, [](const ds::PreemptionHandler&) {});
   EXPECT_EQ(resumed->pos.step, kRunSteps);
   EXPECT_EQ(straight->pos.step, kRunSteps);
   ds::testing::expect_same_state(resumed->ckpt, straight->ckpt);
@@ -444,8 +465,8 @@ TEST(PreemptionRun, AnotherSignalAndAnExitFunction) {
   o.exit_code = 42;
   int exited_with = -1;
   o.exit_fn = [&](int code) { exited_with = code; };  // returns: run() returns
-  auto m = run_with_handler(dir.path(), o, [](int64_t n) {
-    if (n == 2) ::raise(SIGUSR1);
+  auto m = run_with_handler(dir.path(), o, [](const ds::PreemptionHandler& h) {
+    if (h.total_run_calls() == 2) ::raise(SIGUSR1);
   });
   EXPECT_EQ(exited_with, 42);
   EXPECT_EQ(m->pos.step, 3);
