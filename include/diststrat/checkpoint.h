@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -72,6 +73,16 @@ struct RestoreOptions {
   // Allow the file to lack optimizer slots and step counters (a model-only
   // file, e.g. exported from PyTorch): those keep their current values.
   bool allow_missing_optimizer_state = false;
+  // TensorFlow's expect_partial(): restore a subset. Names the checkpoint
+  // saves that the file lacks keep their current values, and tensors of the
+  // file that the checkpoint does not save are left unread. false (the
+  // default): either kind of unmatched name is an InvalidArgumentError
+  // naming each (and nothing changes). With it, the unmatched names are
+  // reported, not silenced: Checkpoint::last_restore() lists them and an
+  // info-level log line names them (TensorFlow's expect_partial silences its
+  // warnings instead). A dtype or shape mismatch is an error either way.
+  // Not under ParameterServerStrategy (UnimplementedError).
+  bool expect_partial = false;
   // Restore a checkpoint whose floating-point tensors (variables, slots,
   // ZeRO slots, sync-on-read values, parameter-server shards) hold NaN or
   // +-Inf. false (the default): such a checkpoint is a DataLossError naming
@@ -98,6 +109,9 @@ struct CheckpointContents {
   std::vector<std::pair<std::string, Tensor>> tensors;
   // The user metadata (reserved "diststrat." keys removed).
   CheckpointMetadata metadata;
+  // Tensors of the file that no expected name matched, sorted (only when
+  // match_checkpoint was allowed to leave them: RestoreOptions::expect_partial).
+  std::vector<std::string> unused;
 };
 
 // Checks `file` (read from `path`) against the model state `expected` (names,
@@ -105,9 +119,12 @@ struct CheckpointContents {
 // shape, no extra tensor. Names in `optional` may be missing. Throws
 // InvalidArgumentError naming the file and every offending tensor (up to a
 // few). Participants use it so that validation is written once.
+// `allow_unused`: tensors of the file that are not expected are no error;
+// they are listed in CheckpointContents::unused.
 CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::string& path,
                                     const std::vector<std::pair<std::string, Tensor>>& expected,
-                                    const std::vector<std::string>& optional = {});
+                                    const std::vector<std::string>& optional = {},
+                                    bool allow_unused = false);
 
 // One shard of a variable as a parameter-server rank holds it: what its
 // shard file stores (ParameterServerStrategy::local_shards).
@@ -194,14 +211,74 @@ class CheckpointParticipant {
       const std::vector<std::string>& optional, const RestoreOptions& options);
 };
 
-// Names a strategy's state for checkpoints: every variable under its own name
-// (optimizer step counters are variables: "optimizer/iterations"), and every
-// slot of `optimizers` for every trainable variable as "<var>/<slot>".
+struct DataPosition;
+class DistributedDataset;
+
+// One named object of a Checkpoint, as in TensorFlow's
+// tf.train.Checkpoint(model=..., optimizer=...): what it saves, each tensor
+// under "<object name>/...". Converts implicitly from what it saves.
+class CheckpointObject {
+ public:
+  // Variables (a model's, a libtorch::TrainingState's variables()):
+  // "<object>/<variable name>" each.
+  CheckpointObject(std::vector<Variable> variables);  // NOLINT(google-explicit-constructor)
+  CheckpointObject(const Variable& variable);         // NOLINT(google-explicit-constructor)
+  // An optimizer's state: its step counter "<object>/iterations" and its
+  // slots of every trainable float32 variable of its strategy,
+  // "<object>/<variable>/<slot>". Must outlive the Checkpoint.
+  CheckpointObject(const Optimizer& optimizer);  // NOLINT(google-explicit-constructor)
+  // A data position (diststrat/data_position.h): int64 [1] tensors
+  // "<object>/epoch", "<object>/batch", "<object>/step", written from and
+  // restored into `position` (which must outlive the Checkpoint).
+  CheckpointObject(DataPosition& position);  // NOLINT(google-explicit-constructor)
+  // The same plus what fixes the order of `data`'s rows ("<object>/
+  // global_batch", "seed", "rows", "shuffle", "drop_remainder"), checked on
+  // restore as restore_data_position does: a checkpoint of another batch
+  // size, seed or row count is an InvalidArgumentError naming the key, a
+  // position that contradicts itself a DataLossError; nothing changes then.
+  CheckpointObject(DataPosition& position, const DistributedDataset& data);
+
+ private:
+  friend class Checkpoint;
+  enum class Kind { kVariables, kOptimizer, kPosition };
+  Kind kind_;
+  std::vector<Variable> variables_;
+  const Optimizer* optimizer_ = nullptr;
+  DataPosition* position_ = nullptr;
+  const DistributedDataset* data_ = nullptr;
+};
+
+// A Checkpoint's named objects, e.g.
+// {{"model", vars}, {"optimizer", opt}, {"position", {pos, dist}}}.
+using CheckpointObjects = std::vector<std::pair<std::string, CheckpointObject>>;
+
+// What the last Checkpoint::restore left unmatched (RestoreOptions::expect_partial).
+struct RestoreReport {
+  std::string path;                  // the file restored
+  std::vector<std::string> missing;  // saved by the Checkpoint, absent from the file: unchanged
+  std::vector<std::string> unused;   // in the file, not saved by the Checkpoint: not read
+};
+
+// Names a strategy's state for checkpoints. Two forms:
+//  - Checkpoint(strategy, optimizers): every variable of the strategy under
+//    its own name (optimizer step counters are variables:
+//    "optimizer/iterations"), and every slot of `optimizers` for every
+//    trainable variable as "<var>/<slot>";
+//  - Checkpoint(objects), TensorFlow's tf.train.Checkpoint(**objects): only
+//    the objects chosen, each under its name (CheckpointObject above):
+//      ```cpp fragment=loop
+//      ds::Checkpoint named({{"model", params}, {"optimizer", opt}});
+//      ```
 class Checkpoint {
  public:
   // The strategy and optimizers must outlive the Checkpoint. Variables created
   // after construction are included too (names are resolved at save/restore).
   explicit Checkpoint(Strategy& strategy, std::vector<const Optimizer*> optimizers = {});
+  // The named objects (at least one variable or optimizer: the strategy is
+  // theirs, one for all, else InvalidArgumentError). Names must be non-empty,
+  // unique, and contain no '/'. Under ParameterServerStrategy:
+  // UnimplementedError (its shards are saved by variable name).
+  explicit Checkpoint(CheckpointObjects objects);
 
   // Writes the current state and `metadata` to `path` (see
   // CheckpointParticipant::write_checkpoint). Refuses a state holding NaN or
@@ -226,6 +303,11 @@ class Checkpoint {
   void assign(const std::vector<std::pair<std::string, Tensor>>& state,
               const std::string& what) const;
   Strategy& strategy() const { return *strategy_; }
+  // The names, dtypes and shapes this Checkpoint saves (values not read), sorted.
+  std::vector<std::pair<std::string, Tensor>> expected_state() const;
+  // What the last successful restore (or restore_latest) left unmatched:
+  // empty lists unless RestoreOptions::expect_partial was set.
+  const RestoreReport& last_restore() const { return last_restore_; }
 
  private:
   struct Entry {
@@ -233,19 +315,32 @@ class Checkpoint {
     Variable var;
     std::string slot;  // empty for the variable itself
     bool optimizer_state = false;
+    // A data position's field ("epoch", ...): `var` is empty then.
+    int position_object = -1;
+    std::string field;
   };
   friend class CheckpointManager;
   // save() without the check for reserved metadata keys.
   void write(const std::string& path, const CheckpointMetadata& metadata,
              const SaveOptions& options) const;
   std::vector<Entry> entries() const;
-  // Writes matched `tensors` into the variables and slots of `es`.
+  // An entry's name, dtype and shape (an unfilled tensor).
+  static std::pair<std::string, Tensor> expected_of(const Entry& e);
+  // Writes matched `tensors` (of checkpoint `path`) into the variables,
+  // slots and data positions of `es`.
   void write_into_model(const std::vector<Entry>& es,
-                        const std::vector<std::pair<std::string, Tensor>>& tensors) const;
+                        const std::vector<std::pair<std::string, Tensor>>& tensors,
+                        const std::string& path) const;
   CheckpointParticipant& participant() const;
+  // Named objects: the data positions' fields among `tensors`, checked and
+  // decoded (all before any write): object index -> position.
+  std::map<int, DataPosition> read_positions(
+      const std::vector<std::pair<std::string, Tensor>>& tensors, const std::string& path) const;
 
   Strategy* strategy_;
   std::vector<const Optimizer*> optimizers_;
+  CheckpointObjects objects_;  // the named form; empty for the other
+  mutable RestoreReport last_restore_;
   // Used when the strategy is not itself a CheckpointParticipant (stateless).
   mutable CheckpointParticipant default_participant_;
 };

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <set>
 #include <string>
@@ -37,6 +38,23 @@ struct CheckpointManagerOptions {
   // on every process, and neither `latest` nor the kept checkpoints change
   // (a diverged run never prunes good checkpoints).
   bool allow_non_finite = false;
+  // TensorFlow's checkpoint_interval: save(step) writes only when `step` is
+  // at least this many steps past the last checkpoint saved or restored by
+  // this manager (the first save always writes); save(step, md, false)
+  // (TensorFlow's check_interval=False) writes regardless. 0 = every save
+  // writes. Every process uses the same value (the decision is local).
+  int64_t checkpoint_interval = 0;
+  // TensorFlow's keep_checkpoint_every_n_hours: a checkpoint that pruning to
+  // max_to_keep would delete is kept instead when it was saved at least this
+  // many hours after the last checkpoint so kept (before any: after this
+  // manager was constructed). Kept checkpoints are the manager's own
+  // (restore_latest may fall back to them) but never pruned, never counted
+  // towards max_to_keep and not listed by checkpoints(). 0 = off. Save
+  // times are recorded in the directory's manifest.
+  double keep_checkpoint_every_n_hours = 0;
+  // The clock of keep_checkpoint_every_n_hours, in seconds (tests inject
+  // one). Empty: the wall clock (seconds since the epoch).
+  std::function<double()> clock;
 };
 
 // TensorFlow's tf.train.latest_checkpoint for a CheckpointManager directory:
@@ -108,8 +126,23 @@ class CheckpointManager {
                     CheckpointManagerOptions options = {});
 
   // Saves as "ckpt-<step>.safetensors", updates `latest`, prunes to
-  // max_to_keep. Returns the path written.
-  std::string save(int64_t step, const CheckpointMetadata& metadata = {});
+  // max_to_keep (keeping every n hours, see the options). Returns the path
+  // written; "" when checkpoint_interval skipped it (only with
+  // `check_interval`, TensorFlow's save(checkpoint_number, check_interval)).
+  std::string save(int64_t step, const CheckpointMetadata& metadata = {},
+                   bool check_interval = true);
+  // TensorFlow's CheckpointManager.checkpoints: the paths of the manager's
+  // checkpoints that pruning counts, oldest first (not those kept by
+  // keep_checkpoint_every_n_hours). Reads the directory; not collective.
+  std::vector<std::string> checkpoints() const;
+  // TensorFlow's restore_or_initialize: restore_latest(options); when the
+  // directory has no checkpoint, runs `init_fn` (if any) instead. Returns
+  // the path restored, or nullopt when it initialized. Collective like
+  // restore_latest (every process calls it; init_fn runs on every process).
+  std::optional<std::string> restore_or_initialize(const std::function<void()>& init_fn = {},
+                                                   const RestoreOptions& options = {});
+  // The step of restored_path(); nullopt before a restore.
+  std::optional<int64_t> restored_step() const { return restored_step_; }
   // latest_checkpoint(directory()). Not collective.
   std::optional<std::string> latest() const;
   // Restores the newest checkpoint (see above); nullopt (and the model
@@ -119,6 +152,7 @@ class CheckpointManager {
   // not what `latest` names); nullopt before one.
   const std::optional<std::string>& restored_path() const { return restored_path_; }
   const std::string& directory() const { return directory_; }
+  const Checkpoint& checkpoint() const { return *checkpoint_; }
 
  private:
   // The directory's trusted user and manifest (see "Which files are the manager's").
@@ -130,7 +164,13 @@ class CheckpointManager {
   std::string directory_;
   CheckpointManagerOptions options_;
   std::optional<std::string> restored_path_;
+  std::optional<int64_t> restored_step_;
   std::set<std::string> reported_ignored_;
+  // The step of the last checkpoint saved or restored (checkpoint_interval).
+  std::optional<int64_t> last_step_;
+  // keep_checkpoint_every_n_hours: when this manager was constructed.
+  double constructed_at_ = 0;
+  double now() const;
 };
 
 }  // namespace diststrat

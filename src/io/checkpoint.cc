@@ -1,7 +1,8 @@
-// Checkpoint (a strategy's state in checkpoint names) and the default
-// CheckpointParticipant (one file written by the chief, read by the chief and
-// broadcast). CheckpointManager: checkpoint_manager.cc; PreemptionHandler:
-// preemption.cc.
+// Checkpoint's save and restore (restore of a subset: expect_partial) and the
+// default CheckpointParticipant (one file written by the chief, read by the
+// chief and broadcast). What a Checkpoint saves (its entries, named objects):
+// checkpoint_objects.cc; CheckpointManager: checkpoint_manager.cc;
+// PreemptionHandler: preemption.cc.
 #include <atomic>
 #include <dirent.h>
 #include <signal.h>
@@ -22,6 +23,8 @@
 #include "core/file_util.h"
 #include "core/user_text.h"
 #include "diststrat/checkpoint.h"
+#include "diststrat/data.h"
+#include "diststrat/data_position.h"
 #include "diststrat/optimizer.h"
 #include "io/checkpoint_identity.h"
 #include "io/checkpoint_internal.h"
@@ -164,7 +167,7 @@ int64_t metadata_int(const CheckpointMetadata& md, const std::string& key, int64
 
 CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::string& path,
                                     const std::vector<std::pair<std::string, Tensor>>& expected,
-                                    const std::vector<std::string>& optional) {
+                                    const std::vector<std::string>& optional, bool allow_unused) {
   const std::set<std::string> opt(optional.begin(), optional.end());
   std::set<std::string> expected_names;
   std::vector<std::string> problems;
@@ -188,7 +191,9 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
     out.tensors.emplace_back(name, *got);
   }
   for (const auto& [name, t] : file.tensors) {
-    if (!expected_names.count(name)) {
+    if (!expected_names.count(name) && allow_unused) {
+      out.unused.push_back(name);
+    } else if (!expected_names.count(name)) {
       problems.push_back("tensor '" + echo(name) + "' (" + dtype_name(t.dtype()) +
                          t.shape().to_string() + ") is not in the model");
     }
@@ -204,6 +209,7 @@ CheckpointContents match_checkpoint(const SafetensorsFile& file, const std::stri
   for (const auto& [k, v] : file.metadata) {
     if (k.rfind(kReservedPrefix, 0) != 0) out.metadata[k] = v;
   }
+  std::sort(out.unused.begin(), out.unused.end());
   return out;
 }
 
@@ -266,7 +272,8 @@ CheckpointContents CheckpointParticipant::read_checkpoint(
     lo.require_checksums = options.require_checksums;
     lo.allow_non_finite = options.allow_non_finite;
     // A single file, or a parameter-server checkpoint reassembled from its shards.
-    contents = match_checkpoint(load_checkpoint(path, lo), path, expected, optional);
+    contents = match_checkpoint(load_checkpoint(path, lo), path, expected, optional,
+                                options.expect_partial);
   });
   if (!is_multi_process(strategy)) return contents;
   // Every process gets the chief's validated tensors: which are present, then each.
@@ -288,6 +295,13 @@ CheckpointContents CheckpointParticipant::read_checkpoint(
   }
   out.metadata = decode_metadata(
       broadcast_string(strategy, encode_metadata(contents.metadata), "checkpoint metadata"));
+  if (options.expect_partial) {
+    CheckpointMetadata unused;
+    for (const std::string& n : contents.unused) unused[n] = "";
+    for (const auto& kv :
+         decode_metadata(broadcast_string(strategy, encode_metadata(unused), "checkpoint unused")))
+      out.unused.push_back(kv.first);
+  }
   return out;
 }
 
@@ -304,77 +318,6 @@ Checkpoint::Checkpoint(Strategy& strategy, std::vector<const Optimizer*> optimiz
 CheckpointParticipant& Checkpoint::participant() const {
   if (auto* p = dynamic_cast<CheckpointParticipant*>(strategy_)) return *p;
   return default_participant_;
-}
-
-std::vector<Checkpoint::Entry> Checkpoint::entries() const {
-  std::vector<std::string> slot_names;
-  std::set<std::string> iteration_vars;
-  for (const Optimizer* o : optimizers_) {
-    for (const std::string& s : o->slot_names()) {
-      if (std::find(slot_names.begin(), slot_names.end(), s) == slot_names.end())
-        slot_names.push_back(s);
-    }
-    iteration_vars.insert(o->iterations().name());
-  }
-  std::vector<Entry> out;
-  std::set<std::string> names;
-  auto add = [&](Entry e) {
-    DISTSTRAT_CHECK(names.insert(e.name).second, kInvalidArgument, "Checkpoint: the name '", e.name,
-                    "' is both a variable and an optimizer slot");
-    out.push_back(std::move(e));
-  };
-  for (const Variable& v : strategy_->variables()) {
-    // Step counters of optimizers are optimizer state; other variables are the model.
-    const bool is_counter = iteration_vars.count(v.name()) > 0 ||
-                            (v.name().rfind("optimizer", 0) == 0 && v.name().size() > 11 &&
-                             v.name().substr(v.name().size() - 11) == "/iterations");
-    add({v.name(), v, "", is_counter});
-    if (!v.options().trainable || v.dtype() != DType::kFloat32) continue;
-    for (const std::string& s : slot_names) add({v.name() + "/" + s, v, s, true});
-  }
-  return out;
-}
-
-std::vector<std::pair<std::string, Tensor>> Checkpoint::state() const {
-  std::vector<std::pair<std::string, Tensor>> out;
-  std::vector<CheckpointParticipant::SlotRef> slots;
-  std::vector<std::string> slot_names;
-  for (const Entry& e : entries()) {
-    if (e.slot.empty()) {
-      out.emplace_back(e.name, e.var.value());
-    } else {
-      slots.push_back({&e.var.impl(), e.slot});
-      slot_names.push_back(e.name);
-    }
-  }
-  // Slots an optimizer holds in blocks (ZeRO-1) are gathered whole by it, so
-  // the file is the same as without sharding.
-  std::vector<CheckpointParticipant::SlotRef> plain;
-  std::vector<std::string> plain_names;
-  std::vector<std::vector<std::pair<const Variable::Impl*, std::string>>> sharded(
-      optimizers_.size());
-  std::vector<std::vector<std::string>> sharded_names(optimizers_.size());
-  for (size_t k = 0; k < slots.size(); ++k) {
-    size_t o = 0;
-    while (o < optimizers_.size() && !optimizers_[o]->sharded_slot(*slots[k].var, slots[k].slot))
-      ++o;
-    if (o < optimizers_.size()) {
-      sharded[o].emplace_back(slots[k].var, slots[k].slot);
-      sharded_names[o].push_back(slot_names[k]);
-    } else {
-      plain.push_back(slots[k]);
-      plain_names.push_back(slot_names[k]);
-    }
-  }
-  std::vector<Tensor> values = participant().read_slots(*strategy_, plain);
-  for (size_t k = 0; k < plain.size(); ++k) out.emplace_back(plain_names[k], values[k]);
-  for (size_t o = 0; o < optimizers_.size(); ++o) {
-    if (sharded[o].empty()) continue;
-    std::vector<Tensor> v = optimizers_[o]->gather_sharded_slots(sharded[o]);
-    for (size_t k = 0; k < v.size(); ++k) out.emplace_back(sharded_names[o][k], v[k]);
-  }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  return out;
 }
 
 void Checkpoint::save(const std::string& path, const CheckpointMetadata& metadata,
@@ -406,18 +349,47 @@ void Checkpoint::write(const std::string& path, const CheckpointMetadata& metada
 CheckpointMetadata Checkpoint::restore(const std::string& path,
                                        const RestoreOptions& options) const {
   participant().check_checkpoint_supported(*strategy_, "Checkpoint::restore '" + path + "'");
+  const bool own_reader = &participant() == &default_participant_;
+  DISTSTRAT_CHECK(own_reader || !options.expect_partial, kUnimplemented, "Checkpoint::restore '",
+                  path,
+                  "': RestoreOptions::expect_partial is not supported under "
+                  "ParameterServerStrategy yet");
   const std::vector<Entry> es = entries();
-  std::vector<std::pair<std::string, Tensor>> expected;
+  std::vector<std::pair<std::string, Tensor>> expected;  // in creation order, as errors list them
+  for (const Entry& e : es) expected.push_back(expected_of(e));
   std::vector<std::string> optional;
   for (const Entry& e : es) {
-    // Only names, dtypes and shapes matter here: no need to read the values.
-    expected.emplace_back(e.name, Tensor(e.var.shape(), e.var.dtype()));
-    if (e.optimizer_state && options.allow_missing_optimizer_state) optional.push_back(e.name);
+    if (options.expect_partial || (e.optimizer_state && options.allow_missing_optimizer_state))
+      optional.push_back(e.name);
   }
   CheckpointParticipant& p = participant();
   // Everything is read and validated before the first write into the model.
   CheckpointContents c = p.read_checkpoint(*strategy_, path, expected, optional, options);
-  write_into_model(es, c.tensors);
+  write_into_model(es, c.tensors, path);
+  RestoreReport report;
+  report.path = path;
+  if (own_reader) {
+    std::set<std::string> got;
+    for (const auto& nt : c.tensors) got.insert(nt.first);
+    for (const auto& nt : expected) {
+      if (!got.count(nt.first)) report.missing.push_back(nt.first);
+    }
+    report.unused = c.unused;
+  }
+  if (options.expect_partial && (!report.missing.empty() || !report.unused.empty())) {
+    auto list = [](const std::vector<std::string>& v) {
+      std::string out;
+      const size_t shown = std::min<size_t>(v.size(), 10);
+      for (size_t i = 0; i < shown; ++i) out += (i ? ", '" : "'") + echo(v[i]) + "'";
+      if (v.size() > shown) out += " and " + std::to_string(v.size() - shown) + " more";
+      return out.empty() ? std::string("none") : out;
+    };
+    strategy_->logger().info(
+        "Checkpoint::restore '", path,
+        "' (expect_partial): not in the file, kept as they were: ", list(report.missing),
+        "; in the file, not restored: ", list(report.unused));
+  }
+  last_restore_ = std::move(report);
   return c.metadata;
 }
 
@@ -425,22 +397,24 @@ void Checkpoint::assign(const std::vector<std::pair<std::string, Tensor>>& state
                         const std::string& what) const {
   const std::vector<Entry> es = entries();
   std::vector<std::pair<std::string, Tensor>> expected;
-  for (const Entry& e : es) expected.emplace_back(e.name, Tensor(e.var.shape(), e.var.dtype()));
+  for (const Entry& e : es) expected.push_back(expected_of(e));
   SafetensorsFile file;
   file.tensors = state;
-  write_into_model(es, match_checkpoint(file, what, expected).tensors);
+  write_into_model(es, match_checkpoint(file, what, expected).tensors, what);
 }
 
-void Checkpoint::write_into_model(
-    const std::vector<Entry>& es,
-    const std::vector<std::pair<std::string, Tensor>>& tensors) const {
+void Checkpoint::write_into_model(const std::vector<Entry>& es,
+                                  const std::vector<std::pair<std::string, Tensor>>& tensors,
+                                  const std::string& path) const {
   CheckpointParticipant& p = participant();
+  // Data positions are checked (data order, consistency) before any write.
+  const std::map<int, DataPosition> positions = read_positions(tensors, path);
   std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
   std::vector<CheckpointParticipant::SlotRef> slots;
   std::vector<Tensor> slot_values;
   for (const Entry& e : es) {
     auto it = by_name.find(e.name);
-    if (it == by_name.end()) continue;  // optional and absent: keeps its value
+    if (it == by_name.end() || e.position_object >= 0) continue;  // absent: keeps its value
     if (e.slot.empty()) {
       Variable v = e.var;
       v.assign(it->second);
@@ -464,6 +438,7 @@ void Checkpoint::write_into_model(
     }
   }
   p.assign_slots(*strategy_, plain, plain_values);
+  for (const auto& [k, pos] : positions) *objects_[static_cast<size_t>(k)].second.position_ = pos;
 }
 
 }  // namespace diststrat

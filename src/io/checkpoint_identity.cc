@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <vector>
@@ -77,12 +80,26 @@ DirectoryIdentity read_manifest(const std::string& dir, uid_t uid) {
   if (!std::getline(in, line) || line != kManifestHeader)
     throw damaged("first line '" + echo(line, 64) + "'");
   while (std::getline(in, line)) {
-    const size_t sp = line.find(' ');
-    if (sp == std::string::npos || !is_hex8(line.substr(sp + 1)) ||
-        line.find('/') != std::string::npos) {
+    // "<name> <crc>" [" <saved at>" [" kept"]] (keep_checkpoint_every_n_hours).
+    std::istringstream fields(line);
+    std::string name, crc, saved, kept, more;
+    fields >> name >> crc >> saved >> kept >> more;
+    double at = 0;
+    bool at_ok = saved.empty();
+    if (!saved.empty()) {
+      char* end = nullptr;
+      at = std::strtod(saved.c_str(), &end);
+      at_ok = end && *end == '\0' && std::isfinite(at);
+    }
+    if (name.empty() || !is_hex8(crc) || line.find('/') != std::string::npos || !at_ok ||
+        !(kept.empty() || kept == "kept") || !more.empty() ||
+        line != name + " " + crc + (saved.empty() ? "" : " " + saved) +
+                    (kept.empty() ? "" : " " + kept)) {
       throw damaged("line '" + echo(line, 80) + "'");
     }
-    id.listed[line.substr(0, sp)] = line.substr(sp + 1);
+    id.listed[name] = crc;
+    if (!saved.empty()) id.saved_at[name] = at;
+    if (!kept.empty()) id.kept.insert(name);
   }
   id.has_manifest = true;
   return id;
@@ -116,9 +133,21 @@ DirectoryIdentity writer_identity(const std::string& dir) {
   return read_manifest(dir, ::geteuid());
 }
 
-void write_manifest(const std::string& dir, const std::map<std::string, std::string>& listed) {
+void write_manifest(const std::string& dir, const std::map<std::string, std::string>& listed,
+                    const std::map<std::string, double>& saved_at,
+                    const std::set<std::string>& kept) {
   std::string text = std::string(kManifestHeader) + "\n";
-  for (const auto& [name, crc] : listed) text += name + " " + crc + "\n";
+  for (const auto& [name, crc] : listed) {
+    text += name + " " + crc;
+    auto at = saved_at.find(name);
+    if (at != saved_at.end()) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.3f", at->second);
+      text += std::string(" ") + buf;
+      if (kept.count(name)) text += " kept";
+    }
+    text += "\n";
+  }
   write_file_atomically(dir + "/" + kManifestFile, text.data(), text.size());
 }
 

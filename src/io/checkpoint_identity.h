@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 
 #include "diststrat/checkpoint.h"
@@ -38,6 +39,11 @@ struct DirectoryIdentity {
   // manifests, read only) every verified manager file of `uid` is own.
   bool has_manifest = false;
   std::map<std::string, std::string> listed;  // file name -> header CRC (8 hex)
+  // keep_checkpoint_every_n_hours: when each listed checkpoint was saved
+  // (seconds, the manager's clock; only recorded with that option), and the
+  // ones kept for good (never pruned or counted).
+  std::map<std::string, double> saved_at;
+  std::set<std::string> kept;
 };
 
 // "user alice (uid 1000)".
@@ -53,8 +59,12 @@ void check_directory_owner(const std::string& dir);
 // one a DataLossError. Absent: has_manifest = false.
 DirectoryIdentity writer_identity(const std::string& dir);
 
-// Writes the manifest atomically (this user's, mode 0644) listing `listed`.
-void write_manifest(const std::string& dir, const std::map<std::string, std::string>& listed);
+// Writes the manifest atomically (this user's, mode 0644) listing `listed`,
+// one line "<name> <crc>" each, followed by " <saved at> [kept]" for those
+// `saved_at` / `kept` name (a manifest without them reads as before).
+void write_manifest(const std::string& dir, const std::map<std::string, std::string>& listed,
+                    const std::map<std::string, double>& saved_at = {},
+                    const std::set<std::string>& kept = {});
 
 // For readers (a read-only manager, latest_checkpoint): the manifest's owner
 // and entries when it is a regular file owned by this user or by the

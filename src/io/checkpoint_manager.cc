@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <limits>
@@ -250,6 +252,14 @@ CheckpointManager::CheckpointManager(const Checkpoint& checkpoint, std::string d
   DISTSTRAT_CHECK(options_.max_to_keep >= 1, kInvalidArgument, "CheckpointManager: max_to_keep ",
                   options_.max_to_keep, " must be at least 1");
   DISTSTRAT_CHECK(!directory_.empty(), kInvalidArgument, "CheckpointManager: empty directory");
+  DISTSTRAT_CHECK(options_.checkpoint_interval >= 0, kInvalidArgument,
+                  "CheckpointManager: checkpoint_interval ", options_.checkpoint_interval,
+                  " must not be negative");
+  DISTSTRAT_CHECK(std::isfinite(options_.keep_checkpoint_every_n_hours) &&
+                      options_.keep_checkpoint_every_n_hours >= 0,
+                  kInvalidArgument, "CheckpointManager: keep_checkpoint_every_n_hours ",
+                  options_.keep_checkpoint_every_n_hours, " must be a finite number >= 0");
+  constructed_at_ = now();
   checkpoint.participant().check_checkpoint_supported(checkpoint.strategy(),
                                                       "CheckpointManager('" + directory_ + "')");
   // A restore-only reader touches nothing in the directory.
@@ -313,10 +323,38 @@ std::optional<std::string> CheckpointManager::latest() const {
   return latest_checkpoint(directory_);
 }
 
-std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& metadata) {
+double CheckpointManager::now() const {
+  if (options_.clock) return options_.clock();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::vector<std::string> CheckpointManager::checkpoints() const {
+  const ckpt::DirectoryIdentity id = identity();
+  std::vector<std::string> out;
+  for (const auto& [step, name] : scan(directory_, id).own) {
+    if (!id.kept.count(name)) out.push_back(directory_ + "/" + name);
+  }
+  return out;
+}
+
+std::optional<std::string> CheckpointManager::restore_or_initialize(
+    const std::function<void()>& init_fn, const RestoreOptions& options) {
+  if (restore_latest(options)) return restored_path_;
+  if (init_fn) init_fn();
+  return std::nullopt;
+}
+
+std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& metadata,
+                                    bool check_interval) {
   DISTSTRAT_CHECK(!options_.read_only, kFailedPrecondition, "CheckpointManager::save(", step,
                   ") into '", directory_, "': the manager was made with read_only = true");
   DISTSTRAT_CHECK(step >= 0, kInvalidArgument, "CheckpointManager::save: negative step ", step);
+  // TensorFlow's checkpoint_interval: too soon after the last one, no save
+  // (every process decides alike: same steps, same options).
+  if (check_interval && options_.checkpoint_interval > 0 && last_step_ &&
+      step - *last_step_ < options_.checkpoint_interval) {
+    return "";
+  }
   const std::string name = "ckpt-" + std::to_string(step) + ".safetensors";
   const std::string path = directory_ + "/" + name;
   CheckpointMetadata md = metadata;
@@ -359,7 +397,9 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
                     "' just written has no verifiable header");
     id.listed[name] = crc;
     id.has_manifest = true;
-    ckpt::write_manifest(directory_, id.listed);
+    const double hours = options_.keep_checkpoint_every_n_hours;
+    if (hours > 0) id.saved_at[name] = now();
+    ckpt::write_manifest(directory_, id.listed, id.saved_at, id.kept);
     const std::string text = name + "\n";
     write_file_atomically(directory_ + "/" + kLatest, text.data(), text.size());
     Scan sc = scan(directory_, id);
@@ -370,10 +410,34 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
       std::sort(sc.own.begin(), sc.own.end());
     }
     const size_t keep = static_cast<size_t>(options_.max_to_keep);
+    // Checkpoints kept every n hours are neither counted nor pruned.
+    size_t managed = 0;
+    for (const auto& o : sc.own) managed += id.kept.count(o.second) ? 0 : 1;
+    // The last one kept for good (before any: when this manager started).
+    std::optional<double> newest_kept;
+    for (const std::string& k : id.kept) {
+      auto at = id.saved_at.find(k);
+      if (at != id.saved_at.end())
+        newest_kept = std::max(newest_kept.value_or(at->second), at->second);
+    }
+    double last_kept = newest_kept.value_or(constructed_at_);
+    bool newly_kept = false;
     std::set<std::string> kept_shards;  // shard files a kept (sharded) checkpoint names
-    for (size_t i = 0; i < sc.own.size(); ++i) {
+    for (size_t i = 0, m = 0; i < sc.own.size(); ++i) {
       const std::string p = directory_ + "/" + sc.own[i].second;
-      if (i + keep < sc.own.size() && sc.own[i].second != name) {
+      const bool counted = !id.kept.count(sc.own[i].second);
+      bool prune = counted && m + keep < managed && sc.own[i].second != name;
+      m += counted ? 1 : 0;
+      auto at = id.saved_at.find(sc.own[i].second);
+      if (prune && hours > 0 && at != id.saved_at.end() &&
+          at->second >= last_kept + hours * 3600.0) {
+        // TensorFlow's keep_checkpoint_every_n_hours: kept for good instead.
+        id.kept.insert(sc.own[i].second);
+        last_kept = at->second;
+        newly_kept = true;
+        prune = false;
+      }
+      if (prune) {
         // The index first: a crash in between leaves orphans, never an index without shards.
         ::unlink(p.c_str());
       } else {
@@ -395,18 +459,21 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
       if (ckpt::is_own_shard_file(directory_ + "/" + n)) ::unlink((directory_ + "/" + n).c_str());
     }
     // Pruned (or vanished) checkpoints leave the manifest.
-    bool changed = false;
+    bool changed = newly_kept;
     for (auto it = id.listed.begin(); it != id.listed.end();) {
       struct stat st {};
       if (::lstat((directory_ + "/" + it->first).c_str(), &st) != 0) {
+        id.saved_at.erase(it->first);
+        id.kept.erase(it->first);
         it = id.listed.erase(it);
         changed = true;
       } else {
         ++it;
       }
     }
-    if (changed) ckpt::write_manifest(directory_, id.listed);
+    if (changed) ckpt::write_manifest(directory_, id.listed, id.saved_at, id.kept);
   });
+  last_step_ = step;
   return path;
 }
 
@@ -505,6 +572,11 @@ std::optional<CheckpointMetadata> CheckpointManager::restore_latest(const Restor
     try {
       CheckpointMetadata md = checkpoint_->restore(candidates[i], options);
       restored_path_ = candidates[i];
+      int64_t step = 0;
+      if (parse_step_file(fs::file_name_of(candidates[i]), &step)) {
+        restored_step_ = step;
+        last_step_ = step;
+      }
       return md;
     } catch (const Error& e) {
       // Only a checkpoint that is damaged or incomplete is skipped; a model

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -573,6 +574,43 @@ TEST(CheckpointMultiProcess, EveryWorkerFallsBackToTheSameValidCheckpoint) {
   for (size_t k = 0; k < at5[0].size(); ++k) {
     EXPECT_TRUE(same_bytes(restored[0][k].second, at5[0][k].second)) << at5[0][k].first;
     EXPECT_TRUE(same_bytes(restored[1][k].second, at5[0][k].second)) << at5[0][k].first;
+  }
+}
+
+// Named objects and a partial restore (issue 46, item 4): the chief reads
+// the file, and every worker gets its tensors and the same unmatched names.
+TEST(CheckpointMultiProcess, NamedObjectsAndAPartialRestoreReachEveryWorker) {
+  const std::string dir = temp_dir(kCheckpointTempPrefix);
+  std::vector<std::vector<std::pair<std::string, ds::Tensor>>> saved(2), restored(2);
+  std::vector<std::vector<std::string>> unused(2);
+  std::vector<std::string> refused(2);
+  on_two_workers([&](int i, Worker& w) {
+    ds::Checkpoint named({{"model", w.params}, {"optimizer", *w.opt}});
+    named.save(dir + "/named.safetensors");
+    saved[i] = named.state();
+    for (ds::Variable& v : w.params) v.assign(ds::Tensor(v.shape(), v.dtype()));
+    ds::Checkpoint model_only({{"model", w.params}});
+    try {
+      model_only.restore(dir + "/named.safetensors");
+    } catch (const ds::InvalidArgumentError& e) {
+      refused[i] = e.what();
+    }
+    ds::RestoreOptions partial;
+    partial.expect_partial = true;
+    model_only.restore(dir + "/named.safetensors", partial);
+    unused[i] = model_only.last_restore().unused;
+    restored[i] = model_only.state();
+  });
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NE(refused[i].find("'optimizer/iterations'"), std::string::npos) << refused[i];
+    EXPECT_EQ(unused[i], unused[0]);
+    EXPECT_EQ(std::count(unused[i].begin(), unused[i].end(), "optimizer/iterations"), 1);
+    // The chief's model on both: "model/..." sorts before "optimizer/...".
+    ASSERT_EQ(restored[i].size(), 4u);
+    for (size_t k = 0; k < restored[i].size(); ++k) {
+      EXPECT_EQ(restored[i][k].first, saved[0][k].first);
+      EXPECT_TRUE(same_bytes(restored[i][k].second, saved[0][k].second)) << saved[0][k].first;
+    }
   }
 }
 

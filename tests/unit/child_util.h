@@ -24,8 +24,9 @@ struct ChildResult {
   long max_rss_kib = 0;  // the child's peak resident memory
 };
 
-inline ChildResult run_in_child(const std::function<int()>& fn,
-                                std::chrono::seconds limit = std::chrono::seconds(30)) {
+// Forks a child that runs fn and _exits with its return value (98: it
+// threw); returns its pid (-1: fork failed). Reap it with wait_for_child.
+inline pid_t start_child(const std::function<int()>& fn) {
   std::fflush(nullptr);
   const pid_t pid = ::fork();
   if (pid == 0) {
@@ -37,6 +38,12 @@ inline ChildResult run_in_child(const std::function<int()>& fn,
     std::fflush(nullptr);
     ::_exit(rc);
   }
+  return pid;
+}
+
+// Waits for child `pid` (SIGKILLed after `limit`) and says how it ended.
+inline ChildResult wait_for_child(pid_t pid,
+                                  std::chrono::seconds limit = std::chrono::seconds(30)) {
   ChildResult r;
   if (pid < 0) return r;
   const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -57,6 +64,11 @@ inline ChildResult run_in_child(const std::function<int()>& fn,
   if (WIFSIGNALED(status)) r.term_signal = WTERMSIG(status);
   r.max_rss_kib = ru.ru_maxrss;
   return r;
+}
+
+inline ChildResult run_in_child(const std::function<int()>& fn,
+                                std::chrono::seconds limit = std::chrono::seconds(30)) {
+  return wait_for_child(start_child(fn), limit);
 }
 
 // This process's resident memory now (the baseline a child starts from).
