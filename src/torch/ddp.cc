@@ -80,6 +80,14 @@ DistributedDataParallel::DistributedDataParallel(Strategy& strategy,
   DISTSTRAT_CHECK(strategy.name() != "parameter_server", kUnimplemented,
                   "DistributedDataParallel: ParameterServerStrategy is not supported (its workers "
                   "do not all-reduce; use ParameterServerModel, docs/torch.md)");
+  // Its hooks all-reduce from inside the step function, which the mode calls
+  // once per virtual shard (collectives refused there); LibTorch's kernels
+  // and batch norm would need pinning per shard (docs/determinism.md).
+  DISTSTRAT_CHECK(!strategy.determinism().enabled(), kUnimplemented,
+                  "DistributedDataParallel: the strategy is in determinism mode (virtual_shards ",
+                  strategy.determinism().virtual_shards,
+                  "), which is not built for LibTorch DDP; use the library's own models "
+                  "(diststrat/nn.h) for world-size-invariant training, docs/determinism.md");
   const int local = strategy.num_local_replicas();
   const std::vector<std::string> signature = ddp_detail::module_signature(*module);
 

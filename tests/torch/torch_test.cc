@@ -128,6 +128,24 @@ TEST(TorchDdp, MirroredTwoReplicasMatchesSingleProcess) {
   expect_equivalent(strategy);
 }
 
+// Determinism mode (docs/determinism.md) is not built for LibTorch DDP: its
+// hooks all-reduce from inside the step function, which the mode calls once
+// per virtual shard, and LibTorch's kernels and batch norm would need pinning
+// per shard. Refused when the DDP is made, naming the mode, not at a step.
+TEST(TorchDdp, DeterminismModeIsRefusedAtConstruction) {
+  MirroredOptions o;
+  o.devices = {Device::cpu(0), Device::cpu(1)};
+  o.determinism.virtual_shards = 4;
+  MirroredStrategy strategy(o);
+  try {
+    dt::DistributedDataParallel ddp(strategy, make_net(7));
+    FAIL() << "DistributedDataParallel accepted a strategy in determinism mode";
+  } catch (const UnimplementedError& e) {
+    EXPECT_NE(std::string(e.what()).find("determinism mode (virtual_shards 4)"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(TorchDdp, CentralStorageTwoReplicasMatchesSingleProcess) {
   CentralStorageStrategy strategy({Device::cpu(0), Device::cpu(1)});
   expect_equivalent(strategy);
