@@ -67,6 +67,14 @@ struct FusionStats {
   int64_t packs = 0;               // packs reduced across processes
   int64_t bytes = 0;               // payload bytes reduced (before compression)
   int64_t buffer_allocations = 0;  // fusion/wire buffer (re)allocations
+  int64_t device_packs = 0;        // of `packs`: reduced by device_all_reduce_async's hook
+};
+
+// One pack of a fused call: tensors [begin, end) of the call, and the name
+// its collective carries ("fused all_reduce #3 pack 1/2 [a .. b]").
+struct FusionPack {
+  size_t begin = 0, end = 0;
+  std::string name;
 };
 
 class FusionEngine {
@@ -84,6 +92,19 @@ class FusionEngine {
   // Thread-safe (one thread per local replica).
   Work all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
                         std::vector<std::string> names);
+
+  // The same call for tensors in GPU memory whose data moves on the devices
+  // (multiworker/device_reduction.cc, one local replica per process): queued,
+  // paired and signature-checked exactly like all_reduce_async (a mismatch is
+  // an InvalidArgumentError on every rank before data moves; the step is in
+  // the signature), cut into the same packs, and then, on the communication
+  // thread, `reduce(cross, packs)` moves the data (the host path's
+  // memcpy-in/reduce/memcpy-out are not run). Its exception fails the Work
+  // and, unless InvalidArgumentError, makes the engine unusable, as a host
+  // collective's would. Non-blocking; thread-safe.
+  using DeviceReduce = std::function<void(Communicator& cross, const std::vector<FusionPack>&)>;
+  Work device_all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
+                               std::vector<std::string> names, DeviceReduce reduce);
 
   // ZeRO-1 collectives over every replica in sync (R = ranks x local
   // replicas; every rank must have the same number of local replicas), one
@@ -138,6 +159,7 @@ class FusionEngine {
     std::vector<Tensor> tensors;
     std::vector<std::string> names;
     std::function<void(Communicator&)> task;
+    DeviceReduce device_reduce;  // device_all_reduce_async (local replica 0's runs)
   };
   struct Call {
     bool is_task = false;

@@ -14,6 +14,7 @@
 
 #include "core/timeline.h"
 #include "diststrat/multi_worker_mirrored.h"
+#include "multiworker/device_reduction.h"
 #include "multiworker/fusion.h"
 #include "diststrat/elastic.h"
 #include "runtime/elastic_rendezvous.h"
@@ -118,6 +119,11 @@ struct MultiWorkerMirroredStrategy::Impl {
   std::mutex error_mu;
 
   std::unique_ptr<ElasticRuntime> elastic;  // null unless options.elastic.enabled()
+  // GPU gradients across processes through NCCL (device_reduction.h); null:
+  // host staging (`host_staged_reason` says why). Declared last: destroyed
+  // first, after the engine's thread (the destructor joins it) is gone.
+  std::string host_staged_reason;
+  std::unique_ptr<DeviceReduction> device;
 
   int rank() const { return cross->rank(); }
 
