@@ -53,8 +53,8 @@ std::unique_ptr<DeviceReduction> DeviceReduction::create(Communicator& cross,
                                                          const std::vector<Device>& devices,
                                                          const MultiWorkerOptions& options,
                                                          int replicas_in_sync, std::string* why) {
-  const bool any_gpu = std::any_of(devices.begin(), devices.end(),
-                                   [](const Device& d) { return d.is_gpu(); });
+  const bool any_gpu =
+      std::any_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_gpu(); });
   if (!any_gpu) {
     *why = "the replicas are CPUs";
     return nullptr;
@@ -149,7 +149,8 @@ std::unique_ptr<DeviceReduction> DeviceReduction::create(Communicator& cross,
   std::string create_error;
   try {
     d->comm_stream_ = backend.create_stream(ordinal);
-    d->nccl_ = backend.nccl_communicator(id, rank, n, ordinal, d->comm_stream_, options.communication);
+    d->nccl_ =
+        backend.nccl_communicator(id, rank, n, ordinal, d->comm_stream_, options.communication);
   } catch (const std::exception& e) {
     create_error = e.what();
   }
@@ -237,8 +238,8 @@ void DeviceReduction::reduce(Communicator& cross, ReduceOp op, std::vector<Tenso
     const size_t count = bytes / dtype_size(dtype);
     if (count == 0) continue;  // every rank alike (the signature agreed)
     const bool alone = p.end == p.begin + 1;
-    char* data = alone ? static_cast<char*>(tensors[p.begin].data())
-                       : static_cast<char*>(bucket(bytes));
+    char* data =
+        alone ? static_cast<char*>(tensors[p.begin].data()) : static_cast<char*>(bucket(bytes));
     if (!alone) {
       size_t off = 0;
       for (size_t k = p.begin; k < p.end; ++k) {
@@ -289,8 +290,8 @@ void DeviceReduction::fail(Communicator& cross, const std::string& what, const s
     if (const auto* err = dynamic_cast<const Error*>(&pe)) code = err->code();
     peers = std::string("the host process group: ") + pe.what();
   }
-  throw_error(code, me + ": " + what + " failed (NCCL communicator aborted): " + e.what() + "; " +
-                        peers);
+  throw_error(code,
+              me + ": " + what + " failed (NCCL communicator aborted): " + e.what() + "; " + peers);
 }
 
 }  // namespace diststrat

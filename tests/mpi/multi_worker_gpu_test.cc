@@ -114,8 +114,8 @@ TEST(MultiWorkerGpuMpi, MlpThroughNcclEqualsCpuReplicasBitForBit) {
   int64_t device_packs = 0;
   int collectives = 0;
   const auto gpu = mlp_run(true, 6, &device_packs, &collectives);
-  EXPECT_TRUE(bit_equal(gpu, cpu)) << "rank " << world_rank() << ": max difference "
-                                   << ds::testing::max_abs_diff(gpu, cpu);
+  EXPECT_TRUE(bit_equal(gpu, cpu))
+      << "rank " << world_rank() << ": max difference " << ds::testing::max_abs_diff(gpu, cpu);
   // 6 steps x several packs, all on the devices.
   EXPECT_GE(device_packs, 6 * 2);
   EXPECT_GE(collectives, device_packs);
@@ -143,8 +143,8 @@ TEST(MultiWorkerGpuMpi, HostStagedFallbackIsExplicitAndEqual) {
 TEST(MultiWorkerGpuMpi, NcclRefusedNamesTheRankAndWhy) {
   auto su = setup(true, ds::GpuReduction::kNccl);
   if (world_rank() == 1) {
-    auto backend =
-        std::make_unique<FakeNcclBackend>(2, "rank" + std::to_string(world_rank()), mpi_transport());
+    auto backend = std::make_unique<FakeNcclBackend>(2, "rank" + std::to_string(world_rank()),
+                                                     mpi_transport());
     su->options.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
     su->options.device_manager =
         ds::DeviceManagerAccess::shared_with_backend(su->dir.gpu_options(), std::move(backend));
@@ -181,8 +181,7 @@ std::vector<ds::Tensor> clipped_run(bool gpu, int* collectives) {
         ds::Tensor g = zc::replica_grad(w, k, m, ctx.replica_id(), ctx.num_replicas_in_sync());
         float* p = g.data<float>();
         for (int64_t i = 0; i < g.num_elements(); ++i) p[i] *= scale;
-        if (m == 2 && k == 0 && ctx.replica_id() == ctx.num_replicas_in_sync() - 1)
-          p[0] = INFINITY;
+        if (m == 2 && k == 0 && ctx.replica_id() == ctx.num_replicas_in_sync() - 1) p[0] = INFINITY;
         ds::Tensor on(vars[k].shape(), ds::DType::kFloat32, ctx.device());
         on.copy_from(g);
         gv.emplace_back(on, vars[k]);
@@ -201,8 +200,8 @@ TEST(MultiWorkerGpuMpi, ClippingAndLossScalingThroughNcclEqualCpuBitForBit) {
   int unused = 0, collectives = 0;
   const auto cpu = clipped_run(false, &unused);
   const auto gpu = clipped_run(true, &collectives);
-  EXPECT_TRUE(bit_equal(gpu, cpu)) << "rank " << world_rank() << ": max difference "
-                                   << ds::testing::max_abs_diff(gpu, cpu);
+  EXPECT_TRUE(bit_equal(gpu, cpu))
+      << "rank " << world_rank() << ": max difference " << ds::testing::max_abs_diff(gpu, cpu);
   EXPECT_GE(collectives, 5);
   expect_same_on_every_rank(gpu);
 }

@@ -51,9 +51,9 @@ class FakeNcclBackend : public FakeGpuBackend {
     std::copy(text.begin(), text.end(), id.begin());
     return id;
   }
-  std::unique_ptr<ds::Communicator> nccl_communicator(const std::string& unique_id, int rank,
-                                                      int size, int ordinal, void* stream,
-                                                      const ds::CommunicationOptions& options) override;
+  std::unique_ptr<ds::Communicator> nccl_communicator(
+      const std::string& unique_id, int rank, int size, int ordinal, void* stream,
+      const ds::CommunicationOptions& options) override;
 
   // Counters a test reads: communicators made, collectives run (on the
   // streams' executors).
