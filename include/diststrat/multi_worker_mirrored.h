@@ -124,7 +124,8 @@ struct MultiWorkerOptions {
   // (~1/R of the slot memory, Optimizer::slot_bytes_per_replica), and the
   // blocks are all-gathered. Checkpoints hold the full state (the same file
   // as without). CPU or GPU replicas (GPU blocks live in device memory; the
-  // engine's collectives stage them through the host), the same local
+  // engine's collectives run on NCCL where gpu_reduction chose it, else they
+  // stage the blocks through the host), the same local
   // replica count on every worker (else UnimplementedError at
   // construction). See docs/training.md.
   bool shard_optimizer_state = false;

@@ -188,13 +188,77 @@ void DeviceReduction::abort(const std::string& reason) {
   if (nccl_) nccl_->abort(reason);
 }
 
-Work DeviceReduction::all_reduce_async(FusionEngine& engine, ReduceOp op,
-                                       std::vector<Tensor> tensors, std::vector<std::string> names,
-                                       void* replica_stream) {
-  // The mark behind the gradients' producers; the engine's thread makes the
+void* DeviceReduction::ready_event(void* replica_stream) {
+  // The mark behind the producers; the engine's thread makes the
   // communication stream wait for it (and destroys it).
   void* ready = backend_->create_event(ordinal_);
   backend_->record_event(ordinal_, ready, replica_stream);
+  return ready;
+}
+
+void DeviceReduction::order_replica_after(void* replica_stream) {
+  void* done = backend_->create_event(ordinal_);
+  backend_->record_event(ordinal_, done, comm_stream_);
+  backend_->stream_wait_event(ordinal_, replica_stream, done);
+  backend_->destroy_event(ordinal_, done);
+}
+
+Work DeviceReduction::reduce_scatter_async(FusionEngine& engine, ReduceOp op, Tensor in, Tensor out,
+                                           std::string name, void* replica_stream) {
+  void* ready = ready_event(replica_stream);
+  return engine.reduce_scatter_async(
+      0, op, in, out, std::move(name),
+      [this, op, in, out, ready, replica_stream](Communicator& cross,
+                                                 const std::vector<FusionPack>& packs) mutable {
+        sharded(cross, true, op, in, out, packs[0].name, ready, replica_stream);
+      });
+}
+
+Work DeviceReduction::all_gather_async(FusionEngine& engine, Tensor in, Tensor out,
+                                       std::string name, void* replica_stream) {
+  void* ready = ready_event(replica_stream);
+  return engine.all_gather_async(
+      0, in, out, std::move(name),
+      [this, in, out, ready, replica_stream](Communicator& cross,
+                                             const std::vector<FusionPack>& packs) mutable {
+        sharded(cross, false, ReduceOp::kSum, in, out, packs[0].name, ready, replica_stream);
+      });
+}
+
+void DeviceReduction::sharded(Communicator& cross, bool scatter, ReduceOp op, const Tensor& in,
+                              Tensor& out, const std::string& name, void* ready,
+                              void* replica_stream) {
+  GpuBackend& b = *backend_;
+  b.stream_wait_event(ordinal_, comm_stream_, ready);
+  b.destroy_event(ordinal_, ready);
+  const DType dtype = in.dtype();
+  const size_t block = static_cast<size_t>(scatter ? out.num_elements() : in.num_elements());
+  if (block) {
+    const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+    try {
+      if (scatter) {
+        nccl_->reduce_scatter(in.data(), out.data(), block, dtype, sum_op, name);
+      } else {
+        nccl_->all_gather(in.data(), out.data(), block, dtype, name);
+      }
+    } catch (const std::exception& e) {
+      fail(cross,
+           std::string("NCCL ") + (scatter ? "reduce_scatter" : "all_gather") + " '" + name + "'",
+           e);
+    }
+    if (scatter && op == ReduceOp::kMean) {
+      const void* src[1] = {out.data()};
+      b.reduce(ordinal_, comm_stream_, out.data(), src, 1, block, dtype, ReduceOp::kMean,
+               replicas_in_sync_);
+    }
+  }
+  order_replica_after(replica_stream);
+}
+
+Work DeviceReduction::all_reduce_async(FusionEngine& engine, ReduceOp op,
+                                       std::vector<Tensor> tensors, std::vector<std::string> names,
+                                       void* replica_stream) {
+  void* ready = ready_event(replica_stream);
   auto shared = std::make_shared<std::vector<Tensor>>(tensors);
   return engine.device_all_reduce_async(
       0, op, std::move(tensors), std::move(names),
@@ -268,10 +332,7 @@ void DeviceReduction::reduce(Communicator& cross, ReduceOp op, std::vector<Tenso
     }
   }
   // The replica's later work (the update) runs after the reduction.
-  void* done = b.create_event(ordinal_);
-  b.record_event(ordinal_, done, comm_stream_);
-  b.stream_wait_event(ordinal_, replica_stream, done);
-  b.destroy_event(ordinal_, done);
+  order_replica_after(replica_stream);
 }
 
 void DeviceReduction::fail(Communicator& cross, const std::string& what, const std::exception& e) {

@@ -62,6 +62,13 @@ class DeviceReduction {
   // is ordered after the reduction.
   Work all_reduce_async(FusionEngine& engine, ReduceOp op, std::vector<Tensor> tensors,
                         std::vector<std::string> names, void* replica_stream);
+  // ZeRO-1's collectives (FusionEngine::reduce_scatter_async /
+  // all_gather_async) on the devices: `in` and `out` on this process's GPU,
+  // `in` produced on `replica_stream`. Non-blocking, like all_reduce_async.
+  Work reduce_scatter_async(FusionEngine& engine, ReduceOp op, Tensor in, Tensor out,
+                            std::string name, void* replica_stream);
+  Work all_gather_async(FusionEngine& engine, Tensor in, Tensor out, std::string name,
+                        void* replica_stream);
   // Aborts the communicator (a collective in flight fails at once).
   void abort(const std::string& reason);
 
@@ -70,6 +77,12 @@ class DeviceReduction {
   // On the engine's thread.
   void reduce(Communicator& cross, ReduceOp op, std::vector<Tensor>& tensors,
               const std::vector<FusionPack>& packs, void* ready, void* replica_stream);
+  void sharded(Communicator& cross, bool scatter, ReduceOp op, const Tensor& in, Tensor& out,
+               const std::string& name, void* ready, void* replica_stream);
+  // The replica's stream waits for everything enqueued on the
+  // communication stream so far.
+  void order_replica_after(void* replica_stream);
+  void* ready_event(void* replica_stream);
   void* bucket(size_t bytes);
   [[noreturn]] void fail(Communicator& cross, const std::string& what, const std::exception& e);
 

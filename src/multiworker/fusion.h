@@ -79,6 +79,9 @@ struct FusionPack {
 
 class FusionEngine {
  public:
+  // The device path's data movement (device_all_reduce_async below).
+  using DeviceReduce = std::function<void(Communicator& cross, const std::vector<FusionPack>&)>;
+
   // `cross` joins one rank per process (it may be hierarchical); only the
   // engine's thread uses it. `replicas_in_sync` divides kMean results.
   FusionEngine(Communicator& cross, int num_local_replicas, int replicas_in_sync,
@@ -102,7 +105,6 @@ class FusionEngine {
   // memcpy-in/reduce/memcpy-out are not run). Its exception fails the Work
   // and, unless InvalidArgumentError, makes the engine unusable, as a host
   // collective's would. Non-blocking; thread-safe.
-  using DeviceReduce = std::function<void(Communicator& cross, const std::vector<FusionPack>&)>;
   Work device_all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
                                std::vector<std::string> names, DeviceReduce reduce);
 
@@ -116,8 +118,13 @@ class FusionEngine {
   // all_gather: `in` holds B, `out` R * B: every replica's `in` in replica
   // order. Non-blocking like all_reduce_async; InvalidArgumentError (in the
   // Work) for sizes that do not fit. Thread-safe (one thread per local replica).
-  Work reduce_scatter_async(int local, ReduceOp op, Tensor in, Tensor out, std::string name);
-  Work all_gather_async(int local, Tensor in, Tensor out, std::string name);
+  // With `device` (one local replica; tensors in GPU memory): checked the
+  // same way, then `device(cross, {{0, 1, name}})` moves the data on the
+  // devices (device_reduction.cc) instead of the host collective.
+  Work reduce_scatter_async(int local, ReduceOp op, Tensor in, Tensor out, std::string name,
+                            DeviceReduce device = nullptr);
+  Work all_gather_async(int local, Tensor in, Tensor out, std::string name,
+                        DeviceReduce device = nullptr);
 
   // Runs fn(cross) on the communication thread as the next call, once every
   // local replica has submitted it (fn of local replica 0 runs).

@@ -44,8 +44,12 @@ void MultiWorkerMirroredStrategy::apply_gradients(
     what << " (layout " << std::hex << h.get() << ")";
     const std::string scatter_name = what.str();
     ShardedCollectives c;
-    // The engine reduces host memory: GPU replicas' buffers are staged
-    // through the host, as their all-reduce is.
+    // GPU replicas' buffers go through NCCL when the strategy has it
+    // (device_reduction.h), else they are staged through the host, as their
+    // all-reduce is.
+    const auto on_device = [&](const Tensor& in, const Tensor& out) {
+      return m.device && in.device() == ctx.device() && out.device() == ctx.device();
+    };
     const auto staged = [&](const Tensor& in, Tensor& out,
                             const std::function<void(const Tensor&, Tensor&)>& op) {
       if (in.device().is_cpu() && out.device().is_cpu()) {
@@ -58,11 +62,21 @@ void MultiWorkerMirroredStrategy::apply_gradients(
       out.copy_from(host_out);
     };
     c.reduce_scatter = [&](const Tensor& in, Tensor& out) {
+      if (on_device(in, out)) {
+        m.device
+            ->reduce_scatter_async(*m.engine, ReduceOp::kSum, in, out, scatter_name, ctx.stream())
+            .wait();
+        return;
+      }
       staged(in, out, [&](const Tensor& i, Tensor& o) {
         m.engine->reduce_scatter_async(local, ReduceOp::kSum, i, o, scatter_name).wait();
       });
     };
     c.all_gather = [&](const Tensor& in, Tensor& out) {
+      if (on_device(in, out)) {
+        m.device->all_gather_async(*m.engine, in, out, "sharded variables", ctx.stream()).wait();
+        return;
+      }
       staged(in, out, [&](const Tensor& i, Tensor& o) {
         m.engine->all_gather_async(local, i, o, "sharded variables").wait();
       });

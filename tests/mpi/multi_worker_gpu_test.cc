@@ -163,8 +163,9 @@ TEST(MultiWorkerGpuMpi, NcclRefusedNamesTheRankAndWhy) {
 // replica's step 2 skips that step everywhere): the gradients and the norm's
 // partial sums go through NCCL; equal to CPU replicas bit for bit.
 namespace {
-std::vector<ds::Tensor> clipped_run(bool gpu, int* collectives) {
+std::vector<ds::Tensor> clipped_run(bool gpu, bool zero, int* collectives) {
   auto su = setup(gpu);
+  su->options.shard_optimizer_state = zero;
   ds::MultiWorkerMirroredStrategy s(su->options);
   EXPECT_EQ(s.uses_nccl(), gpu);
   auto vars = zc::create_model(s);
@@ -198,10 +199,23 @@ std::vector<ds::Tensor> clipped_run(bool gpu, int* collectives) {
 
 TEST(MultiWorkerGpuMpi, ClippingAndLossScalingThroughNcclEqualCpuBitForBit) {
   int unused = 0, collectives = 0;
-  const auto cpu = clipped_run(false, &unused);
-  const auto gpu = clipped_run(true, &collectives);
+  const auto cpu = clipped_run(false, false, &unused);
+  const auto gpu = clipped_run(true, false, &collectives);
   EXPECT_TRUE(bit_equal(gpu, cpu))
       << "rank " << world_rank() << ": max difference " << ds::testing::max_abs_diff(gpu, cpu);
   EXPECT_GE(collectives, 5);
+  expect_same_on_every_rank(gpu);
+}
+
+// The same with ZeRO-1: the gradients reduce-scattered and the updated
+// blocks all-gathered by the NCCL communicator (two collectives a step at
+// least), bit for bit as on CPU replicas.
+TEST(MultiWorkerGpuMpi, ZeroOneThroughNcclEqualsCpuBitForBit) {
+  int unused = 0, collectives = 0;
+  const auto cpu = clipped_run(false, true, &unused);
+  const auto gpu = clipped_run(true, true, &collectives);
+  EXPECT_TRUE(bit_equal(gpu, cpu))
+      << "rank " << world_rank() << ": max difference " << ds::testing::max_abs_diff(gpu, cpu);
+  EXPECT_GE(collectives, 2 * 5);
   expect_same_on_every_rank(gpu);
 }
