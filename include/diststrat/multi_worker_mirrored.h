@@ -178,6 +178,12 @@ class MultiWorkerMirroredStrategy : public Strategy {
   void barrier(const std::string& name = "") override;
   void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
+  // Updates every local copy with gradients already summed over the
+  // replicas in sync (Optimizer::apply_reduced_gradients); not with
+  // shard_optimizer_state (UnimplementedError).
+  void apply_reduced_gradients(
+      ReplicaContext& ctx, Optimizer& optimizer,
+      const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
   void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
   // The GPU manager of GPU replicas; null on CPU.
   std::shared_ptr<DeviceManager> device_manager() const;

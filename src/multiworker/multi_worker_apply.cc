@@ -112,6 +112,29 @@ void MultiWorkerMirroredStrategy::apply_gradients(
   const auto t0 = Clock::now();
   Work work = ctx.all_reduce_async(ReduceOp::kSum, grads, names);
   work.wait();
+  update_local_copies(m, ctx, optimizer, grads_and_vars, order, grads, t0);
+}
+
+void MultiWorkerMirroredStrategy::apply_reduced_gradients(
+    ReplicaContext& ctx, Optimizer& optimizer,
+    const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  Impl& m = *impl_;
+  DISTSTRAT_CHECK(!m.options.shard_optimizer_state, kUnimplemented, "rank ", m.rank(),
+                  ": apply_reduced_gradients with shard_optimizer_state (ZeRO-1 reduce-scatters "
+                  "the gradients itself): use apply_gradients");
+  std::vector<size_t> order(grads_and_vars.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::vector<Tensor> grads;
+  for (const auto& gv : grads_and_vars) grads.push_back(gv.first);
+  update_local_copies(m, ctx, optimizer, grads_and_vars, order, grads, Clock::now());
+}
+
+void update_local_copies(MultiWorkerMirroredStrategy::Impl& m, ReplicaContext& ctx,
+                         Optimizer& optimizer,
+                         const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+                         const std::vector<size_t>& order, const std::vector<Tensor>& grads,
+                         Timeline::Clock::time_point t0) {
+  const int local = ctx.local_replica_id();
   const auto t1 = Clock::now();
   Tensor iterations = optimizer.iterations().read(ctx);
   const int64_t step = iterations.data<int64_t>()[0] + 1;

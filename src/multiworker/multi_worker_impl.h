@@ -154,6 +154,16 @@ struct MultiWorkerMirroredStrategy::Impl {
   void write_timeline();
 };
 
+// The update of this replica's copies with reduced gradients: grads[j] for
+// variable grads_and_vars[order[j]] (apply_gradients after its all-reduce,
+// apply_reduced_gradients directly); `t0` when the reduction began (the
+// timeline's "wait for gradients").
+void update_local_copies(MultiWorkerMirroredStrategy::Impl& m, ReplicaContext& ctx,
+                         Optimizer& optimizer,
+                         const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+                         const std::vector<size_t>& order, const std::vector<Tensor>& grads,
+                         Timeline::Clock::time_point t0);
+
 // ElasticState::run, when a group forms (elastic_agreement.cc; collective):
 // the members compare the data they distributed and
 // `optimizer_settings` ((name, value) pairs: the optimizers' configuration

@@ -219,3 +219,104 @@ TEST(MultiWorkerGpuMpi, ZeroOneThroughNcclEqualsCpuBitForBit) {
   EXPECT_GE(collectives, 2 * 5);
   expect_same_on_every_rank(gpu);
 }
+
+// Issue 45 item 2: each layer's gradients handed to all_reduce_async from
+// nn::Mlp::forward_backward's on_ready hook as backward makes them, then
+// Optimizer::apply_reduced_gradients. On fake GPUs through NCCL this equals
+// the same loop on CPU replicas bit for bit; and with every launch slowed
+// (40 ms each), the first layer's all-reduce starts on the communication
+// stream before backward's last gradient exists (the replica's stream still
+// has three layers' backward to run then).
+namespace {
+struct OverlapRun {
+  std::vector<ds::Tensor> weights;
+  int collectives = 0;
+  // The slowed step (GPU): when the first NCCL collective of the step
+  // started, and when the step's backward had run (a host function behind
+  // it on the replica's stream, minus its own launch delay), from the start
+  // of the step.
+  double first_collective_ms = -1, backward_done_ms = -1, step_ms = -1;
+};
+
+OverlapRun on_ready_run(bool gpu) {
+  auto su = setup(gpu);
+  const ds::nn::Mlp mlp({784, 64, 32, 32, 10});
+  const ds::Dataset data = ds::testing::synthetic(48 * 5, 7);
+  OverlapRun out;
+  ds::MultiWorkerMirroredStrategy s(su->options);
+  EXPECT_EQ(s.uses_nccl(), gpu);
+  std::vector<ds::Variable> vars = mlp.create_variables(s, 5);
+  ds::SGD opt(s, {0.05f, 0.9f});
+  ds::DistributeOptions o;
+  o.shuffle = false;
+  ds::DistributedDataset dist = s.distribute(data, 48, o);
+  constexpr auto kDelay = std::chrono::milliseconds(40);
+  int step = 0;
+  for (const auto& b : dist) {
+    const bool slowed = gpu && step == 4;
+    if (slowed) {
+      s.synchronize();
+      su->fake->set_launch_delay(kDelay);
+    }
+    const auto t0 = FakeNcclBackend::Clock::now();
+    const size_t before = su->fake ? su->fake->collective_times().size() : 0;
+    FakeNcclBackend::Clock::time_point backward_done;
+    s.run([&](ds::ReplicaContext& ctx) {
+      std::vector<ds::Tensor> values;
+      for (auto& v : vars) values.push_back(v.read(ctx));
+      std::vector<ds::Work> works;
+      auto r = mlp.forward_backward(
+          values, b.features(ctx), b.labels(ctx), 1.0f / static_cast<float>(b.global_size()),
+          [&](size_t l, const ds::Tensor& dw, const ds::Tensor& db) {
+            works.push_back(ctx.all_reduce_async(
+                ds::ReduceOp::kSum, {dw, db},
+                {vars[2 * l].name() + "/grad", vars[2 * l + 1].name() + "/grad"}));
+          });
+      if (slowed) {
+        su->fake->launch_host_function(0, ctx.stream(), "mark", [&backward_done, kDelay] {
+          backward_done = FakeNcclBackend::Clock::now() - kDelay;
+        });
+      }
+      for (ds::Work& w : works) w.wait();
+      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+      for (size_t i = 0; i < vars.size(); ++i) gv.emplace_back(r.grads[i], vars[i]);
+      opt.apply_reduced_gradients(ctx, gv);
+    });
+    if (slowed) {
+      s.synchronize();
+      const auto ms = [&](FakeNcclBackend::Clock::time_point t) {
+        return std::chrono::duration<double, std::milli>(t - t0).count();
+      };
+      out.step_ms = ms(FakeNcclBackend::Clock::now());
+      out.backward_done_ms = ms(backward_done);
+      const auto times = su->fake->collective_times();
+      if (times.size() > before) out.first_collective_ms = ms(times[before].first);
+      su->fake->set_launch_delay(std::chrono::microseconds(0));
+    }
+    ++step;
+  }
+  for (const ds::Variable& v : vars) out.weights.push_back(v.value());
+  out.collectives = su->fake ? su->fake->nccl_collectives.load() : 0;
+  return out;
+}
+}  // namespace
+
+TEST(MultiWorkerGpuMpi, OnReadyOverlapEqualsCpuAndStartsBeforeBackwardEnds) {
+  const OverlapRun cpu = on_ready_run(false);
+  const OverlapRun gpu = on_ready_run(true);
+  EXPECT_TRUE(bit_equal(gpu.weights, cpu.weights))
+      << "rank " << world_rank() << ": max difference "
+      << ds::testing::max_abs_diff(gpu.weights, cpu.weights);
+  expect_same_on_every_rank(gpu.weights);
+  // 5 steps x 4 layers x (dw, db), every one through NCCL.
+  EXPECT_GE(gpu.collectives, 5 * 4);
+  ASSERT_GE(gpu.first_collective_ms, 0) << "no NCCL collective in the slowed step";
+  EXPECT_LT(gpu.first_collective_ms, gpu.backward_done_ms)
+      << "the first layer's all-reduce did not start before backward's last gradient";
+  if (world_rank() == 0) {
+    std::printf(
+        "[rank 0] slowed step (40 ms a launch): first all-reduce at %.1f ms, backward done "
+        "at %.1f ms, step %.1f ms\n",
+        gpu.first_collective_ms, gpu.backward_done_ms, gpu.step_ms);
+  }
+}
