@@ -95,7 +95,9 @@ struct MultiWorkerOptions {
   // How GPU gradients cross processes (above): one NCCL communicator over
   // every process's GPU, made through the GPU backend with its unique id
   // broadcast over the process group, fused device buckets reduced on a
-  // communication stream; or staged through host memory.
+  // communication stream; or staged through host memory. Every process
+  // gives the same value (the choice is collective, except under elastic,
+  // where it is host staging without one).
   GpuReduction gpu_reduction = GpuReduction::kAuto;
   // Timeout, fusion (bytes_per_pack, default kMultiWorkerBytesPerPack),
   // algorithm and wire compression. algorithm kAuto / kHierarchical use the

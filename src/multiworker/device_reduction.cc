@@ -65,6 +65,14 @@ std::unique_ptr<DeviceReduction> DeviceReduction::create(Communicator& cross,
   }
   const int rank = cross.rank(), n = cross.size();
   const std::string me = "rank " + std::to_string(rank);
+  if (options.elastic.enabled()) {
+    // Decided without a collective: a joiner constructs its strategy while
+    // the group's members are in their steps.
+    *why = eligibility_text(kElastic);
+    DISTSTRAT_CHECK(options.gpu_reduction != GpuReduction::kNccl, kFailedPrecondition, me,
+                    ": MultiWorkerMirroredStrategy gpu_reduction kNccl: ", *why);
+    return nullptr;
+  }
   DeviceManager::Impl& dm = DeviceManagerAccess::impl(*options.device_manager);
   GpuBackend& backend = dm.require_backend("MultiWorkerMirroredStrategy's NCCL reduction");
 
@@ -75,8 +83,6 @@ std::unique_ptr<DeviceReduction> DeviceReduction::create(Communicator& cross,
     mine[0] = kSeveralReplicas;
   } else if (!devices[0].is_gpu()) {
     mine[0] = kNotGpu;
-  } else if (options.elastic.enabled()) {
-    mine[0] = kElastic;
   } else if (options.communication.compression != Compression::kNone) {
     mine[0] = kCompression;
   } else if (backend.nccl_version().empty()) {
