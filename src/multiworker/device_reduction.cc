@@ -194,12 +194,15 @@ void DeviceReduction::abort(const std::string& reason) {
   if (nccl_) nccl_->abort(reason);
 }
 
-void* DeviceReduction::ready_event(void* replica_stream) {
+std::shared_ptr<void> DeviceReduction::ready_event(void* replica_stream) {
   // The mark behind the producers; the engine's thread makes the
-  // communication stream wait for it (and destroys it).
+  // communication stream wait for it. Destroyed with the call (also one
+  // that fails before it runs).
   void* ready = backend_->create_event(ordinal_);
+  std::shared_ptr<void> owned(ready,
+                              [b = backend_, o = ordinal_](void* e) { b->destroy_event(o, e); });
   backend_->record_event(ordinal_, ready, replica_stream);
-  return ready;
+  return owned;
 }
 
 void DeviceReduction::order_replica_after(void* replica_stream) {
@@ -211,23 +214,23 @@ void DeviceReduction::order_replica_after(void* replica_stream) {
 
 Work DeviceReduction::reduce_scatter_async(FusionEngine& engine, ReduceOp op, Tensor in, Tensor out,
                                            std::string name, void* replica_stream) {
-  void* ready = ready_event(replica_stream);
+  std::shared_ptr<void> ready = ready_event(replica_stream);
   return engine.reduce_scatter_async(
       0, op, in, out, std::move(name),
       [this, op, in, out, ready, replica_stream](Communicator& cross,
                                                  const std::vector<FusionPack>& packs) mutable {
-        sharded(cross, true, op, in, out, packs[0].name, ready, replica_stream);
+        sharded(cross, true, op, in, out, packs[0].name, ready.get(), replica_stream);
       });
 }
 
 Work DeviceReduction::all_gather_async(FusionEngine& engine, Tensor in, Tensor out,
                                        std::string name, void* replica_stream) {
-  void* ready = ready_event(replica_stream);
+  std::shared_ptr<void> ready = ready_event(replica_stream);
   return engine.all_gather_async(
       0, in, out, std::move(name),
       [this, in, out, ready, replica_stream](Communicator& cross,
                                              const std::vector<FusionPack>& packs) mutable {
-        sharded(cross, false, ReduceOp::kSum, in, out, packs[0].name, ready, replica_stream);
+        sharded(cross, false, ReduceOp::kSum, in, out, packs[0].name, ready.get(), replica_stream);
       });
 }
 
@@ -236,7 +239,6 @@ void DeviceReduction::sharded(Communicator& cross, bool scatter, ReduceOp op, co
                               void* replica_stream) {
   GpuBackend& b = *backend_;
   b.stream_wait_event(ordinal_, comm_stream_, ready);
-  b.destroy_event(ordinal_, ready);
   const DType dtype = in.dtype();
   const size_t block = static_cast<size_t>(scatter ? out.num_elements() : in.num_elements());
   if (block) {
@@ -264,13 +266,13 @@ void DeviceReduction::sharded(Communicator& cross, bool scatter, ReduceOp op, co
 Work DeviceReduction::all_reduce_async(FusionEngine& engine, ReduceOp op,
                                        std::vector<Tensor> tensors, std::vector<std::string> names,
                                        void* replica_stream) {
-  void* ready = ready_event(replica_stream);
+  std::shared_ptr<void> ready = ready_event(replica_stream);
   auto shared = std::make_shared<std::vector<Tensor>>(tensors);
   return engine.device_all_reduce_async(
       0, op, std::move(tensors), std::move(names),
       [this, op, shared, ready, replica_stream](Communicator& cross,
                                                 const std::vector<FusionPack>& packs) {
-        reduce(cross, op, *shared, packs, ready, replica_stream);
+        reduce(cross, op, *shared, packs, ready.get(), replica_stream);
       });
 }
 
@@ -298,7 +300,6 @@ void DeviceReduction::reduce(Communicator& cross, ReduceOp op, std::vector<Tenso
                              void* replica_stream) {
   GpuBackend& b = *backend_;
   b.stream_wait_event(ordinal_, comm_stream_, ready);
-  b.destroy_event(ordinal_, ready);
   // kMean is summed and divided once by the replicas in sync, as on the host.
   const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
   for (const FusionPack& p : packs) {

@@ -82,7 +82,7 @@ class DeviceReduction {
   // The replica's stream waits for everything enqueued on the
   // communication stream so far.
   void order_replica_after(void* replica_stream);
-  void* ready_event(void* replica_stream);
+  std::shared_ptr<void> ready_event(void* replica_stream);
   void* bucket(size_t bytes);
   [[noreturn]] void fail(Communicator& cross, const std::string& what, const std::exception& e);
 
