@@ -68,15 +68,37 @@ inline CommunicationOptions multi_worker_communication_defaults() {
 
 class DeviceManager;
 
+// How MultiWorkerMirroredStrategy reduces the gradients of GPU replicas
+// across processes (docs/gpu.md, "MultiWorkerMirroredStrategy on GPUs").
+enum class GpuReduction {
+  // NCCL when every process has exactly one GPU replica, every process's GPU
+  // is a different physical GPU (NCCL refuses duplicate devices), the build
+  // (backend) has NCCL, the group is not elastic and wire compression is
+  // off; host staging otherwise. Every process decides alike.
+  kAuto,
+  // NCCL, or FailedPreconditionError at construction naming why not.
+  kNccl,
+  // Through host memory: copied to the host, reduced by the fusion engine,
+  // copied back (the fallback, and what CPU replicas do).
+  kHostStaged,
+};
+
 struct MultiWorkerOptions {
   // This process's replica devices. Empty = one CPU device. GPU devices
   // (Device::gpu(i), logical GPUs of device_manager) hold the variable copies
-  // and compute; the cross-process all-reduce stages their gradients through
-  // host memory (see docs/gpu.md).
+  // and compute; their gradients cross processes as gpu_reduction says
+  // (NCCL or host staging; docs/gpu.md).
   std::vector<Device> devices;
   // GPU configuration and leases for GPU devices; created when a GPU is
   // listed and none is given.
   std::shared_ptr<DeviceManager> device_manager;
+  // How GPU gradients cross processes (above): one NCCL communicator over
+  // every process's GPU, made through the GPU backend with its unique id
+  // broadcast over the process group, fused device buckets reduced on a
+  // communication stream; or staged through host memory. Every process
+  // gives the same value (the choice is collective, except under elastic,
+  // where it is host staging without one).
+  GpuReduction gpu_reduction = GpuReduction::kAuto;
   // Timeout, fusion (bytes_per_pack, default kMultiWorkerBytesPerPack),
   // algorithm and wire compression. algorithm kAuto / kHierarchical use the
   // hierarchical path when the job spans several (possibly virtual) nodes;
@@ -104,7 +126,8 @@ struct MultiWorkerOptions {
   // (~1/R of the slot memory, Optimizer::slot_bytes_per_replica), and the
   // blocks are all-gathered. Checkpoints hold the full state (the same file
   // as without). CPU or GPU replicas (GPU blocks live in device memory; the
-  // engine's collectives stage them through the host), the same local
+  // engine's collectives run on NCCL where gpu_reduction chose it, else they
+  // stage the blocks through the host), the same local
   // replica count on every worker (else UnimplementedError at
   // construction). See docs/training.md.
   bool shard_optimizer_state = false;
@@ -125,6 +148,7 @@ struct MultiWorkerStats {
   int64_t packs = 0;               // fused packs reduced
   int64_t bytes = 0;               // bytes reduced (before compression)
   int64_t buffer_allocations = 0;  // fusion buffer allocations (grow-only)
+  int64_t device_packs = 0;        // of `packs`: reduced on the GPUs (NCCL)
 };
 
 class MultiWorkerMirroredStrategy : public Strategy {
@@ -148,11 +172,20 @@ class MultiWorkerMirroredStrategy : public Strategy {
   bool hierarchical() const;
   // True for an elastic strategy (options.elastic; diststrat/elastic.h).
   bool elastic() const;
+  // True when GPU gradients cross processes through NCCL (gpu_reduction),
+  // false when they are staged through host memory (or replicas are CPUs).
+  bool uses_nccl() const;
 
   void broadcast(Tensor& t, int root_worker = 0, const std::string& name = "") override;
   void barrier(const std::string& name = "") override;
   void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                        const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
+  // Updates every local copy with gradients already summed over the
+  // replicas in sync (Optimizer::apply_reduced_gradients); not with
+  // shard_optimizer_state (UnimplementedError).
+  void apply_reduced_gradients(
+      ReplicaContext& ctx, Optimizer& optimizer,
+      const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) override;
   void update(Variable& var, const std::function<void(Tensor&)>& fn) override;
   // The GPU manager of GPU replicas; null on CPU.
   std::shared_ptr<DeviceManager> device_manager() const;

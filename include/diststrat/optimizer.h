@@ -88,6 +88,20 @@ class Optimizer {
   ApplyResult apply_gradients(ReplicaContext& ctx,
                               const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
 
+  // apply_gradients for gradients the caller has already summed over every
+  // replica in sync, as TensorFlow's apply_gradients(...,
+  // experimental_aggregate_gradients=False): the variables are updated with
+  // them as given, nothing is reduced. This is how a loop overlaps the
+  // reduction with backward: hand each layer's gradients to
+  // ReplicaContext::all_reduce_async(ReduceOp::kSum, ...) as backward makes
+  // them (nn::Mlp::forward_backward's on_ready), wait for every Work, then
+  // call this. Same checks and blocking as apply_gradients; under
+  // MultiWorkerMirroredStrategy only, without clipping, loss scaling,
+  // accumulation, ZeRO-1 or determinism's virtual shards (else
+  // UnimplementedError: those need the reduction inside the call).
+  ApplyResult apply_reduced_gradients(
+      ReplicaContext& ctx, const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
+
   // Sets the clipping of later apply_gradients calls. Throws
   // InvalidArgumentError for a negative or non-finite field or more than one
   // set. Not thread-safe: call it outside Strategy::run.

@@ -313,6 +313,14 @@ class Strategy {
   // variables. Every local replica must call it with the same variables.
   virtual void apply_gradients(ReplicaContext& ctx, Optimizer& optimizer,
                                const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) = 0;
+  // Called by Optimizer::apply_reduced_gradients in replica context: apply
+  // `optimizer` to the variables with gradients the caller has already
+  // reduced over every replica in sync (no reduction here). Default:
+  // UnimplementedError naming the strategy (MultiWorkerMirroredStrategy
+  // has it).
+  virtual void apply_reduced_gradients(
+      ReplicaContext& ctx, Optimizer& optimizer,
+      const std::vector<std::pair<Tensor, Variable>>& grads_and_vars);
 
   // Fault injection for tests (see diststrat/fault.h); the constructor
   // reads DISTSTRAT_FAULT. Set before run(); not thread-safe.

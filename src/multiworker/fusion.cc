@@ -99,6 +99,20 @@ Work FusionEngine::all_reduce_async(int local, ReduceOp op, std::vector<Tensor> 
   return enqueue(local, std::move(p), false, "all_reduce", false);
 }
 
+Work FusionEngine::device_all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
+                                           std::vector<std::string> names, DeviceReduce reduce) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    DISTSTRAT_CHECK(tensors[i].defined(), kInvalidArgument, "rank ", rank_,
+                    ": all_reduce of an undefined tensor ", name_at(names, i));
+  }
+  Part p;
+  p.op = op;
+  p.tensors = std::move(tensors);
+  p.names = std::move(names);
+  p.device_reduce = std::move(reduce);
+  return enqueue(local, std::move(p), false, "all_reduce", false);
+}
+
 Work FusionEngine::submit(int local, std::function<void(Communicator&)> fn, std::string what) {
   Part p;
   p.task = std::move(fn);

@@ -67,10 +67,21 @@ struct FusionStats {
   int64_t packs = 0;               // packs reduced across processes
   int64_t bytes = 0;               // payload bytes reduced (before compression)
   int64_t buffer_allocations = 0;  // fusion/wire buffer (re)allocations
+  int64_t device_packs = 0;        // of `packs`: reduced by device_all_reduce_async's hook
+};
+
+// One pack of a fused call: tensors [begin, end) of the call, and the name
+// its collective carries ("fused all_reduce #3 pack 1/2 [a .. b]").
+struct FusionPack {
+  size_t begin = 0, end = 0;
+  std::string name;
 };
 
 class FusionEngine {
  public:
+  // The device path's data movement (device_all_reduce_async below).
+  using DeviceReduce = std::function<void(Communicator& cross, const std::vector<FusionPack>&)>;
+
   // `cross` joins one rank per process (it may be hierarchical); only the
   // engine's thread uses it. `replicas_in_sync` divides kMean results.
   FusionEngine(Communicator& cross, int num_local_replicas, int replicas_in_sync,
@@ -85,6 +96,18 @@ class FusionEngine {
   Work all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
                         std::vector<std::string> names);
 
+  // The same call for tensors in GPU memory whose data moves on the devices
+  // (multiworker/device_reduction.cc, one local replica per process): queued,
+  // paired and signature-checked exactly like all_reduce_async (a mismatch is
+  // an InvalidArgumentError on every rank before data moves; the step is in
+  // the signature), cut into the same packs, and then, on the communication
+  // thread, `reduce(cross, packs)` moves the data (the host path's
+  // memcpy-in/reduce/memcpy-out are not run). Its exception fails the Work
+  // and, unless InvalidArgumentError, makes the engine unusable, as a host
+  // collective's would. Non-blocking; thread-safe.
+  Work device_all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
+                               std::vector<std::string> names, DeviceReduce reduce);
+
   // ZeRO-1 collectives over every replica in sync (R = ranks x local
   // replicas; every rank must have the same number of local replicas), one
   // message each (no packing), signature-checked like all_reduce. Global
@@ -95,8 +118,13 @@ class FusionEngine {
   // all_gather: `in` holds B, `out` R * B: every replica's `in` in replica
   // order. Non-blocking like all_reduce_async; InvalidArgumentError (in the
   // Work) for sizes that do not fit. Thread-safe (one thread per local replica).
-  Work reduce_scatter_async(int local, ReduceOp op, Tensor in, Tensor out, std::string name);
-  Work all_gather_async(int local, Tensor in, Tensor out, std::string name);
+  // With `device` (one local replica; tensors in GPU memory): checked the
+  // same way, then `device(cross, {{0, 1, name}})` moves the data on the
+  // devices (device_reduction.cc) instead of the host collective.
+  Work reduce_scatter_async(int local, ReduceOp op, Tensor in, Tensor out, std::string name,
+                            DeviceReduce device = nullptr);
+  Work all_gather_async(int local, Tensor in, Tensor out, std::string name,
+                        DeviceReduce device = nullptr);
 
   // Runs fn(cross) on the communication thread as the next call, once every
   // local replica has submitted it (fn of local replica 0 runs).
@@ -138,6 +166,7 @@ class FusionEngine {
     std::vector<Tensor> tensors;
     std::vector<std::string> names;
     std::function<void(Communicator&)> task;
+    DeviceReduce device_reduce;  // device_all_reduce_async (local replica 0's runs)
   };
   struct Call {
     bool is_task = false;

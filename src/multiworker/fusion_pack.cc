@@ -42,6 +42,30 @@ void FusionEngine::execute_all_reduce(Call& call) {
     packs.emplace_back(i, j);
     i = j;
   }
+  const auto pack_name = [&](size_t pk) {
+    const auto [i, j] = packs[pk];
+    return "fused all_reduce #" + std::to_string(index) + " pack " + std::to_string(pk + 1) + "/" +
+           std::to_string(packs.size()) + " [" + echo(name_at(p0.names, i)) +
+           (j - i > 1 ? " .. " + echo(name_at(p0.names, j - 1)) : "") + "]";
+  };
+  if (p0.device_reduce) {
+    // The data moves on the devices (device_reduction.cc); the agreement
+    // above is what the host path does too. The step goes into the names, so
+    // an error says where the job was.
+    std::vector<FusionPack> plan;
+    for (size_t pk = 0; pk < packs.size(); ++pk) {
+      plan.push_back({packs[pk].first, packs[pk].second,
+                      pack_name(pk) + (call.step >= 0 ? " (step " + std::to_string(call.step) + ")"
+                                                      : std::string())});
+    }
+    p0.device_reduce(cross_, plan);
+    if (trace) timeline_->complete("device all_reduce", "fusion", 0, t_pack, Clock::now());
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.packs += static_cast<int64_t>(packs.size());
+    stats_.device_packs += static_cast<int64_t>(packs.size());
+    for (const Tensor& t : p0.tensors) stats_.bytes += static_cast<int64_t>(t.nbytes());
+    return;
+  }
   if (trace) {
     timeline_->complete("pack", "fusion", 0, t_pack, Clock::now(),
                         "\"call\": " + std::to_string(index) + ", \"tensors\": " +
@@ -66,10 +90,7 @@ void FusionEngine::execute_all_reduce(Call& call) {
     size_t bytes = 0;
     for (size_t k = i; k < j; ++k) bytes += p0.tensors[k].nbytes();
     const size_t count = bytes / esz;
-    const std::string name = "fused all_reduce #" + std::to_string(index) + " pack " +
-                             std::to_string(pk + 1) + "/" + std::to_string(packs.size()) + " [" +
-                             echo(name_at(p0.names, i)) +
-                             (j - i > 1 ? " .. " + echo(name_at(p0.names, j - 1)) : "") + "]";
+    const std::string name = pack_name(pk);
     const std::string args =
         "\"call\": " + std::to_string(index) + ", \"pack\": " + std::to_string(pk) +
         ", \"tensors\": " + std::to_string(j - i) + ", \"bytes\": " + std::to_string(bytes);

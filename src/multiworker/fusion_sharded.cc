@@ -12,14 +12,16 @@
 namespace diststrat {
 
 Work FusionEngine::reduce_scatter_async(int local, ReduceOp op, Tensor in, Tensor out,
-                                        std::string name) {
+                                        std::string name, DeviceReduce device) {
   const int64_t r = static_cast<int64_t>(cross_.size()) * num_local_;
   try {
-    DISTSTRAT_CHECK(in.defined() && out.defined() && in.dtype() == out.dtype() &&
-                        in.device().is_cpu() && out.device().is_cpu() &&
+    const bool where = device ? num_local_ == 1 && in.device() == out.device()
+                              : in.device().is_cpu() && out.device().is_cpu();
+    DISTSTRAT_CHECK(in.defined() && out.defined() && in.dtype() == out.dtype() && where &&
                         in.num_elements() == r * out.num_elements(),
                     kInvalidArgument, "rank ", rank_, ": reduce_scatter '", echo(name), "' of ",
-                    in.debug_string(), " into ", out.debug_string(), ": needs host tensors, ", r,
+                    in.debug_string(), " into ", out.debug_string(), ": needs ",
+                    device ? "tensors of one device" : "host tensors", ", ", r,
                     " x the output's elements in the input");
   } catch (...) {
     return Work::completed(std::current_exception());
@@ -30,17 +32,21 @@ Work FusionEngine::reduce_scatter_async(int local, ReduceOp op, Tensor in, Tenso
   p.tensors = {std::move(in)};
   p.names = {std::move(name)};
   p.out = std::move(out);
+  p.device_reduce = std::move(device);
   return enqueue(local, std::move(p), false, "reduce_scatter", false);
 }
 
-Work FusionEngine::all_gather_async(int local, Tensor in, Tensor out, std::string name) {
+Work FusionEngine::all_gather_async(int local, Tensor in, Tensor out, std::string name,
+                                    DeviceReduce device) {
   const int64_t r = static_cast<int64_t>(cross_.size()) * num_local_;
   try {
-    DISTSTRAT_CHECK(in.defined() && out.defined() && in.dtype() == out.dtype() &&
-                        in.device().is_cpu() && out.device().is_cpu() &&
+    const bool where = device ? num_local_ == 1 && in.device() == out.device()
+                              : in.device().is_cpu() && out.device().is_cpu();
+    DISTSTRAT_CHECK(in.defined() && out.defined() && in.dtype() == out.dtype() && where &&
                         out.num_elements() == r * in.num_elements(),
                     kInvalidArgument, "rank ", rank_, ": all_gather '", echo(name), "' of ",
-                    in.debug_string(), " into ", out.debug_string(), ": needs host tensors, ", r,
+                    in.debug_string(), " into ", out.debug_string(), ": needs ",
+                    device ? "tensors of one device" : "host tensors", ", ", r,
                     " x the input's elements in the output");
   } catch (...) {
     return Work::completed(std::current_exception());
@@ -50,6 +56,7 @@ Work FusionEngine::all_gather_async(int local, Tensor in, Tensor out, std::strin
   p.tensors = {std::move(in)};
   p.names = {std::move(name)};
   p.out = std::move(out);
+  p.device_reduce = std::move(device);
   return enqueue(local, std::move(p), false, "all_gather", false);
 }
 
@@ -77,6 +84,18 @@ void FusionEngine::execute_sharded(Call& call) {
       "fused " + call.what + " #" + std::to_string(index) + " [" + echo(name_at(p0.names, 0)) + "]";
   const ReduceOp sum_op = p0.op == ReduceOp::kMean ? ReduceOp::kSum : p0.op;
   const size_t total = rank_block * static_cast<size_t>(w);
+  if (p0.device_reduce) {
+    // On the devices (device_reduction.cc), after the same agreement.
+    p0.device_reduce(
+        cross_, {FusionPack{0, 1,
+                            name + (call.step >= 0 ? " (step " + std::to_string(call.step) + ")"
+                                                   : std::string())}});
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.packs;
+    ++stats_.device_packs;
+    stats_.bytes += static_cast<int64_t>(total * esz);
+    return;
+  }
   if (scatter) {
     // In-process first: the local replicas' inputs reduced into one buffer
     // (a single local replica's input is used as it is).

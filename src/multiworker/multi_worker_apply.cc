@@ -44,8 +44,12 @@ void MultiWorkerMirroredStrategy::apply_gradients(
     what << " (layout " << std::hex << h.get() << ")";
     const std::string scatter_name = what.str();
     ShardedCollectives c;
-    // The engine reduces host memory: GPU replicas' buffers are staged
-    // through the host, as their all-reduce is.
+    // GPU replicas' buffers go through NCCL when the strategy has it
+    // (device_reduction.h), else they are staged through the host, as their
+    // all-reduce is.
+    const auto on_device = [&](const Tensor& in, const Tensor& out) {
+      return m.device && in.device() == ctx.device() && out.device() == ctx.device();
+    };
     const auto staged = [&](const Tensor& in, Tensor& out,
                             const std::function<void(const Tensor&, Tensor&)>& op) {
       if (in.device().is_cpu() && out.device().is_cpu()) {
@@ -58,11 +62,21 @@ void MultiWorkerMirroredStrategy::apply_gradients(
       out.copy_from(host_out);
     };
     c.reduce_scatter = [&](const Tensor& in, Tensor& out) {
+      if (on_device(in, out)) {
+        m.device
+            ->reduce_scatter_async(*m.engine, ReduceOp::kSum, in, out, scatter_name, ctx.stream())
+            .wait();
+        return;
+      }
       staged(in, out, [&](const Tensor& i, Tensor& o) {
         m.engine->reduce_scatter_async(local, ReduceOp::kSum, i, o, scatter_name).wait();
       });
     };
     c.all_gather = [&](const Tensor& in, Tensor& out) {
+      if (on_device(in, out)) {
+        m.device->all_gather_async(*m.engine, in, out, "sharded variables", ctx.stream()).wait();
+        return;
+      }
       staged(in, out, [&](const Tensor& i, Tensor& o) {
         m.engine->all_gather_async(local, i, o, "sharded variables").wait();
       });
@@ -98,6 +112,29 @@ void MultiWorkerMirroredStrategy::apply_gradients(
   const auto t0 = Clock::now();
   Work work = ctx.all_reduce_async(ReduceOp::kSum, grads, names);
   work.wait();
+  update_local_copies(m, ctx, optimizer, grads_and_vars, order, grads, t0);
+}
+
+void MultiWorkerMirroredStrategy::apply_reduced_gradients(
+    ReplicaContext& ctx, Optimizer& optimizer,
+    const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  Impl& m = *impl_;
+  DISTSTRAT_CHECK(!m.options.shard_optimizer_state, kUnimplemented, "rank ", m.rank(),
+                  ": apply_reduced_gradients with shard_optimizer_state (ZeRO-1 reduce-scatters "
+                  "the gradients itself): use apply_gradients");
+  std::vector<size_t> order(grads_and_vars.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::vector<Tensor> grads;
+  for (const auto& gv : grads_and_vars) grads.push_back(gv.first);
+  update_local_copies(m, ctx, optimizer, grads_and_vars, order, grads, Clock::now());
+}
+
+void update_local_copies(MultiWorkerMirroredStrategy::Impl& m, ReplicaContext& ctx,
+                         Optimizer& optimizer,
+                         const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+                         const std::vector<size_t>& order, const std::vector<Tensor>& grads,
+                         Timeline::Clock::time_point t0) {
+  const int local = ctx.local_replica_id();
   const auto t1 = Clock::now();
   Tensor iterations = optimizer.iterations().read(ctx);
   const int64_t step = iterations.data<int64_t>()[0] + 1;

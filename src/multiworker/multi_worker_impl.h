@@ -14,6 +14,7 @@
 
 #include "core/timeline.h"
 #include "diststrat/multi_worker_mirrored.h"
+#include "multiworker/device_reduction.h"
 #include "multiworker/fusion.h"
 #include "diststrat/elastic.h"
 #include "runtime/elastic_rendezvous.h"
@@ -118,6 +119,11 @@ struct MultiWorkerMirroredStrategy::Impl {
   std::mutex error_mu;
 
   std::unique_ptr<ElasticRuntime> elastic;  // null unless options.elastic.enabled()
+  // GPU gradients across processes through NCCL (device_reduction.h); null:
+  // host staging (`host_staged_reason` says why). Declared last: destroyed
+  // first, after the engine's thread (the destructor joins it) is gone.
+  std::string host_staged_reason;
+  std::unique_ptr<DeviceReduction> device;
 
   int rank() const { return cross->rank(); }
 
@@ -147,6 +153,16 @@ struct MultiWorkerMirroredStrategy::Impl {
   // Gathers every rank's timeline events; rank 0 writes the merged file.
   void write_timeline();
 };
+
+// The update of this replica's copies with reduced gradients: grads[j] for
+// variable grads_and_vars[order[j]] (apply_gradients after its all-reduce,
+// apply_reduced_gradients directly); `t0` when the reduction began (the
+// timeline's "wait for gradients").
+void update_local_copies(MultiWorkerMirroredStrategy::Impl& m, ReplicaContext& ctx,
+                         Optimizer& optimizer,
+                         const std::vector<std::pair<Tensor, Variable>>& grads_and_vars,
+                         const std::vector<size_t>& order, const std::vector<Tensor>& grads,
+                         Timeline::Clock::time_point t0);
 
 // ElasticState::run, when a group forms (elastic_agreement.cc; collective):
 // the members compare the data they distributed and

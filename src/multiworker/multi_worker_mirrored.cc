@@ -137,6 +137,9 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
   m.options = options;
   m.replicas = std::make_unique<LocalReplicas>(this, options.devices, options.communication,
                                                options.device_manager);
+  // Before the engine starts: its thread owns `cross` afterwards.
+  m.device = DeviceReduction::create(*m.cross, options.devices, options, m.total_replicas,
+                                     &m.host_staged_reason);
   m.start_engine();
   enable_determinism(options.determinism, "MultiWorkerMirroredStrategy");
   if (options.determinism.enabled()) nn::pin_gemm_blocking();
@@ -150,6 +153,13 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
                m.cluster.placement.node, " of ", m.cluster.placement.num_nodes,
                m.comms.hierarchical ? ", hierarchical" : "",
                m.elastic ? ", elastic (group " + std::to_string(m.elastic->view.group) + ")" : "");
+  if (!m.host_staged_reason.empty() && m.host_staged_reason != "the replicas are CPUs") {
+    logger_.info("MultiWorkerMirroredStrategy: worker ", m.cross->rank(),
+                 ": GPU gradients staged through host memory: ", m.host_staged_reason);
+  } else if (m.device) {
+    logger_.info("MultiWorkerMirroredStrategy: worker ", m.cross->rank(),
+                 ": GPU gradients reduced across processes by NCCL");
+  }
   // A line of its own: scripts (and the cluster tests) read the line above
   // to its end.
   logger_.info("MultiWorkerMirroredStrategy: worker ", m.cross->rank(), ": cpu kernels ",
@@ -248,6 +258,7 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
     // communication thread fails now (so the join below does not wait for
     // it), and the peers learn the reason (the shared-memory abort word).
     if (impl_->comms.cross && !impl_->options.communicator) impl_->comms.cross->abort(reason);
+    if (impl_->device) impl_->device->abort(reason);
   }
   if (impl_->timeline && !unwinding) {
     try {
@@ -279,6 +290,7 @@ void MultiWorkerMirroredStrategy::note_distributed(const Dataset& dataset, int64
        static_cast<int64_t>(digest.features), static_cast<int64_t>(digest.labels)});
 }
 bool MultiWorkerMirroredStrategy::elastic() const { return impl_->elastic != nullptr; }
+bool MultiWorkerMirroredStrategy::uses_nccl() const { return impl_->device != nullptr; }
 int64_t MultiWorkerMirroredStrategy::membership_group() const {
   return impl_->elastic ? impl_->elastic->view.group : 0;
 }
@@ -303,7 +315,7 @@ ClusterInfo MultiWorkerMirroredStrategy::cluster() const {
 
 MultiWorkerStats MultiWorkerMirroredStrategy::stats() const {
   const FusionStats f = impl_->engine->stats();
-  return MultiWorkerStats{f.calls, f.packs, f.bytes, f.buffer_allocations};
+  return MultiWorkerStats{f.calls, f.packs, f.bytes, f.buffer_allocations, f.device_packs};
 }
 
 void MultiWorkerMirroredStrategy::write_timeline() { impl_->write_timeline(); }

@@ -1,5 +1,6 @@
 // MultiWorkerMirroredStrategy's replica context: its collectives go to the
-// fusion engine (GPU tensors staged through host memory), its all_gather and
+// fusion engine (GPU tensors through NCCL, device_reduction.h, or staged
+// through host memory), its all_gather and
 // barrier through a merge call to the workers' collectives.
 #include <algorithm>
 
@@ -30,9 +31,22 @@ Work MultiWorkerReplicaContext::all_reduce_async(ReduceOp op, std::vector<Tensor
                                   [](const Tensor& t) { return t.device().is_gpu(); });
   if (!on_gpu)
     return impl_->engine->all_reduce_async(local_, op, std::move(tensors), std::move(names));
-  // GPU tensors: staged through host memory (copies on this replica's
-  // stream), reduced by the fusion engine like host tensors, copied back.
-  // Completes before returning, so no overlap with later device work.
+  const bool all_here = std::all_of(tensors.begin(), tensors.end(),
+                                    [&](const Tensor& t) { return t.device() == device(); });
+  if (impl_->device && all_here) {
+    // NCCL across processes (device_reduction.h): enqueued behind this
+    // replica's stream, and this stream ordered after it; no host wait.
+    try {
+      return impl_->device->all_reduce_async(*impl_->engine, op, std::move(tensors),
+                                             std::move(names), stream());
+    } catch (...) {
+      return Work::completed(std::current_exception());
+    }
+  }
+  // GPU tensors without NCCL (gpu_reduction, docs/gpu.md): staged through
+  // host memory (copies on this replica's stream), reduced by the fusion
+  // engine like host tensors, copied back. Completes before returning, so no
+  // overlap with later device work.
   std::vector<Tensor> host = tensors;
   for (Tensor& h : host) stage_to_host(h);
   impl_->engine->all_reduce_async(local_, op, host, std::move(names)).wait();

@@ -147,6 +147,36 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
   return accumulate_micro_batch(ctx, grads_and_vars);
 }
 
+ApplyResult Optimizer::apply_reduced_gradients(
+    ReplicaContext& ctx, const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
+  const std::string where =
+      "apply_reduced_gradients on replica " + std::to_string(ctx.replica_id());
+  const bool clipping = clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0;
+  DISTSTRAT_CHECK(
+      !clipping && !loss_scaling() && accumulation_steps_ == 1 && ctx.virtual_shard() < 0,
+      kUnimplemented, where, ": ",
+      clipping                   ? "gradient clipping"
+      : loss_scaling()           ? "loss scaling"
+      : ctx.virtual_shard() >= 0 ? "determinism's virtual shards"
+                                 : "gradient accumulation",
+      " needs the reduction inside the call: use apply_gradients");
+  optim_detail::check_each_variable_once(where, grads_and_vars);
+  for (size_t k = 0; k < grads_and_vars.size(); ++k) {
+    const auto& [g, v] = grads_and_vars[k];
+    DISTSTRAT_CHECK(v.defined() && g.defined() && g.shape() == v.shape() &&
+                        g.dtype() == DType::kFloat32 && v.dtype() == DType::kFloat32,
+                    kInvalidArgument, where, ": gradient ",
+                    g.defined() ? g.debug_string() : std::string("(undefined)"), " at position ", k,
+                    " for variable '", v.defined() ? echo(v.name()) : std::string("?"),
+                    "': float32 gradients of float32 variables' shapes");
+    DISTSTRAT_CHECK(v.options().trainable, kInvalidArgument, where, ": variable '", echo(v.name()),
+                    "' is not trainable");
+  }
+  agree_on_configuration(ctx);
+  ctx.strategy().apply_reduced_gradients(ctx, *this, grads_and_vars);
+  return ApplyResult{};
+}
+
 void Optimizer::update_tensors(const std::vector<TensorUpdate>& updates, int64_t step) const {
   const bool clipping = clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0;
   if (clipping || loss_scaling()) {

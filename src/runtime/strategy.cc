@@ -10,6 +10,7 @@
 
 #include "allreduce/reduce_kernels.h"
 #include "runtime/collective_check.h"
+#include "runtime/local_replicas.h"
 #include "core/env.h"
 #include "core/cpu_isa.h"
 #include "runtime/data_source.h"
@@ -116,6 +117,13 @@ void Strategy::run_step(const std::function<void(ReplicaContext&)>& fn) {
     if (e.message().rfind(where, 0) == 0) throw;
     throw_error(e.code(), where + e.message());
   }
+}
+
+void Strategy::apply_reduced_gradients(ReplicaContext&, Optimizer&,
+                                       const std::vector<std::pair<Tensor, Variable>>&) {
+  throw UnimplementedError("Optimizer::apply_reduced_gradients under " +
+                           strategy_display_name(*this) +
+                           ": not available here; use apply_gradients (it reduces the gradients)");
 }
 
 void Strategy::synchronize() {

@@ -1088,6 +1088,16 @@ class FakeGpuBackend : public ds::GpuBackend {
   }
   std::atomic<int> update_lists{0};  // apply_update_list calls
   // ==== end of the fewer-launches block ====
+
+  // ==== Host functions on a stream (issue 45: fake_nccl.h) ====
+  // Enqueues `fn` on `stream` as a launch named `name` (cudaLaunchHostFunc):
+  // it runs on the stream's executor in stream order, after the launch
+  // delay. An exception it throws is reported by the next wait, as a failed
+  // kernel's.
+  void launch_host_function(int ordinal, void* stream, const char* name, std::function<void()> fn) {
+    launch(ordinal, stream, name, std::move(fn));
+  }
+  // ==== end of the host-function block ====
 };
 
 // A fresh lock directory per test.

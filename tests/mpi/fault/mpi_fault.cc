@@ -1,9 +1,15 @@
 // The multi-process fault and soak driver, run under mpirun by ctest
 // (tests/mpi/fault/fault_cell.sh, tests/mpi/CMakeLists.txt).
 //
-//   diststrat_mpi_fault --strategy multi_worker|parameter_server
+//   diststrat_mpi_fault --strategy multi_worker|multi_worker_fake_gpu|parameter_server
 //                       [--steps N] [--timeout-ms T] [--tag WORD]
-//                       [--allow-lost-workers 1]
+//                       [--allow-lost-workers 1] [--stop-in-nccl R:N]
+//
+// multi_worker_fake_gpu: multi_worker with one fake GPU per process, the
+// gradients reduced by the fake multi-process NCCL (tests/unit/fake_nccl.h);
+// --stop-in-nccl R:N: rank R stops itself (SIGSTOP) inside its N-th NCCL
+// collective (0-based), after the ranks' signature exchange, where NCCL
+// itself cannot say which peer is missing.
 //
 // Every rank trains a few small variables with SGD (gradient of ones, so the
 // expected values are exact); the fault comes from DISTSTRAT_FAULT
@@ -35,6 +41,9 @@
 #include <vector>
 
 #include "common/ones_step.h"
+#include "core/device_manager_impl.h"
+#include "runtime/process_group.h"
+#include "unit/fake_nccl.h"
 #include "diststrat/diststrat.h"
 #include "diststrat/multi_worker_mirrored.h"
 #include "diststrat/parameter_server.h"
@@ -58,6 +67,7 @@ struct Args {
   // instead of join()ing (the program failed there).
   int exit_rank = -1;
   bool ps_throws = false;
+  int stop_in_nccl_rank = -1, stop_in_nccl_index = -1;  // --stop-in-nccl R:N
 };
 
 // The rank's extra work of --linger, and its exit of --exit-in-strategy.
@@ -102,7 +112,22 @@ std::vector<ds::Variable> make_variables(ds::Strategy& s) {
 
 void train(ds::Strategy& s, const std::vector<ds::Variable>& vars, ds::SGD& sgd, int64_t steps) {
   for (int64_t step = 0; step < steps; ++step) {
-    s.run([&](ds::ReplicaContext& ctx) { ds::testing::apply_gradient_of_ones(ctx, sgd, vars); });
+    s.run([&](ds::ReplicaContext& ctx) {
+      if (ctx.device().is_cpu()) {
+        ds::testing::apply_gradient_of_ones(ctx, sgd, vars);
+        return;
+      }
+      // The gradients of ones in the replica's GPU memory.
+      std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+      for (const ds::Variable& v : vars) {
+        ds::Tensor ones(v.shape(), ds::DType::kFloat32);
+        ds::init::Constant{1.0}(ones);
+        ds::Tensor g(v.shape(), ds::DType::kFloat32, ctx.device());
+        g.copy_from(ones);
+        gv.emplace_back(g, v);
+      }
+      sgd.apply_gradients(ctx, gv);
+    });
     // Set-up (collective) is over on every rank: the cluster cells strike
     // only after this line (stderr: unbuffered through mpirun).
     if (step == 0) std::fprintf(stderr, "rank %d: training\n", s.cluster().rank);
@@ -123,9 +148,37 @@ void expect_values(const std::vector<ds::Variable>& vars, float want) {
 }
 
 // Fills `summary` on success; reports a failure before the strategy goes.
-void run_multi_worker(const Args& a, std::string& summary, Reporter& report) {
+void run_multi_worker(const Args& a, std::string& summary, Reporter& report, bool fake_gpu) {
   ds::MultiWorkerOptions o;
   o.communication.timeout = std::chrono::milliseconds(a.timeout_ms);
+  std::unique_ptr<diststrat_test::LeaseDir> lease;
+  if (fake_gpu) {
+    // One fake GPU of this process's own; the fake NCCL's transport is the
+    // library's MPI process group, made as the strategy makes its own.
+    const int rank = report.rank;
+    auto backend = std::make_unique<diststrat_test::FakeNcclBackend>(
+        1, "rank" + std::to_string(rank),
+        [](const std::string&, int, int, const ds::CommunicationOptions& c) {
+          return std::move(ds::make_process_communicators(
+                               ds::resolve_cluster(ds::ClusterConfig{}, c.timeout), c, false)
+                               .cross);
+        });
+    if (rank == a.stop_in_nccl_rank) {
+      const int index = a.stop_in_nccl_index;
+      backend->before_collective = [rank, index](int i) {
+        if (i != index) return;
+        std::fprintf(stderr, "rank %d: stops itself (SIGSTOP) inside NCCL collective %d\n", rank,
+                     i);
+        std::fflush(stderr);
+        ::raise(SIGSTOP);
+      };
+    }
+    lease = std::make_unique<diststrat_test::LeaseDir>();
+    o.devices = {ds::Device::gpu(0)};
+    o.gpu_reduction = ds::GpuReduction::kNccl;
+    o.device_manager =
+        ds::DeviceManagerAccess::shared_with_backend(lease->gpu_options(), std::move(backend));
+  }
   ds::MultiWorkerMirroredStrategy s(o);
   report.rank = s.cluster().rank;
   try {
@@ -231,7 +284,10 @@ int main(int argc, char** argv) {
       a.exit_rank = std::stoi(v);
     else if (k == "--ps-throws")
       a.ps_throws = v == "1";
-    else if (k == "--tag")
+    else if (k == "--stop-in-nccl" && v.find(':') != std::string::npos) {
+      a.stop_in_nccl_rank = std::stoi(v.substr(0, v.find(':')));
+      a.stop_in_nccl_index = std::stoi(v.substr(v.find(':') + 1));
+    } else if (k == "--tag")
       continue;
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
@@ -244,8 +300,8 @@ int main(int argc, char** argv) {
   report.rank = env_rank ? std::atoi(env_rank) : -1;
   try {
     std::string summary;
-    if (a.strategy == "multi_worker") {
-      run_multi_worker(a, summary, report);
+    if (a.strategy == "multi_worker" || a.strategy == "multi_worker_fake_gpu") {
+      run_multi_worker(a, summary, report, a.strategy == "multi_worker_fake_gpu");
     } else if (a.strategy == "parameter_server") {
       run_parameter_server(a, summary, report);
     } else {
