@@ -20,8 +20,7 @@ void CudaBackend::begin_capture(int ordinal, void* stream) {
   DISTSTRAT_CHECK(stream != nullptr, kInvalidArgument,
                   "begin_capture: the legacy default stream cannot be captured");
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
-  DISTSTRAT_CUDA_CHECK(
-      cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeThreadLocal));
+  DISTSTRAT_CUDA_CHECK(cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeThreadLocal));
 }
 
 void* CudaBackend::end_capture(int ordinal, void* stream) {

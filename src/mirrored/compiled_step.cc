@@ -31,7 +31,7 @@ struct CompiledStep::Impl {
   struct Graph {
     int64_t calls = 0;
     bool captured = false;
-    bool failed = false;  // capture threw: later calls run eagerly
+    bool failed = false;                                 // capture threw: later calls run eagerly
     std::vector<std::shared_ptr<StepCapture>> captures;  // per replica
     std::vector<Tensor> features, labels;                // the static inputs, per replica
   };

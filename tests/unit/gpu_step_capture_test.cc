@@ -166,7 +166,8 @@ TEST(GpuStepCapture, AReplayIsGraphLaunchesOnlyOnePerReplicaOnOneGpu) {
     for (const auto& [what, n] : after) {
       const auto it = before.find(what);
       const int d = n - (it == before.end() ? 0 : it->second);
-      if (d) std::printf("[ GpuStep  ] %d GPU(s), %d replays: %s: %d\n", gpus, steps, what.c_str(), d);
+      if (d)
+        std::printf("[ GpuStep  ] %d GPU(s), %d replays: %s: %d\n", gpus, steps, what.c_str(), d);
     }
     const int per_replica = (s.fake->graph_launches.load() - graphs) / (steps * gpus);
     EXPECT_EQ(per_replica, gpus == 1 ? 1 : 2) << gpus << " GPU(s)";
@@ -243,9 +244,9 @@ TEST(GpuStepCapture, ABadLabelInAReplaySurfacesNamingItsStep) {
   step(s.dist->batch(0));  // step 2, replayed
   ds::Tensor bad_y = s.y.clone();
   bad_y.data<int32_t>()[20] = 10;  // replica 1's row 4 (no shuffle below)
-  ds::DistributedDataset bad = s.strategy->distribute(ds::Dataset(s.x, bad_y), 32,
-                                                     {false, 0, false});
-  step(bad.batch(0));  // step 3, replayed
+  ds::DistributedDataset bad =
+      s.strategy->distribute(ds::Dataset(s.x, bad_y), 32, {false, 0, false});
+  step(bad.batch(0));      // step 3, replayed
   step(s.dist->batch(0));  // step 4: the flag is rewritten with 0
   try {
     s.strategy->synchronize();
