@@ -15,7 +15,9 @@
 // collectives, bounded by options.communication.timeout.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "diststrat/device_manager.h"
@@ -49,7 +51,9 @@ struct MirroredOptions {
 
 // A step of MirroredStrategy::compile: one replica's step on `batch`. It
 // must read its inputs through `batch` only (features(ctx), labels(ctx)).
-using StepFunction = std::function<void(ReplicaContext& ctx, const DistributedBatch& batch)>;
+// It may return a tensor on the replica's device (a loss, per-row losses) or
+// an undefined Tensor; compile() also takes a function returning void.
+using StepFunction = std::function<Tensor(ReplicaContext& ctx, const DistributedBatch& batch)>;
 
 // How MirroredStrategy::compile captures a step (GPU replicas).
 struct CaptureOptions {
@@ -75,7 +79,11 @@ class CompiledStep {
   // is enqueued on GPU replicas). Throws what run() throws; a step that
   // capture cannot hold throws FailedPreconditionError (or the backend's
   // error) naming the operation, and later calls of that size run eagerly.
-  void operator()(const DistributedBatch& batch);
+  // Returns what the function returned on each replica (undefined tensors
+  // for a function returning void): on a replay, a copy of the captured
+  // output made on the device right after the replay (each step's value is
+  // its own; read it when logging, as a loss of run()).
+  PerReplica<Tensor> operator()(const DistributedBatch& batch);
 
   // What the calls did so far (this process).
   struct Stats {
@@ -129,7 +137,22 @@ class MirroredStrategy : public Strategy {
   // loss scaling: refused with FailedPreconditionError naming the
   // operation). On CPU replicas, and in determinism mode, every call runs
   // eagerly. Call from the thread that owns the strategy.
-  CompiledStep compile(StepFunction fn, CaptureOptions options = {});
+  // `fn(ctx, batch)` returns void or a Tensor on the replica's device.
+  template <typename F>
+  CompiledStep compile(F fn, CaptureOptions options = {}) {
+    using R = std::invoke_result_t<F&, ReplicaContext&, const DistributedBatch&>;
+    if constexpr (std::is_void_v<R>) {
+      return compile_step(
+          [fn](ReplicaContext& ctx, const DistributedBatch& batch) mutable {
+            fn(ctx, batch);
+            return Tensor();
+          },
+          options);
+    } else {
+      return compile_step(StepFunction(std::move(fn)), options);
+    }
+  }
+  CompiledStep compile_step(StepFunction fn, CaptureOptions options = {});
 
   struct Impl;
 

@@ -34,6 +34,7 @@ struct CompiledStep::Impl {
     bool failed = false;                                 // capture threw: later calls run eagerly
     std::vector<std::shared_ptr<StepCapture>> captures;  // per replica
     std::vector<Tensor> features, labels;                // the static inputs, per replica
+    std::vector<Tensor> outputs;                         // what the captured step returned
   };
   std::map<int64_t, Graph> graphs;  // by global batch size
   Stats stats;
@@ -50,9 +51,18 @@ void check_static_input(const Tensor& fed, const Tensor& captured, const Replica
                   " read (one capture per batch size: compile a step per dataset)");
 }
 
+// A step's output as its own tensor: the next replay rewrites the captured
+// one (a copy on the replica's stream, after the step's work).
+Tensor own_copy(const Tensor& o) {
+  if (!o.defined() || o.num_elements() == 0) return o;
+  Tensor t = Tensor::uninitialized(o.shape(), o.dtype(), o.device());
+  t.copy_from(o);
+  return t;
+}
+
 }  // namespace
 
-CompiledStep MirroredStrategy::compile(StepFunction fn, CaptureOptions options) {
+CompiledStep MirroredStrategy::compile_step(StepFunction fn, CaptureOptions options) {
   DISTSTRAT_CHECK(static_cast<bool>(fn), kInvalidArgument, "MirroredStrategy::compile: no step");
   DISTSTRAT_CHECK(options.warmup_steps >= 0 && options.max_graphs >= 0, kInvalidArgument,
                   "MirroredStrategy::compile: warmup_steps ", options.warmup_steps,
@@ -64,7 +74,7 @@ CompiledStep MirroredStrategy::compile(StepFunction fn, CaptureOptions options) 
   return CompiledStep(std::move(impl));
 }
 
-void CompiledStep::operator()(const DistributedBatch& batch) {
+PerReplica<Tensor> CompiledStep::operator()(const DistributedBatch& batch) {
   DISTSTRAT_CHECK(impl_ != nullptr, kFailedPrecondition,
                   "CompiledStep: default-constructed (use MirroredStrategy::compile)");
   Impl& im = *impl_;
@@ -82,12 +92,13 @@ void CompiledStep::operator()(const DistributedBatch& batch) {
   }
   if (!g || g->failed || g->calls < im.options.warmup_steps) {
     if (g) ++g->calls;
-    strategy.run([&](ReplicaContext& ctx) { fn(ctx, batch); });
+    PerReplica<Tensor> out = strategy.run([&](ReplicaContext& ctx) { return fn(ctx, batch); });
     ++im.stats.eager_steps;
-    return;
+    return out;
   }
   ++g->calls;
   const size_t replicas = static_cast<size_t>(strategy.num_replicas_in_sync());
+  std::vector<Tensor> out(replicas);
   if (g->captured) {
     strategy.run([&](ReplicaContext& ctx) {
       const size_t i = static_cast<size_t>(ctx.local_replica_id());
@@ -98,13 +109,16 @@ void CompiledStep::operator()(const DistributedBatch& batch) {
       g->features[i].copy_from(x);  // device to device, on the replica's stream
       g->labels[i].copy_from(y);
       g->captures[i]->replay();
+      const Tensor& o = g->outputs[i];
+      out[i] = own_copy(o);
     });
     ++im.stats.replays;
-    return;
+    return PerReplica<Tensor>(std::move(out));
   }
   g->captures.assign(replicas, nullptr);
   g->features.assign(replicas, Tensor());
   g->labels.assign(replicas, Tensor());
+  g->outputs.assign(replicas, Tensor());
   try {
     strategy.run([&](ReplicaContext& ctx) {
       const size_t i = static_cast<size_t>(ctx.local_replica_id());
@@ -119,8 +133,13 @@ void CompiledStep::operator()(const DistributedBatch& batch) {
       ScopedExec capturing(scope);
       capture->begin();
       try {
-        fn(ctx, batch);
+        Tensor o = fn(ctx, batch);
+        DISTSTRAT_CHECK(!o.defined() || o.device() == ctx.device(), kInvalidArgument,
+                        "the step returned ", o.debug_string(), ", not a tensor on ",
+                        ctx.device().to_string(), " (a replay only changes device memory)");
         capture->finish();
+        g->outputs[i] = o;
+        out[i] = own_copy(o);
       } catch (const Error& err) {
         capture->abort();
         if (err.code() == ErrorCode::kAborted) throw;  // another replica failed
@@ -138,12 +157,14 @@ void CompiledStep::operator()(const DistributedBatch& batch) {
     g->captures.clear();
     g->features.clear();
     g->labels.clear();
+    g->outputs.clear();
     throw;
   }
   g->captured = true;
   ++im.stats.captures;
   im.stats.graphs_per_step = g->captures[0]->graphs();
   im.stats.host_boundaries = g->captures[0]->boundaries();
+  return PerReplica<Tensor>(std::move(out));
 }
 
 CompiledStep::Stats CompiledStep::stats() const { return impl_ ? impl_->stats : Stats(); }

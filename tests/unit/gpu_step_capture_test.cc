@@ -56,12 +56,13 @@ struct CaptureSetup {
         strategy->distribute(ds::Dataset(x, y), 32, {true, 7, false}));
   }
   ~CaptureSetup() {
+    losses.clear();
     compiled = ds::CompiledStep();
     opt.reset();
     strategy.reset();  // releases the leases before the directory goes
   }
   // The step, for run() and for compile() alike.
-  void step(ds::ReplicaContext& ctx, const ds::DistributedBatch& b) {
+  ds::Tensor step(ds::ReplicaContext& ctx, const ds::DistributedBatch& b) {
     std::vector<ds::Tensor> p;
     for (const ds::Variable& v : vars) p.push_back(v.read(ctx));
     const float scale = 1.0f / static_cast<float>(b.global_size());
@@ -69,12 +70,13 @@ struct CaptureSetup {
     std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
     for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
     opt->apply_gradients(ctx, gv);
+    return st.row_losses;
   }
   // `epochs` passes, every step eagerly through run() or through a compiled step.
   void train(int epochs, bool captured, ds::CaptureOptions options = {}) {
     if (captured && !compiled_made) {
       compiled = strategy->compile(
-          [this](ds::ReplicaContext& ctx, const ds::DistributedBatch& b) { step(ctx, b); },
+          [this](ds::ReplicaContext& ctx, const ds::DistributedBatch& b) { return step(ctx, b); },
           options);
       compiled_made = true;
     }
@@ -82,11 +84,10 @@ struct CaptureSetup {
       dist->set_epoch(e);
       for (int64_t i = 0; i < dist->num_batches(); ++i) {
         const ds::DistributedBatch b = dist->batch(i);
-        if (captured) {
-          compiled(b);
-        } else {
-          strategy->run([&](ds::ReplicaContext& ctx) { step(ctx, b); });
-        }
+        // Each step's per-row losses, read after training.
+        losses.push_back(captured ? compiled(b) : strategy->run([&](ds::ReplicaContext& ctx) {
+          return step(ctx, b);
+        }));
       }
     }
   }
@@ -99,6 +100,26 @@ struct CaptureSetup {
     return out;
   }
   int64_t iterations() { return opt->iterations().value().data<int64_t>()[0]; }
+  // Every step's per-row losses (their bits), on the host, gathered over
+  // the replicas.
+  std::vector<std::vector<uint32_t>> step_losses() {
+    std::vector<std::vector<uint32_t>> out;
+    for (ds::PerReplica<ds::Tensor> l : losses) {
+      // A replica without rows has no row losses: none of its own to gather.
+      std::vector<uint32_t> undefined;
+      for (size_t r = 0; r < l.size(); ++r) {
+        if (!l[r].defined()) {
+          undefined.push_back(static_cast<uint32_t>(r));
+          l[r] = l[0].slice_rows(0, 0);
+        }
+      }
+      out.push_back(undefined);
+      const ds::Tensor t = strategy->gather(l);
+      const auto* p = static_cast<const uint32_t*>(t.data());
+      out.emplace_back(p, p + t.num_elements());
+    }
+    return out;
+  }
 
   LeaseDir dir;
   FakeGpuBackend* fake = nullptr;
@@ -110,6 +131,7 @@ struct CaptureSetup {
   ds::Tensor x, y;
   ds::CompiledStep compiled;
   bool compiled_made = false;
+  std::vector<ds::PerReplica<ds::Tensor>> losses;
 };
 
 ds::CaptureOptions warm_up_once() {
@@ -132,6 +154,8 @@ void expect_captured_equals_eager(int gpus, int64_t rows, bool adam) {
   EXPECT_EQ(captured.iterations(), 16) << "replays count their steps";
   EXPECT_EQ(captured.iterations(), eager.iterations());
   EXPECT_EQ(captured.weights(), eager.weights()) << "replays differ from eager steps";
+  EXPECT_EQ(captured.step_losses(), eager.step_losses())
+      << "the losses a compiled step returns differ from the eager steps'";
 }
 
 }  // namespace
