@@ -113,6 +113,15 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
   }
   const std::vector<std::pair<Tensor, Variable>>& grads_and_vars =
       widened.empty() ? given : widened;
+  // Host decisions a graph would fix at the captured step's outcome.
+  if (clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0 || loss_scaling() ||
+      accumulation_steps_ != 1) {
+    refuse_in_capture(where + " with " +
+                      (accumulation_steps_ != 1 ? "gradient accumulation (which micro-batch "
+                                                  "applies is decided on the host)"
+                                                : "gradient clipping or loss scaling (decided "
+                                                  "on the host)"));
+  }
   optim_detail::check_each_variable_once(where, grads_and_vars);
   for (size_t k = 0; k < grads_and_vars.size(); ++k) {
     const auto& [g, v] = grads_and_vars[k];

@@ -255,6 +255,35 @@ TEST(GpuStepCapture, ACopyFromHostMemoryInsideTheCapturedStepIsRefused) {
   }
 }
 
+// Host decisions of the optimizer (clipping, loss scaling, accumulation)
+// would be fixed in a graph at the captured step's outcome: refused by name.
+TEST(GpuStepCapture, ClippingAndAccumulationInsideTheCapturedStepAreRefused) {
+  for (bool accumulate : {false, true}) {
+    CaptureSetup s(2, 32, false);
+    if (accumulate) {
+      s.opt->set_accumulation_steps(2);
+    } else {
+      ds::GradientClipping c;
+      c.global_norm = 1.0f;
+      s.opt->set_clipping(c);
+    }
+    ds::CompiledStep step = s.strategy->compile(
+        [&](ds::ReplicaContext& ctx, const ds::DistributedBatch& b) { s.step(ctx, b); },
+        warm_up_once());
+    step(s.dist->batch(0));
+    try {
+      step(s.dist->batch(0));
+      ADD_FAILURE() << "captured";
+    } catch (const ds::FailedPreconditionError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(accumulate ? "with gradient accumulation" : "with gradient clipping"),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("inside a captured step"), std::string::npos) << m;
+    }
+  }
+}
+
 // A bad label in a replayed step is still found on the device and reported
 // at the next synchronization, naming the replayed step (each replay's flag
 // is copied out before the next replay rewrites it).
