@@ -71,6 +71,7 @@ void MirroredStrategy::apply_gradients(
     ReplicaContext& ctx, Optimizer& optimizer,
     const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
   if (impl_->shard_optimizer_state) {
+    refuse_in_capture("apply_gradients with shard_optimizer_state (ZeRO-1's collectives)");
     // ZeRO-1 over the in-process group: reduce-scatter, update the block,
     // all-gather (Optimizer::apply_sharded).
     auto* local_ctx = dynamic_cast<LocalReplicaContext*>(&ctx);

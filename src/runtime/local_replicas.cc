@@ -487,6 +487,7 @@ Tensor LocalReplicaContext::all_gather(const Tensor& t, const std::string& name)
 std::shared_ptr<void> LocalReplicaContext::merge_call_impl(
     const std::function<std::shared_ptr<void>(Strategy&)>& fn) {
   Communicator& comm = local_comm();
+  refuse_in_capture("merge_call (host work that a replay would not repeat)");
   comm.barrier("merge_call enter");
   std::exception_ptr mine;  // replica 0's own exception
   if (local_id_ == 0) {

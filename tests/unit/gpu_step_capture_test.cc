@@ -284,6 +284,26 @@ TEST(GpuStepCapture, ClippingAndAccumulationInsideTheCapturedStepAreRefused) {
   }
 }
 
+// Host work that a replay would not repeat: merge_call is refused by name
+// (on every replica, so none waits for the others in it).
+TEST(GpuStepCapture, MergeCallInsideTheCapturedStepIsRefused) {
+  CaptureSetup s(2, 32, false);
+  ds::CompiledStep step = s.strategy->compile(
+      [&](ds::ReplicaContext& ctx, const ds::DistributedBatch&) {
+        ctx.merge_call([](ds::Strategy&) {});
+      },
+      warm_up_once());
+  step(s.dist->batch(0));
+  try {
+    step(s.dist->batch(0));
+    ADD_FAILURE() << "captured";
+  } catch (const ds::FailedPreconditionError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("merge_call (host work"), std::string::npos) << m;
+    EXPECT_NE(m.find("inside a captured step"), std::string::npos) << m;
+  }
+}
+
 // A bad label in a replayed step is still found on the device and reported
 // at the next synchronization, naming the replayed step (each replay's flag
 // is copied out before the next replay rewrites it).
