@@ -235,8 +235,9 @@ class GpuBackend {
 
   // ==== Graph capture (issue 44 item 2) ======================================
   // A replica's step recorded once and replayed with one launch (CUDA
-  // graphs). begin_capture puts `stream` in capture mode for the calling
-  // thread (cudaStreamBeginCapture, thread-local mode): work enqueued on it
+  // graphs). begin_capture puts `stream` in capture mode
+  // (cudaStreamBeginCapture, relaxed mode: the caching allocator may still
+  // grow and query events of blocks freed before the capture): work enqueued on it
   // is recorded, not run, until end_capture, which returns the instantiated
   // graph (cudaStreamEndCapture + cudaGraphInstantiate; an opaque handle)
   // and throws when the capture was invalidated. While a stream captures, a

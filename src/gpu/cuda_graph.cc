@@ -1,13 +1,17 @@
 // The CUDA backend's graph capture (issue 44 item 2): a replica's step is
 // captured from its stream once and replayed with one cudaGraphLaunch.
 //
-// Capture is thread-local (cudaStreamCaptureModeThreadLocal): each replica
-// captures on its own thread and stream, so one replica's capture does not
-// forbid another thread's calls (a relaxed capture would also let this
-// thread's unsafe calls through unnoticed). A call capture cannot hold (a
-// synchronize, a device -> host copy, a query of an event recorded in the
-// capture) fails with cudaErrorStreamCaptureUnsupported / ...Invalidated,
-// which check_cuda turns into a diststrat::Error naming the call.
+// Capture is relaxed (cudaStreamCaptureModeRelaxed): each replica captures
+// on its own thread and stream, and the caching allocator may, during the
+// capture, take a new chunk (cudaMalloc) or ask whether a block freed before
+// the capture is done (cudaEventQuery of an event recorded outside it),
+// calls that global and thread-local capture forbid on the capturing thread
+// (PyTorch relaxes the mode around its cudaMalloc for the same reason). What
+// capture cannot hold is refused by the library before it reaches CUDA (a
+// read or wait of a capturing scope: refuse_in_capture), and by CUDA on the
+// capturing stream itself (a synchronize, a query of an event recorded in
+// the capture: cudaErrorStreamCaptureUnsupported / ...Invalidated, which
+// check_cuda turns into a diststrat::Error naming the call).
 #include "gpu/cuda_backend.h"
 #include "gpu/cuda_backend_impl.h"
 #include "gpu/kernels.h"
@@ -20,7 +24,7 @@ void CudaBackend::begin_capture(int ordinal, void* stream) {
   DISTSTRAT_CHECK(stream != nullptr, kInvalidArgument,
                   "begin_capture: the legacy default stream cannot be captured");
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
-  DISTSTRAT_CUDA_CHECK(cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeThreadLocal));
+  DISTSTRAT_CUDA_CHECK(cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeRelaxed));
 }
 
 void* CudaBackend::end_capture(int ordinal, void* stream) {

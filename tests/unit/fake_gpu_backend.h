@@ -1275,8 +1275,9 @@ class FakeGpuBackend : public ds::GpuBackend {
         "operation not permitted when stream is capturing (cudaErrorStreamCaptureUnsupported)";
     fail(call);
   }
-  // Thread-local capture mode: this thread may not make unsafe calls (a
-  // device synchronize, a free) while it captures on `ordinal`.
+  // A device synchronize (it would wait for the capturing stream) and a free
+  // (cudaFree synchronizes the device) from the thread that captures on
+  // `ordinal`: refused (the library must not make them there).
   void refuse_on_capturing_thread(int ordinal, const std::string& call) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, c] : captures_) {
