@@ -189,7 +189,14 @@ class Optimizer {
     Tensor grad;
     std::vector<Tensor*> slots;
   };
-  void update_tensors(const std::vector<TensorUpdate>& updates, int64_t step) const;
+  // `step_counter`: the host int64 counter `step` was read from (and that
+  // holds `step` when the launches run). Inside a captured step (a
+  // MirroredStrategy::compile step on GPUs) the update's rate is then read
+  // from device memory, recomputed from the counter before every replay, so
+  // the schedule and Adam's bias correction follow the replays; without a
+  // counter, or with clipping or loss scaling, a captured update is refused.
+  void update_tensors(const std::vector<TensorUpdate>& updates, int64_t step,
+                      const Tensor* step_counter = nullptr) const;
 
   // ZeRO-1, called by a strategy's apply_gradients in place of its
   // all-reduce and per-copy updates when the strategy shards optimizer state
@@ -275,7 +282,8 @@ class Optimizer {
                   int64_t step) const;
   // update_now over a list at one step: one apply_update_list launch when
   // every variable is on one GPU, else update_now per entry.
-  void update_now_list(const std::vector<TensorUpdate>& updates, int64_t step) const;
+  void update_now_list(const std::vector<TensorUpdate>& updates, int64_t step,
+                       const Tensor* step_counter = nullptr) const;
   // device_training.cc: a step's held updates of GPU variables, transformed
   // (unscaled, checked, clipped) by one launch each and applied.
   struct DeviceStep;

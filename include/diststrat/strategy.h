@@ -227,6 +227,9 @@ class Strategy {
   // throw AbortedError) and run() rethrows the first replica's exception.
   // Errors thrown out of run() are prefixed with "step S: " (S as in
   // steps_run()), so a failure names the step where it happened.
+  // A step captured into CUDA graphs and replayed (the host launching a few
+  // graphs instead of every kernel): MirroredStrategy::compile, which takes
+  // the step's batch as an argument (diststrat/mirrored.h).
   template <typename F>
   auto run(F&& fn) {
     using R = std::invoke_result_t<F, ReplicaContext&>;

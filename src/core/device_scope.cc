@@ -1,6 +1,7 @@
 #include "core/device_scope.h"
 
 #include "core/device_manager_impl.h"
+#include "core/step_capture.h"
 
 namespace diststrat {
 
@@ -50,6 +51,10 @@ std::shared_ptr<void> allocate_device_memory(const Device& device, size_t bytes,
   const GpuExec e = gpu_exec(device, "Tensor allocation");
   std::shared_ptr<void> mem = DeviceManagerAccess::impl(dm).allocate_raw(device, bytes, e.stream);
   if (zero) e.backend->memset_async(e.ordinal, mem.get(), 0, bytes, e.stream);
+  // A captured step's memory stays with its graphs (its private pool): the
+  // block is neither freed nor reused while a replay may write it.
+  const ExecScope* s = t_scope;
+  if (s->capture && s->capture->active() && s->device == device) s->capture->keep(mem);
   return mem;
 }
 
@@ -58,6 +63,28 @@ void* live_stream(const GpuExec& e) {
 }
 
 void DeviceChecks::add(Check check) {
+  const ExecScope* s = t_scope;
+  if (s && s->capture && s->capture->active() && s->checks.get() == this) {
+    // A captured step's flag is rewritten by every replay: after each launch
+    // a copy of it is checked, under the step that launch ran.
+    std::shared_ptr<DeviceChecks> self = s->checks;
+    s->capture->after_launch([self, check] {
+      Check c = check;
+      c.flag = Tensor::uninitialized(check.flag.shape(), check.flag.dtype(), check.flag.device());
+      c.flag.copy_from(check.flag);
+      const ExecScope* now = t_scope;
+      c.step = now ? now->step : check.step;
+      const std::string from = "step " + std::to_string(check.step);
+      const std::string to = "step " + std::to_string(c.step);
+      c.message = [message = check.message, from, to](int32_t v) {
+        std::string m = message(v);  // names the captured step: name this one
+        const size_t at = m.find(from);
+        return at == std::string::npos ? m : m.replace(at, from.size(), to);
+      };
+      self->add(std::move(c));
+    });
+    return;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   pending_.push_back(std::move(check));
 }

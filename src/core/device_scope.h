@@ -24,6 +24,7 @@ namespace diststrat {
 
 class DeviceManager;
 class DeviceChecks;
+class StepCapture;
 
 struct ExecScope {
   Device device;
@@ -35,6 +36,8 @@ struct ExecScope {
   // (-1: not a numbered step); null / -1 elsewhere.
   std::shared_ptr<DeviceChecks> checks;
   int64_t step = -1;
+  // The capture of this replica's step while one is recorded (core/step_capture.h).
+  std::shared_ptr<StepCapture> capture;
 };
 
 // The innermost scope of this thread, or null.

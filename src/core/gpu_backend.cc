@@ -102,4 +102,18 @@ std::unique_ptr<GpuBackend> make_default_gpu_backend() {
 #endif
 }
 
+// ---- graph capture (issue 44 item 2) ----
+void GpuBackend::begin_capture(int, void*) { throw_unavailable_in(*this, "begin_capture"); }
+void* GpuBackend::end_capture(int, void*) { throw_unavailable_in(*this, "end_capture"); }
+void GpuBackend::launch_graph(int, void*, void*) { throw_unavailable_in(*this, "launch_graph"); }
+void GpuBackend::destroy_graph(int, void* graph) {
+  if (graph) throw_unavailable_in(*this, "destroy_graph");
+}
+bool GpuBackend::capturing(int, void*) { return false; }
+void GpuBackend::apply_update_list_at(int, void*, const UpdateRule&, float* const*,
+                                      const float* const*, float* const*, const size_t*, int,
+                                      const float*) {
+  throw_unavailable_in(*this, "apply_update_list_at");
+}
+
 }  // namespace diststrat

@@ -232,11 +232,49 @@ class GpuBackend {
   // stays referenced).
   virtual void fill(int ordinal, void* stream, float* dst, size_t count, float value);
   // ==== end of the training-feature block ====================================
+
+  // ==== Graph capture (issue 44 item 2) ======================================
+  // A replica's step recorded once and replayed with one launch (CUDA
+  // graphs). begin_capture puts `stream` in capture mode
+  // (cudaStreamBeginCapture, relaxed mode: the caching allocator may still
+  // grow and query events of blocks freed before the capture): work enqueued on it
+  // is recorded, not run, until end_capture, which returns the instantiated
+  // graph (cudaStreamEndCapture + cudaGraphInstantiate; an opaque handle)
+  // and throws when the capture was invalidated. While a stream captures, a
+  // device -> host read, a synchronize of it or of its device, a copy from
+  // pageable host memory and a query of an event recorded in the capture
+  // are errors (cudaErrorStreamCaptureUnsupported / ...Invalidated): they
+  // throw, and the capture is invalidated. launch_graph enqueues the whole
+  // graph on `stream` (cudaGraphLaunch): the recorded work runs in its
+  // recorded order, reading and writing the same addresses each time.
+  // destroy_graph frees the graph (not the memory its work uses).
+  // Defaults: UnimplementedError (capturing() is false).
+  virtual void begin_capture(int ordinal, void* stream);
+  virtual void* end_capture(int ordinal, void* stream);
+  virtual void launch_graph(int ordinal, void* graph, void* stream);
+  virtual void destroy_graph(int ordinal, void* graph);
+  virtual bool capturing(int ordinal, void* stream);
+  // apply_update_list with the step's rate in device memory, read when the
+  // kernel runs, so a captured update follows the schedule and Adam's bias
+  // correction on every replay: *rate is update_step_rate(rule, step) of the
+  // step (the rule's learning_rate and the step in the call are not used).
+  // Every element gets the bits apply_update_list gives it at that step.
+  // Default: UnimplementedError.
+  virtual void apply_update_list_at(int ordinal, void* stream, const UpdateRule& rule,
+                                    float* const* vars, const float* const* grads,
+                                    float* const* slots, const size_t* counts, int n,
+                                    const float* rate);
+  // ==== end of the graph-capture block =======================================
 };
 
 // Slots per tensor of `rule` (Optimizer::slot_names' count): SGD 0 or 1
 // (momentum), Adam 2 (m, v).
 int update_slot_count(const UpdateRule& rule);
+
+// The rate an update kernel applies at `step` (1-based): SGD's
+// rule.learning_rate; Adam's bias-corrected step size lr * sqrt(1 - b2^t) /
+// (1 - b1^t), computed as the host rule and the kernels compute it.
+float update_step_rate(const UpdateRule& rule, int64_t step);
 
 // Throws UnimplementedError "<what> is not available in the '<name>' GPU
 // backend": the default of an operation a backend does not provide.

@@ -7,6 +7,7 @@
 
 #include "core/device_manager_impl.h"
 #include "core/device_scope.h"
+#include "core/step_capture.h"
 
 namespace diststrat {
 
@@ -170,6 +171,9 @@ void Tensor::copy_from(const Tensor& src) {
   // source is read.
   const Device& gpu = device_.is_gpu() ? device_ : src.device_;
   const GpuExec e = gpu_exec(gpu, "copy_from");
+  if (device_.is_cpu() || src.device_.is_cpu()) {
+    refuse_in_capture("copy_from: a copy of " + src.debug_string() + " into " + debug_string());
+  }
   if (device_.is_cpu()) {  // device -> host: bounded wait, staged when pageable
     e.backend->copy_to_host(e.ordinal, data(), src.data(), nbytes(), e.stream, e.deadline(),
                             "copy of " + src.debug_string() + " into " + debug_string());

@@ -100,6 +100,16 @@ class CudaBackend : public GpuBackend {
                   const size_t* counts, int n, bool first) override;
   void fill(int ordinal, void* stream, float* dst, size_t count, float value) override;
 
+  // Graph capture (cuda_graph.cc).
+  void begin_capture(int ordinal, void* stream) override;
+  void* end_capture(int ordinal, void* stream) override;
+  void launch_graph(int ordinal, void* graph, void* stream) override;
+  void destroy_graph(int ordinal, void* graph) override;
+  bool capturing(int ordinal, void* stream) override;
+  void apply_update_list_at(int ordinal, void* stream, const UpdateRule& rule, float* const* vars,
+                            const float* const* grads, float* const* slots, const size_t* counts,
+                            int n, const float* rate) override;
+
   // Collectives (cuda_backend.cc).
   std::vector<std::unique_ptr<Communicator>> shared_device_group(
       const SharedDeviceGroupSpec& spec, const CommunicationOptions& options) override;

@@ -8,6 +8,8 @@
 #include "gpu/cuda_backend.h"
 #include "gpu/cuda_backend_impl.h"
 
+#include "core/step_capture.h"
+
 namespace diststrat {
 namespace gpu {
 
@@ -73,6 +75,8 @@ void CudaBackend::memcpy_async(int ordinal, void* dst, const void* src, size_t b
 // such copies are staged through pinned buffers and every wait is bounded.
 void CudaBackend::copy_to_host(int ordinal, void* dst, const void* src, size_t bytes, void* stream,
                                DeadlineClock::time_point deadline, const std::string& what) {
+  // A capturing stream would record the copy and never run it: refused.
+  refuse_in_capture("a device -> host read (" + what + ")");
   if (bytes == 0) return;
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
   const cudaStream_t s = as_stream(stream);

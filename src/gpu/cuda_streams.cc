@@ -5,6 +5,8 @@
 #include "gpu/cuda_backend.h"
 #include "gpu/cuda_backend_impl.h"
 
+#include "core/step_capture.h"
+
 namespace diststrat {
 namespace gpu {
 
@@ -60,6 +62,7 @@ void CudaBackend::destroy_stream(int ordinal, void* stream) {
 
 void CudaBackend::synchronize(int ordinal, void* stream, DeadlineClock::time_point deadline,
                               const std::string& what) {
+  refuse_in_capture("a wait for the stream (" + what + ")");
   DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
   wait_stream(stream, deadline, what);
 }

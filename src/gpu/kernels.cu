@@ -342,6 +342,29 @@ __global__ void adam_list_kernel(UpdateChunk c, float b1, float b2, float eps, f
   }
 }
 
+// The list kernels with the step's rate read from device memory (a
+// captured step's update: the rate is patched per replay, not baked in).
+__global__ void sgd_list_at_kernel(UpdateChunk c, const float* rate, float mu, bool nesterov) {
+  const int t = blockIdx.y;
+  const size_t n = c.count[t];
+  const float lr = *rate;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    sgd_element(c.var[t], c.grad[t], c.m[t], i, lr, mu, nesterov);
+  }
+}
+
+__global__ void adam_list_at_kernel(UpdateChunk c, float b1, float b2, float eps,
+                                    const float* rate) {
+  const int t = blockIdx.y;
+  const size_t n = c.count[t];
+  const float alpha = *rate;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    adam_element(c.var[t], c.grad[t], c.m[t], c.v[t], i, b1, b2, eps, alpha);
+  }
+}
+
 // Adam's bias-corrected step size, as the host rule computes it.
 float adam_alpha(const UpdateRule& rule, int64_t step) {
   const double t = static_cast<double>(step);
@@ -490,6 +513,42 @@ void launch_update_list(const UpdateRule& rule, float* const* vars, const float*
       sgd_list_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(c, rule.learning_rate,
                                                                 rule.momentum, rule.nesterov);
       check_launch("sgd_list_kernel");
+    }
+  }
+}
+
+void launch_update_list_at(const UpdateRule& rule, float* const* vars, const float* const* grads,
+                           float* const* slots, const size_t* counts, int n, const float* rate,
+                           void* stream) {
+  if (rule.kind == UpdateRule::Kind::kNone) {
+    throw UnimplementedError("GPU update: the optimizer has no device rule");
+  }
+  const bool adam = rule.kind == UpdateRule::Kind::kAdam;
+  const bool momentum = !adam && rule.momentum != 0.0f;
+  for (int base = 0; base < n; base += kUpdateChunk) {
+    UpdateChunk c{};
+    const int m = std::min(kUpdateChunk, n - base);
+    size_t most = 0;
+    for (int k = 0; k < m; ++k) {
+      const int i = base + k;
+      c.var[k] = vars[i];
+      c.grad[k] = grads[i];
+      c.m[k] = adam || momentum ? slots[i] : nullptr;
+      c.v[k] = adam ? slots[n + i] : nullptr;
+      c.count[k] = counts[i];
+      most = std::max(most, counts[i]);
+    }
+    if (most == 0) continue;
+    const dim3 grid(static_cast<unsigned>(blocks_for(static_cast<int64_t>(most))),
+                    static_cast<unsigned>(m));
+    if (adam) {
+      adam_list_at_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(c, rule.beta1, rule.beta2,
+                                                                    rule.epsilon, rate);
+      check_launch("adam_list_at_kernel");
+    } else {
+      sgd_list_at_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(c, rate, rule.momentum,
+                                                                   rule.nesterov);
+      check_launch("sgd_list_at_kernel");
     }
   }
 }

@@ -51,6 +51,11 @@ constexpr int kUpdateChunk = 48;
 void launch_update_list(const UpdateRule& rule, float* const* vars, const float* const* grads,
                         float* const* slots, const size_t* counts, int n, int64_t step,
                         void* stream);
+// The same with the step's rate (update_step_rate) read from device memory
+// when the kernel runs (GpuBackend::apply_update_list_at: a captured step).
+void launch_update_list_at(const UpdateRule& rule, float* const* vars, const float* const* grads,
+                           float* const* slots, const size_t* counts, int n, const float* rate,
+                           void* stream);
 
 }  // namespace gpu
 }  // namespace diststrat

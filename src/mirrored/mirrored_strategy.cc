@@ -2,6 +2,7 @@
 #include "diststrat/mirrored.h"
 
 #include "core/device_scope.h"
+#include "core/step_capture.h"
 #include "core/env.h"
 #include "core/user_text.h"
 #include "diststrat/optimizer.h"
@@ -69,6 +70,7 @@ void MirroredStrategy::apply_gradients(
     ReplicaContext& ctx, Optimizer& optimizer,
     const std::vector<std::pair<Tensor, Variable>>& grads_and_vars) {
   if (impl_->shard_optimizer_state) {
+    refuse_in_capture("apply_gradients with shard_optimizer_state (ZeRO-1's collectives)");
     // ZeRO-1 over the in-process group: reduce-scatter, update the block,
     // all-gather (Optimizer::apply_sharded).
     // (In determinism mode the gradients are summed already: SummedContext.)
@@ -125,8 +127,13 @@ void MirroredStrategy::apply_gradients(
     for (const std::string& s : slot_names) u.slots.push_back(&var.slot(s)[local]);
     updates.push_back(std::move(u));
   }
-  optimizer.update_tensors(updates, step);
+  optimizer.update_tensors(updates, step, &iterations);
   iterations.data<int64_t>()[0] = step;
+  const ExecScope* scope = current_exec_scope();
+  if (scope && scope->capture && scope->capture->active()) {
+    // A captured step's replays count their steps as this one did.
+    scope->capture->on_replay([iterations]() mutable { ++iterations.data<int64_t>()[0]; });
+  }
 }
 
 void MirroredStrategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {

@@ -7,6 +7,7 @@
 // loss scaling's skip). The arithmetic and the decisions are the host path's
 // (optimizer_state.h), so a device step equals a host step within the
 // rounding of the sums' order (bit for bit on the fake backend).
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -78,6 +79,13 @@ int update_slot_count(const UpdateRule& rule) {
       break;
   }
   return 0;
+}
+
+float update_step_rate(const UpdateRule& rule, int64_t step) {
+  if (rule.kind != UpdateRule::Kind::kAdam) return rule.learning_rate;
+  const double t = static_cast<double>(step);
+  return static_cast<float>(rule.learning_rate * std::sqrt(1.0 - std::pow(rule.beta2, t)) /
+                            (1.0 - std::pow(rule.beta1, t)));
 }
 
 // ---- gradient accumulation ----------------------------------------------------

@@ -12,6 +12,7 @@
 #include "core/cast_kernels.h"
 #include "core/cpu_isa.h"
 #include "core/device_scope.h"
+#include "core/step_capture.h"
 #include "core/gpu_backend.h"
 #include "core/user_text.h"
 #include "optim/optim_kernels.h"
@@ -112,6 +113,15 @@ ApplyResult Optimizer::apply_gradients(ReplicaContext& ctx,
   }
   const std::vector<std::pair<Tensor, Variable>>& grads_and_vars =
       widened.empty() ? given : widened;
+  // Host decisions a graph would fix at the captured step's outcome.
+  if (clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0 || loss_scaling() ||
+      accumulation_steps_ != 1) {
+    refuse_in_capture(where + " with " +
+                      (accumulation_steps_ != 1 ? "gradient accumulation (which micro-batch "
+                                                  "applies is decided on the host)"
+                                                : "gradient clipping or loss scaling (decided "
+                                                  "on the host)"));
+  }
   optim_detail::check_each_variable_once(where, grads_and_vars);
   for (size_t k = 0; k < grads_and_vars.size(); ++k) {
     const auto& [g, v] = grads_and_vars[k];
@@ -177,18 +187,21 @@ ApplyResult Optimizer::apply_reduced_gradients(
   return ApplyResult{};
 }
 
-void Optimizer::update_tensors(const std::vector<TensorUpdate>& updates, int64_t step) const {
+void Optimizer::update_tensors(const std::vector<TensorUpdate>& updates, int64_t step,
+                               const Tensor* step_counter) const {
   const bool clipping = clipping_.global_norm > 0 || clipping_.norm > 0 || clipping_.value > 0;
   if (clipping || loss_scaling()) {
+    refuse_in_capture("apply_gradients with gradient clipping or loss scaling (a host decision)");
     // Held per step (clipping_and_loss_scaling.cc); a device step's flush
     // applies them with one list launch.
     for (const TensorUpdate& u : updates) update_tensor(*u.var, u.grad, u.slots, step);
     return;
   }
-  update_now_list(updates, step);
+  update_now_list(updates, step, step_counter);
 }
 
-void Optimizer::update_now_list(const std::vector<TensorUpdate>& updates, int64_t step) const {
+void Optimizer::update_now_list(const std::vector<TensorUpdate>& updates, int64_t step,
+                                const Tensor* step_counter) const {
   if (updates.empty()) return;
   const Device device = updates.front().var->device();
   const UpdateRule rule = device_rule();
@@ -219,6 +232,24 @@ void Optimizer::update_now_list(const std::vector<TensorUpdate>& updates, int64_
   UpdateRule r = rule;
   r.learning_rate = learning_rate(step - 1);
   const GpuExec e = gpu_exec(device, "optimizer_update");
+  const ExecScope* scope = current_exec_scope();
+  if (scope && scope->capture && scope->capture->active()) {
+    // A captured update: its rate is a device scalar written before every
+    // launch from the counter's value then (update_step_rate, the bits the
+    // kernels compute from a step).
+    DISTSTRAT_CHECK(step_counter != nullptr, kFailedPrecondition, name(),
+                    ": this update cannot be captured (its step would be fixed in the graph)");
+    const Tensor counter = *step_counter;
+    const float* rate = scope->capture->device_scalar([this, rule, counter] {
+      const int64_t s = counter.data<int64_t>()[0];
+      UpdateRule at = rule;
+      at.learning_rate = learning_rate(s - 1);
+      return update_step_rate(at, s);
+    });
+    e.backend->apply_update_list_at(e.ordinal, e.stream, r, vars.data(), grads.data(), slots.data(),
+                                    counts.data(), n, rate);
+    return;
+  }
   e.backend->apply_update_list(e.ordinal, e.stream, r, vars.data(), grads.data(), slots.data(),
                                counts.data(), n, step);
 }
@@ -240,6 +271,7 @@ void Optimizer::update_now(Tensor& var, const Tensor& grad, const std::vector<Te
       " is not on the variable's device ", var.device().to_string());
   record_op_placement("optimizer_update", var.device());
   if (var.device().is_gpu()) {
+    refuse_in_capture(name() + ": an update of " + var.debug_string() + " with its step fixed");
     UpdateRule rule = device_rule();
     if (rule.kind != UpdateRule::Kind::kNone) rule.learning_rate = learning_rate(step - 1);
     DISTSTRAT_CHECK(rule.kind != UpdateRule::Kind::kNone, kUnimplemented, "optimizer '", name(),

@@ -11,6 +11,7 @@
 #include "allreduce/flight_recording.h"
 #include "runtime/collective_check.h"
 #include "core/device_manager_impl.h"
+#include "core/step_capture.h"
 #include "core/user_text.h"
 
 namespace diststrat {
@@ -409,6 +410,23 @@ void LocalReplicaContext::all_reduce(ReduceOp op, std::vector<Tensor>& tensors,
     }
   }
   if (Communicator* dc = device_comm()) {
+    const ExecScope* scope = current_exec_scope();
+    if (scope && scope->capture && scope->capture->active()) {
+      // One replica: the all-reduce in place is the identity (a sum or mean
+      // of one buffer, reduced in place), so the captured step leaves it out.
+      if (dc->size() == 1) return;
+      // The device collectives wait on the host (NCCL's issue(), the
+      // shared-device group's meeting), so a graph cannot hold them: a
+      // captured step is split around each one, and every replay runs it
+      // between the same two graphs on the same buffers (reduced in place).
+      const size_t bytes_per_pack = owner_->options.bytes_per_pack;
+      scope->capture->boundary("all_reduce", [this, dc, op, tensors, names, bytes_per_pack]() {
+        std::vector<Tensor> same = tensors;
+        DevicePackMemory memory(device(), device_pack_);
+        packer_.run(*dc, op, same, names, bytes_per_pack, &memory);
+      });
+      return;
+    }
     // GPU buffers: packed in device memory, copies and collectives on the
     // replica's stream.
     DevicePackMemory memory(device(), device_pack_);
@@ -469,6 +487,7 @@ Tensor LocalReplicaContext::all_gather(const Tensor& t, const std::string& name)
 std::shared_ptr<void> LocalReplicaContext::merge_call_impl(
     const std::function<std::shared_ptr<void>(Strategy&)>& fn) {
   Communicator& comm = local_comm();
+  refuse_in_capture("merge_call (host work that a replay would not repeat)");
   comm.barrier("merge_call enter");
   std::exception_ptr mine;  // replica 0's own exception
   if (local_id_ == 0) {

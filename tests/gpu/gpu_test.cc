@@ -1127,3 +1127,86 @@ TEST(GpuTraining, ClippingLossScalingAccumulationAndZeroOnGpuVariablesTrainLikeT
   }
 }
 // ==== end of the training-feature tests ====
+
+// A captured step (MirroredStrategy::compile, issue 44 item 2) on the GPU:
+// CUDA graphs recorded from the replicas' streams and replayed train as the
+// eager steps do, over a schedule, Adam and a partial last batch (16 rows),
+// on one GPU (one graph per step) and two logical GPUs (split around the
+// shared-device all-reduce).
+namespace {
+std::vector<ds::Tensor> train_compiled(ds::MirroredOptions o, bool adam, bool captured,
+                                       ds::CompiledStep::Stats* stats) {
+  ds::MirroredStrategy s(o);
+  ds::nn::Mlp mlp({784, 64, 10});
+  auto vars = mlp.create_variables(s, 3);
+  std::unique_ptr<ds::Optimizer> opt;
+  if (adam) {
+    ds::AdamOptions a{0.01f};
+    a.schedule = ds::LearningRateSchedule::piecewise_constant({4, 9}, {0.01f, 0.005f, 0.002f});
+    opt = std::make_unique<ds::Adam>(s, a);
+  } else {
+    ds::SGDOptions g{0.05f, 0.9f, true};
+    g.schedule = ds::LearningRateSchedule::cosine_decay(15, 2, 0.1f);
+    opt = std::make_unique<ds::SGD>(s, g);
+  }
+  ds::Tensor x = random_host({144, 784}, 5), y(ds::Shape{144}, ds::DType::kInt32);
+  for (int i = 0; i < 144; ++i) y.data<int32_t>()[i] = (i * 7) % 10;
+  auto dist = s.distribute(ds::Dataset(x, y), 32);
+  auto step = [&](ds::ReplicaContext& ctx, const ds::DistributedBatch& batch) {
+    std::vector<ds::Tensor> p;
+    for (auto& v : vars) p.push_back(v.read(ctx));
+    auto st =
+        mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx), 1.0f / batch.global_size());
+    std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+    for (size_t i = 0; i < vars.size(); ++i) gv.emplace_back(st.grads[i], vars[i]);
+    opt->apply_gradients(ctx, gv);
+  };
+  ds::CaptureOptions co;
+  co.warmup_steps = 1;
+  ds::CompiledStep compiled = s.compile(step, co);
+  for (int e = 0; e < 3; ++e) {
+    dist.set_epoch(e);
+    for (const auto& batch : dist) {
+      if (captured) {
+        compiled(batch);
+      } else {
+        s.run([&](ds::ReplicaContext& ctx) { step(ctx, batch); });
+      }
+    }
+  }
+  std::vector<ds::Tensor> out;
+  for (auto& v : vars) out.push_back(v.value());
+  if (stats) *stats = compiled.stats();
+  return out;
+}
+}  // namespace
+
+TEST(GpuStepCaptureOnGpu, ReplaysTrainLikeEagerStepsOnOneGpuAndTwoLogicalGpus) {
+  SKIP_WITHOUT_GPU();
+  for (bool adam : {false, true}) {
+    for (int replicas : {1, 2}) {
+      auto options = [&] {
+        ds::MirroredOptions o;
+        auto dm = manager();
+        if (replicas == 2) {
+          dm->set_visible_devices({0});
+          dm->set_logical_device_configuration(0, {{512u << 20}, {512u << 20}});
+          o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+        } else {
+          o.devices = {ds::Device::gpu(0)};
+        }
+        o.device_manager = dm;
+        return o;
+      };
+      ds::CompiledStep::Stats st;
+      const auto want = train_compiled(options(), adam, false, nullptr);
+      const auto got = train_compiled(options(), adam, true, &st);
+      EXPECT_EQ(st.captures, 2) << "full and partial batch";
+      EXPECT_EQ(st.replays, 11);
+      EXPECT_EQ(st.graphs_per_step, replicas == 1 ? 1 : 2);
+      const std::string what =
+          std::string(adam ? "Adam" : "SGD") + ", " + std::to_string(replicas) + " replica(s)";
+      for (size_t i = 0; i < got.size(); ++i) expect_close(got[i], want[i], 1e-6, what.c_str());
+    }
+  }
+}

@@ -36,7 +36,16 @@
 //  - NCCL's rule that a communicator is not aborted while another thread is
 //    inside a call on it (violations are counted in aborts_during_calls);
 //  - cudaFree waiting for the device: raw_free with work still queued on the
-//    device counts frees_with_pending_work.
+//    device counts frees_with_pending_work;
+//  - graph capture (begin_capture .. end_capture, launch_graph): work
+//    enqueued on a capturing stream is recorded instead of run, and a graph
+//    launch replays the recorded closures in their order as one op of the
+//    stream. On a capturing stream a device -> host read, a synchronize (of
+//    the stream, or of its device from the capturing thread), a copy from
+//    pageable host memory, a wait for an event from outside the capture, a
+//    free and a query of an event recorded in the capture throw (as CUDA's
+//    cudaErrorStreamCaptureUnsupported) and invalidate the capture, whose
+//    end_capture then throws (cudaErrorStreamCaptureInvalidated).
 // Compute goes through the library's CPU code on the untagged pointers
 // (SGD and Adam as the CUDA kernels do them); collectives through an
 // in-process group after the rank's stream has drained.
@@ -114,6 +123,7 @@ class FakeGpuBackend : public ds::GpuBackend {
     for (auto& [p, bytes] : pinned_) std::free(p);
     for (void* p : poisoned_) std::free(p);
     for (auto& [e, info] : events_) delete static_cast<int*>(e);
+    for (Graph* g : graphs_) delete g;
   }
 
   // ---- the pointer model ----
@@ -202,6 +212,7 @@ class FakeGpuBackend : public ds::GpuBackend {
     return tag(p);
   }
   void raw_free(int ordinal, void* dev) override {
+    refuse_on_capturing_thread(ordinal, "cudaFree");
     std::unique_lock<std::mutex> lock(mu_);
     for (const Op& op : pending_) {
       if (op.device == ordinal) {
@@ -260,6 +271,11 @@ class FakeGpuBackend : public ds::GpuBackend {
 
   void memcpy_async(int ordinal, void* dst, const void* src, size_t bytes, void* stream) override {
     begin_call(ordinal, stream, "cudaMemcpyAsync");
+    if (is_device(src) && !is_device(dst)) {
+      refuse_capturing(ordinal, stream, "cudaMemcpyAsync (device -> host)");
+    } else if (!is_device(src) && !pinned_block(src)) {
+      refuse_capturing(ordinal, stream, "cudaMemcpyAsync (from pageable host memory)");
+    }
     ++launches;
     count_launch(is_device(src) ? (is_device(dst) ? "memcpy d2d" : "memcpy d2h") : "memcpy h2d");
     if (is_device(src) && !is_device(dst)) ++host_reads;
@@ -272,10 +288,11 @@ class FakeGpuBackend : public ds::GpuBackend {
     } else if (pinned_block(src)) {
       // Pinned memory is read when the copy runs: the caller keeps it.
       std::lock_guard<std::mutex> lock(mu_);
-      enqueue_locked(ordinal, stream, [d, src, bytes] {
-        if (bytes) std::memcpy(d, src, bytes);
-      });
-      pending_.back().pinned_src = src;
+      if (enqueue_locked(ordinal, stream, [d, src, bytes] {
+            if (bytes) std::memcpy(d, src, bytes);
+          }) != kCaptured) {
+        pending_.back().pinned_src = src;
+      }
     } else {
       // Pageable host memory is staged at the call.
       auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
@@ -298,11 +315,13 @@ class FakeGpuBackend : public ds::GpuBackend {
   void copy_to_host(int ordinal, void* dst, const void* src, size_t bytes, void* stream,
                     ds::DeadlineClock::time_point deadline, const std::string& what) override {
     ++copies_to_host;
+    refuse_capturing(ordinal, stream, "cudaMemcpyAsync (device -> host) for " + what);
     ds::GpuBackend::copy_to_host(ordinal, dst, src, bytes, stream, deadline, what);
   }
   void synchronize(int ordinal, void* stream, ds::DeadlineClock::time_point deadline,
                    const std::string& what) override {
     begin_call(ordinal, stream, "cudaStreamSynchronize");
+    refuse_capturing(ordinal, stream, "cudaStreamSynchronize for " + what);
     ++syncs;
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t id = id_locked(stream);
@@ -315,6 +334,7 @@ class FakeGpuBackend : public ds::GpuBackend {
   void synchronize_device(int ordinal, ds::DeadlineClock::time_point deadline,
                           const std::string& what) override {
     set_device(ordinal, "cudaSetDevice(ordinal)");
+    refuse_on_capturing_thread(ordinal, "cudaDeviceSynchronize for " + what);
     ++device_syncs;
     std::unique_lock<std::mutex> lock(mu_);
     const long target = next_seq_;
@@ -346,11 +366,13 @@ class FakeGpuBackend : public ds::GpuBackend {
   void record_event(int ordinal, void* event, void* stream) override {
     begin_call(ordinal, stream, "cudaEventRecord");
     std::lock_guard<std::mutex> lock(mu_);
-    events_.at(event) = enqueue_locked(ordinal, stream, [] {});
+    const long seq = enqueue_locked(ordinal, stream, [] {});
+    events_.at(event) = seq;  // kCaptured: a node of the capture
     ++events_recorded;
   }
   bool event_done(int ordinal, void* event) override {
     std::lock_guard<std::mutex> lock(mu_);
+    refuse_captured_event_locked(event, "cudaEventQuery");
     run_pending_locked();
     return !pending_seq_locked(events_.at(event));
   }
@@ -358,7 +380,18 @@ class FakeGpuBackend : public ds::GpuBackend {
     begin_call(ordinal, stream, "cudaStreamWaitEvent");
     std::lock_guard<std::mutex> lock(mu_);
     const long mark = events_.at(event);
+    if (captures_.count({ordinal, id_locked(stream)}) && mark != kCaptured) {
+      invalidate_locked(ordinal, stream);
+      thread_state().last_error =
+          "operation would make the legacy stream depend on a capturing blocking stream / an "
+          "event from outside the capture (cudaErrorStreamCaptureIsolation)";
+      fail("cudaStreamWaitEvent");
+    }
     ++stream_waits;
+    if (mark == kCaptured) {
+      enqueue_locked(ordinal, stream, [] {});  // inside one capture: its order
+      return;
+    }
     if (!pending_seq_locked(mark)) return;  // already done
     enqueue_locked(ordinal, stream, [] {});
     pending_.back().wait_seq = mark;
@@ -370,6 +403,7 @@ class FakeGpuBackend : public ds::GpuBackend {
     set_device(ordinal, "cudaSetDevice(ordinal)");
     ++event_waits;
     std::unique_lock<std::mutex> lock(mu_);
+    refuse_captured_event_locked(event, "cudaEventSynchronize for " + what);
     const long mark = events_.at(event);
     wait_locked(
         lock, ordinal, [&](const Op& op) { return op.seq == mark; }, deadline, what);
@@ -642,9 +676,12 @@ class FakeGpuBackend : public ds::GpuBackend {
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++launched_[kernel];
-      enqueue_locked(ordinal, stream, std::move(fn));
-      pending_.back().kernel = true;
-      pending_.back().name = kernel;
+      if (enqueue_locked(ordinal, stream, std::move(fn)) == kCaptured) {
+        captures_.at({ordinal, id_locked(stream)}).ops.back().name = kernel;
+      } else {
+        pending_.back().kernel = true;
+        pending_.back().name = kernel;
+      }
     }
     std::string err;
     std::swap(err, thread_state().last_error);
@@ -657,8 +694,15 @@ class FakeGpuBackend : public ds::GpuBackend {
     enqueue_locked(ordinal, stream, std::move(fn));
   }
   long enqueue_locked(int ordinal, void* stream, std::function<void()> fn) {
-    const long seq = next_seq_++;
     const uint64_t id = id_locked(stream);
+    auto capture = captures_.find({ordinal, id});
+    if (capture != captures_.end()) {
+      // Recorded for the graph, not run.
+      capture->second.ops.push_back(Op{-1, ordinal, id, std::move(fn)});
+      ++captured_ops;
+      return kCaptured;
+    }
+    const long seq = next_seq_++;
     pending_.push_back(Op{seq, ordinal, id, std::move(fn)});
     last_seq_[{ordinal, id}] = seq;
     if (options_.executor && !stop_) {
@@ -1098,6 +1142,171 @@ class FakeGpuBackend : public ds::GpuBackend {
     launch(ordinal, stream, name, std::move(fn));
   }
   // ==== end of the host-function block ====
+  // ==== Graph capture (issue 44 item 2) ====
+  void begin_capture(int ordinal, void* stream) override {
+    begin_call(ordinal, stream, "cudaStreamBeginCapture");
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stream) {
+      thread_state().last_error =
+          "operation not permitted on the legacy stream "
+          "(cudaErrorStreamCaptureUnsupported)";
+      fail("cudaStreamBeginCapture");
+    }
+    const std::pair<int, uint64_t> key{ordinal, id_locked(stream)};
+    if (captures_.count(key)) {
+      thread_state().last_error = "the stream is already capturing (cudaErrorIllegalState)";
+      fail("cudaStreamBeginCapture");
+    }
+    Capture& c = captures_[key];
+    c.thread = std::this_thread::get_id();
+    ++captures_begun;
+  }
+  void* end_capture(int ordinal, void* stream) override {
+    begin_call(ordinal, stream, "cudaStreamEndCapture");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = captures_.find({ordinal, id_locked(stream)});
+    if (it == captures_.end()) {
+      thread_state().last_error = "the stream is not capturing (cudaErrorIllegalState)";
+      fail("cudaStreamEndCapture");
+    }
+    Capture c = std::move(it->second);
+    captures_.erase(it);
+    if (!c.invalid.empty()) {
+      thread_state().last_error =
+          "the capture was invalidated by " + c.invalid + " (cudaErrorStreamCaptureInvalidated)";
+      fail("cudaStreamEndCapture");
+    }
+    auto* g = new Graph{ordinal, std::move(c.ops)};
+    graphs_.insert(g);
+    return g;
+  }
+  void launch_graph(int ordinal, void* graph, void* stream) override {
+    begin_call(ordinal, stream, "cudaGraphLaunch");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto* g = static_cast<Graph*>(graph);
+    if (!graphs_.count(g) || g->device != ordinal) {
+      thread_state().last_error = "invalid graph (cudaErrorInvalidValue)";
+      fail("cudaGraphLaunch");
+    }
+    ++launches;
+    ++graph_launches;
+    ++launched_["graph"];
+    // The recorded work, in its recorded order, as one op of the stream (the
+    // graph keeps its closures: a destroyed graph's launch in flight still runs).
+    std::vector<std::function<void()>> work;
+    for (const Op& op : g->ops) work.push_back(op.fn);
+    const long seq = enqueue_locked(ordinal, stream, [work] {
+      for (const auto& f : work) f();
+    });
+    if (seq != kCaptured) {
+      pending_.back().kernel = true;  // the launch delay applies once
+      pending_.back().name = "graph";
+    }
+  }
+  void destroy_graph(int, void* graph) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto* g = static_cast<Graph*>(graph);
+    if (graphs_.erase(g)) delete g;
+  }
+  bool capturing(int ordinal, void* stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return captures_.count({ordinal, id_locked(stream)}) > 0;
+  }
+  // apply_update_list with the rate read from device memory when it runs.
+  void apply_update_list_at(int ordinal, void* stream, const ds::UpdateRule& rule,
+                            float* const* vars_d, const float* const* grads_d,
+                            float* const* slots_d, const size_t* counts, int n,
+                            const float* rate_d) override {
+    if (rule.kind == ds::UpdateRule::Kind::kNone) {
+      throw ds::UnimplementedError("fake backend: the optimizer has no device rule");
+    }
+    updates += n;
+    if (rule.kind == ds::UpdateRule::Kind::kAdam) adam_updates += n;
+    ++update_lists;
+    const int per = ds::update_slot_count(rule);
+    std::vector<float*> vars, slots;
+    std::vector<const float*> grads;
+    for (int i = 0; i < n; ++i) {
+      vars.push_back(h(vars_d[i]));
+      grads.push_back(h(grads_d[i]));
+      for (int s = 0; s < per; ++s) slots.push_back(h(slots_d[s * n + i]));
+    }
+    std::vector<size_t> sizes(counts, counts + n);
+    const float* rate = h(rate_d);
+    launch(ordinal, stream, "update list", [=] {
+      for (size_t i = 0; i < vars.size(); ++i) {
+        update_elements_at(rule, vars[i], grads[i], slots.data() + i * static_cast<size_t>(per),
+                           sizes[i], *rate);
+      }
+    });
+  }
+  // The rule on one tensor at `rate` (ds::update_step_rate of the step): the
+  // elements update_elements gives at that step.
+  static void update_elements_at(const ds::UpdateRule& rule, float* var, const float* grad,
+                                 float* const* slots, size_t count, float rate) {
+    ds::UpdateRule r = rule;
+    if (rule.kind == ds::UpdateRule::Kind::kSgd) {
+      r.learning_rate = rate;
+      update_elements(r, var, grad, slots, count, 1);
+      return;
+    }
+    const float b1 = rule.beta1, b2 = rule.beta2;
+    for (size_t i = 0; i < count; ++i) {
+      slots[0][i] = b1 * slots[0][i] + (1 - b1) * grad[i];
+      slots[1][i] = b2 * slots[1][i] + (1 - b2) * grad[i] * grad[i];
+      var[i] -= rate * slots[0][i] / (std::sqrt(slots[1][i]) + rule.epsilon);
+    }
+  }
+  std::atomic<int> captures_begun{0}, graph_launches{0}, captured_ops{0};
+
+ private:
+  static constexpr long kCaptured = -2;  // the "seq" of work recorded by a capture
+  struct Capture {
+    std::thread::id thread;
+    std::vector<Op> ops;
+    std::string invalid;  // the call that invalidated it
+  };
+  struct Graph {
+    int device;
+    std::vector<Op> ops;
+  };
+  void invalidate_locked(int ordinal, void* stream) {
+    auto it = captures_.find({ordinal, id_locked(stream)});
+    if (it != captures_.end() && it->second.invalid.empty()) it->second.invalid = "a refused call";
+  }
+  // A call a capturing stream cannot take: invalidates the capture, throws.
+  void refuse_capturing(int ordinal, void* stream, const std::string& call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = captures_.find({ordinal, id_locked(stream)});
+    if (it == captures_.end()) return;
+    if (it->second.invalid.empty()) it->second.invalid = call;
+    thread_state().last_error =
+        "operation not permitted when stream is capturing (cudaErrorStreamCaptureUnsupported)";
+    fail(call);
+  }
+  // A device synchronize (it would wait for the capturing stream) and a free
+  // (cudaFree synchronizes the device) from the thread that captures on
+  // `ordinal`: refused (the library must not make them there).
+  void refuse_on_capturing_thread(int ordinal, const std::string& call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, c] : captures_) {
+      if (key.first != ordinal || c.thread != std::this_thread::get_id()) continue;
+      if (c.invalid.empty()) c.invalid = call;
+      thread_state().last_error =
+          "operation not permitted when stream is capturing (cudaErrorStreamCaptureUnsupported)";
+      fail(call);
+    }
+  }
+  void refuse_captured_event_locked(void* event, const std::string& call) {
+    if (events_.at(event) != kCaptured) return;
+    thread_state().last_error =
+        "operation not permitted on an event last recorded in a capturing stream "
+        "(cudaErrorCapturedEvent)";
+    fail(call);
+  }
+  std::map<std::pair<int, uint64_t>, Capture> captures_;  // by (ordinal, stream identity)
+  std::set<Graph*> graphs_;
+  // ==== end of the graph-capture block ====
 };
 
 // A fresh lock directory per test.
