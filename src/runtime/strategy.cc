@@ -489,6 +489,9 @@ DistributedDataset Strategy::distribute(const Dataset& dataset, int64_t global_b
   s->first_local_replica = first_local_replica();
   s->num_workers = cluster().num_workers;
   if (replicas_may_change()) s->live = this;
+  // Input on the device; ignored where the replicas may change (elastic).
+  s->feed = make_device_feed(replicas_may_change() ? nullptr : input_gpus_, devices(),
+                             input_timeout_, options, dataset);
   note_distributed(dataset, global_batch, options);
   return DistributedDataset(s);
 }
@@ -520,6 +523,7 @@ DistributedDataset Strategy::distribute_datasets_from_function(
   s->first_local_replica = first_local_replica();
   s->num_workers = cluster().num_workers;
   s->per_worker = true;
+  s->feed = make_device_feed(input_gpus_, devices(), input_timeout_, options, s->data);
   return DistributedDataset(s);
 }
 
