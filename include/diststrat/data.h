@@ -95,8 +95,11 @@ struct InputContext {
 class DistributedBatch {
  public:
   // This replica's rows (possibly zero rows), on the replica's device (a GPU
-  // replica's rows are copied to its GPU on first access). Each replica may
-  // only ask for its own slice. In determinism mode: the rows of ctx's
+  // replica's rows are copied to its GPU on first access, on its stream;
+  // with prefetch_to_device they were copied ahead and its stream waits for
+  // that copy on the device; with on_device they are a view or a gather of
+  // the dataset there). Never waits on the host. Each replica may only ask
+  // for its own slice. In determinism mode: the rows of ctx's
   // virtual shard (diststrat/determinism.h).
   const Tensor& features(const ReplicaContext& ctx) const;
   const Tensor& labels(const ReplicaContext& ctx) const;

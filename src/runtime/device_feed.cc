@@ -80,7 +80,8 @@ DeviceFeed::DeviceFeed(std::shared_ptr<DeviceManager> gpus, std::vector<Device> 
   try {
     for (int o : ordinals_) streams_.push_back(backend_->create_stream(o));
   } catch (...) {
-    for (size_t r = 0; r < streams_.size(); ++r) backend_->destroy_stream(ordinals_[r], streams_[r]);
+    for (size_t r = 0; r < streams_.size(); ++r)
+      backend_->destroy_stream(ordinals_[r], streams_[r]);
     throw;
   }
 }
@@ -91,7 +92,8 @@ DeviceFeed::~DeviceFeed() {
   // only after their copies (the events it records on free).
   for (auto& [i, b] : staged_) {
     for (DeviceBatch::Part& p : b->parts) {
-      if (p.copied) backend_->destroy_event(ordinals_[static_cast<size_t>(p.rows.replica)], p.copied);
+      if (p.copied)
+        backend_->destroy_event(ordinals_[static_cast<size_t>(p.rows.replica)], p.copied);
       p.copied = nullptr;
     }
   }
@@ -250,13 +252,12 @@ DeviceBatch::~DeviceBatch() {
   }
 }
 
-const Tensor& DeviceBatch::get(size_t i, const ReplicaContext& ctx, bool labels,
-                               const char* what) {
+const Tensor& DeviceBatch::get(size_t i, const ReplicaContext& ctx, bool labels, const char* what) {
   DISTSTRAT_CHECK_LT(i, parts.size(), what, ": part");
   Part& p = parts[i];
   const Device& mine = feed->devices_[static_cast<size_t>(p.rows.replica)];
-  DISTSTRAT_CHECK(ctx.device() == mine, kInvalidArgument, what, ": rows put on ",
-                  mine.to_string(), " read by a replica on ", ctx.device().to_string());
+  DISTSTRAT_CHECK(ctx.device() == mine, kInvalidArgument, what, ": rows put on ", mine.to_string(),
+                  " read by a replica on ", ctx.device().to_string());
   if (!p.ready) {
     std::shared_ptr<DeviceManager> m = feed->manager(what);
     DeviceManager::Impl& dm = DeviceManagerAccess::impl(*m);

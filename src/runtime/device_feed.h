@@ -80,8 +80,8 @@ class DeviceFeed : public std::enable_shared_from_this<DeviceFeed> {
   // or past the window are dropped (their memory is reused only after their
   // copies and readers). From the thread that drives the dataset.
   std::shared_ptr<DeviceBatch> prefetched(
-      const std::shared_ptr<const std::vector<int64_t>>& order, int64_t index,
-      int64_t num_batches, const std::function<std::vector<FeedPart>(int64_t)>& plan);
+      const std::shared_ptr<const std::vector<int64_t>>& order, int64_t index, int64_t num_batches,
+      const std::function<std::vector<FeedPart>(int64_t)>& plan);
 
   // The copy stream of local replica r (tests hold it to delay the copies).
   void* copy_stream(int r) const { return streams_.at(static_cast<size_t>(r)); }

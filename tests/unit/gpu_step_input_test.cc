@@ -42,7 +42,7 @@ constexpr int64_t kInputBatch = 32;
 // distributed with `options`.
 struct InputSetup {
   explicit InputSetup(ds::DistributeOptions options, size_t capacity = 64u << 20,
-                      int64_t rows = kInputRows) {
+                      int64_t rows = kInputRows, bool from_function = false) {
     auto backend = std::make_unique<FakeGpuBackend>(2, capacity);
     fake = backend.get();
     ds::MirroredOptions o;
@@ -57,8 +57,13 @@ struct InputSetup {
     y = ds::Tensor(ds::Shape{rows}, ds::DType::kInt32);
     ds::init::RandomNormal{0.0, 1.0, 11}(x);
     for (int64_t i = 0; i < rows; ++i) y.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % 10);
-    dist = std::make_unique<ds::DistributedDataset>(
-        strategy->distribute(ds::Dataset(x, y), kInputBatch, options));
+    if (from_function) {
+      dist = std::make_unique<ds::DistributedDataset>(strategy->distribute_datasets_from_function(
+          [&](const ds::InputContext&) { return ds::Dataset(x, y); }, kInputBatch, options));
+    } else {
+      dist = std::make_unique<ds::DistributedDataset>(
+          strategy->distribute(ds::Dataset(x, y), kInputBatch, options));
+    }
   }
   ~InputSetup() {
     opt.reset();
@@ -176,13 +181,27 @@ TEST(GpuStepPrefetch, TrainingIsBitIdenticalToThePlainPathOverEpochsWithAPartial
       InputSetup s(input_options(shuffle, prefetch, on_device));
       s.fake->set_launch_delay(std::chrono::microseconds(200));
       s.train(2);
-      EXPECT_EQ(s.weights(), expected) << "shuffle " << shuffle << ", prefetch " << prefetch
-                                       << ", on_device " << on_device;
+      EXPECT_EQ(s.weights(), expected)
+          << "shuffle " << shuffle << ", prefetch " << prefetch << ", on_device " << on_device;
       if (prefetch) {
         EXPECT_GT(s.fake->stream_waits.load(), 0) << "the steps did not wait for the copies";
       }
       EXPECT_EQ(s.fake->pinned_frees_with_pending_reads.load(), 0);
     }
+  }
+}
+
+// The same for the input a user's function makes (distribute_datasets_from_function).
+TEST(GpuStepPrefetch, InputFromAFunctionTrainsBitIdenticalToThePlainPath) {
+  InputSetup plain(input_options(true, 0, false), 64u << 20, kInputRows, true);
+  plain.train(2);
+  for (const auto& [prefetch, on_device] :
+       std::vector<std::pair<int, bool>>{{2, false}, {0, true}}) {
+    InputSetup s(input_options(true, prefetch, on_device), 64u << 20, kInputRows, true);
+    s.fake->set_launch_delay(std::chrono::microseconds(200));
+    s.train(2);
+    EXPECT_EQ(s.weights(), plain.weights())
+        << "prefetch " << prefetch << ", on_device " << on_device;
   }
 }
 
