@@ -17,6 +17,7 @@
 //
 //   gpu_bench [--quick]     (--quick: fewer iterations and sizes)
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -51,20 +52,30 @@ double mlp_step_seconds(ds::Device device, std::shared_ptr<ds::DeviceManager> dm
   for (int64_t i = 0; i < batch; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % 10);
   auto dist = s.distribute(ds::Dataset(x, y), batch);
   const ds::DistributedBatch& b = *dist.begin();
-  auto step = [&] {
-    s.run([&](ds::ReplicaContext& ctx) {
+  // The loss is read (a host wait) every kLossEvery steps, as a training
+  // loop reads it when it logs, not every step.
+  constexpr int kLossEvery = 100;
+  double loss = 0;
+  auto step = [&](int i) {
+    ds::PerReplica<ds::nn::StepValue<double>> l = s.run([&](ds::ReplicaContext& ctx) {
       std::vector<ds::Tensor> p;
       for (auto& v : vars) p.push_back(v.read(ctx));
       auto st = mlp.forward_backward(p, b.features(ctx), b.labels(ctx), 1.0f / batch);
       std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-      for (size_t i = 0; i < vars.size(); ++i) gv.emplace_back(st.grads[i], vars[i]);
+      for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
       opt.apply_gradients(ctx, gv);
+      return st.loss_sum;
     });
+    if ((i + 1) % kLossEvery == 0) loss = l[0].get();
   };
-  for (int i = 0; i < warmup; ++i) step();
+  for (int i = 0; i < warmup; ++i) step(i);
+  s.synchronize();
   const auto t0 = Clock::now();
-  for (int i = 0; i < steps; ++i) step();
-  return seconds_since(t0) / steps;
+  for (int i = 0; i < steps; ++i) step(i);
+  s.synchronize();  // the steps' work is done, not just enqueued
+  const double seconds = seconds_since(t0) / steps;
+  if (!std::isfinite(loss)) std::fprintf(stderr, "gpu_bench: the MLP's loss is %f\n", loss);
+  return seconds;
 }
 
 struct ArRow {

@@ -31,6 +31,9 @@ namespace {
 struct Flags : diststrat_examples::TrainFlags {
   int split_gpus = 1;
   double progress_seconds = 0;  // 0: 0.2 on a terminal, 5 otherwise
+  // Input on the device (GPU replicas; ignored on CPU): batches copied ahead.
+  int prefetch_to_device = 2;
+  bool data_on_device = false;
 };
 
 using diststrat_examples::Position;
@@ -114,6 +117,13 @@ int main(int argc, char** argv) {
                  "logical GPUs per physical GPU (--device gpu; mirrored, central_storage)")
       ->check(CLI::Range(1, 16))
       ->capture_default_str();
+  app.add_option("--prefetch-to-device", f.prefetch_to_device,
+                 "batches copied to each GPU ahead of the step (0: none; ignored on CPU)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app.add_flag("--data-on-device", f.data_on_device,
+               "place the training set on each GPU once; batches are gathered there "
+               "(ignored on CPU)");
   app.add_option("--progress-seconds", f.progress_seconds,
                  "seconds between progress lines (default: 0.2 on a terminal, 5 otherwise)")
       ->check(CLI::Range(0.0, 3600.0));
@@ -148,6 +158,8 @@ int main(int argc, char** argv) {
 
     ds::DistributeOptions dopts;
     dopts.seed = f.seed;
+    dopts.prefetch_to_device = f.prefetch_to_device;
+    dopts.on_device = f.data_on_device;
     ds::DistributedDataset dist = strategy->distribute(train, f.batch, dopts);
 
     // Checkpoints: the model, the optimizer's slots and step counter, and the data position.

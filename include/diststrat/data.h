@@ -18,6 +18,7 @@ namespace diststrat {
 
 class Strategy;
 class ReplicaContext;
+struct DeviceBatch;  // implementation detail: a batch's slices on the GPUs
 
 // Rows of features and labels held in memory: features [N, ...], labels [N, ...].
 class Dataset {
@@ -45,6 +46,38 @@ struct DistributeOptions {
   // batch is split as evenly as possible; some replicas may get zero rows and
   // still take part in the collectives.
   bool drop_remainder = false;
+  // Input on GPU replicas (TensorFlow's prefetch_to_device). The rows of a
+  // batch and of the `prefetch_to_device` batches after it are copied to
+  // each local replica's GPU ahead of the steps that read them: DistributedDataset::batch(i)
+  // gathers the next batches' rows into pinned host buffers and enqueues their
+  // copies on a copy stream of the dataset, one per local replica, so they
+  // overlap the steps running now; a replica's stream waits for its slice's
+  // copy on the device (an event, no host wait) when it first reads it. A
+  // pinned buffer is reused only after its copy ran, and a slice's device
+  // memory only after the steps that read it. Rows and bits are those of
+  // the plain path. 0 (the default): no prefetch, a replica's rows are
+  // copied on its own stream when it first reads them. Memory: per local
+  // replica, the slices of up to prefetch_to_device + 1 batches staged
+  // ahead plus those of the steps in flight (at most 2 more) in device
+  // memory, and as many pinned host buffers (each the slice's features and
+  // labels, rounded up to a power of two from 64 KiB; kept by the
+  // DeviceManager for reuse until it is destroyed). Negative:
+  // InvalidArgumentError at distribute(). CPU replicas (and elastic
+  // strategies): ignored, as in TensorFlow.
+  int prefetch_to_device = 0;
+  // GPU replicas: place the whole dataset (features and labels) on each
+  // local replica's GPU once, at distribute() (which waits for the copy,
+  // bounded by the strategy's timeout); a batch is then a view of those rows
+  // (shuffle off) or a gather of them on the replica's stream in the
+  // epoch's row order (shuffle on; the order, 8 bytes per row, is copied to
+  // each GPU once per epoch): no host copy of rows per step, and the rows
+  // and bits of the plain path. Memory: the dataset's bytes on every local
+  // replica's GPU (logical GPUs of one GPU each hold a copy), its epoch
+  // order, and each batch's gathered slice until the steps that read it are
+  // done. A dataset that does not fit: ResourceExhaustedError from
+  // distribute(). prefetch_to_device is not used with it. CPU replicas (and
+  // elastic strategies): ignored.
+  bool on_device = false;
 };
 
 // TensorFlow's tf.distribute.InputContext: what an input function needs to
@@ -62,8 +95,11 @@ struct InputContext {
 class DistributedBatch {
  public:
   // This replica's rows (possibly zero rows), on the replica's device (a GPU
-  // replica's rows are copied to its GPU on first access). Each replica may
-  // only ask for its own slice. In determinism mode: the rows of ctx's
+  // replica's rows are copied to its GPU on first access, on its stream;
+  // with prefetch_to_device they were copied ahead and its stream waits for
+  // that copy on the device; with on_device they are a view or a gather of
+  // the dataset there). Never waits on the host. Each replica may only ask
+  // for its own slice. In determinism mode: the rows of ctx's
   // virtual shard (diststrat/determinism.h).
   const Tensor& features(const ReplicaContext& ctx) const;
   const Tensor& labels(const ReplicaContext& ctx) const;
@@ -79,6 +115,9 @@ class DistributedBatch {
   std::vector<Tensor> labels_;
   // Per local replica: the slices on its device, made on first access.
   mutable std::vector<Tensor> device_features_, device_labels_;
+  // prefetch_to_device / on_device on GPU replicas: the slices there (then
+  // features_ and labels_ are empty).
+  std::shared_ptr<DeviceBatch> device_batch_;
   int64_t global_size_ = 0;
   int64_t index_ = 0;
   int first_local_replica_ = 0;
@@ -125,10 +164,12 @@ class DistributedDataset {
   iterator end() const { return iterator(this, num_batches()); }
 
  private:
+  friend struct DistributedDatasetAccess;  // the library's (runtime/data_source.h)
   void reshuffle();
   std::shared_ptr<Source> source_;
   int64_t epoch_ = 0;
-  std::vector<int64_t> order_;  // row permutation of this epoch (local rows)
+  // Row permutation of this epoch (local rows); a new one per reshuffle.
+  std::shared_ptr<const std::vector<int64_t>> order_;
 };
 
 }  // namespace diststrat

@@ -47,6 +47,7 @@
 // the class; users never call them.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -66,6 +67,7 @@
 
 namespace diststrat {
 
+class DeviceManager;
 class Optimizer;
 class Strategy;
 
@@ -429,6 +431,11 @@ class Strategy {
   // Waits for this process's GPU replicas (set by the local replicas).
   friend class LocalReplicas;
   std::function<void()> synchronize_devices_;
+  // The GPU replicas' device manager and the bound of their waits, for
+  // input on the device (DistributeOptions::prefetch_to_device, on_device);
+  // set by the local replicas, null on CPU replicas.
+  std::shared_ptr<DeviceManager> input_gpus_;
+  std::chrono::milliseconds input_timeout_{std::chrono::seconds(300)};
   FaultInjection fault_;
   DeterminismOptions determinism_;
   int64_t step_ = 0;

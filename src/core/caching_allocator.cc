@@ -41,6 +41,7 @@ CachingAllocator::~CachingAllocator() {
   std::vector<void*> events = idle_events_;
   for (auto& [p, b] : blocks_) {
     if (b.event) events.push_back(b.event);
+    events.insert(events.end(), b.cross_events.begin(), b.cross_events.end());
   }
   try {
     if (!chunks_.empty()) {
@@ -61,7 +62,7 @@ bool CachingAllocator::add_chunk_locked(size_t bytes) {
   if (!base) return false;
   ++stats_.num_backend_allocs;
   chunks_[base] = bytes;
-  blocks_[base] = Block{bytes, true, base, nullptr, nullptr, 0};
+  blocks_[base] = Block{bytes, true, base, nullptr, nullptr, 0, {}, {}};
   free_.insert({bytes, base});
   stats_.reserved_bytes += bytes;
   return true;
@@ -79,17 +80,29 @@ bool CachingAllocator::ready_locked(Block& b) {
   return true;
 }
 
+bool CachingAllocator::cross_ready_locked(Block& b) {
+  while (!b.cross_events.empty()) {
+    if (!backend_->event_done(ordinal_, b.cross_events.back())) return false;
+    idle_events_.push_back(b.cross_events.back());
+    b.cross_events.pop_back();
+  }
+  return true;
+}
+
 // Best fit: the smallest free block that holds `bytes` and that `stream` may
-// use now; the rest is split off and keeps the block's stream and event.
+// use now (every other stream that used it is past it; its own stream, or
+// its event passed); the rest is split off and keeps the block's stream and
+// event.
 void* CachingAllocator::take_locked(size_t bytes, void* stream, uint64_t stream_id) {
   for (auto it = free_.lower_bound({bytes, nullptr}); it != free_.end(); ++it) {
     char* p = it->second;
     Block& b = blocks_[p];
+    if (!cross_ready_locked(b)) continue;
     if (!same_stream(b.stream_id, stream_id) && !ready_locked(b)) continue;
     free_.erase(it);
     if (b.size - bytes >= kAlignment) {
       char* rest = p + bytes;
-      blocks_[rest] = Block{b.size - bytes, true, b.chunk, b.stream, b.event, b.stream_id};
+      blocks_[rest] = Block{b.size - bytes, true, b.chunk, b.stream, b.event, b.stream_id, {}, {}};
       free_.insert({b.size - bytes, rest});
       b.size = bytes;
       b.event = nullptr;  // moved to the rest; this block is used in `stream` order
@@ -140,6 +153,25 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
                       stats_.reserved_bytes, ", growth ", growth_ ? "on" : "off", ")"));
 }
 
+void CachingAllocator::record_stream(const void* ptr, void* stream) {
+  if (!ptr) return;
+  const uint64_t id = backend_->stream_id(ordinal_, stream);
+  std::lock_guard<std::mutex> lock(mu_);
+  const char* p = static_cast<const char*>(ptr);
+  auto it = blocks_.upper_bound(const_cast<char*>(p));
+  DISTSTRAT_CHECK(it != blocks_.begin(), kInvalidArgument, name_,
+                  ": record_stream of a pointer this allocator does not hold");
+  --it;
+  Block& b = it->second;
+  DISTSTRAT_CHECK(!b.free && p < it->first + b.size, kInvalidArgument, name_,
+                  ": record_stream of a pointer this allocator does not hold");
+  if (same_stream(b.stream_id, id)) return;
+  for (const auto& [s, sid] : b.used_on) {
+    if (s == stream && sid == id) return;
+  }
+  b.used_on.emplace_back(stream, id);
+}
+
 void CachingAllocator::deallocate(void* ptr) {
   if (!ptr) return;
   std::lock_guard<std::mutex> lock(mu_);
@@ -162,8 +194,12 @@ void CachingAllocator::deallocate(void* ptr) {
     b.stream = nullptr;
     b.stream_id = 0;
   }
-  // The mark after the work queued on the block's stream so far.
-  try {
+  // The mark after the work queued on the block's stream so far, and one on
+  // every other stream record_stream named (a gone one: the default stream,
+  // as above).
+  std::vector<std::pair<void*, uint64_t>> used_on;
+  used_on.swap(b.used_on);
+  auto mark = [&](void* stream) {
     void* ev = nullptr;
     if (!idle_events_.empty()) {
       ev = idle_events_.back();
@@ -171,16 +207,35 @@ void CachingAllocator::deallocate(void* ptr) {
     } else {
       ev = backend_->create_event(ordinal_);
     }
-    b.event = ev;
-    backend_->record_event(ordinal_, ev, b.stream);
+    try {
+      backend_->record_event(ordinal_, ev, stream);
+    } catch (...) {
+      idle_events_.push_back(ev);
+      throw;
+    }
+    return ev;
+  };
+  try {
+    b.event = mark(b.stream);
+    for (const auto& [s, sid] : used_on) {
+      const bool gone =
+          sid == GpuBackend::kUnknownStream || backend_->stream_id(ordinal_, s) != sid;
+      b.cross_events.push_back(mark(gone ? nullptr : s));
+    }
   } catch (const std::exception& e) {
     // Nothing marks the block's queued work: keep it out of circulation.
     std::fprintf(stderr, "diststrat: %s: %s; the freed block is not reused\n", name_.c_str(),
                  e.what());
-    if (b.event) {
-      idle_events_.push_back(b.event);
-      b.event = nullptr;
-    }
+    release_event_locked(b);
+    for (void* ev : b.cross_events) idle_events_.push_back(ev);
+    b.cross_events.clear();
+    return;
+  }
+  // A block other streams may still use is not merged now (that would keep
+  // its neighbours from every stream until they are past it); a neighbour
+  // freed later merges with it once they are.
+  if (!b.cross_events.empty()) {
+    free_.insert({b.size, it->first});
     return;
   }
   // Merge with free neighbours of the same chunk that the same stream may use:
@@ -188,6 +243,11 @@ void CachingAllocator::deallocate(void* ptr) {
   // neighbour whose event has completed.
   auto mergeable = [&](Block& n) {
     if (!n.free || n.chunk != b.chunk) return false;
+    try {
+      if (!cross_ready_locked(n)) return false;  // other streams may still use it
+    } catch (const std::exception&) {
+      return false;
+    }
     if (same_stream(n.stream_id, b.stream_id)) {
       release_event_locked(n);
       return true;
@@ -212,6 +272,7 @@ void CachingAllocator::deallocate(void* ptr) {
       prev->second.stream = b.stream;
       prev->second.stream_id = b.stream_id;
       prev->second.event = b.event;
+      prev->second.cross_events = std::move(b.cross_events);
       blocks_.erase(it);
       it = prev;
     }
@@ -247,6 +308,7 @@ size_t CachingAllocator::release_free_chunks(std::unique_lock<std::mutex>& lock)
   if (!failed) {
     for (const Block& b : gone) {
       if (b.event) backend_->destroy_event(ordinal_, b.event);
+      for (void* e : b.cross_events) backend_->destroy_event(ordinal_, e);
       backend_->raw_free(ordinal_, b.chunk);
       released += b.size;
     }

@@ -19,8 +19,12 @@
 // only once that event has completed. So no stream can get memory that queued
 // work of another stream still reads or writes, whatever the default-stream
 // mode of the build. A tensor used on a stream other than its allocation
-// stream must have that use ordered before its free by the caller (the
-// legacy default stream is ordered with every blocking stream).
+// stream must either have that use ordered before its free by the caller (the
+// legacy default stream is ordered with every blocking stream) or be
+// recorded with record_stream (PyTorch's Tensor.record_stream): freeing such
+// a block also records an event on every stream recorded, and the block (or
+// any part of it) is reusable, by its own stream too, only once all of those
+// events have passed.
 // "The same stream" means the same GpuBackend::stream_id, never the same
 // handle value: CUDA gives a destroyed stream's handle to the next stream
 // created, and that stream must not inherit the old one's blocks without
@@ -68,6 +72,14 @@ class CachingAllocator {
   void* allocate(size_t bytes, void* stream = nullptr);
   // Never throws (called from tensor deleters).
   void deallocate(void* ptr);
+  // The allocated block holding `ptr` (any address inside it) is also used
+  // by work enqueued on `stream`: when it is freed, an event is recorded on
+  // `stream` too, and the block is not handed out again (to any stream)
+  // before that event has passed. A no-op for the block's own stream, a
+  // stream already recorded, and a null `ptr`; InvalidArgumentError for a
+  // pointer this allocator did not hand out. Thread-safe; only enqueues
+  // (at the free).
+  void record_stream(const void* ptr, void* stream);
   // Returns wholly free chunks to the backend (growth mode only), after the
   // device drained; DeadlineExceededError past wait_timeout.
   void empty_cache();
@@ -82,12 +94,20 @@ class CachingAllocator {
     void* stream = nullptr;  // the stream it was allocated for
     void* event = nullptr;   // recorded on `stream` when freed; null once known complete
     uint64_t stream_id = 0;  // `stream`'s identity (GpuBackend::stream_id) at allocation
+    // While allocated: the other streams record_stream named (stream,
+    // identity). Once freed: an event recorded on each of them, all of
+    // which must pass before any stream, its own included, reuses it.
+    std::vector<std::pair<void*, uint64_t>> used_on;
+    std::vector<void*> cross_events;
   };
   bool add_chunk_locked(size_t bytes);
   void* take_locked(size_t bytes, void* stream, uint64_t stream_id);
   void* grow_locked(size_t bytes, void* stream, uint64_t stream_id);
   // Whether another stream may use free block `b` now (its event completed).
   bool ready_locked(Block& b);
+  // Whether the events of the other streams that used free block `b` have
+  // all passed (releasing them); true when there are none.
+  bool cross_ready_locked(Block& b);
   void release_event_locked(Block& b);
   // Detaches wholly free chunks, drops the lock while the device drains and
   // the chunks are freed, and retakes it. Returns the bytes released.

@@ -154,48 +154,87 @@ std::vector<LogicalDeviceInfo> DeviceManager::Impl::logical_devices() {
 
 bool DeviceManager::Impl::copy_to_device_staged(int ordinal, void* dst, const void* src,
                                                 size_t bytes, void* stream) {
-  std::lock_guard<std::mutex> lock(staging_mu_);
-  if (no_pinned_memory_) return false;
+  return stage_to_device(
+      ordinal, {{dst, bytes}}, [&](char* host) { std::memcpy(host, src, bytes); }, stream);
+}
+
+bool DeviceManager::Impl::stage_to_device(int ordinal, const std::vector<StagedPiece>& pieces,
+                                          const std::function<void(char* host)>& fill,
+                                          void* stream) {
+  size_t bytes = 0;
+  for (const StagedPiece& p : pieces) bytes += p.bytes;
   Staging* use = nullptr;
-  for (Staging& b : staging_) {
-    if (b.ordinal == ordinal && b.bytes >= bytes && backend->event_done(ordinal, b.done)) {
-      use = &b;
-      break;
+  {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    if (no_pinned_memory_) return false;
+    for (Staging& b : staging_) {
+      if (!b.busy && b.ordinal == ordinal && b.bytes >= bytes &&
+          backend->event_done(ordinal, b.done)) {
+        use = &b;
+        break;
+      }
     }
+    if (!use) {
+      // Sizes in powers of two from 64 KiB, so buffers fit later batches.
+      size_t size = size_t{64} << 10;
+      while (size < bytes) size *= 2;
+      void* host = nullptr;
+      try {
+        host = backend->host_alloc(size);
+      } catch (const UnimplementedError&) {
+        no_pinned_memory_ = true;
+        return false;
+      }
+      if (!host) return false;
+      Staging b;
+      b.host = host;
+      b.bytes = size;
+      b.ordinal = ordinal;
+      try {
+        b.done = backend->create_event(ordinal);
+      } catch (...) {
+        backend->host_free(host);
+        throw;
+      }
+      staging_.push_back(b);
+      use = &staging_.back();
+    }
+    use->busy = true;
   }
-  if (!use) {
-    // Sizes in powers of two from 64 KiB, so buffers fit later batches.
-    size_t size = size_t{64} << 10;
-    while (size < bytes) size *= 2;
-    void* host = nullptr;
-    try {
-      host = backend->host_alloc(size);
-    } catch (const UnimplementedError&) {
-      no_pinned_memory_ = true;
-      return false;
-    }
-    if (!host) return false;
-    Staging b;
-    b.host = host;
-    b.bytes = size;
-    b.ordinal = ordinal;
-    try {
-      b.done = backend->create_event(ordinal);
-    } catch (...) {
-      backend->host_free(host);
-      throw;
-    }
-    staging_.push_back(b);
-    use = &staging_.back();
+  // The buffer is ours until busy is cleared: its last copy has run, and no
+  // other caller takes a busy buffer. A failed copy leaves it busy (a copy
+  // enqueued before it may still read the buffer): leaked, not reused early.
+  char* host = static_cast<char*>(use->host);
+  try {
+    fill(host);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    use->busy = false;  // nothing read it yet
+    throw;
   }
-  std::memcpy(use->host, src, bytes);
-  backend->memcpy_async(ordinal, dst, use->host, bytes, stream);
+  size_t at = 0;
+  for (const StagedPiece& p : pieces) {
+    if (p.bytes) backend->memcpy_async(ordinal, p.dst, host + at, p.bytes, stream);
+    at += p.bytes;
+  }
   backend->record_event(ordinal, use->done, stream);
+  std::lock_guard<std::mutex> lock(staging_mu_);
+  use->busy = false;
   return true;
+}
+
+void DeviceManager::Impl::record_stream(const Device& device, const void* ptr, void* stream) {
+  std::shared_ptr<CachingAllocator> alloc;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    alloc = logical_locked(device).allocator;
+  }
+  alloc->record_stream(ptr, stream);
 }
 
 DeviceManager::Impl::~Impl() {
   for (Staging& b : staging_) {
+    if (b.busy) continue;  // a failed copy's: leaked (see stage_to_device)
     try {
       backend->wait_event(b.ordinal, b.done, DeadlineClock::now() + std::chrono::seconds(30),
                           "a staged host -> device copy at DeviceManager destruction");

@@ -2,6 +2,8 @@
 // tensor, nn and optimizer code.
 #pragma once
 
+#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -57,6 +59,20 @@ struct DeviceManager::Impl {
   // having done nothing, when the backend has no pinned memory left (or
   // none at all): the caller copies from `src` itself.
   bool copy_to_device_staged(int ordinal, void* dst, const void* src, size_t bytes, void* stream);
+  // The same for several destinations from one pinned buffer: `fill` writes
+  // the bytes of every piece, back to back in order, into the buffer (it
+  // runs without the staging lock, so it may gather rows at leisure), then
+  // one copy per piece is enqueued on `stream` and the buffer is reused only
+  // after all of them have run. Returns false, having done nothing, as above.
+  struct StagedPiece {
+    void* dst = nullptr;
+    size_t bytes = 0;
+  };
+  bool stage_to_device(int ordinal, const std::vector<StagedPiece>& pieces,
+                       const std::function<void(char* host)>& fill, void* stream);
+  // Device memory of `device` handed out by its allocator (any address in a
+  // block) is also used by work on `stream` (CachingAllocator::record_stream).
+  void record_stream(const Device& device, const void* ptr, void* stream);
   ~Impl();  // frees the staging buffers once their copies are done (bounded wait)
 
  private:
@@ -65,9 +81,10 @@ struct DeviceManager::Impl {
     size_t bytes = 0;
     int ordinal = 0;
     void* done = nullptr;  // event behind the buffer's latest copy
+    bool busy = false;     // being filled (outside the lock)
   };
   std::mutex staging_mu_;
-  std::vector<Staging> staging_;
+  std::deque<Staging> staging_;  // a deque: a buffer's address stays put while it is filled
   bool no_pinned_memory_ = false;
 };
 

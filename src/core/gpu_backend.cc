@@ -80,6 +80,9 @@ void GpuBackend::dense_relu_backward(int ordinal, void* stream, const float* x, 
 void GpuBackend::reduce(int, void*, void*, const void* const*, int, size_t, DType, ReduceOp, int) {
   throw_unavailable_in(*this, "reduce");
 }
+void GpuBackend::gather_rows(int, void*, void*, const void*, const int64_t*, int64_t, size_t) {
+  throw_unavailable_in(*this, "gather_rows");
+}
 std::vector<std::unique_ptr<Communicator>> GpuBackend::nccl_local_group(
     const std::vector<int>&, const std::vector<void*>&, const CommunicationOptions&) {
   throw_unavailable_in(*this, "NCCL");

@@ -176,6 +176,12 @@ class GpuBackend {
   // divided by mean_divisor for kMean. dst may alias a src.
   virtual void reduce(int ordinal, void* stream, void* dst, const void* const* srcs, int n,
                       size_t count, DType dtype, ReduceOp op, int mean_divisor);
+  // Input on the device (DistributeOptions::on_device): dst row i = src row
+  // rows[i] for i < n, each row `row_bytes` bytes; `rows` are n int64 values
+  // in device memory, each a row of src (the caller checked them on the
+  // host). Default: UnimplementedError.
+  virtual void gather_rows(int ordinal, void* stream, void* dst, const void* src,
+                           const int64_t* rows, int64_t n, size_t row_bytes);
 
   // ---- collectives ----
   // One NCCL communicator per listed device of this process (MirroredStrategy);

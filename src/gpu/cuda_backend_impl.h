@@ -80,6 +80,8 @@ class CudaBackend : public GpuBackend {
                     const float* grad, float* const* slots, size_t count, int64_t step) override;
   void reduce(int ordinal, void* stream, void* dst, const void* const* srcs, int n, size_t count,
               DType dtype, ReduceOp op, int mean_divisor) override;
+  void gather_rows(int ordinal, void* stream, void* dst, const void* src, const int64_t* rows,
+                   int64_t n, size_t row_bytes) override;
   // Fewer launches (issue 44): the fused layer epilogues and the list update.
   void dense_relu_forward(int ordinal, void* stream, const float* x, const float* w, const float* b,
                           float* y, int64_t n, int64_t in, int64_t out) override;

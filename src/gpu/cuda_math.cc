@@ -124,6 +124,12 @@ void CudaBackend::reduce(int ordinal, void* stream, void* dst, const void* const
   launch_reduce(&dst, 1, srcs, n, count, dtype, op, mean_divisor, stream);
 }
 
+void CudaBackend::gather_rows(int ordinal, void* stream, void* dst, const void* src,
+                              const int64_t* rows, int64_t n, size_t row_bytes) {
+  DISTSTRAT_CUDA_CHECK(cudaSetDevice(ordinal));
+  launch_gather_rows(dst, src, rows, n, row_bytes, stream);
+}
+
 // Training features on device gradients (optim_kernels.cu).
 void CudaBackend::sum_of_squares(int ordinal, void* stream, const float* const* in,
                                  const size_t* counts, int n, const float* loss_scale, double* sums,

@@ -183,6 +183,19 @@ void launch_reduce_typed(const Buffers& b, size_t count, ReduceOp op, int diviso
 
 // ---- layers -------------------------------------------------------------------
 
+// One thread per word of the output: word w of row i comes from row
+// rows[i]. Words are 4 bytes when the row size allows, else bytes.
+template <typename W>
+__global__ void gather_rows_kernel(W* dst, const W* src, const int64_t* rows, int64_t n,
+                                   int64_t row_words) {
+  const int64_t total = n * row_words;
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < total;
+       k += int64_t{blockDim.x} * gridDim.x) {
+    const int64_t i = k / row_words, w = k - i * row_words;
+    dst[k] = src[rows[i] * row_words + w];
+  }
+}
+
 __global__ void bias_add_kernel(float* y, const float* b, int64_t rows, int64_t cols) {
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -404,6 +417,24 @@ void launch_reduce(void* const* outs, int n_out, const void* const* ins, int n_i
       return launch_reduce_typed<int64_t>(b, count, op, divisor, stream);
   }
   throw InvalidArgumentError(std::string("GPU reduce: unsupported dtype ") + dtype_name(dtype));
+}
+
+void launch_gather_rows(void* dst, const void* src, const int64_t* rows, int64_t n,
+                        size_t row_bytes, void* stream) {
+  if (n == 0 || row_bytes == 0) return;
+  // cudaMalloc'd tensors are 256-byte aligned and row views keep rows of
+  // 4-byte multiples aligned: words then.
+  const bool words = row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(src) % 4 == 0;
+  const int64_t per = static_cast<int64_t>(words ? row_bytes / 4 : row_bytes);
+  if (words) {
+    gather_rows_kernel<<<blocks_for(n * per), kThreads, 0, as_stream(stream)>>>(
+        static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), rows, n, per);
+  } else {
+    gather_rows_kernel<<<blocks_for(n * per), kThreads, 0, as_stream(stream)>>>(
+        static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), rows, n, per);
+  }
+  check_launch("gather_rows_kernel");
 }
 
 void launch_bias_add(float* y, const float* b, int64_t rows, int64_t cols, void* stream) {

@@ -25,6 +25,11 @@ constexpr int kMaxReduceBuffers = 16;
 void launch_reduce(void* const* outs, int n_out, const void* const* ins, int n_in, size_t count,
                    DType dtype, ReduceOp op, int mean_divisor, void* stream);
 
+// dst row i = src row rows[i] (i < n; rows of row_bytes bytes, rows[]
+// int64 in device memory): GpuBackend::gather_rows.
+void launch_gather_rows(void* dst, const void* src, const int64_t* rows, int64_t n,
+                        size_t row_bytes, void* stream);
+
 // y[r, c] += b[c]
 void launch_bias_add(float* y, const float* b, int64_t rows, int64_t cols, void* stream);
 // db[c] = Σr dy[r, c]  (0 when rows == 0)

@@ -85,9 +85,11 @@ int64_t InputContext::per_replica_batch_size() const {
 
 namespace {
 // The host slice, or its copy on the replica's device (made once; each
-// replica touches only its own entry, so no lock is needed).
-const Tensor& on_device(const std::vector<Tensor>& host, std::vector<Tensor>& cache,
-                        const ReplicaContext& ctx, int first_local_shard, const char* what) {
+// replica touches only its own entry, so no lock is needed); with input on
+// the device, the slice there.
+const Tensor& replica_slice(const std::vector<Tensor>& host, std::vector<Tensor>& cache,
+                            DeviceBatch* device_batch, bool labels, const ReplicaContext& ctx,
+                            int first_local_shard, const char* what) {
   const bool sharded = first_local_shard >= 0;
   DISTSTRAT_CHECK(sharded == (ctx.virtual_shard() >= 0), kInvalidArgument, what,
                   ": a batch distributed ", sharded ? "with" : "without",
@@ -95,6 +97,7 @@ const Tensor& on_device(const std::vector<Tensor>& host, std::vector<Tensor>& ca
                   sharded ? "without" : "with", " them");
   const size_t i = static_cast<size_t>(sharded ? ctx.virtual_shard() - first_local_shard
                                                : ctx.local_replica_id());
+  if (device_batch) return device_batch->get(i, ctx, labels, what);
   DISTSTRAT_CHECK_LT(i, host.size(), what, ": local replica");
   if (ctx.device().is_cpu() || host[i].device() == ctx.device()) return host[i];
   DISTSTRAT_CHECK_EQ(cache.size(), host.size(), what, ": device cache");
@@ -110,11 +113,12 @@ const Tensor& on_device(const std::vector<Tensor>& host, std::vector<Tensor>& ca
 }  // namespace
 
 const Tensor& DistributedBatch::features(const ReplicaContext& ctx) const {
-  return on_device(features_, device_features_, ctx, first_local_shard_,
-                   "DistributedBatch::features");
+  return replica_slice(features_, device_features_, device_batch_.get(), false, ctx,
+                       first_local_shard_, "DistributedBatch::features");
 }
 const Tensor& DistributedBatch::labels(const ReplicaContext& ctx) const {
-  return on_device(labels_, device_labels_, ctx, first_local_shard_, "DistributedBatch::labels");
+  return replica_slice(labels_, device_labels_, device_batch_.get(), true, ctx, first_local_shard_,
+                       "DistributedBatch::labels");
 }
 
 DistributedDataset::DistributedDataset(std::shared_ptr<Source> source)
@@ -146,15 +150,35 @@ void DistributedDataset::set_epoch(int64_t epoch) {
 
 void DistributedDataset::reshuffle() {
   if (!source_) return;  // empty
-  order_.resize(static_cast<size_t>(source_->total_rows()));
-  std::iota(order_.begin(), order_.end(), 0);
+  // A new vector, not the old one changed: batches (and input on the
+  // device) may still hold the old order.
+  auto order = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(source_->total_rows()));
+  std::iota(order->begin(), order->end(), 0);
   if (source_->options.shuffle) {
     std::mt19937_64 g(source_->options.seed * 1000003ull + static_cast<uint64_t>(epoch_));
     // Fisher-Yates with our own index draws, identical on every platform.
-    for (size_t i = order_.size(); i > 1; --i) {
+    for (size_t i = order->size(); i > 1; --i) {
       const size_t j = static_cast<size_t>(g() % i);
-      std::swap(order_[i - 1], order_[j]);
+      std::swap((*order)[i - 1], (*order)[j]);
     }
+  }
+  order_ = std::move(order);
+}
+
+size_t row_bytes(const Tensor& t) {
+  size_t bytes = dtype_size(t.dtype());
+  for (size_t i = 1; i < t.shape().rank(); ++i) bytes *= static_cast<size_t>(t.shape()[i]);
+  return bytes;
+}
+
+void copy_rows(char* dst, const Tensor& src, const int64_t* rows, int64_t n) {
+  if (n == 0) return;
+  const int64_t total = src.shape()[0];
+  const size_t rb = row_bytes(src);
+  const char* s = static_cast<const char*>(src.data());
+  for (int64_t i = 0; i < n; ++i) {
+    DISTSTRAT_CHECK(rows[i] >= 0 && rows[i] < total, kInternal, "row ", rows[i], " out of range");
+    std::memcpy(dst + i * rb, s + rows[i] * rb, rb);
   }
 }
 
@@ -162,18 +186,50 @@ namespace {
 // Copies rows `rows` of `src` into a new tensor.
 Tensor gather_rows(const Tensor& src, const int64_t* rows, int64_t n) {
   std::vector<int64_t> dims = src.shape().dims();
-  const int64_t total = dims[0];
   dims[0] = n;
   Tensor out(Shape(dims), src.dtype(), src.device());
-  if (n == 0) return out;
-  const size_t row_bytes = out.nbytes() / static_cast<size_t>(n);
-  const char* s = static_cast<const char*>(src.data());
-  char* d = static_cast<char*>(out.data());
-  for (int64_t i = 0; i < n; ++i) {
-    DISTSTRAT_CHECK(rows[i] >= 0 && rows[i] < total, kInternal, "row ", rows[i], " out of range");
-    std::memcpy(d + i * row_bytes, s + rows[i] * row_bytes, row_bytes);
-  }
+  if (n) copy_rows(static_cast<char*>(out.data()), src, rows, n);
   return out;
+}
+
+// The parts of batch i of a source (its numbering of the moment): which
+// rows of the epoch's order each local replica, or each local shard in
+// determinism mode, gets. Sets *rows to the batch's rows and *first_shard
+// to this process's first shard (-1 without shards).
+std::vector<FeedPart> plan_batch(const DistributedDataset::Source& s, int64_t i, int64_t* rows,
+                                 int* first_shard) {
+  const int64_t b = s.batch_rows();
+  const int64_t begin = i * b;
+  const int64_t n = std::min<int64_t>(b, s.total_rows() - begin);
+  *rows = n;
+  *first_shard = -1;
+  std::vector<FeedPart> parts;
+  // Part `part` of the batch's n rows cut into `parts` (even_part), read by
+  // local replica `replica`.
+  const auto take_part = [&](int64_t count, int64_t part, int replica) {
+    int64_t lo = 0, len = 0;
+    even_part(n, count, part, &lo, &len);
+    parts.push_back(FeedPart{replica, begin + lo, len});
+  };
+  if (s.virtual_shards > 0) {
+    // Determinism mode: the n rows are cut into V shards (shard_rows' cut,
+    // the same on any number of replicas), and each local replica takes its
+    // range of shards.
+    *first_shard =
+        shards_of_replica(s.first_local_replica, s.num_replicas_in_sync, s.virtual_shards).first;
+    for (int l = 0; l < s.num_local_replicas; ++l) {
+      const ShardRange mine =
+          shards_of_replica(s.first_local_replica + l, s.num_replicas_in_sync, s.virtual_shards);
+      for (int shard = mine.first; shard < mine.first + mine.count; ++shard) {
+        take_part(s.virtual_shards, shard, l);
+      }
+    }
+  } else {
+    // The batch's n rows are split as evenly as possible over the replicas
+    // this source feeds; the first n % R replicas get one extra row.
+    for (int l = 0; l < s.num_local_replicas; ++l) take_part(s.replicas_fed(), s.fed_index(l), l);
+  }
+  return parts;
 }
 }  // namespace
 
@@ -186,38 +242,30 @@ DistributedBatch DistributedDataset::batch(int64_t i) const {
     s.first_local_replica = s.live->first_local_replica();
     s.num_workers = s.live->cluster().num_workers;
   }
-  const int64_t b = s.batch_rows();
-  const int64_t begin = i * b;
-  const int64_t n = std::min<int64_t>(b, s.total_rows() - begin);
+  int64_t n = 0;
   DistributedBatch out;
+  const std::vector<FeedPart> parts = plan_batch(s, i, &n, &out.first_local_shard_);
   out.index_ = i;
   out.first_local_replica_ = s.first_local_replica;
   out.global_size_ = s.global_rows_of_batch(n);
-  // Part `part` of the batch's n rows cut into `parts` (even_part), gathered
-  // as one replica's or one shard's features and labels.
-  const auto take_part = [&](int64_t parts, int64_t part) {
-    int64_t lo = 0, len = 0;
-    even_part(n, parts, part, &lo, &len);
-    const int64_t* rows = order_.data() + begin + lo;
-    out.features_.push_back(gather_rows(s.data.features(), rows, len));
-    out.labels_.push_back(gather_rows(s.data.labels(), rows, len));
-  };
-  if (s.virtual_shards > 0) {
-    // Determinism mode: the n rows are cut into V shards (shard_rows' cut,
-    // the same on any number of replicas), and each local replica takes its
-    // range of shards.
-    const ShardRange first =
-        shards_of_replica(s.first_local_replica, s.num_replicas_in_sync, s.virtual_shards);
-    const ShardRange last = shards_of_replica(s.first_local_replica + s.num_local_replicas - 1,
-                                              s.num_replicas_in_sync, s.virtual_shards);
-    out.first_local_shard_ = first.first;
-    for (int shard = first.first; shard < last.first + last.count; ++shard) {
-      take_part(s.virtual_shards, shard);
+  if (s.feed && !s.live) {
+    // Input on the device: the parts are (or will be) there.
+    if (s.feed->on_device()) {
+      out.device_batch_ = s.feed->on_device_batch(order_, parts);
+    } else {
+      const int64_t batches = num_batches();
+      out.device_batch_ = s.feed->prefetched(order_, i, batches, [&](int64_t j) {
+        int64_t rows = 0;
+        int shard = -1;
+        return plan_batch(s, j, &rows, &shard);
+      });
     }
-  } else {
-    // The batch's n rows are split as evenly as possible over the replicas
-    // this source feeds; the first n % R replicas get one extra row.
-    for (int l = 0; l < s.num_local_replicas; ++l) take_part(s.replicas_fed(), s.fed_index(l));
+    return out;
+  }
+  for (const FeedPart& p : parts) {
+    const int64_t* rows = order_->data() + p.begin;
+    out.features_.push_back(gather_rows(s.data.features(), rows, p.rows));
+    out.labels_.push_back(gather_rows(s.data.labels(), rows, p.rows));
   }
   out.device_features_.resize(out.features_.size());
   out.device_labels_.resize(out.labels_.size());

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "diststrat/data.h"
+#include "runtime/device_feed.h"
 
 namespace diststrat {
 
@@ -26,6 +27,9 @@ struct DistributedDataset::Source {
   // Elastic strategies (Strategy::replicas_may_change): the numbering above
   // is read from here at every batch(); the strategy outlives its datasets.
   const Strategy* live = nullptr;
+  // Input on the GPU replicas' devices (prefetch_to_device, on_device);
+  // null: the rows are copied when a replica reads them (or CPU replicas).
+  std::shared_ptr<DeviceFeed> feed;
 
   int64_t total_rows() const { return data.size(); }
   // Rows taken from `data` per batch.
@@ -39,5 +43,18 @@ struct DistributedDataset::Source {
   // per-worker mode other workers' shares are assumed to match ours.
   int64_t global_rows_of_batch(int64_t n) const { return per_worker ? n * num_workers : n; }
 };
+
+// The library's (and its tests') access to a dataset's source.
+struct DistributedDatasetAccess {
+  static const std::shared_ptr<DistributedDataset::Source>& source(const DistributedDataset& d) {
+    return d.source_;
+  }
+};
+
+// Copies rows `rows[0 .. n)` of host tensor `src` (each in range) to `dst`,
+// back to back.
+void copy_rows(char* dst, const Tensor& src, const int64_t* rows, int64_t n);
+// The bytes of one row of `t` (rank >= 1).
+size_t row_bytes(const Tensor& t);
 
 }  // namespace diststrat

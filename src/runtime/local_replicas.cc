@@ -249,6 +249,9 @@ LocalReplicas::LocalReplicas(Strategy* strategy, std::vector<Device> devices,
   for (int i = 0; i < size(); ++i) {
     c.contexts.push_back(std::make_unique<LocalReplicaContext>(core_.get(), i));
   }
+  // Input on the device (distribute's prefetch_to_device, on_device).
+  strategy->input_gpus_ = c.gpus;
+  strategy->input_timeout_ = c.options.timeout;
   // Strategy::synchronize reaches the newest replicas of the strategy.
   std::weak_ptr<LocalReplicasCore> weak = core_;
   strategy->synchronize_devices_ = [weak] {

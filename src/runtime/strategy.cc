@@ -13,7 +13,6 @@
 #include "runtime/local_replicas.h"
 #include "core/env.h"
 #include "core/cpu_isa.h"
-#include "runtime/data_source.h"
 #include "runtime/determinism.h"
 #include "core/thread_pool.h"
 #include "core/user_text.h"
@@ -475,61 +474,6 @@ Tensor Strategy::gather(const PerReplica<Tensor>& values) {
 
 void Strategy::broadcast(Tensor&, int, const std::string&) {}
 void Strategy::barrier(const std::string&) {}
-
-DistributedDataset Strategy::distribute(const Dataset& dataset, int64_t global_batch,
-                                        const DistributeOptions& options) {
-  DISTSTRAT_CHECK(global_batch > 0, kInvalidArgument, "distribute: global batch ", global_batch,
-                  " must be positive");
-  DISTSTRAT_CHECK(global_batch >= num_replicas_in_sync(), kInvalidArgument,
-                  "distribute: global batch ", global_batch, " has fewer rows than the ",
-                  num_replicas_in_sync(), " replicas in sync");
-  DISTSTRAT_CHECK(dataset.size() > 0, kInvalidArgument, "distribute: empty dataset");
-  DISTSTRAT_CHECK(global_batch >= determinism_.virtual_shards, kInvalidArgument,
-                  "distribute: global batch ", global_batch, " has fewer rows than the ",
-                  determinism_.virtual_shards, " virtual shards (determinism mode)");
-  auto s = std::make_shared<DistributedDataset::Source>();
-  s->data = dataset;
-  s->global_batch = global_batch;
-  s->virtual_shards = determinism_.virtual_shards;
-  s->options = options;
-  s->num_replicas_in_sync = num_replicas_in_sync();
-  s->num_local_replicas = num_local_replicas();
-  s->first_local_replica = first_local_replica();
-  s->num_workers = cluster().num_workers;
-  if (replicas_may_change()) s->live = this;
-  note_distributed(dataset, global_batch, options);
-  return DistributedDataset(s);
-}
-
-DistributedDataset Strategy::distribute_datasets_from_function(
-    const std::function<Dataset(const InputContext&)>& fn, int64_t global_batch,
-    const DistributeOptions& options) {
-  DISTSTRAT_CHECK(!replicas_may_change(), kUnimplemented,
-                  "distribute_datasets_from_function: each worker's own input cannot follow an "
-                  "elastic group's changes; use distribute() (every worker sees the whole "
-                  "dataset and takes its share of each global batch)");
-  DISTSTRAT_CHECK(!determinism_.enabled(), kUnimplemented,
-                  "distribute_datasets_from_function in determinism mode: each worker's own "
-                  "rows depend on the number of workers; use distribute()");
-  InputContext ic;
-  ic.num_input_pipelines = cluster().num_workers;
-  ic.input_pipeline_id = cluster().worker_index;
-  ic.num_replicas_in_sync = num_replicas_in_sync();
-  ic.global_batch_size = global_batch;
-  (void)ic.per_replica_batch_size();  // validates divisibility
-  auto s = std::make_shared<DistributedDataset::Source>();
-  s->data = fn(ic);
-  DISTSTRAT_CHECK(s->data.size() > 0, kInvalidArgument,
-                  "distribute_datasets_from_function: the input function returned no rows");
-  s->global_batch = global_batch;
-  s->options = options;
-  s->num_replicas_in_sync = num_replicas_in_sync();
-  s->num_local_replicas = num_local_replicas();
-  s->first_local_replica = first_local_replica();
-  s->num_workers = cluster().num_workers;
-  s->per_worker = true;
-  return DistributedDataset(s);
-}
 
 void Strategy::update(Variable& var, const std::function<void(Tensor&)>& fn) {
   for (Tensor& copy : var.impl().copies) fn(copy);

@@ -561,6 +561,17 @@ class FakeGpuBackend : public ds::GpuBackend {
     launch(ordinal, stream, "reduce",
            [=] { ds::kernels::reduce(out, in.data(), n, count, dtype, op, mean_divisor); });
   }
+  // Input on the device: one launch, the row indices read when it runs.
+  void gather_rows(int ordinal, void* stream, void* dst, const void* src, const int64_t* rows,
+                   int64_t n, size_t row_bytes) override {
+    char* d = static_cast<char*>(untag(dst));
+    const char* sp = static_cast<const char*>(untag(src));
+    const int64_t* r = h(rows);
+    launch(ordinal, stream, "gather_rows", [=] {
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(d + i * row_bytes, sp + r[i] * row_bytes, row_bytes);
+    });
+  }
 
   std::vector<std::unique_ptr<ds::Communicator>> nccl_local_group(
       const std::vector<int>& ordinals, const std::vector<void*>& streams,
