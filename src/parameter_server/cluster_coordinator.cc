@@ -8,7 +8,6 @@
 
 namespace diststrat {
 
-
 int64_t RemoteValue::id() const {
   DISTSTRAT_CHECK(state_ != nullptr, kFailedPrecondition, "RemoteValue::id on an empty value");
   return state_->id;
@@ -30,14 +29,13 @@ Bytes RemoteValue::fetch() const {
   DISTSTRAT_CHECK(state_ != nullptr, kFailedPrecondition, "RemoteValue::fetch on an empty value");
   std::unique_lock<std::mutex> lock(state_->mu);
   if (!state_->cv.wait_for(lock, state_->timeout, [&] { return state_->ready; })) {
-    throw DeadlineExceededError(detail::str_cat(
-        "RemoteValue::fetch: function '", state_->function, "' (id ", state_->id,
-        ") has no result after ", ps::seconds(state_->timeout)));
+    throw DeadlineExceededError(detail::str_cat("RemoteValue::fetch: function '", state_->function,
+                                                "' (id ", state_->id, ") has no result after ",
+                                                ps::seconds(state_->timeout)));
   }
   if (state_->error) std::rethrow_exception(state_->error);
   return state_->result;
 }
-
 
 ClusterCoordinator::ClusterCoordinator(ParameterServerStrategy& strategy,
                                        const FunctionRegistry& functions,
@@ -86,9 +84,9 @@ ClusterCoordinator::~ClusterCoordinator() {
       for (auto& [id, t] : m.tasks) {
         if (!t.finished) {
           m.finish(t, id, {},
-                   std::make_exception_ptr(AbortedError(detail::str_cat(
-                       m.who(), ": function '", t.function, "' (id ", id,
-                       ") was still out when the coordinator was destroyed"))));
+                   std::make_exception_ptr(AbortedError(
+                       detail::str_cat(m.who(), ": function '", t.function, "' (id ", id,
+                                       ") was still out when the coordinator was destroyed"))));
         }
       }
     }
@@ -114,7 +112,8 @@ void ClusterCoordinator::declare_update_rule(const Optimizer& optimizer) {
   }
   if (fresh.empty()) return;
   m.s.post_rules(fresh, config, false, "the coordinator's declaration of the update rule");
-  for (const auto* vi : fresh) const_cast<ParameterServerAccess::Impl::VarInfo*>(vi)->rule_declared = true;
+  for (const auto* vi : fresh)
+    const_cast<ParameterServerAccess::Impl::VarInfo*>(vi)->rule_declared = true;
   if (m.s.declared_config.name.empty()) m.s.declared_config = config;
 }
 
@@ -123,8 +122,8 @@ RemoteValue ClusterCoordinator::schedule(const std::string& function, Bytes args
   m.require_coordinator("schedule");
   m.functions.at(function);  // registered?
   DISTSTRAT_CHECK(static_cast<int64_t>(args.size() + function.size()) <= ps::kMaxBodyBytes,
-                  kInvalidArgument, "ClusterCoordinator::schedule('", function, "'): ",
-                  args.size(), " bytes of arguments exceed ", ps::kMaxBodyBytes);
+                  kInvalidArgument, "ClusterCoordinator::schedule('", function, "'): ", args.size(),
+                  " bytes of arguments exceed ", ps::kMaxBodyBytes);
   std::unique_lock<std::mutex> lock(m.mu);
   m.raise_pending(lock);
   const int64_t id = m.next_id++;
@@ -189,6 +188,44 @@ void ClusterCoordinator::serve() {
   auto& t = *m.s.transport;
   const int from = m.coordinator_rank;
   std::deque<Impl::Outgoing> out;  // results in flight
+  // Fencing: the coordinator says on the fence tag which attempt it lost;
+  // run() asks before posting a step's pushes (Impl::before_push), so a
+  // function that resumes after its attempt was lost pushes no more.
+  struct Fence {
+    ps::Header h;
+    Request r;
+    int64_t running = -1;  // the attempt being run (-1: none)
+    std::string function;
+    bool fenced = false;
+  } fence;
+  {
+    std::lock_guard<std::mutex> lock(m.s.mu);
+    fence.r = t.recv(from, &fence.h, sizeof(ps::Header), ps::kCoordFenceTag);
+  }
+  m.s.before_push = [&] {
+    {
+      std::lock_guard<std::mutex> lock(m.s.mu);
+      while (fence.r.test()) {
+        if (fence.h.kind == ps::kFence && fence.h.attempt == fence.running) fence.fenced = true;
+        fence.r = t.recv(from, &fence.h, sizeof(ps::Header), ps::kCoordFenceTag);
+      }
+    }
+    if (fence.fenced) {
+      m.s.log().log(LogLevel::kWarning,
+                    detail::str_cat("worker ", m.s.index, " (rank ", m.s.rank, "): function '",
+                                    fence.function, "' (attempt ", fence.running,
+                                    ") was fenced by the coordinator; its push is not posted"));
+      throw AbortedError(detail::str_cat(
+          "worker ", m.s.index, " (rank ", m.s.rank, "): function '", fence.function, "' (attempt ",
+          fence.running,
+          ") was fenced: the coordinator lost it after function_timeout and runs it elsewhere; "
+          "its pushes are not posted"));
+    }
+  };
+  struct Unhook {
+    ParameterServerAccess::Impl& s;
+    ~Unhook() { s.before_push = nullptr; }
+  } unhook{m.s};
   for (;;) {
     ps::Header h;
     Request r;
@@ -196,11 +233,11 @@ void ClusterCoordinator::serve() {
       std::lock_guard<std::mutex> lock(m.s.mu);
       r = t.recv(from, &h, sizeof(ps::Header), ps::kCoordHeaderTag);
     }
-    ps::wait_locked(m.s.mu, r, Clock::now() + m.timeout,
-                detail::str_cat("ClusterCoordinator::serve on worker ", m.s.index, " (rank ",
-                                m.s.rank, "): the coordinator (rank ", from,
-                                ") sent nothing for ", ps::seconds(m.timeout),
-                                ": it failed, or is stopped or unreachable"));
+    ps::wait_locked(
+        m.s.mu, r, Clock::now() + m.timeout,
+        detail::str_cat("ClusterCoordinator::serve on worker ", m.s.index, " (rank ", m.s.rank,
+                        "): the coordinator (rank ", from, ") sent nothing for ",
+                        ps::seconds(m.timeout), ": it failed, or is stopped or unreachable"));
     ps::check_header(h, m.s.rank, from, ps::kRun);
     Bytes body(static_cast<size_t>(h.body_bytes));
     if (!body.empty()) {
@@ -208,10 +245,10 @@ void ClusterCoordinator::serve() {
         std::lock_guard<std::mutex> lock(m.s.mu);
         r = t.recv(from, body.data(), body.size(), ps::kCoordBodyTag);
       }
-      ps::wait_locked(m.s.mu, r, Clock::now() + m.timeout,
-                  detail::str_cat("ClusterCoordinator::serve on worker ", m.s.index,
-                                  ": the body of a ", ps::kind_name(h.kind), " message from rank ",
-                                  from, " did not come"));
+      ps::wait_locked(
+          m.s.mu, r, Clock::now() + m.timeout,
+          detail::str_cat("ClusterCoordinator::serve on worker ", m.s.index, ": the body of a ",
+                          ps::kind_name(h.kind), " message from rank ", from, " did not come"));
     }
     {  // Results sent earlier that have left.
       std::lock_guard<std::mutex> lock(m.s.mu);
@@ -231,6 +268,9 @@ void ClusterCoordinator::serve() {
     reply.id = h.id;
     reply.attempt = h.attempt;
     Bytes result;
+    fence.running = h.attempt;
+    fence.function = name;
+    fence.fenced = false;
     try {
       result = m.functions.at(name)(m.strategy, args);
     } catch (const Error& e) {

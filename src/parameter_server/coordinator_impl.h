@@ -8,6 +8,9 @@
 //   coordinator -> worker: kRun   (id, attempt; body = function name + args)
 //                          kPing  (keeps an idle worker's wait alive)
 //                          kStop  (leave serve())
+//                          kFence (on the fence tag, no body: attempt `attempt`
+//                          was lost; the worker's run() posts no more pushes
+//                          for it)
 //   worker -> coordinator: kResult (id, attempt, status = 0 or an ErrorCode
 //                          + 1; body = the result bytes or the error text)
 // Every transport call is made under the strategy's mutex (Impl::mu), which
@@ -46,10 +49,11 @@ namespace ps {
 
 constexpr int kCoordHeaderTag = 0x5043000;
 constexpr int kCoordBodyTag = 0x5043001;
+constexpr int kCoordFenceTag = 0x5043002;
 constexpr uint64_t kCoordMagic = 0x31444F4F43534444ull;  // "DDSCOOD1"
 constexpr int64_t kMaxBodyBytes = int64_t{1} << 30;
 
-enum Kind : uint32_t { kRun = 1, kPing = 2, kStop = 3, kResult = 4 };
+enum Kind : uint32_t { kRun = 1, kPing = 2, kStop = 3, kResult = 4, kFence = 5 };
 
 struct Header {
   uint64_t magic = kCoordMagic;
@@ -64,17 +68,23 @@ struct Header {
 
 inline const char* kind_name(uint32_t k) {
   switch (k) {
-    case kRun: return "run";
-    case kPing: return "ping";
-    case kStop: return "stop";
-    case kResult: return "result";
+    case kRun:
+      return "run";
+    case kPing:
+      return "ping";
+    case kStop:
+      return "stop";
+    case kResult:
+      return "result";
+    case kFence:
+      return "fence";
   }
   return "unknown";
 }
 
 inline void check_header(const Header& h, int rank, int from, uint32_t expected_kind) {
-  const bool kind_ok = expected_kind == kResult ? h.kind == kResult
-                                                : (h.kind >= kRun && h.kind <= kStop);
+  const bool kind_ok =
+      expected_kind == kResult ? h.kind == kResult : (h.kind >= kRun && h.kind <= kStop);
   DISTSTRAT_CHECK(h.magic == kCoordMagic && kind_ok && h.name_bytes >= 0 &&
                       h.name_bytes <= static_cast<int64_t>(kMaxFunctionName) &&
                       h.body_bytes >= h.name_bytes && h.body_bytes <= kMaxBodyBytes,
@@ -93,7 +103,8 @@ inline std::string seconds(Ms d) {
 
 // Waits for `r` until `deadline`, testing under `mu` and sleeping between
 // tests (so that the progress thread and the strategy keep the transport).
-inline void wait_locked(std::mutex& mu, Request& r, Clock::time_point deadline, const std::string& what) {
+inline void wait_locked(std::mutex& mu, Request& r, Clock::time_point deadline,
+                        const std::string& what) {
   for (int spins = 0;; ++spins) {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -137,7 +148,7 @@ struct ClusterCoordinator::Impl {
     int attempts = 0;
     int64_t attempt = -1;  // the current attempt (-1: queued)
     bool finished = false;
-    std::string lost_on;   // workers that lost it, for the error
+    std::string lost_on;  // workers that lost it, for the error
   };
   enum class Slot { kIdle, kBusy, kFenced, kDead };
   struct Outgoing {
@@ -149,6 +160,7 @@ struct ClusterCoordinator::Impl {
     int index = 0, rank = -1;
     Slot slot = Slot::kIdle;
     int64_t task = -1, attempt = -1;
+    int64_t fenced_attempt = -1;  // the attempt it lost last
     Clock::time_point due, last_sent;
     ps::Header in;
     Request in_request;  // the posted recv of the next header
@@ -181,7 +193,8 @@ struct ClusterCoordinator::Impl {
     h.body_bytes = static_cast<int64_t>(body.size());
     o.header = std::make_shared<ps::Header>(h);
     o.body = std::make_shared<Bytes>(std::move(body));
-    o.requests.push_back(s.transport->send(w.rank, o.header.get(), sizeof(ps::Header), ps::kCoordHeaderTag));
+    o.requests.push_back(
+        s.transport->send(w.rank, o.header.get(), sizeof(ps::Header), ps::kCoordHeaderTag));
     if (!o.body->empty()) {
       o.requests.push_back(
           s.transport->send(w.rank, o.body->data(), o.body->size(), ps::kCoordBodyTag));
@@ -225,16 +238,16 @@ struct ClusterCoordinator::Impl {
                                  w.rank, "): ", why);
     if (t.attempts >= options.max_attempts) {
       finish(t, it->first, {},
-             std::make_exception_ptr(UnavailableError(detail::str_cat(
-                 who(), ": function '", t.function, "' (id ", it->first, ") was lost ",
-                 t.attempts, " times: ", t.lost_on))));
+             std::make_exception_ptr(UnavailableError(
+                 detail::str_cat(who(), ": function '", t.function, "' (id ", it->first,
+                                 ") was lost ", t.attempts, " times: ", t.lost_on))));
       return;
     }
     queue.push_front(it->first);
-    s.log().log(LogLevel::kWarning,
-                detail::str_cat(who(), ": function '", t.function, "' (id ", it->first,
-                                ") lost on worker ", w.index, " (rank ", w.rank, "): ", why,
-                                "; it runs again elsewhere"));
+    s.log().log(
+        LogLevel::kWarning,
+        detail::str_cat(who(), ": function '", t.function, "' (id ", it->first, ") lost on worker ",
+                        w.index, " (rank ", w.rank, "): ", why, "; it runs again elsewhere"));
   }
 
   void fail_all_queued(const std::string& why) {
@@ -254,8 +267,8 @@ struct ClusterCoordinator::Impl {
     if (w.slot == Slot::kBusy) lose(w, why);
     w.slot = Slot::kDead;
     w.in_request = Request();
-    s.log().log(LogLevel::kWarning, detail::str_cat(who(), ": worker ", w.index, " (rank ",
-                                                    w.rank, ") is gone: ", why));
+    s.log().log(LogLevel::kWarning, detail::str_cat(who(), ": worker ", w.index, " (rank ", w.rank,
+                                                    ") is gone: ", why));
   }
 
   // A result header arrived from `w`: receive its body and settle it.
@@ -269,16 +282,17 @@ struct ClusterCoordinator::Impl {
         std::lock_guard<std::mutex> lock(s.mu);
         r = s.transport->recv(w.rank, body.data(), body.size(), ps::kCoordBodyTag);
       }
-      ps::wait_locked(s.mu, r, Clock::now() + timeout,
-                  detail::str_cat(who(), ": the body of a result from worker ", w.index,
-                                  " (rank ", w.rank, ") did not come within ", ps::seconds(timeout)));
+      ps::wait_locked(
+          s.mu, r, Clock::now() + timeout,
+          detail::str_cat(who(), ": the body of a result from worker ", w.index, " (rank ", w.rank,
+                          ") did not come within ", ps::seconds(timeout)));
     }
     std::lock_guard<std::mutex> lock(mu);
     auto at = attempt_task.find(h.attempt);
     const bool known = at != attempt_task.end() && at->second == h.id;
     auto it = tasks.find(h.id);
-    const bool current = known && it != tasks.end() && !it->second.finished &&
-                         it->second.attempt == h.attempt;
+    const bool current =
+        known && it != tasks.end() && !it->second.finished && it->second.attempt == h.attempt;
     if (w.slot == Slot::kBusy && w.attempt == h.attempt) {
       w.slot = Slot::kIdle;
       w.task = w.attempt = -1;
@@ -288,7 +302,8 @@ struct ClusterCoordinator::Impl {
       s.log().log(LogLevel::kWarning,
                   detail::str_cat(who(), ": worker ", w.index, " (rank ", w.rank,
                                   ") answered after its attempt was lost; its result of function "
-                                  "id ", h.id, " (attempt ", h.attempt, ") is refused"));
+                                  "id ",
+                                  h.id, " (attempt ", h.attempt, ") is refused"));
     }
     if (!current) {
       ++stats.late_results_refused;
@@ -300,9 +315,9 @@ struct ClusterCoordinator::Impl {
           std::clamp<int64_t>(h.status - 1, 0, static_cast<int64_t>(ErrorCode::kInternal)));
       std::exception_ptr e;
       try {
-        throw_error(code, detail::str_cat("function '", it->second.function, "' (id ", h.id,
-                                          ") failed on worker ", w.index, " (rank ", w.rank,
-                                          "): ", text));
+        throw_error(
+            code, detail::str_cat("function '", it->second.function, "' (id ", h.id,
+                                  ") failed on worker ", w.index, " (rank ", w.rank, "): ", text));
       } catch (...) {
         e = std::current_exception();
       }
@@ -318,6 +333,7 @@ struct ClusterCoordinator::Impl {
   // One pass of the dispatcher. Returns whether anything happened.
   bool poll() {
     bool progress = false;
+    std::vector<Worker*> fence;  // workers whose attempt was just lost
     const auto now = Clock::now();
     for (Worker& w : workers) {
       if (w.slot == Slot::kDead) continue;
@@ -349,12 +365,31 @@ struct ClusterCoordinator::Impl {
       }
       std::lock_guard<std::mutex> lock(mu);
       if (w.slot == Slot::kBusy && now >= w.due) {
+        w.fenced_attempt = w.attempt;
         lose(w, detail::str_cat("no answer within function_timeout ", ps::seconds(function_timeout),
                                 " (stopped, hung or unreachable); it is fenced: its result "
                                 "will be refused"));
         w.slot = Slot::kFenced;
         cv.notify_all();
         progress = true;
+        fence.push_back(&w);
+      }
+    }
+    // A fenced worker is told (it reads it when it runs again, before its
+    // next push): its late pushes for the lost attempt are not posted.
+    for (Worker* w : fence) {
+      auto f = std::make_shared<ps::Header>();
+      f->kind = ps::kFence;
+      f->attempt = w->fenced_attempt;
+      try {
+        std::lock_guard<std::mutex> tl(s.mu);
+        Outgoing o;
+        o.header = f;
+        o.requests.push_back(
+            s.transport->send(w->rank, f.get(), sizeof(ps::Header), ps::kCoordFenceTag));
+        w->out.push_back(std::move(o));
+      } catch (const std::exception& e) {
+        mark_dead(*w, e.what());
       }
     }
     // Dispatch queued functions to idle workers; ping the other idle ones.
@@ -403,10 +438,8 @@ struct ClusterCoordinator::Impl {
       }
     }
     std::lock_guard<std::mutex> lock(mu);
-    if (!queue.empty() &&
-        std::all_of(workers.begin(), workers.end(), [](const Worker& w) {
-          return w.slot == Slot::kDead;
-        })) {
+    if (!queue.empty() && std::all_of(workers.begin(), workers.end(),
+                                      [](const Worker& w) { return w.slot == Slot::kDead; })) {
       fail_all_queued("every serving worker is gone");
       cv.notify_all();
     }

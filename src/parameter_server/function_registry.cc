@@ -8,7 +8,6 @@ namespace diststrat {
 
 // ---- registry ----------------------------------------------------------------
 
-
 void FunctionRegistry::register_function(const std::string& name, RemoteFunction fn) {
   DISTSTRAT_CHECK(!name.empty() && name.size() <= kMaxFunctionName, kInvalidArgument,
                   "FunctionRegistry::register_function: a name has 1..", kMaxFunctionName,
@@ -63,8 +62,8 @@ Bytes encode_tensors(const std::vector<Tensor>& tensors) {
   put(out, static_cast<uint64_t>(tensors.size()));
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    DISTSTRAT_CHECK(t.device().is_cpu(), kInvalidArgument, "encode_tensors: tensor ", i,
-                    " is on ", t.device().to_string(), "; copy it to the host first");
+    DISTSTRAT_CHECK(t.device().is_cpu(), kInvalidArgument, "encode_tensors: tensor ", i, " is on ",
+                    t.device().to_string(), "; copy it to the host first");
     put(out, static_cast<int32_t>(t.dtype()));
     put(out, static_cast<uint32_t>(t.shape().rank()));
     for (int64_t d : t.shape().dims()) put(out, d);
@@ -87,8 +86,7 @@ std::vector<Tensor> decode_tensors(const Bytes& bytes) {
     DISTSTRAT_CHECK(dtype >= 0 && dtype <= static_cast<int32_t>(DType::kInt64) + 8,
                     kInvalidArgument, "decode_tensors: tensor ", i, " has dtype code ", dtype);
     const uint32_t rank = take<uint32_t>(bytes, at, "a rank");
-    DISTSTRAT_CHECK(rank <= 32, kInvalidArgument, "decode_tensors: tensor ", i, " has rank ",
-                    rank);
+    DISTSTRAT_CHECK(rank <= 32, kInvalidArgument, "decode_tensors: tensor ", i, " has rank ", rank);
     std::vector<int64_t> dims;
     uint64_t elements = 1;
     for (uint32_t d = 0; d < rank; ++d) {
@@ -101,8 +99,8 @@ std::vector<Tensor> decode_tensors(const Bytes& bytes) {
                       " claims more elements than the ", bytes.size(), " bytes hold");
     }
     Tensor t(Shape(dims), static_cast<DType>(dtype));
-    DISTSTRAT_CHECK(bytes.size() - at >= t.nbytes(), kInvalidArgument, "decode_tensors: tensor ",
-                    i, " needs ", t.nbytes(), " bytes, ", bytes.size() - at, " are left");
+    DISTSTRAT_CHECK(bytes.size() - at >= t.nbytes(), kInvalidArgument, "decode_tensors: tensor ", i,
+                    " needs ", t.nbytes(), " bytes, ", bytes.size() - at, " are left");
     std::memcpy(t.data(), bytes.data() + at, t.nbytes());
     at += t.nbytes();
     out.push_back(std::move(t));

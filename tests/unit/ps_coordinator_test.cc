@@ -37,12 +37,12 @@ TEST(PsCoordinator, RegistryRefusesDuplicatesEmptyAndUnknownNames) {
   fns.register_function("step", [](ds::ParameterServerStrategy&, const ds::Bytes& a) { return a; });
   EXPECT_TRUE(fns.contains("step"));
   EXPECT_EQ(fns.names(), std::vector<std::string>{"step"});
-  EXPECT_THROW(fns.register_function("step", [](ds::ParameterServerStrategy&,
-                                                const ds::Bytes& a) { return a; }),
+  EXPECT_THROW(fns.register_function(
+                   "step", [](ds::ParameterServerStrategy&, const ds::Bytes& a) { return a; }),
                ds::InvalidArgumentError);
-  EXPECT_THROW(fns.register_function("", [](ds::ParameterServerStrategy&,
-                                            const ds::Bytes& a) { return a; }),
-               ds::InvalidArgumentError);
+  EXPECT_THROW(
+      fns.register_function("", [](ds::ParameterServerStrategy&, const ds::Bytes& a) { return a; }),
+      ds::InvalidArgumentError);
   EXPECT_THROW(fns.register_function("x", nullptr), ds::InvalidArgumentError);
   try {
     fns.at("nope");
@@ -87,17 +87,19 @@ namespace {
 // to w, returns 2 x its argument) and "throw" (throws when the argument is
 // negative). `stall_index` (a serving worker, or -1) sleeps `stall_ms` in
 // its first call, past the coordinator's function_timeout: a stopped worker
-// that comes back.
+// that comes back; after its push, or before it (`stall_before_push`).
 struct JobResult {
   std::vector<int64_t> results;
   ds::CoordinatorStats stats;
-  int64_t runs = 0;  // calls of "twice" on every worker (effects)
+  int64_t runs = 0;            // pushes of "twice" that returned, on every worker (effects)
+  int64_t pushes_applied = 0;  // by the PS
   float w_after = 0;
   std::string join_error;
 };
 
 JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
-                  milliseconds function_timeout, bool with_error = false) {
+                  milliseconds function_timeout, bool with_error = false,
+                  bool stall_before_push = false) {
   ds::ParameterServerOptions o;
   o.communication.timeout = std::chrono::seconds(20);
   ds::InProcessTransportGroup group(workers + 1);
@@ -116,6 +118,10 @@ JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
         bool stalled = false;
         ds::FunctionRegistry fns;
         fns.register_function("twice", [&](ds::ParameterServerStrategy& st, const ds::Bytes& a) {
+          if (r == stall_index && !stalled && stall_before_push) {
+            stalled = true;
+            std::this_thread::sleep_for(milliseconds(stall_ms));
+          }
           st.run([&](ds::ReplicaContext& ctx) {
             ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
             ds::init::Constant{1.0}(g);
@@ -146,7 +152,8 @@ JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
         EXPECT_THROW(coordinator.schedule("unknown"), ds::InvalidArgumentError);
         coordinator.declare_update_rule(sgd);
         std::vector<ds::RemoteValue> values;
-        for (int i = 0; i < functions; ++i) values.push_back(coordinator.schedule("twice", int_bytes(i)));
+        for (int i = 0; i < functions; ++i)
+          values.push_back(coordinator.schedule("twice", int_bytes(i)));
         if (with_error) {
           ds::RemoteValue bad = coordinator.schedule("throw", int_bytes(-1));
           try {
@@ -182,6 +189,7 @@ JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
     if (e) std::rethrow_exception(e);
   }
   out.runs = runs;
+  out.pushes_applied = ds::ps::local_service(*ps).stats().version;
   return out;
 }
 
@@ -218,6 +226,24 @@ TEST(PsCoordinator, AStalledWorkersFunctionRunsAgainAndItsLateResultIsRefused) {
   EXPECT_GE(r.runs, n + 1) << "the stalled attempt's push landed too (effects at least once)";
   ASSERT_FALSE(r.stats.lost_workers.empty());
   EXPECT_EQ(r.stats.lost_workers[0], 1);
+}
+
+// The same stall before the function's push: when the worker runs again the
+// coordinator has fenced its attempt, so run() posts no push for it; the
+// function's effects land exactly once (before fencing, the stalled
+// attempt's push landed too: pushes = n + 1).
+TEST(PsCoordinator, AFencedAttemptPostsNoPushWhenItsWorkerRunsAgain) {
+  const int n = 6;
+  const JobResult r = run_job(3, n, /*stall_index=*/1, /*stall_ms=*/2000, milliseconds(800),
+                              /*with_error=*/false, /*stall_before_push=*/true);
+  ASSERT_EQ(r.results.size(), static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) EXPECT_EQ(r.results[i], 2 * i);
+  EXPECT_EQ(r.stats.results_delivered, n);
+  EXPECT_GE(r.stats.reruns, 1);
+  EXPECT_GE(r.stats.late_results_refused, 1);
+  EXPECT_EQ(r.runs, n);
+  EXPECT_EQ(r.pushes_applied, n) << "the fenced attempt's push landed";
+  EXPECT_FLOAT_EQ(r.w_after, -0.5f * n);
 }
 
 TEST(PsCoordinator, AFunctionsErrorIsRaisedByJoinNamingFunctionAndWorker) {

@@ -31,7 +31,16 @@ pids=()
 cleanup() {
   [[ -n $job ]] && kill -9 "$job" 2>/dev/null
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
-  for f in "$dir"/*.pid; do [[ -f $f ]] && kill -CONT "$(cat "$f")" 2>/dev/null; done
+  # The job's own processes (the pids above are their `timeout` wrappers).
+  for f in "$dir"/*.pid; do
+    [[ -f $f ]] || continue
+    p=$(cat "$f")
+    # (Only while the pid is still this job's program: a pid may be reused.)
+    if [[ -r /proc/$p/cmdline ]] && tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | grep -q -- "--pid-dir $dir"; then
+      kill -CONT "$p" 2>/dev/null
+      kill -9 "$p" 2>/dev/null
+    fi
+  done
   wait 2>/dev/null
   rm -rf "$dir"
 }

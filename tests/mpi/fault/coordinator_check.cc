@@ -58,13 +58,20 @@ int main(int argc, char** argv) {
   std::string pid_dir;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--functions") functions = std::atoi(v.c_str());
-    else if (k == "--sleep-ms") sleep_ms = std::atoi(v.c_str());
-    else if (k == "--function-timeout-ms") function_timeout_ms = std::atoi(v.c_str());
-    else if (k == "--timeout-ms") timeout_ms = std::atoi(v.c_str());
-    else if (k == "--pid-dir") pid_dir = v;
-    else if (k == "--expect-late") expect_late = v == "1";
-    else if (k == "--survive") survive = v == "1";
+    if (k == "--functions")
+      functions = std::atoi(v.c_str());
+    else if (k == "--sleep-ms")
+      sleep_ms = std::atoi(v.c_str());
+    else if (k == "--function-timeout-ms")
+      function_timeout_ms = std::atoi(v.c_str());
+    else if (k == "--timeout-ms")
+      timeout_ms = std::atoi(v.c_str());
+    else if (k == "--pid-dir")
+      pid_dir = v;
+    else if (k == "--expect-late")
+      expect_late = v == "1";
+    else if (k == "--survive")
+      survive = v == "1";
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -93,8 +100,8 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       return 0;
     }
-    ds::Variable w = strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32,
-                                              ds::init::Zeros{});
+    ds::Variable w =
+        strategy.create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
     ds::SGD sgd(strategy, {0.01f});
     ds::FunctionRegistry fns;
     fns.register_function("step", [&](ds::ParameterServerStrategy& s, const ds::Bytes& args) {
@@ -119,7 +126,8 @@ int main(int argc, char** argv) {
     }
     coordinator.declare_update_rule(sgd);
     std::vector<ds::RemoteValue> values;
-    for (int i = 0; i < functions; ++i) values.push_back(coordinator.schedule("step", int_bytes(i)));
+    for (int i = 0; i < functions; ++i)
+      values.push_back(coordinator.schedule("step", int_bytes(i)));
     std::printf("%s: scheduled %d\n", who.c_str(), functions);
     std::fflush(stdout);
     coordinator.join();
@@ -128,7 +136,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < functions; ++i) {
       const int64_t r = bytes_int(values[i].fetch());
       if (r != 2 * i) bad += " value " + std::to_string(i) + " = " + std::to_string(r);
-      if (!ids.insert(values[i].id()).second) bad += " id " + std::to_string(values[i].id()) + " twice";
+      if (!ids.insert(values[i].id()).second)
+        bad += " id " + std::to_string(values[i].id()) + " twice";
     }
     const auto until = std::chrono::steady_clock::now() + milliseconds(timeout_ms);
     while (expect_late && coordinator.stats().late_results_refused == 0 &&
@@ -137,17 +146,19 @@ int main(int argc, char** argv) {
     }
     const ds::CoordinatorStats st = coordinator.stats();
     const ds::ParameterServerStats ps = strategy.stats();
-    if (st.results_delivered != functions) bad += " delivered " + std::to_string(st.results_delivered);
+    if (st.results_delivered != functions)
+      bad += " delivered " + std::to_string(st.results_delivered);
     if (st.attempts != functions + st.reruns) bad += " attempts " + std::to_string(st.attempts);
     // Every accepted attempt pushed once; lost ones may have pushed too.
     if (ps.pushes_applied < functions) bad += " pushes " + std::to_string(ps.pushes_applied);
     if (expect_late && st.late_results_refused == 0) bad += " no late result was refused";
-    std::printf("final: functions=%d delivered=%lld reruns=%lld late_refused=%lld attempts=%lld "
-                "pushes=%lld lost_workers=%zu %s%s\n",
-                functions, static_cast<long long>(st.results_delivered),
-                static_cast<long long>(st.reruns), static_cast<long long>(st.late_results_refused),
-                static_cast<long long>(st.attempts), static_cast<long long>(ps.pushes_applied),
-                st.lost_workers.size(), bad.empty() ? "OK" : "FAILED:", bad.c_str());
+    std::printf(
+        "final: functions=%d delivered=%lld reruns=%lld late_refused=%lld attempts=%lld "
+        "pushes=%lld lost_workers=%zu %s%s\n",
+        functions, static_cast<long long>(st.results_delivered), static_cast<long long>(st.reruns),
+        static_cast<long long>(st.late_results_refused), static_cast<long long>(st.attempts),
+        static_cast<long long>(ps.pushes_applied), st.lost_workers.size(),
+        bad.empty() ? "OK" : "FAILED:", bad.c_str());
     std::fflush(stdout);
     return bad.empty() ? 0 : 1;
   } catch (const std::exception& e) {
