@@ -3,6 +3,7 @@
 // serving workers and a PS) whose results must each arrive exactly once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -99,7 +100,7 @@ struct JobResult {
 
 JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
                   milliseconds function_timeout, bool with_error = false,
-                  bool stall_before_push = false) {
+                  bool stall_before_push = false, int max_attempts = 4) {
   ds::ParameterServerOptions o;
   o.communication.timeout = std::chrono::seconds(20);
   ds::InProcessTransportGroup group(workers + 1);
@@ -142,6 +143,7 @@ JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
         ds::CoordinatorOptions co;
         co.function_timeout = function_timeout;
         co.timeout = std::chrono::seconds(20);
+        co.max_attempts = max_attempts;
         ds::ClusterCoordinator coordinator(*s, fns, co);
         if (!coordinator.is_coordinator()) {
           EXPECT_THROW(coordinator.schedule("twice", int_bytes(1)), ds::FailedPreconditionError);
@@ -163,12 +165,23 @@ JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
           }
           EXPECT_TRUE(coordinator.done());  // the error was raised once, then forgotten
           EXPECT_THROW(bad.fetch(), ds::InvalidArgumentError);
+        } else if (max_attempts == 1) {
+          try {
+            coordinator.join();
+          } catch (const ds::Error& e) {
+            out.join_error = e.what();
+          }
         } else {
           coordinator.join();
         }
         EXPECT_TRUE(coordinator.done());
-        for (const ds::Bytes& b : ds::ClusterCoordinator::fetch(values)) {
-          out.results.push_back(bytes_int(b));
+        for (const ds::RemoteValue& v : values) {
+          try {
+            out.results.push_back(bytes_int(v.fetch()));
+          } catch (const ds::UnavailableError&) {
+            if (max_attempts != 1) throw;
+            out.results.push_back(-1);  // lost max_attempts times
+          }
         }
         // A stalled worker's late result comes after join: wait for it.
         const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -268,4 +281,55 @@ TEST(PsCoordinator, AJobWithoutAServingWorkerIsRefused) {
     EXPECT_THROW({ ds::ClusterCoordinator c(*ps, none); }, ds::FailedPreconditionError);
   }
   ps->join();
+}
+
+// A function lost max_attempts times fails with UnavailableError naming it
+// and the worker that lost it; the others' results arrive.
+TEST(PsCoordinator, AFunctionLostMaxAttemptsTimesFailsNamingItsWorkers) {
+  const int n = 4;
+  const JobResult r = run_job(3, n, /*stall_index=*/1, /*stall_ms=*/1500, milliseconds(500), false,
+                              false, /*max_attempts=*/1);
+  EXPECT_NE(r.join_error.find("[kUnavailable]"), std::string::npos) << r.join_error;
+  EXPECT_NE(r.join_error.find("function 'twice'"), std::string::npos) << r.join_error;
+  EXPECT_NE(r.join_error.find("was lost 1 times: worker 1 (rank 1): no answer within "
+                              "function_timeout"),
+            std::string::npos)
+      << r.join_error;
+  EXPECT_EQ(r.stats.failed, 1);
+  EXPECT_EQ(r.stats.reruns, 0);
+  EXPECT_EQ(r.stats.results_delivered, n - 1);
+  ASSERT_EQ(r.results.size(), static_cast<size_t>(n));
+  EXPECT_EQ(std::count(r.results.begin(), r.results.end(), -1), 1);
+}
+
+// The coordinator's failure ends the job: a serving worker that hears
+// nothing for `timeout` fails naming the coordinator's rank (here worker 0
+// never makes its coordinator, as if it had died).
+TEST(PsCoordinator, AServingWorkerWhoseCoordinatorIsSilentFailsNamingIt) {
+  ds::ParameterServerOptions o;
+  o.communication.timeout = std::chrono::seconds(10);
+  ds::InProcessTransportGroup group(3);
+  auto ps = ds::ps::make_strategy(group.at(2), o);
+  std::string error;
+  std::thread coordinator_rank([&] {
+    auto s = ds::ps::make_strategy(group.at(0), o);
+    std::this_thread::sleep_for(milliseconds(800));
+  });
+  {
+    auto s = ds::ps::make_strategy(group.at(1), o);
+    ds::FunctionRegistry fns;
+    ds::CoordinatorOptions co;
+    co.timeout = milliseconds(300);
+    ds::ClusterCoordinator c(*s, fns, co);
+    try {
+      c.serve();
+    } catch (const ds::DeadlineExceededError& e) {
+      error = e.what();
+    }
+  }
+  coordinator_rank.join();
+  ps->join();
+  EXPECT_NE(error.find("serve on worker 1 (rank 1): the coordinator (rank 0) sent nothing"),
+            std::string::npos)
+      << error;
 }
