@@ -457,7 +457,7 @@ struct ClusterCoordinator::Impl {
       {
         std::unique_lock<std::mutex> lock(mu);
         if (stopping && unfinished == 0) break;
-        if (!progress) cv.wait_for(lock, std::chrono::microseconds(500));
+        if (!progress) cv.wait_for(lock, std::chrono::milliseconds(1));  // results come by polling
       }
     }
     // Tell every live worker to leave serve(); wait briefly for the sends.

@@ -333,3 +333,63 @@ TEST(PsCoordinator, AServingWorkerWhoseCoordinatorIsSilentFailsNamingIt) {
             std::string::npos)
       << error;
 }
+
+// A PS that fails fails the functions that need it: join() raises the error
+// naming the PS and its reason (the job then ends, as any PS job does).
+TEST(PsCoordinator, APsFailureFailsTheFunctionsAndJoinNamesThePs) {
+  ds::ParameterServerOptions o;
+  o.communication.timeout = std::chrono::seconds(10);
+  ds::InProcessTransportGroup group(3);  // coordinator 0, worker 1, PS 2
+  auto ps = ds::ps::make_strategy(group.at(2), o);
+  std::string before, after;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto s = ds::ps::make_strategy(group.at(r), o);
+        ds::Variable w =
+            s->create_variable("w", ds::Shape{4}, ds::DType::kFloat32, ds::init::Zeros{});
+        ds::SGD sgd(*s, {0.5f});
+        ds::FunctionRegistry fns;
+        fns.register_function("push", [&](ds::ParameterServerStrategy& st, const ds::Bytes& a) {
+          st.run([&](ds::ReplicaContext& ctx) {
+            ds::Tensor g(ds::Shape{4}, ds::DType::kFloat32);
+            ds::init::Constant{1.0}(g);
+            sgd.apply_gradients(ctx, {{g, w}});
+          });
+          st.flush();
+          return a;
+        });
+        ds::CoordinatorOptions co;
+        co.timeout = std::chrono::seconds(10);
+        ds::ClusterCoordinator c(*s, fns, co);
+        if (!c.is_coordinator()) {
+          c.serve();
+          return;
+        }
+        c.declare_update_rule(sgd);
+        c.schedule("push", int_bytes(1));
+        c.join();
+        before = "joined";
+        ds::ps::local_service(*ps).fail("its disk is full");
+        c.schedule("push", int_bytes(2));
+        try {
+          c.join();
+        } catch (const ds::Error& e) {
+          after = e.what();
+        }
+      } catch (const ds::Error&) {
+        // The workers' ends after the PS failed may throw; the test reads `after`.
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  try {
+    ps->join();
+  } catch (const ds::Error&) {
+  }
+  EXPECT_EQ(before, "joined");
+  EXPECT_NE(after.find("function 'push'"), std::string::npos) << after;
+  EXPECT_NE(after.find("PS rank 2"), std::string::npos) << after;
+  EXPECT_NE(after.find("its disk is full"), std::string::npos) << after;
+}
