@@ -1,7 +1,9 @@
 // ParameterServerStrategy: asynchronous data-parallel training with the
 // variables sharded over parameter-server (PS) processes (TensorFlow's
 // tf.distribute.ParameterServerStrategy, in the TF1 "between-graph" style:
-// every worker runs the user's loop at its own pace).
+// every worker runs the user's loop at its own pace). For TensorFlow 2's
+// way, a chief that schedules functions onto the workers and re-runs those a
+// lost worker had, see ClusterCoordinator (diststrat/cluster_coordinator.h).
 //
 // Roles. The job's processes split into PS ranks and worker ranks: with a
 // TF_CONFIG (or explicit ClusterSpec) that has a "ps" job, its tasks are the
