@@ -5,6 +5,7 @@
 #include "diststrat/central_storage.h"
 #include "diststrat/checkpoint.h"
 #include "diststrat/checkpoint_manager.h"
+#include "diststrat/cluster_coordinator.h"
 #include "diststrat/collective.h"
 #include "diststrat/config.h"
 #include "diststrat/cpu_isa.h"

@@ -1,7 +1,9 @@
 // ParameterServerStrategy: asynchronous data-parallel training with the
 // variables sharded over parameter-server (PS) processes (TensorFlow's
 // tf.distribute.ParameterServerStrategy, in the TF1 "between-graph" style:
-// every worker runs the user's loop at its own pace).
+// every worker runs the user's loop at its own pace). For TensorFlow 2's
+// way, a chief that schedules functions onto the workers and re-runs those a
+// lost worker had, see ClusterCoordinator (diststrat/cluster_coordinator.h).
 //
 // Roles. The job's processes split into PS ranks and worker ranks: with a
 // TF_CONFIG (or explicit ClusterSpec) that has a "ps" job, its tasks are the
@@ -166,6 +168,13 @@ struct ParameterServerOptions {
   // The most bytes of broadcasts PS 0 holds at once; a larger broadcast is
   // rejected before anything is allocated. Default 256 MiB.
   int64_t max_broadcast_bytes = int64_t{256} << 20;
+  // A worker process that dies (SIGKILL, a lost host) does not end the job:
+  // over TCP (TF_CONFIG) its broken connection fails only the transfers
+  // that need it, the PS ranks take it for gone after worker_timeout, and a
+  // ClusterCoordinator runs its function elsewhere (cluster_coordinator.h).
+  // false (default): it ends the job at once, every rank naming it. Under
+  // mpirun the launcher ends the job when a process dies, whatever this says.
+  bool survive_worker_loss = false;
   LogLevel log_level = LogLevel::kWarning;
 };
 

@@ -13,7 +13,7 @@ void Core::peer_gone_locked(int p, const std::string& what) {
   peer.state = peer.goodbye ? PeerState::kLeft : PeerState::kFailed;
   peer.detail = what;
   peer.order = ++dead;
-  if (peer.state == PeerState::kFailed) break_locked();
+  if (peer.state == PeerState::kFailed && failure_breaks_group) break_locked();
 }
 
 // A complete message at the head of `peer.unexpected` meets the oldest
@@ -273,11 +273,15 @@ void TcpRequest::throw_locked(bool deadline_passed) {
     // The group's work needed a rank that is gone: it cannot finish.
     const std::string why = head + " failed: " + who +
                             " left the group (its transport was destroyed) before it completed";
+    if (!core_->failure_breaks_group) throw UnavailableError(why);
     core_->stop = Stop::kBroken;
     core_->stop_reason = core_->dead_peers_locked();
     throw UnavailableError(why);
   }
   if (peer.state == PeerState::kFailed) {
+    if (!core_->failure_breaks_group)
+      throw UnavailableError(head + " failed: the connection to " + who +
+                             " failed: " + peer.detail);
     throw UnavailableError(head + " failed: the group is broken: " + core_->dead_peers_locked());
   }
   (void)deadline_passed;

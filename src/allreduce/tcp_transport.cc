@@ -115,6 +115,7 @@ std::unique_ptr<Transport> make_tcp_transport(int rank, int size, AddressExchang
   core->rank = rank;
   core->size = size;
   core->group = options.group;
+  core->failure_breaks_group = options.peer_failure_breaks_group;
   core->peers.resize(size);
   const std::string who =
       "rank " + std::to_string(rank) + " (TCP transport, group '" + echo(options.group) + "')";

@@ -88,6 +88,14 @@ struct TcpTransportOptions {
   // Host name or IP address to bind and advertise. Empty: this host's name
   // (gethostname), which must resolve to an address of this host.
   std::string listen_host;
+  // What a connection that ends without a goodbye (its process died) does:
+  // true (default) breaks the whole transport, as the rules above say (a
+  // collective cannot go on without a rank). false: only the transfers with
+  // that peer fail (UnavailableError naming it and why its connection
+  // ended), as with a peer that left; the others go on. Parameter-server
+  // jobs that outlive a lost worker (ParameterServerOptions::
+  // survive_worker_loss) use false.
+  bool peer_failure_breaks_group = true;
 };
 
 // Rank `rank` of `size`: binds, publishes, connects the full mesh. Blocks;

@@ -144,6 +144,8 @@ struct Core {
   int dead = 0;
   uint64_t next_seq = 0;
   int pending = 0;  // requests posted and not finished
+  // TcpTransportOptions::peer_failure_breaks_group.
+  bool failure_breaks_group = true;
 
   ~Core() {
     for (Peer& p : peers) {

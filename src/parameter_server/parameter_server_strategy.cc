@@ -143,6 +143,15 @@ void ParameterServerStrategy::run_replicas(const std::function<void(ReplicaConte
     throw;
   }
   const auto t2 = Clock::now();
+  if (m.before_push) {
+    try {
+      m.before_push();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(m.staged_mu);
+      m.staged.clear();
+      throw;
+    }
+  }
   std::lock_guard<std::mutex> lock(m.mu);
   std::vector<Impl::StagedPush> staged;
   {

@@ -92,7 +92,8 @@ ParameterServerStrategy::ParameterServerStrategy(std::unique_ptr<Impl> impl) try
 namespace {
 // The job's transport (the MPI backend seam), or null for a one-process run.
 std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster,
-                                         std::chrono::milliseconds timeout) {
+                                         std::chrono::milliseconds timeout,
+                                         bool survive_worker_loss) {
   if (cluster.info.world_size <= 1) return nullptr;
 #if DISTSTRAT_HAVE_MPI
   if (mpi::launched_under_mpi()) {
@@ -103,7 +104,7 @@ std::unique_ptr<Transport> job_transport(const ResolvedCluster& cluster,
   // Without a launcher (TF_CONFIG, a ClusterSpec) the processes meet over
   // TCP at the chief's store (runtime/process_group.h); the service's
   // receive loop probes any source, which the TCP transport has.
-  return make_tcp_job_transport(cluster, timeout, "parameter_server");
+  return make_tcp_job_transport(cluster, timeout, "parameter_server", !survive_worker_loss);
 }
 
 ParameterServerOptions with_cluster(ParameterServerOptions o, const ResolvedCluster& cluster) {
@@ -140,7 +141,8 @@ std::unique_ptr<ParameterServerAccess::Impl> make_job_impl_checked(
   const ResolvedCluster cluster = resolve_cluster(options.cluster, options.communication.timeout);
   auto impl = std::make_unique<ParameterServerAccess::Impl>();
   impl->options = with_cluster(options, cluster);
-  impl->owned_transport = job_transport(cluster, options.communication.timeout);
+  impl->owned_transport =
+      job_transport(cluster, options.communication.timeout, options.survive_worker_loss);
 #if DISTSTRAT_HAVE_MPI
   if (impl->owned_transport && mpi::launched_under_mpi()) {
     mpi::bound_finalize(std::max(options.communication.timeout, options.worker_timeout));

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -118,6 +119,11 @@ struct ParameterServerStrategy::Impl {
   // may move bytes only while someone calls into it).
   std::thread progress;
   std::atomic<bool> in_step{false};  // the replicas are running a step (no heartbeats)
+  // Called by run() after the replicas, before their pushes are posted
+  // (without mu held); a throw drops the step's pushes. A ClusterCoordinator's
+  // serving worker sets it: a function whose attempt the coordinator fenced
+  // pushes nothing more (cluster_coordinator.cc).
+  std::function<void()> before_push;
   std::condition_variable progress_cv;
   bool progress_stop = false;
   // Where a worker's time went (logged at info level on shutdown).

@@ -74,9 +74,12 @@ ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& clust
 
 // The same mesh as a bare Transport, for the parameter server (whose service
 // receives with probe_any, which the TCP transport has). The chief's store
-// lives as long as the transport. Same errors.
+// lives as long as the transport. Same errors. `peer_failure_breaks_group`:
+// TcpTransportOptions' (false: a rank that dies fails only the transfers
+// that need it).
 std::unique_ptr<Transport> make_tcp_job_transport(const ResolvedCluster& cluster,
                                                   std::chrono::milliseconds timeout,
-                                                  const std::string& group);
+                                                  const std::string& group,
+                                                  bool peer_failure_breaks_group = true);
 
 }  // namespace diststrat

@@ -129,7 +129,7 @@ struct TcpJob {
 };
 
 TcpJob make_tcp_job(const ResolvedCluster& cluster, std::chrono::milliseconds timeout,
-                    const std::string& group) {
+                    const std::string& group, bool peer_failure_breaks_group = true) {
   const ClusterSpec& spec = cluster.spec;
   const int rank = cluster.placement.rank;
   const int size = cluster.placement.world_size;
@@ -157,6 +157,7 @@ TcpJob make_tcp_job(const ResolvedCluster& cluster, std::chrono::milliseconds ti
   TcpTransportOptions go;
   go.group = group;
   go.listen_host = mine.host;
+  go.peer_failure_breaks_group = peer_failure_breaks_group;
   try {
     if (rank == 0) client.publish(nonce_key, std::to_string(random_id()), deadline);
     job.transport = make_tcp_transport(rank, size, exchange, go, deadline);
@@ -221,8 +222,10 @@ ProcessCommunicators make_tcp_process_communicators(const ResolvedCluster& clust
 
 std::unique_ptr<Transport> make_tcp_job_transport(const ResolvedCluster& cluster,
                                                   std::chrono::milliseconds timeout,
-                                                  const std::string& group) {
-  return std::make_unique<TcpJobTransport>(make_tcp_job(cluster, timeout, group));
+                                                  const std::string& group,
+                                                  bool peer_failure_breaks_group) {
+  return std::make_unique<TcpJobTransport>(
+      make_tcp_job(cluster, timeout, group, peer_failure_breaks_group));
 }
 
 }  // namespace diststrat

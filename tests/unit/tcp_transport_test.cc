@@ -52,11 +52,14 @@ std::string next_group() {
 // Sets up n transports on n threads and runs fn(rank, transport) on each; a
 // rank destroys its transport when done. The first exception is re-raised;
 // a failing rank aborts its transport so that the others fail fast.
-void run_tcp(int n, const std::function<void(int, ds::Transport&)>& fn) {
+// peer_failure_breaks_group: TcpTransportOptions'.
+void run_tcp(int n, const std::function<void(int, ds::Transport&)>& fn,
+             bool peer_failure_breaks_group = true) {
   auto exchange = ds::make_in_memory_address_exchange();
   ds::TcpTransportOptions o;
   o.group = next_group();
   o.listen_host = "127.0.0.1";
+  o.peer_failure_breaks_group = peer_failure_breaks_group;
   std::vector<std::unique_ptr<ds::Transport>> ts(n);
   ds::testing::run_threads(
       n,
@@ -242,6 +245,41 @@ TEST(TcpTransport, APeerThatAbortsBreaksTheGroupOneThatLeavesIsNamed) {
         << m;
     EXPECT_NE(m.find("left the group"), std::string::npos) << m;
   });
+}
+
+// peer_failure_breaks_group = false (a parameter-server job that outlives a
+// dead worker): a peer whose connection ends without a goodbye fails only
+// the transfers with it, naming it; the others go on. Before the option,
+// rank 0's exchange with rank 2 failed too ("the group is broken").
+TEST(TcpTransport, WithoutBreakingTheGroupADeadPeerFailsOnlyItsOwnTransfers) {
+  Latch failed(2);
+  run_tcp(
+      3,
+      [&](int r, ds::Transport& t) {
+        if (r == 1) {
+          t.abort("rank 1 dies");  // its connections end without a goodbye
+          return;
+        }
+        int64_t x = 0;
+        const std::string m = message_of([&] { t.recv(1, &x, 8, 1).wait(Clock::now() + 20s); });
+        EXPECT_NE(m.find("[kUnavailable] rank " + std::to_string(r) +
+                         ": recv of 8 bytes from rank 1 (tag 1) failed: the connection to rank 1 "
+                         "(127.0.0.1:"),
+                  std::string::npos)
+            << m;
+        EXPECT_EQ(m.find("the group is broken"), std::string::npos) << m;
+        failed.arrive_and_wait();
+        // Ranks 0 and 2 still talk, both ways.
+        const int peer = 2 - r;
+        int64_t mine = 100 + r, theirs = 0;
+        ds::Request s = t.send(peer, &mine, 8, 2);
+        t.recv(peer, &theirs, 8, 2).wait(Clock::now() + 20s);
+        s.wait(Clock::now() + 20s);
+        EXPECT_EQ(theirs, 100 + peer);
+        ds::Envelope env;
+        EXPECT_FALSE(t.probe_any(&env));  // probing does not throw either
+      },
+      /*peer_failure_breaks_group=*/false);
 }
 
 // A recv dropped before its message came leaves the message for a later recv.

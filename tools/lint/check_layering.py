@@ -53,7 +53,7 @@ PUBLIC_HEADERS = {
     "io": "io", "data_position": "io",
     "mirrored": "mirrored", "multi_worker_mirrored": "multiworker",
     "elastic": "multiworker",
-    "central_storage": "central_storage", "parameter_server": "parameter_server",
+    "central_storage": "central_storage", "parameter_server": "parameter_server", "cluster_coordinator": "parameter_server",
     "torch": "torch",
     "diststrat": None,  # the umbrella: includes every public header
 }
