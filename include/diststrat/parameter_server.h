@@ -19,9 +19,12 @@
 //   // ... training loop written against Strategy& ...
 //   ```
 //
-// Without a multi-process launcher (or with one process) the PS ranks run as
-// threads of this process, so the same program works unchanged. A job of
-// several processes needs the MPI backend (launch with mpirun).
+// Without a multi-process launcher or a cluster spec (or with one process)
+// the PS ranks run as threads of this process, so the same program works
+// unchanged. A job of several processes is started by mpirun (or srun
+// --mpi=pmix), or by hand with TF_CONFIG (or a ClusterSpec) naming its
+// processes, which then meet over TCP at the chief's address
+// (docs/from_tensorflow.md).
 //
 // Worker side. Variables are placed round-robin over the PS ranks, or split
 // along axis 0 into shards by `partitioner` (TensorFlow's semantics: the first
