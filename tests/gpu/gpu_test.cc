@@ -1177,90 +1177,95 @@ std::vector<ds::Tensor> train_compiled(ds::MirroredOptions o, bool adam, bool ca
   std::vector<ds::Tensor> out;
   for (auto& v : vars) out.push_back(v.value());
   if (stats) *stats = compiled.stats();
-  // ==== Input on the device (issue 44 item 4) ====
-  // prefetch_to_device (copy streams, pinned buffers, stream waits) and
-  // on_device (the dataset on each GPU, gather_rows) train with the plain
-  // path's bits on two logical GPUs of GPU 0, over two epochs with a short
-  // last batch, shuffled.
-  namespace {
-  std::vector<ds::Tensor> train_with_input(const ds::DistributeOptions& input) {
-    ds::MirroredOptions o;
-    o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-    o.device_manager = two_logical_gpus();
-    ds::MirroredStrategy s(o);
-    ds::nn::Mlp mlp({784, 64, 10});
-    auto vars = mlp.create_variables(s, 3);
-    ds::SGD opt(s, ds::SGDOptions{0.05f, 0.9f});
-    ds::Tensor x = random_host({173, 784}, 5), y(ds::Shape{173}, ds::DType::kInt32);
-    for (int i = 0; i < 173; ++i) y.data<int32_t>()[i] = (i * 7) % 10;
-    auto dist = s.distribute(ds::Dataset(x, y), 32, input);
-    for (int e = 0; e < 2; ++e) {
-      dist.set_epoch(e);
-      for (const auto& batch : dist) {
-        s.run([&](ds::ReplicaContext& ctx) {
-          std::vector<ds::Tensor> p;
-          for (auto& v : vars) p.push_back(v.read(ctx));
-          auto st = mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx),
-                                         1.0f / batch.global_size());
-          std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
-          for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
-          opt.apply_gradients(ctx, gv);
-        });
-      }
-    }
-    s.synchronize();
-    std::vector<ds::Tensor> out;
-    for (auto& v : vars) out.push_back(v.value());
-    return out;
-  }
-  }  // namespace
+  return out;
+}
+}  // namespace
 
-  TEST(GpuStepCaptureOnGpu, ReplaysTrainLikeEagerStepsOnOneGpuAndTwoLogicalGpus) {
-    SKIP_WITHOUT_GPU();
-    for (bool adam : {false, true}) {
-      for (int replicas : {1, 2}) {
-        auto options = [&] {
-          ds::MirroredOptions o;
-          auto dm = manager();
-          if (replicas == 2) {
-            dm->set_visible_devices({0});
-            dm->set_logical_device_configuration(0, {{512u << 20}, {512u << 20}});
-            o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
-          } else {
-            o.devices = {ds::Device::gpu(0)};
-          }
-          o.device_manager = dm;
-          return o;
-        };
-        ds::CompiledStep::Stats st;
-        const auto want = train_compiled(options(), adam, false, nullptr);
-        const auto got = train_compiled(options(), adam, true, &st);
-        EXPECT_EQ(st.captures, 2) << "full and partial batch";
-        EXPECT_EQ(st.replays, 11);
-        EXPECT_EQ(st.graphs_per_step, replicas == 1 ? 1 : 2);
-        const std::string what =
-            std::string(adam ? "Adam" : "SGD") + ", " + std::to_string(replicas) + " replica(s)";
-        for (size_t i = 0; i < got.size(); ++i) expect_close(got[i], want[i], 1e-6, what.c_str());
-      }
+TEST(GpuStepCaptureOnGpu, ReplaysTrainLikeEagerStepsOnOneGpuAndTwoLogicalGpus) {
+  SKIP_WITHOUT_GPU();
+  for (bool adam : {false, true}) {
+    for (int replicas : {1, 2}) {
+      auto options = [&] {
+        ds::MirroredOptions o;
+        auto dm = manager();
+        if (replicas == 2) {
+          dm->set_visible_devices({0});
+          dm->set_logical_device_configuration(0, {{512u << 20}, {512u << 20}});
+          o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+        } else {
+          o.devices = {ds::Device::gpu(0)};
+        }
+        o.device_manager = dm;
+        return o;
+      };
+      ds::CompiledStep::Stats st;
+      const auto want = train_compiled(options(), adam, false, nullptr);
+      const auto got = train_compiled(options(), adam, true, &st);
+      EXPECT_EQ(st.captures, 2) << "full and partial batch";
+      EXPECT_EQ(st.replays, 11);
+      EXPECT_EQ(st.graphs_per_step, replicas == 1 ? 1 : 2);
+      const std::string what =
+          std::string(adam ? "Adam" : "SGD") + ", " + std::to_string(replicas) + " replica(s)";
+      for (size_t i = 0; i < got.size(); ++i) expect_close(got[i], want[i], 1e-6, what.c_str());
     }
   }
-  TEST(GpuStepInput, PrefetchAndOnDeviceTrainWithThePlainPathsBits) {
-    SKIP_WITHOUT_GPU();
-    ds::DistributeOptions plain;
-    plain.seed = 7;
-    const std::vector<ds::Tensor> want = train_with_input(plain);
-    ds::DistributeOptions prefetch = plain, on_device = plain;
-    prefetch.prefetch_to_device = 2;
-    on_device.on_device = true;
-    for (const auto& [name, input] : {std::make_pair("prefetch_to_device 2", prefetch),
-                                      std::make_pair("on_device", on_device)}) {
-      const std::vector<ds::Tensor> got = train_with_input(input);
-      ASSERT_EQ(got.size(), want.size());
-      for (size_t i = 0; i < got.size(); ++i) {
-        ASSERT_EQ(got[i].nbytes(), want[i].nbytes()) << name;
-        EXPECT_EQ(std::memcmp(got[i].data(), want[i].data(), got[i].nbytes()), 0)
-            << name << ": variable " << i;
-      }
+}
+
+// ==== Input on the device (issue 44 item 4) ====
+// prefetch_to_device (copy streams, pinned buffers, stream waits) and
+// on_device (the dataset on each GPU, gather_rows) train with the plain
+// path's bits on two logical GPUs of GPU 0, over two epochs with a short
+// last batch, shuffled.
+namespace {
+std::vector<ds::Tensor> train_with_input(const ds::DistributeOptions& input) {
+  ds::MirroredOptions o;
+  o.devices = {ds::Device::gpu(0), ds::Device::gpu(1)};
+  o.device_manager = two_logical_gpus();
+  ds::MirroredStrategy s(o);
+  ds::nn::Mlp mlp({784, 64, 10});
+  auto vars = mlp.create_variables(s, 3);
+  ds::SGD opt(s, ds::SGDOptions{0.05f, 0.9f});
+  ds::Tensor x = random_host({173, 784}, 5), y(ds::Shape{173}, ds::DType::kInt32);
+  for (int i = 0; i < 173; ++i) y.data<int32_t>()[i] = (i * 7) % 10;
+  auto dist = s.distribute(ds::Dataset(x, y), 32, input);
+  for (int e = 0; e < 2; ++e) {
+    dist.set_epoch(e);
+    for (const auto& batch : dist) {
+      s.run([&](ds::ReplicaContext& ctx) {
+        std::vector<ds::Tensor> p;
+        for (auto& v : vars) p.push_back(v.read(ctx));
+        auto st = mlp.forward_backward(p, batch.features(ctx), batch.labels(ctx),
+                                       1.0f / batch.global_size());
+        std::vector<std::pair<ds::Tensor, ds::Variable>> gv;
+        for (size_t k = 0; k < vars.size(); ++k) gv.emplace_back(st.grads[k], vars[k]);
+        opt.apply_gradients(ctx, gv);
+      });
     }
   }
-  // ==== end of the input-on-the-device tests ====
+  s.synchronize();
+  std::vector<ds::Tensor> out;
+  for (auto& v : vars) out.push_back(v.value());
+  return out;
+}
+}  // namespace
+
+TEST(GpuStepInput, PrefetchAndOnDeviceTrainWithThePlainPathsBits) {
+  SKIP_WITHOUT_GPU();
+  ds::DistributeOptions plain;
+  plain.seed = 7;
+  const std::vector<ds::Tensor> want = train_with_input(plain);
+  ds::DistributeOptions prefetch = plain, on_device = plain;
+  prefetch.prefetch_to_device = 2;
+  on_device.on_device = true;
+  for (const auto& [name, input] :
+       {std::make_pair("prefetch_to_device 2", prefetch), std::make_pair("on_device", on_device)}) {
+    const std::vector<ds::Tensor> got = train_with_input(input);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i].nbytes(), want[i].nbytes()) << name;
+      EXPECT_EQ(std::memcmp(got[i].data(), want[i].data(), got[i].nbytes()), 0)
+          << name << ": variable " << i;
+    }
+  }
+}
+// ==== end of the input-on-the-device tests ====
