@@ -511,15 +511,17 @@ void launch_update(const UpdateRule& rule, float* var, const float* grad, float*
   throw UnimplementedError("GPU update: the optimizer has no device rule");
 }
 
-void launch_update_list(const UpdateRule& rule, float* const* vars, const float* const* grads,
-                        float* const* slots, const size_t* counts, int n, int64_t step,
-                        void* stream) {
+namespace {
+// The list in chunks of kUpdateChunk tensors, each one launch of
+// `launch(chunk, grid)` (a chunk whose tensors are all empty launches nothing).
+template <typename Launch>
+void for_each_update_chunk(const UpdateRule& rule, float* const* vars, const float* const* grads,
+                           float* const* slots, const size_t* counts, int n, Launch launch) {
   if (rule.kind == UpdateRule::Kind::kNone) {
     throw UnimplementedError("GPU update: the optimizer has no device rule");
   }
   const bool adam = rule.kind == UpdateRule::Kind::kAdam;
   const bool momentum = !adam && rule.momentum != 0.0f;
-  const float alpha = adam ? adam_alpha(rule, step) : 0.0f;
   for (int base = 0; base < n; base += kUpdateChunk) {
     UpdateChunk c{};
     const int m = std::min(kUpdateChunk, n - base);
@@ -534,8 +536,18 @@ void launch_update_list(const UpdateRule& rule, float* const* vars, const float*
       most = std::max(most, counts[i]);
     }
     if (most == 0) continue;
-    const dim3 grid(static_cast<unsigned>(blocks_for(static_cast<int64_t>(most))),
-                    static_cast<unsigned>(m));
+    launch(c, dim3(static_cast<unsigned>(blocks_for(static_cast<int64_t>(most))),
+                   static_cast<unsigned>(m)));
+  }
+}
+}  // namespace
+
+void launch_update_list(const UpdateRule& rule, float* const* vars, const float* const* grads,
+                        float* const* slots, const size_t* counts, int n, int64_t step,
+                        void* stream) {
+  const bool adam = rule.kind == UpdateRule::Kind::kAdam;
+  const float alpha = adam ? adam_alpha(rule, step) : 0.0f;
+  for_each_update_chunk(rule, vars, grads, slots, counts, n, [&](const UpdateChunk& c, dim3 grid) {
     if (adam) {
       adam_list_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(c, rule.beta1, rule.beta2,
                                                                  rule.epsilon, alpha);
@@ -545,33 +557,15 @@ void launch_update_list(const UpdateRule& rule, float* const* vars, const float*
                                                                 rule.momentum, rule.nesterov);
       check_launch("sgd_list_kernel");
     }
-  }
+  });
 }
 
+// The same with the rate read from device memory (a captured step's update).
 void launch_update_list_at(const UpdateRule& rule, float* const* vars, const float* const* grads,
                            float* const* slots, const size_t* counts, int n, const float* rate,
                            void* stream) {
-  if (rule.kind == UpdateRule::Kind::kNone) {
-    throw UnimplementedError("GPU update: the optimizer has no device rule");
-  }
   const bool adam = rule.kind == UpdateRule::Kind::kAdam;
-  const bool momentum = !adam && rule.momentum != 0.0f;
-  for (int base = 0; base < n; base += kUpdateChunk) {
-    UpdateChunk c{};
-    const int m = std::min(kUpdateChunk, n - base);
-    size_t most = 0;
-    for (int k = 0; k < m; ++k) {
-      const int i = base + k;
-      c.var[k] = vars[i];
-      c.grad[k] = grads[i];
-      c.m[k] = adam || momentum ? slots[i] : nullptr;
-      c.v[k] = adam ? slots[n + i] : nullptr;
-      c.count[k] = counts[i];
-      most = std::max(most, counts[i]);
-    }
-    if (most == 0) continue;
-    const dim3 grid(static_cast<unsigned>(blocks_for(static_cast<int64_t>(most))),
-                    static_cast<unsigned>(m));
+  for_each_update_chunk(rule, vars, grads, slots, counts, n, [&](const UpdateChunk& c, dim3 grid) {
     if (adam) {
       adam_list_at_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(c, rule.beta1, rule.beta2,
                                                                     rule.epsilon, rate);
@@ -581,7 +575,7 @@ void launch_update_list_at(const UpdateRule& rule, float* const* vars, const flo
                                                                    rule.nesterov);
       check_launch("sgd_list_at_kernel");
     }
-  }
+  });
 }
 
 }  // namespace gpu

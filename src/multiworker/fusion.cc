@@ -88,15 +88,7 @@ FusionStats FusionEngine::stats() const {
 
 Work FusionEngine::all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
                                     std::vector<std::string> names) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    DISTSTRAT_CHECK(tensors[i].defined(), kInvalidArgument, "rank ", rank_,
-                    ": all_reduce of an undefined tensor ", name_at(names, i));
-  }
-  Part p;
-  p.op = op;
-  p.tensors = std::move(tensors);
-  p.names = std::move(names);
-  return enqueue(local, std::move(p), false, "all_reduce", false);
+  return device_all_reduce_async(local, op, std::move(tensors), std::move(names), nullptr);
 }
 
 Work FusionEngine::device_all_reduce_async(int local, ReduceOp op, std::vector<Tensor> tensors,
