@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -89,7 +90,7 @@ DirectoryIdentity read_manifest(const std::string& dir, uid_t uid) {
     if (!saved.empty()) {
       char* end = nullptr;
       at = std::strtod(saved.c_str(), &end);
-      at_ok = end && *end == '\0' && std::isfinite(at);
+      at_ok = end && *end == '\0' && std::isfinite(at) && at >= 0;
     }
     if (name.empty() || !is_hex8(crc) || line.find('/') != std::string::npos || !at_ok ||
         !(kept.empty() || kept == "kept") || !more.empty() ||
@@ -205,6 +206,31 @@ std::string manifest_problem(const std::string& dir, const std::string& name,
            ", the manifest lists " + it->second + "): another run's checkpoint, copied over it?";
   }
   return "";
+}
+
+std::optional<double> DirectoryIdentity::newest_kept_time() const {
+  std::optional<double> newest;
+  for (const std::string& k : kept) {
+    auto at = saved_at.find(k);
+    if (at != saved_at.end()) newest = std::max(newest.value_or(at->second), at->second);
+  }
+  return newest;
+}
+
+bool DirectoryIdentity::forget_missing(const std::string& dir) {
+  bool any = false;
+  for (auto it = listed.begin(); it != listed.end();) {
+    struct stat st {};
+    if (::lstat((dir + "/" + it->first).c_str(), &st) == 0) {
+      ++it;
+      continue;
+    }
+    saved_at.erase(it->first);
+    kept.erase(it->first);
+    it = listed.erase(it);
+    any = true;
+  }
+  return any;
 }
 
 }  // namespace ckpt

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -44,6 +45,12 @@ struct DirectoryIdentity {
   // ones kept for good (never pruned or counted).
   std::map<std::string, double> saved_at;
   std::set<std::string> kept;
+
+  // When the newest checkpoint kept for good was saved (none: nullopt).
+  std::optional<double> newest_kept_time() const;
+  // Drops the listed files that are no longer in `dir` (pruned, or gone);
+  // whether any was.
+  bool forget_missing(const std::string& dir);
 };
 
 // "user alice (uid 1000)".

@@ -324,8 +324,16 @@ std::optional<std::string> CheckpointManager::latest() const {
 }
 
 double CheckpointManager::now() const {
-  if (options_.clock) return options_.clock();
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  if (!options_.clock) {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+  // An injected clock's value goes into the manifest: checked first (a NaN
+  // there would make the manifest unreadable).
+  const double t = options_.clock();
+  DISTSTRAT_CHECK(std::isfinite(t) && t >= 0, kInvalidArgument, "CheckpointManager '", directory_,
+                  "': options.clock returned ", t, "; it must give finite seconds >= 0");
+  return t;
 }
 
 std::vector<std::string> CheckpointManager::checkpoints() const {
@@ -355,6 +363,9 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
       step - *last_step_ < options_.checkpoint_interval) {
     return "";
   }
+  // Read before anything is written: a bad injected clock fails the save
+  // with nothing left behind.
+  const double saved_at = options_.keep_checkpoint_every_n_hours > 0 ? now() : 0.0;
   const std::string name = "ckpt-" + std::to_string(step) + ".safetensors";
   const std::string path = directory_ + "/" + name;
   CheckpointMetadata md = metadata;
@@ -398,7 +409,7 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
     id.listed[name] = crc;
     id.has_manifest = true;
     const double hours = options_.keep_checkpoint_every_n_hours;
-    if (hours > 0) id.saved_at[name] = now();
+    if (hours > 0) id.saved_at[name] = saved_at;
     ckpt::write_manifest(directory_, id.listed, id.saved_at, id.kept);
     const std::string text = name + "\n";
     write_file_atomically(directory_ + "/" + kLatest, text.data(), text.size());
@@ -414,13 +425,7 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
     size_t managed = 0;
     for (const auto& o : sc.own) managed += id.kept.count(o.second) ? 0 : 1;
     // The last one kept for good (before any: when this manager started).
-    std::optional<double> newest_kept;
-    for (const std::string& k : id.kept) {
-      auto at = id.saved_at.find(k);
-      if (at != id.saved_at.end())
-        newest_kept = std::max(newest_kept.value_or(at->second), at->second);
-    }
-    double last_kept = newest_kept.value_or(constructed_at_);
+    double last_kept = id.newest_kept_time().value_or(constructed_at_);
     bool newly_kept = false;
     std::set<std::string> kept_shards;  // shard files a kept (sharded) checkpoint names
     for (size_t i = 0, m = 0; i < sc.own.size(); ++i) {
@@ -459,18 +464,7 @@ std::string CheckpointManager::save(int64_t step, const CheckpointMetadata& meta
       if (ckpt::is_own_shard_file(directory_ + "/" + n)) ::unlink((directory_ + "/" + n).c_str());
     }
     // Pruned (or vanished) checkpoints leave the manifest.
-    bool changed = newly_kept;
-    for (auto it = id.listed.begin(); it != id.listed.end();) {
-      struct stat st {};
-      if (::lstat((directory_ + "/" + it->first).c_str(), &st) != 0) {
-        id.saved_at.erase(it->first);
-        id.kept.erase(it->first);
-        it = id.listed.erase(it);
-        changed = true;
-      } else {
-        ++it;
-      }
-    }
+    const bool changed = id.forget_missing(directory_) || newly_kept;
     if (changed) ckpt::write_manifest(directory_, id.listed, id.saved_at, id.kept);
   });
   last_step_ = step;

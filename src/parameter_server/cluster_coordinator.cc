@@ -279,6 +279,11 @@ void ClusterCoordinator::serve() {
     } catch (const std::exception& e) {
       reply.status = static_cast<int64_t>(ErrorCode::kInternal) + 1;
       result.assign(e.what(), e.what() + std::strlen(e.what()));
+    } catch (...) {
+      // Any other thrown value fails the function, not the serving worker.
+      static const char kWhat[] = "it threw something that is not a std::exception";
+      reply.status = static_cast<int64_t>(ErrorCode::kInternal) + 1;
+      result.assign(kWhat, kWhat + sizeof kWhat - 1);
     }
     DISTSTRAT_CHECK(static_cast<int64_t>(result.size()) <= ps::kMaxBodyBytes, kInvalidArgument,
                     "function '", name, "' returned ", result.size(), " bytes, over ",

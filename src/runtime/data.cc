@@ -95,6 +95,13 @@ const Tensor& replica_slice(const std::vector<Tensor>& host, std::vector<Tensor>
                   ": a batch distributed ", sharded ? "with" : "without",
                   " determinism mode's virtual shards read from a replica ",
                   sharded ? "without" : "with", " them");
+  // A batch of another strategy's dataset would hand this replica a slice
+  // cut for another number of replicas (rows lost or counted twice).
+  const int local = ctx.strategy().num_local_replicas();
+  DISTSTRAT_CHECK(sharded || host.empty() || host.size() == static_cast<size_t>(local),
+                  kInvalidArgument, what, ": the batch holds slices for ", host.size(),
+                  " local replicas, but replica ", ctx.replica_id(), "'s strategy has ", local,
+                  " (a batch of another strategy's dataset?)");
   const size_t i = static_cast<size_t>(sharded ? ctx.virtual_shard() - first_local_shard
                                                : ctx.local_replica_id());
   if (device_batch) return device_batch->get(i, ctx, labels, what);

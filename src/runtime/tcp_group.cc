@@ -78,6 +78,7 @@ class SetUpExchange : public AddressExchange {
  public:
   SetUpExchange(TcpStoreClient& client, std::string failed_key)
       : client_(client), failed_key_(std::move(failed_key)) {}
+  std::string seen_key(int rank) const { return failed_key_ + "-seen/" + std::to_string(rank); }
 
   void publish(const std::string& key, const std::string& value,
                Clock::time_point deadline) override {
@@ -106,6 +107,32 @@ class SetUpExchange : public AddressExchange {
                       Clock::now() + std::chrono::milliseconds(500));
     } catch (const Error&) {
       // Another rank's reason is there already, or the store is gone.
+    }
+  }
+  // Best effort: this rank knows of the failure (the chief's store may go).
+  void acknowledge(int rank) {
+    try {
+      client_.publish(seen_key(rank), "1", Clock::now() + std::chrono::milliseconds(500));
+    } catch (const Error&) {
+    }
+  }
+  // The chief, whose store goes with it: until every other rank has learnt
+  // of the failure, or the set-up deadline (processes may start in any order
+  // within it, and one that comes after the store has gone could only wait
+  // out its own deadline, blaming the chief's address).
+  void linger_until_known(int size, Clock::time_point deadline) {
+    for (int r = 1; r < size && Clock::now() < deadline;) {
+      std::optional<std::string> seen;
+      try {
+        seen = client_.get(seen_key(r), Clock::now() + std::chrono::milliseconds(200));
+      } catch (const Error&) {
+        return;
+      }
+      if (seen) {
+        ++r;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
     }
   }
 
@@ -169,11 +196,10 @@ TcpJob make_tcp_job(const ResolvedCluster& cluster, std::chrono::milliseconds ti
       tasks += (r ? ", " : "") + std::to_string(r) + " = " + task_text(spec, r);
     }
     // (A deadline is every rank's own: each names the ranks it lacks.)
-    if (e.code() != ErrorCode::kAborted && e.code() != ErrorCode::kDeadlineExceeded) {
-      exchange.publish_failure(e.message());
-      // The chief's store goes with this process: kept a moment for the
-      // others to read why (they look every ~20 ms).
-      if (job.store) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    if (e.code() != ErrorCode::kDeadlineExceeded) {
+      exchange.publish_failure(e.message());  // (kept: the first reason published)
+      exchange.acknowledge(rank);
+      if (job.store) exchange.linger_until_known(size, deadline);
     }
     throw_error(e.code(), e.message() + " [ranks: " + tasks + "]");
   }

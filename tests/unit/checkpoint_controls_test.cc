@@ -7,6 +7,8 @@
 // mid-step saves and exits with the documented status, and the resumed run
 // ends bit-identical to an uninterrupted one.
 #include <gtest/gtest.h>
+
+#include <cmath>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -294,6 +296,37 @@ TEST(CheckpointManagerControls, CheckpointIntervalSkipsSavesTooSoonUnlessForced)
   bad.checkpoint_interval = -1;
   expect_error<ds::InvalidArgumentError>([&] { ds::CheckpointManager x(m.ckpt, dir.path(), bad); },
                                          {"checkpoint_interval -1"}, "negative interval");
+}
+
+// An injected clock's value is written into the manifest: one that is not a
+// finite time fails the save before anything is written (a NaN there made
+// the manifest unreadable, with the new checkpoint left unlisted).
+TEST(CheckpointManagerControls, AClockThatIsNotAFiniteTimeFailsTheSaveAndWritesNothing) {
+  TempDir dir(kPrefix);
+  PositionedModel m;
+  double now = 3600;
+  ds::CheckpointManagerOptions o;
+  o.max_to_keep = 1;
+  o.keep_checkpoint_every_n_hours = 1;
+  o.clock = [&] { return now; };
+  ds::CheckpointManager manager(m.ckpt, dir.path(), o);
+  manager.save(1);
+  for (double bad : {std::nan(""), -1.0, HUGE_VAL}) {
+    now = bad;
+    try {
+      manager.save(2);
+      ADD_FAILURE() << "saved with the clock at " << bad;
+    } catch (const ds::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("options.clock returned"), std::string::npos)
+          << e.what();
+    }
+    struct stat st;
+    EXPECT_NE(::stat(ckpt_path(dir.path(), 2).c_str(), &st), 0) << "written at clock " << bad;
+  }
+  now = 7200;
+  ds::CheckpointManager again(m.ckpt, dir.path(), o);  // the manifest still reads
+  EXPECT_EQ(again.checkpoints(), std::vector<std::string>{ckpt_path(dir.path(), 1)});
+  again.save(2);
 }
 
 TEST(CheckpointManagerControls, KeepsACheckpointEveryNHoursBeyondMaxToKeep) {

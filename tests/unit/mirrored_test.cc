@@ -136,6 +136,25 @@ TEST(Mirrored, BatchWithFewerRowsThanReplicasIsRejected) {
   EXPECT_THROW(strategy.distribute(synthetic(10, 1), 0), ds::InvalidArgumentError);
 }
 
+// A batch of another strategy's dataset (cut for 3 replicas) read by a
+// 2-replica strategy: an error naming both counts, not a third of the rows
+// silently left out (outside trial).
+TEST(Mirrored, ABatchOfAnotherStrategysDatasetIsRefused) {
+  ds::MirroredStrategy strategy(cpu_devices(2)), other(cpu_devices(3));
+  ds::DistributedDataset foreign = other.distribute(synthetic(12, 1), 6);
+  const ds::DistributedBatch b = foreign.batch(0);
+  try {
+    strategy.run([&](ds::ReplicaContext& ctx) { (void)b.features(ctx); });
+    ADD_FAILURE() << "a 3-replica batch was read by 2 replicas";
+  } catch (const ds::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("the batch holds slices for 3 local replicas, but "
+                                         "replica "),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("'s strategy has 2"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Mirrored, DistributeSplitsEveryRowOncePerEpochAndReshuffles) {
   ds::MirroredStrategy strategy(cpu_devices(3));
   const int64_t rows = 50;

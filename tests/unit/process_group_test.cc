@@ -15,6 +15,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "diststrat/config.h"
@@ -201,7 +202,8 @@ TEST(ProcessGroup, ARankWhoseTcpSetUpFailsStopsTheOthersAtOnceSayingWhy) {
     ds::ProcessGroupOptions o;
     o.communication.timeout = std::chrono::seconds(12);
     o.cluster.spec.jobs["worker"] = {"127.0.0.1:" + std::to_string(port),
-                                     "192.0.2.9:" + std::to_string(port + 1)};
+                                     "192.0.2.9:" + std::to_string(port + 1),
+                                     "127.0.0.1:" + std::to_string(port + 2)};
     o.cluster.spec.task_type = "worker";
     o.cluster.spec.task_index = rank;
     return o;
@@ -215,12 +217,26 @@ TEST(ProcessGroup, ARankWhoseTcpSetUpFailsStopsTheOthersAtOnceSayingWhy) {
     ::_exit(contains(e, "cannot listen on 192.0.2.9") ? 0 : 1);
   }
   ASSERT_GT(child, 0);
+  // Rank 2 comes a second late, when rank 1 has long failed: it still learns
+  // why at once (the chief keeps its store up until every rank knows).
+  const pid_t late = ::fork();
+  if (late == 0) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    const auto t = std::chrono::steady_clock::now();
+    const std::string e = error_of<ds::AbortedError>([&] { ds::ProcessGroup pg(options(2)); });
+    const bool quick = std::chrono::steady_clock::now() - t < std::chrono::seconds(6);
+    ::_exit(!contains(e, "cannot listen on 192.0.2.9") ? 1 : quick ? 0 : 2);
+  }
+  ASSERT_GT(late, 0);
   const auto t0 = std::chrono::steady_clock::now();
   const std::string e = error_of<ds::AbortedError>([&] { ds::ProcessGroup pg(options(0)); });
   const auto took = std::chrono::steady_clock::now() - t0;
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank 1: status " << status;
+  ASSERT_EQ(::waitpid(late, &status, 0), late);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "rank 2, started late: exit " << WEXITSTATUS(status) << " (1: not told why; 2: slow)";
   EXPECT_TRUE(contains(e, "[kAborted] rank 0 (TCP transport, group 'world"));
   EXPECT_TRUE(contains(e,
                        "failed: the job's set-up failed on another process: rank 1 (TCP "

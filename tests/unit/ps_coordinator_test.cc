@@ -137,6 +137,7 @@ JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
           return int_bytes(2 * bytes_int(a));
         });
         fns.register_function("throw", [&](ds::ParameterServerStrategy&, const ds::Bytes& a) {
+          if (bytes_int(a) == -2) throw 42;  // not a std::exception
           if (bytes_int(a) < 0) throw ds::InvalidArgumentError("negative argument");
           return a;
         });
@@ -158,6 +159,7 @@ JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
           values.push_back(coordinator.schedule("twice", int_bytes(i)));
         if (with_error) {
           ds::RemoteValue bad = coordinator.schedule("throw", int_bytes(-1));
+          ds::RemoteValue odd = coordinator.schedule("throw", int_bytes(-2));
           try {
             coordinator.join();
           } catch (const ds::Error& e) {
@@ -165,6 +167,15 @@ JobResult run_job(int workers, int functions, int stall_index, int stall_ms,
           }
           EXPECT_TRUE(coordinator.done());  // the error was raised once, then forgotten
           EXPECT_THROW(bad.fetch(), ds::InvalidArgumentError);
+          // Something that is not a std::exception fails its function, not the worker.
+          try {
+            odd.fetch();
+            ADD_FAILURE() << "a function that threw 42 delivered a result";
+          } catch (const ds::InternalError& e) {
+            EXPECT_NE(std::string(e.what()).find("threw something that is not a std::exception"),
+                      std::string::npos)
+                << e.what();
+          }
         } else if (max_attempts == 1) {
           try {
             coordinator.join();
@@ -264,7 +275,7 @@ TEST(PsCoordinator, AFunctionsErrorIsRaisedByJoinNamingFunctionAndWorker) {
   EXPECT_NE(r.join_error.find("function 'throw'"), std::string::npos) << r.join_error;
   EXPECT_NE(r.join_error.find("on worker 1 (rank 1)"), std::string::npos) << r.join_error;
   EXPECT_NE(r.join_error.find("negative argument"), std::string::npos) << r.join_error;
-  EXPECT_EQ(r.stats.failed, 1);
+  EXPECT_EQ(r.stats.failed, 2);
   EXPECT_EQ(r.stats.results_delivered, 3);
 }
 
