@@ -101,7 +101,7 @@ std::vector<Tensor> decode_tensors(const Bytes& bytes) {
     Tensor t(Shape(dims), static_cast<DType>(dtype));
     DISTSTRAT_CHECK(bytes.size() - at >= t.nbytes(), kInvalidArgument, "decode_tensors: tensor ", i,
                     " needs ", t.nbytes(), " bytes, ", bytes.size() - at, " are left");
-    std::memcpy(t.data(), bytes.data() + at, t.nbytes());
+    if (t.nbytes() > 0) std::memcpy(t.data(), bytes.data() + at, t.nbytes());  // (empty: null)
     at += t.nbytes();
     out.push_back(std::move(t));
   }
