@@ -98,6 +98,7 @@ DirectoryIdentity read_manifest(const std::string& dir, uid_t uid) {
                     (kept.empty() ? "" : " " + kept)) {
       throw damaged("line '" + echo(line, 80) + "'");
     }
+    if (id.listed.count(name)) throw damaged("'" + echo(name, 80) + "' listed twice");
     id.listed[name] = crc;
     if (!saved.empty()) id.saved_at[name] = at;
     if (!kept.empty()) id.kept.insert(name);

@@ -394,6 +394,10 @@ TEST(CheckpointManagerControls, ADamagedManifestTimeIsDataLoss) {
   std::ofstream(dir / "manifest") << header << "\n" << line << "x\n";
   expect_error<ds::DataLossError>([&] { ds::CheckpointManager x(m.ckpt, dir.path(), o); },
                                   {"manifest", "damaged"}, "bad time");
+  // A line listed twice (the manager never writes one) is damage too.
+  std::ofstream(dir / "manifest") << header << "\n" << line << "\n" << line << "\n";
+  expect_error<ds::DataLossError>([&] { ds::CheckpointManager x(m.ckpt, dir.path(), o); },
+                                  {"manifest", "listed twice"}, "a line twice");
 }
 
 TEST(CheckpointManagerControls, RestoreOrInitializeRestoresTheLatestOrRunsTheInitFunction) {
