@@ -1116,28 +1116,41 @@ class FakeGpuBackend : public ds::GpuBackend {
       ds::nn::dense_backward(host(x, {n, in}), host(w, {in, out}), DY, dx ? &DX : nullptr, DW, DB);
     });
   }
-  void apply_update_list(int ordinal, void* stream, const ds::UpdateRule& rule,
-                         float* const* vars_d, const float* const* grads_d, float* const* slots_d,
-                         const size_t* counts, int n, int64_t step) override {
+  // A list update's tensors as host pointers (slots of tensor i at
+  // slots[i * per ...]), counted in updates / adam_updates / update_lists.
+  struct HostUpdateList {
+    std::vector<float*> vars, slots;
+    std::vector<const float*> grads;
+    std::vector<size_t> sizes;
+    size_t per = 0;
+  };
+  HostUpdateList host_update_list(const ds::UpdateRule& rule, float* const* vars_d,
+                                  const float* const* grads_d, float* const* slots_d,
+                                  const size_t* counts, int n) {
     if (rule.kind == ds::UpdateRule::Kind::kNone) {
       throw ds::UnimplementedError("fake backend: the optimizer has no device rule");
     }
     updates += n;  // tensors updated on the device
     if (rule.kind == ds::UpdateRule::Kind::kAdam) adam_updates += n;
     ++update_lists;
+    HostUpdateList l;
     const int per = ds::update_slot_count(rule);
-    std::vector<float*> vars, slots;
-    std::vector<const float*> grads;
+    l.per = static_cast<size_t>(per);
     for (int i = 0; i < n; ++i) {
-      vars.push_back(h(vars_d[i]));
-      grads.push_back(h(grads_d[i]));
-      for (int s = 0; s < per; ++s) slots.push_back(h(slots_d[s * n + i]));
+      l.vars.push_back(h(vars_d[i]));
+      l.grads.push_back(h(grads_d[i]));
+      for (int s = 0; s < per; ++s) l.slots.push_back(h(slots_d[s * n + i]));
     }
-    std::vector<size_t> sizes(counts, counts + n);
+    l.sizes.assign(counts, counts + n);
+    return l;
+  }
+  void apply_update_list(int ordinal, void* stream, const ds::UpdateRule& rule,
+                         float* const* vars_d, const float* const* grads_d, float* const* slots_d,
+                         const size_t* counts, int n, int64_t step) override {
+    const HostUpdateList l = host_update_list(rule, vars_d, grads_d, slots_d, counts, n);
     launch(ordinal, stream, "update list", [=] {
-      for (size_t i = 0; i < vars.size(); ++i) {
-        update_elements(rule, vars[i], grads[i], slots.data() + i * static_cast<size_t>(per),
-                        sizes[i], step);
+      for (size_t i = 0; i < l.vars.size(); ++i) {
+        update_elements(rule, l.vars[i], l.grads[i], l.slots.data() + i * l.per, l.sizes[i], step);
       }
     });
   }
@@ -1228,26 +1241,12 @@ class FakeGpuBackend : public ds::GpuBackend {
                             float* const* vars_d, const float* const* grads_d,
                             float* const* slots_d, const size_t* counts, int n,
                             const float* rate_d) override {
-    if (rule.kind == ds::UpdateRule::Kind::kNone) {
-      throw ds::UnimplementedError("fake backend: the optimizer has no device rule");
-    }
-    updates += n;
-    if (rule.kind == ds::UpdateRule::Kind::kAdam) adam_updates += n;
-    ++update_lists;
-    const int per = ds::update_slot_count(rule);
-    std::vector<float*> vars, slots;
-    std::vector<const float*> grads;
-    for (int i = 0; i < n; ++i) {
-      vars.push_back(h(vars_d[i]));
-      grads.push_back(h(grads_d[i]));
-      for (int s = 0; s < per; ++s) slots.push_back(h(slots_d[s * n + i]));
-    }
-    std::vector<size_t> sizes(counts, counts + n);
+    const HostUpdateList l = host_update_list(rule, vars_d, grads_d, slots_d, counts, n);
     const float* rate = h(rate_d);
     launch(ordinal, stream, "update list", [=] {
-      for (size_t i = 0; i < vars.size(); ++i) {
-        update_elements_at(rule, vars[i], grads[i], slots.data() + i * static_cast<size_t>(per),
-                           sizes[i], *rate);
+      for (size_t i = 0; i < l.vars.size(); ++i) {
+        update_elements_at(rule, l.vars[i], l.grads[i], l.slots.data() + i * l.per, l.sizes[i],
+                           *rate);
       }
     });
   }
