@@ -85,20 +85,16 @@ class SetUpExchange : public AddressExchange {
     client_.publish(key, value, deadline);
   }
   std::string wait_for(const std::string& key, Clock::time_point deadline) override {
-    for (int look = 0;; ++look) {
-      // Past the deadline one short look still answers for a key that is there.
-      const Clock::time_point d = std::max(deadline, Clock::now() + std::chrono::milliseconds(200));
-      if (std::optional<std::string> v = client_.get(key, d)) return *v;
+    int look = 0;
+    return client_.wait_for(key, deadline, [&] {
       // The failure key every 4th look (~20 ms): one request per look otherwise.
-      if (look % 4 == 0) {
-        if (std::optional<std::string> why = client_.get(failed_key_, d)) {
-          // (The transport's set-up says which key it was waiting for.)
-          throw AbortedError("the job's set-up failed on another process: " + echo(*why, 2000));
-        }
+      if (look++ % 4 != 0) return;
+      const Clock::time_point d = std::max(deadline, Clock::now() + std::chrono::milliseconds(200));
+      if (std::optional<std::string> why = client_.get(failed_key_, d)) {
+        // (The transport's set-up says which key it was waiting for.)
+        throw AbortedError("the job's set-up failed on another process: " + echo(*why, 2000));
       }
-      if (Clock::now() >= deadline) return client_.wait_for(key, deadline);  // its error
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    });
   }
   // Best effort, bounded (~0.5 s): this rank's reason for the others.
   void publish_failure(const std::string& why) {

@@ -556,10 +556,16 @@ std::optional<std::string> TcpStoreClient::get(const std::string& key, Clock::ti
 }
 
 std::string TcpStoreClient::wait_for(const std::string& key, Clock::time_point deadline) {
+  return wait_for(key, deadline, nullptr);
+}
+
+std::string TcpStoreClient::wait_for(const std::string& key, Clock::time_point deadline,
+                                     const std::function<void()>& between_looks) {
   for (;;) {
     // Past the deadline one short look still answers for a key that is there.
     const Clock::time_point d = std::max(deadline, Clock::now() + std::chrono::milliseconds(200));
     if (std::optional<std::string> v = get(key, d)) return *v;
+    if (between_looks) between_looks();
     if (Clock::now() >= deadline) {
       throw DeadlineExceededError(who_ + ": '" + echo(key) + "' was not published in " + server_ +
                                   " before the deadline");

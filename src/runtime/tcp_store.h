@@ -39,6 +39,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -93,6 +94,10 @@ class TcpStoreClient : public AddressExchange {
   // The value of `key`, polled until `deadline` (DeadlineExceededError naming
   // the key). Asks once even when the deadline has passed.
   std::string wait_for(const std::string& key, Clock::time_point deadline) override;
+  // The same, calling `between_looks` after each look that did not find the
+  // key (it may throw to end the wait: e.g. when another key says to stop).
+  std::string wait_for(const std::string& key, Clock::time_point deadline,
+                       const std::function<void()>& between_looks);
   // One look: nullopt when the key is not there yet.
   std::optional<std::string> get(const std::string& key, Clock::time_point deadline);
 
